@@ -1,0 +1,169 @@
+//! The compute-device interface.
+//!
+//! A [`Backend`] owns device memory and runs the layer operations that models
+//! call. It is designed for devices whose memory is not host memory and whose
+//! work is queued asynchronously: tensors are handles, data crosses the
+//! host↔device boundary only through [`Backend::upload`], [`Backend::write`]
+//! and [`Backend::download`] (which waits for queued work), and an operation may
+//! return before its result exists.
+//!
+//! Conventions shared by every operation: activations are `f32` and row-major;
+//! a linear weight is `[out_features, in_features]` in any dtype the backend
+//! lists in [`BackendCapabilities::weight_dtypes`]; outputs are written to
+//! caller-provided tensors and must not overlap inputs unless an operation
+//! says it works in place.
+
+use crate::attention::AttentionBackend;
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::tensor::{HostTensor, Tensor};
+use std::sync::Arc;
+
+/// What a device is.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceInfo {
+    /// Registered backend name (`cpu`, `cuda`, ...).
+    pub backend: String,
+    /// Human-readable device name (CPU model, GPU name, adapter).
+    pub name: String,
+    /// Total device memory in bytes, when known.
+    pub total_memory: Option<u64>,
+    /// Free device memory in bytes, when known.
+    pub free_memory: Option<u64>,
+    /// Worker threads (CPU) or multiprocessors (GPU), when meaningful.
+    pub parallelism: Option<usize>,
+}
+
+/// What a backend can do, declared once.
+#[derive(Clone, Debug)]
+pub struct BackendCapabilities {
+    /// Weight dtypes `linear` and `embedding` accept.
+    pub weight_dtypes: Vec<DType>,
+    /// Dtypes the KV cache may use.
+    pub kv_dtypes: Vec<DType>,
+    /// True when operations are queued and run asynchronously to the host.
+    pub asynchronous: bool,
+    /// Attention implementations this device offers, the default first.
+    pub attention: Vec<&'static str>,
+}
+
+/// Layout of rotary embedding within a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Rotate the two halves of the rotary dimensions (HF `rotate_half`, GPT-NeoX).
+    Neox,
+    /// Rotate adjacent pairs `(2i, 2i+1)` (GPT-J, original Llama).
+    Interleaved,
+}
+
+/// Options a backend is created with.
+#[derive(Clone, Debug, Default)]
+pub struct BackendOptions {
+    /// Worker threads for CPU backends; 0 means one per physical core.
+    pub threads: usize,
+    /// Device index for multi-device backends.
+    pub device_index: usize,
+    /// Adapter name filter (wgpu).
+    pub adapter: Option<String>,
+}
+
+/// A compute device: memory and the operations models call.
+pub trait Backend: Send + Sync {
+    /// Describes the device.
+    fn info(&self) -> DeviceInfo;
+    /// The capabilities of this device.
+    fn capabilities(&self) -> &BackendCapabilities;
+
+    /// Allocates a zero-filled tensor.
+    fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor>;
+    /// Copies a host tensor to a new device tensor. The host data may be reused once this returns.
+    fn upload(&self, host: &HostTensor<'_>) -> Result<Tensor>;
+    /// Overwrites the whole view `dst` with `data` (exactly its byte length).
+    fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()>;
+    /// Waits for queued work, then copies the view `src` into `dst` (exactly its byte length).
+    fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()>;
+    /// Waits until all queued work has finished.
+    fn synchronize(&self) -> Result<()>;
+    /// Copies `src` into `dst` (same dtype and element count).
+    fn copy(&self, src: &Tensor, dst: &Tensor) -> Result<()>;
+
+    /// `out[i] = table[ids[i]]` as f32; `table` is `[vocab, dim]` in a weight dtype, `ids` u32.
+    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &Tensor) -> Result<()>;
+    /// `out = x · wᵀ (+ bias)`: `x` `[m, k]` f32, `w` `[n, k]`, `bias` `[n]` f32, `out` `[m, n]` f32.
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()>;
+    /// Row-wise RMSNorm: `out = x / rms(x) * w`. `out` may be `x` itself.
+    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()>;
+    /// `residual += x; out = rms_norm(residual) * w` in one pass.
+    fn add_rms_norm(
+        &self,
+        residual: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        eps: f32,
+        out: &Tensor,
+    ) -> Result<()>;
+    /// Rotary embedding in place on `x` `[tokens, heads * head_dim]`, one position per token.
+    /// `inv_freq` holds `rotary_dim / 2` f32 frequencies; dimensions past `rotary_dim` are untouched.
+    fn rope(
+        &self,
+        x: &Tensor,
+        positions: &Tensor,
+        inv_freq: &Tensor,
+        head_dim: usize,
+        style: RopeStyle,
+    ) -> Result<()>;
+    /// `out = silu(gate) * up`, elementwise.
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()>;
+    /// `dst += src`, elementwise.
+    fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
+    /// `out[i] = x[rows[i]]`: selects rows of an f32 `[m, d]` tensor; `rows` is u32.
+    fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()>;
+
+    /// Creates one of the attention implementations listed in the capabilities.
+    fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>>;
+}
+
+impl dyn Backend {
+    /// Uploads f32 values as a tensor of `shape`.
+    pub fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Result<Tensor> {
+        self.upload(&HostTensor::from_f32(shape, values))
+    }
+
+    /// Uploads u32 values as a tensor of `shape`.
+    pub fn upload_u32(&self, shape: &[usize], values: &[u32]) -> Result<Tensor> {
+        let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.upload(&HostTensor {
+            dtype: DType::U32,
+            shape: shape.to_vec(),
+            data: std::borrow::Cow::Owned(data),
+        })
+    }
+
+    /// Downloads an f32 tensor.
+    pub fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        if t.dtype() != DType::F32 {
+            return Err(CoreError::invalid(format!(
+                "download_f32 of a {} tensor",
+                t.dtype()
+            )));
+        }
+        let mut bytes = vec![0u8; t.byte_len()?];
+        self.download(t, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Attention implementation by name, or the device's default when `None`.
+    pub fn attention(&self, name: Option<&str>) -> Result<Arc<dyn AttentionBackend>> {
+        let caps = self.capabilities();
+        let name = match name {
+            Some(n) => n,
+            None => caps.attention.first().copied().ok_or_else(|| {
+                CoreError::unsupported(format!("{} offers no attention backend", self.info().name))
+            })?,
+        };
+        self.create_attention(name)
+    }
+}

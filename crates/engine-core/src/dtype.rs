@@ -1,0 +1,177 @@
+//! Element types of tensors, including GGUF's block-quantized formats.
+//!
+//! A quantized type stores `block_size` logical elements in `block_bytes`
+//! bytes; a row of a quantized tensor must hold a whole number of blocks.
+//! Byte sizes here are the ggml layouts, so GGUF tensor data is used as is.
+
+use crate::error::{CoreError, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The element type of a tensor.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I32,
+    U32,
+    U8,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q8_1,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_K,
+}
+
+impl DType {
+    /// Every dtype, in declaration order.
+    pub const ALL: [DType; 18] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::U32,
+        DType::U8,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q8_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::Q8_K,
+    ];
+
+    /// Logical elements per storage block (1 for plain types).
+    pub const fn block_size(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32 | DType::U8 => 1,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
+                32
+            }
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
+                256
+            }
+        }
+    }
+
+    /// Bytes per storage block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+            DType::Q4_0 => 18,
+            DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q8_0 => 34,
+            DType::Q8_1 => 36,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
+            DType::Q8_K => 292,
+        }
+    }
+
+    /// True for block-quantized types.
+    pub const fn is_quantized(self) -> bool {
+        self.block_size() > 1
+    }
+
+    /// True for floating-point types usable as activations or KV.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Bytes needed to store `n` elements; errors if `n` is not a whole number of blocks.
+    pub fn bytes_for(self, n: usize) -> Result<usize> {
+        let bs = self.block_size();
+        if n % bs != 0 {
+            return Err(CoreError::invalid(format!(
+                "{n} elements are not a whole number of {self} blocks of {bs}"
+            )));
+        }
+        Ok(n / bs * self.block_bytes())
+    }
+
+    /// The lowercase name used in configs and GGUF listings.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::U8 => "u8",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q8_0 => "q8_0",
+            DType::Q8_1 => "q8_1",
+            DType::Q2_K => "q2_k",
+            DType::Q3_K => "q3_k",
+            DType::Q4_K => "q4_k",
+            DType::Q5_K => "q5_k",
+            DType::Q6_K => "q6_k",
+            DType::Q8_K => "q8_k",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        let lower = s.to_ascii_lowercase();
+        let alias = match lower.as_str() {
+            "float32" | "float" => "f32",
+            "float16" | "half" => "f16",
+            "bfloat16" => "bf16",
+            other => other,
+        };
+        DType::ALL
+            .iter()
+            .copied()
+            .find(|d| d.name() == alias)
+            .ok_or_else(|| CoreError::invalid(format!("unknown dtype '{s}'")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_and_sizes() {
+        assert_eq!("bfloat16".parse::<DType>().unwrap(), DType::BF16);
+        assert_eq!("Q4_K".parse::<DType>().unwrap(), DType::Q4_K);
+        assert!("q9".parse::<DType>().is_err());
+        assert_eq!(DType::Q4_1.bytes_for(64).unwrap(), 40);
+        assert!(DType::Q4_1.bytes_for(33).is_err());
+        assert_eq!(DType::F16.bytes_for(3).unwrap(), 6);
+    }
+}

@@ -1,0 +1,316 @@
+//! The paged KV cache: device storage and host-side page accounting.
+//!
+//! [`KvCache`] holds, for every layer, one K and one V tensor of
+//! `num_pages * page_size` token slots (`[slots, kv_heads, head_dim]`). Token
+//! `t` of a sequence lives in slot `page_table[t / page_size] * page_size +
+//! t % page_size`.
+//!
+//! [`PagePool`] hands out page indices. A [`PageSet`] returns its pages to the
+//! pool when dropped, so a page is owned by exactly one `PageSet` at a time and
+//! can never leak or be freed twice. `used + free == total` always holds.
+
+use crate::backend::Backend;
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::tensor::Tensor;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Shape of a KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvSpec {
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages in the pool.
+    pub num_pages: usize,
+    /// Element type of stored K and V.
+    pub dtype: DType,
+}
+
+impl KvSpec {
+    /// Bytes of KV one token takes across all layers (K and V).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.block_bytes()
+            / self.dtype.block_size()
+    }
+    /// Token capacity of the pool.
+    pub fn capacity_tokens(&self) -> usize {
+        self.num_pages * self.page_size
+    }
+    /// Pages that fit in `bytes` of memory for this shape.
+    pub fn pages_for_bytes(&self, bytes: u64) -> usize {
+        let per_page = (self.bytes_per_token() * self.page_size) as u64;
+        if per_page == 0 {
+            0
+        } else {
+            (bytes / per_page) as usize
+        }
+    }
+}
+
+/// K and V storage of one layer.
+#[derive(Clone, Debug)]
+pub struct KvLayer {
+    /// `[slots, kv_heads, head_dim]`.
+    pub k: Tensor,
+    /// `[slots, kv_heads, head_dim]`.
+    pub v: Tensor,
+}
+
+/// The device storage of the paged KV cache.
+#[derive(Debug)]
+pub struct KvCache {
+    spec: KvSpec,
+    layers: Vec<KvLayer>,
+}
+
+impl KvCache {
+    /// Allocates K and V for every layer on `backend`.
+    pub fn allocate(backend: &dyn Backend, spec: KvSpec) -> Result<Self> {
+        if spec.page_size == 0 || spec.num_pages == 0 {
+            return Err(CoreError::Config(format!(
+                "KV cache needs page_size > 0 and num_pages > 0 (got {} and {})",
+                spec.page_size, spec.num_pages
+            )));
+        }
+        if !backend.capabilities().kv_dtypes.contains(&spec.dtype) {
+            return Err(CoreError::unsupported(format!(
+                "KV dtype {} on {}",
+                spec.dtype,
+                backend.info().backend
+            )));
+        }
+        let shape = [spec.capacity_tokens(), spec.num_kv_heads, spec.head_dim];
+        let mut layers = Vec::with_capacity(spec.num_layers);
+        for _ in 0..spec.num_layers {
+            layers.push(KvLayer {
+                k: backend.alloc(spec.dtype, &shape)?,
+                v: backend.alloc(spec.dtype, &shape)?,
+            });
+        }
+        Ok(Self { spec, layers })
+    }
+    /// The cache's shape.
+    pub fn spec(&self) -> &KvSpec {
+        &self.spec
+    }
+    /// Storage of layer `i`.
+    pub fn layer(&self, i: usize) -> Result<&KvLayer> {
+        self.layers
+            .get(i)
+            .ok_or_else(|| CoreError::invalid(format!("KV layer {i} out of range")))
+    }
+}
+
+struct PoolState {
+    free: Vec<u32>,
+    total: usize,
+}
+
+/// Hands out KV page indices. Cloning shares the same pool.
+#[derive(Clone)]
+pub struct PagePool {
+    state: Arc<Mutex<PoolState>>,
+    page_size: usize,
+}
+
+impl fmt::Debug for PagePool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "PagePool(free {}/{} pages of {})",
+            self.free_pages(),
+            self.total_pages(),
+            self.page_size
+        )
+    }
+}
+
+impl PagePool {
+    /// A pool of `num_pages` pages of `page_size` tokens.
+    pub fn new(num_pages: usize, page_size: usize) -> Self {
+        // Hand out low indices first: pop() takes from the end.
+        let free: Vec<u32> = (0..num_pages as u32).rev().collect();
+        Self {
+            state: Arc::new(Mutex::new(PoolState {
+                free,
+                total: num_pages,
+            })),
+            page_size,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, PoolState> {
+        // A poisoned pool only means another thread panicked mid-operation;
+        // every operation leaves the state consistent, so keep going.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.lock().total
+    }
+    /// Pages not owned by any [`PageSet`].
+    pub fn free_pages(&self) -> usize {
+        self.lock().free.len()
+    }
+    /// Pages owned by some [`PageSet`].
+    pub fn used_pages(&self) -> usize {
+        let s = self.lock();
+        s.total - s.free.len()
+    }
+    /// Pages needed for `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+
+    /// Takes `n` pages, or none and an error if fewer are free.
+    pub fn alloc(&self, n: usize) -> Result<PageSet> {
+        let mut s = self.lock();
+        if s.free.len() < n {
+            return Err(CoreError::OutOfMemory(format!(
+                "KV pool has {} free pages, {n} requested",
+                s.free.len()
+            )));
+        }
+        let at = s.free.len() - n;
+        let pages = s.free.split_off(at);
+        drop(s);
+        Ok(PageSet {
+            pages,
+            pool: Some(self.clone()),
+        })
+    }
+
+    /// An empty set bound to this pool.
+    pub fn empty_set(&self) -> PageSet {
+        PageSet {
+            pages: Vec::new(),
+            pool: Some(self.clone()),
+        }
+    }
+
+    fn release(&self, pages: &[u32]) {
+        if pages.is_empty() {
+            return;
+        }
+        let mut s = self.lock();
+        s.free.extend_from_slice(pages);
+        debug_assert!(s.free.len() <= s.total, "page freed twice");
+    }
+
+    fn same_pool(&self, other: &PagePool) -> bool {
+        Arc::ptr_eq(&self.state, &other.state)
+    }
+}
+
+/// Pages owned by one holder (a request, a radix node). Returned to the pool on drop.
+pub struct PageSet {
+    pages: Vec<u32>,
+    pool: Option<PagePool>,
+}
+
+impl fmt::Debug for PageSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PageSet{:?}", self.pages)
+    }
+}
+
+impl PageSet {
+    /// The page indices, in sequence order.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
+    }
+    /// Number of pages.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+    /// True if no pages are held.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+    /// Splits off pages `at..`, which the returned set owns.
+    pub fn split_off(&mut self, at: usize) -> PageSet {
+        let at = at.min(self.pages.len());
+        PageSet {
+            pages: self.pages.split_off(at),
+            pool: self.pool.clone(),
+        }
+    }
+    /// Moves all pages of `other` to the end of this set. Errors if the pools differ.
+    pub fn append(&mut self, mut other: PageSet) -> Result<()> {
+        match (&self.pool, &other.pool) {
+            (Some(a), Some(b)) if !a.same_pool(b) => {
+                return Err(CoreError::Internal(
+                    "appending pages of another pool".into(),
+                ));
+            }
+            (None, Some(_)) => self.pool = other.pool.clone(),
+            _ => {}
+        }
+        self.pages.append(&mut other.pages);
+        Ok(())
+    }
+    /// Returns all pages to the pool now.
+    pub fn release(mut self) {
+        self.free_now();
+    }
+    fn free_now(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.release(&self.pages);
+        }
+        self.pages.clear();
+    }
+}
+
+impl Drop for PageSet {
+    fn drop(&mut self) {
+        self.free_now();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_return_on_drop() {
+        let pool = PagePool::new(10, 4);
+        let mut a = pool.alloc(6).unwrap();
+        assert_eq!(pool.free_pages(), 4);
+        assert!(pool.alloc(5).is_err());
+        assert_eq!(pool.free_pages(), 4, "failed alloc takes nothing");
+        let tail = a.split_off(4);
+        assert_eq!(tail.len(), 2);
+        drop(tail);
+        assert_eq!(pool.free_pages(), 6);
+        let b = pool.alloc(1).unwrap();
+        a.append(b).unwrap();
+        assert_eq!(a.len(), 5);
+        drop(a);
+        assert_eq!(pool.free_pages(), 10);
+        assert_eq!(pool.pages_for(9), 3);
+    }
+
+    #[test]
+    fn append_refuses_other_pool() {
+        let p1 = PagePool::new(2, 1);
+        let p2 = PagePool::new(2, 1);
+        let mut a = p1.alloc(1).unwrap();
+        let b = p2.alloc(1).unwrap();
+        assert!(a.append(b).is_err());
+        drop(a);
+        assert_eq!(p1.free_pages(), 2);
+        assert_eq!(p2.free_pages(), 2);
+    }
+}

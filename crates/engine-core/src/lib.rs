@@ -1,0 +1,71 @@
+//! Arbor's minimal core.
+//!
+//! This crate owns the request and batch types, the paged KV pool, the
+//! registry, and the traits every feature plugs into: compute backends
+//! ([`Backend`]), attention ([`AttentionBackend`]), model architectures
+//! ([`ModelArchitecture`]), quantization methods ([`QuantMethod`]), samplers and
+//! logits processors ([`Sampler`], [`LogitsProcessor`]), and prefix caches with
+//! their eviction policies ([`PrefixCache`], [`EvictionPolicy`]). It depends on
+//! no feature crate.
+
+pub mod attention;
+pub mod backend;
+pub mod detok;
+pub mod dtype;
+pub mod error;
+pub mod kv;
+pub mod model;
+pub mod prefix_cache;
+pub mod quant;
+pub mod registry;
+pub mod sampling;
+pub mod tensor;
+
+pub use attention::{AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, SeqLayout};
+pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, RopeStyle};
+pub use detok::{IncrementalDetokenizer, TokenDecoder};
+pub use dtype::DType;
+pub use error::{CoreError, Result};
+pub use kv::{KvCache, KvLayer, KvSpec, PagePool, PageSet};
+pub use model::{
+    ForwardBatch, ForwardContext, LoadOptions, Model, ModelArchitecture, ModelSpec, WeightSource,
+};
+pub use prefix_cache::{
+    CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,
+    PrefixCacheOptions, PrefixCacheStats, PrefixMatch,
+};
+pub use quant::QuantMethod;
+pub use registry::Registry;
+pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
+pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
+
+/// Re-exported so that implementation crates register with the same `inventory`.
+pub use inventory;
+
+mod builtins {
+    use crate::registry::{LogitsProcessorEntry, SamplerEntry};
+    use crate::sampling::{LogitBiasProcessor, PenaltyProcessor, StandardSampler};
+    use std::sync::Arc;
+
+    inventory::submit! {
+        SamplerEntry {
+            name: "standard",
+            about: "greedy, or temperature with top-k, top-p and min-p",
+            create: || Ok(Arc::new(StandardSampler)),
+        }
+    }
+    inventory::submit! {
+        LogitsProcessorEntry {
+            name: "penalties",
+            about: "repetition (prompt+output), frequency and presence (output) penalties",
+            create: |_| Ok(Arc::new(PenaltyProcessor)),
+        }
+    }
+    inventory::submit! {
+        LogitsProcessorEntry {
+            name: "logit_bias",
+            about: "adds the request's logit_bias to the logits",
+            create: |_| Ok(Arc::new(LogitBiasProcessor)),
+        }
+    }
+}

@@ -1,0 +1,130 @@
+//! Model architectures and the forward pass interface.
+//!
+//! A [`ModelArchitecture`] is registered under the Hugging Face
+//! `architectures` name and builds a [`Model`] from the parsed `config.json`
+//! and a [`WeightSource`] (safetensors files or a GGUF file). A model owns its
+//! weights and nothing else: the KV cache, the batch layout and the attention
+//! implementation arrive as arguments of [`Model::forward`].
+
+use crate::attention::{AttentionBackend, AttentionBatch, BatchLayout};
+use crate::backend::Backend;
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::kv::KvCache;
+use crate::quant::QuantMethod;
+use crate::tensor::{HostTensor, Tensor};
+use std::sync::Arc;
+
+/// The architecture-independent shape of a loaded model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// Registered architecture name (e.g. `LlamaForCausalLM`).
+    pub architecture: String,
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// KV heads.
+    pub num_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Vocabulary size (rows of the logits).
+    pub vocab_size: usize,
+    /// Longest context the model supports.
+    pub max_position_embeddings: usize,
+    /// Sliding attention window, when the model uses one.
+    pub sliding_window: Option<usize>,
+    /// Dtype most linear weights are stored in on the device.
+    pub weight_dtype: DType,
+    /// Bytes of all weights on the device.
+    pub weight_bytes: u64,
+}
+
+/// The inputs of one forward pass.
+#[derive(Clone, Debug)]
+pub struct ForwardBatch {
+    /// Token ids of the new tokens, packed sequence after sequence.
+    pub input_ids: Vec<u32>,
+    /// Absolute position of each new token.
+    pub positions: Vec<u32>,
+    /// KV layout of the batch.
+    pub layout: Arc<BatchLayout>,
+    /// Rows of the packed batch whose logits are wanted (usually each sequence's last).
+    pub logits_rows: Vec<u32>,
+}
+
+impl ForwardBatch {
+    /// Checks that ids, positions, layout and logits rows agree.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let n = self.input_ids.len();
+        if n == 0 {
+            return Err(CoreError::invalid("empty forward batch"));
+        }
+        if self.positions.len() != n || self.layout.num_tokens() != n {
+            return Err(CoreError::invalid(format!(
+                "forward batch with {n} ids, {} positions, {} slots",
+                self.positions.len(),
+                self.layout.num_tokens()
+            )));
+        }
+        if let Some(bad) = self.input_ids.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(CoreError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab_size}"
+            )));
+        }
+        if let Some(bad) = self.logits_rows.iter().find(|&&r| r as usize >= n) {
+            return Err(CoreError::invalid(format!("logits row {bad} past {n} tokens")));
+        }
+        Ok(())
+    }
+}
+
+/// The per-batch state a forward pass reads and writes.
+pub struct ForwardContext<'a> {
+    /// The KV cache; new K and V are written into it.
+    pub kv: &'a KvCache,
+    /// The attention implementation.
+    pub attention: &'a dyn AttentionBackend,
+    /// The batch layout prepared by `attention`.
+    pub attention_batch: &'a AttentionBatch,
+}
+
+/// A loaded model.
+pub trait Model: Send + Sync {
+    /// The model's shape.
+    fn spec(&self) -> &ModelSpec;
+    /// Runs the batch and returns f32 logits `[logits_rows.len(), vocab_size]` on the device.
+    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<Tensor>;
+}
+
+/// Named tensors of a checkpoint, read on demand.
+pub trait WeightSource: Send + Sync {
+    /// Where the weights come from (for error messages).
+    fn describe(&self) -> String;
+    /// The tensor under its Hugging Face name, or `None` when absent.
+    fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>>;
+}
+
+/// How a model is loaded.
+#[derive(Clone)]
+pub struct LoadOptions {
+    /// Device to put the weights on.
+    pub backend: Arc<dyn Backend>,
+    /// How linear weights are stored.
+    pub quant: Arc<dyn QuantMethod>,
+    /// Called with (tensors loaded, tensors total) as loading progresses.
+    pub progress: Option<Arc<dyn Fn(usize, usize) + Send + Sync>>,
+}
+
+/// A model architecture: builds models of one `architectures` name.
+pub trait ModelArchitecture: Send + Sync {
+    /// Loads a model from its `config.json` value and weights.
+    fn load(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+    ) -> Result<Box<dyn Model>>;
+}

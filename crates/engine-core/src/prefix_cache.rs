@@ -1,0 +1,153 @@
+//! The prefix-cache interface (RadixAttention's cache policy) and eviction policies.
+//!
+//! A prefix cache maps token sequences to the KV pages that hold them, so a new
+//! request skips the prefill of its longest cached prefix. Pages are matched
+//! and inserted in whole pages; the cache owns the pages of its nodes (as
+//! [`PageSet`]s) and frees them when it evicts. A node that a running request
+//! has locked is never evicted.
+//!
+//! Contract of [`PrefixCache::insert`]: `pages` covers `tokens` (one page per
+//! `page_size` tokens, the last possibly partial). The cache keeps the pages of
+//! the whole-page part that it does not hold yet; pages duplicating cached KV
+//! and the unaligned tail are dropped, which returns them to the pool.
+
+use crate::error::Result;
+use crate::kv::PageSet;
+use std::cmp::Ordering;
+use std::sync::Arc;
+
+/// Requests in different namespaces never share cached KV (LoRA adapter, tenant salt).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CacheNamespace(pub Option<String>);
+
+impl CacheNamespace {
+    /// The namespace of a request with these keys.
+    pub fn new(extra_key: Option<&str>, cache_salt: Option<&str>) -> Self {
+        match (extra_key, cache_salt) {
+            (None, None) => CacheNamespace(None),
+            (a, b) => CacheNamespace(Some(format!(
+                "{}\u{1f}{}",
+                a.unwrap_or_default(),
+                b.unwrap_or_default()
+            ))),
+        }
+    }
+}
+
+/// Stable id of a node in a prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub u32);
+
+/// Result of a prefix match.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Pages holding the matched prefix, in order (owned by the cache).
+    pub pages: Vec<u32>,
+    /// Matched tokens (a multiple of the page size).
+    pub matched_tokens: usize,
+    /// The node where the match ends (the root when nothing matched); lock it while in use.
+    pub node: NodeId,
+}
+
+/// Result of an insert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InsertOutcome {
+    /// Leading tokens that were already cached (their duplicate pages were freed).
+    pub already_cached: usize,
+    /// Tokens the cache now holds for this sequence (the whole-page part).
+    pub cached: usize,
+    /// The node covering the end of the cached part.
+    pub node: NodeId,
+}
+
+/// Counters of a prefix cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Tokens held in the cache.
+    pub cached_tokens: usize,
+    /// Cached tokens no request has locked (can be evicted).
+    pub evictable_tokens: usize,
+    /// Cached tokens locked by running requests.
+    pub protected_tokens: usize,
+    /// Nodes, the root excluded.
+    pub nodes: usize,
+    /// Tokens matched by `match_prefix` since start.
+    pub hit_tokens: u64,
+    /// Tokens looked up by `match_prefix` since start.
+    pub queried_tokens: u64,
+    /// Tokens evicted since start.
+    pub evicted_tokens: u64,
+}
+
+/// What an eviction policy knows about a node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeMeta {
+    /// Logical time of the last match or insert that touched the node.
+    pub last_access: u64,
+    /// Logical time the node was created.
+    pub created: u64,
+    /// Matches that reached the node.
+    pub hit_count: u64,
+    /// Highest priority of the requests that used the node.
+    pub priority: i64,
+    /// Tokens on the node's edge.
+    pub tokens: usize,
+}
+
+/// Sort key of a node for eviction: the smallest key is evicted first.
+/// Compared lexicographically.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct EvictionKey(pub f64, pub f64);
+
+impl EvictionKey {
+    /// Total order (NaN sorts last).
+    pub fn total_cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0).then(self.1.total_cmp(&other.1))
+    }
+}
+
+/// Chooses which unlocked leaf is evicted first.
+pub trait EvictionPolicy: Send + Sync {
+    /// Registered name.
+    fn name(&self) -> &str;
+    /// The node's eviction key; smaller is evicted sooner.
+    fn key(&self, meta: &NodeMeta) -> EvictionKey;
+}
+
+/// How a prefix cache is created.
+#[derive(Clone)]
+pub struct PrefixCacheOptions {
+    /// Tokens per KV page.
+    pub page_size: usize,
+    /// Eviction order.
+    pub policy: Arc<dyn EvictionPolicy>,
+}
+
+/// A cache of KV pages keyed by token prefixes.
+pub trait PrefixCache: Send {
+    /// Registered name.
+    fn name(&self) -> &str;
+    /// Longest cached whole-page prefix of `tokens`; refreshes access time and hit count.
+    fn match_prefix(&mut self, ns: &CacheNamespace, tokens: &[u32]) -> PrefixMatch;
+    /// Caches `tokens` whose KV is in `pages` (see the module contract).
+    fn insert(
+        &mut self,
+        ns: &CacheNamespace,
+        tokens: &[u32],
+        pages: PageSet,
+        priority: i64,
+    ) -> Result<InsertOutcome>;
+    /// Protects the path from `node` to the root from eviction.
+    fn lock(&mut self, node: NodeId) -> Result<()>;
+    /// Undoes one `lock` of `node`.
+    fn unlock(&mut self, node: NodeId) -> Result<()>;
+    /// Evicts unlocked leaves in policy order until `n_tokens` are freed or none is left;
+    /// returns the tokens freed.
+    fn evict(&mut self, n_tokens: usize) -> usize;
+    /// Counters.
+    fn stats(&self) -> PrefixCacheStats;
+    /// Drops every unlocked node.
+    fn flush(&mut self);
+    /// A readable dump of the cache's structure.
+    fn dump(&self) -> String;
+}
