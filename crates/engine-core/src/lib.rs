@@ -18,6 +18,7 @@ pub mod model;
 pub mod prefix_cache;
 pub mod quant;
 pub mod registry;
+pub mod runner;
 pub mod sampling;
 pub mod tensor;
 

@@ -137,6 +137,28 @@ pub trait PrefixCache: Send {
         pages: PageSet,
         priority: i64,
     ) -> Result<InsertOutcome>;
+    /// [`insert`](Self::insert) for a request that reused a cached prefix: its first
+    /// `cached_prefix` tokens (whole pages, from a `match_prefix` whose node the caller
+    /// still holds locked) are in the cache already, and `pages` covers only
+    /// `tokens[cached_prefix..]`. Used at finish and for a chunked prefill's computed part.
+    /// The default supports `cached_prefix == 0` only.
+    fn insert_with_prefix(
+        &mut self,
+        ns: &CacheNamespace,
+        tokens: &[u32],
+        cached_prefix: usize,
+        pages: PageSet,
+        priority: i64,
+    ) -> Result<InsertOutcome> {
+        if cached_prefix == 0 {
+            self.insert(ns, tokens, pages, priority)
+        } else {
+            Err(crate::error::CoreError::unsupported(format!(
+                "prefix cache '{}' cannot insert after a cached prefix",
+                self.name()
+            )))
+        }
+    }
     /// Protects the path from `node` to the root from eviction.
     fn lock(&mut self, node: NodeId) -> Result<()>;
     /// Undoes one `lock` of `node`.

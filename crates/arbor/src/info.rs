@@ -1,0 +1,47 @@
+//! `arbor info`: what this binary can do.
+
+use crate::setup;
+use anyhow::Result;
+use arbor_engine_core::BackendOptions;
+use arbor_engine_core::registry::Origin;
+use clap::Args;
+
+/// Options of `arbor info`.
+#[derive(Args, Debug)]
+pub struct InfoArgs {}
+
+pub fn run(_args: InfoArgs) -> Result<()> {
+    let registry = setup::registry()?;
+    println!("Arbor {}", env!("CARGO_PKG_VERSION"));
+    let mut last = "";
+    for (kind, name, about, origin) in registry.listing() {
+        if kind != last {
+            println!("\n{kind}s:");
+            last = kind;
+        }
+        let from = match origin {
+            Origin::Builtin => "built-in".to_string(),
+            Origin::Plugin(p) => format!("plugin {p}"),
+        };
+        println!("  {name:<22} {about} ({from})");
+    }
+    println!("\ndevices:");
+    for name in registry.backends.names() {
+        let factory = registry.backends.get(&name)?;
+        match factory(&BackendOptions::default()) {
+            Ok(b) => {
+                let i = b.info();
+                let caps = b.capabilities();
+                println!(
+                    "  {name}: {} ({} threads); attention: {}; KV dtypes: {}",
+                    i.name,
+                    i.parallelism.unwrap_or(1),
+                    caps.attention.join(", "),
+                    caps.kv_dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            Err(e) => println!("  {name}: unavailable ({e})"),
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,346 @@
+//! Paged attention on the CPU: causal prefill over a cached prefix and decode,
+//! with grouped-query attention and an optional sliding window.
+//!
+//! `forward` first writes the batch's new K and V rows into their KV slots
+//! (converting to the cache dtype), then runs one task per (sequence, KV head,
+//! block of queries): for each query and each query head of the group it
+//! computes the scores over the sequence's keys `lo..=pos`, a softmax, and the
+//! weighted sum of values. Tasks are handed out through an atomic counter, so
+//! long and short sequences balance across threads. Each task writes only its
+//! own (token, head) slices of the output.
+
+use crate::memory::{HostMemory, SendPtr};
+use crate::pool::{ThreadPool, share};
+use crate::simd;
+use arbor_engine_core::{
+    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
+    Result, Tensor,
+};
+use half::{bf16, f16};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Queries per task.
+const Q_BLOCK: usize = 16;
+
+/// The CPU's paged attention.
+pub struct CpuAttention {
+    mem: Arc<HostMemory>,
+    pool: Arc<ThreadPool>,
+}
+
+impl CpuAttention {
+    pub(crate) fn new(mem: Arc<HostMemory>, pool: Arc<ThreadPool>) -> Self {
+        Self { mem, pool }
+    }
+
+    fn f32_view(&self, t: &Tensor, rows: usize, width: usize, what: &str) -> Result<SendPtr<f32>> {
+        if t.dtype() != DType::F32 || t.rows() != rows || t.row_len() != width {
+            return Err(CoreError::invalid(format!(
+                "attention {what} {t:?}, expected f32 [{rows}, {width}]"
+            )));
+        }
+        Ok(SendPtr(self.mem.resolve(t, 4)?.ptr as *mut f32))
+    }
+}
+
+#[derive(Clone, Copy)]
+struct KvPtr {
+    ptr: SendPtr<u8>,
+    dtype: DType,
+}
+
+impl KvPtr {
+    /// Reads element row `row` (of `width` values) into `dst` as f32.
+    ///
+    /// # Safety
+    /// `row` must be inside the cache tensor this pointer was resolved from.
+    unsafe fn read(&self, row: usize, width: usize, dst: &mut [f32]) {
+        // SAFETY: the caller guarantees the row is in bounds.
+        unsafe {
+            match self.dtype {
+                DType::F16 => {
+                    let s = std::slice::from_raw_parts(
+                        (self.ptr.get() as *const f16).add(row * width),
+                        width,
+                    );
+                    for (d, v) in dst.iter_mut().zip(s) {
+                        *d = v.to_f32();
+                    }
+                }
+                DType::BF16 => {
+                    let s = std::slice::from_raw_parts(
+                        (self.ptr.get() as *const bf16).add(row * width),
+                        width,
+                    );
+                    for (d, v) in dst.iter_mut().zip(s) {
+                        *d = v.to_f32();
+                    }
+                }
+                _ => {
+                    let s = std::slice::from_raw_parts(
+                        (self.ptr.get() as *const f32).add(row * width),
+                        width,
+                    );
+                    dst[..width].copy_from_slice(s);
+                }
+            }
+        }
+    }
+
+    /// Writes `src` as element row `row`.
+    ///
+    /// # Safety
+    /// `row` must be inside the cache tensor and no other thread may touch it.
+    unsafe fn write(&self, row: usize, src: &[f32]) {
+        let width = src.len();
+        // SAFETY: the caller guarantees the row is in bounds and exclusive.
+        unsafe {
+            match self.dtype {
+                DType::F16 => {
+                    let d = std::slice::from_raw_parts_mut(
+                        (self.ptr.get() as *mut f16).add(row * width),
+                        width,
+                    );
+                    for (d, &v) in d.iter_mut().zip(src) {
+                        *d = f16::from_f32(v);
+                    }
+                }
+                DType::BF16 => {
+                    let d = std::slice::from_raw_parts_mut(
+                        (self.ptr.get() as *mut bf16).add(row * width),
+                        width,
+                    );
+                    for (d, &v) in d.iter_mut().zip(src) {
+                        *d = bf16::from_f32(v);
+                    }
+                }
+                _ => {
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        (self.ptr.get() as *mut f32).add(row * width),
+                        width,
+                    );
+                }
+            }
+        }
+    }
+}
+
+fn validate_layout(layout: &BatchLayout, slots: usize) -> Result<()> {
+    let ps = layout.page_size;
+    if ps == 0 {
+        return Err(CoreError::invalid("attention layout with page size 0"));
+    }
+    if let Some(bad) = layout.slot_mapping.iter().find(|&&s| s as usize >= slots) {
+        return Err(CoreError::invalid(format!(
+            "KV slot {bad} outside a cache of {slots} slots"
+        )));
+    }
+    if let Some(bad) = layout
+        .page_table
+        .iter()
+        .find(|&&p| (p as usize + 1) * ps > slots)
+    {
+        return Err(CoreError::invalid(format!(
+            "KV page {bad} outside a cache of {slots} slots"
+        )));
+    }
+    let mut next = 0;
+    for s in &layout.seqs {
+        if s.q_start != next
+            || s.pages.end > layout.page_table.len()
+            || s.pages.len() * ps < s.kv_len()
+        {
+            return Err(CoreError::invalid(format!("inconsistent sequence layout {s:?}")));
+        }
+        next += s.q_len;
+    }
+    if next != layout.num_tokens() {
+        return Err(CoreError::invalid("sequence lengths do not add up to the batch"));
+    }
+    Ok(())
+}
+
+impl AttentionBackend for CpuAttention {
+    fn name(&self) -> &str {
+        "cpu-paged"
+    }
+
+    fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
+        Ok(AttentionBatch {
+            layout,
+            device: Vec::new(),
+        })
+    }
+
+    fn forward(
+        &self,
+        batch: &AttentionBatch,
+        kv: &KvLayer,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        p: &AttentionParams,
+    ) -> Result<()> {
+        p.validate()?;
+        let layout = &*batch.layout;
+        let tokens = layout.num_tokens();
+        let (hd, nh, nkv) = (p.head_dim, p.num_heads, p.num_kv_heads);
+        let qw = nh * hd;
+        let kw = nkv * hd;
+        let qp = self.f32_view(q, tokens, qw, "q")?;
+        let kp = self.f32_view(k, tokens, kw, "k")?;
+        let vp = self.f32_view(v, tokens, kw, "v")?;
+        let op = self.f32_view(out, tokens, qw, "out")?;
+        crate::no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
+        for c in [&kv.k, &kv.v] {
+            if c.numel() % kw != 0 || !matches!(c.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                || c.row_len() != hd
+            {
+                return Err(CoreError::invalid(format!(
+                    "KV cache tensor {c:?} for {nkv} heads of {hd}"
+                )));
+            }
+        }
+        let slots = kv.k.numel() / kw;
+        validate_layout(layout, slots)?;
+        let kc = KvPtr {
+            ptr: SendPtr(self.mem.resolve(&kv.k, 4)?.ptr),
+            dtype: kv.k.dtype(),
+        };
+        let vc = KvPtr {
+            ptr: SendPtr(self.mem.resolve(&kv.v, 4)?.ptr),
+            dtype: kv.v.dtype(),
+        };
+
+        // 1. Write the new K and V rows into their slots.
+        let slot_map = &layout.slot_mapping;
+        let ok = self.pool.run(&|t, n| {
+            let (r0, r1) = share(tokens, t, n, 1);
+            for (i, &slot) in slot_map.iter().enumerate().take(r1).skip(r0) {
+                // SAFETY: row i of k and v is inside their views; slot < slots
+                // (validated) and slots of new tokens are distinct per batch.
+                unsafe {
+                    let kr = std::slice::from_raw_parts(kp.get().add(i * kw), kw);
+                    let vr = std::slice::from_raw_parts(vp.get().add(i * kw), kw);
+                    kc.write(slot as usize, kr);
+                    vc.write(slot as usize, vr);
+                }
+            }
+        });
+        if !ok {
+            return Err(CoreError::Internal("KV write panicked".into()));
+        }
+
+        // 2. Attention, one task per (sequence, KV head, query block).
+        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        for (si, s) in layout.seqs.iter().enumerate() {
+            for g in 0..nkv {
+                let mut j = 0;
+                while j < s.q_len {
+                    tasks.push((si, g, j));
+                    j += Q_BLOCK;
+                }
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let group = nh / nkv;
+        let ps = layout.page_size;
+        let scale = p.scale;
+        let window = p.sliding_window;
+        let ok = self.pool.run(&|_, _| {
+            let mut scores: Vec<f32> = Vec::new();
+            let mut kbuf: Vec<f32> = Vec::new();
+            let mut vbuf: Vec<f32> = Vec::new();
+            let mut acc = vec![0f32; hd];
+            loop {
+                let ti = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&(si, g, j0)) = tasks.get(ti) else {
+                    break;
+                };
+                let s = &layout.seqs[si];
+                let pages = &layout.page_table[s.pages.clone()];
+                let j1 = (j0 + Q_BLOCK).min(s.q_len);
+                let p_last = s.prefix_len + j1 - 1;
+                let lo_first = window.map_or(0, |w| (s.prefix_len + j0 + 1).saturating_sub(w));
+                let span = p_last + 1 - lo_first;
+                let row_of = |t: usize| (pages[t / ps] as usize * ps + t % ps) * nkv + g;
+                // Gather this head's keys and values once per task unless the cache is f32.
+                let direct = kc.dtype == DType::F32;
+                if !direct {
+                    kbuf.resize(span * hd, 0.0);
+                    vbuf.resize(span * hd, 0.0);
+                    for t in lo_first..=p_last {
+                        let o = (t - lo_first) * hd;
+                        // SAFETY: the slot is inside the cache (validated page table).
+                        unsafe {
+                            kc.read(row_of(t), hd, &mut kbuf[o..o + hd]);
+                            vc.read(row_of(t), hd, &mut vbuf[o..o + hd]);
+                        }
+                    }
+                }
+                let key = |t: usize| -> *const f32 {
+                    if direct {
+                        // SAFETY: pointer arithmetic inside the cache tensor.
+                        unsafe { (kc.ptr.get() as *const f32).add(row_of(t) * hd) }
+                    } else {
+                        // SAFETY: t - lo_first < span.
+                        unsafe { kbuf.as_ptr().add((t - lo_first) * hd) }
+                    }
+                };
+                let val = |t: usize| -> *const f32 {
+                    if direct {
+                        // SAFETY: as above.
+                        unsafe { (vc.ptr.get() as *const f32).add(row_of(t) * hd) }
+                    } else {
+                        // SAFETY: as above.
+                        unsafe { vbuf.as_ptr().add((t - lo_first) * hd) }
+                    }
+                };
+                for j in j0..j1 {
+                    let pos = s.prefix_len + j;
+                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                    let row = s.q_start + j;
+                    for h in g * group..(g + 1) * group {
+                        // SAFETY: row `row`, head h of q and out are inside their views;
+                        // this task is the only writer of out[row, h].
+                        let (qh, oh) = unsafe {
+                            (
+                                std::slice::from_raw_parts(qp.get().add(row * qw + h * hd), hd),
+                                std::slice::from_raw_parts_mut(op.get().add(row * qw + h * hd), hd),
+                            )
+                        };
+                        scores.clear();
+                        let mut max = f32::NEG_INFINITY;
+                        for t in lo..=pos {
+                            // SAFETY: key rows are hd floats inside the cache or kbuf.
+                            let kr = unsafe { std::slice::from_raw_parts(key(t), hd) };
+                            let sc = simd::dot(qh, kr) * scale;
+                            max = max.max(sc);
+                            scores.push(sc);
+                        }
+                        let mut sum = 0.0;
+                        for sc in scores.iter_mut() {
+                            *sc = (*sc - max).exp();
+                            sum += *sc;
+                        }
+                        let inv = 1.0 / sum;
+                        acc.iter_mut().for_each(|a| *a = 0.0);
+                        for (i, t) in (lo..=pos).enumerate() {
+                            // SAFETY: value rows are hd floats inside the cache or vbuf.
+                            let vr = unsafe { std::slice::from_raw_parts(val(t), hd) };
+                            simd::axpy(scores[i] * inv, vr, &mut acc);
+                        }
+                        oh.copy_from_slice(&acc);
+                    }
+                }
+            }
+        });
+        if !ok {
+            return Err(CoreError::Internal("attention kernel panicked".into()));
+        }
+        Ok(())
+    }
+}

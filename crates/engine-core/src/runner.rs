@@ -1,0 +1,295 @@
+//! Running a model over a batch of sequences, and static-batch generation.
+//!
+//! [`ModelRunner`] binds a model to its device, attention implementation and
+//! KV cache, and executes one forward pass over sequences described by their
+//! new tokens, cached-prefix length and pages ([`SeqStep`]). It returns the
+//! last-position logits of the sequences that ask for them, on the host.
+//!
+//! [`generate_static`] decodes a fixed batch to completion (prefill all, then
+//! decode all until each stops). It is what `arbor bench one-batch` measures
+//! and what parity tests use; the serving scheduler (continuous batching)
+//! drives [`ModelRunner::step`] directly.
+
+use crate::attention::{AttentionBackend, BatchLayout};
+use crate::backend::Backend;
+use crate::error::{CoreError, Result};
+use crate::kv::{KvCache, KvSpec, PagePool, PageSet};
+use crate::model::{ForwardBatch, ForwardContext, Model};
+use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One sequence's part of a forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqStep<'a> {
+    /// New tokens to compute.
+    pub tokens: &'a [u32],
+    /// Tokens of this sequence already in the KV cache.
+    pub prefix_len: usize,
+    /// Pages holding the sequence (covering `prefix_len + tokens.len()`).
+    pub pages: &'a [u32],
+    /// Whether the last new token's logits are wanted.
+    pub want_logits: bool,
+}
+
+/// A model bound to a device, an attention implementation and a KV cache.
+pub struct ModelRunner {
+    model: Arc<dyn Model>,
+    backend: Arc<dyn Backend>,
+    attention: Arc<dyn AttentionBackend>,
+    kv: KvCache,
+}
+
+impl ModelRunner {
+    /// Allocates a KV cache of `num_pages` pages for `model` on `backend`.
+    pub fn new(
+        model: Arc<dyn Model>,
+        backend: Arc<dyn Backend>,
+        attention: Option<&str>,
+        page_size: usize,
+        num_pages: usize,
+        kv_dtype: crate::DType,
+    ) -> Result<Self> {
+        let s = model.spec();
+        let spec = KvSpec {
+            num_layers: s.num_layers,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            page_size,
+            num_pages,
+            dtype: kv_dtype,
+        };
+        let kv = KvCache::allocate(&*backend, spec)?;
+        let attention = backend.attention(attention)?;
+        Ok(Self {
+            model,
+            backend,
+            attention,
+            kv,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<dyn Model> {
+        &self.model
+    }
+    /// The device.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+    /// The KV cache's shape.
+    pub fn kv_spec(&self) -> &KvSpec {
+        self.kv.spec()
+    }
+    /// A page pool matching the KV cache.
+    pub fn new_page_pool(&self) -> PagePool {
+        PagePool::new(self.kv.spec().num_pages, self.kv.spec().page_size)
+    }
+
+    /// Runs one forward pass; returns the logits of each sequence with `want_logits`, in order.
+    pub fn step(&self, seqs: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>> {
+        let ps = self.kv.spec().page_size;
+        let mut layout = BatchLayout::new(ps);
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut rows = Vec::new();
+        for s in seqs {
+            let q_start = ids.len();
+            layout.push_seq(s.prefix_len, s.tokens.len(), s.pages)?;
+            ids.extend_from_slice(s.tokens);
+            positions.extend((s.prefix_len..s.prefix_len + s.tokens.len()).map(|p| p as u32));
+            if s.want_logits {
+                rows.push((q_start + s.tokens.len() - 1) as u32);
+            }
+        }
+        let max_pos = self.model.spec().max_position_embeddings;
+        if let Some(s) = seqs.iter().find(|s| s.prefix_len + s.tokens.len() > max_pos) {
+            return Err(CoreError::invalid(format!(
+                "sequence of {} tokens exceeds the model's context of {max_pos}",
+                s.prefix_len + s.tokens.len()
+            )));
+        }
+        let layout = Arc::new(layout);
+        let attention_batch = self.attention.prepare(layout.clone())?;
+        let batch = ForwardBatch {
+            input_ids: ids,
+            positions,
+            layout,
+            logits_rows: rows,
+        };
+        let ctx = ForwardContext {
+            kv: &self.kv,
+            attention: &*self.attention,
+            attention_batch: &attention_batch,
+        };
+        let logits = self.model.forward(&batch, &ctx)?;
+        let flat = self.backend.download_f32(&logits)?;
+        let vocab = self.model.spec().vocab_size;
+        Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// How generation of one sequence ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An EOS or stop token id (the id).
+    Stop(u32),
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// Output of [`generate_static`] for one prompt.
+#[derive(Clone, Debug)]
+pub struct StaticOutput {
+    /// Generated ids (including a final stop id, when one ended it).
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+/// Timings of [`generate_static`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StaticTimings {
+    /// Time of the prefill forward (all prompts in one batch).
+    pub prefill: Duration,
+    /// Time of all decode steps.
+    pub decode: Duration,
+    /// Decode steps run.
+    pub decode_steps: usize,
+}
+
+/// What sampling needs besides the parameters.
+pub struct SamplingSetup<'a> {
+    /// The sampler.
+    pub sampler: &'a dyn Sampler,
+    /// Processors applied in order before sampling.
+    pub processors: &'a [Arc<dyn LogitsProcessor>],
+    /// Ids that end generation unless `ignore_eos`.
+    pub eos_token_ids: &'a [u32],
+}
+
+/// Picks the next token of one sequence from its logits.
+pub fn sample_next(
+    logits: &mut [f32],
+    prompt: &[u32],
+    output: &[u32],
+    params: &SamplingParams,
+    setup: &SamplingSetup<'_>,
+    rng: &mut SeqRng,
+) -> Result<u32> {
+    let ctx = LogitsContext {
+        prompt,
+        output,
+        params,
+    };
+    if output.len() < params.min_new_tokens {
+        for &e in setup.eos_token_ids.iter().chain(&params.stop_token_ids) {
+            if let Some(l) = logits.get_mut(e as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    for p in setup.processors {
+        p.process(logits, &ctx)?;
+    }
+    setup.sampler.sample(logits, params, rng)
+}
+
+/// Whether `token` ends a sequence with `params`.
+pub fn is_stop(token: u32, params: &SamplingParams, eos: &[u32]) -> bool {
+    params.stop_token_ids.contains(&token) || (!params.ignore_eos && eos.contains(&token))
+}
+
+/// Generates for a fixed batch: one prefill of all prompts, then decode steps
+/// until every sequence stops. `on_token(seq, token)` sees each new token.
+pub fn generate_static(
+    runner: &ModelRunner,
+    pool: &PagePool,
+    prompts: &[Vec<u32>],
+    params: &[SamplingParams],
+    setup: &SamplingSetup<'_>,
+    on_token: &mut dyn FnMut(usize, u32),
+) -> Result<(Vec<StaticOutput>, StaticTimings)> {
+    if prompts.len() != params.len() {
+        return Err(CoreError::invalid("one SamplingParams per prompt is required"));
+    }
+    let vocab = runner.model().spec().vocab_size;
+    for (p, sp) in prompts.iter().zip(params) {
+        if p.is_empty() {
+            return Err(CoreError::invalid("empty prompt"));
+        }
+        sp.validate(vocab)?;
+    }
+    let mut pages: Vec<PageSet> = Vec::with_capacity(prompts.len());
+    for (p, sp) in prompts.iter().zip(params) {
+        pages.push(pool.alloc(pool.pages_for(p.len() + sp.max_new_tokens))?);
+    }
+    let mut rngs: Vec<SeqRng> = params
+        .iter()
+        .map(|p| p.seed.map_or_else(SeqRng::from_entropy, SeqRng::new))
+        .collect();
+    let mut outs: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut finish: Vec<Option<FinishReason>> = vec![None; prompts.len()];
+    let mut timings = StaticTimings::default();
+
+    let t0 = Instant::now();
+    let steps: Vec<SeqStep<'_>> = prompts
+        .iter()
+        .zip(&pages)
+        .map(|(p, pg)| SeqStep {
+            tokens: p,
+            prefix_len: 0,
+            pages: pg.pages(),
+            want_logits: true,
+        })
+        .collect();
+    let mut logits = runner.step(&steps)?;
+    timings.prefill = t0.elapsed();
+
+    let t1 = Instant::now();
+    // `order[i]` is the sequence whose logits are row i.
+    let mut order: Vec<usize> = (0..prompts.len()).collect();
+    loop {
+        let mut active = Vec::new();
+        for (l, &seq) in logits.iter_mut().zip(&order) {
+            let tok = sample_next(l, &prompts[seq], &outs[seq], &params[seq], setup, &mut rngs[seq])?;
+            outs[seq].push(tok);
+            on_token(seq, tok);
+            if is_stop(tok, &params[seq], setup.eos_token_ids) {
+                finish[seq] = Some(FinishReason::Stop(tok));
+            } else if outs[seq].len() >= params[seq].max_new_tokens {
+                finish[seq] = Some(FinishReason::Length);
+            } else {
+                active.push(seq);
+            }
+        }
+        if active.is_empty() {
+            break;
+        }
+        let last: Vec<[u32; 1]> = active.iter().map(|&s| [outs[s][outs[s].len() - 1]]).collect();
+        let steps: Vec<SeqStep<'_>> = active
+            .iter()
+            .zip(&last)
+            .map(|(&s, tok)| SeqStep {
+                tokens: tok,
+                prefix_len: prompts[s].len() + outs[s].len() - 1,
+                pages: pages[s].pages(),
+                want_logits: true,
+            })
+            .collect();
+        logits = runner.step(&steps)?;
+        timings.decode_steps += 1;
+        order = active;
+    }
+    timings.decode = t1.elapsed();
+    drop(pages);
+    let outputs = outs
+        .into_iter()
+        .zip(finish)
+        .map(|(tokens, f)| StaticOutput {
+            tokens,
+            finish: f.unwrap_or(FinishReason::Length),
+        })
+        .collect();
+    Ok((outputs, timings))
+}

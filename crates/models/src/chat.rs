@@ -1,0 +1,199 @@
+//! Chat templates: Hugging Face Jinja templates rendered with minijinja.
+//!
+//! The template comes from `tokenizer_config.json` (`chat_template`, a string
+//! or a list of named templates), from `chat_template.jinja`, or from GGUF
+//! metadata. Rendering uses the same environment settings as transformers
+//! (`trim_blocks`, `lstrip_blocks`, Python string methods, `raise_exception`,
+//! `tojson`), so the prompt text equals what `apply_chat_template` produces.
+
+use arbor_engine_core::{CoreError, Result};
+use minijinja::{Environment, ErrorKind, Value as JValue, context};
+use serde::Serialize;
+use serde_json::Value;
+use std::path::Path;
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ChatTemplate({} bytes)", self.source.len())
+    }
+}
+
+/// One chat message.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// The text (null for assistant messages that only call tools).
+    #[serde(default)]
+    pub content: Option<String>,
+    /// Tool calls of an assistant message, passed to the template as is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Value>,
+    /// Name of the tool (tool messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Id of the tool call answered (tool messages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message with text content.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.to_string(),
+            content: Some(content.to_string()),
+            tool_calls: None,
+            name: None,
+            tool_call_id: None,
+        }
+    }
+}
+
+fn raise_exception(msg: String) -> std::result::Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+fn strftime_now(fmt: String) -> String {
+    // Templates use it for "today's date"; render a fixed UTC clock reading.
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = (secs / 86400) as i64;
+    // Civil date from days since epoch (Howard Hinnant's algorithm).
+    let z = days + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = if m <= 2 { y + 1 } else { y };
+    const MONTHS: [&str; 12] = [
+        "January", "February", "March", "April", "May", "June", "July", "August", "September",
+        "October", "November", "December",
+    ];
+    let month = MONTHS[(m - 1) as usize];
+    fmt.replace("%Y", &y.to_string())
+        .replace("%m", &format!("{m:02}"))
+        .replace("%d", &format!("{d:02}"))
+        .replace("%B", month)
+        .replace("%b", &month[..3])
+}
+
+impl ChatTemplate {
+    /// Compiles a template source.
+    pub fn new(source: &str) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| CoreError::load(format!("chat template does not compile: {e}")))?;
+        Ok(Self {
+            env,
+            source: source.to_string(),
+        })
+    }
+
+    /// Finds the template of a HF model folder, if any.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let jinja = dir.join("chat_template.jinja");
+        if jinja.exists() {
+            let s = std::fs::read_to_string(&jinja).map_err(|e| CoreError::io(&jinja, e))?;
+            return Self::new(&s).map(Some);
+        }
+        let cfg_path = dir.join("tokenizer_config.json");
+        if !cfg_path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
+        match v.get("chat_template") {
+            Some(Value::String(s)) => Self::new(s).map(Some),
+            Some(Value::Array(list)) => {
+                let pick = list
+                    .iter()
+                    .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+                    .or_else(|| list.first())
+                    .and_then(|t| t.get("template"))
+                    .and_then(Value::as_str);
+                match pick {
+                    Some(s) => Self::new(s).map(Some),
+                    None => Err(CoreError::load(format!(
+                        "{}: key 'chat_template' holds no template",
+                        cfg_path.display()
+                    ))),
+                }
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Renders `messages` (and `tools` when given) into the prompt text.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+        tools: Option<&Value>,
+    ) -> Result<String> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| CoreError::Internal(format!("chat template: {e}")))?;
+        tmpl.render(context! {
+            messages => JValue::from_serialize(messages),
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token.unwrap_or_default(),
+            eos_token => eos_token.unwrap_or_default(),
+            tools => tools.map(JValue::from_serialize),
+        })
+        .map_err(|e| CoreError::invalid(format!("chat template failed: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chatml_template_renders() {
+        let src = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+        let t = ChatTemplate::new(src).unwrap();
+        let out = t
+            .render(&[ChatMessage::new("user", " Hi ")], true, None, None, None)
+            .unwrap();
+        assert_eq!(out, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn python_methods_and_exceptions() {
+        let t = ChatTemplate::new(
+            "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}{{ messages[0]['content'].strip().upper() }}",
+        )
+        .unwrap();
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", " ok ")], false, None, None, None)
+                .unwrap(),
+            "OK"
+        );
+        let e = t
+            .render(&[ChatMessage::new("system", "x")], false, None, None, None)
+            .unwrap_err();
+        assert!(e.to_string().contains("first must be user"));
+    }
+}

@@ -1,0 +1,395 @@
+//! The Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
+//! (per-head q/k RMSNorm), with optional tied embeddings and GQA.
+//!
+//! One implementation serves the four architectures; an [`ArchFlags`] value
+//! per registered name says what differs. The model owns its weights only;
+//! the KV cache, batch layout and attention implementation come with each
+//! forward call. Every tensor is checked against the shape the config implies
+//! when loading, and errors name the tensor and the checkpoint.
+
+use crate::config::DecoderConfig;
+use arbor_engine_core::registry::ArchitectureEntry;
+use arbor_engine_core::{
+    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor,
+    LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle, Tensor, WeightSource,
+    inventory,
+};
+use std::sync::Arc;
+
+/// What differs between the architectures this module implements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArchFlags {
+    /// q, k and v projections always carry a bias (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head RMSNorm on q and k before RoPE (Qwen3).
+    pub qk_norm: bool,
+}
+
+struct Linear {
+    w: Tensor,
+    b: Option<Tensor>,
+}
+
+struct Layer {
+    input_norm: Tensor,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    post_norm: Tensor,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A loaded Llama-family decoder.
+pub struct DecoderModel {
+    spec: ModelSpec,
+    cfg: DecoderConfig,
+    backend: Arc<dyn Backend>,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+    inv_freq: Tensor,
+}
+
+struct Loader<'a> {
+    src: &'a dyn WeightSource,
+    opts: &'a LoadOptions,
+    loaded: usize,
+    total: usize,
+    bytes: u64,
+}
+
+impl<'a> Loader<'a> {
+    fn fetch(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor<'a>>> {
+        let src: &'a dyn WeightSource = self.src;
+        let Some(t) = src.tensor(name)? else {
+            return Ok(None);
+        };
+        if t.shape != shape {
+            return Err(CoreError::load(format!(
+                "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
+                self.src.describe(),
+                t.shape
+            )));
+        }
+        t.validate(name)?;
+        Ok(Some(t))
+    }
+
+    fn missing(&self, name: &str) -> CoreError {
+        CoreError::load(format!(
+            "{}: tensor '{name}' is missing",
+            self.src.describe()
+        ))
+    }
+
+    fn tick(&mut self) {
+        self.loaded += 1;
+        if let Some(p) = &self.opts.progress {
+            p(self.loaded, self.total);
+        }
+    }
+
+    fn upload(&mut self, t: HostTensor<'_>) -> Result<Tensor> {
+        let d = self.opts.backend.upload(&t)?;
+        self.bytes += d.byte_len()? as u64;
+        self.tick();
+        Ok(d)
+    }
+
+    /// A weight matrix, stored as the quantization method decides.
+    fn weight(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.fetch(name, shape)?.ok_or_else(|| self.missing(name))?;
+        let caps = self.opts.backend.capabilities().clone();
+        let t = self.opts.quant.prepare(t, &caps).map_err(|e| {
+            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
+        })?;
+        self.upload(t)
+    }
+
+    /// A vector kept in f32 (norm weights, biases).
+    fn vector(&mut self, name: &str, len: usize) -> Result<Option<Tensor>> {
+        let Some(t) = self.fetch(name, &[len])? else {
+            return Ok(None);
+        };
+        let t = t.cast(DType::F32).map_err(|e| {
+            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
+        })?;
+        self.upload(t).map(Some)
+    }
+
+    fn vector_req(&mut self, name: &str, len: usize) -> Result<Tensor> {
+        self.vector(name, len)?.ok_or_else(|| self.missing(name))
+    }
+
+    fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
+        let w = self.weight(&format!("{name}.weight"), &[out, inp])?;
+        let bname = format!("{name}.bias");
+        let b = match bias {
+            Bias::Required => Some(self.vector_req(&bname, out)?),
+            Bias::Optional => self.vector(&bname, out)?,
+        };
+        Ok(Linear { w, b })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Bias {
+    Required,
+    Optional,
+}
+
+impl DecoderModel {
+    /// Loads a model of `cfg` from `src`.
+    pub fn load(
+        cfg: DecoderConfig,
+        flags: ArchFlags,
+        src: &dyn WeightSource,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let inter = cfg.intermediate_size;
+        let per_layer = 9 + if flags.qk_norm { 2 } else { 0 };
+        let mut l = Loader {
+            src,
+            opts,
+            loaded: 0,
+            total: 3 + per_layer * cfg.num_hidden_layers,
+            bytes: 0,
+        };
+        let embed = l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let qkv_bias = if flags.qkv_bias || cfg.attention_bias {
+            Bias::Required
+        } else {
+            Bias::Optional
+        };
+        let o_bias = if cfg.attention_bias {
+            Bias::Required
+        } else {
+            Bias::Optional
+        };
+        let mlp_bias = if cfg.mlp_bias {
+            Bias::Required
+        } else {
+            Bias::Optional
+        };
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Layer {
+                input_norm: l.vector_req(&format!("{p}.input_layernorm.weight"), h)?,
+                q: l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv_bias)?,
+                k: l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv_bias)?,
+                v: l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv_bias)?,
+                o: l.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, o_bias)?,
+                q_norm: if flags.qk_norm {
+                    Some(l.vector_req(&format!("{p}.self_attn.q_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                k_norm: if flags.qk_norm {
+                    Some(l.vector_req(&format!("{p}.self_attn.k_norm.weight"), hd)?)
+                } else {
+                    None
+                },
+                post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
+                gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
+                up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, mlp_bias)?,
+                down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, mlp_bias)?,
+            });
+        }
+        let norm = l.vector_req("model.norm.weight", h)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            l.tick();
+            embed.clone()
+        } else if src.tensor("lm_head.weight")?.is_some() {
+            l.weight("lm_head.weight", &[cfg.vocab_size, h])?
+        } else {
+            tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
+            l.tick();
+            embed.clone()
+        };
+        let inv_freq = opts
+            .backend
+            .upload_f32(&[cfg.rotary_dim() / 2], &cfg.inv_freq())?;
+        let weight_dtype = layers.first().map_or(embed.dtype(), |l| l.q.w.dtype());
+        let spec = ModelSpec {
+            architecture: cfg.architecture.clone(),
+            num_layers: cfg.num_hidden_layers,
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            hidden_size: h,
+            vocab_size: cfg.vocab_size,
+            max_position_embeddings: cfg.max_position_embeddings,
+            sliding_window: cfg.sliding_window,
+            weight_dtype,
+            weight_bytes: l.bytes,
+        };
+        Ok(Self {
+            spec,
+            cfg,
+            backend: opts.backend.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
+    }
+
+    fn linear(&self, x: &Tensor, l: &Linear, out: &Tensor) -> Result<()> {
+        self.backend.linear(x, &l.w, l.b.as_ref(), out)
+    }
+}
+
+impl Model for DecoderModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<Tensor> {
+        batch.validate(self.spec.vocab_size)?;
+        let b = &*self.backend;
+        let c = &self.cfg;
+        let t = batch.input_ids.len();
+        let (h, nh, nkv, hd) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let kv_spec = ctx.kv.spec();
+        if kv_spec.num_layers != c.num_hidden_layers
+            || kv_spec.num_kv_heads != nkv
+            || kv_spec.head_dim != hd
+        {
+            return Err(CoreError::invalid(format!(
+                "KV cache {kv_spec:?} does not fit the model"
+            )));
+        }
+        let ids = b.upload_u32(&[t], &batch.input_ids)?;
+        let pos = b.upload_u32(&[t], &batch.positions)?;
+        let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
+        let resid = f32t(&[t, h])?;
+        let x = f32t(&[t, h])?;
+        let q = f32t(&[t, nh * hd])?;
+        let k = f32t(&[t, nkv * hd])?;
+        let v = f32t(&[t, nkv * hd])?;
+        let attn = f32t(&[t, nh * hd])?;
+        let proj = f32t(&[t, h])?;
+        let gate = f32t(&[t, c.intermediate_size])?;
+        let up = f32t(&[t, c.intermediate_size])?;
+        let act = f32t(&[t, c.intermediate_size])?;
+        let params = AttentionParams {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            sliding_window: c.sliding_window,
+        };
+        let q_heads = q.reshape(&[t * nh, hd])?;
+        let k_heads = k.reshape(&[t * nkv, hd])?;
+
+        b.embedding(&self.embed, &ids, &resid)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == 0 {
+                b.rms_norm(&resid, &layer.input_norm, c.rms_norm_eps, &x)?;
+            } else {
+                b.add_rms_norm(&resid, &proj, &layer.input_norm, c.rms_norm_eps, &x)?;
+            }
+            self.linear(&x, &layer.q, &q)?;
+            self.linear(&x, &layer.k, &k)?;
+            self.linear(&x, &layer.v, &v)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                b.rms_norm(&q_heads, qn, c.rms_norm_eps, &q_heads)?;
+                b.rms_norm(&k_heads, kn, c.rms_norm_eps, &k_heads)?;
+            }
+            b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+            b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+            ctx.attention.forward(
+                ctx.attention_batch,
+                ctx.kv.layer(i)?,
+                &q,
+                &k,
+                &v,
+                &attn,
+                &params,
+            )?;
+            self.linear(&attn, &layer.o, &proj)?;
+            b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
+            self.linear(&x, &layer.gate, &gate)?;
+            self.linear(&x, &layer.up, &up)?;
+            b.silu_mul(&gate, &up, &act)?;
+            self.linear(&act, &layer.down, &proj)?;
+        }
+        b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
+        let rows = batch.logits_rows.len();
+        let logits = f32t(&[rows, c.vocab_size])?;
+        if rows == 0 {
+            return Ok(logits);
+        }
+        let sel = if rows == t && batch.logits_rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+            x
+        } else {
+            let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
+            let sel = f32t(&[rows, h])?;
+            b.gather_rows(&x, &idx, &sel)?;
+            sel
+        };
+        b.linear(&sel, &self.lm_head, None, &logits)?;
+        Ok(logits)
+    }
+}
+
+/// Builds a [`DecoderModel`] for one registered architecture name.
+pub struct DecoderArchitecture {
+    flags: ArchFlags,
+}
+
+impl ModelArchitecture for DecoderArchitecture {
+    fn load(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+    ) -> Result<Box<dyn Model>> {
+        let cfg = DecoderConfig::from_json(config, "config.json")?;
+        Ok(Box::new(DecoderModel::load(cfg, self.flags, weights, options)?))
+    }
+}
+
+const PLAIN: ArchFlags = ArchFlags {
+    qkv_bias: false,
+    qk_norm: false,
+};
+
+inventory::submit! {
+    ArchitectureEntry {
+        name: "LlamaForCausalLM",
+        about: "Llama 1-3 decoders (GQA, Llama-3 rope scaling, tied embeddings)",
+        create: || Box::new(DecoderArchitecture { flags: PLAIN }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "MistralForCausalLM",
+        about: "Mistral decoders (Llama with a sliding window)",
+        create: || Box::new(DecoderArchitecture { flags: PLAIN }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "Qwen2ForCausalLM",
+        about: "Qwen2/2.5 decoders (q/k/v bias)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "Qwen3ForCausalLM",
+        about: "Qwen3 dense decoders (per-head q/k RMSNorm)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true } }),
+    }
+}

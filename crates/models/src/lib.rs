@@ -1,0 +1,97 @@
+//! Model architectures and everything needed to load a model folder.
+//!
+//! [`load_model`] reads a Hugging Face folder (`config.json`, safetensors,
+//! `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`),
+//! builds the architecture registered under `architectures[0]`, and returns a
+//! [`LoadedModel`]: the model, its tokenizer with special tokens, and its chat
+//! template.
+
+pub mod chat;
+pub mod config;
+pub mod decoder;
+pub mod quant_methods;
+pub mod safetensors_source;
+pub mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::DecoderConfig;
+pub use tokenizer::TextTokenizer;
+
+use arbor_engine_core::{CoreError, LoadOptions, Model, Registry, Result};
+use safetensors_source::SafetensorsSource;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A model ready to serve.
+pub struct LoadedModel {
+    /// The network.
+    pub model: Arc<dyn Model>,
+    /// Tokenizer and special tokens.
+    pub tokenizer: Arc<TextTokenizer>,
+    /// Chat template, when the model has one.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    /// Where the model was loaded from.
+    pub path: PathBuf,
+    /// The `config.json` value (or its GGUF equivalent).
+    pub config: serde_json::Value,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LoadedModel({}, {:?})", self.path.display(), self.model.spec())
+    }
+}
+
+fn read_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| CoreError::io(&path, e))?;
+    serde_json::from_str(&text)
+        .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", path.display())))
+}
+
+/// Loads a Hugging Face model folder with the architectures in `registry`.
+pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
+    if !path.is_dir() {
+        return Err(CoreError::load(format!(
+            "{}: not a model folder (expected config.json, safetensors and tokenizer.json)",
+            path.display()
+        )));
+    }
+    let config = read_config(path)?;
+    let arch = config
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .and_then(|a| a.first())
+        .and_then(|a| a.as_str())
+        .ok_or_else(|| {
+            CoreError::load(format!(
+                "{}: key 'architectures' is missing or empty",
+                path.join("config.json").display()
+            ))
+        })?;
+    let factory = registry.architectures.get(arch).map_err(|_| {
+        CoreError::load(format!(
+            "{}: architecture '{arch}' is not supported (supported: {})",
+            path.join("config.json").display(),
+            registry.architectures.names().join(", ")
+        ))
+    })?;
+    let tokenizer = TextTokenizer::from_dir(path, &config)?;
+    let chat_template = ChatTemplate::from_dir(path)?.map(Arc::new);
+    let weights = SafetensorsSource::open(path)?;
+    let model = factory().load(&config, &weights, opts).map_err(|e| match e {
+        CoreError::ModelLoad(m) if m.starts_with("config.json") => CoreError::ModelLoad(format!(
+            "{}{}",
+            path.display(),
+            m.strip_prefix("config.json").map(|r| format!("/config.json{r}")).unwrap_or(m.clone())
+        )),
+        other => other,
+    })?;
+    Ok(LoadedModel {
+        model: Arc::from(model),
+        tokenizer: Arc::new(tokenizer),
+        chat_template,
+        path: path.to_path_buf(),
+        config,
+    })
+}
