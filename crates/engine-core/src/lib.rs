@@ -11,6 +11,7 @@
 pub mod attention;
 pub mod backend;
 pub mod detok;
+pub mod engine;
 pub mod dtype;
 pub mod error;
 pub mod kv;

@@ -159,6 +159,9 @@ pub trait PrefixCache: Send {
             )))
         }
     }
+    /// Length of the longest cached whole-page prefix of `tokens`, without touching
+    /// access times, hit counts or the tree's shape (for scheduling decisions).
+    fn peek_prefix(&self, ns: &CacheNamespace, tokens: &[u32]) -> usize;
     /// Protects the path from `node` to the root from eviction.
     fn lock(&mut self, node: NodeId) -> Result<()>;
     /// Undoes one `lock` of `node`.

@@ -1,0 +1,437 @@
+//! The serving engine: an embedding API over one scheduler thread.
+//!
+//! [`Engine::new`] starts the scheduler thread, which owns the waiting queue,
+//! the running batch, the page pool and the prefix cache (see
+//! [`scheduler`](self::scheduler)). [`Engine::submit`] validates a request and
+//! returns a [`RequestStream`] of [`OutputChunk`]s; dropping the stream before
+//! the request finished aborts it (a client disconnect frees its pages within
+//! one iteration). [`Engine::abort`], [`Engine::flush_cache`] and
+//! [`Engine::stats`] complete the interface.
+//!
+//! Invariant: once every request has finished and the cache is flushed, every
+//! KV page is back in the pool.
+
+mod policy;
+mod request;
+mod scheduler;
+
+pub use policy::SchedulePolicy;
+
+use crate::detok::TokenDecoder;
+use crate::error::{CoreError, Result};
+use crate::prefix_cache::{CacheNamespace, PrefixCache};
+use crate::runner::ModelRunner;
+use crate::sampling::{LogitsProcessor, Sampler, SamplingParams};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Scheduler settings (SGLang's names).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Most requests decoding at once.
+    pub max_running_requests: usize,
+    /// Most new prompt tokens in one prefill batch.
+    pub max_prefill_tokens: usize,
+    /// Most prompt tokens of one request per iteration; -1 disables chunking.
+    pub chunked_prefill_size: i64,
+    /// Order of admission: fcfs, lpm, dfs-weight, lof, priority, random.
+    pub schedule_policy: SchedulePolicy,
+    /// Scales the expected-new-token ratio (higher admits fewer requests).
+    pub schedule_conservativeness: f32,
+    /// Let a prefill batch carry the running decodes too.
+    pub enable_mixed_chunk: bool,
+    /// The cache keeps nothing (no prefix reuse); chunked requests keep their own pages.
+    pub disable_radix_cache: bool,
+    /// Queue length above which `lpm` falls back to `fcfs`.
+    pub lpm_fallback_queue_len: usize,
+    /// Most requests waiting; more are refused.
+    pub max_queued_requests: usize,
+    /// Seed of the `random` policy.
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_running_requests: 64,
+            max_prefill_tokens: 8192,
+            chunked_prefill_size: 2048,
+            schedule_policy: SchedulePolicy::Lpm,
+            schedule_conservativeness: 1.0,
+            enable_mixed_chunk: false,
+            disable_radix_cache: false,
+            lpm_fallback_queue_len: 128,
+            max_queued_requests: 4096,
+            seed: 0,
+        }
+    }
+}
+
+/// A request for generation.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Caller's id; a fresh one is made when `None`. Must be unique among live requests.
+    pub rid: Option<String>,
+    /// Prompt token ids.
+    pub input_ids: Vec<u32>,
+    /// Sampling and stopping.
+    pub params: SamplingParams,
+    /// Scheduling priority (higher first under the `priority` policy and eviction).
+    pub priority: i64,
+    /// Cache namespace (LoRA adapter, tenant salt).
+    pub namespace: CacheNamespace,
+    /// Return the log-probability of each generated token.
+    pub return_logprob: bool,
+    /// Also return this many most likely alternatives per token.
+    pub top_logprobs_num: usize,
+}
+
+impl GenerateRequest {
+    /// A request for `input_ids` with `params`, defaults otherwise.
+    pub fn new(input_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            rid: None,
+            input_ids,
+            params,
+            priority: 0,
+            namespace: CacheNamespace::default(),
+            return_logprob: false,
+            top_logprobs_num: 0,
+        }
+    }
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishKind {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_new_tokens` reached.
+    Length,
+    /// Aborted by the caller, or failed.
+    Abort,
+}
+
+/// What ended a request with [`FinishKind::Stop`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Matched {
+    /// A stop or EOS token id.
+    Token(u32),
+    /// A stop string.
+    Text(String),
+}
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finish {
+    /// The kind.
+    pub kind: FinishKind,
+    /// What matched (stop only).
+    pub matched: Option<Matched>,
+    /// Why, for aborts and errors.
+    pub message: Option<String>,
+}
+
+/// Log-probability of one generated token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability under the model.
+    pub logprob: f32,
+    /// The most likely alternatives, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Per-request figures, sent with every chunk.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OutputMeta {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_tokens: usize,
+    /// Times the request was retracted.
+    pub retractions: u32,
+    /// Seconds from arrival to first admission.
+    pub queue_time: f64,
+    /// Seconds from arrival to the first token.
+    pub ttft: Option<f64>,
+    /// Seconds from arrival to this chunk.
+    pub elapsed: f64,
+}
+
+/// One piece of a request's output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputChunk {
+    /// Sample index (0..n).
+    pub index: u32,
+    /// New token ids.
+    pub token_ids: Vec<u32>,
+    /// New text (held back while it could be the start of a stop string).
+    pub text: String,
+    /// Log-probabilities of the new tokens, when asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Set on the sample's last chunk.
+    pub finish: Option<Finish>,
+    /// Counters and timings.
+    pub meta: OutputMeta,
+}
+
+/// Counters for metrics, refreshed every iteration.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStats {
+    pub num_running_reqs: usize,
+    pub num_queue_reqs: usize,
+    /// Tokens of KV in use (by requests and the cache).
+    pub num_used_tokens: usize,
+    /// KV capacity in tokens.
+    pub max_total_tokens: usize,
+    /// `num_used_tokens / max_total_tokens`.
+    pub token_usage: f64,
+    /// Cached share of prompt tokens over recent prefills.
+    pub cache_hit_rate: f64,
+    /// Generated tokens per second over the last interval.
+    pub gen_throughput: f64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub cached_tokens_total: u64,
+    pub num_requests_total: u64,
+    pub num_aborted_requests_total: u64,
+    pub num_retracted_reqs_total: u64,
+    /// Tokens the prefix cache holds.
+    pub cache_tokens: usize,
+    /// Current expected-new-token ratio.
+    pub new_token_ratio: f64,
+    /// Forward passes run.
+    pub iterations: u64,
+}
+
+/// Everything the engine runs with besides its settings.
+pub struct EngineParts {
+    /// The model, device and KV cache.
+    pub runner: ModelRunner,
+    /// The prefix cache (its page size must match the KV cache's).
+    pub prefix_cache: Box<dyn PrefixCache>,
+    /// The sampler.
+    pub sampler: Arc<dyn Sampler>,
+    /// Logits processors, applied in order.
+    pub processors: Vec<Arc<dyn LogitsProcessor>>,
+    /// Detokenizer for text output and stop strings.
+    pub decoder: Arc<dyn TokenDecoder>,
+    /// Ids that end generation unless `ignore_eos`.
+    pub eos_token_ids: Vec<u32>,
+}
+
+enum Msg {
+    Submit(Box<request::Req>),
+    Abort(String),
+    AbortAll,
+    Flush(mpsc::Sender<bool>),
+    Shutdown,
+}
+
+/// The stream of a request's output.
+pub struct RequestStream {
+    rid: String,
+    rx: tokio::sync::mpsc::UnboundedReceiver<OutputChunk>,
+    tx: mpsc::Sender<Msg>,
+    remaining: usize,
+}
+
+impl RequestStream {
+    /// The request's id.
+    pub fn rid(&self) -> &str {
+        &self.rid
+    }
+    /// Next chunk, waiting for it; `None` once every sample finished.
+    pub fn blocking_next(&mut self) -> Option<OutputChunk> {
+        let c = self.rx.blocking_recv();
+        self.track(&c);
+        c
+    }
+    /// Next chunk; `None` once every sample finished.
+    pub async fn next(&mut self) -> Option<OutputChunk> {
+        let c = self.rx.recv().await;
+        self.track(&c);
+        c
+    }
+    fn track(&mut self, c: &Option<OutputChunk>) {
+        match c {
+            Some(c) if c.finish.is_some() => self.remaining = self.remaining.saturating_sub(1),
+            None => self.remaining = 0,
+            _ => {}
+        }
+    }
+    /// Collects every chunk until the request finishes.
+    pub fn collect_blocking(mut self) -> Vec<OutputChunk> {
+        let mut v = Vec::new();
+        while let Some(c) = self.blocking_next() {
+            v.push(c);
+        }
+        v
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if self.remaining > 0 {
+            let _ = self.tx.send(Msg::Abort(self.rid.clone()));
+        }
+    }
+}
+
+/// A running engine.
+pub struct Engine {
+    tx: mpsc::Sender<Msg>,
+    stats: Arc<Mutex<EngineStats>>,
+    thread: Option<JoinHandle<()>>,
+    next_id: AtomicU64,
+    limits: Limits,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    vocab_size: usize,
+    context: usize,
+    capacity_tokens: usize,
+}
+
+impl Engine {
+    /// Starts the scheduler thread.
+    pub fn new(config: EngineConfig, parts: EngineParts) -> Result<Self> {
+        let spec = parts.runner.model().spec().clone();
+        let kv = *parts.runner.kv_spec();
+        if config.max_running_requests == 0 {
+            return Err(CoreError::Config("max_running_requests must be at least 1".into()));
+        }
+        if config.max_prefill_tokens == 0 {
+            return Err(CoreError::Config("max_prefill_tokens must be at least 1".into()));
+        }
+        if config.chunked_prefill_size == 0 || config.chunked_prefill_size < -1 {
+            return Err(CoreError::Config(
+                "chunked_prefill_size must be -1 (off) or positive".into(),
+            ));
+        }
+        if !(config.schedule_conservativeness > 0.0) {
+            return Err(CoreError::Config("schedule_conservativeness must be positive".into()));
+        }
+        let limits = Limits {
+            vocab_size: spec.vocab_size,
+            context: spec.max_position_embeddings,
+            capacity_tokens: kv.capacity_tokens(),
+        };
+        let stats = Arc::new(Mutex::new(EngineStats {
+            max_total_tokens: kv.capacity_tokens(),
+            ..Default::default()
+        }));
+        let (tx, rx) = mpsc::channel();
+        let sched = scheduler::Scheduler::new(config, parts, stats.clone())?;
+        let thread = std::thread::Builder::new()
+            .name("arbor-scheduler".into())
+            .spawn(move || sched.run(rx))
+            .map_err(|e| CoreError::Internal(format!("starting the scheduler: {e}")))?;
+        Ok(Self {
+            tx,
+            stats,
+            thread: Some(thread),
+            next_id: AtomicU64::new(1),
+            limits,
+        })
+    }
+
+    /// Validates and enqueues a request.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream> {
+        let l = self.limits;
+        if req.input_ids.is_empty() {
+            return Err(CoreError::invalid("the prompt is empty"));
+        }
+        req.params.validate(l.vocab_size)?;
+        if let Some(bad) = req.input_ids.iter().find(|&&t| t as usize >= l.vocab_size) {
+            return Err(CoreError::invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                l.vocab_size
+            )));
+        }
+        let total = req.input_ids.len() + req.params.max_new_tokens;
+        if req.input_ids.len() >= l.context || total > l.context {
+            return Err(CoreError::invalid(format!(
+                "the prompt ({} tokens) plus max_new_tokens ({}) exceeds the context length of {}",
+                req.input_ids.len(),
+                req.params.max_new_tokens,
+                l.context
+            )));
+        }
+        if total > l.capacity_tokens {
+            return Err(CoreError::invalid(format!(
+                "the prompt ({} tokens) plus max_new_tokens ({}) exceeds the KV cache capacity of {} tokens",
+                req.input_ids.len(),
+                req.params.max_new_tokens,
+                l.capacity_tokens
+            )));
+        }
+        if req.top_logprobs_num > 20 {
+            return Err(CoreError::invalid("top_logprobs_num must be at most 20"));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let rid = req.rid.clone().unwrap_or_else(|| format!("req-{id}"));
+        if rid.is_empty() {
+            return Err(CoreError::invalid("rid must not be empty"));
+        }
+        let (otx, orx) = tokio::sync::mpsc::unbounded_channel();
+        let n = req.params.n;
+        let r = request::Req::new(rid.clone(), req, otx, Instant::now());
+        self.tx
+            .send(Msg::Submit(Box::new(r)))
+            .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
+        Ok(RequestStream {
+            rid,
+            rx: orx,
+            tx: self.tx.clone(),
+            remaining: n,
+        })
+    }
+
+    /// Aborts every sample of the request `rid` (no-op if unknown).
+    pub fn abort(&self, rid: &str) {
+        let _ = self.tx.send(Msg::Abort(rid.to_string()));
+    }
+
+    /// Aborts every request.
+    pub fn abort_all(&self) {
+        let _ = self.tx.send(Msg::AbortAll);
+    }
+
+    /// Empties the prefix cache if no request is queued or running; returns whether it did.
+    pub fn flush_cache(&self) -> Result<bool> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Msg::Flush(tx))
+            .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
+        rx.recv_timeout(Duration::from_secs(60))
+            .map_err(|_| CoreError::Internal("the scheduler did not answer".into()))
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> EngineStats {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// KV capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.limits.capacity_tokens
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! A request inside the scheduler: its tokens, KV pages, sampling state and
+//! output text.
+//!
+//! KV ownership: the first `node_len` tokens live in pages owned by the prefix
+//! cache (`tree_pages`, protected by the lock on `node`); the request's own
+//! [`PageSet`] holds the pages after them. `computed` tokens have KV written.
+//! While decoding, `computed == tokens - 1` (the newest sampled token is the
+//! next input). Text is streamed only up to the longest suffix that could
+//! still grow into a stop string.
+
+use super::{Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, TokenLogprob};
+use crate::detok::{IncrementalDetokenizer, TokenDecoder};
+use crate::kv::PageSet;
+use crate::prefix_cache::{CacheNamespace, NodeId};
+use crate::sampling::{SamplingParams, SeqRng};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A request as the scheduler tracks it.
+pub(crate) struct Req {
+    pub rid: String,
+    pub index: u32,
+    pub prompt: Arc<Vec<u32>>,
+    pub output: Vec<u32>,
+    pub params: SamplingParams,
+    pub rng: SeqRng,
+    pub ns: CacheNamespace,
+    pub priority: i64,
+    pub return_logprob: bool,
+    pub top_logprobs_num: usize,
+    /// Internal request that only fills the cache with the prompt (for n > 1).
+    pub prefix_only: bool,
+    /// Samples that wait for this prefix-only request.
+    pub followers: Vec<Req>,
+    // KV state.
+    pub node: Option<NodeId>,
+    pub node_len: usize,
+    pub tree_pages: Vec<u32>,
+    pub own: Option<PageSet>,
+    pub computed: usize,
+    // Reporting.
+    pub cached_tokens: Option<usize>,
+    pub retractions: u32,
+    pub arrival: Instant,
+    pub admitted: Option<Instant>,
+    pub first_token: Option<Instant>,
+    // Output text.
+    detok: IncrementalDetokenizer,
+    text: String,
+    sent_text: usize,
+    pending_ids: Vec<u32>,
+    pending_logprobs: Vec<TokenLogprob>,
+    pub sink: UnboundedSender<OutputChunk>,
+}
+
+impl Req {
+    pub fn new(
+        rid: String,
+        r: GenerateRequest,
+        sink: UnboundedSender<OutputChunk>,
+        arrival: Instant,
+    ) -> Self {
+        let ctx_start = r.input_ids.len().saturating_sub(5);
+        let detok = IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
+        let rng = r.params.seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
+        Self {
+            rid,
+            index: 0,
+            prompt: Arc::new(r.input_ids),
+            output: Vec::new(),
+            params: r.params,
+            rng,
+            ns: r.namespace,
+            priority: r.priority,
+            return_logprob: r.return_logprob,
+            top_logprobs_num: r.top_logprobs_num,
+            prefix_only: false,
+            followers: Vec::new(),
+            node: None,
+            node_len: 0,
+            tree_pages: Vec::new(),
+            own: None,
+            computed: 0,
+            cached_tokens: None,
+            retractions: 0,
+            arrival,
+            admitted: None,
+            first_token: None,
+            detok,
+            text: String::new(),
+            sent_text: 0,
+            pending_ids: Vec::new(),
+            pending_logprobs: Vec::new(),
+            sink,
+        }
+    }
+
+    /// A copy for sample `index` of an n > 1 request.
+    pub fn sample_copy(&self, index: u32) -> Self {
+        let mut params = self.params.clone();
+        params.n = 1;
+        let seed = self.params.seed.map(|s| s.wrapping_add(index as u64));
+        params.seed = seed;
+        let rng = seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
+        let ctx_start = self.prompt.len().saturating_sub(5);
+        Self {
+            rid: self.rid.clone(),
+            index,
+            prompt: self.prompt.clone(),
+            output: Vec::new(),
+            detok: IncrementalDetokenizer::new(&self.prompt[ctx_start..], params.skip_special_tokens),
+            params,
+            rng,
+            ns: self.ns.clone(),
+            priority: self.priority,
+            return_logprob: self.return_logprob,
+            top_logprobs_num: self.top_logprobs_num,
+            prefix_only: false,
+            followers: Vec::new(),
+            node: None,
+            node_len: 0,
+            tree_pages: Vec::new(),
+            own: None,
+            computed: 0,
+            cached_tokens: None,
+            retractions: 0,
+            arrival: self.arrival,
+            admitted: None,
+            first_token: None,
+            text: String::new(),
+            sent_text: 0,
+            pending_ids: Vec::new(),
+            pending_logprobs: Vec::new(),
+            sink: self.sink.clone(),
+        }
+    }
+
+    /// Prompt followed by the output.
+    pub fn tokens(&self) -> Vec<u32> {
+        let mut t = Vec::with_capacity(self.prompt.len() + self.output.len());
+        t.extend_from_slice(&self.prompt);
+        t.extend_from_slice(&self.output);
+        t
+    }
+
+    /// Prompt plus output length.
+    pub fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
+    /// Pages covering the sequence: the cache's, then the request's own.
+    pub fn page_table(&self) -> Vec<u32> {
+        let mut p = self.tree_pages.clone();
+        if let Some(o) = &self.own {
+            p.extend_from_slice(o.pages());
+        }
+        p
+    }
+
+    /// Token capacity of the pages held.
+    pub fn page_capacity(&self, page_size: usize) -> usize {
+        (self.tree_pages.len() + self.own.as_ref().map_or(0, |o| o.len())) * page_size
+    }
+
+    /// Tokens still to generate at most.
+    pub fn remaining_new(&self) -> usize {
+        self.params.max_new_tokens.saturating_sub(self.output.len())
+    }
+
+    fn meta(&self) -> OutputMeta {
+        let now = Instant::now();
+        OutputMeta {
+            prompt_tokens: self.prompt.len(),
+            completion_tokens: self.output.len(),
+            cached_tokens: self.cached_tokens.unwrap_or(0),
+            retractions: self.retractions,
+            queue_time: self
+                .admitted
+                .map_or(0.0, |a| a.duration_since(self.arrival).as_secs_f64()),
+            ttft: self
+                .first_token
+                .map(|f| f.duration_since(self.arrival).as_secs_f64()),
+            elapsed: now.duration_since(self.arrival).as_secs_f64(),
+        }
+    }
+
+    /// Records a sampled token and, when `with_text`, its text; returns a
+    /// stop-string finish if one matched.
+    pub fn push_token(
+        &mut self,
+        token: u32,
+        logprob: Option<TokenLogprob>,
+        decoder: &dyn TokenDecoder,
+        with_text: bool,
+    ) -> Option<Finish> {
+        if self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
+        }
+        self.output.push(token);
+        self.pending_ids.push(token);
+        if let Some(l) = logprob {
+            self.pending_logprobs.push(l);
+        }
+        if !with_text {
+            return None;
+        }
+        match self.detok.push(decoder, &[token]) {
+            Ok(delta) => self.text.push_str(&delta),
+            Err(e) => {
+                return Some(Finish {
+                    kind: FinishKind::Abort,
+                    matched: None,
+                    message: Some(e.to_string()),
+                });
+            }
+        }
+        self.match_stop_string()
+    }
+
+    fn match_stop_string(&mut self) -> Option<Finish> {
+        if self.params.stop.is_empty() {
+            return None;
+        }
+        let longest = self.params.stop.iter().map(String::len).max().unwrap_or(0);
+        let mut from = self.sent_text.saturating_sub(longest);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let hay = &self.text[from..];
+        let hit = self
+            .params
+            .stop
+            .iter()
+            .filter_map(|s| hay.find(s.as_str()).map(|p| (p + from, s.clone())))
+            .min_by_key(|(p, _)| *p)?;
+        let (pos, s) = hit;
+        let end = if self.params.no_stop_trim { pos + s.len() } else { pos };
+        self.text.truncate(end);
+        Some(Finish {
+            kind: FinishKind::Stop,
+            matched: Some(Matched::Text(s)),
+            message: None,
+        })
+    }
+
+    /// Length of text safe to send: excludes a tail that may become a stop string.
+    fn safe_text_len(&self) -> usize {
+        let mut safe = self.text.len();
+        for s in &self.params.stop {
+            for k in (1..s.len()).rev() {
+                if s.is_char_boundary(k) && self.text.ends_with(&s[..k]) {
+                    safe = safe.min(self.text.len() - k);
+                    break;
+                }
+            }
+        }
+        safe.max(self.sent_text)
+    }
+
+    /// Sends what is new since the last chunk; with `finish`, flushes everything and ends.
+    pub fn emit(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder) {
+        let stopped_by_string = matches!(
+            finish,
+            Some(Finish {
+                matched: Some(Matched::Text(_)),
+                ..
+            })
+        );
+        if finish.is_some() && !stopped_by_string {
+            if let Ok(rest) = self.detok.flush(decoder) {
+                self.text.push_str(&rest);
+            }
+        }
+        let upto = if finish.is_some() {
+            self.text.len()
+        } else {
+            self.safe_text_len()
+        };
+        if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
+            return;
+        }
+        let text = self.text.get(self.sent_text..upto).unwrap_or_default().to_string();
+        self.sent_text = upto;
+        let chunk = OutputChunk {
+            index: self.index,
+            token_ids: std::mem::take(&mut self.pending_ids),
+            text,
+            logprobs: std::mem::take(&mut self.pending_logprobs),
+            finish,
+            meta: self.meta(),
+        };
+        let _ = self.sink.send(chunk);
+    }
+}

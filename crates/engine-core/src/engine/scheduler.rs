@@ -1,0 +1,737 @@
+//! The scheduler thread: continuous batching with chunked prefill, prefix
+//! reuse, retraction and SGLang's admission budgets.
+//!
+//! Every iteration it drains incoming messages, then builds one batch:
+//! prefill has priority (the chunked request first, then waiting requests in
+//! policy order under `max_running_requests`, `max_prefill_tokens`,
+//! `chunked_prefill_size` and the page budget), optionally mixed with the
+//! running decodes; otherwise every running request decodes one token, after
+//! retracting the least advanced ones if pages run out. It runs the batch,
+//! samples, checks stop conditions, streams output, and on finish inserts the
+//! sequence's KV into the prefix cache and unlocks its node.
+//!
+//! Page budget (tokens): free pages plus evictable cache tokens, minus, for
+//! every running request, its remaining new tokens (clipped) times
+//! `new_token_ratio`. The ratio decays every decode step and jumps up after a
+//! retraction, as in SGLang.
+
+use super::policy;
+use super::request::Req;
+use super::{EngineConfig, EngineParts, EngineStats, Finish, FinishKind, Matched, Msg, TokenLogprob};
+use crate::detok::TokenDecoder;
+use crate::error::{CoreError, Result};
+use crate::kv::PagePool;
+use crate::prefix_cache::PrefixCache;
+use crate::runner::{ModelRunner, SamplingSetup, SeqStep, is_stop, sample_next};
+use crate::sampling::{LogitsProcessor, Sampler, SeqRng};
+use std::collections::VecDeque;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// Remaining new tokens counted per request in the budget, at most.
+const CLIP_MAX_NEW_TOKENS: usize = 4096;
+/// Decode steps a retraction should buy the remaining requests.
+const RETRACT_DECODE_STEPS: usize = 20;
+const INIT_NEW_TOKEN_RATIO: f64 = 0.7;
+const MIN_NEW_TOKEN_RATIO_FACTOR: f64 = 0.14;
+const NEW_TOKEN_RATIO_DECAY_STEPS: f64 = 600.0;
+
+/// What is left of one iteration's prefill budgets.
+struct Budget {
+    rem_chunk: usize,
+    rem_input: usize,
+    reserved: f64,
+}
+
+struct PrefillEntry {
+    req: Req,
+    start: usize,
+    len: usize,
+    last: bool,
+}
+
+pub(crate) struct Scheduler {
+    cfg: EngineConfig,
+    runner: ModelRunner,
+    pool: PagePool,
+    cache: Box<dyn PrefixCache>,
+    sampler: Arc<dyn Sampler>,
+    processors: Vec<Arc<dyn LogitsProcessor>>,
+    decoder: Arc<dyn TokenDecoder>,
+    eos: Vec<u32>,
+    waiting: VecDeque<Req>,
+    running: Vec<Req>,
+    chunked: Option<Req>,
+    page_size: usize,
+    new_token_ratio: f64,
+    init_ratio: f64,
+    min_ratio: f64,
+    decay: f64,
+    rng: SeqRng,
+    stats: Arc<Mutex<EngineStats>>,
+    counters: EngineStats,
+    window_tokens: u64,
+    window_start: Instant,
+    hit_window: VecDeque<(usize, usize)>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: EngineConfig, parts: EngineParts, stats: Arc<Mutex<EngineStats>>) -> Result<Self> {
+        let pool = parts.runner.new_page_pool();
+        let page_size = pool.page_size();
+        let init_ratio = (INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness as f64).min(1.0);
+        let min_ratio = init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR;
+        let counters = EngineStats {
+            max_total_tokens: pool.total_pages() * page_size,
+            new_token_ratio: init_ratio,
+            ..Default::default()
+        };
+        Ok(Self {
+            rng: SeqRng::new(cfg.seed),
+            cfg,
+            runner: parts.runner,
+            pool,
+            cache: parts.prefix_cache,
+            sampler: parts.sampler,
+            processors: parts.processors,
+            decoder: parts.decoder,
+            eos: parts.eos_token_ids,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            chunked: None,
+            page_size,
+            new_token_ratio: init_ratio,
+            init_ratio,
+            min_ratio,
+            decay: (init_ratio - min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS,
+            stats,
+            counters,
+            window_tokens: 0,
+            window_start: Instant::now(),
+            hit_window: VecDeque::new(),
+        })
+    }
+
+    fn idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty() && self.chunked.is_none()
+    }
+
+    /// The thread's main loop.
+    pub fn run(mut self, rx: Receiver<Msg>) {
+        'outer: loop {
+            if self.idle() {
+                self.publish();
+                match rx.recv() {
+                    Ok(m) => {
+                        if !self.handle(m) {
+                            break 'outer;
+                        }
+                    }
+                    Err(_) => break 'outer,
+                }
+            }
+            while let Ok(m) = rx.try_recv() {
+                if !self.handle(m) {
+                    break 'outer;
+                }
+            }
+            if let Err(e) = self.iterate() {
+                tracing::error!("scheduler iteration failed: {e}");
+                self.abort_everything(&format!("engine error: {e}"));
+            }
+            self.publish();
+        }
+        self.abort_everything("the engine is shutting down");
+        self.publish();
+    }
+
+    fn handle(&mut self, m: Msg) -> bool {
+        match m {
+            Msg::Submit(r) => self.accept(*r),
+            Msg::Abort(rid) => self.abort(|r| r.rid == rid, "aborted by request"),
+            Msg::AbortAll => self.abort(|_| true, "aborted by request"),
+            Msg::Flush(reply) => {
+                let ok = self.idle();
+                if ok {
+                    self.cache.flush();
+                }
+                let _ = reply.send(ok);
+            }
+            Msg::Shutdown => return false,
+        }
+        true
+    }
+
+    fn live_rid(&self, rid: &str) -> bool {
+        self.waiting.iter().any(|r| r.rid == rid || r.followers.iter().any(|f| f.rid == rid))
+            || self.running.iter().any(|r| r.rid == rid)
+            || self.chunked.as_ref().is_some_and(|r| r.rid == rid)
+    }
+
+    fn reject(&mut self, mut r: Req, msg: String) {
+        let n = r.params.n.max(1);
+        for i in 0..n {
+            r.index = i as u32;
+            r.emit(Some(abort_finish(&msg)), &*self.decoder);
+        }
+        self.counters.num_aborted_requests_total += 1;
+    }
+
+    fn accept(&mut self, mut r: Req) {
+        if self.live_rid(&r.rid) {
+            let msg = format!("rid '{}' is already in use", r.rid);
+            return self.reject(r, msg);
+        }
+        if self.waiting.len() >= self.cfg.max_queued_requests {
+            return self.reject(r, "the request queue is full".into());
+        }
+        let n = r.params.n;
+        if n <= 1 {
+            self.waiting.push_back(r);
+            return;
+        }
+        let mut copies = Vec::with_capacity(n);
+        for i in 0..n {
+            copies.push(r.sample_copy(i as u32));
+        }
+        if self.cfg.disable_radix_cache {
+            self.waiting.extend(copies);
+        } else {
+            // Fill the cache with the prompt once; the samples then share its pages.
+            r.prefix_only = true;
+            r.params.max_new_tokens = 0;
+            r.params.n = 1;
+            r.followers = copies;
+            self.waiting.push_back(r);
+        }
+    }
+
+    fn abort(&mut self, pred: impl Fn(&Req) -> bool, msg: &str) {
+        let mut victims = Vec::new();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if pred(&self.waiting[i]) {
+                if let Some(r) = self.waiting.remove(i) {
+                    victims.push(r);
+                }
+            } else {
+                self.waiting[i].followers.retain(|f| !pred(f));
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if pred(&self.running[i]) {
+                victims.push(self.running.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        if self.chunked.as_ref().is_some_and(&pred) {
+            if let Some(r) = self.chunked.take() {
+                victims.push(r);
+            }
+        }
+        for mut r in victims {
+            // Followers of an aborted prefix-only request are aborted with it.
+            for f in std::mem::take(&mut r.followers) {
+                self.finish(f, abort_finish(msg));
+            }
+            self.finish(r, abort_finish(msg));
+        }
+    }
+
+    fn abort_everything(&mut self, msg: &str) {
+        self.abort(|_| true, msg);
+    }
+
+    // ---- KV bookkeeping -------------------------------------------------
+
+    fn available_tokens(&self) -> usize {
+        self.pool.free_pages() * self.page_size + self.cache.stats().evictable_tokens
+    }
+
+    /// Allocates `n` pages, evicting from the cache if needed.
+    fn alloc_pages(&mut self, n: usize) -> Option<crate::kv::PageSet> {
+        let free = self.pool.free_pages();
+        if free < n {
+            self.cache.evict((n - free) * self.page_size);
+        }
+        self.pool.alloc(n).ok()
+    }
+
+    /// Matches the request's cached prefix and locks it (first admission or after retraction).
+    fn attach_prefix(&mut self, r: &mut Req) -> Result<()> {
+        let toks = r.tokens();
+        let m = self.cache.match_prefix(&r.ns, &toks[..toks.len() - 1]);
+        self.cache.lock(m.node)?;
+        r.node = Some(m.node);
+        r.node_len = m.matched_tokens;
+        r.tree_pages = m.pages;
+        r.computed = m.matched_tokens;
+        r.own = Some(self.pool.empty_set());
+        if r.cached_tokens.is_none() {
+            r.cached_tokens = Some(m.matched_tokens.min(r.prompt.len()));
+        }
+        Ok(())
+    }
+
+    /// Gives the request's KV back: its computed part to the cache (when `keep`), the rest to the pool.
+    fn release_kv(&mut self, r: &mut Req, keep: bool) {
+        let Some(node) = r.node.take() else {
+            r.own = None;
+            return;
+        };
+        let mut own = r.own.take().unwrap_or_else(|| self.pool.empty_set());
+        if keep && !self.cfg.disable_radix_cache && r.computed > r.node_len {
+            let covered = (r.computed - r.node_len).div_ceil(self.page_size);
+            drop(own.split_off(covered));
+            let toks = r.tokens();
+            if let Err(e) =
+                self.cache
+                    .insert_with_prefix(&r.ns, &toks[..r.computed], r.node_len, own, r.priority)
+            {
+                tracing::warn!("caching request {}: {e}", r.rid);
+            }
+        } else {
+            drop(own);
+        }
+        if let Err(e) = self.cache.unlock(node) {
+            tracing::error!("unlocking the prefix of {}: {e}", r.rid);
+        }
+        r.tree_pages.clear();
+        r.node_len = 0;
+        r.computed = 0;
+    }
+
+    /// After a non-final chunk: cache the computed part and hold it through the cache's pages.
+    fn cache_unfinished(&mut self, r: &mut Req) -> Result<()> {
+        if self.cfg.disable_radix_cache {
+            return Ok(());
+        }
+        let toks = r.tokens();
+        let own = r.own.take().unwrap_or_else(|| self.pool.empty_set());
+        let old = r.node.take();
+        self.cache
+            .insert_with_prefix(&r.ns, &toks[..r.computed], r.node_len, own, r.priority)?;
+        let m = self.cache.match_prefix(&r.ns, &toks[..r.computed]);
+        self.cache.lock(m.node)?;
+        if let Some(old) = old {
+            self.cache.unlock(old)?;
+        }
+        if m.matched_tokens != r.computed {
+            return Err(CoreError::Internal(format!(
+                "chunk of {} cached only {} tokens",
+                r.computed, m.matched_tokens
+            )));
+        }
+        r.node = Some(m.node);
+        r.node_len = m.matched_tokens;
+        r.tree_pages = m.pages;
+        r.own = Some(self.pool.empty_set());
+        Ok(())
+    }
+
+    // ---- Scheduling -----------------------------------------------------
+
+    fn reserved_for_running(&self) -> f64 {
+        self.running
+            .iter()
+            .map(|r| r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio)
+            .sum()
+    }
+
+    /// Builds the prefill part of the next batch.
+    fn schedule_prefill(&mut self) -> Result<Vec<PrefillEntry>> {
+        let mut entries: Vec<PrefillEntry> = Vec::new();
+        let mut budget = Budget {
+            rem_chunk: if self.cfg.chunked_prefill_size > 0 {
+                self.cfg.chunked_prefill_size as usize
+            } else {
+                usize::MAX
+            },
+            rem_input: self.cfg.max_prefill_tokens,
+            reserved: self.reserved_for_running(),
+        };
+        // The chunked request continues first.
+        if let Some(r) = self.chunked.take() {
+            match self.plan_chunk(r, &mut budget, true)? {
+                Ok(e) => {
+                    let last = e.last;
+                    entries.push(e);
+                    if !last {
+                        return Ok(entries);
+                    }
+                }
+                Err(r) => {
+                    self.chunked = Some(r);
+                    return Ok(entries);
+                }
+            }
+        }
+        if self.waiting.is_empty() {
+            return Ok(entries);
+        }
+        let order = policy::order(
+            self.cfg.schedule_policy,
+            &self.waiting,
+            &*self.cache,
+            self.cfg.lpm_fallback_queue_len,
+            &mut self.rng,
+        );
+        let mut queue: Vec<Option<Req>> = self.waiting.drain(..).map(Some).collect();
+        for i in order {
+            let running = self.running.len() + entries.len();
+            if running >= self.cfg.max_running_requests || budget.rem_chunk == 0 {
+                break;
+            }
+            let Some(r) = queue.get_mut(i).and_then(Option::take) else {
+                continue;
+            };
+            let first = entries.is_empty();
+            match self.plan_chunk(r, &mut budget, first) {
+                Ok(Ok(e)) => {
+                    let last = e.last;
+                    entries.push(e);
+                    if !last {
+                        break;
+                    }
+                }
+                Ok(Err(r)) => {
+                    queue[i] = Some(r);
+                    break;
+                }
+                Err(err) => {
+                    self.waiting.extend(queue.into_iter().flatten());
+                    return Err(err);
+                }
+            }
+        }
+        self.waiting.extend(queue.into_iter().flatten());
+        Ok(entries)
+    }
+
+    /// Admits `r` for one chunk under the budgets, or gives it back untouched.
+    fn plan_chunk(
+        &mut self,
+        mut r: Req,
+        b: &mut Budget,
+        first: bool,
+    ) -> Result<std::result::Result<PrefillEntry, Req>> {
+        let fresh = r.node.is_none();
+        if fresh {
+            self.attach_prefix(&mut r)?;
+        }
+        let ps = self.page_size;
+        let total = r.len();
+        let extend = total - r.computed;
+        let mut len = extend.min(b.rem_chunk);
+        if !first {
+            len = len.min(b.rem_input);
+        }
+        if len < extend {
+            // A partial chunk ends on a page boundary.
+            let end = (r.computed + len) / ps * ps;
+            len = end.saturating_sub(r.computed);
+        }
+        let last = len == extend;
+        let future = if last {
+            r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio
+        } else {
+            0.0
+        };
+        let room = self.available_tokens() as f64 - b.reserved;
+        let fits = len > 0 && ((first && self.running.is_empty()) || len as f64 + future <= room);
+        let need_pages = (r.computed + len)
+            .div_ceil(ps)
+            .saturating_sub(r.page_capacity(ps) / ps);
+        let pages = if fits { self.alloc_pages(need_pages) } else { None };
+        let Some(pages) = pages else {
+            if fresh {
+                self.release_kv(&mut r, false);
+            }
+            return Ok(Err(r));
+        };
+        if let Some(own) = r.own.as_mut() {
+            own.append(pages)?;
+        }
+        if r.admitted.is_none() {
+            r.admitted = Some(Instant::now());
+        }
+        b.rem_chunk = b.rem_chunk.saturating_sub(len);
+        b.rem_input = b.rem_input.saturating_sub(len);
+        b.reserved += len as f64 + future;
+        let start = r.computed;
+        Ok(Ok(PrefillEntry {
+            req: r,
+            start,
+            len,
+            last,
+        }))
+    }
+
+    /// Makes sure every running request has a slot for one more token, retracting if needed.
+    fn prepare_decode(&mut self) -> Result<()> {
+        let ps = self.page_size;
+        loop {
+            let need = self
+                .running
+                .iter()
+                .filter(|r| r.computed + 1 > r.page_capacity(ps))
+                .count();
+            let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;
+            if need <= available || self.running.len() <= 1 {
+                break;
+            }
+            self.retract_one();
+        }
+        for i in 0..self.running.len() {
+            if self.running[i].computed + 1 > self.running[i].page_capacity(ps) {
+                match self.alloc_pages(1) {
+                    Some(p) => {
+                        if let Some(own) = self.running[i].own.as_mut() {
+                            own.append(p)?;
+                        }
+                    }
+                    None => {
+                        return Err(CoreError::OutOfMemory(
+                            "no KV page left for a lone decoding request".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Retracts the running request with the least decoded progress.
+    fn retract_one(&mut self) {
+        let Some(victim) = (0..self.running.len()).min_by_key(|&i| {
+            let r = &self.running[i];
+            (r.output.len(), std::cmp::Reverse(r.prompt.len()))
+        }) else {
+            return;
+        };
+        let mut r = self.running.swap_remove(victim);
+        self.release_kv(&mut r, true);
+        r.retractions += 1;
+        self.counters.num_retracted_reqs_total += 1;
+        tracing::info!("retracted {} after {} tokens", r.rid, r.output.len());
+        self.waiting.push_front(r);
+        let decoded: usize = self.running.iter().map(|r| r.output.len()).sum();
+        let max_new: usize = self.running.iter().map(|r| r.params.max_new_tokens).sum::<usize>().max(1);
+        let ratio = (decoded + RETRACT_DECODE_STEPS * self.running.len()) as f64 / max_new as f64;
+        self.new_token_ratio = ratio.clamp(self.new_token_ratio, 1.0);
+    }
+
+    // ---- One iteration --------------------------------------------------
+
+    fn iterate(&mut self) -> Result<()> {
+        let prefill = self.schedule_prefill()?;
+        let decode = prefill.is_empty() || self.cfg.enable_mixed_chunk;
+        if decode && !self.running.is_empty() {
+            self.prepare_decode()?;
+        }
+        let decoding: Vec<Req> = if decode { std::mem::take(&mut self.running) } else { Vec::new() };
+        if prefill.is_empty() && decoding.is_empty() {
+            return Ok(());
+        }
+        // Token buffers and page tables outlive the steps that borrow them.
+        let mut inputs: Vec<(Vec<u32>, Vec<u32>, usize, bool)> = Vec::new();
+        for e in &prefill {
+            let toks = e.req.tokens();
+            let want = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
+            inputs.push((toks[e.start..e.start + e.len].to_vec(), e.req.page_table(), e.start, want));
+        }
+        for r in &decoding {
+            let last = r.output.last().copied().unwrap_or(r.prompt[r.prompt.len() - 1]);
+            inputs.push((vec![last], r.page_table(), r.computed, true));
+        }
+        let steps: Vec<SeqStep<'_>> = inputs
+            .iter()
+            .map(|(t, p, prefix, want)| SeqStep {
+                tokens: t,
+                prefix_len: *prefix,
+                pages: p,
+                want_logits: *want,
+            })
+            .collect();
+        let result = self.runner.step(&steps);
+        drop(steps);
+        self.counters.iterations += 1;
+        let mut logits = match result {
+            Ok(l) => l.into_iter(),
+            Err(e) => {
+                let msg = format!("forward pass failed: {e}");
+                tracing::error!("{msg}");
+                for mut e in prefill {
+                    e.req.followers.drain(..).for_each(|f| self.waiting.push_back(f));
+                    self.finish(e.req, abort_finish(&msg));
+                }
+                for r in decoding {
+                    self.finish(r, abort_finish(&msg));
+                }
+                return Ok(());
+            }
+        };
+        if !decoding.is_empty() {
+            self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
+        }
+        for e in prefill {
+            let mut r = e.req;
+            r.computed = e.start + e.len;
+            if !e.last {
+                self.cache_unfinished(&mut r)?;
+                self.chunked = Some(r);
+                continue;
+            }
+            self.record_hit(&r);
+            self.counters.prompt_tokens_total += if r.retractions == 0 { r.prompt.len() as u64 } else { 0 };
+            if r.prefix_only || r.params.max_new_tokens == 0 {
+                self.finish(r, Finish { kind: FinishKind::Length, matched: None, message: None });
+                continue;
+            }
+            let Some(mut row) = logits.next() else {
+                return Err(CoreError::Internal("missing logits of a prefill".into()));
+            };
+            self.advance(r, &mut row);
+        }
+        for r in decoding {
+            let mut r = r;
+            r.computed += 1;
+            let Some(mut row) = logits.next() else {
+                return Err(CoreError::Internal("missing logits of a decode".into()));
+            };
+            self.advance(r, &mut row);
+        }
+        Ok(())
+    }
+
+    /// Samples the next token of `r`, streams it, and finishes or keeps the request.
+    fn advance(&mut self, mut r: Req, logits: &mut [f32]) {
+        let lp_top = if r.return_logprob { Some(r.top_logprobs_num) } else { None };
+        let lse = lp_top.map(|_| log_sum_exp(logits));
+        let raw_top = lp_top.map(|n| top_n(logits, n));
+        let setup = SamplingSetup {
+            sampler: &*self.sampler,
+            processors: &self.processors,
+            eos_token_ids: &self.eos,
+        };
+        let raw = lse.map(|_| logits.to_vec());
+        let tok = match sample_next(logits, &r.prompt, &r.output, &r.params, &setup, &mut r.rng) {
+            Ok(t) => t,
+            Err(e) => return self.finish(r, abort_finish(&format!("sampling failed: {e}"))),
+        };
+        let logprob = match (lse, raw, raw_top) {
+            (Some(lse), Some(raw), Some(top)) => Some(TokenLogprob {
+                token: tok,
+                logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
+                top: top.into_iter().map(|(t, l)| (t, l - lse)).collect(),
+            }),
+            _ => None,
+        };
+        self.counters.generation_tokens_total += 1;
+        self.window_tokens += 1;
+        let stop_token = is_stop(tok, &r.params, &self.eos);
+        let text_of_token = !stop_token || r.params.no_stop_trim;
+        let mut finish = r.push_token(tok, logprob, &*self.decoder, text_of_token);
+        if finish.is_none() {
+            if stop_token {
+                finish = Some(Finish { kind: FinishKind::Stop, matched: Some(Matched::Token(tok)), message: None });
+            } else if r.output.len() >= r.params.max_new_tokens {
+                finish = Some(Finish { kind: FinishKind::Length, matched: None, message: None });
+            }
+        }
+        match finish {
+            Some(f) => self.finish(r, f),
+            None => {
+                r.emit(None, &*self.decoder);
+                self.running.push(r);
+            }
+        }
+    }
+
+    fn finish(&mut self, mut r: Req, f: Finish) {
+        self.release_kv(&mut r, true);
+        if f.kind == FinishKind::Abort {
+            self.counters.num_aborted_requests_total += u64::from(!r.prefix_only);
+        }
+        if r.prefix_only {
+            // The prompt is cached now: release the samples, in order, at the front.
+            for s in std::mem::take(&mut r.followers).into_iter().rev() {
+                self.waiting.push_front(s);
+            }
+            return;
+        }
+        self.counters.num_requests_total += 1;
+        self.counters.cached_tokens_total += r.cached_tokens.unwrap_or(0) as u64;
+        r.emit(Some(f), &*self.decoder);
+    }
+
+    fn record_hit(&mut self, r: &Req) {
+        if r.retractions > 0 {
+            return;
+        }
+        self.hit_window.push_back((r.cached_tokens.unwrap_or(0), r.prompt.len()));
+        if self.hit_window.len() > 256 {
+            self.hit_window.pop_front();
+        }
+    }
+
+    fn publish(&mut self) {
+        if self.idle() {
+            self.new_token_ratio = self.init_ratio;
+        }
+        let cache_tokens = self.cache.stats().cached_tokens;
+        let c = &mut self.counters;
+        let ps = self.page_size;
+        c.num_running_reqs = self.running.len() + usize::from(self.chunked.is_some());
+        c.num_queue_reqs = self.waiting.len()
+            + self.waiting.iter().map(|r| r.followers.len()).sum::<usize>();
+        c.num_used_tokens = self.pool.used_pages() * ps;
+        c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
+        let (hit, tot) = self
+            .hit_window
+            .iter()
+            .fold((0usize, 0usize), |(a, b), (h, t)| (a + h, b + t));
+        c.cache_hit_rate = if tot == 0 { 0.0 } else { hit as f64 / tot as f64 };
+        let dt = self.window_start.elapsed().as_secs_f64();
+        if dt >= 1.0 || (self.window_tokens == 0 && dt > 0.1) {
+            c.gen_throughput = self.window_tokens as f64 / dt;
+            self.window_tokens = 0;
+            self.window_start = Instant::now();
+        }
+        c.cache_tokens = cache_tokens;
+        c.new_token_ratio = self.new_token_ratio;
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
+    }
+}
+
+fn abort_finish(msg: &str) -> Finish {
+    Finish {
+        kind: FinishKind::Abort,
+        matched: None,
+        message: Some(msg.to_string()),
+    }
+}
+
+fn log_sum_exp(v: &[f32]) -> f32 {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return m;
+    }
+    m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln()
+}
+
+fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    let k = n.min(idx.len());
+    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+    idx.truncate(k);
+    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx
+}

@@ -1,0 +1,344 @@
+//! The engine end to end on the tiny Llama fixture (a real model, checked
+//! against transformers in the models crate): continuous batching, chunked
+//! prefill, prefix reuse, retraction, aborts, n > 1, stop conditions and
+//! policies. Every test ends with the KV pool entirely free after a flush.
+
+use anyhow::Result;
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::engine::{
+    Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest, Matched, OutputChunk,
+    SchedulePolicy,
+};
+use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::{
+    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams, SeqRng,
+};
+use arbor_kv_radix as _;
+use arbor_models::{LoadedModel, load_model};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
+}
+
+struct Shared {
+    model: LoadedModel,
+    backend: Arc<dyn Backend>,
+    registry: Registry,
+}
+
+fn shared() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| {
+        let registry = Registry::builtin().expect("registry");
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
+            progress: None,
+        };
+        let model = load_model(&fixture(), &registry, &opts).expect("tiny-llama loads");
+        Shared {
+            model,
+            backend,
+            registry,
+        }
+    })
+}
+
+fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engine> {
+    let s = shared();
+    let runner = ModelRunner::new(
+        s.model.model.clone(),
+        s.backend.clone(),
+        None,
+        page_size,
+        num_pages,
+        DType::F32,
+    )?;
+    let cache_name = if cfg.disable_radix_cache { "none" } else { "radix" };
+    let policy = s.registry.eviction_policies.get("lru")?()?;
+    let cache = s.registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions {
+        page_size,
+        policy,
+    })?;
+    let parts = EngineParts {
+        runner,
+        prefix_cache: cache,
+        sampler: s.registry.samplers.get("standard")?()?,
+        processors: vec![s.registry.logits_processors.get("penalties")?(
+            &serde_json::Value::Null,
+        )?],
+        decoder: s.model.tokenizer.clone(),
+        eos_token_ids: s.model.tokenizer.eos_token_ids.clone(),
+    };
+    Ok(Engine::new(cfg, parts)?)
+}
+
+/// Asserts that once idle and flushed, no KV page is in use.
+fn assert_pool_empty(e: &Engine) {
+    assert!(e.flush_cache().unwrap(), "engine should be idle");
+    // Stats are published after the flush message is handled; wait for it.
+    for _ in 0..100 {
+        if e.stats().num_used_tokens == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("KV pages still in use: {:?}", e.stats());
+}
+
+fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = SeqRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let len = 3 + (rng.next_u64() % 60) as usize;
+            (0..len).map(|_| (rng.next_u64() % 497) as u32).collect()
+        })
+        .collect()
+}
+
+fn greedy(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_new)
+    }
+}
+
+fn tokens_of(chunks: &[OutputChunk]) -> Vec<u32> {
+    chunks.iter().flat_map(|c| c.token_ids.clone()).collect()
+}
+
+fn run_all(e: &Engine, ps: &[Vec<u32>], params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+    let streams: Vec<_> = ps
+        .iter()
+        .map(|p| e.submit(GenerateRequest::new(p.clone(), params.clone())))
+        .collect::<Result<_, _>>()?;
+    Ok(streams
+        .into_iter()
+        .map(|s| {
+            let chunks = s.collect_blocking();
+            let f = chunks.last().and_then(|c| c.finish.clone()).expect("finished");
+            assert_ne!(f.kind, FinishKind::Abort, "{f:?}");
+            tokens_of(&chunks)
+        })
+        .collect())
+}
+
+fn reference(ps: &[Vec<u32>], max_new: usize) -> Result<Vec<Vec<u32>>> {
+    let e = engine(EngineConfig::default(), 256, 16)?;
+    let mut out = Vec::new();
+    for p in ps {
+        out.extend(run_all(&e, std::slice::from_ref(p), &greedy(max_new))?);
+    }
+    assert_pool_empty(&e);
+    Ok(out)
+}
+
+#[test]
+fn alone_batched_cached_chunked_and_retracted_agree() -> Result<()> {
+    let ps = prompts(32, 11);
+    let want = reference(&ps, 24)?;
+
+    // (b) all 32 at once: continuous batching.
+    let e = engine(EngineConfig::default(), 256, 16)?;
+    assert_eq!(run_all(&e, &ps, &greedy(24))?, want, "batched");
+    // (c) again with the prefix cache warm: every prompt is a cache hit now.
+    assert_eq!(run_all(&e, &ps, &greedy(24))?, want, "cached");
+    assert!(e.stats().cached_tokens_total > 0);
+    assert_pool_empty(&e);
+
+    // (c) without the prefix cache.
+    let cfg = EngineConfig {
+        disable_radix_cache: true,
+        ..Default::default()
+    };
+    let e = engine(cfg, 256, 16)?;
+    assert_eq!(run_all(&e, &ps, &greedy(24))?, want, "no cache");
+    assert_eq!(e.stats().cached_tokens_total, 0);
+    assert_pool_empty(&e);
+
+    // (d) chunked prefill with tiny chunks (page size 4), with and without the cache.
+    for disable in [false, true] {
+        let cfg = EngineConfig {
+            chunked_prefill_size: 8,
+            max_prefill_tokens: 16,
+            disable_radix_cache: disable,
+            ..Default::default()
+        };
+        let e = engine(cfg, 1024, 4)?;
+        assert_eq!(run_all(&e, &ps, &greedy(24))?, want, "chunked, no cache: {disable}");
+        assert_pool_empty(&e);
+    }
+
+    // (e) a small pool and an optimistic budget: decoding must retract requests.
+    let cfg = EngineConfig {
+        schedule_conservativeness: 0.05,
+        ..Default::default()
+    };
+    let e = engine(cfg, 12, 16)?;
+    assert_eq!(run_all(&e, &ps[..12], &greedy(24))?, want[..12], "retracted");
+    assert!(e.stats().num_retracted_reqs_total > 0, "{:?}", e.stats());
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+#[test]
+fn every_policy_and_mixed_chunks_give_the_same_tokens() -> Result<()> {
+    let mut ps = prompts(10, 5);
+    // Shared prefixes so lpm and dfs-weight have something to order.
+    let base = ps[0].clone();
+    for p in ps.iter_mut().skip(5) {
+        let mut q = base.clone();
+        q.extend_from_slice(&p[..3]);
+        *p = q;
+    }
+    let want = reference(&ps, 12)?;
+    for policy in SchedulePolicy::NAMES {
+        let cfg = EngineConfig {
+            schedule_policy: policy.parse()?,
+            max_running_requests: 3,
+            enable_mixed_chunk: policy == "lof",
+            chunked_prefill_size: 32,
+            ..Default::default()
+        };
+        let e = engine(cfg, 256, 16)?;
+        assert_eq!(run_all(&e, &ps, &greedy(12))?, want, "policy {policy}");
+        assert_pool_empty(&e);
+    }
+    Ok(())
+}
+
+#[test]
+fn abort_frees_pages_and_drop_aborts() -> Result<()> {
+    let e = engine(EngineConfig::default(), 64, 16)?;
+    let p = prompts(1, 3).remove(0);
+    let mut s = e.submit(GenerateRequest {
+        rid: Some("victim".into()),
+        ..GenerateRequest::new(p.clone(), greedy(200))
+    })?;
+    // Wait until it is decoding.
+    let first = s.blocking_next().expect("a chunk");
+    assert!(first.finish.is_none());
+    e.abort("victim");
+    let rest: Vec<OutputChunk> = std::iter::from_fn(|| s.blocking_next()).collect();
+    let f = rest.last().and_then(|c| c.finish.clone()).expect("finish");
+    assert_eq!(f.kind, FinishKind::Abort);
+    assert!(tokens_of(&rest).len() < 199);
+    assert_pool_empty(&e);
+
+    // Dropping the stream (a client disconnect) aborts too.
+    let s = e.submit(GenerateRequest::new(p, greedy(200)))?;
+    drop(s);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(e.stats().num_running_reqs, 0);
+    assert!(e.stats().num_aborted_requests_total >= 2);
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+#[test]
+fn impossible_requests_are_refused() -> Result<()> {
+    let e = engine(EngineConfig::default(), 4, 16)?;
+    let long = vec![5u32; 300];
+    let err = e.submit(GenerateRequest::new(long, greedy(4))).err().expect("refused");
+    assert!(err.to_string().contains("context length"), "{err}");
+    let err = e
+        .submit(GenerateRequest::new(vec![5u32; 60], greedy(10)))
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("KV cache capacity"), "{err}");
+    let err = e.submit(GenerateRequest::new(vec![], greedy(4))).err().expect("refused");
+    assert!(err.to_string().contains("empty"), "{err}");
+    let err = e
+        .submit(GenerateRequest::new(vec![9999], greedy(4)))
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+#[test]
+fn n_samples_share_the_prompt_and_seeds_repeat() -> Result<()> {
+    let e = engine(EngineConfig::default(), 128, 4)?;
+    let p = prompts(1, 9).remove(0);
+    let params = SamplingParams {
+        n: 4,
+        temperature: 1.0,
+        seed: Some(42),
+        max_new_tokens: 16,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let run = || -> Result<Vec<Vec<u32>>> {
+        let chunks = e.submit(GenerateRequest::new(p.clone(), params.clone()))?.collect_blocking();
+        let mut per = vec![Vec::new(); 4];
+        for c in &chunks {
+            per[c.index as usize].extend_from_slice(&c.token_ids);
+            if c.finish.is_some() {
+                assert!(c.meta.cached_tokens >= p.len() / 4 * 4 - 4, "{:?}", c.meta);
+            }
+        }
+        assert_eq!(chunks.iter().filter(|c| c.finish.is_some()).count(), 4);
+        Ok(per)
+    };
+    let a = run()?;
+    assert!(a.iter().all(|s| s.len() == 16));
+    assert!(a.windows(2).any(|w| w[0] != w[1]), "samples should differ");
+    assert_eq!(a, run()?, "same seed, same samples");
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+#[test]
+fn stop_conditions() -> Result<()> {
+    let e = engine(EngineConfig::default(), 64, 16)?;
+    let tok = &shared().model.tokenizer;
+    let p = prompts(1, 21).remove(0);
+    let free = run_all(&e, std::slice::from_ref(&p), &greedy(20))?.remove(0);
+
+    // A stop token id ends generation at its first occurrence.
+    let stop_id = free[5];
+    let first = free.iter().position(|&t| t == stop_id).expect("present");
+    let params = SamplingParams {
+        stop_token_ids: vec![stop_id],
+        ..greedy(20)
+    };
+    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
+    let f = chunks.last().and_then(|c| c.finish.clone()).expect("finish");
+    assert_eq!(f.matched, Some(Matched::Token(stop_id)));
+    assert_eq!(tokens_of(&chunks), free[..=first].to_vec());
+
+    // min_new_tokens suppresses the stop id until then.
+    let params = SamplingParams {
+        stop_token_ids: vec![stop_id],
+        min_new_tokens: first + 1,
+        ..greedy(20)
+    };
+    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
+    assert!(tokens_of(&chunks)[..=first].iter().all(|&t| t != stop_id));
+
+    // A stop string is matched on the text and trimmed; streamed text never shows it.
+    let text = arbor_engine_core::TokenDecoder::decode(&**tok, &free, true)?;
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        ..greedy(20)
+    };
+    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
+    let streamed: String = chunks.iter().map(|c| c.text.as_str()).collect();
+    let f = chunks.last().and_then(|c| c.finish.clone()).expect("finish");
+    assert_eq!(f.matched, Some(Matched::Text(stop.clone())));
+    assert_eq!(streamed, text[..text.find(&stop).expect("stop in text")]);
+
+    // max_new_tokens = 0 only fills the cache.
+    let chunks = e.submit(GenerateRequest::new(p.clone(), greedy(0)))?.collect_blocking();
+    assert_eq!(chunks.len(), 1);
+    assert_eq!(chunks[0].finish.as_ref().map(|f| f.kind), Some(FinishKind::Length));
+    assert!(chunks[0].token_ids.is_empty());
+    assert_pool_empty(&e);
+    Ok(())
+}

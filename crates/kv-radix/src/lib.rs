@@ -1,0 +1,45 @@
+//! Arbor's RadixAttention prefix cache (SGLang's radix cache) and its eviction policies.
+//!
+//! This crate owns:
+//! - [`RadixCache`]: a radix tree in an arena whose edges are runs of whole KV
+//!   pages; it implements engine-core's [`PrefixCache`](arbor_engine_core::PrefixCache)
+//!   (match, insert, lock/unlock, evict, flush, stats, dump) with an exact
+//!   candidate set of evictable leaves;
+//! - [`NoPrefixCache`]: the same trait with no reuse (`--disable-radix-cache`);
+//! - the built-in eviction policies (`lru`, `lfu`, `fifo`, `mru`, `filo`,
+//!   `priority`, `slru`) in [`policy`].
+//!
+//! Everything registers with `inventory`: prefix caches `radix` and `none`,
+//! and one eviction policy per name. A binary must reference the crate
+//! (`use arbor_kv_radix as _;`) for the entries to be linked in.
+//!
+//! Invariant kept by every operation: each KV page handed to the cache is
+//! either owned by exactly one node or back in the pool; after `flush` with no
+//! locks held the cache owns no page.
+
+mod error;
+mod none;
+pub mod policy;
+mod radix;
+
+pub use error::RadixError;
+pub use none::NoPrefixCache;
+pub use policy::{POLICY_NAMES, builtin_policy};
+pub use radix::{MemoryUsage, NodeView, RadixCache};
+
+use arbor_engine_core::registry::PrefixCacheEntry;
+
+arbor_engine_core::inventory::submit! {
+    PrefixCacheEntry {
+        name: "radix",
+        about: "RadixAttention: a radix tree of KV pages shared across requests",
+        create: |o| Ok(Box::new(RadixCache::new(o)?)),
+    }
+}
+arbor_engine_core::inventory::submit! {
+    PrefixCacheEntry {
+        name: "none",
+        about: "no prefix reuse (--disable-radix-cache): inserted pages are freed",
+        create: |o| Ok(Box::new(NoPrefixCache::new(o)?)),
+    }
+}

@@ -1,0 +1,377 @@
+//! Read-only views of a [`RadixCache`]: node listing, side-effect-free prefix
+//! lookup, the debug dump, memory accounting and the invariant checker.
+//!
+//! Nothing here changes the tree or its metadata, so tests and metrics can
+//! call these at any point without disturbing eviction order.
+
+use super::node::Node;
+use super::{ROOT, RadixCache, common_prefix};
+use arbor_engine_core::{CacheNamespace, NodeId, NodeMeta};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::fmt::Write as _;
+
+static DEFAULT_NAMESPACE: CacheNamespace = CacheNamespace(None);
+
+/// A live node as seen from outside.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeView<'a> {
+    /// The node's id.
+    pub id: NodeId,
+    /// Its parent; `None` for a root.
+    pub parent: Option<NodeId>,
+    /// For a root, the namespace it serves.
+    pub namespace: Option<&'a CacheNamespace>,
+    /// Tokens on the edge from the parent (whole pages; empty for roots).
+    pub tokens: &'a [u32],
+    /// KV pages of those tokens.
+    pub pages: &'a [u32],
+    /// Locks on the node and its descendants.
+    pub lock_ref: u32,
+    /// Live children.
+    pub children: usize,
+    /// What the eviction policy sees.
+    pub meta: NodeMeta,
+}
+
+/// Bytes of host memory the cache's metadata takes (everything but the KV itself).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// Node slots (live and free) and the free list.
+    pub arena: usize,
+    /// Token ids of the edges.
+    pub tokens: usize,
+    /// Page indices held by nodes.
+    pub pages: usize,
+    /// The child-edge hash table (estimated from its capacity).
+    pub edges: usize,
+    /// The eviction candidate set (estimated: B-tree nodes about two-thirds full).
+    pub candidates: usize,
+    /// The namespace map.
+    pub namespaces: usize,
+}
+
+impl MemoryUsage {
+    /// Sum of all parts.
+    pub fn total(&self) -> usize {
+        self.arena + self.tokens + self.pages + self.edges + self.candidates + self.namespaces
+    }
+}
+
+impl RadixCache {
+    fn view<'a>(
+        &'a self,
+        id: u32,
+        n: &'a Node,
+        names: &HashMap<u32, &'a CacheNamespace>,
+    ) -> NodeView<'a> {
+        let root = n.is_root();
+        NodeView {
+            id: NodeId(id),
+            parent: (!root).then_some(NodeId(n.parent)),
+            namespace: if !root {
+                None
+            } else if id == ROOT {
+                Some(&DEFAULT_NAMESPACE)
+            } else {
+                names.get(&id).copied()
+            },
+            tokens: &n.tokens,
+            pages: n.page_ids(),
+            lock_ref: n.lock_ref,
+            children: n.children as usize,
+            meta: n.meta(),
+        }
+    }
+
+    fn root_names(&self) -> HashMap<u32, &CacheNamespace> {
+        self.root_names.iter().map(|(&r, ns)| (r, ns)).collect()
+    }
+
+    /// Every live node (roots included), in id order.
+    pub fn nodes(&self) -> Vec<NodeView<'_>> {
+        let names = self.root_names();
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.live)
+            .map(|(i, n)| self.view(i as u32, n, &names))
+            .collect()
+    }
+
+    /// The live node `id`, if any.
+    pub fn node_view(&self, id: NodeId) -> Option<NodeView<'_>> {
+        let n = self.nodes.get(id.0 as usize).filter(|n| n.live)?;
+        Some(self.view(id.0, n, &self.root_names()))
+    }
+
+    /// Length of the longest cached whole-page prefix of `tokens`, without
+    /// splitting nodes or refreshing access times (for schedulers that only
+    /// rank requests, and for tests).
+    pub fn peek_prefix(&self, ns: &CacheNamespace, tokens: &[u32]) -> usize {
+        let ps = self.page_size;
+        let tokens = &tokens[..tokens.len() / ps * ps];
+        let Some(mut node) = self.root_of(ns) else {
+            return 0;
+        };
+        let mut pos = 0;
+        while pos < tokens.len() {
+            let rest = &tokens[pos..];
+            let Some(child) = self.edges.find(&self.nodes, node, &rest[..ps]) else {
+                break;
+            };
+            let edge = &self.node(child).tokens;
+            let m = common_prefix(edge, rest) / ps * ps;
+            pos += m;
+            if m < edge.len() {
+                break;
+            }
+            node = child;
+        }
+        pos
+    }
+
+    /// Host memory taken by the cache's own structures.
+    pub fn memory_usage(&self) -> MemoryUsage {
+        let mut m = MemoryUsage {
+            arena: self.nodes.capacity() * std::mem::size_of::<Node>()
+                + self.free.capacity() * std::mem::size_of::<u32>(),
+            edges: self.edges.memory_bytes(),
+            candidates: self.candidates.len() * std::mem::size_of::<super::node::Candidate>() * 3
+                / 2,
+            ..MemoryUsage::default()
+        };
+        for n in self.nodes.iter().filter(|n| n.live) {
+            m.tokens += std::mem::size_of_val(&n.tokens[..]);
+            m.pages += std::mem::size_of_val(n.page_ids());
+        }
+        for ns in self.namespaces.keys() {
+            // Each namespace is in both maps.
+            m.namespaces += 2
+                * (std::mem::size_of::<(CacheNamespace, u32)>()
+                    + ns.0.as_ref().map_or(0, |s| s.capacity()));
+        }
+        m
+    }
+
+    /// A readable dump: a summary line, then each namespace's tree, children
+    /// sorted by their first token.
+    pub(super) fn dump_tree(&self) -> String {
+        let s = arbor_engine_core::PrefixCache::stats(self);
+        let mut out = format!(
+            "radix cache: page size {}, policy {}, {} nodes, {} cached tokens \
+             ({} evictable, {} protected), hits {}/{} tokens, {} evicted\n",
+            self.page_size,
+            self.policy.name(),
+            s.nodes,
+            s.cached_tokens,
+            s.evictable_tokens,
+            s.protected_tokens,
+            s.hit_tokens,
+            s.queried_tokens,
+            s.evicted_tokens
+        );
+        let mut kids: HashMap<u32, Vec<u32>> = HashMap::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            if n.live && !n.is_root() {
+                kids.entry(n.parent).or_default().push(i as u32);
+            }
+        }
+        for v in kids.values_mut() {
+            v.sort_by_key(|&c| (self.node(c).tokens.first().copied(), c));
+        }
+        let mut roots: Vec<(String, u32)> = vec![("default".into(), ROOT)];
+        let mut named: Vec<(String, u32)> = self
+            .namespaces
+            .iter()
+            .map(|(ns, &r)| (format!("{:?}", ns.0.as_deref().unwrap_or_default()), r))
+            .collect();
+        named.sort();
+        roots.extend(named);
+        for (name, r) in roots {
+            let root = self.node(r);
+            let _ = writeln!(out, "namespace {name}: root #{r} lock={}", root.lock_ref);
+            let mut stack: Vec<(u32, usize)> = kids
+                .get(&r)
+                .map(|v| v.iter().rev().map(|&c| (c, 1)).collect())
+                .unwrap_or_default();
+            while let Some((id, depth)) = stack.pop() {
+                let n = self.node(id);
+                let more = if n.tokens.len() > 8 { " …" } else { "" };
+                let toks: Vec<String> = n.tokens.iter().take(8).map(u32::to_string).collect();
+                let pages = n.page_ids();
+                let pmore = if pages.len() > 4 { " …" } else { "" };
+                let pgs: Vec<String> = pages.iter().take(4).map(u32::to_string).collect();
+                let _ = writeln!(
+                    out,
+                    "{:indent$}#{id} {} tokens [{}{more}] pages [{}{pmore}] lock={} hits={} \
+                     last={} created={} prio={}",
+                    "",
+                    n.tokens.len(),
+                    toks.join(" "),
+                    pgs.join(" "),
+                    n.lock_ref,
+                    n.hit_count,
+                    n.last_access,
+                    n.created,
+                    n.priority,
+                    indent = 2 * depth
+                );
+                if let Some(v) = kids.get(&id) {
+                    stack.extend(v.iter().rev().map(|&c| (c, depth + 1)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Checks every structural invariant (O(nodes)); returns the first violation.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let ps = self.page_size;
+        let len = self.nodes.len();
+        let root = self.nodes.first().ok_or("no global root")?;
+        if !root.live || !root.is_root() {
+            return Err("the global root is not a live root".into());
+        }
+        let free: HashSet<u32> = self.free.iter().copied().collect();
+        if free.len() != self.free.len() {
+            return Err("a slot is on the free list twice".into());
+        }
+        let vacant = self.nodes.iter().filter(|n| !n.live).count();
+        if vacant != free.len() || free.iter().any(|&f| self.nodes[f as usize].live) {
+            return Err(format!(
+                "{vacant} vacant slots but free list {:?}",
+                self.free
+            ));
+        }
+        for (ns, &r) in &self.namespaces {
+            let n = self
+                .nodes
+                .get(r as usize)
+                .ok_or("namespace root out of range")?;
+            if r == ROOT || !n.live || !n.is_root() || ns.0.is_none() {
+                return Err(format!("namespace {ns:?} has a bad root #{r}"));
+            }
+            if n.children == 0 && n.lock_ref == 0 {
+                return Err(format!("namespace {ns:?} root #{r} is empty and unlocked"));
+            }
+        }
+        let roots = self.nodes.iter().filter(|n| n.live && n.is_root()).count();
+        let both_ways = self.root_names.len() == self.namespaces.len()
+            && self
+                .namespaces
+                .iter()
+                .all(|(ns, r)| self.root_names.get(r) == Some(ns));
+        if !both_ways {
+            return Err("the namespace maps disagree".into());
+        }
+        if roots != self.namespaces.len() + 1 {
+            return Err(format!(
+                "{roots} roots for {} namespaces",
+                self.namespaces.len()
+            ));
+        }
+
+        let mut children = vec![0u32; len];
+        let mut lock_sum = vec![0u64; len];
+        let (mut evictable, mut protected, mut live) = (0usize, 0usize, 0usize);
+        let mut want_candidates = 0usize;
+        let mut pages = HashSet::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let id = i as u32;
+            if !n.live || n.is_root() {
+                if n.in_candidates {
+                    return Err(format!("#{id} is a candidate but a root or free"));
+                }
+                continue;
+            }
+            let t = n.tokens.len();
+            if t == 0 || t % ps != 0 || n.page_ids().len() * ps != t {
+                return Err(format!(
+                    "#{id} has {t} tokens and {} pages (page size {ps})",
+                    n.page_ids().len()
+                ));
+            }
+            for &p in n.page_ids() {
+                if !pages.insert(p) {
+                    return Err(format!("page {p} is owned twice (again by #{id})"));
+                }
+            }
+            let parent = self.nodes.get(n.parent as usize).filter(|p| p.live);
+            if parent.is_none() {
+                return Err(format!("#{id} has a dead parent #{}", n.parent));
+            }
+            children[n.parent as usize] += 1;
+            lock_sum[n.parent as usize] += u64::from(n.lock_ref);
+            if n.lock_ref == 0 {
+                evictable += t;
+            } else {
+                protected += t;
+            }
+            live += 1;
+            if self.edges.find(&self.nodes, n.parent, &n.tokens[..ps]) != Some(id) {
+                return Err(format!("#{id} is not found under its first page"));
+            }
+            let leaf_unlocked = n.lock_ref == 0 && n.children == 0;
+            if leaf_unlocked != n.in_candidates {
+                return Err(format!(
+                    "#{id}: unlocked leaf {leaf_unlocked} but candidate {}",
+                    n.in_candidates
+                ));
+            }
+            if leaf_unlocked {
+                want_candidates += 1;
+                let key = self.policy.key(&n.meta());
+                let c = super::node::Candidate { key: n.key, id };
+                if key.total_cmp(&n.key).is_ne() || !self.candidates.contains(&c) {
+                    return Err(format!(
+                        "#{id} is missing from the candidates or has a stale key"
+                    ));
+                }
+            }
+            // The parent chain reaches a root.
+            let (mut x, mut steps) = (n.parent, 0);
+            while !self.nodes[x as usize].is_root() {
+                x = self.nodes[x as usize].parent;
+                steps += 1;
+                if steps > len {
+                    return Err(format!("#{id} is on a cycle"));
+                }
+            }
+        }
+        for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.live) {
+            if n.children != children[i] {
+                return Err(format!(
+                    "#{i} counts {} children, has {}",
+                    n.children, children[i]
+                ));
+            }
+            if u64::from(n.lock_ref) < lock_sum[i] {
+                return Err(format!(
+                    "#{i} has lock_ref {} below its children's {}",
+                    n.lock_ref, lock_sum[i]
+                ));
+            }
+        }
+        if self.edges.len() != live {
+            return Err(format!("{} edges for {live} nodes", self.edges.len()));
+        }
+        if self.candidates.len() != want_candidates {
+            return Err(format!(
+                "{} candidates, {want_candidates} unlocked leaves",
+                self.candidates.len()
+            ));
+        }
+        let seen: BTreeSet<u32> = self.candidates.iter().map(|c| c.id).collect();
+        if seen.len() != self.candidates.len() {
+            return Err("a node is a candidate twice".into());
+        }
+        if (evictable, protected, live) != (self.evictable, self.protected, self.live_nodes) {
+            return Err(format!(
+                "recount: evictable {evictable}, protected {protected}, nodes {live}; \
+                 counters: {}, {}, {}",
+                self.evictable, self.protected, self.live_nodes
+            ));
+        }
+        Ok(())
+    }
+}
