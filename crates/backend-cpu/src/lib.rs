@@ -12,6 +12,7 @@
 #![allow(unsafe_code)]
 
 pub mod attention;
+pub mod bandwidth;
 mod linear;
 pub mod memory;
 mod ops;

@@ -17,6 +17,11 @@ use std::sync::Mutex;
 const SMALL_M: usize = 8;
 /// Weight rows per GEMM tile.
 const TILE_ROWS: usize = 64;
+thread_local! {
+    /// Per-thread f32 tile of dequantized weight rows, reused across calls.
+    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Row alignment of thread shares (keeps shares on cache-line boundaries).
 const ROW_ALIGN: usize = 16;
 
@@ -28,7 +33,9 @@ pub fn linear(
     out: &Tensor,
 ) -> Result<()> {
     let [n, k] = *w.shape() else {
-        return Err(CoreError::invalid(format!("linear weight {w:?} is not 2-D")));
+        return Err(CoreError::invalid(format!(
+            "linear weight {w:?} is not 2-D"
+        )));
     };
     let xv = b.view(x, DType::F32)?;
     if x.row_len() != k {
@@ -104,52 +111,53 @@ pub fn linear(
         let xp = SendPtr(xs.as_ptr() as *mut f32);
         b.parallel(&|t, threads| {
             let (r0, r1) = share(n, t, threads, ROW_ALIGN);
-            let mut tile = if dtype == DType::F32 {
-                Vec::new()
-            } else {
-                vec![0f32; TILE_ROWS.min(r1.saturating_sub(r0)) * k]
-            };
-            let mut c0 = r0;
-            while c0 < r1 {
-                let nb = TILE_ROWS.min(r1 - c0);
-                let src = &ws[c0 * row_bytes..(c0 + nb) * row_bytes];
-                let rhs: *const f32 = if dtype == DType::F32 {
-                    src.as_ptr() as *const f32
-                } else {
-                    if let Err(e) = arbor_quant::dequantize(dtype, src, &mut tile[..nb * k]) {
-                        fail(e.to_string());
-                        return;
-                    }
-                    tile.as_ptr()
-                };
-                // SAFETY: lhs is x [m, k] (row stride k), rhs is the tile viewed as
-                // [k, nb] (column stride k), dst is columns c0..c0+nb of out
-                // [m, n] (row stride n): those columns belong to this thread only.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        nb,
-                        k,
-                        op.get().add(c0),
-                        1,
-                        n as isize,
-                        false,
-                        xp.get() as *const f32,
-                        1,
-                        k as isize,
-                        rhs,
-                        k as isize,
-                        1,
-                        0.0f32,
-                        1.0f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+            TILE.with(|cell| {
+                let mut tile = cell.borrow_mut();
+                if tile.len() < TILE_ROWS * k {
+                    tile.resize(TILE_ROWS * k, 0.0);
                 }
-                c0 += nb;
-            }
+                let mut c0 = r0;
+                while c0 < r1 {
+                    let nb = TILE_ROWS.min(r1 - c0);
+                    let src = &ws[c0 * row_bytes..(c0 + nb) * row_bytes];
+                    let rhs: *const f32 = if dtype == DType::F32 {
+                        src.as_ptr() as *const f32
+                    } else {
+                        if let Err(e) = arbor_quant::dequantize(dtype, src, &mut tile[..nb * k]) {
+                            fail(e.to_string());
+                            return;
+                        }
+                        tile.as_ptr()
+                    };
+                    // SAFETY: lhs is x [m, k] (row stride k), rhs is the tile viewed as
+                    // [k, nb] (column stride k), dst is columns c0..c0+nb of out
+                    // [m, n] (row stride n): those columns belong to this thread only.
+                    unsafe {
+                        gemm::gemm(
+                            m,
+                            nb,
+                            k,
+                            op.get().add(c0),
+                            1,
+                            n as isize,
+                            false,
+                            xp.get() as *const f32,
+                            1,
+                            k as isize,
+                            rhs,
+                            k as isize,
+                            1,
+                            0.0f32,
+                            1.0f32,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    c0 += nb;
+                }
+            });
         })?;
     }
     if let Some(msg) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {

@@ -104,7 +104,8 @@ impl HostMemory {
             }
         };
         drop(slab);
-        self.allocated.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        self.allocated
+            .fetch_add(layout.size() as u64, Ordering::Relaxed);
         let owner: Arc<dyn BufferOwner> = self.clone();
         Ok(Arc::new(DeviceBuffer::new(
             BufferId {

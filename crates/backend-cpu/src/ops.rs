@@ -39,7 +39,9 @@ fn f32_rows(b: &CpuBackend, t: &Tensor) -> Result<(SendPtr<f32>, usize, usize)> 
 
 pub fn embedding(b: &CpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) -> Result<()> {
     let [vocab, dim] = *table.shape() else {
-        return Err(CoreError::invalid(format!("embedding table {table:?} is not 2-D")));
+        return Err(CoreError::invalid(format!(
+            "embedding table {table:?} is not 2-D"
+        )));
     };
     let ids_v = b.view(ids, DType::U32)?;
     let n = ids.numel();
@@ -69,8 +71,9 @@ pub fn embedding(b: &CpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) -> 
             // SAFETY: row r of out lies inside the view; rows are disjoint per thread.
             let dst = unsafe { std::slice::from_raw_parts_mut(o.get().add(r * dim), dim) };
             if let Err(e) = arbor_quant::dequantize(dtype, src, dst) {
-                *err.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some(CoreError::unsupported(format!("embedding rows of {dtype}: {e}")));
+                *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(CoreError::unsupported(
+                    format!("embedding rows of {dtype}: {e}"),
+                ));
             }
         }
     })?;
@@ -286,12 +289,18 @@ pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> R
     // SAFETY: n aligned u32 values.
     let idx = unsafe { std::slice::from_raw_parts(rv.ptr as *const u32, n) };
     if let Some(bad) = idx.iter().find(|&&r| r as usize >= xrows) {
-        return Err(CoreError::invalid(format!("gather row {bad} past {xrows} rows")));
+        return Err(CoreError::invalid(format!(
+            "gather row {bad} past {xrows} rows"
+        )));
     }
     for (i, &r) in idx.iter().enumerate() {
         // SAFETY: row r of x and row i of out are inside their non-overlapping views.
         unsafe {
-            std::ptr::copy_nonoverlapping(xp.get().add(r as usize * dim), op.get().add(i * dim), dim);
+            std::ptr::copy_nonoverlapping(
+                xp.get().add(r as usize * dim),
+                op.get().add(i * dim),
+                dim,
+            );
         }
     }
     Ok(())

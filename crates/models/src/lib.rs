@@ -10,6 +10,7 @@ pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod quant_methods;
+pub mod random;
 pub mod safetensors_source;
 pub mod tokenizer;
 

@@ -1,0 +1,430 @@
+//! `arbor serve` configuration: the TOML schema, the command-line flags, and
+//! their merge.
+//!
+//! Precedence is defaults < TOML file < flags: every TOML key and every flag
+//! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
+//! given, else the TOML value, else the default. Sections mirror the crates:
+//! `[model]`, `[server]`, `[scheduler]`, `[cache]`, `[metrics]` and
+//! `[[plugins]]`. An unknown section or key is an error that names both the
+//! section and the key. Flags use SGLang's names.
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::Args;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// `[model]`: what to load and on which device.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    pub model_path: Option<PathBuf>,
+    pub served_model_name: Option<String>,
+    pub device: Option<String>,
+    pub threads: Option<usize>,
+    pub dtype: Option<String>,
+    pub kv_cache_dtype: Option<String>,
+}
+
+/// `[server]`: the HTTP listener.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSection {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub api_key: Option<String>,
+    pub max_request_bytes: Option<usize>,
+    /// Seconds in-flight requests get to finish after SIGTERM.
+    pub shutdown_timeout: Option<f64>,
+}
+
+/// `[scheduler]`: batching and admission (engine-core).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSection {
+    pub max_running_requests: Option<usize>,
+    pub max_queued_requests: Option<usize>,
+    pub max_prefill_tokens: Option<usize>,
+    pub chunked_prefill_size: Option<i64>,
+    pub schedule_policy: Option<String>,
+    pub schedule_conservativeness: Option<f32>,
+    pub enable_mixed_chunk: Option<bool>,
+    pub page_size: Option<usize>,
+}
+
+/// `[cache]`: KV cache size and the prefix cache (kv-radix).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CacheSection {
+    pub disable_radix_cache: Option<bool>,
+    pub radix_eviction_policy: Option<String>,
+    pub max_total_tokens: Option<usize>,
+    pub mem_fraction_static: Option<f64>,
+}
+
+/// `[metrics]`: Prometheus and usage reporting.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSection {
+    pub enable_metrics: Option<bool>,
+    pub prefix: Option<String>,
+    pub enable_cache_report: Option<bool>,
+}
+
+/// One `[[plugins]]` entry (loading comes with the plugin issue).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PluginEntry {
+    /// The plugin library.
+    pub path: PathBuf,
+    /// Settings handed to the plugin.
+    #[serde(default)]
+    pub config: Option<toml::Table>,
+}
+
+/// A parsed `arbor.toml`.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FileConfig {
+    pub model: ModelSection,
+    pub server: ServerSection,
+    pub scheduler: SchedulerSection,
+    pub cache: CacheSection,
+    pub metrics: MetricsSection,
+    pub plugins: Vec<PluginEntry>,
+}
+
+const SECTIONS: &str = "[model], [server], [scheduler], [cache], [metrics], [[plugins]]";
+
+fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
+    if !v.is_table() {
+        bail!("[{name}] must be a table");
+    }
+    v.try_into().map_err(|e: toml::de::Error| {
+        let msg = e.message().trim().to_string();
+        match msg.strip_prefix("unknown field `").and_then(|r| r.split_once('`')) {
+            Some((key, rest)) => anyhow!("unknown key '{key}' in section [{name}]{rest}"),
+            None => anyhow!("in section [{name}]: {msg}"),
+        }
+    })
+}
+
+impl FileConfig {
+    /// Parses TOML text.
+    pub fn parse(text: &str) -> Result<Self> {
+        let table: toml::Table = toml::from_str(text)?;
+        let mut c = FileConfig::default();
+        for (k, v) in table {
+            match k.as_str() {
+                "model" => c.model = section(&k, v)?,
+                "server" => c.server = section(&k, v)?,
+                "scheduler" => c.scheduler = section(&k, v)?,
+                "cache" => c.cache = section(&k, v)?,
+                "metrics" => c.metrics = section(&k, v)?,
+                "plugins" => {
+                    let toml::Value::Array(items) = v else {
+                        bail!("'plugins' must be an array of tables ([[plugins]])");
+                    };
+                    for it in items {
+                        c.plugins.push(section("[plugins]", it)?);
+                    }
+                }
+                other => bail!("unknown section [{other}] (known sections: {SECTIONS})"),
+            }
+        }
+        Ok(c)
+    }
+
+    /// Reads and parses a file; errors name the file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the config file {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("config file {}", path.display()))
+    }
+}
+
+/// Flags of `arbor serve` (SGLang's names). Each overrides the TOML value.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ServeArgs {
+    /// TOML configuration file (see examples/arbor.toml); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+
+    /// Model: a Hugging Face folder or a GGUF file [default: the model `arbor fetch-default` downloads].
+    #[arg(long = "model-path", help_heading = "Model")]
+    pub model_path: Option<PathBuf>,
+    /// Model name clients use (OpenAI `model`) [default: the model path].
+    #[arg(long = "served-model-name", help_heading = "Model")]
+    pub served_model_name: Option<String>,
+    /// Device: a registered backend name [default: cpu].
+    #[arg(long, help_heading = "Model")]
+    pub device: Option<String>,
+    /// CPU threads, 0 for one per core [default: 0].
+    #[arg(long, help_heading = "Model")]
+    pub threads: Option<usize>,
+    /// Weight storage: auto (as the checkpoint), f32, f16 or bf16 [default: auto].
+    #[arg(long, help_heading = "Model")]
+    pub dtype: Option<String>,
+    /// KV cache element type: f32, f16 or bf16 [default: f32].
+    #[arg(long = "kv-cache-dtype", help_heading = "Model")]
+    pub kv_cache_dtype: Option<String>,
+
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long, help_heading = "Server")]
+    pub host: Option<String>,
+    /// Port to listen on; 0 picks a free one [default: 30000].
+    #[arg(long, help_heading = "Server")]
+    pub port: Option<u16>,
+    /// Require `Authorization: Bearer <key>` on every route but /health*.
+    #[arg(long = "api-key", help_heading = "Server")]
+    pub api_key: Option<String>,
+    /// Largest request body in bytes; larger ones get 413 [default: 33554432].
+    #[arg(long = "max-request-bytes", help_heading = "Server")]
+    pub max_request_bytes: Option<usize>,
+    /// Seconds in-flight requests get to finish on SIGTERM before they are aborted [default: 30].
+    #[arg(long = "shutdown-timeout", help_heading = "Server")]
+    pub shutdown_timeout: Option<f64>,
+
+    /// Most requests decoding at once [default: 64].
+    #[arg(long = "max-running-requests", help_heading = "Scheduler")]
+    pub max_running_requests: Option<usize>,
+    /// Most requests waiting; more are refused [default: 4096].
+    #[arg(long = "max-queued-requests", help_heading = "Scheduler")]
+    pub max_queued_requests: Option<usize>,
+    /// Most new prompt tokens in one prefill batch [default: 8192].
+    #[arg(long = "max-prefill-tokens", help_heading = "Scheduler")]
+    pub max_prefill_tokens: Option<usize>,
+    /// Most prompt tokens of one request per iteration; -1 disables chunking [default: 2048].
+    #[arg(long = "chunked-prefill-size", allow_negative_numbers = true, help_heading = "Scheduler")]
+    pub chunked_prefill_size: Option<i64>,
+    /// Admission order: fcfs, lpm, dfs-weight, lof, priority, random [default: lpm].
+    #[arg(long = "schedule-policy", help_heading = "Scheduler")]
+    pub schedule_policy: Option<String>,
+    /// Scales the expected output of running requests; higher admits fewer [default: 1.0].
+    #[arg(long = "schedule-conservativeness", help_heading = "Scheduler")]
+    pub schedule_conservativeness: Option<f32>,
+    /// Run the decodes of running requests in the same batch as a prefill.
+    #[arg(long = "enable-mixed-chunk", help_heading = "Scheduler")]
+    pub enable_mixed_chunk: bool,
+    /// Tokens per KV page [default: 16].
+    #[arg(long = "page-size", help_heading = "Scheduler")]
+    pub page_size: Option<usize>,
+
+    /// Turn prefix reuse off (no radix cache).
+    #[arg(long = "disable-radix-cache", help_heading = "Cache")]
+    pub disable_radix_cache: bool,
+    /// Which cached prefix is evicted first: lru, lfu, fifo, mru, filo, priority, slru [default: lru].
+    #[arg(long = "radix-eviction-policy", help_heading = "Cache")]
+    pub radix_eviction_policy: Option<String>,
+    /// KV cache size in tokens; overrides --mem-fraction-static.
+    #[arg(long = "max-total-tokens", help_heading = "Cache")]
+    pub max_total_tokens: Option<usize>,
+    /// Share of available memory (MemAvailable) for weights plus KV cache [default: 0.8].
+    #[arg(long = "mem-fraction-static", help_heading = "Cache")]
+    pub mem_fraction_static: Option<f64>,
+
+    /// Serve Prometheus metrics at /metrics.
+    #[arg(long = "enable-metrics", help_heading = "Metrics")]
+    pub enable_metrics: bool,
+    /// Metric name prefix; "sglang" makes SGLang dashboards work [default: arbor].
+    #[arg(long = "metrics-prefix", help_heading = "Metrics")]
+    pub metrics_prefix: Option<String>,
+    /// Report cached prompt tokens in OpenAI usage.prompt_tokens_details.
+    #[arg(long = "enable-cache-report", help_heading = "Metrics")]
+    pub enable_cache_report: bool,
+
+    /// Print the merged configuration as TOML and exit.
+    #[arg(long = "print-config")]
+    pub print_config: bool,
+}
+
+/// The merged settings of `arbor serve`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ServeConfig {
+    pub model: ModelSection,
+    pub server: ServerSection,
+    pub scheduler: SchedulerSection,
+    pub cache: CacheSection,
+    pub metrics: MetricsSection,
+    pub plugins: Vec<PluginEntry>,
+}
+
+fn flag(b: bool) -> Option<bool> {
+    b.then_some(true)
+}
+
+impl ServeConfig {
+    /// Defaults < `file` < `args`, with every default filled in (except
+    /// `model_path`, `served_model_name`, `api_key` and `max_total_tokens`,
+    /// which stay optional).
+    pub fn resolve(file: FileConfig, a: &ServeArgs) -> Result<Self> {
+        let FileConfig {
+            model: m,
+            server: s,
+            scheduler: q,
+            cache: c,
+            metrics: x,
+            plugins,
+        } = file;
+        let cfg = ServeConfig {
+            model: ModelSection {
+                model_path: a.model_path.clone().or(m.model_path),
+                served_model_name: a.served_model_name.clone().or(m.served_model_name),
+                device: Some(a.device.clone().or(m.device).unwrap_or_else(|| "cpu".into())),
+                threads: Some(a.threads.or(m.threads).unwrap_or(0)),
+                dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
+                kv_cache_dtype: Some(
+                    a.kv_cache_dtype.clone().or(m.kv_cache_dtype).unwrap_or_else(|| "f32".into()),
+                ),
+            },
+            server: ServerSection {
+                host: Some(a.host.clone().or(s.host).unwrap_or_else(|| "127.0.0.1".into())),
+                port: Some(a.port.or(s.port).unwrap_or(30000)),
+                api_key: a.api_key.clone().or(s.api_key),
+                max_request_bytes: Some(
+                    a.max_request_bytes.or(s.max_request_bytes).unwrap_or(32 * 1024 * 1024),
+                ),
+                shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
+            },
+            scheduler: SchedulerSection {
+                max_running_requests: Some(a.max_running_requests.or(q.max_running_requests).unwrap_or(64)),
+                max_queued_requests: Some(a.max_queued_requests.or(q.max_queued_requests).unwrap_or(4096)),
+                max_prefill_tokens: Some(a.max_prefill_tokens.or(q.max_prefill_tokens).unwrap_or(8192)),
+                chunked_prefill_size: Some(a.chunked_prefill_size.or(q.chunked_prefill_size).unwrap_or(2048)),
+                schedule_policy: Some(
+                    a.schedule_policy.clone().or(q.schedule_policy).unwrap_or_else(|| "lpm".into()),
+                ),
+                schedule_conservativeness: Some(
+                    a.schedule_conservativeness.or(q.schedule_conservativeness).unwrap_or(1.0),
+                ),
+                enable_mixed_chunk: Some(flag(a.enable_mixed_chunk).or(q.enable_mixed_chunk).unwrap_or(false)),
+                page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
+            },
+            cache: CacheSection {
+                disable_radix_cache: Some(flag(a.disable_radix_cache).or(c.disable_radix_cache).unwrap_or(false)),
+                radix_eviction_policy: Some(
+                    a.radix_eviction_policy.clone().or(c.radix_eviction_policy).unwrap_or_else(|| "lru".into()),
+                ),
+                max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
+                mem_fraction_static: Some(a.mem_fraction_static.or(c.mem_fraction_static).unwrap_or(0.8)),
+            },
+            metrics: MetricsSection {
+                enable_metrics: Some(flag(a.enable_metrics).or(x.enable_metrics).unwrap_or(false)),
+                prefix: Some(a.metrics_prefix.clone().or(x.prefix).unwrap_or_else(|| "arbor".into())),
+                enable_cache_report: Some(flag(a.enable_cache_report).or(x.enable_cache_report).unwrap_or(false)),
+            },
+            plugins,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Loads `--config` (if any) and merges the flags.
+    pub fn from_args(a: &ServeArgs) -> Result<Self> {
+        let file = match &a.config {
+            Some(p) => FileConfig::load(p)?,
+            None => FileConfig::default(),
+        };
+        Self::resolve(file, a)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if let Some(p) = self.plugins.first() {
+            bail!(
+                "[[plugins]] ({}): loading plugins is not supported yet; remove the [[plugins]] entries",
+                p.path.display()
+            );
+        }
+        let f = self.mem_fraction_static();
+        if !(f > 0.0 && f <= 1.0) {
+            bail!("[cache] mem_fraction_static / --mem-fraction-static must be in (0, 1], got {f}");
+        }
+        if self.cache.max_total_tokens == Some(0) {
+            bail!("[cache] max_total_tokens / --max-total-tokens must be positive");
+        }
+        if self.page_size() == 0 {
+            bail!("[scheduler] page_size / --page-size must be positive");
+        }
+        let t = self.server.shutdown_timeout.unwrap_or(0.0);
+        if !(t.is_finite() && t >= 0.0) {
+            bail!("[server] shutdown_timeout / --shutdown-timeout must be >= 0 seconds, got {t}");
+        }
+        if self.server.max_request_bytes == Some(0) {
+            bail!("[server] max_request_bytes / --max-request-bytes must be positive");
+        }
+        if self.server.api_key.as_deref() == Some("") {
+            bail!("[server] api_key / --api-key must not be empty");
+        }
+        Ok(())
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.scheduler.page_size.unwrap_or(16)
+    }
+
+    pub fn mem_fraction_static(&self) -> f64 {
+        self.cache.mem_fraction_static.unwrap_or(0.8)
+    }
+
+    /// The configuration as TOML, with the API key redacted.
+    pub fn to_toml(&self) -> Result<String> {
+        let mut c = self.clone();
+        if c.server.api_key.is_some() {
+            c.server.api_key = Some("<redacted>".into());
+        }
+        Ok(toml::to_string(&c)?)
+    }
+
+    /// The configuration as JSON (for /get_server_info), with the API key redacted.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut c = self.clone();
+        if c.server.api_key.is_some() {
+            c.server.api_key = Some("<redacted>".into());
+        }
+        serde_json::to_value(&c).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn precedence_defaults_file_flags() {
+        let file = FileConfig::parse(
+            "[server]\nport = 1234\nhost = \"0.0.0.0\"\n[scheduler]\nmax_running_requests = 8\n[metrics]\nprefix = \"sglang\"\n",
+        )
+        .unwrap();
+        let args = ServeArgs {
+            port: Some(999),
+            enable_metrics: true,
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(file, &args).unwrap();
+        assert_eq!(c.server.port, Some(999), "flag beats file");
+        assert_eq!(c.server.host.as_deref(), Some("0.0.0.0"), "file beats default");
+        assert_eq!(c.scheduler.max_running_requests, Some(8));
+        assert_eq!(c.scheduler.max_prefill_tokens, Some(8192), "default");
+        assert_eq!(c.metrics.prefix.as_deref(), Some("sglang"));
+        assert_eq!(c.metrics.enable_metrics, Some(true));
+        assert!(c.to_toml().unwrap().contains("port = 999"));
+    }
+
+    #[test]
+    fn unknown_keys_and_sections_are_named() {
+        let e = FileConfig::parse("[scheduler]\nmax_runing_requests = 8\n").unwrap_err();
+        let m = format!("{e:#}");
+        assert!(m.contains("max_runing_requests") && m.contains("[scheduler]"), "{m}");
+        let e = FileConfig::parse("[hicache]\nratio = 2\n").unwrap_err();
+        assert!(format!("{e:#}").contains("unknown section [hicache]"));
+        let e = FileConfig::parse("[server]\nport = \"x\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("[server]"));
+    }
+
+    #[test]
+    fn plugins_parse_but_are_refused() {
+        let f = FileConfig::parse("[[plugins]]\npath = \"libx.so\"\n").unwrap();
+        assert_eq!(f.plugins.len(), 1);
+        let e = ServeConfig::resolve(f, &ServeArgs::default()).unwrap_err();
+        assert!(e.to_string().contains("not supported yet"));
+    }
+}

@@ -1,0 +1,177 @@
+//! `arbor serve`: merge the configuration, build the engine, and run the
+//! HTTP server until SIGTERM or Ctrl-C.
+//!
+//! Start-up prints a summary (model, dtype, KV capacity, limits, address) on
+//! stdout; the last line is `listening on http://HOST:PORT`, which scripts
+//! and tests wait for (`--port 0` picks a free port). Shutdown stops
+//! accepting, lets in-flight requests finish within `shutdown_timeout`,
+//! aborts the rest, stops the engine and exits 0.
+
+use crate::config::{ServeArgs, ServeConfig};
+use crate::setup::{self, EngineSetup, KvBudget, ModelArgs};
+use anyhow::{Context, Result};
+use arbor_engine_core::engine::{EngineConfig, SchedulePolicy};
+use arbor_server::{Server, ServerOptions};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn mib(b: u64) -> String {
+    let m = b as f64 / (1u64 << 20) as f64;
+    if m >= 1024.0 {
+        format!("{:.2} GiB", m / 1024.0)
+    } else {
+        format!("{m:.1} MiB")
+    }
+}
+
+/// Runs `arbor serve`.
+pub fn run(args: ServeArgs) -> Result<()> {
+    let cfg = ServeConfig::from_args(&args)?;
+    if args.print_config {
+        print!("{}", cfg.to_toml()?);
+        return Ok(());
+    }
+    let m = &cfg.model;
+    let q = &cfg.scheduler;
+    let c = &cfg.cache;
+    let model_args = ModelArgs {
+        model_path: m.model_path.clone(),
+        device: m.device.clone().unwrap_or_else(|| "cpu".into()),
+        threads: m.threads.unwrap_or(0),
+        dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
+        kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "f32".into()),
+        page_size: cfg.page_size(),
+    };
+    let policy: SchedulePolicy = q
+        .schedule_policy
+        .as_deref()
+        .unwrap_or("lpm")
+        .parse()
+        .context("[scheduler] schedule_policy / --schedule-policy")?;
+    let defaults = EngineConfig::default();
+    let engine_cfg = EngineConfig {
+        max_running_requests: q.max_running_requests.unwrap_or(defaults.max_running_requests),
+        max_prefill_tokens: q.max_prefill_tokens.unwrap_or(defaults.max_prefill_tokens),
+        chunked_prefill_size: q.chunked_prefill_size.unwrap_or(defaults.chunked_prefill_size),
+        schedule_policy: policy,
+        schedule_conservativeness: q
+            .schedule_conservativeness
+            .unwrap_or(defaults.schedule_conservativeness),
+        enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
+        disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
+        max_queued_requests: q.max_queued_requests.unwrap_or(defaults.max_queued_requests),
+        ..defaults
+    };
+    let kv = match c.max_total_tokens {
+        Some(t) => KvBudget::Tokens(t),
+        None => KvBudget::Fraction(cfg.mem_fraction_static()),
+    };
+    let eviction_policy = c.radix_eviction_policy.clone().unwrap_or_else(|| "lru".into());
+    let registry = setup::registry()?;
+    // Fail on a bad policy name before spending time on the weights.
+    registry
+        .eviction_policies
+        .get(&eviction_policy)
+        .context("[cache] radix_eviction_policy / --radix-eviction-policy")?;
+    let built = setup::build_engine(&registry, &model_args, &EngineSetup {
+        engine: engine_cfg.clone(),
+        kv,
+        eviction_policy: eviction_policy.clone(),
+    })?;
+    let spec = built.model.model.spec().clone();
+    let model_path = built.model.path.display().to_string();
+    let served = m.served_model_name.clone().unwrap_or_else(|| model_path.clone());
+    let host = cfg.server.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let port = cfg.server.port.unwrap_or(30000);
+    let metrics_prefix = cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into());
+    let opts = ServerOptions {
+        served_model_name: served.clone(),
+        model_path: model_path.clone(),
+        context_length: spec.max_position_embeddings,
+        api_key: cfg.server.api_key.clone(),
+        max_request_bytes: cfg.server.max_request_bytes.unwrap_or(32 << 20),
+        shutdown_timeout: Duration::from_secs_f64(cfg.server.shutdown_timeout.unwrap_or(30.0)),
+        enable_metrics: cfg.metrics.enable_metrics.unwrap_or(false),
+        metrics_prefix: metrics_prefix.clone(),
+        enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
+        server_info: cfg.to_json(),
+        ..Default::default()
+    };
+    let engine = Arc::new(built.engine);
+    let server = Server::new(
+        engine.clone(),
+        built.model.tokenizer.clone(),
+        built.model.chat_template.clone(),
+        opts.clone(),
+    )?;
+    let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .thread_name("arbor-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let result: Result<()> = rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+            .await
+            .with_context(|| format!("listening on {host}:{port}"))?;
+        let addr = listener.local_addr()?;
+        println!("arbor serve");
+        println!(
+            "  model:      {model_path} ({}, {} layers, context {}) served as '{served}'",
+            spec.architecture, spec.num_layers, spec.max_position_embeddings
+        );
+        println!(
+            "  weights:    {}, {} on {} ({} threads)",
+            spec.weight_dtype,
+            mib(spec.weight_bytes),
+            model_args.device,
+            if model_args.threads == 0 { "all".to_string() } else { model_args.threads.to_string() }
+        );
+        println!(
+            "  KV cache:   {} tokens ({} pages of {}), {}, {} [{}]",
+            built.kv_tokens,
+            built.kv_tokens / model_args.page_size.max(1),
+            model_args.page_size,
+            model_args.kv_cache_dtype,
+            mib(built.kv_bytes),
+            built.kv_note
+        );
+        println!(
+            "  scheduler:  max_running_requests {}, max_prefill_tokens {}, chunked_prefill_size {}, policy {}, mixed chunk {}",
+            engine_cfg.max_running_requests,
+            engine_cfg.max_prefill_tokens,
+            engine_cfg.chunked_prefill_size,
+            engine_cfg.schedule_policy.name(),
+            engine_cfg.enable_mixed_chunk
+        );
+        println!(
+            "  cache:      {}",
+            if engine_cfg.disable_radix_cache {
+                "prefix reuse off".to_string()
+            } else {
+                format!("radix, eviction {eviction_policy}")
+            }
+        );
+        println!(
+            "  limits:     request body {}, shutdown timeout {} s, API key {}, metrics {}, cache report {}",
+            mib(opts.max_request_bytes as u64),
+            opts.shutdown_timeout.as_secs_f64(),
+            if opts.api_key.is_some() { "required" } else { "off" },
+            if opts.enable_metrics { format!("on ({metrics_prefix}:)") } else { "off".into() },
+            if opts.enable_cache_report { "on" } else { "off" }
+        );
+        println!("listening on http://{addr}");
+        server
+            .serve(listener, arbor_server::shutdown_signal())
+            .await
+            .context("serving")?;
+        Ok(())
+    });
+    rt.shutdown_timeout(Duration::from_secs(2));
+    // The last handle stops the scheduler thread.
+    drop(engine);
+    result?;
+    println!("arbor serve: stopped");
+    Ok(())
+}

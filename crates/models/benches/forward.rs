@@ -1,0 +1,90 @@
+//! Forward-pass throughput on a SmolLM2-135M-shaped Llama with random weights
+//! (issue 2's measurement): prefill tok/s for a 512-token prompt, decode tok/s
+//! at batch 1 and 8, for f32 and bf16 weights, and batch-1 decode against the
+//! memory-bandwidth roofline measured in the same run.
+//!
+//! Run: `cargo bench -p arbor-models --bench forward` (ARBOR_BENCH_THREADS, default 2).
+
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::runner::{ModelRunner, SeqStep};
+use arbor_engine_core::{Backend, DType, LoadOptions, Registry};
+use arbor_models::DecoderConfig;
+use arbor_models::decoder::{ArchFlags, DecoderModel};
+use arbor_models::random::RandomWeights;
+use std::sync::Arc;
+use std::time::Instant;
+
+fn smollm2_config() -> DecoderConfig {
+    let v = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": true
+    });
+    DecoderConfig::from_json(&v, "smollm2-135m").expect("valid config")
+}
+
+fn main() {
+    let threads: usize = std::env::var("ARBOR_BENCH_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    let bw = arbor_backend_cpu::bandwidth::read_bandwidth_gbs(1 << 30, 5, threads);
+    println!("memory read bandwidth, {threads} threads: {bw:.1} GB/s");
+    let registry = Registry::builtin().expect("registry");
+    let cfg = smollm2_config();
+    println!("| weights | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s | bs1 roofline | bs1 / roofline |");
+    println!("|---|---|---|---|---|---|");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
+        let src = RandomWeights::new(&cfg, ArchFlags { qkv_bias: false, qk_norm: false }, dtype, 1)
+            .expect("weights");
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+            progress: None,
+        };
+        let model = DecoderModel::load(cfg.clone(), ArchFlags { qkv_bias: false, qk_norm: false }, &src, &opts)
+            .expect("model");
+        let bytes = arbor_engine_core::Model::spec(&model).weight_bytes;
+        let runner = ModelRunner::new(Arc::new(model), backend, None, 16, 400, DType::F32).expect("runner");
+        let pages: Vec<u32> = (0..400).collect();
+        let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919) % 49152).collect();
+        // Prefill: best of 3.
+        let mut prefill = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            runner
+                .step(&[SeqStep { tokens: &prompt, prefix_len: 0, pages: &pages[..32], want_logits: true }])
+                .expect("prefill");
+            prefill = prefill.min(t.elapsed().as_secs_f64());
+        }
+        // Decode at batch b: each sequence has 512 tokens of context.
+        let decode = |b: usize| -> f64 {
+            for s in 0..b {
+                runner
+                    .step(&[SeqStep { tokens: &prompt, prefix_len: 0, pages: &pages[s * 40..s * 40 + 32], want_logits: false }])
+                    .expect("fill");
+            }
+            let steps = 16;
+            let toks = [[5u32]; 8];
+            let t = Instant::now();
+            for i in 0..steps {
+                let seqs: Vec<SeqStep<'_>> = (0..b)
+                    .map(|s| SeqStep { tokens: &toks[s], prefix_len: 512 + i, pages: &pages[s * 40..s * 40 + 40], want_logits: true })
+                    .collect();
+                runner.step(&seqs).expect("decode");
+            }
+            (steps * b) as f64 / t.elapsed().as_secs_f64()
+        };
+        let d1 = decode(1);
+        let d8 = decode(8);
+        let roof = bw * 1e9 / bytes as f64;
+        println!(
+            "| {dtype} ({:.0} MB) | {:.0} | {d1:.1} | {d8:.1} | {roof:.1} | {:.0}% |",
+            bytes as f64 / 1e6,
+            512.0 / prefill,
+            100.0 * d1 / roof
+        );
+    }
+}

@@ -1,0 +1,97 @@
+//! Seeded random weights for any decoder shape, for benchmarks.
+//!
+//! [`RandomWeights`] answers the same tensor names as a Hugging Face
+//! checkpoint of a [`DecoderConfig`], with values drawn from a seeded RNG
+//! (linear weights ~ N(0, 0.02²)-like uniform noise, norm weights near 1), so
+//! a model of any size can be built without files. Each tensor depends only
+//! on its name and the seed.
+
+use crate::config::DecoderConfig;
+use crate::decoder::ArchFlags;
+use arbor_engine_core::{CoreError, DType, HostTensor, Result, SeqRng, WeightSource};
+use std::borrow::Cow;
+use std::collections::HashMap;
+
+/// A weight source of random tensors shaped for one config.
+pub struct RandomWeights {
+    shapes: HashMap<String, (Vec<usize>, bool)>,
+    dtype: DType,
+    seed: u64,
+}
+
+impl RandomWeights {
+    /// Tensors for `cfg`, stored as `dtype` (f32, f16 or bf16).
+    pub fn new(cfg: &DecoderConfig, flags: ArchFlags, dtype: DType, seed: u64) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(CoreError::unsupported(format!("random weights in {dtype}")));
+        }
+        let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let mut s: HashMap<String, (Vec<usize>, bool)> = HashMap::new();
+        s.insert("model.embed_tokens.weight".into(), (vec![cfg.vocab_size, h], false));
+        s.insert("model.norm.weight".into(), (vec![h], true));
+        if !cfg.tie_word_embeddings {
+            s.insert("lm_head.weight".into(), (vec![cfg.vocab_size, h], false));
+        }
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let mut lin = |n: &str, o: usize, inp: usize, bias: bool| {
+                s.insert(format!("{p}.{n}.weight"), (vec![o, inp], false));
+                if bias {
+                    s.insert(format!("{p}.{n}.bias"), (vec![o], false));
+                }
+            };
+            let qkv_bias = flags.qkv_bias || cfg.attention_bias;
+            lin("self_attn.q_proj", nh * hd, h, qkv_bias);
+            lin("self_attn.k_proj", nkv * hd, h, qkv_bias);
+            lin("self_attn.v_proj", nkv * hd, h, qkv_bias);
+            lin("self_attn.o_proj", h, nh * hd, cfg.attention_bias);
+            lin("mlp.gate_proj", i, h, cfg.mlp_bias);
+            lin("mlp.up_proj", i, h, cfg.mlp_bias);
+            lin("mlp.down_proj", h, i, cfg.mlp_bias);
+            s.insert(format!("{p}.input_layernorm.weight"), (vec![h], true));
+            s.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], true));
+            if flags.qk_norm {
+                s.insert(format!("{p}.self_attn.q_norm.weight"), (vec![hd], true));
+                s.insert(format!("{p}.self_attn.k_norm.weight"), (vec![hd], true));
+            }
+        }
+        Ok(Self {
+            shapes: s,
+            dtype,
+            seed,
+        })
+    }
+}
+
+fn name_hash(name: &str) -> u64 {
+    // FNV-1a: stable across runs and platforms.
+    name.bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+impl WeightSource for RandomWeights {
+    fn describe(&self) -> String {
+        format!("random {} weights (seed {})", self.dtype, self.seed)
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
+        let Some((shape, is_norm)) = self.shapes.get(name) else {
+            return Ok(None);
+        };
+        let n: usize = shape.iter().product();
+        let mut rng = SeqRng::new(self.seed ^ name_hash(name));
+        let values: Vec<f32> = (0..n)
+            .map(|_| {
+                let u = rng.next_f32() * 2.0 - 1.0;
+                if *is_norm { 1.0 + 0.1 * u } else { 0.035 * u }
+            })
+            .collect();
+        let t = HostTensor::from_f32(shape, &values);
+        Ok(Some(HostTensor {
+            data: Cow::Owned(t.cast(self.dtype)?.data.into_owned()),
+            dtype: self.dtype,
+            shape: shape.clone(),
+        }))
+    }
+}

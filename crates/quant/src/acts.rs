@@ -1,0 +1,329 @@
+//! Activations prepared for dot products ([`PreparedActs`]).
+//!
+//! Owns the quantization of f32 activation rows into the "vec_dot type" that
+//! ggml pairs with each weight format: f32 for float weights, Q8_0 for
+//! Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1 and Q8_K for the K-quants. The values
+//! are bit-identical to what ggml's x86 `quantize_row_q8_0/q8_1` (scale
+//! `127/amax`, round half to even, scale stored as f16) and
+//! `quantize_row_q8_K_ref` produce, but they are stored as a structure of
+//! arrays (all quants of a row contiguous, scales and sums in their own
+//! arrays) so that SIMD kernels can load them without shuffling.
+//!
+//! Invariants (established by [`PreparedActs::prepare_into`], relied upon by
+//! the unsafe kernels): `k` is a whole number of blocks of `dtype`;
+//! `f.len() == m*k` for F32, otherwise `qs.len() == m*k` (and
+//! `qs_pair.len() == m*k` for Q8_0/Q8_1), `d.len() == m*nb`,
+//! `s.len() == isum.len() == m*nb` for Q8_0/Q8_1 and `bsums.len() == m*nb*16`
+//! for Q8_K, where `nb = k / block_size`. Quant values lie in -127..=127.
+
+use crate::{DType, QuantError, SimdLevel, formats::f16_round};
+
+/// Activations prepared for dot products with weights of one dtype.
+#[derive(Clone, Debug, Default)]
+pub struct PreparedActs {
+    pub(crate) dtype: Option<DType>,
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    /// F32 activations, `m*k`.
+    pub(crate) f: Vec<f32>,
+    /// Quantized values, `m*k`.
+    pub(crate) qs: Vec<i8>,
+    /// Q8_0/Q8_1 only: `qs` reordered for the SIMD kernels, `m*k`. Within each
+    /// row, every full group of 8 blocks (256 bytes) holds, for j in 0..4,
+    /// `[blk j lo16, blk j+4 lo16, blk j hi16, blk j+4 hi16]`; the blocks
+    /// after the last full group keep their natural order.
+    pub(crate) qs_pair: Vec<i8>,
+    /// Block scales as f32 (f16-rounded for Q8_0/Q8_1), `m*nb`.
+    pub(crate) d: Vec<f32>,
+    /// Q8_1: ggml's `s`, f16(`amax/127 * sum(qs)`); Q8_0: `d * sum(qs)` with the
+    /// stored `d` (not used by the kernels). `m*nb`.
+    pub(crate) s: Vec<f32>,
+    /// Q8_0/Q8_1: integer sum of each block's quants, `m*nb`.
+    pub(crate) isum: Vec<i32>,
+    /// Q8_K: sums of each 16 quants, `m*nb*16`.
+    pub(crate) bsums: Vec<i16>,
+}
+
+/// The activation dtype ggml pairs with weights of dtype `weight`
+/// (its `vec_dot_type`), or an error for dtypes that cannot be weights.
+pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
+    Ok(match weight {
+        DType::F32 | DType::F16 | DType::BF16 => DType::F32,
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
+        DType::Q4_1 | DType::Q5_1 => DType::Q8_1,
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => DType::Q8_K,
+        _ => {
+            return Err(QuantError::Unsupported {
+                op: "dot product with weights",
+                dtype: weight,
+            });
+        }
+    })
+}
+
+impl PreparedActs {
+    /// An empty value, to be filled by [`PreparedActs::prepare_into`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Prepares `m` rows of `k` activations (`x.len() == m*k`) for weights of
+    /// dtype `weight`, reusing this value's allocations.
+    pub fn prepare_into(
+        &mut self,
+        weight: DType,
+        x: &[f32],
+        m: usize,
+        k: usize,
+    ) -> Result<(), QuantError> {
+        self.prepare_into_with(crate::detected_level(), weight, x, m, k)
+    }
+
+    /// [`PreparedActs::prepare_into`] at an explicit SIMD level (at most
+    /// [`crate::detected_level`]); every level produces identical values.
+    pub fn prepare_into_with(
+        &mut self,
+        level: SimdLevel,
+        weight: DType,
+        x: &[f32],
+        m: usize,
+        k: usize,
+    ) -> Result<(), QuantError> {
+        if level > crate::detected_level() {
+            return Err(QuantError::LevelUnavailable(level));
+        }
+        let dtype = act_dtype_for(weight)?;
+        let wb = weight.block_size();
+        if !k.is_multiple_of(wb) {
+            return Err(QuantError::NotBlockMultiple {
+                dtype: weight,
+                k,
+                block: wb,
+            });
+        }
+        let total = m.checked_mul(k).ok_or(QuantError::Overflow("m*k"))?;
+        if x.len() != total {
+            return Err(QuantError::BadLength {
+                what: "activations (m*k)",
+                expected: total,
+                got: x.len(),
+                unit: "f32",
+            });
+        }
+        self.dtype = Some(dtype);
+        self.m = m;
+        self.k = k;
+        self.f.clear();
+        self.qs.clear();
+        self.qs_pair.clear();
+        self.d.clear();
+        self.s.clear();
+        self.isum.clear();
+        self.bsums.clear();
+        match dtype {
+            DType::F32 => self.f.extend_from_slice(x),
+            DType::Q8_0 | DType::Q8_1 => {
+                let nb = total / 32;
+                self.qs.resize(total, 0);
+                self.d.reserve(nb);
+                self.s.reserve(nb);
+                self.isum.reserve(nb);
+                self.d.resize(nb, 0.0);
+                self.s.resize(nb, 0.0);
+                self.isum.resize(nb, 0);
+                quantize_q8_blocks(
+                    level,
+                    x,
+                    &mut self.qs,
+                    &mut self.d,
+                    &mut self.s,
+                    &mut self.isum,
+                    dtype == DType::Q8_1,
+                );
+                self.qs_pair.extend_from_slice(&self.qs);
+                if k > 0 {
+                    for (src, dst) in self
+                        .qs
+                        .chunks_exact(k)
+                        .zip(self.qs_pair.chunks_exact_mut(k))
+                    {
+                        pair_layout(src, dst);
+                    }
+                }
+            }
+            DType::Q8_K => {
+                let nb = total / 256;
+                self.qs.resize(total, 0);
+                self.d.resize(nb, 0.0);
+                self.bsums.resize(nb * 16, 0);
+                quantize_q8k_blocks(level, x, &mut self.qs, &mut self.d, &mut self.bsums);
+            }
+            _ => {
+                return Err(QuantError::Unsupported {
+                    op: "activation preparation",
+                    dtype,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The activation dtype (F32, Q8_0, Q8_1 or Q8_K); `None` before preparation.
+    pub fn dtype(&self) -> Option<DType> {
+        self.dtype
+    }
+
+    /// Number of activation rows.
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    /// Elements per activation row.
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The activations in ggml's block layout (`block_q8_0`, `block_q8_1`,
+    /// `block_q8_K`; little-endian f32 for F32), rows one after another.
+    pub fn to_ggml_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self.dtype {
+            Some(DType::F32) => {
+                for v in &self.f {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            Some(DType::Q8_0) | Some(DType::Q8_1) => {
+                let q81 = self.dtype == Some(DType::Q8_1);
+                for (b, q) in self.qs.chunks_exact(32).enumerate() {
+                    out.extend_from_slice(&half::f16::from_f32(self.d[b]).to_bits().to_le_bytes());
+                    if q81 {
+                        out.extend_from_slice(
+                            &half::f16::from_f32(self.s[b]).to_bits().to_le_bytes(),
+                        );
+                    }
+                    out.extend(q.iter().map(|&v| v as u8));
+                }
+            }
+            Some(DType::Q8_K) => {
+                for (b, q) in self.qs.chunks_exact(256).enumerate() {
+                    out.extend_from_slice(&self.d[b].to_le_bytes());
+                    out.extend(q.iter().map(|&v| v as u8));
+                    for s in &self.bsums[b * 16..b * 16 + 16] {
+                        out.extend_from_slice(&s.to_le_bytes());
+                    }
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+}
+
+/// Writes the paired layout of one row's full groups of 8 blocks (see
+/// [`PreparedActs::qs_pair`]); the tail is left as copied.
+fn pair_layout(src: &[i8], dst: &mut [i8]) {
+    for (g, d) in src.chunks_exact(256).zip(dst.chunks_exact_mut(256)) {
+        for j in 0..4 {
+            let (a, b) = (32 * j, 32 * (j + 4));
+            d[64 * j..64 * j + 16].copy_from_slice(&g[a..a + 16]);
+            d[64 * j + 16..64 * j + 32].copy_from_slice(&g[b..b + 16]);
+            d[64 * j + 32..64 * j + 48].copy_from_slice(&g[a + 16..a + 32]);
+            d[64 * j + 48..64 * j + 64].copy_from_slice(&g[b + 16..b + 32]);
+        }
+    }
+}
+
+/// Quantizes whole super-blocks to Q8_K (ggml's `quantize_row_q8_K_ref`).
+fn quantize_q8k_blocks(
+    level: SimdLevel,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    bsums: &mut [i16],
+) {
+    let scalar = crate::formats::kquants::quantize_block_q8k;
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        // SAFETY: level <= detected_level() (checked by the caller) implies
+        // AVX2+FMA+F16C; the lengths are as documented (set up by the caller).
+        unsafe { crate::x86::acts::quantize_q8k_blocks(x, q, d, bsums, scalar) };
+        return;
+    }
+    let _ = level;
+    for (((xb, qb), bs), db) in x
+        .chunks_exact(256)
+        .zip(q.chunks_exact_mut(256))
+        .zip(bsums.chunks_exact_mut(16))
+        .zip(d.iter_mut())
+    {
+        *db = scalar(xb, qb, bs);
+    }
+}
+
+/// Quantizes one block of 32 values as ggml's x86 `quantize_row_q8_0`:
+/// returns the f32 scale `amax/127` and the sum of the quants.
+fn q8_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut s = 0i32;
+    for (o, &v) in q.iter_mut().zip(x) {
+        // Saturating float->int cast; values are within -127..=127 for finite input.
+        let r = ((v * id).round_ties_even() as i32).clamp(-127, 127);
+        *o = r as i8;
+        s += r;
+    }
+    (amax / 127.0, s)
+}
+
+/// Quantizes whole blocks of 32 values (`x.len() == q.len() == 32*n`): quants
+/// to `q`, and per block the f16-rounded scale to `d`, ggml's `s` to `s`
+/// (Q8_1 when `round_s`: f16(`amax/127 * sum`); Q8_0: `d*sum`) and the sum of
+/// the quants to `sum`.
+fn quantize_q8_blocks(
+    level: SimdLevel,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    sum: &mut [i32],
+    round_s: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        // SAFETY: level <= detected_level() (checked by the caller) implies
+        // AVX2+FMA+F16C; the lengths are as documented (set up by the caller).
+        unsafe { crate::x86::acts::quantize_q8_blocks(x, q, d, s, sum, round_s, q8_block) };
+        return;
+    }
+    let _ = level;
+    for ((((xb, qb), db), sb), ib) in x
+        .chunks_exact(32)
+        .zip(q.chunks_exact_mut(32))
+        .zip(d.iter_mut())
+        .zip(s.iter_mut())
+        .zip(sum.iter_mut())
+    {
+        let (dv, sv) = q8_block(xb, qb);
+        let dr = f16_round(dv);
+        *db = dr;
+        *sb = if round_s {
+            f16_round(dv * sv as f32)
+        } else {
+            dr * sv as f32
+        };
+        *ib = sv;
+    }
+}
+
+/// Prepares `m` rows of `k` activations for weights of dtype `weight`.
+pub fn prepare_acts(
+    weight: DType,
+    x: &[f32],
+    m: usize,
+    k: usize,
+) -> Result<PreparedActs, QuantError> {
+    let mut a = PreparedActs::new();
+    a.prepare_into(weight, x, m, k)?;
+    Ok(a)
+}

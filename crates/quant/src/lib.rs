@@ -1,0 +1,356 @@
+//! GGUF (ggml) weight block formats and their CPU dot-product kernels.
+//!
+//! Owns: the byte layouts of F32/F16/BF16 and ggml's block formats (Q4_0,
+//! Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K..Q6_K, Q8_K; GGUF tensor data is used
+//! as is), reference quantizers, dequantizers, activation preparation
+//! ([`prepare_acts`]) and the GEMV-style [`dot_rows`] used by the CPU backend,
+//! with runtime SIMD dispatch ([`SimdLevel`]) and a portable scalar path.
+//!
+//! Invariants: every public function validates dtypes and buffer lengths
+//! before any kernel runs and returns [`QuantError`] on bad input (it never
+//! panics or reads out of bounds); kernels are reentrant and the only global
+//! state is the cached CPU feature detection. Quantized dot products follow
+//! ggml: activations are quantized to the weight's `vec_dot_type` (Q8_0,
+//! Q8_1 or Q8_K), integer dots per block, f32 scaling and accumulation.
+//!
+//! ```
+//! use arbor_quant::{DType, dot_rows, prepare_acts, quantize, row_bytes};
+//! let (n_rows, k, m) = (3, 64, 2);
+//! let w_f32: Vec<f32> = (0..n_rows * k).map(|i| (i % 7) as f32 - 3.0).collect();
+//! let mut w = vec![0u8; row_bytes(DType::Q4_1, n_rows * k)?];
+//! quantize(DType::Q4_1, &w_f32, &mut w)?;
+//! let x: Vec<f32> = (0..m * k).map(|i| (i % 5) as f32 * 0.25).collect();
+//! // Prepare once per activation matrix; reuse for every weight of the same vec_dot type.
+//! let acts = prepare_acts(DType::Q4_1, &x, m, k)?;
+//! let mut out = vec![0.0f32; m * n_rows];
+//! dot_rows(DType::Q4_1, &w, n_rows, k, &acts, &mut out, n_rows)?;
+//! # Ok::<(), arbor_quant::QuantError>(())
+//! ```
+#![allow(unsafe_code)]
+// Index loops mirror ggml's C so the ports can be checked side by side.
+#![allow(clippy::needless_range_loop)]
+
+mod acts;
+mod error;
+mod formats;
+mod simd;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use acts::{PreparedActs, act_dtype_for, prepare_acts};
+pub use arbor_engine_core::DType;
+pub use error::QuantError;
+pub use simd::{SimdLevel, detected_level};
+
+/// True if `dtype` can be stored, dequantized and quantized by this crate.
+pub fn is_supported(dtype: DType) -> bool {
+    !matches!(dtype, DType::I32 | DType::U32 | DType::U8)
+}
+
+/// True if [`dot_rows`] accepts weights of `dtype`.
+pub fn is_dot_supported(dtype: DType) -> bool {
+    act_dtype_for(dtype).is_ok()
+}
+
+fn check_supported(dtype: DType, op: &'static str) -> Result<(), QuantError> {
+    if is_supported(dtype) {
+        Ok(())
+    } else {
+        Err(QuantError::Unsupported { op, dtype })
+    }
+}
+
+/// Bytes of one row of `k` elements of `dtype`; errors unless `k` is a whole
+/// number of blocks.
+pub fn row_bytes(dtype: DType, k: usize) -> Result<usize, QuantError> {
+    let bs = dtype.block_size();
+    if !k.is_multiple_of(bs) {
+        return Err(QuantError::NotBlockMultiple {
+            dtype,
+            k,
+            block: bs,
+        });
+    }
+    (k / bs)
+        .checked_mul(dtype.block_bytes())
+        .ok_or(QuantError::Overflow("row bytes"))
+}
+
+fn check_level(level: SimdLevel) -> Result<(), QuantError> {
+    if level > detected_level() {
+        Err(QuantError::LevelUnavailable(level))
+    } else {
+        Ok(())
+    }
+}
+
+/// Dequantizes whole blocks of `dtype` in `src` to f32 in `dst`
+/// (`dst.len()` must be the number of elements `src` holds).
+pub fn dequantize(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
+    dequantize_with(detected_level(), dtype, src, dst)
+}
+
+/// [`dequantize`] at an explicit SIMD level (at most [`detected_level`]).
+pub fn dequantize_with(
+    level: SimdLevel,
+    dtype: DType,
+    src: &[u8],
+    dst: &mut [f32],
+) -> Result<(), QuantError> {
+    check_level(level)?;
+    check_supported(dtype, "dequantize")?;
+    let bb = dtype.block_bytes();
+    let bs = dtype.block_size();
+    if !src.len().is_multiple_of(bb) {
+        return Err(QuantError::BadLength {
+            what: "source (whole blocks)",
+            expected: src.len() / bb * bb,
+            got: src.len(),
+            unit: "bytes",
+        });
+    }
+    let n = (src.len() / bb)
+        .checked_mul(bs)
+        .ok_or(QuantError::Overflow("elements"))?;
+    if dst.len() != n {
+        return Err(QuantError::BadLength {
+            what: "dequantize destination",
+            expected: n,
+            got: dst.len(),
+            unit: "f32",
+        });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        // SAFETY: level <= detected_level() implies AVX2+FMA+F16C; src holds
+        // whole blocks and dst exactly their elements (checked above).
+        if unsafe { x86::dequant::dequantize(dtype, src, dst) } {
+            return Ok(());
+        }
+    }
+    dequantize_scalar(dtype, src, dst);
+    Ok(())
+}
+
+fn dequantize_scalar(dtype: DType, src: &[u8], dst: &mut [f32]) {
+    let bb = dtype.block_bytes();
+    let bs = dtype.block_size();
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => formats::float::dequantize(dtype, src, dst),
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
+            for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bs)) {
+                formats::legacy::dequantize_block(dtype, b, y);
+            }
+        }
+        _ => {
+            for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bs)) {
+                formats::kquants::dequantize_block(dtype, b, y);
+            }
+        }
+    }
+}
+
+/// Quantizes `src` (a whole number of blocks) into `dst` with ggml's
+/// reference quantizers (`quantize_row_*_ref`); float dtypes are converted.
+pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
+    check_supported(dtype, "quantize")?;
+    let need = row_bytes(dtype, src.len())?;
+    if dst.len() != need {
+        return Err(QuantError::BadLength {
+            what: "quantize destination",
+            expected: need,
+            got: dst.len(),
+            unit: "bytes",
+        });
+    }
+    let bb = dtype.block_bytes();
+    let bs = dtype.block_size();
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => formats::float::quantize(dtype, src, dst),
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
+            for (x, y) in src.chunks_exact(bs).zip(dst.chunks_exact_mut(bb)) {
+                formats::legacy::quantize_block(dtype, x, y);
+            }
+        }
+        _ => {
+            for (x, y) in src.chunks_exact(bs).zip(dst.chunks_exact_mut(bb)) {
+                formats::kquant_ref::quantize_block(dtype, x, y);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `out[i * out_stride + r] = dot(weight row r, activation row i)` for
+/// `r < n_rows`, `i < acts.m()`. `w` holds exactly `n_rows` rows of `k`
+/// elements of `weight`; `acts` must come from [`prepare_acts`] for the same
+/// weight dtype (or one with the same [`act_dtype_for`]) and `k`.
+pub fn dot_rows(
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    dot_rows_with(
+        detected_level(),
+        weight,
+        w,
+        n_rows,
+        k,
+        acts,
+        out,
+        out_stride,
+    )
+}
+
+/// [`dot_rows`] at an explicit SIMD level (at most [`detected_level`]).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_with(
+    level: SimdLevel,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    check_level(level)?;
+    let ad = act_dtype_for(weight)?;
+    if acts.dtype != Some(ad) {
+        return Err(QuantError::ActsMismatch(format!(
+            "weights of type {weight} need activations prepared as {ad}, got {}",
+            acts.dtype.map_or("nothing".to_string(), |d| d.to_string())
+        )));
+    }
+    if acts.k != k {
+        return Err(QuantError::ActsMismatch(format!(
+            "activations have k = {}, weights k = {k}",
+            acts.k
+        )));
+    }
+    let rb = row_bytes(weight, k)?;
+    let need = n_rows
+        .checked_mul(rb)
+        .ok_or(QuantError::Overflow("weight bytes"))?;
+    if w.len() != need {
+        return Err(QuantError::BadLength {
+            what: "weights (n_rows * row bytes)",
+            expected: need,
+            got: w.len(),
+            unit: "bytes",
+        });
+    }
+    let m = acts.m;
+    if m == 0 || n_rows == 0 {
+        return Ok(());
+    }
+    if m > 1 && out_stride < n_rows {
+        return Err(QuantError::BadStride {
+            stride: out_stride,
+            n_rows,
+        });
+    }
+    let need_out = (m - 1)
+        .checked_mul(out_stride)
+        .and_then(|v| v.checked_add(n_rows))
+        .ok_or(QuantError::Overflow("output length"))?;
+    if out.len() < need_out {
+        return Err(QuantError::BadLength {
+            what: "output ((m-1)*out_stride + n_rows)",
+            expected: need_out,
+            got: out.len(),
+            unit: "f32",
+        });
+    }
+    if k == 0 {
+        for i in 0..m {
+            out[i * out_stride..i * out_stride + n_rows].fill(0.0);
+        }
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 && dot_rows_x86(level, weight, w, n_rows, k, acts, out, out_stride)
+    {
+        return Ok(());
+    }
+    dot_rows_scalar(weight, w, n_rows, k, acts, out, out_stride);
+    Ok(())
+}
+
+/// Runs the SIMD kernel for `weight` if there is one; false otherwise.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn dot_rows_x86(
+    level: SimdLevel,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    stride: usize,
+) -> bool {
+    let avx512 = level >= SimdLevel::Avx512;
+    match weight {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            // SAFETY: level <= detected_level() was checked, so the CPU has
+            // the features; all lengths were validated by dot_rows_with.
+            unsafe {
+                x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out, stride)
+            };
+            true
+        }
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
+            // SAFETY: as above.
+            unsafe { x86::kquants::dot_rows(avx512, weight, w, n_rows, k, acts, out, stride) }
+        }
+        // SAFETY: as above.
+        _ => unsafe { x86::legacy::dot_rows(avx512, weight, w, n_rows, k, acts, out, stride) },
+    }
+}
+
+fn dot_rows_scalar(
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    stride: usize,
+) {
+    let rb = w.len() / n_rows.max(1);
+    for (r, wr) in w.chunks_exact(rb).enumerate() {
+        for i in 0..acts.m {
+            let v = match weight {
+                DType::F32 | DType::F16 | DType::BF16 => {
+                    formats::float::dot_row(weight, wr, &acts.f[i * k..(i + 1) * k])
+                }
+                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
+                    let nb = k / 32;
+                    formats::legacy::dot_row(
+                        weight,
+                        wr,
+                        &acts.qs[i * k..(i + 1) * k],
+                        &acts.d[i * nb..(i + 1) * nb],
+                        &acts.s[i * nb..(i + 1) * nb],
+                    )
+                }
+                _ => {
+                    let nb = k / 256;
+                    formats::kquants::dot_row(
+                        weight,
+                        wr,
+                        &acts.qs[i * k..(i + 1) * k],
+                        &acts.d[i * nb..(i + 1) * nb],
+                        &acts.bsums[i * nb * 16..(i + 1) * nb * 16],
+                    )
+                }
+            };
+            out[i * stride + r] = v;
+        }
+    }
+}
