@@ -221,6 +221,38 @@ def main() -> None:
         n_gpu_layers=0, seed=SEED, verbose=False,
     )
     bos_id, eos_id = llm.token_bos(), llm.token_eos()
+    # A second context that keeps every position's logits, to record llama.cpp's
+    # own top-2 margin at each greedy step (steps with a near-tie may flip under
+    # any other summation order, including llama.cpp's own batched evaluation).
+    scorer = llama_cpp.Llama(
+        model_path=str(model), n_ctx=2048, n_threads=N_THREADS, n_threads_batch=N_THREADS,
+        n_gpu_layers=0, seed=SEED, verbose=False, logits_all=True,
+    )
+
+    def step_scores(prompt_ids: list, out_ids: list) -> dict:
+        """Per greedy step: llama.cpp's top-2 margin and top-5 logits (decoding one
+        token at a time, as generation does), and how far llama.cpp's own batched
+        evaluation of the same sequence is from that (its self-consistency)."""
+        import numpy as np  # noqa: PLC0415
+        scorer.reset()
+        scorer.eval(prompt_ids)
+        margins, tops, seq = [], [], []
+        for tok in out_ids:
+            logits = np.array(scorer.scores[scorer.n_tokens - 1])
+            top = np.argsort(-logits)[:5]
+            if int(top[0]) != tok:
+                sys.exit(f"scoring context disagrees with generation at step {len(margins)}")
+            margins.append(round(float(logits[top[0]] - logits[top[1]]), 5))
+            tops.append([[int(t), round(float(logits[t]), 5)] for t in top])
+            seq.append(logits)
+            scorer.eval([tok])
+        scorer.reset()
+        scorer.eval(prompt_ids + out_ids[:-1])
+        n = len(prompt_ids)
+        batch = np.array(scorer.scores[n - 1:n - 1 + len(out_ids)])
+        spread = float(np.abs(batch - np.array(seq)).max())
+        return {"greedy_margins": margins, "greedy_top5": tops,
+                "batched_vs_sequential_max_abs_diff": round(spread, 5)}
 
     def piece(tok: int) -> str:
         return llm.detokenize([tok], special=True).decode("utf-8", errors="replace")
@@ -269,6 +301,7 @@ def main() -> None:
             "prompt": prompt,
             "prompt_ids": ids,
             "greedy_ids": out_ids,
+            **step_scores(ids, out_ids),
             "greedy_pieces": [piece(t) for t in out_ids],
             "greedy_text": llm.detokenize(out_ids, special=False).decode("utf-8", errors="replace"),
             "stopped_at_eog": bool(out_ids) and is_eog(out_ids[-1]),

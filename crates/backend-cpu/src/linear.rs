@@ -72,8 +72,16 @@ pub fn linear(
         g.get_or_insert(e);
     };
 
-    if m <= SMALL_M {
-        let acts = arbor_quant::prepare_acts(dtype, xs, m, k)
+    if m <= SMALL_M || dtype.is_quantized() {
+        // Activations in blocks of SMALL_M rows, prepared once for the weight format
+        // (quantized weights always take this path, as in ggml: integer dots).
+        let blocks: Vec<(usize, arbor_quant::PreparedActs)> = (0..m)
+            .step_by(SMALL_M)
+            .map(|i0| {
+                let mb = SMALL_M.min(m - i0);
+                arbor_quant::prepare_acts(dtype, &xs[i0 * k..(i0 + mb) * k], mb, k).map(|a| (i0, a))
+            })
+            .collect::<Result<_, _>>()
             .map_err(|e| CoreError::unsupported(format!("linear with {dtype} weights: {e}")))?;
         b.parallel(&|t, threads| {
             let (r0, r1) = share(n, t, threads, ROW_ALIGN);
@@ -85,22 +93,26 @@ pub fn linear(
             if m == 1 {
                 // SAFETY: columns r0..r1 of the single output row, disjoint per thread.
                 let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(r0), rows) };
-                if let Err(e) = arbor_quant::dot_rows(dtype, wrows, rows, k, &acts, o, rows) {
+                if let Err(e) = arbor_quant::dot_rows(dtype, wrows, rows, k, &blocks[0].1, o, rows) {
                     fail(e.to_string());
                 }
-            } else {
-                let mut tmp = vec![0f32; m * rows];
-                if let Err(e) = arbor_quant::dot_rows(dtype, wrows, rows, k, &acts, &mut tmp, rows)
+                return;
+            }
+            let mut tmp = vec![0f32; SMALL_M * rows];
+            for (i0, acts) in &blocks {
+                let mb = acts.m();
+                if let Err(e) =
+                    arbor_quant::dot_rows(dtype, wrows, rows, k, acts, &mut tmp[..mb * rows], rows)
                 {
                     fail(e.to_string());
                     return;
                 }
-                for i in 0..m {
-                    // SAFETY: row i, columns r0..r1: disjoint per thread.
+                for i in 0..mb {
+                    // SAFETY: row i0 + i, columns r0..r1: disjoint per thread.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             tmp.as_ptr().add(i * rows),
-                            op.get().add(i * n + r0),
+                            op.get().add((i0 + i) * n + r0),
                             rows,
                         );
                     }

@@ -215,9 +215,23 @@ impl DecoderModel {
             l.tick();
             embed.clone()
         };
-        let inv_freq = opts
-            .backend
-            .upload_f32(&[cfg.rotary_dim() / 2], &cfg.inv_freq())?;
+        let mut freqs = cfg.inv_freq();
+        // GGUF Llama 3 files carry the scaling as per-frequency divisors.
+        if let Some(f) = src.tensor("rope_freqs.weight")? {
+            let factors = f.to_f32_vec()?;
+            if factors.len() != freqs.len() {
+                return Err(CoreError::load(format!(
+                    "{}: rope_freqs has {} values for {} frequencies",
+                    src.describe(),
+                    factors.len(),
+                    freqs.len()
+                )));
+            }
+            for (x, d) in freqs.iter_mut().zip(factors) {
+                *x /= d;
+            }
+        }
+        let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
         let weight_dtype = layers.first().map_or(embed.dtype(), |l| l.q.w.dtype());
         let spec = ModelSpec {
             architecture: cfg.architecture.clone(),

@@ -9,6 +9,7 @@
 pub mod chat;
 pub mod config;
 pub mod decoder;
+pub mod gguf_source;
 pub mod quant_methods;
 pub mod random;
 pub mod safetensors_source;
@@ -50,11 +51,14 @@ fn read_config(dir: &Path) -> Result<serde_json::Value> {
         .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", path.display())))
 }
 
-/// Loads a Hugging Face model folder with the architectures in `registry`.
+/// Loads a Hugging Face model folder, or a GGUF file, with the architectures in `registry`.
 pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
+    if path.is_file() && gguf_source::is_gguf(path) {
+        return gguf_source::load_gguf(path, registry, opts);
+    }
     if !path.is_dir() {
         return Err(CoreError::load(format!(
-            "{}: not a model folder (expected config.json, safetensors and tokenizer.json)",
+            "{}: not a model folder (config.json, safetensors, tokenizer.json) or a GGUF file",
             path.display()
         )));
     }
