@@ -222,7 +222,7 @@ impl AttentionBackend for CpuAttention {
 
         // 1. Write the new K and V rows into their slots.
         let slot_map = &layout.slot_mapping;
-        let ok = self.pool.run(&|t, n| {
+        let write = |t: usize, n: usize| {
             let (r0, r1) = share(tokens, t, n, 1);
             for (i, &slot) in slot_map.iter().enumerate().take(r1).skip(r0) {
                 // SAFETY: row i of k and v is inside their views; slot < slots
@@ -234,8 +234,10 @@ impl AttentionBackend for CpuAttention {
                     vc.write(slot as usize, vr);
                 }
             }
-        });
-        if !ok {
+        };
+        if tokens * kw < 16 * 1024 {
+            write(0, 1);
+        } else if !self.pool.run(&write) {
             return Err(CoreError::Internal("KV write panicked".into()));
         }
 

@@ -22,7 +22,7 @@ pub mod simd;
 use arbor_engine_core::registry::BackendEntry;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendCapabilities, BackendOptions, CoreError, DType, DeviceInfo,
-    HostTensor, Result, RopeStyle, Tensor, tensor::next_device_tag,
+    HostTensor, LinearRef, Result, RopeStyle, Tensor, tensor::next_device_tag,
 };
 use memory::{HostMemory, RawView};
 use pool::ThreadPool;
@@ -203,6 +203,10 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
         linear::linear(self, x, w, bias, out)
+    }
+
+    fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
+        linear::linear_many(self, x, layers)
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()> {

@@ -1,29 +1,44 @@
-//! Linear layers: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for every weight dtype.
+//! Linear layers: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for every weight
+//! dtype, one at a time or several sharing one input (Q/K/V, gate/up).
 //!
-//! Small batches (decode, `m <= SMALL_M`) are memory-bound: activations are
-//! prepared once for the weight format (quantized to Q8 for quantized weights,
-//! as ggml does) and each thread streams its share of weight rows through the
-//! quant crate's row kernels. Large batches (prefill) are compute-bound: each
-//! thread takes tiles of weight rows, dequantizes them to f32 when needed, and
-//! multiplies them with an f32 GEMM, writing its own output columns.
+//! Row-kernel path (decode, `m <= SMALL_M`, and every quantized weight):
+//! activations are prepared once per layer for its weight format (quantized to
+//! Q8 for quantized weights, as ggml does, so prefill and decode use the same
+//! integer dots) in blocks of `SMALL_M` rows, and the weight rows of all the
+//! layers form one range split across the pool, so a whole Q/K/V projection is
+//! one parallel region. GEMM path (float weights, large `m`): each piece takes
+//! tiles of weight rows, converts them to f32 in a per-thread tile, and
+//! multiplies with an f32 GEMM, writing only its own output columns.
 
 use crate::memory::SendPtr;
 use crate::pool::share;
 use crate::{CpuBackend, no_overlap};
-use arbor_engine_core::{CoreError, DType, Result, Tensor};
+use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
+use arbor_quant::PreparedActs;
 use std::sync::Mutex;
 
-/// Largest batch that takes the row-kernel (GEMV) path.
+/// Largest batch that takes the row-kernel path for float weights, and the
+/// activation block size of that path.
 const SMALL_M: usize = 8;
 /// Weight rows per GEMM tile.
 const TILE_ROWS: usize = 64;
+/// Row alignment of piece shares.
+const ROW_ALIGN: usize = 16;
+
 thread_local! {
-    /// Per-thread f32 tile of dequantized weight rows, reused across calls.
+    /// Per-thread f32 tile of converted weight rows, reused across calls.
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Row alignment of thread shares (keeps shares on cache-line boundaries).
-const ROW_ALIGN: usize = 16;
+/// One validated layer.
+struct Job<'a> {
+    dtype: DType,
+    w: &'a [u8],
+    row_bytes: usize,
+    n: usize,
+    out: SendPtr<f32>,
+    bias: Option<&'a [f32]>,
+}
 
 pub fn linear(
     b: &CpuBackend,
@@ -32,162 +47,218 @@ pub fn linear(
     bias: Option<&Tensor>,
     out: &Tensor,
 ) -> Result<()> {
-    let [n, k] = *w.shape() else {
-        return Err(CoreError::invalid(format!(
-            "linear weight {w:?} is not 2-D"
-        )));
-    };
+    linear_many(b, x, &[LinearRef { w, bias, out }])
+}
+
+pub fn linear_many(b: &CpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
     let xv = b.view(x, DType::F32)?;
-    if x.row_len() != k {
-        return Err(CoreError::invalid(format!(
-            "linear input {x:?} does not match weight {w:?}"
-        )));
-    }
+    let k = x.row_len();
     let m = x.rows();
-    let ov = b.view(out, DType::F32)?;
-    if out.rows() != m || out.row_len() != n {
-        return Err(CoreError::invalid(format!(
-            "linear output {out:?}, expected [{m}, {n}]"
-        )));
+    // SAFETY: the view covers m * k aligned f32 values; `x` outlives this call.
+    let xs = unsafe { std::slice::from_raw_parts(xv.ptr as *const f32, m * k) };
+    let mut jobs = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        let [n, wk] = *l.w.shape() else {
+            return Err(CoreError::invalid(format!(
+                "linear weight {:?} is not 2-D",
+                l.w
+            )));
+        };
+        if wk != k {
+            return Err(CoreError::invalid(format!(
+                "linear input {x:?} does not match weight {:?}",
+                l.w
+            )));
+        }
+        if l.out.rows() != m || l.out.row_len() != n {
+            return Err(CoreError::invalid(format!(
+                "linear output {:?}, expected [{m}, {n}]",
+                l.out
+            )));
+        }
+        let mut inputs = vec![x, l.w];
+        if let Some(bias) = l.bias {
+            if bias.numel() != n {
+                return Err(CoreError::invalid(format!("bias {bias:?} for {n} outputs")));
+            }
+            inputs.push(bias);
+        }
+        for other in &layers[..i] {
+            inputs.push(other.out);
+        }
+        no_overlap(l.out, &inputs)?;
+        let ov = b.view(l.out, DType::F32)?;
+        let wv = b.bytes_of(l.w)?;
+        let bias = match l.bias {
+            Some(t) => {
+                let bv = b.view(t, DType::F32)?;
+                // SAFETY: n aligned f32 values.
+                Some(unsafe { std::slice::from_raw_parts(bv.ptr as *const f32, n) })
+            }
+            None => None,
+        };
+        jobs.push(Job {
+            dtype: l.w.dtype(),
+            // SAFETY: the weight view; `l.w` outlives this call.
+            w: unsafe { std::slice::from_raw_parts(wv.ptr as *const u8, wv.bytes) },
+            row_bytes: l.w.dtype().bytes_for(k)?,
+            n,
+            out: SendPtr(ov.ptr as *mut f32),
+            bias,
+        });
     }
-    let mut inputs = vec![x, w];
-    if let Some(bias) = bias {
-        inputs.push(bias);
-        if bias.numel() != n {
-            return Err(CoreError::invalid(format!("bias {bias:?} for {n} outputs")));
+    let (rows_path, gemm_path): (Vec<&Job<'_>>, Vec<&Job<'_>>) = jobs
+        .iter()
+        .partition(|j| m <= SMALL_M || j.dtype.is_quantized());
+    if !rows_path.is_empty() {
+        row_kernels(b, xs, m, k, &rows_path)?;
+    }
+    for j in gemm_path {
+        gemm_tiles(b, xs, m, k, j)?;
+    }
+    for j in &jobs {
+        if let Some(bs) = j.bias {
+            for i in 0..m {
+                // SAFETY: row i of this output; no other reference to it is live.
+                let row = unsafe { std::slice::from_raw_parts_mut(j.out.get().add(i * j.n), j.n) };
+                for (o, &bb) in row.iter_mut().zip(bs) {
+                    *o += bb;
+                }
+            }
         }
     }
-    no_overlap(out, &inputs)?;
-    let wv = b.bytes_of(w)?;
-    let dtype = w.dtype();
-    let row_bytes = dtype.bytes_for(k)?;
-    // SAFETY: views checked above; the tensors outlive this call.
-    let xs = unsafe { std::slice::from_raw_parts(xv.ptr as *const f32, m * k) };
-    // SAFETY: as above.
-    let ws = unsafe { std::slice::from_raw_parts(wv.ptr as *const u8, wv.bytes) };
-    let op = SendPtr(ov.ptr as *mut f32);
-    let err: Mutex<Option<String>> = Mutex::new(None);
-    let fail = |e: String| {
-        let mut g = err.lock().unwrap_or_else(|p| p.into_inner());
-        g.get_or_insert(e);
-    };
+    Ok(())
+}
 
-    if m <= SMALL_M || dtype.is_quantized() {
-        // Activations in blocks of SMALL_M rows, prepared once for the weight format
-        // (quantized weights always take this path, as in ggml: integer dots).
-        let blocks: Vec<(usize, arbor_quant::PreparedActs)> = (0..m)
-            .step_by(SMALL_M)
-            .map(|i0| {
-                let mb = SMALL_M.min(m - i0);
-                arbor_quant::prepare_acts(dtype, &xs[i0 * k..(i0 + mb) * k], mb, k).map(|a| (i0, a))
-            })
-            .collect::<Result<_, _>>()
-            .map_err(|e| CoreError::unsupported(format!("linear with {dtype} weights: {e}")))?;
-        b.parallel(&|t, threads| {
-            let (r0, r1) = share(n, t, threads, ROW_ALIGN);
-            if r0 >= r1 {
-                return;
+fn first_error(err: &Mutex<Option<String>>, e: String) {
+    let mut g = err.lock().unwrap_or_else(|p| p.into_inner());
+    g.get_or_insert(e);
+}
+
+fn take_error(err: Mutex<Option<String>>, what: &str) -> Result<()> {
+    match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(msg) => Err(CoreError::unsupported(format!(
+            "linear with {what} weights: {msg}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// All `jobs` in one parallel region over the concatenation of their weight rows.
+fn row_kernels(b: &CpuBackend, xs: &[f32], m: usize, k: usize, jobs: &[&Job<'_>]) -> Result<()> {
+    let acts: Vec<Vec<(usize, PreparedActs)>> = jobs
+        .iter()
+        .map(|j| {
+            (0..m)
+                .step_by(SMALL_M)
+                .map(|i0| {
+                    let mb = SMALL_M.min(m - i0);
+                    arbor_quant::prepare_acts(j.dtype, &xs[i0 * k..(i0 + mb) * k], mb, k)
+                        .map(|a| (i0, a))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+    let total: usize = jobs.iter().map(|j| j.n).sum();
+    let err: Mutex<Option<String>> = Mutex::new(None);
+    b.parallel(&|t, pieces| {
+        let (g0, g1) = share(total, t, pieces, ROW_ALIGN);
+        let mut base = 0;
+        let mut tmp: Vec<f32> = Vec::new();
+        for (j, blocks) in jobs.iter().zip(&acts) {
+            let (lo, hi) = (g0.max(base), g1.min(base + j.n));
+            base += j.n;
+            if lo >= hi {
+                continue;
             }
-            let rows = r1 - r0;
-            let wrows = &ws[r0 * row_bytes..r1 * row_bytes];
+            let (r0, rows) = (lo - (base - j.n), hi - lo);
+            let wrows = &j.w[r0 * j.row_bytes..(r0 + rows) * j.row_bytes];
             if m == 1 {
-                // SAFETY: columns r0..r1 of the single output row, disjoint per thread.
-                let o = unsafe { std::slice::from_raw_parts_mut(op.get().add(r0), rows) };
-                if let Err(e) = arbor_quant::dot_rows(dtype, wrows, rows, k, &blocks[0].1, o, rows) {
-                    fail(e.to_string());
-                }
-                return;
-            }
-            let mut tmp = vec![0f32; SMALL_M * rows];
-            for (i0, acts) in &blocks {
-                let mb = acts.m();
+                // SAFETY: columns r0..r0+rows of the single output row: this piece only.
+                let o = unsafe { std::slice::from_raw_parts_mut(j.out.get().add(r0), rows) };
                 if let Err(e) =
-                    arbor_quant::dot_rows(dtype, wrows, rows, k, acts, &mut tmp[..mb * rows], rows)
+                    arbor_quant::dot_rows(j.dtype, wrows, rows, k, &blocks[0].1, o, rows)
                 {
-                    fail(e.to_string());
+                    first_error(&err, e.to_string());
+                }
+                continue;
+            }
+            tmp.resize(SMALL_M * rows, 0.0);
+            for (i0, a) in blocks {
+                let mb = a.m();
+                if let Err(e) =
+                    arbor_quant::dot_rows(j.dtype, wrows, rows, k, a, &mut tmp[..mb * rows], rows)
+                {
+                    first_error(&err, e.to_string());
                     return;
                 }
                 for i in 0..mb {
-                    // SAFETY: row i0 + i, columns r0..r1: disjoint per thread.
+                    // SAFETY: output row i0 + i, columns r0..r0+rows: this piece only.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             tmp.as_ptr().add(i * rows),
-                            op.get().add((i0 + i) * n + r0),
+                            j.out.get().add((i0 + i) * j.n + r0),
                             rows,
                         );
                     }
                 }
             }
-        })?;
-    } else {
-        let xp = SendPtr(xs.as_ptr() as *mut f32);
-        b.parallel(&|t, threads| {
-            let (r0, r1) = share(n, t, threads, ROW_ALIGN);
-            TILE.with(|cell| {
-                let mut tile = cell.borrow_mut();
-                if tile.len() < TILE_ROWS * k {
-                    tile.resize(TILE_ROWS * k, 0.0);
-                }
-                let mut c0 = r0;
-                while c0 < r1 {
-                    let nb = TILE_ROWS.min(r1 - c0);
-                    let src = &ws[c0 * row_bytes..(c0 + nb) * row_bytes];
-                    let rhs: *const f32 = if dtype == DType::F32 {
-                        src.as_ptr() as *const f32
-                    } else {
-                        if let Err(e) = arbor_quant::dequantize(dtype, src, &mut tile[..nb * k]) {
-                            fail(e.to_string());
-                            return;
-                        }
-                        tile.as_ptr()
-                    };
-                    // SAFETY: lhs is x [m, k] (row stride k), rhs is the tile viewed as
-                    // [k, nb] (column stride k), dst is columns c0..c0+nb of out
-                    // [m, n] (row stride n): those columns belong to this thread only.
-                    unsafe {
-                        gemm::gemm(
-                            m,
-                            nb,
-                            k,
-                            op.get().add(c0),
-                            1,
-                            n as isize,
-                            false,
-                            xp.get() as *const f32,
-                            1,
-                            k as isize,
-                            rhs,
-                            k as isize,
-                            1,
-                            0.0f32,
-                            1.0f32,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
-                    }
-                    c0 += nb;
-                }
-            });
-        })?;
-    }
-    if let Some(msg) = err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(CoreError::unsupported(format!(
-            "linear with {dtype} weights: {msg}"
-        )));
-    }
-    if let Some(bias) = bias {
-        let bv = b.view(bias, DType::F32)?;
-        // SAFETY: n aligned f32 values.
-        let bs = unsafe { std::slice::from_raw_parts(bv.ptr as *const f32, n) };
-        for i in 0..m {
-            // SAFETY: row i of out; no other reference to it is live.
-            let row = unsafe { std::slice::from_raw_parts_mut(op.get().add(i * n), n) };
-            for (o, &bb) in row.iter_mut().zip(bs) {
-                *o += bb;
-            }
         }
-    }
-    Ok(())
+    })?;
+    take_error(err, "quantized or small-batch")
+}
+
+/// One float layer with a large batch: f32 GEMM over converted weight tiles.
+fn gemm_tiles(b: &CpuBackend, xs: &[f32], m: usize, k: usize, j: &Job<'_>) -> Result<()> {
+    let xp = SendPtr(xs.as_ptr() as *mut f32);
+    let n = j.n;
+    let err: Mutex<Option<String>> = Mutex::new(None);
+    b.parallel(&|t, pieces| {
+        let (r0, r1) = share(n, t, pieces, ROW_ALIGN);
+        TILE.with(|cell| {
+            let mut tile = cell.borrow_mut();
+            if tile.len() < TILE_ROWS * k {
+                tile.resize(TILE_ROWS * k, 0.0);
+            }
+            let mut c0 = r0;
+            while c0 < r1 {
+                let nb = TILE_ROWS.min(r1 - c0);
+                let src = &j.w[c0 * j.row_bytes..(c0 + nb) * j.row_bytes];
+                // Converting (or copying) the tile makes the GEMM read it sequentially from cache.
+                if let Err(e) = arbor_quant::dequantize(j.dtype, src, &mut tile[..nb * k]) {
+                    first_error(&err, e.to_string());
+                    return;
+                }
+                // SAFETY: lhs is x [m, k] (row stride k), rhs the tile viewed as
+                // [k, nb] (column stride k), dst columns c0..c0+nb of out [m, n]
+                // (row stride n), which belong to this piece only.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        nb,
+                        k,
+                        j.out.get().add(c0),
+                        1,
+                        n as isize,
+                        false,
+                        xp.get() as *const f32,
+                        1,
+                        k as isize,
+                        tile.as_ptr(),
+                        k as isize,
+                        1,
+                        0.0f32,
+                        1.0f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                c0 += nb;
+            }
+        });
+    })?;
+    take_error(err, "float")
 }

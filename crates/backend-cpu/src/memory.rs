@@ -137,7 +137,7 @@ impl HostMemory {
             .ok_or_else(|| CoreError::Internal(format!("buffer {id:?} is not allocated")))?;
         // SAFETY: range.start <= buffer bytes <= allocation size.
         let ptr = unsafe { a.ptr.as_ptr().add(range.start) };
-        if (ptr as usize) % align.max(1) != 0 {
+        if !(ptr as usize).is_multiple_of(align.max(1)) {
             return Err(CoreError::invalid(format!(
                 "tensor {t:?} is not aligned to {align} bytes"
             )));
@@ -152,12 +152,12 @@ impl HostMemory {
 impl BufferOwner for HostMemory {
     fn release(&self, id: BufferId) {
         let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(slot) = slab.slots.get_mut(id.slot as usize) {
-            if let Some(a) = slot.take() {
-                self.allocated
-                    .fetch_sub(a.layout.size() as u64, Ordering::Relaxed);
-                slab.free.push(id.slot as usize);
-            }
+        if let Some(slot) = slab.slots.get_mut(id.slot as usize)
+            && let Some(a) = slot.take()
+        {
+            self.allocated
+                .fetch_sub(a.layout.size() as u64, Ordering::Relaxed);
+            slab.free.push(id.slot as usize);
         }
     }
 }

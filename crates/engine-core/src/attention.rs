@@ -90,9 +90,11 @@ impl BatchLayout {
         for t in prefix_len..kv_len {
             let page = pages[t / ps] as usize;
             let slot = page * ps + t % ps;
-            self.slot_mapping.push(u32::try_from(slot).map_err(|_| {
-                CoreError::invalid(format!("KV slot {slot} does not fit in u32"))
-            })?);
+            self.slot_mapping.push(
+                u32::try_from(slot).map_err(|_| {
+                    CoreError::invalid(format!("KV slot {slot} does not fit in u32"))
+                })?,
+            );
         }
         self.seqs.push(SeqLayout {
             q_start,
@@ -128,7 +130,7 @@ impl AttentionParams {
     /// Checks head counts.
     pub fn validate(&self) -> Result<()> {
         if self.num_kv_heads == 0
-            || self.num_heads % self.num_kv_heads != 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
             || self.head_dim == 0
         {
             return Err(CoreError::invalid(format!(
@@ -158,6 +160,7 @@ pub trait AttentionBackend: Send + Sync {
     /// For one layer: writes `k`, `v` (`[tokens, kv_heads * head_dim]`) into their
     /// slots of `kv`, then writes causal attention of `q` (`[tokens, heads * head_dim]`)
     /// over each sequence's prefix and new tokens to `out` (shaped like `q`).
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         batch: &AttentionBatch,

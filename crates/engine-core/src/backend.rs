@@ -56,6 +56,17 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+/// One linear layer of [`Backend::linear_many`].
+#[derive(Clone, Copy, Debug)]
+pub struct LinearRef<'a> {
+    /// Weight `[n, k]`.
+    pub w: &'a Tensor,
+    /// Bias `[n]` f32.
+    pub bias: Option<&'a Tensor>,
+    /// Output `[m, n]` f32.
+    pub out: &'a Tensor,
+}
+
 /// Options a backend is created with.
 #[derive(Clone, Debug, Default)]
 pub struct BackendOptions {
@@ -91,6 +102,14 @@ pub trait Backend: Send + Sync {
     fn embedding(&self, table: &Tensor, ids: &Tensor, out: &Tensor) -> Result<()>;
     /// `out = x · wᵀ (+ bias)`: `x` `[m, k]` f32, `w` `[n, k]`, `bias` `[n]` f32, `out` `[m, n]` f32.
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()>;
+    /// Several linears of one input (`out_i = x · w_iᵀ (+ bias_i)`), such as the Q, K
+    /// and V projections; a backend may run them as one operation.
+    fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
+        for l in layers {
+            self.linear(x, l.w, l.bias, l.out)?;
+        }
+        Ok(())
+    }
     /// Row-wise RMSNorm: `out = x / rms(x) * w`. `out` may be `x` itself.
     fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()>;
     /// `residual += x; out = rms_norm(residual) * w` in one pass.

@@ -45,16 +45,16 @@ impl IncrementalDetokenizer {
         let skip = self.skip_special_tokens;
         let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
         let full = decoder.decode(&self.ids[self.prefix_offset..], skip)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') {
-            if let Some(delta) = full.get(prefix.len()..) {
-                if full.starts_with(prefix.as_str()) {
-                    let delta = delta.to_string();
-                    self.prefix_offset = self.read_offset;
-                    self.read_offset = self.ids.len();
-                    self.text.push_str(&delta);
-                    return Ok(delta);
-                }
-            }
+        if full.len() > prefix.len()
+            && !full.ends_with('\u{FFFD}')
+            && full.starts_with(prefix.as_str())
+            && let Some(delta) = full.get(prefix.len()..)
+        {
+            let delta = delta.to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            self.text.push_str(&delta);
+            return Ok(delta);
         }
         Ok(String::new())
     }

@@ -61,9 +61,7 @@ impl DType {
     pub const fn block_size(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32 | DType::U8 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
-                32
-            }
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => 32,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
                 256
             }
@@ -104,7 +102,7 @@ impl DType {
     /// Bytes needed to store `n` elements; errors if `n` is not a whole number of blocks.
     pub fn bytes_for(self, n: usize) -> Result<usize> {
         let bs = self.block_size();
-        if n % bs != 0 {
+        if !n.is_multiple_of(bs) {
             return Err(CoreError::invalid(format!(
                 "{n} elements are not a whole number of {self} blocks of {bs}"
             )));

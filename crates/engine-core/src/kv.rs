@@ -46,11 +46,7 @@ impl KvSpec {
     /// Pages that fit in `bytes` of memory for this shape.
     pub fn pages_for_bytes(&self, bytes: u64) -> usize {
         let per_page = (self.bytes_per_token() * self.page_size) as u64;
-        if per_page == 0 {
-            0
-        } else {
-            (bytes / per_page) as usize
-        }
+        bytes.checked_div(per_page).unwrap_or(0) as usize
     }
 }
 

@@ -11,9 +11,10 @@
 pub mod attention;
 pub mod backend;
 pub mod detok;
-pub mod engine;
 pub mod dtype;
+pub mod engine;
 pub mod error;
+pub mod grammar;
 pub mod kv;
 pub mod model;
 pub mod prefix_cache;
@@ -24,7 +25,7 @@ pub mod sampling;
 pub mod tensor;
 
 pub use attention::{AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, SeqLayout};
-pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, RopeStyle};
+pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, RopeStyle};
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;
 pub use error::{CoreError, Result};

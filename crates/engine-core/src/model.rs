@@ -75,7 +75,9 @@ impl ForwardBatch {
             )));
         }
         if let Some(bad) = self.logits_rows.iter().find(|&&r| r as usize >= n) {
-            return Err(CoreError::invalid(format!("logits row {bad} past {n} tokens")));
+            return Err(CoreError::invalid(format!(
+                "logits row {bad} past {n} tokens"
+            )));
         }
         Ok(())
     }

@@ -11,6 +11,7 @@
 
 use crate::backend::{Backend, BackendOptions};
 use crate::error::{CoreError, Result};
+use crate::grammar::{GrammarBackend, GrammarBackendConfig};
 use crate::model::ModelArchitecture;
 use crate::prefix_cache::{EvictionPolicy, PrefixCache, PrefixCacheOptions};
 use crate::quant::QuantMethod;
@@ -109,6 +110,9 @@ pub type EvictionPolicyFactory = Arc<dyn Fn() -> Result<Arc<dyn EvictionPolicy>>
 /// Creates a prefix cache.
 pub type PrefixCacheFactory =
     Arc<dyn Fn(&PrefixCacheOptions) -> Result<Box<dyn PrefixCache>> + Send + Sync>;
+/// Creates a grammar backend for one tokenizer.
+pub type GrammarBackendFactory =
+    Arc<dyn Fn(&GrammarBackendConfig) -> Result<Arc<dyn GrammarBackend>> + Send + Sync>;
 
 macro_rules! entry {
     ($(#[$m:meta])* $entry:ident, $create:ty) => {
@@ -160,6 +164,11 @@ entry!(
     PrefixCacheEntry,
     fn(&PrefixCacheOptions) -> Result<Box<dyn PrefixCache>>
 );
+entry!(
+    /// A built-in grammar backend (constrained decoding), built once per tokenizer.
+    GrammarBackendEntry,
+    fn(&GrammarBackendConfig) -> Result<Arc<dyn GrammarBackend>>
+);
 
 /// Every implementation the process knows, by kind and name.
 pub struct Registry {
@@ -177,6 +186,8 @@ pub struct Registry {
     pub eviction_policies: Kind<EvictionPolicyFactory>,
     /// Prefix caches.
     pub prefix_caches: Kind<PrefixCacheFactory>,
+    /// Grammar backends (constrained decoding).
+    pub grammar_backends: Kind<GrammarBackendFactory>,
 }
 
 impl Registry {
@@ -190,6 +201,7 @@ impl Registry {
             quant_methods: Kind::new("quantization method"),
             eviction_policies: Kind::new("eviction policy"),
             prefix_caches: Kind::new("prefix cache"),
+            grammar_backends: Kind::new("grammar backend"),
         }
     }
 
@@ -203,7 +215,8 @@ impl Registry {
         }
         for e in inventory::iter::<ArchitectureEntry> {
             let f = e.create;
-            r.architectures.add(e.name, e.about, b.clone(), Arc::new(f))?;
+            r.architectures
+                .add(e.name, e.about, b.clone(), Arc::new(f))?;
         }
         for e in inventory::iter::<SamplerEntry> {
             let f = e.create;
@@ -216,7 +229,8 @@ impl Registry {
         }
         for e in inventory::iter::<QuantMethodEntry> {
             let f = e.create;
-            r.quant_methods.add(e.name, e.about, b.clone(), Arc::new(f))?;
+            r.quant_methods
+                .add(e.name, e.about, b.clone(), Arc::new(f))?;
         }
         for e in inventory::iter::<EvictionPolicyEntry> {
             let f = e.create;
@@ -225,7 +239,13 @@ impl Registry {
         }
         for e in inventory::iter::<PrefixCacheEntry> {
             let f = e.create;
-            r.prefix_caches.add(e.name, e.about, b.clone(), Arc::new(f))?;
+            r.prefix_caches
+                .add(e.name, e.about, b.clone(), Arc::new(f))?;
+        }
+        for e in inventory::iter::<GrammarBackendEntry> {
+            let f = e.create;
+            r.grammar_backends
+                .add(e.name, e.about, b.clone(), Arc::new(f))?;
         }
         Ok(r)
     }
@@ -247,6 +267,7 @@ impl Registry {
         list!(self.quant_methods);
         list!(self.eviction_policies);
         list!(self.prefix_caches);
+        list!(self.grammar_backends);
         out
     }
 }

@@ -103,7 +103,10 @@ impl ModelRunner {
             }
         }
         let max_pos = self.model.spec().max_position_embeddings;
-        if let Some(s) = seqs.iter().find(|s| s.prefix_len + s.tokens.len() > max_pos) {
+        if let Some(s) = seqs
+            .iter()
+            .find(|s| s.prefix_len + s.tokens.len() > max_pos)
+        {
             return Err(CoreError::invalid(format!(
                 "sequence of {} tokens exceeds the model's context of {max_pos}",
                 s.prefix_len + s.tokens.len()
@@ -211,7 +214,9 @@ pub fn generate_static(
     on_token: &mut dyn FnMut(usize, u32),
 ) -> Result<(Vec<StaticOutput>, StaticTimings)> {
     if prompts.len() != params.len() {
-        return Err(CoreError::invalid("one SamplingParams per prompt is required"));
+        return Err(CoreError::invalid(
+            "one SamplingParams per prompt is required",
+        ));
     }
     let vocab = runner.model().spec().vocab_size;
     for (p, sp) in prompts.iter().zip(params) {
@@ -252,7 +257,14 @@ pub fn generate_static(
     loop {
         let mut active = Vec::new();
         for (l, &seq) in logits.iter_mut().zip(&order) {
-            let tok = sample_next(l, &prompts[seq], &outs[seq], &params[seq], setup, &mut rngs[seq])?;
+            let tok = sample_next(
+                l,
+                &prompts[seq],
+                &outs[seq],
+                &params[seq],
+                setup,
+                &mut rngs[seq],
+            )?;
             outs[seq].push(tok);
             on_token(seq, tok);
             if is_stop(tok, &params[seq], setup.eos_token_ids) {
@@ -266,7 +278,10 @@ pub fn generate_static(
         if active.is_empty() {
             break;
         }
-        let last: Vec<[u32; 1]> = active.iter().map(|&s| [outs[s][outs[s].len() - 1]]).collect();
+        let last: Vec<[u32; 1]> = active
+            .iter()
+            .map(|&s| [outs[s][outs[s].len() - 1]])
+            .collect();
         let steps: Vec<SeqStep<'_>> = active
             .iter()
             .zip(&last)

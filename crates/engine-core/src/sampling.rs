@@ -98,7 +98,10 @@ impl SamplingParams {
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
         let bad = |m: String| Err(CoreError::invalid(m));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -142,7 +145,9 @@ impl SamplingParams {
             .chain(self.logit_bias.keys())
             .find(|&&t| t as usize >= vocab_size)
         {
-            return bad(format!("token id {t} is outside the vocabulary of {vocab_size}"));
+            return bad(format!(
+                "token id {t} is outside the vocabulary of {vocab_size}"
+            ));
         }
         if self.stop.iter().any(|s| s.is_empty()) {
             return bad("stop strings must not be empty".into());
@@ -235,8 +240,7 @@ pub trait Sampler: Send + Sync {
     /// Registered name.
     fn name(&self) -> &str;
     /// Picks a token id; may modify `logits` as scratch space.
-    fn sample(&self, logits: &mut [f32], params: &SamplingParams, rng: &mut SeqRng)
-    -> Result<u32>;
+    fn sample(&self, logits: &mut [f32], params: &SamplingParams, rng: &mut SeqRng) -> Result<u32>;
 }
 
 /// Index of the largest value; the lowest index wins ties (as `torch.argmax`).
@@ -261,12 +265,7 @@ impl Sampler for StandardSampler {
         "standard"
     }
 
-    fn sample(
-        &self,
-        logits: &mut [f32],
-        params: &SamplingParams,
-        rng: &mut SeqRng,
-    ) -> Result<u32> {
+    fn sample(&self, logits: &mut [f32], params: &SamplingParams, rng: &mut SeqRng) -> Result<u32> {
         if logits.is_empty() {
             return Err(CoreError::invalid("sampling from empty logits"));
         }
@@ -427,8 +426,11 @@ mod tests {
             top_k: 5,
             ..Default::default()
         };
-        let mut top5: Vec<(f32, u32)> =
-            logits.iter().enumerate().map(|(i, &v)| (v, i as u32)).collect();
+        let mut top5: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| (v, i as u32))
+            .collect();
         top5.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let allowed: Vec<u32> = top5[..5].iter().map(|x| x.1).collect();
         let run = |seed| {
@@ -458,7 +460,9 @@ mod tests {
         let mut rng = SeqRng::new(3);
         for _ in 0..20 {
             assert_eq!(
-                StandardSampler.sample(&mut logits, &params, &mut rng).unwrap(),
+                StandardSampler
+                    .sample(&mut logits, &params, &mut rng)
+                    .unwrap(),
                 0
             );
         }
@@ -468,7 +472,9 @@ mod tests {
         };
         let mut seen = [0; 4];
         for _ in 0..400 {
-            seen[StandardSampler.sample(&mut logits, &params, &mut rng).unwrap() as usize] += 1;
+            seen[StandardSampler
+                .sample(&mut logits, &params, &mut rng)
+                .unwrap() as usize] += 1;
         }
         assert!(seen[0] > 0 && seen[1] > 0 && seen[2] == 0 && seen[3] == 0);
     }
@@ -482,7 +488,9 @@ mod tests {
         };
         let mut rng = SeqRng::new(9);
         for _ in 0..100 {
-            let t = StandardSampler.sample(&mut logits, &params, &mut rng).unwrap();
+            let t = StandardSampler
+                .sample(&mut logits, &params, &mut rng)
+                .unwrap();
             assert!(t < 2);
         }
     }

@@ -3,6 +3,8 @@
 //! prefill, prefix reuse, retraction, aborts, n > 1, stop conditions and
 //! policies. Every test ends with the KV pool entirely free after a flush.
 
+#![allow(clippy::unwrap_used)]
+
 use anyhow::Result;
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{
@@ -57,12 +59,14 @@ fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engin
         num_pages,
         DType::F32,
     )?;
-    let cache_name = if cfg.disable_radix_cache { "none" } else { "radix" };
+    let cache_name = if cfg.disable_radix_cache {
+        "none"
+    } else {
+        "radix"
+    };
     let policy = s.registry.eviction_policies.get("lru")?()?;
-    let cache = s.registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions {
-        page_size,
-        policy,
-    })?;
+    let cache =
+        s.registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
     let parts = EngineParts {
         runner,
         prefix_cache: cache,
@@ -119,7 +123,10 @@ fn run_all(e: &Engine, ps: &[Vec<u32>], params: &SamplingParams) -> Result<Vec<V
         .into_iter()
         .map(|s| {
             let chunks = s.collect_blocking();
-            let f = chunks.last().and_then(|c| c.finish.clone()).expect("finished");
+            let f = chunks
+                .last()
+                .and_then(|c| c.finish.clone())
+                .expect("finished");
             assert_ne!(f.kind, FinishKind::Abort, "{f:?}");
             tokens_of(&chunks)
         })
@@ -168,7 +175,11 @@ fn alone_batched_cached_chunked_and_retracted_agree() -> Result<()> {
             ..Default::default()
         };
         let e = engine(cfg, 1024, 4)?;
-        assert_eq!(run_all(&e, &ps, &greedy(24))?, want, "chunked, no cache: {disable}");
+        assert_eq!(
+            run_all(&e, &ps, &greedy(24))?,
+            want,
+            "chunked, no cache: {disable}"
+        );
         assert_pool_empty(&e);
     }
 
@@ -178,7 +189,11 @@ fn alone_batched_cached_chunked_and_retracted_agree() -> Result<()> {
         ..Default::default()
     };
     let e = engine(cfg, 12, 16)?;
-    assert_eq!(run_all(&e, &ps[..12], &greedy(24))?, want[..12], "retracted");
+    assert_eq!(
+        run_all(&e, &ps[..12], &greedy(24))?,
+        want[..12],
+        "retracted"
+    );
     assert!(e.stats().num_retracted_reqs_total > 0, "{:?}", e.stats());
     assert_pool_empty(&e);
     Ok(())
@@ -242,14 +257,20 @@ fn abort_frees_pages_and_drop_aborts() -> Result<()> {
 fn impossible_requests_are_refused() -> Result<()> {
     let e = engine(EngineConfig::default(), 4, 16)?;
     let long = vec![5u32; 300];
-    let err = e.submit(GenerateRequest::new(long, greedy(4))).err().expect("refused");
+    let err = e
+        .submit(GenerateRequest::new(long, greedy(4)))
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("context length"), "{err}");
     let err = e
         .submit(GenerateRequest::new(vec![5u32; 60], greedy(10)))
         .err()
         .expect("refused");
     assert!(err.to_string().contains("KV cache capacity"), "{err}");
-    let err = e.submit(GenerateRequest::new(vec![], greedy(4))).err().expect("refused");
+    let err = e
+        .submit(GenerateRequest::new(vec![], greedy(4)))
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("empty"), "{err}");
     let err = e
         .submit(GenerateRequest::new(vec![9999], greedy(4)))
@@ -273,7 +294,9 @@ fn n_samples_share_the_prompt_and_seeds_repeat() -> Result<()> {
         ..Default::default()
     };
     let run = || -> Result<Vec<Vec<u32>>> {
-        let chunks = e.submit(GenerateRequest::new(p.clone(), params.clone()))?.collect_blocking();
+        let chunks = e
+            .submit(GenerateRequest::new(p.clone(), params.clone()))?
+            .collect_blocking();
         let mut per = vec![Vec::new(); 4];
         for c in &chunks {
             per[c.index as usize].extend_from_slice(&c.token_ids);
@@ -306,8 +329,13 @@ fn stop_conditions() -> Result<()> {
         stop_token_ids: vec![stop_id],
         ..greedy(20)
     };
-    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
-    let f = chunks.last().and_then(|c| c.finish.clone()).expect("finish");
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
+    let f = chunks
+        .last()
+        .and_then(|c| c.finish.clone())
+        .expect("finish");
     assert_eq!(f.matched, Some(Matched::Token(stop_id)));
     assert_eq!(tokens_of(&chunks), free[..=first].to_vec());
 
@@ -317,7 +345,9 @@ fn stop_conditions() -> Result<()> {
         min_new_tokens: first + 1,
         ..greedy(20)
     };
-    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
     assert!(tokens_of(&chunks)[..=first].iter().all(|&t| t != stop_id));
 
     // A stop string is matched on the text and trimmed; streamed text never shows it.
@@ -328,16 +358,26 @@ fn stop_conditions() -> Result<()> {
         stop: vec![stop.clone()],
         ..greedy(20)
     };
-    let chunks = e.submit(GenerateRequest::new(p.clone(), params))?.collect_blocking();
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
     let streamed: String = chunks.iter().map(|c| c.text.as_str()).collect();
-    let f = chunks.last().and_then(|c| c.finish.clone()).expect("finish");
+    let f = chunks
+        .last()
+        .and_then(|c| c.finish.clone())
+        .expect("finish");
     assert_eq!(f.matched, Some(Matched::Text(stop.clone())));
     assert_eq!(streamed, text[..text.find(&stop).expect("stop in text")]);
 
     // max_new_tokens = 0 only fills the cache.
-    let chunks = e.submit(GenerateRequest::new(p.clone(), greedy(0)))?.collect_blocking();
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), greedy(0)))?
+        .collect_blocking();
     assert_eq!(chunks.len(), 1);
-    assert_eq!(chunks[0].finish.as_ref().map(|f| f.kind), Some(FinishKind::Length));
+    assert_eq!(
+        chunks[0].finish.as_ref().map(|f| f.kind),
+        Some(FinishKind::Length)
+    );
     assert!(chunks[0].token_ids.is_empty());
     assert_pool_empty(&e);
     Ok(())

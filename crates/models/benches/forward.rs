@@ -33,21 +33,40 @@ fn main() {
     println!("memory read bandwidth, {threads} threads: {bw:.1} GB/s");
     let registry = Registry::builtin().expect("registry");
     let cfg = smollm2_config();
-    println!("| weights | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s | bs1 roofline | bs1 / roofline |");
+    println!(
+        "| weights | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s | bs1 roofline | bs1 / roofline |"
+    );
     println!("|---|---|---|---|---|---|");
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
-        let src = RandomWeights::new(&cfg, ArchFlags { qkv_bias: false, qk_norm: false }, dtype, 1)
-            .expect("weights");
+        let src = RandomWeights::new(
+            &cfg,
+            ArchFlags {
+                qkv_bias: false,
+                qk_norm: false,
+            },
+            dtype,
+            1,
+        )
+        .expect("weights");
         let opts = LoadOptions {
             backend: backend.clone(),
             quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
             progress: None,
         };
-        let model = DecoderModel::load(cfg.clone(), ArchFlags { qkv_bias: false, qk_norm: false }, &src, &opts)
-            .expect("model");
+        let model = DecoderModel::load(
+            cfg.clone(),
+            ArchFlags {
+                qkv_bias: false,
+                qk_norm: false,
+            },
+            &src,
+            &opts,
+        )
+        .expect("model");
         let bytes = arbor_engine_core::Model::spec(&model).weight_bytes;
-        let runner = ModelRunner::new(Arc::new(model), backend, None, 16, 400, DType::F32).expect("runner");
+        let runner =
+            ModelRunner::new(Arc::new(model), backend, None, 16, 400, DType::F32).expect("runner");
         let pages: Vec<u32> = (0..400).collect();
         let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919) % 49152).collect();
         // Prefill: best of 3.
@@ -55,7 +74,12 @@ fn main() {
         for _ in 0..3 {
             let t = Instant::now();
             runner
-                .step(&[SeqStep { tokens: &prompt, prefix_len: 0, pages: &pages[..32], want_logits: true }])
+                .step(&[SeqStep {
+                    tokens: &prompt,
+                    prefix_len: 0,
+                    pages: &pages[..32],
+                    want_logits: true,
+                }])
                 .expect("prefill");
             prefill = prefill.min(t.elapsed().as_secs_f64());
         }
@@ -63,7 +87,12 @@ fn main() {
         let decode = |b: usize| -> f64 {
             for s in 0..b {
                 runner
-                    .step(&[SeqStep { tokens: &prompt, prefix_len: 0, pages: &pages[s * 40..s * 40 + 32], want_logits: false }])
+                    .step(&[SeqStep {
+                        tokens: &prompt,
+                        prefix_len: 0,
+                        pages: &pages[s * 40..s * 40 + 32],
+                        want_logits: false,
+                    }])
                     .expect("fill");
             }
             let steps = 16;
@@ -71,7 +100,12 @@ fn main() {
             let t = Instant::now();
             for i in 0..steps {
                 let seqs: Vec<SeqStep<'_>> = (0..b)
-                    .map(|s| SeqStep { tokens: &toks[s], prefix_len: 512 + i, pages: &pages[s * 40..s * 40 + 40], want_logits: true })
+                    .map(|s| SeqStep {
+                        tokens: &toks[s],
+                        prefix_len: 512 + i,
+                        pages: &pages[s * 40..s * 40 + 40],
+                        want_logits: true,
+                    })
                     .collect();
                 runner.step(&seqs).expect("decode");
             }

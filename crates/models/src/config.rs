@@ -63,10 +63,9 @@ impl Keys<'_> {
     fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(x) => x
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.err(key, &format!("must be a non-negative integer, found {x}"))),
+            Some(x) => x.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                self.err(key, &format!("must be a non-negative integer, found {x}"))
+            }),
         }
     }
     fn usize_req(&self, key: &str) -> Result<usize> {
@@ -157,7 +156,10 @@ impl DecoderConfig {
             .usize_opt("head_dim")?
             .unwrap_or(hidden_size / num_attention_heads);
         if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(k.err("head_dim", &format!("({head_dim}) must be a positive even number")));
+            return Err(k.err(
+                "head_dim",
+                &format!("({head_dim}) must be a positive even number"),
+            ));
         }
         // Rope: 5.x `rope_parameters` holds theta and scaling; 4.x has them at top level.
         let (rope_theta, rope_scaling) = match v.get("rope_parameters") {
@@ -175,15 +177,18 @@ impl DecoderConfig {
                 let scaling = match v.get("rope_scaling") {
                     None | Some(Value::Null) => RopeScaling::None,
                     Some(rs @ Value::Object(_)) => rope_from(rs, &k, "rope_scaling")?,
-                    Some(x) => return Err(k.err("rope_scaling", &format!("must be an object, found {x}"))),
+                    Some(x) => {
+                        return Err(k.err("rope_scaling", &format!("must be an object, found {x}")));
+                    }
                 };
                 (theta, scaling)
             }
         };
         let dtype = match v.get("dtype").or_else(|| v.get("torch_dtype")) {
-            Some(Value::String(s)) => Some(s.parse::<DType>().map_err(|_| {
-                k.err("torch_dtype", &format!("'{s}' is not a known dtype"))
-            })?),
+            Some(Value::String(s)) => Some(
+                s.parse::<DType>()
+                    .map_err(|_| k.err("torch_dtype", &format!("'{s}' is not a known dtype")))?,
+            ),
             _ => None,
         };
         // Qwen2 configs carry a window that is off unless use_sliding_window is true.
@@ -198,7 +203,10 @@ impl DecoderConfig {
         let num_hidden_layers = k.usize_req("num_hidden_layers")?;
         let vocab_size = k.usize_req("vocab_size")?;
         if intermediate_size == 0 || num_hidden_layers == 0 || vocab_size == 0 {
-            return Err(k.err("intermediate_size", "num_hidden_layers and vocab_size must be positive"));
+            return Err(k.err(
+                "intermediate_size",
+                "num_hidden_layers and vocab_size must be positive",
+            ));
         }
         Ok(Self {
             architecture,
@@ -249,7 +257,7 @@ impl DecoderConfig {
                 for x in f.iter_mut() {
                     let wl = 2.0 * std::f32::consts::PI / *x;
                     let scaled = if wl > low_wl { *x / factor } else { *x };
-                    let medium = !(wl < high_wl) && !(wl > low_wl);
+                    let medium = wl >= high_wl && wl <= low_wl;
                     *x = if medium {
                         let s = (old / wl - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - s) * scaled / factor + s * scaled
@@ -282,7 +290,8 @@ mod tests {
         a["torch_dtype"] = json!("bfloat16");
         let ca = DecoderConfig::from_json(&a, "config.json").unwrap();
         let mut b = base();
-        b["rope_parameters"] = json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0});
+        b["rope_parameters"] =
+            json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0});
         b["dtype"] = json!("bfloat16");
         let cb = DecoderConfig::from_json(&b, "config.json").unwrap();
         assert_eq!(ca, cb);
@@ -294,19 +303,30 @@ mod tests {
     fn errors_name_the_key() {
         let mut a = base();
         a["num_key_value_heads"] = json!(3);
-        let e = DecoderConfig::from_json(&a, "x/config.json").unwrap_err().to_string();
-        assert!(e.contains("x/config.json") && e.contains("num_key_value_heads"), "{e}");
+        let e = DecoderConfig::from_json(&a, "x/config.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("x/config.json") && e.contains("num_key_value_heads"),
+            "{e}"
+        );
         let mut a = base();
         a["hidden_size"] = json!("big");
-        let e = DecoderConfig::from_json(&a, "config.json").unwrap_err().to_string();
+        let e = DecoderConfig::from_json(&a, "config.json")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("hidden_size"), "{e}");
         let mut a = base();
         a.as_object_mut().unwrap().remove("vocab_size");
-        let e = DecoderConfig::from_json(&a, "config.json").unwrap_err().to_string();
+        let e = DecoderConfig::from_json(&a, "config.json")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("vocab_size") && e.contains("missing"), "{e}");
         let mut a = base();
         a["rope_scaling"] = json!({"rope_type": "dynamo", "factor": 2.0});
-        let e = DecoderConfig::from_json(&a, "config.json").unwrap_err().to_string();
+        let e = DecoderConfig::from_json(&a, "config.json")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("dynamo"), "{e}");
     }
 

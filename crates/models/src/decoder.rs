@@ -11,8 +11,8 @@ use crate::config::DecoderConfig;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor,
-    LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle, Tensor, WeightSource,
-    inventory,
+    LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle, Tensor,
+    WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -153,7 +153,11 @@ impl DecoderModel {
         opts: &LoadOptions,
     ) -> Result<Self> {
         let h = cfg.hidden_size;
-        let (nh, nkv, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let (nh, nkv, hd) = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        );
         let inter = cfg.intermediate_size;
         let per_layer = 9 + if flags.qk_norm { 2 } else { 0 };
         let mut l = Loader {
@@ -273,7 +277,12 @@ impl Model for DecoderModel {
         let b = &*self.backend;
         let c = &self.cfg;
         let t = batch.input_ids.len();
-        let (h, nh, nkv, hd) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let (h, nh, nkv, hd) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
         let kv_spec = ctx.kv.spec();
         if kv_spec.num_layers != c.num_hidden_layers
             || kv_spec.num_kv_heads != nkv
@@ -313,9 +322,26 @@ impl Model for DecoderModel {
             } else {
                 b.add_rms_norm(&resid, &proj, &layer.input_norm, c.rms_norm_eps, &x)?;
             }
-            self.linear(&x, &layer.q, &q)?;
-            self.linear(&x, &layer.k, &k)?;
-            self.linear(&x, &layer.v, &v)?;
+            b.linear_many(
+                &x,
+                &[
+                    LinearRef {
+                        w: &layer.q.w,
+                        bias: layer.q.b.as_ref(),
+                        out: &q,
+                    },
+                    LinearRef {
+                        w: &layer.k.w,
+                        bias: layer.k.b.as_ref(),
+                        out: &k,
+                    },
+                    LinearRef {
+                        w: &layer.v.w,
+                        bias: layer.v.b.as_ref(),
+                        out: &v,
+                    },
+                ],
+            )?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 b.rms_norm(&q_heads, qn, c.rms_norm_eps, &q_heads)?;
                 b.rms_norm(&k_heads, kn, c.rms_norm_eps, &k_heads)?;
@@ -333,8 +359,21 @@ impl Model for DecoderModel {
             )?;
             self.linear(&attn, &layer.o, &proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
-            self.linear(&x, &layer.gate, &gate)?;
-            self.linear(&x, &layer.up, &up)?;
+            b.linear_many(
+                &x,
+                &[
+                    LinearRef {
+                        w: &layer.gate.w,
+                        bias: layer.gate.b.as_ref(),
+                        out: &gate,
+                    },
+                    LinearRef {
+                        w: &layer.up.w,
+                        bias: layer.up.b.as_ref(),
+                        out: &up,
+                    },
+                ],
+            )?;
             b.silu_mul(&gate, &up, &act)?;
             self.linear(&act, &layer.down, &proj)?;
         }
@@ -344,7 +383,13 @@ impl Model for DecoderModel {
         if rows == 0 {
             return Ok(logits);
         }
-        let sel = if rows == t && batch.logits_rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+        let sel = if rows == t
+            && batch
+                .logits_rows
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i)
+        {
             x
         } else {
             let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
@@ -370,7 +415,9 @@ impl ModelArchitecture for DecoderArchitecture {
         options: &LoadOptions,
     ) -> Result<Box<dyn Model>> {
         let cfg = DecoderConfig::from_json(config, "config.json")?;
-        Ok(Box::new(DecoderModel::load(cfg, self.flags, weights, options)?))
+        Ok(Box::new(DecoderModel::load(
+            cfg, self.flags, weights, options,
+        )?))
     }
 }
 

@@ -9,7 +9,7 @@
 //! `rope_freqs.weight` tensor (Llama 3 scaling) is exposed under that name.
 
 use crate::{ChatTemplate, LoadedModel, TextTokenizer};
-use arbor_engine_core::{CoreError, DType, HostTensor, LoadOptions, Registry, Result, WeightSource};
+use arbor_engine_core::{CoreError, HostTensor, LoadOptions, Registry, Result, WeightSource};
 use arbor_gguf::GgufFile;
 use serde_json::{Value, json};
 use std::borrow::Cow;
@@ -75,7 +75,11 @@ fn gguf_name(hf: &str) -> Option<String> {
 
 /// Reorders rows from llama.cpp's interleaved-RoPE order back to HF's.
 fn unpermute_rows(data: &[u8], rows: usize, heads: usize) -> Result<Vec<u8>> {
-    if heads == 0 || rows % heads != 0 || (rows / heads) % 2 != 0 || data.len() % rows != 0 {
+    if heads == 0
+        || !rows.is_multiple_of(heads)
+        || !(rows / heads).is_multiple_of(2)
+        || !data.len().is_multiple_of(rows)
+    {
         return Err(CoreError::load(format!(
             "cannot un-permute {rows} rows for {heads} heads"
         )));
@@ -96,7 +100,12 @@ fn unpermute_rows(data: &[u8], rows: usize, heads: usize) -> Result<Vec<u8>> {
 
 impl WeightSource for GgufWeights {
     fn describe(&self) -> String {
-        format!("GGUF file {}", self.file.path().map_or_else(|| "(memory)".into(), |p| p.display().to_string()))
+        format!(
+            "GGUF file {}",
+            self.file
+                .path()
+                .map_or_else(|| "(memory)".into(), |p| p.display().to_string())
+        )
     }
 
     fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
@@ -154,7 +163,9 @@ fn synth_config(f: &GgufFile, arch: &str, hf: &str) -> Result<Value> {
         .tensor("token_embd.weight")
         .ok_or_else(|| CoreError::load("GGUF tensor 'token_embd.weight' is missing"))?;
     let vocab = embd.shape.first().copied().unwrap_or(0);
-    let head_dim = f.get_u64(&key("attention.key_length"))?.unwrap_or(hidden / heads.max(1));
+    let head_dim = f
+        .get_u64(&key("attention.key_length"))?
+        .unwrap_or(hidden / heads.max(1));
     let mut cfg = json!({
         "architectures": [hf],
         "hidden_size": hidden,
@@ -170,10 +181,10 @@ fn synth_config(f: &GgufFile, arch: &str, hf: &str) -> Result<Value> {
         "tie_word_embeddings": f.tensor("output.weight").is_none(),
         "torch_dtype": embd.dtype.name(),
     });
-    if let Some(dim) = f.get_u64(&key("rope.dimension_count"))? {
-        if dim != head_dim {
-            cfg["partial_rotary_factor"] = json!(dim as f64 / head_dim as f64);
-        }
+    if let Some(dim) = f.get_u64(&key("rope.dimension_count"))?
+        && dim != head_dim
+    {
+        cfg["partial_rotary_factor"] = json!(dim as f64 / head_dim as f64);
     }
     match f.get_str(&key("rope.scaling.type"))? {
         None | Some("none") => {}
@@ -242,10 +253,22 @@ mod tests {
 
     #[test]
     fn names_map() {
-        assert_eq!(gguf_name("model.layers.3.self_attn.q_proj.weight").as_deref(), Some("blk.3.attn_q.weight"));
-        assert_eq!(gguf_name("model.layers.0.mlp.down_proj.weight").as_deref(), Some("blk.0.ffn_down.weight"));
-        assert_eq!(gguf_name("model.layers.1.self_attn.k_proj.bias").as_deref(), Some("blk.1.attn_k.bias"));
-        assert_eq!(gguf_name("model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
+        assert_eq!(
+            gguf_name("model.layers.3.self_attn.q_proj.weight").as_deref(),
+            Some("blk.3.attn_q.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.0.mlp.down_proj.weight").as_deref(),
+            Some("blk.0.ffn_down.weight")
+        );
+        assert_eq!(
+            gguf_name("model.layers.1.self_attn.k_proj.bias").as_deref(),
+            Some("blk.1.attn_k.bias")
+        );
+        assert_eq!(
+            gguf_name("model.embed_tokens.weight").as_deref(),
+            Some("token_embd.weight")
+        );
         assert_eq!(gguf_name("nonsense"), None);
     }
 

@@ -40,7 +40,12 @@ pub struct LoadedModel {
 
 impl std::fmt::Debug for LoadedModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "LoadedModel({}, {:?})", self.path.display(), self.model.spec())
+        write!(
+            f,
+            "LoadedModel({}, {:?})",
+            self.path.display(),
+            self.model.spec()
+        )
     }
 }
 
@@ -84,14 +89,20 @@ pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Resul
     let tokenizer = TextTokenizer::from_dir(path, &config)?;
     let chat_template = ChatTemplate::from_dir(path)?.map(Arc::new);
     let weights = SafetensorsSource::open(path)?;
-    let model = factory().load(&config, &weights, opts).map_err(|e| match e {
-        CoreError::ModelLoad(m) if m.starts_with("config.json") => CoreError::ModelLoad(format!(
-            "{}{}",
-            path.display(),
-            m.strip_prefix("config.json").map(|r| format!("/config.json{r}")).unwrap_or(m.clone())
-        )),
-        other => other,
-    })?;
+    let model = factory()
+        .load(&config, &weights, opts)
+        .map_err(|e| match e {
+            CoreError::ModelLoad(m) if m.starts_with("config.json") => {
+                CoreError::ModelLoad(format!(
+                    "{}{}",
+                    path.display(),
+                    m.strip_prefix("config.json")
+                        .map(|r| format!("/config.json{r}"))
+                        .unwrap_or(m.clone())
+                ))
+            }
+            other => other,
+        })?;
     Ok(LoadedModel {
         model: Arc::from(model),
         tokenizer: Arc::new(tokenizer),

@@ -28,7 +28,10 @@ impl RandomWeights {
         let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let mut s: HashMap<String, (Vec<usize>, bool)> = HashMap::new();
-        s.insert("model.embed_tokens.weight".into(), (vec![cfg.vocab_size, h], false));
+        s.insert(
+            "model.embed_tokens.weight".into(),
+            (vec![cfg.vocab_size, h], false),
+        );
         s.insert("model.norm.weight".into(), (vec![h], true));
         if !cfg.tie_word_embeddings {
             s.insert("lm_head.weight".into(), (vec![cfg.vocab_size, h], false));
@@ -50,7 +53,10 @@ impl RandomWeights {
             lin("mlp.up_proj", i, h, cfg.mlp_bias);
             lin("mlp.down_proj", h, i, cfg.mlp_bias);
             s.insert(format!("{p}.input_layernorm.weight"), (vec![h], true));
-            s.insert(format!("{p}.post_attention_layernorm.weight"), (vec![h], true));
+            s.insert(
+                format!("{p}.post_attention_layernorm.weight"),
+                (vec![h], true),
+            );
             if flags.qk_norm {
                 s.insert(format!("{p}.self_attn.q_norm.weight"), (vec![hd], true));
                 s.insert(format!("{p}.self_attn.k_norm.weight"), (vec![hd], true));
@@ -66,8 +72,9 @@ impl RandomWeights {
 
 fn name_hash(name: &str) -> u64 {
     // FNV-1a: stable across runs and platforms.
-    name.bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 impl WeightSource for RandomWeights {

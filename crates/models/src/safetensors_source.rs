@@ -55,13 +55,19 @@ impl SafetensorsSource {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| CoreError::io(&index_path, e))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
-                CoreError::load(format!("{}: {e}", index_path.display()))
-            })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                CoreError::load(format!("{}: key 'weight_map' is missing", index_path.display()))
-            })?;
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|e| CoreError::io(&index_path, e))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| CoreError::load(format!("{}: {e}", index_path.display())))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| {
+                    CoreError::load(format!(
+                        "{}: key 'weight_map' is missing",
+                        index_path.display()
+                    ))
+                })?;
             let mut files: Vec<PathBuf> = Vec::new();
             for (name, f) in map {
                 let f = f.as_str().ok_or_else(|| {
@@ -96,7 +102,10 @@ impl SafetensorsSource {
         for path in files {
             let map = map_file(&path)?;
             let (n, meta) = safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
-                CoreError::load(format!("{}: invalid safetensors header: {e}", path.display()))
+                CoreError::load(format!(
+                    "{}: invalid safetensors header: {e}",
+                    path.display()
+                ))
             })?;
             let data_start = 8 + n;
             for (name, info) in meta.tensors() {

@@ -35,13 +35,23 @@ fn load(name: &str, dtype: &str) -> Result<(LoadedModel, Value, Arc<dyn Backend>
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
 fn floats(v: &Value) -> Vec<f32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_f64)
+                .map(|x| x as f32)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -89,19 +99,42 @@ fn check_model(name: &str) -> Result<()> {
     // Tokenization and chat template rendering.
     for p in r["prompts"].as_array().context("prompts")? {
         let text = p["text"].as_str().context("text")?;
-        assert_eq!(tok.encode(text, true)?, ids(&p["input_ids"]), "{name}: tokens of {text:?}");
+        assert_eq!(
+            tok.encode(text, true)?,
+            ids(&p["input_ids"]),
+            "{name}: tokens of {text:?}"
+        );
     }
     let chat = &r["chat"];
     let msgs: Vec<ChatMessage> = serde_json::from_value(chat["messages"].clone())?;
     let template = m.chat_template.as_ref().context("chat template")?;
-    let rendered = template.render(&msgs, true, tok.bos_token.as_deref(), tok.eos_token.as_deref(), None)?;
-    assert_eq!(rendered, chat["rendered"].as_str().context("rendered")?, "{name}: chat text");
-    assert_eq!(tok.encode(&rendered, false)?, ids(&chat["input_ids"]), "{name}: chat ids");
+    let rendered = template.render(
+        &msgs,
+        true,
+        tok.bos_token.as_deref(),
+        tok.eos_token.as_deref(),
+        None,
+    )?;
+    assert_eq!(
+        rendered,
+        chat["rendered"].as_str().context("rendered")?,
+        "{name}: chat text"
+    );
+    assert_eq!(
+        tok.encode(&rendered, false)?,
+        ids(&chat["input_ids"]),
+        "{name}: chat ids"
+    );
 
     // Last-position logits of each prompt.
     let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 4, 64, DType::F32)?;
     let pool = runner.new_page_pool();
-    for (i, p) in r["prompts"].as_array().context("prompts")?.iter().enumerate() {
+    for (i, p) in r["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .enumerate()
+    {
         let want = floats(&p["last_logits"]);
         let pages = pool.alloc(pool.pages_for(prompts[i].len()))?;
         let got = runner.step(&[arbor_engine_core::runner::SeqStep {
@@ -113,9 +146,15 @@ fn check_model(name: &str) -> Result<()> {
         let got = &got[0];
         assert_eq!(got.len(), want.len());
         let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         println!("{name} prompt {i}: max |logit| {max:.3}, max abs error {err:.2e}");
-        assert!(err <= 1e-4 * max, "{name} prompt {i}: logits error {err} > 1e-4 * {max}");
+        assert!(
+            err <= 1e-4 * max,
+            "{name} prompt {i}: logits error {err} > 1e-4 * {max}"
+        );
     }
     assert_eq!(pool.free_pages(), pool.total_pages());
 
@@ -171,7 +210,10 @@ fn half_precision_weights_load_and_stay_close() -> Result<()> {
             want_logits: true,
         }])?;
         let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = got[0].iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        let err = got[0]
+            .iter()
+            .zip(&want)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         println!("{dtype} weights + f16 KV: max abs error {err:.3e} of max {max:.3}");
         assert!(err <= 0.05 * max, "{dtype}: error {err}");
         assert_eq!(m.model.spec().weight_dtype.name(), dtype);

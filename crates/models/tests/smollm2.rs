@@ -37,17 +37,29 @@ fn model() -> Result<Option<(LoadedModel, Arc<dyn Backend>)>> {
 }
 
 fn fixture() -> Result<Value> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/smollm2/llamacpp.json");
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/smollm2/llamacpp.json");
     Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
 }
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect()
+        })
         .unwrap_or_default()
 }
 
-fn greedy(m: &LoadedModel, b: &Arc<dyn Backend>, prompt: &[u32], n: usize, eos: &[u32]) -> Result<Vec<u32>> {
+fn greedy(
+    m: &LoadedModel,
+    b: &Arc<dyn Backend>,
+    prompt: &[u32],
+    n: usize,
+    eos: &[u32],
+) -> Result<Vec<u32>> {
     let runner = ModelRunner::new(m.model.clone(), b.clone(), None, 16, 64, DType::F16)?;
     let pool = runner.new_page_pool();
     let setup = SamplingSetup {
@@ -68,18 +80,32 @@ fn greedy(m: &LoadedModel, b: &Arc<dyn Backend>, prompt: &[u32], n: usize, eos: 
 
 #[test]
 fn chat_matches_llama_cpp() -> Result<()> {
-    let Some((m, backend)) = model()? else { return Ok(()) };
+    let Some((m, backend)) = model()? else {
+        return Ok(());
+    };
     let fx = fixture()?;
     let template = m.chat_template.as_ref().context("chat template")?;
     let tok = &m.tokenizer;
     for (i, c) in fx["chat"].as_array().context("chat")?.iter().enumerate() {
         let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone())?;
-        let text = template.render(&msgs, true, tok.bos_token.as_deref(), tok.eos_token.as_deref(), None)?;
-        assert_eq!(text, c["prompt"].as_str().context("prompt")?, "chat {i}: rendering");
+        let text = template.render(
+            &msgs,
+            true,
+            tok.bos_token.as_deref(),
+            tok.eos_token.as_deref(),
+            None,
+        )?;
+        assert_eq!(
+            text,
+            c["prompt"].as_str().context("prompt")?,
+            "chat {i}: rendering"
+        );
         let prompt = tok.encode(&text, true)?;
         assert_eq!(prompt, ids(&c["prompt_ids"]), "chat {i}: tokens");
         let want = ids(&c["greedy_ids"]);
-        let bound = c["batched_vs_sequential_max_abs_diff"].as_f64().context("bound")? as f32;
+        let bound = c["batched_vs_sequential_max_abs_diff"]
+            .as_f64()
+            .context("bound")? as f32;
         let margins: Vec<f32> = c["greedy_margins"]
             .as_array()
             .context("margins")?
@@ -113,7 +139,11 @@ fn chat_matches_llama_cpp() -> Result<()> {
                 let theirs = pair[1].as_f64().context("logit")? as f32;
                 let d = (l[id] - theirs).abs();
                 worst = worst.max(d);
-                assert!(d <= 1.5 * bound, "chat {i} step {step}: logit of {id} is {} vs llama.cpp {theirs} (bound {bound})", l[id]);
+                assert!(
+                    d <= 1.5 * bound,
+                    "chat {i} step {step}: logit of {id} is {} vs llama.cpp {theirs} (bound {bound})",
+                    l[id]
+                );
             }
             let ours = arbor_engine_core::sampling::argmax(l);
             if ours == want[step] {
@@ -140,7 +170,9 @@ fn chat_matches_llama_cpp() -> Result<()> {
 
 #[test]
 fn knows_the_capital_of_france() -> Result<()> {
-    let Some((m, backend)) = model()? else { return Ok(()) };
+    let Some((m, backend)) = model()? else {
+        return Ok(());
+    };
     let template = m.chat_template.as_ref().context("chat template")?;
     let tok = &m.tokenizer;
     let msgs = vec![
@@ -155,4 +187,3 @@ fn knows_the_capital_of_france() -> Result<()> {
     assert!(answer.contains("Paris"), "answer: {answer}");
     Ok(())
 }
-

@@ -307,18 +307,24 @@ impl Engine {
         let spec = parts.runner.model().spec().clone();
         let kv = *parts.runner.kv_spec();
         if config.max_running_requests == 0 {
-            return Err(CoreError::Config("max_running_requests must be at least 1".into()));
+            return Err(CoreError::Config(
+                "max_running_requests must be at least 1".into(),
+            ));
         }
         if config.max_prefill_tokens == 0 {
-            return Err(CoreError::Config("max_prefill_tokens must be at least 1".into()));
+            return Err(CoreError::Config(
+                "max_prefill_tokens must be at least 1".into(),
+            ));
         }
         if config.chunked_prefill_size == 0 || config.chunked_prefill_size < -1 {
             return Err(CoreError::Config(
                 "chunked_prefill_size must be -1 (off) or positive".into(),
             ));
         }
-        if !(config.schedule_conservativeness > 0.0) {
-            return Err(CoreError::Config("schedule_conservativeness must be positive".into()));
+        if config.schedule_conservativeness.is_nan() || config.schedule_conservativeness <= 0.0 {
+            return Err(CoreError::Config(
+                "schedule_conservativeness must be positive".into(),
+            ));
         }
         let limits = Limits {
             vocab_size: spec.vocab_size,

@@ -62,7 +62,8 @@ impl Req {
         arrival: Instant,
     ) -> Self {
         let ctx_start = r.input_ids.len().saturating_sub(5);
-        let detok = IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
+        let detok =
+            IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
         let rng = r.params.seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
         Self {
             rid,
@@ -109,7 +110,10 @@ impl Req {
             index,
             prompt: self.prompt.clone(),
             output: Vec::new(),
-            detok: IncrementalDetokenizer::new(&self.prompt[ctx_start..], params.skip_special_tokens),
+            detok: IncrementalDetokenizer::new(
+                &self.prompt[ctx_start..],
+                params.skip_special_tokens,
+            ),
             params,
             rng,
             ns: self.ns.clone(),
@@ -235,7 +239,11 @@ impl Req {
             .filter_map(|s| hay.find(s.as_str()).map(|p| (p + from, s.clone())))
             .min_by_key(|(p, _)| *p)?;
         let (pos, s) = hit;
-        let end = if self.params.no_stop_trim { pos + s.len() } else { pos };
+        let end = if self.params.no_stop_trim {
+            pos + s.len()
+        } else {
+            pos
+        };
         self.text.truncate(end);
         Some(Finish {
             kind: FinishKind::Stop,
@@ -267,10 +275,11 @@ impl Req {
                 ..
             })
         );
-        if finish.is_some() && !stopped_by_string {
-            if let Ok(rest) = self.detok.flush(decoder) {
-                self.text.push_str(&rest);
-            }
+        if finish.is_some()
+            && !stopped_by_string
+            && let Ok(rest) = self.detok.flush(decoder)
+        {
+            self.text.push_str(&rest);
         }
         let upto = if finish.is_some() {
             self.text.len()
@@ -280,7 +289,11 @@ impl Req {
         if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
             return;
         }
-        let text = self.text.get(self.sent_text..upto).unwrap_or_default().to_string();
+        let text = self
+            .text
+            .get(self.sent_text..upto)
+            .unwrap_or_default()
+            .to_string();
         self.sent_text = upto;
         let chunk = OutputChunk {
             index: self.index,

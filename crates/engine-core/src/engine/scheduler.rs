@@ -17,7 +17,9 @@
 
 use super::policy;
 use super::request::Req;
-use super::{EngineConfig, EngineParts, EngineStats, Finish, FinishKind, Matched, Msg, TokenLogprob};
+use super::{
+    EngineConfig, EngineParts, EngineStats, Finish, FinishKind, Matched, Msg, TokenLogprob,
+};
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
 use crate::kv::PagePool;
@@ -77,7 +79,11 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(cfg: EngineConfig, parts: EngineParts, stats: Arc<Mutex<EngineStats>>) -> Result<Self> {
+    pub fn new(
+        cfg: EngineConfig,
+        parts: EngineParts,
+        stats: Arc<Mutex<EngineStats>>,
+    ) -> Result<Self> {
         let pool = parts.runner.new_page_pool();
         let page_size = pool.page_size();
         let init_ratio = (INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness as f64).min(1.0);
@@ -164,7 +170,9 @@ impl Scheduler {
     }
 
     fn live_rid(&self, rid: &str) -> bool {
-        self.waiting.iter().any(|r| r.rid == rid || r.followers.iter().any(|f| f.rid == rid))
+        self.waiting
+            .iter()
+            .any(|r| r.rid == rid || r.followers.iter().any(|f| f.rid == rid))
             || self.running.iter().any(|r| r.rid == rid)
             || self.chunked.as_ref().is_some_and(|r| r.rid == rid)
     }
@@ -228,10 +236,10 @@ impl Scheduler {
                 i += 1;
             }
         }
-        if self.chunked.as_ref().is_some_and(&pred) {
-            if let Some(r) = self.chunked.take() {
-                victims.push(r);
-            }
+        if self.chunked.as_ref().is_some_and(&pred)
+            && let Some(r) = self.chunked.take()
+        {
+            victims.push(r);
         }
         for mut r in victims {
             // Followers of an aborted prefix-only request are aborted with it.
@@ -288,10 +296,13 @@ impl Scheduler {
             let covered = (r.computed - r.node_len).div_ceil(self.page_size);
             drop(own.split_off(covered));
             let toks = r.tokens();
-            if let Err(e) =
-                self.cache
-                    .insert_with_prefix(&r.ns, &toks[..r.computed], r.node_len, own, r.priority)
-            {
+            if let Err(e) = self.cache.insert_with_prefix(
+                &r.ns,
+                &toks[..r.computed],
+                r.node_len,
+                own,
+                r.priority,
+            ) {
                 tracing::warn!("caching request {}: {e}", r.rid);
             }
         } else {
@@ -446,7 +457,11 @@ impl Scheduler {
         let need_pages = (r.computed + len)
             .div_ceil(ps)
             .saturating_sub(r.page_capacity(ps) / ps);
-        let pages = if fits { self.alloc_pages(need_pages) } else { None };
+        let pages = if fits {
+            self.alloc_pages(need_pages)
+        } else {
+            None
+        };
         let Some(pages) = pages else {
             if fresh {
                 self.release_kv(&mut r, false);
@@ -520,7 +535,12 @@ impl Scheduler {
         tracing::info!("retracted {} after {} tokens", r.rid, r.output.len());
         self.waiting.push_front(r);
         let decoded: usize = self.running.iter().map(|r| r.output.len()).sum();
-        let max_new: usize = self.running.iter().map(|r| r.params.max_new_tokens).sum::<usize>().max(1);
+        let max_new: usize = self
+            .running
+            .iter()
+            .map(|r| r.params.max_new_tokens)
+            .sum::<usize>()
+            .max(1);
         let ratio = (decoded + RETRACT_DECODE_STEPS * self.running.len()) as f64 / max_new as f64;
         self.new_token_ratio = ratio.clamp(self.new_token_ratio, 1.0);
     }
@@ -533,7 +553,11 @@ impl Scheduler {
         if decode && !self.running.is_empty() {
             self.prepare_decode()?;
         }
-        let decoding: Vec<Req> = if decode { std::mem::take(&mut self.running) } else { Vec::new() };
+        let decoding: Vec<Req> = if decode {
+            std::mem::take(&mut self.running)
+        } else {
+            Vec::new()
+        };
         if prefill.is_empty() && decoding.is_empty() {
             return Ok(());
         }
@@ -542,10 +566,19 @@ impl Scheduler {
         for e in &prefill {
             let toks = e.req.tokens();
             let want = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
-            inputs.push((toks[e.start..e.start + e.len].to_vec(), e.req.page_table(), e.start, want));
+            inputs.push((
+                toks[e.start..e.start + e.len].to_vec(),
+                e.req.page_table(),
+                e.start,
+                want,
+            ));
         }
         for r in &decoding {
-            let last = r.output.last().copied().unwrap_or(r.prompt[r.prompt.len() - 1]);
+            let last = r
+                .output
+                .last()
+                .copied()
+                .unwrap_or(r.prompt[r.prompt.len() - 1]);
             inputs.push((vec![last], r.page_table(), r.computed, true));
         }
         let steps: Vec<SeqStep<'_>> = inputs
@@ -566,7 +599,10 @@ impl Scheduler {
                 let msg = format!("forward pass failed: {e}");
                 tracing::error!("{msg}");
                 for mut e in prefill {
-                    e.req.followers.drain(..).for_each(|f| self.waiting.push_back(f));
+                    e.req
+                        .followers
+                        .drain(..)
+                        .for_each(|f| self.waiting.push_back(f));
                     self.finish(e.req, abort_finish(&msg));
                 }
                 for r in decoding {
@@ -587,9 +623,20 @@ impl Scheduler {
                 continue;
             }
             self.record_hit(&r);
-            self.counters.prompt_tokens_total += if r.retractions == 0 { r.prompt.len() as u64 } else { 0 };
+            self.counters.prompt_tokens_total += if r.retractions == 0 {
+                r.prompt.len() as u64
+            } else {
+                0
+            };
             if r.prefix_only || r.params.max_new_tokens == 0 {
-                self.finish(r, Finish { kind: FinishKind::Length, matched: None, message: None });
+                self.finish(
+                    r,
+                    Finish {
+                        kind: FinishKind::Length,
+                        matched: None,
+                        message: None,
+                    },
+                );
                 continue;
             }
             let Some(mut row) = logits.next() else {
@@ -610,7 +657,11 @@ impl Scheduler {
 
     /// Samples the next token of `r`, streams it, and finishes or keeps the request.
     fn advance(&mut self, mut r: Req, logits: &mut [f32]) {
-        let lp_top = if r.return_logprob { Some(r.top_logprobs_num) } else { None };
+        let lp_top = if r.return_logprob {
+            Some(r.top_logprobs_num)
+        } else {
+            None
+        };
         let lse = lp_top.map(|_| log_sum_exp(logits));
         let raw_top = lp_top.map(|n| top_n(logits, n));
         let setup = SamplingSetup {
@@ -638,9 +689,17 @@ impl Scheduler {
         let mut finish = r.push_token(tok, logprob, &*self.decoder, text_of_token);
         if finish.is_none() {
             if stop_token {
-                finish = Some(Finish { kind: FinishKind::Stop, matched: Some(Matched::Token(tok)), message: None });
+                finish = Some(Finish {
+                    kind: FinishKind::Stop,
+                    matched: Some(Matched::Token(tok)),
+                    message: None,
+                });
             } else if r.output.len() >= r.params.max_new_tokens {
-                finish = Some(Finish { kind: FinishKind::Length, matched: None, message: None });
+                finish = Some(Finish {
+                    kind: FinishKind::Length,
+                    matched: None,
+                    message: None,
+                });
             }
         }
         match finish {
@@ -673,7 +732,8 @@ impl Scheduler {
         if r.retractions > 0 {
             return;
         }
-        self.hit_window.push_back((r.cached_tokens.unwrap_or(0), r.prompt.len()));
+        self.hit_window
+            .push_back((r.cached_tokens.unwrap_or(0), r.prompt.len()));
         if self.hit_window.len() > 256 {
             self.hit_window.pop_front();
         }
@@ -688,14 +748,22 @@ impl Scheduler {
         let ps = self.page_size;
         c.num_running_reqs = self.running.len() + usize::from(self.chunked.is_some());
         c.num_queue_reqs = self.waiting.len()
-            + self.waiting.iter().map(|r| r.followers.len()).sum::<usize>();
+            + self
+                .waiting
+                .iter()
+                .map(|r| r.followers.len())
+                .sum::<usize>();
         c.num_used_tokens = self.pool.used_pages() * ps;
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
         let (hit, tot) = self
             .hit_window
             .iter()
             .fold((0usize, 0usize), |(a, b), (h, t)| (a + h, b + t));
-        c.cache_hit_rate = if tot == 0 { 0.0 } else { hit as f64 / tot as f64 };
+        c.cache_hit_rate = if tot == 0 {
+            0.0
+        } else {
+            hit as f64 / tot as f64
+        };
         let dt = self.window_start.elapsed().as_secs_f64();
         if dt >= 1.0 || (self.window_tokens == 0 && dt > 0.1) {
             c.gen_throughput = self.window_tokens as f64 / dt;
