@@ -3,25 +3,41 @@
 //!
 //! `forward` first writes the batch's new K and V rows into their KV slots
 //! (converting to the cache dtype), then runs one task per (sequence, KV head,
-//! block of queries): for each query and each query head of the group it
-//! computes the scores over the sequence's keys `lo..=pos`, a softmax, and the
-//! weighted sum of values. Tasks are handed out through an atomic counter, so
-//! long and short sequences balance across threads. Each task writes only its
-//! own (token, head) slices of the output.
+//! block of queries): it gathers that head's keys and values from their pages
+//! into contiguous f32 rows, stacks the block's queries of every head of the
+//! GQA group, and computes `scores = Q·Kᵀ` and `out = softmax(scores)·V` as two
+//! small GEMMs, masking keys outside `lo..=pos` (causal, sliding window).
+//! Tasks are handed out through an atomic counter, so long and short sequences
+//! balance across threads. Each task writes only its own (token, head) slices
+//! of the output.
 
 use crate::memory::{HostMemory, SendPtr};
 use crate::pool::{ThreadPool, share};
-use crate::simd;
 use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
     Result, Tensor,
 };
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Queries per task.
 const Q_BLOCK: usize = 16;
+
+/// Per-thread scratch of one attention task, reused across calls.
+#[derive(Default)]
+struct Scratch {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    q: Vec<f32>,
+    s: Vec<f32>,
+    o: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
 
 /// The CPU's paged attention.
 pub struct CpuAttention {
@@ -64,18 +80,14 @@ impl KvPtr {
                         (self.ptr.get() as *const f16).add(row * width),
                         width,
                     );
-                    for (d, v) in dst.iter_mut().zip(s) {
-                        *d = v.to_f32();
-                    }
+                    s.convert_to_f32_slice(&mut dst[..width]);
                 }
                 DType::BF16 => {
                     let s = std::slice::from_raw_parts(
                         (self.ptr.get() as *const bf16).add(row * width),
                         width,
                     );
-                    for (d, v) in dst.iter_mut().zip(s) {
-                        *d = v.to_f32();
-                    }
+                    s.convert_to_f32_slice(&mut dst[..width]);
                 }
                 _ => {
                     let s = std::slice::from_raw_parts(
@@ -102,18 +114,14 @@ impl KvPtr {
                         (self.ptr.get() as *mut f16).add(row * width),
                         width,
                     );
-                    for (d, &v) in d.iter_mut().zip(src) {
-                        *d = f16::from_f32(v);
-                    }
+                    d.convert_from_f32_slice(src);
                 }
                 DType::BF16 => {
                     let d = std::slice::from_raw_parts_mut(
                         (self.ptr.get() as *mut bf16).add(row * width),
                         width,
                     );
-                    for (d, &v) in d.iter_mut().zip(src) {
-                        *d = bf16::from_f32(v);
-                    }
+                    d.convert_from_f32_slice(src);
                 }
                 _ => {
                     std::ptr::copy_nonoverlapping(
@@ -258,92 +266,139 @@ impl AttentionBackend for CpuAttention {
         let scale = p.scale;
         let window = p.sliding_window;
         let ok = self.pool.run(&|_, _| {
-            let mut scores: Vec<f32> = Vec::new();
-            let mut kbuf: Vec<f32> = Vec::new();
-            let mut vbuf: Vec<f32> = Vec::new();
-            let mut acc = vec![0f32; hd];
-            loop {
-                let ti = next.fetch_add(1, Ordering::Relaxed);
-                let Some(&(si, g, j0)) = tasks.get(ti) else {
-                    break;
-                };
-                let s = &layout.seqs[si];
-                let pages = &layout.page_table[s.pages.clone()];
-                let j1 = (j0 + Q_BLOCK).min(s.q_len);
-                let p_last = s.prefix_len + j1 - 1;
-                let lo_first = window.map_or(0, |w| (s.prefix_len + j0 + 1).saturating_sub(w));
-                let span = p_last + 1 - lo_first;
-                let row_of = |t: usize| (pages[t / ps] as usize * ps + t % ps) * nkv + g;
-                // Gather this head's keys and values once per task unless the cache is f32.
-                let direct = kc.dtype == DType::F32;
-                if !direct {
+            SCRATCH.with(|cell| {
+                let mut sc = cell.borrow_mut();
+                loop {
+                    let ti = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(si, g, j0)) = tasks.get(ti) else {
+                        break;
+                    };
+                    let s = &layout.seqs[si];
+                    let pages = &layout.page_table[s.pages.clone()];
+                    let j1 = (j0 + Q_BLOCK).min(s.q_len);
+                    let p_last = s.prefix_len + j1 - 1;
+                    let lo_first = window.map_or(0, |w| (s.prefix_len + j0 + 1).saturating_sub(w));
+                    let span = p_last + 1 - lo_first;
+                    let nq = (j1 - j0) * group;
+                    let Scratch {
+                        k: kbuf,
+                        v: vbuf,
+                        q: qbuf,
+                        s: scores,
+                        o: obuf,
+                    } = &mut *sc;
                     kbuf.resize(span * hd, 0.0);
                     vbuf.resize(span * hd, 0.0);
+                    qbuf.resize(nq * hd, 0.0);
+                    scores.resize(nq * span, 0.0);
+                    obuf.resize(nq * hd, 0.0);
+                    // Gather this KV head's keys and values, contiguous and in f32.
                     for t in lo_first..=p_last {
+                        let row = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
                         let o = (t - lo_first) * hd;
                         // SAFETY: the slot is inside the cache (validated page table).
                         unsafe {
-                            kc.read(row_of(t), hd, &mut kbuf[o..o + hd]);
-                            vc.read(row_of(t), hd, &mut vbuf[o..o + hd]);
+                            kc.read(row, hd, &mut kbuf[o..o + hd]);
+                            vc.read(row, hd, &mut vbuf[o..o + hd]);
                         }
                     }
-                }
-                let key = |t: usize| -> *const f32 {
-                    if direct {
-                        // SAFETY: pointer arithmetic inside the cache tensor.
-                        unsafe { (kc.ptr.get() as *const f32).add(row_of(t) * hd) }
-                    } else {
-                        // SAFETY: t - lo_first < span.
-                        unsafe { kbuf.as_ptr().add((t - lo_first) * hd) }
-                    }
-                };
-                let val = |t: usize| -> *const f32 {
-                    if direct {
-                        // SAFETY: as above.
-                        unsafe { (vc.ptr.get() as *const f32).add(row_of(t) * hd) }
-                    } else {
-                        // SAFETY: as above.
-                        unsafe { vbuf.as_ptr().add((t - lo_first) * hd) }
-                    }
-                };
-                for j in j0..j1 {
-                    let pos = s.prefix_len + j;
-                    let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                    let row = s.q_start + j;
-                    for h in g * group..(g + 1) * group {
-                        // SAFETY: row `row`, head h of q and out are inside their views;
-                        // this task is the only writer of out[row, h].
-                        let (qh, oh) = unsafe {
-                            (
-                                std::slice::from_raw_parts(qp.get().add(row * qw + h * hd), hd),
-                                std::slice::from_raw_parts_mut(op.get().add(row * qw + h * hd), hd),
-                            )
-                        };
-                        scores.clear();
-                        let mut max = f32::NEG_INFINITY;
-                        for t in lo..=pos {
-                            // SAFETY: key rows are hd floats inside the cache or kbuf.
-                            let kr = unsafe { std::slice::from_raw_parts(key(t), hd) };
-                            let sc = simd::dot(qh, kr) * scale;
-                            max = max.max(sc);
-                            scores.push(sc);
+                    // Queries of the block, every head of the group stacked: row (j, h).
+                    for j in j0..j1 {
+                        let row = s.q_start + j;
+                        for (hi, h) in (g * group..(g + 1) * group).enumerate() {
+                            let r = (j - j0) * group + hi;
+                            // SAFETY: row `row`, head h of q is inside its view.
+                            let qh = unsafe {
+                                std::slice::from_raw_parts(qp.get().add(row * qw + h * hd), hd)
+                            };
+                            qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
                         }
+                    }
+                    // scores[nq, span] = Q · Kᵀ
+                    // SAFETY: all three matrices are scratch buffers of the sizes set above.
+                    unsafe {
+                        gemm::gemm(
+                            nq,
+                            span,
+                            hd,
+                            scores.as_mut_ptr(),
+                            1,
+                            span as isize,
+                            false,
+                            qbuf.as_ptr(),
+                            1,
+                            hd as isize,
+                            kbuf.as_ptr(),
+                            hd as isize,
+                            1,
+                            0.0f32,
+                            scale,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    // Causal (and window) mask, then row softmax.
+                    for r in 0..nq {
+                        let pos = s.prefix_len + j0 + r / group;
+                        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w)) - lo_first;
+                        let hi = pos - lo_first;
+                        let row = &mut scores[r * span..(r + 1) * span];
+                        let max = row[lo..=hi]
+                            .iter()
+                            .copied()
+                            .fold(f32::NEG_INFINITY, f32::max);
                         let mut sum = 0.0;
-                        for sc in scores.iter_mut() {
-                            *sc = (*sc - max).exp();
-                            sum += *sc;
+                        for (t, x) in row.iter_mut().enumerate() {
+                            if t < lo || t > hi {
+                                *x = 0.0;
+                            } else {
+                                *x = (*x - max).exp();
+                                sum += *x;
+                            }
                         }
                         let inv = 1.0 / sum;
-                        acc.iter_mut().for_each(|a| *a = 0.0);
-                        for (i, t) in (lo..=pos).enumerate() {
-                            // SAFETY: value rows are hd floats inside the cache or vbuf.
-                            let vr = unsafe { std::slice::from_raw_parts(val(t), hd) };
-                            simd::axpy(scores[i] * inv, vr, &mut acc);
+                        row.iter_mut().for_each(|x| *x *= inv);
+                    }
+                    // out[nq, hd] = P · V
+                    // SAFETY: scratch buffers of the sizes set above.
+                    unsafe {
+                        gemm::gemm(
+                            nq,
+                            hd,
+                            span,
+                            obuf.as_mut_ptr(),
+                            1,
+                            hd as isize,
+                            false,
+                            scores.as_ptr(),
+                            1,
+                            span as isize,
+                            vbuf.as_ptr(),
+                            1,
+                            hd as isize,
+                            0.0f32,
+                            1.0f32,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    for j in j0..j1 {
+                        let row = s.q_start + j;
+                        for (hi, h) in (g * group..(g + 1) * group).enumerate() {
+                            let r = (j - j0) * group + hi;
+                            // SAFETY: this task is the only writer of out[row, h].
+                            let oh = unsafe {
+                                std::slice::from_raw_parts_mut(op.get().add(row * qw + h * hd), hd)
+                            };
+                            oh.copy_from_slice(&obuf[r * hd..(r + 1) * hd]);
                         }
-                        oh.copy_from_slice(&acc);
                     }
                 }
-            }
+            });
         });
         if !ok {
             return Err(CoreError::Internal("attention kernel panicked".into()));

@@ -725,6 +725,8 @@ impl Scheduler {
         }
         self.counters.num_requests_total += 1;
         self.counters.cached_tokens_total += r.cached_tokens.unwrap_or(0) as u64;
+        // Counters are current by the time the caller sees the final chunk.
+        self.publish();
         r.emit(Some(f), &*self.decoder);
     }
 
