@@ -101,7 +101,10 @@ fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     }
     v.try_into().map_err(|e: toml::de::Error| {
         let msg = e.message().trim().to_string();
-        match msg.strip_prefix("unknown field `").and_then(|r| r.split_once('`')) {
+        match msg
+            .strip_prefix("unknown field `")
+            .and_then(|r| r.split_once('`'))
+        {
             Some((key, rest)) => anyhow!("unknown key '{key}' in section [{name}]{rest}"),
             None => anyhow!("in section [{name}]: {msg}"),
         }
@@ -194,7 +197,11 @@ pub struct ServeArgs {
     #[arg(long = "max-prefill-tokens", help_heading = "Scheduler")]
     pub max_prefill_tokens: Option<usize>,
     /// Most prompt tokens of one request per iteration; -1 disables chunking [default: 2048].
-    #[arg(long = "chunked-prefill-size", allow_negative_numbers = true, help_heading = "Scheduler")]
+    #[arg(
+        long = "chunked-prefill-size",
+        allow_negative_numbers = true,
+        help_heading = "Scheduler"
+    )]
     pub chunked_prefill_size: Option<i64>,
     /// Admission order: fcfs, lpm, dfs-weight, lof, priority, random [default: lpm].
     #[arg(long = "schedule-policy", help_heading = "Scheduler")]
@@ -218,7 +225,7 @@ pub struct ServeArgs {
     /// KV cache size in tokens; overrides --mem-fraction-static.
     #[arg(long = "max-total-tokens", help_heading = "Cache")]
     pub max_total_tokens: Option<usize>,
-    /// Share of available memory (MemAvailable) for weights plus KV cache [default: 0.8].
+    /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB [default: 0.8].
     #[arg(long = "mem-fraction-static", help_heading = "Cache")]
     pub mem_fraction_static: Option<f64>,
 
@@ -269,48 +276,108 @@ impl ServeConfig {
             model: ModelSection {
                 model_path: a.model_path.clone().or(m.model_path),
                 served_model_name: a.served_model_name.clone().or(m.served_model_name),
-                device: Some(a.device.clone().or(m.device).unwrap_or_else(|| "cpu".into())),
+                device: Some(
+                    a.device
+                        .clone()
+                        .or(m.device)
+                        .unwrap_or_else(|| "cpu".into()),
+                ),
                 threads: Some(a.threads.or(m.threads).unwrap_or(0)),
                 dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
                 kv_cache_dtype: Some(
-                    a.kv_cache_dtype.clone().or(m.kv_cache_dtype).unwrap_or_else(|| "f32".into()),
+                    a.kv_cache_dtype
+                        .clone()
+                        .or(m.kv_cache_dtype)
+                        .unwrap_or_else(|| "f32".into()),
                 ),
             },
             server: ServerSection {
-                host: Some(a.host.clone().or(s.host).unwrap_or_else(|| "127.0.0.1".into())),
+                host: Some(
+                    a.host
+                        .clone()
+                        .or(s.host)
+                        .unwrap_or_else(|| "127.0.0.1".into()),
+                ),
                 port: Some(a.port.or(s.port).unwrap_or(30000)),
                 api_key: a.api_key.clone().or(s.api_key),
                 max_request_bytes: Some(
-                    a.max_request_bytes.or(s.max_request_bytes).unwrap_or(32 * 1024 * 1024),
+                    a.max_request_bytes
+                        .or(s.max_request_bytes)
+                        .unwrap_or(32 * 1024 * 1024),
                 ),
                 shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
             },
             scheduler: SchedulerSection {
-                max_running_requests: Some(a.max_running_requests.or(q.max_running_requests).unwrap_or(64)),
-                max_queued_requests: Some(a.max_queued_requests.or(q.max_queued_requests).unwrap_or(4096)),
-                max_prefill_tokens: Some(a.max_prefill_tokens.or(q.max_prefill_tokens).unwrap_or(8192)),
-                chunked_prefill_size: Some(a.chunked_prefill_size.or(q.chunked_prefill_size).unwrap_or(2048)),
+                max_running_requests: Some(
+                    a.max_running_requests
+                        .or(q.max_running_requests)
+                        .unwrap_or(64),
+                ),
+                max_queued_requests: Some(
+                    a.max_queued_requests
+                        .or(q.max_queued_requests)
+                        .unwrap_or(4096),
+                ),
+                max_prefill_tokens: Some(
+                    a.max_prefill_tokens
+                        .or(q.max_prefill_tokens)
+                        .unwrap_or(8192),
+                ),
+                chunked_prefill_size: Some(
+                    a.chunked_prefill_size
+                        .or(q.chunked_prefill_size)
+                        .unwrap_or(2048),
+                ),
                 schedule_policy: Some(
-                    a.schedule_policy.clone().or(q.schedule_policy).unwrap_or_else(|| "lpm".into()),
+                    a.schedule_policy
+                        .clone()
+                        .or(q.schedule_policy)
+                        .unwrap_or_else(|| "lpm".into()),
                 ),
                 schedule_conservativeness: Some(
-                    a.schedule_conservativeness.or(q.schedule_conservativeness).unwrap_or(1.0),
+                    a.schedule_conservativeness
+                        .or(q.schedule_conservativeness)
+                        .unwrap_or(1.0),
                 ),
-                enable_mixed_chunk: Some(flag(a.enable_mixed_chunk).or(q.enable_mixed_chunk).unwrap_or(false)),
+                enable_mixed_chunk: Some(
+                    flag(a.enable_mixed_chunk)
+                        .or(q.enable_mixed_chunk)
+                        .unwrap_or(false),
+                ),
                 page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
             },
             cache: CacheSection {
-                disable_radix_cache: Some(flag(a.disable_radix_cache).or(c.disable_radix_cache).unwrap_or(false)),
+                disable_radix_cache: Some(
+                    flag(a.disable_radix_cache)
+                        .or(c.disable_radix_cache)
+                        .unwrap_or(false),
+                ),
                 radix_eviction_policy: Some(
-                    a.radix_eviction_policy.clone().or(c.radix_eviction_policy).unwrap_or_else(|| "lru".into()),
+                    a.radix_eviction_policy
+                        .clone()
+                        .or(c.radix_eviction_policy)
+                        .unwrap_or_else(|| "lru".into()),
                 ),
                 max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
-                mem_fraction_static: Some(a.mem_fraction_static.or(c.mem_fraction_static).unwrap_or(0.8)),
+                mem_fraction_static: Some(
+                    a.mem_fraction_static
+                        .or(c.mem_fraction_static)
+                        .unwrap_or(0.8),
+                ),
             },
             metrics: MetricsSection {
                 enable_metrics: Some(flag(a.enable_metrics).or(x.enable_metrics).unwrap_or(false)),
-                prefix: Some(a.metrics_prefix.clone().or(x.prefix).unwrap_or_else(|| "arbor".into())),
-                enable_cache_report: Some(flag(a.enable_cache_report).or(x.enable_cache_report).unwrap_or(false)),
+                prefix: Some(
+                    a.metrics_prefix
+                        .clone()
+                        .or(x.prefix)
+                        .unwrap_or_else(|| "arbor".into()),
+                ),
+                enable_cache_report: Some(
+                    flag(a.enable_cache_report)
+                        .or(x.enable_cache_report)
+                        .unwrap_or(false),
+                ),
             },
             plugins,
         };
@@ -401,7 +468,11 @@ mod tests {
         };
         let c = ServeConfig::resolve(file, &args).unwrap();
         assert_eq!(c.server.port, Some(999), "flag beats file");
-        assert_eq!(c.server.host.as_deref(), Some("0.0.0.0"), "file beats default");
+        assert_eq!(
+            c.server.host.as_deref(),
+            Some("0.0.0.0"),
+            "file beats default"
+        );
         assert_eq!(c.scheduler.max_running_requests, Some(8));
         assert_eq!(c.scheduler.max_prefill_tokens, Some(8192), "default");
         assert_eq!(c.metrics.prefix.as_deref(), Some("sglang"));
@@ -413,7 +484,10 @@ mod tests {
     fn unknown_keys_and_sections_are_named() {
         let e = FileConfig::parse("[scheduler]\nmax_runing_requests = 8\n").unwrap_err();
         let m = format!("{e:#}");
-        assert!(m.contains("max_runing_requests") && m.contains("[scheduler]"), "{m}");
+        assert!(
+            m.contains("max_runing_requests") && m.contains("[scheduler]"),
+            "{m}"
+        );
         let e = FileConfig::parse("[hicache]\nratio = 2\n").unwrap_err();
         assert!(format!("{e:#}").contains("unknown section [hicache]"));
         let e = FileConfig::parse("[server]\nport = \"x\"\n").unwrap_err();

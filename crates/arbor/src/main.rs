@@ -31,7 +31,7 @@ enum Command {
     /// List registered implementations and the devices they run on.
     Info(info::InfoArgs),
     /// Serve a model over HTTP: SGLang's native API, the OpenAI API and Prometheus metrics.
-    Serve(config::ServeArgs),
+    Serve(Box<config::ServeArgs>),
     /// Benchmarks: load-test a serving endpoint, or time one batch in-process.
     Bench {
         #[command(subcommand)]
@@ -55,7 +55,7 @@ fn main() {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Bench { command } => arbor_bench::run_bench(command).map_err(anyhow::Error::from),
         Command::ProfileWorkload(a) => arbor_bench::run_profile_workload(a)
             .map(|_| ())

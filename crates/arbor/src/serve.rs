@@ -50,38 +50,58 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .context("[scheduler] schedule_policy / --schedule-policy")?;
     let defaults = EngineConfig::default();
     let engine_cfg = EngineConfig {
-        max_running_requests: q.max_running_requests.unwrap_or(defaults.max_running_requests),
+        max_running_requests: q
+            .max_running_requests
+            .unwrap_or(defaults.max_running_requests),
         max_prefill_tokens: q.max_prefill_tokens.unwrap_or(defaults.max_prefill_tokens),
-        chunked_prefill_size: q.chunked_prefill_size.unwrap_or(defaults.chunked_prefill_size),
+        chunked_prefill_size: q
+            .chunked_prefill_size
+            .unwrap_or(defaults.chunked_prefill_size),
         schedule_policy: policy,
         schedule_conservativeness: q
             .schedule_conservativeness
             .unwrap_or(defaults.schedule_conservativeness),
         enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
         disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
-        max_queued_requests: q.max_queued_requests.unwrap_or(defaults.max_queued_requests),
+        max_queued_requests: q
+            .max_queued_requests
+            .unwrap_or(defaults.max_queued_requests),
         ..defaults
     };
     let kv = match c.max_total_tokens {
         Some(t) => KvBudget::Tokens(t),
         None => KvBudget::Fraction(cfg.mem_fraction_static()),
     };
-    let eviction_policy = c.radix_eviction_policy.clone().unwrap_or_else(|| "lru".into());
+    let eviction_policy = c
+        .radix_eviction_policy
+        .clone()
+        .unwrap_or_else(|| "lru".into());
     let registry = setup::registry()?;
     // Fail on a bad policy name before spending time on the weights.
     registry
         .eviction_policies
         .get(&eviction_policy)
         .context("[cache] radix_eviction_policy / --radix-eviction-policy")?;
-    let built = setup::build_engine(&registry, &model_args, &EngineSetup {
-        engine: engine_cfg.clone(),
-        kv,
-        eviction_policy: eviction_policy.clone(),
-    })?;
+    let built = setup::build_engine(
+        &registry,
+        &model_args,
+        &EngineSetup {
+            engine: engine_cfg.clone(),
+            kv,
+            eviction_policy: eviction_policy.clone(),
+        },
+    )?;
     let spec = built.model.model.spec().clone();
     let model_path = built.model.path.display().to_string();
-    let served = m.served_model_name.clone().unwrap_or_else(|| model_path.clone());
-    let host = cfg.server.host.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let served = m
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| model_path.clone());
+    let host = cfg
+        .server
+        .host
+        .clone()
+        .unwrap_or_else(|| "127.0.0.1".into());
     let port = cfg.server.port.unwrap_or(30000);
     let metrics_prefix = cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into());
     let opts = ServerOptions {

@@ -111,9 +111,12 @@ pub struct BuiltEngine {
     pub kv_note: String,
 }
 
-/// Most KV cache the fraction rule allocates on the CPU: beyond this the
-/// operator should say how much with `--max-total-tokens`.
-pub const KV_AUTO_CAP_BYTES: u64 = 64 << 30;
+/// Most KV cache the fraction rule allocates on its own. On the CPU the KV
+/// cache is ordinary (zero-filled, so resident) memory shared with everything
+/// else on the host, and a CPU cannot keep hundreds of thousands of cached
+/// tokens busy anyway: beyond 4 GiB the operator says how much with
+/// `--max-total-tokens`.
+pub const KV_AUTO_CAP_BYTES: u64 = 4 << 30;
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
 pub fn mem_available() -> Option<u64> {
@@ -142,7 +145,10 @@ pub fn kv_tokens_for_fraction(
     let why = if tokens < by_mem / page_size.max(1) * page_size.max(1) {
         "capped at max_running_requests x context length".to_string()
     } else if kv_bytes == KV_AUTO_CAP_BYTES {
-        format!("capped at {} GiB", KV_AUTO_CAP_BYTES >> 30)
+        format!(
+            "capped at {} GiB; set --max-total-tokens for more",
+            KV_AUTO_CAP_BYTES >> 30
+        )
     } else {
         format!(
             "mem_fraction_static {fraction} of {:.1} GiB available, minus {:.2} GiB of weights",
@@ -156,7 +162,11 @@ pub fn kv_tokens_for_fraction(
 /// Builds the whole engine: registry → backend → model → KV cache and model
 /// runner → prefix cache and eviction policy → sampler and logits processors
 /// → [`Engine`].
-pub fn build_engine(registry: &Registry, args: &ModelArgs, setup: &EngineSetup) -> Result<BuiltEngine> {
+pub fn build_engine(
+    registry: &Registry,
+    args: &ModelArgs,
+    setup: &EngineSetup,
+) -> Result<BuiltEngine> {
     let available = mem_available();
     let backend = self::backend(registry, args)?;
     let model = load(registry, backend.clone(), args)?;
@@ -173,10 +183,15 @@ pub fn build_engine(registry: &Registry, args: &ModelArgs, setup: &EngineSetup) 
     };
     let per_token = probe.bytes_per_token() as u64;
     let (tokens, note) = match setup.kv {
-        KvBudget::Tokens(t) => (t.div_ceil(page_size) * page_size, "--max-total-tokens".to_string()),
+        KvBudget::Tokens(t) => (
+            t.div_ceil(page_size) * page_size,
+            "--max-total-tokens".to_string(),
+        ),
         KvBudget::Fraction(f) => {
             let Some(avail) = available else {
-                bail!("cannot read MemAvailable from /proc/meminfo: give the KV size with --max-total-tokens");
+                bail!(
+                    "cannot read MemAvailable from /proc/meminfo: give the KV size with --max-total-tokens"
+                );
             };
             let cap = spec
                 .max_position_embeddings
@@ -201,9 +216,14 @@ pub fn build_engine(registry: &Registry, args: &ModelArgs, setup: &EngineSetup) 
         kv_dtype,
     )
     .context("allocating the KV cache")?;
-    let cache_name = if setup.engine.disable_radix_cache { "none" } else { "radix" };
+    let cache_name = if setup.engine.disable_radix_cache {
+        "none"
+    } else {
+        "radix"
+    };
     let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-    let prefix_cache = registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
+    let prefix_cache =
+        registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
     let parts = EngineParts {
         runner,
         prefix_cache,
@@ -232,9 +252,12 @@ mod tests {
     #[test]
     fn fraction_rule_subtracts_weights_and_caps() {
         let gib = 1u64 << 30;
-        // 0.5 of 10 GiB minus 1 GiB of weights = 4 GiB at 1 KiB per token.
-        let (t, _) = kv_tokens_for_fraction(0.5, 10 * gib, gib, 1024, usize::MAX, 16);
-        assert_eq!(t, 4 * 1024 * 1024);
+        // 0.5 of 6 GiB minus 1 GiB of weights = 2 GiB at 1 KiB per token.
+        let (t, _) = kv_tokens_for_fraction(0.5, 6 * gib, gib, 1024, usize::MAX, 16);
+        assert_eq!(t, 2 * 1024 * 1024);
+        let (t, why) = kv_tokens_for_fraction(0.8, 100 * gib, gib, 1024, usize::MAX, 16);
+        assert_eq!(t as u64, KV_AUTO_CAP_BYTES / 1024);
+        assert!(why.contains("--max-total-tokens"), "{why}");
         let (t, why) = kv_tokens_for_fraction(0.5, 10 * gib, gib, 1024, 1000, 16);
         assert_eq!(t, 992);
         assert!(why.contains("capped"));

@@ -30,7 +30,9 @@ impl Model for NullModel {
     }
     fn forward(&self, batch: &ForwardBatch, _ctx: &ForwardContext<'_>) -> Result<Tensor> {
         let rows = batch.logits_rows.len();
-        let vals: Vec<f32> = (0..rows * VOCAB).map(|i| (i % VOCAB) as f32 * 0.01).collect();
+        let vals: Vec<f32> = (0..rows * VOCAB)
+            .map(|i| (i % VOCAB) as f32 * 0.01)
+            .collect();
         self.backend.upload_f32(&[rows, VOCAB], &vals)
     }
 }
@@ -38,7 +40,10 @@ impl Model for NullModel {
 struct Letters;
 impl TokenDecoder for Letters {
     fn decode(&self, ids: &[u32], _: bool) -> Result<String> {
-        Ok(ids.iter().map(|&i| (b'a' + (i % 26) as u8) as char).collect())
+        Ok(ids
+            .iter()
+            .map(|&i| (b'a' + (i % 26) as u8) as char)
+            .collect())
     }
 }
 
@@ -59,8 +64,12 @@ fn main() {
         weight_bytes: 0,
     };
     for running in [64usize, 256] {
-        let model = Arc::new(NullModel { spec: spec.clone(), backend: backend.clone() });
-        let runner = ModelRunner::new(model, backend.clone(), None, 16, 8192, DType::F32).expect("runner");
+        let model = Arc::new(NullModel {
+            spec: spec.clone(),
+            backend: backend.clone(),
+        });
+        let runner =
+            ModelRunner::new(model, backend.clone(), None, 16, 8192, DType::F32).expect("runner");
         let policy = registry.eviction_policies.get("lru").expect("lru")().expect("policy");
         let cache = registry.prefix_caches.get("radix").expect("radix")(&PrefixCacheOptions {
             page_size: 16,
@@ -89,7 +98,9 @@ fn main() {
         let streams: Vec<_> = (0..running)
             .map(|i| {
                 let prompt: Vec<u32> = (0..100).map(|j| ((i * 7 + j) % VOCAB) as u32).collect();
-                engine.submit(GenerateRequest::new(prompt, params.clone())).expect("submit")
+                engine
+                    .submit(GenerateRequest::new(prompt, params.clone()))
+                    .expect("submit")
             })
             .collect();
         let it0 = engine.stats().iterations;

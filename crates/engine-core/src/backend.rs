@@ -67,6 +67,21 @@ pub struct LinearRef<'a> {
     pub out: &'a Tensor,
 }
 
+/// One row's parameters for [`Backend::sample`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SampleRow {
+    /// Softmax temperature; below 1e-6 (or with `top_k == 1`) the row takes its argmax.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 keeps all.
+    pub top_k: u32,
+    /// Nucleus mass in (0, 1]; 1 keeps all.
+    pub top_p: f32,
+    /// Drop tokens below `min_p` times the top probability; 0 keeps all.
+    pub min_p: f32,
+    /// Determines the random draw (e.g. the next value of the request's `SeqRng`).
+    pub seed: u64,
+}
+
 /// Options a backend is created with.
 #[derive(Clone, Debug, Default)]
 pub struct BackendOptions {
@@ -140,6 +155,53 @@ pub trait Backend: Send + Sync {
 
     /// Creates one of the attention implementations listed in the capabilities.
     fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>>;
+
+    /// Picks one token per row of `logits` (`[rows.len(), vocab]` f32) into `out`
+    /// (`[rows.len()]` u32): argmax for greedy rows, otherwise a draw determined by the
+    /// row's seed after temperature, top-k, top-p and min-p filtering. Devices whose
+    /// memory is not host memory sample on the device so that only the ids cross to the
+    /// host. This default downloads the logits and runs [`StandardSampler`] with
+    /// `SeqRng::new(seed)`.
+    ///
+    /// [`StandardSampler`]: crate::sampling::StandardSampler
+    fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
+        use crate::sampling::{Sampler, SamplingParams, SeqRng, StandardSampler};
+        let vocab = logits.row_len();
+        if logits.dtype() != DType::F32
+            || logits.rows() != rows.len()
+            || out.dtype() != DType::U32
+            || out.numel() != rows.len()
+        {
+            return Err(CoreError::invalid(format!(
+                "sample {} rows of {logits:?} into {out:?}",
+                rows.len()
+            )));
+        }
+        let mut bytes = vec![0u8; logits.byte_len()?];
+        self.download(logits, &mut bytes)?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut ids = Vec::with_capacity(rows.len() * 4);
+        for (r, row) in rows.iter().enumerate() {
+            let params = SamplingParams {
+                temperature: row.temperature,
+                top_k: if row.top_k == 0 {
+                    -1
+                } else {
+                    row.top_k.min(i32::MAX as u32) as i32
+                },
+                top_p: row.top_p,
+                min_p: row.min_p,
+                ..SamplingParams::default()
+            };
+            let mut l = values[r * vocab..(r + 1) * vocab].to_vec();
+            let id = StandardSampler.sample(&mut l, &params, &mut SeqRng::new(row.seed))?;
+            ids.extend_from_slice(&id.to_le_bytes());
+        }
+        self.write(out, &ids)
+    }
 }
 
 impl dyn Backend {

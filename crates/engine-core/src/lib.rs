@@ -17,6 +17,7 @@ pub mod error;
 pub mod grammar;
 pub mod kv;
 pub mod model;
+pub mod plugin;
 pub mod prefix_cache;
 pub mod quant;
 pub mod registry;

@@ -1,0 +1,320 @@
+//! End-to-end tests of `arbor serve`'s operation: admin endpoints, API
+//! keys, metrics names and prefix, configuration precedence and errors,
+//! graceful SIGTERM, and aborts on client disconnect. Speed is never asserted.
+
+mod common;
+
+use anyhow::{Result, ensure};
+use common::*;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[tokio::test]
+async fn admin_auth_metrics_prefix_and_config_precedence() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("arbor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nmodel_path = \"{}\"\nserved_model_name = \"tiny\"\nthreads = 1\n\n[server]\nport = 1\napi_key = \"sekret\"\n\n\
+             [scheduler]\nmax_running_requests = 3\n\n[cache]\nmax_total_tokens = 2048\n\n[metrics]\nenable_metrics = true\nprefix = \"sglang\"\n",
+            fixture("tiny-llama")
+        ),
+    )?;
+    let path = cfg.display().to_string();
+    // Flags beat the file: the port, and max_running_requests.
+    let s = Server::start(&[
+        "--config",
+        &path,
+        "--port",
+        "0",
+        "--max-running-requests",
+        "5",
+    ])?;
+    let c = client();
+    let key = Some("sekret");
+    // Health stays open; everything else needs the key.
+    assert_eq!(get(&c, &s.url("/health"), None).await?.0, 200);
+    assert_eq!(get(&c, &s.url("/health_generate"), None).await?.0, 200);
+    let (st, body) = get(&c, &s.url("/v1/models"), None).await?;
+    assert_eq!(st, 401);
+    assert!(body.contains("API key"));
+    assert_eq!(get(&c, &s.url("/v1/models"), Some("wrong")).await?.0, 401);
+    assert_eq!(get(&c, &s.url("/metrics"), None).await?.0, 401);
+    let (st, body) = get(&c, &s.url("/v1/models"), key).await?;
+    assert_eq!(st, 200);
+    assert!(body.contains("\"tiny\""));
+
+    let (st, info) = get(&c, &s.url("/get_server_info"), key).await?;
+    assert_eq!(st, 200);
+    let info: Value = serde_json::from_str(&info)?;
+    assert_eq!(
+        info["scheduler"]["max_running_requests"], 5,
+        "flag wins: {info}"
+    );
+    assert_eq!(
+        info["cache"]["max_total_tokens"], 2048,
+        "file wins over default"
+    );
+    assert_eq!(info["scheduler"]["max_prefill_tokens"], 8192, "default");
+    assert_eq!(info["server"]["api_key"], "<redacted>");
+    assert!(info["internal_states"][0].is_object());
+    let (st, mi) = get(&c, &s.url("/get_model_info"), key).await?;
+    assert_eq!(st, 200);
+    assert!(mi.contains("tiny-llama"));
+
+    let (st, v) = post_raw(
+        &c,
+        &s.url("/generate"),
+        json!({"text": "Hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})
+            .to_string(),
+        key,
+    )
+    .await?;
+    assert_eq!(st, 200, "{v}");
+    let (st, m) = get(&c, &s.url("/metrics"), key).await?;
+    assert_eq!(st, 200);
+    for name in [
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "cache_hit_rate",
+        "gen_throughput",
+        "num_used_tokens",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "cached_tokens_total",
+        "num_requests_total",
+        "num_aborted_requests_total",
+        "num_retracted_reqs",
+    ] {
+        assert!(
+            metric(&m, &format!("sglang:{name}")).is_some(),
+            "sglang:{name} missing:\n{m}"
+        );
+    }
+    for h in [
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "queue_time_seconds",
+        "inter_token_latency_seconds",
+    ] {
+        let n = metric(&m, &format!("sglang:{h}_count")).unwrap_or(0.0);
+        assert!(n >= 1.0, "{h} has no observation:\n{m}");
+        assert!(m.contains(&format!(
+            "sglang:{h}_bucket{{model_name=\"tiny\",le=\"+Inf\"}}"
+        )));
+    }
+    assert!(metric(&m, "sglang:generation_tokens_total") >= Some(4.0));
+    assert!(!m.contains("arbor:"));
+
+    // Abort a running request by rid: its stream ends with an abort.
+    let body = json!({"text": "Hi", "rid": "long-1", "stream": true,
+        "sampling_params": {"max_new_tokens": 240, "ignore_eos": true, "n": 8}});
+    let r = c
+        .post(s.url("/generate"))
+        .bearer_auth("sekret")
+        .json(&body)
+        .send()
+        .await?;
+    let mut r = SseReader::new(r)?;
+    ensure!(r.next().await?.is_some(), "no first event");
+    let (st, _) = post_raw(
+        &c,
+        &s.url("/abort_request"),
+        json!({"rid": "long-1"}).to_string(),
+        key,
+    )
+    .await?;
+    assert_eq!(st, 200);
+    let (events, done) = r.rest().await?;
+    assert!(done);
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter_map(|e| meta(e)["finish_reason"]["type"].as_str())
+        .collect();
+    assert_eq!(kinds.len(), 8, "{kinds:?}");
+    assert!(kinds.contains(&"abort"), "{kinds:?}");
+    let (st, _) = post_raw(
+        &c,
+        &s.url("/abort_request"),
+        json!({"abort_all": true}).to_string(),
+        key,
+    )
+    .await?;
+    assert_eq!(st, 200);
+    assert_no_leak(&c, &s, "sglang", key).await?;
+    // GET works for flush too, as SGLang.
+    assert_eq!(get(&c, &s.url("/flush_cache"), key).await?.0, 200);
+    Ok(())
+}
+
+#[test]
+fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let run = |toml: &str| -> Result<(bool, String)> {
+        let p = dir.path().join("bad.toml");
+        std::fs::write(&p, toml)?;
+        let out = Command::new(BIN)
+            .args(["serve", "--config"])
+            .arg(&p)
+            .output()?;
+        Ok((
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        ))
+    };
+    let (ok, err) = run("[scheduler]\nmax_runing_requests = 4\n")?;
+    assert!(!ok);
+    assert!(
+        err.contains("unknown key 'max_runing_requests' in section [scheduler]"),
+        "{err}"
+    );
+    let (ok, err) = run("[speculative]\nalgorithm = \"eagle\"\n")?;
+    assert!(
+        !ok && err.contains("unknown section [speculative]"),
+        "{err}"
+    );
+    let (ok, err) = run("[server]\nport = \"eighty\"\n")?;
+    assert!(!ok && err.contains("[server]"), "{err}");
+    let (ok, err) = run("[[plugins]]\npath = \"libfoo.so\"\n")?;
+    assert!(!ok && err.contains("not supported yet"), "{err}");
+    // The example file is valid and complete.
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/arbor.toml");
+    let out = Command::new(BIN)
+        .args(["serve", "--print-config", "--config"])
+        .arg(&example)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    for section in ["[model]", "[server]", "[scheduler]", "[cache]", "[metrics]"] {
+        assert!(printed.contains(section), "{printed}");
+    }
+    let help = Command::new(BIN).args(["serve", "--help"]).output()?;
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--config",
+        "--model-path",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--chunked-prefill-size",
+        "--max-running-requests",
+        "--max-prefill-tokens",
+        "--mem-fraction-static",
+        "--max-total-tokens",
+        "--page-size",
+        "--schedule-policy",
+        "--schedule-conservativeness",
+        "--radix-eviction-policy",
+        "--disable-radix-cache",
+        "--enable-mixed-chunk",
+        "--enable-metrics",
+        "--enable-cache-report",
+        "--api-key",
+        "--device",
+        "--threads",
+        "--dtype",
+        "--kv-cache-dtype",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from --help");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigterm_finishes_in_flight_requests_then_exits_zero() -> Result<()> {
+    let mut s = Server::tiny(&["--shutdown-timeout", "60"])?;
+    let c = client();
+    let body = json!({"text": "Hi", "stream": true, "sampling_params": {"max_new_tokens": 100, "ignore_eos": true, "n": 4}});
+    let mut r = SseReader::new(c.post(s.url("/generate")).json(&body).send().await?)?;
+    ensure!(r.next().await?.is_some(), "no first event");
+    s.sigterm()?;
+    let (events, done) = r.rest().await?;
+    assert!(done, "{}", s.logs());
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter_map(|e| meta(e)["finish_reason"]["type"].as_str())
+        .collect();
+    assert!(
+        !kinds.is_empty() && kinds.iter().all(|k| *k == "length"),
+        "finished, not aborted: {kinds:?}"
+    );
+    let st = s.wait_exit(Duration::from_secs(30))?;
+    assert!(st.success(), "exit {st:?}\n{}", s.logs());
+    assert!(s.log_contains("arbor serve: stopped"), "{}", s.logs());
+    Ok(())
+}
+
+#[tokio::test]
+async fn sigterm_aborts_what_outlives_the_timeout() -> Result<()> {
+    let mut s = Server::tiny(&["--shutdown-timeout", "0"])?;
+    let c = client();
+    let body = json!({"text": "Hi", "stream": true, "sampling_params": {"max_new_tokens": 240, "ignore_eos": true, "n": 16}});
+    let mut r = SseReader::new(c.post(s.url("/generate")).json(&body).send().await?)?;
+    ensure!(r.next().await?.is_some(), "no first event");
+    s.sigterm()?;
+    let (events, _) = r.rest().await?;
+    let kinds: Vec<&str> = events
+        .iter()
+        .filter_map(|e| meta(e)["finish_reason"]["type"].as_str())
+        .collect();
+    assert!(kinds.contains(&"abort"), "{kinds:?}");
+    let st = s.wait_exit(Duration::from_secs(30))?;
+    assert!(st.success(), "exit {st:?}\n{}", s.logs());
+    Ok(())
+}
+
+#[tokio::test]
+async fn client_disconnect_aborts_its_request() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let aborted = |m: &str| metric(m, "arbor:num_aborted_requests_total").unwrap_or(0.0);
+    let before = aborted(&get(&c, &s.url("/metrics"), None).await?.1);
+    // Streaming: read one event, then hang up.
+    let body = json!({"text": "Hi", "stream": true, "sampling_params": {"max_new_tokens": 240, "ignore_eos": true, "n": 16}});
+    let mut r = SseReader::new(c.post(s.url("/generate")).json(&body).send().await?)?;
+    ensure!(r.next().await?.is_some(), "no first event");
+    drop(r);
+    // Non-streaming: the client gives up early.
+    let quick = reqwest::Client::builder()
+        .timeout(Duration::from_millis(150))
+        .build()?;
+    let body = json!({"text": "Hey", "sampling_params": {"max_new_tokens": 240, "ignore_eos": true, "n": 16}});
+    assert!(
+        quick
+            .post(s.url("/generate"))
+            .json(&body)
+            .send()
+            .await
+            .is_err(),
+        "should time out"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = get(&c, &s.url("/metrics"), None).await?.1;
+        let idle = metric(&m, "arbor:num_running_reqs") == Some(0.0)
+            && metric(&m, "arbor:num_queue_reqs") == Some(0.0);
+        if idle {
+            // Both requests' 16 samples were aborted, not run to the end.
+            assert!(
+                aborted(&m) >= before + 32.0,
+                "aborted {} (before {before})\n{m}",
+                aborted(&m)
+            );
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "requests still running after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_no_leak(&c, &s, "arbor", None).await
+}

@@ -1,0 +1,247 @@
+//! Arbor's HTTP server over a running [`Engine`].
+//!
+//! The server never loads models: the caller builds the engine and hands it
+//! over with the tokenizer, the chat template and [`ServerOptions`]
+//! ([`Server::new`]). Routes:
+//!
+//! - SGLang's native API: `POST /generate` ([`native`]);
+//! - the OpenAI API: `POST /v1/completions`, `POST /v1/chat/completions`,
+//!   `GET /v1/models` ([`openai`]);
+//! - admin: `/health`, `/health_generate`, `/flush_cache`, `/abort_request`,
+//!   `/get_model_info`, `/get_server_info`, and `/metrics` ([`admin`],
+//!   [`metrics`]).
+//!
+//! Every error is OpenAI-style JSON ([`ApiError`]). With an API key every
+//! route but `/health` and `/health_generate` needs `Authorization: Bearer`.
+//! [`Server::serve`] runs until the shutdown future resolves, then stops
+//! accepting connections and new requests, lets in-flight requests finish
+//! for `shutdown_timeout`, aborts the rest and returns.
+
+mod admin;
+pub mod constraint;
+pub mod error;
+mod fields;
+pub mod metrics;
+mod native;
+mod openai;
+mod run;
+mod sse;
+mod state;
+
+pub use error::ApiError;
+pub use state::ServerOptions;
+
+use arbor_engine_core::engine::Engine;
+use arbor_models::{ChatTemplate, TextTokenizer};
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use state::AppState;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// Errors starting or running the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// An option is invalid; the message names it.
+    #[error("invalid server option: {0}")]
+    Option(String),
+    /// Socket I/O failed.
+    #[error("server I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// An HTTP server bound to one engine.
+pub struct Server {
+    state: Arc<AppState>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Server({:?})", self.state.opts.served_model_name)
+    }
+}
+
+fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let Some(key) = st.opts.api_key.as_deref() else {
+        return next.run(req).await;
+    };
+    let path = req.uri().path();
+    if path.starts_with("/health") || req.method() == axum::http::Method::OPTIONS {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match given {
+        Some(g) if ct_eq(g.as_bytes(), key.as_bytes()) => next.run(req).await,
+        _ => {
+            let mut r = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or invalid API key (send 'Authorization: Bearer <key>')",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r
+        }
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    ApiError::not_found(format!("no route {} {}", req.method(), req.uri().path())).into_response()
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "method {} is not allowed on {}",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+    .into_response()
+}
+
+impl Server {
+    /// A server over `engine`; `tokenizer` and `chat_template` must be the engine model's.
+    pub fn new(
+        engine: Arc<Engine>,
+        tokenizer: Arc<TextTokenizer>,
+        chat_template: Option<Arc<ChatTemplate>>,
+        opts: ServerOptions,
+    ) -> Result<Self, ServerError> {
+        if !metrics::valid_prefix(&opts.metrics_prefix) {
+            return Err(ServerError::Option(format!(
+                "metrics prefix '{}' must be letters, digits and underscores, not starting with a digit",
+                opts.metrics_prefix
+            )));
+        }
+        if opts.served_model_name.is_empty() {
+            return Err(ServerError::Option(
+                "served_model_name must not be empty".into(),
+            ));
+        }
+        if opts.max_request_bytes == 0 {
+            return Err(ServerError::Option(
+                "max_request_bytes must be positive".into(),
+            ));
+        }
+        if opts.api_key.as_deref() == Some("") {
+            return Err(ServerError::Option("api_key must not be empty".into()));
+        }
+        Ok(Self {
+            state: Arc::new(AppState::new(engine, tokenizer, chat_template, opts)),
+        })
+    }
+
+    /// The routes, ready to serve or to nest in a larger application.
+    pub fn router(&self) -> Router {
+        let st = self.state.clone();
+        Router::new()
+            .route("/generate", post(native::generate))
+            .route("/v1/completions", post(openai::completions::completions))
+            .route("/v1/chat/completions", post(openai::chat::chat_completions))
+            .route("/v1/models", get(openai::models))
+            .route("/v1/models/{id}", get(openai::model))
+            .route("/health", get(admin::health))
+            .route("/health_generate", get(admin::health_generate))
+            .route(
+                "/flush_cache",
+                post(admin::flush_cache).get(admin::flush_cache),
+            )
+            .route("/abort_request", post(admin::abort_request))
+            .route("/get_model_info", get(admin::model_info))
+            .route("/model_info", get(admin::model_info))
+            .route("/get_server_info", get(admin::server_info))
+            .route("/server_info", get(admin::server_info))
+            .route("/metrics", get(admin::metrics))
+            .fallback(not_found)
+            .method_not_allowed_fallback(method_not_allowed)
+            .layer(middleware::from_fn_with_state(st.clone(), auth))
+            .with_state(st)
+    }
+
+    /// Serves on `listener` until `shutdown` resolves, then drains: no new
+    /// connections or requests, in-flight requests get `shutdown_timeout` to
+    /// finish, the rest are aborted. Returns once every connection closed (or
+    /// a few seconds after the abort, whichever comes first).
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), ServerError> {
+        let st = self.state.clone();
+        let (tx, mut rx) = tokio::sync::watch::channel(false);
+        let signal_state = st.clone();
+        let signal = async move {
+            shutdown.await;
+            signal_state.draining.store(true, Ordering::SeqCst);
+            let _ = tx.send(true);
+        };
+        let app = self.router();
+        let server = axum::serve(listener, app).with_graceful_shutdown(signal);
+        let server = server.into_future();
+        tokio::pin!(server);
+        let timeout = st.opts.shutdown_timeout;
+        tokio::select! {
+            r = &mut server => return r.map_err(ServerError::Io),
+            _ = async {
+                let _ = rx.wait_for(|v| *v).await;
+                tokio::time::sleep(timeout).await;
+            } => {}
+        }
+        let running = st.engine.stats();
+        tracing::warn!(
+            "shutdown timeout ({} s) reached: aborting {} running and {} queued requests",
+            timeout.as_secs_f64(),
+            running.num_running_reqs,
+            running.num_queue_reqs
+        );
+        st.engine.abort_all();
+        match tokio::time::timeout(Duration::from_secs(5), &mut server).await {
+            Ok(r) => r.map_err(ServerError::Io),
+            Err(_) => {
+                tracing::warn!("connections still open 5 s after aborting; closing anyway");
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or (on Unix) SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = term => {}
+    }
+}

@@ -1,0 +1,452 @@
+//! SGLang's native API: `POST /generate`.
+//!
+//! Request: `text` or `input_ids` (one prompt or a batch), `sampling_params`
+//! (one object for all, or one per prompt; SGLang's names; null values mean
+//! "default"), `rid`, `stream`, `return_logprob`, `top_logprobs_num`,
+//! `logprob_start_len`, `return_text_in_logprobs`, `priority`. Fields SGLang
+//! has and Arbor does not implement yet (`lora_path`, `image_data`, ...) are
+//! accepted while they ask for nothing and refused with a 400 naming the
+//! field otherwise; unknown fields are refused.
+//!
+//! Response: `{text, output_ids, meta_info: {id, finish_reason, prompt_tokens,
+//! completion_tokens, cached_tokens, e2e_latency, ...}}`, or a list of them
+//! for a batch or `n > 1` (prompt-major). Streaming sends one SSE frame per
+//! engine chunk with the *cumulative* `text` and `output_ids` and the
+//! current `meta_info`, then `data: [DONE]`.
+
+use crate::constraint::{self, Constraint, ConstraintSpec};
+use crate::error::ApiError;
+use crate::fields::{Fields, read_json};
+use crate::run::{self, Event, Job, Run, Sample};
+use crate::sse::{StreamFormat, stream_response};
+use crate::state::AppState;
+use arbor_engine_core::SamplingParams;
+use arbor_engine_core::TokenDecoder;
+use arbor_engine_core::engine::{Finish, FinishKind, TokenLogprob};
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// A parsed `/generate` request.
+struct NativeRequest {
+    jobs: Vec<Job>,
+    stream: bool,
+    /// Answer with a list (batch input or n > 1).
+    list: bool,
+    text_in_logprobs: bool,
+}
+
+/// Handles `POST /generate`.
+pub(crate) async fn generate(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match generate_inner(st, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn generate_inner(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    st.check_accepting()?;
+    let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
+    let req = parse(&st, v)?;
+    let logprobs = req.jobs.iter().map(|j| j.return_logprob).collect();
+    let mut run = run::submit(&st, req.jobs)?;
+    let fmt = NativeFormat {
+        state: st.clone(),
+        list: req.list,
+        text_in_logprobs: req.text_in_logprobs,
+        logprobs,
+    };
+    if req.stream {
+        return Ok(stream_response(run, fmt));
+    }
+    run.finish_all().await;
+    if let Some(e) = run.failure() {
+        return Err(e);
+    }
+    let outs: Vec<Value> = (0..run.samples.len())
+        .map(|i| fmt.sample_json(&run.samples[i], i))
+        .collect();
+    if req.list {
+        Ok(Json(Value::Array(outs)).into_response())
+    } else {
+        Ok(Json(outs.into_iter().next().unwrap_or(Value::Null)).into_response())
+    }
+}
+
+/// A value given once for all prompts or as a list with one per prompt.
+fn per_prompt(
+    f: &mut Fields,
+    key: &str,
+    count: usize,
+    batch: bool,
+) -> Result<Vec<Option<Value>>, ApiError> {
+    match f.raw(key) {
+        None => Ok(vec![None; count]),
+        Some(Value::Array(a)) if batch || key != "sampling_params" && key != "rid" => {
+            if a.len() != count {
+                return Err(ApiError::bad_param(
+                    key,
+                    format!(
+                        "'{key}' has {} entries but the batch has {count} prompts",
+                        a.len()
+                    ),
+                ));
+            }
+            Ok(a.into_iter().map(|v| (!v.is_null()).then_some(v)).collect())
+        }
+        Some(v) if v.is_array() => Err(ApiError::bad_param(
+            key,
+            format!("'{key}' is a list but the request has a single prompt"),
+        )),
+        Some(v) => Ok(vec![Some(v); count]),
+    }
+}
+
+fn typed<T: serde::de::DeserializeOwned>(
+    key: &str,
+    v: Option<Value>,
+) -> Result<Option<T>, ApiError> {
+    let Some(v) = v else { return Ok(None) };
+    let mut f = Fields::new(json!({ key: v }), "value", "")?;
+    f.get(key)
+}
+
+fn prompts(st: &AppState, f: &mut Fields) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
+    let encode = |s: &str| -> Result<Vec<u32>, ApiError> {
+        if s.is_empty() {
+            return Err(ApiError::bad_param("text", "the prompt is empty"));
+        }
+        Ok(st.tokenizer.encode(s, true)?)
+    };
+    let ids_of = |v: &Value| -> Option<Vec<u32>> {
+        v.as_array()?
+            .iter()
+            .map(|x| x.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    match (f.raw("text"), f.raw("input_ids")) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(
+            "give either 'text' or 'input_ids', not both",
+        )),
+        (None, None) => Err(ApiError::bad_request(
+            "one of 'text' or 'input_ids' is required",
+        )),
+        (Some(Value::String(s)), None) => Ok((vec![encode(&s)?], false)),
+        (Some(Value::Array(a)), None) => {
+            if a.is_empty() {
+                return Err(ApiError::bad_param(
+                    "text",
+                    "'text' must not be an empty list",
+                ));
+            }
+            let mut out = Vec::with_capacity(a.len());
+            for x in a {
+                let Value::String(s) = x else {
+                    return Err(ApiError::bad_param(
+                        "text",
+                        "'text' must be a string or a list of strings",
+                    ));
+                };
+                out.push(encode(&s)?);
+            }
+            Ok((out, true))
+        }
+        (Some(_), None) => Err(ApiError::bad_param(
+            "text",
+            "'text' must be a string or a list of strings",
+        )),
+        (None, Some(v)) => {
+            let bad = || {
+                ApiError::bad_param(
+                    "input_ids",
+                    "'input_ids' must be a list of token ids or a list of such lists",
+                )
+            };
+            let Value::Array(a) = &v else {
+                return Err(bad());
+            };
+            if a.is_empty() {
+                return Err(ApiError::bad_param("input_ids", "the prompt is empty"));
+            }
+            if a.iter().all(Value::is_array) {
+                let out: Option<Vec<Vec<u32>>> = a.iter().map(ids_of).collect();
+                Ok((out.ok_or_else(bad)?, true))
+            } else {
+                Ok((vec![ids_of(&v).ok_or_else(bad)?], false))
+            }
+        }
+    }
+}
+
+fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
+    let mut f = Fields::new(v, "the request body", "")?;
+    let (prompts, batch) = prompts(st, &mut f)?;
+    let count = prompts.len();
+    let sp = per_prompt(&mut f, "sampling_params", count, batch)?;
+    let rids = per_prompt(&mut f, "rid", count, batch)?;
+    let lp = per_prompt(&mut f, "return_logprob", count, batch)?;
+    let lp_start = per_prompt(&mut f, "logprob_start_len", count, batch)?;
+    let top = per_prompt(&mut f, "top_logprobs_num", count, batch)?;
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let text_in_logprobs = f.bool("return_text_in_logprobs")?.unwrap_or(false);
+    let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
+    f.ignore("log_metrics");
+    f.ignore("stream_interval");
+    for (k, what) in [
+        ("lora_path", "LoRA"),
+        ("lora_id", "LoRA"),
+        ("image_data", "image input"),
+        ("video_data", "video input"),
+        ("audio_data", "audio input"),
+        ("input_embeds", "embedding input"),
+        ("modalities", "multimodal input"),
+        ("token_ids_logprob", "log-probabilities of chosen token ids"),
+        ("return_routed_experts", "returning routed experts"),
+        ("return_hidden_states", "returning hidden states"),
+        ("custom_logit_processor", "custom logit processors"),
+        ("session_params", "sessions"),
+        ("data_parallel_rank", "data parallelism"),
+        ("bootstrap_host", "prefill-decode disaggregation"),
+        ("bootstrap_port", "prefill-decode disaggregation"),
+        ("bootstrap_room", "prefill-decode disaggregation"),
+    ] {
+        f.unset_only(k, what)?;
+    }
+    f.finish_lenient()?;
+
+    let mut jobs = Vec::with_capacity(count);
+    let mut n = None;
+    for (i, ids) in prompts.into_iter().enumerate() {
+        let (params, constraint) = sampling_params(sp[i].clone())?;
+        if *n.get_or_insert(params.n) != params.n {
+            return Err(ApiError::bad_param(
+                "n",
+                "every prompt of a batch must use the same n",
+            ));
+        }
+        let return_logprob = typed::<bool>("return_logprob", lp[i].clone())?.unwrap_or(false);
+        let start = typed::<i64>("logprob_start_len", lp_start[i].clone())?.unwrap_or(-1);
+        if return_logprob && start >= 0 && (start as usize) + 1 < ids.len() {
+            return Err(ApiError::unsupported(
+                "logprob_start_len",
+                "log-probabilities of prompt tokens",
+            ));
+        }
+        let top_n = typed::<i64>("top_logprobs_num", top[i].clone())?.unwrap_or(0);
+        if !(0..=20).contains(&top_n) {
+            return Err(ApiError::bad_param(
+                "top_logprobs_num",
+                "'top_logprobs_num' must be in [0, 20]",
+            ));
+        }
+        let mut job = Job::new(ids, params);
+        job.rid = typed::<String>("rid", rids[i].clone())?;
+        job.return_logprob = return_logprob;
+        job.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
+        job.priority = priority;
+        job.constraint = constraint;
+        jobs.push(job);
+    }
+    let list = batch || n.unwrap_or(1) > 1;
+    Ok(NativeRequest {
+        jobs,
+        stream,
+        list,
+        text_in_logprobs,
+    })
+}
+
+/// Parses SGLang's `sampling_params` object.
+pub(crate) fn sampling_params(
+    v: Option<Value>,
+) -> Result<(SamplingParams, Option<ConstraintSpec>), ApiError> {
+    let mut p = SamplingParams::default();
+    let mut c = None;
+    let Some(v) = v else { return Ok((p, c)) };
+    let mut f = Fields::new(v, "'sampling_params'", "sampling_params.")?;
+    if let Some(x) = f.int("max_new_tokens", 0, i64::from(u32::MAX))? {
+        p.max_new_tokens = x as usize;
+    }
+    if let Some(x) = f.int("min_new_tokens", 0, i64::from(u32::MAX))? {
+        p.min_new_tokens = x as usize;
+    }
+    if let Some(x) = f.f32("temperature")? {
+        p.temperature = x;
+    }
+    if let Some(x) = f.f32("top_p")? {
+        p.top_p = x;
+    }
+    if let Some(x) = f.int("top_k", i64::from(i32::MIN), i64::from(i32::MAX))? {
+        p.top_k = if x == 0 { -1 } else { x as i32 };
+    }
+    if let Some(x) = f.f32("min_p")? {
+        p.min_p = x;
+    }
+    if let Some(x) = f.f32("frequency_penalty")? {
+        p.frequency_penalty = x;
+    }
+    if let Some(x) = f.f32("presence_penalty")? {
+        p.presence_penalty = x;
+    }
+    if let Some(x) = f.f32("repetition_penalty")? {
+        p.repetition_penalty = x;
+    }
+    if let Some(x) = f.stop("stop")? {
+        p.stop = x;
+    }
+    if let Some(x) = f.get::<Vec<u32>>("stop_token_ids")? {
+        p.stop_token_ids = x;
+    }
+    if let Some(x) = f.bool("ignore_eos")? {
+        p.ignore_eos = x;
+    }
+    if let Some(x) = f.bool("skip_special_tokens")? {
+        p.skip_special_tokens = x;
+    }
+    if let Some(x) = f.bool("no_stop_trim")? {
+        p.no_stop_trim = x;
+    }
+    if let Some(x) = f.int("n", 1, 128)? {
+        p.n = x as usize;
+    }
+    let seed = f.get::<u64>("sampling_seed")?;
+    p.seed = f.get::<u64>("seed")?.or(seed);
+    if let Some(x) = f.logit_bias("logit_bias")? {
+        p.logit_bias = x;
+    }
+    if f.bool("spaces_between_special_tokens")? == Some(false) {
+        return Err(ApiError::unsupported(
+            "sampling_params.spaces_between_special_tokens",
+            "false",
+        ));
+    }
+    f.unset_only("custom_params", "custom parameters")?;
+    f.ignore("stream_interval");
+    if let Some(s) = f.raw("json_schema") {
+        let text = match s {
+            Value::String(s) => s,
+            other => other.to_string(),
+        };
+        constraint::set(
+            &mut c,
+            ConstraintSpec::new("sampling_params.json_schema", Constraint::JsonSchema(text)),
+        )?;
+    }
+    if let Some(s) = f.string("regex")? {
+        constraint::set(
+            &mut c,
+            ConstraintSpec::new("sampling_params.regex", Constraint::Regex(s)),
+        )?;
+    }
+    if let Some(s) = f.string("ebnf")? {
+        constraint::set(
+            &mut c,
+            ConstraintSpec::new("sampling_params.ebnf", Constraint::Ebnf(s)),
+        )?;
+    }
+    if let Some(s) = f.raw("structural_tag") {
+        constraint::set(
+            &mut c,
+            ConstraintSpec::new(
+                "sampling_params.structural_tag",
+                Constraint::StructuralTag(s),
+            ),
+        )?;
+    }
+    f.finish()?;
+    Ok((p, c))
+}
+
+/// SGLang's `finish_reason` object.
+pub(crate) fn finish_json(f: &Finish, completion_tokens: usize) -> Value {
+    match f.kind {
+        FinishKind::Stop => json!({"type": "stop", "matched": run::matched_value(f)}),
+        FinishKind::Length => json!({"type": "length", "length": completion_tokens}),
+        FinishKind::Abort => json!({"type": "abort", "message": f.message}),
+    }
+}
+
+struct NativeFormat {
+    state: Arc<AppState>,
+    list: bool,
+    text_in_logprobs: bool,
+    /// Per prompt: whether log-probabilities were asked for.
+    logprobs: Vec<bool>,
+}
+
+impl NativeFormat {
+    fn lp_entry(&self, logprob: f32, id: u32) -> Value {
+        let text = if self.text_in_logprobs {
+            self.state
+                .tokenizer
+                .decode(&[id], false)
+                .ok()
+                .map(Value::String)
+        } else {
+            None
+        };
+        json!([logprob, id, text])
+    }
+
+    fn logprob_lists(&self, lps: &[TokenLogprob]) -> (Value, Value) {
+        let chosen: Vec<Value> = lps
+            .iter()
+            .map(|l| self.lp_entry(l.logprob, l.token))
+            .collect();
+        let top: Vec<Value> = lps
+            .iter()
+            .map(|l| Value::Array(l.top.iter().map(|&(t, p)| self.lp_entry(p, t)).collect()))
+            .collect();
+        (Value::Array(chosen), Value::Array(top))
+    }
+
+    fn sample_json(&self, s: &Sample, index: usize) -> Value {
+        let m = &s.meta;
+        let mut meta = json!({
+            "id": s.rid,
+            "finish_reason": s.finish.as_ref().map(|f| finish_json(f, m.completion_tokens)),
+            "prompt_tokens": m.prompt_tokens,
+            "completion_tokens": m.completion_tokens,
+            "cached_tokens": m.cached_tokens,
+            "e2e_latency": m.elapsed,
+            "queue_time": m.queue_time,
+        });
+        if self.logprobs.get(s.prompt).copied().unwrap_or(false) {
+            let (chosen, top) = self.logprob_lists(&s.logprobs);
+            if let Some(o) = meta.as_object_mut() {
+                o.insert("input_token_logprobs".into(), json!([]));
+                o.insert("input_top_logprobs".into(), json!([]));
+                o.insert("output_token_logprobs".into(), chosen);
+                o.insert("output_top_logprobs".into(), top);
+            }
+        }
+        let mut out = json!({"text": s.text, "output_ids": s.ids, "meta_info": meta});
+        if self.list
+            && let Some(o) = out.as_object_mut()
+        {
+            o.insert("index".into(), json!(index));
+        }
+        out
+    }
+}
+
+impl StreamFormat for NativeFormat {
+    fn event(&mut self, run: &Run, ev: &Event) -> Vec<String> {
+        match run.samples.get(ev.sample) {
+            Some(s) => vec![self.sample_json(s, ev.sample).to_string()],
+            None => Vec::new(),
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! `POST /v1/chat/completions`: messages rendered through the model's chat
+//! template, then generated like a completion.
+//!
+//! Message `content` may be a string, null, or a list of `{"type": "text"}`
+//! parts (joined with newlines); other part types are refused. The prompt is
+//! tokenized without adding special tokens (the template writes BOS where the
+//! model wants it). `max_completion_tokens` wins over `max_tokens`; without
+//! either, the rest of the context is allowed. Streaming sends a first chunk
+//! per choice with `delta.role`, then `delta.content` chunks, then a chunk
+//! with `finish_reason`, then (with `stream_options.include_usage`) a chunk
+//! with empty `choices` and the usage. `tools` and non-text
+//! `response_format` go through the constraint gate.
+
+use super::{Common, RENAMES, check_model, common, token_text, usage};
+use crate::constraint::{self, Constraint, ConstraintSpec};
+use crate::error::ApiError;
+use crate::fields::{Fields, read_json};
+use crate::run::{self, Event, Job, Run, openai_finish_reason};
+use crate::sse::{StreamFormat, stream_response};
+use crate::state::AppState;
+use arbor_engine_core::engine::TokenLogprob;
+use arbor_models::ChatMessage;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use std::sync::Arc;
+
+/// Handles `POST /v1/chat/completions`.
+pub(crate) async fn chat_completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match inner(st, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.renamed(RENAMES).into_response(),
+    }
+}
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+fn content_text(v: Value, name: &str) -> Result<Option<String>, ApiError> {
+    match v {
+        Value::Null => Ok(None),
+        Value::String(s) => Ok(Some(s)),
+        Value::Array(parts) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.into_iter().enumerate() {
+                let pname = format!("{name}[{j}].");
+                let mut f = Fields::new(p, &format!("'{name}[{j}]'"), &pname)?;
+                let kind = f.string("type")?.unwrap_or_default();
+                if kind != "text" {
+                    return Err(ApiError::unsupported(
+                        &format!("{pname}type"),
+                        &format!("content of type '{kind}'"),
+                    ));
+                }
+                texts.push(f.string("text")?.unwrap_or_default());
+                f.finish()?;
+            }
+            Ok(Some(texts.join("\n")))
+        }
+        _ => Err(ApiError::bad_param(
+            name,
+            format!("'{name}' must be a string or a list of content parts"),
+        )),
+    }
+}
+
+fn messages(v: Option<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let Some(Value::Array(list)) = v else {
+        return Err(ApiError::bad_param(
+            "messages",
+            "'messages' is required and must be a list",
+        ));
+    };
+    if list.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.into_iter().enumerate() {
+        let prefix = format!("messages[{i}].");
+        let mut f = Fields::new(m, &format!("'messages[{i}]'"), &prefix)?;
+        let role = f.string("role")?.ok_or_else(|| {
+            ApiError::bad_param(
+                &format!("{prefix}role"),
+                format!("'{prefix}role' is required"),
+            )
+        })?;
+        if !ROLES.contains(&role.as_str()) {
+            return Err(ApiError::bad_param(
+                &format!("{prefix}role"),
+                format!(
+                    "'{prefix}role' must be one of {}, got '{role}'",
+                    ROLES.join(", ")
+                ),
+            ));
+        }
+        let content = match f.raw("content") {
+            Some(v) => content_text(v, &format!("{prefix}content"))?,
+            None => None,
+        };
+        let msg = ChatMessage {
+            role,
+            content,
+            tool_calls: f.raw("tool_calls"),
+            name: f.string("name")?,
+            tool_call_id: f.string("tool_call_id")?,
+        };
+        f.ignore("reasoning_content");
+        f.ignore("refusal");
+        f.finish()?;
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    st.check_accepting()?;
+    let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
+    let mut f = Fields::new(v, "the request body", "")?;
+    check_model(&st, &mut f)?;
+    let msgs = messages(f.raw("messages"))?;
+    let Common {
+        mut params,
+        max_tokens,
+        stream,
+        include_usage,
+        mut constraint,
+        rid,
+        priority,
+    } = common(&mut f, &["max_completion_tokens", "max_tokens"])?;
+    let logprobs = f.bool("logprobs")?.unwrap_or(false);
+    let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    if let Some(tools) = f.raw("tools")
+        && !crate::fields::is_unset(&tools)
+    {
+        constraint::set(
+            &mut constraint,
+            ConstraintSpec::new("tools", Constraint::Tools(tools)),
+        )?;
+    }
+    if let Some(tc) = f.raw("tool_choice") {
+        match tc.as_str() {
+            Some("none" | "auto") => {}
+            _ => return Err(ApiError::unsupported("tool_choice", "forcing a tool call")),
+        }
+    }
+    for k in [
+        "parallel_tool_calls",
+        "separate_reasoning",
+        "stream_reasoning",
+        "reasoning_effort",
+    ] {
+        f.ignore(k);
+    }
+    for (k, what) in [
+        ("continue_final_message", "continuing the final message"),
+        ("chat_template_kwargs", "chat template arguments"),
+        ("functions", "function calling"),
+        ("function_call", "function calling"),
+        ("audio", "audio output"),
+        ("prediction", "predicted outputs"),
+        ("web_search_options", "web search"),
+    ] {
+        f.unset_only(k, what)?;
+    }
+    if let Some(m) = f.raw("modalities")
+        && m != json!(["text"])
+    {
+        return Err(ApiError::unsupported(
+            "modalities",
+            "output other than text",
+        ));
+    }
+    f.finish_lenient()?;
+    // The constraint is refused before the template runs, with its own field name.
+    constraint::admit(constraint.as_ref())?;
+
+    let Some(template) = &st.chat_template else {
+        return Err(ApiError::bad_request(
+            "the model has no chat template; use /v1/completions or /generate",
+        ));
+    };
+    let tok = &st.tokenizer;
+    let text = template.render(
+        &msgs,
+        add_generation_prompt,
+        tok.bos_token.as_deref(),
+        tok.eos_token.as_deref(),
+        None,
+    )?;
+    let ids = tok.encode(&text, false)?;
+    if ids.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "the prompt is empty after applying the chat template",
+        ));
+    }
+    params.max_new_tokens = match max_tokens {
+        Some(m) => m,
+        None => st.max_sequence_tokens().saturating_sub(ids.len()).max(1),
+    };
+    let id = format!("chatcmpl-{}", rid.clone().unwrap_or_else(|| st.new_id()));
+    let mut job = Job::new(ids, params);
+    job.rid = rid;
+    job.return_logprob = logprobs || top_logprobs > 0;
+    job.top_logprobs_num = top_logprobs;
+    job.priority = priority;
+    job.constraint = constraint;
+    let mut run = run::submit(&st, vec![job])?;
+    let fmt = ChatFormat {
+        state: st.clone(),
+        id,
+        created: AppState::now_unix(),
+        logprobs: logprobs || top_logprobs > 0,
+        include_usage,
+    };
+    if stream {
+        return Ok(stream_response(run, fmt));
+    }
+    run.finish_all().await;
+    if let Some(e) = run.failure() {
+        return Err(e);
+    }
+    let choices: Vec<Value> = run
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": fmt.logprobs.then(|| fmt.logprob_json(&s.logprobs)),
+                "finish_reason": s.finish.as_ref().map(openai_finish_reason),
+                "matched_stop": s.finish.as_ref().map(run::matched_value),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": fmt.id,
+        "object": "chat.completion",
+        "created": fmt.created,
+        "model": st.opts.served_model_name,
+        "choices": choices,
+        "usage": usage(&st, &run),
+    }))
+    .into_response())
+}
+
+struct ChatFormat {
+    state: Arc<AppState>,
+    id: String,
+    created: u64,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl ChatFormat {
+    fn entry(&self, id: u32, logprob: f32) -> Value {
+        let t = token_text(&self.state, id);
+        let bytes: Vec<u8> = t.as_bytes().to_vec();
+        json!({"token": t, "logprob": logprob, "bytes": bytes})
+    }
+
+    /// OpenAI's chat `logprobs` object.
+    fn logprob_json(&self, lps: &[TokenLogprob]) -> Value {
+        let content: Vec<Value> = lps
+            .iter()
+            .map(|l| {
+                let mut e = self.entry(l.token, l.logprob);
+                let top: Vec<Value> = l.top.iter().map(|&(t, p)| self.entry(t, p)).collect();
+                if let Some(o) = e.as_object_mut() {
+                    o.insert("top_logprobs".into(), Value::Array(top));
+                }
+                e
+            })
+            .collect();
+        json!({"content": content})
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
+        let mut v = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.opts.served_model_name,
+            "choices": choices,
+        });
+        if self.include_usage
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert("usage".into(), usage.unwrap_or(Value::Null));
+        }
+        v.to_string()
+    }
+}
+
+impl StreamFormat for ChatFormat {
+    fn start(&mut self, run: &Run) -> Vec<String> {
+        (0..run.samples.len())
+            .map(|i| {
+                let choice = json!({
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                });
+                self.chunk(json!([choice]), None)
+            })
+            .collect()
+    }
+
+    fn event(&mut self, _run: &Run, ev: &Event) -> Vec<String> {
+        let c = &ev.chunk;
+        if c.text.is_empty() && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
+            return Vec::new();
+        }
+        let delta = if c.text.is_empty() {
+            json!({})
+        } else {
+            json!({"content": c.text})
+        };
+        let choice = json!({
+            "index": ev.sample,
+            "delta": delta,
+            "logprobs": self.logprobs.then(|| self.logprob_json(&c.logprobs)),
+            "finish_reason": c.finish.as_ref().map(openai_finish_reason),
+            "matched_stop": c.finish.as_ref().map(run::matched_value),
+        });
+        vec![self.chunk(json!([choice]), None)]
+    }
+
+    fn end(&mut self, run: &Run) -> Vec<String> {
+        if self.include_usage {
+            vec![self.chunk(json!([]), Some(usage(&self.state, run)))]
+        } else {
+            Vec::new()
+        }
+    }
+}

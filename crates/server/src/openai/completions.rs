@@ -1,0 +1,252 @@
+//! `POST /v1/completions`: OpenAI's legacy completions.
+//!
+//! `prompt` may be a string, a list of strings (a batch), a list of token
+//! ids, or a list of such lists. Choices are prompt-major (`index = prompt *
+//! n + sample`). `max_tokens` defaults to 16 as in OpenAI. `logprobs: k`
+//! returns the chosen token's log-probability and the `k` best alternatives.
+//! `echo` and `suffix` are refused while they ask for something; `best_of`
+//! is accepted only when it equals `n` (or is 1).
+
+use super::{Common, RENAMES, check_model, common, token_text, usage};
+use crate::error::ApiError;
+use crate::fields::{Fields, read_json};
+use crate::run::{self, Event, Job, Run, openai_finish_reason};
+use crate::sse::{StreamFormat, stream_response};
+use crate::state::AppState;
+use arbor_engine_core::engine::TokenLogprob;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+
+/// Handles `POST /v1/completions`.
+pub(crate) async fn completions(
+    State(st): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match inner(st, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.renamed(RENAMES).into_response(),
+    }
+}
+
+fn prompts(st: &AppState, v: Option<Value>) -> Result<Vec<Vec<u32>>, ApiError> {
+    let empty = || ApiError::bad_param("prompt", "the prompt is empty");
+    let bad = || {
+        ApiError::bad_param(
+            "prompt",
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+        )
+    };
+    let encode = |s: &str| -> Result<Vec<u32>, ApiError> {
+        if s.is_empty() {
+            return Err(empty());
+        }
+        Ok(st.tokenizer.encode(s, true)?)
+    };
+    let ids = |v: &Value| -> Result<Vec<u32>, ApiError> {
+        let a = v.as_array().ok_or_else(bad)?;
+        if a.is_empty() {
+            return Err(empty());
+        }
+        a.iter()
+            .map(|x| {
+                x.as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(bad)
+            })
+            .collect()
+    };
+    match v {
+        None => Err(ApiError::bad_param("prompt", "'prompt' is required")),
+        Some(Value::String(s)) => Ok(vec![encode(&s)?]),
+        Some(Value::Array(a)) => {
+            if a.is_empty() {
+                return Err(empty());
+            }
+            if a.iter().all(Value::is_string) {
+                a.iter()
+                    .map(|s| encode(s.as_str().unwrap_or_default()))
+                    .collect()
+            } else if a.iter().all(Value::is_array) {
+                a.iter().map(ids).collect()
+            } else if a.iter().all(Value::is_number) {
+                Ok(vec![ids(&Value::Array(a))?])
+            } else {
+                Err(bad())
+            }
+        }
+        Some(_) => Err(bad()),
+    }
+}
+
+async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    st.check_accepting()?;
+    let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
+    let mut f = Fields::new(v, "the request body", "")?;
+    check_model(&st, &mut f)?;
+    let prompts = prompts(&st, f.raw("prompt"))?;
+    let Common {
+        mut params,
+        max_tokens,
+        stream,
+        include_usage,
+        constraint,
+        rid,
+        priority,
+    } = common(&mut f, &["max_tokens"])?;
+    let logprobs = f.int("logprobs", 0, 20)?;
+    f.unset_only("echo", "echoing the prompt")?;
+    f.unset_only("suffix", "a suffix (fill-in-the-middle)")?;
+    if let Some(b) = f.int("best_of", 1, 128)?
+        && b != 1
+        && b as usize != params.n
+    {
+        return Err(ApiError::unsupported("best_of", "best_of other than n"));
+    }
+    f.finish_lenient()?;
+    params.max_new_tokens = max_tokens.unwrap_or(16);
+    if rid.is_some() && prompts.len() > 1 {
+        return Err(ApiError::bad_param(
+            "rid",
+            "'rid' cannot be given for a batch of prompts",
+        ));
+    }
+    let id = format!("cmpl-{}", rid.clone().unwrap_or_else(|| st.new_id()));
+    let jobs = prompts
+        .into_iter()
+        .map(|ids| {
+            let mut j = Job::new(ids, params.clone());
+            j.rid = rid.clone();
+            j.return_logprob = logprobs.is_some();
+            j.top_logprobs_num = logprobs.unwrap_or(0) as usize;
+            j.priority = priority;
+            j.constraint = constraint.clone();
+            j
+        })
+        .collect();
+    let mut run = run::submit(&st, jobs)?;
+    let mut fmt = CompletionFormat {
+        state: st.clone(),
+        id,
+        created: AppState::now_unix(),
+        logprobs: logprobs.is_some(),
+        include_usage,
+        offsets: vec![0; run.samples.len()],
+    };
+    if stream {
+        return Ok(stream_response(run, fmt));
+    }
+    run.finish_all().await;
+    if let Some(e) = run.failure() {
+        return Err(e);
+    }
+    let choices: Vec<Value> = run
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let lp = fmt.logprobs.then(|| fmt.logprob_json(i, &s.logprobs));
+            json!({
+                "index": i,
+                "text": s.text,
+                "logprobs": lp,
+                "finish_reason": s.finish.as_ref().map(openai_finish_reason),
+                "matched_stop": s.finish.as_ref().map(run::matched_value),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": fmt.id,
+        "object": "text_completion",
+        "created": fmt.created,
+        "model": st.opts.served_model_name,
+        "choices": choices,
+        "usage": usage(&st, &run),
+    }))
+    .into_response())
+}
+
+struct CompletionFormat {
+    state: Arc<AppState>,
+    id: String,
+    created: u64,
+    logprobs: bool,
+    include_usage: bool,
+    /// Per sample: characters of text covered by log-probability entries so far.
+    offsets: Vec<usize>,
+}
+
+impl CompletionFormat {
+    /// OpenAI's completions `logprobs` object for `lps`, continuing sample `i`'s offsets.
+    fn logprob_json(&mut self, i: usize, lps: &[TokenLogprob]) -> Value {
+        let mut tokens = Vec::new();
+        let mut token_logprobs = Vec::new();
+        let mut top = Vec::new();
+        let mut offsets = Vec::new();
+        for l in lps {
+            let t = token_text(&self.state, l.token);
+            let off = self.offsets.get(i).copied().unwrap_or(0);
+            offsets.push(off);
+            if let Some(o) = self.offsets.get_mut(i) {
+                *o += t.chars().count();
+            }
+            tokens.push(t);
+            token_logprobs.push(l.logprob);
+            let mut m = Map::new();
+            for &(id, p) in &l.top {
+                m.insert(token_text(&self.state, id), json!(p));
+            }
+            top.push(Value::Object(m));
+        }
+        json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+    }
+
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> String {
+        let mut v = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.state.opts.served_model_name,
+            "choices": choices,
+        });
+        if self.include_usage
+            && let Some(o) = v.as_object_mut()
+        {
+            o.insert("usage".into(), usage.unwrap_or(Value::Null));
+        }
+        v.to_string()
+    }
+}
+
+impl StreamFormat for CompletionFormat {
+    fn event(&mut self, _run: &Run, ev: &Event) -> Vec<String> {
+        let c = &ev.chunk;
+        if c.text.is_empty() && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
+            return Vec::new();
+        }
+        let lp = self
+            .logprobs
+            .then(|| self.logprob_json(ev.sample, &c.logprobs));
+        let choice = json!({
+            "index": ev.sample,
+            "text": c.text,
+            "logprobs": lp,
+            "finish_reason": c.finish.as_ref().map(openai_finish_reason),
+            "matched_stop": c.finish.as_ref().map(run::matched_value),
+        });
+        vec![self.chunk(json!([choice]), None)]
+    }
+
+    fn end(&mut self, run: &Run) -> Vec<String> {
+        if self.include_usage {
+            vec![self.chunk(json!([]), Some(usage(&self.state, run)))]
+        } else {
+            Vec::new()
+        }
+    }
+}

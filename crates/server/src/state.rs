@@ -1,0 +1,125 @@
+//! What every handler shares: the engine, the tokenizer and chat template,
+//! the options, the metrics and the draining flag.
+//!
+//! Invariant: once `draining` is set (shutdown began) no new generation is
+//! accepted; requests already running keep going until they finish or the
+//! shutdown timeout aborts them.
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use arbor_engine_core::engine::Engine;
+use arbor_models::{ChatTemplate, TextTokenizer};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Settings of the HTTP layer.
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// The model name clients must use (`model` in OpenAI requests) and `/v1/models` lists.
+    pub served_model_name: String,
+    /// Where the model came from (reported by `/get_model_info`).
+    pub model_path: String,
+    /// The model's context length in tokens.
+    pub context_length: usize,
+    /// When set, every route but `/health*` needs `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Largest accepted request body (larger ones get 413).
+    pub max_request_bytes: usize,
+    /// How long a shutdown waits for in-flight requests before aborting them.
+    pub shutdown_timeout: Duration,
+    /// Serve `/metrics`.
+    pub enable_metrics: bool,
+    /// Metric name prefix (`arbor` gives `arbor:num_running_reqs`).
+    pub metrics_prefix: String,
+    /// Report cached prompt tokens in OpenAI `usage.prompt_tokens_details`.
+    pub enable_cache_report: bool,
+    /// Time limit of `/health_generate`.
+    pub health_generate_timeout: Duration,
+    /// The settings the server was started with, echoed by `/get_server_info`.
+    pub server_info: serde_json::Value,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        Self {
+            served_model_name: "default".into(),
+            model_path: String::new(),
+            context_length: 4096,
+            api_key: None,
+            max_request_bytes: 32 * 1024 * 1024,
+            shutdown_timeout: Duration::from_secs(30),
+            enable_metrics: false,
+            metrics_prefix: "arbor".into(),
+            enable_cache_report: false,
+            health_generate_timeout: Duration::from_secs(20),
+            server_info: serde_json::Value::Null,
+        }
+    }
+}
+
+/// Shared handler state.
+pub(crate) struct AppState {
+    pub engine: Arc<Engine>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub chat_template: Option<Arc<ChatTemplate>>,
+    pub opts: ServerOptions,
+    pub metrics: Metrics,
+    pub draining: AtomicBool,
+    pub started: Instant,
+    id_base: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        engine: Arc<Engine>,
+        tokenizer: Arc<TextTokenizer>,
+        chat_template: Option<Arc<ChatTemplate>>,
+        opts: ServerOptions,
+    ) -> Self {
+        let id_base = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        Self {
+            metrics: Metrics::new(&opts.metrics_prefix, &opts.served_model_name),
+            engine,
+            tokenizer,
+            chat_template,
+            opts,
+            draining: AtomicBool::new(false),
+            started: Instant::now(),
+            id_base,
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// A request id unique to this process (32 hex digits).
+    pub fn new_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{:016x}{:016x}", self.id_base, n)
+    }
+
+    /// Refuses new work once shutdown began.
+    pub fn check_accepting(&self) -> Result<(), ApiError> {
+        if self.draining.load(Ordering::SeqCst) {
+            Err(ApiError::unavailable("the server is shutting down"))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Seconds since the Unix epoch (OpenAI `created`).
+    pub fn now_unix() -> u64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
+    }
+
+    /// Tokens one request may hold at most (prompt plus output).
+    pub fn max_sequence_tokens(&self) -> usize {
+        self.opts.context_length.min(self.engine.capacity_tokens())
+    }
+}
