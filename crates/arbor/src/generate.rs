@@ -55,14 +55,23 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let tok = loaded.tokenizer.clone();
     let prompt_text = if args.chat {
         let Some(t) = &loaded.chat_template else {
-            bail!("{} has no chat template; drop --chat", loaded.path.display());
+            bail!(
+                "{} has no chat template; drop --chat",
+                loaded.path.display()
+            );
         };
         let mut msgs = Vec::new();
         if let Some(s) = &args.system {
             msgs.push(ChatMessage::new("system", s));
         }
         msgs.push(ChatMessage::new("user", &args.prompt));
-        t.render(&msgs, true, tok.bos_token.as_deref(), tok.eos_token.as_deref(), None)?
+        t.render(
+            &msgs,
+            true,
+            tok.bos_token.as_deref(),
+            tok.eos_token.as_deref(),
+            None,
+        )?
     } else {
         args.prompt.clone()
     };

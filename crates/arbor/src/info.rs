@@ -8,10 +8,19 @@ use clap::Args;
 
 /// Options of `arbor info`.
 #[derive(Args, Debug)]
-pub struct InfoArgs {}
+pub struct InfoArgs {
+    /// Also load this plugin library and list what it provides (repeatable).
+    #[arg(long = "plugin", value_name = "PATH")]
+    pub plugin: Vec<std::path::PathBuf>,
+}
 
-pub fn run(_args: InfoArgs) -> Result<()> {
-    let registry = setup::registry()?;
+pub fn run(args: InfoArgs) -> Result<()> {
+    let mut registry = setup::registry()?;
+    for p in &args.plugin {
+        let info =
+            arbor_engine_core::plugin::load_plugin(p, &serde_json::Value::Null, &mut registry)?;
+        println!("plugin {} {} ({})", info.name, info.version, p.display());
+    }
     println!("Arbor {}", env!("CARGO_PKG_VERSION"));
     let mut last = "";
     for (kind, name, about, origin) in registry.listing() {
@@ -37,7 +46,11 @@ pub fn run(_args: InfoArgs) -> Result<()> {
                     i.name,
                     i.parallelism.unwrap_or(1),
                     caps.attention.join(", "),
-                    caps.kv_dtypes.iter().map(|d| d.name()).collect::<Vec<_>>().join(", ")
+                    caps.kv_dtypes
+                        .iter()
+                        .map(|d| d.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 );
             }
             Err(e) => println!("  {name}: unavailable ({e})"),

@@ -76,7 +76,47 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .radix_eviction_policy
         .clone()
         .unwrap_or_else(|| "lru".into());
-    let registry = setup::registry()?;
+    let mut registry = setup::registry()?;
+    let mut processors: Vec<(String, serde_json::Value)> = cfg
+        .sampling
+        .logits_processors
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|n| (n, serde_json::Value::Null))
+        .collect();
+    for p in &cfg.plugins {
+        let config = match &p.config {
+            Some(t) => serde_json::to_value(t)?,
+            None => serde_json::Value::Null,
+        };
+        let info = arbor_engine_core::plugin::load_plugin(&p.path, &config, &mut registry)
+            .with_context(|| format!("[[plugins]] {}", p.path.display()))?;
+        eprintln!(
+            "loaded plugin {} {} from {}: eviction policies {:?}, logits processors {:?}, samplers {:?}",
+            info.name,
+            info.version,
+            p.path.display(),
+            info.eviction_policies,
+            info.logits_processors,
+            info.samplers
+        );
+        // A loaded plugin's logits processors apply to every request.
+        processors.extend(
+            info.logits_processors
+                .iter()
+                .map(|n| (n.clone(), config.clone())),
+        );
+    }
+    let sampler = cfg
+        .sampling
+        .sampler
+        .clone()
+        .unwrap_or_else(|| "standard".into());
+    registry
+        .samplers
+        .get(&sampler)
+        .context("[sampling] sampler / --sampler")?;
     // Fail on a bad policy name before spending time on the weights.
     registry
         .eviction_policies
@@ -89,6 +129,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             engine: engine_cfg.clone(),
             kv,
             eviction_policy: eviction_policy.clone(),
+            sampler,
+            processors,
         },
     )?;
     let spec = built.model.model.spec().clone();

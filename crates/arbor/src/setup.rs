@@ -54,7 +54,11 @@ pub fn backend(registry: &Registry, args: &ModelArgs) -> Result<Arc<dyn Backend>
 }
 
 /// Loads the model with a progress bar.
-pub fn load(registry: &Registry, backend: Arc<dyn Backend>, args: &ModelArgs) -> Result<LoadedModel> {
+pub fn load(
+    registry: &Registry,
+    backend: Arc<dyn Backend>,
+    args: &ModelArgs,
+) -> Result<LoadedModel> {
     let quant = registry.quant_methods.get(&args.dtype)?()?;
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -97,6 +101,10 @@ pub struct EngineSetup {
     pub kv: KvBudget,
     /// Eviction policy of the radix cache (a registered name).
     pub eviction_policy: String,
+    /// Sampler (a registered name).
+    pub sampler: String,
+    /// Logits processors in order: registered names and the config each is created with.
+    pub processors: Vec<(String, serde_json::Value)>,
 }
 
 /// An engine with the model it runs.
@@ -227,11 +235,18 @@ pub fn build_engine(
     let parts = EngineParts {
         runner,
         prefix_cache,
-        sampler: registry.samplers.get("standard")?()?,
-        processors: vec![
-            registry.logits_processors.get("penalties")?(&serde_json::Value::Null)?,
-            registry.logits_processors.get("logit_bias")?(&serde_json::Value::Null)?,
-        ],
+        sampler: registry.samplers.get(&setup.sampler)?()?,
+        processors: setup
+            .processors
+            .iter()
+            .map(|(name, config)| {
+                registry
+                    .logits_processors
+                    .get(name)
+                    .and_then(|f| f(config))
+                    .with_context(|| format!("logits processor '{name}'"))
+            })
+            .collect::<Result<_>>()?,
         decoder: model.tokenizer.clone(),
         eos_token_ids: model.tokenizer.eos_token_ids.clone(),
     };

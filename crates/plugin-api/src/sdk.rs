@@ -26,7 +26,9 @@ pub trait Sampler: Send + Sync + 'static {
     fn sample(&self, logits: &mut [f32], params: &SamplingParamsV1) -> Result<u32, String>;
 }
 
-fn write_err(err: *mut c_char, err_len: usize, msg: &str) {
+/// # Safety
+/// `err` is null or points to `err_len` writable bytes.
+unsafe fn write_err(err: *mut c_char, err_len: usize, msg: &str) {
     if err.is_null() || err_len == 0 {
         return;
     }
@@ -39,7 +41,9 @@ fn write_err(err: *mut c_char, err_len: usize, msg: &str) {
     }
 }
 
-fn config_str<'a>(config: *const u8, len: usize) -> Result<&'a str, String> {
+/// # Safety
+/// `config` is null or points to `len` readable bytes that outlive the result.
+unsafe fn config_str<'a>(config: *const u8, len: usize) -> Result<&'a str, String> {
     if config.is_null() {
         return Ok("null");
     }
@@ -48,8 +52,11 @@ fn config_str<'a>(config: *const u8, len: usize) -> Result<&'a str, String> {
     std::str::from_utf8(b).map_err(|e| format!("config is not UTF-8: {e}"))
 }
 
-/// `create` for a [`LogitsProcessor`] type.
-pub fn create<T: Send + Sync + 'static>(
+/// `create` for a [`LogitsProcessor`] or [`Sampler`] type.
+///
+/// # Safety
+/// The pointers are those the host passes to a `create` function (see the ABI).
+pub unsafe fn create<T: Send + Sync + 'static>(
     build: fn(&str) -> Result<T, String>,
     config: *const u8,
     len: usize,
@@ -57,7 +64,10 @@ pub fn create<T: Send + Sync + 'static>(
     err: *mut c_char,
     err_len: usize,
 ) -> i32 {
-    let r = catch_unwind(AssertUnwindSafe(|| config_str(config, len).and_then(build)));
+    // SAFETY: see this function's contract.
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        unsafe { config_str(config, len) }.and_then(build)
+    }));
     match r {
         Ok(Ok(v)) => {
             // SAFETY: `state` is a valid out-pointer from the host.
@@ -65,18 +75,23 @@ pub fn create<T: Send + Sync + 'static>(
             STATUS_OK
         }
         Ok(Err(msg)) => {
-            write_err(err, err_len, &msg);
+            // SAFETY: the host's error buffer.
+            unsafe { write_err(err, err_len, &msg) };
             STATUS_ERROR
         }
         Err(_) => {
-            write_err(err, err_len, "the plugin panicked while starting");
+            // SAFETY: the host's error buffer.
+            unsafe { write_err(err, err_len, "the plugin panicked while starting") };
             STATUS_PANIC
         }
     }
 }
 
 /// `destroy` for a state made by [`create`].
-pub fn destroy<T>(state: *mut c_void) {
+///
+/// # Safety
+/// `state` was made by [`create`] for the same `T` and is not used again.
+pub unsafe fn destroy<T>(state: *mut c_void) {
     if !state.is_null() {
         // SAFETY: made by `Box::into_raw` in `create` with the same `T`.
         drop(unsafe { Box::from_raw(state as *mut T) });
@@ -84,7 +99,10 @@ pub fn destroy<T>(state: *mut c_void) {
 }
 
 /// `process` for a [`LogitsProcessor`] type.
-pub fn process<T: LogitsProcessor>(
+///
+/// # Safety
+/// The pointers are those the host passes to `process` (see the ABI).
+pub unsafe fn process<T: LogitsProcessor>(
     state: *mut c_void,
     logits: *mut f32,
     vocab: usize,
@@ -118,7 +136,10 @@ pub fn process<T: LogitsProcessor>(
 }
 
 /// `sample` for a [`Sampler`] type.
-pub fn sample<T: Sampler>(
+///
+/// # Safety
+/// The pointers are those the host passes to `sample` (see the ABI).
+pub unsafe fn sample<T: Sampler>(
     state: *mut c_void,
     logits: *mut f32,
     vocab: usize,
@@ -148,7 +169,10 @@ pub fn sample<T: Sampler>(
 }
 
 /// `key` for an eviction policy given as a plain function.
-pub fn eviction_key(
+///
+/// # Safety
+/// The pointers are those the host passes to `key` (see the ABI).
+pub unsafe fn eviction_key(
     f: fn(&NodeMetaV1) -> (f64, f64),
     meta: *const NodeMetaV1,
     out: *mut f64,
@@ -202,7 +226,7 @@ macro_rules! export_plugin {
                 about: $crate::c!($pa),
                 key: {
                     extern "C" fn key(meta: *const NodeMetaV1, out: *mut f64) -> i32 {
-                        $crate::sdk::eviction_key($pf, meta, out)
+                        unsafe { $crate::sdk::eviction_key($pf, meta, out) }
                     }
                     key
                 },
@@ -212,19 +236,19 @@ macro_rules! export_plugin {
                 about: $crate::c!($la),
                 create: {
                     extern "C" fn create(c: *const u8, l: usize, s: *mut *mut c_void, e: *mut c_char, el: usize) -> i32 {
-                        $crate::sdk::create::<$lt>(<$lt as $crate::sdk::LogitsProcessor>::new, c, l, s, e, el)
+                        unsafe { $crate::sdk::create::<$lt>(<$lt as $crate::sdk::LogitsProcessor>::new, c, l, s, e, el) }
                     }
                     create
                 },
                 process: {
                     extern "C" fn process(s: *mut c_void, l: *mut f32, v: usize, c: *const LogitsContextV1) -> i32 {
-                        $crate::sdk::process::<$lt>(s, l, v, c)
+                        unsafe { $crate::sdk::process::<$lt>(s, l, v, c) }
                     }
                     process
                 },
                 destroy: {
                     extern "C" fn destroy(s: *mut c_void) {
-                        $crate::sdk::destroy::<$lt>(s)
+                        unsafe { $crate::sdk::destroy::<$lt>(s) }
                     }
                     destroy
                 },
@@ -234,19 +258,19 @@ macro_rules! export_plugin {
                 about: $crate::c!($sa),
                 create: {
                     extern "C" fn create(c: *const u8, l: usize, s: *mut *mut c_void, e: *mut c_char, el: usize) -> i32 {
-                        $crate::sdk::create::<$st>(<$st as $crate::sdk::Sampler>::new, c, l, s, e, el)
+                        unsafe { $crate::sdk::create::<$st>(<$st as $crate::sdk::Sampler>::new, c, l, s, e, el) }
                     }
                     create
                 },
                 sample: {
                     extern "C" fn sample(s: *mut c_void, l: *mut f32, v: usize, p: *const SamplingParamsV1, t: *mut u32) -> i32 {
-                        $crate::sdk::sample::<$st>(s, l, v, p, t)
+                        unsafe { $crate::sdk::sample::<$st>(s, l, v, p, t) }
                     }
                     sample
                 },
                 destroy: {
                     extern "C" fn destroy(s: *mut c_void) {
-                        $crate::sdk::destroy::<$st>(s)
+                        unsafe { $crate::sdk::destroy::<$st>(s) }
                     }
                     destroy
                 },

@@ -193,6 +193,11 @@ impl Server {
             let _ = tx.send(true);
         };
         let app = self.router();
+        // Streaming sends small writes: without TCP_NODELAY, Nagle plus delayed
+        // ACKs hold each token back ~40 ms.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let server = axum::serve(listener, app).with_graceful_shutdown(signal);
         let server = server.into_future();
         tokio::pin!(server);

@@ -100,6 +100,13 @@ mod tests {
         assert_eq!(l[3], f32::NEG_INFINITY);
         assert_eq!(l[0], 0.0);
         assert!(BannedWords::new(r#"{"token_ids": [1, "x"]}"#).is_err());
-        assert!(std::panic::catch_unwind(|| p.process(&mut l, &[7], &[])).is_err());
+        assert!(
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| p.process(
+                &mut l,
+                &[7],
+                &[]
+            )))
+            .is_err()
+        );
     }
 }
