@@ -29,14 +29,20 @@ fn main() {
     };
     let m = arbor_models::load_model(&path, &registry, &opts).expect("model");
     let bytes = m.model.spec().weight_bytes;
-    let runner = ModelRunner::new(m.model.clone(), backend, None, 16, 48, DType::F16).expect("runner");
+    let runner =
+        ModelRunner::new(m.model.clone(), backend, None, 16, 48, DType::F16).expect("runner");
     let pages: Vec<u32> = (0..48).collect();
     let prompt: Vec<u32> = (0..512u32).map(|i| 200 + (i * 7919) % 40000).collect();
     let mut prefill = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
         runner
-            .step(&[SeqStep { tokens: &prompt, prefix_len: 0, pages: &pages[..32], want_logits: true }])
+            .step(&[SeqStep {
+                tokens: &prompt,
+                prefix_len: 0,
+                pages: &pages[..32],
+                want_logits: true,
+            }])
             .expect("prefill");
         prefill = prefill.min(t.elapsed().as_secs_f64());
     }
@@ -45,12 +51,22 @@ fn main() {
     let steps = 128;
     for _ in 0..3 {
         runner
-            .step(&[SeqStep { tokens: &prompt[..16], prefix_len: 0, pages: &pages[..16], want_logits: true }])
+            .step(&[SeqStep {
+                tokens: &prompt[..16],
+                prefix_len: 0,
+                pages: &pages[..16],
+                want_logits: true,
+            }])
             .expect("prompt");
         let t = Instant::now();
         for i in 0..steps {
             runner
-                .step(&[SeqStep { tokens: &prompt[16 + i..17 + i], prefix_len: 16 + i, pages: &pages[..16], want_logits: true }])
+                .step(&[SeqStep {
+                    tokens: &prompt[16 + i..17 + i],
+                    prefix_len: 16 + i,
+                    pages: &pages[..16],
+                    want_logits: true,
+                }])
                 .expect("decode");
         }
         decode = decode.min(t.elapsed().as_secs_f64());

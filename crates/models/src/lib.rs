@@ -15,6 +15,8 @@ pub mod random;
 pub mod safetensors_source;
 pub mod tokenizer;
 
+/// Where `arbor fetch-default` keeps the default model.
+pub use arbor_gguf::default_model_path;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::DecoderConfig;
 pub use tokenizer::TextTokenizer;
