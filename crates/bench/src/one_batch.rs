@@ -27,9 +27,10 @@ use std::time::Instant;
 /// Options of `arbor bench one-batch` (model options as `arbor generate`'s).
 #[derive(Args, Debug, Clone)]
 pub struct OneBatchArgs {
-    /// Model: a Hugging Face folder (config.json, safetensors, tokenizer.json) or a GGUF file.
+    /// Model: a Hugging Face folder (config.json, safetensors, tokenizer.json) or a GGUF file
+    /// [default: the model `arbor fetch-default` downloads].
     #[arg(long = "model-path")]
-    pub model_path: PathBuf,
+    pub model_path: Option<PathBuf>,
     /// Device: a registered backend name.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -114,7 +115,18 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(args.model_path.display().to_string());
+    let path = match &args.model_path {
+        Some(p) => p.clone(),
+        None => arbor_models::default_model_path()
+            .filter(|p| p.exists())
+            .ok_or_else(|| {
+                BenchError::InvalidArgument(
+                    "no --model-path given and the default model is absent: run `arbor fetch-default`"
+                        .into(),
+                )
+            })?,
+    };
+    bar.set_message(path.display().to_string());
     let pb = bar.clone();
     let opts = LoadOptions {
         backend: backend.clone(),
@@ -124,7 +136,7 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
             pb.set_position(done as u64);
         })),
     };
-    let loaded = arbor_models::load_model(&args.model_path, &registry, &opts);
+    let loaded = arbor_models::load_model(&path, &registry, &opts);
     bar.finish_and_clear();
     Ok(Loaded {
         model: loaded?.model,
