@@ -18,9 +18,10 @@
 //!
 //! Invariants:
 //! - A panic inside a backend never unwinds into the engine: [`guard_matcher`]
-//!   and [`GrammarCache`] wrap every call in `catch_unwind`, and after a panic
-//!   or an internal error the matcher stays in an error state
-//!   ([`GrammarMatcher::error`]) that fails every later call.
+//!   and [`GrammarCache`] wrap every call in `catch_unwind`. After a panic
+//!   (enforced by the guard) or an internal error (kept by the backend) the
+//!   matcher stays in an error state ([`GrammarMatcher::error`]) that fails
+//!   every later call; a [`GrammarError::Rejected`] token is not an error state.
 //! - A mask has exactly [`GrammarBackend::vocab_size`] bits (the model's logits
 //!   width); ids past the tokenizer's vocabulary are never allowed.
 //! - The [`GrammarCache`] holds at most `capacity` grammars per backend (LRU),
