@@ -91,6 +91,11 @@ pub struct BackendOptions {
     pub device_index: usize,
     /// Adapter name filter (wgpu).
     pub adapter: Option<String>,
+    /// Run decode batches without CUDA graphs (`--disable-cuda-graph`).
+    pub disable_cuda_graph: bool,
+    /// Largest decode batch run as a CUDA graph; `None` lets the backend
+    /// choose (`--cuda-graph-max-bs`).
+    pub cuda_graph_max_bs: Option<usize>,
 }
 
 /// A compute device: memory and the operations models call.

@@ -179,6 +179,7 @@ pub fn sample_next(
     params: &SamplingParams,
     setup: &SamplingSetup<'_>,
     rng: &mut SeqRng,
+    mask: Option<&crate::grammar::TokenBitmask>,
 ) -> Result<u32> {
     let ctx = LogitsContext {
         prompt,
@@ -194,6 +195,9 @@ pub fn sample_next(
     }
     for p in setup.processors {
         p.process(logits, &ctx)?;
+    }
+    if let Some(m) = mask {
+        m.apply_to_logits(logits);
     }
     setup.sampler.sample(logits, params, rng)
 }
@@ -264,6 +268,7 @@ pub fn generate_static(
                 &params[seq],
                 setup,
                 &mut rngs[seq],
+                None,
             )?;
             outs[seq].push(tok);
             on_token(seq, tok);

@@ -10,6 +10,8 @@
 
 use super::{Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
+use crate::error::{CoreError, Result};
+use crate::grammar::{CompiledGrammar, GrammarMatcher, TokenBitmask};
 use crate::kv::PageSet;
 use crate::prefix_cache::{CacheNamespace, NodeId};
 use crate::sampling::{SamplingParams, SeqRng};
@@ -29,6 +31,11 @@ pub(crate) struct Req {
     pub priority: i64,
     pub return_logprob: bool,
     pub top_logprobs_num: usize,
+    /// The grammar the output follows, and this sample's matcher over it.
+    pub grammar: Option<Arc<dyn CompiledGrammar>>,
+    pub matcher: Option<Box<dyn GrammarMatcher>>,
+    /// Scratch mask for the matcher.
+    pub mask: Option<TokenBitmask>,
     /// Internal request that only fills the cache with the prompt (for n > 1).
     pub prefix_only: bool,
     /// Samples that wait for this prefix-only request.
@@ -60,12 +67,16 @@ impl Req {
         r: GenerateRequest,
         sink: UnboundedSender<OutputChunk>,
         arrival: Instant,
-    ) -> Self {
+    ) -> Result<Self> {
+        let matcher = match &r.grammar {
+            Some(g) => Some(g.matcher().map_err(CoreError::from)?),
+            None => None,
+        };
         let ctx_start = r.input_ids.len().saturating_sub(5);
         let detok =
             IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
         let rng = r.params.seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
-        Self {
+        Ok(Self {
             rid,
             index: 0,
             prompt: Arc::new(r.input_ids),
@@ -76,6 +87,9 @@ impl Req {
             priority: r.priority,
             return_logprob: r.return_logprob,
             top_logprobs_num: r.top_logprobs_num,
+            grammar: r.grammar,
+            matcher,
+            mask: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -94,18 +108,22 @@ impl Req {
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
             sink,
-        }
+        })
     }
 
     /// A copy for sample `index` of an n > 1 request.
-    pub fn sample_copy(&self, index: u32) -> Self {
+    pub fn sample_copy(&self, index: u32) -> Result<Self> {
+        let matcher = match &self.grammar {
+            Some(g) => Some(g.matcher().map_err(CoreError::from)?),
+            None => None,
+        };
         let mut params = self.params.clone();
         params.n = 1;
         let seed = self.params.seed.map(|s| s.wrapping_add(index as u64));
         params.seed = seed;
         let rng = seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
         let ctx_start = self.prompt.len().saturating_sub(5);
-        Self {
+        Ok(Self {
             rid: self.rid.clone(),
             index,
             prompt: self.prompt.clone(),
@@ -120,6 +138,9 @@ impl Req {
             priority: self.priority,
             return_logprob: self.return_logprob,
             top_logprobs_num: self.top_logprobs_num,
+            grammar: self.grammar.clone(),
+            matcher,
+            mask: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -137,7 +158,7 @@ impl Req {
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
             sink: self.sink.clone(),
-        }
+        })
     }
 
     /// Prompt followed by the output.

@@ -161,6 +161,8 @@ impl Scheduler {
                 let ok = self.idle();
                 if ok {
                     self.cache.flush();
+                    // Stats show the empty cache by the time the caller hears back.
+                    self.publish();
                 }
                 let _ = reply.send(ok);
             }
@@ -201,7 +203,10 @@ impl Scheduler {
         }
         let mut copies = Vec::with_capacity(n);
         for i in 0..n {
-            copies.push(r.sample_copy(i as u32));
+            match r.sample_copy(i as u32) {
+                Ok(c) => copies.push(c),
+                Err(e) => return self.reject(r, e.to_string()),
+            }
         }
         if self.cfg.disable_radix_cache {
             self.waiting.extend(copies);
@@ -489,12 +494,14 @@ impl Scheduler {
     /// Makes sure every running request has a slot for one more token, retracting if needed.
     fn prepare_decode(&mut self) -> Result<()> {
         let ps = self.page_size;
+        // Pages each request still needs for its pending tokens (one, or more after jump-forward).
+        let missing = |r: &Req| {
+            r.len()
+                .div_ceil(ps)
+                .saturating_sub(r.page_capacity(ps) / ps)
+        };
         loop {
-            let need = self
-                .running
-                .iter()
-                .filter(|r| r.computed + 1 > r.page_capacity(ps))
-                .count();
+            let need: usize = self.running.iter().map(missing).sum();
             let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;
             if need <= available || self.running.len() <= 1 {
                 break;
@@ -502,8 +509,9 @@ impl Scheduler {
             self.retract_one();
         }
         for i in 0..self.running.len() {
-            if self.running[i].computed + 1 > self.running[i].page_capacity(ps) {
-                match self.alloc_pages(1) {
+            let n = missing(&self.running[i]);
+            if n > 0 {
+                match self.alloc_pages(n) {
                     Some(p) => {
                         if let Some(own) = self.running[i].own.as_mut() {
                             own.append(p)?;
@@ -511,7 +519,7 @@ impl Scheduler {
                     }
                     None => {
                         return Err(CoreError::OutOfMemory(
-                            "no KV page left for a lone decoding request".into(),
+                            "no KV page left for a decoding request".into(),
                         ));
                     }
                 }
@@ -574,12 +582,9 @@ impl Scheduler {
             ));
         }
         for r in &decoding {
-            let last = r
-                .output
-                .last()
-                .copied()
-                .unwrap_or(r.prompt[r.prompt.len() - 1]);
-            inputs.push((vec![last], r.page_table(), r.computed, true));
+            // Usually the newest sampled token; after a jump-forward also the forced ones.
+            let pending = r.tokens()[r.computed..].to_vec();
+            inputs.push((pending, r.page_table(), r.computed, true));
         }
         let steps: Vec<SeqStep<'_>> = inputs
             .iter()
@@ -646,7 +651,7 @@ impl Scheduler {
         }
         for r in decoding {
             let mut r = r;
-            r.computed += 1;
+            r.computed = r.len();
             let Some(mut row) = logits.next() else {
                 return Err(CoreError::Internal("missing logits of a decode".into()));
             };
@@ -655,7 +660,9 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Samples the next token of `r`, streams it, and finishes or keeps the request.
+    /// Samples the next token of `r` (under its grammar's mask, if any), appends
+    /// the tokens its grammar then forces (jump-forward), streams them, and
+    /// finishes or keeps the request.
     fn advance(&mut self, mut r: Req, logits: &mut [f32]) {
         let lp_top = if r.return_logprob {
             Some(r.top_logprobs_num)
@@ -664,13 +671,29 @@ impl Scheduler {
         };
         let lse = lp_top.map(|_| log_sum_exp(logits));
         let raw_top = lp_top.map(|n| top_n(logits, n));
+        let raw = lse.map(|_| logits.to_vec());
+        if let Some(m) = r.matcher.as_mut() {
+            let mask = r
+                .mask
+                .get_or_insert_with(|| crate::grammar::TokenBitmask::new(logits.len()));
+            if let Err(e) = m.fill_mask(mask) {
+                return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+            }
+        }
         let setup = SamplingSetup {
             sampler: &*self.sampler,
             processors: &self.processors,
             eos_token_ids: &self.eos,
         };
-        let raw = lse.map(|_| logits.to_vec());
-        let tok = match sample_next(logits, &r.prompt, &r.output, &r.params, &setup, &mut r.rng) {
+        let tok = match sample_next(
+            logits,
+            &r.prompt,
+            &r.output,
+            &r.params,
+            &setup,
+            &mut r.rng,
+            r.mask.as_ref().filter(|_| r.matcher.is_some()),
+        ) {
             Ok(t) => t,
             Err(e) => return self.finish(r, abort_finish(&format!("sampling failed: {e}"))),
         };
@@ -682,33 +705,60 @@ impl Scheduler {
             }),
             _ => None,
         };
+        if let Some(f) = self.append(&mut r, tok, logprob) {
+            return self.finish(r, f);
+        }
+        // Jump-forward: tokens the grammar forces need no forward pass each;
+        // they join the next step's input with the sampled token.
+        if self.cfg.enable_jump_forward {
+            let forced = match r.matcher.as_mut().map(|m| m.forced_tokens()) {
+                Some(Ok(f)) => f,
+                Some(Err(e)) => {
+                    return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+                }
+                None => Vec::new(),
+            };
+            for t in forced {
+                self.counters.jump_forward_tokens_total += 1;
+                if let Some(f) = self.append(&mut r, t, None) {
+                    return self.finish(r, f);
+                }
+            }
+        }
+        r.emit(None, &*self.decoder);
+        self.running.push(r);
+    }
+
+    /// Appends one token (sampled or forced) to `r`: grammar, text, stop checks.
+    fn append(&mut self, r: &mut Req, tok: u32, logprob: Option<TokenLogprob>) -> Option<Finish> {
+        if let Some(m) = r.matcher.as_mut() {
+            self.counters.constrained_tokens_total += 1;
+            if let Err(e) = m.accept(tok) {
+                return Some(abort_finish(&format!("grammar rejected token {tok}: {e}")));
+            }
+        }
         self.counters.generation_tokens_total += 1;
         self.window_tokens += 1;
         let stop_token = is_stop(tok, &r.params, &self.eos);
         let text_of_token = !stop_token || r.params.no_stop_trim;
-        let mut finish = r.push_token(tok, logprob, &*self.decoder, text_of_token);
-        if finish.is_none() {
-            if stop_token {
-                finish = Some(Finish {
-                    kind: FinishKind::Stop,
-                    matched: Some(Matched::Token(tok)),
-                    message: None,
-                });
-            } else if r.output.len() >= r.params.max_new_tokens {
-                finish = Some(Finish {
-                    kind: FinishKind::Length,
-                    matched: None,
-                    message: None,
-                });
-            }
+        if let Some(f) = r.push_token(tok, logprob, &*self.decoder, text_of_token) {
+            return Some(f);
         }
-        match finish {
-            Some(f) => self.finish(r, f),
-            None => {
-                r.emit(None, &*self.decoder);
-                self.running.push(r);
-            }
+        if stop_token {
+            return Some(Finish {
+                kind: FinishKind::Stop,
+                matched: Some(Matched::Token(tok)),
+                message: None,
+            });
         }
+        if r.output.len() >= r.params.max_new_tokens {
+            return Some(Finish {
+                kind: FinishKind::Length,
+                matched: None,
+                message: None,
+            });
+        }
+        None
     }
 
     fn finish(&mut self, mut r: Req, f: Finish) {
