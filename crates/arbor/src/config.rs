@@ -4,8 +4,8 @@
 //! Precedence is defaults < TOML file < flags: every TOML key and every flag
 //! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
 //! given, else the TOML value, else the default. Sections mirror the crates:
-//! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[cache]`, `[metrics]`
-//! and `[[plugins]]`. An unknown section or key is an error that names both the
+//! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[grammar]`, `[cache]`,
+//! `[metrics]` and `[[plugins]]`. An unknown section or key is an error that names both the
 //! section and the key. Flags use SGLang's names.
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -63,6 +63,28 @@ pub struct SamplingSection {
     pub logits_processors: Option<Vec<String>>,
 }
 
+/// `[grammar]`: structured output (crates/grammar).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GrammarSection {
+    /// A registered grammar backend, or "none" to turn structured output off [default: llguidance].
+    pub grammar_backend: Option<String>,
+    /// JSON whitespace between tokens: "compact" (none) or "flexible" (any) [default: compact].
+    pub json_whitespace: Option<String>,
+    /// Whitespace allowed between JSON tokens, as a regex (overrides json_whitespace).
+    pub json_whitespace_pattern: Option<String>,
+    /// Compile schemas with keywords the backend cannot enforce by ignoring them [default: false].
+    pub json_lenient: Option<bool>,
+    /// Append the tokens a grammar forces without a forward pass each [default: true].
+    pub jump_forward: Option<bool>,
+    /// Compiled grammars kept [default: 1024].
+    pub cache_size: Option<usize>,
+    /// Longest grammar text accepted, in bytes [default: 4 MiB].
+    pub max_grammar_bytes: Option<usize>,
+    /// Seconds a request waits for its grammar to compile [default: 10].
+    pub compile_timeout: Option<f64>,
+}
+
 /// `[cache]`: KV cache size and the prefix cache (kv-radix).
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -100,13 +122,14 @@ pub struct FileConfig {
     pub server: ServerSection,
     pub scheduler: SchedulerSection,
     pub sampling: SamplingSection,
+    pub grammar: GrammarSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub plugins: Vec<PluginEntry>,
 }
 
 const SECTIONS: &str =
-    "[model], [server], [scheduler], [sampling], [cache], [metrics], [[plugins]]";
+    "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -135,6 +158,7 @@ impl FileConfig {
                 "server" => c.server = section(&k, v)?,
                 "scheduler" => c.scheduler = section(&k, v)?,
                 "sampling" => c.sampling = section(&k, v)?,
+                "grammar" => c.grammar = section(&k, v)?,
                 "cache" => c.cache = section(&k, v)?,
                 "metrics" => c.metrics = section(&k, v)?,
                 "plugins" => {
@@ -184,6 +208,12 @@ pub struct ServeArgs {
     /// KV cache element type: f32, f16 or bf16 [default: f32].
     #[arg(long = "kv-cache-dtype", help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
+    /// Run decode batches without CUDA graphs (`--device cuda`).
+    #[arg(long = "disable-cuda-graph", help_heading = "Model")]
+    pub disable_cuda_graph: bool,
+    /// Largest decode batch run as a CUDA graph [default: max-running-requests].
+    #[arg(long = "cuda-graph-max-bs", help_heading = "Model")]
+    pub cuda_graph_max_bs: Option<usize>,
 
     /// Address to listen on [default: 127.0.0.1].
     #[arg(long, help_heading = "Server")]
@@ -234,6 +264,19 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Sampling")]
     pub sampler: Option<String>,
 
+    /// Grammar backend for structured output, or "none" [default: llguidance].
+    #[arg(long = "grammar-backend", help_heading = "Grammar")]
+    pub grammar_backend: Option<String>,
+    /// Whitespace allowed between JSON tokens, as a regex (default: none, i.e. compact JSON).
+    #[arg(long = "constrained-json-whitespace-pattern", help_heading = "Grammar")]
+    pub constrained_json_whitespace_pattern: Option<String>,
+    /// Allow any JSON whitespace between tokens (default: compact JSON).
+    #[arg(long = "constrained-json-any-whitespace", help_heading = "Grammar")]
+    pub constrained_json_any_whitespace: bool,
+    /// Sample every forced token too instead of appending them without a forward pass.
+    #[arg(long = "disable-jump-forward", help_heading = "Grammar")]
+    pub disable_jump_forward: bool,
+
     /// Turn prefix reuse off (no radix cache).
     #[arg(long = "disable-radix-cache", help_heading = "Cache")]
     pub disable_radix_cache: bool,
@@ -273,6 +316,7 @@ pub struct ServeConfig {
     pub server: ServerSection,
     pub scheduler: SchedulerSection,
     pub sampling: SamplingSection,
+    pub grammar: GrammarSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub plugins: Vec<PluginEntry>,
@@ -292,6 +336,7 @@ impl ServeConfig {
             server: s,
             scheduler: q,
             sampling: sp,
+            grammar: g,
             cache: c,
             metrics: x,
             mut plugins,
@@ -386,6 +431,31 @@ impl ServeConfig {
                         .unwrap_or_else(|| vec!["penalties".into(), "logit_bias".into()]),
                 ),
             },
+            grammar: GrammarSection {
+                grammar_backend: Some(
+                    a.grammar_backend
+                        .clone()
+                        .or(g.grammar_backend)
+                        .unwrap_or_else(|| "llguidance".into()),
+                ),
+                json_whitespace: Some(
+                    if a.constrained_json_any_whitespace {
+                        Some("flexible".to_string())
+                    } else {
+                        g.json_whitespace
+                    }
+                    .unwrap_or_else(|| "compact".into()),
+                ),
+                json_whitespace_pattern: a
+                    .constrained_json_whitespace_pattern
+                    .clone()
+                    .or(g.json_whitespace_pattern),
+                json_lenient: Some(g.json_lenient.unwrap_or(false)),
+                jump_forward: Some(!a.disable_jump_forward && g.jump_forward.unwrap_or(true)),
+                cache_size: Some(g.cache_size.unwrap_or(1024)),
+                max_grammar_bytes: Some(g.max_grammar_bytes.unwrap_or(4 << 20)),
+                compile_timeout: Some(g.compile_timeout.unwrap_or(10.0)),
+            },
             cache: CacheSection {
                 disable_radix_cache: Some(
                     flag(a.disable_radix_cache)
@@ -435,6 +505,17 @@ impl ServeConfig {
     }
 
     fn validate(&self) -> Result<()> {
+        if let Some(w) = self.grammar.json_whitespace.as_deref()
+            && !matches!(w, "compact" | "flexible")
+        {
+            bail!("[grammar] json_whitespace must be \"compact\" or \"flexible\", got \"{w}\"");
+        }
+        if self.grammar.cache_size == Some(0) {
+            bail!("[grammar] cache_size must be at least 1");
+        }
+        if self.grammar.compile_timeout.is_some_and(|t| !(t > 0.0)) {
+            bail!("[grammar] compile_timeout must be positive");
+        }
         let f = self.mem_fraction_static();
         if !(f > 0.0 && f <= 1.0) {
             bail!("[cache] mem_fraction_static / --mem-fraction-static must be in (0, 1], got {f}");

@@ -56,5 +56,32 @@ pub fn run(args: InfoArgs) -> Result<()> {
             Err(e) => println!("  {name}: unavailable ({e})"),
         }
     }
+    #[cfg(feature = "wgpu")]
+    wgpu_adapters();
     Ok(())
+}
+
+/// The adapters `--device wgpu --wgpu-adapter NAME` can pick, with their limits.
+#[cfg(feature = "wgpu")]
+fn wgpu_adapters() {
+    let all = arbor_backend_wgpu::adapters();
+    println!(
+        "\nwgpu adapters{}:",
+        if all.is_empty() { " (none found)" } else { "" }
+    );
+    for a in all {
+        println!(
+            "  {} ({}, {}, {}): max buffer {} MiB, max storage binding {} MiB, \
+             {} invocations per workgroup, {} workgroups per dimension, shader-f16 {}",
+            a.name,
+            a.backend,
+            a.device_type,
+            a.driver,
+            a.max_buffer_size >> 20,
+            a.max_storage_binding >> 20,
+            a.max_workgroup_invocations,
+            a.max_workgroups_per_dim,
+            if a.shader_f16 { "yes" } else { "no" }
+        );
+    }
 }

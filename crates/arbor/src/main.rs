@@ -12,6 +12,11 @@ mod serve;
 mod setup;
 
 use arbor_backend_cpu as _;
+#[cfg(feature = "cuda")]
+use arbor_backend_cuda as _;
+#[cfg(feature = "wgpu")]
+use arbor_backend_wgpu as _;
+use arbor_grammar as _;
 use arbor_kv_radix as _;
 use arbor_models as _;
 use clap::{Parser, Subcommand};

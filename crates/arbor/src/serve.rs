@@ -41,6 +41,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
         kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "f32".into()),
         page_size: cfg.page_size(),
+        wgpu_adapter: std::env::var("ARBOR_WGPU_ADAPTER").ok(),
+        disable_cuda_graph: args.disable_cuda_graph,
+        cuda_graph_max_bs: args.cuda_graph_max_bs.or(q.max_running_requests),
     };
     let policy: SchedulePolicy = q
         .schedule_policy
@@ -66,6 +69,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_queued_requests: q
             .max_queued_requests
             .unwrap_or(defaults.max_queued_requests),
+        enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
         ..defaults
     };
     let kv = match c.max_total_tokens {
@@ -159,13 +163,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
         server_info: cfg.to_json(),
         ..Default::default()
     };
+    let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
-    let server = Server::new(
+    let mut server = Server::new(
         engine.clone(),
         built.model.tokenizer.clone(),
         built.model.chat_template.clone(),
         opts.clone(),
     )?;
+    if let Some(g) = grammar {
+        server = server.with_grammar(g);
+    }
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
@@ -236,4 +244,60 @@ pub fn run(args: ServeArgs) -> Result<()> {
     result?;
     println!("arbor serve: stopped");
     Ok(())
+}
+
+/// The grammar backend for the served model's tokenizer, behind a compile cache
+/// (`None` with `grammar_backend = "none"`).
+fn grammar_cache(
+    registry: &arbor_engine_core::Registry,
+    g: &crate::config::GrammarSection,
+    model: &arbor_models::LoadedModel,
+) -> Result<Option<Arc<arbor_engine_core::grammar::GrammarCache>>> {
+    use arbor_engine_core::grammar::{
+        GrammarBackendConfig, GrammarCache, GrammarCacheConfig, GrammarOptions, GrammarVocab,
+        JsonWhitespace, VocabSource,
+    };
+    let name = g
+        .grammar_backend
+        .clone()
+        .unwrap_or_else(|| "llguidance".into());
+    if name == "none" {
+        return Ok(None);
+    }
+    let factory = registry
+        .grammar_backends
+        .get(&name)
+        .context("[grammar] grammar_backend / --grammar-backend")?;
+    let json =
+        model.tokenizer.inner().to_string(false).map_err(|e| {
+            anyhow::anyhow!("serializing the tokenizer for the grammar backend: {e}")
+        })?;
+    let json_whitespace = match (&g.json_whitespace_pattern, g.json_whitespace.as_deref()) {
+        (Some(p), _) => JsonWhitespace::Pattern(p.clone()),
+        (None, Some("flexible")) => JsonWhitespace::Flexible,
+        _ => JsonWhitespace::Compact,
+    };
+    let backend = factory(&GrammarBackendConfig {
+        vocab: GrammarVocab {
+            source: VocabSource::TokenizerJson(json.into()),
+            eos_token_ids: model.tokenizer.eos_token_ids.clone(),
+            vocab_size: Some(model.model.spec().vocab_size),
+        },
+        options: GrammarOptions {
+            json_whitespace,
+            json_lenient: g.json_lenient.unwrap_or(false),
+            ..Default::default()
+        },
+    })
+    .with_context(|| format!("starting grammar backend '{name}'"))?;
+    Ok(Some(Arc::new(GrammarCache::new(
+        backend,
+        GrammarCacheConfig {
+            capacity: g.cache_size.unwrap_or(1024),
+            max_grammar_bytes: g.max_grammar_bytes.unwrap_or(4 << 20),
+            compile_timeout: Some(std::time::Duration::from_secs_f64(
+                g.compile_timeout.unwrap_or(10.0),
+            )),
+        },
+    ))))
 }

@@ -36,6 +36,15 @@ pub struct ModelArgs {
     /// Tokens per KV page.
     #[arg(long = "page-size", default_value_t = 16)]
     pub page_size: usize,
+    /// wgpu adapter: a case-insensitive part of its name (`arbor info` lists them).
+    #[arg(long = "wgpu-adapter", env = "ARBOR_WGPU_ADAPTER")]
+    pub wgpu_adapter: Option<String>,
+    /// Run decode batches without CUDA graphs.
+    #[arg(long = "disable-cuda-graph")]
+    pub disable_cuda_graph: bool,
+    /// Largest decode batch run as a CUDA graph [default: 256].
+    #[arg(long = "cuda-graph-max-bs")]
+    pub cuda_graph_max_bs: Option<usize>,
 }
 
 /// The registry of built-in implementations.
@@ -48,6 +57,9 @@ pub fn backend(registry: &Registry, args: &ModelArgs) -> Result<Arc<dyn Backend>
     let factory = registry.backends.get(&args.device)?;
     let opts = BackendOptions {
         threads: args.threads,
+        adapter: args.wgpu_adapter.clone(),
+        disable_cuda_graph: args.disable_cuda_graph,
+        cuda_graph_max_bs: args.cuda_graph_max_bs,
         ..Default::default()
     };
     factory(&opts).with_context(|| format!("starting device '{}'", args.device))

@@ -313,31 +313,61 @@ async fn openai_chat_with_qwen2_template() -> Result<()> {
         .context("logprobs")?;
     assert!(!content.is_empty() && content[0]["top_logprobs"].as_array().map(Vec::len) == Some(2));
 
-    // Structured output and tools come with the grammar issue.
-    for (extra, field) in [
-        (
-            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-            "tools",
-        ),
-        (
-            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
-            "response_format",
-        ),
-    ] {
-        let mut b = json!({"messages": msgs, "max_tokens": 2});
-        for (k, v) in extra.as_object().context("obj")? {
-            b[k] = v.clone();
-        }
-        let (st, e) = post(&c, &u, &b).await?;
-        assert_eq!(st, 400, "{e}");
-        assert_eq!(e["error"]["param"], field);
-        assert!(
-            e["error"]["message"]
-                .as_str()
-                .unwrap_or("")
-                .contains("not supported yet")
-        );
-    }
+    // Structured output: response_format json_schema gives JSON that follows the schema.
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": false});
+    let v = post_ok(&c, &u, &json!({"messages": msgs, "max_tokens": 64, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})).await?;
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .context("content")?;
+    let parsed: serde_json::Value = serde_json::from_str(text).with_context(|| text.to_string())?;
+    assert!(parsed["ok"].is_boolean(), "{parsed}");
+
+    // Forced tool calls: tool_choice required gives parsed tool_calls.
+    let tools = json!([{"type": "function", "function": {"name": "set_flag",
+        "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}}]);
+    let v = post_ok(
+        &c,
+        &u,
+        &json!({"messages": msgs, "max_tokens": 96, "temperature": 0,
+        "tools": tools, "tool_choice": "required"}),
+    )
+    .await?;
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "set_flag");
+    let args: serde_json::Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().context("args")?)?;
+    assert!(args["on"].is_boolean(), "{args}");
+    // Streamed, the call arrives as one delta with the finish.
+    let events = sse(
+        &c,
+        &u,
+        &json!({"messages": msgs, "max_tokens": 96, "temperature": 0, "stream": true,
+        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "set_flag"}}}),
+    )
+    .await?;
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| !e["choices"][0]["finish_reason"].is_null())
+        .context("finish")?;
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(
+        last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+        "set_flag"
+    );
+    // A tool_choice naming no tool is refused.
+    let (st, e) = post(
+        &c,
+        &u,
+        &json!({"messages": msgs, "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    )
+    .await?;
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "tool_choice");
     let ok = post_ok(&c, &u, &json!({"messages": msgs, "max_tokens": 2, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"})).await?;
     assert_eq!(ok["choices"][0]["message"]["role"], "assistant");
     assert_no_leak(&c, &s, "arbor", None).await
@@ -382,9 +412,9 @@ async fn bad_requests_get_4xx_with_a_message_and_leak_nothing() -> Result<()> {
         ("/v1/completions", json!({"prompt": "x", "frobnicate": true}).to_string(), 400, "unknown field 'frobnicate'"),
         ("/v1/completions", json!({"prompt": "x", "echo": true}).to_string(), 400, "'echo'"),
         ("/v1/completions", json!({"prompt": "x", "suffix": "y"}).to_string(), 400, "'suffix'"),
-        ("/v1/completions", json!({"prompt": "x", "regex": "[a-z]+"}).to_string(), 400, "'regex': structured output"),
-        ("/v1/completions", json!({"prompt": "x", "json_schema": "{}"}).to_string(), 400, "'json_schema'"),
-        ("/v1/completions", json!({"prompt": "x", "response_format": {"type": "json_object"}}).to_string(), 400, "'response_format'"),
+        ("/v1/completions", json!({"prompt": "x", "regex": "([a-z]+"}).to_string(), 400, "'regex' cannot be used"),
+        ("/v1/completions", json!({"prompt": "x", "json_schema": "{\"type\": 5}"}).to_string(), 400, "'json_schema' cannot be used"),
+        ("/v1/completions", json!({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}}).to_string(), 400, "'response_format'"),
         ("/v1/completions", big, 413, "exceeds the limit of 65536 bytes"),
         ("/v1/chat/completions", json!({"messages": []}).to_string(), 400, "'messages' must not be empty"),
         ("/v1/chat/completions", json!({"messages": [{"content": "x"}]}).to_string(), 400, "'messages[0].role' is required"),
@@ -398,9 +428,9 @@ async fn bad_requests_get_4xx_with_a_message_and_leak_nothing() -> Result<()> {
         ("/generate", json!({"text": "x", "sampling_params": {"max_new_tokens": "x"}}).to_string(), 400, "'sampling_params.max_new_tokens' must be an integer"),
         ("/generate", json!({"text": "x", "sampling_params": {"temprature": 0}}).to_string(), 400, "unknown field 'sampling_params.temprature'"),
         ("/generate", json!({"text": "x", "sampling_params": {"n": 0}}).to_string(), 400, "'sampling_params.n' must be in [1, 128]"),
-        ("/generate", json!({"text": "x", "sampling_params": {"regex": "a"}}).to_string(), 400, "'sampling_params.regex'"),
-        ("/generate", json!({"text": "x", "sampling_params": {"ebnf": "root ::= \"a\""}}).to_string(), 400, "'sampling_params.ebnf'"),
-        ("/generate", json!({"text": "x", "sampling_params": {"json_schema": "{}"}}).to_string(), 400, "'sampling_params.json_schema'"),
+        ("/generate", json!({"text": "x", "sampling_params": {"regex": "(a"}}).to_string(), 400, "'sampling_params.regex'"),
+        ("/generate", json!({"text": "x", "sampling_params": {"ebnf": "root ::= missing_rule"}}).to_string(), 400, "'sampling_params.ebnf'"),
+        ("/generate", json!({"text": "x", "sampling_params": {"json_schema": "not json"}}).to_string(), 400, "'sampling_params.json_schema'"),
         ("/generate", json!({"text": ["a", "b"], "sampling_params": [{}]}).to_string(), 400, "'sampling_params' has 1 entries"),
         ("/generate", json!({"text": "x", "image_data": "data:..."}).to_string(), 400, "'image_data'"),
         ("/generate", json!({"text": "hello world, how are you", "return_logprob": true, "logprob_start_len": 0}).to_string(), 400, "'logprob_start_len'"),

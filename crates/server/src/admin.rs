@@ -172,7 +172,10 @@ pub(crate) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         return ApiError::not_found("metrics are disabled; start the server with --enable-metrics")
             .into_response();
     }
-    let text = st.metrics.render(&st.engine.stats());
+    let text = st.metrics.render(
+        &st.engine.stats(),
+        st.grammar_queue.load(std::sync::atomic::Ordering::SeqCst),
+    );
     let mut r = text.into_response();
     r.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -3,15 +3,16 @@
 //!
 //! Both APIs extract their constraint fields (`json_schema`, `regex`, `ebnf`,
 //! `structural_tag`, OpenAI's `response_format` and `tools`) into a
-//! [`ConstraintSpec`] while parsing; [`admit`] is then called once per request
-//! before submission. Until the grammar layer exists it refuses every
-//! constraint with a 400 that names the field; the grammar issue replaces its
-//! body (compile, cache, attach to the engine request) without touching the
-//! parsers.
+//! [`ConstraintSpec`] while parsing; [`compile`] then turns it into a compiled
+//! grammar (through the server's grammar cache) that the engine request
+//! carries, or refuses it with a 400 that names the field.
 
 use crate::error::ApiError;
-use arbor_engine_core::grammar::GrammarSpec;
+use crate::state::AppState;
+use arbor_engine_core::grammar::{CompiledGrammar, GrammarSpec};
 use serde_json::Value;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// The kind of constraint a request asks for.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,20 +27,21 @@ pub enum Constraint {
     Ebnf(String),
     /// SGLang's structural tags.
     StructuralTag(Value),
-    /// Tool calling (OpenAI `tools`), which needs a tool-call grammar and parser.
-    Tools(Value),
+    /// A forced tool call (OpenAI `tools` with `tool_choice` required or named):
+    /// the JSON schema over the call(s).
+    Tools(String),
 }
 
 impl Constraint {
-    /// The engine's grammar for this constraint, when it is a plain grammar
-    /// (structural tags and tools need more than one).
+    /// The engine's grammar for this constraint (structural tags have none).
     pub fn grammar_spec(&self) -> Option<GrammarSpec> {
         match self {
             Constraint::JsonSchema(s) => Some(GrammarSpec::JsonSchema(s.clone())),
             Constraint::JsonObject => Some(GrammarSpec::JsonObject),
             Constraint::Regex(s) => Some(GrammarSpec::Regex(s.clone())),
             Constraint::Ebnf(s) => Some(GrammarSpec::Ebnf(s.clone())),
-            Constraint::StructuralTag(_) | Constraint::Tools(_) => None,
+            Constraint::Tools(s) => Some(GrammarSpec::JsonSchema(s.clone())),
+            Constraint::StructuralTag(_) => None,
         }
     }
 }
@@ -78,16 +80,48 @@ pub(crate) fn set(slot: &mut Option<ConstraintSpec>, spec: ConstraintSpec) -> Re
     Ok(())
 }
 
-/// Decides whether the request's constraint can be served.
-pub(crate) fn admit(spec: Option<&ConstraintSpec>) -> Result<(), ApiError> {
+/// Compiles the request's constraint through the grammar cache, off the async
+/// threads (compilation can take a while; requests waiting for it are counted
+/// as `num_grammar_queue_reqs`). Invalid grammars are a 400 naming the field.
+pub(crate) async fn compile(
+    st: &Arc<AppState>,
+    spec: Option<&ConstraintSpec>,
+) -> Result<Option<Arc<dyn CompiledGrammar>>, ApiError> {
     let Some(spec) = spec else {
-        return Ok(());
+        return Ok(None);
     };
-    let what = match &spec.constraint {
-        Constraint::Tools(_) => "tool calling",
-        _ => "structured output (constrained decoding)",
+    let grammar = match &spec.constraint {
+        Constraint::Tools(schema) => GrammarSpec::JsonSchema(schema.clone()),
+        Constraint::StructuralTag(_) => {
+            return Err(ApiError::unsupported(&spec.field, "structural tags"));
+        }
+        other => other
+            .grammar_spec()
+            .ok_or_else(|| ApiError::unsupported(&spec.field, "this constraint"))?,
     };
-    Err(ApiError::unsupported(&spec.field, what))
+    let Some(cache) = st.grammar.clone() else {
+        return Err(ApiError::unsupported(
+            &spec.field,
+            "structured output without a grammar backend",
+        ));
+    };
+    st.grammar_queue.fetch_add(1, Ordering::SeqCst);
+    let res = tokio::task::spawn_blocking(move || cache.get(&grammar)).await;
+    st.grammar_queue.fetch_sub(1, Ordering::SeqCst);
+    match res {
+        Ok(Ok(g)) => Ok(Some(g)),
+        Ok(Err(e)) if e.is_client_error() => Err(ApiError::bad_param(
+            &spec.field,
+            format!("'{}' cannot be used: {e}", spec.field),
+        )),
+        Ok(Err(e)) => Err(ApiError::internal(format!(
+            "compiling '{}': {e}",
+            spec.field
+        ))),
+        Err(e) => Err(ApiError::internal(format!(
+            "grammar compilation failed: {e}"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -95,17 +129,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn refuses_with_the_field_name() {
-        assert!(admit(None).is_ok());
+    fn one_constraint_per_request() {
         let s = ConstraintSpec::new("regex", Constraint::Regex("a+".into()));
-        let e = admit(Some(&s)).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("regex"));
-        assert!(e.message.contains("not supported yet"));
         assert_eq!(
             s.constraint.grammar_spec(),
             Some(GrammarSpec::Regex("a+".into()))
         );
-        assert_eq!(Constraint::Tools(Value::Null).grammar_spec(), None);
+        assert_eq!(Constraint::StructuralTag(Value::Null).grammar_spec(), None);
         let mut slot = None;
         set(&mut slot, s.clone()).unwrap();
         assert!(

@@ -148,6 +148,15 @@ impl Server {
         })
     }
 
+    /// Enables structured output (`json_schema`, `regex`, `ebnf`, `response_format`,
+    /// forced tool calls) with grammars compiled through `cache`.
+    pub fn with_grammar(mut self, cache: Arc<arbor_engine_core::grammar::GrammarCache>) -> Self {
+        if let Some(st) = Arc::get_mut(&mut self.state) {
+            st.grammar = Some(cache);
+        }
+        self
+    }
+
     /// The routes, ready to serve or to nest in a larger application.
     pub fn router(&self) -> Router {
         let st = self.state.clone();

@@ -182,7 +182,7 @@ impl Metrics {
     }
 
     /// The exposition text for `stats`.
-    pub fn render(&self, s: &EngineStats) -> String {
+    pub fn render(&self, s: &EngineStats, grammar_queue: usize) -> String {
         let mut out = String::with_capacity(8192);
         let p = &self.prefix;
         let l = &self.labels;
@@ -203,6 +203,18 @@ impl Metrics {
             "gauge",
             "The number of requests in the waiting queue.",
             s.num_queue_reqs as f64,
+        );
+        one(
+            "num_grammar_queue_reqs",
+            "gauge",
+            "The number of requests waiting for their grammar to compile.",
+            grammar_queue as f64,
+        );
+        one(
+            "jump_forward_tokens_total",
+            "counter",
+            "Number of tokens a grammar forced without a forward pass of their own.",
+            s.jump_forward_tokens_total as f64,
         );
         one(
             "num_used_tokens",
@@ -305,7 +317,7 @@ mod tests {
         };
         m.observe(&mut t, &chunk(1, 0.05, false));
         m.observe(&mut t, &chunk(2, 0.07, true));
-        let s = m.render(&EngineStats::default());
+        let s = m.render(&EngineStats::default(), 0);
         assert!(s.contains("sglang:num_running_reqs{model_name=\"m\\\"x\"} 0"));
         assert!(s.contains("sglang:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 1"));
         assert!(s.contains("sglang:inter_token_latency_seconds_count{model_name=\"m\\\"x\"} 2"));

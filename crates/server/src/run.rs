@@ -95,7 +95,7 @@ pub(crate) struct Run {
 }
 
 /// Validates and enqueues every job; all share the same `n`.
-pub(crate) fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run, ApiError> {
+pub(crate) async fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run, ApiError> {
     state.check_accepting()?;
     if jobs.is_empty() {
         return Err(ApiError::bad_request("the request holds no prompt"));
@@ -105,7 +105,7 @@ pub(crate) fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run, ApiEr
     let mut samples = Vec::with_capacity(jobs.len() * n);
     let mut prompt_lens = Vec::with_capacity(jobs.len());
     for (i, job) in jobs.into_iter().enumerate() {
-        constraint::admit(job.constraint.as_ref())?;
+        let grammar = constraint::compile(state, job.constraint.as_ref()).await?;
         if job.input_ids.is_empty() {
             return Err(ApiError::bad_request("the prompt is empty"));
         }
@@ -122,6 +122,7 @@ pub(crate) fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run, ApiEr
         req.priority = job.priority;
         req.return_logprob = job.return_logprob;
         req.top_logprobs_num = job.top_logprobs_num;
+        req.grammar = grammar;
         let stream = state.engine.submit(req)?;
         for _ in 0..n {
             samples.push(Sample {

@@ -67,6 +67,10 @@ pub(crate) struct AppState {
     pub metrics: Metrics,
     pub draining: AtomicBool,
     pub started: Instant,
+    /// Compiled grammars for structured output, when a grammar backend is configured.
+    pub grammar: Option<Arc<arbor_engine_core::grammar::GrammarCache>>,
+    /// Requests waiting for their grammar to compile.
+    pub grammar_queue: std::sync::atomic::AtomicUsize,
     id_base: u64,
     next_id: AtomicU64,
 }
@@ -90,6 +94,8 @@ impl AppState {
             opts,
             draining: AtomicBool::new(false),
             started: Instant::now(),
+            grammar: None,
+            grammar_queue: std::sync::atomic::AtomicUsize::new(0),
             id_base,
             next_id: AtomicU64::new(1),
         }

@@ -11,6 +11,7 @@
 //! with empty `choices` and the usage. `tools` and non-text
 //! `response_format` go through the constraint gate.
 
+use super::tools::{self, ToolChoice};
 use super::{Common, RENAMES, check_model, common, token_text, usage};
 use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;
@@ -139,26 +140,42 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    if let Some(tools) = f.raw("tools")
-        && !crate::fields::is_unset(&tools)
-    {
-        constraint::set(
-            &mut constraint,
-            ConstraintSpec::new("tools", Constraint::Tools(tools)),
-        )?;
-    }
-    if let Some(tc) = f.raw("tool_choice") {
-        match tc.as_str() {
-            Some("none" | "auto") => {}
-            _ => return Err(ApiError::unsupported("tool_choice", "forcing a tool call")),
+    // Tools: required/named choices force a call through a grammar; auto parses
+    // `<tool_call>` blocks afterwards; none ignores them.
+    let raw_tools = f.raw("tools").filter(|t| !crate::fields::is_unset(t));
+    let raw_choice = f.raw("tool_choice");
+    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    let tool_mode = match &raw_tools {
+        Some(t) => {
+            let list = tools::parse_tools(t)?;
+            let choice = tools::parse_choice(raw_choice.as_ref(), &list)?;
+            if let Some(schema) = tools::forcing_schema(&list, &choice, parallel) {
+                constraint::set(
+                    &mut constraint,
+                    ConstraintSpec::new("tools", Constraint::Tools(schema)),
+                )?;
+            }
+            Some(choice)
         }
-    }
-    for k in [
-        "parallel_tool_calls",
-        "separate_reasoning",
-        "stream_reasoning",
-        "reasoning_effort",
-    ] {
+        None => {
+            if let Some(c) = &raw_choice
+                && c.as_str() != Some("none")
+                && c.as_str() != Some("auto")
+                && !c.is_null()
+            {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "'tool_choice' needs 'tools'",
+                ));
+            }
+            None
+        }
+    };
+    let template_tools = match (&tool_mode, &raw_tools) {
+        (Some(ToolChoice::None), _) | (None, _) => None,
+        (Some(_), t) => t.clone(),
+    };
+    for k in ["separate_reasoning", "stream_reasoning", "reasoning_effort"] {
         f.ignore(k);
     }
     for (k, what) in [
@@ -181,8 +198,6 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         ));
     }
     f.finish_lenient()?;
-    // The constraint is refused before the template runs, with its own field name.
-    constraint::admit(constraint.as_ref())?;
 
     let Some(template) = &st.chat_template else {
         return Err(ApiError::bad_request(
@@ -195,7 +210,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         add_generation_prompt,
         tok.bos_token.as_deref(),
         tok.eos_token.as_deref(),
-        None,
+        template_tools.as_ref(),
     )?;
     let ids = tok.encode(&text, false)?;
     if ids.is_empty() {
@@ -215,13 +230,14 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.top_logprobs_num = top_logprobs;
     job.priority = priority;
     job.constraint = constraint;
-    let mut run = run::submit(&st, vec![job])?;
+    let mut run = run::submit(&st, vec![job]).await?;
     let fmt = ChatFormat {
         state: st.clone(),
         id,
         created: AppState::now_unix(),
         logprobs: logprobs || top_logprobs > 0,
         include_usage,
+        tools: tool_mode.filter(|c| *c != ToolChoice::None),
     };
     if stream {
         return Ok(stream_response(run, fmt));
@@ -235,11 +251,13 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         .iter()
         .enumerate()
         .map(|(i, s)| {
+            let (message, finish) =
+                fmt.message(i, &s.text, s.finish.as_ref().map(openai_finish_reason));
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": s.text},
+                "message": message,
                 "logprobs": fmt.logprobs.then(|| fmt.logprob_json(&s.logprobs)),
-                "finish_reason": s.finish.as_ref().map(openai_finish_reason),
+                "finish_reason": finish,
                 "matched_stop": s.finish.as_ref().map(run::matched_value),
             })
         })
@@ -261,9 +279,37 @@ struct ChatFormat {
     created: u64,
     logprobs: bool,
     include_usage: bool,
+    /// Tool choice when tools are in play (their output is parsed into calls).
+    tools: Option<ToolChoice>,
 }
 
 impl ChatFormat {
+    /// The assistant message for `text`, with tool calls parsed out when tools
+    /// are in play, and the finish reason (`tool_calls` when calls were made).
+    fn message(
+        &self,
+        index: usize,
+        text: &str,
+        finish: Option<&'static str>,
+    ) -> (Value, Option<&'static str>) {
+        let calls = match &self.tools {
+            None | Some(ToolChoice::None) => None,
+            Some(ToolChoice::Auto) => {
+                let (content, calls) = tools::parse_tagged(text);
+                (!calls.is_empty()).then(|| ((!content.is_empty()).then_some(content), calls))
+            }
+            Some(_) => tools::parse_forced(text).map(|c| (None, c)),
+        };
+        match calls {
+            Some((content, calls)) => (
+                json!({"role": "assistant", "content": content,
+                       "tool_calls": tools::calls_json(&calls, &format!("{}_{index}", self.id))}),
+                Some("tool_calls"),
+            ),
+            None => (json!({"role": "assistant", "content": text}), finish),
+        }
+    }
+
     fn entry(&self, id: u32, logprob: f32) -> Value {
         let t = token_text(&self.state, id);
         let bytes: Vec<u8> = t.as_bytes().to_vec();
@@ -318,8 +364,34 @@ impl StreamFormat for ChatFormat {
             .collect()
     }
 
-    fn event(&mut self, _run: &Run, ev: &Event) -> Vec<String> {
+    fn event(&mut self, run: &Run, ev: &Event) -> Vec<String> {
         let c = &ev.chunk;
+        if self.tools.is_some() {
+            // Calls are parsed from the whole output: send it when the sample ends.
+            let Some(f) = &c.finish else {
+                return Vec::new();
+            };
+            let text = run
+                .samples
+                .get(ev.sample)
+                .map(|s| s.text.as_str())
+                .unwrap_or_default();
+            let (message, finish) = self.message(ev.sample, text, Some(openai_finish_reason(f)));
+            let mut delta = message;
+            if let Some(o) = delta.as_object_mut() {
+                o.remove("role");
+                if let Some(calls) = o.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                    for (i, call) in calls.iter_mut().enumerate() {
+                        if let Some(c) = call.as_object_mut() {
+                            c.insert("index".into(), json!(i));
+                        }
+                    }
+                }
+            }
+            let choice = json!({"index": ev.sample, "delta": delta, "logprobs": null,
+                                "finish_reason": finish, "matched_stop": run::matched_value(f)});
+            return vec![self.chunk(json!([choice]), None)];
+        }
         if c.text.is_empty() && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
             return Vec::new();
         }

@@ -12,6 +12,7 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+pub(crate) mod tools;
 
 use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;

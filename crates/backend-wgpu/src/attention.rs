@@ -1,0 +1,268 @@
+//! Paged attention on the device: causal prefill over a cached prefix and
+//! decode, with grouped-query attention and an optional sliding window.
+//!
+//! [`WgpuAttention::prepare`] uploads the batch layout once as one u32 tensor
+//! ([`Meta`]): per sequence `(q_start, q_len, prefix_len, first page-table
+//! index)`, the page table, the slot of every new token, and the sequence of
+//! every new token. `forward` then records two dispatches per layer:
+//! `kv_write.wgsl` stores the new K and V rows in their slots (converted to the
+//! cache dtype), and `attention.wgsl` computes, for every (token, query head),
+//! an online softmax over the sequence's keys `lo..=pos` read through the page
+//! table, exactly the keys the CPU backend uses.
+//!
+//! Invariant: the layout is validated on the host (pages and slots inside the
+//! cache, sequences packed in order) before any kernel reads it.
+
+use crate::context::{Access, Params};
+use crate::kernels::{self, Kernel, grid_threads};
+use crate::{WgpuBackend, no_overlap, u32_of};
+use arbor_engine_core::{
+    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
+    Result, Tensor,
+};
+use std::sync::Arc;
+
+/// The paged attention of the wgpu backend.
+pub struct WgpuAttention {
+    backend: WgpuBackend,
+}
+
+/// Word offsets of the sections of the uploaded layout.
+#[derive(Clone, Copy, Debug)]
+struct Meta {
+    seqs: usize,
+    page_table: usize,
+    slots: usize,
+    token_seq: usize,
+    len: usize,
+}
+
+impl Meta {
+    fn of(layout: &BatchLayout) -> Self {
+        let seqs = 0;
+        let page_table = 4 * layout.seqs.len();
+        let slots = page_table + layout.page_table.len();
+        let token_seq = slots + layout.slot_mapping.len();
+        let len = token_seq + layout.num_tokens();
+        Self {
+            seqs,
+            page_table,
+            slots,
+            token_seq,
+            len,
+        }
+    }
+}
+
+fn validate_layout(layout: &BatchLayout, slots: usize) -> Result<()> {
+    let ps = layout.page_size;
+    if ps == 0 {
+        return Err(CoreError::invalid("attention layout with page size 0"));
+    }
+    if let Some(bad) = layout.slot_mapping.iter().find(|&&s| s as usize >= slots) {
+        return Err(CoreError::invalid(format!(
+            "KV slot {bad} outside a cache of {slots} slots"
+        )));
+    }
+    if let Some(bad) = layout
+        .page_table
+        .iter()
+        .find(|&&p| (p as usize + 1) * ps > slots)
+    {
+        return Err(CoreError::invalid(format!(
+            "KV page {bad} outside a cache of {slots} slots"
+        )));
+    }
+    validate_seqs(layout)
+}
+
+fn validate_seqs(layout: &BatchLayout) -> Result<()> {
+    let ps = layout.page_size.max(1);
+    let mut next = 0;
+    for s in &layout.seqs {
+        if s.q_start != next
+            || s.q_len == 0
+            || s.pages.end > layout.page_table.len()
+            || s.pages.len() * ps < s.kv_len()
+        {
+            return Err(CoreError::invalid(format!(
+                "inconsistent sequence layout {s:?}"
+            )));
+        }
+        next += s.q_len;
+    }
+    if next != layout.num_tokens() {
+        return Err(CoreError::invalid(
+            "sequence lengths do not add up to the batch",
+        ));
+    }
+    Ok(())
+}
+
+impl WgpuAttention {
+    pub(crate) fn new(backend: WgpuBackend) -> Self {
+        Self { backend }
+    }
+
+    fn f32_input(&self, t: &Tensor, rows: usize, width: usize, what: &str) -> Result<()> {
+        if t.dtype() != DType::F32 || t.rows() != rows || t.row_len() != width {
+            return Err(CoreError::invalid(format!(
+                "attention {what} {t:?}, expected f32 [{rows}, {width}]"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl AttentionBackend for WgpuAttention {
+    fn name(&self) -> &str {
+        "wgpu-paged"
+    }
+
+    fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
+        validate_seqs(&layout)?;
+        let meta = Meta::of(&layout);
+        let mut words = Vec::with_capacity(meta.len);
+        for s in &layout.seqs {
+            words.push(u32_of(s.q_start, "token index")?);
+            words.push(u32_of(s.q_len, "sequence length")?);
+            words.push(u32_of(s.prefix_len, "prefix length")?);
+            words.push(u32_of(s.pages.start, "page-table index")?);
+        }
+        words.extend_from_slice(&layout.page_table);
+        words.extend_from_slice(&layout.slot_mapping);
+        for (i, s) in layout.seqs.iter().enumerate() {
+            let i = u32_of(i, "sequence index")?;
+            words.extend(std::iter::repeat_n(i, s.q_len));
+        }
+        let device = self.backend.upload_words(&words)?;
+        Ok(AttentionBatch {
+            layout,
+            device: vec![device],
+        })
+    }
+
+    fn forward(
+        &self,
+        batch: &AttentionBatch,
+        kv: &KvLayer,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        p: &AttentionParams,
+    ) -> Result<()> {
+        p.validate()?;
+        let b = &self.backend;
+        let layout = &*batch.layout;
+        let tokens = layout.num_tokens();
+        let (hd, nh, nkv) = (p.head_dim, p.num_heads, p.num_kv_heads);
+        let (qw, kw) = (nh * hd, nkv * hd);
+        self.f32_input(q, tokens, qw, "q")?;
+        self.f32_input(k, tokens, kw, "k")?;
+        self.f32_input(v, tokens, kw, "v")?;
+        self.f32_input(out, tokens, qw, "out")?;
+        no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
+        no_overlap(&kv.k, &[&kv.v, k, v])?;
+        no_overlap(&kv.v, &[k, v])?;
+        if kv.k.dtype() != kv.v.dtype() || kv.k.numel() != kv.v.numel() {
+            return Err(CoreError::invalid(format!(
+                "KV cache tensors {:?} and {:?} differ",
+                kv.k, kv.v
+            )));
+        }
+        for c in [&kv.k, &kv.v] {
+            if !c.numel().is_multiple_of(kw) || c.row_len() != hd {
+                return Err(CoreError::invalid(format!(
+                    "KV cache tensor {c:?} for {nkv} heads of {hd}"
+                )));
+            }
+        }
+        let cdt = kernels::cache_code(kv.k.dtype())?;
+        if !hd.is_multiple_of(2) {
+            return Err(CoreError::unsupported(format!(
+                "attention with an odd head_dim {hd} on the wgpu backend"
+            )));
+        }
+        let slots = kv.k.numel() / kw;
+        validate_layout(layout, slots)?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        let meta_t = batch
+            .device
+            .first()
+            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by wgpu-paged"))?;
+        let meta = Meta::of(layout);
+        if meta_t.dtype() != DType::U32 || meta_t.numel() < meta.len {
+            return Err(CoreError::invalid(format!(
+                "attention batch metadata {meta_t:?} does not match its layout"
+            )));
+        }
+        let gpu = b.gpu();
+        let maxg = gpu.limits.max_compute_workgroups_per_dimension;
+        let mv = b.view(meta_t, DType::U32, Access::Read)?;
+        let qv = b.view(q, DType::F32, Access::Read)?;
+        let kv_in = b.view(k, DType::F32, Access::Read)?;
+        let vv_in = b.view(v, DType::F32, Access::Read)?;
+        let ov = b.view(out, DType::F32, Access::Write)?;
+        let elem = if cdt == 0 { 4 } else { 2 };
+        for c in [&kv.k, &kv.v] {
+            if !c.offset().is_multiple_of(4) || !(kw * elem).is_multiple_of(4) {
+                return Err(CoreError::invalid(format!(
+                    "KV cache {c:?} is not word-aligned"
+                )));
+            }
+        }
+
+        // 1. New K and V into their slots.
+        let kcw = b.view(&kv.k, kv.k.dtype(), Access::Write)?;
+        let vcw = b.view(&kv.v, kv.v.dtype(), Access::Write)?;
+        let write = gpu.kernel(&Kernel::KvWrite { cdt })?;
+        let params = Params::new()
+            .us(tokens)?
+            .us(kw)?
+            .u(kv_in.word_off())
+            .u(vv_in.word_off())
+            .u(kcw.word_off())
+            .u(vcw.word_off())
+            .u(mv.word_off() + u32_of(meta.slots, "metadata offset")?)
+            .u(0);
+        let per_token = if cdt == 0 { kw } else { kw / 2 };
+        gpu.dispatch(
+            &write,
+            &params,
+            &[&kv_in, &vv_in, &mv, &kcw, &vcw],
+            grid_threads(tokens * per_token, maxg)?,
+        )?;
+
+        // 2. Attention over the paged keys and values.
+        let kcr = b.view(&kv.k, kv.k.dtype(), Access::Read)?;
+        let vcr = b.view(&kv.v, kv.v.dtype(), Access::Read)?;
+        let attn = gpu.kernel(&Kernel::Attention { cdt, hd })?;
+        let off = |s: usize| -> Result<u32> { Ok(mv.word_off() + u32_of(s, "metadata offset")?) };
+        let params = Params::new()
+            .us(tokens)?
+            .us(nh)?
+            .us(nkv)?
+            .us(layout.page_size)?
+            .u(qv.word_off())
+            .u(ov.word_off())
+            .u(kcr.word_off())
+            .u(vcr.word_off())
+            .u(off(meta.seqs)?)
+            .u(off(meta.page_table)?)
+            .u(off(meta.token_seq)?)
+            .us(p.sliding_window.unwrap_or(0))?
+            .f(p.scale)
+            .u(0)
+            .u(0)
+            .u(0);
+        gpu.dispatch(
+            &attn,
+            &params,
+            &[&qv, &mv, &kcr, &vcr, &ov],
+            grid_threads(tokens * nh, maxg)?,
+        )
+    }
+}

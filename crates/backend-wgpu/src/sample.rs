@@ -1,0 +1,76 @@
+//! Sampling on the device: one workgroup per logits row picks the token
+//! (`sample.wgsl`), so only the ids are read back.
+//!
+//! Greedy rows take the argmax (lowest index among ties, as the host). Other
+//! rows keep the tokens passing the top-k, top-p and min-p thresholds (ties
+//! at a threshold are kept) and draw one with a uniform value hashed from the
+//! row's seed, so the same seed and logits give the same token. The draw maps
+//! to tokens in id order, so it selects from the same distribution as the
+//! host's `StandardSampler` but not always the same token for a given seed.
+
+use crate::context::{Access, Params};
+use crate::kernels::{Kernel, grid};
+use crate::{WgpuBackend, no_overlap, u32_of};
+use arbor_engine_core::backend::SampleRow;
+use arbor_engine_core::{CoreError, DType, Result, Tensor};
+
+/// Words of parameters per row in the kernel's layout.
+const ROW_WORDS: usize = 8;
+
+pub fn sample(b: &WgpuBackend, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
+    let vocab = logits.row_len();
+    if logits.dtype() != DType::F32
+        || logits.rows() != rows.len()
+        || out.dtype() != DType::U32
+        || out.numel() != rows.len()
+    {
+        return Err(CoreError::invalid(format!(
+            "sample {} rows of {logits:?} into {out:?}",
+            rows.len()
+        )));
+    }
+    no_overlap(out, &[logits])?;
+    if rows.is_empty() {
+        return Ok(());
+    }
+    if vocab == 0 {
+        return Err(CoreError::invalid("sampling from empty logits"));
+    }
+    let mut words = Vec::with_capacity(rows.len() * ROW_WORDS);
+    for r in rows {
+        if !(r.top_p > 0.0 && r.top_p <= 1.0 && (0.0..=1.0).contains(&r.min_p)) {
+            return Err(CoreError::invalid(format!(
+                "sampling row {r:?}: top_p must be in (0, 1] and min_p in [0, 1]"
+            )));
+        }
+        words.extend_from_slice(&[
+            r.temperature.to_bits(),
+            r.top_k,
+            r.top_p.to_bits(),
+            r.min_p.to_bits(),
+            r.seed as u32,
+            (r.seed >> 32) as u32,
+            0,
+            0,
+        ]);
+    }
+    let params_t = b.upload_words(&words)?;
+    let probs = b.alloc_uninit(DType::F32, &[rows.len(), vocab])?;
+    let lv = b.view(logits, DType::F32, Access::Read)?;
+    let pv = b.view(&params_t, DType::U32, Access::Read)?;
+    let sv = b.view(&probs, DType::F32, Access::Write)?;
+    let ov = b.view(out, DType::U32, Access::Write)?;
+    let gpu = b.gpu();
+    let pipe = gpu.kernel(&Kernel::Sample)?;
+    let params = Params::new()
+        .us(rows.len())?
+        .u(u32_of(vocab, "vocabulary")?)
+        .u(lv.word_off())
+        .u(ov.word_off())
+        .u(pv.word_off())
+        .u(0)
+        .u(0)
+        .u(0);
+    let groups = grid(rows.len(), gpu.limits.max_compute_workgroups_per_dimension)?;
+    gpu.dispatch(&pipe, &params, &[&lv, &pv, &sv, &ov], groups)
+}

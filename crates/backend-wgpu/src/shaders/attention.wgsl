@@ -1,0 +1,99 @@
+// Paged causal attention with grouped-query heads and an optional sliding
+// window, one invocation per (token, query head), online softmax over the
+// sequence's keys lo..=pos read from the paged cache (CDT 0: f32, 1: f16,
+// 2: bf16). HD is the head dimension (even).
+//
+// lay (u32, the batch layout): per sequence 4 words at seq_off (q_start, q_len, prefix_len,
+// first page-table index); the page table at pt_off; the sequence of each
+// token at tok_off.
+
+struct P {
+    tokens: u32,
+    heads: u32,
+    kv_heads: u32,
+    page_size: u32,
+    q_off: u32,
+    out_off: u32,
+    kc_off: u32,
+    vc_off: u32,
+    seq_off: u32,
+    pt_off: u32,
+    tok_off: u32,
+    window: u32, // 0: none
+    scale: f32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> lay: array<u32>;
+@group(0) @binding(3) var<storage, read> kc: array<{{CT}}>;
+@group(0) @binding(4) var<storage, read> vc: array<{{CT}}>;
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;
+
+const HD: u32 = {{HD}}u;
+const CDT: u32 = {{CDT}}u;
+
+// Elements 2i, 2i+1 of the cache row starting at element `row` (even).
+fn kpair(row: u32, i: u32) -> vec2<f32> {
+    {{KPAIR}}
+}
+
+fn vpair(row: u32, i: u32) -> vec2<f32> {
+    {{VPAIR}}
+}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let idx = flat_index(wid, nwg, lid);
+    if (idx >= p.tokens * p.heads) {
+        return;
+    }
+    let t = idx / p.heads;
+    let h = idx % p.heads;
+    let g = h / (p.heads / p.kv_heads);
+    let s = lay[p.tok_off + t];
+    let q_start = lay[p.seq_off + 4u * s];
+    let prefix = lay[p.seq_off + 4u * s + 2u];
+    let first_page = lay[p.seq_off + 4u * s + 3u];
+    let pos = prefix + (t - q_start);
+    var lo = 0u;
+    if (p.window > 0u && pos + 1u > p.window) {
+        lo = pos + 1u - p.window;
+    }
+    let qb = p.q_off + t * p.heads * HD + h * HD;
+    var qv: array<vec2<f32>, HD / 2u>;
+    var acc: array<vec2<f32>, HD / 2u>;
+    for (var i = 0u; i < HD / 2u; i = i + 1u) {
+        qv[i] = vec2<f32>(q[qb + 2u * i], q[qb + 2u * i + 1u]);
+    }
+    var mx = -1.0e30;
+    var l = 0.0;
+    for (var j = lo; j <= pos; j = j + 1u) {
+        let page = lay[p.pt_off + first_page + j / p.page_size];
+        let slot = page * p.page_size + j % p.page_size;
+        let row = (slot * p.kv_heads + g) * HD;
+        var sc = 0.0;
+        for (var i = 0u; i < HD / 2u; i = i + 1u) {
+            sc = sc + dot(qv[i], kpair(row, i));
+        }
+        sc = sc * p.scale;
+        let m_new = max(mx, sc);
+        let c = exp(mx - m_new);
+        let e = exp(sc - m_new);
+        l = l * c + e;
+        for (var i = 0u; i < HD / 2u; i = i + 1u) {
+            acc[i] = acc[i] * c + e * vpair(row, i);
+        }
+        mx = m_new;
+    }
+    let inv = 1.0 / l;
+    let ob = p.out_off + t * p.heads * HD + h * HD;
+    for (var i = 0u; i < HD / 2u; i = i + 1u) {
+        out[ob + 2u * i] = acc[i].x * inv;
+        out[ob + 2u * i + 1u] = acc[i].y * inv;
+    }
+}
