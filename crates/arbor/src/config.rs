@@ -24,6 +24,7 @@ pub struct ModelSection {
     pub threads: Option<usize>,
     pub dtype: Option<String>,
     pub kv_cache_dtype: Option<String>,
+    pub wgpu_adapter: Option<String>,
 }
 
 /// `[server]`: the HTTP listener.
@@ -92,6 +93,7 @@ pub struct CacheSection {
     pub disable_radix_cache: Option<bool>,
     pub radix_eviction_policy: Option<String>,
     pub max_total_tokens: Option<usize>,
+    pub kv_cache_gb: Option<f64>,
     pub mem_fraction_static: Option<f64>,
 }
 
@@ -208,6 +210,9 @@ pub struct ServeArgs {
     /// KV cache element type: f32, f16 or bf16 [default: f32].
     #[arg(long = "kv-cache-dtype", help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
+    /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
+    #[arg(long = "wgpu-adapter", help_heading = "Model")]
+    pub wgpu_adapter: Option<String>,
     /// Run decode batches without CUDA graphs (`--device cuda`).
     #[arg(long = "disable-cuda-graph", help_heading = "Model")]
     pub disable_cuda_graph: bool,
@@ -286,6 +291,9 @@ pub struct ServeArgs {
     /// KV cache size in tokens; overrides --mem-fraction-static.
     #[arg(long = "max-total-tokens", help_heading = "Cache")]
     pub max_total_tokens: Option<usize>,
+    /// KV cache size in GiB (whole pages of the model's KV layout); overrides --mem-fraction-static, not --max-total-tokens.
+    #[arg(long = "kv-cache-gb", help_heading = "Cache")]
+    pub kv_cache_gb: Option<f64>,
     /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB [default: 0.8].
     #[arg(long = "mem-fraction-static", help_heading = "Cache")]
     pub mem_fraction_static: Option<f64>,
@@ -363,6 +371,11 @@ impl ServeConfig {
                         .or(m.kv_cache_dtype)
                         .unwrap_or_else(|| "f32".into()),
                 ),
+                wgpu_adapter: a
+                    .wgpu_adapter
+                    .clone()
+                    .or(m.wgpu_adapter)
+                    .or_else(|| std::env::var("ARBOR_WGPU_ADAPTER").ok()),
             },
             server: ServerSection {
                 host: Some(
@@ -469,6 +482,7 @@ impl ServeConfig {
                         .unwrap_or_else(|| "lru".into()),
                 ),
                 max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
+                kv_cache_gb: a.kv_cache_gb.or(c.kv_cache_gb),
                 mem_fraction_static: Some(
                     a.mem_fraction_static
                         .or(c.mem_fraction_static)
@@ -519,6 +533,11 @@ impl ServeConfig {
         let f = self.mem_fraction_static();
         if !(f > 0.0 && f <= 1.0) {
             bail!("[cache] mem_fraction_static / --mem-fraction-static must be in (0, 1], got {f}");
+        }
+        if let Some(g) = self.cache.kv_cache_gb
+            && !(g.is_finite() && g > 0.0)
+        {
+            bail!("[cache] kv_cache_gb / --kv-cache-gb must be a positive number of GiB, got {g}");
         }
         if self.cache.max_total_tokens == Some(0) {
             bail!("[cache] max_total_tokens / --max-total-tokens must be positive");
@@ -631,5 +650,39 @@ mod tests {
         assert_eq!(c.sampling.sampler.as_deref(), Some("mine"));
         let e = FileConfig::parse("[sampling]\nsamplr = \"x\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("unknown key 'samplr' in section [sampling]"));
+    }
+
+    /// examples/arbor.toml shows every key of every section (set, or as a
+    /// commented-out `# key = ...` line under its section), and the file as
+    /// shipped parses.
+    #[test]
+    fn example_config_shows_every_key() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/arbor.toml");
+        let text = std::fs::read_to_string(path).unwrap();
+        FileConfig::parse(&text).unwrap();
+        let all = serde_json::to_value(FileConfig::default()).unwrap();
+        let mut missing = Vec::new();
+        for (name, keys) in all.as_object().unwrap() {
+            let Some(keys) = keys.as_object() else {
+                continue; // [[plugins]]: an array of tables, shown commented out
+            };
+            let header = format!("[{name}]");
+            let body = text
+                .split_once(&format!("\n{header}\n"))
+                .map(|(_, rest)| rest.split("\n[").next().unwrap_or(""))
+                .unwrap_or_else(|| panic!("examples/arbor.toml has no {header}"));
+            for key in keys.keys() {
+                let shown = body.lines().any(|l| {
+                    let l = l.trim_start_matches('#').trim_start();
+                    l.strip_prefix(key.as_str())
+                        .is_some_and(|r| r.trim_start().starts_with('='))
+                });
+                if !shown {
+                    missing.push(format!("{header} {key}"));
+                }
+            }
+        }
+        assert!(text.contains("[[plugins]]"));
+        assert!(missing.is_empty(), "examples/arbor.toml lacks {missing:?}");
     }
 }

@@ -1,7 +1,7 @@
 //! `arbor info`: what this binary can do.
 
 use crate::setup;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use arbor_engine_core::BackendOptions;
 use arbor_engine_core::registry::Origin;
 use clap::Args;
@@ -12,13 +12,31 @@ pub struct InfoArgs {
     /// Also load this plugin library and list what it provides (repeatable).
     #[arg(long = "plugin", value_name = "PATH")]
     pub plugin: Vec<std::path::PathBuf>,
+    /// Also load the `[[plugins]]` of this `arbor serve` config file, with their config.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
     let mut registry = setup::registry()?;
-    for p in &args.plugin {
-        let info =
-            arbor_engine_core::plugin::load_plugin(p, &serde_json::Value::Null, &mut registry)?;
+    let mut plugins: Vec<(std::path::PathBuf, serde_json::Value)> = Vec::new();
+    if let Some(path) = &args.config {
+        for p in crate::config::FileConfig::load(path)?.plugins {
+            let config = match &p.config {
+                Some(t) => serde_json::to_value(t)?,
+                None => serde_json::Value::Null,
+            };
+            plugins.push((p.path, config));
+        }
+    }
+    plugins.extend(
+        args.plugin
+            .iter()
+            .map(|p| (p.clone(), serde_json::Value::Null)),
+    );
+    for (p, config) in &plugins {
+        let info = arbor_engine_core::plugin::load_plugin(p, config, &mut registry)
+            .with_context(|| format!("plugin {}", p.display()))?;
         println!("plugin {} {} ({})", info.name, info.version, p.display());
     }
     println!("Arbor {}", env!("CARGO_PKG_VERSION"));

@@ -41,7 +41,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
         kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "f32".into()),
         page_size: cfg.page_size(),
-        wgpu_adapter: std::env::var("ARBOR_WGPU_ADAPTER").ok(),
+        wgpu_adapter: m.wgpu_adapter.clone(),
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args.cuda_graph_max_bs.or(q.max_running_requests),
     };
@@ -72,9 +72,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
         ..defaults
     };
-    let kv = match c.max_total_tokens {
-        Some(t) => KvBudget::Tokens(t),
-        None => KvBudget::Fraction(cfg.mem_fraction_static()),
+    let kv = match (c.max_total_tokens, c.kv_cache_gb) {
+        (Some(t), _) => KvBudget::Tokens(t),
+        (None, Some(g)) => KvBudget::Bytes((g * (1u64 << 30) as f64) as u64),
+        (None, None) => KvBudget::Fraction(cfg.mem_fraction_static()),
     };
     let eviction_policy = c
         .radix_eviction_policy

@@ -99,6 +99,9 @@ pub fn load(
 pub enum KvBudget {
     /// Exactly this many tokens (rounded up to whole pages).
     Tokens(usize),
+    /// As many tokens as this many bytes of KV hold (rounded down to whole
+    /// pages, at least one page).
+    Bytes(u64),
     /// This share of the memory available before loading (MemAvailable) holds
     /// the weights plus the KV cache; see [`kv_tokens_for_fraction`].
     Fraction(f64),
@@ -206,6 +209,10 @@ pub fn build_engine(
         KvBudget::Tokens(t) => (
             t.div_ceil(page_size) * page_size,
             "--max-total-tokens".to_string(),
+        ),
+        KvBudget::Bytes(b) => (
+            ((b / per_token.max(1)) as usize / page_size).max(1) * page_size,
+            format!("--kv-cache-gb {:.3}", b as f64 / (1u64 << 30) as f64),
         ),
         KvBudget::Fraction(f) => {
             let Some(avail) = available else {

@@ -328,3 +328,57 @@ async fn client_disconnect_aborts_its_request() -> Result<()> {
     }
     assert_no_leak(&c, &s, "arbor", None).await
 }
+
+/// `--kv-cache-gb` sizes the KV cache in GiB: the capacity is the whole pages
+/// of the model's KV layout that fit (tiny Llama: 3 layers × 2 KV heads × 16
+/// dims × K and V, f32 = 768 bytes per token; f16 = 384); `--max-total-tokens`
+/// beats it, and a non-positive size is refused naming the key.
+#[tokio::test]
+async fn kv_cache_size_in_gib() -> Result<()> {
+    let model = fixture("tiny-llama");
+    let c = client();
+    for (dtype, bytes_per_token) in [("f32", 768u64), ("f16", 384)] {
+        let s = Server::start(&[
+            "--model-path",
+            &model,
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--kv-cache-dtype",
+            dtype,
+            "--kv-cache-gb",
+            "0.01",
+        ])?;
+        let (st, info) = get(&c, &s.url("/get_server_info"), None).await?;
+        assert_eq!(st, 200);
+        let info: Value = serde_json::from_str(&info)?;
+        let bytes = (0.01 * (1u64 << 30) as f64) as u64;
+        let expect = bytes / bytes_per_token / 16 * 16;
+        assert_eq!(info["max_total_num_tokens"], expect, "{dtype}: {info}");
+        assert!(s.log_contains("--kv-cache-gb"), "{}", s.logs());
+    }
+    let s = Server::start(&[
+        "--model-path",
+        &model,
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--kv-cache-gb",
+        "0.01",
+        "--max-total-tokens",
+        "1024",
+    ])?;
+    let (_, info) = get(&c, &s.url("/get_server_info"), None).await?;
+    let info: Value = serde_json::from_str(&info)?;
+    assert_eq!(info["max_total_num_tokens"], 1024, "tokens beat GiB");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+        .args(["serve", "--model-path", &model, "--kv-cache-gb", "0"])
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kv_cache_gb / --kv-cache-gb"), "{err}");
+    Ok(())
+}

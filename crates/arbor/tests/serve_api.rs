@@ -373,6 +373,145 @@ async fn openai_chat_with_qwen2_template() -> Result<()> {
     assert_no_leak(&c, &s, "arbor", None).await
 }
 
+/// Grammar warm-up and the grammar cache over HTTP: a `max_new_tokens: 0`
+/// request with a schema compiles it (a cache miss) and generates nothing;
+/// the next request with the same schema is a cache hit and compiles
+/// nothing. `response_format: json_object` output starts a JSON object, and
+/// `tool_choice: auto` leaves generation free (no tool call is forced).
+#[tokio::test]
+async fn grammar_warm_up_cache_json_object_and_auto_tools() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let counters = |m: &str| {
+        (
+            metric(m, "arbor:grammar_cache_hits_total"),
+            metric(m, "arbor:grammar_cache_misses_total"),
+        )
+    };
+    let (_, m) = get(&c, &s.url("/metrics"), None).await?;
+    assert_eq!(counters(&m), (Some(0.0), Some(0.0)), "{m}");
+    let schema =
+        json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+            .to_string();
+    let warm = post_ok(
+        &c,
+        &s.url("/generate"),
+        &json!({"text": "x", "sampling_params": {"max_new_tokens": 0, "json_schema": schema}}),
+    )
+    .await?;
+    assert_eq!(meta(&warm)["completion_tokens"], 0, "{warm}");
+    let (_, m) = get(&c, &s.url("/metrics"), None).await?;
+    assert_eq!(counters(&m), (Some(0.0), Some(1.0)), "warm-up compiles");
+    let v = post_ok(
+        &c,
+        &s.url("/generate"),
+        &json!({"text": "y", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "json_schema": schema}}),
+    )
+    .await?;
+    let text = v["text"].as_str().context("text")?;
+    assert!(text.starts_with("{\"n\":"), "{text:?}");
+    let (_, m) = get(&c, &s.url("/metrics"), None).await?;
+    assert_eq!(
+        counters(&m),
+        (Some(1.0), Some(1.0)),
+        "served from the cache"
+    );
+
+    let msgs = json!([{"role": "user", "content": "Give me JSON."}]);
+    let u = s.url("/v1/chat/completions");
+    let v = post_ok(
+        &c,
+        &u,
+        &json!({"messages": msgs, "max_tokens": 16, "temperature": 0, "response_format": {"type": "json_object"}}),
+    )
+    .await?;
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .context("content")?;
+    assert!(text.starts_with('{'), "{text:?}");
+
+    let tools = json!([{"type": "function", "function": {"name": "set_flag",
+        "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}}]);
+    let v = post_ok(
+        &c,
+        &u,
+        &json!({"messages": msgs, "max_tokens": 8, "temperature": 0, "tools": tools, "tool_choice": "auto"}),
+    )
+    .await?;
+    let choice = &v["choices"][0];
+    // The tiny random model writes no <tool_call> tag, so the answer is text.
+    assert_eq!(choice["finish_reason"], "length", "{v}");
+    assert!(
+        choice["message"]["tool_calls"].is_null() || choice["message"]["tool_calls"] == json!([]),
+        "{v}"
+    );
+    assert_eq!(v["usage"]["completion_tokens"], 8, "{v}");
+    assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// Prefix-cache namespaces: `extra_key` (native) and `cache_salt` (native
+/// and OpenAI) keep tenants apart: the same prompt is a cache hit only for a
+/// later request with the same keys.
+#[tokio::test]
+async fn extra_key_and_cache_salt_separate_cached_prefixes() -> Result<()> {
+    let s = Server::tiny(&["--enable-cache-report"])?;
+    let c = client();
+    let ids: Vec<u32> = (1..=70).collect();
+    let cached = |v: &Value| meta(v)["cached_tokens"].as_u64().unwrap_or(u64::MAX);
+    let gen_ = |extra: Value| {
+        let mut body =
+            json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    };
+    let u = s.url("/generate");
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({"extra_key": "t1"}))).await?),
+        0
+    );
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({"extra_key": "t1"}))).await?),
+        64,
+        "same key: 4 pages hit"
+    );
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({"extra_key": "t2"}))).await?),
+        0,
+        "other key"
+    );
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({}))).await?),
+        0,
+        "no key"
+    );
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({"cache_salt": "s"}))).await?),
+        0
+    );
+    assert_eq!(
+        cached(&post_ok(&c, &u, &gen_(json!({"cache_salt": "s"}))).await?),
+        64
+    );
+    // The OpenAI route: cache_salt with usage.prompt_tokens_details.
+    let cmpl =
+        |salt: &str| json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "cache_salt": salt});
+    let v = post_ok(&c, &s.url("/v1/completions"), &cmpl("s")).await?;
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 64,
+        "{v}"
+    );
+    let v = post_ok(&c, &s.url("/v1/completions"), &cmpl("other")).await?;
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{v}"
+    );
+    let (st, v) = post(&c, &u, &json!({"text": "x", "extra_key": 5})).await?;
+    assert_eq!(st, 400, "{v}");
+    assert_no_leak(&c, &s, "arbor", None).await
+}
+
 #[tokio::test]
 async fn bad_requests_get_4xx_with_a_message_and_leak_nothing() -> Result<()> {
     let s = Server::tiny(&[

@@ -25,6 +25,8 @@ fn plugin(name: &str) -> Result<PathBuf> {
             "arbor-plugin-banned-words",
             "-p",
             "arbor-plugin-size-aware-eviction",
+            "-p",
+            "arbor-plugin-typical-sampler",
         ])
         .env("CARGO_TARGET_DIR", &target)
         .current_dir(&root)
@@ -58,6 +60,72 @@ fn info_lists_plugins_next_to_builtins() -> Result<()> {
             .any(|l| l.contains("lru") && l.contains("built-in"))
     );
     Ok(())
+}
+
+/// A sampler plugin named in `[sampling] sampler` through the config file:
+/// `arbor info --config` lists it with its origin, and in `arbor serve` it
+/// samples every request (typical_p = 0 keeps one candidate per step, so two
+/// seeds give the same tokens; the built-in sampler gives different ones).
+#[tokio::test]
+async fn a_plugin_sampler_from_the_config() -> Result<()> {
+    let lib = plugin("arbor_plugin_typical_sampler")?;
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("arbor.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[plugins]]\npath = {:?}\nconfig = {{ typical_p = 0.0 }}\n\n[sampling]\nsampler = \"typical\"\n",
+            lib.display().to_string()
+        ),
+    )?;
+    let cfg_s = cfg.display().to_string();
+    let out = Command::new(BIN)
+        .args(["info", "--config", &cfg_s])
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("plugin typical-sampler 0.1.0"), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("typical "))
+        .context("typical listed")?;
+    assert!(line.contains("plugin"), "{line}");
+
+    let c = client();
+    let body = |seed: u64| {
+        json!({"input_ids": [10, 52, 7, 99, 130, 41, 77],
+               "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": seed, "ignore_eos": true}})
+    };
+    let ids = |v: &serde_json::Value| -> Vec<u64> {
+        v["output_ids"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+            .unwrap_or_default()
+    };
+    let (std1, std2) = {
+        let s = Server::tiny(&[])?;
+        let a = ids(&post_ok(&c, &s.url("/generate"), &body(1)).await?);
+        let b = ids(&post_ok(&c, &s.url("/generate"), &body(2)).await?);
+        (a, b)
+    };
+    assert_ne!(
+        std1, std2,
+        "the standard sampler draws differently per seed"
+    );
+    let s = Server::tiny(&["--config", &cfg_s])?;
+    assert!(
+        s.log_contains("loaded plugin typical-sampler"),
+        "{}",
+        s.logs()
+    );
+    let a = ids(&post_ok(&c, &s.url("/generate"), &body(1)).await?);
+    let b = ids(&post_ok(&c, &s.url("/generate"), &body(2)).await?);
+    assert_eq!(a.len(), 16);
+    assert_eq!(
+        a, b,
+        "typical_p = 0: one candidate per step whatever the seed"
+    );
+    assert_no_leak(&c, &s, "arbor", None).await
 }
 
 #[tokio::test]

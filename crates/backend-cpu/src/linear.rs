@@ -1,14 +1,18 @@
 //! Linear layers: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for every weight
 //! dtype, one at a time or several sharing one input (Q/K/V, gate/up).
 //!
-//! Row-kernel path (decode, `m <= SMALL_M`, and every quantized weight):
-//! activations are prepared once per layer for its weight format (quantized to
-//! Q8 for quantized weights, as ggml does, so prefill and decode use the same
-//! integer dots) in blocks of `SMALL_M` rows, and the weight rows of all the
-//! layers form one range split across the pool, so a whole Q/K/V projection is
-//! one parallel region. GEMM path (float weights, large `m`): each piece takes
-//! tiles of weight rows, converts them to f32 in a per-thread tile, and
-//! multiplies with an f32 GEMM, writing only its own output columns.
+//! Quantized path (every quantized weight, and float weights with
+//! `m <= SMALL_M`): activations are prepared once per activation type for all
+//! `m` rows (quantized to Q8 for quantized weights, as ggml does, so prefill
+//! and decode use the same integer dots; layers sharing an input and a type
+//! share the preparation), and the weight rows of all the layers form one
+//! range split across the pool, so a whole Q/K/V projection is one parallel
+//! region. Each piece calls `arbor_quant::dot_rows_raw` on its weight rows,
+//! which writes its output columns in place (row kernels for few rows, the
+//! tiled GEMM from `GEMM_MIN_M` rows; shares are then whole 32-row panels).
+//! Float GEMM path (float weights, large `m`): each piece takes tiles of
+//! weight rows, converts them to f32 in a per-thread tile, and multiplies
+//! with an f32 GEMM, writing only its own output columns.
 
 use crate::memory::SendPtr;
 use crate::pool::share;
@@ -17,17 +21,21 @@ use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
 use arbor_quant::PreparedActs;
 use std::sync::Mutex;
 
-/// Largest batch that takes the row-kernel path for float weights, and the
-/// activation block size of that path.
+/// Largest batch that takes the quantized path for float weights.
 const SMALL_M: usize = 8;
 /// Weight rows per GEMM tile.
 const TILE_ROWS: usize = 64;
 /// Row alignment of piece shares.
 const ROW_ALIGN: usize = 16;
+/// Row alignment of piece shares on the tiled GEMM path (its panel height).
+const GEMM_ALIGN: usize = 32;
 
 thread_local! {
     /// Per-thread f32 tile of converted weight rows, reused across calls.
     static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Per-thread prepared activations (one per activation type of a call),
+    /// reused across calls.
+    static ACTS: std::cell::RefCell<Vec<PreparedActs>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// One validated layer.
@@ -146,27 +154,56 @@ fn take_error(err: Mutex<Option<String>>, what: &str) -> Result<()> {
 
 /// All `jobs` in one parallel region over the concatenation of their weight rows.
 fn row_kernels(b: &CpuBackend, xs: &[f32], m: usize, k: usize, jobs: &[&Job<'_>]) -> Result<()> {
-    let acts: Vec<Vec<(usize, PreparedActs)>> = jobs
-        .iter()
-        .map(|j| {
-            (0..m)
-                .step_by(SMALL_M)
-                .map(|i0| {
-                    let mb = SMALL_M.min(m - i0);
-                    arbor_quant::prepare_acts(j.dtype, &xs[i0 * k..(i0 + mb) * k], mb, k)
-                        .map(|a| (i0, a))
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .collect::<Result<_, _>>()
-        .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+    // Reuse this thread's activation buffers (no allocation or page faults
+    // per call); a nested call, which cannot happen today, gets fresh ones.
+    ACTS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut pool) => row_kernels_with(b, xs, m, k, jobs, &mut pool),
+        Err(_) => row_kernels_with(b, xs, m, k, jobs, &mut Vec::new()),
+    })
+}
+
+fn row_kernels_with(
+    b: &CpuBackend,
+    xs: &[f32],
+    m: usize,
+    k: usize,
+    jobs: &[&Job<'_>],
+    pool: &mut Vec<PreparedActs>,
+) -> Result<()> {
+    // One preparation per activation type (Q/K/V or gate/up share theirs).
+    let mut types: Vec<DType> = Vec::new();
+    let mut which = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        let ad = arbor_quant::act_dtype_for(j.dtype)
+            .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+        let idx = match types.iter().position(|d| *d == ad) {
+            Some(i) => i,
+            None => {
+                if pool.len() <= types.len() {
+                    pool.push(PreparedActs::new());
+                }
+                pool[types.len()]
+                    .prepare_into(j.dtype, xs, m, k)
+                    .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+                types.push(ad);
+                types.len() - 1
+            }
+        };
+        which.push(idx);
+    }
+    let prepared = &pool[..types.len()];
     let total: usize = jobs.iter().map(|j| j.n).sum();
+    // Whole 32-row panels for the tiled GEMM; 16 rows are enough otherwise.
+    let align = if m >= arbor_quant::GEMM_MIN_M {
+        GEMM_ALIGN
+    } else {
+        ROW_ALIGN
+    };
     let err: Mutex<Option<String>> = Mutex::new(None);
     b.parallel(&|t, pieces| {
-        let (g0, g1) = share(total, t, pieces, ROW_ALIGN);
+        let (g0, g1) = share(total, t, pieces, align);
         let mut base = 0;
-        let mut tmp: Vec<f32> = Vec::new();
-        for (j, blocks) in jobs.iter().zip(&acts) {
+        for (j, &ai) in jobs.iter().zip(&which) {
             let (lo, hi) = (g0.max(base), g1.min(base + j.n));
             base += j.n;
             if lo >= hi {
@@ -174,35 +211,23 @@ fn row_kernels(b: &CpuBackend, xs: &[f32], m: usize, k: usize, jobs: &[&Job<'_>]
             }
             let (r0, rows) = (lo - (base - j.n), hi - lo);
             let wrows = &j.w[r0 * j.row_bytes..(r0 + rows) * j.row_bytes];
-            if m == 1 {
-                // SAFETY: columns r0..r0+rows of the single output row: this piece only.
-                let o = unsafe { std::slice::from_raw_parts_mut(j.out.get().add(r0), rows) };
-                if let Err(e) =
-                    arbor_quant::dot_rows(j.dtype, wrows, rows, k, &blocks[0].1, o, rows)
-                {
-                    first_error(&err, e.to_string());
-                }
-                continue;
-            }
-            tmp.resize(SMALL_M * rows, 0.0);
-            for (i0, a) in blocks {
-                let mb = a.m();
-                if let Err(e) =
-                    arbor_quant::dot_rows(j.dtype, wrows, rows, k, a, &mut tmp[..mb * rows], rows)
-                {
-                    first_error(&err, e.to_string());
-                    return;
-                }
-                for i in 0..mb {
-                    // SAFETY: output row i0 + i, columns r0..r0+rows: this piece only.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            tmp.as_ptr().add(i * rows),
-                            j.out.get().add((i0 + i) * j.n + r0),
-                            rows,
-                        );
-                    }
-                }
+            // SAFETY: the output is [m, n] f32 (validated view); this piece
+            // alone writes its columns r0..r0+rows of every row, and
+            // dot_rows_raw writes nothing else.
+            let res = unsafe {
+                arbor_quant::dot_rows_raw(
+                    j.dtype,
+                    wrows,
+                    rows,
+                    k,
+                    &prepared[ai],
+                    j.out.get().add(r0),
+                    j.n,
+                )
+            };
+            if let Err(e) = res {
+                first_error(&err, e.to_string());
+                return;
             }
         }
     })?;

@@ -14,7 +14,7 @@ use arbor_engine_core::registry::Origin;
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
     Backend, CacheNamespace, DType, LoadOptions, PagePool, PrefixCacheOptions, Registry,
-    SamplingParams,
+    SamplingParams, SeqRng,
 };
 use arbor_kv_radix as _;
 use std::path::{Path, PathBuf};
@@ -38,6 +38,8 @@ fn plugin_dir() -> &'static Path {
                 "arbor-plugin-banned-words",
                 "-p",
                 "arbor-plugin-size-aware-eviction",
+                "-p",
+                "arbor-plugin-typical-sampler",
             ])
             .env("CARGO_TARGET_DIR", &target)
             .current_dir(root())
@@ -169,6 +171,10 @@ fn wrong_abi_and_missing_paths_are_refused() -> Result<()> {
 }
 
 fn engine(registry: &Registry, processors: &[&str]) -> Result<Engine> {
+    engine_with(registry, processors, "standard")
+}
+
+fn engine_with(registry: &Registry, processors: &[&str], sampler: &str) -> Result<Engine> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
@@ -196,7 +202,7 @@ fn engine(registry: &Registry, processors: &[&str]) -> Result<Engine> {
         EngineParts {
             runner,
             prefix_cache: cache,
-            sampler: registry.samplers.get("standard")?()?,
+            sampler: registry.samplers.get(sampler)?()?,
             processors,
             decoder: m.tokenizer.clone(),
             eos_token_ids: vec![],
@@ -209,6 +215,14 @@ fn run(e: &Engine, prompt: &[u32]) -> Result<(Vec<u32>, FinishKind, Option<Strin
         ignore_eos: true,
         ..SamplingParams::greedy(24)
     };
+    run_with(e, prompt, params)
+}
+
+fn run_with(
+    e: &Engine,
+    prompt: &[u32],
+    params: SamplingParams,
+) -> Result<(Vec<u32>, FinishKind, Option<String>)> {
     let chunks = e
         .submit(GenerateRequest::new(prompt.to_vec(), params))?
         .collect_blocking();
@@ -269,6 +283,83 @@ fn banned_words_never_appear_and_a_panic_fails_only_its_request() -> Result<()> 
         .flat_map(|c| c.token_ids.clone())
         .collect();
     assert_eq!(good, out);
+    assert!(e.flush_cache()?);
+    Ok(())
+}
+
+/// A sampler from a plugin (locally typical sampling) drives a real engine:
+/// on hand-made logits it picks the token an independent calculation says is
+/// the most typical; at temperature 0 the engine's output equals the built-in
+/// greedy sampler's; at temperature 1 with `typical_p = 0` the output is the
+/// same whatever the seed (one candidate per step), and with `typical_p = 1`
+/// the same seed gives the same tokens.
+#[test]
+fn a_plugin_sampler_drives_the_engine() -> Result<()> {
+    let mut r = Registry::builtin()?;
+    let info = load_plugin(
+        &lib("arbor_plugin_typical_sampler"),
+        &serde_json::json!({"typical_p": 0.0}),
+        &mut r,
+    )?;
+    assert_eq!(info.samplers, vec!["typical"]);
+    let listed = r.listing();
+    assert!(listed.iter().any(|(_, n, _, _)| n == "standard"));
+    assert!(
+        listed
+            .iter()
+            .any(|(_, n, _, o)| n == "typical" && matches!(o, Origin::Plugin(_)))
+    );
+
+    // p = [0.1, 0.2, 0.3, 0.4]: the token whose surprisal is nearest the entropy.
+    let probs = [0.1f64, 0.2, 0.3, 0.4];
+    let h: f64 = probs.iter().map(|p| -p * p.ln()).sum();
+    let expect = (0..4)
+        .min_by(|&a, &b| {
+            (-probs[a].ln() - h)
+                .abs()
+                .total_cmp(&(-probs[b].ln() - h).abs())
+        })
+        .unwrap() as u32;
+    let sampler = r.samplers.get("typical")?()?;
+    let params = SamplingParams {
+        temperature: 1.0,
+        ..SamplingParams::greedy(1)
+    };
+    for seed in 0..8 {
+        let mut logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
+        let mut rng = SeqRng::new(seed);
+        assert_eq!(sampler.sample(&mut logits, &params, &mut rng)?, expect);
+    }
+
+    let prompt: Vec<u32> = vec![10, 52, 7, 99, 130, 41, 77];
+    let greedy = run(&engine(&Registry::builtin()?, &[])?, &prompt)?.0;
+    let e = engine_with(&r, &[], "typical")?;
+    assert_eq!(run(&e, &prompt)?.0, greedy, "temperature 0 is greedy");
+    let hot = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        ignore_eos: true,
+        ..SamplingParams::greedy(24)
+    };
+    let a = run_with(&e, &prompt, hot(1))?.0;
+    let b = run_with(&e, &prompt, hot(2))?.0;
+    assert_eq!(a.len(), 24);
+    assert_eq!(a, b, "typical_p = 0 leaves one candidate per step");
+    assert!(e.flush_cache()?);
+
+    let mut r1 = Registry::builtin()?;
+    load_plugin(
+        &lib("arbor_plugin_typical_sampler"),
+        &serde_json::json!({"typical_p": 1.0}),
+        &mut r1,
+    )?;
+    let e = engine_with(&r1, &[], "typical")?;
+    let x = run_with(&e, &prompt, hot(5))?.0;
+    let y = run_with(&e, &prompt, hot(5))?.0;
+    let z = run_with(&e, &prompt, hot(6))?.0;
+    assert_eq!(x, y, "same seed, same tokens");
+    assert_ne!(x, greedy, "typical_p = 1 samples the whole distribution");
+    assert_ne!(x, z, "another seed, other tokens");
     assert!(e.flush_cache()?);
     Ok(())
 }

@@ -2,6 +2,13 @@
 //! Q4_1 GGUF), printed as one JSON line; tools/llamacpp/bench_compare.py runs
 //! it alternately with llama.cpp on the same file and prints the ratios.
 //!
+//! Besides wall-clock tok/s it reports CPU time per token (all threads of the
+//! process, from `/proc/self/task/*/schedstat`; with one thread that is the
+//! calling thread's own time, the figure to compare on a busy machine) and
+//! batch-8 decode (8 sequences of 64 prompt tokens, 32 steps).
+//! ARBOR_BENCH_ONLY=prefill,decode,bs8 picks sections (for profiling),
+//! ARBOR_BENCH_REPS the runs per figure (best of, default 3).
+//!
 //! Run: `cargo bench -p arbor-models --bench default_model`
 //! (ARBOR_BENCH_THREADS, default 2; ARBOR_DEFAULT_GGUF overrides the file).
 
@@ -30,50 +37,128 @@ fn main() {
     let m = arbor_models::load_model(&path, &registry, &opts).expect("model");
     let bytes = m.model.spec().weight_bytes;
     let runner =
-        ModelRunner::new(m.model.clone(), backend, None, 16, 48, DType::F16).expect("runner");
-    let pages: Vec<u32> = (0..48).collect();
+        ModelRunner::new(m.model.clone(), backend, None, 16, 64, DType::F16).expect("runner");
+    let pages: Vec<u32> = (0..64).collect();
     let prompt: Vec<u32> = (0..512u32).map(|i| 200 + (i * 7919) % 40000).collect();
-    let mut prefill = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        runner
-            .step(&[SeqStep {
-                tokens: &prompt,
-                prefix_len: 0,
-                pages: &pages[..32],
-                want_logits: true,
-            }])
-            .expect("prefill");
-        prefill = prefill.min(t.elapsed().as_secs_f64());
-    }
-    // Decode 128 tokens after a 16-token prompt, best of 3.
-    let mut decode = f64::MAX;
-    let steps = 128;
-    for _ in 0..3 {
-        runner
-            .step(&[SeqStep {
-                tokens: &prompt[..16],
-                prefix_len: 0,
-                pages: &pages[..16],
-                want_logits: true,
-            }])
-            .expect("prompt");
-        let t = Instant::now();
-        for i in 0..steps {
+    let only = std::env::var("ARBOR_BENCH_ONLY").unwrap_or_default();
+    let reps: usize = std::env::var("ARBOR_BENCH_REPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let wanted = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
+    // Best (wall, cpu) seconds of `reps` runs of `timed` (after `setup`).
+    let best = |setup: &dyn Fn(), timed: &dyn Fn()| {
+        let (mut wall, mut cpu) = (f64::MAX, f64::MAX);
+        for _ in 0..reps {
+            setup();
+            let c = cpu_seconds();
+            let t = Instant::now();
+            timed();
+            wall = wall.min(t.elapsed().as_secs_f64());
+            cpu = cpu.min(cpu_seconds() - c);
+        }
+        (wall, cpu)
+    };
+    let mut fields = vec![format!("\"threads\": {threads}")];
+    let mut report = |name: &str, tokens: f64, (wall, cpu): (f64, f64)| {
+        fields.push(format!("\"{name}_tok_s\": {:.1}", tokens / wall));
+        fields.push(format!(
+            "\"{}_cpu_ms_per_tok\": {:.3}",
+            name.trim_end_matches("_decode"),
+            1e3 * cpu / tokens
+        ));
+    };
+    if wanted("prefill") {
+        let r = best(&|| {}, &|| {
             runner
                 .step(&[SeqStep {
-                    tokens: &prompt[16 + i..17 + i],
-                    prefix_len: 16 + i,
+                    tokens: &prompt,
+                    prefix_len: 0,
+                    pages: &pages[..32],
+                    want_logits: true,
+                }])
+                .expect("prefill");
+        });
+        report("prefill", 512.0, r);
+    }
+    if wanted("decode") {
+        // Decode 128 tokens after a 16-token prompt.
+        let steps = 128;
+        let prompt16 = || {
+            runner
+                .step(&[SeqStep {
+                    tokens: &prompt[..16],
+                    prefix_len: 0,
                     pages: &pages[..16],
                     want_logits: true,
                 }])
-                .expect("decode");
-        }
-        decode = decode.min(t.elapsed().as_secs_f64());
+                .expect("prompt");
+        };
+        let r = best(&prompt16, &|| {
+            for i in 0..steps {
+                runner
+                    .step(&[SeqStep {
+                        tokens: &prompt[16 + i..17 + i],
+                        prefix_len: 16 + i,
+                        pages: &pages[..16],
+                        want_logits: true,
+                    }])
+                    .expect("decode");
+            }
+        });
+        report("decode", steps as f64, r);
+    }
+    if wanted("bs8") {
+        // 8 sequences of 64 prompt tokens (8 pages each), then 32 steps.
+        let (bsz, plen, steps) = (8usize, 64usize, 32usize);
+        let prompts = || {
+            let seqs: Vec<SeqStep<'_>> = (0..bsz)
+                .map(|s| SeqStep {
+                    tokens: &prompt[s * 31..s * 31 + plen],
+                    prefix_len: 0,
+                    pages: &pages[s * 8..s * 8 + 8],
+                    want_logits: true,
+                })
+                .collect();
+            runner.step(&seqs).expect("bs8 prompts");
+        };
+        let r = best(&prompts, &|| {
+            for i in 0..steps {
+                let seqs: Vec<SeqStep<'_>> = (0..bsz)
+                    .map(|s| SeqStep {
+                        tokens: &prompt[s * 17 + i..s * 17 + i + 1],
+                        prefix_len: plen + i,
+                        pages: &pages[s * 8..s * 8 + 8],
+                        want_logits: true,
+                    })
+                    .collect();
+                runner.step(&seqs).expect("bs8 decode");
+            }
+        });
+        report("bs8_decode", (bsz * steps) as f64, r);
     }
     println!(
-        "{{\"engine\": \"arbor\", \"threads\": {threads}, \"prefill_tok_s\": {:.1}, \"decode_tok_s\": {:.1}, \"weight_bytes\": {bytes}}}",
-        512.0 / prefill,
-        steps as f64 / decode
+        "{{\"engine\": \"arbor\", {}, \"weight_bytes\": {bytes}}}",
+        fields.join(", ")
     );
+}
+
+/// CPU time of every thread of this process so far, in seconds (the first
+/// field of each `/proc/self/task/*/schedstat`, in ns); NaN where unavailable.
+fn cpu_seconds() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return f64::NAN;
+    };
+    let mut ns = 0u64;
+    for e in dir.flatten() {
+        let Ok(s) = std::fs::read_to_string(e.path().join("schedstat")) else {
+            continue;
+        };
+        ns += s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    ns as f64 * 1e-9
 }

@@ -63,7 +63,12 @@ fn edit_tensors(
     f(&mut m);
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = m
         .iter()
-        .map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &p)?;
     Ok(())
@@ -81,22 +86,40 @@ fn config_errors_name_file_and_key() -> Result<()> {
     let d = copy()?;
     std::fs::remove_file(d.path().join("config.json"))?;
     let e = load(d.path());
-    assert!(e.contains("config.json") && e.contains("No such file"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("No such file"),
+        "{e}"
+    );
 
     let d = copy()?;
     std::fs::write(d.path().join("config.json"), "{ not json")?;
     let e = load(d.path());
-    assert!(e.contains("config.json") && e.contains("invalid JSON"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("invalid JSON"),
+        "{e}"
+    );
 
     let d = copy()?;
-    edit_config(d.path(), |v| v["architectures"] = serde_json::json!(["GPTBigCodeForCausalLM"]))?;
+    edit_config(d.path(), |v| {
+        v["architectures"] = serde_json::json!(["GPTBigCodeForCausalLM"])
+    })?;
     let e = load(d.path());
-    assert!(e.contains("GPTBigCodeForCausalLM") && e.contains("not supported") && e.contains("Qwen2ForCausalLM"), "{e}");
+    assert!(
+        e.contains("GPTBigCodeForCausalLM")
+            && e.contains("not supported")
+            && e.contains("Qwen2ForCausalLM"),
+        "{e}"
+    );
 
     let d = copy()?;
-    edit_config(d.path(), |v| v["num_attention_heads"] = serde_json::json!("four"))?;
+    edit_config(d.path(), |v| {
+        v["num_attention_heads"] = serde_json::json!("four")
+    })?;
     let e = load(d.path());
-    assert!(e.contains("config.json") && e.contains("num_attention_heads"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("num_attention_heads"),
+        "{e}"
+    );
 
     let d = copy()?;
     edit_config(d.path(), |v| {
@@ -153,7 +176,10 @@ fn a_broken_tokenizer_is_named() -> Result<()> {
     let e = load(d.path());
     assert!(e.contains("tokenizer.json") && e.contains("missing"), "{e}");
     let d = copy()?;
-    std::fs::write(d.path().join("tokenizer_config.json"), "{\"chat_template\": \"{% for %}\"}")?;
+    std::fs::write(
+        d.path().join("tokenizer_config.json"),
+        "{\"chat_template\": \"{% for %}\"}",
+    )?;
     let e = load(d.path());
     assert!(e.contains("chat template"), "{e}");
     Ok(())

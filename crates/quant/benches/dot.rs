@@ -3,13 +3,104 @@
 //! 49152 rows x k=576 (the tied embedding / LM head; k=512 for the K formats,
 //! whose rows must be multiples of 256).
 //!
+//! The `gemm` group compares the tiled GEMM with the row kernels at m = 2..512
+//! on the default model's shapes, in multiply-accumulates per second.
+//!
+//! Time is the benchmark thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), not
+//! wall-clock time, so figures stay comparable on a busy shared machine.
+//!
 //! Run: `cargo bench -p arbor-quant --bench dot` (add `-- q4_1` to filter;
 //! `ARBOR_QUANT_SIMD=avx2|scalar` lowers the SIMD level).
 #![allow(clippy::unwrap_used)]
+#![allow(unsafe_code)]
 
-use arbor_quant::{DType, dot_rows, prepare_acts, row_bytes};
+use arbor_quant::{
+    DType, SimdLevel, detected_level, dot_rows, dot_rows_gemv_with, gemm_with, prepare_acts,
+    row_bytes,
+};
+use criterion::measurement::{Measurement, ValueFormatter};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::time::Duration;
+
+/// Criterion measurement: CPU time of the calling thread, in ns.
+struct ThreadCpu;
+
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+
+unsafe extern "C" {
+    fn clock_gettime(clock: i32, tp: *mut Timespec) -> i32;
+}
+
+fn thread_cpu_ns() -> f64 {
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec (two longs on x86-64 Linux).
+    let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    assert_eq!(rc, 0, "clock_gettime");
+    t.sec as f64 * 1e9 + t.nsec as f64
+}
+
+impl Measurement for ThreadCpu {
+    type Intermediate = f64;
+    type Value = f64;
+    fn start(&self) -> f64 {
+        thread_cpu_ns()
+    }
+    fn end(&self, i: f64) -> f64 {
+        thread_cpu_ns() - i
+    }
+    fn add(&self, a: &f64, b: &f64) -> f64 {
+        a + b
+    }
+    fn zero(&self) -> f64 {
+        0.0
+    }
+    fn to_f64(&self, v: &f64) -> f64 {
+        *v
+    }
+    fn formatter(&self) -> &dyn ValueFormatter {
+        &CpuFormatter
+    }
+}
+
+struct CpuFormatter;
+
+impl ValueFormatter for CpuFormatter {
+    fn scale_values(&self, typical: f64, values: &mut [f64]) -> &'static str {
+        let (div, unit) = if typical < 1e3 {
+            (1.0, "ns cpu")
+        } else if typical < 1e6 {
+            (1e3, "µs cpu")
+        } else if typical < 1e9 {
+            (1e6, "ms cpu")
+        } else {
+            (1e9, "s cpu")
+        };
+        values.iter_mut().for_each(|v| *v /= div);
+        unit
+    }
+    fn scale_throughputs(&self, _typical: f64, t: &Throughput, values: &mut [f64]) -> &'static str {
+        let (n, unit) = match t {
+            Throughput::Bytes(b) | Throughput::BytesDecimal(b) => (*b as f64, "GB/s cpu"),
+            Throughput::Elements(e) => (*e as f64, "Gelem/s cpu"),
+            Throughput::Bits(b) => (*b as f64, "Gbit/s cpu"),
+            _ => (1.0, "G/s cpu"),
+        };
+        values.iter_mut().for_each(|v| *v = n / *v);
+        unit
+    }
+    fn scale_for_machines(&self, _values: &mut [f64]) -> &'static str {
+        "ns"
+    }
+}
+
+fn config() -> Criterion<ThreadCpu> {
+    Criterion::default().with_measurement(ThreadCpu)
+}
 
 const FORMATS: [DType; 13] = [
     DType::Q4_1,
@@ -65,7 +156,7 @@ fn weights(dtype: DType, n_rows: usize, k: usize) -> Vec<u8> {
     w
 }
 
-fn bench(c: &mut Criterion) {
+fn bench(c: &mut Criterion<ThreadCpu>) {
     let mut g = c.benchmark_group("dot_rows");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
@@ -90,5 +181,61 @@ fn bench(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench);
+/// The tiled GEMM against the row kernels on the default model's shapes
+/// (single thread), in GMAC/s: `m` activation rows times the weight matrix.
+fn bench_gemm(c: &mut Criterion<ThreadCpu>) {
+    let mut g = c.benchmark_group("gemm");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    let level = detected_level();
+    if level == SimdLevel::Scalar {
+        return;
+    }
+    // (name, n_rows, k): ffn_down, ffn_up/gate, the LM head.
+    let shapes = [
+        ("down", 576usize, 1536usize),
+        ("up", 1536, 576),
+        ("head", 49152, 576),
+    ];
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q4_0] {
+        for (name, n_rows, k) in shapes {
+            if name == "head" && dtype != DType::Q8_0 {
+                continue;
+            }
+            let w = weights(dtype, n_rows, k);
+            for m in [2usize, 4, 5, 6, 8, 16, 64, 512] {
+                if name == "head" && m > 16 {
+                    continue;
+                }
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let acts = prepare_acts(dtype, &x, m, k).unwrap();
+                let mut out = vec![0.0f32; m * n_rows];
+                g.throughput(Throughput::Elements((m * n_rows * k) as u64));
+                g.bench_function(format!("{dtype}/{name}/m{m}/tiled"), |b| {
+                    b.iter(|| {
+                        gemm_with(level, dtype, &w, n_rows, k, &acts, &mut out, n_rows).unwrap()
+                    })
+                });
+                if m <= 16 {
+                    g.bench_function(format!("{dtype}/{name}/m{m}/rows"), |b| {
+                        b.iter(|| {
+                            dot_rows_gemv_with(level, dtype, &w, n_rows, k, &acts, &mut out, n_rows)
+                                .unwrap()
+                        })
+                    });
+                }
+            }
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = bench, bench_gemm
+}
 criterion_main!(benches);

@@ -12,7 +12,7 @@
 //! Invariants (established by [`PreparedActs::prepare_into`], relied upon by
 //! the unsafe kernels): `k` is a whole number of blocks of `dtype`;
 //! `f.len() == m*k` for F32, otherwise `qs.len() == m*k` (and
-//! `qs_pair.len() == m*k` for Q8_0/Q8_1), `d.len() == m*nb`,
+//! `qs_pair.len()` is `m*k` or 0 for Q8_0/Q8_1), `d.len() == m*nb`,
 //! `s.len() == isum.len() == m*nb` for Q8_0/Q8_1 and `bsums.len() == m*nb*16`
 //! for Q8_K, where `nb = k / block_size`. Quant values lie in -127..=127.
 
@@ -28,7 +28,8 @@ pub struct PreparedActs {
     pub(crate) f: Vec<f32>,
     /// Quantized values, `m*k`.
     pub(crate) qs: Vec<i8>,
-    /// Q8_0/Q8_1 only: `qs` reordered for the SIMD kernels, `m*k`. Within each
+    /// Q8_0/Q8_1 with `m < GEMM_MIN_M` only (empty otherwise; see
+    /// [`PreparedActs::pairs`]): `qs` reordered for the row kernels, `m*k`. Within each
     /// row, every full group of 8 blocks (256 bytes) holds, for j in 0..4,
     /// `[blk j lo16, blk j+4 lo16, blk j hi16, blk j+4 hi16]`; the blocks
     /// after the last full group keep their natural order.
@@ -140,15 +141,10 @@ impl PreparedActs {
                     &mut self.isum,
                     dtype == DType::Q8_1,
                 );
-                self.qs_pair.extend_from_slice(&self.qs);
-                if k > 0 {
-                    for (src, dst) in self
-                        .qs
-                        .chunks_exact(k)
-                        .zip(self.qs_pair.chunks_exact_mut(k))
-                    {
-                        pair_layout(src, dst);
-                    }
+                // The tiled GEMM (m >= GEMM_MIN_M) reads `qs`; only the row
+                // kernels need the paired copy.
+                if m < crate::GEMM_MIN_M {
+                    build_pairs(&self.qs, k, &mut self.qs_pair);
                 }
             }
             DType::Q8_K => {
@@ -217,6 +213,31 @@ impl PreparedActs {
             _ => {}
         }
         out
+    }
+}
+
+impl PreparedActs {
+    /// Q8_0/Q8_1: the quants in the paired layout of the row kernels,
+    /// borrowed when preparation built it, built here otherwise.
+    pub(crate) fn pairs(&self) -> std::borrow::Cow<'_, [i8]> {
+        if self.qs_pair.len() == self.qs.len() {
+            std::borrow::Cow::Borrowed(&self.qs_pair)
+        } else {
+            let mut p = Vec::new();
+            build_pairs(&self.qs, self.k, &mut p);
+            std::borrow::Cow::Owned(p)
+        }
+    }
+}
+
+/// `dst` = `qs` (rows of `k`) in the paired layout of [`PreparedActs::qs_pair`].
+fn build_pairs(qs: &[i8], k: usize, dst: &mut Vec<i8>) {
+    dst.clear();
+    dst.extend_from_slice(qs);
+    if k > 0 {
+        for (src, d) in qs.chunks_exact(k).zip(dst.chunks_exact_mut(k)) {
+            pair_layout(src, d);
+        }
     }
 }
 

@@ -3,8 +3,9 @@
 //! Owns: the byte layouts of F32/F16/BF16 and ggml's block formats (Q4_0,
 //! Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K..Q6_K, Q8_K; GGUF tensor data is used
 //! as is), reference quantizers, dequantizers, activation preparation
-//! ([`prepare_acts`]) and the GEMV-style [`dot_rows`] used by the CPU backend,
-//! with runtime SIMD dispatch ([`SimdLevel`]) and a portable scalar path.
+//! ([`prepare_acts`]) and [`dot_rows`] used by the CPU backend: GEMV-style
+//! row kernels for few activation rows and a tiled GEMM (`gemm` module) for
+//! many, with runtime SIMD dispatch ([`SimdLevel`]) and a portable scalar path.
 //!
 //! Invariants: every public function validates dtypes and buffer lengths
 //! before any kernel runs and returns [`QuantError`] on bad input (it never
@@ -33,6 +34,7 @@
 mod acts;
 mod error;
 mod formats;
+mod gemm;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -40,6 +42,8 @@ mod x86;
 pub use acts::{PreparedActs, act_dtype_for, prepare_acts};
 pub use arbor_engine_core::DType;
 pub use error::QuantError;
+use gemm::OutMat;
+pub use gemm::{GEMM_MIN_M, gemm_supported};
 pub use simd::{SimdLevel, detected_level};
 
 /// True if `dtype` can be stored, dequantized and quantized by this crate.
@@ -185,6 +189,10 @@ pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
 /// `r < n_rows`, `i < acts.m()`. `w` holds exactly `n_rows` rows of `k`
 /// elements of `weight`; `acts` must come from [`prepare_acts`] for the same
 /// weight dtype (or one with the same [`act_dtype_for`]) and `k`.
+///
+/// With at least [`GEMM_MIN_M`] activation rows and a format the tiled GEMM
+/// handles ([`gemm_supported`]), the AVX2 and AVX-512 levels take the tiled
+/// path; otherwise the row kernels.
 pub fn dot_rows(
     weight: DType,
     w: &[u8],
@@ -218,6 +226,137 @@ pub fn dot_rows_with(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), QuantError> {
+    let tiled = acts.m >= GEMM_MIN_M && gemm_supported(weight);
+    dot_slice(level, tiled, weight, w, n_rows, k, acts, out, out_stride)
+}
+
+/// [`dot_rows_with`] forced onto the GEMV-style row kernels, whatever
+/// `acts.m()` (for tests and benchmarks).
+#[allow(clippy::too_many_arguments)]
+pub fn dot_rows_gemv_with(
+    level: SimdLevel,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    dot_slice(level, false, weight, w, n_rows, k, acts, out, out_stride)
+}
+
+/// [`dot_rows_with`] forced onto the tiled GEMM path, whatever `acts.m()`;
+/// an error for dtypes without one ([`gemm_supported`]) and at the scalar
+/// level. For tests and benchmarks.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with(
+    level: SimdLevel,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    if !gemm_supported(weight) || level == SimdLevel::Scalar {
+        return Err(QuantError::Unsupported {
+            op: "tiled GEMM (at this SIMD level)",
+            dtype: weight,
+        });
+    }
+    dot_slice(level, true, weight, w, n_rows, k, acts, out, out_stride)
+}
+
+/// Checks `out` against the validated shape, then runs the kernels.
+#[allow(clippy::too_many_arguments)]
+fn dot_slice(
+    level: SimdLevel,
+    tiled: bool,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: &mut [f32],
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    if !check_dot(level, weight, w, n_rows, k, acts, out_stride)? {
+        return Ok(());
+    }
+    let need_out = (acts.m - 1)
+        .checked_mul(out_stride)
+        .and_then(|v| v.checked_add(n_rows))
+        .ok_or(QuantError::Overflow("output length"))?;
+    if out.len() < need_out {
+        return Err(QuantError::BadLength {
+            what: "output ((m-1)*out_stride + n_rows)",
+            expected: need_out,
+            got: out.len(),
+            unit: "f32",
+        });
+    }
+    let o = OutMat {
+        ptr: out.as_mut_ptr(),
+        stride: out_stride,
+    };
+    // SAFETY: the shape was validated and `out` (exclusively borrowed) holds
+    // every element (i, r), i < m, r < n_rows.
+    unsafe { dot_unchecked(level, tiled, weight, w, n_rows, k, acts, o) };
+    Ok(())
+}
+
+/// [`dot_rows`] writing through a raw pointer, for callers that split the
+/// columns of one output matrix between threads: element `(i, r)` goes to
+/// `out.add(i * out_stride + r)` for `i < acts.m()`, `r < n_rows`, and
+/// nothing else is written. Every other argument is validated as in
+/// [`dot_rows`].
+///
+/// # Safety
+/// For every `i < acts.m()` and `r < n_rows`, `out.add(i * out_stride + r)`
+/// must be valid for writes (and reads) of an f32, and no other thread may
+/// access those elements during the call.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_rows_raw(
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: *mut f32,
+    out_stride: usize,
+) -> Result<(), QuantError> {
+    let level = detected_level();
+    if !check_dot(level, weight, w, n_rows, k, acts, out_stride)? {
+        return Ok(());
+    }
+    (acts.m - 1)
+        .checked_mul(out_stride)
+        .and_then(|v| v.checked_add(n_rows))
+        .ok_or(QuantError::Overflow("output length"))?;
+    let tiled = acts.m >= GEMM_MIN_M && gemm_supported(weight);
+    let o = OutMat {
+        ptr: out,
+        stride: out_stride,
+    };
+    // SAFETY: the shape was validated; the output elements are valid and
+    // exclusively ours per this function's contract.
+    unsafe { dot_unchecked(level, tiled, weight, w, n_rows, k, acts, o) };
+    Ok(())
+}
+
+/// Validates everything but the output buffer; false if there is nothing
+/// to compute (`m == 0` or `n_rows == 0`).
+fn check_dot(
+    level: SimdLevel,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out_stride: usize,
+) -> Result<bool, QuantError> {
     check_level(level)?;
     let ad = act_dtype_for(weight)?;
     if acts.dtype != Some(ad) {
@@ -244,83 +383,99 @@ pub fn dot_rows_with(
             unit: "bytes",
         });
     }
-    let m = acts.m;
-    if m == 0 || n_rows == 0 {
-        return Ok(());
+    if acts.m == 0 || n_rows == 0 {
+        return Ok(false);
     }
-    if m > 1 && out_stride < n_rows {
+    if acts.m > 1 && out_stride < n_rows {
         return Err(QuantError::BadStride {
             stride: out_stride,
             n_rows,
         });
     }
-    let need_out = (m - 1)
-        .checked_mul(out_stride)
-        .and_then(|v| v.checked_add(n_rows))
-        .ok_or(QuantError::Overflow("output length"))?;
-    if out.len() < need_out {
-        return Err(QuantError::BadLength {
-            what: "output ((m-1)*out_stride + n_rows)",
-            expected: need_out,
-            got: out.len(),
-            unit: "f32",
-        });
-    }
-    if k == 0 {
-        for i in 0..m {
-            out[i * out_stride..i * out_stride + n_rows].fill(0.0);
-        }
-        return Ok(());
-    }
-    #[cfg(target_arch = "x86_64")]
-    if level >= SimdLevel::Avx2 && dot_rows_x86(level, weight, w, n_rows, k, acts, out, out_stride)
-    {
-        return Ok(());
-    }
-    dot_rows_scalar(weight, w, n_rows, k, acts, out, out_stride);
-    Ok(())
+    Ok(true)
 }
 
-/// Runs the SIMD kernel for `weight` if there is one; false otherwise.
-#[cfg(target_arch = "x86_64")]
+/// Runs the kernels on validated input.
+///
+/// # Safety
+/// `check_dot` accepted the arguments and `out` is valid for `acts.m` rows
+/// of `n_rows` columns that nothing else accesses.
 #[allow(clippy::too_many_arguments)]
-fn dot_rows_x86(
+unsafe fn dot_unchecked(
     level: SimdLevel,
+    tiled: bool,
     weight: DType,
     w: &[u8],
     n_rows: usize,
     k: usize,
     acts: &PreparedActs,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
+) {
+    if k == 0 {
+        for i in 0..acts.m {
+            for r in 0..n_rows {
+                // SAFETY: (i, r) is inside the output (contract).
+                unsafe { out.set(i, r, 0.0) };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if level >= SimdLevel::Avx2 {
+        let avx512 = level >= SimdLevel::Avx512;
+        // SAFETY: level <= detected_level() was checked, so the CPU has the
+        // features; all lengths were validated by check_dot.
+        if tiled && unsafe { x86::gemm::gemm(avx512, weight, w, n_rows, k, acts, out) } {
+            return;
+        }
+        // SAFETY: as above.
+        if unsafe { dot_rows_x86(avx512, weight, w, n_rows, k, acts, out) } {
+            return;
+        }
+    }
+    let _ = tiled;
+    // SAFETY: per this function's contract.
+    unsafe { dot_rows_scalar(weight, w, n_rows, k, acts, out) };
+}
+
+/// Runs the SIMD row kernel for `weight` if there is one; false otherwise.
+///
+/// # Safety
+/// As [`dot_unchecked`], plus the CPU features of `avx512` (or AVX2).
+#[cfg(target_arch = "x86_64")]
+unsafe fn dot_rows_x86(
+    avx512: bool,
+    weight: DType,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    acts: &PreparedActs,
+    out: OutMat,
 ) -> bool {
-    let avx512 = level >= SimdLevel::Avx512;
     match weight {
         DType::F32 | DType::F16 | DType::BF16 => {
-            // SAFETY: level <= detected_level() was checked, so the CPU has
-            // the features; all lengths were validated by dot_rows_with.
-            unsafe {
-                x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out, stride)
-            };
+            // SAFETY: per this function's contract.
+            unsafe { x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out) };
             true
         }
         DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => {
             // SAFETY: as above.
-            unsafe { x86::kquants::dot_rows(avx512, weight, w, n_rows, k, acts, out, stride) }
+            unsafe { x86::kquants::dot_rows(avx512, weight, w, n_rows, k, acts, out) }
         }
         // SAFETY: as above.
-        _ => unsafe { x86::legacy::dot_rows(avx512, weight, w, n_rows, k, acts, out, stride) },
+        _ => unsafe { x86::legacy::dot_rows(avx512, weight, w, n_rows, k, acts, out) },
     }
 }
 
-fn dot_rows_scalar(
+/// # Safety
+/// As [`dot_unchecked`].
+unsafe fn dot_rows_scalar(
     weight: DType,
     w: &[u8],
     n_rows: usize,
     k: usize,
     acts: &PreparedActs,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let rb = w.len() / n_rows.max(1);
     for (r, wr) in w.chunks_exact(rb).enumerate() {
@@ -350,7 +505,8 @@ fn dot_rows_scalar(
                     )
                 }
             };
-            out[i * stride + r] = v;
+            // SAFETY: i < m, r < n_rows (contract).
+            unsafe { out.set(i, r, v) };
         }
     }
 }

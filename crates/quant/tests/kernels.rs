@@ -5,7 +5,7 @@
 
 use arbor_quant::{
     DType, PreparedActs, QuantError, SimdLevel, act_dtype_for, dequantize, dequantize_with,
-    dot_rows, dot_rows_with, prepare_acts, quantize, row_bytes,
+    dot_rows, dot_rows_gemv_with, dot_rows_with, prepare_acts, quantize, row_bytes,
 };
 
 /// Formats `dot_rows` accepts.
@@ -159,6 +159,17 @@ fn abs_dots(wf: &[f32], af: &[f32], n_rows: usize, m: usize, k: usize) -> Vec<f6
     r
 }
 
+type DotFn = fn(
+    SimdLevel,
+    DType,
+    &[u8],
+    usize,
+    usize,
+    &PreparedActs,
+    &mut [f32],
+    usize,
+) -> Result<(), QuantError>;
+
 fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
     let w = random_weights(rng, dtype, n_rows, k);
     let x: Vec<f32> = rng.normals(m * k);
@@ -199,9 +210,15 @@ fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
             );
         }
     }
-    for level in SimdLevel::available() {
+    // The default dispatch (tiled GEMM from GEMM_MIN_M rows) and the row
+    // kernels forced at every m.
+    let paths = [dot_rows_with as DotFn, dot_rows_gemv_with as DotFn];
+    for (level, dot) in SimdLevel::available()
+        .into_iter()
+        .flat_map(|l| paths.iter().map(move |p| (l, *p)))
+    {
         let mut out = vec![f32::NAN; (m - 1) * stride + n_rows];
-        dot_rows_with(level, dtype, &w, n_rows, k, &acts, &mut out, stride).unwrap();
+        dot(level, dtype, &w, n_rows, k, &acts, &mut out, stride).unwrap();
         for i in 0..m {
             for j in 0..n_rows {
                 let (a, b) = (out[i * stride + j], base[i * stride + j]);

@@ -175,6 +175,7 @@ pub(crate) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let text = st.metrics.render(
         &st.engine.stats(),
         st.grammar_queue.load(std::sync::atomic::Ordering::SeqCst),
+        st.grammar.as_ref().map(|g| g.stats()),
     );
     let mut r = text.into_response();
     r.headers_mut().insert(

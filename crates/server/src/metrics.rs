@@ -9,6 +9,7 @@
 //! label. Histogram buckets are SGLang's.
 
 use arbor_engine_core::engine::{EngineStats, OutputChunk};
+use arbor_engine_core::grammar::GrammarCacheStats;
 use std::fmt::Write;
 use std::sync::Mutex;
 
@@ -181,8 +182,14 @@ impl Metrics {
         self.e2e.count()
     }
 
-    /// The exposition text for `stats`.
-    pub fn render(&self, s: &EngineStats, grammar_queue: usize) -> String {
+    /// The exposition text for `stats`, with the grammar queue length and,
+    /// when structured output is on, the grammar cache's counters.
+    pub fn render(
+        &self,
+        s: &EngineStats,
+        grammar_queue: usize,
+        grammar_cache: Option<GrammarCacheStats>,
+    ) -> String {
         let mut out = String::with_capacity(8192);
         let p = &self.prefix;
         let l = &self.labels;
@@ -210,6 +217,26 @@ impl Metrics {
             "The number of requests waiting for their grammar to compile.",
             grammar_queue as f64,
         );
+        if let Some(g) = grammar_cache {
+            one(
+                "grammar_cache_hits_total",
+                "counter",
+                "Grammar lookups answered by a compiled (or compiling) cache entry.",
+                g.hits as f64,
+            );
+            one(
+                "grammar_cache_misses_total",
+                "counter",
+                "Grammar lookups that started a compilation.",
+                g.misses as f64,
+            );
+            one(
+                "grammar_compile_errors_total",
+                "counter",
+                "Grammar compilations that failed.",
+                g.compile_errors as f64,
+            );
+        }
         one(
             "jump_forward_tokens_total",
             "counter",
@@ -317,7 +344,7 @@ mod tests {
         };
         m.observe(&mut t, &chunk(1, 0.05, false));
         m.observe(&mut t, &chunk(2, 0.07, true));
-        let s = m.render(&EngineStats::default(), 0);
+        let s = m.render(&EngineStats::default(), 0, None);
         assert!(s.contains("sglang:num_running_reqs{model_name=\"m\\\"x\"} 0"));
         assert!(s.contains("sglang:time_to_first_token_seconds_count{model_name=\"m\\\"x\"} 1"));
         assert!(s.contains("sglang:inter_token_latency_seconds_count{model_name=\"m\\\"x\"} 2"));

@@ -3,7 +3,9 @@
 //! Request: `text` or `input_ids` (one prompt or a batch), `sampling_params`
 //! (one object for all, or one per prompt; SGLang's names; null values mean
 //! "default"), `rid`, `stream`, `return_logprob`, `top_logprobs_num`,
-//! `logprob_start_len`, `return_text_in_logprobs`, `priority`. Fields SGLang
+//! `logprob_start_len`, `return_text_in_logprobs`, `priority`, `extra_key` (per
+//! prompt) and `cache_salt` (prefix-cache namespaces: requests with other
+//! keys never share cached KV). Fields SGLang
 //! has and Arbor does not implement yet (`lora_path`, `image_data`, ...) are
 //! accepted while they ask for nothing and refused with a 400 naming the
 //! field otherwise; unknown fields are refused.
@@ -20,9 +22,9 @@ use crate::fields::{Fields, read_json};
 use crate::run::{self, Event, Job, Run, Sample};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
-use arbor_engine_core::SamplingParams;
 use arbor_engine_core::TokenDecoder;
 use arbor_engine_core::engine::{Finish, FinishKind, TokenLogprob};
+use arbor_engine_core::{CacheNamespace, SamplingParams};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
@@ -196,6 +198,8 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
     let count = prompts.len();
     let sp = per_prompt(&mut f, "sampling_params", count, batch)?;
     let rids = per_prompt(&mut f, "rid", count, batch)?;
+    let extra_keys = per_prompt(&mut f, "extra_key", count, batch)?;
+    let cache_salt = f.string("cache_salt")?;
     let lp = per_prompt(&mut f, "return_logprob", count, batch)?;
     let lp_start = per_prompt(&mut f, "logprob_start_len", count, batch)?;
     let top = per_prompt(&mut f, "top_logprobs_num", count, batch)?;
@@ -256,6 +260,8 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         job.return_logprob = return_logprob;
         job.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
         job.priority = priority;
+        let extra_key = typed::<String>("extra_key", extra_keys[i].clone())?;
+        job.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
         job.constraint = constraint;
         jobs.push(job);
     }

@@ -15,11 +15,11 @@ use crate::constraint::{self, ConstraintSpec};
 use crate::error::ApiError;
 use crate::metrics::SampleTiming;
 use crate::state::AppState;
-use arbor_engine_core::SamplingParams;
 use arbor_engine_core::engine::{
     Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, RequestStream,
     TokenLogprob,
 };
+use arbor_engine_core::{CacheNamespace, SamplingParams};
 use futures_util::future::select_all;
 use std::sync::Arc;
 
@@ -32,6 +32,7 @@ pub(crate) struct Job {
     pub return_logprob: bool,
     pub top_logprobs_num: usize,
     pub priority: i64,
+    pub namespace: CacheNamespace,
     pub constraint: Option<ConstraintSpec>,
 }
 
@@ -44,6 +45,7 @@ impl Job {
             return_logprob: false,
             top_logprobs_num: 0,
             priority: 0,
+            namespace: CacheNamespace::default(),
             constraint: None,
         }
     }
@@ -120,6 +122,7 @@ pub(crate) async fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run,
         let mut req = GenerateRequest::new(job.input_ids, job.params);
         req.rid = job.rid;
         req.priority = job.priority;
+        req.namespace = job.namespace;
         req.return_logprob = job.return_logprob;
         req.top_logprobs_num = job.top_logprobs_num;
         req.grammar = grammar;

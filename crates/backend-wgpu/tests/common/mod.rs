@@ -8,7 +8,8 @@ use arbor_engine_core::{Backend, BackendOptions, DType, HostTensor, Tensor};
 use std::sync::{Arc, OnceLock};
 
 /// The wgpu device shared by a test binary, or `None` (with the reason
-/// printed) when this machine has no adapter.
+/// printed) when this machine has no adapter; a panic instead when
+/// `ARBOR_REQUIRE_WGPU=1`.
 pub fn gpu() -> Option<Arc<dyn Backend>> {
     static DEV: OnceLock<Result<Arc<WgpuBackend>, String>> = OnceLock::new();
     let d = DEV.get_or_init(|| {
@@ -27,6 +28,11 @@ pub fn gpu() -> Option<Arc<dyn Backend>> {
             Some(b.clone() as Arc<dyn Backend>)
         }
         Err(e) => {
+            // CI installs lavapipe and sets this, so a missing adapter fails
+            // there instead of skipping every test.
+            if std::env::var("ARBOR_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                panic!("ARBOR_REQUIRE_WGPU=1 but no wgpu adapter: {e}");
+            }
             eprintln!("skipping: {e}");
             None
         }

@@ -5,9 +5,10 @@
 //! accumulator vectors (FMA in lanes, reduced at the end of the row).
 //! Preconditions (checked by `lib.rs` before any call): `w` holds `n_rows`
 //! rows of `k` elements, `x` holds `m` rows of `k` f32, and
-//! `out[i*stride + r]` is in bounds for every `i < m`, `r < n_rows`.
+//! the output view holds `m` rows of `n_rows` columns.
 
 use crate::DType;
+use crate::gemm::OutMat;
 use std::arch::x86_64::*;
 
 /// Activation rows handled per pass over the weights.
@@ -122,8 +123,7 @@ unsafe fn rows512<const DT: u8, const M: usize, const U: usize>(
     n_rows: usize,
     k: usize,
     x: &[f32],
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let rb = k * esize(DT);
     for r in 0..n_rows {
@@ -131,7 +131,8 @@ unsafe fn rows512<const DT: u8, const M: usize, const U: usize>(
         // (both checked by the caller).
         let res = unsafe { row512::<DT, M, U>(w.as_ptr().add(r * rb), x.as_ptr(), k) };
         for (i, v) in res.iter().enumerate() {
-            out[i * stride + r] = *v;
+            // SAFETY: i < M rows and r < n_rows columns of `out` (caller).
+            unsafe { out.set(i, r, *v) };
         }
     }
 }
@@ -235,22 +236,22 @@ unsafe fn rows256<const DT: u8, const M: usize, const U: usize>(
     n_rows: usize,
     k: usize,
     x: &[f32],
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let rb = k * esize(DT);
     for r in 0..n_rows {
         // SAFETY: row r spans w[r*rb..(r+1)*rb]; x holds M rows of k.
         let res = unsafe { row256::<DT, M, U>(w.as_ptr().add(r * rb), x.as_ptr(), k) };
         for (i, v) in res.iter().enumerate() {
-            out[i * stride + r] = *v;
+            // SAFETY: i < M rows and r < n_rows columns of `out` (caller).
+            unsafe { out.set(i, r, *v) };
         }
     }
 }
 
 // ---------------------------------------------------------------- dispatch
 
-type RowsFn = unsafe fn(&[u8], usize, usize, &[f32], &mut [f32], usize);
+type RowsFn = unsafe fn(&[u8], usize, usize, &[f32], OutMat);
 
 macro_rules! table {
     ($f:ident, $dt:expr) => {
@@ -281,8 +282,7 @@ pub unsafe fn dot_rows(
     k: usize,
     x: &[f32],
     m: usize,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let dt = code(dtype);
     let tab: [RowsFn; MAXM] = match (avx512, dt) {
@@ -297,10 +297,9 @@ pub unsafe fn dot_rows(
     while i0 < m {
         let mm = (m - i0).min(MAXM);
         let xs = &x[i0 * k..(i0 + mm) * k];
-        let os = &mut out[i0 * stride..];
         // SAFETY: features per this function's contract; xs holds mm rows
-        // of k, and os[i*stride + r] is in bounds for i < mm, r < n_rows.
-        unsafe { tab[mm - 1](w, n_rows, k, xs, os, stride) };
+        // of k, and rows i0..i0+mm of `out` hold n_rows columns.
+        unsafe { tab[mm - 1](w, n_rows, k, xs, out.from_row(i0)) };
         i0 += mm;
     }
 }

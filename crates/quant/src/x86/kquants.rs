@@ -18,6 +18,7 @@
 
 use crate::DType;
 use crate::acts::PreparedActs;
+use crate::gemm::OutMat;
 use std::arch::x86_64::*;
 
 pub(super) const Q2K: u8 = 0;
@@ -282,8 +283,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
     w: &[u8],
     n_rows: usize,
     a: &Acts,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let nb = a.nb;
     let rb = nb * bb(F);
@@ -340,7 +340,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
                 }
             }
             for i in 0..M {
-                out[i * stride + r] = hsum(acc[i]);
+                out.set(i, r, hsum(acc[i]));
             }
         }
     }
@@ -353,11 +353,10 @@ macro_rules! entry {
             w: &[u8],
             n_rows: usize,
             a: &Acts,
-            out: &mut [f32],
-            stride: usize,
+            out: OutMat,
         ) {
             // SAFETY: features enabled by this function; bounds per caller.
-            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out, stride) }
+            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out) }
         }
     };
 }
@@ -369,7 +368,7 @@ entry!(
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
 );
 
-type RowsFn = unsafe fn(&[u8], usize, &Acts, &mut [f32], usize);
+type RowsFn = unsafe fn(&[u8], usize, &Acts, OutMat);
 
 macro_rules! table {
     ($f:ident, $fmt:expr) => {
@@ -401,8 +400,7 @@ pub unsafe fn dot_rows(
     n_rows: usize,
     k: usize,
     acts: &PreparedActs,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) -> bool {
     let tab: [RowsFn; MAXM] = match (avx512, dtype) {
         (true, DType::Q2_K) => table!(rows_avx512, Q2K),
@@ -430,8 +428,8 @@ pub unsafe fn dot_rows(
             nb,
         };
         // SAFETY: features per this function's contract; `a` views rows
-        // i0..i0+mm, and out[i0*stride..] holds mm rows at `stride`.
-        unsafe { tab[mm - 1](w, n_rows, &a, &mut out[i0 * stride..], stride) };
+        // i0..i0+mm, and rows i0..i0+mm of `out` hold n_rows columns.
+        unsafe { tab[mm - 1](w, n_rows, &a, out.from_row(i0)) };
         i0 += mm;
     }
     true

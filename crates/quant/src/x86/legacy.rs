@@ -25,6 +25,7 @@
 
 use crate::DType;
 use crate::acts::PreparedActs;
+use crate::gemm::OutMat;
 use std::arch::x86_64::*;
 
 pub(super) const Q4_0: u8 = 0;
@@ -451,8 +452,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
     w: &[u8],
     n_rows: usize,
     a: &Acts,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) {
     let nb = a.nb;
     let rb = nb * bb(F);
@@ -481,7 +481,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
                 } else {
                     acc[i]
                 };
-                out[i * stride + r] = hsum(v) + extra[i];
+                out.set(i, r, hsum(v) + extra[i]);
             }
         }
     }
@@ -494,11 +494,10 @@ macro_rules! entry {
             w: &[u8],
             n_rows: usize,
             a: &Acts,
-            out: &mut [f32],
-            stride: usize,
+            out: OutMat,
         ) {
             // SAFETY: features enabled by this function; bounds per caller.
-            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out, stride) }
+            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out) }
         }
     };
 }
@@ -510,7 +509,7 @@ entry!(
     "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
 );
 
-type RowsFn = unsafe fn(&[u8], usize, &Acts, &mut [f32], usize);
+type RowsFn = unsafe fn(&[u8], usize, &Acts, OutMat);
 
 macro_rules! table {
     ($f:ident, $fmt:expr) => {
@@ -543,8 +542,7 @@ pub unsafe fn dot_rows(
     n_rows: usize,
     k: usize,
     acts: &PreparedActs,
-    out: &mut [f32],
-    stride: usize,
+    out: OutMat,
 ) -> bool {
     let tab: [RowsFn; MAXM] = match (avx512, dtype) {
         (true, DType::Q4_0) => table!(rows_avx512, Q4_0),
@@ -561,11 +559,12 @@ pub unsafe fn dot_rows(
     };
     let nb = k / 32;
     let m = acts.m;
+    let pairs = acts.pairs();
     let mut i0 = 0;
     while i0 < m {
         let mm = (m - i0).min(MAXM);
         let a = Acts {
-            qs: acts.qs_pair[i0 * k..].as_ptr(),
+            qs: pairs[i0 * k..].as_ptr(),
             d: acts.d[i0 * nb..].as_ptr(),
             s: acts.s[i0 * nb..].as_ptr(),
             isum: acts.isum[i0 * nb..].as_ptr(),
@@ -573,8 +572,8 @@ pub unsafe fn dot_rows(
             nb,
         };
         // SAFETY: features per this function's contract; `a` views rows
-        // i0..i0+mm, and out[i0*stride..] holds mm rows at `stride`.
-        unsafe { tab[mm - 1](w, n_rows, &a, &mut out[i0 * stride..], stride) };
+        // i0..i0+mm, and rows i0..i0+mm of `out` hold n_rows columns.
+        unsafe { tab[mm - 1](w, n_rows, &a, out.from_row(i0)) };
         i0 += mm;
     }
     true

@@ -7,5 +7,6 @@
 pub mod acts;
 pub mod dequant;
 pub mod float;
+pub mod gemm;
 pub mod kquants;
 pub mod legacy;

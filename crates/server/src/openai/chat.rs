@@ -136,6 +136,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         mut constraint,
         rid,
         priority,
+        namespace,
     } = common(&mut f, &["max_completion_tokens", "max_tokens"])?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
@@ -229,6 +230,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.return_logprob = logprobs || top_logprobs > 0;
     job.top_logprobs_num = top_logprobs;
     job.priority = priority;
+    job.namespace = namespace;
     job.constraint = constraint;
     let mut run = run::submit(&st, vec![job]).await?;
     let fmt = ChatFormat {

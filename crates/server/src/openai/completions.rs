@@ -98,6 +98,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         constraint,
         rid,
         priority,
+        namespace,
     } = common(&mut f, &["max_tokens"])?;
     let logprobs = f.int("logprobs", 0, 20)?;
     f.unset_only("echo", "echoing the prompt")?;
@@ -125,6 +126,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             j.return_logprob = logprobs.is_some();
             j.top_logprobs_num = logprobs.unwrap_or(0) as usize;
             j.priority = priority;
+            j.namespace = namespace.clone();
             j.constraint = constraint.clone();
             j
         })

@@ -19,7 +19,7 @@ use crate::error::ApiError;
 use crate::fields::Fields;
 use crate::run::Run;
 use crate::state::AppState;
-use arbor_engine_core::{SamplingParams, TokenDecoder};
+use arbor_engine_core::{CacheNamespace, SamplingParams, TokenDecoder};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
@@ -42,6 +42,8 @@ pub(crate) struct Common {
     pub constraint: Option<ConstraintSpec>,
     pub rid: Option<String>,
     pub priority: i64,
+    /// Prefix-cache namespace from `extra_key` and `cache_salt`.
+    pub namespace: CacheNamespace,
 }
 
 /// Checks the `model` field against the served name.
@@ -170,6 +172,10 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
     }
     let rid = f.string("rid")?;
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
+    // Requests with other keys never share cached prefixes (tenants, adapters).
+    let extra_key = f.string("extra_key")?;
+    let cache_salt = f.string("cache_salt")?;
+    let namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
     for k in ["user", "metadata", "store", "service_tier"] {
         f.ignore(k);
     }
@@ -190,6 +196,7 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
         constraint: c,
         rid,
         priority,
+        namespace,
     })
 }
 

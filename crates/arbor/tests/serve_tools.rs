@@ -1,0 +1,178 @@
+//! Tool calling on the default model (SmolLM2-135M-Instruct) with real tool
+//! definitions: 100 prompts from the BFCL v4 files in ../shared/data/tools
+//! (20 from each file), sent to `arbor serve` as OpenAI chat requests with
+//! `tool_choice: "required"`. Every answer must come back as tool calls whose
+//! name is one of the request's tools and whose arguments parse and validate
+//! against that tool's JSON schema (checked with the `jsonschema` crate, an
+//! implementation independent of the grammar engine). Skips with a message
+//! when the model or the data is absent.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use anyhow::{Context, Result};
+use common::*;
+use serde_json::{Value, json};
+use std::io::BufRead;
+use std::path::PathBuf;
+
+fn data_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tools")
+}
+
+/// BFCL's parameter dialect to JSON schema: dict→object, float→number,
+/// tuple→array, any→no constraint.
+fn bfcl_schema(v: &Value) -> Value {
+    match v {
+        Value::Object(o) => {
+            let mut out = serde_json::Map::new();
+            for (k, x) in o {
+                if k == "type" {
+                    match x.as_str() {
+                        Some("dict") => {
+                            out.insert(k.clone(), json!("object"));
+                        }
+                        Some("float") => {
+                            out.insert(k.clone(), json!("number"));
+                        }
+                        Some("tuple") => {
+                            out.insert(k.clone(), json!("array"));
+                        }
+                        Some("any") => {}
+                        _ => {
+                            out.insert(k.clone(), x.clone());
+                        }
+                    }
+                } else if k == "properties" {
+                    let props = x
+                        .as_object()
+                        .map(|p| p.iter().map(|(n, s)| (n.clone(), bfcl_schema(s))).collect())
+                        .unwrap_or_default();
+                    out.insert(k.clone(), Value::Object(props));
+                } else if k == "items" || k == "additionalProperties" {
+                    out.insert(k.clone(), bfcl_schema(x));
+                } else if k != "optional" && k != "default" {
+                    out.insert(k.clone(), x.clone());
+                }
+            }
+            Value::Object(out)
+        }
+        other => other.clone(),
+    }
+}
+
+fn load_cases() -> Result<Vec<(String, Value, Value)>> {
+    let mut cases = Vec::new();
+    for file in [
+        "BFCL_v4_simple_python.json.gz",
+        "BFCL_v4_multiple.json.gz",
+        "BFCL_v4_parallel.json.gz",
+        "BFCL_v4_live_simple.json.gz",
+        "BFCL_v4_live_multiple.json.gz",
+    ] {
+        let f = std::fs::File::open(data_dir().join(file))?;
+        let lines: Vec<String> = std::io::BufReader::new(flate2::read::GzDecoder::new(f))
+            .lines()
+            .collect::<Result<_, _>>()?;
+        let step = (lines.len() / 20).max(1);
+        for line in lines.iter().step_by(step).take(20) {
+            let v: Value = serde_json::from_str(line)?;
+            let id = v["id"].as_str().unwrap_or("?").to_string();
+            let messages = v["question"][0].clone();
+            let tools: Vec<Value> = v["function"]
+                .as_array()
+                .context("function")?
+                .iter()
+                .map(|f| {
+                    json!({"type": "function", "function": {
+                        "name": f["name"], "description": f["description"],
+                        "parameters": bfcl_schema(&f["parameters"])}})
+                })
+                .collect();
+            cases.push((id, messages, Value::Array(tools)));
+        }
+    }
+    Ok(cases)
+}
+
+#[tokio::test]
+async fn forced_tool_calls_always_validate() -> Result<()> {
+    let Some(model) = arbor_models::default_model_path().filter(|p| p.exists()) else {
+        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
+        return Ok(());
+    };
+    if !data_dir().exists() {
+        eprintln!("skipping: {} is absent", data_dir().display());
+        return Ok(());
+    }
+    let cases = load_cases()?;
+    assert_eq!(cases.len(), 100);
+    let m = model.display().to_string();
+    let s = Server::start(&[
+        "--model-path",
+        &m,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-total-tokens",
+        "32768",
+        "--enable-metrics",
+    ])?;
+    let c = client();
+    let url = s.url("/v1/chat/completions");
+    let mut ok = 0;
+    let mut calls_total = 0;
+    let t0 = std::time::Instant::now();
+    for batch in cases.chunks(10) {
+        let futs = batch.iter().map(|(id, messages, tools)| {
+            let body = json!({"messages": messages, "tools": tools, "tool_choice": "required",
+                              "temperature": 0, "max_tokens": 384, "frequency_penalty": 0.3});
+            let (c, url) = (c.clone(), url.clone());
+            async move { (id.clone(), tools.clone(), post(&c, &url, &body).await) }
+        });
+        for (id, tools, res) in futures_util::future::join_all(futs).await {
+            let (status, v) = res?;
+            assert_eq!(status, 200, "{id}: {v}");
+            let choice = &v["choices"][0];
+            assert_eq!(choice["finish_reason"], "tool_calls", "{id}: {v}");
+            let calls = choice["message"]["tool_calls"]
+                .as_array()
+                .context("tool_calls")?;
+            assert!(!calls.is_empty(), "{id}");
+            for call in calls {
+                let name = call["function"]["name"].as_str().context("name")?;
+                let tool = tools
+                    .as_array()
+                    .and_then(|t| t.iter().find(|t| t["function"]["name"] == name))
+                    .with_context(|| format!("{id}: unknown tool {name}"))?;
+                let args: Value = serde_json::from_str(
+                    call["function"]["arguments"]
+                        .as_str()
+                        .context("arguments")?,
+                )
+                .with_context(|| format!("{id}: arguments do not parse: {call}"))?;
+                let schema = &tool["function"]["parameters"];
+                let validator = jsonschema::validator_for(schema)
+                    .map_err(|e| anyhow::anyhow!("{id}: schema: {e}"))?;
+                let errors: Vec<String> = validator
+                    .iter_errors(&args)
+                    .map(|e| e.to_string())
+                    .collect();
+                assert!(
+                    errors.is_empty(),
+                    "{id}: {args} fails its schema: {errors:?}"
+                );
+                calls_total += 1;
+            }
+            ok += 1;
+        }
+    }
+    println!(
+        "{ok}/100 requests answered with valid tool calls ({calls_total} calls) in {:.0} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(ok, 100);
+    Ok(())
+}

@@ -1,0 +1,354 @@
+//! Decode and prefill throughput of a Llama-3.1-8B-shaped model with random
+//! bf16 weights created on the GPU (the host supplies only shapes; see
+//! `CudaBackend::set_synthetic_weights`), printed as one table.
+//!
+//! Decode: batches of 1, 8, 64 and 256 sequences, each with a cached context
+//! of `--context` tokens, run step after step through the model, device
+//! sampling (greedy) and a download of the ids only; 3 warm-up steps (which
+//! capture the CUDA graph of the bucket), then `--steps` timed steps. Batch 1
+//! is also run with CUDA graphs off, and compared with the HBM roofline
+//! (4.8 TB/s divided by the weight bytes). Prefill: one prompt of `--prefill`
+//! tokens, one warm-up and three timed runs.
+//!
+//! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
+//! [--batches 1,8,64,256] [--context 512] [--steps 32] [--prefill 2048]`
+#![allow(clippy::unwrap_used)]
+
+use anyhow::{Context, Result, bail};
+use arbor_backend_cuda::CudaBackend;
+use arbor_engine_core::backend::SampleRow;
+use arbor_engine_core::{
+    AttentionBackend, Backend, BackendOptions, BatchLayout, DType, ForwardBatch, ForwardContext,
+    HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry, WeightSource,
+};
+use arbor_models::config::DecoderConfig;
+use arbor_models::decoder::{ArchFlags, DecoderModel};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+const HBM_BYTES_PER_S: f64 = 4.8e12;
+const PAGE: usize = 16;
+/// Decode steps before timing (the first steps of a bucket grow the arena,
+/// warm cuBLAS up and capture the graph).
+const WARM: usize = 3;
+
+struct Args {
+    layers: usize,
+    batches: Vec<usize>,
+    context: usize,
+    steps: usize,
+    prefill: usize,
+}
+
+fn args() -> Result<Args> {
+    let mut a = Args {
+        layers: 32,
+        batches: vec![1, 8, 64, 256],
+        context: 512,
+        steps: 32,
+        prefill: 2048,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--layers" => a.layers = v()?.parse()?,
+            "--batches" => a.batches = v()?.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--context" => a.context = v()?.parse()?,
+            "--steps" => a.steps = v()?.parse()?,
+            "--prefill" => a.prefill = v()?.parse()?,
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    Ok(a)
+}
+
+/// Shapes of a Llama checkpoint: matrices are answered with zeros that the
+/// backend never reads (synthetic uploads), norm weights with ones.
+struct Synthetic {
+    shapes: HashMap<String, Vec<usize>>,
+    zeros: Vec<u8>,
+}
+
+impl Synthetic {
+    fn new(c: &DecoderConfig) -> Self {
+        let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let mut s = HashMap::new();
+        s.insert("model.embed_tokens.weight".into(), vec![c.vocab_size, h]);
+        s.insert("lm_head.weight".into(), vec![c.vocab_size, h]);
+        s.insert("model.norm.weight".into(), vec![h]);
+        for l in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            for (n, shape) in [
+                ("self_attn.q_proj.weight", vec![nh * hd, h]),
+                ("self_attn.k_proj.weight", vec![nkv * hd, h]),
+                ("self_attn.v_proj.weight", vec![nkv * hd, h]),
+                ("self_attn.o_proj.weight", vec![h, nh * hd]),
+                ("mlp.gate_proj.weight", vec![i, h]),
+                ("mlp.up_proj.weight", vec![i, h]),
+                ("mlp.down_proj.weight", vec![h, i]),
+                ("input_layernorm.weight", vec![h]),
+                ("post_attention_layernorm.weight", vec![h]),
+            ] {
+                s.insert(format!("{p}.{n}"), shape);
+            }
+        }
+        let largest = s
+            .values()
+            .map(|v| v.iter().product::<usize>())
+            .max()
+            .unwrap_or(0);
+        // calloc'd: the pages are never touched, so this costs no memory.
+        Synthetic {
+            shapes: s,
+            zeros: vec![0u8; 2 * largest],
+        }
+    }
+}
+
+impl WeightSource for Synthetic {
+    fn describe(&self) -> String {
+        "synthetic bf16 weights (filled on the GPU)".into()
+    }
+    fn tensor(&self, name: &str) -> arbor_engine_core::Result<Option<HostTensor<'_>>> {
+        let Some(shape) = self.shapes.get(name) else {
+            return Ok(None);
+        };
+        let n: usize = shape.iter().product();
+        Ok(Some(if shape.len() == 1 {
+            HostTensor::from_f32(shape, &vec![1.0; n])
+        } else {
+            HostTensor {
+                dtype: DType::BF16,
+                shape: shape.clone(),
+                data: Cow::Borrowed(&self.zeros[..2 * n]),
+            }
+        }))
+    }
+}
+
+fn llama_8b(layers: usize) -> Result<DecoderConfig> {
+    Ok(DecoderConfig::from_json(
+        &serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "vocab_size": 128256, "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": false,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+        }),
+        "config.json",
+    )?)
+}
+
+struct Setup {
+    backend: Arc<CudaBackend>,
+    model: DecoderModel,
+    kv: KvCache,
+    attention: Arc<dyn AttentionBackend>,
+    pool: PagePool,
+}
+
+fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
+    let backend = Arc::new(CudaBackend::new(&BackendOptions {
+        disable_cuda_graph: !graphs,
+        cuda_graph_max_bs: Some(256),
+        ..Default::default()
+    })?);
+    let dynb: Arc<dyn Backend> = backend.clone();
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend: dynb.clone(),
+        quant: registry.quant_methods.get("auto")?()?,
+        progress: None,
+    };
+    let flags = ArchFlags {
+        qkv_bias: false,
+        qk_norm: false,
+    };
+    backend.set_synthetic_weights(Some(0x5eed));
+    let model = DecoderModel::load(cfg.clone(), flags, &Synthetic::new(cfg), &opts);
+    backend.set_synthetic_weights(None);
+    let model = model?;
+    let s = model.spec();
+    let spec = KvSpec {
+        num_layers: s.num_layers,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        page_size: PAGE,
+        num_pages: kv_tokens.div_ceil(PAGE),
+        dtype: DType::BF16,
+    };
+    let kv = KvCache::allocate(&*dynb, spec)?;
+    let attention = dynb.attention(None)?;
+    backend.synchronize()?;
+    Ok(Setup {
+        backend,
+        model,
+        kv,
+        attention,
+        pool: PagePool::new(spec.num_pages, PAGE),
+    })
+}
+
+/// One forward pass of `seqs` (prefix length, new tokens) and a greedy device sample.
+fn step(
+    s: &Setup,
+    seqs: &[(usize, Vec<u32>)],
+    pages: &[arbor_engine_core::PageSet],
+) -> Result<Vec<u32>> {
+    let b: &dyn Backend = &*s.backend;
+    let mut layout = BatchLayout::new(PAGE);
+    let (mut ids, mut pos, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for ((prefix, toks), pg) in seqs.iter().zip(pages) {
+        layout.push_seq(*prefix, toks.len(), pg.pages())?;
+        ids.extend_from_slice(toks);
+        pos.extend((*prefix..prefix + toks.len()).map(|p| p as u32));
+        rows.push((ids.len() - 1) as u32);
+    }
+    let layout = Arc::new(layout);
+    let ab = s.attention.prepare(layout.clone())?;
+    let batch = ForwardBatch {
+        input_ids: ids,
+        positions: pos,
+        layout,
+        logits_rows: rows,
+    };
+    let ctx = ForwardContext {
+        kv: &s.kv,
+        attention: &*s.attention,
+        attention_batch: &ab,
+    };
+    let logits = s.model.forward(&batch, &ctx)?;
+    let out = b.alloc(DType::U32, &[seqs.len()])?;
+    let greedy = SampleRow {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 0,
+    };
+    b.sample(&logits, &vec![greedy; seqs.len()], &out)?;
+    let mut bytes = vec![0u8; 4 * seqs.len()];
+    b.download(&out, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Decode tok/s of `bs` sequences with `context` cached tokens.
+fn decode(s: &Setup, bs: usize, context: usize, steps: usize) -> Result<(f64, f64)> {
+    let warm = WARM;
+    let total = context + warm + steps + 1;
+    let pages: Vec<_> = (0..bs)
+        .map(|_| s.pool.alloc(s.pool.pages_for(total)))
+        .collect::<arbor_engine_core::Result<_>>()?;
+    let mut last: Vec<u32> = (0..bs).map(|i| (i * 7 % 1000) as u32 + 1).collect();
+    let mut t0 = Instant::now();
+    for i in 0..warm + steps {
+        if i == warm {
+            s.backend.synchronize()?;
+            t0 = Instant::now();
+        }
+        let seqs: Vec<(usize, Vec<u32>)> = last.iter().map(|&t| (context + i, vec![t])).collect();
+        last = step(s, &seqs, &pages)?;
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    Ok(((bs * steps) as f64 / dt, dt / steps as f64 * 1e3))
+}
+
+fn prefill(s: &Setup, n: usize) -> Result<f64> {
+    let pages = vec![s.pool.alloc(s.pool.pages_for(n))?];
+    let toks: Vec<u32> = (0..n).map(|i| (i * 31 % 128_000) as u32).collect();
+    step(s, &[(0, toks.clone())], &pages)?;
+    let t0 = Instant::now();
+    for _ in 0..3 {
+        step(s, &[(0, toks.clone())], &pages)?;
+    }
+    Ok(3.0 * n as f64 / t0.elapsed().as_secs_f64())
+}
+
+fn main() -> Result<()> {
+    let a = args()?;
+    let cfg = llama_8b(a.layers)?;
+    let max_bs = a.batches.iter().copied().max().unwrap_or(1);
+    // Every decode sequence holds its context, the warm-up and timed steps.
+    let per_seq = (a.context + WARM + a.steps + 1).div_ceil(PAGE) * PAGE;
+    let kv_tokens = (max_bs * per_seq).max(a.prefill.div_ceil(PAGE) * PAGE) + PAGE;
+    let t0 = Instant::now();
+    let s = setup(true, &cfg, kv_tokens)?;
+    let weight_bytes = s.model.spec().weight_bytes as f64;
+    let info = s.backend.info();
+    println!(
+        "loaded {:.2} GB of random bf16 weights ({} layers) on {} in {:.1} s; kernels for {}",
+        weight_bytes / 1e9,
+        a.layers,
+        info.name,
+        t0.elapsed().as_secs_f64(),
+        s.backend.kernel_target()
+    );
+    let mut rows: Vec<(String, String)> = vec![
+        ("device".into(), info.name.clone()),
+        (
+            "model".into(),
+            format!(
+                "Llama-3.1-8B shape, {} layers, {:.2} GB bf16 weights, bf16 KV",
+                a.layers,
+                weight_bytes / 1e9
+            ),
+        ),
+    ];
+    let roofline = HBM_BYTES_PER_S / weight_bytes;
+    for &bs in &a.batches {
+        let (tps, ms) = decode(&s, bs, a.context, a.steps)?;
+        println!("decode bs={bs}: {tps:.1} tok/s ({ms:.2} ms/step)");
+        rows.push((
+            format!("decode bs={bs} (context {})", a.context),
+            format!("{tps:.1} tok/s, {ms:.2} ms/step"),
+        ));
+        if bs == 1 {
+            rows.push((
+                "HBM roofline at bs=1 (4.8 TB/s / weight bytes)".into(),
+                format!(
+                    "{roofline:.1} tok/s; reached {:.1}%",
+                    100.0 * tps / roofline
+                ),
+            ));
+        }
+    }
+    let pf = prefill(&s, a.prefill)?;
+    println!("prefill {}: {pf:.0} tok/s", a.prefill);
+    rows.push((
+        format!("prefill {} tokens", a.prefill),
+        format!("{pf:.0} tok/s"),
+    ));
+    let st = s.backend.graph_stats();
+    rows.push((
+        "CUDA graphs".into(),
+        format!(
+            "{} captured, {} replays, {} eager steps, {} failed",
+            st.captures, st.replays, st.eager_steps, st.failures
+        ),
+    ));
+    drop(s);
+    if a.batches.contains(&1) {
+        let e = setup(false, &cfg, kv_tokens)?;
+        let (tps, ms) = decode(&e, 1, a.context, a.steps)?;
+        println!("decode bs=1 without graphs: {tps:.1} tok/s ({ms:.2} ms/step)");
+        rows.push((
+            "decode bs=1, CUDA graphs off".into(),
+            format!("{tps:.1} tok/s, {ms:.2} ms/step"),
+        ));
+    }
+    let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(10);
+    println!("\n== arbor CUDA benchmark ==");
+    for (k, v) in &rows {
+        println!("{k:<w$}  {v}");
+    }
+    Ok(())
+}

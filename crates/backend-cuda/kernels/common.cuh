@@ -1,0 +1,86 @@
+// Shared helpers of Arbor's CUDA kernels (compiled with NVRTC, no headers).
+//
+// Storage types: `float` (f32), `bf16_t` and `f16_t` (raw 16-bit patterns).
+// Conversions round to nearest even, as the `half` crate does on the host, so
+// a value written to a bf16/f16 KV cache here has the same bits as on the CPU.
+// All arithmetic is in f32. Kernels are compiled without fast-math.
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct bf16_t { unsigned short x; };
+struct f16_t { unsigned short x; };
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) {
+    return __uint_as_float(((u32)v.x) << 16);
+}
+__device__ __forceinline__ float to_f32(f16_t v) {
+    float f;
+    unsigned short h = v.x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
+    u32 u = __float_as_uint(v);
+    bf16_t r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        // NaN: keep it quiet and signed as the host does.
+        r.x = (unsigned short)((u >> 16) | 0x40u);
+        return r;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.x = (unsigned short)(u >> 16);
+    return r;
+}
+template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float v) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    f16_t r;
+    r.x = h;
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over all threads of a block of at most 1024 threads (a multiple of 32).
+// `scratch` holds 32 floats. Every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+// SplitMix64 step, as `SeqRng` seeds itself on the host.
+__device__ __forceinline__ u64 splitmix64(u64* x) {
+    *x += 0x9E3779B97F4A7C15ull;
+    u64 z = *x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ u64 rotl64(u64 x, int k) { return (x << k) | (x >> (64 - k)); }

@@ -1,0 +1,391 @@
+//! Paged attention on the GPU (`cuda-paged`): KV writes into pages, decode as
+//! flash-decoding and prefill over a cached prefix (kernels/attention.cu).
+//!
+//! `prepare` validates the layout on the host and uploads it once per batch:
+//! `seq_info` ([seqs, 4] i32: q_start, q_len, kv_len, page_start),
+//! `page_table` (u32) and `slot_mapping` (u32, one slot per new token). A pure
+//! decode batch that fits a CUDA-graph bucket also opens the backend's graph
+//! step here (see [`crate::exec`]): its metadata is padded to the bucket with
+//! empty sequences (kv_len 0, written as zeros) and slots 0xffffffff (skipped),
+//! and its page table to a power-of-two capacity, so batches of the same
+//! bucket have identical launches. What `forward` needs on the host (sizes,
+//! the largest slot) is kept in a small table keyed by the batch's first
+//! device buffer.
+//!
+//! Decode splits each sequence's pages into `splits` ranges (more when the
+//! batch is small, so every SM has work); a graph step chooses the count from
+//! the bucket alone, since lengths change from step to step.
+
+use crate::CudaBackend;
+use crate::device::PREFILL_SMEM_MAX;
+use crate::exec::Args;
+use crate::kernels::K;
+use crate::ops::no_overlap;
+use arbor_engine_core::{
+    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, BufferId, CoreError, DType,
+    KvLayer, Result, Tensor,
+};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+/// Host facts about a prepared batch.
+#[derive(Clone, Copy, Debug)]
+struct Prepared {
+    key: BufferId,
+    /// Sequences in the device metadata (padded to the bucket in a graph step).
+    seqs: usize,
+    /// Real sequences.
+    real_seqs: usize,
+    /// Token rows of the device metadata (padded likewise).
+    tokens: usize,
+    decode: bool,
+    max_q_len: usize,
+    max_kv_len: usize,
+    /// Slots the layout touches: the KV cache must have at least this many.
+    needed_slots: usize,
+}
+
+/// The CUDA paged attention.
+pub struct CudaAttention {
+    b: CudaBackend,
+    prepared: Mutex<VecDeque<Prepared>>,
+}
+
+impl CudaAttention {
+    pub(crate) fn new(b: CudaBackend) -> Self {
+        Self {
+            b,
+            prepared: Mutex::new(VecDeque::new()),
+        }
+    }
+}
+
+/// Checks a layout's internal consistency; returns the slots it needs.
+fn validate_layout(layout: &BatchLayout) -> Result<usize> {
+    let ps = layout.page_size;
+    if ps == 0 {
+        return Err(CoreError::invalid("attention layout with page size 0"));
+    }
+    let mut next = 0;
+    for s in &layout.seqs {
+        if s.q_start != next
+            || s.q_len == 0
+            || s.pages.start > s.pages.end
+            || s.pages.end > layout.page_table.len()
+            || s.pages.len() * ps < s.kv_len()
+        {
+            return Err(CoreError::invalid(format!(
+                "inconsistent sequence layout {s:?}"
+            )));
+        }
+        next += s.q_len;
+    }
+    if next != layout.num_tokens() {
+        return Err(CoreError::invalid(
+            "sequence lengths do not add up to the batch",
+        ));
+    }
+    let max_slot = layout.slot_mapping.iter().map(|&s| s as usize + 1).max();
+    let max_page = layout
+        .page_table
+        .iter()
+        .map(|&p| (p as usize + 1) * ps)
+        .max();
+    Ok(max_slot.unwrap_or(0).max(max_page.unwrap_or(0)))
+}
+
+/// Decode splits per sequence: enough blocks for every SM when the batch is
+/// small, at least 64 tokens per split when the longest sequence is known.
+pub(crate) fn decode_splits(
+    seqs: usize,
+    kv_heads: usize,
+    sm_count: usize,
+    max_len: Option<usize>,
+) -> usize {
+    let blocks = (seqs * kv_heads).max(1);
+    let mut s = (2 * sm_count).div_ceil(blocks).clamp(1, 32);
+    if let Some(len) = max_len {
+        s = s.min(len.div_ceil(64).max(1));
+    }
+    s
+}
+
+fn to_i32(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CoreError::unsupported(format!("{what} {v} exceeds i32")))
+}
+
+impl AttentionBackend for CudaAttention {
+    fn name(&self) -> &str {
+        "cuda-paged"
+    }
+
+    fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
+        let needed_slots = validate_layout(&layout)?;
+        let n = layout.seqs.len();
+        let t = layout.num_tokens();
+        let decode = n > 0 && layout.is_decode();
+        let dev = &self.b.dev;
+        let mut st = dev.lock()?;
+        let bucket = if decode { dev.graphs.bucket(n) } else { None };
+        let graph_step = match bucket {
+            Some(bk) => dev.begin_step(&mut st, n, bk)?,
+            None => {
+                dev.flush(&mut st)?;
+                false
+            }
+        };
+        let (seqs, tokens, pt_len) = match bucket {
+            Some(bk) if graph_step => {
+                (bk, bk, layout.page_table.len().next_power_of_two().max(256))
+            }
+            _ => (n, t, layout.page_table.len().max(1)),
+        };
+        let mut info = Vec::with_capacity(4 * seqs);
+        for s in &layout.seqs {
+            info.extend_from_slice(&[
+                to_i32(s.q_start, "token row")?,
+                to_i32(s.q_len, "query length")?,
+                to_i32(s.kv_len(), "sequence length")?,
+                to_i32(s.pages.start, "page-table offset")?,
+            ]);
+        }
+        for i in n..seqs {
+            info.extend_from_slice(&[i as i32, 1, 0, 0]);
+        }
+        let info_bytes: Vec<u8> = info.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let pt_bytes: Vec<u8> = layout
+            .page_table
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let mut slots: Vec<u8> = layout
+            .slot_mapping
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        slots.resize(4 * tokens.max(1), 0xff);
+        let seq_t = self
+            .b
+            .alloc_in(&mut st, DType::I32, &[seqs.max(1), 4], false)?;
+        let pt_t = self.b.alloc_in(&mut st, DType::U32, &[pt_len], false)?;
+        let slot_t = self
+            .b
+            .alloc_in(&mut st, DType::U32, &[tokens.max(1)], false)?;
+        for (tensor, bytes) in [(&seq_t, &info_bytes), (&pt_t, &pt_bytes), (&slot_t, &slots)] {
+            let p = dev.ptr(&st, tensor, 4)?;
+            let cap = tensor.byte_len()?;
+            dev.upload_to(&mut st, p, bytes, cap)?;
+        }
+        drop(st);
+        let prep = Prepared {
+            key: seq_t.buffer_id(),
+            seqs,
+            real_seqs: n,
+            tokens,
+            decode,
+            max_q_len: layout.seqs.iter().map(|s| s.q_len).max().unwrap_or(0),
+            max_kv_len: layout.seqs.iter().map(|s| s.kv_len()).max().unwrap_or(0),
+            needed_slots,
+        };
+        let mut table = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        table.retain(|p| p.key != prep.key);
+        table.push_front(prep);
+        table.truncate(16);
+        Ok(AttentionBatch {
+            layout,
+            device: vec![seq_t, pt_t, slot_t],
+        })
+    }
+
+    fn forward(
+        &self,
+        batch: &AttentionBatch,
+        kv: &KvLayer,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &Tensor,
+        p: &AttentionParams,
+    ) -> Result<()> {
+        p.validate()?;
+        let layout = &*batch.layout;
+        let tokens = layout.num_tokens();
+        let (hd, nh, nkv) = (p.head_dim, p.num_heads, p.num_kv_heads);
+        let (qw, kw) = (nh * hd, nkv * hd);
+        for (t, w, what) in [(q, qw, "q"), (k, kw, "k"), (v, kw, "v"), (out, qw, "out")] {
+            if t.dtype() != DType::F32 || t.rows() != tokens || t.row_len() != w {
+                return Err(CoreError::invalid(format!(
+                    "attention {what} {t:?}, expected f32 [{tokens}, {w}]"
+                )));
+            }
+        }
+        no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
+        let kd = kv.k.dtype();
+        for c in [&kv.k, &kv.v] {
+            if c.dtype() != kd
+                || !matches!(kd, DType::F32 | DType::F16 | DType::BF16)
+                || !c.numel().is_multiple_of(kw)
+                || c.row_len() != hd
+                || c.numel() != kv.k.numel()
+            {
+                return Err(CoreError::invalid(format!(
+                    "KV cache tensor {c:?} for {nkv} heads of {hd}"
+                )));
+            }
+        }
+        if hd > 256 {
+            return Err(CoreError::unsupported(format!(
+                "CUDA attention with head_dim {hd} (at most 256)"
+            )));
+        }
+        let slots = kv.k.numel() / kw;
+        let key = batch
+            .device
+            .first()
+            .map(Tensor::buffer_id)
+            .ok_or_else(|| CoreError::invalid("attention batch without device metadata"))?;
+        let info = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|p| p.key == key)
+            .copied()
+            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by cuda-paged"))?;
+        if info.needed_slots > slots {
+            return Err(CoreError::invalid(format!(
+                "the batch uses KV slot {} of a cache of {slots} slots",
+                info.needed_slots - 1
+            )));
+        }
+        let [seq_t, pt_t, slot_t] = &batch.device[..] else {
+            return Err(CoreError::invalid("attention batch metadata is malformed"));
+        };
+        let window = p
+            .sliding_window
+            .filter(|&w| w < i32::MAX as usize)
+            .unwrap_or(0);
+        let b = &self.b;
+        let dev = &b.dev;
+        let mut st = dev.lock()?;
+        // Padded sequences run only when every activation is padded too.
+        let (seqs, rows) =
+            if info.seqs > info.real_seqs && st.rows(tokens, &[q, k, v, out]) == info.tokens {
+                (info.seqs, info.tokens)
+            } else {
+                (info.real_seqs, tokens)
+            };
+        let (qp, kp, vp, op) = (b.p(&st, q)?, b.p(&st, k)?, b.p(&st, v)?, b.p(&st, out)?);
+        let (kc, vc) = (b.p(&st, &kv.k)?, b.p(&st, &kv.v)?);
+        let (sp, ptp, slp) = (b.p(&st, seq_t)?, b.p(&st, pt_t)?, b.p(&st, slot_t)?);
+        let kvk = match kd {
+            DType::F32 => K::KvWriteF32,
+            DType::F16 => K::KvWriteF16,
+            _ => K::KvWriteBf16,
+        };
+        let args = Args::new()
+            .p(kp)
+            .p(vp)
+            .p(kc)
+            .p(vc)
+            .p(slp)
+            .i(rows)
+            .i(kw)
+            .i(slots);
+        dev.launch(&mut st, kvk, [rows, 1, 1], 256, 0, args)?;
+        let ps = layout.page_size;
+        if info.decode {
+            let known_len = if st.step_shape().is_some() {
+                None
+            } else {
+                Some(info.max_kv_len)
+            };
+            let splits = decode_splits(seqs, nkv, dev.props.sm_count as usize, known_len);
+            let part_o = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * hd], false)?;
+            let part_ml = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * 2], false)?;
+            let (pop, pmp) = (b.p(&st, &part_o)?, b.p(&st, &part_ml)?);
+            let kern = match (kd, hd <= 128) {
+                (DType::F32, true) => K::DecodeF32D128,
+                (DType::F16, true) => K::DecodeF16D128,
+                (_, true) => K::DecodeBf16D128,
+                (DType::F32, false) => K::DecodeF32D256,
+                (DType::F16, false) => K::DecodeF16D256,
+                (_, false) => K::DecodeBf16D256,
+            };
+            let args = Args::new()
+                .p(qp)
+                .p(kc)
+                .p(vc)
+                .p(sp)
+                .p(ptp)
+                .p(pop)
+                .p(pmp)
+                .i(nh)
+                .i(nkv)
+                .i(hd)
+                .i(ps)
+                .i(splits)
+                .f(p.scale)
+                .i(window);
+            dev.launch(&mut st, kern, [seqs, nkv, splits], 128, 0, args)?;
+            let args = Args::new().p(pop).p(pmp).p(sp).p(op).i(nh).i(hd).i(splits);
+            dev.launch(&mut st, K::DecodeMerge, [seqs, nh, 1], 128, 0, args)
+        } else {
+            let (bq, bk) = if hd <= 128 { (64, 64) } else { (32, 32) };
+            let smem = 4 * (bq * (hd + 1) + bk * (hd + 1) + bk * hd + bq * (bk + 1));
+            let limit = dev.props.smem_optin.min(PREFILL_SMEM_MAX) as usize;
+            if smem > limit {
+                return Err(CoreError::unsupported(format!(
+                    "prefill attention needs {smem} bytes of shared memory (device allows {limit})"
+                )));
+            }
+            let kern = match (kd, hd <= 128) {
+                (DType::F32, true) => K::PrefillF32D128,
+                (DType::F16, true) => K::PrefillF16D128,
+                (_, true) => K::PrefillBf16D128,
+                (DType::F32, false) => K::PrefillF32D256,
+                (DType::F16, false) => K::PrefillF16D256,
+                (_, false) => K::PrefillBf16D256,
+            };
+            let args = Args::new()
+                .p(qp)
+                .p(kc)
+                .p(vc)
+                .p(sp)
+                .p(ptp)
+                .p(op)
+                .i(nh)
+                .i(nkv)
+                .i(hd)
+                .i(ps)
+                .f(p.scale)
+                .i(window);
+            let tiles = info.max_q_len.div_ceil(bq);
+            dev.launch(&mut st, kern, [tiles, nh, seqs], 256, smem as u32, args)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits() {
+        assert_eq!(decode_splits(1, 8, 132, None), 32);
+        assert_eq!(decode_splits(8, 8, 132, None), 5);
+        assert_eq!(decode_splits(256, 8, 132, None), 1);
+        assert_eq!(decode_splits(1, 8, 132, Some(100)), 2);
+    }
+
+    #[test]
+    fn layout_checks() {
+        let mut l = BatchLayout::new(4);
+        l.push_seq(0, 5, &[7, 2]).unwrap_or_else(|e| panic!("{e}"));
+        l.push_seq(6, 1, &[3, 9, 1])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(validate_layout(&l).ok(), Some(40));
+        l.seqs[1].q_start = 4;
+        assert!(validate_layout(&l).is_err());
+    }
+}

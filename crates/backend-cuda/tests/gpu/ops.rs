@@ -1,0 +1,180 @@
+//! Every elementwise and row-wise operation, and linear layers, against the
+//! CPU backend on seeded random inputs. Tolerances: 1e-5 of the output scale
+//! for f32 math (embedding, copies and gathers must be exact); linear layers
+//! 1e-4 with f32 weights (cuBLAS f32 GEMM, another summation order) and 1e-2
+//! with f16/bf16 weights (activations rounded to the weight type on the GPU,
+//! kept in f32 on the CPU).
+
+use crate::common::*;
+use arbor_engine_core::{Backend, DType, LinearRef, RopeStyle};
+
+#[test]
+fn embedding_and_gather_are_exact() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(1);
+    let (vocab, dim) = (301, 72);
+    let table = rng.vec(vocab * dim, 1.0);
+    let ids: Vec<u32> = (0..37).map(|_| rng.below(vocab) as u32).collect();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let run = |b: &dyn Backend| {
+            let t = upload_as(b, &[vocab, dim], &table, dt);
+            let i = upload_u32(b, &[ids.len()], &ids);
+            let o = b.alloc(DType::F32, &[ids.len(), dim]).unwrap();
+            b.embedding(&t, &i, &o).unwrap();
+            let rows = upload_u32(b, &[5], &[3, 0, 36, 3, 17]);
+            let sel = b.alloc(DType::F32, &[5, dim]).unwrap();
+            b.gather_rows(&o, &rows, &sel).unwrap();
+            (download_f32(b, &o), download_f32(b, &sel))
+        };
+        assert_eq!(run(&*g), run(&*c), "embedding/gather of {dt} rows");
+    }
+}
+
+#[test]
+fn norms_match() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(2);
+    for (rows, dim) in [(1, 4096), (7, 72), (33, 1000), (3, 16)] {
+        let x = rng.vec(rows * dim, 2.0);
+        let r = rng.vec(rows * dim, 2.0);
+        let w = rng.vec(dim, 1.0);
+        let run = |b: &dyn Backend| {
+            let xt = upload_f32(b, &[rows, dim], &x);
+            let wt = upload_f32(b, &[dim], &w);
+            let o = b.alloc(DType::F32, &[rows, dim]).unwrap();
+            b.rms_norm(&xt, &wt, 1e-5, &o).unwrap();
+            b.rms_norm(&xt, &wt, 1e-6, &xt).unwrap(); // in place
+            let rt = upload_f32(b, &[rows, dim], &r);
+            let o2 = b.alloc(DType::F32, &[rows, dim]).unwrap();
+            b.add_rms_norm(&rt, &o, &wt, 1e-5, &o2).unwrap();
+            [o, xt, rt, o2].map(|t| download_f32(b, &t))
+        };
+        let (gv, cv) = (run(&*g), run(&*c));
+        for (i, (a, b)) in gv.iter().zip(&cv).enumerate() {
+            assert_close(&format!("norm {i} of {rows}x{dim}"), a, b, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn rope_both_styles_and_partial_rotary() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(3);
+    for (style, head_dim, half) in [
+        (RopeStyle::Neox, 128, 64),
+        (RopeStyle::Interleaved, 64, 32),
+        (RopeStyle::Neox, 64, 16),
+        (RopeStyle::Interleaved, 80, 20),
+    ] {
+        let (tokens, heads) = (9, 3);
+        let x = rng.vec(tokens * heads * head_dim, 1.0);
+        let pos: Vec<u32> = (0..tokens).map(|_| rng.below(5000) as u32).collect();
+        let freqs: Vec<f32> = (0..half)
+            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / (2 * half) as f32))
+            .collect();
+        let run = |b: &dyn Backend| {
+            let xt = upload_f32(b, &[tokens, heads * head_dim], &x);
+            let p = upload_u32(b, &[tokens], &pos);
+            let f = upload_f32(b, &[half], &freqs);
+            b.rope(&xt, &p, &f, head_dim, style).unwrap();
+            download_f32(b, &xt)
+        };
+        assert_close(
+            &format!("rope {style:?} {head_dim}/{half}"),
+            &run(&*g),
+            &run(&*c),
+            1e-4,
+        );
+    }
+}
+
+#[test]
+fn silu_mul_add_assign_copy() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(4);
+    let (rows, dim) = (5, 1234);
+    let a = rng.vec(rows * dim, 6.0);
+    let u = rng.vec(rows * dim, 2.0);
+    let run = |b: &dyn Backend| {
+        let at = upload_f32(b, &[rows, dim], &a);
+        let ut = upload_f32(b, &[rows, dim], &u);
+        let o = b.alloc(DType::F32, &[rows, dim]).unwrap();
+        b.silu_mul(&at, &ut, &o).unwrap();
+        b.add_assign(&at, &ut).unwrap();
+        let cp = b.alloc(DType::F32, &[rows, dim]).unwrap();
+        b.copy(&o, &cp).unwrap();
+        [o, at, cp].map(|t| download_f32(b, &t))
+    };
+    let (gv, cv) = (run(&*g), run(&*c));
+    assert_close("silu_mul", &gv[0], &cv[0], 1e-5);
+    assert_eq!(gv[1], cv[1], "add_assign");
+    assert_eq!(gv[2], gv[0], "copy");
+}
+
+#[test]
+fn linear_layers_match() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(5);
+    for (m, k, n) in [(1, 256, 384), (5, 200, 96), (70, 512, 1000)] {
+        let x = rng.vec(m * k, 1.0);
+        let w1 = rng.vec(n * k, 0.05);
+        let w2 = rng.vec(n / 2 * k, 0.05);
+        let bias = rng.vec(n, 0.5);
+        for (dt, tol) in [(DType::F32, 1e-4), (DType::F16, 1e-2), (DType::BF16, 1e-2)] {
+            let run = |b: &dyn Backend| {
+                let xt = upload_f32(b, &[m, k], &x);
+                let a = upload_as(b, &[n, k], &w1, dt);
+                let bb = upload_as(b, &[n / 2, k], &w2, dt);
+                let bt = upload_f32(b, &[n], &bias);
+                let o1 = b.alloc(DType::F32, &[m, n]).unwrap();
+                let o2 = b.alloc(DType::F32, &[m, n / 2]).unwrap();
+                b.linear_many(
+                    &xt,
+                    &[
+                        LinearRef {
+                            w: &a,
+                            bias: Some(&bt),
+                            out: &o1,
+                        },
+                        LinearRef {
+                            w: &bb,
+                            bias: None,
+                            out: &o2,
+                        },
+                    ],
+                )
+                .unwrap();
+                let o3 = b.alloc(DType::F32, &[m, n]).unwrap();
+                b.linear(&xt, &a, None, &o3).unwrap();
+                [o1, o2, o3].map(|t| download_f32(b, &t))
+            };
+            let (gv, cv) = (run(&*g), run(&*c));
+            for (i, (a, b)) in gv.iter().zip(&cv).enumerate() {
+                assert_close(&format!("linear {i} {dt} {m}x{k}x{n}"), a, b, tol);
+            }
+        }
+    }
+}
+
+#[test]
+fn invalid_calls_are_errors() {
+    let Some(g) = gpu() else { return };
+    let a = g.alloc(DType::F32, &[4, 8]).unwrap();
+    let b = g.alloc(DType::F32, &[4, 9]).unwrap();
+    let w = g.alloc(DType::F32, &[8]).unwrap();
+    assert!(g.silu_mul(&a, &b, &a).is_err());
+    assert!(g.rms_norm(&a, &w, 1e-5, &b).is_err());
+    assert!(g.add_assign(&a, &a).is_err(), "overlapping output");
+    let cpu_t = cpu().alloc(DType::F32, &[4, 8]).unwrap();
+    assert!(
+        g.add_assign(&a, &cpu_t).is_err(),
+        "tensor of another device"
+    );
+    let mut small = [0u8; 3];
+    assert!(g.download(&a, &mut small).is_err());
+}

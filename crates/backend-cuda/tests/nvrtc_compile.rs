@@ -1,0 +1,50 @@
+//! Every kernel compiles with NVRTC for sm_80 (A100) and sm_90 (H100/H200),
+//! both to PTX (checked against the launch signatures of `KERNELS`) and to a
+//! CUBIN (which also runs ptxas: register and shared-memory limits). No GPU is
+//! needed. Without NVRTC the test skips with the reason, unless
+//! `ARBOR_REQUIRE_NVRTC=1`, when it fails.
+#![allow(clippy::unwrap_used)]
+
+use arbor_backend_cuda::{kernels, nvrtc};
+
+#[test]
+fn kernels_compile_for_sm80_and_sm90() {
+    if let Err(why) = nvrtc::available() {
+        if std::env::var("ARBOR_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+            panic!("ARBOR_REQUIRE_NVRTC=1 but {why}");
+        }
+        println!("skipped: {why}");
+        return;
+    }
+    let (maj, min) = nvrtc::version().unwrap();
+    println!("NVRTC {maj}.{min}");
+    let src = kernels::source();
+    for arch in ["80", "90"] {
+        let t0 = std::time::Instant::now();
+        let ptx =
+            nvrtc::compile(&src, &format!("compute_{arch}")).unwrap_or_else(|e| panic!("{e}"));
+        let text = nvrtc::ptx_text(&ptx);
+        kernels::check_ptx(&text).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
+        let (cubin, log) =
+            nvrtc::compile_with_log(&src, &format!("sm_{arch}"), &["--ptxas-options=-v"])
+                .unwrap_or_else(|e| panic!("{e}"));
+        // ptxas reports registers, spills and shared memory per kernel.
+        for line in log
+            .lines()
+            .filter(|l| l.contains("spill") && !l.contains(" 0 bytes spill"))
+        {
+            println!("sm_{arch} ptxas: {line}");
+        }
+        if std::env::var("ARBOR_NVRTC_VERBOSE").is_ok() {
+            println!("{log}");
+        }
+        assert!(cubin.starts_with(b"\x7fELF"), "sm_{arch}: not an ELF CUBIN");
+        println!(
+            "sm_{arch}: {} kernels, PTX {} KiB, CUBIN {} KiB, {:.1} s",
+            kernels::KERNELS.len(),
+            text.len() / 1024,
+            cubin.len() / 1024,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+}

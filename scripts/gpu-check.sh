@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA backend (crates/backend-cuda), for a machine with an
+# NVIDIA GPU (sm_80 or newer; sized for one H200, under 8 minutes):
+#   1. prints the driver, GPU, toolkit and Rust versions, and finds cuBLAS and
+#      NVRTC (system CUDA, /usr/local/cuda*, or pip's nvidia-* wheels);
+#   2. builds `arbor` with `--features cuda` and checks that `arbor info`
+#      opens the device;
+#   3. runs the GPU tests with ARBOR_REQUIRE_CUDA=1 (a missing device fails
+#      instead of skipping): parity with the CPU backend on the tiny fixtures
+#      (identical greedy tokens), every op and the attention kernels against
+#      the CPU on random inputs within their stated tolerances, CUDA graphs
+#      against eager decoding, device sampling, and the NVRTC compile test;
+#   4. runs the benchmark (decode tok/s at batch 1, 8, 64, 256 and prefill of
+#      2,048 tokens on a Llama-3.1-8B-shaped model with random bf16 weights
+#      made on the GPU) and prints its table, with the share of the HBM
+#      roofline reached at batch 1.
+#
+# Usage:
+#   scripts/gpu-check.sh                   build here with cargo, then run
+#   scripts/gpu-check.sh --build-only DIR  build and copy the test and benchmark
+#                                          executables to DIR (no GPU needed)
+#   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
+#                                          without cargo or crates.io)
+# Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS
+# (extra folders holding libcublas.so.12 / libnvrtc.so.12), BENCH_ARGS
+# (extra arguments for the benchmark, such as "--layers 4").
+set -euo pipefail
+
+MODE=run
+DIR=""
+case "${1:-}" in
+  "") ;;
+  --build-only) MODE=build-only; DIR="${2:?--build-only needs a folder}" ;;
+  --prebuilt) MODE=prebuilt; DIR="${2:?--prebuilt needs a folder}" ;;
+  -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+  *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+esac
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target-cuda}"
+START=$(date +%s)
+step() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
+die() { echo; echo "gpu-check: FAILED: $*" >&2; exit 1; }
+trap 'echo "gpu-check: FAILED at line $LINENO (exit $?)" >&2' ERR
+
+# Folders that may hold the CUDA libraries.
+lib_dirs() {
+  local d
+  for d in ${ARBOR_CUDA_LIB_DIRS:-} ${CUDA_HOME:+$CUDA_HOME/lib64} \
+    /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+    /usr/local/cuda-*/lib64 /usr/local/cuda-*/targets/x86_64-linux/lib \
+    /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib; do
+    [ -d "$d" ] && echo "$d"
+  done
+  if command -v python3 >/dev/null; then
+    python3 - <<'PY' 2>/dev/null || true
+import glob, site, sys
+roots = list(site.getsitepackages()) + [site.getusersitepackages()] + sys.path
+for r in roots:
+    for d in glob.glob(r + "/nvidia/*/lib"):
+        print(d)
+PY
+  fi
+}
+
+# The folder holding the first file matching one of the names, if any.
+find_lib() {
+  local d n
+  for d in $(lib_dirs); do
+    for n in "$@"; do
+      if compgen -G "$d/$n" >/dev/null; then echo "$d"; return 0; fi
+    done
+  done
+  ldconfig -p 2>/dev/null | awk -v n="$1" '$1 ~ n {print $NF; exit}' | xargs -r dirname
+}
+
+add_lib_dir() {
+  case ":${LD_LIBRARY_PATH:-}:" in
+    *":$1:"*) ;;
+    *) export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
+}
+
+find_cuda_libs() {
+  step "CUDA libraries"
+  local blas lt nvrtc
+  blas="$(find_lib 'libcublas.so.12' 'libcublas.so')" || true
+  lt="$(find_lib 'libcublasLt.so.12' 'libcublasLt.so')" || true
+  nvrtc="$(find_lib 'libnvrtc.so.12' 'libnvrtc.so')" || true
+  [ -n "$blas" ] || die "libcublas.so.12 not found (install the CUDA toolkit or pip's nvidia-cublas-cu12, or set ARBOR_CUDA_LIB_DIRS)"
+  [ -n "$lt" ] || die "libcublasLt.so.12 not found (it comes with cuBLAS)"
+  [ -n "$nvrtc" ] || die "libnvrtc.so.12 not found (install the CUDA toolkit or pip's nvidia-cuda-nvrtc-cu12, or set ARBOR_CUDA_LIB_DIRS)"
+  add_lib_dir "$blas"; add_lib_dir "$lt"; add_lib_dir "$nvrtc"
+  echo "cuBLAS:   $blas"
+  echo "cuBLASLt: $lt"
+  echo "NVRTC:    $nvrtc"
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+}
+
+versions() {
+  step "versions"
+  if [ "$MODE" != build-only ]; then
+    command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this machine has no NVIDIA driver"
+    nvidia-smi || die "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv || true
+  fi
+  if command -v nvcc >/dev/null; then nvcc --version | tail -2; else echo "nvcc: absent (fine: kernels are compiled with NVRTC)"; fi
+  if [ "$MODE" != prebuilt ]; then rustc -V; cargo -V; fi
+  uname -srm
+}
+
+build() {
+  step "build: arbor with --features cuda (release)"
+  cargo build --release -p arbor --features cuda
+  step "build: GPU tests and benchmark (release)"
+  cargo test --release -p arbor-backend-cuda --no-run
+  cargo build --release -p arbor-backend-cuda --example gpu_bench
+}
+
+# Paths of the test executables cargo built (newest first per target).
+test_exe() {
+  local name="$1"
+  ls -t "$CARGO_TARGET_DIR"/release/deps/"$name"-* 2>/dev/null | grep -v '\.d$' | head -1
+}
+
+export_bins() {
+  step "copying executables to $DIR"
+  mkdir -p "$DIR"
+  local gpu nv
+  gpu="$(test_exe gpu)"; nv="$(test_exe nvrtc_compile)"
+  [ -x "$gpu" ] && [ -x "$nv" ] || die "test executables not found in $CARGO_TARGET_DIR/release/deps"
+  cp "$gpu" "$DIR/gpu-tests"
+  cp "$nv" "$DIR/nvrtc-compile"
+  cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DIR/gpu_bench"
+  strip "$DIR"/* 2>/dev/null || true
+  ls -la "$DIR"
+  du -sh "$DIR"
+}
+
+run_checks() {
+  local gpu nv bench arbor
+  if [ "$MODE" = prebuilt ]; then
+    gpu="$DIR/gpu-tests"; nv="$DIR/nvrtc-compile"; bench="$DIR/gpu_bench"; arbor=""
+  else
+    gpu="$(test_exe gpu)"; nv="$(test_exe nvrtc_compile)"
+    bench="$CARGO_TARGET_DIR/release/examples/gpu_bench"
+    arbor="$CARGO_TARGET_DIR/release/arbor"
+  fi
+  for f in "$gpu" "$nv" "$bench"; do [ -x "$f" ] || die "missing executable $f"; done
+  export ARBOR_REQUIRE_CUDA=1 ARBOR_REQUIRE_NVRTC=1
+  export ARBOR_FIXTURES="$ROOT/tests/fixtures"
+  export ARBOR_CUDA_CACHE="${ARBOR_CUDA_CACHE:-$CARGO_TARGET_DIR/cuda-kernel-cache}"
+  export RUST_BACKTRACE=1
+  if [ -n "$arbor" ]; then
+    step "arbor info (the cuda backend must open the device)"
+    "$arbor" info | tee "$CARGO_TARGET_DIR/gpu-check-info.txt"
+    grep -q "cuda: unavailable" "$CARGO_TARGET_DIR/gpu-check-info.txt" && die "arbor info could not open the CUDA device"
+  fi
+  step "NVRTC: every kernel for sm_80 and sm_90"
+  "$nv" --nocapture 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-nvrtc.txt"
+  step "GPU tests (parity, ops, attention, graphs, sampling)"
+  # One test at a time: the tests share one device and its stream.
+  "$gpu" --test-threads=1 --nocapture 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-tests.txt"
+  grep -q "skipped:" "$CARGO_TARGET_DIR/gpu-check-tests.txt" && die "a GPU test skipped although a device is required"
+  step "benchmark: Llama-3.1-8B shape, random bf16 weights on the GPU"
+  # shellcheck disable=SC2086
+  "$bench" ${BENCH_ARGS:-} 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-bench.txt"
+  step "summary"
+  grep -E "^test result|FAILED|panicked" "$CARGO_TARGET_DIR/gpu-check-tests.txt" "$CARGO_TARGET_DIR/gpu-check-nvrtc.txt" || true
+  sed -n '/== arbor CUDA benchmark ==/,$p' "$CARGO_TARGET_DIR/gpu-check-bench.txt"
+  echo
+  echo "gpu-check: OK in $(( $(date +%s) - START )) s"
+}
+
+versions
+case "$MODE" in
+  build-only)
+    build
+    export_bins
+    ;;
+  prebuilt)
+    find_cuda_libs
+    run_checks
+    ;;
+  run)
+    find_cuda_libs
+    build
+    run_checks
+    ;;
+esac
