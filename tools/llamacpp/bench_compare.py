@@ -5,9 +5,12 @@ tok/s over 128 tokens, each engine measured `--rounds` times alternately (best
 of each), with the same thread count; prints both and the ratios, plus the
 batch-1 roofline (weight bytes per token / measured read bandwidth).
 
-Needs llama-cpp-python (tools/llamacpp/README) and a built Arbor bench:
+Needs llama-cpp-python (`pip install llama-cpp-python` in a venv: it compiles
+llama.cpp, 15-20 minutes on 2 cores) and a built Arbor bench:
     cargo bench -p arbor-models --bench default_model --no-run
-    /path/to/venv/bin/python tools/llamacpp/bench_compare.py
+    /path/to/venv/bin/python tools/llamacpp/bench_compare.py --bandwidth-gbs GBS
+(GBS: the read bandwidth the first line of
+`ARBOR_BENCH_THREADS=2 cargo bench -p arbor-models --bench forward` prints).
 """
 import argparse, json, os, subprocess, sys, time
 from pathlib import Path
@@ -37,8 +40,9 @@ def llama_cpp_round(model, threads):
     return {"prefill_tok_s": 512 / best_p, "decode_tok_s": 128 / best_d}
 
 
-def arbor_round(threads):
-    env = dict(os.environ, ARBOR_BENCH_THREADS=str(threads))
+def arbor_round(model, threads):
+    # The same file for both engines.
+    env = dict(os.environ, ARBOR_BENCH_THREADS=str(threads), ARBOR_DEFAULT_GGUF=str(model))
     out = subprocess.run(["cargo", "bench", "-q", "-p", "arbor-models", "--bench", "default_model"],
                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     line = [l for l in out.splitlines() if l.startswith("{")][-1]
@@ -54,7 +58,7 @@ def main():
     a = ap.parse_args()
     best = {"arbor": {}, "llama.cpp": {}}
     for r in range(a.rounds):
-        for name, fn in (("llama.cpp", lambda: llama_cpp_round(a.model, a.threads)), ("arbor", lambda: arbor_round(a.threads))):
+        for name, fn in (("llama.cpp", lambda: llama_cpp_round(a.model, a.threads)), ("arbor", lambda: arbor_round(a.model, a.threads))):
             res = fn()
             for k in ("prefill_tok_s", "decode_tok_s"):
                 best[name][k] = max(best[name].get(k, 0), res[k])

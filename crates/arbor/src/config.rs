@@ -527,7 +527,11 @@ impl ServeConfig {
         if self.grammar.cache_size == Some(0) {
             bail!("[grammar] cache_size must be at least 1");
         }
-        if self.grammar.compile_timeout.is_some_and(|t| !(t > 0.0)) {
+        if self
+            .grammar
+            .compile_timeout
+            .is_some_and(|t| t.is_nan() || t <= 0.0)
+        {
             bail!("[grammar] compile_timeout must be positive");
         }
         let f = self.mem_fraction_static();

@@ -368,6 +368,36 @@ fn stop_conditions() -> Result<()> {
         .expect("finish");
     assert_eq!(f.matched, Some(Matched::Text(stop.clone())));
     assert_eq!(streamed, text[..text.find(&stop).expect("stop in text")]);
+    let stopped_at = tokens_of(&chunks).len();
+
+    // min_new_tokens holds stop strings back too (as SGLang's check_finished).
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        min_new_tokens: stopped_at + 2,
+        ..greedy(20)
+    };
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
+    let n = tokens_of(&chunks).len();
+    assert!(n >= stopped_at + 2, "{n} tokens, min {}", stopped_at + 2);
+    assert_eq!(tokens_of(&chunks), free[..n].to_vec());
+
+    // no_stop_trim keeps the matched stop string in the text.
+    let params = SamplingParams {
+        stop: vec![stop.clone()],
+        no_stop_trim: true,
+        ..greedy(20)
+    };
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
+    let streamed: String = chunks.iter().map(|c| c.text.as_str()).collect();
+    assert!(streamed.ends_with(&stop), "{streamed:?} ends with {stop:?}");
+    assert_eq!(
+        streamed,
+        text[..text.find(&stop).expect("stop") + stop.len()]
+    );
 
     // max_new_tokens = 0 only fills the cache.
     let chunks = e

@@ -31,6 +31,10 @@ struct Setup {
 }
 
 fn setup(jump_forward: bool) -> Result<Setup> {
+    setup_with(jump_forward, None)
+}
+
+fn setup_with(jump_forward: bool, overlap_grammar_mask: Option<bool>) -> Result<Setup> {
     let registry = Registry::builtin()?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
@@ -65,6 +69,7 @@ fn setup(jump_forward: bool) -> Result<Setup> {
     let engine = Engine::new(
         EngineConfig {
             enable_jump_forward: jump_forward,
+            overlap_grammar_mask,
             ..Default::default()
         },
         EngineParts {
@@ -177,6 +182,62 @@ fn outputs_follow_the_grammar_and_jump_forward_saves_forwards() -> Result<()> {
     assert!(on.engine.flush_cache()?);
     assert_eq!(on.engine.stats().num_used_tokens, 0);
     let _ = &on.tokenizer;
+    Ok(())
+}
+
+/// Masks filled on a second thread during the forward (overlap) give the
+/// same tokens as masks filled after it, for a batch of constrained and free
+/// requests decoding together, greedy and sampled; the pool ends empty.
+#[test]
+fn masks_overlapped_with_the_forward_change_nothing() -> Result<()> {
+    let serial = setup_with(true, Some(false))?;
+    let overlap = setup_with(true, Some(true))?;
+    let schema = r#"{"type":"object","properties":{"id":{"type":"integer"},"tag":{"type":"string","maxLength":5}},"required":["id","tag"]}"#;
+    let batch = |s: &Setup| -> Result<Vec<Vec<u32>>> {
+        let mut streams = Vec::new();
+        for (i, p) in [
+            vec![10u32, 20, 30],
+            vec![5, 99, 7, 44],
+            vec![300, 1],
+            vec![8, 8, 8, 8, 8],
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let params = SamplingParams {
+                temperature: if i % 2 == 0 { 0.0 } else { 1.0 },
+                seed: Some(i as u64),
+                max_new_tokens: 32,
+                ..Default::default()
+            };
+            let grammar = match i {
+                0 => Some(s.cache.get(&GrammarSpec::Regex(RECORD.into()))?),
+                1 | 2 => Some(s.cache.get(&GrammarSpec::JsonSchema(schema.into()))?),
+                _ => None,
+            };
+            streams.push(s.engine.submit(GenerateRequest {
+                grammar,
+                ..GenerateRequest::new(p, params)
+            })?);
+        }
+        Ok(streams
+            .into_iter()
+            .map(|st| {
+                st.collect_blocking()
+                    .iter()
+                    .flat_map(|c| c.token_ids.clone())
+                    .collect()
+            })
+            .collect())
+    };
+    let a = batch(&serial)?;
+    let b = batch(&overlap)?;
+    assert!(a.iter().all(|t| !t.is_empty()), "{a:?}");
+    assert_eq!(a, b, "overlapped masks changed the output");
+    for s in [&serial, &overlap] {
+        assert!(s.engine.flush_cache()?);
+        assert_eq!(s.engine.stats().num_used_tokens, 0);
+    }
     Ok(())
 }
 

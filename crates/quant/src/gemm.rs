@@ -148,6 +148,7 @@ fn unpack_block(f: u8, vnni: bool, b: &[u8], q: &mut [u8; 32]) -> (f32, f32) {
 /// `p` must be valid for writes of a whole [`Panel`]; `nblk <= KC_BLOCKS`,
 /// and every row `< rows` must hold blocks `kb0..kb0+nblk` (checked with
 /// slicing, so a violation panics rather than reading out of bounds).
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pack_portable(
     f: u8,
     vnni: bool,
@@ -212,7 +213,7 @@ impl OutMat {
     /// # Safety
     /// Row `i0` must be inside the matrix (or one past its last row).
     #[inline(always)]
-    pub unsafe fn from_row(self, i0: usize) -> Self {
+    pub unsafe fn starting_at(self, i0: usize) -> Self {
         Self {
             // SAFETY: per the contract.
             ptr: unsafe { self.ptr.add(i0 * self.stride) },

@@ -53,6 +53,11 @@ pub struct EngineConfig {
     pub seed: u64,
     /// Append the tokens a grammar forces without a forward pass each (jump-forward).
     pub enable_jump_forward: bool,
+    /// Fill the grammar masks of a batch on a second thread while the model
+    /// forward runs (masks depend only on the tokens already accepted).
+    /// `None`: on when the backend runs asynchronously to the host (its
+    /// capabilities say so), off on the CPU, whose forward uses every core.
+    pub overlap_grammar_mask: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +73,7 @@ impl Default for EngineConfig {
             lpm_fallback_queue_len: 128,
             max_queued_requests: 4096,
             seed: 0,
+            overlap_grammar_mask: None,
             enable_jump_forward: true,
         }
     }

@@ -36,6 +36,9 @@ pub(crate) struct Req {
     pub matcher: Option<Box<dyn GrammarMatcher>>,
     /// Scratch mask for the matcher.
     pub mask: Option<TokenBitmask>,
+    /// Set when `mask` was filled for the coming sample during the forward
+    /// (overlap), with the matcher's error if filling failed.
+    pub mask_filled: Option<Result<(), String>>,
     /// Internal request that only fills the cache with the prompt (for n > 1).
     pub prefix_only: bool,
     /// Samples that wait for this prefix-only request.
@@ -90,6 +93,7 @@ impl Req {
             grammar: r.grammar,
             matcher,
             mask: None,
+            mask_filled: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -141,6 +145,7 @@ impl Req {
             grammar: self.grammar.clone(),
             matcher,
             mask: None,
+            mask_filled: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -244,7 +249,8 @@ impl Req {
     }
 
     fn match_stop_string(&mut self) -> Option<Finish> {
-        if self.params.stop.is_empty() {
+        // Below min_new_tokens nothing stops a request but the length limit.
+        if self.params.stop.is_empty() || self.output.len() < self.params.min_new_tokens {
             return None;
         }
         let longest = self.params.stop.iter().map(String::len).max().unwrap_or(0);

@@ -55,6 +55,8 @@ struct PrefillEntry {
 
 pub(crate) struct Scheduler {
     cfg: EngineConfig,
+    /// Grammar masks are filled during the forward (resolved from the config).
+    overlap_mask: bool,
     runner: ModelRunner,
     pool: PagePool,
     cache: Box<dyn PrefixCache>,
@@ -93,7 +95,11 @@ impl Scheduler {
             new_token_ratio: init_ratio,
             ..Default::default()
         };
+        let overlap_mask = cfg
+            .overlap_grammar_mask
+            .unwrap_or_else(|| parts.runner.backend().capabilities().asynchronous);
         Ok(Self {
+            overlap_mask,
             rng: SeqRng::new(cfg.seed),
             cfg,
             runner: parts.runner,
@@ -556,12 +562,12 @@ impl Scheduler {
     // ---- One iteration --------------------------------------------------
 
     fn iterate(&mut self) -> Result<()> {
-        let prefill = self.schedule_prefill()?;
+        let mut prefill = self.schedule_prefill()?;
         let decode = prefill.is_empty() || self.cfg.enable_mixed_chunk;
         if decode && !self.running.is_empty() {
             self.prepare_decode()?;
         }
-        let decoding: Vec<Req> = if decode {
+        let mut decoding: Vec<Req> = if decode {
             std::mem::take(&mut self.running)
         } else {
             Vec::new()
@@ -595,7 +601,35 @@ impl Scheduler {
                 want_logits: *want,
             })
             .collect();
-        let result = self.runner.step(&steps);
+        let result = if self.overlap_mask {
+            let vocab = self.runner.model().spec().vocab_size;
+            // The requests that sample after this forward under a grammar.
+            let mut constrained: Vec<&mut Req> = prefill
+                .iter_mut()
+                .filter(|e| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
+                .map(|e| &mut e.req)
+                .chain(decoding.iter_mut())
+                .filter(|r| r.matcher.is_some())
+                .collect();
+            if constrained.is_empty() {
+                self.runner.step(&steps)
+            } else {
+                let runner = &self.runner;
+                std::thread::scope(|s| {
+                    let masks = s.spawn(move || {
+                        for r in constrained.iter_mut() {
+                            r.mask_filled = Some(fill_mask(r, vocab));
+                        }
+                    });
+                    let result = runner.step(&steps);
+                    // fill_mask catches matcher panics, so the thread ends normally.
+                    let _ = masks.join();
+                    result
+                })
+            }
+        } else {
+            self.runner.step(&steps)
+        };
         drop(steps);
         self.counters.iterations += 1;
         let mut logits = match result {
@@ -672,13 +706,12 @@ impl Scheduler {
         let lse = lp_top.map(|_| log_sum_exp(logits));
         let raw_top = lp_top.map(|n| top_n(logits, n));
         let raw = lse.map(|_| logits.to_vec());
-        if let Some(m) = r.matcher.as_mut() {
-            let mask = r
-                .mask
-                .get_or_insert_with(|| crate::grammar::TokenBitmask::new(logits.len()));
-            if let Err(e) = m.fill_mask(mask) {
-                return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
-            }
+        let filled = match r.mask_filled.take() {
+            Some(done) => done,
+            None => fill_mask(&mut r, logits.len()),
+        };
+        if let Err(e) = filled {
+            return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
         }
         let setup = SamplingSetup {
             sampler: &*self.sampler,
@@ -825,6 +858,22 @@ impl Scheduler {
         c.cache_tokens = cache_tokens;
         c.new_token_ratio = self.new_token_ratio;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
+    }
+}
+
+/// Fills `r`'s grammar mask for its next sample (nothing without a
+/// grammar); a matcher error or panic becomes the error message.
+fn fill_mask(r: &mut Req, vocab: usize) -> std::result::Result<(), String> {
+    let Some(m) = r.matcher.as_mut() else {
+        return Ok(());
+    };
+    let mask = r
+        .mask
+        .get_or_insert_with(|| crate::grammar::TokenBitmask::new(vocab));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.fill_mask(mask))) {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("the grammar matcher panicked".into()),
     }
 }
 

@@ -299,7 +299,7 @@ pub unsafe fn dot_rows(
         let xs = &x[i0 * k..(i0 + mm) * k];
         // SAFETY: features per this function's contract; xs holds mm rows
         // of k, and rows i0..i0+mm of `out` hold n_rows columns.
-        unsafe { tab[mm - 1](w, n_rows, k, xs, out.from_row(i0)) };
+        unsafe { tab[mm - 1](w, n_rows, k, xs, out.starting_at(i0)) };
         i0 += mm;
     }
 }

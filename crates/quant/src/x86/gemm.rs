@@ -468,13 +468,13 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                     }
                     let mut i0 = 0;
                     while i0 + MR512 <= m {
-                        tile512::<F, MR512>(p, nblk, ac.row(i0), o.from_row(i0), rows, add);
+                        tile512::<F, MR512>(p, nblk, ac.row(i0), o.starting_at(i0), rows, add);
                         i0 += MR512;
                     }
                     match m - i0 {
-                        1 => tile512::<F, 1>(p, nblk, ac.row(i0), o.from_row(i0), rows, add),
-                        2 => tile512::<F, 2>(p, nblk, ac.row(i0), o.from_row(i0), rows, add),
-                        3 => tile512::<F, 3>(p, nblk, ac.row(i0), o.from_row(i0), rows, add),
+                        1 => tile512::<F, 1>(p, nblk, ac.row(i0), o.starting_at(i0), rows, add),
+                        2 => tile512::<F, 2>(p, nblk, ac.row(i0), o.starting_at(i0), rows, add),
+                        3 => tile512::<F, 3>(p, nblk, ac.row(i0), o.starting_at(i0), rows, add),
                         _ => {}
                     }
                 } else {
@@ -487,11 +487,19 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                         let cols = rows - 16 * g;
                         let mut i0 = 0;
                         while i0 + MR256 <= m {
-                            tile256::<F, MR256>(p, g, nblk, ac.row(i0), og.from_row(i0), cols, add);
+                            tile256::<F, MR256>(
+                                p,
+                                g,
+                                nblk,
+                                ac.row(i0),
+                                og.starting_at(i0),
+                                cols,
+                                add,
+                            );
                             i0 += MR256;
                         }
                         if i0 < m {
-                            tile256::<F, 1>(p, g, nblk, ac.row(i0), og.from_row(i0), cols, add);
+                            tile256::<F, 1>(p, g, nblk, ac.row(i0), og.starting_at(i0), cols, add);
                         }
                     }
                 }

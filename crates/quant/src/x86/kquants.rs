@@ -429,7 +429,7 @@ pub unsafe fn dot_rows(
         };
         // SAFETY: features per this function's contract; `a` views rows
         // i0..i0+mm, and rows i0..i0+mm of `out` hold n_rows columns.
-        unsafe { tab[mm - 1](w, n_rows, &a, out.from_row(i0)) };
+        unsafe { tab[mm - 1](w, n_rows, &a, out.starting_at(i0)) };
         i0 += mm;
     }
     true
