@@ -50,6 +50,20 @@ fn shared() -> &'static Shared {
 }
 
 fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engine> {
+    engine_with_eos(
+        cfg,
+        num_pages,
+        page_size,
+        shared().model.tokenizer.eos_token_ids.clone(),
+    )
+}
+
+fn engine_with_eos(
+    cfg: EngineConfig,
+    num_pages: usize,
+    page_size: usize,
+    eos_token_ids: Vec<u32>,
+) -> Result<Engine> {
     let s = shared();
     let runner = ModelRunner::new(
         s.model.model.clone(),
@@ -75,7 +89,7 @@ fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engin
             &serde_json::Value::Null,
         )?],
         decoder: s.model.tokenizer.clone(),
-        eos_token_ids: s.model.tokenizer.eos_token_ids.clone(),
+        eos_token_ids,
     };
     Ok(Engine::new(cfg, parts)?)
 }
@@ -311,6 +325,45 @@ fn n_samples_share_the_prompt_and_seeds_repeat() -> Result<()> {
     assert!(a.iter().all(|s| s.len() == 16));
     assert!(a.windows(2).any(|w| w[0] != w[1]), "samples should differ");
     assert_eq!(a, run()?, "same seed, same samples");
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+/// Every EOS id of generation_config.json is loaded (tiny Llama lists 499
+/// and 497), and generation stops at the first sampled token that is any of
+/// the engine's EOS ids; `ignore_eos` runs past them.
+#[test]
+fn every_eos_id_stops_generation() -> Result<()> {
+    let mut eos = shared().model.tokenizer.eos_token_ids.clone();
+    eos.sort_unstable();
+    assert_eq!(
+        eos,
+        vec![497, 499],
+        "generation_config.json eos_token_id list"
+    );
+    let p = prompts(1, 33).remove(0);
+    let plain = engine(EngineConfig::default(), 64, 16)?;
+    let free = run_all(&plain, std::slice::from_ref(&p), &greedy(24))?.remove(0);
+    assert_pool_empty(&plain);
+    // Two EOS ids taken from the free continuation: the earlier one stops it.
+    let (a, b) = (free[9], free[4]);
+    let first = free
+        .iter()
+        .position(|t| *t == a || *t == b)
+        .expect("present");
+    let e = engine_with_eos(EngineConfig::default(), 64, 16, vec![a, b])?;
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), SamplingParams::greedy(24)))?
+        .collect_blocking();
+    let f = chunks
+        .last()
+        .and_then(|c| c.finish.clone())
+        .expect("finish");
+    assert_eq!(f.kind, FinishKind::Stop);
+    assert_eq!(f.matched, Some(Matched::Token(free[first])));
+    assert_eq!(tokens_of(&chunks), free[..=first].to_vec());
+    let past = run_all(&e, std::slice::from_ref(&p), &greedy(24))?.remove(0);
+    assert_eq!(past, free, "ignore_eos");
     assert_pool_empty(&e);
     Ok(())
 }
