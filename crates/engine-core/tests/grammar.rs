@@ -8,8 +8,9 @@ use anyhow::{Context, Result};
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::grammar::{
-    GrammarBackendConfig, GrammarCache, GrammarCacheConfig, GrammarOptions, GrammarSpec,
-    GrammarVocab, JsonWhitespace, VocabSource,
+    CompiledGrammar, GrammarBackendConfig, GrammarCache, GrammarCacheConfig, GrammarError,
+    GrammarMatcher, GrammarOptions, GrammarResult, GrammarSpec, GrammarVocab, JsonWhitespace,
+    TokenBitmask, VocabSource,
 };
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
@@ -277,4 +278,140 @@ fn regex_lite(_pattern: &str) -> impl Fn(&str) -> bool {
             && age.bytes().all(|b| b.is_ascii_digit())
             && !age.starts_with('0')
     }
+}
+
+/// A grammar backend that fails on purpose: its matcher allows every token
+/// for `ok_steps` masks, then panics in `fill_mask` (or, with `error`,
+/// returns an error from `accept`).
+struct Faulty {
+    ok_steps: usize,
+    error: bool,
+}
+
+struct FaultyMatcher {
+    left: usize,
+    error: bool,
+}
+
+impl CompiledGrammar for Faulty {
+    fn matcher(&self) -> GrammarResult<Box<dyn GrammarMatcher>> {
+        Ok(Box::new(FaultyMatcher {
+            left: self.ok_steps,
+            error: self.error,
+        }))
+    }
+}
+
+impl GrammarMatcher for FaultyMatcher {
+    fn fill_mask(&mut self, mask: &mut TokenBitmask) -> GrammarResult<()> {
+        if self.left == 0 && !self.error {
+            panic!("faulty matcher: fill_mask");
+        }
+        mask.allow_all();
+        Ok(())
+    }
+    fn accept(&mut self, _token: u32) -> GrammarResult<()> {
+        if self.left == 0 {
+            return Err(GrammarError::Matcher("faulty matcher: accept".into()));
+        }
+        self.left -= 1;
+        Ok(())
+    }
+    fn validate_tokens(&mut self, tokens: &[u32]) -> GrammarResult<usize> {
+        Ok(tokens.len().min(self.left))
+    }
+    fn rollback(&mut self, n: usize) -> GrammarResult<()> {
+        self.left += n;
+        Ok(())
+    }
+    fn forced_tokens(&mut self) -> GrammarResult<Vec<u32>> {
+        Ok(Vec::new())
+    }
+    fn forced_bytes(&mut self) -> GrammarResult<Vec<u8>> {
+        Ok(Vec::new())
+    }
+    fn can_end(&mut self) -> GrammarResult<bool> {
+        Ok(false)
+    }
+    fn is_terminated(&self) -> bool {
+        false
+    }
+    fn error(&self) -> Option<String> {
+        None
+    }
+}
+
+/// A matcher that panics or errors mid-generation fails only its own
+/// request (abort with a message); the requests decoding beside it, one
+/// constrained and one free, give the same tokens as alone, with mask
+/// overlap on and off, and the pool ends empty.
+#[test]
+fn a_failing_matcher_fails_only_its_request() -> Result<()> {
+    for overlap in [false, true] {
+        let s = setup_with(true, Some(overlap))?;
+        let good = |p: &[u32]| GenerateRequest {
+            grammar: Some(s.cache.get(&GrammarSpec::Regex(RECORD.into())).unwrap()),
+            ..GenerateRequest::new(p.to_vec(), SamplingParams::greedy(32))
+        };
+        let free = |p: &[u32]| {
+            GenerateRequest::new(
+                p.to_vec(),
+                SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(16)
+                },
+            )
+        };
+        let tokens = |st: arbor_engine_core::engine::RequestStream| {
+            let chunks = st.collect_blocking();
+            let f = chunks.last().and_then(|c| c.finish.clone()).unwrap();
+            (
+                chunks
+                    .iter()
+                    .flat_map(|c| c.token_ids.clone())
+                    .collect::<Vec<u32>>(),
+                f,
+            )
+        };
+        let alone_good = tokens(s.engine.submit(good(&[10, 20, 30]))?).0;
+        let alone_free = tokens(s.engine.submit(free(&[7, 8, 9, 10]))?).0;
+        for error in [false, true] {
+            let bad = GenerateRequest {
+                grammar: Some(Arc::new(Faulty { ok_steps: 3, error }) as Arc<dyn CompiledGrammar>),
+                ..GenerateRequest::new(vec![5, 6, 7], SamplingParams::greedy(32))
+            };
+            let b = s.engine.submit(bad)?;
+            let g = s.engine.submit(good(&[10, 20, 30]))?;
+            let f = s.engine.submit(free(&[7, 8, 9, 10]))?;
+            let (bt, bf) = tokens(b);
+            assert_eq!(
+                bf.kind,
+                FinishKind::Abort,
+                "overlap {overlap}, error {error}"
+            );
+            let msg = bf.message.unwrap_or_default();
+            let expect = if error {
+                "faulty matcher: accept"
+            } else {
+                "panicked"
+            };
+            assert!(msg.contains(expect), "{msg}");
+            assert!(bt.len() <= 4, "{bt:?}");
+            assert_eq!(
+                tokens(g).0,
+                alone_good,
+                "overlap {overlap}: constrained neighbour"
+            );
+            assert_eq!(tokens(f).0, alone_free, "overlap {overlap}: free neighbour");
+        }
+        assert!(s.engine.flush_cache()?);
+        for _ in 0..100 {
+            if s.engine.stats().num_used_tokens == 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(s.engine.stats().num_used_tokens, 0);
+    }
+    Ok(())
 }
