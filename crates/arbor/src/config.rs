@@ -51,6 +51,7 @@ pub struct SchedulerSection {
     pub schedule_conservativeness: Option<f32>,
     pub enable_mixed_chunk: Option<bool>,
     pub page_size: Option<usize>,
+    pub overlap_schedule: Option<bool>,
 }
 
 /// `[sampling]`: the sampler and the logits processors every request runs through.
@@ -264,6 +265,16 @@ pub struct ServeArgs {
     /// Tokens per KV page [default: 16].
     #[arg(long = "page-size", help_heading = "Scheduler")]
     pub page_size: Option<usize>,
+    /// Admit the next batch (and fill grammar masks) while the forward runs [default: on for asynchronous devices, off on the CPU].
+    #[arg(
+        long = "enable-overlap-schedule",
+        help_heading = "Scheduler",
+        conflicts_with = "disable_overlap_schedule"
+    )]
+    pub enable_overlap_schedule: bool,
+    /// Never overlap scheduling with the forward.
+    #[arg(long = "disable-overlap-schedule", help_heading = "Scheduler")]
+    pub disable_overlap_schedule: bool,
 
     /// Sampler: a registered name, e.g. one a plugin provides [default: standard].
     #[arg(long, help_heading = "Sampling")]
@@ -431,6 +442,11 @@ impl ServeConfig {
                         .unwrap_or(false),
                 ),
                 page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
+                overlap_schedule: if a.disable_overlap_schedule {
+                    Some(false)
+                } else {
+                    flag(a.enable_overlap_schedule).or(q.overlap_schedule)
+                },
             },
             sampling: SamplingSection {
                 sampler: Some(
@@ -654,6 +670,27 @@ mod tests {
         assert_eq!(c.sampling.sampler.as_deref(), Some("mine"));
         let e = FileConfig::parse("[sampling]\nsamplr = \"x\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("unknown key 'samplr' in section [sampling]"));
+    }
+
+    #[test]
+    fn overlap_schedule_file_and_flags() {
+        let on = FileConfig::parse("[scheduler]\noverlap_schedule = true\n").unwrap();
+        let c = ServeConfig::resolve(on.clone(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.scheduler.overlap_schedule, Some(true));
+        let off = ServeArgs {
+            disable_overlap_schedule: true,
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(on, &off).unwrap();
+        assert_eq!(c.scheduler.overlap_schedule, Some(false), "flag beats file");
+        let c = ServeConfig::resolve(FileConfig::default(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.scheduler.overlap_schedule, None, "auto by default");
+        let enable = ServeArgs {
+            enable_overlap_schedule: true,
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(FileConfig::default(), &enable).unwrap();
+        assert_eq!(c.scheduler.overlap_schedule, Some(true));
     }
 
     /// examples/arbor.toml shows every key of every section (set, or as a

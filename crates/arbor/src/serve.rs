@@ -65,6 +65,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .schedule_conservativeness
             .unwrap_or(defaults.schedule_conservativeness),
         enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
+        overlap_schedule: q.overlap_schedule,
         disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
         max_queued_requests: q
             .max_queued_requests
@@ -209,12 +210,17 @@ pub fn run(args: ServeArgs) -> Result<()> {
             built.kv_note
         );
         println!(
-            "  scheduler:  max_running_requests {}, max_prefill_tokens {}, chunked_prefill_size {}, policy {}, mixed chunk {}",
+            "  scheduler:  max_running_requests {}, max_prefill_tokens {}, chunked_prefill_size {}, policy {}, mixed chunk {}, overlap schedule {}",
             engine_cfg.max_running_requests,
             engine_cfg.max_prefill_tokens,
             engine_cfg.chunked_prefill_size,
             engine_cfg.schedule_policy.name(),
-            engine_cfg.enable_mixed_chunk
+            engine_cfg.enable_mixed_chunk,
+            match engine_cfg.overlap_schedule {
+                Some(true) => "on",
+                Some(false) => "off",
+                None => "auto (on for asynchronous devices)",
+            }
         );
         println!(
             "  cache:      {}",

@@ -58,12 +58,30 @@ fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engin
     )
 }
 
+thread_local! {
+    /// Overlap scheduling for the engines this test thread builds (`None`:
+    /// the backend's default, off on the CPU).
+    static OVERLAP: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs a test body with overlap scheduling forced on.
+fn with_overlap(body: fn() -> Result<()>) -> Result<()> {
+    OVERLAP.with(|o| o.set(Some(true)));
+    let r = body();
+    OVERLAP.with(|o| o.set(None));
+    r
+}
+
 fn engine_with_eos(
     cfg: EngineConfig,
     num_pages: usize,
     page_size: usize,
     eos_token_ids: Vec<u32>,
 ) -> Result<Engine> {
+    let cfg = EngineConfig {
+        overlap_schedule: cfg.overlap_schedule.or(OVERLAP.with(|o| o.get())),
+        ..cfg
+    };
     let s = shared();
     let runner = ModelRunner::new(
         s.model.model.clone(),
@@ -462,6 +480,56 @@ fn stop_conditions() -> Result<()> {
         Some(FinishKind::Length)
     );
     assert!(chunks[0].token_ids.is_empty());
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+// The same properties with overlap scheduling forced on: while batch N runs,
+// batch N+1's prefills are admitted (and grammar masks filled); the output
+// must not change, and every pool must end empty.
+
+#[test]
+fn overlap_alone_batched_cached_chunked_and_retracted_agree() -> Result<()> {
+    with_overlap(alone_batched_cached_chunked_and_retracted_agree)
+}
+
+#[test]
+fn overlap_every_policy_and_mixed_chunks_give_the_same_tokens() -> Result<()> {
+    with_overlap(every_policy_and_mixed_chunks_give_the_same_tokens)
+}
+
+#[test]
+fn overlap_abort_frees_pages_and_drop_aborts() -> Result<()> {
+    with_overlap(abort_frees_pages_and_drop_aborts)
+}
+
+#[test]
+fn overlap_n_samples_share_the_prompt_and_seeds_repeat() -> Result<()> {
+    with_overlap(n_samples_share_the_prompt_and_seeds_repeat)
+}
+
+#[test]
+fn overlap_stop_conditions_and_refusals() -> Result<()> {
+    with_overlap(stop_conditions)?;
+    with_overlap(impossible_requests_are_refused)
+}
+
+/// With more requests than `max_running_requests`, admissions really happen
+/// during forwards (counted in the stats), and the tokens are unchanged.
+#[test]
+fn overlap_admits_during_the_forward() -> Result<()> {
+    let ps = prompts(16, 41);
+    let want = reference(&ps, 16)?;
+    let cfg = EngineConfig {
+        overlap_schedule: Some(true),
+        max_running_requests: 4,
+        ..Default::default()
+    };
+    let e = engine(cfg, 256, 16)?;
+    assert_eq!(run_all(&e, &ps, &greedy(16))?, want);
+    let admitted = e.stats().overlap_admitted_total;
+    assert!(admitted > 0, "no admission overlapped a forward");
+    println!("{admitted} of 16 requests admitted during a forward");
     assert_pool_empty(&e);
     Ok(())
 }

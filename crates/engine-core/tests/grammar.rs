@@ -35,7 +35,7 @@ fn setup(jump_forward: bool) -> Result<Setup> {
     setup_with(jump_forward, None)
 }
 
-fn setup_with(jump_forward: bool, overlap_grammar_mask: Option<bool>) -> Result<Setup> {
+fn setup_with(jump_forward: bool, overlap_schedule: Option<bool>) -> Result<Setup> {
     let registry = Registry::builtin()?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
@@ -70,7 +70,7 @@ fn setup_with(jump_forward: bool, overlap_grammar_mask: Option<bool>) -> Result<
     let engine = Engine::new(
         EngineConfig {
             enable_jump_forward: jump_forward,
-            overlap_grammar_mask,
+            overlap_schedule,
             ..Default::default()
         },
         EngineParts {

@@ -44,6 +44,8 @@ struct Budget {
     rem_chunk: usize,
     rem_input: usize,
     reserved: f64,
+    /// Requests in the forward now that keep running after it (overlap).
+    in_flight: usize,
 }
 
 struct PrefillEntry {
@@ -55,9 +57,12 @@ struct PrefillEntry {
 
 pub(crate) struct Scheduler {
     cfg: EngineConfig,
-    /// Grammar masks are filled during the forward (resolved from the config).
-    overlap_mask: bool,
-    runner: ModelRunner,
+    /// Overlap scheduling is on (resolved from the config).
+    overlap: bool,
+    /// Prefill entries admitted during the previous forward (overlap), run
+    /// by the next iteration before anything else is admitted.
+    lookahead: Vec<PrefillEntry>,
+    runner: Arc<ModelRunner>,
     pool: PagePool,
     cache: Box<dyn PrefixCache>,
     sampler: Arc<dyn Sampler>,
@@ -95,14 +100,15 @@ impl Scheduler {
             new_token_ratio: init_ratio,
             ..Default::default()
         };
-        let overlap_mask = cfg
-            .overlap_grammar_mask
+        let overlap = cfg
+            .overlap_schedule
             .unwrap_or_else(|| parts.runner.backend().capabilities().asynchronous);
         Ok(Self {
-            overlap_mask,
+            overlap,
+            lookahead: Vec::new(),
             rng: SeqRng::new(cfg.seed),
             cfg,
-            runner: parts.runner,
+            runner: Arc::new(parts.runner),
             pool,
             cache: parts.prefix_cache,
             sampler: parts.sampler,
@@ -126,7 +132,10 @@ impl Scheduler {
     }
 
     fn idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty() && self.chunked.is_none()
+        self.waiting.is_empty()
+            && self.running.is_empty()
+            && self.chunked.is_none()
+            && self.lookahead.is_empty()
     }
 
     /// The thread's main loop.
@@ -183,6 +192,10 @@ impl Scheduler {
             .any(|r| r.rid == rid || r.followers.iter().any(|f| f.rid == rid))
             || self.running.iter().any(|r| r.rid == rid)
             || self.chunked.as_ref().is_some_and(|r| r.rid == rid)
+            || self
+                .lookahead
+                .iter()
+                .any(|e| e.req.rid == rid || e.req.followers.iter().any(|f| f.rid == rid))
     }
 
     fn reject(&mut self, mut r: Req, msg: String) {
@@ -251,6 +264,15 @@ impl Scheduler {
             && let Some(r) = self.chunked.take()
         {
             victims.push(r);
+        }
+        let mut i = 0;
+        while i < self.lookahead.len() {
+            if pred(&self.lookahead[i].req) {
+                victims.push(self.lookahead.remove(i).req);
+            } else {
+                self.lookahead[i].req.followers.retain(|f| !pred(f));
+                i += 1;
+            }
         }
         for mut r in victims {
             // Followers of an aborted prefix-only request are aborted with it.
@@ -364,8 +386,19 @@ impl Scheduler {
             .sum()
     }
 
-    /// Builds the prefill part of the next batch.
+    /// Builds the prefill part of the next batch: the entries admitted
+    /// during the last forward if any, else a fresh admission.
     fn schedule_prefill(&mut self) -> Result<Vec<PrefillEntry>> {
+        if !self.lookahead.is_empty() {
+            return Ok(std::mem::take(&mut self.lookahead));
+        }
+        self.admit(0, 0.0)
+    }
+
+    /// Admits waiting requests (the chunked one first) under the budgets;
+    /// `in_flight` requests needing `in_flight_reserve` tokens are counted as
+    /// running on top of `self.running` (they are in the forward now).
+    fn admit(&mut self, in_flight: usize, in_flight_reserve: f64) -> Result<Vec<PrefillEntry>> {
         let mut entries: Vec<PrefillEntry> = Vec::new();
         let mut budget = Budget {
             rem_chunk: if self.cfg.chunked_prefill_size > 0 {
@@ -374,7 +407,8 @@ impl Scheduler {
                 usize::MAX
             },
             rem_input: self.cfg.max_prefill_tokens,
-            reserved: self.reserved_for_running(),
+            reserved: self.reserved_for_running() + in_flight_reserve,
+            in_flight,
         };
         // The chunked request continues first.
         if let Some(r) = self.chunked.take() {
@@ -404,7 +438,7 @@ impl Scheduler {
         );
         let mut queue: Vec<Option<Req>> = self.waiting.drain(..).map(Some).collect();
         for i in order {
-            let running = self.running.len() + entries.len();
+            let running = self.running.len() + in_flight + entries.len();
             if running >= self.cfg.max_running_requests || budget.rem_chunk == 0 {
                 break;
             }
@@ -464,7 +498,8 @@ impl Scheduler {
             0.0
         };
         let room = self.available_tokens() as f64 - b.reserved;
-        let fits = len > 0 && ((first && self.running.is_empty()) || len as f64 + future <= room);
+        let alone = first && self.running.is_empty() && b.in_flight == 0;
+        let fits = len > 0 && (alone || len as f64 + future <= room);
         let need_pages = (r.computed + len)
             .div_ceil(ps)
             .saturating_sub(r.page_capacity(ps) / ps);
@@ -601,8 +636,38 @@ impl Scheduler {
                 want_logits: *want,
             })
             .collect();
-        let result = if self.overlap_mask {
+        // An admission error during the forward is reported after this
+        // batch's results are delivered.
+        let mut deferred: Option<CoreError> = None;
+        let result = if self.overlap {
             let vocab = self.runner.model().spec().vocab_size;
+            // Admit the next batch's prefills during this forward, unless a
+            // chunked prompt is mid-way (its next chunk must come first).
+            let lookahead = self.lookahead.is_empty()
+                && self.chunked.is_none()
+                && !self.waiting.is_empty()
+                && prefill.iter().all(|e| e.last);
+            let (in_flight, in_flight_reserve) = if lookahead {
+                // A request whose next token is its last (max_new_tokens)
+                // leaves after this forward; the others keep running. Their
+                // pages stay counted as used until they are released.
+                let staying: Vec<&Req> = prefill
+                    .iter()
+                    .map(|e| &e.req)
+                    .filter(|r| !r.prefix_only)
+                    .chain(decoding.iter())
+                    .filter(|r| r.remaining_new() > 1)
+                    .collect();
+                let reserve: f64 = staying
+                    .iter()
+                    .map(|r| {
+                        r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio
+                    })
+                    .sum();
+                (staying.len(), reserve)
+            } else {
+                (0, 0.0)
+            };
             // The requests that sample after this forward under a grammar.
             let mut constrained: Vec<&mut Req> = prefill
                 .iter_mut()
@@ -611,21 +676,42 @@ impl Scheduler {
                 .chain(decoding.iter_mut())
                 .filter(|r| r.matcher.is_some())
                 .collect();
-            if constrained.is_empty() {
+            if constrained.is_empty() && !lookahead {
                 self.runner.step(&steps)
             } else {
-                let runner = &self.runner;
-                std::thread::scope(|s| {
-                    let masks = s.spawn(move || {
+                // The forward stays on this thread (device contexts and
+                // CUDA graphs are bound to it); the bookkeeping runs beside it.
+                let runner = Arc::clone(&self.runner);
+                let sched = &mut *self;
+                let (result, admitted) = std::thread::scope(|s| {
+                    let side = s.spawn(move || {
+                        // fill_mask catches matcher panics.
                         for r in constrained.iter_mut() {
                             r.mask_filled = Some(fill_mask(r, vocab));
                         }
+                        if lookahead {
+                            sched.admit(in_flight, in_flight_reserve)
+                        } else {
+                            Ok(Vec::new())
+                        }
                     });
                     let result = runner.step(&steps);
-                    // fill_mask catches matcher panics, so the thread ends normally.
-                    let _ = masks.join();
-                    result
-                })
+                    let admitted = side.join().unwrap_or_else(|p| {
+                        Err(CoreError::Internal(format!(
+                            "scheduling during the forward panicked: {}",
+                            crate::grammar::panic_message(&*p)
+                        )))
+                    });
+                    (result, admitted)
+                });
+                match admitted {
+                    Ok(entries) => {
+                        self.counters.overlap_admitted_total += entries.len() as u64;
+                        self.lookahead = entries;
+                    }
+                    Err(e) => deferred = Some(e),
+                }
+                result
             }
         } else {
             self.runner.step(&steps)
@@ -647,7 +733,7 @@ impl Scheduler {
                 for r in decoding {
                     self.finish(r, abort_finish(&msg));
                 }
-                return Ok(());
+                return deferred.map_or(Ok(()), Err);
             }
         };
         if !decoding.is_empty() {
@@ -691,7 +777,7 @@ impl Scheduler {
             };
             self.advance(r, &mut row);
         }
-        Ok(())
+        deferred.map_or(Ok(()), Err)
     }
 
     /// Samples the next token of `r` (under its grammar's mask, if any), appends
@@ -831,7 +917,8 @@ impl Scheduler {
         let cache_tokens = self.cache.stats().cached_tokens;
         let c = &mut self.counters;
         let ps = self.page_size;
-        c.num_running_reqs = self.running.len() + usize::from(self.chunked.is_some());
+        c.num_running_reqs =
+            self.running.len() + usize::from(self.chunked.is_some()) + self.lookahead.len();
         c.num_queue_reqs = self.waiting.len()
             + self
                 .waiting
