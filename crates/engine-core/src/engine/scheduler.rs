@@ -14,6 +14,14 @@
 //! every running request, its remaining new tokens (clipped) times
 //! `new_token_ratio`. The ratio decays every decode step and jumps up after a
 //! retraction, as in SGLang.
+//!
+//! Overlap scheduling (`EngineConfig::overlap_schedule`): the forward stays on
+//! this thread while a scoped helper thread fills the batch's grammar masks
+//! and admits the next batch's prefills into `lookahead`, counting every
+//! request of the running batch that will still run after it (those whose
+//! next token is not their last) as running. `lookahead` is empty whenever a
+//! chunked prompt is mid-way, and it is part of every scan that must see all
+//! live requests (idle, abort, rid uniqueness, stats).
 
 use super::policy;
 use super::request::Req;
