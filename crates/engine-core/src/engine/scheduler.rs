@@ -387,11 +387,14 @@ impl Scheduler {
 
     // ---- Scheduling -----------------------------------------------------
 
+    /// Tokens `r` is expected to still need: its remaining new tokens
+    /// (clipped) times `new_token_ratio`.
+    fn expected_new(&self, r: &Req) -> f64 {
+        r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio
+    }
+
     fn reserved_for_running(&self) -> f64 {
-        self.running
-            .iter()
-            .map(|r| r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio)
-            .sum()
+        self.running.iter().map(|r| self.expected_new(r)).sum()
     }
 
     /// Builds the prefill part of the next batch: the entries admitted
@@ -500,11 +503,7 @@ impl Scheduler {
             len = end.saturating_sub(r.computed);
         }
         let last = len == extend;
-        let future = if last {
-            r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio
-        } else {
-            0.0
-        };
+        let future = if last { self.expected_new(&r) } else { 0.0 };
         let room = self.available_tokens() as f64 - b.reserved;
         let alone = first && self.running.is_empty() && b.in_flight == 0;
         let fits = len > 0 && (alone || len as f64 + future <= room);
@@ -666,12 +665,7 @@ impl Scheduler {
                     .chain(decoding.iter())
                     .filter(|r| r.remaining_new() > 1)
                     .collect();
-                let reserve: f64 = staying
-                    .iter()
-                    .map(|r| {
-                        r.remaining_new().min(CLIP_MAX_NEW_TOKENS) as f64 * self.new_token_ratio
-                    })
-                    .sum();
+                let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
                 (staying.len(), reserve)
             } else {
                 (0, 0.0)
