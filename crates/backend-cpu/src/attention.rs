@@ -135,45 +135,6 @@ impl KvPtr {
     }
 }
 
-fn validate_layout(layout: &BatchLayout, slots: usize) -> Result<()> {
-    let ps = layout.page_size;
-    if ps == 0 {
-        return Err(CoreError::invalid("attention layout with page size 0"));
-    }
-    if let Some(bad) = layout.slot_mapping.iter().find(|&&s| s as usize >= slots) {
-        return Err(CoreError::invalid(format!(
-            "KV slot {bad} outside a cache of {slots} slots"
-        )));
-    }
-    if let Some(bad) = layout
-        .page_table
-        .iter()
-        .find(|&&p| (p as usize + 1) * ps > slots)
-    {
-        return Err(CoreError::invalid(format!(
-            "KV page {bad} outside a cache of {slots} slots"
-        )));
-    }
-    let mut next = 0;
-    for s in &layout.seqs {
-        if s.q_start != next
-            || s.pages.end > layout.page_table.len()
-            || s.pages.len() * ps < s.kv_len()
-        {
-            return Err(CoreError::invalid(format!(
-                "inconsistent sequence layout {s:?}"
-            )));
-        }
-        next += s.q_len;
-    }
-    if next != layout.num_tokens() {
-        return Err(CoreError::invalid(
-            "sequence lengths do not add up to the batch",
-        ));
-    }
-    Ok(())
-}
-
 impl AttentionBackend for CpuAttention {
     fn name(&self) -> &str {
         "cpu-paged"
@@ -218,7 +179,7 @@ impl AttentionBackend for CpuAttention {
             }
         }
         let slots = kv.k.numel() / kw;
-        validate_layout(layout, slots)?;
+        layout.validate(slots)?;
         let kc = KvPtr {
             ptr: SendPtr(self.mem.resolve(&kv.k, 4)?.ptr),
             dtype: kv.k.dtype(),

@@ -60,40 +60,6 @@ impl CudaAttention {
     }
 }
 
-/// Checks a layout's internal consistency; returns the slots it needs.
-fn validate_layout(layout: &BatchLayout) -> Result<usize> {
-    let ps = layout.page_size;
-    if ps == 0 {
-        return Err(CoreError::invalid("attention layout with page size 0"));
-    }
-    let mut next = 0;
-    for s in &layout.seqs {
-        if s.q_start != next
-            || s.q_len == 0
-            || s.pages.start > s.pages.end
-            || s.pages.end > layout.page_table.len()
-            || s.pages.len() * ps < s.kv_len()
-        {
-            return Err(CoreError::invalid(format!(
-                "inconsistent sequence layout {s:?}"
-            )));
-        }
-        next += s.q_len;
-    }
-    if next != layout.num_tokens() {
-        return Err(CoreError::invalid(
-            "sequence lengths do not add up to the batch",
-        ));
-    }
-    let max_slot = layout.slot_mapping.iter().map(|&s| s as usize + 1).max();
-    let max_page = layout
-        .page_table
-        .iter()
-        .map(|&p| (p as usize + 1) * ps)
-        .max();
-    Ok(max_slot.unwrap_or(0).max(max_page.unwrap_or(0)))
-}
-
 /// Decode splits per sequence: enough blocks for every SM when the batch is
 /// small, at least 64 tokens per split when the longest sequence is known.
 pub(crate) fn decode_splits(
@@ -120,7 +86,13 @@ impl AttentionBackend for CudaAttention {
     }
 
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
-        let needed_slots = validate_layout(&layout)?;
+        let needed_slots = layout.needed_slots();
+        layout.validate(needed_slots)?;
+        if layout.has_tree() {
+            return Err(CoreError::unsupported(
+                "CUDA attention verifies draft chains, not trees",
+            ));
+        }
         let n = layout.seqs.len();
         let t = layout.num_tokens();
         let decode = n > 0 && layout.is_decode();
@@ -384,8 +356,9 @@ mod tests {
         l.push_seq(0, 5, &[7, 2]).unwrap_or_else(|e| panic!("{e}"));
         l.push_seq(6, 1, &[3, 9, 1])
             .unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(validate_layout(&l).ok(), Some(40));
+        assert_eq!(l.needed_slots(), 40);
+        assert!(l.validate(40).is_ok());
         l.seqs[1].q_start = 4;
-        assert!(validate_layout(&l).is_err());
+        assert!(l.validate(40).is_err());
     }
 }

@@ -54,51 +54,6 @@ impl Meta {
     }
 }
 
-fn validate_layout(layout: &BatchLayout, slots: usize) -> Result<()> {
-    let ps = layout.page_size;
-    if ps == 0 {
-        return Err(CoreError::invalid("attention layout with page size 0"));
-    }
-    if let Some(bad) = layout.slot_mapping.iter().find(|&&s| s as usize >= slots) {
-        return Err(CoreError::invalid(format!(
-            "KV slot {bad} outside a cache of {slots} slots"
-        )));
-    }
-    if let Some(bad) = layout
-        .page_table
-        .iter()
-        .find(|&&p| (p as usize + 1) * ps > slots)
-    {
-        return Err(CoreError::invalid(format!(
-            "KV page {bad} outside a cache of {slots} slots"
-        )));
-    }
-    validate_seqs(layout)
-}
-
-fn validate_seqs(layout: &BatchLayout) -> Result<()> {
-    let ps = layout.page_size.max(1);
-    let mut next = 0;
-    for s in &layout.seqs {
-        if s.q_start != next
-            || s.q_len == 0
-            || s.pages.end > layout.page_table.len()
-            || s.pages.len() * ps < s.kv_len()
-        {
-            return Err(CoreError::invalid(format!(
-                "inconsistent sequence layout {s:?}"
-            )));
-        }
-        next += s.q_len;
-    }
-    if next != layout.num_tokens() {
-        return Err(CoreError::invalid(
-            "sequence lengths do not add up to the batch",
-        ));
-    }
-    Ok(())
-}
-
 impl WgpuAttention {
     pub(crate) fn new(backend: WgpuBackend) -> Self {
         Self { backend }
@@ -120,7 +75,13 @@ impl AttentionBackend for WgpuAttention {
     }
 
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
-        validate_seqs(&layout)?;
+        // Slots are checked against the cache in `forward`; the sequences here.
+        layout.validate(layout.needed_slots())?;
+        if layout.has_tree() {
+            return Err(CoreError::unsupported(
+                "wgpu attention verifies draft chains, not trees",
+            ));
+        }
         let meta = Meta::of(&layout);
         let mut words = Vec::with_capacity(meta.len);
         for s in &layout.seqs {
@@ -185,7 +146,7 @@ impl AttentionBackend for WgpuAttention {
             )));
         }
         let slots = kv.k.numel() / kw;
-        validate_layout(layout, slots)?;
+        layout.validate(slots)?;
         if tokens == 0 {
             return Ok(());
         }

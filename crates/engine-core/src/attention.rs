@@ -9,9 +9,20 @@
 //! and V into their slots and computes causal attention of the new queries over
 //! prefix + new keys.
 //!
-//! Invariants of a layout: sequences are packed in order (`q_start` of one
-//! equals the end of the previous); each sequence's pages cover
-//! `prefix_len + q_len` tokens; `slot_mapping` has one slot per new token.
+//! A sequence's new tokens are a chain (token `j` sees the prefix and new
+//! tokens `0..=j`: prefill, decode and chain verification) or a *tree* of
+//! draft tokens: then `tree_parents` gives each new token's parent among the
+//! sequence's new tokens (`-1` for the root, token 0), and token `j` sees the
+//! prefix, its ancestors and itself. New tokens occupy slots
+//! `prefix_len..prefix_len + q_len` of the sequence in that order either way.
+//!
+//! Invariants of a layout, checked once by [`BatchLayout::validate`] (every
+//! attention backend calls it, with its cache's slot count): sequences are
+//! packed in order (`q_start` of one equals the end of the previous); each adds
+//! at least one token; each sequence's pages cover `prefix_len + q_len` tokens
+//! and lie inside the cache; `slot_mapping` has one in-cache slot per new
+//! token; a tree's token 0 is its only root and every other token's parent
+//! comes before it.
 
 use crate::error::{CoreError, Result};
 use crate::kv::KvLayer;
@@ -30,6 +41,9 @@ pub struct SeqLayout {
     pub prefix_len: usize,
     /// The sequence's pages within [`BatchLayout::page_table`].
     pub pages: Range<usize>,
+    /// For a draft tree: the parents of the new tokens within
+    /// [`BatchLayout::tree_parents`] (`q_len` entries); `None` for a chain.
+    pub tree: Option<Range<usize>>,
 }
 
 impl SeqLayout {
@@ -50,6 +64,9 @@ pub struct BatchLayout {
     pub page_table: Vec<u32>,
     /// KV slot of every new token, in batch order.
     pub slot_mapping: Vec<u32>,
+    /// Parents of tree sequences' new tokens (index within the sequence, `-1`
+    /// for the root), concatenated.
+    pub tree_parents: Vec<i32>,
 }
 
 impl BatchLayout {
@@ -101,7 +118,26 @@ impl BatchLayout {
             q_len,
             prefix_len,
             pages: start..start + used_pages,
+            tree: None,
         });
+        Ok(())
+    }
+
+    /// Appends a sequence whose new tokens form a tree: `parents[j]` is the
+    /// parent of new token `j` (`-1` for token 0, the root; earlier tokens otherwise).
+    pub fn push_tree_seq(
+        &mut self,
+        prefix_len: usize,
+        parents: &[i32],
+        pages: &[u32],
+    ) -> Result<()> {
+        check_tree(parents)?;
+        self.push_seq(prefix_len, parents.len(), pages)?;
+        let start = self.tree_parents.len();
+        self.tree_parents.extend_from_slice(parents);
+        if let Some(s) = self.seqs.last_mut() {
+            s.tree = Some(start..start + parents.len());
+        }
         Ok(())
     }
 
@@ -109,6 +145,111 @@ impl BatchLayout {
     pub fn is_decode(&self) -> bool {
         self.seqs.iter().all(|s| s.q_len == 1)
     }
+
+    /// True when some sequence is a draft tree.
+    pub fn has_tree(&self) -> bool {
+        self.seqs.iter().any(|s| s.tree.is_some())
+    }
+
+    /// The parents of a tree sequence's new tokens (`None` for a chain).
+    pub fn parents(&self, seq: &SeqLayout) -> Option<&[i32]> {
+        seq.tree.clone().and_then(|r| self.tree_parents.get(r))
+    }
+
+    /// Whether new token `j` of `seq` attends to new token `i` of the same sequence.
+    pub fn sees(&self, seq: &SeqLayout, j: usize, i: usize) -> bool {
+        match self.parents(seq) {
+            None => i <= j,
+            Some(p) => {
+                let mut cur = j as i32;
+                while cur > i as i32 {
+                    cur = p[cur as usize];
+                }
+                cur == i as i32
+            }
+        }
+    }
+
+    /// Checks every invariant of the module doc against a cache of `slots` KV slots.
+    pub fn validate(&self, slots: usize) -> Result<()> {
+        let ps = self.page_size;
+        if ps == 0 {
+            return Err(CoreError::invalid("attention layout with page size 0"));
+        }
+        if let Some(bad) = self.slot_mapping.iter().find(|&&s| s as usize >= slots) {
+            return Err(CoreError::invalid(format!(
+                "KV slot {bad} outside a cache of {slots} slots"
+            )));
+        }
+        if let Some(bad) = self
+            .page_table
+            .iter()
+            .find(|&&p| (p as usize + 1) * ps > slots)
+        {
+            return Err(CoreError::invalid(format!(
+                "KV page {bad} outside a cache of {slots} slots"
+            )));
+        }
+        let mut next = 0;
+        for s in &self.seqs {
+            if s.q_start != next
+                || s.q_len == 0
+                || s.pages.start > s.pages.end
+                || s.pages.end > self.page_table.len()
+                || s.pages.len() * ps < s.kv_len()
+            {
+                return Err(CoreError::invalid(format!(
+                    "inconsistent sequence layout {s:?}"
+                )));
+            }
+            if let Some(t) = &s.tree {
+                let parents = self
+                    .tree_parents
+                    .get(t.clone())
+                    .filter(|p| p.len() == s.q_len)
+                    .ok_or_else(|| CoreError::invalid(format!("tree of {s:?} out of range")))?;
+                check_tree(parents)?;
+            }
+            next += s.q_len;
+        }
+        if next != self.num_tokens() {
+            return Err(CoreError::invalid(
+                "sequence lengths do not add up to the batch",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The largest slot count any page or slot of the layout needs.
+    pub fn needed_slots(&self) -> usize {
+        let ps = self.page_size;
+        let max_slot = self.slot_mapping.iter().map(|&s| s as usize + 1).max();
+        let max_page = self.page_table.iter().map(|&p| (p as usize + 1) * ps).max();
+        max_slot.unwrap_or(0).max(max_page.unwrap_or(0))
+    }
+}
+
+fn check_tree(parents: &[i32]) -> Result<()> {
+    if parents.first() != Some(&-1) {
+        return Err(CoreError::invalid(
+            "a draft tree's first token must be its root (parent -1)",
+        ));
+    }
+    for (j, &p) in parents.iter().enumerate().skip(1) {
+        if p < 0 || p as usize >= j {
+            return Err(CoreError::invalid(format!(
+                "draft tree token {j} has parent {p}, not an earlier token"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What an attention implementation can run, declared once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionCapabilities {
+    /// Sequences whose new tokens form a draft tree ([`BatchLayout::push_tree_seq`]).
+    pub tree: bool,
 }
 
 /// Per-layer attention shape.
@@ -155,6 +296,10 @@ pub struct AttentionBatch {
 pub trait AttentionBackend: Send + Sync {
     /// Registered name.
     fn name(&self) -> &str;
+    /// What the implementation can run.
+    fn capabilities(&self) -> AttentionCapabilities {
+        AttentionCapabilities::default()
+    }
     /// Uploads the batch metadata once per batch.
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch>;
     /// For one layer: writes `k`, `v` (`[tokens, kv_heads * head_dim]`) into their
@@ -187,5 +332,23 @@ mod tests {
         assert_eq!(l.page_table, vec![7, 2, 3, 9]);
         assert!(l.push_seq(7, 2, &[1, 2]).is_err());
         assert!(!l.is_decode());
+        l.validate(40).unwrap();
+        assert!(l.validate(38).is_err());
+    }
+
+    #[test]
+    fn tree_visibility_and_checks() {
+        let mut l = BatchLayout::new(4);
+        // root 0; 1 and 2 children of 0; 3 child of 2
+        l.push_tree_seq(3, &[-1, 0, 0, 2], &[5, 6]).unwrap();
+        let s = l.seqs[0].clone();
+        assert!(l.sees(&s, 3, 2) && l.sees(&s, 3, 0) && l.sees(&s, 3, 3));
+        assert!(!l.sees(&s, 3, 1) && !l.sees(&s, 1, 2) && !l.sees(&s, 0, 1));
+        l.validate(28).unwrap();
+        assert!(l.push_tree_seq(0, &[-1, 1], &[1]).is_err());
+        assert!(l.push_tree_seq(0, &[0, -1], &[1]).is_err());
+        let mut bad = l.clone();
+        bad.tree_parents[2] = 3;
+        assert!(bad.validate(28).is_err());
     }
 }

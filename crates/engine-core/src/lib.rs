@@ -23,9 +23,13 @@ pub mod quant;
 pub mod registry;
 pub mod runner;
 pub mod sampling;
+pub mod speculative;
 pub mod tensor;
 
-pub use attention::{AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, SeqLayout};
+pub use attention::{
+    AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
+    SeqLayout,
+};
 pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, RopeStyle};
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;
@@ -41,6 +45,7 @@ pub use prefix_cache::{
 pub use quant::QuantMethod;
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
+pub use speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 
 /// Re-exported so that implementation crates register with the same `inventory`.

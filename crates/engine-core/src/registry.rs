@@ -16,6 +16,7 @@ use crate::model::ModelArchitecture;
 use crate::prefix_cache::{EvictionPolicy, PrefixCache, PrefixCacheOptions};
 use crate::quant::QuantMethod;
 use crate::sampling::{LogitsProcessor, Sampler};
+use crate::speculative::{SpeculativeConfig, Speculator};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -110,6 +111,9 @@ pub type EvictionPolicyFactory = Arc<dyn Fn() -> Result<Arc<dyn EvictionPolicy>>
 /// Creates a prefix cache.
 pub type PrefixCacheFactory =
     Arc<dyn Fn(&PrefixCacheOptions) -> Result<Box<dyn PrefixCache>> + Send + Sync>;
+/// Creates a speculator (a fresh one per engine).
+pub type SpeculatorFactory =
+    Arc<dyn Fn(&SpeculativeConfig) -> Result<Box<dyn Speculator>> + Send + Sync>;
 /// Creates a grammar backend for one tokenizer.
 pub type GrammarBackendFactory =
     Arc<dyn Fn(&GrammarBackendConfig) -> Result<Arc<dyn GrammarBackend>> + Send + Sync>;
@@ -169,6 +173,11 @@ entry!(
     GrammarBackendEntry,
     fn(&GrammarBackendConfig) -> Result<Arc<dyn GrammarBackend>>
 );
+entry!(
+    /// A built-in speculator (draft proposer for speculative decoding).
+    SpeculatorEntry,
+    fn(&SpeculativeConfig) -> Result<Box<dyn Speculator>>
+);
 
 /// Every implementation the process knows, by kind and name.
 pub struct Registry {
@@ -188,6 +197,8 @@ pub struct Registry {
     pub prefix_caches: Kind<PrefixCacheFactory>,
     /// Grammar backends (constrained decoding).
     pub grammar_backends: Kind<GrammarBackendFactory>,
+    /// Speculators (speculative decoding).
+    pub speculators: Kind<SpeculatorFactory>,
 }
 
 impl Registry {
@@ -202,6 +213,7 @@ impl Registry {
             eviction_policies: Kind::new("eviction policy"),
             prefix_caches: Kind::new("prefix cache"),
             grammar_backends: Kind::new("grammar backend"),
+            speculators: Kind::new("speculator"),
         }
     }
 
@@ -247,6 +259,10 @@ impl Registry {
             r.grammar_backends
                 .add(e.name, e.about, b.clone(), Arc::new(f))?;
         }
+        for e in inventory::iter::<SpeculatorEntry> {
+            let f = e.create;
+            r.speculators.add(e.name, e.about, b.clone(), Arc::new(f))?;
+        }
         Ok(r)
     }
 
@@ -268,6 +284,7 @@ impl Registry {
         list!(self.eviction_policies);
         list!(self.prefix_caches);
         list!(self.grammar_backends);
+        list!(self.speculators);
         out
     }
 }

@@ -1,0 +1,268 @@
+//! Speculative decoding: the [`Speculator`] trait and the engine's speculation settings.
+//!
+//! A speculator proposes draft tokens for the requests that decode in the
+//! next step; the engine appends them to each request's input, the target
+//! model computes logits for every draft position in one forward pass, and
+//! verification keeps the longest prefix the target agrees with (greedy) or
+//! the prefix accepted by rejection sampling (temperature > 0), so the output
+//! is exactly (greedy) or in distribution (sampled) that of plain decoding.
+//!
+//! The speculator owns only its own proposal state (an n-gram table, a draft
+//! model's KV); the scheduler owns requests, pages and verification. It is told
+//! every token a request's sequence gains ([`Speculator::observe`]) and when a
+//! request leaves ([`Speculator::release`]).
+//!
+//! Invariant of a [`Draft`]: `parents`, when present, has one entry per draft
+//! token; entry `i` is `None` for a token that follows the request's last token
+//! directly, else the index (`< i`) of its parent draft token. A chain is
+//! `parents == None` (token `i` follows token `i - 1`).
+
+use crate::error::{CoreError, Result};
+
+/// One request the speculator is asked to draft for.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftRequest<'a> {
+    /// The request's key, stable while it lives (unique among live requests).
+    pub key: u64,
+    /// The whole sequence so far: prompt then output, the last token included.
+    pub tokens: &'a [u32],
+    /// Most draft tokens wanted (at least 1).
+    pub max_tokens: usize,
+    /// Whether the attention backend can verify a tree; when false, propose a chain.
+    pub allow_tree: bool,
+}
+
+/// Draft tokens proposed for one request.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Draft {
+    /// Draft tokens; empty when the speculator has nothing to propose.
+    pub tokens: Vec<u32>,
+    /// Parent of each token (`None` for a chain); see the module invariant.
+    pub parents: Option<Vec<Option<u32>>>,
+}
+
+impl Draft {
+    /// A chain of tokens.
+    pub fn chain(tokens: Vec<u32>) -> Self {
+        Self {
+            tokens,
+            parents: None,
+        }
+    }
+
+    /// Checks the tree invariant.
+    pub fn validate(&self) -> Result<()> {
+        if let Some(p) = &self.parents {
+            if p.len() != self.tokens.len() {
+                return Err(CoreError::invalid(format!(
+                    "draft of {} tokens with {} parents",
+                    self.tokens.len(),
+                    p.len()
+                )));
+            }
+            for (i, parent) in p.iter().enumerate() {
+                if parent.is_some_and(|q| q as usize >= i) {
+                    return Err(CoreError::invalid(format!(
+                        "draft token {i} has parent {parent:?}, not an earlier token"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The first chain of the draft: token 0, then at each step the first
+    /// child of the previous token (the whole draft for a chain).
+    pub fn first_chain(&self) -> Vec<u32> {
+        let Some(parents) = &self.parents else {
+            return self.tokens.clone();
+        };
+        let mut out = Vec::new();
+        let mut cur: Option<u32> = None;
+        loop {
+            let next = parents.iter().position(|&p| p == cur);
+            match next {
+                Some(i) if out.len() < self.tokens.len() => {
+                    out.push(self.tokens[i]);
+                    cur = Some(i as u32);
+                }
+                _ => break,
+            }
+        }
+        out
+    }
+}
+
+/// Proposes draft tokens for running requests.
+pub trait Speculator: Send {
+    /// Registered name (`ngram`, ...).
+    fn name(&self) -> &str;
+    /// Drafts for each request, in order (one [`Draft`] per request).
+    fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft>;
+    /// The request `key`'s sequence gained `tokens` (its prompt on admission,
+    /// then every accepted or sampled token).
+    fn observe(&mut self, key: u64, tokens: &[u32]);
+    /// The request `key` left; per-request state may be dropped.
+    fn release(&mut self, key: u64);
+}
+
+/// N-gram matching options (SGLang's `--speculative-ngram-*` flags).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NgramOptions {
+    /// Shortest suffix of the sequence matched against the table.
+    pub min_match_window_size: usize,
+    /// Longest suffix matched.
+    pub max_match_window_size: usize,
+    /// Fewest children kept per level of a BFS draft tree.
+    pub min_bfs_breadth: usize,
+    /// Most children kept per level of a BFS draft tree.
+    pub max_bfs_breadth: usize,
+    /// `bfs` (breadth by depth) or `prob` (best nodes by frequency).
+    pub match_type: NgramMatchType,
+    /// Deepest path stored after a matched suffix.
+    pub max_trie_depth: usize,
+    /// Most trie nodes kept (least recently used ones are dropped first).
+    pub capacity: usize,
+}
+
+impl Default for NgramOptions {
+    fn default() -> Self {
+        Self {
+            min_match_window_size: 1,
+            max_match_window_size: 12,
+            min_bfs_breadth: 1,
+            max_bfs_breadth: 10,
+            match_type: NgramMatchType::Bfs,
+            max_trie_depth: 18,
+            capacity: 10_000_000,
+        }
+    }
+}
+
+/// How the n-gram speculator picks draft nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NgramMatchType {
+    /// Breadth first: every level keeps a breadth that shrinks with depth.
+    Bfs,
+    /// The nodes of highest estimated probability (frequency products).
+    Prob,
+}
+
+impl NgramMatchType {
+    /// Parses SGLang's spelling (`BFS`, `PROB`, any case).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "bfs" => Ok(Self::Bfs),
+            "prob" => Ok(Self::Prob),
+            _ => Err(CoreError::Config(format!(
+                "speculative_ngram_match_type must be BFS or PROB, not '{s}'"
+            ))),
+        }
+    }
+}
+
+/// Largest `num_draft_tokens` accepted.
+pub const MAX_DRAFT_TOKENS: usize = 64;
+
+/// Speculation settings (SGLang's `--speculative-*` flags).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpeculativeConfig {
+    /// The registered speculator (`ngram`), e.g. from `--speculative-algorithm NGRAM`.
+    pub algorithm: String,
+    /// Most draft tokens per request and step (1..=64).
+    pub num_draft_tokens: usize,
+    /// Draft fewer tokens, or none, where measured acceptance and step cost
+    /// say speculation does not pay.
+    pub adaptive: bool,
+    /// Options of the n-gram speculator.
+    pub ngram: NgramOptions,
+}
+
+impl Default for SpeculativeConfig {
+    fn default() -> Self {
+        Self {
+            algorithm: "ngram".into(),
+            num_draft_tokens: 8,
+            adaptive: true,
+            ngram: NgramOptions::default(),
+        }
+    }
+}
+
+impl SpeculativeConfig {
+    /// Checks the ranges; errors name SGLang's flags.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_draft_tokens == 0 || self.num_draft_tokens > MAX_DRAFT_TOKENS {
+            return Err(CoreError::Config(format!(
+                "--speculative-num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
+                self.num_draft_tokens
+            )));
+        }
+        let n = &self.ngram;
+        if n.min_match_window_size == 0 || n.min_match_window_size > n.max_match_window_size {
+            return Err(CoreError::Config(format!(
+                "--speculative-ngram-min-match-window-size ({}) must be at least 1 and at most \
+                 --speculative-ngram-max-match-window-size ({})",
+                n.min_match_window_size, n.max_match_window_size
+            )));
+        }
+        if n.min_bfs_breadth == 0 || n.min_bfs_breadth > n.max_bfs_breadth {
+            return Err(CoreError::Config(format!(
+                "--speculative-ngram-min-bfs-breadth ({}) must be at least 1 and at most \
+                 --speculative-ngram-max-bfs-breadth ({})",
+                n.min_bfs_breadth, n.max_bfs_breadth
+            )));
+        }
+        if n.max_trie_depth == 0 {
+            return Err(CoreError::Config(
+                "--speculative-ngram-max-trie-depth must be at least 1".into(),
+            ));
+        }
+        if n.capacity == 0 {
+            return Err(CoreError::Config(
+                "--speculative-ngram-capacity must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draft_tree_invariant_and_first_chain() {
+        let d = Draft {
+            tokens: vec![10, 11, 12, 13],
+            parents: Some(vec![None, None, Some(0), Some(2)]),
+        };
+        d.validate().unwrap();
+        assert_eq!(d.first_chain(), vec![10, 12, 13]);
+        let bad = Draft {
+            tokens: vec![1, 2],
+            parents: Some(vec![None, Some(1)]),
+        };
+        assert!(bad.validate().is_err());
+        assert_eq!(Draft::chain(vec![4, 5]).first_chain(), vec![4, 5]);
+    }
+
+    #[test]
+    fn config_ranges_name_the_flags() {
+        let mut c = SpeculativeConfig::default();
+        c.validate().unwrap();
+        c.num_draft_tokens = 0;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--speculative-num-draft-tokens")
+        );
+        c.num_draft_tokens = 65;
+        assert!(c.validate().is_err());
+        c.num_draft_tokens = 64;
+        c.validate().unwrap();
+        assert!(NgramMatchType::parse("bfs").is_ok());
+        assert!(NgramMatchType::parse("dfs").is_err());
+    }
+}
