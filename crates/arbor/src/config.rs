@@ -5,7 +5,7 @@
 //! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
 //! given, else the TOML value, else the default. Sections mirror the crates:
 //! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[grammar]`, `[cache]`,
-//! `[metrics]` and `[[plugins]]`. An unknown section or key is an error that names both the
+//! `[metrics]`, `[speculative]` and `[[plugins]]`. An unknown section or key is an error that names both the
 //! section and the key. Flags use SGLang's names.
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -13,6 +13,8 @@ use clap::Args;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+
+pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
 
 /// `[model]`: what to load and on which device.
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
@@ -128,11 +130,12 @@ pub struct FileConfig {
     pub grammar: GrammarSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
+    pub speculative: SpeculativeSection,
     pub plugins: Vec<PluginEntry>,
 }
 
-const SECTIONS: &str =
-    "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], [[plugins]]";
+const SECTIONS: &str = "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], \
+                        [speculative], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -164,6 +167,7 @@ impl FileConfig {
                 "grammar" => c.grammar = section(&k, v)?,
                 "cache" => c.cache = section(&k, v)?,
                 "metrics" => c.metrics = section(&k, v)?,
+                "speculative" => c.speculative = section(&k, v)?,
                 "plugins" => {
                     let toml::Value::Array(items) = v else {
                         bail!("'plugins' must be an array of tables ([[plugins]])");
@@ -319,6 +323,9 @@ pub struct ServeArgs {
     #[arg(long = "enable-cache-report", help_heading = "Metrics")]
     pub enable_cache_report: bool,
 
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
+
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
@@ -338,6 +345,7 @@ pub struct ServeConfig {
     pub grammar: GrammarSection,
     pub cache: CacheSection,
     pub metrics: MetricsSection,
+    pub speculative: SpeculativeSection,
     pub plugins: Vec<PluginEntry>,
 }
 
@@ -358,6 +366,7 @@ impl ServeConfig {
             grammar: g,
             cache: c,
             metrics: x,
+            speculative: spec,
             mut plugins,
         } = file;
         plugins.extend(a.plugin.iter().map(|p| PluginEntry {
@@ -519,6 +528,7 @@ impl ServeConfig {
                         .unwrap_or(false),
                 ),
             },
+            speculative: SpeculativeSection::resolve(spec, &a.speculative),
             plugins,
         };
         cfg.validate()?;
@@ -575,6 +585,7 @@ impl ServeConfig {
         if self.server.api_key.as_deref() == Some("") {
             bail!("[server] api_key / --api-key must not be empty");
         }
+        self.speculative.to_engine()?;
         Ok(())
     }
 

@@ -10,6 +10,7 @@ mod generate;
 mod info;
 mod serve;
 mod setup;
+mod speculative;
 
 use arbor_backend_cpu as _;
 #[cfg(feature = "cuda")]

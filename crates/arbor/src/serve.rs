@@ -71,6 +71,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .max_queued_requests
             .unwrap_or(defaults.max_queued_requests),
         enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
+        speculative: cfg.speculative.to_engine()?,
         ..defaults
     };
     let kv = match (c.max_total_tokens, c.kv_cache_gb) {

@@ -251,11 +251,11 @@ pub fn build_engine(
     let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
     let prefix_cache =
         registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
-    let parts = EngineParts {
+    let parts = EngineParts::local(
         runner,
         prefix_cache,
-        sampler: registry.samplers.get(&setup.sampler)?()?,
-        processors: setup
+        registry.samplers.get(&setup.sampler)?()?,
+        setup
             .processors
             .iter()
             .map(|(name, config)| {
@@ -266,9 +266,17 @@ pub fn build_engine(
                     .with_context(|| format!("logits processor '{name}'"))
             })
             .collect::<Result<_>>()?,
-        decoder: model.tokenizer.clone(),
-        eos_token_ids: model.tokenizer.eos_token_ids.clone(),
-    };
+        model.tokenizer.clone(),
+        model.tokenizer.eos_token_ids.clone(),
+    );
+    let mut parts = parts;
+    if let Some(sc) = &setup.engine.speculative {
+        let create = registry
+            .speculators
+            .get(&sc.algorithm)
+            .context("--speculative-algorithm")?;
+        parts.speculator = Some(create(sc).context("--speculative-algorithm")?);
+    }
     let engine = Engine::new(setup.engine.clone(), parts).context("starting the engine")?;
     Ok(BuiltEngine {
         kv_tokens: engine.capacity_tokens(),

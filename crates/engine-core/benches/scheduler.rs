@@ -9,7 +9,7 @@ use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
-    Backend, DType, ForwardBatch, ForwardContext, Model, ModelSpec, PrefixCacheOptions, Registry,
+    Backend, DType, ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec, PrefixCacheOptions, Registry,
     Result, SamplingParams, Tensor, TokenDecoder,
 };
 use arbor_kv_radix as _;
@@ -28,12 +28,15 @@ impl Model for NullModel {
     fn spec(&self) -> &ModelSpec {
         &self.spec
     }
-    fn forward(&self, batch: &ForwardBatch, _ctx: &ForwardContext<'_>) -> Result<Tensor> {
+    fn forward(&self, batch: &ForwardBatch, _ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         let rows = batch.logits_rows.len();
         let vals: Vec<f32> = (0..rows * VOCAB)
             .map(|i| (i % VOCAB) as f32 * 0.01)
             .collect();
-        self.backend.upload_f32(&[rows, VOCAB], &vals)
+        Ok(ForwardOutput {
+            logits: self.backend.upload_f32(&[rows, VOCAB], &vals)?,
+            hidden: Vec::new(),
+        })
     }
 }
 
@@ -76,14 +79,14 @@ fn main() {
             policy,
         })
         .expect("cache");
-        let parts = EngineParts {
+        let parts = EngineParts::local(
             runner,
-            prefix_cache: cache,
-            sampler: registry.samplers.get("standard").expect("s")().expect("sampler"),
-            processors: vec![],
-            decoder: Arc::new(Letters),
-            eos_token_ids: vec![],
-        };
+            cache,
+            registry.samplers.get("standard").expect("s")().expect("sampler"),
+            vec![],
+            Arc::new(Letters),
+            vec![],
+        );
         let cfg = EngineConfig {
             max_running_requests: running,
             ..Default::default()

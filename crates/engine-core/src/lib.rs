@@ -14,6 +14,7 @@ pub mod detok;
 pub mod dtype;
 pub mod engine;
 pub mod error;
+pub mod executor;
 pub mod grammar;
 pub mod kv;
 pub mod model;
@@ -24,6 +25,7 @@ pub mod registry;
 pub mod runner;
 pub mod sampling;
 pub mod speculative;
+pub mod step;
 pub mod tensor;
 
 pub use attention::{
@@ -34,9 +36,10 @@ pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, Line
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;
 pub use error::{CoreError, Result};
+pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
 pub use kv::{KvCache, KvLayer, KvSpec, PagePool, PageSet};
 pub use model::{
-    ForwardBatch, ForwardContext, LoadOptions, Model, ModelArchitecture, ModelSpec, WeightSource,
+    ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec, WeightSource,
 };
 pub use prefix_cache::{
     CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,
@@ -46,6 +49,7 @@ pub use quant::QuantMethod;
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
 pub use speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
+pub use step::{SampleRows, SampleSpec, SeqOutput, SeqPlan, StepOutput, StepPlan};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 
 /// Re-exported so that implementation crates register with the same `inventory`.

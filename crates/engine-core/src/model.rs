@@ -53,6 +53,10 @@ pub struct ForwardBatch {
     pub layout: Arc<BatchLayout>,
     /// Rows of the packed batch whose logits are wanted (usually each sequence's last).
     pub logits_rows: Vec<u32>,
+    /// Layers whose output hidden states are wanted at `logits_rows` (for
+    /// EAGLE/MTP drafters): `i < num_layers` is the residual stream after
+    /// layer `i`; `num_layers` is the final normed state the LM head reads.
+    pub hidden_layers: Vec<usize>,
 }
 
 impl ForwardBatch {
@@ -83,6 +87,16 @@ impl ForwardBatch {
     }
 }
 
+/// What a forward pass returns.
+#[derive(Clone, Debug)]
+pub struct ForwardOutput {
+    /// f32 logits `[logits_rows.len(), vocab_size]` on the device.
+    pub logits: Tensor,
+    /// One f32 `[logits_rows.len(), hidden_size]` tensor per entry of
+    /// [`ForwardBatch::hidden_layers`], in that order.
+    pub hidden: Vec<Tensor>,
+}
+
 /// The per-batch state a forward pass reads and writes.
 pub struct ForwardContext<'a> {
     /// The KV cache; new K and V are written into it.
@@ -97,8 +111,9 @@ pub struct ForwardContext<'a> {
 pub trait Model: Send + Sync {
     /// The model's shape.
     fn spec(&self) -> &ModelSpec;
-    /// Runs the batch and returns f32 logits `[logits_rows.len(), vocab_size]` on the device.
-    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<Tensor>;
+    /// Runs the batch: logits of `logits_rows`, and the hidden states of
+    /// `hidden_layers` at those rows.
+    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput>;
 }
 
 /// Named tensors of a checkpoint, read on demand.

@@ -14,7 +14,7 @@ use crate::attention::{AttentionBackend, BatchLayout};
 use crate::backend::Backend;
 use crate::error::{CoreError, Result};
 use crate::kv::{KvCache, KvSpec, PagePool, PageSet};
-use crate::model::{ForwardBatch, ForwardContext, Model};
+use crate::model::{ForwardBatch, ForwardContext, ForwardOutput, Model};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,6 +86,29 @@ impl ModelRunner {
         PagePool::new(self.kv.spec().num_pages, self.kv.spec().page_size)
     }
 
+    /// The attention implementation.
+    pub fn attention(&self) -> &Arc<dyn AttentionBackend> {
+        &self.attention
+    }
+
+    /// Runs one forward pass over a batch whose layout is already built.
+    pub fn forward(&self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        let max_pos = self.model.spec().max_position_embeddings;
+        if let Some(s) = batch.layout.seqs.iter().find(|s| s.kv_len() > max_pos) {
+            return Err(CoreError::invalid(format!(
+                "sequence of {} tokens exceeds the model's context of {max_pos}",
+                s.kv_len()
+            )));
+        }
+        let attention_batch = self.attention.prepare(batch.layout.clone())?;
+        let ctx = ForwardContext {
+            kv: &self.kv,
+            attention: &*self.attention,
+            attention_batch: &attention_batch,
+        };
+        self.model.forward(batch, &ctx)
+    }
+
     /// Runs one forward pass; returns the logits of each sequence with `want_logits`, in order.
     pub fn step(&self, seqs: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>> {
         let ps = self.kv.spec().page_size;
@@ -102,31 +125,15 @@ impl ModelRunner {
                 rows.push((q_start + s.tokens.len() - 1) as u32);
             }
         }
-        let max_pos = self.model.spec().max_position_embeddings;
-        if let Some(s) = seqs
-            .iter()
-            .find(|s| s.prefix_len + s.tokens.len() > max_pos)
-        {
-            return Err(CoreError::invalid(format!(
-                "sequence of {} tokens exceeds the model's context of {max_pos}",
-                s.prefix_len + s.tokens.len()
-            )));
-        }
-        let layout = Arc::new(layout);
-        let attention_batch = self.attention.prepare(layout.clone())?;
         let batch = ForwardBatch {
             input_ids: ids,
             positions,
-            layout,
+            layout: Arc::new(layout),
             logits_rows: rows,
+            hidden_layers: Vec::new(),
         };
-        let ctx = ForwardContext {
-            kv: &self.kv,
-            attention: &*self.attention,
-            attention_batch: &attention_batch,
-        };
-        let logits = self.model.forward(&batch, &ctx)?;
-        let flat = self.backend.download_f32(&logits)?;
+        let out = self.forward(&batch)?;
+        let flat = self.backend.download_f32(&out.logits)?;
         let vocab = self.model.spec().vocab_size;
         Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }

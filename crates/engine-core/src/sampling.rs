@@ -233,6 +233,13 @@ pub trait LogitsProcessor: Send + Sync {
     fn name(&self) -> &str;
     /// Modifies `logits` (one row over the vocabulary).
     fn process(&self, logits: &mut [f32], ctx: &LogitsContext<'_>) -> Result<()>;
+    /// Whether `process` can change anything for a request with `params`
+    /// (when not, its history need not be gathered and sampling may stay on
+    /// the device).
+    fn is_active(&self, params: &SamplingParams) -> bool {
+        let _ = params;
+        true
+    }
 }
 
 /// Chooses the next token from processed logits.
@@ -272,11 +279,32 @@ impl Sampler for StandardSampler {
         if params.is_greedy() {
             return Ok(argmax(logits));
         }
+        let Some(cand) = filtered_candidates(logits, params) else {
+            return Ok(argmax(logits));
+        };
+        let total: f32 = cand.iter().map(|c| c.0).sum();
+        let mut r = rng.next_f32() * total;
+        for c in &cand {
+            r -= c.0;
+            if r < 0.0 {
+                return Ok(c.1);
+            }
+        }
+        Ok(cand[cand.len() - 1].1)
+    }
+}
+
+/// The candidates a temperature draw chooses from: `(weight, id)` after
+/// temperature, top-k, top-p and min-p (weights unnormalized, positive);
+/// `None` when nothing finite is left (the caller falls back to argmax).
+/// Rejection sampling in speculative verification reads the same distribution
+/// that [`StandardSampler`] draws from.
+pub fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Option<Vec<(f32, u32)>> {
         let inv_t = 1.0 / params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if !max.is_finite() {
             // Every token masked out (or NaN logits): fall back to argmax.
-            return Ok(argmax(logits));
+            return None;
         }
         // Candidates as (prob-unnormalized, id), restricted early where possible.
         let mut cand: Vec<(f32, u32)> = logits
@@ -328,17 +356,9 @@ impl Sampler for StandardSampler {
         }
         let total: f32 = cand.iter().map(|c| c.0).sum();
         if cand.is_empty() || total <= 0.0 {
-            return Ok(argmax(logits));
+            return None;
         }
-        let mut r = rng.next_f32() * total;
-        for c in &cand {
-            r -= c.0;
-            if r < 0.0 {
-                return Ok(c.1);
-            }
-        }
-        Ok(cand[cand.len() - 1].1)
-    }
+        Some(cand)
 }
 
 /// Repetition, frequency and presence penalties.
@@ -348,6 +368,10 @@ pub struct PenaltyProcessor;
 impl LogitsProcessor for PenaltyProcessor {
     fn name(&self) -> &str {
         "penalties"
+    }
+
+    fn is_active(&self, p: &SamplingParams) -> bool {
+        p.repetition_penalty != 1.0 || p.frequency_penalty != 0.0 || p.presence_penalty != 0.0
     }
 
     fn process(&self, logits: &mut [f32], ctx: &LogitsContext<'_>) -> Result<()> {
@@ -392,6 +416,10 @@ pub struct LogitBiasProcessor;
 impl LogitsProcessor for LogitBiasProcessor {
     fn name(&self) -> &str {
         "logit_bias"
+    }
+
+    fn is_active(&self, p: &SamplingParams) -> bool {
+        !p.logit_bias.is_empty()
     }
 
     fn process(&self, logits: &mut [f32], ctx: &LogitsContext<'_>) -> Result<()> {

@@ -99,16 +99,16 @@ fn engine_with_eos(
     let policy = s.registry.eviction_policies.get("lru")?()?;
     let cache =
         s.registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
-    let parts = EngineParts {
+    let parts = EngineParts::local(
         runner,
-        prefix_cache: cache,
-        sampler: s.registry.samplers.get("standard")?()?,
-        processors: vec![s.registry.logits_processors.get("penalties")?(
+        cache,
+        s.registry.samplers.get("standard")?()?,
+        vec![s.registry.logits_processors.get("penalties")?(
             &serde_json::Value::Null,
         )?],
-        decoder: s.model.tokenizer.clone(),
+        s.model.tokenizer.clone(),
         eos_token_ids,
-    };
+    );
     Ok(Engine::new(cfg, parts)?)
 }
 

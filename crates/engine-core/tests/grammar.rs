@@ -73,14 +73,14 @@ fn setup_with(jump_forward: bool, overlap_schedule: Option<bool>) -> Result<Setu
             overlap_schedule,
             ..Default::default()
         },
-        EngineParts {
+        EngineParts::local(
             runner,
-            prefix_cache: pc,
-            sampler: registry.samplers.get("standard")?()?,
-            processors: vec![],
-            decoder: m.tokenizer.clone(),
-            eos_token_ids: m.tokenizer.eos_token_ids.clone(),
-        },
+            pc,
+            registry.samplers.get("standard")?()?,
+            vec![],
+            m.tokenizer.clone(),
+            m.tokenizer.eos_token_ids.clone(),
+        ),
     )?;
     Ok(Setup {
         engine,

@@ -199,14 +199,14 @@ fn engine_with(registry: &Registry, processors: &[&str], sampler: &str) -> Resul
         .collect::<Result<Result<Vec<_>, _>, _>>()??;
     Ok(Engine::new(
         EngineConfig::default(),
-        EngineParts {
+        EngineParts::local(
             runner,
-            prefix_cache: cache,
-            sampler: registry.samplers.get(sampler)?()?,
+            cache,
+            registry.samplers.get(sampler)?()?,
             processors,
-            decoder: m.tokenizer.clone(),
-            eos_token_ids: vec![],
-        },
+            m.tokenizer.clone(),
+            vec![],
+        ),
     )?)
 }
 

@@ -10,7 +10,7 @@
 use crate::config::DecoderConfig;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor,
+    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardOutput, ForwardContext, HostTensor,
     LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle, Tensor,
     WeightSource, inventory,
 };
@@ -272,8 +272,14 @@ impl Model for DecoderModel {
         &self.spec
     }
 
-    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<Tensor> {
+    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
+        let n_layers = self.layers.len();
+        if let Some(bad) = batch.hidden_layers.iter().find(|&&l| l > n_layers) {
+            return Err(CoreError::invalid(format!(
+                "hidden state of layer {bad} asked of a model with {n_layers} layers"
+            )));
+        }
         let b = &*self.backend;
         let c = &self.cfg;
         let t = batch.input_ids.len();
@@ -315,8 +321,45 @@ impl Model for DecoderModel {
         let q_heads = q.reshape(&[t * nh, hd])?;
         let k_heads = k.reshape(&[t * nkv, hd])?;
 
+        let rows = batch.logits_rows.len();
+        let all_rows = rows == t
+            && batch
+                .logits_rows
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i);
+        let idx = if all_rows || rows == 0 {
+            None
+        } else {
+            Some(b.upload_u32(&[rows], &batch.logits_rows)?)
+        };
+        // Rows `logits_rows` of an f32 `[t, h]` tensor, as a new tensor.
+        let select = |src: &Tensor| -> Result<Tensor> {
+            let out = f32t(&[rows, h])?;
+            match &idx {
+                Some(idx) => b.gather_rows(src, idx, &out)?,
+                None if rows > 0 => b.copy(src, &out)?,
+                None => {}
+            }
+            Ok(out)
+        };
+        let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
         b.embedding(&self.embed, &ids, &resid)?;
         for (i, layer) in self.layers.iter().enumerate() {
+            if i > 0 {
+                // The residual stream after layer i - 1 is `resid + proj`.
+                for (slot, _) in batch
+                    .hidden_layers
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &l)| l + 1 == i)
+                {
+                    let full = f32t(&[t, h])?;
+                    b.copy(&resid, &full)?;
+                    b.add_assign(&full, &proj)?;
+                    hidden[slot] = Some(select(&full)?);
+                }
+            }
             if i == 0 {
                 b.rms_norm(&resid, &layer.input_norm, c.rms_norm_eps, &x)?;
             } else {
@@ -378,27 +421,25 @@ impl Model for DecoderModel {
             self.linear(&act, &layer.down, &proj)?;
         }
         b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
-        let rows = batch.logits_rows.len();
+        // After the final add, `resid` is the stream after the last layer.
+        for (slot, &l) in batch.hidden_layers.iter().enumerate() {
+            if l + 1 == n_layers {
+                hidden[slot] = Some(select(&resid)?);
+            } else if l == n_layers {
+                hidden[slot] = Some(select(&x)?);
+            }
+        }
+        let hidden = hidden
+            .into_iter()
+            .map(|h| h.ok_or_else(|| CoreError::Internal("a hidden state was not captured".into())))
+            .collect::<Result<Vec<_>>>()?;
         let logits = f32t(&[rows, c.vocab_size])?;
         if rows == 0 {
-            return Ok(logits);
+            return Ok(ForwardOutput { logits, hidden });
         }
-        let sel = if rows == t
-            && batch
-                .logits_rows
-                .iter()
-                .enumerate()
-                .all(|(i, &r)| r as usize == i)
-        {
-            x
-        } else {
-            let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
-            let sel = f32t(&[rows, h])?;
-            b.gather_rows(&x, &idx, &sel)?;
-            sel
-        };
+        let sel = if all_rows { x } else { select(&x)? };
         b.linear(&sel, &self.lm_head, None, &logits)?;
-        Ok(logits)
+        Ok(ForwardOutput { logits, hidden })
     }
 }
 

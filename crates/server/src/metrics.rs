@@ -244,6 +244,53 @@ impl Metrics {
             s.jump_forward_tokens_total as f64,
         );
         one(
+            "spec_accept_length",
+            "gauge",
+            "The average number of tokens per verify step of speculative decoding (accepted drafts + 1).",
+            s.spec_accept_length,
+        );
+        let rate = if s.spec_draft_tokens_total > 0 {
+            s.spec_accepted_tokens_total as f64 / s.spec_draft_tokens_total as f64
+        } else {
+            0.0
+        };
+        one(
+            "spec_accept_rate",
+            "gauge",
+            "The share of draft tokens the target accepted, since start.",
+            rate,
+        );
+        one(
+            "spec_verify_ct_total",
+            "counter",
+            "Decode steps of requests under speculative decoding.",
+            s.spec_verify_ct_total as f64,
+        );
+        one(
+            "spec_draft_tokens_total",
+            "counter",
+            "Draft tokens proposed and verified.",
+            s.spec_draft_tokens_total as f64,
+        );
+        one(
+            "spec_accepted_tokens_total",
+            "counter",
+            "Draft tokens accepted.",
+            s.spec_accepted_tokens_total as f64,
+        );
+        one(
+            "spec_draft_tokens_skipped_total",
+            "counter",
+            "Draft tokens the adaptive controller did not verify because they would not pay.",
+            s.spec_draft_tokens_skipped_total as f64,
+        );
+        one(
+            "spec_draft_budget",
+            "gauge",
+            "Draft tokens per decoding request in the last step (after the adaptive controller).",
+            s.spec_draft_budget,
+        );
+        one(
             "num_used_tokens",
             "gauge",
             "The number of KV cache tokens in use.",

@@ -429,6 +429,10 @@ impl NativeFormat {
             "e2e_latency": m.elapsed,
             "queue_time": m.queue_time,
         });
+        if let (Some(len), Some(o)) = (m.spec_accept_length(), meta.as_object_mut()) {
+            o.insert("spec_verify_ct".into(), json!(m.spec_verify_ct));
+            o.insert("spec_accept_length".into(), json!(len));
+        }
         if self.logprobs.get(s.prompt).copied().unwrap_or(false) {
             let (chosen, top) = self.logprob_lists(&s.logprobs);
             if let Some(o) = meta.as_object_mut() {

@@ -37,14 +37,14 @@ pub fn answer(
     })?;
     let engine = Engine::new(
         EngineConfig::default(),
-        EngineParts {
+        EngineParts::local(
             runner,
-            prefix_cache: Box::new(cache),
-            sampler: registry.samplers.get("standard")?()?,
-            processors: vec![],
-            decoder: m.tokenizer.clone(),
-            eos_token_ids: m.tokenizer.eos_token_ids.clone(),
-        },
+            Box::new(cache),
+            registry.samplers.get("standard")?()?,
+            vec![],
+            m.tokenizer.clone(),
+            m.tokenizer.eos_token_ids.clone(),
+        ),
     )?;
 
     // Chat template -> tokens -> stream the answer.

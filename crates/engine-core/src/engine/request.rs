@@ -11,7 +11,7 @@
 use super::{Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
-use crate::grammar::{CompiledGrammar, GrammarMatcher, TokenBitmask};
+use crate::grammar::{CompiledGrammar, GrammarMatcher};
 use crate::kv::PageSet;
 use crate::prefix_cache::{CacheNamespace, NodeId};
 use crate::sampling::{SamplingParams, SeqRng};
@@ -25,8 +25,17 @@ pub(crate) struct Req {
     pub index: u32,
     pub prompt: Arc<Vec<u32>>,
     pub output: Vec<u32>,
-    pub params: SamplingParams,
+    pub params: Arc<SamplingParams>,
     pub rng: SeqRng,
+    /// Key of this sample for the speculator (unique among live requests).
+    pub key: u64,
+    /// Tokens of the sequence the speculator has been shown.
+    pub spec_observed: usize,
+    /// Decode steps run under speculation, and drafts accepted.
+    pub spec_verify_ct: u32,
+    pub spec_accepted: u32,
+    /// Recent per-token acceptance of this request's drafts: (accepted, tried), decayed.
+    pub spec_rate: (f64, f64),
     pub ns: CacheNamespace,
     pub priority: i64,
     pub return_logprob: bool,
@@ -34,11 +43,8 @@ pub(crate) struct Req {
     /// The grammar the output follows, and this sample's matcher over it.
     pub grammar: Option<Arc<dyn CompiledGrammar>>,
     pub matcher: Option<Box<dyn GrammarMatcher>>,
-    /// Scratch mask for the matcher.
-    pub mask: Option<TokenBitmask>,
-    /// Set when `mask` was filled for the coming sample during the forward
-    /// (overlap), with the matcher's error if filling failed.
-    pub mask_filled: Option<Result<(), String>>,
+    /// The matcher's error (or panic) while filling this step's masks.
+    pub mask_error: Option<String>,
     /// Internal request that only fills the cache with the prompt (for n > 1).
     pub prefix_only: bool,
     /// Samples that wait for this prefix-only request.
@@ -84,16 +90,20 @@ impl Req {
             index: 0,
             prompt: Arc::new(r.input_ids),
             output: Vec::new(),
-            params: r.params,
+            params: Arc::new(r.params),
             rng,
+            key: 0,
+            spec_observed: 0,
+            spec_verify_ct: 0,
+            spec_accepted: 0,
+            spec_rate: (0.0, 0.0),
             ns: r.namespace,
             priority: r.priority,
             return_logprob: r.return_logprob,
             top_logprobs_num: r.top_logprobs_num,
             grammar: r.grammar,
             matcher,
-            mask: None,
-            mask_filled: None,
+            mask_error: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -121,7 +131,7 @@ impl Req {
             Some(g) => Some(g.matcher().map_err(CoreError::from)?),
             None => None,
         };
-        let mut params = self.params.clone();
+        let mut params = (*self.params).clone();
         params.n = 1;
         let seed = self.params.seed.map(|s| s.wrapping_add(index as u64));
         params.seed = seed;
@@ -136,16 +146,20 @@ impl Req {
                 &self.prompt[ctx_start..],
                 params.skip_special_tokens,
             ),
-            params,
+            params: Arc::new(params),
             rng,
+            key: 0,
+            spec_observed: 0,
+            spec_verify_ct: 0,
+            spec_accepted: 0,
+            spec_rate: (0.0, 0.0),
             ns: self.ns.clone(),
             priority: self.priority,
             return_logprob: self.return_logprob,
             top_logprobs_num: self.top_logprobs_num,
             grammar: self.grammar.clone(),
             matcher,
-            mask: None,
-            mask_filled: None,
+            mask_error: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -171,6 +185,19 @@ impl Req {
         let mut t = Vec::with_capacity(self.prompt.len() + self.output.len());
         t.extend_from_slice(&self.prompt);
         t.extend_from_slice(&self.output);
+        t
+    }
+
+    /// Tokens `from..` of prompt followed by output, without building the whole sequence.
+    pub fn tail(&self, from: usize) -> Vec<u32> {
+        let p = self.prompt.len();
+        let mut t = Vec::with_capacity(self.len().saturating_sub(from));
+        if from < p {
+            t.extend_from_slice(&self.prompt[from..]);
+            t.extend_from_slice(&self.output);
+        } else {
+            t.extend_from_slice(self.output.get(from - p..).unwrap_or_default());
+        }
         t
     }
 
@@ -212,6 +239,8 @@ impl Req {
                 .first_token
                 .map(|f| f.duration_since(self.arrival).as_secs_f64()),
             elapsed: now.duration_since(self.arrival).as_secs_f64(),
+            spec_verify_ct: self.spec_verify_ct,
+            spec_accepted_tokens: self.spec_accepted,
         }
     }
 

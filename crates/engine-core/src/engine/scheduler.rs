@@ -32,8 +32,14 @@ use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
 use crate::kv::PagePool;
 use crate::prefix_cache::PrefixCache;
-use crate::runner::{ModelRunner, SamplingSetup, SeqStep, is_stop, sample_next};
-use crate::sampling::{LogitsProcessor, Sampler, SeqRng};
+use crate::executor::Executor;
+use crate::runner::is_stop;
+use crate::sampling::SeqRng;
+use crate::speculative::Speculator;
+use super::adaptive::Adaptive;
+
+mod iteration;
+mod speculation;
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
@@ -70,12 +76,18 @@ pub(crate) struct Scheduler {
     /// Prefill entries admitted during the previous forward (overlap), run
     /// by the next iteration before anything else is admitted.
     lookahead: Vec<PrefillEntry>,
-    runner: Arc<ModelRunner>,
+    executor: Arc<dyn Executor>,
     pool: PagePool,
     cache: Box<dyn PrefixCache>,
-    sampler: Arc<dyn Sampler>,
-    processors: Vec<Arc<dyn LogitsProcessor>>,
     decoder: Arc<dyn TokenDecoder>,
+    /// Proposes drafts when speculation is configured.
+    speculator: Option<Box<dyn Speculator>>,
+    adaptive: Adaptive,
+    /// Next speculator key of an accepted request.
+    next_key: u64,
+    /// Verify steps and accepted drafts since the stats window began.
+    window_verify: u64,
+    window_accepted: u64,
     eos: Vec<u32>,
     waiting: VecDeque<Req>,
     running: Vec<Req>,
@@ -99,7 +111,8 @@ impl Scheduler {
         parts: EngineParts,
         stats: Arc<Mutex<EngineStats>>,
     ) -> Result<Self> {
-        let pool = parts.runner.new_page_pool();
+        let kv = *parts.executor.kv_spec();
+        let pool = PagePool::new(kv.num_pages, kv.page_size);
         let page_size = pool.page_size();
         let init_ratio = (INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness as f64).min(1.0);
         let min_ratio = init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR;
@@ -110,18 +123,21 @@ impl Scheduler {
         };
         let overlap = cfg
             .overlap_schedule
-            .unwrap_or_else(|| parts.runner.backend().capabilities().asynchronous);
+            .unwrap_or_else(|| parts.executor.capabilities().asynchronous);
         Ok(Self {
             overlap,
             lookahead: Vec::new(),
             rng: SeqRng::new(cfg.seed),
             cfg,
-            runner: Arc::new(parts.runner),
+            executor: Arc::from(parts.executor),
             pool,
             cache: parts.prefix_cache,
-            sampler: parts.sampler,
-            processors: parts.processors,
             decoder: parts.decoder,
+            speculator: parts.speculator,
+            adaptive: Adaptive::default(),
+            next_key: 1,
+            window_verify: 0,
+            window_accepted: 0,
             eos: parts.eos_token_ids,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -216,6 +232,8 @@ impl Scheduler {
     }
 
     fn accept(&mut self, mut r: Req) {
+        r.key = self.next_key;
+        self.next_key += 1;
         if self.live_rid(&r.rid) {
             let msg = format!("rid '{}' is already in use", r.rid);
             return self.reject(r, msg);
@@ -231,7 +249,11 @@ impl Scheduler {
         let mut copies = Vec::with_capacity(n);
         for i in 0..n {
             match r.sample_copy(i as u32) {
-                Ok(c) => copies.push(c),
+                Ok(mut c) => {
+                    c.key = self.next_key;
+                    self.next_key += 1;
+                    copies.push(c);
+                }
                 Err(e) => return self.reject(r, e.to_string()),
             }
         }
@@ -240,8 +262,9 @@ impl Scheduler {
         } else {
             // Fill the cache with the prompt once; the samples then share its pages.
             r.prefix_only = true;
-            r.params.max_new_tokens = 0;
-            r.params.n = 1;
+            let p = Arc::make_mut(&mut r.params);
+            p.max_new_tokens = 0;
+            p.n = 1;
             r.followers = copies;
             self.waiting.push_back(r);
         }
@@ -601,255 +624,6 @@ impl Scheduler {
         self.new_token_ratio = ratio.clamp(self.new_token_ratio, 1.0);
     }
 
-    // ---- One iteration --------------------------------------------------
-
-    fn iterate(&mut self) -> Result<()> {
-        let mut prefill = self.schedule_prefill()?;
-        let decode = prefill.is_empty() || self.cfg.enable_mixed_chunk;
-        if decode && !self.running.is_empty() {
-            self.prepare_decode()?;
-        }
-        let mut decoding: Vec<Req> = if decode {
-            std::mem::take(&mut self.running)
-        } else {
-            Vec::new()
-        };
-        if prefill.is_empty() && decoding.is_empty() {
-            return Ok(());
-        }
-        // Token buffers and page tables outlive the steps that borrow them.
-        let mut inputs: Vec<(Vec<u32>, Vec<u32>, usize, bool)> = Vec::new();
-        for e in &prefill {
-            let toks = e.req.tokens();
-            let want = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
-            inputs.push((
-                toks[e.start..e.start + e.len].to_vec(),
-                e.req.page_table(),
-                e.start,
-                want,
-            ));
-        }
-        for r in &decoding {
-            // Usually the newest sampled token; after a jump-forward also the forced ones.
-            let pending = r.tokens()[r.computed..].to_vec();
-            inputs.push((pending, r.page_table(), r.computed, true));
-        }
-        let steps: Vec<SeqStep<'_>> = inputs
-            .iter()
-            .map(|(t, p, prefix, want)| SeqStep {
-                tokens: t,
-                prefix_len: *prefix,
-                pages: p,
-                want_logits: *want,
-            })
-            .collect();
-        // An admission error during the forward is reported after this
-        // batch's results are delivered.
-        let mut deferred: Option<CoreError> = None;
-        let result = if self.overlap {
-            let vocab = self.runner.model().spec().vocab_size;
-            // Admit the next batch's prefills during this forward, unless a
-            // chunked prompt is mid-way (its next chunk must come first).
-            let lookahead = self.lookahead.is_empty()
-                && self.chunked.is_none()
-                && !self.waiting.is_empty()
-                && prefill.iter().all(|e| e.last);
-            let (in_flight, in_flight_reserve) = if lookahead {
-                // A request whose next token is its last (max_new_tokens)
-                // leaves after this forward; the others keep running. Their
-                // pages stay counted as used until they are released.
-                let staying: Vec<&Req> = prefill
-                    .iter()
-                    .map(|e| &e.req)
-                    .filter(|r| !r.prefix_only)
-                    .chain(decoding.iter())
-                    .filter(|r| r.remaining_new() > 1)
-                    .collect();
-                let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
-                (staying.len(), reserve)
-            } else {
-                (0, 0.0)
-            };
-            // The requests that sample after this forward under a grammar.
-            let mut constrained: Vec<&mut Req> = prefill
-                .iter_mut()
-                .filter(|e| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
-                .map(|e| &mut e.req)
-                .chain(decoding.iter_mut())
-                .filter(|r| r.matcher.is_some())
-                .collect();
-            if constrained.is_empty() && !lookahead {
-                self.runner.step(&steps)
-            } else {
-                // The forward stays on this thread (device contexts and
-                // CUDA graphs are bound to it); the bookkeeping runs beside it.
-                let runner = Arc::clone(&self.runner);
-                let sched = &mut *self;
-                let (result, admitted) = std::thread::scope(|s| {
-                    let side = s.spawn(move || {
-                        // fill_mask catches matcher panics.
-                        for r in constrained.iter_mut() {
-                            r.mask_filled = Some(fill_mask(r, vocab));
-                        }
-                        if lookahead {
-                            sched.admit(in_flight, in_flight_reserve)
-                        } else {
-                            Ok(Vec::new())
-                        }
-                    });
-                    let result = runner.step(&steps);
-                    let admitted = side.join().unwrap_or_else(|p| {
-                        Err(CoreError::Internal(format!(
-                            "scheduling during the forward panicked: {}",
-                            crate::grammar::panic_message(&*p)
-                        )))
-                    });
-                    (result, admitted)
-                });
-                match admitted {
-                    Ok(entries) => {
-                        self.counters.overlap_admitted_total += entries.len() as u64;
-                        self.lookahead = entries;
-                    }
-                    Err(e) => deferred = Some(e),
-                }
-                result
-            }
-        } else {
-            self.runner.step(&steps)
-        };
-        drop(steps);
-        self.counters.iterations += 1;
-        let mut logits = match result {
-            Ok(l) => l.into_iter(),
-            Err(e) => {
-                let msg = format!("forward pass failed: {e}");
-                tracing::error!("{msg}");
-                for mut e in prefill {
-                    e.req
-                        .followers
-                        .drain(..)
-                        .for_each(|f| self.waiting.push_back(f));
-                    self.finish(e.req, abort_finish(&msg));
-                }
-                for r in decoding {
-                    self.finish(r, abort_finish(&msg));
-                }
-                return deferred.map_or(Ok(()), Err);
-            }
-        };
-        if !decoding.is_empty() {
-            self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
-        }
-        for e in prefill {
-            let mut r = e.req;
-            r.computed = e.start + e.len;
-            if !e.last {
-                self.cache_unfinished(&mut r)?;
-                self.chunked = Some(r);
-                continue;
-            }
-            self.record_hit(&r);
-            self.counters.prompt_tokens_total += if r.retractions == 0 {
-                r.prompt.len() as u64
-            } else {
-                0
-            };
-            if r.prefix_only || r.params.max_new_tokens == 0 {
-                self.finish(
-                    r,
-                    Finish {
-                        kind: FinishKind::Length,
-                        matched: None,
-                        message: None,
-                    },
-                );
-                continue;
-            }
-            let Some(mut row) = logits.next() else {
-                return Err(CoreError::Internal("missing logits of a prefill".into()));
-            };
-            self.advance(r, &mut row);
-        }
-        for r in decoding {
-            let mut r = r;
-            r.computed = r.len();
-            let Some(mut row) = logits.next() else {
-                return Err(CoreError::Internal("missing logits of a decode".into()));
-            };
-            self.advance(r, &mut row);
-        }
-        deferred.map_or(Ok(()), Err)
-    }
-
-    /// Samples the next token of `r` (under its grammar's mask, if any), appends
-    /// the tokens its grammar then forces (jump-forward), streams them, and
-    /// finishes or keeps the request.
-    fn advance(&mut self, mut r: Req, logits: &mut [f32]) {
-        let lp_top = if r.return_logprob {
-            Some(r.top_logprobs_num)
-        } else {
-            None
-        };
-        let lse = lp_top.map(|_| log_sum_exp(logits));
-        let raw_top = lp_top.map(|n| top_n(logits, n));
-        let raw = lse.map(|_| logits.to_vec());
-        let filled = match r.mask_filled.take() {
-            Some(done) => done,
-            None => fill_mask(&mut r, logits.len()),
-        };
-        if let Err(e) = filled {
-            return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
-        }
-        let setup = SamplingSetup {
-            sampler: &*self.sampler,
-            processors: &self.processors,
-            eos_token_ids: &self.eos,
-        };
-        let tok = match sample_next(
-            logits,
-            &r.prompt,
-            &r.output,
-            &r.params,
-            &setup,
-            &mut r.rng,
-            r.mask.as_ref().filter(|_| r.matcher.is_some()),
-        ) {
-            Ok(t) => t,
-            Err(e) => return self.finish(r, abort_finish(&format!("sampling failed: {e}"))),
-        };
-        let logprob = match (lse, raw, raw_top) {
-            (Some(lse), Some(raw), Some(top)) => Some(TokenLogprob {
-                token: tok,
-                logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
-                top: top.into_iter().map(|(t, l)| (t, l - lse)).collect(),
-            }),
-            _ => None,
-        };
-        if let Some(f) = self.append(&mut r, tok, logprob) {
-            return self.finish(r, f);
-        }
-        // Jump-forward: tokens the grammar forces need no forward pass each;
-        // they join the next step's input with the sampled token.
-        if self.cfg.enable_jump_forward {
-            let forced = match r.matcher.as_mut().map(|m| m.forced_tokens()) {
-                Some(Ok(f)) => f,
-                Some(Err(e)) => {
-                    return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
-                }
-                None => Vec::new(),
-            };
-            for t in forced {
-                self.counters.jump_forward_tokens_total += 1;
-                if let Some(f) = self.append(&mut r, t, None) {
-                    return self.finish(r, f);
-                }
-            }
-        }
-        r.emit(None, &*self.decoder);
-        self.running.push(r);
-    }
-
     /// Appends one token (sampled or forced) to `r`: grammar, text, stop checks.
     fn append(&mut self, r: &mut Req, tok: u32, logprob: Option<TokenLogprob>) -> Option<Finish> {
         if let Some(m) = r.matcher.as_mut() {
@@ -884,6 +658,9 @@ impl Scheduler {
 
     fn finish(&mut self, mut r: Req, f: Finish) {
         self.release_kv(&mut r, true);
+        if let Some(s) = self.speculator.as_mut() {
+            s.release(r.key);
+        }
         if f.kind == FinishKind::Abort {
             self.counters.num_aborted_requests_total += u64::from(!r.prefix_only);
         }
@@ -942,27 +719,17 @@ impl Scheduler {
         if dt >= 1.0 || (self.window_tokens == 0 && dt > 0.1) {
             c.gen_throughput = self.window_tokens as f64 / dt;
             self.window_tokens = 0;
+            if self.window_verify > 0 {
+                c.spec_accept_length =
+                    (self.window_verify + self.window_accepted) as f64 / self.window_verify as f64;
+            }
+            self.window_verify = 0;
+            self.window_accepted = 0;
             self.window_start = Instant::now();
         }
         c.cache_tokens = cache_tokens;
         c.new_token_ratio = self.new_token_ratio;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
-    }
-}
-
-/// Fills `r`'s grammar mask for its next sample (nothing without a
-/// grammar); a matcher error or panic becomes the error message.
-fn fill_mask(r: &mut Req, vocab: usize) -> std::result::Result<(), String> {
-    let Some(m) = r.matcher.as_mut() else {
-        return Ok(());
-    };
-    let mask = r
-        .mask
-        .get_or_insert_with(|| crate::grammar::TokenBitmask::new(vocab));
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| m.fill_mask(mask))) {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("the grammar matcher panicked".into()),
     }
 }
 
@@ -974,22 +741,4 @@ fn abort_finish(msg: &str) -> Finish {
     }
 }
 
-fn log_sum_exp(v: &[f32]) -> f32 {
-    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !m.is_finite() {
-        return m;
-    }
-    m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln()
-}
 
-fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
-    if n == 0 {
-        return Vec::new();
-    }
-    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
-    let k = n.min(idx.len());
-    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
-    idx.truncate(k);
-    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    idx
-}

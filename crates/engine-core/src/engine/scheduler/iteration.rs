@@ -1,0 +1,387 @@
+//! One scheduler iteration: decide, emit a [`StepPlan`], execute it, update.
+//!
+//! The plan holds, in batch order, the prefill entries (a prompt chunk each;
+//! only a prompt's last chunk samples) and then the decoding requests (their
+//! pending tokens — the last sampled one, plus any a grammar forced — and,
+//! under speculation, a draft chain to verify). Grammar masks, one per
+//! sampled row, are filled on this thread before the forward, or beside it
+//! on a helper thread under overlap scheduling (then they reach the executor
+//! through a channel), together with the admission of the next batch.
+//!
+//! Update: a request's `computed` grows by the tokens whose KV the step wrote
+//! and kept (pending tokens plus accepted drafts); the executor's tokens are
+//! appended one by one through the stop checks; pages past what the sequence
+//! now holds return to the pool (rejected drafts); grammar matchers only ever
+//! saw the accepted tokens (draft masks were filled by accepting drafts
+//! tentatively and rolling back).
+
+use super::{PrefillEntry, Scheduler, abort_finish};
+use crate::engine::request::Req;
+use crate::error::{CoreError, Result};
+use crate::grammar::TokenBitmask;
+use crate::step::{
+    MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepPlan,
+};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Fills the masks of `r`'s sampled rows: the next token's, then after each
+/// draft token (accepted tentatively, rolled back at the end). A draft token
+/// the grammar refuses ends the filling; the rows after it (never reached by
+/// verification, since that token is masked out) allow everything.
+fn fill_masks(
+    r: &mut Req,
+    drafts: &[u32],
+    vocab: usize,
+) -> std::result::Result<Vec<TokenBitmask>, String> {
+    let Some(m) = r.matcher.as_mut() else {
+        return Ok(Vec::new());
+    };
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let mut masks = Vec::with_capacity(drafts.len() + 1);
+        let mut mask = TokenBitmask::new(vocab);
+        m.fill_mask(&mut mask).map_err(|e| e.to_string())?;
+        let mut tentative = 0;
+        for &d in drafts {
+            let allowed = mask.is_allowed(d);
+            masks.push(std::mem::replace(&mut mask, TokenBitmask::new(vocab)));
+            if !allowed || m.accept(d).is_err() {
+                break;
+            }
+            tentative += 1;
+            m.fill_mask(&mut mask).map_err(|e| e.to_string())?;
+        }
+        if masks.len() == tentative {
+            masks.push(mask);
+        }
+        if tentative > 0 {
+            m.rollback(tentative).map_err(|e| e.to_string())?;
+        }
+        while masks.len() < drafts.len() + 1 {
+            masks.push(TokenBitmask::new_allow_all(vocab));
+        }
+        Ok(masks)
+    }));
+    match run {
+        Ok(r) => r,
+        Err(_) => Err("the grammar matcher panicked".into()),
+    }
+}
+
+/// Fills the masks of every constrained request; errors are kept on the request.
+fn fill_all(constrained: &mut [(usize, &mut Req, &[u32])], seqs: usize, vocab: usize) -> StepMasks {
+    let mut masks: StepMasks = vec![Vec::new(); seqs];
+    for (i, r, drafts) in constrained.iter_mut() {
+        match fill_masks(r, drafts, vocab) {
+            Ok(m) => masks[*i] = m,
+            Err(e) => r.mask_error = Some(e),
+        }
+    }
+    masks
+}
+
+impl Scheduler {
+    fn sample_spec(&self, r: &mut Req, rows: SampleRows) -> SampleSpec {
+        let context = self
+            .executor
+            .needs_context(&r.params)
+            .then(|| SampleContext {
+                prompt: r.prompt.clone(),
+                output: r.output.clone(),
+            });
+        SampleSpec {
+            params: r.params.clone(),
+            rows,
+            seed: r.rng.next_u64(),
+            context,
+            logprobs: r.return_logprob.then_some(r.top_logprobs_num),
+            generated: r.output.len(),
+        }
+    }
+
+    fn prefill_plan(&self, e: &mut PrefillEntry) -> SeqPlan {
+        let samples = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
+        let mut tokens = e.req.tail(e.start);
+        tokens.truncate(e.len);
+        SeqPlan {
+            tokens,
+            prefix_len: e.start,
+            pages: e.req.page_table(),
+            tree: None,
+            sample: samples.then(|| self.sample_spec(&mut e.req, SampleRows::Last)),
+        }
+    }
+
+    fn decode_plan(&self, r: &mut Req, drafts: &[u32]) -> SeqPlan {
+        let mut tokens = r.tail(r.computed);
+        tokens.extend_from_slice(drafts);
+        let rows = if drafts.is_empty() {
+            SampleRows::Last
+        } else {
+            SampleRows::Verify {
+                drafts: drafts.len(),
+            }
+        };
+        SeqPlan {
+            tokens,
+            prefix_len: r.computed,
+            pages: r.page_table(),
+            tree: None,
+            sample: Some(self.sample_spec(r, rows)),
+        }
+    }
+
+    pub(super) fn iterate(&mut self) -> Result<()> {
+        let mut prefill = self.schedule_prefill()?;
+        let decode = prefill.is_empty() || self.cfg.enable_mixed_chunk;
+        if decode && !self.running.is_empty() {
+            self.prepare_decode()?;
+        }
+        let mut decoding: Vec<Req> = if decode {
+            std::mem::take(&mut self.running)
+        } else {
+            Vec::new()
+        };
+        if prefill.is_empty() && decoding.is_empty() {
+            return Ok(());
+        }
+        let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
+            + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();
+        let drafts = self.draft(&mut decoding, base_tokens);
+        let mut plan = StepPlan::default();
+        for e in prefill.iter_mut() {
+            plan.seqs.push(self.prefill_plan(e));
+        }
+        for (r, d) in decoding.iter_mut().zip(&drafts) {
+            plan.seqs.push(self.decode_plan(r, d));
+        }
+        let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
+        let vocab = self.executor.model_spec().vocab_size;
+        let n_seqs = plan.seqs.len();
+        let npre = prefill.len();
+        // Admit the next batch's prefills during this forward, unless a
+        // chunked prompt is mid-way (its next chunk must come first).
+        let lookahead = self.overlap
+            && self.lookahead.is_empty()
+            && self.chunked.is_none()
+            && !self.waiting.is_empty()
+            && prefill.iter().all(|e| e.last);
+        let (in_flight, in_flight_reserve) = if lookahead {
+            // A request whose next token is its last (max_new_tokens)
+            // leaves after this forward; the others keep running. Their
+            // pages stay counted as used until they are released.
+            let staying: Vec<&Req> = prefill
+                .iter()
+                .map(|e| &e.req)
+                .filter(|r| !r.prefix_only)
+                .chain(decoding.iter())
+                .filter(|r| r.remaining_new() > 1)
+                .collect();
+            let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
+            (staying.len(), reserve)
+        } else {
+            (0, 0.0)
+        };
+        // The requests that sample after this forward under a grammar, with
+        // their plan index and drafts.
+        let no_drafts: &[u32] = &[];
+        let mut constrained: Vec<(usize, &mut Req, &[u32])> = prefill
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
+            .map(|(i, e)| (i, &mut e.req, no_drafts))
+            .chain(
+                decoding
+                    .iter_mut()
+                    .zip(&drafts)
+                    .enumerate()
+                    .map(|(i, (r, d))| (npre + i, r, d.as_slice())),
+            )
+            .filter(|(_, r, _)| r.matcher.is_some())
+            .collect();
+        // An admission error during the forward is reported after this
+        // batch's results are delivered.
+        let mut deferred: Option<CoreError> = None;
+        let started = Instant::now();
+        let result = if !self.overlap || (constrained.is_empty() && !lookahead) {
+            if !constrained.is_empty() {
+                plan.masks = MaskInput::Ready(fill_all(&mut constrained, n_seqs, vocab));
+            }
+            drop(constrained);
+            self.executor.execute(&plan)
+        } else {
+            let (tx, rx) = std::sync::mpsc::channel();
+            if !constrained.is_empty() {
+                plan.masks = MaskInput::Late(rx);
+            }
+            // The forward stays on this thread (device contexts and CUDA
+            // graphs are bound to it); the bookkeeping runs beside it.
+            let executor = Arc::clone(&self.executor);
+            let sched = &mut *self;
+            let (result, admitted) = std::thread::scope(|s| {
+                let side = s.spawn(move || {
+                    if !constrained.is_empty() {
+                        let _ = tx.send(fill_all(&mut constrained, n_seqs, vocab));
+                    }
+                    drop(tx);
+                    if lookahead {
+                        sched.admit(in_flight, in_flight_reserve)
+                    } else {
+                        Ok(Vec::new())
+                    }
+                });
+                let result = executor.execute(&plan);
+                let admitted = side.join().unwrap_or_else(|p| {
+                    Err(CoreError::Internal(format!(
+                        "scheduling during the forward panicked: {}",
+                        crate::grammar::panic_message(&*p)
+                    )))
+                });
+                (result, admitted)
+            });
+            match admitted {
+                Ok(entries) => {
+                    self.counters.overlap_admitted_total += entries.len() as u64;
+                    self.lookahead = entries;
+                }
+                Err(e) => deferred = Some(e),
+            }
+            result
+        };
+        if self.speculator.is_some() {
+            self.adaptive
+                .cost
+                .record(plan_tokens, started.elapsed().as_secs_f64());
+        }
+        self.counters.iterations += 1;
+        let outputs = match result {
+            Ok(o) if o.seqs.len() == n_seqs => o.seqs,
+            other => {
+                let msg = match other {
+                    Err(e) => format!("forward pass failed: {e}"),
+                    Ok(o) => format!("the executor returned {} of {n_seqs} sequences", o.seqs.len()),
+                };
+                tracing::error!("{msg}");
+                for mut e in prefill {
+                    e.req
+                        .followers
+                        .drain(..)
+                        .for_each(|f| self.waiting.push_back(f));
+                    self.finish(e.req, abort_finish(&msg));
+                }
+                for r in decoding {
+                    self.finish(r, abort_finish(&msg));
+                }
+                return deferred.map_or(Ok(()), Err);
+            }
+        };
+        if !decoding.is_empty() {
+            self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
+        }
+        let mut outputs = outputs.into_iter();
+        for e in prefill {
+            let out = outputs.next().unwrap_or_default();
+            let mut r = e.req;
+            r.computed = e.start + e.len;
+            if !e.last {
+                self.cache_unfinished(&mut r)?;
+                self.chunked = Some(r);
+                continue;
+            }
+            self.record_hit(&r);
+            self.counters.prompt_tokens_total += if r.retractions == 0 {
+                r.prompt.len() as u64
+            } else {
+                0
+            };
+            if r.prefix_only || r.params.max_new_tokens == 0 {
+                self.finish(
+                    r,
+                    super::Finish {
+                        kind: super::FinishKind::Length,
+                        matched: None,
+                        message: None,
+                    },
+                );
+                continue;
+            }
+            self.advance(r, out, None);
+        }
+        for (r, d) in decoding.into_iter().zip(drafts) {
+            let out = outputs.next().unwrap_or_default();
+            let mut r = r;
+            r.computed = r.len();
+            let speculating = self.speculator.is_some();
+            self.advance(r, out, speculating.then_some(d.len()));
+        }
+        deferred.map_or(Ok(()), Err)
+    }
+
+    /// Applies a step's output to `r`: accepted drafts (whose KV the step
+    /// wrote) count as computed, the tokens go through the stop checks one by
+    /// one, pages past the sequence return to the pool, then the tokens its
+    /// grammar forces are appended (jump-forward) and the request streams and
+    /// keeps running, or finishes. `drafted` is the draft length verified
+    /// (`None` when the request did not decode under speculation).
+    fn advance(&mut self, mut r: Req, out: SeqOutput, drafted: Option<usize>) {
+        if let Some(e) = r.mask_error.take() {
+            return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+        }
+        if out.tokens.is_empty() {
+            return self.finish(r, abort_finish("the executor sampled no token"));
+        }
+        if let Some(d) = drafted {
+            let accepted = out.accepted.min(d);
+            r.spec_verify_ct += 1;
+            r.spec_accepted += accepted as u32;
+            self.counters.spec_verify_ct_total += 1;
+            self.counters.spec_draft_tokens_total += d as u64;
+            self.counters.spec_accepted_tokens_total += accepted as u64;
+            self.window_verify += 1;
+            self.window_accepted += accepted as u64;
+            self.adaptive.observe(&mut r.spec_rate, d, accepted);
+        }
+        r.computed += out.accepted;
+        let mut logprobs = out.logprobs.into_iter();
+        for tok in out.tokens {
+            if let Some(f) = self.append(&mut r, tok, logprobs.next()) {
+                r.computed = r.computed.min(r.len());
+                self.trim_pages(&mut r);
+                return self.finish(r, f);
+            }
+        }
+        r.computed = r.computed.min(r.len());
+        self.trim_pages(&mut r);
+        // Jump-forward: tokens the grammar forces need no forward pass each;
+        // they join the next step's input with the sampled token.
+        if self.cfg.enable_jump_forward {
+            let forced = match r.matcher.as_mut().map(|m| m.forced_tokens()) {
+                Some(Ok(f)) => f,
+                Some(Err(e)) => {
+                    return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+                }
+                None => Vec::new(),
+            };
+            for t in forced {
+                self.counters.jump_forward_tokens_total += 1;
+                if let Some(f) = self.append(&mut r, t, None) {
+                    return self.finish(r, f);
+                }
+            }
+        }
+        r.emit(None, &*self.decoder);
+        self.running.push(r);
+    }
+
+    /// Returns the request's own pages past those its tokens occupy (the
+    /// slots of rejected drafts) to the pool.
+    fn trim_pages(&mut self, r: &mut Req) {
+        let ps = self.page_size;
+        let keep = r.len().div_ceil(ps).saturating_sub(r.tree_pages.len());
+        if let Some(own) = r.own.as_mut()
+            && own.len() > keep
+        {
+            drop(own.split_off(keep));
+        }
+    }
+}

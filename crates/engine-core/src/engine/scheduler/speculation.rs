@@ -1,0 +1,139 @@
+//! Drafting for the decoding requests of one step (speculative decoding).
+//!
+//! A request drafts when it decodes exactly one pending token (not right
+//! after a jump-forward), will generate at least two more tokens, and its
+//! tokens are drawn by the standard sampler (rejection sampling needs that
+//! sampler's distribution). The speculator first sees every token the
+//! request gained since it last looked, then proposes up to
+//! `num_draft_tokens` (clipped to the tokens the request may still generate
+//! and the context); the adaptive controller cuts drafts that do not pay;
+//! pages for the kept drafts come from free or evictable pages only (never
+//! by retracting another request), and a draft that finds no page is cut to
+//! the slots the request already holds.
+//!
+//! Drafts are chains: the scheduler verifies the first chain of a proposed
+//! tree. (Tree verification needs the accepted path's KV moved into place;
+//! the attention layouts support trees already.)
+
+use super::Scheduler;
+use crate::engine::request::Req;
+use crate::speculative::DraftRequest;
+
+/// Tokens of a request's tail given to the speculator, at least (its
+/// longest match window needs no more).
+const MIN_TAIL: usize = 64;
+
+impl Scheduler {
+    fn may_draft(&self, r: &Req) -> bool {
+        r.len() - r.computed == 1
+            && r.remaining_new() > 1
+            && !r.prefix_only
+            && (self.executor.sampler_name() == "standard")
+    }
+
+    /// Draft tokens for each decoding request (empty where none), with pages
+    /// allocated for them.
+    pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Vec<u32>> {
+        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); decoding.len()];
+        let Some(cfg) = self.cfg.speculative.clone() else {
+            return drafts;
+        };
+        let context = self.executor.model_spec().max_position_embeddings;
+        let eligible: Vec<usize> = (0..decoding.len())
+            .filter(|&i| self.may_draft(&decoding[i]))
+            .collect();
+        if eligible.is_empty() {
+            return drafts;
+        }
+        let Some(spec) = self.speculator.as_mut() else {
+            return drafts;
+        };
+        let tail_len = MIN_TAIL.max(cfg.ngram.max_match_window_size + 1);
+        let mut tails: Vec<Vec<u32>> = Vec::with_capacity(eligible.len());
+        let mut limits = Vec::with_capacity(eligible.len());
+        for &i in &eligible {
+            let r = &mut decoding[i];
+            if r.spec_observed < r.len() {
+                spec.observe(r.key, &r.tail(r.spec_observed));
+                r.spec_observed = r.len();
+            }
+            tails.push(r.tail(r.len().saturating_sub(tail_len)));
+            let room = context.saturating_sub(r.len() + 1);
+            limits.push(cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room));
+        }
+        let reqs: Vec<DraftRequest<'_>> = eligible
+            .iter()
+            .zip(&tails)
+            .zip(&limits)
+            .filter(|(_, l)| **l > 0)
+            .map(|((&i, t), &l)| DraftRequest {
+                key: decoding[i].key,
+                tokens: t,
+                max_tokens: l,
+                allow_tree: false,
+            })
+            .collect();
+        let keys: Vec<u64> = reqs.iter().map(|d| d.key).collect();
+        let proposed = if reqs.is_empty() {
+            Vec::new()
+        } else {
+            spec.propose(&reqs)
+        };
+        drop(reqs);
+        // Back to indices into `decoding`.
+        let mut chains: Vec<(usize, Vec<u32>)> = Vec::new();
+        for (key, d) in keys.iter().zip(proposed) {
+            let Some(i) = eligible.iter().copied().find(|&i| decoding[i].key == *key) else {
+                continue;
+            };
+            let limit = limits[eligible.iter().position(|&e| e == i).unwrap_or(0)];
+            let mut c = if d.validate().is_ok() {
+                d.first_chain()
+            } else {
+                Vec::new()
+            };
+            c.truncate(limit);
+            if !c.is_empty() {
+                chains.push((i, c));
+            }
+        }
+        if cfg.adaptive && !chains.is_empty() {
+            let lens: Vec<usize> = chains.iter().map(|(_, c)| c.len()).collect();
+            let rates: Vec<(f64, f64)> = chains.iter().map(|(i, _)| decoding[*i].spec_rate).collect();
+            let grant = self.adaptive.grant(&lens, &rates, base_tokens);
+            for ((_, c), g) in chains.iter_mut().zip(grant) {
+                self.counters.spec_draft_tokens_skipped_total += (c.len() - g) as u64;
+                c.truncate(g);
+            }
+        }
+        let mut granted = 0usize;
+        for (i, mut c) in chains {
+            let r = &mut decoding[i];
+            let ps = self.page_size;
+            let need = (r.len() + c.len()).div_ceil(ps);
+            let have = r.page_capacity(ps) / ps;
+            if need > have {
+                let evictable = self.cache.stats().evictable_tokens / ps;
+                let got = if need - have <= self.pool.free_pages() + evictable {
+                    self.alloc_pages(need - have)
+                } else {
+                    None
+                };
+                match got {
+                    Some(p) => {
+                        if let Some(own) = r.own.as_mut()
+                            && own.append(p).is_err()
+                        {
+                            c.clear();
+                        }
+                    }
+                    None => c.truncate(r.page_capacity(ps).saturating_sub(r.len())),
+                }
+            }
+            granted += c.len();
+            drafts[i] = c;
+        }
+        self.counters.spec_draft_budget = granted as f64 / decoding.len().max(1) as f64;
+        drafts
+    }
+}

@@ -1,0 +1,470 @@
+//! The executor: runs a [`StepPlan`] on the model and samples where the logits are.
+//!
+//! [`Executor`] is what the scheduler drives; [`LocalExecutor`] is the
+//! single-device implementation over a [`ModelRunner`] (one runner per rank
+//! comes with tensor parallelism). It builds the typed attention layout from
+//! the plan (chains and draft trees), runs the forward, then samples:
+//!
+//! - **On the device** when every sampled row needs only what
+//!   [`Backend::sample`] does (argmax, or a seeded temperature/top-k/top-p/
+//!   min-p draw): only the ids cross to the host. Greedy verification of
+//!   drafts takes this path too (argmax per row, compared on the host).
+//! - **On the host** otherwise — a logits processor active for the request
+//!   (penalties, logit bias, plugins), a grammar mask, logprobs,
+//!   `min_new_tokens`, a sampler other than `standard`, or rejection sampling
+//!   of drafts at temperature > 0 — for the whole step, at the cost of
+//!   copying its logits rows.
+//!
+//! Verification (greedy): walk the drafts from the root; while the target's
+//! token at the current row equals a draft child, accept it and move there;
+//! the first disagreement (or the end) contributes the target's own token.
+//! Verification (temperature > 0, drafts proposed deterministically): at each
+//! row, draft child `d` is accepted with probability `p(d)`; a rejected child
+//! is removed from `p` (renormalized) before the next child is tried; when no
+//! child is accepted, the token is drawn from what is left of `p`. The output
+//! distribution is then exactly that of plain sampling.
+
+use crate::attention::BatchLayout;
+use crate::backend::{Backend, SampleRow};
+use crate::error::Result;
+use crate::kv::KvSpec;
+use crate::model::{ForwardBatch, ModelSpec};
+use crate::runner::ModelRunner;
+use crate::sampling::{
+    LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng, argmax, filtered_candidates,
+};
+use crate::step::{
+    MaskInput, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput, StepPlan,
+    TokenLogprob,
+};
+use crate::tensor::Tensor;
+use std::sync::Arc;
+
+/// What an executor can run, declared once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecutorCapabilities {
+    /// The device runs asynchronously to the host (overlap scheduling pays).
+    pub asynchronous: bool,
+    /// Draft trees can be verified (the attention implementation supports them).
+    pub tree: bool,
+}
+
+/// Runs step plans.
+pub trait Executor: Send + Sync {
+    /// The model's shape.
+    fn model_spec(&self) -> &ModelSpec;
+    /// The KV cache's shape (the scheduler's page pool mirrors it).
+    fn kv_spec(&self) -> &KvSpec;
+    /// What the executor can run.
+    fn capabilities(&self) -> ExecutorCapabilities;
+    /// Name of the sampler rows are drawn with (`standard` unless configured).
+    fn sampler_name(&self) -> &str;
+    /// Whether some logits processor acts on a request with `params` (then
+    /// plans carry the request's history).
+    fn needs_context(&self, params: &SamplingParams) -> bool;
+    /// Computes the plan's sequences and samples their rows.
+    fn execute(&self, plan: &StepPlan) -> Result<StepOutput>;
+}
+
+/// The single-device executor.
+pub struct LocalExecutor {
+    runner: ModelRunner,
+    sampler: Arc<dyn Sampler>,
+    processors: Vec<Arc<dyn LogitsProcessor>>,
+    eos: Vec<u32>,
+}
+
+impl LocalExecutor {
+    /// Binds a runner to the sampler, processors and EOS ids of the engine.
+    pub fn new(
+        runner: ModelRunner,
+        sampler: Arc<dyn Sampler>,
+        processors: Vec<Arc<dyn LogitsProcessor>>,
+        eos: Vec<u32>,
+    ) -> Self {
+        Self {
+            runner,
+            sampler,
+            processors,
+            eos,
+        }
+    }
+
+    /// The runner.
+    pub fn runner(&self) -> &ModelRunner {
+        &self.runner
+    }
+
+    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool) -> bool {
+        let p = &*s.params;
+        let standard = self.sampler.name() == "standard";
+        let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !p.is_greedy();
+        standard
+            && !has_mask
+            && !verify_sampled
+            && s.logprobs.is_none()
+            && s.generated >= p.min_new_tokens
+            && !self.processors.iter().any(|q| q.is_active(p))
+    }
+}
+
+/// The packed forward batch of a plan, with each sequence's first sampled row.
+fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<usize>)> {
+    let mut layout = BatchLayout::new(page_size);
+    let mut ids = Vec::new();
+    let mut positions = Vec::new();
+    let mut rows = Vec::new();
+    let mut first_row = Vec::with_capacity(plan.seqs.len());
+    for s in &plan.seqs {
+        s.validate(page_size)?;
+        let q_start = ids.len();
+        match &s.tree {
+            Some(parents) => layout.push_tree_seq(s.prefix_len, parents, &s.pages)?,
+            None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
+        }
+        ids.extend_from_slice(&s.tokens);
+        positions.extend(s.positions());
+        first_row.push(rows.len());
+        rows.extend(s.sampled_rows().map(|r| (q_start + r) as u32));
+    }
+    let batch = ForwardBatch {
+        input_ids: ids,
+        positions,
+        layout: Arc::new(layout),
+        logits_rows: rows,
+        hidden_layers: plan.hidden_layers.clone(),
+    };
+    Ok((batch, first_row))
+}
+
+impl Executor for LocalExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        self.runner.model().spec()
+    }
+
+    fn kv_spec(&self) -> &KvSpec {
+        self.runner.kv_spec()
+    }
+
+    fn capabilities(&self) -> ExecutorCapabilities {
+        ExecutorCapabilities {
+            asynchronous: self.runner.backend().capabilities().asynchronous,
+            tree: self.runner.attention().capabilities().tree,
+        }
+    }
+
+    fn sampler_name(&self) -> &str {
+        self.sampler.name()
+    }
+
+    fn needs_context(&self, params: &SamplingParams) -> bool {
+        self.processors.iter().any(|p| p.is_active(params))
+    }
+
+    fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
+        let ps = self.runner.kv_spec().page_size;
+        let (batch, first_row) = build_batch(plan, ps)?;
+        let out = self.runner.forward(&batch)?;
+        let backend = self.runner.backend();
+        let vocab = self.model_spec().vocab_size;
+        let masks = match &plan.masks {
+            MaskInput::None => None,
+            MaskInput::Ready(m) => Some(m.clone()),
+            MaskInput::Late(rx) => rx.recv().ok(),
+        };
+        let has_mask = |i: usize| {
+            masks
+                .as_ref()
+                .and_then(|m| m.get(i))
+                .is_some_and(|v| !v.is_empty())
+        };
+        let simple = plan
+            .seqs
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.sample.as_ref().is_none_or(|sp| self.row_is_simple(sp, has_mask(i))));
+        let mut seqs: Vec<SeqOutput> = if batch.logits_rows.is_empty() {
+            plan.seqs.iter().map(|_| SeqOutput::default()).collect()
+        } else if simple {
+            let ids = sample_on_device(&**backend, &out.logits, plan)?;
+            plan.seqs
+                .iter()
+                .zip(&first_row)
+                .map(|(s, &r0)| {
+                    let n = s.sampled_rows().len();
+                    verify_ids(s, &ids[r0..r0 + n])
+                })
+                .collect()
+        } else {
+            let logits = backend.download_f32(&out.logits)?;
+            let mut v = Vec::with_capacity(plan.seqs.len());
+            for (i, (s, &r0)) in plan.seqs.iter().zip(&first_row).enumerate() {
+                let n = s.sampled_rows().len();
+                let rows = &logits[r0 * vocab..(r0 + n) * vocab];
+                let m = masks.as_ref().and_then(|m| m.get(i)).map(Vec::as_slice);
+                v.push(self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))?);
+            }
+            v
+        };
+        if !plan.hidden_layers.is_empty() {
+            let hidden_size = self.model_spec().hidden_size;
+            for t in &out.hidden {
+                let h = backend.download_f32(t)?;
+                for (s, (seq, &r0)) in seqs.iter_mut().zip(plan.seqs.iter().zip(&first_row)) {
+                    let n = seq.sampled_rows().len();
+                    s.hidden
+                        .push(h[r0 * hidden_size..(r0 + n) * hidden_size].to_vec());
+                }
+            }
+        }
+        Ok(StepOutput { seqs })
+    }
+}
+
+/// One id per sampled row, drawn by [`Backend::sample`].
+fn sample_on_device(backend: &dyn Backend, logits: &Tensor, plan: &StepPlan) -> Result<Vec<u32>> {
+    let mut rows = Vec::new();
+    for s in &plan.seqs {
+        let Some(sp) = &s.sample else { continue };
+        let p = &*sp.params;
+        let mut rng = SeqRng::new(sp.seed);
+        for _ in s.sampled_rows() {
+            rows.push(SampleRow {
+                temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+                top_k: u32::try_from(p.top_k).unwrap_or(0),
+                top_p: p.top_p,
+                min_p: p.min_p,
+                seed: if matches!(sp.rows, SampleRows::Last) {
+                    sp.seed
+                } else {
+                    rng.next_u64()
+                },
+            });
+        }
+    }
+    let out = backend.alloc(crate::DType::U32, &[rows.len()])?;
+    backend.sample(logits, &rows, &out)?;
+    let mut bytes = vec![0u8; rows.len() * 4];
+    backend.download(&out, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// The children (row indices within the sampled rows) of row `at`, in order.
+fn children(s: &SeqPlan, at: usize) -> Vec<usize> {
+    let n = s.sampled_rows().len();
+    let base = s.tokens.len() - n;
+    match &s.tree {
+        Some(parents) => (at + 1..n)
+            .filter(|&j| parents[base + j] == (base + at) as i32)
+            .collect(),
+        None if at + 1 < n => vec![at + 1],
+        None => Vec::new(),
+    }
+}
+
+/// Output of a sequence from the target's token at each sampled row (greedy
+/// verification, or a single sampled row).
+fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
+    let base = s.tokens.len() - ids.len();
+    let mut out = SeqOutput::default();
+    let mut at = 0;
+    loop {
+        let t = ids[at];
+        out.tokens.push(t);
+        let next = children(s, at)
+            .into_iter()
+            .find(|&c| s.tokens[base + c] == t);
+        match next {
+            Some(c) => {
+                out.accepted += 1;
+                if s.tree.is_some() {
+                    out.accepted_path.push(base + c);
+                }
+                at = c;
+            }
+            None => break,
+        }
+    }
+    out
+}
+
+fn log_sum_exp(v: &[f32]) -> f32 {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return m;
+    }
+    m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln()
+}
+
+fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    let k = n.min(idx.len());
+    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+    idx.truncate(k);
+    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx
+}
+
+impl LocalExecutor {
+    /// Samples (and verifies) one sequence's rows on the host.
+    fn sample_on_host(
+        &self,
+        s: &SeqPlan,
+        rows: &[f32],
+        vocab: usize,
+        masks: &[crate::grammar::TokenBitmask],
+    ) -> Result<SeqOutput> {
+        let Some(sp) = &s.sample else {
+            return Ok(SeqOutput::default());
+        };
+        let p = &*sp.params;
+        let n = s.sampled_rows().len();
+        let base = s.tokens.len() - n;
+        let mut rng = SeqRng::new(sp.seed);
+        let mut out = SeqOutput::default();
+        // Output so far, extended by the accepted drafts (what processors see).
+        let mut history: Vec<u32> = sp
+            .context
+            .as_ref()
+            .map(|c| c.output.clone())
+            .unwrap_or_default();
+        let empty: Vec<u32> = Vec::new();
+        let prompt = sp.context.as_ref().map_or(&empty, |c| &*c.prompt);
+        let mut at = 0;
+        loop {
+            let raw = &rows[at * vocab..(at + 1) * vocab];
+            let mut l = raw.to_vec();
+            if sp.generated + out.tokens.len() < p.min_new_tokens {
+                for &e in self.eos.iter().chain(&p.stop_token_ids) {
+                    if let Some(x) = l.get_mut(e as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            let ctx = LogitsContext {
+                prompt,
+                output: &history,
+                params: p,
+            };
+            for q in &self.processors {
+                if q.is_active(p) {
+                    q.process(&mut l, &ctx)?;
+                }
+            }
+            if let Some(m) = masks.get(at) {
+                m.apply_to_logits(&mut l);
+            }
+            let kids = children(s, at);
+            let (tok, next) = if kids.is_empty() {
+                (self.sampler.sample(&mut l, p, &mut rng)?, None)
+            } else if p.is_greedy() {
+                let t = argmax(&l);
+                (t, kids.into_iter().find(|&c| s.tokens[base + c] == t))
+            } else {
+                reject_sample(&l, p, &kids, |c| s.tokens[base + c], &mut rng)
+            };
+            if let Some(top) = sp.logprobs {
+                let lse = log_sum_exp(raw);
+                out.logprobs.push(TokenLogprob {
+                    token: tok,
+                    logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
+                    top: top_n(raw, top).into_iter().map(|(t, x)| (t, x - lse)).collect(),
+                });
+            }
+            out.tokens.push(tok);
+            history.push(tok);
+            match next {
+                Some(c) => {
+                    out.accepted += 1;
+                    if s.tree.is_some() {
+                        out.accepted_path.push(base + c);
+                    }
+                    at = c;
+                }
+                None => break,
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Rejection sampling of deterministic draft children at one row: returns
+/// the token and the accepted child (None when the token was drawn from the residual).
+fn reject_sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    kids: &[usize],
+    token_of: impl Fn(usize) -> u32,
+    rng: &mut SeqRng,
+) -> (u32, Option<usize>) {
+    let Some(mut cand) = filtered_candidates(logits, params) else {
+        // Nothing finite: the plain sampler takes the argmax; so does this.
+        let t = argmax(logits);
+        return (t, kids.iter().copied().find(|&c| token_of(c) == t));
+    };
+    for &c in kids {
+        let d = token_of(c);
+        let total: f32 = cand.iter().map(|x| x.0).sum();
+        if total <= 0.0 {
+            break;
+        }
+        let pd = cand.iter().find(|x| x.1 == d).map_or(0.0, |x| x.0) / total;
+        if rng.next_f32() < pd {
+            return (d, Some(c));
+        }
+        cand.retain(|x| x.1 != d);
+    }
+    let total: f32 = cand.iter().map(|x| x.0).sum();
+    if cand.is_empty() || total <= 0.0 {
+        return (argmax(logits), None);
+    }
+    let mut r = rng.next_f32() * total;
+    for x in &cand {
+        r -= x.0;
+        if r < 0.0 {
+            return (x.1, None);
+        }
+    }
+    (cand[cand.len() - 1].1, None)
+}
+
+/// Masks of a step, for callers that build them before the plan.
+pub fn ready_masks(masks: StepMasks) -> MaskInput {
+    if masks.iter().all(Vec::is_empty) {
+        MaskInput::None
+    } else {
+        MaskInput::Ready(masks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejection_keeps_the_distribution() {
+        // p = softmax([ln 0.5, ln 0.3, ln 0.2]); a draft of token 1 (p = 0.3).
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let mut counts = [0usize; 3];
+        let mut rng = SeqRng::new(7);
+        let n = 200_000;
+        for _ in 0..n {
+            let (t, _) = reject_sample(&logits, &params, &[0], |_| 1, &mut rng);
+            counts[t as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
+            let f = *c as f64 / n as f64;
+            assert!((f - p).abs() < 0.005, "{counts:?}");
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! The step plan and its output: what the scheduler asks an
+//! [`Executor`](crate::executor::Executor) to compute, and what comes back.
+//!
+//! A [`StepPlan`] is plain data (no device handles): per sequence the tokens
+//! to compute after `prefix_len` cached ones, the pages that hold them, an
+//! optional draft tree, and how to sample. It is built on the scheduler thread
+//! and may be built while the previous plan runs (overlap scheduling).
+//!
+//! Invariants of a [`SeqPlan`] (checked by [`SeqPlan::validate`]):
+//! `tokens` is not empty; `pages` cover `prefix_len + tokens.len()` slots; with
+//! a tree, `tree` has one parent per token (`-1` for token 0, the root, an
+//! earlier index otherwise) and the positions follow the tree depth; with
+//! [`SampleRows::Verify`], the last `drafts + 1` tokens are the last sampled
+//! token followed by the draft tokens (the whole plan for a tree), and masks
+//! (when present) number one per sampled row.
+
+use crate::error::{CoreError, Result};
+use crate::grammar::TokenBitmask;
+use crate::sampling::SamplingParams;
+use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+
+/// Which rows of a sequence are sampled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SampleRows {
+    /// The last token's row: one new token.
+    Last,
+    /// The last `drafts + 1` rows: the last sampled token then `drafts` draft
+    /// tokens; verification keeps the drafts the target agrees with and adds
+    /// one token of its own (up to `drafts + 1` new tokens).
+    Verify {
+        /// Draft tokens at the end of `tokens`.
+        drafts: usize,
+    },
+}
+
+/// How one sequence samples after the forward.
+#[derive(Clone, Debug)]
+pub struct SampleSpec {
+    /// The request's sampling parameters.
+    pub params: Arc<SamplingParams>,
+    /// Rows sampled.
+    pub rows: SampleRows,
+    /// Seeds this step's draws (drawn from the request's generator by the scheduler).
+    pub seed: u64,
+    /// Prompt and output so far (before this step's tokens), given when a
+    /// logits processor needs them; `None` otherwise.
+    pub context: Option<SampleContext>,
+    /// Return log-probabilities, with this many top alternatives.
+    pub logprobs: Option<usize>,
+    /// Tokens generated so far (for `min_new_tokens`).
+    pub generated: usize,
+}
+
+/// The history logits processors see.
+#[derive(Clone, Debug)]
+pub struct SampleContext {
+    /// Prompt token ids.
+    pub prompt: Arc<Vec<u32>>,
+    /// Output so far.
+    pub output: Vec<u32>,
+}
+
+/// One sequence of a step.
+#[derive(Clone, Debug)]
+pub struct SeqPlan {
+    /// Tokens to compute: a prompt chunk, the last sampled token (with the
+    /// tokens a grammar forced), or the last sampled token plus draft tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens of the sequence already in the KV cache.
+    pub prefix_len: usize,
+    /// Pages holding the sequence, covering `prefix_len + tokens.len()`.
+    pub pages: Vec<u32>,
+    /// Parents of the tokens when they form a draft tree (see the module doc).
+    pub tree: Option<Vec<i32>>,
+    /// Sampling after the forward; `None` for a prompt chunk that is not the last.
+    pub sample: Option<SampleSpec>,
+}
+
+impl SeqPlan {
+    /// Absolute positions of the tokens.
+    pub fn positions(&self) -> Vec<u32> {
+        match &self.tree {
+            None => (self.prefix_len..self.prefix_len + self.tokens.len())
+                .map(|p| p as u32)
+                .collect(),
+            Some(parents) => {
+                let mut depth = vec![0u32; parents.len()];
+                for (j, &p) in parents.iter().enumerate().skip(1) {
+                    depth[j] = depth.get(p as usize).copied().unwrap_or(0) + 1;
+                }
+                depth.iter().map(|d| self.prefix_len as u32 + d).collect()
+            }
+        }
+    }
+
+    /// Rows (within `tokens`) that are sampled.
+    pub fn sampled_rows(&self) -> std::ops::Range<usize> {
+        let n = self.tokens.len();
+        match self.sample.as_ref().map(|s| s.rows) {
+            None => n..n,
+            Some(SampleRows::Last) => n - 1..n,
+            Some(SampleRows::Verify { drafts }) => n - 1 - drafts..n,
+        }
+    }
+
+    /// Checks the module invariants with pages of `page_size` tokens.
+    pub fn validate(&self, page_size: usize) -> Result<()> {
+        if self.tokens.is_empty() {
+            return Err(CoreError::invalid("a step sequence computes no token"));
+        }
+        if self.pages.len() * page_size < self.prefix_len + self.tokens.len() {
+            return Err(CoreError::invalid(format!(
+                "{} pages cannot hold {} tokens",
+                self.pages.len(),
+                self.prefix_len + self.tokens.len()
+            )));
+        }
+        if let Some(SampleRows::Verify { drafts }) = self.sample.as_ref().map(|s| s.rows)
+            && drafts + 1 > self.tokens.len()
+        {
+            return Err(CoreError::invalid(format!(
+                "{drafts} drafts to verify in {} tokens",
+                self.tokens.len()
+            )));
+        }
+        if let Some(t) = &self.tree {
+            if t.len() != self.tokens.len() {
+                return Err(CoreError::invalid("a draft tree needs one parent per token"));
+            }
+            let verify_all = matches!(
+                self.sample.as_ref().map(|s| s.rows),
+                Some(SampleRows::Verify { drafts }) if drafts + 1 == self.tokens.len()
+            );
+            if !verify_all {
+                return Err(CoreError::invalid(
+                    "a draft tree is verified whole: its root then every draft",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// KV tier operations of a step (host and storage tiers): pages to load
+/// before the forward and to store after it. Empty without a tier.
+#[derive(Clone, Debug, Default)]
+pub struct KvTierOps {
+    /// (tier slot, device page) copies into the device before the forward.
+    pub load_before: Vec<(u64, u32)>,
+    /// (device page, tier slot) copies out of the device after the forward.
+    pub store_after: Vec<(u32, u64)>,
+}
+
+/// Grammar bitmasks of a step: one list per sequence (empty for a sequence
+/// without a grammar, else one mask per sampled row).
+pub type StepMasks = Vec<Vec<TokenBitmask>>;
+
+/// Masks given with the plan, or filled while the forward runs (overlap
+/// scheduling) and received before sampling.
+#[derive(Debug, Default)]
+pub enum MaskInput {
+    /// No sequence has a grammar.
+    #[default]
+    None,
+    /// Filled already.
+    Ready(StepMasks),
+    /// Sent by the scheduler's helper thread; a closed channel means the
+    /// filling failed and every constrained row is left unmasked (the
+    /// scheduler aborts those requests).
+    Late(Receiver<StepMasks>),
+}
+
+/// Everything one step computes.
+#[derive(Debug, Default)]
+pub struct StepPlan {
+    /// Sequences in batch order.
+    pub seqs: Vec<SeqPlan>,
+    /// Grammar bitmasks of the sampled rows.
+    pub masks: MaskInput,
+    /// Layers whose hidden states are wanted at the sampled rows (see
+    /// [`ForwardBatch::hidden_layers`](crate::model::ForwardBatch)).
+    pub hidden_layers: Vec<usize>,
+    /// KV tier operations.
+    pub kv_ops: KvTierOps,
+}
+
+/// Log-probability of one token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The token.
+    pub token: u32,
+    /// Its log-probability under the model.
+    pub logprob: f32,
+    /// The most likely alternatives, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one sequence of a step produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SeqOutput {
+    /// New tokens: the accepted drafts then one sampled token (empty without sampling).
+    pub tokens: Vec<u32>,
+    /// Draft tokens accepted (`tokens.len() - 1` after verification; 0 otherwise).
+    pub accepted: usize,
+    /// For a tree: the indices (within the plan's tokens) of the accepted
+    /// drafts, in order; empty for a chain.
+    pub accepted_path: Vec<usize>,
+    /// Log-probabilities of `tokens`, when asked.
+    pub logprobs: Vec<TokenLogprob>,
+    /// Hidden states at the sampled rows, one `[rows * hidden]` f32 vector
+    /// per layer asked.
+    pub hidden: Vec<Vec<f32>>,
+}
+
+/// What a step produced, one entry per sequence of the plan.
+#[derive(Clone, Debug, Default)]
+pub struct StepOutput {
+    /// Per sequence, in plan order.
+    pub seqs: Vec<SeqOutput>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(rows: SampleRows) -> SampleSpec {
+        SampleSpec {
+            params: Arc::new(SamplingParams::greedy(4)),
+            rows,
+            seed: 0,
+            context: None,
+            logprobs: None,
+            generated: 0,
+        }
+    }
+
+    #[test]
+    fn positions_rows_and_checks() {
+        let mut s = SeqPlan {
+            tokens: vec![1, 2, 3, 4],
+            prefix_len: 5,
+            pages: vec![0, 1, 2],
+            tree: None,
+            sample: Some(spec(SampleRows::Verify { drafts: 3 })),
+        };
+        s.validate(4).unwrap();
+        assert_eq!(s.positions(), vec![5, 6, 7, 8]);
+        assert_eq!(s.sampled_rows(), 0..4);
+        s.tree = Some(vec![-1, 0, 0, 1]);
+        s.validate(4).unwrap();
+        assert_eq!(s.positions(), vec![5, 6, 6, 7]);
+        s.sample = Some(spec(SampleRows::Last));
+        assert!(s.validate(4).is_err());
+        s.tree = None;
+        assert_eq!(s.sampled_rows(), 3..4);
+        s.pages.pop();
+        assert!(s.validate(4).is_err());
+    }
+}
