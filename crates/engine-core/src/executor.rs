@@ -202,7 +202,13 @@ impl Executor for LocalExecutor {
                 let n = s.sampled_rows().len();
                 let rows = &logits[r0 * vocab..(r0 + n) * vocab];
                 let m = masks.as_ref().and_then(|m| m.get(i)).map(Vec::as_slice);
-                v.push(self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))?);
+                v.push(
+                    self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))
+                        .unwrap_or_else(|e| SeqOutput {
+                            error: Some(e.to_string()),
+                            ..SeqOutput::default()
+                        }),
+                );
             }
             v
         };
@@ -271,8 +277,7 @@ fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
     let base = s.tokens.len() - ids.len();
     let mut out = SeqOutput::default();
     let mut at = 0;
-    loop {
-        let t = ids[at];
+    while let Some(&t) = ids.get(at) {
         out.tokens.push(t);
         let next = children(s, at)
             .into_iter()

@@ -211,6 +211,9 @@ pub struct SeqOutput {
     /// Hidden states at the sampled rows, one `[rows * hidden]` f32 vector
     /// per layer asked.
     pub hidden: Vec<Vec<f32>>,
+    /// Sampling this sequence failed (a logits processor or sampler error);
+    /// only its request fails.
+    pub error: Option<String>,
 }
 
 /// What a step produced, one entry per sequence of the plan.

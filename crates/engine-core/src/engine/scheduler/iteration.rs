@@ -327,6 +327,9 @@ impl Scheduler {
         if let Some(e) = r.mask_error.take() {
             return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
         }
+        if let Some(e) = out.error {
+            return self.finish(r, abort_finish(&format!("sampling failed: {e}")));
+        }
         if out.tokens.is_empty() {
             return self.finish(r, abort_finish("the executor sampled no token"));
         }

@@ -1,0 +1,509 @@
+//! Speculative decoding through the engine on the tiny Llama fixture (a real
+//! model, checked against transformers in the models crate).
+//!
+//! Drafts come from the real n-gram speculator (crates/spec-decode) and from
+//! an *oracle* test speculator that proposes the known greedy continuation
+//! with every fifth token corrupted, so that every step both accepts and
+//! rejects drafts. Greedy output must be identical, token for token, to plain
+//! decoding: alone, in a batch of 32, chunked, cached, retracted, with n > 1,
+//! stop strings and json_schema grammars, with overlap scheduling on and off;
+//! sampled output must keep plain sampling's distribution (chi-square). Every
+//! test ends with the KV pool empty after a flush.
+
+#![allow(clippy::unwrap_used)]
+
+use anyhow::{Context, Result};
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
+use arbor_engine_core::grammar::{
+    GrammarBackendConfig, GrammarCache, GrammarCacheConfig, GrammarOptions, GrammarSpec,
+    GrammarVocab, JsonWhitespace, VocabSource,
+};
+use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
+use arbor_engine_core::{
+    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams, SeqRng,
+};
+use arbor_grammar as _;
+use arbor_kv_radix as _;
+use arbor_models::{LoadedModel, load_model};
+use arbor_spec_decode as _;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
+}
+
+struct Shared {
+    model: LoadedModel,
+    backend: Arc<dyn Backend>,
+    registry: Registry,
+}
+
+fn shared() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| {
+        let registry = Registry::builtin().expect("registry");
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
+            progress: None,
+        };
+        let model = load_model(&fixture(), &registry, &opts).expect("tiny-llama loads");
+        Shared {
+            model,
+            backend,
+            registry,
+        }
+    })
+}
+
+/// Greedy continuations known in advance, keyed by prompt.
+type Answers = Arc<Mutex<HashMap<Vec<u32>, Vec<u32>>>>;
+
+/// Proposes the known continuation of a request's prompt with every fifth
+/// position corrupted (a test speculator: it exercises acceptance and
+/// rejection at chosen places; the drafts are a function of the sequence
+/// only, as verification requires).
+struct Oracle {
+    answers: Answers,
+    seqs: HashMap<u64, Vec<u32>>,
+    vocab: u32,
+}
+
+impl Speculator for Oracle {
+    fn name(&self) -> &str {
+        "oracle"
+    }
+    fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft> {
+        let answers = self.answers.lock().unwrap();
+        reqs.iter()
+            .map(|r| {
+                let seq = self.seqs.get(&r.key).cloned().unwrap_or_default();
+                let hit = answers
+                    .iter()
+                    .find(|(p, _)| seq.len() >= p.len() && seq.starts_with(p));
+                let Some((p, ans)) = hit else {
+                    return Draft::default();
+                };
+                let done = seq.len() - p.len();
+                let toks = ans
+                    .iter()
+                    .enumerate()
+                    .skip(done)
+                    .take(r.max_tokens)
+                    .map(|(i, &t)| if i % 5 == 3 { (t + 1) % self.vocab } else { t })
+                    .collect();
+                Draft::chain(toks)
+            })
+            .collect()
+    }
+    fn observe(&mut self, key: u64, tokens: &[u32]) {
+        self.seqs.entry(key).or_default().extend_from_slice(tokens);
+    }
+    fn release(&mut self, key: u64) {
+        self.seqs.remove(&key);
+    }
+}
+
+#[derive(Clone)]
+enum Spec {
+    Off,
+    Oracle(Answers),
+    Ngram,
+}
+
+fn speculative(draft_tokens: usize, adaptive: bool) -> SpeculativeConfig {
+    SpeculativeConfig {
+        num_draft_tokens: draft_tokens,
+        adaptive,
+        ..SpeculativeConfig::default()
+    }
+}
+
+fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine> {
+    let s = shared();
+    let runner = ModelRunner::new(
+        s.model.model.clone(),
+        s.backend.clone(),
+        None,
+        16,
+        num_pages,
+        DType::F32,
+    )?;
+    let cache_name = if cfg.disable_radix_cache {
+        "none"
+    } else {
+        "radix"
+    };
+    let policy = s.registry.eviction_policies.get("lru")?()?;
+    let cache = s.registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions {
+        page_size: 16,
+        policy,
+    })?;
+    let mut parts = EngineParts::local(
+        runner,
+        cache,
+        s.registry.samplers.get("standard")?()?,
+        vec![s.registry.logits_processors.get("penalties")?(
+            &serde_json::Value::Null,
+        )?],
+        s.model.tokenizer.clone(),
+        s.model.tokenizer.eos_token_ids.clone(),
+    );
+    match spec {
+        Spec::Off => cfg.speculative = None,
+        Spec::Oracle(answers) => {
+            cfg.speculative.get_or_insert_with(|| speculative(6, false));
+            parts.speculator = Some(Box::new(Oracle {
+                answers: answers.clone(),
+                seqs: HashMap::new(),
+                vocab: s.model.model.spec().vocab_size as u32,
+            }));
+        }
+        Spec::Ngram => {
+            let sc = cfg.speculative.get_or_insert_with(|| speculative(8, false));
+            parts.speculator = Some(s.registry.speculators.get("ngram")?(sc)?);
+        }
+    }
+    Ok(Engine::new(cfg, parts)?)
+}
+
+fn assert_pool_empty(e: &Engine) {
+    assert!(e.flush_cache().unwrap(), "engine should be idle");
+    for _ in 0..100 {
+        if e.stats().num_used_tokens == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("KV pages still in use: {:?}", e.stats());
+}
+
+fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = SeqRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let len = 3 + (rng.next_u64() % 60) as usize;
+            (0..len).map(|_| (rng.next_u64() % 497) as u32).collect()
+        })
+        .collect()
+}
+
+/// Prompts that repeat a phrase, so the n-gram table has something to copy.
+fn copy_prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = SeqRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let phrase: Vec<u32> = (0..6 + rng.next_u64() % 8)
+                .map(|_| (rng.next_u64() % 497) as u32)
+                .collect();
+            let mut p = Vec::new();
+            for _ in 0..4 {
+                p.extend_from_slice(&phrase);
+            }
+            p
+        })
+        .collect()
+}
+
+fn greedy(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_new)
+    }
+}
+
+fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Result<Vec<Vec<u32>>> {
+    let streams: Vec<_> = reqs
+        .into_iter()
+        .map(|r| e.submit(r))
+        .collect::<Result<_, _>>()?;
+    let mut out = Vec::new();
+    for s in streams {
+        let chunks = s.collect_blocking();
+        let f = chunks
+            .last()
+            .and_then(|c| c.finish.clone())
+            .context("finished")?;
+        assert_ne!(f.kind, FinishKind::Abort, "{f:?}");
+        // n > 1: the samples' tokens in index order.
+        let mut by_index: Vec<Vec<u32>> = Vec::new();
+        for c in &chunks {
+            let i = c.index as usize;
+            if by_index.len() <= i {
+                by_index.resize(i + 1, Vec::new());
+            }
+            by_index[i].extend_from_slice(&c.token_ids);
+        }
+        out.extend(by_index);
+    }
+    Ok(out)
+}
+
+fn plain(ps: &[Vec<u32>], params: &SamplingParams) -> Vec<GenerateRequest> {
+    ps.iter()
+        .map(|p| GenerateRequest::new(p.clone(), params.clone()))
+        .collect()
+}
+
+/// Greedy outputs one at a time without speculation.
+fn reference(ps: &[Vec<u32>], params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+    let e = engine(EngineConfig::default(), 256, &Spec::Off)?;
+    let mut out = Vec::new();
+    for p in ps {
+        out.extend(run_all(&e, plain(std::slice::from_ref(p), params))?);
+    }
+    assert_pool_empty(&e);
+    Ok(out)
+}
+
+fn answers(ps: &[Vec<u32>], outs: &[Vec<u32>]) -> Answers {
+    Arc::new(Mutex::new(ps.iter().cloned().zip(outs.iter().cloned()).collect()))
+}
+
+fn check_all_shapes(spec: &Spec, ps: &[Vec<u32>], want: &[Vec<u32>], overlap: bool) -> Result<(u64, u64)> {
+    let base = EngineConfig {
+        overlap_schedule: Some(overlap),
+        ..Default::default()
+    };
+    let p = greedy(24);
+    let mut drafted = 0;
+    let mut accepted = 0;
+    let mut tally = |e: &Engine| {
+        let s = e.stats();
+        drafted += s.spec_draft_tokens_total;
+        accepted += s.spec_accepted_tokens_total;
+    };
+    // Alone.
+    let e = engine(base.clone(), 256, spec)?;
+    for (pr, w) in ps.iter().zip(want) {
+        assert_eq!(&run_all(&e, plain(std::slice::from_ref(pr), &p))?[0], w, "alone");
+    }
+    tally(&e);
+    assert_pool_empty(&e);
+    // Batched, then again with every prompt cached.
+    let e = engine(base.clone(), 256, spec)?;
+    assert_eq!(run_all(&e, plain(ps, &p))?, want, "batched");
+    assert_eq!(run_all(&e, plain(ps, &p))?, want, "cached");
+    tally(&e);
+    assert_pool_empty(&e);
+    // Chunked prefill.
+    let cfg = EngineConfig {
+        chunked_prefill_size: 16,
+        ..base.clone()
+    };
+    let e = engine(cfg, 256, spec)?;
+    assert_eq!(run_all(&e, plain(ps, &p))?, want, "chunked");
+    tally(&e);
+    assert_pool_empty(&e);
+    // A small pool: retraction.
+    let e = engine(base.clone(), 40, spec)?;
+    assert_eq!(run_all(&e, plain(ps, &p))?, want, "retracted");
+    assert!(e.stats().num_retracted_reqs_total > 0, "no retraction happened");
+    tally(&e);
+    assert_pool_empty(&e);
+    Ok((drafted, accepted))
+}
+
+#[test]
+fn oracle_drafts_keep_greedy_output_identical() -> Result<()> {
+    let ps = prompts(32, 11);
+    let want = reference(&ps, &greedy(24))?;
+    for overlap in [false, true] {
+        let spec = Spec::Oracle(answers(&ps, &want));
+        let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
+        assert!(accepted > 0 && accepted < drafted, "{accepted} of {drafted}");
+    }
+    Ok(())
+}
+
+#[test]
+fn ngram_drafts_keep_greedy_output_identical() -> Result<()> {
+    let mut ps = copy_prompts(24, 5);
+    ps.extend(prompts(8, 3));
+    let want = reference(&ps, &greedy(24))?;
+    for overlap in [false, true] {
+        let (drafted, accepted) = check_all_shapes(&Spec::Ngram, &ps, &want, overlap)?;
+        assert!(drafted > 0, "the n-gram speculator drafted nothing");
+        eprintln!("n-gram (overlap {overlap}): {accepted} of {drafted} drafts accepted");
+    }
+    Ok(())
+}
+
+#[test]
+fn n_samples_stop_conditions_and_adaptive() -> Result<()> {
+    let ps = copy_prompts(6, 9);
+    // Stop strings and token ids from the reference's own output.
+    let want = reference(&ps, &greedy(20))?;
+    let params = SamplingParams {
+        n: 3,
+        stop_token_ids: vec![want[0][10]],
+        stop: vec![shared().model.tokenizer.decode_ids(&want[1][8..10])?],
+        ..greedy(20)
+    };
+    let want_stop = reference(&ps, &params)?;
+    for spec in [
+        Spec::Oracle(answers(&ps, &want)),
+        Spec::Ngram,
+    ] {
+        for adaptive in [false, true] {
+            let cfg = EngineConfig {
+                speculative: Some(speculative(6, adaptive)),
+                ..Default::default()
+            };
+            let e = engine(cfg, 256, &spec)?;
+            assert_eq!(run_all(&e, plain(&ps, &params))?, want_stop, "n=3 with stops");
+            assert_pool_empty(&e);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn json_schema_grammar_with_speculation() -> Result<()> {
+    let s = shared();
+    let vocab = GrammarVocab {
+        source: VocabSource::TokenizerJson(
+            std::fs::read_to_string(fixture().join("tokenizer.json"))?.into(),
+        ),
+        eos_token_ids: s.model.tokenizer.eos_token_ids.clone(),
+        vocab_size: Some(s.model.model.spec().vocab_size),
+    };
+    let gb = s.registry.grammar_backends.get("llguidance")?(&GrammarBackendConfig {
+        vocab,
+        options: GrammarOptions {
+            json_whitespace: JsonWhitespace::Compact,
+            ..Default::default()
+        },
+    })?;
+    let cache = GrammarCache::new(gb, GrammarCacheConfig::default());
+    let schema = r#"{"type":"object","properties":{"name":{"type":"string","maxLength":8},"n":{"type":"integer"}},"required":["name","n"]}"#;
+    let grammar = cache.get(&GrammarSpec::JsonSchema(schema.into()))?;
+    let ps = prompts(8, 21);
+    let reqs = |ps: &[Vec<u32>]| -> Vec<GenerateRequest> {
+        ps.iter()
+            .map(|p| GenerateRequest {
+                grammar: Some(grammar.clone()),
+                ..GenerateRequest::new(p.clone(), SamplingParams::greedy(40))
+            })
+            .collect()
+    };
+    let off = engine(EngineConfig::default(), 256, &Spec::Off)?;
+    let want = run_all(&off, reqs(&ps))?;
+    assert_pool_empty(&off);
+    for overlap in [false, true] {
+        let cfg = EngineConfig {
+            overlap_schedule: Some(overlap),
+            ..Default::default()
+        };
+        let e = engine(cfg, 256, &Spec::Oracle(answers(&ps, &want)))?;
+        assert_eq!(run_all(&e, reqs(&ps))?, want, "grammar, overlap {overlap}");
+        assert!(e.stats().spec_accepted_tokens_total > 0);
+        assert_pool_empty(&e);
+    }
+    Ok(())
+}
+
+/// Chi-square statistic's critical value at p = 0.001 (Wilson–Hilferty).
+fn chi2_critical(dof: usize) -> f64 {
+    let k = dof as f64;
+    let z = 3.090; // one-sided 0.999 normal quantile
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
+
+#[test]
+fn sampled_tokens_keep_their_distribution() -> Result<()> {
+    let prompt = copy_prompts(1, 4).remove(0);
+    let want = reference(std::slice::from_ref(&prompt), &greedy(4))?;
+    let params = |seed: u64| SamplingParams {
+        temperature: 1.3,
+        seed: Some(seed),
+        ..greedy(3)
+    };
+    let n = 1200;
+    let collect = |spec: &Spec| -> Result<HashMap<(u32, u32), usize>> {
+        let e = engine(EngineConfig::default(), 256, spec)?;
+        let mut counts = HashMap::new();
+        for chunk in (0..n as u64).collect::<Vec<_>>().chunks(64) {
+            let reqs = chunk
+                .iter()
+                .map(|&s| GenerateRequest::new(prompt.clone(), params(s)))
+                .collect();
+            for out in run_all(&e, reqs)? {
+                // Tokens 2 and 3 are the ones verification draws.
+                *counts.entry((out[1], out[2])).or_default() += 1;
+            }
+        }
+        assert_pool_empty(&e);
+        Ok(counts)
+    };
+    let a = collect(&Spec::Off)?;
+    let b = collect(&Spec::Oracle(answers(std::slice::from_ref(&prompt), &want)))?;
+    // Two-sample chi-square over the categories seen, rare ones pooled.
+    let mut keys: Vec<_> = a.keys().chain(b.keys()).copied().collect();
+    keys.sort();
+    keys.dedup();
+    let (mut stat, mut dof) = (0.0, 0usize);
+    let (mut ra, mut rb) = (0usize, 0usize);
+    let mut cell = |x: usize, y: usize, stat: &mut f64, dof: &mut usize| {
+        let e = (x + y) as f64 / 2.0;
+        *stat += ((x as f64 - e).powi(2) + (y as f64 - e).powi(2)) / e;
+        *dof += 1;
+    };
+    for k in keys {
+        let (x, y) = (a.get(&k).copied().unwrap_or(0), b.get(&k).copied().unwrap_or(0));
+        if x + y >= 20 {
+            cell(x, y, &mut stat, &mut dof);
+        } else {
+            ra += x;
+            rb += y;
+        }
+    }
+    if ra + rb > 0 {
+        cell(ra, rb, &mut stat, &mut dof);
+    }
+    let dof = dof.saturating_sub(1).max(1);
+    let crit = chi2_critical(dof);
+    eprintln!("chi-square {stat:.1} over {dof} degrees of freedom (critical {crit:.1} at p = 0.001)");
+    assert!(stat < crit, "speculation changed the sampled distribution: {stat} >= {crit}");
+    Ok(())
+}
+
+#[test]
+fn bad_speculative_settings_are_refused() -> Result<()> {
+    for n in [0usize, 65] {
+        let cfg = EngineConfig {
+            speculative: Some(speculative(n, true)),
+            ..Default::default()
+        };
+        let err = engine(cfg, 64, &Spec::Ngram).err().context("refused")?;
+        assert!(err.to_string().contains("--speculative-num-draft-tokens"), "{err}");
+    }
+    // Configured without a speculator.
+    let s = shared();
+    let runner = ModelRunner::new(s.model.model.clone(), s.backend.clone(), None, 16, 64, DType::F32)?;
+    let cache = s.registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
+        page_size: 16,
+        policy: s.registry.eviction_policies.get("lru")?()?,
+    })?;
+    let parts = EngineParts::local(
+        runner,
+        cache,
+        s.registry.samplers.get("standard")?()?,
+        vec![],
+        s.model.tokenizer.clone(),
+        vec![],
+    );
+    let cfg = EngineConfig {
+        speculative: Some(speculative(4, true)),
+        ..Default::default()
+    };
+    let err = Engine::new(cfg, parts).err().context("refused")?;
+    assert!(err.to_string().contains("no speculator"), "{err}");
+    assert!(s.registry.speculators.get("eagle").is_err());
+    Ok(())
+}
