@@ -20,6 +20,8 @@ use arbor_backend_wgpu as _;
 use arbor_grammar as _;
 use arbor_kv_radix as _;
 use arbor_models as _;
+#[cfg(feature = "spec-decode")]
+use arbor_spec_decode as _;
 use clap::{Parser, Subcommand};
 
 /// Arbor: an LLM inference serving engine.

@@ -46,31 +46,58 @@ pub struct SpeculativeArgs {
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
-    #[arg(long = "speculative-num-draft-tokens", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-num-draft-tokens",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_num_draft_tokens: Option<usize>,
     /// Always draft in full instead of adapting to acceptance and step cost.
-    #[arg(long = "disable-speculative-adaptive", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "disable-speculative-adaptive",
+        help_heading = "Speculative decoding"
+    )]
     pub disable_speculative_adaptive: bool,
     /// Shortest suffix matched against the n-gram table [default: 1].
-    #[arg(long = "speculative-ngram-min-match-window-size", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-min-match-window-size",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_min_match_window_size: Option<usize>,
     /// Longest suffix matched [default: 12].
-    #[arg(long = "speculative-ngram-max-match-window-size", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-max-match-window-size",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_max_match_window_size: Option<usize>,
     /// Fewest children per level of a BFS draft tree [default: 1].
-    #[arg(long = "speculative-ngram-min-bfs-breadth", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-min-bfs-breadth",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_min_bfs_breadth: Option<usize>,
     /// Most children per level of a BFS draft tree [default: 10].
-    #[arg(long = "speculative-ngram-max-bfs-breadth", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-max-bfs-breadth",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_max_bfs_breadth: Option<usize>,
     /// BFS or PROB [default: BFS].
-    #[arg(long = "speculative-ngram-match-type", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-match-type",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_match_type: Option<String>,
     /// Deepest continuation stored after a suffix [default: 18].
-    #[arg(long = "speculative-ngram-max-trie-depth", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-max-trie-depth",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_max_trie_depth: Option<usize>,
     /// Most n-gram trie nodes kept [default: 10000000].
-    #[arg(long = "speculative-ngram-capacity", help_heading = "Speculative decoding")]
+    #[arg(
+        long = "speculative-ngram-capacity",
+        help_heading = "Speculative decoding"
+    )]
     pub speculative_ngram_capacity: Option<usize>,
 }
 
@@ -216,9 +243,12 @@ mod tests {
             speculative_algorithm: Some("EAGLE3".into()),
             ..Default::default()
         };
-        let e = SpeculativeSection::resolve(file, &a).to_engine().expect_err("refused");
+        let e = SpeculativeSection::resolve(file, &a)
+            .to_engine()
+            .expect_err("refused");
         assert!(e.to_string().contains("speculative"), "{e}");
-        let off = SpeculativeSection::resolve(SpeculativeSection::default(), &SpeculativeArgs::default());
+        let off =
+            SpeculativeSection::resolve(SpeculativeSection::default(), &SpeculativeArgs::default());
         assert!(off.to_engine().expect("off").is_none());
     }
 }

@@ -9,8 +9,8 @@ use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
-    Backend, DType, ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec, PrefixCacheOptions, Registry,
-    Result, SamplingParams, Tensor, TokenDecoder,
+    Backend, DType, ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec,
+    PrefixCacheOptions, Registry, Result, SamplingParams, Tensor, TokenDecoder,
 };
 use arbor_kv_radix as _;
 use std::sync::Arc;

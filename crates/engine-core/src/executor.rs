@@ -178,11 +178,11 @@ impl Executor for LocalExecutor {
                 .and_then(|m| m.get(i))
                 .is_some_and(|v| !v.is_empty())
         };
-        let simple = plan
-            .seqs
-            .iter()
-            .enumerate()
-            .all(|(i, s)| s.sample.as_ref().is_none_or(|sp| self.row_is_simple(sp, has_mask(i))));
+        let simple = plan.seqs.iter().enumerate().all(|(i, s)| {
+            s.sample
+                .as_ref()
+                .is_none_or(|sp| self.row_is_simple(sp, has_mask(i)))
+        });
         let mut seqs: Vec<SeqOutput> = if batch.logits_rows.is_empty() {
             plan.seqs.iter().map(|_| SeqOutput::default()).collect()
         } else if simple {
@@ -379,7 +379,10 @@ impl LocalExecutor {
                 out.logprobs.push(TokenLogprob {
                     token: tok,
                     logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
-                    top: top_n(raw, top).into_iter().map(|(t, x)| (t, x - lse)).collect(),
+                    top: top_n(raw, top)
+                        .into_iter()
+                        .map(|(t, x)| (t, x - lse))
+                        .collect(),
                 });
             }
             out.tokens.push(tok);

@@ -39,7 +39,8 @@ pub use error::{CoreError, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
 pub use kv::{KvCache, KvLayer, KvSpec, PagePool, PageSet};
 pub use model::{
-    ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec, WeightSource,
+    ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
+    WeightSource,
 };
 pub use prefix_cache::{
     CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,

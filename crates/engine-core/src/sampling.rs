@@ -300,65 +300,65 @@ impl Sampler for StandardSampler {
 /// Rejection sampling in speculative verification reads the same distribution
 /// that [`StandardSampler`] draws from.
 pub fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Option<Vec<(f32, u32)>> {
-        let inv_t = 1.0 / params.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        if !max.is_finite() {
-            // Every token masked out (or NaN logits): fall back to argmax.
-            return None;
-        }
-        // Candidates as (prob-unnormalized, id), restricted early where possible.
-        let mut cand: Vec<(f32, u32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| v.is_finite())
-            .map(|(i, &v)| (((v - max) * inv_t).exp(), i as u32))
-            .collect();
-        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        let k = if params.top_k > 0 {
-            (params.top_k as usize).min(cand.len())
-        } else {
-            cand.len()
-        };
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, desc);
-            cand.truncate(k);
-        }
-        let total: f32 = cand.iter().map(|c| c.0).sum();
-        if params.top_p < 1.0 {
-            // Sort only a head large enough to hold top_p of the mass when possible.
-            let mut head = cand.len().min(1024);
-            loop {
-                if head < cand.len() {
-                    cand.select_nth_unstable_by(head - 1, desc);
-                }
-                cand[..head].sort_unstable_by(desc);
-                let mass: f32 = cand[..head].iter().map(|c| c.0).sum();
-                if mass >= params.top_p * total || head == cand.len() {
-                    break;
-                }
-                head = (head * 4).min(cand.len());
+    let inv_t = 1.0 / params.temperature;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        // Every token masked out (or NaN logits): fall back to argmax.
+        return None;
+    }
+    // Candidates as (prob-unnormalized, id), restricted early where possible.
+    let mut cand: Vec<(f32, u32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| v.is_finite())
+        .map(|(i, &v)| (((v - max) * inv_t).exp(), i as u32))
+        .collect();
+    let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    let k = if params.top_k > 0 {
+        (params.top_k as usize).min(cand.len())
+    } else {
+        cand.len()
+    };
+    if k < cand.len() {
+        cand.select_nth_unstable_by(k - 1, desc);
+        cand.truncate(k);
+    }
+    let total: f32 = cand.iter().map(|c| c.0).sum();
+    if params.top_p < 1.0 {
+        // Sort only a head large enough to hold top_p of the mass when possible.
+        let mut head = cand.len().min(1024);
+        loop {
+            if head < cand.len() {
+                cand.select_nth_unstable_by(head - 1, desc);
             }
-            let mut acc = 0.0;
-            let mut keep = cand.len();
-            for (i, c) in cand.iter().enumerate() {
-                acc += c.0;
-                if acc >= params.top_p * total {
-                    keep = i + 1;
-                    break;
-                }
+            cand[..head].sort_unstable_by(desc);
+            let mass: f32 = cand[..head].iter().map(|c| c.0).sum();
+            if mass >= params.top_p * total || head == cand.len() {
+                break;
             }
-            cand.truncate(keep.max(1));
+            head = (head * 4).min(cand.len());
         }
-        if params.min_p > 0.0 {
-            // The top unnormalized probability is exp(0) = 1.
-            let floor = params.min_p;
-            cand.retain(|c| c.0 >= floor);
+        let mut acc = 0.0;
+        let mut keep = cand.len();
+        for (i, c) in cand.iter().enumerate() {
+            acc += c.0;
+            if acc >= params.top_p * total {
+                keep = i + 1;
+                break;
+            }
         }
-        let total: f32 = cand.iter().map(|c| c.0).sum();
-        if cand.is_empty() || total <= 0.0 {
-            return None;
-        }
-        Some(cand)
+        cand.truncate(keep.max(1));
+    }
+    if params.min_p > 0.0 {
+        // The top unnormalized probability is exp(0) = 1.
+        let floor = params.min_p;
+        cand.retain(|c| c.0 >= floor);
+    }
+    let total: f32 = cand.iter().map(|c| c.0).sum();
+    if cand.is_empty() || total <= 0.0 {
+        return None;
+    }
+    Some(cand)
 }
 
 /// Repetition, frequency and presence penalties.

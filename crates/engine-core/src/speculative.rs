@@ -24,8 +24,11 @@ use crate::error::{CoreError, Result};
 pub struct DraftRequest<'a> {
     /// The request's key, stable while it lives (unique among live requests).
     pub key: u64,
-    /// The whole sequence so far: prompt then output, the last token included.
+    /// The sequence's most recent tokens (at least the longest match window
+    /// plus one, or all of it when shorter), the last token included.
     pub tokens: &'a [u32],
+    /// Length of the whole sequence (prompt plus output) that `tokens` ends.
+    pub len: usize,
     /// Most draft tokens wanted (at least 1).
     pub max_tokens: usize,
     /// Whether the attention backend can verify a tree; when false, propose a chain.

@@ -126,7 +126,9 @@ impl SeqPlan {
         }
         if let Some(t) = &self.tree {
             if t.len() != self.tokens.len() {
-                return Err(CoreError::invalid("a draft tree needs one parent per token"));
+                return Err(CoreError::invalid(
+                    "a draft tree needs one parent per token",
+                ));
             }
             let verify_all = matches!(
                 self.sample.as_ref().map(|s| s.rows),

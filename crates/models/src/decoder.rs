@@ -10,9 +10,9 @@
 use crate::config::DecoderConfig;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardOutput, ForwardContext, HostTensor,
-    LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle, Tensor,
-    WeightSource, inventory,
+    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
+    HostTensor, LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle,
+    Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 

@@ -121,7 +121,7 @@ impl NgramSpeculator {
         if req.max_tokens == 0 || req.tokens.is_empty() {
             return Draft::default();
         }
-        self.find_anchors(req.key, req.tokens, !req.allow_tree);
+        self.find_anchors(req.key, req.tokens, req.len, !req.allow_tree);
         let (trie, a, o) = (&self.trie, &self.anchors, &self.opts);
         if !req.allow_tree {
             return draft::chain(trie, a, req.max_tokens, o.max_trie_depth);
@@ -134,13 +134,14 @@ impl NgramSpeculator {
 
     /// Fills `anchors` with the matched suffixes that have children, longest
     /// first (only the longest when `first_only`).
-    fn find_anchors(&mut self, key: u64, tokens: &[u32], first_only: bool) {
+    fn find_anchors(&mut self, key: u64, tokens: &[u32], len: usize, first_only: bool) {
         self.anchors.clear();
         let max_w = self.opts.max_match_window_size.min(tokens.len());
         let min_w = self.opts.min_match_window_size;
-        let state = self.reqs.get(&key).filter(|s| {
-            s.len == tokens.len() && tokens.ends_with(&s.recent[s.recent.len() - max_w..])
-        });
+        let state = self
+            .reqs
+            .get(&key)
+            .filter(|s| s.len == len && tokens.ends_with(&s.recent[s.recent.len() - max_w..]));
         for w in (min_w..=max_w).rev() {
             let node = state
                 .filter(|s| w <= s.valid)

@@ -23,6 +23,7 @@ fn propose(s: &mut NgramSpeculator, key: u64, tokens: &[u32], max: usize, tree: 
     let d = s.propose_one(&DraftRequest {
         key,
         tokens,
+        len: tokens.len(),
         max_tokens: max,
         allow_tree: tree,
     });
@@ -284,6 +285,7 @@ fn proposals_are_deterministic() {
                 let reqs = [DraftRequest {
                     key,
                     tokens: h,
+                    len: h.len(),
                     max_tokens: 8,
                     allow_tree: tree,
                 }];

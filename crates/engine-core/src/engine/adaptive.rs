@@ -103,7 +103,12 @@ impl Adaptive {
     /// Draft tokens to keep per request. `proposed[i]` is the length of request
     /// i's draft, `rates[i]` its (accepted, tried) counts, and `base_tokens`
     /// the tokens the step computes besides drafts.
-    pub fn grant(&mut self, proposed: &[usize], rates: &[(f64, f64)], base_tokens: usize) -> Vec<usize> {
+    pub fn grant(
+        &mut self,
+        proposed: &[usize],
+        rates: &[(f64, f64)],
+        base_tokens: usize,
+    ) -> Vec<usize> {
         self.steps += 1;
         let line = self.cost.line();
         let Some((fixed, per_token)) = line.filter(|_| !self.steps.is_multiple_of(EXPLORE_EVERY))
@@ -145,7 +150,10 @@ mod tests {
             c.record(n, 0.01 + 0.001 * n as f64);
         }
         let (f, s) = c.line().expect("line");
-        assert!((f - 0.01).abs() < 1e-6 && (s - 0.001).abs() < 1e-7, "{f} {s}");
+        assert!(
+            (f - 0.01).abs() < 1e-6 && (s - 0.001).abs() < 1e-7,
+            "{f} {s}"
+        );
     }
 
     #[test]

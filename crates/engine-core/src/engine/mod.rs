@@ -20,8 +20,8 @@ pub use policy::SchedulePolicy;
 
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
-use crate::prefix_cache::{CacheNamespace, PrefixCache};
 use crate::executor::{Executor, LocalExecutor};
+use crate::prefix_cache::{CacheNamespace, PrefixCache};
 use crate::runner::ModelRunner;
 use crate::sampling::{LogitsProcessor, Sampler, SamplingParams};
 use crate::speculative::{SpeculativeConfig, Speculator};

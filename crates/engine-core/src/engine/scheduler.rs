@@ -23,6 +23,7 @@
 //! chunked prompt is mid-way, and it is part of every scan that must see all
 //! live requests (idle, abort, rid uniqueness, stats).
 
+use super::adaptive::Adaptive;
 use super::policy;
 use super::request::Req;
 use super::{
@@ -30,13 +31,12 @@ use super::{
 };
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
+use crate::executor::Executor;
 use crate::kv::PagePool;
 use crate::prefix_cache::PrefixCache;
-use crate::executor::Executor;
 use crate::runner::is_stop;
 use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
-use super::adaptive::Adaptive;
 
 mod iteration;
 mod speculation;
@@ -740,5 +740,3 @@ fn abort_finish(msg: &str) -> Finish {
         message: Some(msg.to_string()),
     }
 }
-
-

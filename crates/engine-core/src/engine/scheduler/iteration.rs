@@ -259,7 +259,10 @@ impl Scheduler {
             other => {
                 let msg = match other {
                     Err(e) => format!("forward pass failed: {e}"),
-                    Ok(o) => format!("the executor returned {} of {n_seqs} sequences", o.seqs.len()),
+                    Ok(o) => format!(
+                        "the executor returned {} of {n_seqs} sequences",
+                        o.seqs.len()
+                    ),
                 };
                 tracing::error!("{msg}");
                 for mut e in prefill {

@@ -69,6 +69,7 @@ impl Scheduler {
             .map(|((&i, t), &l)| DraftRequest {
                 key: decoding[i].key,
                 tokens: t,
+                len: decoding[i].len(),
                 max_tokens: l,
                 allow_tree: false,
             })
@@ -99,7 +100,8 @@ impl Scheduler {
         }
         if cfg.adaptive && !chains.is_empty() {
             let lens: Vec<usize> = chains.iter().map(|(_, c)| c.len()).collect();
-            let rates: Vec<(f64, f64)> = chains.iter().map(|(i, _)| decoding[*i].spec_rate).collect();
+            let rates: Vec<(f64, f64)> =
+                chains.iter().map(|(i, _)| decoding[*i].spec_rate).collect();
             let grant = self.adaptive.grant(&lens, &rates, base_tokens);
             for ((_, c), g) in chains.iter_mut().zip(grant) {
                 self.counters.spec_draft_tokens_skipped_total += (c.len() - g) as u64;
