@@ -174,7 +174,17 @@ fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
     );
     let (ok, err) = run("[speculative]\nalgorithm = \"eagle\"\n")?;
     assert!(
-        !ok && err.contains("unknown section [speculative]"),
+        !ok && err.contains("EAGLE") && err.contains("not available"),
+        "{err}"
+    );
+    let (ok, err) = run("[speculative]\nalgorithm = \"ngram\"\nnum_draft_tokens = 65\n")?;
+    assert!(
+        !ok && err.contains("--speculative-num-draft-tokens"),
+        "{err}"
+    );
+    let (ok, err) = run("[speculative]\nalgoritm = \"ngram\"\n")?;
+    assert!(
+        !ok && err.contains("unknown key 'algoritm' in section [speculative]"),
         "{err}"
     );
     let (ok, err) = run("[server]\nport = \"eighty\"\n")?;

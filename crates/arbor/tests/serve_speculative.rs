@@ -1,0 +1,166 @@
+//! `arbor serve --speculative-algorithm NGRAM` end to end on the tiny Llama:
+//! greedy answers equal those of a server without speculation (native and
+//! OpenAI routes, streamed and not), `meta_info` reports SGLang's
+//! `spec_verify_ct` and `spec_accept_length`, Prometheus shows the draft
+//! counters, bad flags are refused naming the flag, and no KV page leaks.
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use serde_json::{Value, json};
+use std::process::Command;
+
+/// Prompts whose continuation copies from the prompt (n-gram friendly),
+/// plus a free-form one.
+fn prompts() -> Vec<String> {
+    let phrase = "the quick brown fox jumps over the lazy dog and then";
+    vec![
+        format!("{phrase} {phrase} {phrase} {phrase}"),
+        "alpha beta gamma delta alpha beta gamma delta alpha beta gamma".into(),
+        "1 2 3 4 5 6 7 8 9 10 1 2 3 4 5 6 7 8 9 10 1 2 3".into(),
+        "hello world".into(),
+    ]
+}
+
+async fn answers(c: &reqwest::Client, s: &Server) -> Result<Vec<(String, Value)>> {
+    let mut out = Vec::new();
+    for p in prompts() {
+        let v = post_ok(
+            c,
+            &s.url("/generate"),
+            &json!({"text": p, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true}}),
+        )
+        .await?;
+        out.push((
+            v["text"].as_str().unwrap_or_default().to_string(),
+            meta(&v).clone(),
+        ));
+        let v = post_ok(
+            c,
+            &s.url("/v1/completions"),
+            &json!({"model": "m", "prompt": p, "max_tokens": 24, "temperature": 0}),
+        )
+        .await?;
+        out.push((
+            v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            Value::Null,
+        ));
+    }
+    // Several at once, streamed.
+    let mut handles = Vec::new();
+    for p in prompts() {
+        let c = c.clone();
+        let url = s.url("/generate");
+        handles.push(tokio::spawn(async move {
+            sse(
+                &c,
+                &url,
+                &json!({"text": p, "stream": true, "sampling_params": {"max_new_tokens": 20, "temperature": 0}}),
+            )
+            .await
+        }));
+    }
+    for h in handles {
+        let events = h.await??;
+        let last = events.last().cloned().unwrap_or(Value::Null);
+        out.push((
+            last["text"].as_str().unwrap_or_default().to_string(),
+            Value::Null,
+        ));
+    }
+    Ok(out)
+}
+
+#[tokio::test]
+async fn ngram_speculation_changes_no_answer() -> Result<()> {
+    let c = client();
+    let plain = Server::tiny(&["--served-model-name", "m"])?;
+    let want = answers(&c, &plain).await?;
+    assert_no_leak(&c, &plain, "arbor", None).await?;
+    drop(plain);
+
+    let spec = Server::tiny(&[
+        "--served-model-name",
+        "m",
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "6",
+    ])?;
+    let got = answers(&c, &spec).await?;
+    for (i, ((w, _), (g, m))) in want.iter().zip(&got).enumerate() {
+        assert_eq!(w, g, "answer {i} changed under speculation");
+        if !m.is_null() {
+            let ct = m["spec_verify_ct"].as_u64().unwrap_or(0);
+            let len = m["spec_accept_length"].as_f64().unwrap_or(0.0);
+            assert!(ct > 0 && len >= 1.0, "meta_info {m}");
+        }
+    }
+    let (_, metrics) = get(&c, &spec.url("/metrics"), None).await?;
+    let drafted = metric(&metrics, "arbor:spec_draft_tokens_total").unwrap_or(0.0);
+    let accepted = metric(&metrics, "arbor:spec_accepted_tokens_total").unwrap_or(-1.0);
+    assert!(drafted > 0.0 && accepted >= 0.0, "{drafted} {accepted}");
+    assert!(metric(&metrics, "arbor:spec_accept_length").is_some());
+    assert_no_leak(&c, &spec, "arbor", None).await?;
+    Ok(())
+}
+
+#[test]
+fn bad_speculative_flags_are_refused() -> Result<()> {
+    let model = fixture("tiny-llama");
+    for (args, needle) in [
+        (
+            vec![
+                "--speculative-algorithm",
+                "NGRAM",
+                "--speculative-num-draft-tokens",
+                "0",
+            ],
+            "--speculative-num-draft-tokens",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "NGRAM",
+                "--speculative-num-draft-tokens",
+                "65",
+            ],
+            "--speculative-num-draft-tokens",
+        ),
+        (vec!["--speculative-algorithm", "EAGLE3"], "not available"),
+        (
+            vec!["--speculative-algorithm", "medusa"],
+            "--speculative-algorithm",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "NGRAM",
+                "--speculative-ngram-match-type",
+                "DFS",
+            ],
+            "--speculative-ngram-match-type",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args([
+                "serve",
+                "--model-path",
+                &model,
+                "--port",
+                "0",
+                "--max-total-tokens",
+                "1024",
+            ])
+            .args(&args)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    Ok(())
+}
