@@ -349,6 +349,39 @@ pub struct ServeConfig {
     pub plugins: Vec<PluginEntry>,
 }
 
+/// The grammar backend when none is configured ("none" without the `grammar` feature).
+const DEFAULT_GRAMMAR_BACKEND: &str = if cfg!(feature = "grammar") {
+    "llguidance"
+} else {
+    "none"
+};
+
+/// Refuses settings of features this binary was built without, naming the cargo feature.
+fn compiled_out_check(g: &GrammarSection, c: &CacheSection, a: &ServeArgs) -> Result<()> {
+    let backend = a.grammar_backend.clone().or(g.grammar_backend.clone());
+    if !cfg!(feature = "grammar")
+        && let Some(b) = backend.filter(|b| b != "none")
+    {
+        bail!(
+            "[grammar] grammar_backend / --grammar-backend '{b}': this binary was built without \
+             structured output; rebuild arbor with the `grammar` cargo feature"
+        );
+    }
+    if !cfg!(feature = "kv-radix") {
+        let wants_radix = c.disable_radix_cache == Some(false)
+            || a.radix_eviction_policy.is_some()
+            || c.radix_eviction_policy.is_some();
+        if wants_radix {
+            bail!(
+                "[cache] radix cache settings (disable_radix_cache = false, radix_eviction_policy / \
+                 --radix-eviction-policy): this binary was built without prefix reuse; rebuild \
+                 arbor with the `kv-radix` cargo feature"
+            );
+        }
+    }
+    Ok(())
+}
+
 fn flag(b: bool) -> Option<bool> {
     b.then_some(true)
 }
@@ -369,6 +402,7 @@ impl ServeConfig {
             speculative: spec,
             mut plugins,
         } = file;
+        compiled_out_check(&g, &c, a)?;
         plugins.extend(a.plugin.iter().map(|p| PluginEntry {
             path: p.clone(),
             config: None,
@@ -474,7 +508,7 @@ impl ServeConfig {
                     a.grammar_backend
                         .clone()
                         .or(g.grammar_backend)
-                        .unwrap_or_else(|| "llguidance".into()),
+                        .unwrap_or_else(|| DEFAULT_GRAMMAR_BACKEND.into()),
                 ),
                 json_whitespace: Some(
                     if a.constrained_json_any_whitespace {
@@ -498,7 +532,7 @@ impl ServeConfig {
                 disable_radix_cache: Some(
                     flag(a.disable_radix_cache)
                         .or(c.disable_radix_cache)
-                        .unwrap_or(false),
+                        .unwrap_or(!cfg!(feature = "kv-radix")),
                 ),
                 radix_eviction_policy: Some(
                     a.radix_eviction_policy

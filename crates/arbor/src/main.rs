@@ -17,7 +17,9 @@ use arbor_backend_cpu as _;
 use arbor_backend_cuda as _;
 #[cfg(feature = "wgpu")]
 use arbor_backend_wgpu as _;
+#[cfg(feature = "grammar")]
 use arbor_grammar as _;
+#[cfg(feature = "kv-radix")]
 use arbor_kv_radix as _;
 use arbor_models as _;
 #[cfg(feature = "spec-decode")]

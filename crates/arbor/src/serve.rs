@@ -125,10 +125,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .get(&sampler)
         .context("[sampling] sampler / --sampler")?;
     // Fail on a bad policy name before spending time on the weights.
-    registry
-        .eviction_policies
-        .get(&eviction_policy)
-        .context("[cache] radix_eviction_policy / --radix-eviction-policy")?;
+    if !engine_cfg.disable_radix_cache {
+        registry
+            .eviction_policies
+            .get(&eviction_policy)
+            .context("[cache] radix_eviction_policy / --radix-eviction-policy")?;
+    }
     let built = setup::build_engine(
         &registry,
         &model_args,

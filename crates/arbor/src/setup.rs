@@ -248,9 +248,12 @@ pub fn build_engine(
     } else {
         "radix"
     };
-    let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-    let prefix_cache =
-        registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?;
+    let prefix_cache: Box<dyn arbor_engine_core::PrefixCache> = if cache_name == "none" {
+        Box::new(arbor_engine_core::NoPrefixCache::with_page_size(page_size)?)
+    } else {
+        let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
+        registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?
+    };
     let parts = EngineParts::local(
         runner,
         prefix_cache,

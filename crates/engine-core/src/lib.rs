@@ -18,6 +18,7 @@ pub mod executor;
 pub mod grammar;
 pub mod kv;
 pub mod model;
+pub mod no_prefix_cache;
 pub mod plugin;
 pub mod prefix_cache;
 pub mod quant;
@@ -42,6 +43,7 @@ pub use model::{
     ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
     WeightSource,
 };
+pub use no_prefix_cache::NoPrefixCache;
 pub use prefix_cache::{
     CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,
     PrefixCacheOptions, PrefixCacheStats, PrefixMatch,
@@ -57,7 +59,8 @@ pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use inventory;
 
 mod builtins {
-    use crate::registry::{LogitsProcessorEntry, SamplerEntry};
+    use crate::no_prefix_cache::NoPrefixCache;
+    use crate::registry::{LogitsProcessorEntry, PrefixCacheEntry, SamplerEntry};
     use crate::sampling::{LogitBiasProcessor, PenaltyProcessor, StandardSampler};
     use std::sync::Arc;
 
@@ -66,6 +69,13 @@ mod builtins {
             name: "standard",
             about: "greedy, or temperature with top-k, top-p and min-p",
             create: || Ok(Arc::new(StandardSampler)),
+        }
+    }
+    inventory::submit! {
+        PrefixCacheEntry {
+            name: "none",
+            about: "no prefix reuse (--disable-radix-cache): inserted pages are freed",
+            create: |o| Ok(Box::new(NoPrefixCache::new(o)?)),
         }
     }
     inventory::submit! {

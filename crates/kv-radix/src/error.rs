@@ -9,7 +9,7 @@
 use arbor_engine_core::CoreError;
 use thiserror::Error;
 
-/// Errors raised by [`RadixCache`](crate::RadixCache), [`NoPrefixCache`](crate::NoPrefixCache)
+/// Errors raised by [`RadixCache`](crate::RadixCache)
 /// and the policy lookup.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum RadixError {

@@ -5,11 +5,11 @@
 //!   pages; it implements engine-core's [`PrefixCache`](arbor_engine_core::PrefixCache)
 //!   (match, insert, lock/unlock, evict, flush, stats, dump) with an exact
 //!   candidate set of evictable leaves;
-//! - [`NoPrefixCache`]: the same trait with no reuse (`--disable-radix-cache`);
+//! - a re-export of engine-core's [`NoPrefixCache`] (no reuse, `--disable-radix-cache`);
 //! - the built-in eviction policies (`lru`, `lfu`, `fifo`, `mru`, `filo`,
 //!   `priority`, `slru`) in [`policy`].
 //!
-//! Everything registers with `inventory`: prefix caches `radix` and `none`,
+//! Everything registers with `inventory`: the prefix cache `radix` (engine-core registers `none`),
 //! and one eviction policy per name. A binary must reference the crate
 //! (`use arbor_kv_radix as _;`) for the entries to be linked in.
 //!
@@ -18,12 +18,12 @@
 //! locks held the cache owns no page.
 
 mod error;
-mod none;
 pub mod policy;
 mod radix;
 
 pub use error::RadixError;
-pub use none::NoPrefixCache;
+/// The no-reuse cache lives in engine-core (so an engine without this crate still serves).
+pub use arbor_engine_core::NoPrefixCache;
 pub use policy::{POLICY_NAMES, builtin_policy};
 pub use radix::{MemoryUsage, NodeView, RadixCache};
 
@@ -34,12 +34,5 @@ arbor_engine_core::inventory::submit! {
         name: "radix",
         about: "RadixAttention: a radix tree of KV pages shared across requests",
         create: |o| Ok(Box::new(RadixCache::new(o)?)),
-    }
-}
-arbor_engine_core::inventory::submit! {
-    PrefixCacheEntry {
-        name: "none",
-        about: "no prefix reuse (--disable-radix-cache): inserted pages are freed",
-        create: |o| Ok(Box::new(NoPrefixCache::new(o)?)),
     }
 }

@@ -6,10 +6,11 @@
 //! `lock`/`unlock` accept only the root. It holds no pages, so its cached,
 //! evictable and protected counts are always zero.
 
-use crate::error::RadixError;
-use arbor_engine_core::{
-    CacheNamespace, InsertOutcome, NodeId, PageSet, PrefixCache, PrefixCacheOptions,
-    PrefixCacheStats, PrefixMatch, Result as CoreResult,
+use crate::error::{CoreError, Result as CoreResult};
+use crate::kv::PageSet;
+use crate::prefix_cache::{
+    CacheNamespace, InsertOutcome, NodeId, PrefixCache, PrefixCacheOptions, PrefixCacheStats,
+    PrefixMatch,
 };
 
 /// The only node of a [`NoPrefixCache`].
@@ -24,14 +25,14 @@ pub struct NoPrefixCache {
 
 impl NoPrefixCache {
     /// A no-reuse cache checking inserts against `options.page_size`.
-    pub fn new(options: &PrefixCacheOptions) -> Result<Self, RadixError> {
+    pub fn new(options: &PrefixCacheOptions) -> CoreResult<Self> {
         Self::with_page_size(options.page_size)
     }
 
     /// A no-reuse cache for pages of `page_size` tokens.
-    pub fn with_page_size(page_size: usize) -> Result<Self, RadixError> {
+    pub fn with_page_size(page_size: usize) -> CoreResult<Self> {
         if page_size == 0 {
-            return Err(RadixError::ZeroPageSize);
+            return Err(CoreError::invalid("a prefix cache with page size 0"));
         }
         Ok(Self {
             page_size,
@@ -39,11 +40,14 @@ impl NoPrefixCache {
         })
     }
 
-    fn check_root(node: NodeId) -> Result<(), RadixError> {
+    fn check_root(node: NodeId) -> CoreResult<()> {
         if node == ROOT {
             Ok(())
         } else {
-            Err(RadixError::UnknownNode(node.0))
+            Err(CoreError::invalid(format!(
+                "node {} is not in the prefix cache",
+                node.0
+            )))
         }
     }
 }
@@ -75,14 +79,12 @@ impl PrefixCache for NoPrefixCache {
     ) -> CoreResult<InsertOutcome> {
         let expected = tokens.len().div_ceil(self.page_size);
         if pages.len() != expected {
-            return Err(RadixError::PageCount {
-                got: pages.len(),
-                expected,
-                prefix: 0,
-                tokens: tokens.len(),
-                page_size: self.page_size,
-            }
-            .into());
+            return Err(CoreError::invalid(format!(
+                "{} pages for {} tokens of page size {} (expected {expected})",
+                pages.len(),
+                tokens.len(),
+                self.page_size
+            )));
         }
         drop(pages);
         Ok(InsertOutcome {
@@ -93,11 +95,11 @@ impl PrefixCache for NoPrefixCache {
     }
 
     fn lock(&mut self, node: NodeId) -> CoreResult<()> {
-        Ok(Self::check_root(node)?)
+        Self::check_root(node)
     }
 
     fn unlock(&mut self, node: NodeId) -> CoreResult<()> {
-        Ok(Self::check_root(node)?)
+        Self::check_root(node)
     }
 
     fn evict(&mut self, _n_tokens: usize) -> usize {
@@ -124,7 +126,7 @@ impl PrefixCache for NoPrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use arbor_engine_core::PagePool;
+    use crate::kv::PagePool;
 
     #[test]
     fn reuses_nothing_and_frees_everything() {
