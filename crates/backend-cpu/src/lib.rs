@@ -243,6 +243,15 @@ impl Backend for CpuBackend {
         ops::add_assign(self, dst, src)
     }
 
+    fn sample(
+        &self,
+        logits: &Tensor,
+        rows: &[arbor_engine_core::backend::SampleRow],
+        out: &Tensor,
+    ) -> Result<()> {
+        ops::sample(self, logits, rows, out)
+    }
+
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
         ops::gather_rows(self, x, rows, out)
     }

@@ -305,3 +305,47 @@ pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> R
     }
     Ok(())
 }
+
+/// [`Backend::sample`](arbor_engine_core::Backend::sample) on host memory:
+/// reads each logits row in place (no download), argmax for greedy rows,
+/// otherwise the standard sampler on a scratch copy seeded by the row.
+pub fn sample(
+    b: &CpuBackend,
+    logits: &Tensor,
+    rows: &[arbor_engine_core::backend::SampleRow],
+    out: &Tensor,
+) -> Result<()> {
+    use arbor_engine_core::sampling::{Sampler, SamplingParams, SeqRng, StandardSampler, argmax};
+    let (lp, n, vocab) = f32_rows(b, logits)?;
+    if n != rows.len() || out.dtype() != DType::U32 || out.numel() != n {
+        return Err(CoreError::invalid(format!(
+            "sample {} rows of {logits:?} into {out:?}",
+            rows.len()
+        )));
+    }
+    no_overlap(out, &[logits])?;
+    let ov = b.view(out, DType::U32)?;
+    // SAFETY: n aligned u32 values of a live tensor that overlaps nothing read here.
+    let ids = unsafe { std::slice::from_raw_parts_mut(ov.ptr as *mut u32, n) };
+    for (r, (row, id)) in rows.iter().zip(ids.iter_mut()).enumerate() {
+        // SAFETY: row r of the [n, vocab] logits view.
+        let values =
+            unsafe { std::slice::from_raw_parts(lp.get().add(r * vocab) as *const f32, vocab) };
+        *id = if row.temperature < 1e-6 || row.top_k == 1 {
+            argmax(values)
+        } else {
+            let params = SamplingParams {
+                temperature: row.temperature,
+                top_k: i32::try_from(row.top_k)
+                    .ok()
+                    .filter(|&k| k > 0)
+                    .unwrap_or(-1),
+                top_p: row.top_p,
+                min_p: row.min_p,
+                ..SamplingParams::default()
+            };
+            StandardSampler.sample(&mut values.to_vec(), &params, &mut SeqRng::new(row.seed))?
+        };
+    }
+    Ok(())
+}

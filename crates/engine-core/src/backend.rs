@@ -190,6 +190,12 @@ pub trait Backend: Send + Sync {
             .collect();
         let mut ids = Vec::with_capacity(rows.len() * 4);
         for (r, row) in rows.iter().enumerate() {
+            let values = &values[r * vocab..(r + 1) * vocab];
+            if row.temperature < 1e-6 || row.top_k == 1 {
+                // Greedy: the argmax needs no scratch copy.
+                ids.extend_from_slice(&crate::sampling::argmax(values).to_le_bytes());
+                continue;
+            }
             let params = SamplingParams {
                 temperature: row.temperature,
                 top_k: if row.top_k == 0 {
@@ -201,7 +207,7 @@ pub trait Backend: Send + Sync {
                 min_p: row.min_p,
                 ..SamplingParams::default()
             };
-            let mut l = values[r * vocab..(r + 1) * vocab].to_vec();
+            let mut l = values.to_vec();
             let id = StandardSampler.sample(&mut l, &params, &mut SeqRng::new(row.seed))?;
             ids.extend_from_slice(&id.to_le_bytes());
         }

@@ -21,9 +21,9 @@ mod error;
 pub mod policy;
 mod radix;
 
-pub use error::RadixError;
 /// The no-reuse cache lives in engine-core (so an engine without this crate still serves).
 pub use arbor_engine_core::NoPrefixCache;
+pub use error::RadixError;
 pub use policy::{POLICY_NAMES, builtin_policy};
 pub use radix::{MemoryUsage, NodeView, RadixCache};
 
