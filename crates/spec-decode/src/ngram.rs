@@ -27,8 +27,8 @@ use hashbrown::HashMap;
 /// Longest stored path (`max_match_window_size + max_trie_depth`) accepted.
 pub const MAX_PATH_LEN: usize = 1024;
 
-/// Largest capacity accepted (node ids are `u32`).
-pub const MAX_CAPACITY: usize = (u32::MAX - 2) as usize;
+/// Largest capacity accepted (2^30 nodes, about 48 GB).
+pub const MAX_CAPACITY: usize = 1 << 30;
 
 /// Counters of an [`NgramSpeculator`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,7 +85,13 @@ impl NgramSpeculator {
             )));
         }
         Ok(Self {
-            trie: Trie::new(opts.capacity),
+            trie: Trie::new(
+                opts.capacity,
+                match opts.match_type {
+                    NgramMatchType::Prob => opts.max_bfs_breadth,
+                    NgramMatchType::Bfs => 0,
+                },
+            ),
             path_len,
             opts,
             reqs: HashMap::new(),
@@ -179,6 +185,7 @@ impl Speculator for NgramSpeculator {
         });
         let trie = &mut self.trie;
         for &t in tokens {
+            trie.make_room(st.valid + 1);
             // Deepest first: cursors[d] (length d + 1) grows from cursors[d - 1].
             for d in (1..=st.valid).rev() {
                 let next = trie

@@ -412,8 +412,8 @@ fn prob_first_chain_follows_the_greedy_chain() {
     let mut s = NgramSpeculator::new(o).unwrap();
     let mut rng = Rng(5);
     let mut h = Vec::new();
-    for _ in 0..500 {
-        let t = rng.below(4) as u32;
+    for step in 0..800 {
+        let t = rng.below(if step < 400 { 4 } else { 9 }) as u32;
         s.observe(1, &[t]);
         h.push(t);
         let max = 1 + rng.below(10) as usize;
@@ -423,6 +423,9 @@ fn prob_first_chain_follows_the_greedy_chain() {
         let n = chain.len().min(first.len());
         assert_eq!(chain[..n], first[..n], "{chain:?} vs {first:?}");
         assert!(!first.is_empty() || chain.is_empty());
+        if step % 50 == 0 {
+            s.check().unwrap();
+        }
     }
 }
 
