@@ -8,6 +8,10 @@
 //! continuations of the keys that ended up to `max_trie_depth` tokens
 //! earlier), so each token costs `L` child look-ups however long the history.
 //!
+//! Before each token the trie makes room for those `L` paths (evicting least
+//! recently used subtrees), so inserting rarely has to check which nodes are
+//! on the path being extended.
+//!
 //! Proposing matches the longest suffix (from `max_match_window_size` down to
 //! `min_match_window_size` tokens) whose n-gram has been followed by
 //! something; the cursors give those nodes directly when the request's
