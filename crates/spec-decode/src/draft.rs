@@ -221,19 +221,7 @@ impl ProbScratch {
         prob: f64,
         depth: usize,
     ) {
-        self.top.clear();
-        let mut c = trie.first_child(node);
-        while c != NIL {
-            let f = trie.freq(c);
-            if self.top.len() < k || self.top.last().is_some_and(|&(_, g)| f > g) {
-                let at = self.top.partition_point(|&(_, g)| g >= f);
-                if self.top.len() == k {
-                    self.top.pop();
-                }
-                self.top.insert(at, (c, f));
-            }
-            c = trie.next_sibling(c);
-        }
+        trie.top_children(node, k, &mut self.top);
         let sum: f64 = self.top.iter().map(|&(_, f)| f64::from(f)).sum();
         let sum = if sum > 0.0 { sum } else { 1.0 };
         for &(c, f) in &self.top {

@@ -8,6 +8,10 @@
 //! continuations of the keys that ended up to `max_trie_depth` tokens
 //! earlier), so each token costs `L` child look-ups however long the history.
 //!
+//! Before each token the trie makes room for those `L` paths (evicting least
+//! recently used subtrees), so inserting rarely has to check which nodes are
+//! on the path being extended.
+//!
 //! Proposing matches the longest suffix (from `max_match_window_size` down to
 //! `min_match_window_size` tokens) whose n-gram has been followed by
 //! something; the cursors give those nodes directly when the request's
@@ -27,8 +31,8 @@ use hashbrown::HashMap;
 /// Longest stored path (`max_match_window_size + max_trie_depth`) accepted.
 pub const MAX_PATH_LEN: usize = 1024;
 
-/// Largest capacity accepted (node ids are `u32`).
-pub const MAX_CAPACITY: usize = (u32::MAX - 2) as usize;
+/// Largest capacity accepted (2^30 nodes, about 48 GB).
+pub const MAX_CAPACITY: usize = 1 << 30;
 
 /// Counters of an [`NgramSpeculator`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -85,7 +89,13 @@ impl NgramSpeculator {
             )));
         }
         Ok(Self {
-            trie: Trie::new(opts.capacity),
+            trie: Trie::new(
+                opts.capacity,
+                match opts.match_type {
+                    NgramMatchType::Prob => opts.max_bfs_breadth,
+                    NgramMatchType::Bfs => 0,
+                },
+            ),
             path_len,
             opts,
             reqs: HashMap::new(),
@@ -180,6 +190,7 @@ impl Speculator for NgramSpeculator {
         });
         let trie = &mut self.trie;
         for &t in tokens {
+            trie.make_room(st.valid + 1);
             // Deepest first: cursors[d] (length d + 1) grows from cursors[d - 1].
             for d in (1..=st.valid).rev() {
                 let next = trie

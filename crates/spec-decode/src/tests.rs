@@ -228,6 +228,29 @@ fn capacity_is_respected_and_recent_ngrams_survive() {
         propose(&mut s, 9, &q, 4, false).tokens,
         vec![103, 104, 105, 106]
     );
+    // Small tries, evicting ahead of each token or while inserting, in every mode.
+    for (cap, mt) in [
+        (5, NgramMatchType::Bfs),
+        (12, NgramMatchType::Prob),
+        (20, NgramMatchType::Prob),
+        (60, NgramMatchType::Bfs),
+    ] {
+        let mut o = opts(3, 4);
+        o.capacity = cap;
+        o.match_type = mt;
+        let mut s = NgramSpeculator::new(o).unwrap();
+        let mut h: HashMap<u64, Vec<u32>> = HashMap::new();
+        for step in 0..1500u64 {
+            let key = rng.below(3);
+            let toks: Vec<u32> = (0..1 + rng.below(3)).map(|_| rng.below(7) as u32).collect();
+            s.observe(key, &toks);
+            s.check()
+                .unwrap_or_else(|e| panic!("capacity {cap} step {step}: {e}"));
+            let hist = h.entry(key).or_default();
+            hist.extend(&toks);
+            let _ = propose(&mut s, key, hist, 6, step % 2 == 0);
+        }
+    }
     // A trie smaller than one path still works (paths are cut).
     let mut o = opts(3, 4);
     o.capacity = 2;
@@ -250,6 +273,9 @@ fn release_drops_state_but_keeps_ngrams() {
     // A request never observed (or released) is matched by walking the trie.
     assert_eq!(propose(&mut s, 1, &[0, 1, 2], 2, false).tokens, vec![3, 4]);
     assert_eq!(propose(&mut s, 3, &[8, 3], 5, false).tokens, vec![4, 5]);
+    // Tokens that differ from those observed are matched by walking too.
+    s.observe(5, &[1, 2]);
+    assert_eq!(propose(&mut s, 5, &[1, 2, 3], 5, false).tokens, vec![4, 5]);
     // A key reused starts a new history.
     s.observe(1, &[3]);
     assert_eq!(propose(&mut s, 1, &[3], 1, false).tokens, vec![4]);
@@ -414,8 +440,8 @@ fn prob_first_chain_follows_the_greedy_chain() {
     let mut s = NgramSpeculator::new(o).unwrap();
     let mut rng = Rng(5);
     let mut h = Vec::new();
-    for _ in 0..500 {
-        let t = rng.below(4) as u32;
+    for step in 0..800 {
+        let t = rng.below(if step < 400 { 4 } else { 9 }) as u32;
         s.observe(1, &[t]);
         h.push(t);
         let max = 1 + rng.below(10) as usize;
@@ -425,6 +451,9 @@ fn prob_first_chain_follows_the_greedy_chain() {
         let n = chain.len().min(first.len());
         assert_eq!(chain[..n], first[..n], "{chain:?} vs {first:?}");
         assert!(!first.is_empty() || chain.is_empty());
+        if step % 50 == 0 {
+            s.check().unwrap();
+        }
     }
 }
 

@@ -1,36 +1,49 @@
-//! The shared n-gram trie: an arena of nodes, one hash map of edges, an LRU
-//! list, and eviction of least recently used subtrees.
+//! The shared n-gram trie: an arena of nodes, recency-ordered child lists, an
+//! exact LRU order kept lazily, and eviction of least recently used subtrees.
 //!
 //! A node at depth `d` stands for one `d`-token n-gram (the tokens on its path
 //! from the root); its `freq` counts the occurrences of that n-gram seen since
 //! the node was created, and it is *touched* each time an occurrence ends at
 //! an observed token. Children are kept in a doubly linked list in recency
 //! order (most recently touched first), and every node caches its `best`
-//! child: the highest `freq`, ties going to the most recent.
+//! child: the highest `freq`, ties going to the most recent. A node with more
+//! than [`HUB`] children is a *hub*: its children are also indexed in one edge
+//! map (others are found by scanning their short list), and, when the trie is
+//! built with `top_k > 0`, it caches its `top_k` best children in order.
+//!
+//! Recency is a stamp per node plus a queue of `(node, stamp)` in touch
+//! order; an entry whose stamp is no longer its node's is stale. The first
+//! fresh entry is therefore the exact least recently used node. The queue is
+//! compacted when it holds twice as many entries as live nodes.
 //!
 //! Invariants (checked by `check` in tests):
-//! - every live non-root node is in the edge map under `(parent, token)`, in
-//!   its parent's child list, and in the LRU list, each exactly once; its
-//!   depth is its parent's plus one; the root is in none of them;
+//! - every live non-root node is in its parent's child list once, its depth is
+//!   its parent's plus one, and its parent's `child_count` counts it; it is in
+//!   the edge map under `(parent, token)` exactly when its parent is a hub;
+//! - every live node has exactly one fresh queue entry; the root has none;
 //! - `live` (non-root nodes) never exceeds `capacity`;
-//! - `best` of every node is the first child, in list order, of highest `freq`
-//!   (`NIL` when it has no children);
+//! - `best` of every node is the first child, in list order, of highest
+//!   `freq`; a hub's cached top list is the first `top_k` children in the
+//!   order (`freq` descending, then list order);
 //! - a freed slot has a new generation, so a [`NodeRef`] taken before it was
 //!   freed no longer resolves.
 //!
-//! Eviction takes the tail of the LRU list together with its whole subtree,
-//! so the trie stays prefix-closed. A descendant is only touched as the
-//! extension of an occurrence of its ancestor a few tokens earlier, so a
+//! Eviction takes the least recently used node together with its whole
+//! subtree, so the trie stays prefix-closed. A descendant is only touched as
+//! the extension of an occurrence of its ancestor a few tokens earlier, so a
 //! subtree's nodes are nearly as old as its root and eviction stays close to
 //! exact LRU. The node a new child is being attached to, and its ancestors,
-//! are never evicted for that child (they are moved to the front instead).
+//! are never evicted for that child (they are touched instead).
 
 use hashbrown::HashMap;
+use std::collections::VecDeque;
 
 /// No node.
 pub(crate) const NIL: u32 = u32::MAX;
 /// The root: the empty n-gram, never evicted.
 pub(crate) const ROOT: u32 = 0;
+/// Most children a node has before it becomes a hub (indexed children).
+pub(crate) const HUB: u32 = 4;
 
 /// A node id with the generation it had when taken; stale after eviction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,8 +71,8 @@ struct Node {
     prev_sib: u32,
     next_sib: u32,
     best: u32,
-    lru_prev: u32,
-    lru_next: u32,
+    child_count: u32,
+    stamp: u32,
 }
 
 impl Node {
@@ -74,8 +87,8 @@ impl Node {
             prev_sib: NIL,
             next_sib: NIL,
             best: NIL,
-            lru_prev: NIL,
-            lru_next: NIL,
+            child_count: 0,
+            stamp: 0,
         }
     }
 }
@@ -89,8 +102,10 @@ pub(crate) struct Trie {
     nodes: Vec<Node>,
     free: Vec<u32>,
     edges: HashMap<u64, u32>,
-    lru_head: u32,
-    lru_tail: u32,
+    tops: HashMap<u32, Vec<u32>>,
+    top_k: usize,
+    lru: VecDeque<(u32, u32)>,
+    tick: u32,
     live: usize,
     capacity: usize,
     evicted: u64,
@@ -98,15 +113,18 @@ pub(crate) struct Trie {
 }
 
 impl Trie {
-    /// An empty trie of at most `capacity` nodes (the root not counted);
-    /// storage grows as nodes are created.
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// An empty trie of at most `capacity` nodes (the root not counted) whose
+    /// hubs cache their `top_k` best children (none when 0); storage grows as
+    /// nodes are created.
+    pub(crate) fn new(capacity: usize, top_k: usize) -> Self {
         Self {
             nodes: vec![Node::empty(0)],
             free: Vec::new(),
             edges: HashMap::new(),
-            lru_head: NIL,
-            lru_tail: NIL,
+            tops: HashMap::new(),
+            top_k,
+            lru: VecDeque::new(),
+            tick: 0,
             live: 0,
             capacity,
             evicted: 0,
@@ -129,11 +147,14 @@ impl Trie {
         self.evicted
     }
 
-    /// Bytes held by the arena and the edge map (approximate).
+    /// Bytes held by the arena, the queue and the maps (approximate).
     pub(crate) fn memory_bytes(&self) -> usize {
         self.nodes.capacity() * std::mem::size_of::<Node>()
             + self.free.capacity() * 4
-            + self.edges.capacity() * (std::mem::size_of::<(u64, u32)>() + 1)
+            + self.lru.capacity() * 8
+            + self.edges.capacity() * 17
+            + self.tops.capacity() * 33
+            + self.tops.values().map(|v| v.capacity() * 4).sum::<usize>()
     }
 
     /// A reference to the live node `id`.
@@ -144,20 +165,19 @@ impl Trie {
         }
     }
 
+    fn alive(&self, id: u32) -> bool {
+        id == ROOT || self.nodes[id as usize].parent != NIL
+    }
+
     /// The node `r` names, if it is still live.
     pub(crate) fn resolve(&self, r: NodeRef) -> Option<u32> {
         let n = self.nodes.get(r.id as usize)?;
-        (n.generation == r.generation && (r.id == ROOT || n.parent != NIL)).then_some(r.id)
+        (n.generation == r.generation && self.alive(r.id)).then_some(r.id)
     }
 
     /// The token on the edge into `id`.
     pub(crate) fn token(&self, id: u32) -> u32 {
         self.nodes[id as usize].token
-    }
-
-    /// Occurrences counted for `id`'s n-gram.
-    pub(crate) fn freq(&self, id: u32) -> u32 {
-        self.nodes[id as usize].freq
     }
 
     /// The most frequent child of `id` (ties: most recent), or `NIL`.
@@ -180,16 +200,55 @@ impl Trie {
         self.nodes[id as usize].next_sib
     }
 
+    /// The first `k` children of `id` by `freq` (descending, then most recent
+    /// first), with their `freq`, into `out`.
+    pub(crate) fn top_children(&self, id: u32, k: usize, out: &mut Vec<(u32, u32)>) {
+        if k <= self.top_k
+            && let Some(top) = self.tops.get(&id)
+        {
+            out.clear();
+            out.extend(
+                top.iter()
+                    .take(k)
+                    .map(|&c| (c, self.nodes[c as usize].freq)),
+            );
+            return;
+        }
+        self.scan_top(id, k, out);
+    }
+
+    /// [`top_children`](Self::top_children) by a scan of the child list.
+    fn scan_top(&self, id: u32, k: usize, out: &mut Vec<(u32, u32)>) {
+        out.clear();
+        let mut c = self.nodes[id as usize].first_child;
+        while c != NIL {
+            let f = self.nodes[c as usize].freq;
+            if out.len() < k || out.last().is_some_and(|&(_, g)| f > g) {
+                let at = out.partition_point(|&(_, g)| g >= f);
+                if out.len() == k {
+                    out.pop();
+                }
+                out.insert(at, (c, f));
+            }
+            c = self.nodes[c as usize].next_sib;
+        }
+    }
+
     /// The child of `id` along `token`.
     pub(crate) fn child(&self, id: u32, token: u32) -> Option<u32> {
-        let first = self.nodes[id as usize].first_child;
-        if first == NIL {
-            return None;
+        let n = &self.nodes[id as usize];
+        if n.child_count > HUB {
+            return self.edges.get(&edge(id, token)).copied();
         }
-        if self.nodes[first as usize].token == token {
-            return Some(first);
+        let mut c = n.first_child;
+        while c != NIL {
+            let m = &self.nodes[c as usize];
+            if m.token == token {
+                return Some(c);
+            }
+            c = m.next_sib;
         }
-        self.edges.get(&edge(id, token)).copied()
+        None
     }
 
     /// The node of the n-gram `tokens`, walking from the root.
@@ -209,26 +268,85 @@ impl Trie {
             let n = &mut self.nodes[c as usize];
             n.freq = n.freq.saturating_add(1);
             self.move_to_front_of_siblings(parent, c);
-            self.update_best(parent, c);
-            self.lru_move_front(c);
-            return Some(c);
+        } else {
+            let c = self.alloc(parent)?;
+            let depth = self.nodes[parent as usize].depth + 1;
+            let generation = self.nodes[c as usize].generation;
+            self.nodes[c as usize] = Node {
+                token,
+                parent,
+                depth,
+                freq: 1,
+                ..Node::empty(generation)
+            };
+            self.link_first_sibling(parent, c);
+            self.live += 1;
+            let p = &mut self.nodes[parent as usize];
+            p.child_count += 1;
+            if p.child_count == HUB + 1 {
+                self.make_hub(parent);
+            } else if p.child_count > HUB {
+                self.edges.insert(edge(parent, token), c);
+            }
         }
-        let c = self.alloc(parent)?;
-        let depth = self.nodes[parent as usize].depth + 1;
-        let generation = self.nodes[c as usize].generation;
-        self.nodes[c as usize] = Node {
-            token,
-            parent,
-            depth,
-            freq: 1,
-            ..Node::empty(generation)
-        };
-        self.link_first_sibling(parent, c);
-        self.edges.insert(edge(parent, token), c);
-        self.lru_push_front(c);
+        let c = self.nodes[parent as usize].first_child;
         self.update_best(parent, c);
-        self.live += 1;
+        if self.top_k > 0 && self.nodes[parent as usize].child_count > HUB {
+            self.top_touch(parent, c);
+        }
+        self.touch(c);
         Some(c)
+    }
+
+    fn make_hub(&mut self, id: u32) {
+        let mut c = self.nodes[id as usize].first_child;
+        while c != NIL {
+            self.edges.insert(edge(id, self.nodes[c as usize].token), c);
+            c = self.nodes[c as usize].next_sib;
+        }
+        if self.top_k > 0 {
+            self.build_top(id);
+        }
+    }
+
+    fn build_top(&mut self, id: u32) {
+        let mut buf = Vec::with_capacity(self.top_k);
+        self.scan_top(id, self.top_k, &mut buf);
+        let top = self.tops.entry(id).or_default();
+        top.clear();
+        top.extend(buf.iter().map(|&(c, _)| c));
+    }
+
+    /// Drops the index of a node that is no longer a hub.
+    fn unmake_hub(&mut self, id: u32) {
+        let mut c = self.nodes[id as usize].first_child;
+        while c != NIL {
+            self.edges.remove(&edge(id, self.nodes[c as usize].token));
+            c = self.nodes[c as usize].next_sib;
+        }
+        self.tops.remove(&id);
+    }
+
+    /// Keeps hub `id`'s top list exact after its child `c` was touched (the
+    /// only key that changed: `c` is now the most recent, its `freq` higher).
+    fn top_touch(&mut self, id: u32, c: u32) {
+        let nodes = &self.nodes;
+        let Some(top) = self.tops.get_mut(&id) else {
+            return;
+        };
+        let f = nodes[c as usize].freq;
+        if let Some(i) = top.iter().position(|&y| y == c) {
+            top.remove(i);
+        } else if top.len() >= self.top_k && top.last().is_some_and(|&y| nodes[y as usize].freq > f)
+        {
+            return;
+        }
+        let at = top
+            .iter()
+            .position(|&y| nodes[y as usize].freq <= f)
+            .unwrap_or(top.len());
+        top.insert(at, c);
+        top.truncate(self.top_k);
     }
 
     fn update_best(&mut self, parent: u32, c: u32) {
@@ -284,38 +402,35 @@ impl Trie {
         }
     }
 
-    fn lru_push_front(&mut self, c: u32) {
-        let head = self.lru_head;
-        self.nodes[c as usize].lru_prev = NIL;
-        self.nodes[c as usize].lru_next = head;
-        if head == NIL {
-            self.lru_tail = c;
-        } else {
-            self.nodes[head as usize].lru_prev = c;
-        }
-        self.lru_head = c;
-    }
-
-    fn lru_unlink(&mut self, c: u32) {
-        let Node {
-            lru_prev, lru_next, ..
-        } = self.nodes[c as usize];
-        if lru_prev == NIL {
-            self.lru_head = lru_next;
-        } else {
-            self.nodes[lru_prev as usize].lru_next = lru_next;
-        }
-        if lru_next == NIL {
-            self.lru_tail = lru_prev;
-        } else {
-            self.nodes[lru_next as usize].lru_prev = lru_prev;
+    /// Makes `c` the most recently used node.
+    fn touch(&mut self, c: u32) {
+        self.tick = self.tick.wrapping_add(1);
+        self.nodes[c as usize].stamp = self.tick;
+        self.lru.push_back((c, self.tick));
+        if self.lru.len() > 2 * self.live + 1024 {
+            let nodes = &self.nodes;
+            self.lru.retain(|&(n, s)| {
+                let m = &nodes[n as usize];
+                m.stamp == s && m.parent != NIL
+            });
         }
     }
 
-    fn lru_move_front(&mut self, c: u32) {
-        if self.lru_head != c {
-            self.lru_unlink(c);
-            self.lru_push_front(c);
+    /// Evicts least recently used subtrees until `n` more nodes fit, when the
+    /// trie holds at least `2 n`; nodes on live paths may go (their
+    /// references die). Extending `n` paths after this evicts nothing, so
+    /// the path check of [`alloc`](Self::alloc) stays off the common path.
+    pub(crate) fn make_room(&mut self, n: usize) {
+        if self.capacity < 2 * n {
+            return;
+        }
+        while self.live + n > self.capacity {
+            let Some((v, s)) = self.lru.pop_front() else {
+                return;
+            };
+            if self.alive(v) && self.nodes[v as usize].stamp == s {
+                self.evict_subtree(v);
+            }
         }
     }
 
@@ -346,41 +461,57 @@ impl Trie {
     fn evict_one(&mut self, protect: u32) -> Option<()> {
         let limit = self.nodes[protect as usize].depth;
         let mut spared = 0;
-        loop {
-            let v = self.lru_tail;
-            if v == NIL {
-                return None;
+        while let Some((v, s)) = self.lru.pop_front() {
+            if !self.alive(v) || self.nodes[v as usize].stamp != s {
+                continue;
             }
             if self.is_on_path(v, protect) {
+                self.touch(v);
                 spared += 1;
                 if spared > limit {
                     return None;
                 }
-                self.lru_move_front(v);
                 continue;
             }
             self.evict_subtree(v);
             return Some(());
         }
+        None
     }
 
     fn evict_subtree(&mut self, v: u32) {
         let p = self.nodes[v as usize].parent;
         self.unlink_sibling(p, v);
-        if self.nodes[p as usize].best == v {
+        let pn = &mut self.nodes[p as usize];
+        pn.child_count -= 1;
+        let (was_hub, is_hub) = (pn.child_count >= HUB, pn.child_count > HUB);
+        if pn.best == v {
             self.recompute_best(p);
+        }
+        if was_hub {
+            self.edges.remove(&edge(p, self.nodes[v as usize].token));
+            if !is_hub {
+                self.unmake_hub(p);
+            } else if self.tops.get(&p).is_some_and(|t| t.contains(&v)) {
+                self.build_top(p);
+            }
         }
         let mut stack = std::mem::take(&mut self.stack);
         stack.push(v);
         while let Some(u) = stack.pop() {
             let n = self.nodes[u as usize];
-            self.edges.remove(&edge(n.parent, n.token));
+            let hub = n.child_count > HUB;
             let mut c = n.first_child;
             while c != NIL {
                 stack.push(c);
+                if hub {
+                    self.edges.remove(&edge(u, self.nodes[c as usize].token));
+                }
                 c = self.nodes[c as usize].next_sib;
             }
-            self.lru_unlink(u);
+            if hub {
+                self.tops.remove(&u);
+            }
             self.nodes[u as usize] = Node::empty(n.generation.wrapping_add(1));
             self.free.push(u);
             self.live -= 1;
@@ -398,63 +529,78 @@ impl Trie {
                 self.live, self.capacity
             ));
         }
-        let mut seen = 0usize;
-        let mut cur = self.lru_head;
-        let mut prev = NIL;
-        while cur != NIL {
-            let n = &self.nodes[cur as usize];
-            if n.lru_prev != prev {
-                return Err(format!("lru back link of {cur}"));
+        let mut fresh = vec![0u8; self.nodes.len()];
+        for &(n, s) in &self.lru {
+            if self.alive(n) && n != ROOT && self.nodes[n as usize].stamp == s {
+                fresh[n as usize] += 1;
             }
-            if cur == ROOT || n.parent == NIL {
-                return Err(format!("node {cur} in the lru list is not live"));
-            }
-            seen += 1;
-            if seen > self.live {
-                return Err("lru list longer than the live nodes".into());
-            }
-            prev = cur;
-            cur = n.lru_next;
         }
-        if prev != self.lru_tail || seen != self.live {
-            return Err(format!("lru list holds {seen} of {} nodes", self.live));
-        }
-        if self.edges.len() != self.live {
-            return Err(format!(
-                "{} edges for {} nodes",
-                self.edges.len(),
-                self.live
-            ));
-        }
+        let mut edges = 0;
         let mut reached = 0usize;
         let mut stack = vec![ROOT];
+        let mut buf = Vec::new();
         while let Some(u) = stack.pop() {
             let n = &self.nodes[u as usize];
-            let (mut best, mut best_freq, mut prev) = (NIL, 0, NIL);
+            if u != ROOT && fresh[u as usize] != 1 {
+                return Err(format!(
+                    "node {u} has {} fresh lru entries",
+                    fresh[u as usize]
+                ));
+            }
+            let hub = n.child_count > HUB;
+            let (mut best, mut best_freq, mut prev, mut count) = (NIL, 0, NIL, 0);
             let mut c = n.first_child;
             while c != NIL {
                 let m = &self.nodes[c as usize];
                 if m.parent != u || m.depth != n.depth + 1 || m.prev_sib != prev {
                     return Err(format!("child {c} of {u} badly linked"));
                 }
-                if self.edges.get(&edge(u, m.token)) != Some(&c) {
-                    return Err(format!("edge ({u}, {}) does not lead to {c}", m.token));
+                let e = self.edges.get(&edge(u, m.token));
+                if hub != (e == Some(&c)) {
+                    return Err(format!("edge ({u}, {}) is {e:?}, hub {hub}", m.token));
                 }
+                edges += usize::from(hub);
                 if best == NIL || m.freq > best_freq {
                     best = c;
                     best_freq = m.freq;
                 }
                 reached += 1;
+                count += 1;
                 stack.push(c);
                 prev = c;
                 c = m.next_sib;
             }
+            if n.child_count != count {
+                return Err(format!(
+                    "node {u} counts {} children of {count}",
+                    n.child_count
+                ));
+            }
             if n.best != best {
                 return Err(format!("best child of {u} is {} not {best}", n.best));
             }
+            if hub && self.top_k > 0 {
+                self.scan_top(u, self.top_k, &mut buf);
+                let want: Vec<u32> = buf.iter().map(|&(c, _)| c).collect();
+                if self.tops.get(&u) != Some(&want) {
+                    return Err(format!(
+                        "top of {u} is {:?} not {want:?}",
+                        self.tops.get(&u)
+                    ));
+                }
+            } else if self.tops.contains_key(&u) {
+                return Err(format!("node {u} has a top list but is no hub"));
+            }
         }
-        if reached != self.live {
-            return Err(format!("{reached} nodes reachable of {}", self.live));
+        if reached != self.live || edges != self.edges.len() {
+            return Err(format!(
+                "{reached} nodes reachable of {}, {edges} hub edges of {}",
+                self.live,
+                self.edges.len()
+            ));
+        }
+        if self.tops.len() > self.live {
+            return Err("stale top lists".into());
         }
         Ok(())
     }
@@ -466,14 +612,14 @@ mod tests {
 
     #[test]
     fn counts_children_and_best() {
-        let mut t = Trie::new(100);
+        let mut t = Trie::new(100, 3);
         let a = t.extend(ROOT, 1).unwrap();
         let b = t.extend(a, 2).unwrap();
         let c = t.extend(a, 3).unwrap();
         assert_eq!(t.best(a), c, "tie goes to the most recent");
         t.extend(a, 2).unwrap();
         assert_eq!(t.best(a), b);
-        assert_eq!(t.freq(b), 2);
+        assert_eq!(t.nodes[b as usize].freq, 2);
         assert_eq!(t.first_child(a), b);
         assert_eq!(t.next_sibling(b), c);
         assert_eq!(t.walk(&[1, 3]), Some(c));
@@ -483,7 +629,7 @@ mod tests {
 
     #[test]
     fn eviction_takes_lru_subtrees_and_spares_the_path() {
-        let mut t = Trie::new(3);
+        let mut t = Trie::new(3, 3);
         let a = t.extend(ROOT, 1).unwrap();
         let b = t.extend(a, 2).unwrap();
         let r = t.node_ref(b);
@@ -496,11 +642,36 @@ mod tests {
         assert_eq!(t.resolve(r), None);
         assert_eq!(t.walk(&[5, 6]), Some(d));
         // Only the path itself left: nothing can be evicted for its child.
-        let mut t = Trie::new(2);
+        let mut t = Trie::new(2, 3);
         let a = t.extend(ROOT, 1).unwrap();
         let b = t.extend(a, 2).unwrap();
         assert_eq!(t.extend(b, 3), None);
         t.check().unwrap();
         assert_eq!(t.walk(&[1, 2]), Some(b));
+    }
+
+    #[test]
+    fn hubs_index_children_and_keep_their_top_list() {
+        let mut t = Trie::new(12, 3);
+        let a = t.extend(ROOT, 1).unwrap();
+        let mut kids = Vec::new();
+        for tok in 10..18 {
+            kids.push(t.extend(a, tok).unwrap());
+            t.check().unwrap();
+        }
+        t.extend(a, 12).unwrap();
+        t.extend(a, 12).unwrap();
+        t.extend(a, 15).unwrap();
+        t.check().unwrap();
+        let mut top = Vec::new();
+        t.top_children(a, 3, &mut top);
+        assert_eq!(top, vec![(kids[2], 3), (kids[5], 2), (kids[7], 1)]);
+        assert_eq!(t.child(a, 13), Some(kids[3]));
+        // Evicting children (the oldest first) drops the index below the threshold.
+        for tok in 0..20 {
+            t.extend(ROOT, 100 + tok).unwrap();
+            t.check().unwrap();
+        }
+        assert!(t.len() <= 12);
     }
 }
