@@ -547,3 +547,11 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
     assert!(s.registry.speculators.get("eagle").is_err());
     Ok(())
 }
+
+#[path = "support/verify.rs"]
+mod verify;
+
+#[test]
+fn chain_verification_is_exact_on_the_cpu() -> Result<()> {
+    verify::chain_verify_matches_decode(shared().backend.clone(), &fixture())
+}

@@ -11,3 +11,4 @@ mod graphs;
 mod ops;
 mod parity;
 mod sampling;
+mod verify;

@@ -1,0 +1,16 @@
+//! Chain verification of draft tokens on the CUDA device (the check shared
+//! with the CPU and wgpu suites): one verify step accepts exactly what plain
+//! one-token decode steps produce, and a rejected draft leaves no trace.
+
+#[path = "../../../engine-core/tests/support/verify.rs"]
+mod shared_check;
+
+#[test]
+fn chain_verification_is_exact_on_cuda() -> anyhow::Result<()> {
+    let Some(gpu) = crate::common::gpu() else {
+        return Ok(());
+    };
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    shared_check::chain_verify_matches_decode(gpu, &model)
+}

@@ -1,0 +1,19 @@
+//! Chain verification of draft tokens on the wgpu device (the check shared
+//! with the CPU and CUDA suites): one verify step accepts exactly what plain
+//! one-token decode steps produce, and a rejected draft leaves no trace.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+#[path = "../../engine-core/tests/support/verify.rs"]
+mod verify;
+
+#[test]
+fn chain_verification_is_exact_on_wgpu() -> anyhow::Result<()> {
+    let Some(gpu) = common::gpu() else {
+        return Ok(());
+    };
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    verify::chain_verify_matches_decode(gpu, &model)
+}

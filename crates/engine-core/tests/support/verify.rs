@@ -1,0 +1,126 @@
+//! A backend-independent check of chain verification, shared by the CPU,
+//! wgpu and CUDA test suites (included with `#[path]`): on the given device,
+//! the greedy tokens of plain one-token decode steps must equal what one
+//! verify step of the same tokens as drafts accepts — all of them when the
+//! drafts are right; up to a corrupted draft, then the target's own token,
+//! when one is wrong — and a draft past a rejection must leave no trace (the
+//! next step, overwriting its slots, continues exactly).
+
+use anyhow::{Context, Result, ensure};
+use arbor_engine_core::executor::{Executor, LocalExecutor};
+use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::sampling::StandardSampler;
+use arbor_engine_core::step::{SampleRows, SampleSpec, SeqPlan, StepPlan};
+use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
+use std::path::Path;
+use std::sync::Arc;
+
+fn spec(rows: SampleRows) -> SampleSpec {
+    SampleSpec {
+        params: Arc::new(SamplingParams::greedy(64)),
+        rows,
+        seed: 0,
+        context: None,
+        logprobs: None,
+        generated: 1,
+    }
+}
+
+fn step(ex: &LocalExecutor, seq: SeqPlan) -> Result<Vec<u32>> {
+    let out = ex.execute(&StepPlan {
+        seqs: vec![seq],
+        ..Default::default()
+    })?;
+    Ok(out.seqs.into_iter().next().context("one sequence")?.tokens)
+}
+
+/// Runs the check on `backend` with the HF model folder `model`.
+pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("f32")?()?,
+        progress: None,
+    };
+    let m = arbor_models::load_model(model, &registry, &opts)?;
+    let runner = ModelRunner::new(m.model.clone(), backend, None, 16, 16, DType::F32)?;
+    let pages: Vec<u32> = (0..8).collect();
+    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
+    let prompt: Vec<u32> = vec![17, 301, 45, 9, 220, 78, 3, 150, 41];
+    let prefill = |ex: &LocalExecutor| {
+        step(
+            ex,
+            SeqPlan {
+                tokens: prompt.clone(),
+                prefix_len: 0,
+                pages: pages.clone(),
+                tree: None,
+                sample: Some(spec(SampleRows::Last)),
+            },
+        )
+    };
+    // Plain decode: one token per step.
+    let mut toks = prefill(&ex)?;
+    for _ in 0..10 {
+        let last = *toks.last().context("a token")?;
+        let t = step(
+            &ex,
+            SeqPlan {
+                tokens: vec![last],
+                prefix_len: prompt.len() + toks.len() - 1,
+                pages: pages.clone(),
+                tree: None,
+                sample: Some(spec(SampleRows::Last)),
+            },
+        )?;
+        toks.extend(t);
+    }
+    let verify = |drafts: &[u32]| -> SeqPlan {
+        let mut tokens = vec![toks[0]];
+        tokens.extend_from_slice(drafts);
+        SeqPlan {
+            tokens,
+            prefix_len: prompt.len(),
+            pages: pages.clone(),
+            tree: None,
+            sample: Some(spec(SampleRows::Verify {
+                drafts: drafts.len(),
+            })),
+        }
+    };
+    // Right drafts: all accepted, plus the target's next token.
+    ensure!(prefill(&ex)? == toks[..1], "prefill changed");
+    let got = step(&ex, verify(&toks[1..9]))?;
+    ensure!(
+        got == toks[1..10],
+        "all-right drafts: {got:?}, want {:?}",
+        &toks[1..10]
+    );
+    // A wrong fourth draft: three accepted, then the target's own token.
+    let mut drafts = toks[1..9].to_vec();
+    drafts[3] = (drafts[3] + 1) % m.model.spec().vocab_size as u32;
+    ensure!(prefill(&ex)? == toks[..1], "prefill changed");
+    let got = step(&ex, verify(&drafts))?;
+    ensure!(
+        got == toks[1..5],
+        "a wrong 4th draft: {got:?}, want {:?}",
+        &toks[1..5]
+    );
+    // Continue after the rejection from the accepted length: exact again.
+    let t = step(
+        &ex,
+        SeqPlan {
+            tokens: vec![toks[4]],
+            prefix_len: prompt.len() + 4,
+            pages: pages.clone(),
+            tree: None,
+            sample: Some(spec(SampleRows::Verify { drafts: 0 })),
+        },
+    )?;
+    ensure!(
+        t == toks[5..6],
+        "after rollback: {t:?}, want {:?}",
+        &toks[5..6]
+    );
+    Ok(())
+}
