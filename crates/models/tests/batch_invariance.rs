@@ -152,7 +152,7 @@ fn check_chains(
     // (a) ours a decode among prefills of other lengths;
     // (b) ours a chunk among decodes and chunks of the others;
     // (c) ours a prefill among everything.
-    let mut filled = vec![0usize; 15];
+    let mut filled = [0usize; 15];
     for (case, (ours_from, ours_to)) in [(len - 1, len), (len / 2, len), (0, len)]
         .into_iter()
         .enumerate()
