@@ -1,38 +1,66 @@
-//! Paged attention on the CPU: causal prefill over a cached prefix and decode,
-//! with grouped-query attention and an optional sliding window.
+//! Paged attention on the CPU: causal prefill over a cached prefix, decode and
+//! draft trees, with grouped-query attention and an optional sliding window.
 //!
 //! `forward` first writes the batch's new K and V rows into their KV slots
 //! (converting to the cache dtype), then runs one task per (sequence, KV head,
-//! block of queries): it gathers that head's keys and values from their pages
-//! into contiguous f32 rows, stacks the block's queries of every head of the
-//! GQA group, and computes `scores = Q·Kᵀ` and `out = softmax(scores)·V` as two
-//! small GEMMs, masking keys outside `lo..=pos` (causal, sliding window).
-//! Tasks are handed out through an atomic counter, so long and short sequences
-//! balance across threads. Each task writes only its own (token, head) slices
-//! of the output.
+//! block of queries): it gathers that head's keys (transposed) and values
+//! from their pages into contiguous f32 scratch, stacks the block's queries
+//! of every head of the GQA group, computes all their scores over the
+//! block's key span, and then, query by query, the softmax over exactly the
+//! keys it sees and the weighted sum of their values. Tasks are handed out
+//! through an atomic counter, so long and short sequences balance across
+//! threads. Each task writes only its own (token, head) slices of the output.
+//!
+//! Visibility: query `j` of a sequence sees the cached prefix and, among the
+//! new tokens, `0..=j` for a chain or its ancestors and itself for a draft
+//! tree (`BatchLayout::parents`); new tokens sit at slots `prefix_len + j`.
+//! A sliding window keeps the keys whose *position* is within the window of
+//! the query's; a tree token's position is `prefix_len + depth`.
+//!
+//! Batch invariance: a query's output is bit-identical whether it is a
+//! decode, anywhere in a prefill chunk of any length, after any prefix split,
+//! or a draft-tree token (then equal to the same token computed in a chain of
+//! only its ancestors). Each score is one fused multiply-add chain over the
+//! head dimension in order (keys in vector lanes, `simd::scores`), whatever
+//! the span it is computed in; the softmax takes the maximum over exactly the
+//! visible keys, their `exp` and their sum in position order; and the output
+//! is one fused multiply-add chain per element over the visible keys in
+//! position order (`simd::weighted_sum`), scaled by `1 / sum`. Keys computed
+//! for other queries of the block are never read.
 
 use crate::memory::{HostMemory, SendPtr};
 use crate::pool::{ThreadPool, share};
 use arbor_engine_core::{
-    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
-    Result, Tensor,
+    AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
+    CoreError, DType, KvLayer, Result, Tensor,
 };
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Queries per task.
-const Q_BLOCK: usize = 16;
+/// Queries per task (the task gathers the block's keys once; its rows
+/// compute scores over the whole block span, so a larger block wastes up to
+/// `Q_BLOCK` scores per row and balances worse across threads).
+const Q_BLOCK: usize = 64;
 
 /// Per-thread scratch of one attention task, reused across calls.
 #[derive(Default)]
 struct Scratch {
+    /// Keys transposed: `hd` rows of the span rounded up to 16 (zero padded).
     k: Vec<f32>,
+    /// Values: span rows of `hd`.
     v: Vec<f32>,
+    /// The block's queries: (token, head) rows of `hd`.
     q: Vec<f32>,
+    /// Scores, then exponentials: one row of the padded span per query.
     s: Vec<f32>,
+    /// One key row.
     o: Vec<f32>,
+    /// Tree ancestors a query sees, as span offsets.
+    extra: Vec<u32>,
+    /// `1 / Σ exp` of each head of one query.
+    inv: Vec<f32>,
 }
 
 thread_local! {
@@ -140,6 +168,10 @@ impl AttentionBackend for CpuAttention {
         "cpu-paged"
     }
 
+    fn capabilities(&self) -> AttentionCapabilities {
+        AttentionCapabilities { tree: true }
+    }
+
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
         Ok(AttentionBatch {
             layout,
@@ -212,7 +244,20 @@ impl AttentionBackend for CpuAttention {
 
         // 2. Attention, one task per (sequence, KV head, query block).
         let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        // Depth of every new token of a tree sequence (empty for chains).
+        let mut depths: Vec<Vec<usize>> = Vec::with_capacity(layout.seqs.len());
         for (si, s) in layout.seqs.iter().enumerate() {
+            depths.push(match layout.parents(s) {
+                Some(par) => {
+                    let mut d = vec![0usize; par.len()];
+                    for j in 1..par.len() {
+                        // Validated: parents come before their children.
+                        d[j] = d[par[j] as usize] + 1;
+                    }
+                    d
+                }
+                None => Vec::new(),
+            });
             for g in 0..nkv {
                 let mut j = 0;
                 while j < s.q_len {
@@ -235,128 +280,122 @@ impl AttentionBackend for CpuAttention {
                         break;
                     };
                     let s = &layout.seqs[si];
+                    let parents = layout.parents(s);
+                    let depth = &depths[si];
                     let pages = &layout.page_table[s.pages.clone()];
                     let j1 = (j0 + Q_BLOCK).min(s.q_len);
-                    let p_last = s.prefix_len + j1 - 1;
-                    let lo_first = window.map_or(0, |w| (s.prefix_len + j0 + 1).saturating_sub(w));
-                    let span = p_last + 1 - lo_first;
+                    let pre = s.prefix_len;
+                    // Position of new token j, and the first visible position.
+                    let pos = |j: usize| pre + if parents.is_some() { depth[j] } else { j };
+                    let lo_of = |j: usize| window.map_or(0, |w| (pos(j) + 1).saturating_sub(w));
+                    // Key span of the block: slots t0..t1.
+                    let lo_min = (j0..j1).map(lo_of).min().unwrap_or(0);
+                    let t0 = if parents.is_some() {
+                        lo_min.min(pre)
+                    } else {
+                        lo_min
+                    };
+                    let t1 = pre + j1;
+                    let span = t1 - t0;
+                    let sp = span.div_ceil(16) * 16;
                     let nq = (j1 - j0) * group;
                     let Scratch {
                         k: kbuf,
                         v: vbuf,
                         q: qbuf,
                         s: scores,
-                        o: obuf,
+                        o: row,
+                        extra,
+                        inv,
                     } = &mut *sc;
-                    kbuf.resize(span * hd, 0.0);
+                    kbuf.clear();
+                    kbuf.resize(hd * sp, 0.0);
                     vbuf.resize(span * hd, 0.0);
                     qbuf.resize(nq * hd, 0.0);
-                    scores.resize(nq * span, 0.0);
-                    obuf.resize(nq * hd, 0.0);
-                    // Gather this KV head's keys and values, contiguous and in f32.
-                    for t in lo_first..=p_last {
-                        let row = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
-                        let o = (t - lo_first) * hd;
+                    scores.resize(nq * sp, 0.0);
+                    row.resize(hd, 0.0);
+                    inv.resize(group, 0.0);
+                    // Gather this KV head's keys (transposed) and values, in f32.
+                    for t in t0..t1 {
+                        let slot = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
+                        let o = t - t0;
                         // SAFETY: the slot is inside the cache (validated page table).
                         unsafe {
-                            kc.read(row, hd, &mut kbuf[o..o + hd]);
-                            vc.read(row, hd, &mut vbuf[o..o + hd]);
+                            kc.read(slot, hd, &mut row[..hd]);
+                            vc.read(slot, hd, &mut vbuf[o * hd..(o + 1) * hd]);
+                        }
+                        for (d, &x) in row.iter().enumerate() {
+                            kbuf[d * sp + o] = x;
                         }
                     }
                     // Queries of the block, every head of the group stacked: row (j, h).
                     for j in j0..j1 {
-                        let row = s.q_start + j;
+                        let qrow = s.q_start + j;
                         for (hi, h) in (g * group..(g + 1) * group).enumerate() {
                             let r = (j - j0) * group + hi;
-                            // SAFETY: row `row`, head h of q is inside its view.
+                            // SAFETY: row `qrow`, head h of q is inside its view.
                             let qh = unsafe {
-                                std::slice::from_raw_parts(qp.get().add(row * qw + h * hd), hd)
+                                std::slice::from_raw_parts(qp.get().add(qrow * qw + h * hd), hd)
                             };
                             qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
                         }
                     }
-                    // scores[nq, span] = Q · Kᵀ
-                    // SAFETY: all three matrices are scratch buffers of the sizes set above.
-                    unsafe {
-                        gemm::gemm(
-                            nq,
-                            span,
-                            hd,
-                            scores.as_mut_ptr(),
-                            1,
-                            span as isize,
-                            false,
-                            qbuf.as_ptr(),
-                            1,
-                            hd as isize,
-                            kbuf.as_ptr(),
-                            hd as isize,
-                            1,
-                            0.0f32,
-                            scale,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
-                    }
-                    // Causal (and window) mask, then row softmax.
-                    for r in 0..nq {
-                        let pos = s.prefix_len + j0 + r / group;
-                        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w)) - lo_first;
-                        let hi = pos - lo_first;
-                        let row = &mut scores[r * span..(r + 1) * span];
-                        let max = row[lo..=hi]
-                            .iter()
-                            .copied()
-                            .fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0.0;
-                        for (t, x) in row.iter_mut().enumerate() {
-                            if t < lo || t > hi {
-                                *x = 0.0;
-                            } else {
-                                *x = (*x - max).exp();
-                                sum += *x;
-                            }
-                        }
-                        let inv = 1.0 / sum;
-                        row.iter_mut().for_each(|x| *x *= inv);
-                    }
-                    // out[nq, hd] = P · V
-                    // SAFETY: scratch buffers of the sizes set above.
-                    unsafe {
-                        gemm::gemm(
-                            nq,
-                            hd,
-                            span,
-                            obuf.as_mut_ptr(),
-                            1,
-                            hd as isize,
-                            false,
-                            scores.as_ptr(),
-                            1,
-                            span as isize,
-                            vbuf.as_ptr(),
-                            1,
-                            hd as isize,
-                            0.0f32,
-                            1.0f32,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
-                    }
+                    crate::simd::scores(qbuf, kbuf, nq, hd, sp, scale, scores);
                     for j in j0..j1 {
-                        let row = s.q_start + j;
-                        for (hi, h) in (g * group..(g + 1) * group).enumerate() {
-                            let r = (j - j0) * group + hi;
-                            // SAFETY: this task is the only writer of out[row, h].
-                            let oh = unsafe {
-                                std::slice::from_raw_parts_mut(op.get().add(row * qw + h * hd), hd)
-                            };
-                            oh.copy_from_slice(&obuf[r * hd..(r + 1) * hd]);
+                        let lo = lo_of(j);
+                        // The keys query j sees, as span offsets in position order.
+                        extra.clear();
+                        let range = match parents {
+                            None => lo - t0..pre + j + 1 - t0,
+                            Some(par) => {
+                                let mut a = j as i32;
+                                while a >= 0 {
+                                    if pos(a as usize) >= lo {
+                                        extra.push((pre + a as usize - t0) as u32);
+                                    }
+                                    a = par[a as usize];
+                                }
+                                extra.reverse();
+                                lo.min(pre) - t0..pre - t0
+                            }
+                        };
+                        let vis = crate::simd::Visible {
+                            start: range.start,
+                            end: range.end,
+                            extra,
+                        };
+                        let r0 = (j - j0) * group;
+                        for (hi, iv) in inv.iter_mut().enumerate() {
+                            let sr = &mut scores[(r0 + hi) * sp..(r0 + hi) * sp + span];
+                            let max = vis.iter().fold(f32::NEG_INFINITY, |m, t| m.max(sr[t]));
+                            for t in vis.iter() {
+                                sr[t] = (sr[t] - max).exp();
+                            }
+                            let mut sum = 0.0f32;
+                            for t in vis.iter() {
+                                sum += sr[t];
+                            }
+                            *iv = 1.0 / sum;
                         }
+                        let qrow = s.q_start + j;
+                        // SAFETY: this task is the only writer of out[qrow, heads of group g],
+                        // which are contiguous.
+                        let oh = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                op.get().add(qrow * qw + g * group * hd),
+                                group * hd,
+                            )
+                        };
+                        crate::simd::weighted_sum(
+                            &scores[r0 * sp..],
+                            sp,
+                            group,
+                            vbuf,
+                            hd,
+                            vis,
+                            inv,
+                            oh,
+                        );
                     }
                 }
             });

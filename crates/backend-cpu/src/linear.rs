@@ -1,18 +1,21 @@
 //! Linear layers: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for every weight
 //! dtype, one at a time or several sharing one input (Q/K/V, gate/up).
 //!
-//! Quantized path (every quantized weight, and float weights with
-//! `m <= SMALL_M`): activations are prepared once per activation type for all
-//! `m` rows (quantized to Q8 for quantized weights, as ggml does, so prefill
-//! and decode use the same integer dots; layers sharing an input and a type
-//! share the preparation), and the weight rows of all the layers form one
-//! range split across the pool, so a whole Q/K/V projection is one parallel
-//! region. Each piece calls `arbor_quant::dot_rows_raw` on its weight rows,
-//! which writes its output columns in place (row kernels for few rows, the
-//! tiled GEMM from `GEMM_MIN_M` rows; shares are then whole 32-row panels).
-//! Float GEMM path (float weights, large `m`): each piece takes tiles of
-//! weight rows, converts them to f32 in a per-thread tile, and multiplies
-//! with an f32 GEMM, writing only its own output columns.
+//! One path for every weight dtype and every `m`: activations are prepared
+//! once per activation type for all `m` rows (quantized to Q8 for quantized
+//! weights, as ggml does; copied as f32 for float weights; layers sharing an
+//! input and a type share the preparation), and the weight rows of all the
+//! layers form one range split across the pool, so a whole Q/K/V projection
+//! is one parallel region. Each piece calls `arbor_quant::dot_rows_raw` on
+//! its weight rows, which writes its output columns in place (the tiled GEMM
+//! for the 32-element formats, whose shares are whole 32-row panels; row
+//! kernels for the K-quants; tiled dot kernels for float weights).
+//!
+//! Batch invariance: `dot_rows_raw` computes each output element with one
+//! fixed sequence of operations whatever `m`, the other rows and the weight
+//! rows a piece holds (see `arbor_quant`), activation rows are prepared one
+//! by one and the bias is added per element, so row `i` of the output is
+//! bit-identical for any batch it is computed in and any thread split.
 
 use crate::memory::SendPtr;
 use crate::pool::share;
@@ -21,18 +24,12 @@ use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
 use arbor_quant::PreparedActs;
 use std::sync::Mutex;
 
-/// Largest batch that takes the quantized path for float weights.
-const SMALL_M: usize = 8;
-/// Weight rows per GEMM tile.
-const TILE_ROWS: usize = 64;
 /// Row alignment of piece shares.
 const ROW_ALIGN: usize = 16;
-/// Row alignment of piece shares on the tiled GEMM path (its panel height).
+/// Row alignment of piece shares when a layer takes the tiled GEMM (its panel height).
 const GEMM_ALIGN: usize = 32;
 
 thread_local! {
-    /// Per-thread f32 tile of converted weight rows, reused across calls.
-    static TILE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Per-thread prepared activations (one per activation type of a call),
     /// reused across calls.
     static ACTS: std::cell::RefCell<Vec<PreparedActs>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -115,14 +112,9 @@ pub fn linear_many(b: &CpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Resu
             bias,
         });
     }
-    let (rows_path, gemm_path): (Vec<&Job<'_>>, Vec<&Job<'_>>) = jobs
-        .iter()
-        .partition(|j| m <= SMALL_M || j.dtype.is_quantized());
-    if !rows_path.is_empty() {
-        row_kernels(b, xs, m, k, &rows_path)?;
-    }
-    for j in gemm_path {
-        gemm_tiles(b, xs, m, k, j)?;
+    let refs: Vec<&Job<'_>> = jobs.iter().collect();
+    if m > 0 {
+        row_kernels(b, xs, m, k, &refs)?;
     }
     for j in &jobs {
         if let Some(bs) = j.bias {
@@ -143,11 +135,9 @@ fn first_error(err: &Mutex<Option<String>>, e: String) {
     g.get_or_insert(e);
 }
 
-fn take_error(err: Mutex<Option<String>>, what: &str) -> Result<()> {
+fn take_error(err: Mutex<Option<String>>) -> Result<()> {
     match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(msg) => Err(CoreError::unsupported(format!(
-            "linear with {what} weights: {msg}"
-        ))),
+        Some(msg) => Err(CoreError::unsupported(format!("linear: {msg}"))),
         None => Ok(()),
     }
 }
@@ -193,8 +183,9 @@ fn row_kernels_with(
     }
     let prepared = &pool[..types.len()];
     let total: usize = jobs.iter().map(|j| j.n).sum();
-    // Whole 32-row panels for the tiled GEMM; 16 rows are enough otherwise.
-    let align = if m >= arbor_quant::GEMM_MIN_M {
+    // Whole 32-row panels for the tiled GEMM; 16 rows are enough otherwise
+    // (alignment only affects speed, never a result).
+    let align = if jobs.iter().any(|j| arbor_quant::gemm_supported(j.dtype)) {
         GEMM_ALIGN
     } else {
         ROW_ALIGN
@@ -231,59 +222,5 @@ fn row_kernels_with(
             }
         }
     })?;
-    take_error(err, "quantized or small-batch")
-}
-
-/// One float layer with a large batch: f32 GEMM over converted weight tiles.
-fn gemm_tiles(b: &CpuBackend, xs: &[f32], m: usize, k: usize, j: &Job<'_>) -> Result<()> {
-    let xp = SendPtr(xs.as_ptr() as *mut f32);
-    let n = j.n;
-    let err: Mutex<Option<String>> = Mutex::new(None);
-    b.parallel(&|t, pieces| {
-        let (r0, r1) = share(n, t, pieces, ROW_ALIGN);
-        TILE.with(|cell| {
-            let mut tile = cell.borrow_mut();
-            if tile.len() < TILE_ROWS * k {
-                tile.resize(TILE_ROWS * k, 0.0);
-            }
-            let mut c0 = r0;
-            while c0 < r1 {
-                let nb = TILE_ROWS.min(r1 - c0);
-                let src = &j.w[c0 * j.row_bytes..(c0 + nb) * j.row_bytes];
-                // Converting (or copying) the tile makes the GEMM read it sequentially from cache.
-                if let Err(e) = arbor_quant::dequantize(j.dtype, src, &mut tile[..nb * k]) {
-                    first_error(&err, e.to_string());
-                    return;
-                }
-                // SAFETY: lhs is x [m, k] (row stride k), rhs the tile viewed as
-                // [k, nb] (column stride k), dst columns c0..c0+nb of out [m, n]
-                // (row stride n), which belong to this piece only.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        nb,
-                        k,
-                        j.out.get().add(c0),
-                        1,
-                        n as isize,
-                        false,
-                        xp.get() as *const f32,
-                        1,
-                        k as isize,
-                        tile.as_ptr(),
-                        k as isize,
-                        1,
-                        0.0f32,
-                        1.0f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                c0 += nb;
-            }
-        });
-    })?;
-    take_error(err, "float")
+    take_error(err)
 }

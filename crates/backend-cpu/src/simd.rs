@@ -1,8 +1,13 @@
 //! Vector primitives for attention and elementwise kernels, with runtime
 //! dispatch between an AVX-512, an AVX2+FMA and a portable implementation.
 //!
-//! Every function computes the same mathematical result on every path (up to
-//! float reassociation in the sums); the portable path is the reference.
+//! [`dot`] and [`axpy`] compute the same mathematical result on every path
+//! (up to float reassociation in the sums). The attention kernels
+//! ([`scores`], [`weighted_sum`]) are exact on every path: each output
+//! element is one chain of fused multiply-adds in a fixed order (`mul_add`
+//! in the portable code, `vfmadd` in the SIMD code), so every level gives
+//! the same bits, and an element's value never depends on the tile or the
+//! vector lane it is computed in.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -220,6 +225,410 @@ unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// Attention scores: `out[r * sp + t] = (Σ_d q[r * hd + d] · kt[d * sp + t]) · scale`
+/// for `r < nq`, `t < sp`, the sum a chain of fused multiply-adds over `d`
+/// in order starting from zero (keys in lanes, so no horizontal sums).
+/// `kt` is the keys transposed (`hd` rows of `sp`); `sp` must be a multiple
+/// of 16.
+pub fn scores(q: &[f32], kt: &[f32], nq: usize, hd: usize, sp: usize, scale: f32, out: &mut [f32]) {
+    assert!(
+        sp.is_multiple_of(16),
+        "score span {sp} is not a multiple of 16"
+    );
+    assert!(q.len() >= nq * hd && kt.len() >= hd * sp && out.len() >= nq * sp);
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX-512F; lengths checked above.
+        Level::Avx512 => unsafe { scores_avx512(q, kt, nq, hd, sp, scale, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX2 and FMA; lengths checked above.
+        Level::Avx2 => unsafe { scores_avx2(q, kt, nq, hd, sp, scale, out) },
+        Level::Portable => scores_portable(q, kt, nq, hd, sp, scale, out),
+    }
+}
+
+/// Reference [`scores`].
+pub fn scores_portable(
+    q: &[f32],
+    kt: &[f32],
+    nq: usize,
+    hd: usize,
+    sp: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    for r in 0..nq {
+        let o = &mut out[r * sp..(r + 1) * sp];
+        o.fill(0.0);
+        for d in 0..hd {
+            let qd = q[r * hd + d];
+            for (x, &k) in o.iter_mut().zip(&kt[d * sp..(d + 1) * sp]) {
+                *x = qd.mul_add(k, *x);
+            }
+        }
+        for x in o.iter_mut() {
+            *x *= scale;
+        }
+    }
+}
+
+/// The keys a query attends to, in position order: the span offsets
+/// `start..end`, then those in `extra` (increasing, all past `end`).
+#[derive(Clone, Copy, Debug)]
+pub struct Visible<'a> {
+    /// First offset of the contiguous run.
+    pub start: usize,
+    /// End (exclusive) of the contiguous run.
+    pub end: usize,
+    /// Further span offsets (draft-tree ancestors).
+    pub extra: &'a [u32],
+}
+
+impl Visible<'_> {
+    /// Every visible offset, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        (self.start..self.end).chain(self.extra.iter().map(|&t| t as usize))
+    }
+}
+
+/// For each of `rows` queries sharing the visible keys `vis`:
+/// `o[r * hd + d] = (Σ_t e[r * es + t] · v[t * hd + d]) · inv[r]` over the
+/// visible offsets `t` in order, the sum a chain of fused multiply-adds from
+/// zero (one per element; rows are grouped only to share the loads of `v`).
+#[allow(clippy::too_many_arguments)]
+pub fn weighted_sum(
+    e: &[f32],
+    es: usize,
+    rows: usize,
+    v: &[f32],
+    hd: usize,
+    vis: Visible<'_>,
+    inv: &[f32],
+    o: &mut [f32],
+) {
+    let end = vis.end.max(vis.extra.last().map_or(0, |&t| t as usize + 1));
+    assert!(vis.start <= vis.end && end <= es);
+    assert!(rows == 0 || e.len() >= (rows - 1) * es + end);
+    assert!(v.len() >= end * hd && o.len() >= rows * hd && inv.len() >= rows);
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX-512F; every offset read is checked above.
+        Level::Avx512 if hd.is_multiple_of(16) => unsafe {
+            wsum_avx512(e, es, rows, v, hd, vis, inv, o)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX2 and FMA; as above.
+        Level::Avx2 | Level::Avx512 if hd.is_multiple_of(8) => unsafe {
+            wsum_avx2(e, es, rows, v, hd, vis, inv, o)
+        },
+        _ => weighted_sum_portable(e, es, rows, v, hd, vis, inv, o),
+    }
+}
+
+/// Reference [`weighted_sum`].
+#[allow(clippy::too_many_arguments)]
+pub fn weighted_sum_portable(
+    e: &[f32],
+    es: usize,
+    rows: usize,
+    v: &[f32],
+    hd: usize,
+    vis: Visible<'_>,
+    inv: &[f32],
+    o: &mut [f32],
+) {
+    for r in 0..rows {
+        let o = &mut o[r * hd..(r + 1) * hd];
+        o.fill(0.0);
+        for t in vis.iter() {
+            let et = e[r * es + t];
+            for (x, &vv) in o.iter_mut().zip(&v[t * hd..(t + 1) * hd]) {
+                *x = et.mul_add(vv, *x);
+            }
+        }
+        for x in o.iter_mut() {
+            *x *= inv[r];
+        }
+    }
+}
+
+/// One tile of [`scores`]: 4 query rows (`rows` valid) by `C` key vectors.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_tile512<const C: usize>(
+    q: *const f32,
+    kt: *const f32,
+    hd: usize,
+    sp: usize,
+    rows: usize,
+    t0: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    // SAFETY: rows r < rows of q (hd each) and out (sp each), and columns
+    // t0..t0+16C < sp of kt and out are in bounds (caller); row pointers past
+    // `rows` repeat the last row and their results are dropped.
+    unsafe {
+        let qr: [*const f32; 4] = [
+            q,
+            q.add(hd * 1usize.min(rows - 1)),
+            q.add(hd * 2usize.min(rows - 1)),
+            q.add(hd * 3usize.min(rows - 1)),
+        ];
+        let mut acc = [[_mm512_setzero_ps(); C]; 4];
+        for d in 0..hd {
+            let kp = kt.add(d * sp + t0);
+            let mut kv = [_mm512_setzero_ps(); C];
+            for (c, x) in kv.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(kp.add(16 * c));
+            }
+            for (a, &qp) in acc.iter_mut().zip(&qr) {
+                let qb = _mm512_set1_ps(*qp.add(d));
+                for (ac, &k) in a.iter_mut().zip(&kv) {
+                    *ac = _mm512_fmadd_ps(qb, k, *ac);
+                }
+            }
+        }
+        let sv = _mm512_set1_ps(scale);
+        for (r, a) in acc.iter().enumerate().take(rows) {
+            for (c, ac) in a.iter().enumerate() {
+                _mm512_storeu_ps(out.add(r * sp + t0 + 16 * c), _mm512_mul_ps(*ac, sv));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scores_avx512(
+    q: &[f32],
+    kt: &[f32],
+    nq: usize,
+    hd: usize,
+    sp: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let mut r0 = 0;
+    while r0 < nq {
+        let rows = (nq - r0).min(4);
+        // SAFETY: rows r0..r0+rows exist; columns stay below sp (checked by `scores`).
+        unsafe {
+            let qp = q.as_ptr().add(r0 * hd);
+            let op = out.as_mut_ptr().add(r0 * sp);
+            let mut t = 0;
+            while t + 64 <= sp {
+                scores_tile512::<4>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                t += 64;
+            }
+            while t < sp {
+                scores_tile512::<1>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                t += 16;
+            }
+        }
+        r0 += rows;
+    }
+}
+
+/// One tile of [`scores`] with AVX2: 4 query rows by `C` 8-key vectors.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_tile256<const C: usize>(
+    q: *const f32,
+    kt: *const f32,
+    hd: usize,
+    sp: usize,
+    rows: usize,
+    t0: usize,
+    scale: f32,
+    out: *mut f32,
+) {
+    // SAFETY: as in scores_tile512.
+    unsafe {
+        let qr: [*const f32; 4] = [
+            q,
+            q.add(hd * 1usize.min(rows - 1)),
+            q.add(hd * 2usize.min(rows - 1)),
+            q.add(hd * 3usize.min(rows - 1)),
+        ];
+        let mut acc = [[_mm256_setzero_ps(); C]; 4];
+        for d in 0..hd {
+            let kp = kt.add(d * sp + t0);
+            let mut kv = [_mm256_setzero_ps(); C];
+            for (c, x) in kv.iter_mut().enumerate() {
+                *x = _mm256_loadu_ps(kp.add(8 * c));
+            }
+            for (a, &qp) in acc.iter_mut().zip(&qr) {
+                let qb = _mm256_set1_ps(*qp.add(d));
+                for (ac, &k) in a.iter_mut().zip(&kv) {
+                    *ac = _mm256_fmadd_ps(qb, k, *ac);
+                }
+            }
+        }
+        let sv = _mm256_set1_ps(scale);
+        for (r, a) in acc.iter().enumerate().take(rows) {
+            for (c, ac) in a.iter().enumerate() {
+                _mm256_storeu_ps(out.add(r * sp + t0 + 8 * c), _mm256_mul_ps(*ac, sv));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2(
+    q: &[f32],
+    kt: &[f32],
+    nq: usize,
+    hd: usize,
+    sp: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    let mut r0 = 0;
+    while r0 < nq {
+        let rows = (nq - r0).min(4);
+        // SAFETY: as in scores_avx512.
+        unsafe {
+            let qp = q.as_ptr().add(r0 * hd);
+            let op = out.as_mut_ptr().add(r0 * sp);
+            let mut t = 0;
+            while t + 24 <= sp {
+                scores_tile256::<3>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                t += 24;
+            }
+            while t < sp {
+                scores_tile256::<1>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                t += 8;
+            }
+        }
+        r0 += rows;
+    }
+}
+
+/// Defines the SIMD [`weighted_sum`] of one level: tiles of `R <= 4` rows
+/// by `N <= 4` vectors of `$lanes` floats, starting at element `d0`.
+macro_rules! wsum_level {
+    ($tile:ident, $driver:ident, $feat:literal, $vt:ty, $zero:ident, $set1:ident, $load:ident,
+     $fma:ident, $mul:ident, $store:ident, $lanes:expr) => {
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $tile<const R: usize, const N: usize>(
+            e: *const f32,
+            es: usize,
+            v: *const f32,
+            hd: usize,
+            d0: usize,
+            vis: Visible<'_>,
+            inv: *const f32,
+            o: *mut f32,
+        ) {
+            // SAFETY: rows r < R of e (stride es) hold every visible offset,
+            // v holds their rows, and d0 + N * lanes <= hd (checked by
+            // `weighted_sum` and the driver).
+            unsafe {
+                let mut acc: [[$vt; N]; R] = [[$zero(); N]; R];
+                for t in vis.iter() {
+                    let vp = v.add(t * hd + d0);
+                    let mut vv: [$vt; N] = [$zero(); N];
+                    for (c, x) in vv.iter_mut().enumerate() {
+                        *x = $load(vp.add($lanes * c));
+                    }
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let et = $set1(*e.add(r * es + t));
+                        for (ac, &x) in a.iter_mut().zip(&vv) {
+                            *ac = $fma(et, x, *ac);
+                        }
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    let iv = $set1(*inv.add(r));
+                    for (c, ac) in a.iter().enumerate() {
+                        $store(o.add(r * hd + d0 + $lanes * c), $mul(*ac, iv));
+                    }
+                }
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $driver(
+            e: &[f32],
+            es: usize,
+            rows: usize,
+            v: &[f32],
+            hd: usize,
+            vis: Visible<'_>,
+            inv: &[f32],
+            o: &mut [f32],
+        ) {
+            let mut r0 = 0;
+            while r0 < rows {
+                let rr = (rows - r0).min(4);
+                let mut d0 = 0;
+                while d0 < hd {
+                    let n = ((hd - d0) / $lanes).min(4);
+                    // SAFETY: rows r0..r0+rr and elements d0..d0+n*lanes are in
+                    // bounds (hd is a multiple of the lane count).
+                    unsafe {
+                        let (ep, ip) = (e.as_ptr().add(r0 * es), inv.as_ptr().add(r0));
+                        let op = o.as_mut_ptr().add(r0 * hd);
+                        macro_rules! go {
+                            ($r:literal) => {
+                                match n {
+                                    4 => $tile::<$r, 4>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
+                                    3 => $tile::<$r, 3>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
+                                    2 => $tile::<$r, 2>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
+                                    _ => $tile::<$r, 1>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
+                                }
+                            };
+                        }
+                        match rr {
+                            4 => go!(4),
+                            3 => go!(3),
+                            2 => go!(2),
+                            _ => go!(1),
+                        }
+                    }
+                    d0 += n * $lanes;
+                }
+                r0 += rr;
+            }
+        }
+    };
+}
+
+wsum_level!(
+    wsum_tile512,
+    wsum_avx512,
+    "avx512f",
+    __m512,
+    _mm512_setzero_ps,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_fmadd_ps,
+    _mm512_mul_ps,
+    _mm512_storeu_ps,
+    16
+);
+wsum_level!(
+    wsum_tile256,
+    wsum_avx2,
+    "avx2,fma",
+    __m256,
+    _mm256_setzero_ps,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_fmadd_ps,
+    _mm256_mul_ps,
+    _mm256_storeu_ps,
+    8
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -238,6 +647,44 @@ mod tests {
             for (p, q) in y1.iter().zip(&y2) {
                 assert!((p - q).abs() < 1e-6);
             }
+        }
+    }
+
+    fn vals(n: usize, a: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 + 0.5) * a).sin()).collect()
+    }
+
+    #[test]
+    fn attention_kernels_are_exact_on_every_path() {
+        for (nq, hd, sp) in [
+            (1, 16, 16),
+            (3, 64, 80),
+            (7, 8, 144),
+            (5, 40, 32),
+            (4, 128, 64),
+        ] {
+            let q = vals(nq * hd, 0.37);
+            let kt = vals(hd * sp, 0.11);
+            let mut a = vec![0.0; nq * sp];
+            let mut b = vec![0.0; nq * sp];
+            scores(&q, &kt, nq, hd, sp, 0.125, &mut a);
+            scores_portable(&q, &kt, nq, hd, sp, 0.125, &mut b);
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            let rows = 1 + nq % 5;
+            let e = vals(rows * sp, 0.7);
+            let v = vals(sp * hd, 0.23);
+            let inv = vals(rows, 0.9);
+            let extra: Vec<u32> = (sp as u32 / 2..sp as u32).step_by(3).collect();
+            let vis = Visible {
+                start: 1,
+                end: sp / 2,
+                extra: &extra,
+            };
+            let mut o1 = vec![0.0; rows * hd];
+            let mut o2 = vec![0.0; rows * hd];
+            weighted_sum(&e, sp, rows, &v, hd, vis, &inv, &mut o1);
+            weighted_sum_portable(&e, sp, rows, &v, hd, vis, &inv, &mut o2);
+            assert!(o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()));
         }
     }
 }

@@ -3,7 +3,7 @@
 //! 49152 rows x k=576 (the tied embedding / LM head; k=512 for the K formats,
 //! whose rows must be multiples of 256).
 //!
-//! The `gemm` group compares the tiled GEMM with the row kernels at m = 2..512
+//! The `gemm` group compares the tiled GEMM with the row kernels at m = 1..512
 //! on the default model's shapes, in multiply-accumulates per second.
 //!
 //! Time is the benchmark thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), not
@@ -204,7 +204,7 @@ fn bench_gemm(c: &mut Criterion<ThreadCpu>) {
                 continue;
             }
             let w = weights(dtype, n_rows, k);
-            for m in [2usize, 4, 5, 6, 8, 16, 64, 512] {
+            for m in [1usize, 2, 4, 8, 16, 31, 32, 64, 512] {
                 if name == "head" && m > 16 {
                     continue;
                 }

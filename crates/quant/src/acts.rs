@@ -28,7 +28,8 @@ pub struct PreparedActs {
     pub(crate) f: Vec<f32>,
     /// Quantized values, `m*k`.
     pub(crate) qs: Vec<i8>,
-    /// Q8_0/Q8_1 with `m < GEMM_MIN_M` only (empty otherwise; see
+    /// Q8_0/Q8_1: unused by [`crate::dot_rows`] (empty; the forced row
+    /// kernels of [`crate::dot_rows_gemv_with`] build it on demand, see
     /// [`PreparedActs::pairs`]): `qs` reordered for the row kernels, `m*k`. Within each
     /// row, every full group of 8 blocks (256 bytes) holds, for j in 0..4,
     /// `[blk j lo16, blk j+4 lo16, blk j hi16, blk j+4 hi16]`; the blocks
@@ -141,11 +142,6 @@ impl PreparedActs {
                     &mut self.isum,
                     dtype == DType::Q8_1,
                 );
-                // The tiled GEMM (m >= GEMM_MIN_M) reads `qs`; only the row
-                // kernels need the paired copy.
-                if m < crate::GEMM_MIN_M {
-                    build_pairs(&self.qs, k, &mut self.qs_pair);
-                }
             }
             DType::Q8_K => {
                 let nb = total / 256;

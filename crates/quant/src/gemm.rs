@@ -1,10 +1,11 @@
 //! Tiled GEMM of the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with
-//! Q8_0/Q8_1 activations, for several activation rows at once (prefill and
-//! batched decode): the panel layout, its portable packer, and the output
-//! view shared by every kernel.
+//! Q8_0/Q8_1 activations, for any number of activation rows (it is
+//! `dot_rows`'s path for these formats at every `m`, decode included): the
+//! panel layout, its portable packer, and the output view shared by every
+//! kernel.
 //!
 //! Design. Weights stay in ggml's block layout in memory (so embedding
-//! lookups, downloads and the m = 1 row kernels see the GGUF bytes). The
+//! lookups, downloads and the row kernels see the GGUF bytes). The
 //! kernels in `x86::gemm` walk the weight rows in panels of [`NR`] = 32 rows
 //! and up to [`KC_BLOCKS`] blocks of `k`; each panel is packed once per call
 //! into a stack buffer ([`Panel`]) and then multiplied with every activation
@@ -26,7 +27,12 @@
 //! Numerics: per (activation row, weight row, block) the integer dot is
 //! exact, then `sum * (d_w * d_a)` (+ `m_w * s_a` for Q4_1/Q5_1) accumulates
 //! in f32, as ggml's dots do; only the order of f32 additions differs from
-//! the scalar reference.
+//! the scalar reference. That order is fixed per output element and does not
+//! depend on `m`, on the row tile (`MR` and its tails) or on the panel an
+//! element falls in: for each chunk of [`KC_BLOCKS`] blocks, `f = 0`, then
+//! block by block `f = fma(f32(sum), d_w * d_a, f)` (and `f = fma(m_w, s_a,
+//! f)`), and the chunk sums are added in order. `x86::gemv` reproduces it
+//! exactly without packing (the AVX2 level's small-`m` path).
 //!
 //! Invariants: [`Panel`] lives on the stack of one call and is written before
 //! it is read (only the blocks packed by the current chunk are read).
@@ -40,10 +46,6 @@ pub(crate) const NR: usize = 32;
 pub(crate) const KC_BLOCKS: usize = 24;
 /// Panel bytes per block.
 pub(crate) const QB: usize = 32 * NR;
-
-/// Smallest number of activation rows for which [`crate::dot_rows`] takes
-/// the tiled path (below it the row kernels, which need no packing, win).
-pub const GEMM_MIN_M: usize = 4;
 
 /// A packed panel (see the module documentation).
 #[repr(C, align(64))]

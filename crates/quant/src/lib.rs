@@ -3,9 +3,21 @@
 //! Owns: the byte layouts of F32/F16/BF16 and ggml's block formats (Q4_0,
 //! Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K..Q6_K, Q8_K; GGUF tensor data is used
 //! as is), reference quantizers, dequantizers, activation preparation
-//! ([`prepare_acts`]) and [`dot_rows`] used by the CPU backend: GEMV-style
-//! row kernels for few activation rows and a tiled GEMM (`gemm` module) for
-//! many, with runtime SIMD dispatch ([`SimdLevel`]) and a portable scalar path.
+//! ([`prepare_acts`]) and [`dot_rows`] used by the CPU backend: a tiled GEMM
+//! (`gemm` module) for the 32-element formats, row kernels for the K-quants
+//! and tiled dot kernels for float weights, with runtime SIMD dispatch
+//! ([`SimdLevel`]) and a portable scalar path.
+//!
+//! Batch invariance: at a given SIMD level, [`dot_rows`] computes output
+//! `(i, r)` bit for bit the same whatever `m` is, whatever the other
+//! activation rows hold and however the caller splits the weight rows (a
+//! position's logits then do not depend on the shape of the batch it is
+//! computed in). Every kernel applies one fixed sequence of operations per
+//! output element: the 32-element formats take the tiled GEMM at every `m`
+//! (AVX-512; on AVX2, below 32 rows, a GEMV that reproduces the GEMM's
+//! per-element arithmetic, see `x86::gemv`), the K-quant row kernels and
+//! the float kernels use one accumulator layout per element for every tile
+//! shape, and each activation row is prepared on its own.
 //!
 //! Invariants: every public function validates dtypes and buffer lengths
 //! before any kernel runs and returns [`QuantError`] on bad input (it never
@@ -43,7 +55,7 @@ pub use acts::{PreparedActs, act_dtype_for, prepare_acts};
 pub use arbor_engine_core::DType;
 pub use error::QuantError;
 use gemm::OutMat;
-pub use gemm::{GEMM_MIN_M, gemm_supported};
+pub use gemm::gemm_supported;
 pub use simd::{SimdLevel, detected_level};
 
 /// True if `dtype` can be stored, dequantized and quantized by this crate.
@@ -190,9 +202,10 @@ pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
 /// elements of `weight`; `acts` must come from [`prepare_acts`] for the same
 /// weight dtype (or one with the same [`act_dtype_for`]) and `k`.
 ///
-/// With at least [`GEMM_MIN_M`] activation rows and a format the tiled GEMM
-/// handles ([`gemm_supported`]), the AVX2 and AVX-512 levels take the tiled
-/// path; otherwise the row kernels.
+/// Formats the tiled GEMM handles ([`gemm_supported`]) take it at the
+/// AVX-512 level for every `m`; at the AVX2 level, below 32 rows, a GEMV
+/// that reproduces the GEMM's per-element arithmetic exactly. Either way
+/// each output element is independent of `m` and of the other rows.
 pub fn dot_rows(
     weight: DType,
     w: &[u8],
@@ -226,12 +239,24 @@ pub fn dot_rows_with(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), QuantError> {
-    let tiled = acts.m >= GEMM_MIN_M && gemm_supported(weight);
-    dot_slice(level, tiled, weight, w, n_rows, k, acts, out, out_stride)
+    dot_slice(
+        level,
+        Path::Auto,
+        weight,
+        w,
+        n_rows,
+        k,
+        acts,
+        out,
+        out_stride,
+    )
 }
 
 /// [`dot_rows_with`] forced onto the GEMV-style row kernels, whatever
-/// `acts.m()` (for tests and benchmarks).
+/// `acts.m()` (for tests and benchmarks). For the 32-element formats these
+/// are the older row kernels, which [`dot_rows`] no longer uses: their
+/// per-element summation order differs from the GEMM's, so they agree with
+/// [`dot_rows`] only to rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn dot_rows_gemv_with(
     level: SimdLevel,
@@ -243,7 +268,17 @@ pub fn dot_rows_gemv_with(
     out: &mut [f32],
     out_stride: usize,
 ) -> Result<(), QuantError> {
-    dot_slice(level, false, weight, w, n_rows, k, acts, out, out_stride)
+    dot_slice(
+        level,
+        Path::Rows,
+        weight,
+        w,
+        n_rows,
+        k,
+        acts,
+        out,
+        out_stride,
+    )
 }
 
 /// [`dot_rows_with`] forced onto the tiled GEMM path, whatever `acts.m()`;
@@ -266,14 +301,35 @@ pub fn gemm_with(
             dtype: weight,
         });
     }
-    dot_slice(level, true, weight, w, n_rows, k, acts, out, out_stride)
+    dot_slice(
+        level,
+        Path::Tiled,
+        weight,
+        w,
+        n_rows,
+        k,
+        acts,
+        out,
+        out_stride,
+    )
+}
+
+/// Which kernels [`dot_unchecked`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// The batch-invariant dispatch of [`dot_rows`].
+    Auto,
+    /// The row kernels (for tests and benchmarks).
+    Rows,
+    /// The tiled GEMM (for tests and benchmarks; `gemm_supported` formats).
+    Tiled,
 }
 
 /// Checks `out` against the validated shape, then runs the kernels.
 #[allow(clippy::too_many_arguments)]
 fn dot_slice(
     level: SimdLevel,
-    tiled: bool,
+    path: Path,
     weight: DType,
     w: &[u8],
     n_rows: usize,
@@ -303,7 +359,7 @@ fn dot_slice(
     };
     // SAFETY: the shape was validated and `out` (exclusively borrowed) holds
     // every element (i, r), i < m, r < n_rows.
-    unsafe { dot_unchecked(level, tiled, weight, w, n_rows, k, acts, o) };
+    unsafe { dot_unchecked(level, path, weight, w, n_rows, k, acts, o) };
     Ok(())
 }
 
@@ -335,14 +391,13 @@ pub unsafe fn dot_rows_raw(
         .checked_mul(out_stride)
         .and_then(|v| v.checked_add(n_rows))
         .ok_or(QuantError::Overflow("output length"))?;
-    let tiled = acts.m >= GEMM_MIN_M && gemm_supported(weight);
     let o = OutMat {
         ptr: out,
         stride: out_stride,
     };
     // SAFETY: the shape was validated; the output elements are valid and
     // exclusively ours per this function's contract.
-    unsafe { dot_unchecked(level, tiled, weight, w, n_rows, k, acts, o) };
+    unsafe { dot_unchecked(level, Path::Auto, weight, w, n_rows, k, acts, o) };
     Ok(())
 }
 
@@ -403,7 +458,7 @@ fn check_dot(
 #[allow(clippy::too_many_arguments)]
 unsafe fn dot_unchecked(
     level: SimdLevel,
-    tiled: bool,
+    path: Path,
     weight: DType,
     w: &[u8],
     n_rows: usize,
@@ -425,7 +480,16 @@ unsafe fn dot_unchecked(
         let avx512 = level >= SimdLevel::Avx512;
         // SAFETY: level <= detected_level() was checked, so the CPU has the
         // features; all lengths were validated by check_dot.
-        if tiled && unsafe { x86::gemm::gemm(avx512, weight, w, n_rows, k, acts, out) } {
+        if path == Path::Auto && !avx512 {
+            // SAFETY: as above (AVX2); false unless a 32-element format
+            // with fewer rows than the AVX2 GEMM threshold.
+            if unsafe { x86::gemv::dot_rows(weight, w, n_rows, k, acts, out) } {
+                return;
+            }
+        }
+        // SAFETY: as above.
+        if path != Path::Rows && unsafe { x86::gemm::gemm(avx512, weight, w, n_rows, k, acts, out) }
+        {
             return;
         }
         // SAFETY: as above.
@@ -433,7 +497,7 @@ unsafe fn dot_unchecked(
             return;
         }
     }
-    let _ = tiled;
+    let _ = path;
     // SAFETY: per this function's contract.
     unsafe { dot_rows_scalar(weight, w, n_rows, k, acts, out) };
 }

@@ -210,7 +210,7 @@ fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
             );
         }
     }
-    // The default dispatch (tiled GEMM from GEMM_MIN_M rows) and the row
+    // The default dispatch (the tiled GEMM or its exact equivalent) and the row
     // kernels forced at every m.
     let paths = [dot_rows_with as DotFn, dot_rows_gemv_with as DotFn];
     for (level, dot) in SimdLevel::available()

@@ -1,22 +1,40 @@
-//! AVX2 and AVX-512 GEMV for float weights (F32, F16, BF16) with f32 activations.
+//! AVX2 and AVX-512 dot products of float weights (F32, F16, BF16) with f32
+//! activations, for any number of activation rows, batch-invariant.
 //!
-//! Each weight row is read once for up to [`MAXM`] activation rows: the row
-//! is converted to f32 one vector at a time and multiplied into `M`
-//! accumulator vectors (FMA in lanes, reduced at the end of the row).
+//! Numerics (the contract that makes an output independent of `m`, of the
+//! other rows and of how the caller splits the weight rows): every output
+//! element `(i, r)` is computed by the same instruction sequence whatever the
+//! tile it falls in. One vector accumulator (16 lanes with AVX-512, 8 with
+//! AVX2) starts at zero; for each full vector `j` of `k`, in order,
+//! `acc = fma(w[r][j..], x[i][j..], acc)`; a partial last vector is loaded
+//! with the missing lanes zeroed and multiplied the same way; then a fixed
+//! horizontal reduction (`hsum512`: halves, quarters, pairs; `hsum256`
+//! likewise) gives the value. The weights are converted to f32 exactly (f16
+//! through `vcvtph2ps`, bf16 by a 16-bit shift), so converting in registers
+//! or ahead of time would not change a bit.
+//!
+//! Tiling (speed only): tiles of `MR` activation rows by `NR` weight rows
+//! keep `MR * NR` accumulators in registers, so each loaded weight vector is
+//! used `MR` times and each activation vector `NR` times. Weight rows are
+//! walked in blocks of [`NB`] (kept in L2) with the activation rows in the
+//! inner loop. Ragged edges repeat the last row's pointer and drop the
+//! duplicate results, so no tile shape changes any element's arithmetic.
+//!
 //! Preconditions (checked by `lib.rs` before any call): `w` holds `n_rows`
-//! rows of `k` elements, `x` holds `m` rows of `k` f32, and
-//! the output view holds `m` rows of `n_rows` columns.
+//! rows of `k` elements, `x` holds `m` rows of `k` f32, and the output view
+//! holds `m` rows of `n_rows` columns.
 
 use crate::DType;
 use crate::gemm::OutMat;
 use std::arch::x86_64::*;
 
-/// Activation rows handled per pass over the weights.
-pub const MAXM: usize = 8;
-
 const F32: u8 = 0;
 const F16: u8 = 1;
 const BF16: u8 = 2;
+
+/// Weight rows per block of the driver (the block is re-read from L2 for
+/// every tile of activation rows).
+const NB: usize = 64;
 
 fn code(dtype: DType) -> u8 {
     match dtype {
@@ -33,10 +51,15 @@ const fn esize(dt: u8) -> usize {
 
 // ---------------------------------------------------------------- AVX-512
 
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+/// Activation rows per AVX-512 tile (at most).
+const MR512: usize = 6;
+/// Weight rows per AVX-512 tile.
+const NR512: usize = 4;
+
+#[inline(always)]
 unsafe fn load16<const DT: u8>(p: *const u8) -> __m512 {
-    // SAFETY: the caller guarantees 16 elements are readable at `p`.
+    // SAFETY: the caller guarantees 16 elements are readable at `p` and
+    // AVX-512F is enabled.
     unsafe {
         match DT {
             F32 => _mm512_loadu_ps(p as *const f32),
@@ -48,11 +71,11 @@ unsafe fn load16<const DT: u8>(p: *const u8) -> __m512 {
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn load16_masked<const DT: u8>(p: *const u8, mask: u16) -> __m512 {
-    // SAFETY: masked-off lanes are not accessed (AVX-512 fault suppression);
-    // the caller guarantees the unmasked elements are readable.
+    // SAFETY: masked-off lanes are not accessed (AVX-512 fault suppression)
+    // and read as zero; the caller guarantees the unmasked elements are
+    // readable and AVX-512 F/BW/VL are enabled.
     unsafe {
         match DT {
             F32 => _mm512_maskz_loadu_ps(mask, p as *const f32),
@@ -64,85 +87,79 @@ unsafe fn load16_masked<const DT: u8>(p: *const u8, mask: u16) -> __m512 {
     }
 }
 
-/// Dot of one weight row (`k` elements at `w`) with `M` activation rows
-/// (`x + i*k`), using `U` independent accumulators per activation row.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn row512<const DT: u8, const M: usize, const U: usize>(
-    w: *const u8,
-    x: *const f32,
-    k: usize,
-) -> [f32; M] {
-    let es = esize(DT);
-    let mut acc = [[_mm512_setzero_ps(); U]; M];
-    let mut j = 0;
-    // SAFETY: every load below reads elements j..j+16 (or masked lanes < k)
-    // of a row of k elements, which the caller guarantees are in bounds.
+/// The fixed horizontal sum of an AVX-512 accumulator.
+#[inline(always)]
+unsafe fn hsum512(v: __m512) -> f32 {
+    // SAFETY: AVX-512F is enabled in every caller.
     unsafe {
-        while j + 16 * U <= k {
-            for u in 0..U {
-                let wv = load16::<DT>(w.add((j + 16 * u) * es));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm512_loadu_ps(x.add(i * k + j + 16 * u));
-                    a[u] = _mm512_fmadd_ps(wv, xv, a[u]);
-                }
-            }
-            j += 16 * U;
-        }
+        let h = _mm256_add_ps(
+            _mm512_castps512_ps256(v),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+        );
+        hsum256(h)
+    }
+}
+
+/// One `MR x NR` tile: activation rows at `x[i]`, weight rows at `w[r]`
+/// (`k` elements each); returns the dots.
+#[inline(always)]
+unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const f32; MR],
+    k: usize,
+) -> [[f32; NR]; MR] {
+    let es = esize(DT);
+    // SAFETY: every row holds k elements (caller); loads stay below k.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        let mut j = 0;
         while j + 16 <= k {
-            let wv = load16::<DT>(w.add(j * es));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm512_loadu_ps(x.add(i * k + j));
-                a[0] = _mm512_fmadd_ps(wv, xv, a[0]);
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = load16::<DT>(wr.add(j * es));
+            }
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = _mm512_loadu_ps(xr.add(j));
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm512_fmadd_ps(wr, xv, *ar);
+                }
             }
             j += 16;
         }
         if j < k {
             let mask: u16 = ((1u32 << (k - j)) - 1) as u16;
-            let wv = load16_masked::<DT>(w.add(j * es), mask);
-            for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm512_maskz_loadu_ps(mask, x.add(i * k + j));
-                a[0] = _mm512_fmadd_ps(wv, xv, a[0]);
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = load16_masked::<DT>(wr.add(j * es), mask);
+            }
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = _mm512_maskz_loadu_ps(mask, xr.add(j));
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm512_fmadd_ps(wr, xv, *ar);
+                }
             }
         }
-    }
-    let mut res = [0.0f32; M];
-    for (r, a) in res.iter_mut().zip(acc.iter()) {
-        let mut s = a[0];
-        for v in a.iter().skip(1) {
-            s = _mm512_add_ps(s, *v);
+        let mut res = [[0.0f32; NR]; MR];
+        for (ri, ai) in res.iter_mut().zip(&acc) {
+            for (o, a) in ri.iter_mut().zip(ai) {
+                *o = hsum512(*a);
+            }
         }
-        *r = _mm512_reduce_add_ps(s);
-    }
-    res
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
-unsafe fn rows512<const DT: u8, const M: usize, const U: usize>(
-    w: &[u8],
-    n_rows: usize,
-    k: usize,
-    x: &[f32],
-    out: OutMat,
-) {
-    let rb = k * esize(DT);
-    for r in 0..n_rows {
-        // SAFETY: row r spans w[r*rb..(r+1)*rb] and x holds M rows of k
-        // (both checked by the caller).
-        let res = unsafe { row512::<DT, M, U>(w.as_ptr().add(r * rb), x.as_ptr(), k) };
-        for (i, v) in res.iter().enumerate() {
-            // SAFETY: i < M rows and r < n_rows columns of `out` (caller).
-            unsafe { out.set(i, r, *v) };
-        }
+        res
     }
 }
 
 // ---------------------------------------------------------------- AVX2
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// Activation rows per AVX2 tile (at most).
+const MR256: usize = 4;
+/// Weight rows per AVX2 tile.
+const NR256: usize = 3;
+
+#[inline(always)]
 unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
-    // SAFETY: the caller guarantees 8 elements are readable at `p`.
+    // SAFETY: the caller guarantees 8 elements are readable at `p` and AVX2
+    // + F16C are enabled.
     unsafe {
         match DT {
             F32 => _mm256_loadu_ps(p as *const f32),
@@ -154,121 +171,167 @@ unsafe fn load8<const DT: u8>(p: *const u8) -> __m256 {
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum256(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps::<1>(v);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
+/// The first `n < 8` elements at `p`, the other lanes zero.
+#[inline(always)]
+unsafe fn load8_partial<const DT: u8>(p: *const u8, n: usize) -> __m256 {
+    let mut buf = [0u8; 32];
+    // SAFETY: n elements are readable at p (caller); buf holds 8 of any size.
+    unsafe {
+        std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n * esize(DT));
+        load8::<DT>(buf.as_ptr())
+    }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn row256<const DT: u8, const M: usize, const U: usize>(
-    w: *const u8,
-    x: *const f32,
-    k: usize,
-) -> [f32; M] {
-    let es = esize(DT);
-    let mut acc = [[_mm256_setzero_ps(); U]; M];
-    let mut j = 0;
-    // SAFETY: every load reads elements j..j+8 < k of a row of k elements.
+/// The fixed horizontal sum of an 8-lane accumulator.
+#[inline(always)]
+unsafe fn hsum256(v: __m256) -> f32 {
+    // SAFETY: AVX is enabled in every caller.
     unsafe {
-        while j + 8 * U <= k {
-            for u in 0..U {
-                let wv = load8::<DT>(w.add((j + 8 * u) * es));
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_loadu_ps(x.add(i * k + j + 8 * u));
-                    a[u] = _mm256_fmadd_ps(wv, xv, a[u]);
-                }
-            }
-            j += 8 * U;
-        }
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+/// One `MR x NR` tile with AVX2 (see [`tile512`]).
+#[inline(always)]
+unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const f32; MR],
+    k: usize,
+) -> [[f32; NR]; MR] {
+    let es = esize(DT);
+    // SAFETY: every row holds k elements (caller); loads stay below k.
+    unsafe {
+        let mut acc = [[_mm256_setzero_ps(); NR]; MR];
+        let mut j = 0;
         while j + 8 <= k {
-            let wv = load8::<DT>(w.add(j * es));
-            for (i, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(i * k + j));
-                a[0] = _mm256_fmadd_ps(wv, xv, a[0]);
+            let mut wv = [_mm256_setzero_ps(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = load8::<DT>(wr.add(j * es));
+            }
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = _mm256_loadu_ps(xr.add(j));
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm256_fmadd_ps(wr, xv, *ar);
+                }
             }
             j += 8;
         }
-    }
-    let mut res = [0.0f32; M];
-    for (r, a) in res.iter_mut().zip(acc.iter()) {
-        let mut s = a[0];
-        for v in a.iter().skip(1) {
-            s = _mm256_add_ps(s, *v);
-        }
-        *r = hsum256(s);
-    }
-    if j < k {
-        for (i, r) in res.iter_mut().enumerate() {
-            let mut t = 0.0f32;
-            for jj in j..k {
-                // SAFETY: jj < k, within the row and the activation row.
-                let (wv, xv) = unsafe { (load_one::<DT>(w, jj), *x.add(i * k + jj)) };
-                t += wv * xv;
+        if j < k {
+            let n = k - j;
+            let mut wv = [_mm256_setzero_ps(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = load8_partial::<DT>(wr.add(j * es), n);
             }
-            *r += t;
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = load8_partial::<F32>(xr.add(j) as *const u8, n);
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm256_fmadd_ps(wr, xv, *ar);
+                }
+            }
         }
+        let mut res = [[0.0f32; NR]; MR];
+        for (ri, ai) in res.iter_mut().zip(&acc) {
+            for (o, a) in ri.iter_mut().zip(ai) {
+                *o = hsum256(*a);
+            }
+        }
+        res
     }
-    res
 }
 
-#[inline(always)]
-unsafe fn load_one<const DT: u8>(w: *const u8, j: usize) -> f32 {
-    // SAFETY: the caller guarantees element j is in bounds.
-    unsafe {
-        match DT {
-            F32 => (w.add(4 * j) as *const f32).read_unaligned(),
-            F16 => half::f16::from_bits((w.add(2 * j) as *const u16).read_unaligned()).to_f32(),
-            _ => f32::from_bits(((w.add(2 * j) as *const u16).read_unaligned() as u32) << 16),
+// ---------------------------------------------------------------- driver
+
+/// Runs the tiles of one level over the whole output: blocks of [`NB`]
+/// weight rows, tiles of at most `$mr` activation rows within, `$nr` weight
+/// rows innermost; `$run!(n)` runs a tile of `n` activation rows.
+macro_rules! drive {
+    ($w:expr, $n_rows:expr, $k:expr, $x:expr, $m:expr, $out:expr, $tile:ident, $mrmax:expr, $nr:expr, [$($mr:literal),*]) => {{
+        const NR: usize = $nr;
+        let (n_rows, k, m, out) = ($n_rows, $k, $m, $out);
+        let rb = k * esize(DT);
+        let wp: *const u8 = $w.as_ptr();
+        let xp: *const f32 = $x.as_ptr();
+        let mut b0 = 0;
+        while b0 < n_rows {
+            let b1 = (b0 + NB).min(n_rows);
+            let mut i0 = 0;
+            while i0 < m {
+                let mr = (m - i0).min($mrmax);
+                let mut r0 = b0;
+                while r0 < b1 {
+                    let nr = (b1 - r0).min(NR);
+                    // SAFETY: rows r0..r0+nr of w and i0..i0+mr of x exist (a
+                    // ragged edge repeats the last one); the output view
+                    // holds every (i, r) written (caller).
+                    unsafe {
+                        let mut wr = [wp; NR];
+                        for (r, p) in wr.iter_mut().enumerate() {
+                            *p = wp.add((r0 + r.min(nr - 1)) * rb);
+                        }
+                        match mr {
+                            $($mr => {
+                                let mut xr = [xp; $mr];
+                                for (i, p) in xr.iter_mut().enumerate() {
+                                    *p = xp.add((i0 + i) * k);
+                                }
+                                let res = $tile::<DT, $mr, NR>(wr, xr, k);
+                                for (i, row) in res.iter().enumerate() {
+                                    for (r, v) in row.iter().enumerate().take(nr) {
+                                        out.set(i0 + i, r0 + r, *v);
+                                    }
+                                }
+                            })*
+                            _ => unreachable!(),
+                        }
+                    }
+                    r0 += nr;
+                }
+                i0 += mr;
+            }
+            b0 = b1;
         }
-    }
+    }};
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows256<const DT: u8, const M: usize, const U: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn run512<const DT: u8>(
     w: &[u8],
     n_rows: usize,
     k: usize,
     x: &[f32],
+    m: usize,
     out: OutMat,
 ) {
-    let rb = k * esize(DT);
-    for r in 0..n_rows {
-        // SAFETY: row r spans w[r*rb..(r+1)*rb]; x holds M rows of k.
-        let res = unsafe { row256::<DT, M, U>(w.as_ptr().add(r * rb), x.as_ptr(), k) };
-        for (i, v) in res.iter().enumerate() {
-            // SAFETY: i < M rows and r < n_rows columns of `out` (caller).
-            unsafe { out.set(i, r, *v) };
-        }
-    }
+    drive!(
+        w,
+        n_rows,
+        k,
+        x,
+        m,
+        out,
+        tile512,
+        MR512,
+        NR512,
+        [1, 2, 3, 4, 5, 6]
+    );
 }
 
-// ---------------------------------------------------------------- dispatch
-
-type RowsFn = unsafe fn(&[u8], usize, usize, &[f32], OutMat);
-
-macro_rules! table {
-    ($f:ident, $dt:expr) => {
-        [
-            $f::<$dt, 1, 4> as RowsFn,
-            $f::<$dt, 2, 2>,
-            $f::<$dt, 3, 2>,
-            $f::<$dt, 4, 1>,
-            $f::<$dt, 5, 1>,
-            $f::<$dt, 6, 1>,
-            $f::<$dt, 7, 1>,
-            $f::<$dt, 8, 1>,
-        ]
-    };
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run256<const DT: u8>(
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: OutMat,
+) {
+    drive!(w, n_rows, k, x, m, out, tile256, MR256, NR256, [1, 2, 3, 4]);
 }
 
-/// GEMV over float weights.
+/// Dot products of float weights with f32 activations (every `m`).
 ///
 /// # Safety
 /// The CPU must support the features of `avx512` (AVX-512 F/BW/VL/DQ) or
@@ -284,22 +347,15 @@ pub unsafe fn dot_rows(
     m: usize,
     out: OutMat,
 ) {
-    let dt = code(dtype);
-    let tab: [RowsFn; MAXM] = match (avx512, dt) {
-        (true, F32) => table!(rows512, F32),
-        (true, F16) => table!(rows512, F16),
-        (true, _) => table!(rows512, BF16),
-        (false, F32) => table!(rows256, F32),
-        (false, F16) => table!(rows256, F16),
-        (false, _) => table!(rows256, BF16),
-    };
-    let mut i0 = 0;
-    while i0 < m {
-        let mm = (m - i0).min(MAXM);
-        let xs = &x[i0 * k..(i0 + mm) * k];
-        // SAFETY: features per this function's contract; xs holds mm rows
-        // of k, and rows i0..i0+mm of `out` hold n_rows columns.
-        unsafe { tab[mm - 1](w, n_rows, k, xs, out.starting_at(i0)) };
-        i0 += mm;
+    // SAFETY: features and lengths per this function's contract.
+    unsafe {
+        match (avx512, code(dtype)) {
+            (true, F32) => run512::<F32>(w, n_rows, k, x, m, out),
+            (true, F16) => run512::<F16>(w, n_rows, k, x, m, out),
+            (true, _) => run512::<BF16>(w, n_rows, k, x, m, out),
+            (false, F32) => run256::<F32>(w, n_rows, k, x, m, out),
+            (false, F16) => run256::<F16>(w, n_rows, k, x, m, out),
+            (false, _) => run256::<BF16>(w, n_rows, k, x, m, out),
+        }
     }
 }

@@ -269,7 +269,7 @@ unsafe fn group_full<const F: u8, const VNNI: bool, const M: usize>(
 
 /// 8 i32 lanes whose sum is Σ w_j * y_j over the block.
 #[inline(always)]
-unsafe fn dot8<const F: u8, const VNNI: bool>(w: __m256i, y: __m256i) -> __m256i {
+pub(super) unsafe fn dot8<const F: u8, const VNNI: bool>(w: __m256i, y: __m256i) -> __m256i {
     // SAFETY: VNNI is true only in functions compiled with avx512vnni+vl.
     unsafe {
         if VNNI {
@@ -287,7 +287,7 @@ unsafe fn dot8<const F: u8, const VNNI: bool>(w: __m256i, y: __m256i) -> __m256i
 
 /// Lane b = sum of the 8 lanes of p[b].
 #[inline(always)]
-unsafe fn reduce8(p: &[__m256i; 8]) -> __m256i {
+pub(super) unsafe fn reduce8(p: &[__m256i; 8]) -> __m256i {
     // SAFETY: AVX2 is enabled in every caller.
     unsafe {
         let h01 = _mm256_hadd_epi32(p[0], p[1]);

@@ -8,5 +8,6 @@ pub mod acts;
 pub mod dequant;
 pub mod float;
 pub mod gemm;
+pub mod gemv;
 pub mod kquants;
 pub mod legacy;

@@ -1,0 +1,481 @@
+//! Batch invariance of the CPU backend's kernels: a row's result is
+//! bit-identical however the step around it is shaped.
+//!
+//! Linear layers: for every weight dtype the backend accepts, row `i` of
+//! `x · Wᵀ (+ b)` is the same bits for m = 1, 3, 4, 7, 8, 9, 33, 100 (the
+//! other rows random, the row anywhere in the batch), for 1, 2 and 3
+//! threads, alone or in a `linear_many` with other layers.
+//!
+//! Attention: a query's output is the same bits as a decode, inside a
+//! prefill, in chunks of different lengths and offsets, and batched with
+//! other sequences, with GQA, a sliding window and f32/f16 caches; a draft
+//! tree token's output equals the same token's in a chain of only its
+//! ancestors.
+#![allow(clippy::unwrap_used)]
+
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::{
+    AttentionBackend, AttentionParams, Backend, BatchLayout, DType, HostTensor, KvCache, KvSpec,
+    LinearRef, Tensor,
+};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn normal(&mut self) -> f32 {
+        let u1 = ((self.next() >> 40) as f32 / (1u64 << 24) as f32).max(1e-7);
+        let u2 = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
+        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+    }
+    fn normals(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.normal()).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+fn backend(threads: usize) -> Arc<dyn Backend> {
+    Arc::new(CpuBackend::new(threads).unwrap())
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// A weight matrix of `dtype` from random values.
+fn weight(b: &(dyn Backend + 'static), rng: &mut Rng, dtype: DType, n: usize, k: usize) -> Tensor {
+    let x = rng.normals(n * k);
+    let mut data = vec![0u8; arbor_quant::row_bytes(dtype, n * k).unwrap()];
+    arbor_quant::quantize(dtype, &x, &mut data).unwrap();
+    b.upload(&HostTensor {
+        dtype,
+        shape: vec![n, k],
+        data: Cow::Owned(data),
+    })
+    .unwrap()
+}
+
+/// `x · wᵀ (+ bias)` for the `m` rows in `x`.
+fn linear(
+    b: &(dyn Backend + 'static),
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+) -> Vec<f32> {
+    let n = w.shape()[0];
+    let xt = b.upload_f32(&[m, k], x).unwrap();
+    let out = b.alloc(DType::F32, &[m, n]).unwrap();
+    b.linear(&xt, w, bias, &out).unwrap();
+    b.download_f32(&out).unwrap()
+}
+
+#[test]
+fn linear_rows_are_bit_identical_for_every_batch() {
+    let threads = [backend(2), backend(1), backend(3)];
+    let mut rng = Rng(11);
+    let dtypes = CpuBackend::new(1)
+        .unwrap()
+        .capabilities()
+        .weight_dtypes
+        .clone();
+    assert_eq!(dtypes.len(), 13, "every accepted weight dtype is tested");
+    for &dtype in &dtypes {
+        // Ragged shapes where the format allows them: n not a multiple of
+        // any panel, k with a partial last vector (floats) or chunk (Q*_0/1).
+        let (n, k) = match dtype.block_size() {
+            1 => (70, 333),
+            32 => (70, 32 * 27),
+            _ => (70, 512),
+        };
+        let b0 = &*threads[0];
+        let w = weight(b0, &mut rng, dtype, n, k);
+        let bias = b0.upload_f32(&[n], &rng.normals(n)).unwrap();
+        let probe = rng.normals(k);
+        let want = bits(&linear(b0, &probe, 1, k, &w, None));
+        let want_b = bits(&linear(b0, &probe, 1, k, &w, Some(&bias)));
+        for m in [1usize, 3, 4, 7, 8, 9, 33, 100] {
+            let mut x = rng.normals(m * k);
+            let at = rng.below(m);
+            x[at * k..(at + 1) * k].copy_from_slice(&probe);
+            let got = linear(b0, &x, m, k, &w, None);
+            assert_eq!(
+                bits(&got[at * n..(at + 1) * n]),
+                want,
+                "{dtype}: row {at} of m={m} differs from m=1"
+            );
+            let got = linear(b0, &x, m, k, &w, Some(&bias));
+            assert_eq!(
+                bits(&got[at * n..(at + 1) * n]),
+                want_b,
+                "{dtype} with bias: row {at} of m={m}"
+            );
+        }
+        // Other thread counts (other splits of the weight rows): the same
+        // weights uploaded to each backend.
+        for b in &threads[1..] {
+            let mut data = vec![0u8; w.byte_len().unwrap()];
+            b0.download(&w, &mut data).unwrap();
+            let wb = b
+                .upload(&HostTensor {
+                    dtype,
+                    shape: vec![n, k],
+                    data: Cow::Owned(data),
+                })
+                .unwrap();
+            let m = 9;
+            let mut x = rng.normals(m * k);
+            x[4 * k..5 * k].copy_from_slice(&probe);
+            let got = linear(&**b, &x, m, k, &wb, None);
+            assert_eq!(
+                bits(&got[4 * n..5 * n]),
+                want,
+                "{dtype}: another thread count"
+            );
+        }
+    }
+}
+
+#[test]
+fn linear_many_rows_match_single_layers() {
+    let b = backend(2);
+    let mut rng = Rng(12);
+    let k = 256;
+    let layers = [
+        (DType::Q4_1, 96),
+        (DType::Q8_0, 40),
+        (DType::Q4_K, 33),
+        (DType::BF16, 50),
+    ];
+    let ws: Vec<Tensor> = layers
+        .iter()
+        .map(|&(d, n)| weight(&*b, &mut rng, d, n, k))
+        .collect();
+    let probe = rng.normals(k);
+    for m in [1usize, 5, 40] {
+        let mut x = rng.normals(m * k);
+        let at = m / 2;
+        x[at * k..(at + 1) * k].copy_from_slice(&probe);
+        let xt = b.upload_f32(&[m, k], &x).unwrap();
+        let outs: Vec<Tensor> = layers
+            .iter()
+            .map(|&(_, n)| b.alloc(DType::F32, &[m, n]).unwrap())
+            .collect();
+        let refs: Vec<LinearRef<'_>> = ws
+            .iter()
+            .zip(&outs)
+            .map(|(w, out)| LinearRef { w, bias: None, out })
+            .collect();
+        b.linear_many(&xt, &refs).unwrap();
+        for ((w, out), &(d, n)) in ws.iter().zip(&outs).zip(&layers) {
+            let got = b.download_f32(out).unwrap();
+            let want = linear(&*b, &probe, 1, k, w, None);
+            assert_eq!(
+                bits(&got[at * n..(at + 1) * n]),
+                bits(&want),
+                "{d} in linear_many, m={m}"
+            );
+        }
+    }
+}
+
+/// Per-position attention inputs of one sequence.
+struct Seq {
+    q: Vec<Vec<f32>>,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl Seq {
+    fn random(rng: &mut Rng, len: usize, p: &AttentionParams) -> Self {
+        let (qw, kw) = (p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim);
+        Seq {
+            q: (0..len).map(|_| rng.normals(qw)).collect(),
+            k: (0..len).map(|_| rng.normals(kw)).collect(),
+            v: (0..len).map(|_| rng.normals(kw)).collect(),
+        }
+    }
+}
+
+/// An attention fixture: a one-layer KV cache and the CPU attention.
+struct Att {
+    b: Arc<dyn Backend>,
+    attn: Arc<dyn AttentionBackend>,
+    kv: KvCache,
+    p: AttentionParams,
+    page_size: usize,
+}
+
+/// One sequence's part of a step: its inputs, which positions of them are
+/// new, its cached prefix and pages, and (for a tree) the parents.
+struct Part<'a> {
+    seq: &'a Seq,
+    /// Indices into `seq` of the new tokens, in order.
+    idx: Vec<usize>,
+    prefix: usize,
+    pages: &'a [u32],
+    parents: Option<Vec<i32>>,
+}
+
+impl Att {
+    fn new(threads: usize, p: AttentionParams, page_size: usize, dtype: DType) -> Self {
+        let b = backend(threads);
+        let spec = KvSpec {
+            num_layers: 1,
+            num_kv_heads: p.num_kv_heads,
+            head_dim: p.head_dim,
+            page_size,
+            num_pages: 4096 / page_size,
+            dtype,
+        };
+        let kv = KvCache::allocate(&*b, spec).unwrap();
+        let attn = b.attention(None).unwrap();
+        Att {
+            b,
+            attn,
+            kv,
+            p,
+            page_size,
+        }
+    }
+
+    /// Runs one step; returns each part's output rows.
+    fn step(&self, parts: &[Part<'_>]) -> Vec<Vec<Vec<f32>>> {
+        let mut layout = BatchLayout::new(self.page_size);
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for pt in parts {
+            match &pt.parents {
+                Some(par) => layout.push_tree_seq(pt.prefix, par, pt.pages).unwrap(),
+                None => layout.push_seq(pt.prefix, pt.idx.len(), pt.pages).unwrap(),
+            }
+            for &i in &pt.idx {
+                q.extend_from_slice(&pt.seq.q[i]);
+                k.extend_from_slice(&pt.seq.k[i]);
+                v.extend_from_slice(&pt.seq.v[i]);
+            }
+        }
+        let t = layout.num_tokens();
+        let (qw, kw) = (
+            self.p.num_heads * self.p.head_dim,
+            self.p.num_kv_heads * self.p.head_dim,
+        );
+        let b = &*self.b;
+        let qt = b.upload_f32(&[t, qw], &q).unwrap();
+        let kt = b.upload_f32(&[t, kw], &k).unwrap();
+        let vt = b.upload_f32(&[t, kw], &v).unwrap();
+        let out = b.alloc(DType::F32, &[t, qw]).unwrap();
+        let batch = self.attn.prepare(Arc::new(layout)).unwrap();
+        self.attn
+            .forward(
+                &batch,
+                self.kv.layer(0).unwrap(),
+                &qt,
+                &kt,
+                &vt,
+                &out,
+                &self.p,
+            )
+            .unwrap();
+        let o = b.download_f32(&out).unwrap();
+        let mut rows = o.chunks_exact(qw).map(<[f32]>::to_vec);
+        parts
+            .iter()
+            .map(|pt| (0..pt.idx.len()).map(|_| rows.next().unwrap()).collect())
+            .collect()
+    }
+}
+
+fn chain<'a>(seq: &'a Seq, range: std::ops::Range<usize>, pages: &'a [u32]) -> Part<'a> {
+    Part {
+        seq,
+        prefix: range.start,
+        idx: range.collect(),
+        pages,
+        parents: None,
+    }
+}
+
+fn configs() -> Vec<(AttentionParams, usize, DType, usize)> {
+    let p = |nh, nkv, hd: usize, w| AttentionParams {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        sliding_window: w,
+    };
+    // (params, page size, KV dtype, threads)
+    vec![
+        (p(4, 2, 16, None), 4, DType::F32, 2),
+        (p(9, 3, 64, None), 16, DType::F16, 2),
+        (p(6, 2, 64, Some(11)), 8, DType::F32, 3),
+        (p(3, 3, 20, Some(40)), 16, DType::BF16, 1),
+        (p(8, 1, 128, Some(70)), 32, DType::F32, 2),
+    ]
+}
+
+#[test]
+fn attention_rows_are_bit_identical_for_every_step_shape() {
+    let mut rng = Rng(21);
+    for (p, ps, dtype, threads) in configs() {
+        let what = format!("{p:?} pages of {ps}, {dtype} cache");
+        let len = 150;
+        let seq = Seq::random(&mut rng, len, &p);
+        let others: Vec<Seq> = (0..15).map(|_| Seq::random(&mut rng, 90, &p)).collect();
+        let att = Att::new(threads, p, ps, dtype);
+        let npages = 4096 / ps;
+        // Pages: ours scattered, the others' from the rest of the cache.
+        let mut all: Vec<u32> = (0..npages as u32).collect();
+        for i in (1..all.len()).rev() {
+            all.swap(i, rng.below(i + 1));
+        }
+        let need = len.div_ceil(ps);
+        let (ours, rest) = all.split_at(need);
+        let per_other = 90usize.div_ceil(ps);
+
+        // Reference: token by token (decode steps).
+        let mut want = Vec::new();
+        for t in 0..len {
+            want.push(att.step(&[chain(&seq, t..t + 1, ours)])[0][0].clone());
+        }
+        let check = |got: &[Vec<f32>], from: usize, how: &str| {
+            for (i, row) in got.iter().enumerate() {
+                assert_eq!(
+                    bits(row),
+                    bits(&want[from + i]),
+                    "{what}: position {} {how} differs from its decode",
+                    from + i
+                );
+            }
+        };
+        // One prefill of everything.
+        check(
+            &att.step(&[chain(&seq, 0..len, ours)])[0],
+            0,
+            "in one prefill",
+        );
+        // Chunks of different lengths and offsets.
+        for cuts in [
+            vec![1, 17, 18, 64, 100, 149],
+            vec![63, 64, 65, 130],
+            vec![5, 77],
+        ] {
+            let mut bounds = vec![0];
+            bounds.extend(cuts);
+            bounds.push(len);
+            for w in bounds.windows(2) {
+                check(
+                    &att.step(&[chain(&seq, w[0]..w[1], ours)])[0],
+                    w[0],
+                    "in a chunk",
+                );
+            }
+        }
+        // Batched with 15 other sequences (prefills and decodes of other
+        // lengths), ours a chunk in the middle of the batch.
+        let mut parts = Vec::new();
+        for (i, o) in others.iter().enumerate() {
+            let pg = &rest[i * per_other..(i + 1) * per_other];
+            let l = 1 + rng.below(89);
+            parts.push(chain(o, 0..l, pg));
+        }
+        parts.insert(7, chain(&seq, 0..40, ours));
+        check(&att.step(&parts)[7], 0, "in a batch");
+        let mut parts = Vec::new();
+        for (i, o) in others.iter().enumerate() {
+            let pg = &rest[i * per_other..(i + 1) * per_other];
+            // Decode or continue the others' sequences from where they are.
+            let l = 1 + rng.below(89);
+            parts.push(chain(o, l - 1..l + rng.below(90 - l) + 1, pg));
+        }
+        parts.insert(3, chain(&seq, 40..41, ours));
+        check(&att.step(&parts)[3], 40, "as a batched decode");
+        parts.truncate(0);
+        parts.push(chain(&seq, 41..len, ours));
+        for (i, o) in others.iter().enumerate().take(4) {
+            let pg = &rest[i * per_other..(i + 1) * per_other];
+            parts.push(chain(o, 0..90, pg));
+        }
+        check(&att.step(&parts)[0], 41, "in a batched prefill");
+    }
+}
+
+#[test]
+fn tree_tokens_match_their_ancestor_chains() {
+    let mut rng = Rng(31);
+    // root 0; 1, 2 children of 0; 3, 4 of 1; 5 of 2; 6 of 3; 7, 8 of 5; 9 of 6.
+    let parents = vec![-1, 0, 0, 1, 1, 2, 3, 5, 5, 6];
+    let depth = |mut j: usize| {
+        let mut d = 0;
+        while parents[j] >= 0 {
+            j = parents[j] as usize;
+            d += 1;
+        }
+        d
+    };
+    for (p, ps, dtype, threads) in configs() {
+        let what = format!("{p:?} pages of {ps}, {dtype} cache");
+        for prefix in [0usize, 1, 37] {
+            let att = Att::new(threads, p, ps, dtype);
+            // The prefix and the tree tokens' inputs.
+            let seq = Seq::random(&mut rng, prefix + parents.len(), &p);
+            let pages: Vec<u32> = (0..(prefix + parents.len()).div_ceil(ps) as u32).collect();
+            if prefix > 0 {
+                att.step(&[chain(&seq, 0..prefix, &pages)]);
+            }
+            let tree = Part {
+                seq: &seq,
+                idx: (prefix..prefix + parents.len()).collect(),
+                prefix,
+                pages: &pages,
+                parents: Some(parents.clone()),
+            };
+            let got = att.step(&[tree]).remove(0);
+            for j in 0..parents.len() {
+                // The chain of j's ancestors, in its own pages after a copy
+                // of the same prefix.
+                let mut path = vec![j];
+                while parents[*path.last().unwrap()] >= 0 {
+                    path.push(parents[*path.last().unwrap()] as usize);
+                }
+                path.reverse();
+                assert_eq!(path.len(), depth(j) + 1);
+                let mut cs = Seq {
+                    q: seq.q[..prefix].to_vec(),
+                    k: seq.k[..prefix].to_vec(),
+                    v: seq.v[..prefix].to_vec(),
+                };
+                for &a in &path {
+                    cs.q.push(seq.q[prefix + a].clone());
+                    cs.k.push(seq.k[prefix + a].clone());
+                    cs.v.push(seq.v[prefix + a].clone());
+                }
+                let base = (prefix + parents.len()).div_ceil(ps) as u32 + 1;
+                let cp: Vec<u32> =
+                    (base..base + (prefix + path.len()).div_ceil(ps) as u32).collect();
+                if prefix > 0 {
+                    att.step(&[chain(&cs, 0..prefix, &cp)]);
+                }
+                let rows = att
+                    .step(&[chain(&cs, prefix..prefix + path.len(), &cp)])
+                    .remove(0);
+                for (i, &a) in path.iter().enumerate() {
+                    assert_eq!(
+                        bits(&got[a]),
+                        bits(&rows[i]),
+                        "{what}, prefix {prefix}: tree token {a} vs its chain (on the path of {j})"
+                    );
+                }
+            }
+        }
+    }
+}
