@@ -217,13 +217,14 @@ fn step(
         positions: pos,
         layout,
         logits_rows: rows,
+        hidden_layers: Vec::new(),
     };
     let ctx = ForwardContext {
         kv: &s.kv,
         attention: &*s.attention,
         attention_batch: &ab,
     };
-    let logits = s.model.forward(&batch, &ctx)?;
+    let logits = s.model.forward(&batch, &ctx)?.logits;
     let out = b.alloc(DType::U32, &[seqs.len()])?;
     let greedy = SampleRow {
         temperature: 0.0,

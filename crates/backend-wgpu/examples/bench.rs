@@ -76,13 +76,14 @@ fn step(
         positions,
         layout,
         logits_rows: rows,
+        hidden_layers: Vec::new(),
     };
     let ctx = ForwardContext {
         kv,
         attention: attn,
         attention_batch: &batch,
     };
-    let logits = model.forward(&fb, &ctx)?;
+    let logits = model.forward(&fb, &ctx)?.logits;
     let greedy = SampleRow {
         temperature: 0.0,
         top_k: 0,

@@ -148,13 +148,14 @@ fn greedy_on_device(
             logits_rows: vec![ids.len() as u32 - 1],
             input_ids: ids,
             layout,
+            hidden_layers: Vec::new(),
         };
         let ctx = ForwardContext {
             kv: &cache,
             attention: &*attention,
             attention_batch: &batch,
         };
-        let logits = m.model.forward(&fb, &ctx)?;
+        let logits = m.model.forward(&fb, &ctx)?.logits;
         let row = SampleRow {
             temperature: 0.0,
             top_k: 0,

@@ -10,7 +10,7 @@ use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateReque
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
     Backend, DType, ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec,
-    PrefixCacheOptions, Registry, Result, SamplingParams, Tensor, TokenDecoder,
+    PrefixCacheOptions, Registry, Result, SamplingParams, TokenDecoder,
 };
 use arbor_kv_radix as _;
 use std::sync::Arc;

@@ -243,13 +243,14 @@ fn check_tree(
             positions,
             layout,
             logits_rows: (0..tokens.len() as u32).collect(),
+            hidden_layers: Vec::new(),
         };
         let ctx = ForwardContext {
             kv: &kv,
             attention: &*attention,
             attention_batch: &attention_batch,
         };
-        let l = backend.download_f32(&model.forward(&batch, &ctx)?)?;
+        let l = backend.download_f32(&model.forward(&batch, &ctx)?.logits)?;
         Ok(l.chunks_exact(s.vocab_size).map(<[f32]>::to_vec).collect())
     };
     let mut rng = Rng(seed);

@@ -241,6 +241,7 @@ impl<'a> Replay<'a> {
                 .map(|s| DraftRequest {
                     key: s.key,
                     tokens: &s.history,
+                    len: s.history.len(),
                     max_tokens: DRAFT,
                     allow_tree: self.tree,
                 })
@@ -377,6 +378,7 @@ fn benches(c: &mut Criterion) {
             .map(|(key, t)| DraftRequest {
                 key: *key,
                 tokens: t,
+                len: t.len(),
                 max_tokens: DRAFT,
                 allow_tree: tree,
             })
