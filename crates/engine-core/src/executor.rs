@@ -212,6 +212,11 @@ impl Executor for LocalExecutor {
             }
             v
         };
+        for (seq, out) in plan.seqs.iter().zip(&seqs) {
+            if seq.tree.is_some() && !out.accepted_path.is_empty() {
+                self.compact_accepted(seq, &out.accepted_path)?;
+            }
+        }
         if !plan.hidden_layers.is_empty() {
             let hidden_size = self.model_spec().hidden_size;
             for t in &out.hidden {
@@ -317,6 +322,40 @@ fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
 }
 
 impl LocalExecutor {
+    /// After a draft tree's verification, moves the KV of the accepted path
+    /// (plan indices `path`, increasing) into chain order, so that the
+    /// sequence's first `prefix_len + 1 + path.len()` slots hold its tokens
+    /// in order. Safe in place: the j-th accepted token moves from index
+    /// `path[j] >= j + 1` to `j + 1`, and later sources lie past every
+    /// earlier destination.
+    fn compact_accepted(&self, s: &SeqPlan, path: &[usize]) -> Result<()> {
+        let kv = self.runner.kv();
+        let ps = kv.spec().page_size;
+        let slot = |i: usize| -> Result<usize> {
+            let t = s.prefix_len + i;
+            let page = s
+                .pages
+                .get(t / ps)
+                .ok_or_else(|| crate::error::CoreError::invalid("draft past its pages"))?;
+            Ok(*page as usize * ps + t % ps)
+        };
+        let backend = self.runner.backend();
+        for (j, &src) in path.iter().enumerate() {
+            let dst = j + 1;
+            if src == dst {
+                continue;
+            }
+            let (from, to) = (slot(src)?, slot(dst)?);
+            for l in 0..kv.spec().num_layers {
+                let layer = kv.layer(l)?;
+                for t in [&layer.k, &layer.v] {
+                    backend.copy(&t.narrow(from, 1)?, &t.narrow(to, 1)?)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Samples (and verifies) one sequence's rows on the host.
     fn sample_on_host(
         &self,

@@ -81,6 +81,10 @@ impl ModelRunner {
     pub fn kv_spec(&self) -> &KvSpec {
         self.kv.spec()
     }
+    /// The KV cache.
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
     /// A page pool matching the KV cache.
     pub fn new_page_pool(&self) -> PagePool {
         PagePool::new(self.kv.spec().num_pages, self.kv.spec().page_size)

@@ -53,6 +53,35 @@ impl Draft {
         }
     }
 
+    /// Keeps the first `n` tokens (still a valid tree: parents come first).
+    pub fn truncate(&mut self, n: usize) {
+        self.tokens.truncate(n);
+        if let Some(p) = self.parents.as_mut() {
+            p.truncate(n);
+        }
+    }
+
+    /// Number of draft tokens.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether there is no draft token.
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Parents in a batch layout's terms (see `BatchLayout::push_tree_seq`):
+    /// the request's last token is the root (index 0, parent -1) and draft
+    /// token `i` is index `i + 1`; `None` for a chain.
+    pub fn layout_parents(&self) -> Option<Vec<i32>> {
+        let p = self.parents.as_ref()?;
+        let mut out = Vec::with_capacity(p.len() + 1);
+        out.push(-1);
+        out.extend(p.iter().map(|q| q.map_or(0, |q| q as i32 + 1)));
+        Some(out)
+    }
+
     /// Checks the tree invariant.
     pub fn validate(&self) -> Result<()> {
         if let Some(p) = &self.parents {
@@ -242,6 +271,11 @@ mod tests {
         };
         d.validate().unwrap();
         assert_eq!(d.first_chain(), vec![10, 12, 13]);
+        assert_eq!(d.layout_parents(), Some(vec![-1, 0, 0, 1, 3]));
+        let mut t = d.clone();
+        t.truncate(3);
+        t.validate().unwrap();
+        assert_eq!(t.layout_parents(), Some(vec![-1, 0, 0, 1]));
         let bad = Draft {
             tokens: vec![1, 2],
             parents: Some(vec![None, Some(1)]),

@@ -72,6 +72,10 @@ struct Oracle {
     answers: Answers,
     seqs: HashMap<u64, Vec<u32>>,
     vocab: u32,
+    /// Propose trees: beside each corrupted token, a sibling with the right
+    /// token and the next two right tokens under it (so verification accepts
+    /// a path that is not the first chain, and its KV must be moved).
+    tree: bool,
 }
 
 impl Speculator for Oracle {
@@ -90,14 +94,45 @@ impl Speculator for Oracle {
                     return Draft::default();
                 };
                 let done = seq.len() - p.len();
-                let toks = ans
-                    .iter()
-                    .enumerate()
-                    .skip(done)
-                    .take(r.max_tokens)
-                    .map(|(i, &t)| if i % 5 == 3 { (t + 1) % self.vocab } else { t })
-                    .collect();
-                Draft::chain(toks)
+                let corrupt = |i: usize, t: u32| if i % 5 == 3 { (t + 1) % self.vocab } else { t };
+                if !(self.tree && r.allow_tree) {
+                    let toks = ans
+                        .iter()
+                        .enumerate()
+                        .skip(done)
+                        .take(r.max_tokens)
+                        .map(|(i, &t)| corrupt(i, t))
+                        .collect();
+                    return Draft::chain(toks);
+                }
+                let mut tokens = Vec::new();
+                let mut parents: Vec<Option<u32>> = Vec::new();
+                let mut last: Option<u32> = None;
+                for (i, &t) in ans.iter().enumerate().skip(done) {
+                    if tokens.len() + 4 > r.max_tokens {
+                        break;
+                    }
+                    let c = corrupt(i, t);
+                    tokens.push(c);
+                    parents.push(last);
+                    let here = Some(tokens.len() as u32 - 1);
+                    if c != t {
+                        // The right sibling, then two right tokens under it.
+                        tokens.push(t);
+                        parents.push(last);
+                        let mut under = Some(tokens.len() as u32 - 1);
+                        for &u in ans.iter().skip(i + 1).take(2) {
+                            tokens.push(u);
+                            parents.push(under);
+                            under = Some(tokens.len() as u32 - 1);
+                        }
+                    }
+                    last = here;
+                }
+                Draft {
+                    tokens,
+                    parents: Some(parents),
+                }
             })
             .collect()
     }
@@ -113,6 +148,7 @@ impl Speculator for Oracle {
 enum Spec {
     Off,
     Oracle(Answers),
+    OracleTree(Answers),
     Ngram,
 }
 
@@ -156,12 +192,22 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
     );
     match spec {
         Spec::Off => cfg.speculative = None,
-        Spec::Oracle(answers) => {
-            cfg.speculative.get_or_insert_with(|| speculative(6, false));
+        Spec::Oracle(answers) | Spec::OracleTree(answers) => {
+            cfg.speculative.get_or_insert_with(|| {
+                speculative(
+                    if matches!(spec, Spec::OracleTree(_)) {
+                        12
+                    } else {
+                        6
+                    },
+                    false,
+                )
+            });
             parts.speculator = Some(Box::new(Oracle {
                 answers: answers.clone(),
                 seqs: HashMap::new(),
                 vocab: s.model.model.spec().vocab_size as u32,
+                tree: matches!(spec, Spec::OracleTree(_)),
             }));
         }
         Spec::Ngram => {
@@ -333,6 +379,21 @@ fn oracle_drafts_keep_greedy_output_identical() -> Result<()> {
     let want = reference(&ps, &greedy(24))?;
     for overlap in [false, true] {
         let spec = Spec::Oracle(answers(&ps, &want));
+        let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
+        assert!(
+            accepted > 0 && accepted < drafted,
+            "{accepted} of {drafted}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn tree_drafts_keep_greedy_output_identical() -> Result<()> {
+    let ps = prompts(32, 17);
+    let want = reference(&ps, &greedy(24))?;
+    for overlap in [false, true] {
+        let spec = Spec::OracleTree(answers(&ps, &want));
         let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
         assert!(
             accepted > 0 && accepted < drafted,

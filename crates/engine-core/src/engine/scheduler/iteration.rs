@@ -19,6 +19,7 @@ use super::{PrefillEntry, Scheduler, abort_finish};
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
+use crate::speculative::Draft;
 use crate::step::{
     MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepPlan,
 };
@@ -112,21 +113,25 @@ impl Scheduler {
         }
     }
 
-    fn decode_plan(&self, r: &mut Req, drafts: &[u32]) -> SeqPlan {
+    fn decode_plan(&self, r: &mut Req, draft: &Draft) -> SeqPlan {
         let mut tokens = r.tail(r.computed);
-        tokens.extend_from_slice(drafts);
-        let rows = if drafts.is_empty() {
+        tokens.extend_from_slice(&draft.tokens);
+        let rows = if draft.is_empty() {
             SampleRows::Last
         } else {
             SampleRows::Verify {
-                drafts: drafts.len(),
+                drafts: draft.len(),
             }
         };
+        // A tree's root is the pending token (drafting needs exactly one).
+        let tree = draft
+            .layout_parents()
+            .filter(|p| !draft.is_empty() && p.len() == tokens.len());
         SeqPlan {
             tokens,
             prefix_len: r.computed,
             pages: r.page_table(),
-            tree: None,
+            tree,
             sample: Some(self.sample_spec(r, rows)),
         }
     }
@@ -195,7 +200,7 @@ impl Scheduler {
                     .iter_mut()
                     .zip(&drafts)
                     .enumerate()
-                    .map(|(i, (r, d))| (npre + i, r, d.as_slice())),
+                    .map(|(i, (r, d))| (npre + i, r, d.tokens.as_slice())),
             )
             .filter(|(_, r, _)| r.matcher.is_some())
             .collect();

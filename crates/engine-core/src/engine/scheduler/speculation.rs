@@ -11,13 +11,14 @@
 //! by retracting another request), and a draft that finds no page is cut to
 //! the slots the request already holds.
 //!
-//! Drafts are chains: the scheduler verifies the first chain of a proposed
-//! tree. (Tree verification needs the accepted path's KV moved into place;
-//! the attention layouts support trees already.)
+//! Drafts are trees where the executor verifies trees (its attention
+//! implementation supports tree masks) and the request has no grammar; the
+//! executor moves the accepted path's KV into chain order after verifying.
+//! Elsewhere the first chain of a proposed tree is verified.
 
 use super::Scheduler;
 use crate::engine::request::Req;
-use crate::speculative::DraftRequest;
+use crate::speculative::{Draft, DraftRequest};
 
 /// Tokens of a request's tail given to the speculator, at least (its
 /// longest match window needs no more).
@@ -33,8 +34,9 @@ impl Scheduler {
 
     /// Draft tokens for each decoding request (empty where none), with pages
     /// allocated for them.
-    pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Vec<u32>> {
-        let mut drafts: Vec<Vec<u32>> = vec![Vec::new(); decoding.len()];
+    pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Draft> {
+        let mut drafts: Vec<Draft> = vec![Draft::default(); decoding.len()];
+        let tree_ok = self.executor.capabilities().tree;
         let Some(cfg) = self.cfg.speculative.clone() else {
             return drafts;
         };
@@ -71,7 +73,7 @@ impl Scheduler {
                 tokens: t,
                 len: decoding[i].len(),
                 max_tokens: l,
-                allow_tree: false,
+                allow_tree: tree_ok && decoding[i].matcher.is_none(),
             })
             .collect();
         let keys: Vec<u64> = reqs.iter().map(|d| d.key).collect();
@@ -82,16 +84,17 @@ impl Scheduler {
         };
         drop(reqs);
         // Back to indices into `decoding`.
-        let mut chains: Vec<(usize, Vec<u32>)> = Vec::new();
+        let mut chains: Vec<(usize, Draft)> = Vec::new();
         for (key, d) in keys.iter().zip(proposed) {
             let Some(i) = eligible.iter().copied().find(|&i| decoding[i].key == *key) else {
                 continue;
             };
             let limit = limits[eligible.iter().position(|&e| e == i).unwrap_or(0)];
-            let mut c = if d.validate().is_ok() {
-                d.first_chain()
-            } else {
-                Vec::new()
+            let tree = tree_ok && decoding[i].matcher.is_none();
+            let mut c = match d.validate() {
+                Ok(()) if tree => d,
+                Ok(()) => Draft::chain(d.first_chain()),
+                Err(_) => Draft::default(),
             };
             c.truncate(limit);
             if !c.is_empty() {
@@ -126,7 +129,7 @@ impl Scheduler {
                         if let Some(own) = r.own.as_mut()
                             && own.append(p).is_err()
                         {
-                            c.clear();
+                            c = Draft::default();
                         }
                     }
                     None => c.truncate(r.page_capacity(ps).saturating_sub(r.len())),
