@@ -23,7 +23,9 @@
 //! only its ancestors). Each score is one fused multiply-add chain over the
 //! head dimension in order (keys in vector lanes, `simd::scores`), whatever
 //! the span it is computed in; the softmax takes the maximum over exactly the
-//! visible keys, their `exp` and their sum in position order; and the output
+//! visible keys, their `exp` (`simd::exp`, the same bits in a vector lane or
+//! alone) and their sum as one sequence in position order (`simd::sum`, whose
+//! order depends only on the number of visible keys); and the output
 //! is one fused multiply-add chain per element over the visible keys in
 //! position order (`simd::weighted_sum`), scaled by `1 / sum`. Keys computed
 //! for other queries of the block are never read.
@@ -47,7 +49,7 @@ const Q_BLOCK: usize = 64;
 /// Per-thread scratch of one attention task, reused across calls.
 #[derive(Default)]
 struct Scratch {
-    /// Keys transposed: `hd` rows of the span rounded up to 16 (zero padded).
+    /// Keys transposed: `hd` rows of the span rounded up to 16.
     k: Vec<f32>,
     /// Values: span rows of `hd`.
     v: Vec<f32>,
@@ -55,12 +57,14 @@ struct Scratch {
     q: Vec<f32>,
     /// Scores, then exponentials: one row of the padded span per query.
     s: Vec<f32>,
-    /// One key row.
+    /// Eight key rows before their transposition.
     o: Vec<f32>,
     /// Tree ancestors a query sees, as span offsets.
     extra: Vec<u32>,
     /// `1 / Σ exp` of each head of one query.
     inv: Vec<f32>,
+    /// A tree query's exponentials, contiguous, for their sum.
+    ev: Vec<f32>,
 }
 
 thread_local! {
@@ -307,26 +311,32 @@ impl AttentionBackend for CpuAttention {
                         o: row,
                         extra,
                         inv,
+                        ev,
                     } = &mut *sc;
-                    kbuf.clear();
                     kbuf.resize(hd * sp, 0.0);
                     vbuf.resize(span * hd, 0.0);
                     qbuf.resize(nq * hd, 0.0);
                     scores.resize(nq * sp, 0.0);
-                    row.resize(hd, 0.0);
+                    row.resize(8 * hd, 0.0);
                     inv.resize(group, 0.0);
-                    // Gather this KV head's keys (transposed) and values, in f32.
-                    for t in t0..t1 {
-                        let slot = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
-                        let o = t - t0;
-                        // SAFETY: the slot is inside the cache (validated page table).
-                        unsafe {
-                            kc.read(slot, hd, &mut row[..hd]);
-                            vc.read(slot, hd, &mut vbuf[o * hd..(o + 1) * hd]);
+                    // Gather this KV head's keys (transposed, 8 at a time) and
+                    // values, in f32. Lanes past the span hold stale values
+                    // whose scores are never read.
+                    let mut o0 = 0;
+                    while o0 < span {
+                        let n = (span - o0).min(8);
+                        for l in 0..n {
+                            let t = t0 + o0 + l;
+                            let slot = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
+                            let o = o0 + l;
+                            // SAFETY: the slot is inside the cache (validated page table).
+                            unsafe {
+                                kc.read(slot, hd, &mut row[l * hd..(l + 1) * hd]);
+                                vc.read(slot, hd, &mut vbuf[o * hd..(o + 1) * hd]);
+                            }
                         }
-                        for (d, &x) in row.iter().enumerate() {
-                            kbuf[d * sp + o] = x;
-                        }
+                        crate::simd::transpose8(row, hd, &mut kbuf[o0..], sp);
+                        o0 += 8;
                     }
                     // Queries of the block, every head of the group stacked: row (j, h).
                     for j in j0..j1 {
@@ -367,14 +377,28 @@ impl AttentionBackend for CpuAttention {
                         let r0 = (j - j0) * group;
                         for (hi, iv) in inv.iter_mut().enumerate() {
                             let sr = &mut scores[(r0 + hi) * sp..(r0 + hi) * sp + span];
-                            let max = vis.iter().fold(f32::NEG_INFINITY, |m, t| m.max(sr[t]));
-                            for t in vis.iter() {
-                                sr[t] = (sr[t] - max).exp();
+                            let run = range.clone();
+                            let max = extra
+                                .iter()
+                                .fold(crate::simd::max(&sr[run.clone()]), |m, &t| {
+                                    m.max(sr[t as usize])
+                                });
+                            for x in &mut sr[run.clone()] {
+                                *x -= max;
                             }
-                            let mut sum = 0.0f32;
-                            for t in vis.iter() {
-                                sum += sr[t];
+                            crate::simd::exp_slice(&mut sr[run.clone()]);
+                            for &t in extra.iter() {
+                                sr[t as usize] = crate::simd::exp(sr[t as usize] - max);
                             }
+                            // The sum over the visible keys as one sequence.
+                            let sum = if extra.is_empty() {
+                                crate::simd::sum(&sr[run])
+                            } else {
+                                ev.clear();
+                                ev.extend_from_slice(&sr[run]);
+                                ev.extend(extra.iter().map(|&t| sr[t as usize]));
+                                crate::simd::sum(ev)
+                            };
                             *iv = 1.0 / sum;
                         }
                         let qrow = s.q_start + j;

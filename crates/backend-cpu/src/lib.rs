@@ -2,9 +2,22 @@
 //!
 //! [`CpuBackend`] implements engine-core's [`Backend`] over host memory
 //! ([`memory::HostMemory`]) with a spin-then-sleep fork-join pool
-//! ([`pool::ThreadPool`]). Linear layers use the quant crate's row kernels for
-//! small batches (decode) and an f32 GEMM over dequantized weight tiles for
-//! large ones (prefill). [`attention::CpuAttention`] is the paged attention.
+//! ([`pool::ThreadPool`]). Linear layers use the quant crate's `dot_rows`
+//! kernels for every weight dtype and batch size (the tiled GEMM for the
+//! 32-element formats, row kernels for the K-quants, tiled dot kernels for
+//! float weights). [`attention::CpuAttention`] is the paged attention, with
+//! draft-tree masks.
+//!
+//! Batch invariance: every kernel computes a row's result with a sequence of
+//! operations that does not depend on the other rows, on how many there are,
+//! on how the work is split across threads, or (attention) on whether the
+//! position is a decode, part of a prefill chunk, after a cached prefix or a
+//! draft-tree token. A position's logits are therefore bit-identical however
+//! the scheduler shapes the step, so batching, chunked prefill, prefix caching
+//! and speculative verification never change greedy output. See `linear`,
+//! `attention` and `arbor_quant` for how each kernel keeps its order fixed;
+//! the row-wise ops (`ops`: RMSNorm, RoPE, SiLU, embedding, gathers) are
+//! per row or per element by construction.
 //!
 //! Every operation validates dtypes, shapes, device ownership and overlap of
 //! outputs with inputs before touching memory, so a wrong call is an error,

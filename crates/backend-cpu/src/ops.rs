@@ -250,9 +250,7 @@ pub fn silu_mul(b: &CpuBackend, gate: &Tensor, up: &Tensor, out: &Tensor) -> Res
             let g = std::slice::from_raw_parts(gp.get().add(r0 * dim), n);
             let u = std::slice::from_raw_parts(upp.get().add(r0 * dim), n);
             let o = std::slice::from_raw_parts_mut(op.get().add(r0 * dim), n);
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = g / (1.0 + (-g).exp()) * u;
-            }
+            crate::simd::silu_mul(g, u, o);
         }
     })
 }

@@ -320,6 +320,8 @@ fn configs() -> Vec<(AttentionParams, usize, DType, usize)> {
         (p(6, 2, 64, Some(11)), 8, DType::F32, 3),
         (p(3, 3, 20, Some(40)), 16, DType::BF16, 1),
         (p(8, 1, 128, Some(70)), 32, DType::F32, 2),
+        // A window shorter than a tree's depth: ancestors fall out of it.
+        (p(4, 2, 32, Some(3)), 4, DType::F32, 2),
     ]
 }
 

@@ -17,7 +17,8 @@
 //! (AVX-512; on AVX2, below 32 rows, a GEMV that reproduces the GEMM's
 //! per-element arithmetic, see `x86::gemv`), the K-quant row kernels and
 //! the float kernels use one accumulator layout per element for every tile
-//! shape, and each activation row is prepared on its own.
+//! shape, the scalar level computes each element on its own, and each
+//! activation row is prepared on its own.
 //!
 //! Invariants: every public function validates dtypes and buffer lengths
 //! before any kernel runs and returns [`QuantError`] on bad input (it never

@@ -1,6 +1,11 @@
 //! AVX2 and AVX-512 VNNI dot products of the 32-element formats (Q4_0, Q4_1,
 //! Q5_0, Q5_1, Q8_0) with Q8_0/Q8_1 activations.
 //!
+//! These row kernels back only `dot_rows_gemv_with` (tests and benchmarks):
+//! their per-element summation order (blocks in 8 lanes, then a horizontal
+//! sum) differs from the tiled GEMM's, so `dot_rows` uses the GEMM (or
+//! `x86::gemv`, which reproduces its order) at every `m` instead.
+//!
 //! Scheme: a weight row is processed in groups of 8 blocks, unpacked once
 //! and multiplied with every activation row (`vpdpbusd` with VNNI,
 //! `vpmaddubsw`+`vpmaddwd` on AVX2). In a full group, blocks j and j+4 are
