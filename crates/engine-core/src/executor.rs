@@ -178,40 +178,71 @@ impl Executor for LocalExecutor {
                 .and_then(|m| m.get(i))
                 .is_some_and(|v| !v.is_empty())
         };
-        let simple = plan.seqs.iter().enumerate().all(|(i, s)| {
-            s.sample
-                .as_ref()
-                .is_none_or(|sp| self.row_is_simple(sp, has_mask(i)))
-        });
-        let mut seqs: Vec<SeqOutput> = if batch.logits_rows.is_empty() {
-            plan.seqs.iter().map(|_| SeqOutput::default()).collect()
-        } else if simple {
-            let ids = sample_on_device(&**backend, &out.logits, plan)?;
+        // Per sequence: sampled on the device (ids only come back) or on the host.
+        let on_device: Vec<bool> = plan
+            .seqs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.sample
+                    .as_ref()
+                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i)))
+            })
+            .collect();
+        let rows_of = |want: bool| -> Vec<u32> {
             plan.seqs
                 .iter()
                 .zip(&first_row)
-                .map(|(s, &r0)| {
-                    let n = s.sampled_rows().len();
-                    verify_ids(s, &ids[r0..r0 + n])
-                })
+                .zip(&on_device)
+                .filter(|(_, d)| **d == want)
+                .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
                 .collect()
-        } else {
-            let logits = backend.download_f32(&out.logits)?;
-            let mut v = Vec::with_capacity(plan.seqs.len());
-            for (i, (s, &r0)) in plan.seqs.iter().zip(&first_row).enumerate() {
-                let n = s.sampled_rows().len();
-                let rows = &logits[r0 * vocab..(r0 + n) * vocab];
-                let m = masks.as_ref().and_then(|m| m.get(i)).map(Vec::as_slice);
-                v.push(
-                    self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))
-                        .unwrap_or_else(|e| SeqOutput {
-                            error: Some(e.to_string()),
-                            ..SeqOutput::default()
-                        }),
-                );
-            }
-            v
         };
+        let (dev_rows, host_rows) = (rows_of(true), rows_of(false));
+        let total = batch.logits_rows.len();
+        // Device ids and host logits, each in the order of its rows.
+        let dev_ids = if dev_rows.is_empty() {
+            Vec::new()
+        } else {
+            let t = select_rows(&**backend, &out.logits, &dev_rows, total)?;
+            let dev_seqs = plan
+                .seqs
+                .iter()
+                .zip(&on_device)
+                .filter(|(_, d)| **d)
+                .map(|(s, _)| s);
+            sample_on_device(&**backend, &t, dev_seqs)?
+        };
+        let host_logits = if host_rows.is_empty() {
+            Vec::new()
+        } else {
+            let t = select_rows(&**backend, &out.logits, &host_rows, total)?;
+            backend.download_f32(&t)?
+        };
+        let (mut di, mut hi) = (0usize, 0usize);
+        let mut seqs: Vec<SeqOutput> = Vec::with_capacity(plan.seqs.len());
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let n = if s.sample.is_some() {
+                s.sampled_rows().len()
+            } else {
+                0
+            };
+            if on_device[i] {
+                seqs.push(verify_ids(s, &dev_ids[di..di + n]));
+                di += n;
+                continue;
+            }
+            let rows = &host_logits[hi * vocab..(hi + n) * vocab];
+            hi += n;
+            let m = masks.as_ref().and_then(|m| m.get(i)).map(Vec::as_slice);
+            seqs.push(
+                self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))
+                    .unwrap_or_else(|e| SeqOutput {
+                        error: Some(e.to_string()),
+                        ..SeqOutput::default()
+                    }),
+            );
+        }
         for (seq, out) in plan.seqs.iter().zip(&seqs) {
             if seq.tree.is_some() && !out.accepted_path.is_empty() {
                 self.compact_accepted(seq, &out.accepted_path)?;
@@ -232,10 +263,31 @@ impl Executor for LocalExecutor {
     }
 }
 
-/// One id per sampled row, drawn by [`Backend::sample`].
-fn sample_on_device(backend: &dyn Backend, logits: &Tensor, plan: &StepPlan) -> Result<Vec<u32>> {
+/// Rows `rows` (of `total`) of the logits: the tensor itself when that is all of them.
+fn select_rows(
+    backend: &(dyn Backend + 'static),
+    logits: &Tensor,
+    rows: &[u32],
+    total: usize,
+) -> Result<Tensor> {
+    if rows.len() == total {
+        return Ok(logits.clone());
+    }
+    let idx = backend.upload_u32(&[rows.len()], rows)?;
+    let out = backend.alloc(crate::DType::F32, &[rows.len(), logits.row_len()])?;
+    backend.gather_rows(logits, &idx, &out)?;
+    Ok(out)
+}
+
+/// One id per sampled row of `seqs` (whose rows `logits` holds, in order),
+/// drawn by [`Backend::sample`].
+fn sample_on_device<'a>(
+    backend: &dyn Backend,
+    logits: &Tensor,
+    seqs: impl Iterator<Item = &'a SeqPlan>,
+) -> Result<Vec<u32>> {
     let mut rows = Vec::new();
-    for s in &plan.seqs {
+    for s in seqs {
         let Some(sp) = &s.sample else { continue };
         let p = &*sp.params;
         let mut rng = SeqRng::new(sp.seed);

@@ -616,3 +616,37 @@ mod verify;
 fn chain_verification_is_exact_on_the_cpu() -> Result<()> {
     verify::chain_verify_matches_decode(shared().backend.clone(), &fixture())
 }
+
+/// A step whose rows are sampled partly on the device (greedy, no
+/// processor) and partly on the host (logprobs, a penalty) gives every
+/// request what it gets alone; with and without drafts.
+#[test]
+fn mixed_device_and_host_rows_agree() -> Result<()> {
+    let ps = prompts(12, 23);
+    let req = |i: usize, p: &Vec<u32>| {
+        let mut r = GenerateRequest::new(p.clone(), greedy(16));
+        match i % 3 {
+            1 => {
+                r.return_logprob = true;
+                r.top_logprobs_num = 2;
+            }
+            2 => r.params.frequency_penalty = 0.5,
+            _ => {}
+        }
+        r
+    };
+    let off = engine(EngineConfig::default(), 256, &Spec::Off)?;
+    let mut want = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        want.extend(run_all(&off, vec![req(i, p)])?);
+    }
+    assert_pool_empty(&off);
+    let plain_outs: Vec<Vec<u32>> = ps.iter().zip(&want).map(|(_, w)| w.clone()).collect();
+    for spec in [Spec::Off, Spec::Oracle(answers(&ps, &plain_outs))] {
+        let e = engine(EngineConfig::default(), 256, &spec)?;
+        let got = run_all(&e, ps.iter().enumerate().map(|(i, p)| req(i, p)).collect())?;
+        assert_eq!(got, want, "mixed batch");
+        assert_pool_empty(&e);
+    }
+    Ok(())
+}

@@ -4,7 +4,8 @@
 //! verify step of the same tokens as drafts accepts — all of them when the
 //! drafts are right; up to a corrupted draft, then the target's own token,
 //! when one is wrong — and a draft past a rejection must leave no trace (the
-//! next step, overwriting its slots, continues exactly).
+//! next step, overwriting its slots, continues exactly); and a step that
+//! samples one row on the device and another on the host gives both right.
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::executor::{Executor, LocalExecutor};
