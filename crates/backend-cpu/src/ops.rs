@@ -305,15 +305,14 @@ pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> R
 }
 
 /// [`Backend::sample`](arbor_engine_core::Backend::sample) on host memory:
-/// reads each logits row in place (no download), argmax for greedy rows,
-/// otherwise the standard sampler on a scratch copy seeded by the row.
+/// reads each logits row in place (no download) and draws it with
+/// [`SampleRow::draw`](arbor_engine_core::backend::SampleRow::draw).
 pub fn sample(
     b: &CpuBackend,
     logits: &Tensor,
     rows: &[arbor_engine_core::backend::SampleRow],
     out: &Tensor,
 ) -> Result<()> {
-    use arbor_engine_core::sampling::{Sampler, SamplingParams, SeqRng, StandardSampler, argmax};
     let (lp, n, vocab) = f32_rows(b, logits)?;
     if n != rows.len() || out.dtype() != DType::U32 || out.numel() != n {
         return Err(CoreError::invalid(format!(
@@ -329,21 +328,7 @@ pub fn sample(
         // SAFETY: row r of the [n, vocab] logits view.
         let values =
             unsafe { std::slice::from_raw_parts(lp.get().add(r * vocab) as *const f32, vocab) };
-        *id = if row.temperature < 1e-6 || row.top_k == 1 {
-            argmax(values)
-        } else {
-            let params = SamplingParams {
-                temperature: row.temperature,
-                top_k: i32::try_from(row.top_k)
-                    .ok()
-                    .filter(|&k| k > 0)
-                    .unwrap_or(-1),
-                top_p: row.top_p,
-                min_p: row.min_p,
-                ..SamplingParams::default()
-            };
-            StandardSampler.sample(&mut values.to_vec(), &params, &mut SeqRng::new(row.seed))?
-        };
+        *id = row.draw(values)?;
     }
     Ok(())
 }

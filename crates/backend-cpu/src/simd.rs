@@ -795,161 +795,119 @@ unsafe fn hsum8(h: __m256) -> f32 {
     }
 }
 
-/// One tile of [`scores`]: 4 query rows (`rows` valid) by `C` key vectors.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn scores_tile512<const C: usize>(
-    q: *const f32,
-    kt: *const f32,
-    hd: usize,
-    sp: usize,
-    rows: usize,
-    t0: usize,
-    scale: f32,
-    out: *mut f32,
-) {
-    // SAFETY: rows r < rows of q (hd each) and out (sp each), and columns
-    // t0..t0+16C < sp of kt and out are in bounds (caller); row pointers past
-    // `rows` repeat the last row and their results are dropped.
-    unsafe {
-        let qr: [*const f32; 4] = [
-            q,
-            q.add(hd * 1usize.min(rows - 1)),
-            q.add(hd * 2usize.min(rows - 1)),
-            q.add(hd * 3usize.min(rows - 1)),
-        ];
-        let mut acc = [[_mm512_setzero_ps(); C]; 4];
-        for d in 0..hd {
-            let kp = kt.add(d * sp + t0);
-            let mut kv = [_mm512_setzero_ps(); C];
-            for (c, x) in kv.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(kp.add(16 * c));
-            }
-            for (a, &qp) in acc.iter_mut().zip(&qr) {
-                let qb = _mm512_set1_ps(*qp.add(d));
-                for (ac, &k) in a.iter_mut().zip(&kv) {
-                    *ac = _mm512_fmadd_ps(qb, k, *ac);
+/// Defines the SIMD [`scores`] of one level: tiles of 4 query rows (`rows`
+/// valid; row pointers past `rows` repeat the last row and their results are
+/// dropped) by `C` vectors of `$lanes` keys, `$wide` vectors per main step.
+macro_rules! scores_level {
+    ($tile:ident, $driver:ident, $feat:literal, $vt:ty, $zero:ident, $set1:ident, $load:ident,
+     $fma:ident, $mul:ident, $store:ident, $lanes:expr, $wide:expr) => {
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $tile<const C: usize>(
+            q: *const f32,
+            kt: *const f32,
+            hd: usize,
+            sp: usize,
+            rows: usize,
+            t0: usize,
+            scale: f32,
+            out: *mut f32,
+        ) {
+            // SAFETY: rows r < rows of q (hd each) and out (sp each), and
+            // columns t0..t0 + lanes * C < sp of kt and out are in bounds (caller).
+            unsafe {
+                let qr: [*const f32; 4] = [
+                    q,
+                    q.add(hd * 1usize.min(rows - 1)),
+                    q.add(hd * 2usize.min(rows - 1)),
+                    q.add(hd * 3usize.min(rows - 1)),
+                ];
+                let mut acc: [[$vt; C]; 4] = [[$zero(); C]; 4];
+                for d in 0..hd {
+                    let kp = kt.add(d * sp + t0);
+                    let mut kv: [$vt; C] = [$zero(); C];
+                    for (c, x) in kv.iter_mut().enumerate() {
+                        *x = $load(kp.add($lanes * c));
+                    }
+                    for (a, &qp) in acc.iter_mut().zip(&qr) {
+                        let qb = $set1(*qp.add(d));
+                        for (ac, &k) in a.iter_mut().zip(&kv) {
+                            *ac = $fma(qb, k, *ac);
+                        }
+                    }
+                }
+                let sv = $set1(scale);
+                for (r, a) in acc.iter().enumerate().take(rows) {
+                    for (c, ac) in a.iter().enumerate() {
+                        $store(out.add(r * sp + t0 + $lanes * c), $mul(*ac, sv));
+                    }
                 }
             }
         }
-        let sv = _mm512_set1_ps(scale);
-        for (r, a) in acc.iter().enumerate().take(rows) {
-            for (c, ac) in a.iter().enumerate() {
-                _mm512_storeu_ps(out.add(r * sp + t0 + 16 * c), _mm512_mul_ps(*ac, sv));
-            }
-        }
-    }
-}
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn scores_avx512(
-    q: &[f32],
-    kt: &[f32],
-    nq: usize,
-    hd: usize,
-    sp: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let mut r0 = 0;
-    while r0 < nq {
-        let rows = (nq - r0).min(4);
-        // SAFETY: rows r0..r0+rows exist; columns stay below sp (checked by `scores`).
-        unsafe {
-            let qp = q.as_ptr().add(r0 * hd);
-            let op = out.as_mut_ptr().add(r0 * sp);
-            let mut t = 0;
-            while t + 64 <= sp {
-                scores_tile512::<4>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
-                t += 64;
-            }
-            while t < sp {
-                scores_tile512::<1>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
-                t += 16;
-            }
-        }
-        r0 += rows;
-    }
-}
-
-/// One tile of [`scores`] with AVX2: 4 query rows by `C` 8-key vectors.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn scores_tile256<const C: usize>(
-    q: *const f32,
-    kt: *const f32,
-    hd: usize,
-    sp: usize,
-    rows: usize,
-    t0: usize,
-    scale: f32,
-    out: *mut f32,
-) {
-    // SAFETY: as in scores_tile512.
-    unsafe {
-        let qr: [*const f32; 4] = [
-            q,
-            q.add(hd * 1usize.min(rows - 1)),
-            q.add(hd * 2usize.min(rows - 1)),
-            q.add(hd * 3usize.min(rows - 1)),
-        ];
-        let mut acc = [[_mm256_setzero_ps(); C]; 4];
-        for d in 0..hd {
-            let kp = kt.add(d * sp + t0);
-            let mut kv = [_mm256_setzero_ps(); C];
-            for (c, x) in kv.iter_mut().enumerate() {
-                *x = _mm256_loadu_ps(kp.add(8 * c));
-            }
-            for (a, &qp) in acc.iter_mut().zip(&qr) {
-                let qb = _mm256_set1_ps(*qp.add(d));
-                for (ac, &k) in a.iter_mut().zip(&kv) {
-                    *ac = _mm256_fmadd_ps(qb, k, *ac);
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        unsafe fn $driver(
+            q: &[f32],
+            kt: &[f32],
+            nq: usize,
+            hd: usize,
+            sp: usize,
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            let mut r0 = 0;
+            while r0 < nq {
+                let rows = (nq - r0).min(4);
+                // SAFETY: rows r0..r0+rows exist; columns stay below sp (checked by `scores`).
+                unsafe {
+                    let qp = q.as_ptr().add(r0 * hd);
+                    let op = out.as_mut_ptr().add(r0 * sp);
+                    let mut t = 0;
+                    while t + $lanes * $wide <= sp {
+                        $tile::<$wide>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                        t += $lanes * $wide;
+                    }
+                    while t < sp {
+                        $tile::<1>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
+                        t += $lanes;
+                    }
                 }
+                r0 += rows;
             }
         }
-        let sv = _mm256_set1_ps(scale);
-        for (r, a) in acc.iter().enumerate().take(rows) {
-            for (c, ac) in a.iter().enumerate() {
-                _mm256_storeu_ps(out.add(r * sp + t0 + 8 * c), _mm256_mul_ps(*ac, sv));
-            }
-        }
-    }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2(
-    q: &[f32],
-    kt: &[f32],
-    nq: usize,
-    hd: usize,
-    sp: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
-    let mut r0 = 0;
-    while r0 < nq {
-        let rows = (nq - r0).min(4);
-        // SAFETY: as in scores_avx512.
-        unsafe {
-            let qp = q.as_ptr().add(r0 * hd);
-            let op = out.as_mut_ptr().add(r0 * sp);
-            let mut t = 0;
-            while t + 24 <= sp {
-                scores_tile256::<3>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
-                t += 24;
-            }
-            while t < sp {
-                scores_tile256::<1>(qp, kt.as_ptr(), hd, sp, rows, t, scale, op);
-                t += 8;
-            }
-        }
-        r0 += rows;
-    }
-}
+scores_level!(
+    scores_tile512,
+    scores_avx512,
+    "avx512f",
+    __m512,
+    _mm512_setzero_ps,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_fmadd_ps,
+    _mm512_mul_ps,
+    _mm512_storeu_ps,
+    16,
+    4
+);
+scores_level!(
+    scores_tile256,
+    scores_avx2,
+    "avx2,fma",
+    __m256,
+    _mm256_setzero_ps,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_fmadd_ps,
+    _mm256_mul_ps,
+    _mm256_storeu_ps,
+    8,
+    3
+);
 
 /// Defines the SIMD [`weighted_sum`] of one level: tiles of `R <= 4` rows
 /// by `N <= 4` vectors of `$lanes` floats, starting at element `d0`.

@@ -82,6 +82,56 @@ pub struct SampleRow {
     pub seed: u64,
 }
 
+impl SampleRow {
+    /// The row of a request with `params`, its draw determined by `seed`.
+    pub fn of(params: &crate::sampling::SamplingParams, seed: u64) -> Self {
+        Self {
+            temperature: if params.is_greedy() {
+                0.0
+            } else {
+                params.temperature
+            },
+            top_k: u32::try_from(params.top_k).unwrap_or(0),
+            top_p: params.top_p,
+            min_p: params.min_p,
+            seed,
+        }
+    }
+
+    /// True when the row takes its argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature < 1e-6 || self.top_k == 1
+    }
+
+    /// Draws this row's token from its logits on the host: the argmax for a
+    /// greedy row (no scratch copy), else the standard sampler seeded by `seed`.
+    pub fn draw(&self, logits: &[f32]) -> Result<u32> {
+        use crate::sampling::{Sampler, SeqRng, StandardSampler};
+        if self.is_greedy() {
+            return Ok(crate::sampling::argmax(logits));
+        }
+        StandardSampler.sample(
+            &mut logits.to_vec(),
+            &self.params(),
+            &mut SeqRng::new(self.seed),
+        )
+    }
+
+    /// The sampling parameters this row draws with (the standard sampler's).
+    pub fn params(&self) -> crate::sampling::SamplingParams {
+        crate::sampling::SamplingParams {
+            temperature: self.temperature,
+            top_k: i32::try_from(self.top_k)
+                .ok()
+                .filter(|&k| k > 0)
+                .unwrap_or(-1),
+            top_p: self.top_p,
+            min_p: self.min_p,
+            ..crate::sampling::SamplingParams::default()
+        }
+    }
+}
+
 /// Options a backend is created with.
 #[derive(Clone, Debug, Default)]
 pub struct BackendOptions {
@@ -170,7 +220,6 @@ pub trait Backend: Send + Sync {
     ///
     /// [`StandardSampler`]: crate::sampling::StandardSampler
     fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
-        use crate::sampling::{Sampler, SamplingParams, SeqRng, StandardSampler};
         let vocab = logits.row_len();
         if logits.dtype() != DType::F32
             || logits.rows() != rows.len()
@@ -190,25 +239,7 @@ pub trait Backend: Send + Sync {
             .collect();
         let mut ids = Vec::with_capacity(rows.len() * 4);
         for (r, row) in rows.iter().enumerate() {
-            let values = &values[r * vocab..(r + 1) * vocab];
-            if row.temperature < 1e-6 || row.top_k == 1 {
-                // Greedy: the argmax needs no scratch copy.
-                ids.extend_from_slice(&crate::sampling::argmax(values).to_le_bytes());
-                continue;
-            }
-            let params = SamplingParams {
-                temperature: row.temperature,
-                top_k: if row.top_k == 0 {
-                    -1
-                } else {
-                    row.top_k.min(i32::MAX as u32) as i32
-                },
-                top_p: row.top_p,
-                min_p: row.min_p,
-                ..SamplingParams::default()
-            };
-            let mut l = values.to_vec();
-            let id = StandardSampler.sample(&mut l, &params, &mut SeqRng::new(row.seed))?;
+            let id = row.draw(&values[r * vocab..(r + 1) * vocab])?;
             ids.extend_from_slice(&id.to_le_bytes());
         }
         self.write(out, &ids)

@@ -167,17 +167,16 @@ impl Executor for LocalExecutor {
         let out = self.runner.forward(&batch)?;
         let backend = self.runner.backend();
         let vocab = self.model_spec().vocab_size;
-        let masks = match &plan.masks {
+        let late;
+        let masks: Option<&StepMasks> = match &plan.masks {
             MaskInput::None => None,
-            MaskInput::Ready(m) => Some(m.clone()),
-            MaskInput::Late(rx) => rx.recv().ok(),
+            MaskInput::Ready(m) => Some(m),
+            MaskInput::Late(rx) => {
+                late = rx.recv().ok();
+                late.as_ref()
+            }
         };
-        let has_mask = |i: usize| {
-            masks
-                .as_ref()
-                .and_then(|m| m.get(i))
-                .is_some_and(|v| !v.is_empty())
-        };
+        let has_mask = |i: usize| masks.and_then(|m| m.get(i)).is_some_and(|v| !v.is_empty());
         // Per sequence: sampled on the device (ids only come back) or on the host.
         let on_device: Vec<bool> = plan
             .seqs
@@ -234,7 +233,7 @@ impl Executor for LocalExecutor {
             }
             let rows = &host_logits[hi * vocab..(hi + n) * vocab];
             hi += n;
-            let m = masks.as_ref().and_then(|m| m.get(i)).map(Vec::as_slice);
+            let m = masks.and_then(|m| m.get(i)).map(Vec::as_slice);
             seqs.push(
                 self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))
                     .unwrap_or_else(|e| SeqOutput {
@@ -289,21 +288,9 @@ fn sample_on_device<'a>(
     let mut rows = Vec::new();
     for s in seqs {
         let Some(sp) = &s.sample else { continue };
-        let p = &*sp.params;
-        let mut rng = SeqRng::new(sp.seed);
-        for _ in s.sampled_rows() {
-            rows.push(SampleRow {
-                temperature: if p.is_greedy() { 0.0 } else { p.temperature },
-                top_k: u32::try_from(p.top_k).unwrap_or(0),
-                top_p: p.top_p,
-                min_p: p.min_p,
-                seed: if matches!(sp.rows, SampleRows::Last) {
-                    sp.seed
-                } else {
-                    rng.next_u64()
-                },
-            });
-        }
+        // Verify rows reach the device only when greedy, so one seed serves every row.
+        let row = SampleRow::of(&sp.params, sp.seed);
+        rows.extend(std::iter::repeat_n(row, s.sampled_rows().len()));
     }
     let out = backend.alloc(crate::DType::U32, &[rows.len()])?;
     backend.sample(logits, &rows, &out)?;
@@ -531,15 +518,6 @@ fn reject_sample(
         }
     }
     (cand[cand.len() - 1].1, None)
-}
-
-/// Masks of a step, for callers that build them before the plan.
-pub fn ready_masks(masks: StepMasks) -> MaskInput {
-    if masks.iter().all(Vec::is_empty) {
-        MaskInput::None
-    } else {
-        MaskInput::Ready(masks)
-    }
 }
 
 #[cfg(test)]

@@ -18,9 +18,16 @@ use arbor_engine_core::{
     Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams,
 };
 use arbor_kv_radix as _;
-use arbor_models::{ChatMessage, LoadedModel, load_model};
+use arbor_models::{LoadedModel, load_model};
 use arbor_spec_decode as _;
+
+#[path = "support/chat.rs"]
+mod chat;
+#[path = "support/tiny.rs"]
+mod tiny;
+use chat::copy_prompts;
 use std::sync::{Arc, OnceLock};
+use tiny::assert_pool_empty;
 
 struct Shared {
     model: LoadedModel,
@@ -76,21 +83,6 @@ fn engine(s: &Shared, cfg: EngineConfig) -> Result<Engine> {
     Ok(Engine::new(cfg, parts)?)
 }
 
-fn chat(s: &Shared, user: &str) -> Result<Vec<u32>> {
-    let t = s.model.chat_template.as_ref().context("chat template")?;
-    let text = t.render(
-        &[
-            ChatMessage::new("system", "You are a helpful assistant."),
-            ChatMessage::new("user", user),
-        ],
-        true,
-        None,
-        None,
-        None,
-    )?;
-    Ok(s.model.tokenizer.encode(&text, true)?)
-}
-
 fn run(e: &Engine, prompts: &[Vec<u32>], max_new: usize) -> Result<Vec<Vec<u32>>> {
     let streams: Vec<_> = prompts
         .iter()
@@ -115,17 +107,6 @@ fn run(e: &Engine, prompts: &[Vec<u32>], max_new: usize) -> Result<Vec<Vec<u32>>
         .collect()
 }
 
-fn assert_pool_empty(e: &Engine) {
-    assert!(e.flush_cache().unwrap());
-    for _ in 0..100 {
-        if e.stats().num_used_tokens == 0 {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("KV pages still in use: {:?}", e.stats());
-}
-
 const QUESTIONS: [&str; 16] = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -145,18 +126,6 @@ const QUESTIONS: [&str; 16] = [
     "List two uses of copper.",
 ];
 
-/// Copy-heavy chat prompts (the continuation repeats text of the prompt).
-pub fn copy_prompts() -> Vec<String> {
-    let code = "fn argmax(values: &[f32]) -> u32 {\n    let mut best = 0usize;\n    let mut best_v = f32::NEG_INFINITY;\n    for (i, &v) in values.iter().enumerate() {\n        if v > best_v {\n            best_v = v;\n            best = i;\n        }\n    }\n    best as u32\n}";
-    let para = "The radix cache keeps the KV cache of every finished request in a tree keyed by token ids, so that a new request sharing a prefix with an old one reuses its keys and values instead of computing them again.";
-    let json = r#"{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], "notes": {"first_program": true, "machine": "Analytical Engine"}}"#;
-    vec![
-        format!("Rewrite this Rust function with the variable `best` renamed to `top`:\n\n{code}"),
-        format!("Copy this paragraph exactly:\n\n{para}"),
-        format!("Repeat this JSON document exactly:\n\n{json}"),
-    ]
-}
-
 #[test]
 fn batch_of_16_equals_alone_and_cached_equals_cold() -> Result<()> {
     let Some(s) = shared() else {
@@ -165,8 +134,8 @@ fn batch_of_16_equals_alone_and_cached_equals_cold() -> Result<()> {
     };
     let prompts: Vec<Vec<u32>> = QUESTIONS
         .iter()
-        .map(|q| chat(s, q))
-        .collect::<Result<_>>()?;
+        .map(|q| chat::chat(&s.model, q))
+        .collect::<Result<_, _>>()?;
     let e = engine(s, EngineConfig::default())?;
     let mut alone = Vec::new();
     for p in &prompts {
@@ -197,8 +166,8 @@ fn ngram_speculation_on_copy_heavy_prompts_is_lossless() -> Result<()> {
     };
     let prompts: Vec<Vec<u32>> = copy_prompts()
         .iter()
-        .map(|q| chat(s, q))
-        .collect::<Result<_>>()?;
+        .map(|q| chat::chat(&s.model, q))
+        .collect::<Result<_, _>>()?;
     let plain = engine(s, EngineConfig::default())?;
     let mut want = Vec::new();
     for p in &prompts {

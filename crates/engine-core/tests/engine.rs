@@ -6,48 +6,17 @@
 #![allow(clippy::unwrap_used)]
 
 use anyhow::Result;
-use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{
     Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest, Matched, OutputChunk,
     SchedulePolicy,
 };
 use arbor_engine_core::runner::ModelRunner;
-use arbor_engine_core::{
-    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams, SeqRng,
-};
+use arbor_engine_core::{DType, PrefixCacheOptions, SamplingParams};
 use arbor_kv_radix as _;
-use arbor_models::{LoadedModel, load_model};
-use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
-}
-
-struct Shared {
-    model: LoadedModel,
-    backend: Arc<dyn Backend>,
-    registry: Registry,
-}
-
-fn shared() -> &'static Shared {
-    static S: OnceLock<Shared> = OnceLock::new();
-    S.get_or_init(|| {
-        let registry = Registry::builtin().expect("registry");
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
-        let opts = LoadOptions {
-            backend: backend.clone(),
-            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
-            progress: None,
-        };
-        let model = load_model(&fixture(), &registry, &opts).expect("tiny-llama loads");
-        Shared {
-            model,
-            backend,
-            registry,
-        }
-    })
-}
+#[path = "support/tiny.rs"]
+mod tiny;
+use tiny::{assert_pool_empty, greedy, prompts, shared};
 
 fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engine> {
     engine_with_eos(
@@ -110,36 +79,6 @@ fn engine_with_eos(
         eos_token_ids,
     );
     Ok(Engine::new(cfg, parts)?)
-}
-
-/// Asserts that once idle and flushed, no KV page is in use.
-fn assert_pool_empty(e: &Engine) {
-    assert!(e.flush_cache().unwrap(), "engine should be idle");
-    // Stats are published after the flush message is handled; wait for it.
-    for _ in 0..100 {
-        if e.stats().num_used_tokens == 0 {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("KV pages still in use: {:?}", e.stats());
-}
-
-fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
-    let mut rng = SeqRng::new(seed);
-    (0..n)
-        .map(|_| {
-            let len = 3 + (rng.next_u64() % 60) as usize;
-            (0..len).map(|_| (rng.next_u64() % 497) as u32).collect()
-        })
-        .collect()
-}
-
-fn greedy(max_new: usize) -> SamplingParams {
-    SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(max_new)
-    }
 }
 
 fn tokens_of(chunks: &[OutputChunk]) -> Vec<u32> {

@@ -13,7 +13,6 @@
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result};
-use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::grammar::{
     GrammarBackendConfig, GrammarCache, GrammarCacheConfig, GrammarOptions, GrammarSpec,
@@ -21,45 +20,16 @@ use arbor_engine_core::grammar::{
 };
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
-use arbor_engine_core::{
-    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams, SeqRng, TokenDecoder,
-};
+use arbor_engine_core::{DType, PrefixCacheOptions, SamplingParams, SeqRng, TokenDecoder};
 use arbor_grammar as _;
 use arbor_kv_radix as _;
-use arbor_models::{LoadedModel, load_model};
 use arbor_spec_decode as _;
+
+#[path = "support/tiny.rs"]
+mod tiny;
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
-
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
-}
-
-struct Shared {
-    model: LoadedModel,
-    backend: Arc<dyn Backend>,
-    registry: Registry,
-}
-
-fn shared() -> &'static Shared {
-    static S: OnceLock<Shared> = OnceLock::new();
-    S.get_or_init(|| {
-        let registry = Registry::builtin().expect("registry");
-        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
-        let opts = LoadOptions {
-            backend: backend.clone(),
-            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
-            progress: None,
-        };
-        let model = load_model(&fixture(), &registry, &opts).expect("tiny-llama loads");
-        Shared {
-            model,
-            backend,
-            registry,
-        }
-    })
-}
+use std::sync::{Arc, Mutex};
+use tiny::{assert_pool_empty, fixture, greedy, prompts, shared};
 
 /// Greedy continuations known in advance, keyed by prompt.
 type Answers = Arc<Mutex<HashMap<Vec<u32>, Vec<u32>>>>;
@@ -218,27 +188,6 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
     Ok(Engine::new(cfg, parts)?)
 }
 
-fn assert_pool_empty(e: &Engine) {
-    assert!(e.flush_cache().unwrap(), "engine should be idle");
-    for _ in 0..100 {
-        if e.stats().num_used_tokens == 0 {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("KV pages still in use: {:?}", e.stats());
-}
-
-fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
-    let mut rng = SeqRng::new(seed);
-    (0..n)
-        .map(|_| {
-            let len = 3 + (rng.next_u64() % 60) as usize;
-            (0..len).map(|_| (rng.next_u64() % 497) as u32).collect()
-        })
-        .collect()
-}
-
 /// Prompts that repeat a phrase, so the n-gram table has something to copy.
 fn copy_prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut rng = SeqRng::new(seed);
@@ -254,13 +203,6 @@ fn copy_prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
             p
         })
         .collect()
-}
-
-fn greedy(max_new: usize) -> SamplingParams {
-    SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(max_new)
-    }
 }
 
 fn run_all(e: &Engine, reqs: Vec<GenerateRequest>) -> Result<Vec<Vec<u32>>> {
@@ -375,26 +317,21 @@ fn check_all_shapes(
 
 #[test]
 fn oracle_drafts_keep_greedy_output_identical() -> Result<()> {
-    let ps = prompts(32, 11);
-    let want = reference(&ps, &greedy(24))?;
-    for overlap in [false, true] {
-        let spec = Spec::Oracle(answers(&ps, &want));
-        let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
-        assert!(
-            accepted > 0 && accepted < drafted,
-            "{accepted} of {drafted}"
-        );
-    }
-    Ok(())
+    oracle_case(11, Spec::Oracle)
 }
 
 #[test]
 fn tree_drafts_keep_greedy_output_identical() -> Result<()> {
-    let ps = prompts(32, 17);
+    oracle_case(17, Spec::OracleTree)
+}
+
+/// Every shape with an oracle speculator (chain or tree) over 32 prompts of `seed`.
+fn oracle_case(seed: u64, spec: fn(Answers) -> Spec) -> Result<()> {
+    let ps = prompts(32, seed);
     let want = reference(&ps, &greedy(24))?;
     for overlap in [false, true] {
-        let spec = Spec::OracleTree(answers(&ps, &want));
-        let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
+        let (drafted, accepted) =
+            check_all_shapes(&spec(answers(&ps, &want)), &ps, &want, overlap)?;
         assert!(
             accepted > 0 && accepted < drafted,
             "{accepted} of {drafted}"

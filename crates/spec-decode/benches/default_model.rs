@@ -18,8 +18,12 @@ use arbor_engine_core::{
     Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams,
 };
 use arbor_kv_radix as _;
-use arbor_models::{ChatMessage, LoadedModel, load_model};
+use arbor_models::{LoadedModel, load_model};
 use arbor_spec_decode as _;
+
+#[path = "../../engine-core/tests/support/chat.rs"]
+mod chat;
+use chat::{chat, copy_prompts};
 use std::io::Read;
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,34 +65,6 @@ fn engine(
         ..Default::default()
     };
     Engine::new(cfg, parts).expect("engine")
-}
-
-fn chat(m: &LoadedModel, user: &str) -> Vec<u32> {
-    let t = m.chat_template.as_ref().expect("chat template");
-    let text = t
-        .render(
-            &[
-                ChatMessage::new("system", "You are a helpful assistant."),
-                ChatMessage::new("user", user),
-            ],
-            true,
-            None,
-            None,
-            None,
-        )
-        .expect("template");
-    m.tokenizer.encode(&text, true).expect("encode")
-}
-
-fn copy_prompts() -> Vec<String> {
-    let code = "fn argmax(values: &[f32]) -> u32 {\n    let mut best = 0usize;\n    let mut best_v = f32::NEG_INFINITY;\n    for (i, &v) in values.iter().enumerate() {\n        if v > best_v {\n            best_v = v;\n            best = i;\n        }\n    }\n    best as u32\n}";
-    let para = "The radix cache keeps the KV cache of every finished request in a tree keyed by token ids, so that a new request sharing a prefix with an old one reuses its keys and values instead of computing them again.";
-    let json = r#"{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], "notes": {"first_program": true, "machine": "Analytical Engine"}}"#;
-    vec![
-        format!("Rewrite this Rust function with the variable `best` renamed to `top`:\n\n{code}"),
-        format!("Copy this paragraph exactly:\n\n{para}"),
-        format!("Repeat this JSON document exactly:\n\n{json}"),
-    ]
 }
 
 /// First human turns of ShareGPT conversations, 40..400 characters long.
@@ -176,7 +152,10 @@ fn main() {
     let adaptive = engine(&m, &backend, &registry, Some(spec(true)));
 
     println!("== batch 1, greedy, copy-heavy chat prompts, 128 new tokens, {threads} threads");
-    let copies: Vec<Vec<u32>> = copy_prompts().iter().map(|p| chat(&m, p)).collect();
+    let copies: Vec<Vec<u32>> = copy_prompts()
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
     let mut rate = [Vec::new(), Vec::new(), Vec::new()];
     let mut accept = [0.0f64; 3];
     let mut same = true;
@@ -208,7 +187,10 @@ fn main() {
     }
     println!("outputs identical: {same}");
 
-    let free: Vec<Vec<u32>> = sharegpt(16).iter().map(|p| chat(&m, p)).collect();
+    let free: Vec<Vec<u32>> = sharegpt(16)
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
     if free.len() < 16 {
         return;
     }

@@ -52,45 +52,39 @@ impl Scheduler {
         };
         let tail_len = MIN_TAIL.max(cfg.ngram.max_match_window_size + 1);
         let mut tails: Vec<Vec<u32>> = Vec::with_capacity(eligible.len());
-        let mut limits = Vec::with_capacity(eligible.len());
+        // (index into `decoding`, draft limit, tree allowed) of each request asked.
+        let mut picked: Vec<(usize, usize, bool)> = Vec::with_capacity(eligible.len());
         for &i in &eligible {
             let r = &mut decoding[i];
             if r.spec_observed < r.len() {
                 spec.observe(r.key, &r.tail(r.spec_observed));
                 r.spec_observed = r.len();
             }
-            tails.push(r.tail(r.len().saturating_sub(tail_len)));
             let room = context.saturating_sub(r.len() + 1);
-            limits.push(cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room));
+            let limit = cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room);
+            if limit > 0 {
+                tails.push(r.tail(r.len().saturating_sub(tail_len)));
+                picked.push((i, limit, tree_ok && r.matcher.is_none()));
+            }
         }
-        let reqs: Vec<DraftRequest<'_>> = eligible
+        if picked.is_empty() {
+            return drafts;
+        }
+        let reqs: Vec<DraftRequest<'_>> = picked
             .iter()
             .zip(&tails)
-            .zip(&limits)
-            .filter(|(_, l)| **l > 0)
-            .map(|((&i, t), &l)| DraftRequest {
+            .map(|(&(i, limit, tree), t)| DraftRequest {
                 key: decoding[i].key,
                 tokens: t,
                 len: decoding[i].len(),
-                max_tokens: l,
-                allow_tree: tree_ok && decoding[i].matcher.is_none(),
+                max_tokens: limit,
+                allow_tree: tree,
             })
             .collect();
-        let keys: Vec<u64> = reqs.iter().map(|d| d.key).collect();
-        let proposed = if reqs.is_empty() {
-            Vec::new()
-        } else {
-            spec.propose(&reqs)
-        };
+        let proposed = spec.propose(&reqs);
         drop(reqs);
-        // Back to indices into `decoding`.
         let mut chains: Vec<(usize, Draft)> = Vec::new();
-        for (key, d) in keys.iter().zip(proposed) {
-            let Some(i) = eligible.iter().copied().find(|&i| decoding[i].key == *key) else {
-                continue;
-            };
-            let limit = limits[eligible.iter().position(|&e| e == i).unwrap_or(0)];
-            let tree = tree_ok && decoding[i].matcher.is_none();
+        for (&(i, limit, tree), d) in picked.iter().zip(proposed) {
             let mut c = match d.validate() {
                 Ok(()) if tree => d,
                 Ok(()) => Draft::chain(d.first_chain()),

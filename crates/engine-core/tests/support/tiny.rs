@@ -1,0 +1,72 @@
+//! Shared pieces of the engine tests on the tiny Llama fixture (included
+//! with `#[path]`): the model loaded once per test binary on a 2-thread CPU
+//! backend, seeded prompts, greedy parameters, and the check that a flushed,
+//! idle engine holds no KV page.
+#![allow(dead_code)]
+
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::engine::Engine;
+use arbor_engine_core::{Backend, LoadOptions, Registry, SamplingParams, SeqRng};
+use arbor_models::{LoadedModel, load_model};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+pub fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama")
+}
+
+pub struct Shared {
+    pub model: LoadedModel,
+    pub backend: Arc<dyn Backend>,
+    pub registry: Registry,
+}
+
+pub fn shared() -> &'static Shared {
+    static S: OnceLock<Shared> = OnceLock::new();
+    S.get_or_init(|| {
+        let registry = Registry::builtin().expect("registry");
+        let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
+            progress: None,
+        };
+        let model = load_model(&fixture(), &registry, &opts).expect("tiny-llama loads");
+        Shared {
+            model,
+            backend,
+            registry,
+        }
+    })
+}
+
+/// Asserts that once idle and flushed, no KV page is in use.
+pub fn assert_pool_empty(e: &Engine) {
+    assert!(e.flush_cache().expect("flush"), "engine should be idle");
+    // Stats are published after the flush message is handled; wait for it.
+    for _ in 0..100 {
+        if e.stats().num_used_tokens == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("KV pages still in use: {:?}", e.stats());
+}
+
+/// `n` prompts of 3..63 ids below 497, from `seed`.
+pub fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = SeqRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let len = 3 + (rng.next_u64() % 60) as usize;
+            (0..len).map(|_| (rng.next_u64() % 497) as u32).collect()
+        })
+        .collect()
+}
+
+pub fn greedy(max_new: usize) -> SamplingParams {
+    SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_new)
+    }
+}
