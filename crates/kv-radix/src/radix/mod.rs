@@ -515,11 +515,7 @@ impl PrefixCache for RadixCache {
         let aligned = tokens.len() / self.page_size * self.page_size;
         let root = self.root_of(ns);
         let Some(root) = root.filter(|_| aligned > 0) else {
-            return PrefixMatch {
-                pages: Vec::new(),
-                matched_tokens: 0,
-                node: NodeId(root.unwrap_or(ROOT)),
-            };
+            return PrefixMatch::empty(NodeId(root.unwrap_or(ROOT)));
         };
         let now = self.tick();
         let mut pages = Vec::new();
@@ -530,6 +526,8 @@ impl PrefixCache for RadixCache {
             pages,
             matched_tokens: matched,
             node: NodeId(node),
+            host_tokens: 0,
+            storage_tokens: 0,
         }
     }
 
@@ -577,6 +575,7 @@ impl PrefixCache for RadixCache {
             hit_tokens: self.hit_tokens,
             queried_tokens: self.queried_tokens,
             evicted_tokens: self.evicted_tokens,
+            tiers: Default::default(),
         }
     }
 

@@ -1,0 +1,1 @@
+//! Storage backends of the HiCache's third tier.
