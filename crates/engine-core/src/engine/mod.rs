@@ -192,6 +192,10 @@ pub struct OutputMeta {
     pub spec_verify_ct: u32,
     /// Draft tokens of this request the target accepted.
     pub spec_accepted_tokens: u32,
+    /// Of `cached_tokens`, those loaded back from the host tier (HiCache).
+    pub cached_tokens_host: usize,
+    /// Of `cached_tokens_host`, those that had come from the storage tier.
+    pub cached_tokens_storage: usize,
 }
 
 impl OutputMeta {
@@ -266,6 +270,10 @@ pub struct EngineStats {
     /// Draft tokens per request and step the adaptive controller allows now
     /// (mean over the last step's decoding requests).
     pub spec_draft_budget: f64,
+    /// The prefix cache's tiers below the device (HiCache).
+    pub tiers: crate::prefix_cache::TierStats,
+    /// Copies between device and host the steps ran (HiCache).
+    pub kv_copy: crate::tier::KvCopyStats,
 }
 
 /// Everything the engine runs with besides its settings.

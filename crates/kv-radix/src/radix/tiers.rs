@@ -76,6 +76,8 @@ pub struct StorageBackup {
     pub keys: Vec<PageKey>,
     /// Their host slots (readable once the step's copies ran).
     pub slots: Vec<HostSlotRef>,
+    /// The pool the slots are in.
+    pub pool: Arc<HostKvPool>,
 }
 
 pub(super) struct Tiers {
@@ -202,6 +204,17 @@ impl RadixCache {
         self.refresh_candidate(id);
     }
 
+    /// Host slots for `n` pages, evicting host-only leaves as needed (for
+    /// pages fetched from storage).
+    pub fn alloc_host_pages(&mut self, n: usize) -> Option<HostPages> {
+        self.alloc_host(n)
+    }
+
+    /// The chain start of namespace `ns` (with a storage identity).
+    pub fn root_key(&self, ns: &CacheNamespace) -> Option<PageKey> {
+        self.tiers.as_ref().and_then(|t| t.root_key(ns))
+    }
+
     /// Host slots for `n` pages, evicting host-only leaves as needed.
     fn alloc_host(&mut self, n: usize) -> Option<HostPages> {
         loop {
@@ -254,6 +267,7 @@ impl RadixCache {
             t.backups.push(StorageBackup {
                 keys,
                 slots: host.slots().to_vec(),
+                pool: t.host.clone(),
             });
         }
         t.host_tokens += len;
