@@ -320,7 +320,11 @@ enum Msg {
     Submit(Box<request::Req>),
     Abort(String),
     AbortAll,
-    Flush(mpsc::Sender<bool>),
+    /// Flush the cache when idle (and the storage tier too when `storage`).
+    Flush {
+        reply: mpsc::Sender<bool>,
+        storage: bool,
+    },
     Shutdown,
 }
 
@@ -510,11 +514,18 @@ impl Engine {
         let _ = self.tx.send(Msg::AbortAll);
     }
 
-    /// Empties the prefix cache if no request is queued or running; returns whether it did.
+    /// Empties the prefix cache (device and host tiers) if no request is
+    /// queued or running; returns whether it did.
     pub fn flush_cache(&self) -> Result<bool> {
+        self.flush_cache_tiers(false)
+    }
+
+    /// [`flush_cache`](Self::flush_cache), and when `storage` also clears
+    /// the storage tier (in the background).
+    pub fn flush_cache_tiers(&self, storage: bool) -> Result<bool> {
         let (tx, rx) = mpsc::channel();
         self.tx
-            .send(Msg::Flush(tx))
+            .send(Msg::Flush { reply: tx, storage })
             .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
         rx.recv_timeout(Duration::from_secs(60))
             .map_err(|_| CoreError::Internal("the scheduler did not answer".into()))

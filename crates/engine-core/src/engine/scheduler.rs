@@ -212,10 +212,13 @@ impl Scheduler {
             Msg::Submit(r) => self.accept(*r),
             Msg::Abort(rid) => self.abort(|r| r.rid == rid, "aborted by request"),
             Msg::AbortAll => self.abort(|_| true, "aborted by request"),
-            Msg::Flush(reply) => {
+            Msg::Flush { reply, storage } => {
                 let ok = self.idle();
                 if ok {
                     self.cache.flush();
+                    if storage && let Err(e) = self.cache.clear_storage() {
+                        tracing::warn!("clearing the storage tier: {e}");
+                    }
                     // Stats show the empty cache by the time the caller hears back.
                     self.publish();
                 }
