@@ -68,7 +68,7 @@ fn round_trip_exists_and_clear() -> Result<()> {
     assert!(store.get(&[])?.is_empty() && store.exists(&[])?.is_empty());
     store.set(&[])?;
     // A wrong-sized page is refused, and nothing of its batch is written.
-    let short = vec![0u8; 10];
+    let short = [0u8; 10];
     match store.set(&[(keys[6], &pages[6][..]), (keys[7], &short[..])]) {
         Err(TierError::Config(m)) => assert!(m.contains("bytes"), "{m}"),
         other => anyhow::bail!("short page accepted: {other:?}"),
