@@ -2,7 +2,7 @@
 //!
 //! - [`entry`]: the stored form of a page (header with identity digest, key,
 //!   length and checksum, then the page), the same for every backend.
-//! - [`file`]: [`FileStore`], one file per page under a directory.
+//! - [`file`](mod@file): [`FileStore`], one file per page under a directory.
 //! - [`redis`]: [`RedisStore`], pages as values in a redis server.
 //! - [`StorageConfig`]: SGLang's `--hicache-storage-backend` and
 //!   `--hicache-storage-backend-extra-config`, parsed; [`open_store`] opens

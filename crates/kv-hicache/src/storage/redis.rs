@@ -14,8 +14,10 @@
 //!   again, so a restarted server is used again.
 //! - A value is returned only after it decodes (see [`EntryCodec`]); a damaged
 //!   one is deleted and counted ([`RedisStore::corrupt_removed`]); one of
-//!   another identity is left alone. Eviction (maxmemory policy, TTLs) is the
-//!   server's business.
+//!   another identity is left alone. (The delete is unconditional: a page
+//!   rewritten between the read and the delete is lost, which is only a
+//!   miss.) Eviction (maxmemory policy, TTLs) is the server's business.
+//! - One connection per store, behind a mutex: calls are serialized.
 
 use super::entry::{EntryCodec, EntryError, identity_prefix};
 use ::redis::{Client, Connection, RedisError};
