@@ -25,6 +25,17 @@ fn engine(
     storage: Option<Arc<dyn KvTier>>,
     model: &str,
 ) -> Result<Engine> {
+    engine_with(pages, hicache, storage, model, None)
+}
+
+/// [`engine`] with overlap scheduling forced on or off.
+fn engine_with(
+    pages: usize,
+    hicache: Option<HiCacheConfig>,
+    storage: Option<Arc<dyn KvTier>>,
+    model: &str,
+    overlap_schedule: Option<bool>,
+) -> Result<Engine> {
     let s = shared();
     let runner = ModelRunner::new(
         s.model.model.clone(),
@@ -58,6 +69,7 @@ fn engine(
     );
     let cfg = EngineConfig {
         disable_radix_cache: false,
+        overlap_schedule,
         ..EngineConfig::default()
     };
     Ok(Engine::new(cfg, parts)?)
@@ -169,15 +181,24 @@ fn concurrent_requests_under_pressure_match_an_uncached_engine() -> Result<()> {
         .iter()
         .map(|p| run(&cold, std::slice::from_ref(p), &params).map(|mut v| v.remove(0).0))
         .collect::<Result<_>>()?;
-    let e = engine(40, Some(config(WritePolicy::WriteBack)), None, "tiny")?;
-    for round in 0..3 {
-        let got = run(&e, &prompts, &params)?;
-        for (i, ((g, _), w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(g, w, "round {round}, request {i}");
+    // Overlap scheduling admits (and loads, and demotes) during the forward.
+    for overlap in [false, true] {
+        let e = engine_with(
+            40,
+            Some(config(WritePolicy::WriteBack)),
+            None,
+            "tiny",
+            Some(overlap),
+        )?;
+        for round in 0..3 {
+            let got = run(&e, &prompts, &params)?;
+            for (i, ((g, _), w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g, w, "overlap {overlap}, round {round}, request {i}");
+            }
         }
+        assert!(e.stats().tiers.host_hit_tokens > 0, "{:?}", e.stats().tiers);
+        assert_pool_empty(&e);
     }
-    assert!(e.stats().tiers.host_hit_tokens > 0, "{:?}", e.stats().tiers);
-    assert_pool_empty(&e);
     assert_pool_empty(&cold);
     Ok(())
 }

@@ -153,6 +153,20 @@ impl Sim {
 
     fn finish(&mut self, i: usize) {
         let r = self.running.swap_remove(i);
+        // The prefix stayed locked while the request ran: it must still be
+        // on the device, in the same pages, holding the same KV.
+        let m = self.cache.match_prefix(&self.ns, &r.tokens[..r.matched]);
+        assert_eq!(m.matched_tokens, r.matched, "a locked prefix was evicted");
+        assert_eq!(
+            m.host_tokens, 0,
+            "a locked prefix was demoted and loaded back"
+        );
+        for (i, &p) in m.pages.iter().enumerate() {
+            assert_eq!(
+                self.device[p as usize],
+                Some(stamp(&r.tokens, (i + 1) * self.ps))
+            );
+        }
         self.cache
             .insert_with_prefix(&self.ns, &r.tokens, r.matched, r.own, 0)
             .expect("insert");
