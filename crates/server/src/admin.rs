@@ -158,6 +158,8 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
             "num_queue_reqs": s.num_queue_reqs,
             "num_used_tokens": s.num_used_tokens,
             "token_usage": s.token_usage,
+            "evictable_tokens": s.evictable_tokens,
+            "cache_tokens": s.cache_tokens,
             "cache_hit_rate": s.cache_hit_rate,
             "new_token_ratio": s.new_token_ratio,
             "iterations": s.iterations,

@@ -225,7 +225,9 @@ pub struct OutputChunk {
 pub struct EngineStats {
     pub num_running_reqs: usize,
     pub num_queue_reqs: usize,
-    /// Tokens of KV in use (by requests and the cache).
+    /// Tokens of KV that requests hold (SGLang's `num_used_tokens`): every
+    /// allocated token but the cache's evictable ones. A cached prefix that a
+    /// running request has locked counts as used.
     pub num_used_tokens: usize,
     /// KV capacity in tokens.
     pub max_total_tokens: usize,
@@ -243,6 +245,9 @@ pub struct EngineStats {
     pub num_retracted_reqs_total: u64,
     /// Tokens the prefix cache holds.
     pub cache_tokens: usize,
+    /// Cached tokens no request holds (reusable, freed on demand); allocated
+    /// pages are `num_used_tokens + evictable_tokens`.
+    pub evictable_tokens: usize,
     /// Current expected-new-token ratio.
     pub new_token_ratio: f64,
     /// Forward passes run.

@@ -693,7 +693,7 @@ impl Scheduler {
         if self.idle() {
             self.new_token_ratio = self.init_ratio;
         }
-        let cache_tokens = self.cache.stats().cached_tokens;
+        let cache_stats = self.cache.stats();
         let c = &mut self.counters;
         let ps = self.page_size;
         c.num_running_reqs =
@@ -704,7 +704,10 @@ impl Scheduler {
                 .iter()
                 .map(|r| r.followers.len())
                 .sum::<usize>();
-        c.num_used_tokens = self.pool.used_pages() * ps;
+        // As SGLang: what requests hold, not what the cache keeps for reuse.
+        c.num_used_tokens =
+            (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
+        c.evictable_tokens = cache_stats.evictable_tokens;
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
         let (hit, tot) = self
             .hit_window
@@ -727,7 +730,7 @@ impl Scheduler {
             self.window_accepted = 0;
             self.window_start = Instant::now();
         }
-        c.cache_tokens = cache_tokens;
+        c.cache_tokens = cache_stats.cached_tokens;
         c.new_token_ratio = self.new_token_ratio;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
     }
