@@ -147,7 +147,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let served = m
         .served_model_name
         .clone()
-        .unwrap_or_else(|| model_path.clone());
+        .unwrap_or_else(|| built.model.name.clone());
     let host = cfg
         .server
         .host
@@ -166,6 +166,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         metrics_prefix: metrics_prefix.clone(),
         enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
         server_info: cfg.to_json(),
+        reasoning_parser: cfg.reasoning_parser()?,
         ..Default::default()
     };
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;

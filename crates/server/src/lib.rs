@@ -11,6 +11,9 @@
 //!   `/get_model_info`, `/get_server_info`, and `/metrics` ([`admin`],
 //!   [`metrics`]).
 //!
+//! With a reasoning parser ([`reasoning`], `ServerOptions::reasoning_parser`)
+//! chat answers carry their `<think>` block in `reasoning_content`.
+//!
 //! Every error is OpenAI-style JSON ([`ApiError`]). With an API key every
 //! route but `/health` and `/health_generate` needs `Authorization: Bearer`.
 //! [`Server::serve`] runs until the shutdown future resolves, then stops
@@ -24,6 +27,7 @@ mod fields;
 pub mod metrics;
 mod native;
 mod openai;
+pub mod reasoning;
 mod run;
 mod sse;
 mod state;

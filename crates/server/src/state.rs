@@ -38,6 +38,8 @@ pub struct ServerOptions {
     pub health_generate_timeout: Duration,
     /// The settings the server was started with, echoed by `/get_server_info`.
     pub server_info: serde_json::Value,
+    /// Separates `<think>` reasoning into `reasoning_content` in chat answers.
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
 }
 
 impl Default for ServerOptions {
@@ -54,6 +56,7 @@ impl Default for ServerOptions {
             enable_cache_report: false,
             health_generate_timeout: Duration::from_secs(20),
             server_info: serde_json::Value::Null,
+            reasoning_parser: None,
         }
     }
 }
@@ -105,6 +108,13 @@ impl AppState {
     pub fn new_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{:016x}{:016x}", self.id_base, n)
+    }
+
+    /// Whether `name` names the served model: its served name, or the path
+    /// it was loaded from (what clients that pass `--model PATH` send).
+    pub fn serves_model(&self, name: &str) -> bool {
+        name == self.opts.served_model_name
+            || (!self.opts.model_path.is_empty() && name == self.opts.model_path)
     }
 
     /// Refuses new work once shutdown began.
