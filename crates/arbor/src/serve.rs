@@ -180,6 +180,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(g) = grammar {
         server = server.with_grammar(g);
     }
+    server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
+        registry: Arc::new(registry),
+        backend: built.backend.clone(),
+        dtype: model_args.dtype.clone(),
+    }));
+    // Only the engine holds the weights from here on (released memory is freed).
+    drop(built.model);
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)

@@ -428,6 +428,7 @@ impl NativeFormat {
             "cached_tokens": m.cached_tokens,
             "e2e_latency": m.elapsed,
             "queue_time": m.queue_time,
+            "weight_version": self.state.weights().version,
         });
         if let (Some(len), Some(o)) = (m.spec_accept_length(), meta.as_object_mut()) {
             o.insert("spec_verify_ct".into(), json!(m.spec_verify_ct));

@@ -6,13 +6,15 @@
 //! returns a [`RequestStream`] of [`OutputChunk`]s; dropping the stream before
 //! the request finished aborts it (a client disconnect frees its pages within
 //! one iteration). [`Engine::abort`], [`Engine::flush_cache`] and
-//! [`Engine::stats`] complete the interface.
+//! [`Engine::stats`] complete the interface; [`refit`] adds weight updates,
+//! pauses and memory release (RL training loops).
 //!
 //! Invariant: once every request has finished and the cache is flushed, every
 //! KV page is back in the pool.
 
 mod adaptive;
 mod policy;
+pub mod refit;
 mod request;
 mod scheduler;
 
@@ -318,6 +320,7 @@ enum Msg {
     Abort(String),
     AbortAll,
     Flush(mpsc::Sender<bool>),
+    Control(refit::Control),
     Shutdown,
 }
 

@@ -39,6 +39,7 @@ use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
 
 mod iteration;
+mod refit;
 mod speculation;
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
@@ -103,6 +104,8 @@ pub(crate) struct Scheduler {
     window_tokens: u64,
     window_start: Instant,
     hit_window: VecDeque<(usize, usize)>,
+    /// Pause, drained weight update and weight version.
+    refit: refit::RefitState,
 }
 
 impl Scheduler {
@@ -152,6 +155,7 @@ impl Scheduler {
             window_tokens: 0,
             window_start: Instant::now(),
             hit_window: VecDeque::new(),
+            refit: Default::default(),
         })
     }
 
@@ -165,7 +169,8 @@ impl Scheduler {
     /// The thread's main loop.
     pub fn run(mut self, rx: Receiver<Msg>) {
         'outer: loop {
-            if self.idle() {
+            self.poll_refit();
+            if self.idle() || self.halted() {
                 self.publish();
                 match rx.recv() {
                     Ok(m) => {
@@ -175,6 +180,7 @@ impl Scheduler {
                     }
                     Err(_) => break 'outer,
                 }
+                continue 'outer;
             }
             while let Ok(m) = rx.try_recv() {
                 if !self.handle(m) {
@@ -205,6 +211,7 @@ impl Scheduler {
                 }
                 let _ = reply.send(ok);
             }
+            Msg::Control(c) => self.control(c),
             Msg::Shutdown => return false,
         }
         true
@@ -232,6 +239,7 @@ impl Scheduler {
     }
 
     fn accept(&mut self, mut r: Req) {
+        r.ns = self.current_namespace(&r.ns);
         r.key = self.next_key;
         self.next_key += 1;
         if self.live_rid(&r.rid) {
@@ -460,7 +468,7 @@ impl Scheduler {
                 }
             }
         }
-        if self.waiting.is_empty() {
+        if self.waiting.is_empty() || self.admission_held() {
             return Ok(entries);
         }
         let order = policy::order(
