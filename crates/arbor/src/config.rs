@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+pub use crate::hicache::{HiCacheArgs, HiCacheSection};
 pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
 
 /// `[model]`: what to load and on which device.
@@ -133,11 +134,12 @@ pub struct FileConfig {
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub speculative: SpeculativeSection,
+    pub hicache: HiCacheSection,
     pub plugins: Vec<PluginEntry>,
 }
 
 const SECTIONS: &str = "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], \
-                        [speculative], [[plugins]]";
+                        [speculative], [hicache], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -170,6 +172,7 @@ impl FileConfig {
                 "cache" => c.cache = section(&k, v)?,
                 "metrics" => c.metrics = section(&k, v)?,
                 "speculative" => c.speculative = section(&k, v)?,
+                "hicache" => c.hicache = section(&k, v)?,
                 "plugins" => {
                     let toml::Value::Array(items) = v else {
                         bail!("'plugins' must be an array of tables ([[plugins]])");
@@ -331,6 +334,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub speculative: SpeculativeArgs,
 
+    #[command(flatten)]
+    pub hicache: HiCacheArgs,
+
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
@@ -351,6 +357,7 @@ pub struct ServeConfig {
     pub cache: CacheSection,
     pub metrics: MetricsSection,
     pub speculative: SpeculativeSection,
+    pub hicache: HiCacheSection,
     pub plugins: Vec<PluginEntry>,
 }
 
@@ -405,6 +412,7 @@ impl ServeConfig {
             cache: c,
             metrics: x,
             speculative: spec,
+            hicache,
             mut plugins,
         } = file;
         compiled_out_check(&g, &c, a)?;
@@ -569,6 +577,7 @@ impl ServeConfig {
                 ),
             },
             speculative: SpeculativeSection::resolve(spec, &a.speculative),
+            hicache: HiCacheSection::resolve(hicache, &a.hicache),
             plugins,
         };
         cfg.validate()?;
@@ -627,6 +636,8 @@ impl ServeConfig {
         }
         self.reasoning_parser()?;
         self.speculative.to_engine()?;
+        self.hicache
+            .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
         Ok(())
     }
 

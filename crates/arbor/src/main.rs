@@ -7,6 +7,7 @@
 mod config;
 mod fetch;
 mod generate;
+mod hicache;
 mod info;
 mod serve;
 mod setup;

@@ -140,6 +140,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             eviction_policy: eviction_policy.clone(),
             sampler,
             processors,
+            hicache: cfg.hicache.to_settings(engine_cfg.disable_radix_cache)?,
         },
     )?;
     let spec = built.model.model.spec().clone();

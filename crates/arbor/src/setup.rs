@@ -120,6 +120,8 @@ pub struct EngineSetup {
     pub sampler: String,
     /// Logits processors in order: registered names and the config each is created with.
     pub processors: Vec<(String, serde_json::Value)>,
+    /// Host and storage KV tiers under the radix cache, when on.
+    pub hicache: Option<crate::hicache::HiCacheSettings>,
 }
 
 /// An engine with the model it runs.
@@ -252,6 +254,9 @@ pub fn build_engine(
     };
     let prefix_cache: Box<dyn arbor_engine_core::PrefixCache> = if cache_name == "none" {
         Box::new(arbor_engine_core::NoPrefixCache::with_page_size(page_size)?)
+    } else if let Some(h) = &setup.hicache {
+        let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
+        crate::hicache::build(h, runner.kv_spec(), policy, &model)?
     } else {
         let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
         registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?

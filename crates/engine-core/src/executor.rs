@@ -26,7 +26,7 @@
 
 use crate::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
-use crate::error::Result;
+use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
 use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
@@ -38,6 +38,7 @@ use crate::step::{
     TokenLogprob,
 };
 use crate::tensor::Tensor;
+use crate::tier::{CopyDirection, KvCopyStats, KvTierOps};
 use std::sync::Arc;
 
 /// What an executor can run, declared once.
@@ -190,6 +191,13 @@ impl Executor for LocalExecutor {
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
+        let kv_copy = self.copy_tier_pages(&plan.kv_ops)?;
+        if plan.seqs.is_empty() {
+            return Ok(StepOutput {
+                seqs: Vec::new(),
+                kv_copy,
+            });
+        }
         let ps = self.runner.kv_spec().page_size;
         let (batch, first_row) = build_batch(plan, ps)?;
         let out = self.runner.forward(&batch)?;
@@ -286,7 +294,7 @@ impl Executor for LocalExecutor {
                 }
             }
         }
-        Ok(StepOutput { seqs })
+        Ok(StepOutput { seqs, kv_copy })
     }
 }
 
@@ -389,6 +397,87 @@ fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
 }
 
 impl LocalExecutor {
+    /// Runs a plan's copies between device pages and host slots, in order.
+    /// A host page holds, per layer, the page's K bytes then its V bytes. On
+    /// the CPU a copy is a memcpy; it is still counted and timed.
+    fn copy_tier_pages(&self, ops: &KvTierOps) -> Result<KvCopyStats> {
+        let mut stats = KvCopyStats::default();
+        let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
+            return Ok(stats);
+        };
+        let start = std::time::Instant::now();
+        let kv = self.runner.kv();
+        let spec = *kv.spec();
+        let backend = self.runner.backend();
+        let part = spec.bytes_per_token() * spec.page_size / (2 * spec.num_layers);
+        if host.page_bytes() != 2 * spec.num_layers * part {
+            return Err(CoreError::invalid(format!(
+                "host KV pages of {} bytes for device pages of {}",
+                host.page_bytes(),
+                2 * spec.num_layers * part
+            )));
+        }
+        let mut views = Vec::with_capacity(2 * spec.num_layers);
+        for c in &ops.copies {
+            if c.device_page as usize >= spec.num_pages {
+                return Err(CoreError::invalid(format!(
+                    "KV copy of device page {} of {}",
+                    c.device_page, spec.num_pages
+                )));
+            }
+            let first = c.device_page as usize * spec.page_size;
+            views.clear();
+            for l in 0..spec.num_layers {
+                let layer = kv.layer(l)?;
+                views.push(layer.k.narrow(first, spec.page_size)?);
+                views.push(layer.v.narrow(first, spec.page_size)?);
+            }
+            let mut failed = None;
+            match c.direction {
+                CopyDirection::ToHost => {
+                    let written = host.write(c.host, |bytes| {
+                        for (view, dst) in views.iter().zip(bytes.chunks_exact_mut(part)) {
+                            if let Err(e) = backend.download(view, dst) {
+                                failed = Some(e);
+                                return;
+                            }
+                        }
+                    });
+                    if !written {
+                        return Err(CoreError::Internal(format!(
+                            "KV backup into freed host slot {}",
+                            c.host.slot
+                        )));
+                    }
+                    stats.pages_to_host += 1;
+                }
+                CopyDirection::ToDevice => {
+                    let read = host.read(c.host, std::time::Duration::ZERO, |bytes| {
+                        for (view, src) in views.iter().zip(bytes.chunks_exact(part)) {
+                            if let Err(e) = backend.write(view, src) {
+                                failed = Some(e);
+                                return;
+                            }
+                        }
+                    });
+                    if read.is_none() {
+                        return Err(CoreError::Internal(format!(
+                            "KV load from host slot {} that holds no page",
+                            c.host.slot
+                        )));
+                    }
+                    stats.pages_to_device += 1;
+                }
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            stats.bytes += host.page_bytes() as u64;
+        }
+        stats.seconds = start.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
     /// After a draft tree's verification, moves the KV of the accepted path
     /// (plan indices `path`, increasing) into chain order, so that the
     /// sequence's first `prefix_len + 1 + path.len()` slots hold its tokens

@@ -5,8 +5,8 @@
 //! ([`Backend`]), attention ([`AttentionBackend`]), model architectures
 //! ([`ModelArchitecture`]), quantization methods ([`QuantMethod`]), samplers and
 //! logits processors ([`Sampler`], [`LogitsProcessor`]), and prefix caches with
-//! their eviction policies ([`PrefixCache`], [`EvictionPolicy`]). It depends on
-//! no feature crate.
+//! their eviction policies ([`PrefixCache`], [`EvictionPolicy`]), and the KV tiers
+//! below the device ([`KvTier`], [`HostKvPool`]). It depends on no feature crate.
 
 pub mod attention;
 pub mod backend;
@@ -28,6 +28,7 @@ pub mod sampling;
 pub mod speculative;
 pub mod step;
 pub mod tensor;
+pub mod tier;
 
 pub use attention::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
@@ -46,7 +47,7 @@ pub use model::{
 pub use no_prefix_cache::NoPrefixCache;
 pub use prefix_cache::{
     CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,
-    PrefixCacheOptions, PrefixCacheStats, PrefixMatch,
+    PrefixCacheOptions, PrefixCacheStats, PrefixMatch, TierStats,
 };
 pub use quant::QuantMethod;
 pub use registry::Registry;
@@ -54,6 +55,10 @@ pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqR
 pub use speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
 pub use step::{SampleRows, SampleSpec, SeqOutput, SeqPlan, StepOutput, StepPlan};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
+pub use tier::{
+    CopyDirection, HostKvPool, HostPages, HostSlotRef, KvCopyStats, KvTier, KvTierOps, PageCopy,
+    PageKey, TierError, TierIdentity, page_keys,
+};
 
 /// Re-exported so that implementation crates register with the same `inventory`.
 pub use inventory;

@@ -63,11 +63,7 @@ impl PrefixCache for NoPrefixCache {
 
     fn match_prefix(&mut self, _ns: &CacheNamespace, tokens: &[u32]) -> PrefixMatch {
         self.queried_tokens += tokens.len() as u64;
-        PrefixMatch {
-            pages: Vec::new(),
-            matched_tokens: 0,
-            node: ROOT,
-        }
+        PrefixMatch::empty(ROOT)
     }
 
     fn insert(

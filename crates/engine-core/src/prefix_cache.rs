@@ -10,9 +10,18 @@
 //! `page_size` tokens, the last possibly partial). The cache keeps the pages of
 //! the whole-page part that it does not hold yet; pages duplicating cached KV
 //! and the unaligned tail are dropped, which returns them to the pool.
+//!
+//! Tiers (HiCache): a cache may keep evicted KV in host memory or storage and
+//! load it back. It then allocates device pages itself (from the pool given
+//! by [`PrefixCache::bind_pool`]), records the copies between device and host
+//! that the next step must run first ([`PrefixCache::take_kv_ops`]), and may
+//! fetch a new request's prefix from storage before it is admitted
+//! ([`PrefixCache::prefetch`], [`PrefixCache::prefetch_poll`]). A cache
+//! without tiers keeps the defaults, which do nothing.
 
 use crate::error::Result;
-use crate::kv::PageSet;
+use crate::kv::{PagePool, PageSet};
+use crate::tier::KvTierOps;
 use std::cmp::Ordering;
 use std::sync::Arc;
 
@@ -47,6 +56,23 @@ pub struct PrefixMatch {
     pub matched_tokens: usize,
     /// The node where the match ends (the root when nothing matched); lock it while in use.
     pub node: NodeId,
+    /// Of `matched_tokens`, those loaded back from the host tier by this match.
+    pub host_tokens: usize,
+    /// Of `host_tokens`, those that had come from the storage tier.
+    pub storage_tokens: usize,
+}
+
+impl PrefixMatch {
+    /// Nothing matched; the match ends at `node` (a root).
+    pub fn empty(node: NodeId) -> Self {
+        Self {
+            pages: Vec::new(),
+            matched_tokens: 0,
+            node,
+            host_tokens: 0,
+            storage_tokens: 0,
+        }
+    }
 }
 
 /// Result of an insert.
@@ -61,7 +87,7 @@ pub struct InsertOutcome {
 }
 
 /// Counters of a prefix cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PrefixCacheStats {
     /// Tokens held in the cache.
     pub cached_tokens: usize,
@@ -77,6 +103,39 @@ pub struct PrefixCacheStats {
     pub queried_tokens: u64,
     /// Tokens evicted since start.
     pub evicted_tokens: u64,
+    /// The tiers below the device (all zero without them).
+    pub tiers: TierStats,
+}
+
+/// Counters of the tiers below the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TierStats {
+    /// Tokens whose KV the host tier holds.
+    pub host_tokens: usize,
+    /// Token capacity of the host tier.
+    pub host_capacity_tokens: usize,
+    /// Tokens matched from the host tier (loaded back) since start.
+    pub host_hit_tokens: u64,
+    /// Of those, tokens that had come from storage.
+    pub storage_hit_tokens: u64,
+    /// Tokens demoted from the device to the host instead of being dropped.
+    pub demoted_tokens: u64,
+    /// Pages read from storage, and the bytes and seconds it took.
+    pub storage_read_pages: u64,
+    /// Bytes read from storage.
+    pub storage_read_bytes: u64,
+    /// Seconds spent reading storage (on the tier's thread).
+    pub storage_read_seconds: f64,
+    /// Pages written to storage.
+    pub storage_write_pages: u64,
+    /// Bytes written to storage.
+    pub storage_write_bytes: u64,
+    /// Seconds spent writing storage (on the tier's thread).
+    pub storage_write_seconds: f64,
+    /// Storage operations that failed (the requests recomputed).
+    pub storage_errors: u64,
+    /// Stored entries found corrupt (skipped and removed).
+    pub storage_corrupt: u64,
 }
 
 /// What an eviction policy knows about a node.
@@ -175,4 +234,30 @@ pub trait PrefixCache: Send {
     fn flush(&mut self);
     /// A readable dump of the cache's structure.
     fn dump(&self) -> String;
+
+    /// Takes the device page pool, for a cache that allocates device pages
+    /// itself (to load KV back from a lower tier).
+    fn bind_pool(&mut self, _pool: &PagePool) -> Result<()> {
+        Ok(())
+    }
+    /// The copies between the device and lower tiers recorded since the last
+    /// call; the next step runs them before its forward.
+    fn take_kv_ops(&mut self) -> KvTierOps {
+        KvTierOps::default()
+    }
+    /// Starts fetching from storage what the tiers in memory lack of the
+    /// cached prefix of `tokens`, for the request `key` that just arrived.
+    fn prefetch(&mut self, _key: u64, _ns: &CacheNamespace, _tokens: &[u32]) {}
+    /// Whether request `key` may be admitted now: its prefetch is done or the
+    /// prefetch policy stops waiting (then the key is forgotten). True for a
+    /// key with no prefetch.
+    fn prefetch_poll(&mut self, _key: u64) -> bool {
+        true
+    }
+    /// Forgets the prefetch of an aborted request.
+    fn prefetch_cancel(&mut self, _key: u64) {}
+    /// Also clears the storage tier (`flush` keeps it).
+    fn clear_storage(&mut self) -> Result<()> {
+        Ok(())
+    }
 }

@@ -17,6 +17,7 @@
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
 use crate::sampling::SamplingParams;
+use crate::tier::{KvCopyStats, KvTierOps};
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 
@@ -144,16 +145,6 @@ impl SeqPlan {
     }
 }
 
-/// KV tier operations of a step (host and storage tiers): pages to load
-/// before the forward and to store after it. Empty without a tier.
-#[derive(Clone, Debug, Default)]
-pub struct KvTierOps {
-    /// (tier slot, device page) copies into the device before the forward.
-    pub load_before: Vec<(u64, u32)>,
-    /// (device page, tier slot) copies out of the device after the forward.
-    pub store_after: Vec<(u32, u64)>,
-}
-
 /// Grammar bitmasks of a step: one list per sequence (empty for a sequence
 /// without a grammar, else one mask per sampled row).
 pub type StepMasks = Vec<Vec<TokenBitmask>>;
@@ -223,6 +214,8 @@ pub struct SeqOutput {
 pub struct StepOutput {
     /// Per sequence, in plan order.
     pub seqs: Vec<SeqOutput>,
+    /// What the plan's KV tier copies cost.
+    pub kv_copy: KvCopyStats,
 }
 
 #[cfg(test)]

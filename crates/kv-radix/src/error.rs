@@ -66,6 +66,9 @@ pub enum RadixError {
     /// A lock count would overflow.
     #[error("prefix cache node {0} has too many locks")]
     LockOverflow(u32),
+    /// Tiers can only be turned on while the cache is empty.
+    #[error("the prefix cache's tiers must be enabled before anything is cached")]
+    NotEmpty,
     /// No node id is left.
     #[error("prefix cache has no node ids left")]
     ArenaFull,

@@ -25,7 +25,9 @@ mod radix;
 pub use arbor_engine_core::NoPrefixCache;
 pub use error::RadixError;
 pub use policy::{POLICY_NAMES, builtin_policy};
-pub use radix::{MemoryUsage, NodeView, RadixCache};
+pub use radix::{
+    MemoryUsage, NodeView, RadixCache, SELECTIVE_HITS, StorageBackup, TierOptions, WritePolicy,
+};
 
 use arbor_engine_core::registry::PrefixCacheEntry;
 

@@ -4,7 +4,8 @@
 //!
 //! `/health` answers 200 while the server accepts work and 503 once it is
 //! shutting down. `/health_generate` runs a one-token generation through the
-//! engine within a time limit. `/flush_cache` empties the prefix cache only
+//! engine within a time limit. `/flush_cache` empties the prefix cache (its
+//! device and host tiers; `?storage=true` also clears the storage tier) only
 //! when no request is queued or running (400 otherwise, as SGLang).
 
 use crate::error::ApiError;
@@ -73,10 +74,23 @@ pub(crate) async fn health_generate(State(st): State<Arc<AppState>>) -> Response
     }
 }
 
-/// `POST|GET /flush_cache`.
-pub(crate) async fn flush_cache(State(st): State<Arc<AppState>>) -> Response {
+/// `POST|GET /flush_cache`; `?storage=true` also clears the HiCache storage tier.
+pub(crate) async fn flush_cache(
+    State(st): State<Arc<AppState>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+) -> Response {
+    let storage = match query.as_deref().unwrap_or("") {
+        "" | "storage=false" => false,
+        "storage=true" => true,
+        other => {
+            return ApiError::bad_request(format!(
+                "unknown /flush_cache query '{other}' (accepted: storage=true)"
+            ))
+            .into_response();
+        }
+    };
     let engine = st.engine.clone();
-    let r = tokio::task::spawn_blocking(move || engine.flush_cache()).await;
+    let r = tokio::task::spawn_blocking(move || engine.flush_cache_tiers(storage)).await;
     match r {
         Ok(Ok(true)) => (
             StatusCode::OK,

@@ -290,6 +290,9 @@ impl Metrics {
             "Draft tokens per decoding request in the last step (after the adaptive controller).",
             s.spec_draft_budget,
         );
+        for (name, kind, help, v) in hicache_lines(s) {
+            one(name, kind, help, v);
+        }
         one(
             "num_used_tokens",
             "gauge",
@@ -373,6 +376,119 @@ impl Metrics {
         }
         out
     }
+}
+
+/// The HiCache series (none when the tiers are off): name, type, help, value.
+fn hicache_lines(s: &EngineStats) -> Vec<(&'static str, &'static str, &'static str, f64)> {
+    let t = &s.tiers;
+    if t.host_capacity_tokens == 0 {
+        return Vec::new();
+    }
+    let c = &s.kv_copy;
+    vec![
+        (
+            "hicache_host_tokens",
+            "gauge",
+            "Tokens whose KV the host tier holds.",
+            t.host_tokens as f64,
+        ),
+        (
+            "hicache_host_capacity_tokens",
+            "gauge",
+            "Token capacity of the host tier.",
+            t.host_capacity_tokens as f64,
+        ),
+        (
+            "hicache_host_hit_tokens_total",
+            "counter",
+            "Prompt tokens loaded back from the host tier instead of recomputed.",
+            t.host_hit_tokens as f64,
+        ),
+        (
+            "hicache_storage_hit_tokens_total",
+            "counter",
+            "Of those, tokens that had come from the storage tier.",
+            t.storage_hit_tokens as f64,
+        ),
+        (
+            "hicache_demoted_tokens_total",
+            "counter",
+            "Tokens moved from the device to the host tier on eviction.",
+            t.demoted_tokens as f64,
+        ),
+        (
+            "hicache_pages_to_host_total",
+            "counter",
+            "KV pages copied from the device to the host.",
+            c.pages_to_host as f64,
+        ),
+        (
+            "hicache_pages_to_device_total",
+            "counter",
+            "KV pages copied from the host to the device.",
+            c.pages_to_device as f64,
+        ),
+        (
+            "hicache_copy_bytes_total",
+            "counter",
+            "Bytes copied between the device and the host.",
+            c.bytes as f64,
+        ),
+        (
+            "hicache_copy_seconds_total",
+            "counter",
+            "Seconds spent copying KV between the device and the host.",
+            c.seconds,
+        ),
+        (
+            "hicache_storage_read_pages_total",
+            "counter",
+            "KV pages read from the storage tier.",
+            t.storage_read_pages as f64,
+        ),
+        (
+            "hicache_storage_read_bytes_total",
+            "counter",
+            "Bytes read from the storage tier.",
+            t.storage_read_bytes as f64,
+        ),
+        (
+            "hicache_storage_read_seconds_total",
+            "counter",
+            "Seconds spent reading the storage tier (off the scheduler thread).",
+            t.storage_read_seconds,
+        ),
+        (
+            "hicache_storage_write_pages_total",
+            "counter",
+            "KV pages written to the storage tier.",
+            t.storage_write_pages as f64,
+        ),
+        (
+            "hicache_storage_write_bytes_total",
+            "counter",
+            "Bytes written to the storage tier.",
+            t.storage_write_bytes as f64,
+        ),
+        (
+            "hicache_storage_write_seconds_total",
+            "counter",
+            "Seconds spent writing the storage tier (off the scheduler thread).",
+            t.storage_write_seconds,
+        ),
+        (
+            "hicache_storage_errors_total",
+            "counter",
+            "Storage operations that failed (the requests recomputed).",
+            t.storage_errors as f64,
+        ),
+        (
+            "hicache_storage_corrupt_total",
+            "counter",
+            "Stored entries found corrupt, skipped and removed.",
+            t.storage_corrupt as f64,
+        ),
+    ]
 }
 
 #[cfg(test)]

@@ -430,6 +430,17 @@ impl NativeFormat {
             "queue_time": m.queue_time,
             "weight_version": self.state.weights().version,
         });
+        if let (true, Some(o)) = (m.cached_tokens_host > 0, meta.as_object_mut()) {
+            // Which tier served the cached prompt tokens (HiCache).
+            o.insert(
+                "cached_tokens_details".into(),
+                json!({
+                    "device": m.cached_tokens.saturating_sub(m.cached_tokens_host),
+                    "host": m.cached_tokens_host - m.cached_tokens_storage,
+                    "storage": m.cached_tokens_storage,
+                }),
+            );
+        }
         if let (Some(len), Some(o)) = (m.spec_accept_length(), meta.as_object_mut()) {
             o.insert("spec_verify_ct".into(), json!(m.spec_verify_ct));
             o.insert("spec_accept_length".into(), json!(len));

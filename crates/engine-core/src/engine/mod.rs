@@ -194,6 +194,10 @@ pub struct OutputMeta {
     pub spec_verify_ct: u32,
     /// Draft tokens of this request the target accepted.
     pub spec_accepted_tokens: u32,
+    /// Of `cached_tokens`, those loaded back from the host tier (HiCache).
+    pub cached_tokens_host: usize,
+    /// Of `cached_tokens_host`, those that had come from the storage tier.
+    pub cached_tokens_storage: usize,
 }
 
 impl OutputMeta {
@@ -273,6 +277,10 @@ pub struct EngineStats {
     /// Draft tokens per request and step the adaptive controller allows now
     /// (mean over the last step's decoding requests).
     pub spec_draft_budget: f64,
+    /// The prefix cache's tiers below the device (HiCache).
+    pub tiers: crate::prefix_cache::TierStats,
+    /// Copies between device and host the steps ran (HiCache).
+    pub kv_copy: crate::tier::KvCopyStats,
 }
 
 /// Everything the engine runs with besides its settings.
@@ -319,7 +327,11 @@ enum Msg {
     Submit(Box<request::Req>),
     Abort(String),
     AbortAll,
-    Flush(mpsc::Sender<bool>),
+    /// Flush the cache when idle (and the storage tier too when `storage`).
+    Flush {
+        reply: mpsc::Sender<bool>,
+        storage: bool,
+    },
     Control(refit::Control),
     Shutdown,
 }
@@ -510,11 +522,18 @@ impl Engine {
         let _ = self.tx.send(Msg::AbortAll);
     }
 
-    /// Empties the prefix cache if no request is queued or running; returns whether it did.
+    /// Empties the prefix cache (device and host tiers) if no request is
+    /// queued or running; returns whether it did.
     pub fn flush_cache(&self) -> Result<bool> {
+        self.flush_cache_tiers(false)
+    }
+
+    /// [`flush_cache`](Self::flush_cache), and when `storage` also clears
+    /// the storage tier (in the background).
+    pub fn flush_cache_tiers(&self, storage: bool) -> Result<bool> {
         let (tx, rx) = mpsc::channel();
         self.tx
-            .send(Msg::Flush(tx))
+            .send(Msg::Flush { reply: tx, storage })
             .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
         rx.recv_timeout(Duration::from_secs(60))
             .map_err(|_| CoreError::Internal("the scheduler did not answer".into()))

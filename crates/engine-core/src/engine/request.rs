@@ -57,6 +57,8 @@ pub(crate) struct Req {
     pub computed: usize,
     // Reporting.
     pub cached_tokens: Option<usize>,
+    /// Of `cached_tokens`: from the host tier, and of those from storage.
+    pub cached_tiers: (usize, usize),
     pub retractions: u32,
     pub arrival: Instant,
     pub admitted: Option<Instant>,
@@ -112,6 +114,7 @@ impl Req {
             own: None,
             computed: 0,
             cached_tokens: None,
+            cached_tiers: (0, 0),
             retractions: 0,
             arrival,
             admitted: None,
@@ -168,6 +171,7 @@ impl Req {
             own: None,
             computed: 0,
             cached_tokens: None,
+            cached_tiers: (0, 0),
             retractions: 0,
             arrival: self.arrival,
             admitted: None,
@@ -231,6 +235,8 @@ impl Req {
             prompt_tokens: self.prompt.len(),
             completion_tokens: self.output.len(),
             cached_tokens: self.cached_tokens.unwrap_or(0),
+            cached_tokens_host: self.cached_tiers.0,
+            cached_tokens_storage: self.cached_tiers.1,
             retractions: self.retractions,
             queue_time: self
                 .admitted

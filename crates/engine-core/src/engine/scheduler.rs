@@ -46,6 +46,8 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// How long an iteration that ran nothing waits for a message.
+const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 /// Remaining new tokens counted per request in the budget, at most.
 const CLIP_MAX_NEW_TOKENS: usize = 4096;
 /// Decode steps a retraction should buy the remaining requests.
@@ -116,6 +118,8 @@ impl Scheduler {
     ) -> Result<Self> {
         let kv = *parts.executor.kv_spec();
         let pool = PagePool::new(kv.num_pages, kv.page_size);
+        let mut parts = parts;
+        parts.prefix_cache.bind_pool(&pool)?;
         let page_size = pool.page_size();
         let init_ratio = (INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness as f64).min(1.0);
         let min_ratio = init_ratio * MIN_NEW_TOKEN_RATIO_FACTOR;
@@ -187,9 +191,21 @@ impl Scheduler {
                     break 'outer;
                 }
             }
-            if let Err(e) = self.iterate() {
-                tracing::error!("scheduler iteration failed: {e}");
-                self.abort_everything(&format!("engine error: {e}"));
+            match self.iterate() {
+                Ok(true) => {}
+                // Requests wait (a storage prefetch) but nothing ran: wait a
+                // little for a message instead of spinning.
+                Ok(false) => {
+                    if let Ok(m) = rx.recv_timeout(IDLE_WAIT)
+                        && !self.handle(m)
+                    {
+                        break 'outer;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!("scheduler iteration failed: {e}");
+                    self.abort_everything(&format!("engine error: {e}"));
+                }
             }
             self.publish();
         }
@@ -202,10 +218,13 @@ impl Scheduler {
             Msg::Submit(r) => self.accept(*r),
             Msg::Abort(rid) => self.abort(|r| r.rid == rid, "aborted by request"),
             Msg::AbortAll => self.abort(|_| true, "aborted by request"),
-            Msg::Flush(reply) => {
+            Msg::Flush { reply, storage } => {
                 let ok = self.idle();
                 if ok {
                     self.cache.flush();
+                    if storage && let Err(e) = self.cache.clear_storage() {
+                        tracing::warn!("clearing the storage tier: {e}");
+                    }
                     // Stats show the empty cache by the time the caller hears back.
                     self.publish();
                 }
@@ -248,6 +267,9 @@ impl Scheduler {
         }
         if self.waiting.len() >= self.cfg.max_queued_requests {
             return self.reject(r, "the request queue is full".into());
+        }
+        if !self.cfg.disable_radix_cache {
+            self.cache.prefetch(r.key, &r.ns, &r.prompt);
         }
         let n = r.params.n;
         if n <= 1 {
@@ -314,6 +336,7 @@ impl Scheduler {
             }
         }
         for mut r in victims {
+            self.cache.prefetch_cancel(r.key);
             // Followers of an aborted prefix-only request are aborted with it.
             for f in std::mem::take(&mut r.followers) {
                 self.finish(f, abort_finish(msg));
@@ -353,6 +376,7 @@ impl Scheduler {
         r.own = Some(self.pool.empty_set());
         if r.cached_tokens.is_none() {
             r.cached_tokens = Some(m.matched_tokens.min(r.prompt.len()));
+            r.cached_tiers = (m.host_tokens, m.storage_tokens);
         }
         Ok(())
     }
@@ -487,6 +511,12 @@ impl Scheduler {
             let Some(r) = queue.get_mut(i).and_then(Option::take) else {
                 continue;
             };
+            // A fresh request waits while its prefix is fetched from storage
+            // (as the prefetch policy says); the others may go first.
+            if r.node.is_none() && !self.cache.prefetch_poll(r.key) {
+                queue[i] = Some(r);
+                continue;
+            }
             let first = entries.is_empty();
             match self.plan_chunk(r, &mut budget, first) {
                 Ok(Ok(e)) => {
@@ -739,6 +769,7 @@ impl Scheduler {
             self.window_start = Instant::now();
         }
         c.cache_tokens = cache_stats.cached_tokens;
+        c.tiers = cache_stats.tiers;
         c.new_token_ratio = self.new_token_ratio;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
     }

@@ -272,6 +272,9 @@ impl RadixCache {
         }
 
         let mut children = vec![0u32; len];
+        let mut device_children = vec![0u32; len];
+        let mut host_slots = HashSet::new();
+        let (mut host_tokens, mut want_host) = (0usize, 0usize);
         let mut lock_sum = vec![0u64; len];
         let (mut evictable, mut protected, mut live) = (0usize, 0usize, 0usize);
         let mut want_candidates = 0usize;
@@ -279,17 +282,36 @@ impl RadixCache {
         for (i, n) in self.nodes.iter().enumerate() {
             let id = i as u32;
             if !n.live || n.is_root() {
-                if n.in_candidates {
+                if n.in_candidates || n.in_host_candidates {
                     return Err(format!("#{id} is a candidate but a root or free"));
                 }
                 continue;
             }
             let t = n.tokens.len();
-            if t == 0 || t % ps != 0 || n.page_ids().len() * ps != t {
+            let host_pages = n.host.as_ref().map_or(0, |h| h.len());
+            let device_ok = !n.on_device() || n.page_ids().len() * ps == t;
+            let host_ok = n.host.is_none() || host_pages * ps == t;
+            if t == 0
+                || t % ps != 0
+                || !device_ok
+                || !host_ok
+                || n.pages.is_none() && n.host.is_none()
+            {
                 return Err(format!(
-                    "#{id} has {t} tokens and {} pages (page size {ps})",
+                    "#{id} has {t} tokens, {} device and {host_pages} host pages (page size {ps})",
                     n.page_ids().len()
                 ));
+            }
+            if let Some(h) = &n.host {
+                if self.tiers.is_none() {
+                    return Err(format!("#{id} has host pages without tiers"));
+                }
+                for s in h.slots() {
+                    if !host_slots.insert(s.slot) {
+                        return Err(format!("host slot {} is owned twice", s.slot));
+                    }
+                }
+                host_tokens += t;
             }
             for &p in n.page_ids() {
                 if !pages.insert(p) {
@@ -302,21 +324,39 @@ impl RadixCache {
             }
             children[n.parent as usize] += 1;
             lock_sum[n.parent as usize] += u64::from(n.lock_ref);
+            let dt = n.device_tokens();
+            if n.on_device() {
+                device_children[n.parent as usize] += 1;
+                let p = &self.nodes[n.parent as usize];
+                if !p.is_root() && !p.on_device() {
+                    return Err(format!("#{id} is on the device but its parent is not"));
+                }
+            }
             if n.lock_ref == 0 {
-                evictable += t;
+                evictable += dt;
             } else {
-                protected += t;
+                protected += dt;
             }
             live += 1;
             if self.edges.find(&self.nodes, n.parent, &n.tokens[..ps]) != Some(id) {
                 return Err(format!("#{id} is not found under its first page"));
             }
-            let leaf_unlocked = n.lock_ref == 0 && n.children == 0;
-            if leaf_unlocked != n.in_candidates {
+            let leaf_unlocked = n.lock_ref == 0 && n.device_children == 0 && n.on_device();
+            let host_leaf = n.lock_ref == 0 && n.children == 0 && !n.on_device();
+            if leaf_unlocked != n.in_candidates || host_leaf != n.in_host_candidates {
                 return Err(format!(
-                    "#{id}: unlocked leaf {leaf_unlocked} but candidate {}",
-                    n.in_candidates
+                    "#{id}: unlocked device leaf {leaf_unlocked} / host leaf {host_leaf} but \
+                     candidate {} / {}",
+                    n.in_candidates, n.in_host_candidates
                 ));
+            }
+            if host_leaf {
+                want_host += 1;
+                let c = super::node::Candidate { key: n.key, id };
+                let key = self.policy.key(&n.meta());
+                if key.total_cmp(&n.key).is_ne() || !self.host_candidates.contains(&c) {
+                    return Err(format!("#{id} is missing from the host candidates"));
+                }
             }
             if leaf_unlocked {
                 want_candidates += 1;
@@ -339,10 +379,10 @@ impl RadixCache {
             }
         }
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.live) {
-            if n.children != children[i] {
+            if n.children != children[i] || n.device_children != device_children[i] {
                 return Err(format!(
-                    "#{i} counts {} children, has {}",
-                    n.children, children[i]
+                    "#{i} counts {} children ({} on the device), has {} ({})",
+                    n.children, n.device_children, children[i], device_children[i]
                 ));
             }
             if u64::from(n.lock_ref) < lock_sum[i] {
@@ -364,6 +404,18 @@ impl RadixCache {
         let seen: BTreeSet<u32> = self.candidates.iter().map(|c| c.id).collect();
         if seen.len() != self.candidates.len() {
             return Err("a node is a candidate twice".into());
+        }
+        if self.host_candidates.len() != want_host {
+            return Err(format!(
+                "{} host candidates, {want_host} unlocked host-only leaves",
+                self.host_candidates.len()
+            ));
+        }
+        let counted_host = self.tiers.as_ref().map_or(0, |t| t.host_tokens);
+        if host_tokens != counted_host {
+            return Err(format!(
+                "host tokens: recount {host_tokens}, counter {counted_host}"
+            ));
         }
         if (evictable, protected, live) != (self.evictable, self.protected, self.live_nodes) {
             return Err(format!(

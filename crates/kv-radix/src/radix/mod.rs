@@ -18,11 +18,20 @@
 //! - `evictable` is the token count of unlocked non-root nodes, `protected` of
 //!   locked ones, and the candidate set holds exactly the unlocked leaves;
 //! - every page is owned by exactly one node.
+//!
+//! Tiers ([`RadixCache::enable_tiers`], HiCache's host tier): a node's KV
+//! lives on the device, in host memory, or both. Device residence is closed
+//! upwards (a node on the device has its parent on the device), so a match
+//! walks device nodes, then host-only ones, which it loads back. Evicting
+//! from the device demotes a node to the host instead of dropping it; the
+//! host tier evicts host-only leaves. See `tiers.rs`.
 
 mod inspect;
 mod node;
+mod tiers;
 
 pub use inspect::{MemoryUsage, NodeView};
+pub use tiers::{SELECTIVE_HITS, StorageBackup, TierOptions, WritePolicy};
 
 use crate::error::RadixError;
 use crate::policy::Lru;
@@ -52,6 +61,14 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     i
 }
 
+/// What a walk collects besides its end: the device pages of the nodes it
+/// passes and the nodes themselves with their start positions.
+#[derive(Default)]
+struct WalkOut<'a> {
+    pages: Option<&'a mut Vec<u32>>,
+    path: Option<&'a mut Vec<(u32, usize)>>,
+}
+
 /// A radix tree of cached KV pages with a pluggable eviction policy.
 ///
 /// Metadata follows SGLang: every `match_prefix` and `insert` is one tick of
@@ -68,6 +85,10 @@ pub struct RadixCache {
     free: Vec<u32>,
     edges: Edges,
     candidates: BTreeSet<Candidate>,
+    /// Host-only leaves that the host tier may evict (tiers only).
+    host_candidates: BTreeSet<Candidate>,
+    /// The host tier, when enabled.
+    tiers: Option<tiers::Tiers>,
     /// Roots of the namespaces other than the default one, both ways.
     namespaces: HashMap<CacheNamespace, u32>,
     root_names: HashMap<u32, CacheNamespace>,
@@ -112,6 +133,8 @@ impl RadixCache {
             free: Vec::new(),
             edges: Edges::new(page_size),
             candidates: BTreeSet::new(),
+            host_candidates: BTreeSet::new(),
+            tiers: None,
             namespaces: HashMap::new(),
             root_names: HashMap::new(),
             clock: 0,
@@ -189,7 +212,9 @@ impl RadixCache {
             return Ok(r);
         }
         let now = self.clock;
-        let r = self.alloc(Node::root(now)).ok_or(RadixError::ArenaFull)?;
+        let mut root = Node::root(now);
+        root.last_key = self.tiers.as_ref().and_then(|t| t.root_key(ns));
+        let r = self.alloc(root).ok_or(RadixError::ArenaFull)?;
         self.namespaces.insert(ns.clone(), r);
         self.root_names.insert(r, ns.clone());
         Ok(r)
@@ -208,33 +233,48 @@ impl RadixCache {
         self.free.push(r);
     }
 
-    /// Puts `id` in the candidate set or takes it out, as its state requires.
+    /// Puts `id` in the device or host candidate set or takes it out, as its
+    /// state requires.
     fn refresh_candidate(&mut self, id: u32) {
         let n = self.node(id);
-        let want = n.live && !n.is_root() && n.lock_ref == 0 && n.children == 0;
-        if want == n.in_candidates {
+        let base = n.live && !n.is_root() && n.lock_ref == 0;
+        let want_device = base && n.on_device() && n.device_children == 0;
+        let want_host = base && !n.on_device() && n.host.is_some() && n.children == 0;
+        let (in_device, in_host) = (n.in_candidates, n.in_host_candidates);
+        if want_device == in_device && want_host == in_host {
             return;
         }
-        if want {
-            let key = self.policy.key(&n.meta());
-            self.candidates.insert(Candidate { key, id });
-            let n = self.node_mut(id);
-            n.key = key;
-            n.in_candidates = true;
-        } else {
-            let key = n.key;
-            self.candidates.remove(&Candidate { key, id });
-            self.node_mut(id).in_candidates = false;
+        let key = self.policy.key(&n.meta());
+        let old = Candidate { key: n.key, id };
+        if in_device {
+            self.candidates.remove(&old);
         }
+        if in_host {
+            self.host_candidates.remove(&old);
+        }
+        let c = Candidate { key, id };
+        if want_device {
+            self.candidates.insert(c);
+        }
+        if want_host {
+            self.host_candidates.insert(c);
+        }
+        let n = self.node_mut(id);
+        n.key = key;
+        n.in_candidates = want_device;
+        n.in_host_candidates = want_host;
     }
 
     /// Records an access to `id` (a match when `hit`; an insert with `priority`).
     fn touch(&mut self, id: u32, now: u64, hit: bool, priority: Option<i64>) {
         let n = self.node(id);
-        let was = n.in_candidates;
+        let (was, was_host) = (n.in_candidates, n.in_host_candidates);
+        let old = Candidate { key: n.key, id };
         if was {
-            let key = n.key;
-            self.candidates.remove(&Candidate { key, id });
+            self.candidates.remove(&old);
+        }
+        if was_host {
+            self.host_candidates.remove(&old);
         }
         let n = self.node_mut(id);
         n.last_access = now;
@@ -244,10 +284,14 @@ impl RadixCache {
         if let Some(p) = priority {
             n.priority = n.priority.max(p);
         }
-        if was {
+        if was || was_host {
             let key = self.policy.key(&self.node(id).meta());
             self.node_mut(id).key = key;
-            self.candidates.insert(Candidate { key, id });
+            if was {
+                self.candidates.insert(Candidate { key, id });
+            } else {
+                self.host_candidates.insert(Candidate { key, id });
+            }
         }
     }
 
@@ -265,14 +309,21 @@ impl RadixCache {
         c.pages = head_pages.as_mut().map(|p| p.split_off(at / ps));
         // A fresh, exactly sized set for the head (split_off(0) copies the pages).
         let head_pages = head_pages.map(|mut p| p.split_off(0));
+        let mut head_host = c.host.take();
+        c.host = head_host.as_mut().map(|h| h.split_off(at / ps));
         let new = Node {
             parent: c.parent,
             children: 1,
+            device_children: u32::from(c.pages.is_some()),
             lock_ref: c.lock_ref,
             live: true,
             in_candidates: false,
+            in_host_candidates: false,
             tokens: head_tokens,
             pages: head_pages,
+            host: head_host,
+            from_storage: c.from_storage,
+            last_key: None,
             last_access: c.last_access,
             created: c.created,
             hit_count: c.hit_count,
@@ -284,6 +335,7 @@ impl RadixCache {
         self.edges.insert(&self.nodes, upper);
         self.edges.insert(&self.nodes, child);
         self.live_nodes += 1;
+        self.set_last_key(upper);
         Some(upper)
     }
 
@@ -298,7 +350,7 @@ impl RadixCache {
         now: u64,
         hit: bool,
         priority: Option<i64>,
-        mut pages_out: Option<&mut Vec<u32>>,
+        mut out: WalkOut<'_>,
     ) -> (u32, usize) {
         let ps = self.page_size;
         let (mut node, mut pos) = (root, 0);
@@ -319,8 +371,11 @@ impl RadixCache {
                 child
             };
             self.touch(target, now, hit, priority);
-            if let Some(out) = pages_out.as_deref_mut() {
-                out.extend_from_slice(self.node(target).page_ids());
+            if let Some(pages) = out.pages.as_deref_mut() {
+                pages.extend_from_slice(self.node(target).page_ids());
+            }
+            if let Some(p) = out.path.as_deref_mut() {
+                p.push((target, pos));
             }
             node = target;
             pos += m;
@@ -331,22 +386,36 @@ impl RadixCache {
         (node, pos)
     }
 
-    /// Removes the unlocked leaf `id`, freeing its pages; returns its tokens.
+    /// Removes the unlocked leaf `id`, freeing its device and host pages;
+    /// returns the tokens it held on the device.
     fn remove_leaf(&mut self, id: u32) -> usize {
+        let old = Candidate {
+            key: self.node(id).key,
+            id,
+        };
         if self.node(id).in_candidates {
-            let key = self.node(id).key;
-            self.candidates.remove(&Candidate { key, id });
+            self.candidates.remove(&old);
+        }
+        if self.node(id).in_host_candidates {
+            self.host_candidates.remove(&old);
         }
         self.edges.remove(&self.nodes, id);
         let n = std::mem::replace(&mut self.nodes[id as usize], Node::vacant());
         self.free.push(id);
-        let len = n.tokens.len();
+        let len = n.device_tokens();
         self.evictable -= len;
+        if let Some(t) = self.tiers.as_mut() {
+            t.host_tokens -= n.host_tokens();
+        }
         self.live_nodes -= 1;
         let parent = n.parent;
-        drop(n); // returns the pages to the pool
+        let on_device = n.on_device();
+        drop(n); // returns the pages to the pools
         let p = self.node_mut(parent);
         p.children -= 1;
+        if on_device {
+            p.device_children -= 1;
+        }
         if p.is_root() {
             self.maybe_drop_root(parent);
         } else {
@@ -355,14 +424,28 @@ impl RadixCache {
         len
     }
 
-    fn evict_inner(&mut self, n_tokens: usize) -> usize {
+    /// Frees device tokens until `n_tokens` are freed or no candidate is
+    /// left. With tiers and `demote`, a node moves to the host tier instead
+    /// of being dropped when the host can take it.
+    fn evict_inner(&mut self, n_tokens: usize, demote: bool) -> usize {
         let mut freed = 0;
         while freed < n_tokens {
             let Some(c) = self.candidates.pop_first() else {
                 break;
             };
             self.node_mut(c.id).in_candidates = false;
-            freed += self.remove_leaf(c.id);
+            if demote
+                && self.tiers.is_some()
+                && let Some(len) = self.demote(c.id)
+            {
+                freed += len;
+                continue;
+            }
+            freed += if self.node(c.id).children == 0 {
+                self.remove_leaf(c.id)
+            } else {
+                self.remove_with_host_subtree(c.id)
+            };
         }
         freed
     }
@@ -413,7 +496,13 @@ impl RadixCache {
         }
         let root = self.root_or_create(ns)?;
         let tokens = &tokens[..aligned];
-        let (node, found) = self.walk(root, tokens, now, false, Some(priority), None);
+        let mut path = self.tiers.is_some().then(Vec::new);
+        let out = WalkOut {
+            pages: None,
+            path: path.as_mut(),
+        };
+        let walked = self.walk(root, tokens, now, false, Some(priority), out);
+        let (node, found) = walked;
         if found < cached_prefix {
             self.maybe_drop_root(root);
             return Err(RadixError::PrefixNotCached {
@@ -421,9 +510,23 @@ impl RadixCache {
                 found,
             });
         }
-        // Pages duplicating cached KV go back to the pool.
-        let rest = pages.split_off((found - cached_prefix) / ps);
-        drop(pages);
+        // Pages duplicating cached KV go back to the pool, except those of
+        // nodes whose KV is only on the host: they are on the device again.
+        for &(id, start) in path.iter().flatten() {
+            if start < cached_prefix {
+                continue;
+            }
+            let tail = pages.split_off(self.node(id).tokens.len() / ps);
+            let here = std::mem::replace(&mut pages, tail);
+            if !self.node(id).on_device() {
+                self.attach_device(id, here);
+            }
+        }
+        let rest = if path.is_some() {
+            pages
+        } else {
+            pages.split_off((found - cached_prefix) / ps)
+        };
         let mut end = node;
         if found < aligned {
             let leaf = Node::new(node, tokens[found..].into(), rest, now, priority);
@@ -432,11 +535,21 @@ impl RadixCache {
                 return Err(RadixError::ArenaFull);
             };
             self.edges.insert(&self.nodes, id);
-            self.node_mut(node).children += 1;
+            let parent = self.node_mut(node);
+            parent.children += 1;
+            parent.device_children += 1;
             self.refresh_candidate(node);
             self.evictable += aligned - found;
             self.live_nodes += 1;
+            self.set_last_key(id);
             self.refresh_candidate(id);
+            if self
+                .tiers
+                .as_ref()
+                .is_some_and(|t| t.policy == WritePolicy::WriteThrough)
+            {
+                self.backup(id);
+            }
             end = id;
         }
         Ok(InsertOutcome {
@@ -465,7 +578,7 @@ impl RadixCache {
             }
             let parent = n.parent;
             if n.lock_ref == 1 {
-                let len = n.tokens.len();
+                let len = n.device_tokens();
                 self.evictable -= len;
                 self.protected += len;
                 self.refresh_candidate(x);
@@ -490,7 +603,7 @@ impl RadixCache {
             }
             let parent = n.parent;
             if n.lock_ref == 0 {
-                let len = n.tokens.len();
+                let len = n.device_tokens();
                 self.protected -= len;
                 self.evictable += len;
                 self.refresh_candidate(x);
@@ -515,22 +628,28 @@ impl PrefixCache for RadixCache {
         let aligned = tokens.len() / self.page_size * self.page_size;
         let root = self.root_of(ns);
         let Some(root) = root.filter(|_| aligned > 0) else {
-            return PrefixMatch {
-                pages: Vec::new(),
-                matched_tokens: 0,
-                node: NodeId(root.unwrap_or(ROOT)),
-            };
+            return PrefixMatch::empty(NodeId(root.unwrap_or(ROOT)));
         };
         let now = self.tick();
         let mut pages = Vec::new();
-        let (node, matched) =
-            self.walk(root, &tokens[..aligned], now, true, None, Some(&mut pages));
-        self.hit_tokens += matched as u64;
-        PrefixMatch {
-            pages,
-            matched_tokens: matched,
-            node: NodeId(node),
-        }
+        let mut path = self.tiers.is_some().then(Vec::new);
+        let out = WalkOut {
+            pages: Some(&mut pages),
+            path: path.as_mut(),
+        };
+        let (node, matched) = self.walk(root, &tokens[..aligned], now, true, None, out);
+        let m = match path {
+            Some(path) => self.finish_tiered_match(&path, pages, node),
+            None => PrefixMatch {
+                pages,
+                matched_tokens: matched,
+                node: NodeId(node),
+                host_tokens: 0,
+                storage_tokens: 0,
+            },
+        };
+        self.hit_tokens += m.matched_tokens as u64;
+        m
     }
 
     fn insert(
@@ -563,7 +682,7 @@ impl PrefixCache for RadixCache {
     }
 
     fn evict(&mut self, n_tokens: usize) -> usize {
-        let freed = self.evict_inner(n_tokens);
+        let freed = self.evict_inner(n_tokens, true);
         self.evicted_tokens += freed as u64;
         freed
     }
@@ -577,17 +696,34 @@ impl PrefixCache for RadixCache {
             hit_tokens: self.hit_tokens,
             queried_tokens: self.queried_tokens,
             evicted_tokens: self.evicted_tokens,
+            tiers: self.tier_stats(),
         }
     }
 
     fn flush(&mut self) {
         // Every unlocked node is an unlocked leaf or becomes one as its
-        // children go, so evicting without a limit removes exactly them.
-        self.evict_inner(usize::MAX);
+        // children go, so evicting without a limit removes exactly them;
+        // then the host-only nodes left under locked paths go.
+        self.evict_inner(usize::MAX, false);
+        self.evict_host(usize::MAX);
     }
 
     fn dump(&self) -> String {
         self.dump_tree()
+    }
+
+    fn bind_pool(&mut self, pool: &arbor_engine_core::PagePool) -> CoreResult<()> {
+        if let Some(t) = self.tiers.as_mut() {
+            t.pool = Some(pool.clone());
+        }
+        Ok(())
+    }
+
+    fn take_kv_ops(&mut self) -> arbor_engine_core::KvTierOps {
+        self.tiers
+            .as_mut()
+            .map(tiers::Tiers::take_ops)
+            .unwrap_or_default()
     }
 }
 

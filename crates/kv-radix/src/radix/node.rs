@@ -7,10 +7,13 @@
 //!   `(parent, first page of its tokens)`; siblings never share a first page.
 //!   An entry stores only the child's id: hash and equality read the arena, so
 //!   a node's `parent` and first page must not change while it is in the table.
-//! - A node is in the candidate set exactly when it is a live non-root leaf
-//!   with no lock, under the key stored in its `key` field.
+//! - A node is in the device candidate set exactly when it is a live non-root
+//!   node with device pages, no lock and no child with device pages, under
+//!   the key stored in its `key` field (without tiers: an unlocked leaf).
+//! - With tiers, a node is in the host candidate set exactly when it is a
+//!   live non-root leaf with host pages, no device pages and no lock.
 
-use arbor_engine_core::{EvictionKey, NodeMeta, PageSet};
+use arbor_engine_core::{EvictionKey, HostPages, NodeMeta, PageKey, PageSet};
 use hashbrown::{DefaultHashBuilder, HashTable};
 use std::cmp::Ordering;
 use std::hash::BuildHasher;
@@ -24,16 +27,28 @@ pub(crate) struct Node {
     pub parent: u32,
     /// Live children.
     pub children: u32,
+    /// Live children that hold device pages.
+    pub device_children: u32,
     /// Locks taken on this node or any descendant.
     pub lock_ref: u32,
     /// The slot holds a node (false: on the free list).
     pub live: bool,
-    /// In the eviction candidate set (under `key`).
+    /// In the device eviction candidate set (under `key`).
     pub in_candidates: bool,
+    /// In the host eviction candidate set (under `key`).
+    pub in_host_candidates: bool,
     /// Tokens on the edge from the parent (whole pages).
     pub tokens: Box<[u32]>,
-    /// The KV pages of `tokens`; `None` for roots and free slots.
+    /// The device KV pages of `tokens`; `None` for roots, free slots and
+    /// nodes whose KV lives only in the host tier.
     pub pages: Option<PageSet>,
+    /// Host-tier copies of the pages (tiers only).
+    pub host: Option<HostPages>,
+    /// The host pages came from the storage tier.
+    pub from_storage: bool,
+    /// Chained key of the node's last page (of its namespace root's chain
+    /// start for a root); kept when a storage tier needs keys.
+    pub last_key: Option<PageKey>,
     /// Logical time of the last match or insert through this node.
     pub last_access: u64,
     /// Logical time of creation.
@@ -52,11 +67,16 @@ impl Node {
         Self {
             parent: NIL,
             children: 0,
+            device_children: 0,
             lock_ref: 0,
             live: true,
             in_candidates: false,
+            in_host_candidates: false,
             tokens: Box::new([]),
             pages: None,
+            host: None,
+            from_storage: false,
+            last_key: None,
             last_access: now,
             created: now,
             hit_count: 0,
@@ -89,9 +109,32 @@ impl Node {
         self.parent == NIL
     }
 
-    /// Page indices of the edge.
+    /// Device page indices of the edge (empty when the KV is only on the host).
     pub fn page_ids(&self) -> &[u32] {
         self.pages.as_ref().map(PageSet::pages).unwrap_or(&[])
+    }
+
+    /// The KV is on the device.
+    pub fn on_device(&self) -> bool {
+        self.pages.is_some()
+    }
+
+    /// Tokens whose KV is on the device (the edge, or none).
+    pub fn device_tokens(&self) -> usize {
+        if self.on_device() {
+            self.tokens.len()
+        } else {
+            0
+        }
+    }
+
+    /// Tokens whose KV has a host copy.
+    pub fn host_tokens(&self) -> usize {
+        if self.host.is_some() {
+            self.tokens.len()
+        } else {
+            0
+        }
     }
 
     /// What the eviction policy sees.

@@ -136,7 +136,8 @@ impl Scheduler {
         }
     }
 
-    pub(super) fn iterate(&mut self) -> Result<()> {
+    /// Runs one step; false when there was nothing to run.
+    pub(super) fn iterate(&mut self) -> Result<bool> {
         let mut prefill = self.schedule_prefill()?;
         let decode = prefill.is_empty() || self.cfg.enable_mixed_chunk;
         if decode && !self.running.is_empty() {
@@ -148,7 +149,7 @@ impl Scheduler {
             Vec::new()
         };
         if prefill.is_empty() && decoding.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
             + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();
@@ -160,6 +161,9 @@ impl Scheduler {
         for (r, d) in decoding.iter_mut().zip(&drafts) {
             plan.seqs.push(self.decode_plan(r, d));
         }
+        // Copies between device and host tiers that the admissions and
+        // evictions before this point recorded run first.
+        plan.kv_ops = self.cache.take_kv_ops();
         let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
         let vocab = self.executor.model_spec().vocab_size;
         let n_seqs = plan.seqs.len();
@@ -259,6 +263,9 @@ impl Scheduler {
                 .record(plan_tokens, started.elapsed().as_secs_f64());
         }
         self.counters.iterations += 1;
+        if let Ok(o) = &result {
+            self.counters.kv_copy.add(&o.kv_copy);
+        }
         let outputs = match result {
             Ok(o) if o.seqs.len() == n_seqs => o.seqs,
             other => {
@@ -280,7 +287,11 @@ impl Scheduler {
                 for r in decoding {
                     self.finish(r, abort_finish(&msg));
                 }
-                return deferred.map_or(Ok(()), Err);
+                if !plan.kv_ops.is_empty() {
+                    // The tier copies may not have run: cached KV cannot be trusted.
+                    self.cache.flush();
+                }
+                return deferred.map_or(Ok(true), Err);
             }
         };
         if !decoding.is_empty() {
@@ -322,7 +333,7 @@ impl Scheduler {
             let speculating = self.speculator.is_some();
             self.advance(r, out, speculating.then_some(d.len()));
         }
-        deferred.map_or(Ok(()), Err)
+        deferred.map_or(Ok(true), Err)
     }
 
     /// Applies a step's output to `r`: accepted drafts (whose KV the step

@@ -1,0 +1,518 @@
+//! KV tiers below the device pool (HiCache): page keys, the host page pool,
+//! the storage trait and the page copies a step performs.
+//!
+//! - [`PageKey`]: SGLang's chained page hash. The key of page `i` of a
+//!   sequence is `sha256(key[i-1] ‖ tokens of page i as u32 LE)`, and the
+//!   chain starts from [`TierIdentity::root_key`] (model, KV dtype, page
+//!   size, KV layout and cache namespace), so two models, dtypes, page sizes
+//!   or adapters never share an entry.
+//! - [`HostKvPool`]: host memory for KV pages in the device layout (per layer
+//!   the page's K bytes then its V bytes). [`HostPages`] owns slots and frees
+//!   them on drop, like [`PageSet`](crate::kv::PageSet) does for device pages.
+//!   Each allocation of a slot bumps its generation; a reader holding an old
+//!   generation sees the slot as gone, so a slot freed and reused is never
+//!   read as the old page.
+//! - [`KvTier`]: a storage tier (file directory, redis, ...) with batch
+//!   `exists`/`get`/`set` by key; it never panics on I/O, it returns
+//!   [`TierError`].
+//! - [`KvTierOps`]: the copies between device pages and host slots that a
+//!   step performs, in order, before its forward.
+
+use crate::dtype::DType;
+use crate::kv::KvSpec;
+use crate::prefix_cache::CacheNamespace;
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Bytes of a page key.
+pub const PAGE_KEY_BYTES: usize = 32;
+
+/// Chained hash of a page's tokens and everything before them (see the module doc).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PageKey(pub [u8; PAGE_KEY_BYTES]);
+
+impl PageKey {
+    /// Lowercase hex, as SGLang's storage keys.
+    pub fn hex(&self) -> String {
+        let mut s = String::with_capacity(2 * PAGE_KEY_BYTES);
+        for b in self.0 {
+            s.push_str(&format!("{b:02x}"));
+        }
+        s
+    }
+
+    /// Parses [`hex`](Self::hex) output.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        if s.len() != 2 * PAGE_KEY_BYTES || !s.is_ascii() {
+            return None;
+        }
+        let mut out = [0u8; PAGE_KEY_BYTES];
+        for (i, b) in out.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+        }
+        Some(Self(out))
+    }
+
+    /// The key of the page of `tokens` that follows the page keyed `self`.
+    pub fn next(&self, tokens: &[u32]) -> PageKey {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.0);
+        for t in tokens {
+            h.update(t.to_le_bytes());
+        }
+        PageKey(h.finalize().into())
+    }
+}
+
+impl fmt::Debug for PageKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PageKey({})", &self.hex()[..16])
+    }
+}
+
+/// Chained keys of the whole pages of `tokens`, starting after `prev`.
+pub fn page_keys(prev: PageKey, tokens: &[u32], page_size: usize) -> Vec<PageKey> {
+    let mut keys = Vec::with_capacity(tokens.len() / page_size.max(1));
+    let mut k = prev;
+    for page in tokens.chunks_exact(page_size.max(1)) {
+        k = k.next(page);
+        keys.push(k);
+    }
+    keys
+}
+
+/// What a stored page was computed by: entries of different identities never mix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierIdentity {
+    /// The model's identity (its name and a digest of its configuration).
+    pub model: String,
+    /// Element type of the stored KV.
+    pub kv_dtype: DType,
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Layers, KV heads and head dimension of a page.
+    pub num_layers: usize,
+    /// KV heads per layer.
+    pub num_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+}
+
+impl TierIdentity {
+    /// The identity of KV of `spec` computed by `model`.
+    pub fn new(model: impl Into<String>, spec: &KvSpec) -> Self {
+        Self {
+            model: model.into(),
+            kv_dtype: spec.dtype,
+            page_size: spec.page_size,
+            num_layers: spec.num_layers,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+        }
+    }
+
+    /// Digest of the identity (stored in every entry's header).
+    pub fn digest(&self) -> [u8; PAGE_KEY_BYTES] {
+        use sha2::{Digest, Sha256};
+        let text = format!(
+            "arbor-kv-v1\u{1f}{}\u{1f}{}\u{1f}{}\u{1f}{}x{}x{}",
+            self.model,
+            self.kv_dtype,
+            self.page_size,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim
+        );
+        Sha256::digest(text.as_bytes()).into()
+    }
+
+    /// The key the chain of a sequence in namespace `ns` starts from.
+    pub fn root_key(&self, ns: &CacheNamespace) -> PageKey {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.digest());
+        match &ns.0 {
+            None => h.update([0u8]),
+            Some(s) => {
+                h.update([1u8]);
+                h.update(s.as_bytes());
+            }
+        }
+        PageKey(h.finalize().into())
+    }
+
+    /// Bytes of one page in the host layout.
+    pub fn page_bytes(&self) -> usize {
+        2 * self.num_layers
+            * self.page_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.kv_dtype.block_bytes()
+            / self.kv_dtype.block_size()
+    }
+}
+
+/// Why a storage tier operation failed. The caller recomputes; nothing is lost.
+#[derive(Debug, thiserror::Error)]
+pub enum TierError {
+    /// The store cannot be reached (connection refused, server gone).
+    #[error("storage unavailable: {0}")]
+    Unavailable(String),
+    /// An I/O operation failed.
+    #[error("storage I/O failed: {0}")]
+    Io(String),
+    /// The store's configuration is invalid.
+    #[error("storage configuration: {0}")]
+    Config(String),
+}
+
+/// A storage tier: pages by key, in batches.
+///
+/// Entries are whole pages of [`TierIdentity::page_bytes`] bytes. A store
+/// checks what it reads (length and checksum): an entry that fails is
+/// reported missing and removed, never returned.
+pub trait KvTier: Send + Sync {
+    /// Registered name (`file`, `redis`).
+    fn name(&self) -> &str;
+    /// Which keys the store holds.
+    fn exists(&self, keys: &[PageKey]) -> Result<Vec<bool>, TierError>;
+    /// The pages stored under `keys` (`None`: missing or failed its check).
+    fn get(&self, keys: &[PageKey]) -> Result<Vec<Option<Vec<u8>>>, TierError>;
+    /// Stores pages; each entry is written whole or not at all.
+    fn set(&self, entries: &[(PageKey, &[u8])]) -> Result<(), TierError>;
+    /// Removes every entry of this store's identity.
+    fn clear(&self) -> Result<(), TierError>;
+}
+
+struct Slot {
+    /// Generation of the current allocation (0: never allocated).
+    generation: u64,
+    /// Generation whose page the bytes hold (0: none).
+    filled: u64,
+    bytes: Vec<u8>,
+}
+
+/// Host memory for KV pages (see the module doc).
+pub struct HostKvPool {
+    page_bytes: usize,
+    slots: Vec<Mutex<Slot>>,
+    filled: Condvar,
+    free: Mutex<Vec<u32>>,
+}
+
+impl fmt::Debug for HostKvPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostKvPool")
+            .field("page_bytes", &self.page_bytes)
+            .field("pages", &self.slots.len())
+            .field("free", &self.free_pages())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl HostKvPool {
+    /// A pool of `pages` slots of `page_bytes` each; memory is taken when a slot is first written.
+    pub fn new(page_bytes: usize, pages: usize) -> Arc<Self> {
+        let slots = (0..pages)
+            .map(|_| {
+                Mutex::new(Slot {
+                    generation: 0,
+                    filled: 0,
+                    bytes: Vec::new(),
+                })
+            })
+            .collect();
+        Arc::new(Self {
+            page_bytes,
+            slots,
+            filled: Condvar::new(),
+            free: Mutex::new((0..pages as u32).rev().collect()),
+        })
+    }
+
+    /// Bytes of one page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Slots in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Slots not allocated.
+    pub fn free_pages(&self) -> usize {
+        lock(&self.free).len()
+    }
+
+    /// Allocates `n` slots, or none when fewer are free.
+    pub fn alloc(self: &Arc<Self>, n: usize) -> Option<HostPages> {
+        let taken = {
+            let mut free = lock(&self.free);
+            if free.len() < n {
+                return None;
+            }
+            let at = free.len() - n;
+            free.split_off(at)
+        };
+        let mut slots = Vec::with_capacity(n);
+        for s in taken.into_iter().rev() {
+            let mut slot = lock(&self.slots[s as usize]);
+            slot.generation += 1;
+            slots.push(HostSlotRef {
+                slot: s,
+                generation: slot.generation,
+            });
+        }
+        Some(HostPages {
+            pool: self.clone(),
+            slots,
+        })
+    }
+
+    fn release(&self, slots: &[HostSlotRef]) {
+        for s in slots {
+            let mut slot = lock(&self.slots[s.slot as usize]);
+            if slot.generation == s.generation {
+                slot.filled = 0;
+            }
+        }
+        lock(&self.free).extend(slots.iter().map(|s| s.slot));
+    }
+
+    /// Runs `f` on the bytes of `slot` to fill them with its page; false (and
+    /// `f` not run) when the slot was freed since. The slot then reads as filled.
+    pub fn write(&self, slot: HostSlotRef, f: impl FnOnce(&mut [u8])) -> bool {
+        let Some(m) = self.slots.get(slot.slot as usize) else {
+            return false;
+        };
+        let mut s = lock(m);
+        if s.generation != slot.generation {
+            return false;
+        }
+        if s.bytes.len() != self.page_bytes {
+            s.bytes = vec![0; self.page_bytes];
+        }
+        f(&mut s.bytes);
+        s.filled = slot.generation;
+        drop(s);
+        self.filled.notify_all();
+        true
+    }
+
+    /// Runs `f` on the page in `slot` once it is filled; `None` when the slot
+    /// is freed first or `timeout` passes.
+    pub fn read<R>(
+        &self,
+        slot: HostSlotRef,
+        timeout: Duration,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Option<R> {
+        let m = self.slots.get(slot.slot as usize)?;
+        let deadline = Instant::now() + timeout;
+        let mut s = lock(m);
+        loop {
+            if s.generation != slot.generation {
+                return None;
+            }
+            if s.filled == slot.generation {
+                return Some(f(&s.bytes));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            // Every slot shares the condvar; a spurious wake just re-checks.
+            s = match self.filled.wait_timeout(s, deadline - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+}
+
+/// One allocation of a host slot: the slot and its generation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostSlotRef {
+    /// Index in the pool.
+    pub slot: u32,
+    /// Generation of the allocation.
+    pub generation: u64,
+}
+
+/// Host slots owned together; returned to the pool on drop.
+pub struct HostPages {
+    pool: Arc<HostKvPool>,
+    slots: Vec<HostSlotRef>,
+}
+
+impl fmt::Debug for HostPages {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.slots.iter().map(|s| s.slot))
+            .finish()
+    }
+}
+
+impl HostPages {
+    /// The slots, in page order.
+    pub fn slots(&self) -> &[HostSlotRef] {
+        &self.slots
+    }
+
+    /// Pages held.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// True when no page is held.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// The pool the slots belong to.
+    pub fn pool(&self) -> &Arc<HostKvPool> {
+        &self.pool
+    }
+
+    /// Splits off the pages from `at` on.
+    pub fn split_off(&mut self, at: usize) -> HostPages {
+        let at = at.min(self.slots.len());
+        HostPages {
+            pool: self.pool.clone(),
+            slots: self.slots.split_off(at),
+        }
+    }
+}
+
+impl Drop for HostPages {
+    fn drop(&mut self) {
+        if !self.slots.is_empty() {
+            self.pool.release(&self.slots);
+        }
+    }
+}
+
+/// Direction of a page copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// Device page to host slot (a backup or a demotion).
+    ToHost,
+    /// Host slot to device page (a load-back).
+    ToDevice,
+}
+
+/// One page copied between the device and the host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageCopy {
+    /// Which way.
+    pub direction: CopyDirection,
+    /// The device page.
+    pub device_page: u32,
+    /// The host slot.
+    pub host: HostSlotRef,
+}
+
+/// The KV tier operations of a step: copies run in order before the forward
+/// (a demoted page's copy precedes any load into the same device page).
+#[derive(Clone, Debug, Default)]
+pub struct KvTierOps {
+    /// The host pool the copies use (`None` when there are none).
+    pub host: Option<Arc<HostKvPool>>,
+    /// Copies, in the order they must happen.
+    pub copies: Vec<PageCopy>,
+}
+
+impl KvTierOps {
+    /// True when the step copies nothing.
+    pub fn is_empty(&self) -> bool {
+        self.copies.is_empty()
+    }
+
+    /// Appends `other`'s copies after these.
+    pub fn extend(&mut self, other: KvTierOps) {
+        if self.host.is_none() {
+            self.host = other.host;
+        }
+        self.copies.extend(other.copies);
+    }
+}
+
+/// What the copies of a step cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KvCopyStats {
+    /// Pages copied to the host.
+    pub pages_to_host: u64,
+    /// Pages copied to the device.
+    pub pages_to_device: u64,
+    /// Bytes copied (both ways).
+    pub bytes: u64,
+    /// Seconds the copies took.
+    pub seconds: f64,
+}
+
+impl KvCopyStats {
+    /// Adds `other` to these counters.
+    pub fn add(&mut self, other: &KvCopyStats) {
+        self.pages_to_host += other.pages_to_host;
+        self.pages_to_device += other.pages_to_device;
+        self.bytes += other.bytes;
+        self.seconds += other.seconds;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_chain_and_round_trip() {
+        let spec = KvSpec {
+            num_layers: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            page_size: 2,
+            num_pages: 8,
+            dtype: DType::F32,
+        };
+        let id = TierIdentity::new("m", &spec);
+        let root = id.root_key(&CacheNamespace::default());
+        let keys = page_keys(root, &[1, 2, 3, 4, 5], 2);
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys[1], keys[0].next(&[3, 4]));
+        assert_eq!(PageKey::from_hex(&keys[0].hex()), Some(keys[0]));
+        let other = TierIdentity::new("m2", &spec).root_key(&CacheNamespace::default());
+        assert_ne!(page_keys(other, &[1, 2], 2)[0], keys[0]);
+        let ns = id.root_key(&CacheNamespace(Some("lora".into())));
+        assert_ne!(ns, root);
+        assert_eq!(id.page_bytes(), 2 * 2 * 2 * 4 * 4);
+    }
+
+    #[test]
+    fn host_slots_free_on_drop_and_generations_guard_reuse() {
+        let pool = HostKvPool::new(8, 3);
+        let a = pool.alloc(2).expect("two free");
+        assert_eq!(pool.free_pages(), 1);
+        assert!(pool.alloc(2).is_none());
+        let s = a.slots()[0];
+        assert!(pool.write(s, |b| b.fill(7)));
+        assert_eq!(pool.read(s, Duration::ZERO, |b| b[0]), Some(7));
+        // Not yet filled: a read times out.
+        assert_eq!(
+            pool.read(a.slots()[1], Duration::from_millis(1), |b| b[0]),
+            None
+        );
+        drop(a);
+        assert_eq!(pool.free_pages(), 3);
+        let b = pool.alloc(3).expect("all free");
+        assert!(b.slots().iter().any(|r| r.slot == s.slot));
+        assert_eq!(pool.read(s, Duration::ZERO, |b| b[0]), None);
+        assert!(!pool.write(s, |_| {}));
+    }
+}
