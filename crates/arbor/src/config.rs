@@ -719,7 +719,9 @@ mod tests {
             "{m}"
         );
         let e = FileConfig::parse("[hicache]\nratio = 2\n").unwrap_err();
-        assert!(format!("{e:#}").contains("unknown section [hicache]"));
+        assert!(format!("{e:#}").contains("unknown key 'ratio' in section [hicache]"));
+        let e = FileConfig::parse("[tiers]\nratio = 2\n").unwrap_err();
+        assert!(format!("{e:#}").contains("unknown section [tiers]"));
         let e = FileConfig::parse("[server]\nport = \"x\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("[server]"));
     }

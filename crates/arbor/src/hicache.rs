@@ -250,9 +250,28 @@ pub fn build(
         ..defaults
     };
     let identity = model_identity(model);
+    let mut config = config;
     let storage = match &s.storage {
         None => None,
-        Some((backend, extra)) => Some(open_storage(backend, extra.as_deref(), &identity, kv)?),
+        Some((backend, extra)) => {
+            use arbor_kv_hicache::storage::{StorageConfig, Store};
+            let sc = StorageConfig::parse(backend, extra.as_deref())
+                .context("--hicache-storage-backend-extra-config")?;
+            config.prefetch_timeout_base =
+                std::time::Duration::from_secs_f64(sc.prefetch_timeout_base);
+            config.prefetch_timeout_per_ki_token =
+                std::time::Duration::from_secs_f64(sc.prefetch_timeout_per_ki_token);
+            config.prefetch_threshold = sc.prefetch_threshold;
+            let tier = arbor_engine_core::TierIdentity::new(identity.clone(), kv);
+            let store = Store::open(&sc, &tier)
+                .with_context(|| format!("--hicache-storage-backend {backend}"))?;
+            if let Store::File(f) = &store {
+                // Temp files of a crashed write are never entries; sweep old ones.
+                let _ = f.remove_stale_temps(std::time::Duration::from_secs(600));
+            }
+            let store: std::sync::Arc<dyn arbor_engine_core::KvTier> = std::sync::Arc::new(store);
+            Some(store)
+        }
     };
     let cache = HiCache::new(HiCacheOptions {
         kv: *kv,
@@ -273,17 +292,6 @@ pub fn build(
     _model: &arbor_models::LoadedModel,
 ) -> Result<Box<dyn arbor_engine_core::PrefixCache>> {
     bail!("--enable-hierarchical-cache: rebuild arbor with the `kv-hicache` cargo feature")
-}
-
-#[cfg(feature = "kv-hicache")]
-fn open_storage(
-    backend: &str,
-    extra: Option<&str>,
-    model: &str,
-    kv: &arbor_engine_core::KvSpec,
-) -> Result<std::sync::Arc<dyn arbor_engine_core::KvTier>> {
-    let _ = (backend, extra, model, kv);
-    bail!("storage tiers are being wired")
 }
 
 #[cfg(test)]

@@ -239,7 +239,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
             if engine_cfg.disable_radix_cache {
                 "prefix reuse off".to_string()
             } else {
-                format!("radix, eviction {eviction_policy}")
+                let tiers = match cfg.hicache.to_settings(false).ok().flatten() {
+                    None => String::new(),
+                    Some(h) => format!(
+                        "; HiCache host tier {}, {}, storage {} (prefetch {})",
+                        if h.size_gb > 0.0 {
+                            format!("{} GB", h.size_gb)
+                        } else {
+                            format!("{}x the device pool", h.ratio)
+                        },
+                        h.write_policy,
+                        h.storage.as_ref().map_or("none", |(b, _)| b.as_str()),
+                        h.prefetch_policy
+                    ),
+                };
+                format!("radix, eviction {eviction_policy}{tiers}")
             }
         );
         println!(

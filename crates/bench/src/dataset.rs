@@ -15,7 +15,7 @@
 use crate::error::{BenchError, Result};
 use crate::rng::Rng;
 use crate::tokenizer::PromptTokenizer;
-use crate::traces::{TraceRecord, synthesize_blocks};
+use crate::traces::{TraceRecord, synthesize_scaled};
 use serde_json::Value;
 use std::path::Path;
 
@@ -274,13 +274,14 @@ pub fn sample_gsp(spec: GspSpec, tok: &PromptTokenizer, rng: &mut Rng) -> Result
     Ok(rows)
 }
 
-/// Rows for a trace: prompts synthesized by [`synthesize_blocks`], as ids
+/// Rows for a trace: prompts synthesized by [`synthesize_scaled`], as ids
 /// (`ids == true`) or as the text of each block, decoded and concatenated.
 pub fn from_trace(
     records: &[TraceRecord],
     tok: &PromptTokenizer,
     seed: u64,
     ids: bool,
+    block: usize,
 ) -> Result<Vec<DatasetRow>> {
     let vocab = tok.sample_ids();
     let mut rows = Vec::with_capacity(records.len());
@@ -288,7 +289,7 @@ pub fn from_trace(
         if r.input_len == 0 {
             continue;
         }
-        let blocks = synthesize_blocks(r, i, &vocab, seed);
+        let blocks = synthesize_scaled(r, i, &vocab, seed, block);
         let all: Vec<u32> = blocks.concat();
         let prompt = if ids {
             Prompt::Ids(all.clone())

@@ -126,6 +126,13 @@ pub struct ServingArgs {
     /// timestamps and use --request-rate).
     #[arg(long = "trace-speed", default_value_t = 1.0)]
     pub trace_speed: f64,
+    /// Mooncake: tokens per hash block (512 in the trace); smaller values
+    /// shrink prompts in proportion and keep which requests share what.
+    #[arg(long = "trace-block-tokens", default_value_t = crate::traces::BLOCK)]
+    pub trace_block_tokens: usize,
+    /// Traces: every request's output length (default: the trace's).
+    #[arg(long = "trace-output-len")]
+    pub trace_output_len: Option<usize>,
     /// Unmeasured requests before the run (copies of the first, at most 32 output tokens).
     #[arg(long = "warmup-requests", default_value_t = 1)]
     pub warmup_requests: usize,
@@ -265,11 +272,23 @@ pub fn build_dataset(
         }
         DatasetName::Mooncake => {
             let recs = crate::traces::load_mooncake(&need_path(args, files::MOONCAKE)?, limit)?;
-            dataset::from_trace(&recs, tok, args.seed, args.tokenize_prompt)?
+            let block = args.trace_block_tokens;
+            if block == 0 {
+                return Err(BenchError::invalid("--trace-block-tokens must be positive"));
+            }
+            let recs = crate::traces::scale(&recs, block, args.trace_output_len);
+            dataset::from_trace(&recs, tok, args.seed, args.tokenize_prompt, block)?
         }
         DatasetName::Azure => {
             let recs = crate::traces::load_azure(&need_path(args, files::AZURE)?, limit)?;
-            dataset::from_trace(&recs, tok, args.seed, args.tokenize_prompt)?
+            let recs = crate::traces::scale(&recs, crate::traces::BLOCK, args.trace_output_len);
+            dataset::from_trace(
+                &recs,
+                tok,
+                args.seed,
+                args.tokenize_prompt,
+                crate::traces::BLOCK,
+            )?
         }
         DatasetName::Custom => {
             let p = args

@@ -173,6 +173,32 @@ pub fn synthesize_blocks(
     vocab: &[u32],
     seed: u64,
 ) -> Vec<Vec<u32>> {
+    synthesize_scaled(rec, index, vocab, seed, BLOCK)
+}
+
+/// A trace scaled down for small machines: each hash block stands for
+/// `block` tokens instead of [`BLOCK`], input lengths shrink in proportion
+/// (at least one token), and output lengths become `output_len` when given.
+/// The prefix structure (which requests share which blocks) is unchanged.
+pub fn scale(records: &[TraceRecord], block: usize, output_len: Option<usize>) -> Vec<TraceRecord> {
+    records
+        .iter()
+        .map(|r| TraceRecord {
+            input_len: (r.input_len * block).div_ceil(BLOCK).max(1),
+            output_len: output_len.unwrap_or(r.output_len),
+            ..r.clone()
+        })
+        .collect()
+}
+
+/// [`synthesize_blocks`] with `block` tokens per hash block (see [`scale`]).
+pub fn synthesize_scaled(
+    rec: &TraceRecord,
+    index: usize,
+    vocab: &[u32],
+    seed: u64,
+    block: usize,
+) -> Vec<Vec<u32>> {
     let mut blocks = Vec::new();
     let mut left = rec.input_len;
     let draw = |rng: &mut Rng, n: usize| -> Vec<u32> {
@@ -190,9 +216,9 @@ pub fn synthesize_blocks(
             break;
         }
         let mut rng = Rng::derived(seed, h);
-        let n = left.min(BLOCK);
+        let n = left.min(block);
         // Draw the whole block so a truncated block is a prefix of the full one.
-        let mut b = draw(&mut rng, BLOCK);
+        let mut b = draw(&mut rng, block);
         b.truncate(n);
         blocks.push(b);
         left -= n;
@@ -212,6 +238,28 @@ pub fn synthesize_ids(rec: &TraceRecord, index: usize, vocab: &[u32], seed: u64)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scaled_traces_keep_their_sharing() {
+        let a = TraceRecord {
+            timestamp_s: None,
+            input_len: 1100,
+            output_len: 7,
+            hash_ids: vec![1, 2, 3],
+        };
+        let b = TraceRecord {
+            hash_ids: vec![1, 2, 9],
+            ..a.clone()
+        };
+        let s = scale(&[a, b], 16, Some(3));
+        assert_eq!((s[0].input_len, s[0].output_len), (35, 3));
+        let vocab: Vec<u32> = (0..100).collect();
+        let x = synthesize_scaled(&s[0], 0, &vocab, 1, 16).concat();
+        let y = synthesize_scaled(&s[1], 1, &vocab, 1, 16).concat();
+        assert_eq!(x.len(), 35);
+        assert_eq!(x[..32], y[..32]);
+        assert_ne!(x[32..], y[32..]);
+    }
 
     #[test]
     fn parses_mooncake_lines() {

@@ -184,6 +184,10 @@ pub trait KvTier: Send + Sync {
     fn set(&self, entries: &[(PageKey, &[u8])]) -> Result<(), TierError>;
     /// Removes every entry of this store's identity.
     fn clear(&self) -> Result<(), TierError>;
+    /// Entries found damaged and removed so far.
+    fn corrupt_removed(&self) -> u64 {
+        0
+    }
 }
 
 struct Slot {

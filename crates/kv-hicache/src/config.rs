@@ -65,6 +65,8 @@ pub struct HiCacheConfig {
     /// `timeout` policy: extra wait per 1,024 tokens fetched
     /// (`prefetch_timeout_per_ki_token`).
     pub prefetch_timeout_per_ki_token: Duration,
+    /// Fewest tokens a storage hit must cover to be fetched (`prefetch_threshold`).
+    pub prefetch_threshold: usize,
 }
 
 impl Default for HiCacheConfig {
@@ -76,6 +78,7 @@ impl Default for HiCacheConfig {
             prefetch_policy: PrefetchPolicy::BestEffort,
             prefetch_timeout_base: Duration::from_secs(1),
             prefetch_timeout_per_ki_token: Duration::from_millis(250),
+            prefetch_threshold: 256,
         }
     }
 }

@@ -55,7 +55,6 @@ pub struct HiCache {
     config: HiCacheConfig,
     pending: HashMap<u64, Pending>,
     page_size: usize,
-    corrupt: u64,
     store: Option<Arc<dyn KvTier>>,
 }
 
@@ -102,7 +101,6 @@ impl HiCache {
             config,
             pending: HashMap::new(),
             page_size: kv.page_size,
-            corrupt: 0,
             store: storage,
         })
     }
@@ -126,7 +124,9 @@ impl HiCache {
                     start,
                     keys,
                 } => {
-                    let host = (!keys.is_empty())
+                    // SGLang's prefetch_threshold: a short hit is not worth a fetch.
+                    let worth = keys.len() * self.page_size >= self.config.prefetch_threshold;
+                    let host = (worth && !keys.is_empty())
                         .then(|| self.radix.alloc_host_pages(keys.len()))
                         .flatten();
                     let sent = host.is_some_and(|host| {
@@ -236,7 +236,7 @@ impl PrefixCache for HiCache {
             t.storage_write_bytes = c.write_bytes.load(Ordering::Relaxed);
             t.storage_write_seconds = c.write_micros.load(Ordering::Relaxed) as f64 * 1e-6;
             t.storage_errors = c.errors.load(Ordering::Relaxed);
-            t.storage_corrupt = self.corrupt;
+            t.storage_corrupt = self.store.as_ref().map_or(0, |s| s.corrupt_removed());
         }
         s
     }

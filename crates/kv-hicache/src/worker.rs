@@ -1,7 +1,9 @@
-//! The storage tier's thread: every storage I/O runs here, never on the
-//! scheduler thread.
+//! The storage tier's threads: every storage I/O runs on them, never on the
+//! scheduler thread. One thread reads (lookups and fetches, which requests
+//! may wait on) and one writes (backups and clears, which wait on host
+//! copies), so a read never queues behind a write.
 //!
-//! Jobs arrive on a bounded channel (a full queue drops the job, counted as
+//! Jobs arrive on bounded channels (a full queue drops the job, counted as
 //! an error: the scheduler never waits) and results go back on another:
 //! - `Lookup`: the chained keys of a prompt's pages past what the tiers in
 //!   memory hold, and how many of them the store has (in order, from the
@@ -95,34 +97,49 @@ impl Counters {
     }
 }
 
-/// The thread and its channels.
+/// The threads and their channels.
 pub(crate) struct Worker {
-    jobs: Option<SyncSender<Job>>,
+    reads: Option<SyncSender<Job>>,
+    writes: Option<SyncSender<Job>>,
     pub done: Receiver<Done>,
     pub counters: Arc<Counters>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl Worker {
     pub fn spawn(store: Arc<dyn KvTier>) -> std::io::Result<Self> {
-        let (jobs, rx) = std::sync::mpsc::sync_channel(QUEUE);
         let (tx, done) = std::sync::mpsc::channel();
         let counters = Arc::new(Counters::default());
-        let c = counters.clone();
-        let thread = std::thread::Builder::new()
-            .name("arbor-hicache-storage".into())
-            .spawn(move || run(&*store, &rx, &tx, &c))?;
+        let mut senders = Vec::new();
+        let mut threads = Vec::new();
+        for name in ["arbor-hicache-read", "arbor-hicache-write"] {
+            let (jobs, rx) = std::sync::mpsc::sync_channel(QUEUE);
+            let (store, tx, c) = (store.clone(), tx.clone(), counters.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name(name.into())
+                    .spawn(move || run(&*store, &rx, &tx, &c))?,
+            );
+            senders.push(jobs);
+        }
+        let writes = senders.pop();
+        let reads = senders.pop();
         Ok(Self {
-            jobs: Some(jobs),
+            reads,
+            writes,
             done,
             counters,
-            thread: Some(thread),
+            threads,
         })
     }
 
     /// Queues a job; false (counted) when the queue is full or the thread is gone.
     pub fn send(&self, job: Job) -> bool {
-        let Some(jobs) = self.jobs.as_ref() else {
+        let queue = match job {
+            Job::Backup(_) | Job::Clear => &self.writes,
+            Job::Lookup { .. } | Job::Fetch { .. } => &self.reads,
+        };
+        let Some(jobs) = queue.as_ref() else {
             return false;
         };
         match jobs.try_send(job) {
@@ -142,9 +159,10 @@ impl Worker {
 impl Drop for Worker {
     /// Lets queued writes finish (so a restart finds them), for a few seconds at most.
     fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let deadline = Instant::now() + Duration::from_secs(10);
+        self.reads = None;
+        self.writes = None;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for t in self.threads.drain(..) {
             while !t.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(5));
             }

@@ -181,3 +181,224 @@ fn concurrent_requests_under_pressure_match_an_uncached_engine() -> Result<()> {
     assert_pool_empty(&cold);
     Ok(())
 }
+
+fn storage_config() -> HiCacheConfig {
+    HiCacheConfig {
+        prefetch_policy: arbor_kv_hicache::PrefetchPolicy::WaitComplete,
+        prefetch_threshold: PAGE,
+        ..config(WritePolicy::WriteThrough)
+    }
+}
+
+/// Waits until the storage thread wrote at least `pages` pages.
+fn wait_written(e: &Engine, pages: u64) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while e.stats().tiers.storage_write_pages < pages {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "storage writes stalled: {:?}",
+            e.stats().tiers
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+fn open(config: &str, backend: &str, model: &str) -> Result<Arc<dyn KvTier>> {
+    use arbor_kv_hicache::storage::{StorageConfig, open_store};
+    let kv = arbor_engine_core::KvSpec {
+        num_layers: 3,
+        num_kv_heads: 2,
+        head_dim: 16,
+        page_size: PAGE,
+        num_pages: 1,
+        dtype: DType::F32,
+    };
+    let sc = StorageConfig::parse(backend, Some(config))?;
+    Ok(open_store(
+        &sc,
+        &arbor_engine_core::TierIdentity::new(model, &kv),
+    )?)
+}
+
+/// One cold answer per prompt, from an engine without cache.
+fn cold_answers(prompts: &[Vec<u32>], params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
+    let cold = engine(256, None, None, "tiny")?;
+    let want = prompts
+        .iter()
+        .map(|p| run(&cold, std::slice::from_ref(p), params).map(|mut v| v.remove(0).0))
+        .collect::<Result<_>>()?;
+    assert_pool_empty(&cold);
+    Ok(want)
+}
+
+/// Fills a store through one engine, "restarts" (a new engine on the same
+/// store) and checks that the prefixes come from storage with identical output.
+fn restart_case(backend: &str, config: &str) -> Result<()> {
+    let prompts: Vec<Vec<u32>> = documents(4, 100, 21).into_iter().take(4).collect();
+    let params = greedy(6);
+    let want = cold_answers(&prompts, &params)?;
+    {
+        let e = engine(
+            64,
+            Some(storage_config()),
+            Some(open(config, backend, "tiny")?),
+            "tiny",
+        )?;
+        for (p, w) in prompts.iter().zip(&want) {
+            assert_eq!(&run(&e, std::slice::from_ref(p), &params)?[0].0, w);
+        }
+        // 4 prompts of 103 tokens and 6 generated: 6 whole pages each.
+        wait_written(&e, 4 * 6)?;
+        assert_pool_empty(&e);
+    }
+    let e = engine(
+        64,
+        Some(storage_config()),
+        Some(open(config, backend, "tiny")?),
+        "tiny",
+    )?;
+    for (p, w) in prompts.iter().zip(&want) {
+        let (got, [cached, host, stored]) = run(&e, std::slice::from_ref(p), &params)?.remove(0);
+        assert_eq!(&got, w, "{backend}: output after a restart differs");
+        assert!(
+            stored >= 96 && host >= stored && cached >= host,
+            "{backend}: {cached} {host} {stored}"
+        );
+    }
+    assert!(e.stats().tiers.storage_hit_tokens >= 4 * 96);
+    assert_pool_empty(&e);
+    // Another model's identity finds nothing in the same store.
+    let other = engine(
+        64,
+        Some(storage_config()),
+        Some(open(config, backend, "tiny-v2")?),
+        "tiny-v2",
+    )?;
+    let (got, [cached, ..]) = run(&other, &prompts[..1], &params)?.remove(0);
+    assert_eq!(got, want[0]);
+    assert_eq!(
+        cached, 0,
+        "{backend}: a store written by another model was loaded"
+    );
+    assert_pool_empty(&other);
+    Ok(())
+}
+
+#[test]
+fn restart_finds_prefixes_in_the_file_store() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = serde_json::json!({ "dir": dir.path() }).to_string();
+    restart_case("file", &config)
+}
+
+#[test]
+fn truncated_page_files_are_skipped_and_removed() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = serde_json::json!({ "dir": dir.path() }).to_string();
+    let prompts: Vec<Vec<u32>> = documents(2, 100, 5).into_iter().take(2).collect();
+    let params = greedy(6);
+    let want = cold_answers(&prompts, &params)?;
+    {
+        let e = engine(
+            64,
+            Some(storage_config()),
+            Some(open(&config, "file", "tiny")?),
+            "tiny",
+        )?;
+        run(&e, &prompts, &params)?;
+        wait_written(&e, 2 * 6)?;
+    }
+    // Truncate every stored page: a crash in the middle of a copy, or a damaged disk.
+    let mut truncated = 0;
+    for entry in walk(dir.path()) {
+        if entry.extension().is_some_and(|x| x == "kv") {
+            let f = std::fs::OpenOptions::new().write(true).open(&entry)?;
+            f.set_len(100)?;
+            truncated += 1;
+        }
+    }
+    assert!(truncated >= 12, "{truncated} page files");
+    let e = engine(
+        64,
+        Some(storage_config()),
+        Some(open(&config, "file", "tiny")?),
+        "tiny",
+    )?;
+    for (p, w) in prompts.iter().zip(&want) {
+        let (got, [_, _, stored]) = run(&e, std::slice::from_ref(p), &params)?.remove(0);
+        assert_eq!(&got, w);
+        assert_eq!(stored, 0, "a truncated page was loaded");
+    }
+    assert!(e.stats().tiers.storage_corrupt > 0, "{:?}", e.stats().tiers);
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+#[test]
+fn restart_finds_prefixes_in_redis() -> Result<()> {
+    let Some(bin) = redis_server::require_server() else {
+        return Ok(());
+    };
+    let server = redis_server::Server::start(bin)?;
+    let config = serde_json::json!({ "url": server.url() }).to_string();
+    restart_case("redis", &config)
+}
+
+#[test]
+fn requests_complete_when_redis_dies_mid_run() -> Result<()> {
+    let Some(bin) = redis_server::require_server() else {
+        return Ok(());
+    };
+    let mut server = redis_server::Server::start(bin)?;
+    let config = serde_json::json!({ "url": server.url(), "timeout": 0.5 }).to_string();
+    let prompts = documents(6, 100, 33);
+    let params = greedy(6);
+    let want = cold_answers(&prompts, &params)?;
+    let e = engine(
+        24,
+        Some(storage_config()),
+        Some(open(&config, "redis", "tiny")?),
+        "tiny",
+    )?;
+    let half = prompts.len() / 2;
+    let got = run(&e, &prompts[..half], &params)?;
+    server.kill();
+    let mut rest = run(&e, &prompts[half..], &params)?;
+    // And again, concurrently, with the store gone.
+    rest.extend(run(&e, &prompts, &params)?);
+    for (i, ((g, _), w)) in got
+        .iter()
+        .chain(&rest)
+        .zip(want.iter().chain(&want))
+        .enumerate()
+    {
+        assert_eq!(g, w, "request {i}");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while e.stats().tiers.storage_errors == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(e.stats().tiers.storage_errors > 0, "{:?}", e.stats().tiers);
+    assert_pool_empty(&e);
+    Ok(())
+}

@@ -4,8 +4,9 @@
 //! evicts the unlocked leaf with the smallest key first (ties broken by node
 //! id). Keys must be a pure function of the metadata: the cache recomputes a
 //! node's key only when its metadata changes. Times are the cache's logical
-//! clock (one tick per `match_prefix` or `insert`), so orders are
-//! deterministic. The definitions follow SGLang's `evict_policy.py`:
+//! clock (one tick per `match_prefix` or `insert`, one more for the leaf an
+//! `insert` adds), so orders are deterministic. The definitions follow
+//! SGLang's `evict_policy.py`:
 //!
 //! | name | key (smallest evicted first) |
 //! |---|---|

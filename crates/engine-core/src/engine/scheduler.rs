@@ -46,6 +46,8 @@ use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+/// How often an idle scheduler republishes its counters.
+const IDLE_PUBLISH: std::time::Duration = std::time::Duration::from_millis(200);
 /// How long an iteration that ran nothing waits for a message.
 const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 /// Remaining new tokens counted per request in the budget, at most.
@@ -175,14 +177,23 @@ impl Scheduler {
         'outer: loop {
             self.poll_refit();
             if self.idle() || self.halted() {
+                // Copies recorded by the last requests (backups) run before
+                // sleeping (not while paused: the KV may be released).
+                if !self.halted()
+                    && let Err(e) = self.run_tier_copies()
+                {
+                    tracing::error!("KV tier copies: {e}");
+                }
                 self.publish();
-                match rx.recv() {
+                // Idle: republish now and then (tier threads keep counting).
+                match rx.recv_timeout(IDLE_PUBLISH) {
                     Ok(m) => {
                         if !self.handle(m) {
                             break 'outer;
                         }
                     }
-                    Err(_) => break 'outer,
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue 'outer,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break 'outer,
                 }
                 continue 'outer;
             }

@@ -285,6 +285,9 @@ impl KvTier for Store {
     fn clear(&self) -> Result<(), TierError> {
         self.tier().clear()
     }
+    fn corrupt_removed(&self) -> u64 {
+        Store::corrupt_removed(self)
+    }
 }
 
 /// Opens the store `config` names for `identity`'s pages.

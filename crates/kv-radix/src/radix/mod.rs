@@ -71,13 +71,24 @@ struct WalkOut<'a> {
 
 /// A radix tree of cached KV pages with a pluggable eviction policy.
 ///
-/// Metadata follows SGLang: every `match_prefix` and `insert` is one tick of
-/// a logical clock and refreshes `last_access` of each node on its path;
-/// `match_prefix` also counts a hit on each of them (so the re-match after a
-/// chunked-prefill insert counts too, as in SGLang); `insert` raises each
-/// node's priority to the request's. A split gives the new upper node the
-/// metadata of the node it came from. `evict` frees whole leaves, so it may
-/// free more than asked; `flush` is not counted in `evicted_tokens`.
+/// Metadata follows SGLang's `RadixCache` (0.5.23): every `match_prefix` and
+/// `insert` is one tick of a logical clock and refreshes `last_access` of each
+/// node on its path; `match_prefix` also counts a hit on each of them (so the
+/// re-match after a chunked-prefill insert counts too; SGLang 0.5.23 counts
+/// hits in `insert` instead, which only LFU and SLRU see); `insert` raises
+/// each node's priority to the request's. A walk that ends inside a node
+/// refreshes `last_access` of the whole node before splitting it (SGLang
+/// stamps the child before `_split_node`), so the lower part carries the
+/// access too; the new upper node takes the rest of the metadata of the node
+/// it came from and then the walk's hit or priority, which the lower part
+/// does not get. An insert that adds a leaf ticks once more for it, so the
+/// leaf is newer than its path (SGLang's new node reads the clock after the
+/// path's access time): of the lower part of a node it split and its new
+/// sibling leaf, LRU evicts the lower part first. Under LRU no two unlocked
+/// leaves ever share a `last_access`, so the node-id tie-break never decides,
+/// and replaying a trace gives SGLang's matched and evicted totals exactly
+/// (`tests/sglang_replay.rs`). `evict` frees whole leaves, so it may free more
+/// than asked; `flush` is not counted in `evicted_tokens`.
 pub struct RadixCache {
     page_size: usize,
     policy: Arc<dyn EvictionPolicy>,
@@ -92,7 +103,7 @@ pub struct RadixCache {
     /// Roots of the namespaces other than the default one, both ways.
     namespaces: HashMap<CacheNamespace, u32>,
     root_names: HashMap<u32, CacheNamespace>,
-    /// Logical clock: one tick per match or insert.
+    /// Logical clock: one tick per match or insert, one more per new leaf.
     clock: u64,
     evictable: usize,
     protected: usize,
@@ -162,7 +173,8 @@ impl RadixCache {
         &*self.policy
     }
 
-    /// The logical clock (ticks once per `match_prefix` and `insert`).
+    /// The logical clock (ticks once per `match_prefix` and `insert`, and once
+    /// more for the leaf an `insert` adds).
     pub fn clock(&self) -> u64 {
         self.clock
     }
@@ -340,7 +352,8 @@ impl RadixCache {
     }
 
     /// Follows `tokens` (whole pages) down from `root`, splitting the node
-    /// where the match ends inside it and touching every node on the path.
+    /// where the match ends inside it and touching every node on the path
+    /// (the split node's lower part gets only the new `last_access`).
     /// Returns the last node reached and the tokens matched; appends the
     /// path's pages to `pages_out`.
     fn walk(
@@ -363,6 +376,7 @@ impl RadixCache {
             let edge_len = edge.len();
             let m = common_prefix(edge, rest) / ps * ps;
             let target = if m < edge_len {
+                self.touch(child, now, false, None);
                 match self.split(child, m) {
                     Some(upper) => upper,
                     None => break,
@@ -529,7 +543,7 @@ impl RadixCache {
         };
         let mut end = node;
         if found < aligned {
-            let leaf = Node::new(node, tokens[found..].into(), rest, now, priority);
+            let leaf = Node::new(node, tokens[found..].into(), rest, self.tick(), priority);
             let Some(id) = self.alloc(leaf) else {
                 self.maybe_drop_root(root);
                 return Err(RadixError::ArenaFull);

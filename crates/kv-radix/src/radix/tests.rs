@@ -267,6 +267,55 @@ fn priority_is_max_along_the_path() {
     assert_eq!(pool.free_pages(), 64);
 }
 
+/// As SGLang (checked against its `RadixCache`, 0.5.23): a match that splits
+/// a node refreshes the part below the split too, so that part outlives an
+/// older leaf under LRU.
+#[test]
+fn split_by_a_match_refreshes_the_lower_part() {
+    let pool = PagePool::new(64, 1);
+    let mut c = cache(1, "lru");
+    let a = put(&mut c, &pool, &[1, 2, 3, 4], 0);
+    put(&mut c, &pool, &[7, 7], 0);
+    c.match_prefix(&ns(), &[1, 2]);
+    ok(&c);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!(
+        c.peek_prefix(&ns(), &[7, 7]),
+        0,
+        "the older leaf goes first"
+    );
+    assert_eq!(c.node_view(a.node).unwrap().tokens, [3, 4]);
+    c.flush();
+}
+
+/// As SGLang: an insert that splits a leaf stamps the lower part with the
+/// insert's time and its new leaf later, so the lower part goes first even
+/// when the new leaf has the smaller node id.
+#[test]
+fn split_by_an_insert_stamps_the_new_leaf_later() {
+    let pool = PagePool::new(64, 1);
+    let mut c = cache(1, "lru");
+    put(&mut c, &pool, &[9], 0);
+    put(&mut c, &pool, &[8], 0);
+    let a = put(&mut c, &pool, &[1, 2, 3, 4], 0);
+    assert_eq!(
+        c.evict(2),
+        2,
+        "frees two low ids for the split and the leaf"
+    );
+    let b = put(&mut c, &pool, &[1, 2, 5, 6], 0);
+    assert!(b.node.0 < a.node.0);
+    let (la, lb) = (
+        c.node_view(a.node).unwrap().meta.last_access,
+        c.node_view(b.node).unwrap().meta.last_access,
+    );
+    assert_eq!(lb, la + 1);
+    assert_eq!(c.evict(1), 2);
+    assert_eq!(c.peek_prefix(&ns(), &[1, 2, 3, 4]), 2);
+    assert_eq!(c.peek_prefix(&ns(), &[1, 2, 5, 6]), 4);
+    c.flush();
+}
+
 /// Four leaves A, B, C, D created at ticks 1..=4, then matched C, A, A, B
 /// (ticks 5..=8) with priorities A 0, B 5, C -1, D 2.
 fn order_for(policy: &str) -> Vec<char> {
@@ -362,12 +411,14 @@ fn dump_shows_the_tree() {
     let m = c.match_prefix(&ns(), &[1, 2, 3, 4, 5, 6]);
     c.lock(m.node).unwrap();
     let d = c.dump();
+    // Each insert ticks for its path (1, 3, 5) and again for its new leaf
+    // (2, 4, 6); the match (7) also stamps #1, the part it split off #6.
     let want = [
         "namespace default: root #0 lock=1",
-        "  #2 4 tokens [1 2 3 4] pages [9 8] lock=1 hits=1 last=4 created=1 prio=3",
-        "    #6 2 tokens [5 6] pages [7] lock=1 hits=1 last=4 created=1 prio=0",
-        "      #1 14 tokens [7 8 9 10 11 12 13 14 …] pages [6 5 4 3 …] lock=0 hits=0",
-        "    #3 2 tokens [9 9] pages [10] lock=0 hits=0 last=2 created=2 prio=3",
+        "  #2 4 tokens [1 2 3 4] pages [9 8] lock=1 hits=1 last=7 created=2 prio=3",
+        "    #6 2 tokens [5 6] pages [7] lock=1 hits=1 last=7 created=2 prio=0",
+        "      #1 14 tokens [7 8 9 10 11 12 13 14 …] pages [6 5 4 3 …] lock=0 hits=0 last=7",
+        "    #3 2 tokens [9 9] pages [10] lock=0 hits=0 last=4 created=4 prio=3",
         "namespace \"lora-a\\u{1f}t1\": root #4 lock=0",
         "  #5 2 tokens [1 2] pages [11] lock=0",
     ];

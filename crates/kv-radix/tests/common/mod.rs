@@ -231,9 +231,41 @@ impl Harness {
         (pages.len() * self.ps, pages)
     }
 
-    /// Refreshes the first `len` tokens' pages at `now` (a match when `hit`).
-    fn model_touch(&mut self, ns: usize, tokens: &[u32], len: usize, hit: bool, prio: Option<i64>) {
-        let now = self.cache.clock();
+    /// The pages after the first `len` tokens of `tokens` that share a node
+    /// with the page before them (read from the cache before a walk): the part
+    /// of the node a walk of `len` tokens splits off below its end.
+    fn split_tail(&self, ns: usize, tokens: &[u32], len: usize) -> Vec<Key> {
+        if len == 0 {
+            return Vec::new();
+        }
+        let views = self.cache.nodes();
+        let paths = self.paths();
+        for v in &views {
+            let (vns, path) = &paths[&v.id.0];
+            let start = path.len() - v.tokens.len();
+            if *vns == ns && start < len && len < path.len() && path[..len] == tokens[..len] {
+                return (len + self.ps..=path.len())
+                    .step_by(self.ps)
+                    .map(|k| (ns, path[..k].to_vec()))
+                    .collect();
+            }
+        }
+        Vec::new()
+    }
+
+    /// Refreshes the first `len` tokens' pages at `now` (a match when `hit`),
+    /// and the last access of `tail` (the lower part of a node the walk split).
+    #[allow(clippy::too_many_arguments)]
+    fn model_touch(
+        &mut self,
+        ns: usize,
+        tokens: &[u32],
+        len: usize,
+        hit: bool,
+        prio: Option<i64>,
+        now: u64,
+        tail: &[Key],
+    ) {
         for k in (self.ps..=len).step_by(self.ps) {
             let e = self.model.get_mut(&(ns, tokens[..k].to_vec())).unwrap();
             e.last_access = now;
@@ -242,22 +274,30 @@ impl Harness {
                 e.priority = e.priority.max(p);
             }
         }
+        for key in tail {
+            self.model.get_mut(key).unwrap().last_access = now;
+        }
     }
 
-    /// Records an insert (just done, at the cache's clock) of `tokens` whose
-    /// pages from token `from` on are `pages`; `found` is the model's match before it.
+    /// Records an insert (just done) of `tokens` whose pages from token `from`
+    /// on are `pages`; `found` is the model's match before it and `tail` the
+    /// [`Self::split_tail`] of `found`. The path is stamped with the insert's
+    /// tick and a new leaf with the next one (the cache's clock now).
+    #[allow(clippy::too_many_arguments)]
     fn model_insert(
         &mut self,
         ns: usize,
         tokens: &[u32],
         found: usize,
+        tail: &[Key],
         from: usize,
         pages: &[u32],
         prio: i64,
     ) {
-        self.model_touch(ns, tokens, found, false, Some(prio));
         let now = self.cache.clock();
         let aligned = tokens.len() / self.ps * self.ps;
+        let path_now = if aligned > found { now - 1 } else { now };
+        self.model_touch(ns, tokens, found, false, Some(prio), path_now, tail);
         for k in (found / self.ps)..(aligned / self.ps) {
             let e = Entry {
                 page: pages[k - from / self.ps],
@@ -317,11 +357,13 @@ impl Harness {
 
     fn do_match(&mut self, ns: usize, tokens: &[u32]) -> arbor_engine_core::PrefixMatch {
         let (len, pages) = self.model_match(ns, tokens);
+        let tail = self.split_tail(ns, tokens, len);
         assert_eq!(self.cache.peek_prefix(&self.namespaces[ns], tokens), len);
         let m = self.cache.match_prefix(&self.namespaces[ns], tokens);
         assert_eq!(m.matched_tokens, len, "match length of {tokens:?}");
         assert_eq!(m.pages, pages, "match pages of {tokens:?}");
-        self.model_touch(ns, tokens, len, true, None);
+        let now = self.cache.clock();
+        self.model_touch(ns, tokens, len, true, None, now, &tail);
         self.queried += tokens.len() as u64;
         self.hit += len as u64;
         m
@@ -442,11 +484,12 @@ impl Harness {
                 let part = std::mem::replace(&mut self.reqs[i].own, rest);
                 let part_pages = part.pages().to_vec();
                 let (found, _) = self.model_match(ns, &tokens[..upto]);
+                let tail = self.split_tail(ns, &tokens[..upto], found);
                 let out = self
                     .cache
                     .insert_with_prefix(&self.namespaces[ns], &tokens[..upto], prefix, part, 0)
                     .unwrap();
-                self.model_insert(ns, &tokens[..upto], found, prefix, &part_pages, 0);
+                self.model_insert(ns, &tokens[..upto], found, &tail, prefix, &part_pages, 0);
                 assert_eq!((out.already_cached, out.cached), (found, upto));
                 let m = self.do_match(ns, &tokens[..upto]);
                 assert_eq!(m.matched_tokens, upto);
@@ -466,6 +509,7 @@ impl Harness {
                 let r = self.reqs.swap_remove(req % self.reqs.len());
                 let own_pages = r.own.pages().to_vec();
                 let (found, _) = self.model_match(r.ns, &r.tokens);
+                let tail = self.split_tail(r.ns, &r.tokens, found);
                 let out = self
                     .cache
                     .insert_with_prefix(
@@ -476,7 +520,9 @@ impl Harness {
                         *priority,
                     )
                     .unwrap();
-                self.model_insert(r.ns, &r.tokens, found, r.prefix, &own_pages, *priority);
+                self.model_insert(
+                    r.ns, &r.tokens, found, &tail, r.prefix, &own_pages, *priority,
+                );
                 assert_eq!(
                     (out.already_cached, out.cached),
                     (found, r.tokens.len() / ps * ps)
@@ -502,11 +548,12 @@ impl Harness {
                 };
                 let ids = pages.pages().to_vec();
                 let (found, _) = self.model_match(*ns, &tokens);
+                let tail = self.split_tail(*ns, &tokens, found);
                 let out = self
                     .cache
                     .insert(&self.namespaces[*ns], &tokens, pages, *priority)
                     .unwrap();
-                self.model_insert(*ns, &tokens, found, 0, &ids, *priority);
+                self.model_insert(*ns, &tokens, found, &tail, 0, &ids, *priority);
                 assert_eq!(
                     (out.already_cached, out.cached),
                     (found, tokens.len() / ps * ps)

@@ -136,6 +136,28 @@ impl Scheduler {
         }
     }
 
+    /// Runs the KV tier copies the cache recorded, in a step of their own
+    /// (when no forward is due: an idle engine still backs up its KV);
+    /// true when there were any.
+    pub(super) fn run_tier_copies(&mut self) -> Result<bool> {
+        let kv_ops = self.cache.take_kv_ops();
+        if kv_ops.is_empty() {
+            return Ok(false);
+        }
+        let plan = StepPlan {
+            kv_ops,
+            ..StepPlan::default()
+        };
+        match self.executor.execute(&plan) {
+            Ok(o) => self.counters.kv_copy.add(&o.kv_copy),
+            Err(e) => {
+                tracing::error!("KV tier copies failed: {e}; flushing the prefix cache");
+                self.cache.flush();
+            }
+        }
+        Ok(true)
+    }
+
     /// Runs one step; false when there was nothing to run.
     pub(super) fn iterate(&mut self) -> Result<bool> {
         let mut prefill = self.schedule_prefill()?;
@@ -149,7 +171,7 @@ impl Scheduler {
             Vec::new()
         };
         if prefill.is_empty() && decoding.is_empty() {
-            return Ok(false);
+            return self.run_tier_copies();
         }
         let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
             + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();

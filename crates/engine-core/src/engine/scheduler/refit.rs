@@ -199,6 +199,8 @@ impl Scheduler {
                 "requests are running: pause generation (abort or retract) or let them finish first",
             ));
         }
+        // Pending tier copies (backups) read device pages: run them first.
+        self.run_tier_copies()?;
         // Nothing is locked: the cache frees every page, so the pool is whole.
         self.cache.flush();
         self.executor.memory(MemoryOp::Release { kv, weights })?;

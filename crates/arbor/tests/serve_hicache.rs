@@ -1,0 +1,195 @@
+//! `arbor serve --enable-hierarchical-cache` end to end on the tiny Llama
+//! with a device pool too small for its documents: a prefix evicted from
+//! the device comes back from the host tier (`cached_tokens`,
+//! `meta_info.cached_tokens_details`, Prometheus `hicache_*`), answers equal
+//! those of a server without any cache, a restarted server finds the
+//! prefixes in its file store, `/flush_cache?storage=true` clears it, bad
+//! flags are refused naming the flag, and no KV page leaks.
+
+mod common;
+
+use anyhow::Result;
+use common::*;
+use serde_json::{Value, json};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// Documents of about 150 tokens, each asked twice with different endings.
+fn prompts() -> Vec<String> {
+    let words = [
+        "river", "stone", "maple", "copper", "lantern", "harbor", "violet", "ember",
+    ];
+    let mut docs = Vec::new();
+    for d in 0..4 {
+        let body: Vec<&str> = (0..25)
+            .map(|i| words[(i * (d + 3) + d) % words.len()])
+            .collect();
+        docs.push(format!("document {d}: {}", body.join(" ")));
+    }
+    let mut out = Vec::new();
+    for q in ["first question", "second question"] {
+        for d in &docs {
+            out.push(format!("{d} {q}"));
+        }
+    }
+    out
+}
+
+async fn ask(c: &reqwest::Client, s: &Server, p: &str) -> Result<(String, Value)> {
+    let v = post_ok(
+        c,
+        &s.url("/generate"),
+        &json!({"text": p, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}}),
+    )
+    .await?;
+    Ok((
+        v["text"].as_str().unwrap_or_default().to_string(),
+        meta(&v).clone(),
+    ))
+}
+
+/// Waits until a metric reaches `at_least`.
+async fn wait_metric(c: &reqwest::Client, s: &Server, name: &str, at_least: f64) -> Result<f64> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, m) = get(c, &s.url("/metrics"), None).await?;
+        let v = metric(&m, name).unwrap_or(0.0);
+        if v >= at_least {
+            return Ok(v);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{name} stayed at {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() -> Result<()> {
+    let c = client();
+    let plain = Server::tiny(&["--disable-radix-cache"])?;
+    let mut want = Vec::new();
+    for p in prompts() {
+        want.push(ask(&c, &plain, &p).await?.0);
+    }
+    drop(plain);
+
+    let dir = tempfile::tempdir()?;
+    let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
+    let model = fixture("tiny-llama");
+    let args = [
+        "--model-path",
+        &model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--enable-metrics",
+        "--max-total-tokens",
+        "320",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "8",
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-backend-extra-config",
+        &extra,
+        "--hicache-storage-prefetch-policy",
+        "wait_complete",
+    ];
+    let s = Server::start(&args)?;
+    let mut host = 0;
+    for (p, w) in prompts().iter().zip(&want) {
+        let (got, m) = ask(&c, &s, p).await?;
+        assert_eq!(&got, w, "answer changed with HiCache: {m}");
+        host += m["cached_tokens_details"]["host"].as_u64().unwrap_or(0);
+    }
+    assert!(host > 0, "no prompt came back from the host tier");
+    wait_metric(&c, &s, "arbor:hicache_host_hit_tokens_total", 1.0).await?;
+    let written = wait_metric(&c, &s, "arbor:hicache_storage_write_pages_total", 8.0).await?;
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    let (_, m) = get(&c, &s.url("/metrics"), None).await?;
+    assert_eq!(
+        metric(&m, "arbor:hicache_host_tokens"),
+        Some(0.0),
+        "flush keeps host KV"
+    );
+    drop(s);
+
+    // A restart: the store still has the pages.
+    let s = Server::start(&args)?;
+    let mut stored = 0;
+    for (p, w) in prompts().iter().zip(&want).take(4) {
+        let (got, m) = ask(&c, &s, p).await?;
+        assert_eq!(&got, w, "answer changed after a restart: {m}");
+        stored += m["cached_tokens_details"]["storage"].as_u64().unwrap_or(0);
+    }
+    assert!(
+        stored > 0,
+        "nothing came from the store after a restart ({written} pages written)"
+    );
+    let r = c.post(s.url("/flush_cache?storage=maybe")).send().await?;
+    assert_eq!(r.status().as_u16(), 400);
+    let r = c.post(s.url("/flush_cache?storage=true")).send().await?;
+    assert_eq!(r.status().as_u16(), 200);
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    Ok(())
+}
+
+#[test]
+fn bad_hicache_flags_are_refused() -> Result<()> {
+    let model = fixture("tiny-llama");
+    for (args, needle) in [
+        (
+            vec![
+                "--enable-hierarchical-cache",
+                "--hicache-write-policy",
+                "later",
+            ],
+            "--hicache-write-policy",
+        ),
+        (
+            vec![
+                "--enable-hierarchical-cache",
+                "--hicache-storage-backend",
+                "s3",
+            ],
+            "--hicache-storage-backend",
+        ),
+        (
+            vec!["--enable-hierarchical-cache", "--hicache-ratio=0"],
+            "--hicache-ratio",
+        ),
+        (
+            vec![
+                "--enable-hierarchical-cache",
+                "--hicache-storage-backend",
+                "file",
+                "--hicache-storage-backend-extra-config",
+                "{\"directory\": \"/tmp\"}",
+            ],
+            "directory",
+        ),
+        (
+            vec!["--enable-hierarchical-cache", "--disable-radix-cache"],
+            "--disable-radix-cache",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
+            .args([
+                "serve",
+                "--model-path",
+                &model,
+                "--port",
+                "0",
+                "--max-total-tokens",
+                "1024",
+            ])
+            .args(&args)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} was accepted");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    Ok(())
+}
