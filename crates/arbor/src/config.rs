@@ -40,6 +40,8 @@ pub struct ServerSection {
     pub max_request_bytes: Option<usize>,
     /// Seconds in-flight requests get to finish after SIGTERM.
     pub shutdown_timeout: Option<f64>,
+    /// Chat answers' `<think>` block into `reasoning_content`: qwen3, deepseek-r1.
+    pub reasoning_parser: Option<String>,
 }
 
 /// `[scheduler]`: batching and admission (engine-core).
@@ -203,7 +205,7 @@ pub struct ServeArgs {
     /// Model: a Hugging Face folder or a GGUF file [default: the model `arbor fetch-default` downloads].
     #[arg(long = "model-path", help_heading = "Model")]
     pub model_path: Option<PathBuf>,
-    /// Model name clients use (OpenAI `model`) [default: the model path].
+    /// Model name clients use (OpenAI `model`) [default: the folder name, or the GGUF `general.name`].
     #[arg(long = "served-model-name", help_heading = "Model")]
     pub served_model_name: Option<String>,
     /// Device: a registered backend name [default: cpu].
@@ -243,6 +245,9 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish on SIGTERM before they are aborted [default: 30].
     #[arg(long = "shutdown-timeout", help_heading = "Server")]
     pub shutdown_timeout: Option<f64>,
+    /// Separate `<think>` reasoning into `reasoning_content` of chat answers: qwen3 or deepseek-r1 [default: off].
+    #[arg(long = "reasoning-parser", help_heading = "Server")]
+    pub reasoning_parser: Option<String>,
 
     /// Most requests decoding at once [default: 64].
     #[arg(long = "max-running-requests", help_heading = "Scheduler")]
@@ -454,6 +459,7 @@ impl ServeConfig {
                         .unwrap_or(32 * 1024 * 1024),
                 ),
                 shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
+                reasoning_parser: a.reasoning_parser.clone().or(s.reasoning_parser),
             },
             scheduler: SchedulerSection {
                 max_running_requests: Some(
@@ -628,10 +634,24 @@ impl ServeConfig {
         if self.server.api_key.as_deref() == Some("") {
             bail!("[server] api_key / --api-key must not be empty");
         }
+        self.reasoning_parser()?;
         self.speculative.to_engine()?;
         self.hicache
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
         Ok(())
+    }
+
+    /// The reasoning parser, if any (an unknown name is an error naming the flag).
+    pub fn reasoning_parser(&self) -> Result<Option<arbor_server::reasoning::ReasoningParser>> {
+        self.server
+            .reasoning_parser
+            .as_deref()
+            .map(|n| {
+                n.parse().map_err(|e| {
+                    anyhow::anyhow!("[server] reasoning_parser / --reasoning-parser: {e}")
+                })
+            })
+            .transpose()
     }
 
     pub fn page_size(&self) -> usize {

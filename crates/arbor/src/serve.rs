@@ -148,7 +148,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let served = m
         .served_model_name
         .clone()
-        .unwrap_or_else(|| model_path.clone());
+        .unwrap_or_else(|| built.model.name.clone());
     let host = cfg
         .server
         .host
@@ -167,6 +167,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         metrics_prefix: metrics_prefix.clone(),
         enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
         server_info: cfg.to_json(),
+        reasoning_parser: cfg.reasoning_parser()?,
         ..Default::default()
     };
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
@@ -180,6 +181,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(g) = grammar {
         server = server.with_grammar(g);
     }
+    server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
+        registry: Arc::new(registry),
+        backend: built.backend.clone(),
+        dtype: model_args.dtype.clone(),
+    }));
+    // Only the engine holds the weights from here on (released memory is freed).
+    drop(built.model);
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)

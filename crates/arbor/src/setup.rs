@@ -128,6 +128,8 @@ pub struct EngineSetup {
 pub struct BuiltEngine {
     pub engine: Engine,
     pub model: LoadedModel,
+    /// The device the weights live on (new weights load there too).
+    pub backend: Arc<dyn Backend>,
     /// KV capacity in tokens.
     pub kv_tokens: usize,
     /// KV cache bytes.
@@ -238,7 +240,7 @@ pub fn build_engine(
     let num_pages = (tokens / page_size).max(1);
     let runner = ModelRunner::new(
         model.model.clone(),
-        backend,
+        backend.clone(),
         None,
         page_size,
         num_pages,
@@ -292,7 +294,41 @@ pub fn build_engine(
         kv_note: note,
         engine,
         model,
+        backend,
     })
+}
+
+/// Loads new weights for a running server (`/update_weights_from_disk`,
+/// `/resume_memory_occupation`) onto its device, with its dtype.
+pub struct DiskWeightLoader {
+    pub registry: Arc<Registry>,
+    pub backend: Arc<dyn Backend>,
+    pub dtype: String,
+}
+
+impl arbor_server::refit::WeightLoader for DiskWeightLoader {
+    fn load(
+        &self,
+        path: &std::path::Path,
+    ) -> std::result::Result<Arc<dyn arbor_engine_core::Model>, String> {
+        if !path.exists() {
+            return Err(format!("{}: no such file or folder", path.display()));
+        }
+        let quant = self
+            .registry
+            .quant_methods
+            .get(&self.dtype)
+            .and_then(|f| f())
+            .map_err(|e| e.to_string())?;
+        let opts = LoadOptions {
+            backend: self.backend.clone(),
+            quant,
+            progress: None,
+        };
+        arbor_models::load_model(path, &self.registry, &opts)
+            .map(|m| m.model)
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(test)]

@@ -68,8 +68,10 @@ async fn admin_auth_metrics_prefix_and_config_precedence() -> Result<()> {
     let (st, v) = post_raw(
         &c,
         &s.url("/generate"),
-        json!({"text": "Hi", "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})
-            .to_string(),
+        // Long enough to fill whole KV pages, which the prefix cache keeps.
+        json!({"text": "Hi there, this prompt is long enough to fill a few whole KV pages.",
+               "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}})
+        .to_string(),
         key,
     )
     .await?;
@@ -108,6 +110,17 @@ async fn admin_auth_metrics_prefix_and_config_precedence() -> Result<()> {
         )));
     }
     assert!(metric(&m, "sglang:generation_tokens_total") >= Some(4.0));
+    // Idle after a request: its KV stays cached for reuse, but no request
+    // holds a token (SGLang's num_used_tokens), and the cached part has a gauge.
+    assert_eq!(metric(&m, "sglang:num_used_tokens"), Some(0.0), "{m}");
+    assert_eq!(metric(&m, "sglang:token_usage"), Some(0.0), "{m}");
+    assert!(metric(&m, "sglang:evictable_tokens") > Some(0.0), "{m}");
+    let (_, info) = get(&c, &s.url("/get_server_info"), key).await?;
+    let info: Value = serde_json::from_str(&info)?;
+    let internal = &info["internal_states"][0];
+    assert_eq!(internal["num_used_tokens"], 0, "{info}");
+    assert_eq!(internal["token_usage"], 0.0, "{info}");
+    assert!(internal["evictable_tokens"].as_u64() > Some(0), "{info}");
     assert!(!m.contains("arbor:"));
 
     // Abort a running request by rid: its stream ends with an abort.
@@ -187,6 +200,19 @@ fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
         !ok && err.contains("unknown key 'algoritm' in section [speculative]"),
         "{err}"
     );
+    let (ok, err) = run("[server]\nreasoning_parser = \"gpt-oss\"\n")?;
+    assert!(
+        !ok && err.contains("--reasoning-parser") && err.contains("'gpt-oss'"),
+        "{err}"
+    );
+    let out = Command::new(BIN)
+        .args(["serve", "--print-config", "--reasoning-parser", "r2"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--reasoning-parser") && err.contains("qwen3"),
+        "{err}"
+    );
     let (ok, err) = run("[server]\nport = \"eighty\"\n")?;
     assert!(!ok && err.contains("[server]"), "{err}");
     let (ok, err) = run("[[plugins]]\npath = \"libfoo.so\"\n")?;
@@ -242,6 +268,7 @@ fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
         "--threads",
         "--dtype",
         "--kv-cache-dtype",
+        "--reasoning-parser",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
     }

@@ -347,8 +347,76 @@ impl StreamState {
     }
 }
 
+/// Times a request is sent again after its connection was lost before any
+/// byte of an answer came back.
+const SEND_RETRIES: usize = 2;
+
+/// Whether `e` means the connection failed before the server answered
+/// anything: it could not be opened, or a pooled keep-alive connection the
+/// server had just closed was reset or shut before a response head arrived
+/// (cpp-httplib's llama-server closes connections after a few requests or an
+/// idle timeout, racing the client's reuse). Such a request was never
+/// answered, and a server that closes a connection does so without reading
+/// what was written after its last response, so it is sent again on a fresh
+/// connection. Timeouts and failures after the response began are not retried.
+pub fn connection_lost_before_response(e: &reqwest::Error) -> bool {
+    if e.is_timeout() || e.is_status() || e.is_body() || e.is_decode() {
+        return false;
+    }
+    if e.is_connect() {
+        return true;
+    }
+    let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = src {
+        if let Some(h) = s.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled() || h.is_closed())
+        {
+            return true;
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        src = s.source();
+    }
+    false
+}
+
+/// A client that opens a new connection for every request.
+fn fresh_client() -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(std::time::Duration::from_secs(6 * 3600))
+        .build()
+}
+
+/// `e` with its causes ("error sending request: connection closed ...").
+fn error_chain(e: &reqwest::Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        let t = s.to_string();
+        if !msg.contains(&t) {
+            msg.push_str(": ");
+            msg.push_str(&t);
+        }
+        src = s.source();
+    }
+    msg
+}
+
 /// Sends one request and measures it. `t_bench` is the benchmark's start
-/// (for `start_time`); network and HTTP errors become a failed output.
+/// (for `start_time`); network and HTTP errors become a failed output. A
+/// request whose connection was lost before any answer byte (see
+/// [`connection_lost_before_response`]) is sent again on a fresh connection,
+/// up to twice; its times still count from the first send.
 pub async fn send_request(
     client: &reqwest::Client,
     cfg: &ClientConfig,
@@ -361,14 +429,26 @@ pub async fn send_request(
     let mut state = StreamState::new(cfg.backend, prompt_len, output_len);
     let st = Instant::now();
     state.out.start_time = st.duration_since(t_bench).as_secs_f64();
-    let mut req = client.post(&cfg.api_url).json(&body);
-    if let Some(a) = &cfg.authorization {
-        req = req.header(reqwest::header::AUTHORIZATION, a);
+    let send = |c: &reqwest::Client| {
+        let mut req = c.post(&cfg.api_url).json(&body);
+        if let Some(a) = &cfg.authorization {
+            req = req.header(reqwest::header::AUTHORIZATION, a);
+        }
+        req.send()
+    };
+    let mut attempt = send(client).await;
+    for _ in 0..SEND_RETRIES {
+        let Err(e) = &attempt else { break };
+        if !connection_lost_before_response(e) {
+            break;
+        }
+        let Ok(fresh) = fresh_client() else { break };
+        attempt = send(&fresh).await;
     }
-    let mut resp = match req.send().await {
+    let mut resp = match attempt {
         Ok(r) => r,
         Err(e) => {
-            state.fail(format!("request failed: {e}"));
+            state.fail(format!("request failed: {}", error_chain(&e)));
             return state.finish(cfg.stream);
         }
     };

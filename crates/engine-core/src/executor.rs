@@ -65,6 +65,23 @@ pub trait Executor: Send + Sync {
     fn needs_context(&self, params: &SamplingParams) -> bool;
     /// Computes the plan's sequences and samples their rows.
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput>;
+    /// Memory control of RL weight refit, called by the scheduler between
+    /// steps ([`crate::engine::refit`]). Executors without it refuse.
+    fn memory(&self, _op: MemoryOp) -> Result<()> {
+        Err(crate::error::CoreError::unsupported(
+            "weight refit and memory release on this executor",
+        ))
+    }
+}
+
+/// What [`Executor::memory`] does.
+pub enum MemoryOp {
+    /// Run on these weights from the next step (same shape).
+    SwapModel(Arc<dyn crate::model::Model>),
+    /// Free the KV cache's memory and/or the weights.
+    Release { kv: bool, weights: bool },
+    /// Allocate the KV cache again, and install these weights when given.
+    Resume(Option<Arc<dyn crate::model::Model>>),
 }
 
 /// The single-device executor.
@@ -140,7 +157,7 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
 
 impl Executor for LocalExecutor {
     fn model_spec(&self) -> &ModelSpec {
-        self.runner.model().spec()
+        self.runner.spec()
     }
 
     fn kv_spec(&self) -> &KvSpec {
@@ -160,6 +177,17 @@ impl Executor for LocalExecutor {
 
     fn needs_context(&self, params: &SamplingParams) -> bool {
         self.processors.iter().any(|p| p.is_active(params))
+    }
+
+    fn memory(&self, op: MemoryOp) -> Result<()> {
+        match op {
+            MemoryOp::SwapModel(m) => self.runner.swap_model(m).map(drop),
+            MemoryOp::Release { kv, weights } => {
+                self.runner.release_memory(kv, weights);
+                Ok(())
+            }
+            MemoryOp::Resume(m) => self.runner.resume_memory(m),
+        }
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {

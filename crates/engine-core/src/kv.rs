@@ -98,9 +98,28 @@ impl KvCache {
     }
     /// Storage of layer `i`.
     pub fn layer(&self, i: usize) -> Result<&KvLayer> {
+        if self.is_released() {
+            return Err(CoreError::invalid(
+                "the KV cache is released (resume memory occupation first)",
+            ));
+        }
         self.layers
             .get(i)
             .ok_or_else(|| CoreError::invalid(format!("KV layer {i} out of range")))
+    }
+
+    /// A cache of `spec`'s shape holding no memory (released); every layer
+    /// access fails until it is allocated again.
+    pub fn released(spec: KvSpec) -> Self {
+        Self {
+            spec,
+            layers: Vec::new(),
+        }
+    }
+
+    /// Whether this cache holds no memory.
+    pub fn is_released(&self) -> bool {
+        self.layers.is_empty() && self.spec.num_layers > 0
     }
 }
 

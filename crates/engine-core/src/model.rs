@@ -42,6 +42,67 @@ pub struct ModelSpec {
     pub weight_bytes: u64,
 }
 
+impl ModelSpec {
+    /// Checks that `other` can replace a model of this spec (RL weight refit):
+    /// the same architecture and tensor shapes (weight dtype and size may
+    /// differ); the error names the first difference.
+    pub fn same_shape(&self, other: &ModelSpec) -> crate::Result<()> {
+        let fields: [(&str, String, String); 9] = [
+            (
+                "architecture",
+                self.architecture.clone(),
+                other.architecture.clone(),
+            ),
+            (
+                "num_layers",
+                self.num_layers.to_string(),
+                other.num_layers.to_string(),
+            ),
+            (
+                "num_heads",
+                self.num_heads.to_string(),
+                other.num_heads.to_string(),
+            ),
+            (
+                "num_kv_heads",
+                self.num_kv_heads.to_string(),
+                other.num_kv_heads.to_string(),
+            ),
+            (
+                "head_dim",
+                self.head_dim.to_string(),
+                other.head_dim.to_string(),
+            ),
+            (
+                "hidden_size",
+                self.hidden_size.to_string(),
+                other.hidden_size.to_string(),
+            ),
+            (
+                "vocab_size",
+                self.vocab_size.to_string(),
+                other.vocab_size.to_string(),
+            ),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings.to_string(),
+                other.max_position_embeddings.to_string(),
+            ),
+            (
+                "sliding_window",
+                format!("{:?}", self.sliding_window),
+                format!("{:?}", other.sliding_window),
+            ),
+        ];
+        match fields.into_iter().find(|(_, a, b)| a != b) {
+            None => Ok(()),
+            Some((name, a, b)) => Err(crate::CoreError::invalid(format!(
+                "the new weights do not fit the served model: {name} is {b}, the served model's is {a}"
+            ))),
+        }
+    }
+}
+
 /// The inputs of one forward pass.
 #[derive(Clone, Debug)]
 pub struct ForwardBatch {

@@ -5,6 +5,12 @@
 //! new tokens, cached-prefix length and pages ([`SeqStep`]). It returns the
 //! last-position logits of the sequences that ask for them, on the host.
 //!
+//! The weights and the KV cache can be replaced between forward passes
+//! ([`ModelRunner::swap_model`], [`ModelRunner::release_memory`],
+//! [`ModelRunner::resume_memory`]): every forward takes one snapshot of both
+//! when it starts, so no pass sees half old, half new weights. A replacement
+//! must have the same shape ([`ModelSpec::same_shape`]).
+//!
 //! [`generate_static`] decodes a fixed batch to completion (prefill all, then
 //! decode all until each stops). It is what `arbor bench one-batch` measures
 //! and what parity tests use; the serving scheduler (continuous batching)
@@ -14,9 +20,9 @@ use crate::attention::{AttentionBackend, BatchLayout};
 use crate::backend::Backend;
 use crate::error::{CoreError, Result};
 use crate::kv::{KvCache, KvSpec, PagePool, PageSet};
-use crate::model::{ForwardBatch, ForwardContext, ForwardOutput, Model};
+use crate::model::{ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 /// One sequence's part of a forward pass.
@@ -34,10 +40,27 @@ pub struct SeqStep<'a> {
 
 /// A model bound to a device, an attention implementation and a KV cache.
 pub struct ModelRunner {
-    model: Arc<dyn Model>,
+    /// The shape every model this runner runs has (fixed at creation).
+    spec: ModelSpec,
+    kv_spec: KvSpec,
+    model: RwLock<Arc<dyn Model>>,
     backend: Arc<dyn Backend>,
     attention: Arc<dyn AttentionBackend>,
-    kv: KvCache,
+    kv: RwLock<Arc<KvCache>>,
+}
+
+/// What stands in for released weights: the shape, and an error on use.
+struct ReleasedModel(ModelSpec);
+
+impl Model for ReleasedModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.0
+    }
+    fn forward(&self, _: &ForwardBatch, _: &ForwardContext<'_>) -> Result<ForwardOutput> {
+        Err(CoreError::invalid(
+            "the weights are released (resume memory occupation first)",
+        ))
+    }
 }
 
 impl ModelRunner {
@@ -62,32 +85,75 @@ impl ModelRunner {
         let kv = KvCache::allocate(&*backend, spec)?;
         let attention = backend.attention(attention)?;
         Ok(Self {
-            model,
+            spec: model.spec().clone(),
+            kv_spec: spec,
+            model: RwLock::new(model),
             backend,
             attention,
-            kv,
+            kv: RwLock::new(Arc::new(kv)),
         })
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<dyn Model> {
-        &self.model
+    /// The model now (a snapshot: a later swap does not change it).
+    pub fn model(&self) -> Arc<dyn Model> {
+        self.model.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    /// The model's shape.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// Replaces the weights by `model`'s (same shape); returns the old model.
+    /// The next forward pass runs on the new weights; the KV cache stays
+    /// (what it holds was computed by the old weights).
+    pub fn swap_model(&self, model: Arc<dyn Model>) -> Result<Arc<dyn Model>> {
+        self.spec.same_shape(model.spec())?;
+        let mut m = self.model.write().unwrap_or_else(|e| e.into_inner());
+        Ok(std::mem::replace(&mut *m, model))
+    }
+
+    /// Frees the KV cache's memory (`kv`) and the weights (`weights`); forward
+    /// passes fail until [`resume_memory`](Self::resume_memory).
+    pub fn release_memory(&self, kv: bool, weights: bool) {
+        if kv {
+            let empty = Arc::new(KvCache::released(*self.kv_spec()));
+            *self.kv.write().unwrap_or_else(|e| e.into_inner()) = empty;
+        }
+        if weights {
+            let stand_in: Arc<dyn Model> = Arc::new(ReleasedModel(self.spec.clone()));
+            *self.model.write().unwrap_or_else(|e| e.into_inner()) = stand_in;
+        }
+    }
+
+    /// Allocates the KV cache again if it was released (zeroed), and installs
+    /// `model` when given (same shape).
+    pub fn resume_memory(&self, model: Option<Arc<dyn Model>>) -> Result<()> {
+        if let Some(m) = model {
+            self.swap_model(m)?;
+        }
+        let mut kv = self.kv.write().unwrap_or_else(|e| e.into_inner());
+        if kv.is_released() {
+            *kv = Arc::new(KvCache::allocate(&*self.backend, *kv.spec())?);
+        }
+        Ok(())
+    }
+
     /// The device.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
     /// The KV cache's shape.
     pub fn kv_spec(&self) -> &KvSpec {
-        self.kv.spec()
+        &self.kv_spec
     }
-    /// The KV cache.
-    pub fn kv(&self) -> &KvCache {
-        &self.kv
+    /// The KV cache now (a snapshot).
+    pub fn kv(&self) -> Arc<KvCache> {
+        self.kv.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
     /// A page pool matching the KV cache.
     pub fn new_page_pool(&self) -> PagePool {
-        PagePool::new(self.kv.spec().num_pages, self.kv.spec().page_size)
+        PagePool::new(self.kv_spec.num_pages, self.kv_spec.page_size)
     }
 
     /// The attention implementation.
@@ -97,7 +163,10 @@ impl ModelRunner {
 
     /// Runs one forward pass over a batch whose layout is already built.
     pub fn forward(&self, batch: &ForwardBatch) -> Result<ForwardOutput> {
-        let max_pos = self.model.spec().max_position_embeddings;
+        // One snapshot of the weights and the cache for the whole pass.
+        let model = self.model();
+        let kv = self.kv();
+        let max_pos = self.spec.max_position_embeddings;
         if let Some(s) = batch.layout.seqs.iter().find(|s| s.kv_len() > max_pos) {
             return Err(CoreError::invalid(format!(
                 "sequence of {} tokens exceeds the model's context of {max_pos}",
@@ -106,16 +175,16 @@ impl ModelRunner {
         }
         let attention_batch = self.attention.prepare(batch.layout.clone())?;
         let ctx = ForwardContext {
-            kv: &self.kv,
+            kv: &kv,
             attention: &*self.attention,
             attention_batch: &attention_batch,
         };
-        self.model.forward(batch, &ctx)
+        model.forward(batch, &ctx)
     }
 
     /// Runs one forward pass; returns the logits of each sequence with `want_logits`, in order.
     pub fn step(&self, seqs: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>> {
-        let ps = self.kv.spec().page_size;
+        let ps = self.kv_spec.page_size;
         let mut layout = BatchLayout::new(ps);
         let mut ids = Vec::new();
         let mut positions = Vec::new();
@@ -138,7 +207,7 @@ impl ModelRunner {
         };
         let out = self.forward(&batch)?;
         let flat = self.backend.download_f32(&out.logits)?;
-        let vocab = self.model.spec().vocab_size;
+        let vocab = self.spec.vocab_size;
         Ok(flat.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 }

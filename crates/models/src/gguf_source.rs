@@ -235,6 +235,10 @@ pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result
     } else {
         None
     };
+    let name = match file.get_str("general.name") {
+        Ok(Some(n)) if !n.trim().is_empty() => n.trim().to_string(),
+        _ => crate::path_name(path),
+    };
     let weights = GgufWeights { file, unpermute };
     let factory = registry.architectures.get(hf)?;
     let model = factory().load(&config, &weights, opts)?;
@@ -243,6 +247,7 @@ pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         tokenizer: Arc::new(tokenizer),
         chat_template,
         path: path.to_path_buf(),
+        name,
         config,
     })
 }

@@ -36,6 +36,10 @@ pub struct LoadedModel {
     pub chat_template: Option<Arc<ChatTemplate>>,
     /// Where the model was loaded from.
     pub path: PathBuf,
+    /// The model's name: the folder's name for a Hugging Face folder, the
+    /// `general.name` metadata (else the file stem) for a GGUF file. The
+    /// default served model name.
+    pub name: String,
     /// The `config.json` value (or its GGUF equivalent).
     pub config: serde_json::Value,
 }
@@ -110,6 +114,20 @@ pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Resul
         tokenizer: Arc::new(tokenizer),
         chat_template,
         path: path.to_path_buf(),
+        name: path_name(path),
         config,
     })
+}
+
+/// The last component of `path` (without a file extension for files), or
+/// the whole path when it has none.
+pub(crate) fn path_name(path: &Path) -> String {
+    let stem = if path.is_file() {
+        path.file_stem()
+    } else {
+        path.file_name()
+    };
+    stem.and_then(|s| s.to_str())
+        .filter(|s| !s.is_empty() && *s != "." && *s != "..")
+        .map_or_else(|| path.display().to_string(), str::to_string)
 }

@@ -224,9 +224,13 @@ fn load(path: &Path) -> Result<(LoadedModel, Arc<dyn Backend>)> {
 
 fn check(name: &str, arch: &str) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let path = dir.path().join(format!("{name}.gguf"));
+    let path = dir.path().join("converted.gguf");
     convert(name, arch)?.write(&path)?;
     let (m, backend) = load(&path).with_context(|| format!("loading {name} as GGUF"))?;
+    // The model's name is `general.name`, not the file's.
+    assert_eq!(m.name, name);
+    let (hf, _) = load(&fixture(name))?;
+    assert_eq!(hf.name, name, "a folder's model is named after the folder");
     let reference = json(&fixture(name).join("reference.json"))?;
     let prompts = reference["prompts"].as_array().context("prompts")?;
     let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 32, DType::F32)?;

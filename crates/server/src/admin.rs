@@ -135,15 +135,18 @@ pub(crate) async fn abort_request(
 
 /// `GET /get_model_info`.
 pub(crate) async fn model_info(State(st): State<Arc<AppState>>) -> Response {
+    let w = st.weights();
     Json(json!({
-        "model_path": st.opts.model_path,
+        "model_path": w.model_path,
         "tokenizer_path": st.opts.model_path,
         "served_model_name": st.opts.served_model_name,
         "is_generation": true,
         "context_length": st.opts.context_length,
         "has_chat_template": st.chat_template.is_some(),
         "preferred_sampling_params": Value::Null,
-        "weight_version": "default",
+        "weight_version": w.version,
+        "weight_updates": w.updates,
+        "memory_released": w.released,
     }))
     .into_response()
 }
@@ -156,7 +159,8 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
         _ => Default::default(),
     };
     info.insert("served_model_name".into(), json!(st.opts.served_model_name));
-    info.insert("model_path".into(), json!(st.opts.model_path));
+    info.insert("model_path".into(), json!(st.weights().model_path));
+    info.insert("weight_version".into(), json!(st.weights().version));
     info.insert("context_length".into(), json!(st.opts.context_length));
     info.insert("max_total_num_tokens".into(), json!(s.max_total_tokens));
     info.insert("version".into(), json!(env!("CARGO_PKG_VERSION")));
@@ -172,6 +176,8 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
             "num_queue_reqs": s.num_queue_reqs,
             "num_used_tokens": s.num_used_tokens,
             "token_usage": s.token_usage,
+            "evictable_tokens": s.evictable_tokens,
+            "cache_tokens": s.cache_tokens,
             "cache_hit_rate": s.cache_hit_rate,
             "new_token_ratio": s.new_token_ratio,
             "iterations": s.iterations,

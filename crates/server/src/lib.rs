@@ -9,7 +9,14 @@
 //!   `GET /v1/models` ([`openai`]);
 //! - admin: `/health`, `/health_generate`, `/flush_cache`, `/abort_request`,
 //!   `/get_model_info`, `/get_server_info`, and `/metrics` ([`admin`],
-//!   [`metrics`]).
+//!   [`metrics`]);
+//! - RL weight refit: `/update_weights_from_disk`, `/pause_generation`,
+//!   `/continue_generation`, `/release_memory_occupation`,
+//!   `/resume_memory_occupation` ([`refit`]; weight loading needs
+//!   [`Server::with_weight_loader`]).
+//!
+//! With a reasoning parser ([`reasoning`], `ServerOptions::reasoning_parser`)
+//! chat answers carry their `<think>` block in `reasoning_content`.
 //!
 //! Every error is OpenAI-style JSON ([`ApiError`]). With an API key every
 //! route but `/health` and `/health_generate` needs `Authorization: Bearer`.
@@ -24,6 +31,8 @@ mod fields;
 pub mod metrics;
 mod native;
 mod openai;
+pub mod reasoning;
+pub mod refit;
 mod run;
 mod sse;
 mod state;
@@ -157,6 +166,14 @@ impl Server {
         self
     }
 
+    /// Enables weight updates and memory release/resume with weights loaded by `loader`.
+    pub fn with_weight_loader(mut self, loader: Arc<dyn refit::WeightLoader>) -> Self {
+        if let Some(st) = Arc::get_mut(&mut self.state) {
+            st.loader = Some(loader);
+        }
+        self
+    }
+
     /// The routes, ready to serve or to nest in a larger application.
     pub fn router(&self) -> Router {
         let st = self.state.clone();
@@ -178,6 +195,20 @@ impl Server {
             .route("/get_server_info", get(admin::server_info))
             .route("/server_info", get(admin::server_info))
             .route("/metrics", get(admin::metrics))
+            .route(
+                "/update_weights_from_disk",
+                post(refit::update_weights_from_disk),
+            )
+            .route("/pause_generation", post(refit::pause_generation))
+            .route("/continue_generation", post(refit::continue_generation))
+            .route(
+                "/release_memory_occupation",
+                post(refit::release_memory_occupation),
+            )
+            .route(
+                "/resume_memory_occupation",
+                post(refit::resume_memory_occupation),
+            )
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)
             .layer(middleware::from_fn_with_state(st.clone(), auth))

@@ -296,8 +296,20 @@ impl Metrics {
         one(
             "num_used_tokens",
             "gauge",
-            "The number of KV cache tokens in use.",
+            "The number of KV cache tokens that requests hold (evictable cached tokens excluded).",
             s.num_used_tokens as f64,
+        );
+        one(
+            "evictable_tokens",
+            "gauge",
+            "The number of KV cache tokens the prefix cache keeps for reuse that no request holds (freed on demand).",
+            s.evictable_tokens as f64,
+        );
+        one(
+            "cache_tokens",
+            "gauge",
+            "The number of KV cache tokens the prefix cache holds (evictable and locked by requests).",
+            s.cache_tokens as f64,
         );
         one(
             "max_total_num_tokens",
@@ -308,7 +320,7 @@ impl Metrics {
         one(
             "token_usage",
             "gauge",
-            "The fraction of KV cache tokens in use.",
+            "The fraction of KV cache tokens that requests hold (num_used_tokens / max_total_num_tokens).",
             s.token_usage,
         );
         one(

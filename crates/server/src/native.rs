@@ -428,6 +428,7 @@ impl NativeFormat {
             "cached_tokens": m.cached_tokens,
             "e2e_latency": m.elapsed,
             "queue_time": m.queue_time,
+            "weight_version": self.state.weights().version,
         });
         if let (true, Some(o)) = (m.cached_tokens_host > 0, meta.as_object_mut()) {
             // Which tier served the cached prompt tokens (HiCache).

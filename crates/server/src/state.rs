@@ -38,6 +38,8 @@ pub struct ServerOptions {
     pub health_generate_timeout: Duration,
     /// The settings the server was started with, echoed by `/get_server_info`.
     pub server_info: serde_json::Value,
+    /// Separates `<think>` reasoning into `reasoning_content` in chat answers.
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
 }
 
 impl Default for ServerOptions {
@@ -54,8 +56,24 @@ impl Default for ServerOptions {
             enable_cache_report: false,
             health_generate_timeout: Duration::from_secs(20),
             server_info: serde_json::Value::Null,
+            reasoning_parser: None,
         }
     }
+}
+
+/// Where the served weights came from (changes with weight updates).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Weights {
+    /// The folder or file they were loaded from.
+    pub model_path: String,
+    /// SGLang's `weight_version` ("default" until an update names one).
+    pub version: String,
+    /// Weight updates applied.
+    pub updates: u64,
+    /// Memory released (generation waits for a resume).
+    pub released: bool,
+    /// The weights are among what was released (resume reloads them).
+    pub weights_released: bool,
 }
 
 /// Shared handler state.
@@ -71,6 +89,12 @@ pub(crate) struct AppState {
     pub grammar: Option<Arc<arbor_engine_core::grammar::GrammarCache>>,
     /// Requests waiting for their grammar to compile.
     pub grammar_queue: std::sync::atomic::AtomicUsize,
+    /// Loads new weights for `/update_weights_from_disk` and resume, when configured.
+    pub loader: Option<Arc<dyn crate::refit::WeightLoader>>,
+    /// The weights served now.
+    weights: std::sync::Mutex<Weights>,
+    /// Serializes weight updates and memory release/resume.
+    pub refit_lock: tokio::sync::Mutex<()>,
     id_base: u64,
     next_id: AtomicU64,
 }
@@ -86,7 +110,17 @@ impl AppState {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
+        let weights = Weights {
+            model_path: opts.model_path.clone(),
+            version: "default".into(),
+            updates: 0,
+            released: false,
+            weights_released: false,
+        };
         Self {
+            weights: std::sync::Mutex::new(weights),
+            loader: None,
+            refit_lock: tokio::sync::Mutex::new(()),
             metrics: Metrics::new(&opts.metrics_prefix, &opts.served_model_name),
             engine,
             tokenizer,
@@ -101,10 +135,30 @@ impl AppState {
         }
     }
 
+    /// The weights served now.
+    pub fn weights(&self) -> Weights {
+        self.weights
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Changes the record of the served weights.
+    pub fn set_weights(&self, f: impl FnOnce(&mut Weights)) {
+        f(&mut self.weights.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
     /// A request id unique to this process (32 hex digits).
     pub fn new_id(&self) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
         format!("{:016x}{:016x}", self.id_base, n)
+    }
+
+    /// Whether `name` names the served model: its served name, or the path
+    /// it was loaded from (what clients that pass `--model PATH` send).
+    pub fn serves_model(&self, name: &str) -> bool {
+        name == self.opts.served_model_name
+            || (!self.opts.model_path.is_empty() && name == self.opts.model_path)
     }
 
     /// Refuses new work once shutdown began.

@@ -322,7 +322,9 @@ pub async fn assert_no_leak(
             let (_, m) = get(c, &s.url("/metrics"), auth).await?;
             let used = metric(&m, &format!("{prefix}:num_used_tokens"));
             let running = metric(&m, &format!("{prefix}:num_running_reqs"));
-            if used == Some(0.0) && running == Some(0.0) {
+            // Flushed: nothing cached either, so every page is back in the pool.
+            let cached = metric(&m, &format!("{prefix}:evictable_tokens"));
+            if used == Some(0.0) && running == Some(0.0) && cached == Some(0.0) {
                 return Ok(());
             }
         }

@@ -6,13 +6,15 @@
 //! returns a [`RequestStream`] of [`OutputChunk`]s; dropping the stream before
 //! the request finished aborts it (a client disconnect frees its pages within
 //! one iteration). [`Engine::abort`], [`Engine::flush_cache`] and
-//! [`Engine::stats`] complete the interface.
+//! [`Engine::stats`] complete the interface; [`refit`] adds weight updates,
+//! pauses and memory release (RL training loops).
 //!
 //! Invariant: once every request has finished and the cache is flushed, every
 //! KV page is back in the pool.
 
 mod adaptive;
 mod policy;
+pub mod refit;
 mod request;
 mod scheduler;
 
@@ -229,7 +231,9 @@ pub struct OutputChunk {
 pub struct EngineStats {
     pub num_running_reqs: usize,
     pub num_queue_reqs: usize,
-    /// Tokens of KV in use (by requests and the cache).
+    /// Tokens of KV that requests hold (SGLang's `num_used_tokens`): every
+    /// allocated token but the cache's evictable ones. A cached prefix that a
+    /// running request has locked counts as used.
     pub num_used_tokens: usize,
     /// KV capacity in tokens.
     pub max_total_tokens: usize,
@@ -247,6 +251,9 @@ pub struct EngineStats {
     pub num_retracted_reqs_total: u64,
     /// Tokens the prefix cache holds.
     pub cache_tokens: usize,
+    /// Cached tokens no request holds (reusable, freed on demand); allocated
+    /// pages are `num_used_tokens + evictable_tokens`.
+    pub evictable_tokens: usize,
     /// Current expected-new-token ratio.
     pub new_token_ratio: f64,
     /// Forward passes run.
@@ -325,6 +332,7 @@ enum Msg {
         reply: mpsc::Sender<bool>,
         storage: bool,
     },
+    Control(refit::Control),
     Shutdown,
 }
 

@@ -39,6 +39,7 @@ use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
 
 mod iteration;
+mod refit;
 mod speculation;
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
@@ -107,6 +108,8 @@ pub(crate) struct Scheduler {
     window_tokens: u64,
     window_start: Instant,
     hit_window: VecDeque<(usize, usize)>,
+    /// Pause, drained weight update and weight version.
+    refit: refit::RefitState,
 }
 
 impl Scheduler {
@@ -158,6 +161,7 @@ impl Scheduler {
             window_tokens: 0,
             window_start: Instant::now(),
             hit_window: VecDeque::new(),
+            refit: Default::default(),
         })
     }
 
@@ -171,9 +175,13 @@ impl Scheduler {
     /// The thread's main loop.
     pub fn run(mut self, rx: Receiver<Msg>) {
         'outer: loop {
-            if self.idle() {
-                // Copies recorded by the last requests (backups) run before sleeping.
-                if let Err(e) = self.run_tier_copies() {
+            self.poll_refit();
+            if self.idle() || self.halted() {
+                // Copies recorded by the last requests (backups) run before
+                // sleeping (not while paused: the KV may be released).
+                if !self.halted()
+                    && let Err(e) = self.run_tier_copies()
+                {
                     tracing::error!("KV tier copies: {e}");
                 }
                 self.publish();
@@ -187,6 +195,7 @@ impl Scheduler {
                     Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue 'outer,
                     Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break 'outer,
                 }
+                continue 'outer;
             }
             while let Ok(m) = rx.try_recv() {
                 if !self.handle(m) {
@@ -232,6 +241,7 @@ impl Scheduler {
                 }
                 let _ = reply.send(ok);
             }
+            Msg::Control(c) => self.control(c),
             Msg::Shutdown => return false,
         }
         true
@@ -259,6 +269,7 @@ impl Scheduler {
     }
 
     fn accept(&mut self, mut r: Req) {
+        r.ns = self.current_namespace(&r.ns);
         r.key = self.next_key;
         self.next_key += 1;
         if self.live_rid(&r.rid) {
@@ -492,7 +503,7 @@ impl Scheduler {
                 }
             }
         }
-        if self.waiting.is_empty() {
+        if self.waiting.is_empty() || self.admission_held() {
             return Ok(entries);
         }
         let order = policy::order(
@@ -731,7 +742,7 @@ impl Scheduler {
         if self.idle() {
             self.new_token_ratio = self.init_ratio;
         }
-        let cache_tokens = self.cache.stats();
+        let cache_stats = self.cache.stats();
         let c = &mut self.counters;
         let ps = self.page_size;
         c.num_running_reqs =
@@ -742,7 +753,10 @@ impl Scheduler {
                 .iter()
                 .map(|r| r.followers.len())
                 .sum::<usize>();
-        c.num_used_tokens = self.pool.used_pages() * ps;
+        // As SGLang: what requests hold, not what the cache keeps for reuse.
+        c.num_used_tokens =
+            (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
+        c.evictable_tokens = cache_stats.evictable_tokens;
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
         let (hit, tot) = self
             .hit_window
@@ -765,8 +779,8 @@ impl Scheduler {
             self.window_accepted = 0;
             self.window_start = Instant::now();
         }
-        c.cache_tokens = cache_tokens.cached_tokens;
-        c.tiers = cache_tokens.tiers;
+        c.cache_tokens = cache_stats.cached_tokens;
+        c.tiers = cache_stats.tiers;
         c.new_token_ratio = self.new_token_ratio;
         *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = c.clone();
     }

@@ -45,7 +45,8 @@ pub fn assert_pool_empty(e: &Engine) {
     assert!(e.flush_cache().expect("flush"), "engine should be idle");
     // Stats are published after the flush message is handled; wait for it.
     for _ in 0..100 {
-        if e.stats().num_used_tokens == 0 {
+        let s = e.stats();
+        if s.num_used_tokens == 0 && s.evictable_tokens == 0 {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));

@@ -9,13 +9,17 @@
 //! per choice with `delta.role`, then `delta.content` chunks, then a chunk
 //! with `finish_reason`, then (with `stream_options.include_usage`) a chunk
 //! with empty `choices` and the usage. `tools` and non-text
-//! `response_format` go through the constraint gate.
+//! `response_format` go through the constraint gate. With a reasoning parser
+//! the `<think>` block goes to `message.reasoning_content` (streamed as
+//! `delta.reasoning_content`), unless the request sets `separate_reasoning:
+//! false`; `stream_reasoning: false` sends it in one piece when it ends.
 
 use super::tools::{self, ToolChoice};
 use super::{Common, RENAMES, check_model, common, token_text, usage};
 use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
+use crate::reasoning::{self, ReasoningParser, ReasoningStream};
 use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
@@ -176,9 +180,10 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         (Some(ToolChoice::None), _) | (None, _) => None,
         (Some(_), t) => t.clone(),
     };
-    for k in ["separate_reasoning", "stream_reasoning", "reasoning_effort"] {
-        f.ignore(k);
-    }
+    // SGLang's switches of the reasoning parser (both on by default).
+    let separate_reasoning = f.bool("separate_reasoning")?.unwrap_or(true);
+    let stream_reasoning = f.bool("stream_reasoning")?.unwrap_or(true);
+    f.ignore("reasoning_effort");
     for (k, what) in [
         ("continue_final_message", "continuing the final message"),
         ("chat_template_kwargs", "chat template arguments"),
@@ -240,6 +245,9 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         logprobs: logprobs || top_logprobs > 0,
         include_usage,
         tools: tool_mode.filter(|c| *c != ToolChoice::None),
+        reasoning: st.opts.reasoning_parser.filter(|_| separate_reasoning),
+        stream_reasoning,
+        parsers: Vec::new(),
     };
     if stream {
         return Ok(stream_response(run, fmt));
@@ -283,12 +291,38 @@ struct ChatFormat {
     include_usage: bool,
     /// Tool choice when tools are in play (their output is parsed into calls).
     tools: Option<ToolChoice>,
+    /// Reasoning parser, unless off or the request said `separate_reasoning: false`.
+    reasoning: Option<ReasoningParser>,
+    /// Stream reasoning as it comes (else in one piece when its block ends).
+    stream_reasoning: bool,
+    /// Streaming: one incremental parser per sample.
+    parsers: Vec<ReasoningStream>,
 }
 
 impl ChatFormat {
-    /// The assistant message for `text`, with tool calls parsed out when tools
-    /// are in play, and the finish reason (`tool_calls` when calls were made).
+    /// The assistant message for `text`, with the reasoning separated when a
+    /// parser is on, tool calls parsed out when tools are in play, and the
+    /// finish reason (`tool_calls` when calls were made).
     fn message(
+        &self,
+        index: usize,
+        text: &str,
+        finish: Option<&'static str>,
+    ) -> (Value, Option<&'static str>) {
+        let Some(kind) = self.reasoning else {
+            return self.answer(index, text, finish);
+        };
+        let parts = reasoning::split(kind, text);
+        let (mut message, finish) = self.answer(index, &parts.content, finish);
+        if let Some(o) = message.as_object_mut() {
+            let r = (!parts.reasoning.is_empty()).then_some(parts.reasoning);
+            o.insert("reasoning_content".into(), json!(r));
+        }
+        (message, finish)
+    }
+
+    /// The message for the answer part of `text` (tool calls parsed out).
+    fn answer(
         &self,
         index: usize,
         text: &str,
@@ -394,14 +428,40 @@ impl StreamFormat for ChatFormat {
                                 "finish_reason": finish, "matched_stop": run::matched_value(f)});
             return vec![self.chunk(json!([choice]), None)];
         }
-        if c.text.is_empty() && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
+        let delta = match self.reasoning {
+            None => {
+                if c.text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": c.text})
+                }
+            }
+            Some(kind) => {
+                while self.parsers.len() <= ev.sample {
+                    self.parsers
+                        .push(ReasoningStream::new(kind, self.stream_reasoning));
+                }
+                let p = &mut self.parsers[ev.sample];
+                let mut parts = p.push(&c.text);
+                if c.finish.is_some() {
+                    let rest = p.finish();
+                    parts.reasoning.push_str(&rest.reasoning);
+                    parts.content.push_str(&rest.content);
+                }
+                let mut d = serde_json::Map::new();
+                if !parts.reasoning.is_empty() {
+                    d.insert("reasoning_content".into(), json!(parts.reasoning));
+                }
+                if !parts.content.is_empty() {
+                    d.insert("content".into(), json!(parts.content));
+                }
+                Value::Object(d)
+            }
+        };
+        let empty = delta.as_object().is_some_and(|d| d.is_empty());
+        if empty && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
             return Vec::new();
         }
-        let delta = if c.text.is_empty() {
-            json!({})
-        } else {
-            json!({"content": c.text})
-        };
         let choice = json!({
             "index": ev.sample,
             "delta": delta,

@@ -50,7 +50,7 @@ pub(crate) struct Common {
 pub(crate) fn check_model(st: &AppState, f: &mut Fields) -> Result<(), ApiError> {
     if let Some(m) = f.string("model")? {
         let served = &st.opts.served_model_name;
-        if &m != served {
+        if !st.serves_model(&m) {
             return Err(ApiError::not_found(format!(
                 "the model '{m}' does not exist; this server serves '{served}'"
             ))
@@ -261,7 +261,7 @@ pub(crate) async fn models(State(st): State<Arc<AppState>>) -> Response {
 
 /// Handles `GET /v1/models/{id}`.
 pub(crate) async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    if id == st.opts.served_model_name {
+    if st.serves_model(&id) {
         Json(model_card(&st)).into_response()
     } else {
         ApiError::not_found(format!("the model '{id}' does not exist"))
