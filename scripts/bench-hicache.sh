@@ -6,6 +6,7 @@
 # (served from the file store) against the same prompt cold.
 #
 # Usage: scripts/bench-hicache.sh [N_PROMPTS] [BLOCK_TOKENS] [DEVICE_TOKENS]
+# (ONLY="none host host_file host_redis long" picks parts; OUT sets the folder.)
 # Needs a release build (cargo build --release -p arbor), the default model
 # (arbor fetch-default) and redis-server on PATH (the redis run is skipped without).
 set -euo pipefail
@@ -36,6 +37,8 @@ metric() { curl -s "http://127.0.0.1:$PORT/metrics" | awk -v m="arbor:$1" 'index
 
 replay() { # name, extra flags...
   local name=$1; shift
+  # ONLY="host host_file" runs just those replays.
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
   serve "$name" "$@"
   "$BIN" bench serving --port "$PORT" --tokenizer "$MODEL" --dataset-name mooncake \
     --num-prompts "$N" --trace-block-tokens "$BLOCK" --trace-output-len 4 \
@@ -64,6 +67,7 @@ if command -v redis-server >/dev/null; then
 fi
 
 # A 2,000-token prefix: cold, then after a restart from the file store.
+if [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" long "* ]]; then
 python3 - "$OUT/long.json" <<'EOF'
 import json, random, sys
 random.seed(5)
@@ -82,6 +86,7 @@ serve long_restart "${HOST[@]}" "${STORE[@]}"
 WARM=$(ttft)
 stop
 echo "2000-token prefix: cold ${COLD}s, after a restart (file store) ${WARM}s" >>"$OUT/tiers.txt"
+fi
 
 for f in none host host_file host_redis; do
   [ -f "$OUT/$f.bench" ] || continue
