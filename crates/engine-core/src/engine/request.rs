@@ -55,6 +55,8 @@ pub(crate) struct Req {
     pub tree_pages: Vec<u32>,
     pub own: Option<PageSet>,
     pub computed: usize,
+    /// Finished during this step (the scheduler drops it after the step).
+    pub finished: bool,
     // Reporting.
     pub cached_tokens: Option<usize>,
     /// Of `cached_tokens`: from the host tier, and of those from storage.
@@ -113,6 +115,7 @@ impl Req {
             tree_pages: Vec::new(),
             own: None,
             computed: 0,
+            finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
             retractions: 0,
@@ -170,6 +173,7 @@ impl Req {
             tree_pages: Vec::new(),
             own: None,
             computed: 0,
+            finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
             retractions: 0,
@@ -194,15 +198,25 @@ impl Req {
 
     /// Tokens `from..` of prompt followed by output, without building the whole sequence.
     pub fn tail(&self, from: usize) -> Vec<u32> {
-        let p = self.prompt.len();
         let mut t = Vec::with_capacity(self.len().saturating_sub(from));
-        if from < p {
-            t.extend_from_slice(&self.prompt[from..]);
-            t.extend_from_slice(&self.output);
-        } else {
-            t.extend_from_slice(self.output.get(from - p..).unwrap_or_default());
-        }
+        self.extend_tail(from, usize::MAX, &mut t);
         t
+    }
+
+    /// Appends at most `max` tokens `from..` of prompt followed by output to `out`.
+    pub fn extend_tail(&self, from: usize, max: usize, out: &mut Vec<u32>) {
+        let p = self.prompt.len();
+        let end = self.len().min(from.saturating_add(max));
+        if from < p {
+            out.extend_from_slice(&self.prompt[from..end.min(p)]);
+        }
+        if end > p {
+            out.extend_from_slice(
+                self.output
+                    .get(from.max(p) - p..end - p)
+                    .unwrap_or_default(),
+            );
+        }
     }
 
     /// Prompt plus output length.
@@ -210,13 +224,13 @@ impl Req {
         self.prompt.len() + self.output.len()
     }
 
-    /// Pages covering the sequence: the cache's, then the request's own.
-    pub fn page_table(&self) -> Vec<u32> {
-        let mut p = self.tree_pages.clone();
+    /// Writes the pages covering the sequence into `out`: the cache's, then the request's own.
+    pub fn page_table_into(&self, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend_from_slice(&self.tree_pages);
         if let Some(o) = &self.own {
-            p.extend_from_slice(o.pages());
+            out.extend_from_slice(o.pages());
         }
-        p
     }
 
     /// Token capacity of the pages held.
