@@ -8,7 +8,8 @@
 //! next input). Text is streamed only up to the longest suffix that could
 //! still grow into a stop string.
 
-use super::{Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, TokenLogprob};
+use super::stream::{ChunkParts, ChunkSender};
+use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
 use crate::grammar::{CompiledGrammar, GrammarMatcher};
@@ -17,7 +18,6 @@ use crate::prefix_cache::{CacheNamespace, NodeId};
 use crate::sampling::{SamplingParams, SeqRng};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
 
 /// A request as the scheduler tracks it.
 pub(crate) struct Req {
@@ -71,14 +71,14 @@ pub(crate) struct Req {
     sent_text: usize,
     pending_ids: Vec<u32>,
     pending_logprobs: Vec<TokenLogprob>,
-    pub sink: UnboundedSender<OutputChunk>,
+    pub sink: ChunkSender,
 }
 
 impl Req {
     pub fn new(
         rid: String,
         r: GenerateRequest,
-        sink: UnboundedSender<OutputChunk>,
+        sink: ChunkSender,
         arrival: Instant,
     ) -> Result<Self> {
         let matcher = match &r.grammar {
@@ -365,20 +365,15 @@ impl Req {
         if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
             return;
         }
-        let text = self
-            .text
-            .get(self.sent_text..upto)
-            .unwrap_or_default()
-            .to_string();
-        self.sent_text = upto;
-        let chunk = OutputChunk {
+        let meta = self.meta();
+        self.sink.send(ChunkParts {
             index: self.index,
-            token_ids: std::mem::take(&mut self.pending_ids),
-            text,
-            logprobs: std::mem::take(&mut self.pending_logprobs),
+            token_ids: &mut self.pending_ids,
+            text: self.text.get(self.sent_text..upto).unwrap_or_default(),
+            logprobs: &mut self.pending_logprobs,
             finish,
-            meta: self.meta(),
-        };
-        let _ = self.sink.send(chunk);
+            meta,
+        });
+        self.sent_text = upto;
     }
 }
