@@ -112,9 +112,15 @@ impl LocalExecutor {
 /// The packed forward batch of a plan, with each sequence's first sampled row.
 fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<usize>)> {
     let mut layout = BatchLayout::new(page_size);
-    let mut ids = Vec::new();
-    let mut positions = Vec::new();
-    let mut rows = Vec::new();
+    let tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
+    layout.seqs.reserve(plan.seqs.len());
+    layout.slot_mapping.reserve(tokens);
+    layout
+        .page_table
+        .reserve(plan.seqs.iter().map(|s| s.pages.len()).sum());
+    let mut ids = Vec::with_capacity(tokens);
+    let mut positions = Vec::with_capacity(tokens);
+    let mut rows = Vec::with_capacity(plan.seqs.len());
     let mut first_row = Vec::with_capacity(plan.seqs.len());
     for s in &plan.seqs {
         s.validate(page_size)?;
@@ -124,7 +130,13 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
         }
         ids.extend_from_slice(&s.tokens);
-        positions.extend(s.positions());
+        match &s.tree {
+            // A chain's positions follow one another (no list built).
+            None => {
+                positions.extend((s.prefix_len..s.prefix_len + s.tokens.len()).map(|p| p as u32))
+            }
+            Some(_) => positions.extend(s.positions()),
+        }
         first_row.push(rows.len());
         rows.extend(s.sampled_rows().map(|r| (q_start + r) as u32));
     }

@@ -243,8 +243,9 @@ impl Req {
         self.params.max_new_tokens.saturating_sub(self.output.len())
     }
 
-    fn meta(&self) -> OutputMeta {
-        let now = Instant::now();
+    fn meta(&self, now: Instant) -> OutputMeta {
+        // `now` may be the step's time, read before this request's first token.
+        let now = self.first_token.map_or(now, |f| now.max(f));
         OutputMeta {
             prompt_tokens: self.prompt.len(),
             completion_tokens: self.output.len(),
@@ -284,8 +285,8 @@ impl Req {
         if !with_text {
             return None;
         }
-        match self.detok.push(decoder, &[token]) {
-            Ok(delta) => self.text.push_str(&delta),
+        match self.detok.push_str(decoder, &[token]) {
+            Ok(delta) => self.text.push_str(delta),
             Err(e) => {
                 return Some(Finish {
                     kind: FinishKind::Abort,
@@ -344,6 +345,11 @@ impl Req {
 
     /// Sends what is new since the last chunk; with `finish`, flushes everything and ends.
     pub fn emit(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder) {
+        self.emit_at(finish, decoder, Instant::now());
+    }
+
+    /// [`Self::emit`] with the time the chunk reports (one clock read per step).
+    pub fn emit_at(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder, now: Instant) {
         let stopped_by_string = matches!(
             finish,
             Some(Finish {
@@ -365,7 +371,7 @@ impl Req {
         if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
             return;
         }
-        let meta = self.meta();
+        let meta = self.meta(now);
         self.sink.send(ChunkParts {
             index: self.index,
             token_ids: &mut self.pending_ids,

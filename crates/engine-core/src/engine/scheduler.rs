@@ -111,6 +111,8 @@ pub(crate) struct Scheduler {
     hit_sums: (usize, usize),
     /// The last step's sequence plans, refilled by the next (their buffers reused).
     seq_bufs: Vec<crate::step::SeqPlan>,
+    /// When the last forward's results came back (the time its chunks report).
+    step_time: Instant,
 }
 
 impl Scheduler {
@@ -164,6 +166,7 @@ impl Scheduler {
             hit_window: VecDeque::new(),
             hit_sums: (0, 0),
             seq_bufs: Vec::new(),
+            step_time: Instant::now(),
         })
     }
 

@@ -322,6 +322,7 @@ impl Scheduler {
                 return deferred.map_or(Ok(true), Err);
             }
         };
+        self.step_time = Instant::now();
         if !decoding.is_empty() {
             self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
         }
@@ -434,7 +435,7 @@ impl Scheduler {
                 }
             }
         }
-        r.emit(None, &*self.decoder);
+        r.emit_at(None, &*self.decoder, self.step_time);
         true
     }
 
