@@ -96,9 +96,9 @@ impl LocalExecutor {
         &self.runner
     }
 
-    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool) -> bool {
+    /// `standard`: the sampler is the standard one (asked once per step).
+    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool, standard: bool) -> bool {
         let p = &*s.params;
-        let standard = self.sampler.name() == "standard";
         let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !p.is_greedy();
         standard
             && !has_mask
@@ -198,6 +198,7 @@ impl Executor for LocalExecutor {
         };
         let has_mask = |i: usize| masks.and_then(|m| m.get(i)).is_some_and(|v| !v.is_empty());
         // Per sequence: sampled on the device (ids only come back) or on the host.
+        let standard = self.sampler.name() == "standard";
         let on_device: Vec<bool> = plan
             .seqs
             .iter()
@@ -205,7 +206,7 @@ impl Executor for LocalExecutor {
             .map(|(i, s)| {
                 s.sample
                     .as_ref()
-                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i)))
+                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i), standard))
             })
             .collect();
         let rows_of = |want: bool| -> Vec<u32> {
