@@ -6,7 +6,9 @@
 //! under speculation, a draft chain to verify). Grammar masks, one per
 //! sampled row, are filled on this thread before the forward, or beside it
 //! on a helper thread under overlap scheduling (then they reach the executor
-//! through a channel), together with the admission of the next batch.
+//! through a channel), together with the admission of the next batch. The
+//! plan's sequences are kept after the step and refilled by the next one, so
+//! their token and page lists allocate only when the batch grows.
 //!
 //! Update: a request's `computed` grows by the tokens whose KV the step wrote
 //! and kept (pending tokens plus accepted drafts); the executor's tokens are
@@ -304,24 +306,50 @@ impl Scheduler {
                         o.seqs.len()
                     ),
                 };
-                tracing::error!("{msg}");
-                for mut e in prefill {
-                    e.req
-                        .followers
-                        .drain(..)
-                        .for_each(|f| self.waiting.push_back(f));
-                    self.finish(e.req, abort_finish(&msg));
-                }
-                for r in decoding {
-                    self.finish(r, abort_finish(&msg));
-                }
-                if kv_ops_ran {
-                    // The tier copies may not have run: cached KV cannot be trusted.
-                    self.cache.flush();
-                }
+                self.fail_step(prefill, decoding, &msg, kv_ops_ran);
                 return deferred.map_or(Ok(true), Err);
             }
         };
+        self.apply_outputs(prefill, decoding, &drafts, outputs)?;
+        deferred.map_or(Ok(true), Err)
+    }
+
+    /// Ends every request of a step whose forward failed (`msg` says why);
+    /// the followers of a prefix-only request wait again.
+    fn fail_step(
+        &mut self,
+        prefill: Vec<PrefillEntry>,
+        decoding: Vec<Req>,
+        msg: &str,
+        kv_ops_ran: bool,
+    ) {
+        tracing::error!("{msg}");
+        for mut e in prefill {
+            e.req
+                .followers
+                .drain(..)
+                .for_each(|f| self.waiting.push_back(f));
+            self.finish(e.req, abort_finish(msg));
+        }
+        for r in decoding {
+            self.finish(r, abort_finish(msg));
+        }
+        if kv_ops_ran {
+            // The tier copies may not have run: cached KV cannot be trusted.
+            self.cache.flush();
+        }
+    }
+
+    /// Applies a step's outputs (in plan order): a prompt chunk that is not
+    /// the last is cached and stays chunked; the others advance, and those
+    /// still running form the new running batch (prefills first).
+    fn apply_outputs(
+        &mut self,
+        prefill: Vec<PrefillEntry>,
+        mut decoding: Vec<Req>,
+        drafts: &[Draft],
+        outputs: Vec<SeqOutput>,
+    ) -> Result<()> {
         self.step_time = Instant::now();
         if !decoding.is_empty() {
             self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
@@ -360,7 +388,7 @@ impl Scheduler {
         // Decoding requests advance in place (a request is large: moving
         // each one out and back every step costs more than the rest).
         let speculating = self.speculator.is_some();
-        for (r, d) in decoding.iter_mut().zip(&drafts) {
+        for (r, d) in decoding.iter_mut().zip(drafts) {
             let out = outputs.next().unwrap_or_default();
             r.computed = r.len();
             r.finished = !self.advance(r, out, speculating.then_some(d.len()));
@@ -371,7 +399,7 @@ impl Scheduler {
         } else {
             self.running.append(&mut decoding);
         }
-        deferred.map_or(Ok(true), Err)
+        Ok(())
     }
 
     /// Applies a step's output to `r`: accepted drafts (whose KV the step
