@@ -41,22 +41,26 @@ impl IncrementalDetokenizer {
 
     /// Adds tokens and returns the newly stable text (possibly empty).
     pub fn push(&mut self, decoder: &dyn TokenDecoder, new_ids: &[u32]) -> Result<String> {
+        self.push_str(decoder, new_ids).map(str::to_string)
+    }
+
+    /// [`Self::push`] without allocating the returned text: it is the end of [`Self::text`].
+    pub fn push_str(&mut self, decoder: &dyn TokenDecoder, new_ids: &[u32]) -> Result<&str> {
         self.ids.extend_from_slice(new_ids);
         let skip = self.skip_special_tokens;
         let prefix = decoder.decode(&self.ids[self.prefix_offset..self.read_offset], skip)?;
         let full = decoder.decode(&self.ids[self.prefix_offset..], skip)?;
+        let start = self.text.len();
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.starts_with(prefix.as_str())
             && let Some(delta) = full.get(prefix.len()..)
         {
-            let delta = delta.to_string();
             self.prefix_offset = self.read_offset;
             self.read_offset = self.ids.len();
-            self.text.push_str(&delta);
-            return Ok(delta);
+            self.text.push_str(delta);
         }
-        Ok(String::new())
+        Ok(&self.text[start..])
     }
 
     /// Emits whatever is still held back (even an incomplete character).

@@ -113,9 +113,9 @@ impl LocalExecutor {
         &self.runner
     }
 
-    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool) -> bool {
+    /// `standard`: the sampler is the standard one (asked once per step).
+    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool, standard: bool) -> bool {
         let p = &*s.params;
-        let standard = self.sampler.name() == "standard";
         let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !p.is_greedy();
         standard
             && !has_mask
@@ -129,9 +129,15 @@ impl LocalExecutor {
 /// The packed forward batch of a plan, with each sequence's first sampled row.
 fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<usize>)> {
     let mut layout = BatchLayout::new(page_size);
-    let mut ids = Vec::new();
-    let mut positions = Vec::new();
-    let mut rows = Vec::new();
+    let tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
+    layout.seqs.reserve(plan.seqs.len());
+    layout.slot_mapping.reserve(tokens);
+    layout
+        .page_table
+        .reserve(plan.seqs.iter().map(|s| s.pages.len()).sum());
+    let mut ids = Vec::with_capacity(tokens);
+    let mut positions = Vec::with_capacity(tokens);
+    let mut rows = Vec::with_capacity(plan.seqs.len());
     let mut first_row = Vec::with_capacity(plan.seqs.len());
     for s in &plan.seqs {
         s.validate(page_size)?;
@@ -141,7 +147,13 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
         }
         ids.extend_from_slice(&s.tokens);
-        positions.extend(s.positions());
+        match &s.tree {
+            // A chain's positions follow one another (no list built).
+            None => {
+                positions.extend((s.prefix_len..s.prefix_len + s.tokens.len()).map(|p| p as u32))
+            }
+            Some(_) => positions.extend(s.positions()),
+        }
         first_row.push(rows.len());
         rows.extend(s.sampled_rows().map(|r| (q_start + r) as u32));
     }
@@ -214,6 +226,7 @@ impl Executor for LocalExecutor {
         };
         let has_mask = |i: usize| masks.and_then(|m| m.get(i)).is_some_and(|v| !v.is_empty());
         // Per sequence: sampled on the device (ids only come back) or on the host.
+        let standard = self.sampler.name() == "standard";
         let on_device: Vec<bool> = plan
             .seqs
             .iter()
@@ -221,7 +234,7 @@ impl Executor for LocalExecutor {
             .map(|(i, s)| {
                 s.sample
                     .as_ref()
-                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i)))
+                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i), standard))
             })
             .collect();
         let rows_of = |want: bool| -> Vec<u32> {

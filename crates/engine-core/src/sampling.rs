@@ -251,16 +251,30 @@ pub trait Sampler: Send + Sync {
 }
 
 /// Index of the largest value; the lowest index wins ties (as `torch.argmax`).
+/// NaN is never the largest; 0 when nothing exceeds `-inf`.
 pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in values.iter().enumerate() {
-        if v > best_v {
-            best_v = v;
-            best = i;
+    // The largest value first, in 8 independent lanes (vectorized), then
+    // its first index.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = values.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            if v > *l {
+                *l = v;
+            }
         }
     }
-    best as u32
+    let mut best = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(rest) {
+        if v > best {
+            best = v;
+        }
+    }
+    if best == f32::NEG_INFINITY {
+        return 0;
+    }
+    values.iter().position(|&v| v == best).unwrap_or(0) as u32
 }
 
 /// Greedy, or temperature with top-k, top-p and min-p filtering.

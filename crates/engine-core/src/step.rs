@@ -63,7 +63,7 @@ pub struct SampleContext {
 }
 
 /// One sequence of a step.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct SeqPlan {
     /// Tokens to compute: a prompt chunk, the last sampled token (with the
     /// tokens a grammar forced), or the last sampled token plus draft tokens.

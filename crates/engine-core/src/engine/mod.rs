@@ -17,6 +17,7 @@ mod policy;
 pub mod refit;
 mod request;
 mod scheduler;
+mod stream;
 
 pub use policy::SchedulePolicy;
 
@@ -336,10 +337,11 @@ enum Msg {
     Shutdown,
 }
 
-/// The stream of a request's output.
+/// The stream of a request's output. Chunks the reader has not yet taken
+/// merge into one (same tokens and text, fewer chunks); see `stream`.
 pub struct RequestStream {
     rid: String,
-    rx: tokio::sync::mpsc::UnboundedReceiver<OutputChunk>,
+    rx: stream::ChunkReceiver,
     tx: mpsc::Sender<Msg>,
     remaining: usize,
 }
@@ -498,7 +500,7 @@ impl Engine {
         if rid.is_empty() {
             return Err(CoreError::invalid("rid must not be empty"));
         }
-        let (otx, orx) = tokio::sync::mpsc::unbounded_channel();
+        let (otx, orx) = stream::channel();
         let n = req.params.n;
         let r = request::Req::new(rid.clone(), req, otx, Instant::now())?;
         self.tx

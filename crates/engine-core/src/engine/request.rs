@@ -8,7 +8,8 @@
 //! next input). Text is streamed only up to the longest suffix that could
 //! still grow into a stop string.
 
-use super::{Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, TokenLogprob};
+use super::stream::{ChunkParts, ChunkSender};
+use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
 use crate::grammar::{CompiledGrammar, GrammarMatcher};
@@ -17,7 +18,6 @@ use crate::prefix_cache::{CacheNamespace, NodeId};
 use crate::sampling::{SamplingParams, SeqRng};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc::UnboundedSender;
 
 /// A request as the scheduler tracks it.
 pub(crate) struct Req {
@@ -55,6 +55,8 @@ pub(crate) struct Req {
     pub tree_pages: Vec<u32>,
     pub own: Option<PageSet>,
     pub computed: usize,
+    /// Finished during this step (the scheduler drops it after the step).
+    pub finished: bool,
     // Reporting.
     pub cached_tokens: Option<usize>,
     /// Of `cached_tokens`: from the host tier, and of those from storage.
@@ -69,14 +71,14 @@ pub(crate) struct Req {
     sent_text: usize,
     pending_ids: Vec<u32>,
     pending_logprobs: Vec<TokenLogprob>,
-    pub sink: UnboundedSender<OutputChunk>,
+    pub sink: ChunkSender,
 }
 
 impl Req {
     pub fn new(
         rid: String,
         r: GenerateRequest,
-        sink: UnboundedSender<OutputChunk>,
+        sink: ChunkSender,
         arrival: Instant,
     ) -> Result<Self> {
         let matcher = match &r.grammar {
@@ -113,6 +115,7 @@ impl Req {
             tree_pages: Vec::new(),
             own: None,
             computed: 0,
+            finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
             retractions: 0,
@@ -170,6 +173,7 @@ impl Req {
             tree_pages: Vec::new(),
             own: None,
             computed: 0,
+            finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
             retractions: 0,
@@ -194,15 +198,25 @@ impl Req {
 
     /// Tokens `from..` of prompt followed by output, without building the whole sequence.
     pub fn tail(&self, from: usize) -> Vec<u32> {
-        let p = self.prompt.len();
         let mut t = Vec::with_capacity(self.len().saturating_sub(from));
-        if from < p {
-            t.extend_from_slice(&self.prompt[from..]);
-            t.extend_from_slice(&self.output);
-        } else {
-            t.extend_from_slice(self.output.get(from - p..).unwrap_or_default());
-        }
+        self.extend_tail(from, usize::MAX, &mut t);
         t
+    }
+
+    /// Appends at most `max` tokens `from..` of prompt followed by output to `out`.
+    pub fn extend_tail(&self, from: usize, max: usize, out: &mut Vec<u32>) {
+        let p = self.prompt.len();
+        let end = self.len().min(from.saturating_add(max));
+        if from < p {
+            out.extend_from_slice(&self.prompt[from..end.min(p)]);
+        }
+        if end > p {
+            out.extend_from_slice(
+                self.output
+                    .get(from.max(p) - p..end - p)
+                    .unwrap_or_default(),
+            );
+        }
     }
 
     /// Prompt plus output length.
@@ -210,13 +224,13 @@ impl Req {
         self.prompt.len() + self.output.len()
     }
 
-    /// Pages covering the sequence: the cache's, then the request's own.
-    pub fn page_table(&self) -> Vec<u32> {
-        let mut p = self.tree_pages.clone();
+    /// Writes the pages covering the sequence into `out`: the cache's, then the request's own.
+    pub fn page_table_into(&self, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend_from_slice(&self.tree_pages);
         if let Some(o) = &self.own {
-            p.extend_from_slice(o.pages());
+            out.extend_from_slice(o.pages());
         }
-        p
     }
 
     /// Token capacity of the pages held.
@@ -229,8 +243,9 @@ impl Req {
         self.params.max_new_tokens.saturating_sub(self.output.len())
     }
 
-    fn meta(&self) -> OutputMeta {
-        let now = Instant::now();
+    fn meta(&self, now: Instant) -> OutputMeta {
+        // `now` may be the step's time, read before this request's first token.
+        let now = self.first_token.map_or(now, |f| now.max(f));
         OutputMeta {
             prompt_tokens: self.prompt.len(),
             completion_tokens: self.output.len(),
@@ -270,8 +285,8 @@ impl Req {
         if !with_text {
             return None;
         }
-        match self.detok.push(decoder, &[token]) {
-            Ok(delta) => self.text.push_str(&delta),
+        match self.detok.push_str(decoder, &[token]) {
+            Ok(delta) => self.text.push_str(delta),
             Err(e) => {
                 return Some(Finish {
                     kind: FinishKind::Abort,
@@ -330,6 +345,11 @@ impl Req {
 
     /// Sends what is new since the last chunk; with `finish`, flushes everything and ends.
     pub fn emit(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder) {
+        self.emit_at(finish, decoder, Instant::now());
+    }
+
+    /// [`Self::emit`] with the time the chunk reports (one clock read per step).
+    pub fn emit_at(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder, now: Instant) {
         let stopped_by_string = matches!(
             finish,
             Some(Finish {
@@ -351,20 +371,15 @@ impl Req {
         if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
             return;
         }
-        let text = self
-            .text
-            .get(self.sent_text..upto)
-            .unwrap_or_default()
-            .to_string();
-        self.sent_text = upto;
-        let chunk = OutputChunk {
+        let meta = self.meta(now);
+        self.sink.send(ChunkParts {
             index: self.index,
-            token_ids: std::mem::take(&mut self.pending_ids),
-            text,
-            logprobs: std::mem::take(&mut self.pending_logprobs),
+            token_ids: &mut self.pending_ids,
+            text: self.text.get(self.sent_text..upto).unwrap_or_default(),
+            logprobs: &mut self.pending_logprobs,
             finish,
-            meta: self.meta(),
-        };
-        let _ = self.sink.send(chunk);
+            meta,
+        });
+        self.sent_text = upto;
     }
 }

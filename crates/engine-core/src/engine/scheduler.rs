@@ -110,6 +110,12 @@ pub(crate) struct Scheduler {
     hit_window: VecDeque<(usize, usize)>,
     /// Pause, drained weight update and weight version.
     refit: refit::RefitState,
+    /// Sums of `hit_window`: cached and prompt tokens.
+    hit_sums: (usize, usize),
+    /// The last step's sequence plans, refilled by the next (their buffers reused).
+    seq_bufs: Vec<crate::step::SeqPlan>,
+    /// When the last forward's results came back (the time its chunks report).
+    step_time: Instant,
 }
 
 impl Scheduler {
@@ -162,6 +168,9 @@ impl Scheduler {
             window_start: Instant::now(),
             hit_window: VecDeque::new(),
             refit: Default::default(),
+            hit_sums: (0, 0),
+            seq_bufs: Vec::new(),
+            step_time: Instant::now(),
         })
     }
 
@@ -706,7 +715,12 @@ impl Scheduler {
     }
 
     fn finish(&mut self, mut r: Req, f: Finish) {
-        self.release_kv(&mut r, true);
+        self.finish_mut(&mut r, f);
+    }
+
+    /// Finishes `r` where it lies (the caller drops it).
+    fn finish_mut(&mut self, r: &mut Req, f: Finish) {
+        self.release_kv(r, true);
         if let Some(s) = self.speculator.as_mut() {
             s.release(r.key);
         }
@@ -731,10 +745,13 @@ impl Scheduler {
         if r.retractions > 0 {
             return;
         }
-        self.hit_window
-            .push_back((r.cached_tokens.unwrap_or(0), r.prompt.len()));
-        if self.hit_window.len() > 256 {
-            self.hit_window.pop_front();
+        let hit = (r.cached_tokens.unwrap_or(0), r.prompt.len());
+        self.hit_window.push_back(hit);
+        self.hit_sums = (self.hit_sums.0 + hit.0, self.hit_sums.1 + hit.1);
+        if self.hit_window.len() > 256
+            && let Some((h, t)) = self.hit_window.pop_front()
+        {
+            self.hit_sums = (self.hit_sums.0 - h, self.hit_sums.1 - t);
         }
     }
 
@@ -758,10 +775,7 @@ impl Scheduler {
             (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
         c.evictable_tokens = cache_stats.evictable_tokens;
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
-        let (hit, tot) = self
-            .hit_window
-            .iter()
-            .fold((0usize, 0usize), |(a, b), (h, t)| (a + h, b + t));
+        let (hit, tot) = self.hit_sums;
         c.cache_hit_rate = if tot == 0 {
             0.0
         } else {

@@ -6,7 +6,9 @@
 //! under speculation, a draft chain to verify). Grammar masks, one per
 //! sampled row, are filled on this thread before the forward, or beside it
 //! on a helper thread under overlap scheduling (then they reach the executor
-//! through a channel), together with the admission of the next batch.
+//! through a channel), together with the admission of the next batch. The
+//! plan's sequences are kept after the step and refilled by the next one, so
+//! their token and page lists allocate only when the batch grows.
 //!
 //! Update: a request's `computed` grows by the tokens whose KV the step wrote
 //! and kept (pending tokens plus accepted drafts); the executor's tokens are
@@ -100,22 +102,22 @@ impl Scheduler {
         }
     }
 
-    fn prefill_plan(&self, e: &mut PrefillEntry) -> SeqPlan {
+    /// Fills `s` (a buffer reused across steps) with the plan of a prompt chunk.
+    fn prefill_plan(&self, e: &mut PrefillEntry, s: &mut SeqPlan) {
         let samples = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
-        let mut tokens = e.req.tail(e.start);
-        tokens.truncate(e.len);
-        SeqPlan {
-            tokens,
-            prefix_len: e.start,
-            pages: e.req.page_table(),
-            tree: None,
-            sample: samples.then(|| self.sample_spec(&mut e.req, SampleRows::Last)),
-        }
+        s.tokens.clear();
+        e.req.extend_tail(e.start, e.len, &mut s.tokens);
+        s.prefix_len = e.start;
+        e.req.page_table_into(&mut s.pages);
+        s.tree = None;
+        s.sample = samples.then(|| self.sample_spec(&mut e.req, SampleRows::Last));
     }
 
-    fn decode_plan(&self, r: &mut Req, draft: &Draft) -> SeqPlan {
-        let mut tokens = r.tail(r.computed);
-        tokens.extend_from_slice(&draft.tokens);
+    /// Fills `s` (a buffer reused across steps) with the plan of a decoding request.
+    fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan) {
+        s.tokens.clear();
+        r.extend_tail(r.computed, usize::MAX, &mut s.tokens);
+        s.tokens.extend_from_slice(&draft.tokens);
         let rows = if draft.is_empty() {
             SampleRows::Last
         } else {
@@ -124,16 +126,12 @@ impl Scheduler {
             }
         };
         // A tree's root is the pending token (drafting needs exactly one).
-        let tree = draft
+        s.tree = draft
             .layout_parents()
-            .filter(|p| !draft.is_empty() && p.len() == tokens.len());
-        SeqPlan {
-            tokens,
-            prefix_len: r.computed,
-            pages: r.page_table(),
-            tree,
-            sample: Some(self.sample_spec(r, rows)),
-        }
+            .filter(|p| !draft.is_empty() && p.len() == s.tokens.len());
+        s.prefix_len = r.computed;
+        r.page_table_into(&mut s.pages);
+        s.sample = Some(self.sample_spec(r, rows));
     }
 
     /// Runs the KV tier copies the cache recorded, in a step of their own
@@ -176,12 +174,20 @@ impl Scheduler {
         let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
             + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();
         let drafts = self.draft(&mut decoding, base_tokens);
-        let mut plan = StepPlan::default();
-        for e in prefill.iter_mut() {
-            plan.seqs.push(self.prefill_plan(e));
+        // The sequence buffers of the last step are refilled (no allocation
+        // per request once they have grown).
+        let mut plan = StepPlan {
+            seqs: std::mem::take(&mut self.seq_bufs),
+            ..StepPlan::default()
+        };
+        plan.seqs
+            .resize_with(prefill.len() + decoding.len(), SeqPlan::default);
+        let (pre_seqs, dec_seqs) = plan.seqs.split_at_mut(prefill.len());
+        for (e, s) in prefill.iter_mut().zip(pre_seqs) {
+            self.prefill_plan(e, s);
         }
-        for (r, d) in decoding.iter_mut().zip(&drafts) {
-            plan.seqs.push(self.decode_plan(r, d));
+        for ((r, d), s) in decoding.iter_mut().zip(&drafts).zip(dec_seqs) {
+            self.decode_plan(r, d, s);
         }
         // Copies between device and host tiers that the admissions and
         // evictions before this point recorded run first.
@@ -288,6 +294,8 @@ impl Scheduler {
         if let Ok(o) = &result {
             self.counters.kv_copy.add(&o.kv_copy);
         }
+        let kv_ops_ran = !plan.kv_ops.is_empty();
+        self.seq_bufs = std::mem::take(&mut plan.seqs);
         let outputs = match result {
             Ok(o) if o.seqs.len() == n_seqs => o.seqs,
             other => {
@@ -298,24 +306,51 @@ impl Scheduler {
                         o.seqs.len()
                     ),
                 };
-                tracing::error!("{msg}");
-                for mut e in prefill {
-                    e.req
-                        .followers
-                        .drain(..)
-                        .for_each(|f| self.waiting.push_back(f));
-                    self.finish(e.req, abort_finish(&msg));
-                }
-                for r in decoding {
-                    self.finish(r, abort_finish(&msg));
-                }
-                if !plan.kv_ops.is_empty() {
-                    // The tier copies may not have run: cached KV cannot be trusted.
-                    self.cache.flush();
-                }
+                self.fail_step(prefill, decoding, &msg, kv_ops_ran);
                 return deferred.map_or(Ok(true), Err);
             }
         };
+        self.apply_outputs(prefill, decoding, &drafts, outputs)?;
+        deferred.map_or(Ok(true), Err)
+    }
+
+    /// Ends every request of a step whose forward failed (`msg` says why);
+    /// the followers of a prefix-only request wait again.
+    fn fail_step(
+        &mut self,
+        prefill: Vec<PrefillEntry>,
+        decoding: Vec<Req>,
+        msg: &str,
+        kv_ops_ran: bool,
+    ) {
+        tracing::error!("{msg}");
+        for mut e in prefill {
+            e.req
+                .followers
+                .drain(..)
+                .for_each(|f| self.waiting.push_back(f));
+            self.finish(e.req, abort_finish(msg));
+        }
+        for r in decoding {
+            self.finish(r, abort_finish(msg));
+        }
+        if kv_ops_ran {
+            // The tier copies may not have run: cached KV cannot be trusted.
+            self.cache.flush();
+        }
+    }
+
+    /// Applies a step's outputs (in plan order): a prompt chunk that is not
+    /// the last is cached and stays chunked; the others advance, and those
+    /// still running form the new running batch (prefills first).
+    fn apply_outputs(
+        &mut self,
+        prefill: Vec<PrefillEntry>,
+        mut decoding: Vec<Req>,
+        drafts: &[Draft],
+        outputs: Vec<SeqOutput>,
+    ) -> Result<()> {
+        self.step_time = Instant::now();
         if !decoding.is_empty() {
             self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
         }
@@ -346,33 +381,45 @@ impl Scheduler {
                 );
                 continue;
             }
-            self.advance(r, out, None);
+            if self.advance(&mut r, out, None) {
+                self.running.push(r);
+            }
         }
-        for (r, d) in decoding.into_iter().zip(drafts) {
+        // Decoding requests advance in place (a request is large: moving
+        // each one out and back every step costs more than the rest).
+        let speculating = self.speculator.is_some();
+        for (r, d) in decoding.iter_mut().zip(drafts) {
             let out = outputs.next().unwrap_or_default();
-            let mut r = r;
             r.computed = r.len();
-            let speculating = self.speculator.is_some();
-            self.advance(r, out, speculating.then_some(d.len()));
+            r.finished = !self.advance(r, out, speculating.then_some(d.len()));
         }
-        deferred.map_or(Ok(true), Err)
+        decoding.retain(|r| !r.finished);
+        if self.running.is_empty() {
+            std::mem::swap(&mut self.running, &mut decoding);
+        } else {
+            self.running.append(&mut decoding);
+        }
+        Ok(())
     }
 
     /// Applies a step's output to `r`: accepted drafts (whose KV the step
     /// wrote) count as computed, the tokens go through the stop checks one by
     /// one, pages past the sequence return to the pool, then the tokens its
     /// grammar forces are appended (jump-forward) and the request streams and
-    /// keeps running, or finishes. `drafted` is the draft length verified
+    /// keeps running (true), or finishes. `drafted` is the draft length verified
     /// (`None` when the request did not decode under speculation).
-    fn advance(&mut self, mut r: Req, out: SeqOutput, drafted: Option<usize>) {
+    fn advance(&mut self, r: &mut Req, out: SeqOutput, drafted: Option<usize>) -> bool {
         if let Some(e) = r.mask_error.take() {
-            return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+            self.finish_mut(r, abort_finish(&format!("grammar failed: {e}")));
+            return false;
         }
         if let Some(e) = out.error {
-            return self.finish(r, abort_finish(&format!("sampling failed: {e}")));
+            self.finish_mut(r, abort_finish(&format!("sampling failed: {e}")));
+            return false;
         }
         if out.tokens.is_empty() {
-            return self.finish(r, abort_finish("the executor sampled no token"));
+            self.finish_mut(r, abort_finish("the executor sampled no token"));
+            return false;
         }
         if let Some(d) = drafted {
             let accepted = out.accepted.min(d);
@@ -388,33 +435,36 @@ impl Scheduler {
         r.computed += out.accepted;
         let mut logprobs = out.logprobs.into_iter();
         for tok in out.tokens {
-            if let Some(f) = self.append(&mut r, tok, logprobs.next()) {
+            if let Some(f) = self.append(r, tok, logprobs.next()) {
                 r.computed = r.computed.min(r.len());
-                self.trim_pages(&mut r);
-                return self.finish(r, f);
+                self.trim_pages(r);
+                self.finish_mut(r, f);
+                return false;
             }
         }
         r.computed = r.computed.min(r.len());
-        self.trim_pages(&mut r);
+        self.trim_pages(r);
         // Jump-forward: tokens the grammar forces need no forward pass each;
         // they join the next step's input with the sampled token.
         if self.cfg.enable_jump_forward {
             let forced = match r.matcher.as_mut().map(|m| m.forced_tokens()) {
                 Some(Ok(f)) => f,
                 Some(Err(e)) => {
-                    return self.finish(r, abort_finish(&format!("grammar failed: {e}")));
+                    self.finish_mut(r, abort_finish(&format!("grammar failed: {e}")));
+                    return false;
                 }
                 None => Vec::new(),
             };
             for t in forced {
                 self.counters.jump_forward_tokens_total += 1;
-                if let Some(f) = self.append(&mut r, t, None) {
-                    return self.finish(r, f);
+                if let Some(f) = self.append(r, t, None) {
+                    self.finish_mut(r, f);
+                    return false;
                 }
             }
         }
-        r.emit(None, &*self.decoder);
-        self.running.push(r);
+        r.emit_at(None, &*self.decoder, self.step_time);
+        true
     }
 
     /// Returns the request's own pages past those its tokens occupy (the
