@@ -141,7 +141,8 @@ async fn qwen3_reasoning_parser_whole_and_streamed() -> Result<()> {
     let (r, a) = streamed(&c, &s, regex, json!({})).await?;
     assert_eq!(r.concat(), reasoning, "{r:?}");
     assert_eq!(a.concat(), answer, "{a:?}");
-    assert!(r.len() >= 2, "reasoning streams in pieces: {r:?}");
+    // How many pieces arrive depends on the reader's pace: the engine merges
+    // chunks a slow reader has not taken yet; their text is the same.
     for piece in r.iter().chain(&a) {
         assert!(
             !piece.contains(['<', '>']),
