@@ -554,6 +554,12 @@ fn chain_verification_is_exact_on_the_cpu() -> Result<()> {
     verify::chain_verify_matches_decode(shared().backend.clone(), &fixture())
 }
 
+/// HiCache's page copies between device and host on the CPU backend.
+#[test]
+fn tier_copies_are_exact_on_the_cpu() -> Result<()> {
+    verify::tier_copies_move_kv_exactly(shared().backend.clone(), &fixture())
+}
+
 /// A step whose rows are sampled partly on the device (greedy, no
 /// processor) and partly on the host (logprobs, a penalty) gives every
 /// request what it gets alone; with and without drafts.

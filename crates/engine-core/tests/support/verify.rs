@@ -4,8 +4,9 @@
 //! verify step of the same tokens as drafts accepts — all of them when the
 //! drafts are right; up to a corrupted draft, then the target's own token,
 //! when one is wrong — and a draft past a rejection must leave no trace (the
-//! next step, overwriting its slots, continues exactly); and a step that
-//! samples one row on the device and another on the host gives both right.
+//! next step, overwriting its slots, continues exactly); a step that
+//! samples one row on the device and another on the host gives both right;
+//! and HiCache's page copies between device and host move KV exactly.
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::executor::{Executor, LocalExecutor};
@@ -123,5 +124,110 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         "after rollback: {t:?}, want {:?}",
         &toks[5..6]
     );
+    Ok(())
+}
+
+/// KV tier copies on `backend` (HiCache's load-back and backup): a plan's
+/// copies move pages device → host → other device pages exactly (their K
+/// and V bytes equal), decoding from the copies gives the tokens decoding
+/// from the originals gives, and a load from a host slot that holds no page
+/// is refused.
+pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
+    use arbor_engine_core::{CopyDirection, HostKvPool, KvTierOps, PageCopy, TierIdentity};
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("f32")?()?,
+        progress: None,
+    };
+    let m = arbor_models::load_model(model, &registry, &opts)?;
+    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 16, DType::F32)?;
+    let page_bytes = TierIdentity::new("m", runner.kv_spec()).page_bytes();
+    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 400).collect();
+    let first = step(
+        &ex,
+        SeqPlan {
+            tokens: prompt.clone(),
+            prefix_len: 0,
+            pages: vec![0, 1, 2],
+            tree: None,
+            sample: Some(spec(SampleRows::Last)),
+        },
+    )?;
+    let host = HostKvPool::new(page_bytes, 4);
+    let slots = host.alloc(3).context("host slots")?;
+    let mut copies = Vec::new();
+    for (i, s) in slots.slots().iter().enumerate() {
+        copies.push(PageCopy {
+            direction: CopyDirection::ToHost,
+            device_page: i as u32,
+            host: *s,
+        });
+    }
+    for (i, s) in slots.slots().iter().enumerate() {
+        copies.push(PageCopy {
+            direction: CopyDirection::ToDevice,
+            device_page: 10 + i as u32,
+            host: *s,
+        });
+    }
+    let out = ex.execute(&StepPlan {
+        kv_ops: KvTierOps {
+            host: Some(host.clone()),
+            copies,
+        },
+        ..Default::default()
+    })?;
+    ensure!(
+        out.kv_copy.pages_to_host == 3 && out.kv_copy.pages_to_device == 3,
+        "{:?}",
+        out.kv_copy
+    );
+    let kv = ex.runner().kv();
+    for l in 0..kv.spec().num_layers {
+        let layer = kv.layer(l)?;
+        for t in [&layer.k, &layer.v] {
+            for p in 0..3 {
+                let a = backend.download_f32(&t.narrow(p * 16, 16)?)?;
+                let b = backend.download_f32(&t.narrow((10 + p) * 16, 16)?)?;
+                ensure!(a == b, "layer {l} page {p}: the copy differs");
+            }
+        }
+    }
+    let decode = |pages: Vec<u32>| -> Result<Vec<u32>> {
+        let mut toks = first.clone();
+        for _ in 0..6 {
+            let last = *toks.last().context("a token")?;
+            toks.extend(step(
+                &ex,
+                SeqPlan {
+                    tokens: vec![last],
+                    prefix_len: prompt.len() + toks.len() - 1,
+                    pages: pages.clone(),
+                    tree: None,
+                    sample: Some(spec(SampleRows::Last)),
+                },
+            )?);
+        }
+        Ok(toks)
+    };
+    let original = decode(vec![0, 1, 2, 3])?;
+    let copied = decode(vec![10, 11, 12, 13])?;
+    ensure!(original == copied, "{original:?} vs {copied:?}");
+    // A slot never written holds no page: loading it is an error, not garbage.
+    let empty = host.alloc(1).context("a slot")?;
+    let bad = ex.execute(&StepPlan {
+        kv_ops: KvTierOps {
+            host: Some(host.clone()),
+            copies: vec![PageCopy {
+                direction: CopyDirection::ToDevice,
+                device_page: 5,
+                host: empty.slots()[0],
+            }],
+        },
+        ..Default::default()
+    });
+    ensure!(bad.is_err(), "a load from an empty slot was accepted");
     Ok(())
 }
