@@ -11,7 +11,6 @@ mod common;
 use anyhow::Result;
 use common::*;
 use serde_json::{Value, json};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Documents of about 150 tokens, each asked twice with different endings.
@@ -138,7 +137,6 @@ async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() ->
 
 #[test]
 fn bad_hicache_flags_are_refused() -> Result<()> {
-    let model = fixture("tiny-llama");
     for (args, needle) in [
         (
             vec![
@@ -175,21 +173,7 @@ fn bad_hicache_flags_are_refused() -> Result<()> {
             "--disable-radix-cache",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
-            .args([
-                "serve",
-                "--model-path",
-                &model,
-                "--port",
-                "0",
-                "--max-total-tokens",
-                "1024",
-            ])
-            .args(&args)
-            .output()?;
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_serve_refuses(&args, needle)?;
     }
     Ok(())
 }

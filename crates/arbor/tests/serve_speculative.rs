@@ -9,7 +9,6 @@ mod common;
 use anyhow::Result;
 use common::*;
 use serde_json::{Value, json};
-use std::process::Command;
 
 /// Prompts whose continuation copies from the prompt (n-gram friendly),
 /// plus a free-form one.
@@ -111,7 +110,6 @@ async fn ngram_speculation_changes_no_answer() -> Result<()> {
 
 #[test]
 fn bad_speculative_flags_are_refused() -> Result<()> {
-    let model = fixture("tiny-llama");
     for (args, needle) in [
         (
             vec![
@@ -146,21 +144,7 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
             "--speculative-ngram-match-type",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_arbor"))
-            .args([
-                "serve",
-                "--model-path",
-                &model,
-                "--port",
-                "0",
-                "--max-total-tokens",
-                "1024",
-            ])
-            .args(&args)
-            .output()?;
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?} was accepted");
-        assert!(err.contains(needle), "{args:?}: {err}");
+        assert_serve_refuses(&args, needle)?;
     }
     Ok(())
 }

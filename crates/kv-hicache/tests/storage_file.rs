@@ -8,6 +8,10 @@ use arbor_kv_hicache::storage::{FileStore, StorageConfig, Store, open_store};
 use std::fs;
 use std::time::{Duration, Instant};
 
+#[path = "support/pages.rs"]
+mod pages;
+use pages::{entries, key, page};
+
 /// An identity whose pages are 64 KiB (F32: 2 × 4 layers × 16 tokens × 4 heads × 32 dims × 4 bytes).
 fn identity(model: &str, dtype: DType, page_size: usize) -> TierIdentity {
     TierIdentity {
@@ -20,22 +24,6 @@ fn identity(model: &str, dtype: DType, page_size: usize) -> TierIdentity {
     }
 }
 
-fn key(i: u32) -> PageKey {
-    PageKey([0u8; 32]).next(&[i])
-}
-
-fn page(id: &TierIdentity, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-    (0..id.page_bytes())
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
-
 #[test]
 fn round_trip_exists_and_clear() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -45,11 +33,7 @@ fn round_trip_exists_and_clear() -> Result<()> {
     assert_eq!(store.name(), "file");
     let pages: Vec<Vec<u8>> = (0..8).map(|i| page(&id, i)).collect();
     let keys: Vec<PageKey> = (0..8).map(key).collect();
-    let entries: Vec<(PageKey, &[u8])> = keys
-        .iter()
-        .copied()
-        .zip(pages.iter().map(|p| &p[..]))
-        .collect();
+    let entries = entries(&keys, &pages);
     store.set(&entries[..5])?;
     // Writing again is harmless.
     store.set(&entries[..2])?;
@@ -96,11 +80,7 @@ fn identities_do_not_see_each_other() -> Result<()> {
     let store = FileStore::open(dir.path(), &id)?;
     let keys: Vec<PageKey> = (0..4).map(key).collect();
     let pages: Vec<Vec<u8>> = (0..4).map(|i| page(&id, i)).collect();
-    let entries: Vec<(PageKey, &[u8])> = keys
-        .iter()
-        .copied()
-        .zip(pages.iter().map(|p| &p[..]))
-        .collect();
+    let entries = entries(&keys, &pages);
     store.set(&entries)?;
     for other in [
         identity("m2", DType::F32, 16),
@@ -132,11 +112,7 @@ fn truncated_and_damaged_entries_are_removed() -> Result<()> {
     let store = FileStore::open(dir.path(), &id)?;
     let keys: Vec<PageKey> = (0..4).map(key).collect();
     let pages: Vec<Vec<u8>> = (0..4).map(|i| page(&id, i)).collect();
-    let entries: Vec<(PageKey, &[u8])> = keys
-        .iter()
-        .copied()
-        .zip(pages.iter().map(|p| &p[..]))
-        .collect();
+    let entries = entries(&keys, &pages);
     store.set(&entries)?;
 
     // 0: truncated mid-payload; 1: payload bytes flipped; 2: header cut short.
@@ -244,11 +220,7 @@ fn timing_64k_pages() -> Result<()> {
     let n = 512u32;
     let keys: Vec<PageKey> = (0..n).map(key).collect();
     let pages: Vec<Vec<u8>> = (0..n).map(|i| page(&id, i)).collect();
-    let entries: Vec<(PageKey, &[u8])> = keys
-        .iter()
-        .copied()
-        .zip(pages.iter().map(|p| &p[..]))
-        .collect();
+    let entries = entries(&keys, &pages);
     let mb = (n as usize * id.page_bytes()) as f64 / (1 << 20) as f64;
     let t = Instant::now();
     for batch in entries.chunks(64) {

@@ -16,6 +16,10 @@ mod redis_server;
 use redis_server::{Server, free_port, require_server};
 use std::time::{Duration, Instant};
 
+#[path = "support/pages.rs"]
+mod pages;
+use pages::{entries, key, page};
+
 fn identity(model: &str, head_dim: usize) -> TierIdentity {
     TierIdentity {
         model: model.into(),
@@ -30,29 +34,6 @@ fn identity(model: &str, head_dim: usize) -> TierIdentity {
 /// 64 KiB pages.
 fn id64k(model: &str) -> TierIdentity {
     identity(model, 32)
-}
-
-fn key(i: u32) -> PageKey {
-    PageKey([1u8; 32]).next(&[i])
-}
-
-fn page(id: &TierIdentity, seed: u32) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(7);
-    (0..id.page_bytes())
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
-
-fn entries<'a>(keys: &[PageKey], pages: &'a [Vec<u8>]) -> Vec<(PageKey, &'a [u8])> {
-    keys.iter()
-        .copied()
-        .zip(pages.iter().map(|p| &p[..]))
-        .collect()
 }
 
 #[test]

@@ -336,6 +336,27 @@ pub async fn assert_no_leak(
     }
 }
 
+/// `arbor serve` on the tiny Llama with `args` must exit with an error that contains `needle`.
+pub fn assert_serve_refuses(args: &[&str], needle: &str) -> Result<()> {
+    let model = fixture("tiny-llama");
+    let out = Command::new(BIN)
+        .args([
+            "serve",
+            "--model-path",
+            &model,
+            "--port",
+            "0",
+            "--max-total-tokens",
+            "1024",
+        ])
+        .args(args)
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success(), "{args:?} was accepted");
+    ensure!(err.contains(needle), "{args:?}: {err}");
+    Ok(())
+}
+
 pub fn meta(v: &Value) -> &Value {
     &v["meta_info"]
 }

@@ -121,12 +121,11 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub fn new(
         cfg: EngineConfig,
-        parts: EngineParts,
+        mut parts: EngineParts,
         stats: Arc<Mutex<EngineStats>>,
     ) -> Result<Self> {
         let kv = *parts.executor.kv_spec();
         let pool = PagePool::new(kv.num_pages, kv.page_size);
-        let mut parts = parts;
         parts.prefix_cache.bind_pool(&pool)?;
         let page_size = pool.page_size();
         let init_ratio = (INIT_NEW_TOKEN_RATIO * cfg.schedule_conservativeness as f64).min(1.0);

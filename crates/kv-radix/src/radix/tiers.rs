@@ -204,19 +204,14 @@ impl RadixCache {
         self.refresh_candidate(id);
     }
 
-    /// Host slots for `n` pages, evicting host-only leaves as needed (for
-    /// pages fetched from storage).
-    pub fn alloc_host_pages(&mut self, n: usize) -> Option<HostPages> {
-        self.alloc_host(n)
-    }
-
     /// The chain start of namespace `ns` (with a storage identity).
     pub fn root_key(&self, ns: &CacheNamespace) -> Option<PageKey> {
         self.tiers.as_ref().and_then(|t| t.root_key(ns))
     }
 
-    /// Host slots for `n` pages, evicting host-only leaves as needed.
-    fn alloc_host(&mut self, n: usize) -> Option<HostPages> {
+    /// Host slots for `n` pages, evicting host-only leaves as needed (also
+    /// for pages fetched from storage).
+    pub fn alloc_host_pages(&mut self, n: usize) -> Option<HostPages> {
         loop {
             let host = self.tiers.as_ref()?.host.clone();
             if let Some(h) = host.alloc(n) {
@@ -253,7 +248,7 @@ impl RadixCache {
             return false;
         }
         let pages = n.tokens.len() / self.page_size;
-        let Some(host) = self.alloc_host(pages) else {
+        let Some(host) = self.alloc_host_pages(pages) else {
             return false;
         };
         let keys = self.keys_of(id);
