@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 pub use crate::hicache::{HiCacheArgs, HiCacheSection};
+pub use crate::lora::{LoraArgs, LoraSection};
 pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
 
 /// `[model]`: what to load and on which device.
@@ -135,11 +136,12 @@ pub struct FileConfig {
     pub metrics: MetricsSection,
     pub speculative: SpeculativeSection,
     pub hicache: HiCacheSection,
+    pub lora: LoraSection,
     pub plugins: Vec<PluginEntry>,
 }
 
 const SECTIONS: &str = "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], \
-                        [speculative], [hicache], [[plugins]]";
+                        [speculative], [hicache], [lora], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -173,6 +175,7 @@ impl FileConfig {
                 "metrics" => c.metrics = section(&k, v)?,
                 "speculative" => c.speculative = section(&k, v)?,
                 "hicache" => c.hicache = section(&k, v)?,
+                "lora" => c.lora = section(&k, v)?,
                 "plugins" => {
                     let toml::Value::Array(items) = v else {
                         bail!("'plugins' must be an array of tables ([[plugins]])");
@@ -337,6 +340,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub hicache: HiCacheArgs,
 
+    #[command(flatten)]
+    pub lora: LoraArgs,
+
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
@@ -358,6 +364,7 @@ pub struct ServeConfig {
     pub metrics: MetricsSection,
     pub speculative: SpeculativeSection,
     pub hicache: HiCacheSection,
+    pub lora: LoraSection,
     pub plugins: Vec<PluginEntry>,
 }
 
@@ -413,6 +420,7 @@ impl ServeConfig {
             metrics: x,
             speculative: spec,
             hicache,
+            lora,
             mut plugins,
         } = file;
         compiled_out_check(&g, &c, a)?;
@@ -578,6 +586,7 @@ impl ServeConfig {
             },
             speculative: SpeculativeSection::resolve(spec, &a.speculative),
             hicache: HiCacheSection::resolve(hicache, &a.hicache),
+            lora: LoraSection::resolve(lora, &a.lora),
             plugins,
         };
         cfg.validate()?;
@@ -638,6 +647,7 @@ impl ServeConfig {
         self.speculative.to_engine()?;
         self.hicache
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
+        self.lora.to_settings()?;
         Ok(())
     }
 

@@ -9,6 +9,7 @@ mod fetch;
 mod generate;
 mod hicache;
 mod info;
+mod lora;
 mod serve;
 mod setup;
 mod speculative;

@@ -72,8 +72,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .unwrap_or(defaults.max_queued_requests),
         enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
         speculative: cfg.speculative.to_engine()?,
+        max_loras_per_batch: cfg.lora.max_loras_per_batch.unwrap_or(8),
         ..defaults
     };
+    let lora = cfg.lora.to_settings()?;
     let kv = match (c.max_total_tokens, c.kv_cache_gb) {
         (Some(t), _) => KvBudget::Tokens(t),
         (None, Some(g)) => KvBudget::Bytes((g * (1u64 << 30) as f64) as u64),
@@ -180,6 +182,24 @@ pub fn run(args: ServeArgs) -> Result<()> {
     )?;
     if let Some(g) = grammar {
         server = server.with_grammar(g);
+    }
+    if let Some(l) = &lora {
+        let registry = crate::lora::build(l, built.backend.clone(), &spec)?;
+        for (name, loaded) in registry.list() {
+            eprintln!(
+                "LoRA adapter '{name}': rank {}, {:.2} MiB on {:?}, from {}",
+                loaded.adapter.rank(),
+                loaded.adapter.bytes() as f64 / (1u64 << 20) as f64,
+                loaded
+                    .adapter
+                    .targets()
+                    .iter()
+                    .map(|t| t.module())
+                    .collect::<Vec<_>>(),
+                loaded.path.display()
+            );
+        }
+        server = server.with_lora(registry);
     }
     server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
         registry: Arc::new(registry),

@@ -218,6 +218,7 @@ fn step(
         layout,
         logits_rows: rows,
         hidden_layers: Vec::new(),
+        lora: Vec::new(),
     };
     let ctx = ForwardContext {
         kv: &s.kv,

@@ -149,6 +149,7 @@ fn greedy_on_device(
             input_ids: ids,
             layout,
             hidden_layers: Vec::new(),
+            lora: Vec::new(),
         };
         let ctx = ForwardContext {
             kv: &cache,

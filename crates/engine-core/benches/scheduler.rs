@@ -58,6 +58,7 @@ fn main() {
         num_kv_heads: 1,
         head_dim: 2,
         hidden_size: 2,
+        intermediate_size: 2,
         vocab_size: VOCAB,
         max_position_embeddings: 1 << 16,
         sliding_window: None,

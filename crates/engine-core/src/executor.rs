@@ -28,6 +28,7 @@ use crate::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
+use crate::lora::LoraSegment;
 use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
 use crate::sampling::{
@@ -126,7 +127,10 @@ impl LocalExecutor {
     }
 }
 
-/// The packed forward batch of a plan, with each sequence's first sampled row.
+/// The packed forward batch of a plan, with each sequence's first sampled
+/// row (indexed by plan order). Sequences are packed in plan order, except
+/// that with LoRA adapters those of one adapter are packed next to one
+/// another (base rows first), one [`LoraSegment`] per adapter.
 fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<usize>)> {
     let mut layout = BatchLayout::new(page_size);
     let tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
@@ -138,8 +142,16 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
     let mut ids = Vec::with_capacity(tokens);
     let mut positions = Vec::with_capacity(tokens);
     let mut rows = Vec::with_capacity(plan.seqs.len());
-    let mut first_row = Vec::with_capacity(plan.seqs.len());
-    for s in &plan.seqs {
+    let mut first_row = vec![0; plan.seqs.len()];
+    let adapter_key = |i: &usize| plan.seqs[*i].lora.as_ref().map(Arc::as_ptr);
+    let mut order: Vec<usize> = (0..plan.seqs.len()).collect();
+    let with_lora = plan.seqs.iter().any(|s| s.lora.is_some());
+    if with_lora {
+        order.sort_by_key(adapter_key);
+    }
+    let mut lora: Vec<LoraSegment> = Vec::new();
+    for i in order {
+        let s = &plan.seqs[i];
         s.validate(page_size)?;
         let q_start = ids.len();
         match &s.tree {
@@ -154,8 +166,17 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
             }
             Some(_) => positions.extend(s.positions()),
         }
-        first_row.push(rows.len());
+        first_row[i] = rows.len();
         rows.extend(s.sampled_rows().map(|r| (q_start + r) as u32));
+        if let Some(a) = &s.lora {
+            match lora.last_mut() {
+                Some(seg) if Arc::ptr_eq(&seg.adapter, a) => seg.rows.end = ids.len(),
+                _ => lora.push(LoraSegment {
+                    adapter: a.clone(),
+                    rows: q_start..ids.len(),
+                }),
+            }
+        }
     }
     let batch = ForwardBatch {
         input_ids: ids,
@@ -163,6 +184,7 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
         layout: Arc::new(layout),
         logits_rows: rows,
         hidden_layers: plan.hidden_layers.clone(),
+        lora,
     };
     Ok((batch, first_row))
 }
@@ -311,14 +333,16 @@ impl Executor for LocalExecutor {
     }
 }
 
-/// Rows `rows` (of `total`) of the logits: the tensor itself when that is all of them.
+/// Rows `rows` (of `total`) of the logits: the tensor itself when that is
+/// all of them in order (with LoRA adapters the packed order may differ
+/// from the plan's).
 fn select_rows(
     backend: &(dyn Backend + 'static),
     logits: &Tensor,
     rows: &[u32],
     total: usize,
 ) -> Result<Tensor> {
-    if rows.len() == total {
+    if rows.len() == total && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
         return Ok(logits.clone());
     }
     let idx = backend.upload_u32(&[rows.len()], rows)?;

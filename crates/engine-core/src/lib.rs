@@ -17,6 +17,7 @@ pub mod error;
 pub mod executor;
 pub mod grammar;
 pub mod kv;
+pub mod lora;
 pub mod model;
 pub mod no_prefix_cache;
 pub mod plugin;
@@ -40,6 +41,7 @@ pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
 pub use kv::{KvCache, KvLayer, KvSpec, PagePool, PageSet};
+pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};
 pub use model::{
     ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
     WeightSource,

@@ -11,6 +11,7 @@ use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::kv::KvCache;
+use crate::lora::LoraSegment;
 use crate::quant::QuantMethod;
 use crate::tensor::{HostTensor, Tensor};
 use std::sync::Arc;
@@ -30,6 +31,8 @@ pub struct ModelSpec {
     pub head_dim: usize,
     /// Hidden size.
     pub hidden_size: usize,
+    /// Width of the MLP's gate/up projections.
+    pub intermediate_size: usize,
     /// Vocabulary size (rows of the logits).
     pub vocab_size: usize,
     /// Longest context the model supports.
@@ -47,7 +50,7 @@ impl ModelSpec {
     /// the same architecture and tensor shapes (weight dtype and size may
     /// differ); the error names the first difference.
     pub fn same_shape(&self, other: &ModelSpec) -> crate::Result<()> {
-        let fields: [(&str, String, String); 9] = [
+        let fields: [(&str, String, String); 10] = [
             (
                 "architecture",
                 self.architecture.clone(),
@@ -77,6 +80,11 @@ impl ModelSpec {
                 "hidden_size",
                 self.hidden_size.to_string(),
                 other.hidden_size.to_string(),
+            ),
+            (
+                "intermediate_size",
+                self.intermediate_size.to_string(),
+                other.intermediate_size.to_string(),
             ),
             (
                 "vocab_size",
@@ -118,6 +126,9 @@ pub struct ForwardBatch {
     /// EAGLE/MTP drafters): `i < num_layers` is the residual stream after
     /// layer `i`; `num_layers` is the final normed state the LM head reads.
     pub hidden_layers: Vec<usize>,
+    /// LoRA adapters by packed row range (empty: the base model for every
+    /// row); see [`crate::lora`].
+    pub lora: Vec<LoraSegment>,
 }
 
 impl ForwardBatch {
@@ -143,6 +154,16 @@ impl ForwardBatch {
             return Err(CoreError::invalid(format!(
                 "logits row {bad} past {n} tokens"
             )));
+        }
+        let mut end = 0;
+        for s in &self.lora {
+            if s.rows.start < end || s.rows.end > n || s.rows.is_empty() {
+                return Err(CoreError::invalid(format!(
+                    "LoRA segment {:?} overlaps another or leaves the {n} tokens",
+                    s.rows
+                )));
+            }
+            end = s.rows.end;
         }
         Ok(())
     }

@@ -41,6 +41,16 @@ impl CacheNamespace {
             ))),
         }
     }
+
+    /// This namespace under a LoRA adapter whose files hash to `digest`:
+    /// KV computed with an adapter is reused only by requests with the same
+    /// adapter (and the same keys).
+    pub fn with_adapter(&self, digest: &str) -> Self {
+        CacheNamespace(Some(format!(
+            "lora:{digest}\u{1f}{}",
+            self.0.as_deref().unwrap_or_default()
+        )))
+    }
 }
 
 /// Stable id of a node in a prefix cache.

@@ -204,6 +204,7 @@ impl ModelRunner {
             layout: Arc::new(layout),
             logits_rows: rows,
             hidden_layers: Vec::new(),
+            lora: Vec::new(),
         };
         let out = self.forward(&batch)?;
         let flat = self.backend.download_f32(&out.logits)?;

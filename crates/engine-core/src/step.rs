@@ -1,9 +1,10 @@
 //! The step plan and its output: what the scheduler asks an
 //! [`Executor`](crate::executor::Executor) to compute, and what comes back.
 //!
-//! A [`StepPlan`] is plain data (no device handles): per sequence the tokens
-//! to compute after `prefix_len` cached ones, the pages that hold them, an
-//! optional draft tree, and how to sample. It is built on the scheduler thread
+//! A [`StepPlan`] is plain data (no device handles but the shared, read-only
+//! LoRA adapters): per sequence the tokens to compute after `prefix_len`
+//! cached ones, the pages that hold them, an optional draft tree, the
+//! adapter, and how to sample. It is built on the scheduler thread
 //! and may be built while the previous plan runs (overlap scheduling).
 //!
 //! Invariants of a [`SeqPlan`] (checked by [`SeqPlan::validate`]):
@@ -16,6 +17,7 @@
 
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
+use crate::lora::LoraAdapter;
 use crate::sampling::SamplingParams;
 use crate::tier::{KvCopyStats, KvTierOps};
 use std::sync::Arc;
@@ -76,6 +78,8 @@ pub struct SeqPlan {
     pub tree: Option<Vec<i32>>,
     /// Sampling after the forward; `None` for a prompt chunk that is not the last.
     pub sample: Option<SampleSpec>,
+    /// The LoRA adapter the sequence runs with (`None`: the base model).
+    pub lora: Option<Arc<LoraAdapter>>,
 }
 
 impl SeqPlan {
@@ -236,6 +240,7 @@ mod tests {
     #[test]
     fn positions_rows_and_checks() {
         let mut s = SeqPlan {
+            lora: None,
             tokens: vec![1, 2, 3, 4],
             prefix_len: 5,
             pages: vec![0, 1, 2],

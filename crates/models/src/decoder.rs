@@ -4,10 +4,12 @@
 //! One implementation serves the four architectures; an [`ArchFlags`] value
 //! per registered name says what differs. The model owns its weights only;
 //! the KV cache, batch layout and attention implementation come with each
-//! forward call. Every tensor is checked against the shape the config implies
+//! forward call, with the batch's LoRA segments (applied after each of the
+//! seven projections). Every tensor is checked against the shape the config implies
 //! when loading, and errors name the tensor and the checkpoint.
 
 use crate::config::DecoderConfig;
+use arbor_engine_core::lora::{LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
@@ -244,6 +246,7 @@ impl DecoderModel {
             num_kv_heads: nkv,
             head_dim: hd,
             hidden_size: h,
+            intermediate_size: inter,
             vocab_size: cfg.vocab_size,
             max_position_embeddings: cfg.max_position_embeddings,
             sliding_window: cfg.sliding_window,
@@ -343,6 +346,13 @@ impl Model for DecoderModel {
             }
             Ok(out)
         };
+        // Adds the batch's LoRA deltas of one linear (nothing without adapters).
+        let lora = |layer: usize, target: LoraTarget, x: &Tensor, out: &Tensor| -> Result<()> {
+            if batch.lora.is_empty() {
+                return Ok(());
+            }
+            apply_lora(b, &batch.lora, layer, target, x, out)
+        };
         let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
         b.embedding(&self.embed, &ids, &resid)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -385,6 +395,9 @@ impl Model for DecoderModel {
                     },
                 ],
             )?;
+            lora(i, LoraTarget::Q, &x, &q)?;
+            lora(i, LoraTarget::K, &x, &k)?;
+            lora(i, LoraTarget::V, &x, &v)?;
             if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
                 b.rms_norm(&q_heads, qn, c.rms_norm_eps, &q_heads)?;
                 b.rms_norm(&k_heads, kn, c.rms_norm_eps, &k_heads)?;
@@ -401,6 +414,7 @@ impl Model for DecoderModel {
                 &params,
             )?;
             self.linear(&attn, &layer.o, &proj)?;
+            lora(i, LoraTarget::O, &attn, &proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
             b.linear_many(
                 &x,
@@ -417,8 +431,11 @@ impl Model for DecoderModel {
                     },
                 ],
             )?;
+            lora(i, LoraTarget::Gate, &x, &gate)?;
+            lora(i, LoraTarget::Up, &x, &up)?;
             b.silu_mul(&gate, &up, &act)?;
             self.linear(&act, &layer.down, &proj)?;
+            lora(i, LoraTarget::Down, &act, &proj)?;
         }
         b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
         // After the final add, `resid` is the stream after the last layer.

@@ -244,6 +244,7 @@ fn check_tree(
             layout,
             logits_rows: (0..tokens.len() as u32).collect(),
             hidden_layers: Vec::new(),
+            lora: Vec::new(),
         };
         let ctx = ForwardContext {
             kv: &kv,

@@ -60,6 +60,7 @@ fn final_hidden_state_gives_the_logits() -> Result<()> {
         layout: Arc::new(layout),
         logits_rows: vec![2, 6],
         hidden_layers: vec![layers - 1, layers, 0],
+        lora: Vec::new(),
     };
     let out = runner.forward(&batch)?;
     let logits = backend.download_f32(&out.logits)?;

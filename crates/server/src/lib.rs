@@ -28,6 +28,7 @@ mod admin;
 pub mod constraint;
 pub mod error;
 mod fields;
+mod lora;
 pub mod metrics;
 mod native;
 mod openai;
@@ -174,6 +175,15 @@ impl Server {
         self
     }
 
+    /// Enables LoRA adapters (`lora_path`, `base:adapter` model names, and
+    /// the load/unload endpoints) from `registry`.
+    pub fn with_lora(mut self, registry: Arc<arbor_lora::LoraRegistry>) -> Self {
+        if let Some(st) = Arc::get_mut(&mut self.state) {
+            st.lora = Some(registry);
+        }
+        self
+    }
+
     /// The routes, ready to serve or to nest in a larger application.
     pub fn router(&self) -> Router {
         let st = self.state.clone();
@@ -199,6 +209,8 @@ impl Server {
                 "/update_weights_from_disk",
                 post(refit::update_weights_from_disk),
             )
+            .route("/load_lora_adapter", post(lora::load_lora_adapter))
+            .route("/unload_lora_adapter", post(lora::unload_lora_adapter))
             .route("/pause_generation", post(refit::pause_generation))
             .route("/continue_generation", post(refit::continue_generation))
             .route(

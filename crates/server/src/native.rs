@@ -5,8 +5,9 @@
 //! "default"), `rid`, `stream`, `return_logprob`, `top_logprobs_num`,
 //! `logprob_start_len`, `return_text_in_logprobs`, `priority`, `extra_key` (per
 //! prompt) and `cache_salt` (prefix-cache namespaces: requests with other
-//! keys never share cached KV). Fields SGLang
-//! has and Arbor does not implement yet (`lora_path`, `image_data`, ...) are
+//! keys never share cached KV), `lora_path` (a loaded LoRA adapter's name,
+//! or one per prompt; see `lora.rs`). Fields SGLang
+//! has and Arbor does not implement yet (`lora_id`, `image_data`, ...) are
 //! accepted while they ask for nothing and refused with a 400 naming the
 //! field otherwise; unknown fields are refused.
 //!
@@ -203,14 +204,15 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
     let lp = per_prompt(&mut f, "return_logprob", count, batch)?;
     let lp_start = per_prompt(&mut f, "logprob_start_len", count, batch)?;
     let top = per_prompt(&mut f, "top_logprobs_num", count, batch)?;
+    let adapters =
+        crate::lora::per_prompt_adapters(st, per_prompt(&mut f, "lora_path", count, batch)?)?;
     let stream = f.bool("stream")?.unwrap_or(false);
     let text_in_logprobs = f.bool("return_text_in_logprobs")?.unwrap_or(false);
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
     f.ignore("log_metrics");
     f.ignore("stream_interval");
     for (k, what) in [
-        ("lora_path", "LoRA"),
-        ("lora_id", "LoRA"),
+        ("lora_id", "LoRA by id (name the adapter in 'lora_path')"),
         ("image_data", "image input"),
         ("video_data", "video input"),
         ("audio_data", "audio input"),
@@ -263,6 +265,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         let extra_key = typed::<String>("extra_key", extra_keys[i].clone())?;
         job.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
         job.constraint = constraint;
+        job.lora = adapters[i].clone();
         jobs.push(job);
     }
     let list = batch || n.unwrap_or(1) > 1;

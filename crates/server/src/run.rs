@@ -34,6 +34,8 @@ pub(crate) struct Job {
     pub priority: i64,
     pub namespace: CacheNamespace,
     pub constraint: Option<ConstraintSpec>,
+    /// The LoRA adapter (`None`: the base model).
+    pub lora: Option<Arc<arbor_engine_core::LoraAdapter>>,
 }
 
 impl Job {
@@ -47,6 +49,7 @@ impl Job {
             priority: 0,
             namespace: CacheNamespace::default(),
             constraint: None,
+            lora: None,
         }
     }
 }
@@ -126,6 +129,7 @@ pub(crate) async fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run,
         req.return_logprob = job.return_logprob;
         req.top_logprobs_num = job.top_logprobs_num;
         req.grammar = grammar;
+        req.lora = job.lora;
         let stream = state.engine.submit(req)?;
         for _ in 0..n {
             samples.push(Sample {

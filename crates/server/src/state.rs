@@ -91,6 +91,8 @@ pub(crate) struct AppState {
     pub grammar_queue: std::sync::atomic::AtomicUsize,
     /// Loads new weights for `/update_weights_from_disk` and resume, when configured.
     pub loader: Option<Arc<dyn crate::refit::WeightLoader>>,
+    /// LoRA adapters by name, when LoRA is enabled.
+    pub lora: Option<Arc<arbor_lora::LoraRegistry>>,
     /// The weights served now.
     weights: std::sync::Mutex<Weights>,
     /// Serializes weight updates and memory release/resume.
@@ -120,6 +122,7 @@ impl AppState {
         Self {
             weights: std::sync::Mutex::new(weights),
             loader: None,
+            lora: None,
             refit_lock: tokio::sync::Mutex::new(()),
             metrics: Metrics::new(&opts.metrics_prefix, &opts.served_model_name),
             engine,

@@ -70,6 +70,10 @@ pub struct EngineConfig {
     /// Speculative decoding (`None`: off). The speculator itself comes in
     /// [`EngineParts::speculator`].
     pub speculative: Option<SpeculativeConfig>,
+    /// Most distinct LoRA adapters in one step, the base model counting as
+    /// one (SGLang's `--max-loras-per-batch`); requests of another adapter
+    /// wait until a running one finishes.
+    pub max_loras_per_batch: usize,
 }
 
 impl Default for EngineConfig {
@@ -88,6 +92,7 @@ impl Default for EngineConfig {
             overlap_schedule: None,
             enable_jump_forward: true,
             speculative: None,
+            max_loras_per_batch: 8,
         }
     }
 }
@@ -111,6 +116,8 @@ pub struct GenerateRequest {
     pub top_logprobs_num: usize,
     /// Constrain the output to a compiled grammar (JSON schema, regex, EBNF...).
     pub grammar: Option<Arc<dyn crate::grammar::CompiledGrammar>>,
+    /// Run with this LoRA adapter (`None`: the base model).
+    pub lora: Option<Arc<crate::lora::LoraAdapter>>,
 }
 
 impl std::fmt::Debug for GenerateRequest {
@@ -120,6 +127,7 @@ impl std::fmt::Debug for GenerateRequest {
             .field("input_ids", &self.input_ids.len())
             .field("params", &self.params)
             .field("grammar", &self.grammar.is_some())
+            .field("lora", &self.lora.as_ref().map(|a| a.name()))
             .finish()
     }
 }
@@ -136,6 +144,7 @@ impl GenerateRequest {
             return_logprob: false,
             top_logprobs_num: 0,
             grammar: None,
+            lora: None,
         }
     }
 }
@@ -402,6 +411,7 @@ struct Limits {
     vocab_size: usize,
     context: usize,
     capacity_tokens: usize,
+    num_layers: usize,
 }
 
 impl Engine {
@@ -442,6 +452,7 @@ impl Engine {
             vocab_size: spec.vocab_size,
             context: spec.max_position_embeddings,
             capacity_tokens: kv.capacity_tokens(),
+            num_layers: spec.num_layers,
         };
         let stats = Arc::new(Mutex::new(EngineStats {
             max_total_tokens: kv.capacity_tokens(),
@@ -494,6 +505,16 @@ impl Engine {
         }
         if req.top_logprobs_num > 20 {
             return Err(CoreError::invalid("top_logprobs_num must be at most 20"));
+        }
+        if let Some(a) = &req.lora
+            && a.num_layers() != l.num_layers
+        {
+            return Err(CoreError::invalid(format!(
+                "LoRA adapter '{}' has {} layers, the model {}",
+                a.name(),
+                a.num_layers(),
+                l.num_layers
+            )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let rid = req.rid.clone().unwrap_or_else(|| format!("req-{id}"));

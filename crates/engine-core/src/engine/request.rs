@@ -14,6 +14,7 @@ use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
 use crate::grammar::{CompiledGrammar, GrammarMatcher};
 use crate::kv::PageSet;
+use crate::lora::LoraAdapter;
 use crate::prefix_cache::{CacheNamespace, NodeId};
 use crate::sampling::{SamplingParams, SeqRng};
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub(crate) struct Req {
     /// Recent per-token acceptance of this request's drafts: (accepted, tried), decayed.
     pub spec_rate: (f64, f64),
     pub ns: CacheNamespace,
+    /// The LoRA adapter (held until the request ends).
+    pub lora: Option<Arc<LoraAdapter>>,
     pub priority: i64,
     pub return_logprob: bool,
     pub top_logprobs_num: usize,
@@ -101,7 +104,11 @@ impl Req {
             spec_verify_ct: 0,
             spec_accepted: 0,
             spec_rate: (0.0, 0.0),
-            ns: r.namespace,
+            ns: match &r.lora {
+                Some(a) => r.namespace.with_adapter(a.digest()),
+                None => r.namespace,
+            },
+            lora: r.lora,
             priority: r.priority,
             return_logprob: r.return_logprob,
             top_logprobs_num: r.top_logprobs_num,
@@ -160,6 +167,7 @@ impl Req {
             spec_accepted: 0,
             spec_rate: (0.0, 0.0),
             ns: self.ns.clone(),
+            lora: self.lora.clone(),
             priority: self.priority,
             return_logprob: self.return_logprob,
             top_logprobs_num: self.top_logprobs_num,

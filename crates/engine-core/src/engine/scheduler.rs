@@ -116,6 +116,16 @@ pub(crate) struct Scheduler {
     seq_bufs: Vec<crate::step::SeqPlan>,
     /// When the last forward's results came back (the time its chunks report).
     step_time: Instant,
+    /// Some request ran with a LoRA adapter (admission then counts adapters).
+    lora_used: bool,
+}
+
+/// Which adapter a request runs with, for counting (`None`: the base model).
+type AdapterKey = Option<usize>;
+
+fn adapter_key(r: &Req) -> AdapterKey {
+    // The address of the shared adapter: requests of one adapter hold one Arc.
+    r.lora.as_ref().map(|a| Arc::as_ptr(a) as usize)
 }
 
 impl Scheduler {
@@ -141,6 +151,7 @@ impl Scheduler {
         Ok(Self {
             overlap,
             lookahead: Vec::new(),
+            lora_used: false,
             rng: SeqRng::new(cfg.seed),
             cfg,
             executor: Arc::from(parts.executor),
@@ -277,6 +288,7 @@ impl Scheduler {
     }
 
     fn accept(&mut self, mut r: Req) {
+        self.lora_used |= r.lora.is_some();
         r.ns = self.current_namespace(&r.ns);
         r.key = self.next_key;
         self.next_key += 1;
@@ -477,13 +489,18 @@ impl Scheduler {
         if !self.lookahead.is_empty() {
             return Ok(std::mem::take(&mut self.lookahead));
         }
-        self.admit(0, 0.0)
+        self.admit(0, 0.0, &[])
     }
 
     /// Admits waiting requests (the chunked one first) under the budgets;
     /// `in_flight` requests needing `in_flight_reserve` tokens are counted as
     /// running on top of `self.running` (they are in the forward now).
-    fn admit(&mut self, in_flight: usize, in_flight_reserve: f64) -> Result<Vec<PrefillEntry>> {
+    fn admit(
+        &mut self,
+        in_flight: usize,
+        in_flight_reserve: f64,
+        in_flight_adapters: &[AdapterKey],
+    ) -> Result<Vec<PrefillEntry>> {
         let mut entries: Vec<PrefillEntry> = Vec::new();
         let mut budget = Budget {
             rem_chunk: if self.cfg.chunked_prefill_size > 0 {
@@ -522,6 +539,8 @@ impl Scheduler {
             &mut self.rng,
         );
         let mut queue: Vec<Option<Req>> = self.waiting.drain(..).map(Some).collect();
+        // Adapters of the step, filled on the first request when LoRA is in use.
+        let mut adapters: Option<Vec<AdapterKey>> = None;
         for i in order {
             let running = self.running.len() + in_flight + entries.len();
             if running >= self.cfg.max_running_requests || budget.rem_chunk == 0 {
@@ -530,6 +549,26 @@ impl Scheduler {
             let Some(r) = queue.get_mut(i).and_then(Option::take) else {
                 continue;
             };
+            if self.lora_used {
+                let active = adapters.get_or_insert_with(|| {
+                    let mut v = in_flight_adapters.to_vec();
+                    let ours = self.running.iter().chain(&self.chunked);
+                    for k in ours.chain(entries.iter().map(|e| &e.req)).map(adapter_key) {
+                        if !v.contains(&k) {
+                            v.push(k);
+                        }
+                    }
+                    v
+                });
+                let k = adapter_key(&r);
+                if !active.contains(&k) {
+                    if active.len() >= self.cfg.max_loras_per_batch.max(1) {
+                        queue[i] = Some(r);
+                        continue;
+                    }
+                    active.push(k);
+                }
+            }
             // A fresh request waits while its prefix is fetched from storage
             // (as the prefetch policy says); the others may go first.
             if r.node.is_none() && !self.cache.prefetch_poll(r.key) {

@@ -53,6 +53,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         step(
             ex,
             SeqPlan {
+                lora: None,
                 tokens: prompt.clone(),
                 prefix_len: 0,
                 pages: pages.clone(),
@@ -68,6 +69,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         let t = step(
             &ex,
             SeqPlan {
+                lora: None,
                 tokens: vec![last],
                 prefix_len: prompt.len() + toks.len() - 1,
                 pages: pages.clone(),
@@ -81,6 +83,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         let mut tokens = vec![toks[0]];
         tokens.extend_from_slice(drafts);
         SeqPlan {
+            lora: None,
             tokens,
             prefix_len: prompt.len(),
             pages: pages.clone(),
@@ -112,6 +115,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
     let t = step(
         &ex,
         SeqPlan {
+            lora: None,
             tokens: vec![toks[4]],
             prefix_len: prompt.len() + 4,
             pages: pages.clone(),
@@ -148,6 +152,7 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
     let first = step(
         &ex,
         SeqPlan {
+            lora: None,
             tokens: prompt.clone(),
             prefix_len: 0,
             pages: vec![0, 1, 2],
@@ -202,6 +207,7 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
             toks.extend(step(
                 &ex,
                 SeqPlan {
+                    lora: None,
                     tokens: vec![last],
                     prefix_len: prompt.len() + toks.len() - 1,
                     pages: pages.clone(),

@@ -130,7 +130,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     st.check_accepting()?;
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let mut f = Fields::new(v, "the request body", "")?;
-    check_model(&st, &mut f)?;
+    let lora = check_model(&st, &mut f)?;
     let msgs = messages(f.raw("messages"))?;
     let Common {
         mut params,
@@ -237,6 +237,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.priority = priority;
     job.namespace = namespace;
     job.constraint = constraint;
+    job.lora = lora;
     let mut run = run::submit(&st, vec![job]).await?;
     let fmt = ChatFormat {
         state: st.clone(),

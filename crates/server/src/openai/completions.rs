@@ -88,7 +88,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     st.check_accepting()?;
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let mut f = Fields::new(v, "the request body", "")?;
-    check_model(&st, &mut f)?;
+    let lora = check_model(&st, &mut f)?;
     let prompts = prompts(&st, f.raw("prompt"))?;
     let Common {
         mut params,
@@ -128,6 +128,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             j.priority = priority;
             j.namespace = namespace.clone();
             j.constraint = constraint.clone();
+            j.lora = lora.clone();
             j
         })
         .collect();

@@ -46,18 +46,16 @@ pub(crate) struct Common {
     pub namespace: CacheNamespace,
 }
 
-/// Checks the `model` field against the served name.
-pub(crate) fn check_model(st: &AppState, f: &mut Fields) -> Result<(), ApiError> {
-    if let Some(m) = f.string("model")? {
-        let served = &st.opts.served_model_name;
-        if !st.serves_model(&m) {
-            return Err(ApiError::not_found(format!(
-                "the model '{m}' does not exist; this server serves '{served}'"
-            ))
-            .with_param("model"));
-        }
+/// Checks the `model` field against the served name and the loaded LoRA
+/// adapters (`base:adapter`, or the adapter's name); returns the adapter.
+pub(crate) fn check_model(
+    st: &AppState,
+    f: &mut Fields,
+) -> Result<Option<Arc<arbor_engine_core::LoraAdapter>>, ApiError> {
+    match f.string("model")? {
+        Some(m) => st.resolve_model(&m),
+        None => Ok(None),
     }
-    Ok(())
 }
 
 /// Reads a token limit that must be at least 1.
@@ -256,13 +254,20 @@ pub(crate) fn token_text(st: &AppState, id: u32) -> String {
 
 /// Handles `GET /v1/models`.
 pub(crate) async fn models(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({"object": "list", "data": [model_card(&st)]})).into_response()
+    let mut data = vec![model_card(&st)];
+    data.extend(crate::lora::adapter_cards(&st, AppState::now_unix()));
+    Json(json!({"object": "list", "data": data})).into_response()
 }
 
 /// Handles `GET /v1/models/{id}`.
 pub(crate) async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     if st.serves_model(&id) {
         Json(model_card(&st)).into_response()
+    } else if let Some(card) = crate::lora::adapter_cards(&st, AppState::now_unix())
+        .into_iter()
+        .find(|c| c["id"] == id.as_str())
+    {
+        Json(card).into_response()
     } else {
         ApiError::not_found(format!("the model '{id}' does not exist"))
             .with_param("model")

@@ -17,7 +17,7 @@
 //! saw the accepted tokens (draft masks were filled by accepting drafts
 //! tentatively and rolling back).
 
-use super::{PrefillEntry, Scheduler, abort_finish};
+use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key};
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
@@ -111,6 +111,7 @@ impl Scheduler {
         e.req.page_table_into(&mut s.pages);
         s.tree = None;
         s.sample = samples.then(|| self.sample_spec(&mut e.req, SampleRows::Last));
+        s.lora.clone_from(&e.req.lora);
     }
 
     /// Fills `s` (a buffer reused across steps) with the plan of a decoding request.
@@ -132,6 +133,7 @@ impl Scheduler {
         s.prefix_len = r.computed;
         r.page_table_into(&mut s.pages);
         s.sample = Some(self.sample_spec(r, rows));
+        s.lora.clone_from(&r.lora);
     }
 
     /// Runs the KV tier copies the cache recorded, in a step of their own
@@ -203,7 +205,7 @@ impl Scheduler {
             && self.chunked.is_none()
             && !self.waiting.is_empty()
             && prefill.iter().all(|e| e.last);
-        let (in_flight, in_flight_reserve) = if lookahead {
+        let (in_flight, in_flight_reserve, in_flight_adapters) = if lookahead {
             // A request whose next token is its last (max_new_tokens)
             // leaves after this forward; the others keep running. Their
             // pages stay counted as used until they are released.
@@ -215,9 +217,17 @@ impl Scheduler {
                 .filter(|r| r.remaining_new() > 1)
                 .collect();
             let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
-            (staying.len(), reserve)
+            let mut adapters: Vec<AdapterKey> = Vec::new();
+            if self.lora_used {
+                for k in staying.iter().map(|r| adapter_key(r)) {
+                    if !adapters.contains(&k) {
+                        adapters.push(k);
+                    }
+                }
+            }
+            (staying.len(), reserve, adapters)
         } else {
-            (0, 0.0)
+            (0, 0.0, Vec::new())
         };
         // The requests that sample after this forward under a grammar, with
         // their plan index and drafts.
@@ -262,7 +272,7 @@ impl Scheduler {
                     }
                     drop(tx);
                     if lookahead {
-                        sched.admit(in_flight, in_flight_reserve)
+                        sched.admit(in_flight, in_flight_reserve, &in_flight_adapters)
                     } else {
                         Ok(Vec::new())
                     }

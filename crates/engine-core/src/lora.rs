@@ -1,0 +1,270 @@
+//! LoRA adapters on the device and their application to a batch.
+//!
+//! A [`LoraAdapter`] holds, per layer and per [`LoraTarget`] linear, the two
+//! low-rank factors of a PEFT adapter: `A` `[r, in]` and `B` `[out, r]`, both
+//! f32, `B` already multiplied by the adapter's scaling (`alpha / r`, or
+//! `alpha / sqrt(r)` with rsLoRA). A linear `y = x W^T` becomes
+//! `y = x W^T + (x A^T) B^T`. Adapters are built by a loader (crates/lora)
+//! and shared through `Arc`: a request holds its adapter until it finishes,
+//! so unloading one never frees weights a running request reads.
+//!
+//! A batch applies adapters by *segments* ([`LoraSegment`]): contiguous rows
+//! of the packed batch that use one adapter. The executor packs each
+//! adapter's sequences next to one another, so a step costs three backend
+//! calls per adapter and target linear (shrink, expand, add), whatever the
+//! number of requests. Each row's delta is a product over that row alone
+//! (the linear kernels are batch-invariant), so a request's output does not
+//! depend on which adapters share its step.
+//!
+//! Invariants (checked by [`LoraAdapter::new`]): every factor pair has
+//! `A.rows() == B.row_len() <= rank` (PEFT's `rank_pattern` gives modules
+//! ranks of their own); the layer count matches the model the
+//! loader checked it against; segments of a batch do not overlap.
+
+use crate::backend::Backend;
+use crate::dtype::DType;
+use crate::error::{CoreError, Result};
+use crate::tensor::Tensor;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The linear layers of a decoder layer an adapter may target, with their
+/// PEFT module names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LoraTarget {
+    /// `self_attn.q_proj`.
+    Q,
+    /// `self_attn.k_proj`.
+    K,
+    /// `self_attn.v_proj`.
+    V,
+    /// `self_attn.o_proj`.
+    O,
+    /// `mlp.gate_proj`.
+    Gate,
+    /// `mlp.up_proj`.
+    Up,
+    /// `mlp.down_proj`.
+    Down,
+}
+
+impl LoraTarget {
+    /// Every target, in layer order.
+    pub const ALL: [LoraTarget; 7] = [
+        LoraTarget::Q,
+        LoraTarget::K,
+        LoraTarget::V,
+        LoraTarget::O,
+        LoraTarget::Gate,
+        LoraTarget::Up,
+        LoraTarget::Down,
+    ];
+
+    /// The PEFT `target_modules` name (`q_proj`, ...).
+    pub fn module(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "q_proj",
+            LoraTarget::K => "k_proj",
+            LoraTarget::V => "v_proj",
+            LoraTarget::O => "o_proj",
+            LoraTarget::Gate => "gate_proj",
+            LoraTarget::Up => "up_proj",
+            LoraTarget::Down => "down_proj",
+        }
+    }
+
+    /// The module's path inside a decoder layer (`self_attn.q_proj`, ...).
+    pub fn path(self) -> &'static str {
+        match self {
+            LoraTarget::Q => "self_attn.q_proj",
+            LoraTarget::K => "self_attn.k_proj",
+            LoraTarget::V => "self_attn.v_proj",
+            LoraTarget::O => "self_attn.o_proj",
+            LoraTarget::Gate => "mlp.gate_proj",
+            LoraTarget::Up => "mlp.up_proj",
+            LoraTarget::Down => "mlp.down_proj",
+        }
+    }
+
+    /// The target of a PEFT module name.
+    pub fn from_module(name: &str) -> Option<LoraTarget> {
+        LoraTarget::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One linear's factors: `a` `[r, in]`, `b` `[out, r]` (scaled).
+#[derive(Clone, Debug)]
+pub struct LoraPair {
+    /// The shrink factor `[r, in]`.
+    pub a: Tensor,
+    /// The expand factor `[out, r]`, multiplied by the adapter's scaling.
+    pub b: Tensor,
+}
+
+/// The factors of one decoder layer, by target.
+#[derive(Clone, Debug, Default)]
+pub struct LoraLayer {
+    pairs: [Option<LoraPair>; 7],
+}
+
+impl LoraLayer {
+    /// Sets the factors of `target`.
+    pub fn set(&mut self, target: LoraTarget, pair: LoraPair) {
+        self.pairs[target.index()] = Some(pair);
+    }
+
+    /// The factors of `target`, when the adapter has them in this layer.
+    pub fn get(&self, target: LoraTarget) -> Option<&LoraPair> {
+        self.pairs[target.index()].as_ref()
+    }
+}
+
+/// A loaded adapter (see the module doc).
+pub struct LoraAdapter {
+    name: String,
+    digest: String,
+    rank: usize,
+    layers: Vec<LoraLayer>,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for LoraAdapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoraAdapter")
+            .field("name", &self.name)
+            .field("rank", &self.rank)
+            .field("layers", &self.layers.len())
+            .finish()
+    }
+}
+
+impl LoraAdapter {
+    /// An adapter named `name` whose files hash to `digest`, of rank `rank`,
+    /// with one entry per decoder layer (a layer may have no factors).
+    pub fn new(name: &str, digest: &str, rank: usize, layers: Vec<LoraLayer>) -> Result<Self> {
+        if rank == 0 {
+            return Err(CoreError::invalid(format!("LoRA adapter '{name}': rank 0")));
+        }
+        let mut bytes = 0u64;
+        for (i, l) in layers.iter().enumerate() {
+            for (t, p) in LoraTarget::ALL.iter().zip(&l.pairs) {
+                let Some(p) = p else { continue };
+                let shapes_fit = p.a.dtype() == DType::F32
+                    && p.b.dtype() == DType::F32
+                    && p.a.shape().len() == 2
+                    && p.b.shape().len() == 2
+                    && p.a.rows() == p.b.row_len()
+                    && (1..=rank).contains(&p.a.rows());
+                if !shapes_fit {
+                    return Err(CoreError::invalid(format!(
+                        "LoRA adapter '{name}': layer {i} {}: factors {:?} and {:?} are not f32 [r, in] and [out, r] with r <= {rank}",
+                        t.module(),
+                        p.a,
+                        p.b
+                    )));
+                }
+                bytes += (p.a.byte_len()? + p.b.byte_len()?) as u64;
+            }
+        }
+        Ok(Self {
+            name: name.to_string(),
+            digest: digest.to_string(),
+            rank,
+            layers,
+            bytes,
+        })
+    }
+
+    /// The name requests use.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A digest of the adapter's files: its prefix-cache namespace, so that
+    /// KV computed with one adapter is never reused by another (or by the
+    /// base model), and an adapter reloaded from the same files finds its KV.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// The rank (the largest of its factors).
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Decoder layers the adapter was built for.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Device bytes of the factors.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Targets with factors in at least one layer.
+    pub fn targets(&self) -> Vec<LoraTarget> {
+        LoraTarget::ALL
+            .into_iter()
+            .filter(|t| self.layers.iter().any(|l| l.get(*t).is_some()))
+            .collect()
+    }
+
+    /// The factors of `target` in `layer`.
+    pub fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
+        self.layers.get(layer).and_then(|l| l.get(target))
+    }
+}
+
+/// Rows of a packed batch that use one adapter.
+#[derive(Clone, Debug)]
+pub struct LoraSegment {
+    /// The adapter.
+    pub adapter: Arc<LoraAdapter>,
+    /// Packed rows (tokens) it applies to.
+    pub rows: Range<usize>,
+}
+
+/// Adds the adapters' deltas of `target` in `layer` to `out` (`[t, out]`,
+/// already holding `x W^T`) for the rows of each segment; `x` is `[t, in]`.
+pub fn apply_lora(
+    backend: &dyn Backend,
+    segments: &[LoraSegment],
+    layer: usize,
+    target: LoraTarget,
+    x: &Tensor,
+    out: &Tensor,
+) -> Result<()> {
+    let t = x.rows();
+    for s in segments {
+        let Some(p) = s.adapter.pair(layer, target) else {
+            continue;
+        };
+        let n = s.rows.len();
+        if n == 0 {
+            continue;
+        }
+        if s.rows.end > t || out.rows() != t {
+            return Err(CoreError::invalid(format!(
+                "LoRA segment {:?} outside a batch of {t} rows",
+                s.rows
+            )));
+        }
+        let whole = n == t;
+        let (xs, os) = if whole {
+            (x.clone(), out.clone())
+        } else {
+            (x.narrow(s.rows.start, n)?, out.narrow(s.rows.start, n)?)
+        };
+        let shrunk = backend.alloc(DType::F32, &[n, p.a.rows()])?;
+        backend.linear(&xs, &p.a, None, &shrunk)?;
+        let delta = backend.alloc(DType::F32, &[n, os.row_len()])?;
+        backend.linear(&shrunk, &p.b, None, &delta)?;
+        backend.add_assign(&os, &delta)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,225 @@
+//! Loads a PEFT LoRA folder (`adapter_config.json` +
+//! `adapter_model.safetensors`) onto the device for one served model.
+//!
+//! Tensor names are PEFT's: `base_model.model.model.layers.{i}.{path}.lora_A.weight`
+//! `[r, in]` and `...lora_B.weight` `[out, r]` (the `base_model.model.`
+//! prefix is optional). Every factor is checked against the served model's
+//! shapes, the config's targets and layers, and the limits; `B` is multiplied
+//! by the module's scaling once here. Any other tensor is refused, naming it.
+
+use crate::error::{LoraError, Result};
+use crate::peft::{PeftConfig, TargetModules};
+use arbor_engine_core::{
+    Backend, DType, HostTensor, LoraAdapter, LoraLayer, LoraPair, LoraTarget, ModelSpec,
+};
+use safetensors::SafeTensors;
+use safetensors::tensor::Dtype;
+use sha2::{Digest, Sha256};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// What an adapter may be, set by the server's flags.
+#[derive(Clone, Debug, Default)]
+pub struct LoraLimits {
+    /// Largest rank (`--max-lora-rank`; `None`: any).
+    pub max_rank: Option<usize>,
+    /// Modules adapters may target (`--lora-target-modules`; `None`: all seven).
+    pub targets: Option<Vec<LoraTarget>>,
+}
+
+/// Input and output widths of `target` in a model of `spec`.
+pub fn target_shape(spec: &ModelSpec, target: LoraTarget) -> (usize, usize) {
+    let q = spec.num_heads * spec.head_dim;
+    let kv = spec.num_kv_heads * spec.head_dim;
+    let (h, i) = (spec.hidden_size, spec.intermediate_size);
+    match target {
+        LoraTarget::Q => (h, q),
+        LoraTarget::K | LoraTarget::V => (h, kv),
+        LoraTarget::O => (q, h),
+        LoraTarget::Gate | LoraTarget::Up => (h, i),
+        LoraTarget::Down => (i, h),
+    }
+}
+
+/// Which factor a tensor name holds.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Factor {
+    A,
+    B,
+}
+
+/// `(layer, target, factor)` of a PEFT tensor name.
+fn parse_name(name: &str) -> Option<(usize, LoraTarget, Factor)> {
+    let rest = name.strip_prefix("base_model.model.").unwrap_or(name);
+    let rest = rest.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (path, factor) = if let Some(p) = rest.strip_suffix(".lora_A.weight") {
+        (p, Factor::A)
+    } else {
+        (rest.strip_suffix(".lora_B.weight")?, Factor::B)
+    };
+    let target = LoraTarget::ALL.into_iter().find(|t| t.path() == path)?;
+    Some((layer, target, factor))
+}
+
+fn read(name: &str, path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|source| LoraError::Io {
+        name: name.to_string(),
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// A digest of the config and weight bytes (hex, 128 bits).
+fn digest(config: &[u8], weights: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update((config.len() as u64).to_le_bytes());
+    h.update(config);
+    h.update(weights);
+    h.finalize()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Loads the adapter in `dir` under `name` for a model of `spec` on `backend`.
+pub fn load_adapter(
+    name: &str,
+    dir: &Path,
+    spec: &ModelSpec,
+    backend: &(dyn Backend + 'static),
+    limits: &LoraLimits,
+) -> Result<LoraAdapter> {
+    let invalid = |msg: String| LoraError::Invalid {
+        name: name.to_string(),
+        msg,
+    };
+    let config_bytes = read(name, &dir.join("adapter_config.json"))?;
+    let config_text = String::from_utf8(config_bytes.clone())
+        .map_err(|_| invalid("adapter_config.json is not UTF-8".into()))?;
+    let config = PeftConfig::parse(name, &config_text)?;
+    let weights_path = dir.join("adapter_model.safetensors");
+    let weights = read(name, &weights_path)?;
+    let st = SafeTensors::deserialize(&weights)
+        .map_err(|e| invalid(format!("{}: {e}", weights_path.display())))?;
+    // (layer, target) -> [A, B] host values.
+    let mut factors: BTreeMap<(usize, LoraTarget), [Option<HostTensor<'_>>; 2]> = BTreeMap::new();
+    for (tname, view) in st.tensors() {
+        let (layer, target, factor) = parse_name(&tname).ok_or_else(|| {
+            invalid(format!(
+                "tensor '{tname}' is not a LoRA factor of q/k/v/o/gate/up/down_proj in a decoder layer"
+            ))
+        })?;
+        if layer >= spec.num_layers {
+            return Err(invalid(format!(
+                "tensor '{tname}': layer {layer} of a model with {} layers",
+                spec.num_layers
+            )));
+        }
+        if let TargetModules::Listed(t) = &config.targets
+            && !t.contains(&target)
+        {
+            return Err(invalid(format!(
+                "tensor '{tname}': {} is not in the config's target_modules",
+                target.module()
+            )));
+        }
+        if let Some(l) = &config.layers
+            && !l.contains(&layer)
+        {
+            return Err(invalid(format!(
+                "tensor '{tname}': layer {layer} is not in layers_to_transform {l:?}"
+            )));
+        }
+        let dtype = match view.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(invalid(format!(
+                    "tensor '{tname}' has dtype {other:?}; supported: F32, F16, BF16"
+                )));
+            }
+        };
+        let host = HostTensor {
+            dtype,
+            shape: view.shape().to_vec(),
+            data: Cow::Borrowed(view.data()),
+        };
+        let slot = &mut factors.entry((layer, target)).or_default()[factor as usize];
+        *slot = Some(host);
+    }
+    if factors.is_empty() {
+        return Err(invalid(format!(
+            "{} holds no LoRA factors",
+            weights_path.display()
+        )));
+    }
+    let mut layers: Vec<LoraLayer> = vec![LoraLayer::default(); spec.num_layers];
+    let mut max_rank = 0;
+    for ((layer, target), [a, b]) in factors {
+        let module = format!("model.layers.{layer}.{}", target.path());
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(invalid(format!(
+                "{module} has only one of lora_A and lora_B"
+            )));
+        };
+        if let Some(allowed) = &limits.targets
+            && !allowed.contains(&target)
+        {
+            return Err(LoraError::Limit {
+                name: name.to_string(),
+                msg: format!(
+                    "it targets {}, outside --lora-target-modules",
+                    target.module()
+                ),
+            });
+        }
+        let (r, scaling) = config.rank_and_scaling(&module);
+        let (inp, out) = target_shape(spec, target);
+        if a.shape != [r, inp] || b.shape != [out, r] {
+            return Err(invalid(format!(
+                "{module}: lora_A {:?} and lora_B {:?}, expected [{r}, {inp}] and [{out}, {r}] (rank {r} from the config)",
+                a.shape, b.shape
+            )));
+        }
+        if let Some(m) = limits.max_rank
+            && r > m
+        {
+            return Err(LoraError::Limit {
+                name: name.to_string(),
+                msg: format!("rank {r} ({module}) is above --max-lora-rank {m}"),
+            });
+        }
+        max_rank = max_rank.max(r);
+        let host = |t: &HostTensor<'_>| -> Result<Vec<f32>> {
+            t.validate(&module)
+                .and_then(|()| t.to_f32_vec())
+                .map_err(|e| invalid(format!("{module}: {e}")))
+        };
+        let a_vals = host(&a)?;
+        let mut b_vals = host(&b)?;
+        if let Some(bad) = a_vals.iter().chain(&b_vals).find(|v| !v.is_finite()) {
+            return Err(invalid(format!("{module} holds a non-finite value {bad}")));
+        }
+        for v in &mut b_vals {
+            *v = (*v as f64 * scaling) as f32;
+        }
+        let device = |e| LoraError::Device {
+            name: name.to_string(),
+            source: e,
+        };
+        let pair = LoraPair {
+            a: backend.upload_f32(&[r, inp], &a_vals).map_err(device)?,
+            b: backend.upload_f32(&[out, r], &b_vals).map_err(device)?,
+        };
+        layers[layer].set(target, pair);
+    }
+    let d = digest(&config_bytes, &weights);
+    LoraAdapter::new(name, &d, max_rank, layers).map_err(|e| LoraError::Device {
+        name: name.to_string(),
+        source: e,
+    })
+}
