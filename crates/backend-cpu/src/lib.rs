@@ -27,6 +27,7 @@
 pub mod attention;
 pub mod bandwidth;
 mod linear;
+mod lora;
 pub mod memory;
 mod ops;
 pub mod pool;
@@ -216,6 +217,15 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
         linear::linear(self, x, w, bias, out)
+    }
+
+    fn lora_add(
+        &self,
+        x: &Tensor,
+        out: &Tensor,
+        entries: &[arbor_engine_core::LoraRows<'_>],
+    ) -> Result<()> {
+        lora::lora_add(self, x, out, entries)
     }
 
     fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {

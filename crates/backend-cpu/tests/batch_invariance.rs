@@ -11,6 +11,9 @@
 //! other sequences, with GQA, a sliding window and f32/f16 caches; a draft
 //! tree token's output equals the same token's in a chain of only its
 //! ancestors.
+//!
+//! LoRA: a row's adapter delta is the same bits alone, within its segment,
+//! or beside other adapters' segments, for 1-3 threads.
 #![allow(clippy::unwrap_used)]
 
 use arbor_backend_cpu::CpuBackend;
@@ -479,5 +482,105 @@ fn tree_tokens_match_their_ancestor_chains() {
                 }
             }
         }
+    }
+}
+
+/// LoRA (`lora_add`): a row's delta is the same bits alone, among other rows
+/// of its adapter, or in a step with two other adapters, for 1-3 threads;
+/// and it equals an f64 reference of `(x Aᵀ) Bᵀ`.
+#[test]
+fn lora_rows_are_batch_invariant() {
+    use arbor_engine_core::LoraRows;
+    // Large enough that one row of rank 16 splits its columns across threads.
+    let (inp, outd, t) = (1024, 3072, 12);
+    let mut rng = Rng(11);
+    let x = rng.normals(t * inp);
+    let base = rng.normals(t * outd);
+    // (rank, A, B); Bᵀ is made when uploading.
+    let factors: Vec<(usize, Vec<f32>, Vec<f32>)> = [4usize, 8, 16]
+        .iter()
+        .map(|&r| (r, rng.normals(r * inp), rng.normals(outd * r)))
+        .collect();
+    // Rows 0..4 adapter 0, 4..9 adapter 1, 9..12 adapter 2.
+    let segs = [0..4, 4..9, 9..12];
+    let reference: Vec<f32> = (0..t)
+        .flat_map(|row| {
+            let s = segs.iter().position(|s| s.contains(&row)).unwrap();
+            let (r, a, bm) = &factors[s];
+            let xr = &x[row * inp..(row + 1) * inp];
+            let sh: Vec<f64> = (0..*r)
+                .map(|k| (0..inp).map(|i| a[k * inp + i] as f64 * xr[i] as f64).sum())
+                .collect();
+            (0..outd)
+                .map(|j| {
+                    base[row * outd + j]
+                        + (0..*r).map(|k| bm[j * r + k] as f64 * sh[k]).sum::<f64>() as f32
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let run = |threads: usize, rows: std::ops::Range<usize>, which: &[usize]| -> Vec<f32> {
+        let b = backend(threads);
+        let n = rows.len();
+        let xt = b
+            .upload_f32(&[n, inp], &x[rows.start * inp..rows.end * inp])
+            .unwrap();
+        let ot = b
+            .upload_f32(&[n, outd], &base[rows.start * outd..rows.end * outd])
+            .unwrap();
+        let up: Vec<(Tensor, Tensor, Tensor)> = factors
+            .iter()
+            .map(|(r, a, bm)| {
+                let mut bt = vec![0f32; bm.len()];
+                for j in 0..outd {
+                    for k in 0..*r {
+                        bt[k * outd + j] = bm[j * r + k];
+                    }
+                }
+                (
+                    b.upload_f32(&[*r, inp], a).unwrap(),
+                    b.upload_f32(&[outd, *r], bm).unwrap(),
+                    b.upload_f32(&[*r, outd], &bt).unwrap(),
+                )
+            })
+            .collect();
+        let entries: Vec<LoraRows<'_>> = which
+            .iter()
+            .filter_map(|&s| {
+                let lo = segs[s].start.max(rows.start);
+                let hi = segs[s].end.min(rows.end);
+                (lo < hi).then(|| LoraRows {
+                    rows: lo - rows.start..hi - rows.start,
+                    a: &up[s].0,
+                    b: &up[s].1,
+                    bt: &up[s].2,
+                })
+            })
+            .collect();
+        b.lora_add(&xt, &ot, &entries).unwrap();
+        b.download_f32(&ot).unwrap()
+    };
+    let all = run(2, 0..t, &[0, 1, 2]);
+    let worst = all
+        .iter()
+        .zip(&reference)
+        .fold(0f32, |m, (a, r)| m.max((a - r).abs() / (1.0 + r.abs())));
+    // f32 sums of 1024 products against f64 ones.
+    assert!(worst < 2e-4, "against the f64 reference: {worst}");
+    for threads in 1..=3 {
+        for row in 0..t {
+            let alone = run(threads, row..row + 1, &[0, 1, 2]);
+            assert_eq!(
+                bits(&alone),
+                bits(&all[row * outd..(row + 1) * outd]),
+                "row {row}, {threads} threads"
+            );
+        }
+        let seg1 = run(threads, 4..9, &[1]);
+        assert_eq!(
+            bits(&seg1),
+            bits(&all[4 * outd..9 * outd]),
+            "{threads} threads"
+        );
     }
 }

@@ -28,3 +28,14 @@ fn tier_copies_are_exact_on_wgpu() -> anyhow::Result<()> {
         .join("../../tests/fixtures/tiny-llama");
     verify::tier_copies_move_kv_exactly(gpu, &model)
 }
+
+#[path = "../../lora/tests/support/device.rs"]
+mod lora;
+
+#[test]
+fn lora_segments_match_peft_on_wgpu() -> anyhow::Result<()> {
+    let Some(gpu) = common::gpu() else {
+        return Ok(());
+    };
+    lora::lora_batch_matches_peft(gpu, 1e-3)
+}

@@ -67,6 +67,19 @@ pub struct LinearRef<'a> {
     pub out: &'a Tensor,
 }
 
+/// One adapter's rows of [`Backend::lora_add`].
+#[derive(Clone, Debug)]
+pub struct LoraRows<'a> {
+    /// Rows of `x` and `out` the adapter applies to.
+    pub rows: std::ops::Range<usize>,
+    /// Shrink factor `[r, in]` f32.
+    pub a: &'a Tensor,
+    /// Expand factor `[out, r]` f32 (scaled).
+    pub b: &'a Tensor,
+    /// `b` transposed, `[r, out]`.
+    pub bt: &'a Tensor,
+}
+
 /// One row's parameters for [`Backend::sample`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SampleRow {
@@ -207,6 +220,37 @@ pub trait Backend: Send + Sync {
     fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
     /// `out[i] = x[rows[i]]`: selects rows of an f32 `[m, d]` tensor; `rows` is u32.
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()>;
+
+    /// LoRA: adds `(x[rows] aᵀ) bᵀ` to `out[rows]` for each entry (rows of
+    /// entries do not overlap). Each row's sum depends on that row alone, so
+    /// the result is batch-invariant. This default runs a shrink, an expand
+    /// and an add per entry; a backend may fuse them into one pass.
+    fn lora_add(&self, x: &Tensor, out: &Tensor, entries: &[LoraRows<'_>]) -> Result<()> {
+        let t = x.rows();
+        for e in entries {
+            let n = e.rows.len();
+            if n == 0 {
+                continue;
+            }
+            if e.rows.end > t || out.rows() != t {
+                return Err(CoreError::invalid(format!(
+                    "LoRA rows {:?} outside a batch of {t} rows",
+                    e.rows
+                )));
+            }
+            let (xs, os) = if n == t {
+                (x.clone(), out.clone())
+            } else {
+                (x.narrow(e.rows.start, n)?, out.narrow(e.rows.start, n)?)
+            };
+            let shrunk = self.alloc(DType::F32, &[n, e.a.rows()])?;
+            self.linear(&xs, e.a, None, &shrunk)?;
+            let delta = self.alloc(DType::F32, &[n, os.row_len()])?;
+            self.linear(&shrunk, e.b, None, &delta)?;
+            self.add_assign(&os, &delta)?;
+        }
+        Ok(())
+    }
 
     /// Creates one of the attention implementations listed in the capabilities.
     fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>>;

@@ -35,7 +35,9 @@ pub use attention::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
     SeqLayout,
 };
-pub use backend::{Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, RopeStyle};
+pub use backend::{
+    Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, LoraRows, RopeStyle,
+};
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;
 pub use error::{CoreError, Result};

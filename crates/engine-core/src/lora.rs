@@ -10,9 +10,9 @@
 //!
 //! A batch applies adapters by *segments* ([`LoraSegment`]): contiguous rows
 //! of the packed batch that use one adapter. The executor packs each
-//! adapter's sequences next to one another, so a step costs three backend
-//! calls per adapter and target linear (shrink, expand, add), whatever the
-//! number of requests. Each row's delta is a product over that row alone
+//! adapter's sequences next to one another, so a step costs one
+//! [`Backend::lora_add`] per target linear (a segmented shrink and expand
+//! over every adapter of the step), whatever the number of requests. Each row's delta is a product over that row alone
 //! (the linear kernels are batch-invariant), so a request's output does not
 //! depend on which adapters share its step.
 //!
@@ -21,7 +21,7 @@
 //! ranks of their own); the layer count matches the model the
 //! loader checked it against; segments of a batch do not overlap.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, LoraRows};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::tensor::Tensor;
@@ -96,13 +96,16 @@ impl LoraTarget {
     }
 }
 
-/// One linear's factors: `a` `[r, in]`, `b` `[out, r]` (scaled).
+/// One linear's factors: `a` `[r, in]`, `b` `[out, r]` (scaled), and `b`
+/// transposed (the layout a row-at-a-time expand reads contiguously).
 #[derive(Clone, Debug)]
 pub struct LoraPair {
     /// The shrink factor `[r, in]`.
     pub a: Tensor,
     /// The expand factor `[out, r]`, multiplied by the adapter's scaling.
     pub b: Tensor,
+    /// `b` transposed, `[r, out]`.
+    pub bt: Tensor,
 }
 
 /// The factors of one decoder layer, by target.
@@ -153,11 +156,11 @@ impl LoraAdapter {
         for (i, l) in layers.iter().enumerate() {
             for (t, p) in LoraTarget::ALL.iter().zip(&l.pairs) {
                 let Some(p) = p else { continue };
-                let shapes_fit = p.a.dtype() == DType::F32
-                    && p.b.dtype() == DType::F32
-                    && p.a.shape().len() == 2
-                    && p.b.shape().len() == 2
+                let shapes_fit = [&p.a, &p.b, &p.bt]
+                    .iter()
+                    .all(|t| t.dtype() == DType::F32 && t.shape().len() == 2)
                     && p.a.rows() == p.b.row_len()
+                    && p.bt.shape() == [p.b.row_len(), p.b.rows()]
                     && (1..=rank).contains(&p.a.rows());
                 if !shapes_fit {
                     return Err(CoreError::invalid(format!(
@@ -167,7 +170,7 @@ impl LoraAdapter {
                         p.b
                     )));
                 }
-                bytes += (p.a.byte_len()? + p.b.byte_len()?) as u64;
+                bytes += (p.a.byte_len()? + p.b.byte_len()? + p.bt.byte_len()?) as u64;
             }
         }
         Ok(Self {
@@ -239,32 +242,19 @@ pub fn apply_lora(
     x: &Tensor,
     out: &Tensor,
 ) -> Result<()> {
-    let t = x.rows();
-    for s in segments {
-        let Some(p) = s.adapter.pair(layer, target) else {
-            continue;
-        };
-        let n = s.rows.len();
-        if n == 0 {
-            continue;
-        }
-        if s.rows.end > t || out.rows() != t {
-            return Err(CoreError::invalid(format!(
-                "LoRA segment {:?} outside a batch of {t} rows",
-                s.rows
-            )));
-        }
-        let whole = n == t;
-        let (xs, os) = if whole {
-            (x.clone(), out.clone())
-        } else {
-            (x.narrow(s.rows.start, n)?, out.narrow(s.rows.start, n)?)
-        };
-        let shrunk = backend.alloc(DType::F32, &[n, p.a.rows()])?;
-        backend.linear(&xs, &p.a, None, &shrunk)?;
-        let delta = backend.alloc(DType::F32, &[n, os.row_len()])?;
-        backend.linear(&shrunk, &p.b, None, &delta)?;
-        backend.add_assign(&os, &delta)?;
+    let entries: Vec<LoraRows<'_>> = segments
+        .iter()
+        .filter_map(|s| {
+            s.adapter.pair(layer, target).map(|p| LoraRows {
+                rows: s.rows.clone(),
+                a: &p.a,
+                b: &p.b,
+                bt: &p.bt,
+            })
+        })
+        .collect();
+    if entries.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    backend.lora_add(x, out, &entries)
 }

@@ -211,9 +211,16 @@ pub fn load_adapter(
             name: name.to_string(),
             source: e,
         };
+        let mut bt_vals = vec![0f32; b_vals.len()];
+        for (j, row) in b_vals.chunks_exact(r).enumerate() {
+            for (k, v) in row.iter().enumerate() {
+                bt_vals[k * out + j] = *v;
+            }
+        }
         let pair = LoraPair {
             a: backend.upload_f32(&[r, inp], &a_vals).map_err(device)?,
             b: backend.upload_f32(&[out, r], &b_vals).map_err(device)?,
+            bt: backend.upload_f32(&[r, out], &bt_vals).map_err(device)?,
         };
         layers[layer].set(target, pair);
     }

@@ -414,3 +414,11 @@ fn bad_adapters_are_refused() -> Result<()> {
     assert_pool_empty(&e);
     Ok(())
 }
+
+#[path = "support/device.rs"]
+mod device;
+
+#[test]
+fn a_batch_of_segments_matches_peft_on_the_cpu() -> Result<()> {
+    device::lora_batch_matches_peft(Arc::new(CpuBackend::new(2)?), 1e-4)
+}

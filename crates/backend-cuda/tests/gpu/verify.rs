@@ -25,3 +25,14 @@ fn tier_copies_are_exact_on_cuda() -> anyhow::Result<()> {
         .join("../../tests/fixtures/tiny-llama");
     shared_check::tier_copies_move_kv_exactly(gpu, &model)
 }
+
+#[path = "../../../lora/tests/support/device.rs"]
+mod lora_check;
+
+#[test]
+fn lora_segments_match_peft_on_cuda() -> anyhow::Result<()> {
+    let Some(gpu) = crate::common::gpu() else {
+        return Ok(());
+    };
+    lora_check::lora_batch_matches_peft(gpu, 1e-3)
+}
