@@ -83,6 +83,8 @@ pub struct GrammarSection {
     pub json_whitespace_pattern: Option<String>,
     /// Compile schemas with keywords the backend cannot enforce by ignoring them [default: false].
     pub json_lenient: Option<bool>,
+    /// Refuse schemas whose oneOf branches may overlap instead of compiling them as anyOf [default: false].
+    pub json_strict_one_of: Option<bool>,
     /// Append the tokens a grammar forces without a forward pass each [default: true].
     pub jump_forward: Option<bool>,
     /// Compiled grammars kept [default: 1024].
@@ -545,6 +547,7 @@ impl ServeConfig {
                     .clone()
                     .or(g.json_whitespace_pattern),
                 json_lenient: Some(g.json_lenient.unwrap_or(false)),
+                json_strict_one_of: Some(g.json_strict_one_of.unwrap_or(false)),
                 jump_forward: Some(!a.disable_jump_forward && g.jump_forward.unwrap_or(true)),
                 cache_size: Some(g.cache_size.unwrap_or(1024)),
                 max_grammar_bytes: Some(g.max_grammar_bytes.unwrap_or(4 << 20)),

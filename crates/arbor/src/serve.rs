@@ -339,6 +339,7 @@ fn grammar_cache(
         options: GrammarOptions {
             json_whitespace,
             json_lenient: g.json_lenient.unwrap_or(false),
+            json_strict_one_of: g.json_strict_one_of.unwrap_or(false),
             ..Default::default()
         },
     })

@@ -449,6 +449,33 @@ async fn grammar_warm_up_cache_json_object_and_auto_tools() -> Result<()> {
     assert_no_leak(&c, &s, "arbor", None).await
 }
 
+/// `oneOf` with branches that may overlap compiles by default (as `anyOf`)
+/// and constrains the output; `[grammar] json_strict_one_of = true` refuses
+/// the schema with a 400 naming `oneOf`.
+#[tokio::test]
+async fn one_of_schemas_by_default_and_strictly() -> Result<()> {
+    let schema = json!({"type": "object", "properties": {"id": {"oneOf": [
+        {"type": "string", "maxLength": 3}, {"type": "string", "pattern": "^a"}]}},
+        "required": ["id"]})
+    .to_string();
+    let body = json!({"text": "y", "sampling_params": {"max_new_tokens": 24, "temperature": 0, "json_schema": schema}});
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let v = post_ok(&c, &s.url("/generate"), &body).await?;
+    let text = v["text"].as_str().context("text")?;
+    assert!(text.starts_with("{\"id\":\""), "{text:?}");
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    drop(s);
+    let dir = tempfile::tempdir()?;
+    let cfg = dir.path().join("arbor.toml");
+    std::fs::write(&cfg, "[grammar]\njson_strict_one_of = true\n")?;
+    let cfg = cfg.display().to_string();
+    let s = Server::tiny(&["--config", &cfg])?;
+    let (code, v) = post(&c, &s.url("/generate"), &body).await?;
+    assert!(code == 400 && v.to_string().contains("oneOf"), "{code} {v}");
+    assert_no_leak(&c, &s, "arbor", None).await
+}
+
 /// Prefix-cache namespaces: `extra_key` (native) and `cache_salt` (native
 /// and OpenAI) keep tenants apart: the same prompt is a cache hit only for a
 /// later request with the same keys.

@@ -401,6 +401,10 @@ pub struct GrammarOptions {
     /// by ignoring those constraints, instead of refusing the schema. Output
     /// is then valid JSON but may break the ignored constraints.
     pub json_lenient: bool,
+    /// Refuse JSON schemas with `oneOf` instead of compiling `oneOf` as
+    /// `anyOf` (the default, as llguidance's `coerce_one_of`: exact where the
+    /// branches are disjoint; where they overlap, output may match several).
+    pub json_strict_one_of: bool,
     /// Upper bound on a compiled grammar's size in the backend's own unit
     /// (llguidance: grammar symbols); 0 = the backend's default.
     pub max_compiled_size: usize,
@@ -411,6 +415,7 @@ impl Default for GrammarOptions {
         Self {
             json_whitespace: JsonWhitespace::Flexible,
             json_lenient: false,
+            json_strict_one_of: false,
             max_compiled_size: 0,
         }
     }

@@ -158,6 +158,8 @@ impl LlgBackend {
         }
         if self.options.json_lenient {
             opts.insert("lenient".into(), json!(true));
+        }
+        if self.options.json_lenient || !self.options.json_strict_one_of {
             opts.insert("coerce_one_of".into(), json!(true));
         }
         if let Some(obj) = schema.as_object_mut()

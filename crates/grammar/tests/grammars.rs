@@ -453,3 +453,39 @@ fn compiled_size_limit_is_a_clear_error() {
     assert!(e.is_client_error());
     assert!(e.to_string().contains("too big"), "{e}");
 }
+
+/// `oneOf` whose branches llguidance cannot prove disjoint compiles by
+/// default as `anyOf`, and is refused under `json_strict_one_of`, naming the
+/// keyword; provably disjoint branches compile exactly either way.
+#[test]
+fn one_of_is_coerced_unless_strict() {
+    let tok = small_bpe();
+    let disjoint = GrammarSpec::JsonSchema(
+        r#"{"type":"object","properties":{"id":{"oneOf":[{"type":"integer"},{"type":"string","maxLength":4}]}},"required":["id"]}"#
+            .into(),
+    );
+    let overlapping = GrammarSpec::JsonSchema(
+        r#"{"type":"object","properties":{"id":{"oneOf":[{"type":"string","maxLength":4},{"type":"string","pattern":"^a"}]}},"required":["id"]}"#
+            .into(),
+    );
+    let strict = tok.backend(&GrammarOptions {
+        json_strict_one_of: true,
+        ..compact()
+    });
+    let b = tok.backend(&compact());
+    for b in [&b, &strict] {
+        assert!(accepts(&tok, b, &disjoint, r#"{"id":12}"#));
+        assert!(accepts(&tok, b, &disjoint, r#"{"id":"ab"}"#));
+        assert!(!accepts(&tok, b, &disjoint, r#"{"id":true}"#));
+        assert!(!accepts(&tok, b, &disjoint, r#"{"id":"abcdef"}"#));
+    }
+    assert!(accepts(&tok, &b, &overlapping, r#"{"id":"xy"}"#));
+    assert!(accepts(&tok, &b, &overlapping, r#"{"id":"abcdefg"}"#));
+    assert!(!accepts(&tok, &b, &overlapping, r#"{"id":"xyzwv"}"#));
+    let e = strict
+        .compile(&overlapping)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("oneOf"), "{e}");
+}

@@ -381,8 +381,11 @@ pub struct MaskbenchReport {
 }
 
 pub fn run_maskbench(tok: &Tok, entries: &[MaskbenchEntry], lenient: bool) -> MaskbenchReport {
+    // A strict run refuses oneOf rather than approximate it: it may then
+    // have no false acceptance.
     let backend = tok.backend(&GrammarOptions {
         json_lenient: lenient,
+        json_strict_one_of: !lenient,
         ..Default::default()
     });
     let vocab = backend.vocab_size();
