@@ -116,6 +116,7 @@ async fn adapters_by_name_batch_openai_and_models() -> Result<()> {
             v["choices"][0]["text"] == native["text"],
             "{model}: {v} vs {native}"
         );
+        ensure!(v["model"] == "tiny-llama:attn", "{v}");
     }
     let (code, v) = post(
         &c,

@@ -50,6 +50,15 @@ impl AppState {
             .map_err(|e| ApiError::from(e).with_param(param))
     }
 
+    /// The `model` OpenAI responses name: the served model, or
+    /// `served:adapter` for a request with an adapter.
+    pub fn response_model(&self, lora: Option<&LoraAdapter>) -> String {
+        match lora {
+            Some(a) => format!("{}:{}", self.opts.served_model_name, a.name()),
+            None => self.opts.served_model_name.clone(),
+        }
+    }
+
     /// What an OpenAI `model` field asks for: the base model (`None`), or
     /// an adapter as `base:adapter` or by its name alone.
     pub fn resolve_model(&self, model: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {

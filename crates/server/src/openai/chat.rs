@@ -237,11 +237,13 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.priority = priority;
     job.namespace = namespace;
     job.constraint = constraint;
+    let model = st.response_model(lora.as_deref());
     job.lora = lora;
     let mut run = run::submit(&st, vec![job]).await?;
     let fmt = ChatFormat {
         state: st.clone(),
         id,
+        model,
         created: AppState::now_unix(),
         logprobs: logprobs || top_logprobs > 0,
         include_usage,
@@ -277,7 +279,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         "id": fmt.id,
         "object": "chat.completion",
         "created": fmt.created,
-        "model": st.opts.served_model_name,
+        "model": fmt.model,
         "choices": choices,
         "usage": usage(&st, &run),
     }))
@@ -287,6 +289,8 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
 struct ChatFormat {
     state: Arc<AppState>,
     id: String,
+    /// The `model` of responses: the served name, or `served:adapter`.
+    model: String,
     created: u64,
     logprobs: bool,
     include_usage: bool,
@@ -374,7 +378,7 @@ impl ChatFormat {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
-            "model": self.state.opts.served_model_name,
+            "model": self.model,
             "choices": choices,
         });
         if self.include_usage

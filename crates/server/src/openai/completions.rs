@@ -136,6 +136,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let mut fmt = CompletionFormat {
         state: st.clone(),
         id,
+        model: st.response_model(lora.as_deref()),
         created: AppState::now_unix(),
         logprobs: logprobs.is_some(),
         include_usage,
@@ -167,7 +168,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         "id": fmt.id,
         "object": "text_completion",
         "created": fmt.created,
-        "model": st.opts.served_model_name,
+        "model": fmt.model,
         "choices": choices,
         "usage": usage(&st, &run),
     }))
@@ -177,6 +178,8 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
 struct CompletionFormat {
     state: Arc<AppState>,
     id: String,
+    /// The `model` of responses: the served name, or `served:adapter`.
+    model: String,
     created: u64,
     logprobs: bool,
     include_usage: bool,
@@ -214,7 +217,7 @@ impl CompletionFormat {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
-            "model": self.state.opts.served_model_name,
+            "model": self.model,
             "choices": choices,
         });
         if self.include_usage
