@@ -222,7 +222,7 @@ pub struct ServeArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16 [default: auto].
     #[arg(long, help_heading = "Model")]
     pub dtype: Option<String>,
-    /// KV cache element type: f32, f16 or bf16 [default: f32].
+    /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16 [default: auto].
     #[arg(long = "kv-cache-dtype", help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
     /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
@@ -322,7 +322,7 @@ pub struct ServeArgs {
     /// KV cache size in GiB (whole pages of the model's KV layout); overrides --mem-fraction-static, not --max-total-tokens.
     #[arg(long = "kv-cache-gb", help_heading = "Cache")]
     pub kv_cache_gb: Option<f64>,
-    /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB [default: 0.8].
+    /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB (2 GiB of f16 or bf16 on the CPU) and at max-running-requests x context [default: 0.8].
     #[arg(long = "mem-fraction-static", help_heading = "Cache")]
     pub mem_fraction_static: Option<f64>,
 
@@ -446,7 +446,7 @@ impl ServeConfig {
                     a.kv_cache_dtype
                         .clone()
                         .or(m.kv_cache_dtype)
-                        .unwrap_or_else(|| "f32".into()),
+                        .unwrap_or_else(|| "auto".into()),
                 ),
                 wgpu_adapter: a
                     .wgpu_adapter
@@ -606,6 +606,10 @@ impl ServeConfig {
     }
 
     fn validate(&self) -> Result<()> {
+        if let Some(d) = self.model.kv_cache_dtype.as_deref() {
+            d.parse::<arbor_engine_core::KvDtypeChoice>()
+                .context("[model] kv_cache_dtype / --kv-cache-dtype")?;
+        }
         if let Some(w) = self.grammar.json_whitespace.as_deref()
             && !matches!(w, "compact" | "flexible")
         {
@@ -761,6 +765,32 @@ mod tests {
         assert_eq!(c.sampling.sampler.as_deref(), Some("mine"));
         let e = FileConfig::parse("[sampling]\nsamplr = \"x\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("unknown key 'samplr' in section [sampling]"));
+    }
+
+    #[test]
+    fn kv_cache_dtype_defaults_to_auto_and_bad_values_name_the_key() {
+        let c = ServeConfig::resolve(FileConfig::default(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.model.kv_cache_dtype.as_deref(), Some("auto"));
+        let f = FileConfig::parse("[model]\nkv_cache_dtype = \"bf16\"\n").unwrap();
+        let c = ServeConfig::resolve(f.clone(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.model.kv_cache_dtype.as_deref(), Some("bf16"));
+        let flag = ServeArgs {
+            kv_cache_dtype: Some("f32".into()),
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(f, &flag).unwrap();
+        assert_eq!(
+            c.model.kv_cache_dtype.as_deref(),
+            Some("f32"),
+            "flag beats file"
+        );
+        let bad = FileConfig::parse("[model]\nkv_cache_dtype = \"fp8\"\n").unwrap();
+        let e = ServeConfig::resolve(bad, &ServeArgs::default()).unwrap_err();
+        let m = format!("{e:#}");
+        assert!(
+            m.contains("[model] kv_cache_dtype / --kv-cache-dtype") && m.contains("fp8"),
+            "{m}"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use crate::setup::{self, ModelArgs};
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, generate_static};
-use arbor_engine_core::{DType, IncrementalDetokenizer, SamplingParams};
+use arbor_engine_core::{IncrementalDetokenizer, SamplingParams};
 use arbor_models::ChatMessage;
 use clap::Args;
 use std::io::Write;
@@ -51,6 +51,7 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let registry = setup::registry()?;
     let backend = setup::backend(&registry, &args.model)?;
+    let kv_dtype = setup::kv_dtype(&args.model, &*backend)?.dtype;
     let loaded = setup::load(&registry, backend.clone(), &args.model)?;
     let tok = loaded.tokenizer.clone();
     let prompt_text = if args.chat {
@@ -105,7 +106,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             spec.max_position_embeddings
         );
     }
-    let kv_dtype: DType = args.model.kv_cache_dtype.parse()?;
     let runner = ModelRunner::new(
         loaded.model.clone(),
         backend,

@@ -24,6 +24,23 @@ fn mib(b: u64) -> String {
     }
 }
 
+/// What `/get_server_info` echoes: the merged settings (`model.kv_cache_dtype`
+/// as configured, e.g. "auto"), plus what start-up made of them:
+/// `kv_cache_dtype` (the element type in use), `kv_cache_dtype_reason` (why,
+/// when `auto` chose it) and `kv_cache_bytes`.
+fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Value {
+    let mut info = cfg.to_json();
+    if let Some(o) = info.as_object_mut() {
+        o.insert("kv_cache_dtype".into(), built.kv_dtype.dtype.name().into());
+        o.insert(
+            "kv_cache_dtype_reason".into(),
+            built.kv_dtype.auto_reason.clone().into(),
+        );
+        o.insert("kv_cache_bytes".into(), built.kv_bytes.into());
+    }
+    info
+}
+
 /// Runs `arbor serve`.
 pub fn run(args: ServeArgs) -> Result<()> {
     let cfg = ServeConfig::from_args(&args)?;
@@ -39,7 +56,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         device: m.device.clone().unwrap_or_else(|| "cpu".into()),
         threads: m.threads.unwrap_or(0),
         dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
-        kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "f32".into()),
+        kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "auto".into()),
         page_size: cfg.page_size(),
         wgpu_adapter: m.wgpu_adapter.clone(),
         disable_cuda_graph: args.disable_cuda_graph,
@@ -168,7 +185,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         enable_metrics: cfg.metrics.enable_metrics.unwrap_or(false),
         metrics_prefix: metrics_prefix.clone(),
         enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
-        server_info: cfg.to_json(),
+        server_info: server_info(&cfg, &built),
         reasoning_parser: cfg.reasoning_parser()?,
         ..Default::default()
     };
@@ -237,7 +254,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             built.kv_tokens,
             built.kv_tokens / model_args.page_size.max(1),
             model_args.page_size,
-            model_args.kv_cache_dtype,
+            built.kv_dtype,
             mib(built.kv_bytes),
             built.kv_note
         );

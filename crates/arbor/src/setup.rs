@@ -1,12 +1,19 @@
 //! Shared start-up steps: building the registry, the device and the model,
 //! with a progress bar while weights load, and assembling a serving engine
 //! ([`build_engine`]) with its KV cache sized by [`KvBudget`].
+//!
+//! The KV element type is `--kv-cache-dtype` ([`kv_dtype`]): `auto` (the
+//! default) is f16 on the CPU and f32 on the other devices. The automatic
+//! size ([`KvAuto`]) is `mem_fraction_static` of the available memory minus
+//! the weights, capped at [`kv_auto_cap_bytes`] and at what the configured
+//! concurrency can hold; the start-up summary prints which bound applied.
 
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
-    Backend, BackendOptions, DType, KvSpec, LoadOptions, PrefixCacheOptions, Registry,
+    Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions, PrefixCacheOptions,
+    Registry, ResolvedKvDtype,
 };
 use arbor_models::LoadedModel;
 use clap::Args;
@@ -30,8 +37,8 @@ pub struct ModelArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
-    /// KV cache element type: f32, f16 or bf16.
-    #[arg(long = "kv-cache-dtype", default_value = "f32")]
+    /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16.
+    #[arg(long = "kv-cache-dtype", default_value = "auto")]
     pub kv_cache_dtype: String,
     /// Tokens per KV page.
     #[arg(long = "page-size", default_value_t = 16)]
@@ -63,6 +70,13 @@ pub fn backend(registry: &Registry, args: &ModelArgs) -> Result<Arc<dyn Backend>
         ..Default::default()
     };
     factory(&opts).with_context(|| format!("starting device '{}'", args.device))
+}
+
+/// The KV element type `args.kv_cache_dtype` comes to on `backend` (an
+/// unknown name is an error naming the flag).
+pub fn kv_dtype(args: &ModelArgs, backend: &dyn Backend) -> Result<ResolvedKvDtype> {
+    let choice: KvDtypeChoice = args.kv_cache_dtype.parse().context("--kv-cache-dtype")?;
+    Ok(choice.resolve(backend))
 }
 
 /// Loads the model with a progress bar.
@@ -134,6 +148,8 @@ pub struct BuiltEngine {
     pub kv_tokens: usize,
     /// KV cache bytes.
     pub kv_bytes: u64,
+    /// The KV element type, and why when `auto` chose it.
+    pub kv_dtype: ResolvedKvDtype,
     /// How the capacity was chosen (for the start-up summary).
     pub kv_note: String,
 }
@@ -142,8 +158,25 @@ pub struct BuiltEngine {
 /// cache is ordinary (zero-filled, so resident) memory shared with everything
 /// else on the host, and a CPU cannot keep hundreds of thousands of cached
 /// tokens busy anyway: beyond 4 GiB the operator says how much with
-/// `--max-total-tokens`.
+/// `--max-total-tokens` or `--kv-cache-gb`.
 pub const KV_AUTO_CAP_BYTES: u64 = 4 << 30;
+
+/// The cap of a 16-bit (f16, bf16) KV cache on the CPU: the tokens 4 GiB of
+/// f32 hold, in half the memory. The 4 GiB cap is about how many cached
+/// tokens a CPU can use, so a narrower element saves memory rather than
+/// buying tokens nobody serves.
+pub const KV_AUTO_CAP_BYTES_CPU_16BIT: u64 = 2 << 30;
+
+/// The byte cap of the fraction rule: [`KV_AUTO_CAP_BYTES_CPU_16BIT`] for a
+/// 16-bit cache on the CPU, else [`KV_AUTO_CAP_BYTES`] (other devices as
+/// before).
+pub fn kv_auto_cap_bytes(on_cpu: bool, dtype: DType) -> u64 {
+    if on_cpu && matches!(dtype, DType::F16 | DType::BF16) {
+        KV_AUTO_CAP_BYTES_CPU_16BIT
+    } else {
+        KV_AUTO_CAP_BYTES
+    }
+}
 
 /// `MemAvailable` from /proc/meminfo, in bytes.
 pub fn mem_available() -> Option<u64> {
@@ -153,37 +186,67 @@ pub fn mem_available() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// KV tokens under the fraction rule: `fraction × available − weights`,
-/// capped at [`KV_AUTO_CAP_BYTES`] and at `cap_tokens` (every running request
-/// holding a full context), rounded down to whole pages.
-pub fn kv_tokens_for_fraction(
-    fraction: f64,
-    available: u64,
-    weight_bytes: u64,
-    bytes_per_token: u64,
-    cap_tokens: usize,
-    page_size: usize,
-) -> (usize, String) {
-    let budget = (fraction * available as f64) as u64;
-    let kv_bytes = budget.saturating_sub(weight_bytes).min(KV_AUTO_CAP_BYTES);
-    let by_mem = (kv_bytes / bytes_per_token.max(1)) as usize;
-    let tokens = by_mem.min(cap_tokens);
-    let tokens = tokens / page_size.max(1) * page_size.max(1);
-    let why = if tokens < by_mem / page_size.max(1) * page_size.max(1) {
-        "capped at max_running_requests x context length".to_string()
-    } else if kv_bytes == KV_AUTO_CAP_BYTES {
-        format!(
-            "capped at {} GiB; set --max-total-tokens for more",
-            KV_AUTO_CAP_BYTES >> 30
-        )
-    } else {
-        format!(
-            "mem_fraction_static {fraction} of {:.1} GiB available, minus {:.2} GiB of weights",
-            available as f64 / (1u64 << 30) as f64,
-            weight_bytes as f64 / (1u64 << 30) as f64
-        )
-    };
-    (tokens, why)
+/// The inputs of the automatic KV size (no `--max-total-tokens` or
+/// `--kv-cache-gb`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvAuto {
+    /// `mem_fraction_static`.
+    pub fraction: f64,
+    /// `MemAvailable` before loading, in bytes.
+    pub available: u64,
+    /// Bytes of the loaded weights.
+    pub weight_bytes: u64,
+    /// KV bytes of one token (all layers, K and V).
+    pub bytes_per_token: u64,
+    /// Most KV bytes ([`kv_auto_cap_bytes`]).
+    pub cap_bytes: u64,
+    /// `max_running_requests`.
+    pub max_running_requests: usize,
+    /// The model's context length.
+    pub context_len: usize,
+    /// Tokens per KV page.
+    pub page_size: usize,
+}
+
+impl KvAuto {
+    /// KV tokens: `fraction × available − weights`, capped at `cap_bytes`
+    /// and at `max_running_requests × context_len` (every running request
+    /// holding a full context), rounded down to whole pages; with the reason
+    /// naming the bound that applied.
+    pub fn tokens(&self) -> (usize, String) {
+        let ps = self.page_size.max(1);
+        let whole = |t: usize| t / ps * ps;
+        let budget = (self.fraction * self.available as f64) as u64;
+        let by_fraction = budget.saturating_sub(self.weight_bytes);
+        let kv_bytes = by_fraction.min(self.cap_bytes);
+        let by_mem = whole((kv_bytes / self.bytes_per_token.max(1)) as usize);
+        let concurrency = self
+            .max_running_requests
+            .max(1)
+            .saturating_mul(self.context_len);
+        let tokens = by_mem.min(whole(concurrency));
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let why = if tokens < by_mem {
+            format!(
+                "capped at max_running_requests {} x context {} = {concurrency} tokens",
+                self.max_running_requests.max(1),
+                self.context_len
+            )
+        } else if by_fraction >= self.cap_bytes {
+            format!(
+                "capped at {} GiB; set --max-total-tokens or --kv-cache-gb for more",
+                gib(self.cap_bytes)
+            )
+        } else {
+            format!(
+                "mem_fraction_static {} of {:.1} GiB available, minus {:.2} GiB of weights",
+                self.fraction,
+                gib(self.available),
+                gib(self.weight_bytes)
+            )
+        };
+        (tokens, why)
+    }
 }
 
 /// Builds the whole engine: registry → backend → model → KV cache and model
@@ -196,10 +259,11 @@ pub fn build_engine(
 ) -> Result<BuiltEngine> {
     let available = mem_available();
     let backend = self::backend(registry, args)?;
+    let resolved = kv_dtype(args, &*backend)?;
     let model = load(registry, backend.clone(), args)?;
     let spec = model.model.spec().clone();
     let page_size = args.page_size.max(1);
-    let kv_dtype: DType = args.kv_cache_dtype.parse()?;
+    let kv_dtype = resolved.dtype;
     let probe = KvSpec {
         num_layers: spec.num_layers,
         num_kv_heads: spec.num_kv_heads,
@@ -224,10 +288,17 @@ pub fn build_engine(
                     "cannot read MemAvailable from /proc/meminfo: give the KV size with --max-total-tokens"
                 );
             };
-            let cap = spec
-                .max_position_embeddings
-                .saturating_mul(setup.engine.max_running_requests.max(1));
-            kv_tokens_for_fraction(f, avail, spec.weight_bytes, per_token, cap, page_size)
+            KvAuto {
+                fraction: f,
+                available: avail,
+                weight_bytes: spec.weight_bytes,
+                bytes_per_token: per_token,
+                cap_bytes: kv_auto_cap_bytes(backend.info().backend == "cpu", kv_dtype),
+                max_running_requests: setup.engine.max_running_requests,
+                context_len: spec.max_position_embeddings,
+                page_size,
+            }
+            .tokens()
         }
     };
     let min_tokens = spec.max_position_embeddings.min(1024);
@@ -292,6 +363,7 @@ pub fn build_engine(
         kv_tokens: engine.capacity_tokens(),
         kv_bytes: per_token * engine.capacity_tokens() as u64,
         kv_note: note,
+        kv_dtype: resolved,
         engine,
         model,
         backend,
@@ -335,19 +407,52 @@ impl arbor_server::refit::WeightLoader for DiskWeightLoader {
 mod tests {
     use super::*;
 
+    fn auto(fraction: f64, available: u64, weights: u64, cap: u64, running: usize) -> KvAuto {
+        KvAuto {
+            fraction,
+            available,
+            weight_bytes: weights,
+            bytes_per_token: 1024,
+            cap_bytes: cap,
+            max_running_requests: running,
+            context_len: 1000,
+            page_size: 16,
+        }
+    }
+
     #[test]
     fn fraction_rule_subtracts_weights_and_caps() {
         let gib = 1u64 << 30;
+        let big = usize::MAX / 1000;
         // 0.5 of 6 GiB minus 1 GiB of weights = 2 GiB at 1 KiB per token.
-        let (t, _) = kv_tokens_for_fraction(0.5, 6 * gib, gib, 1024, usize::MAX, 16);
+        let (t, why) = auto(0.5, 6 * gib, gib, KV_AUTO_CAP_BYTES, big).tokens();
         assert_eq!(t, 2 * 1024 * 1024);
-        let (t, why) = kv_tokens_for_fraction(0.8, 100 * gib, gib, 1024, usize::MAX, 16);
+        assert!(why.contains("mem_fraction_static 0.5"), "{why}");
+        let (t, why) = auto(0.8, 100 * gib, gib, KV_AUTO_CAP_BYTES, big).tokens();
         assert_eq!(t as u64, KV_AUTO_CAP_BYTES / 1024);
-        assert!(why.contains("--max-total-tokens"), "{why}");
-        let (t, why) = kv_tokens_for_fraction(0.5, 10 * gib, gib, 1024, 1000, 16);
+        assert!(
+            why.contains("capped at 4 GiB") && why.contains("--max-total-tokens"),
+            "{why}"
+        );
+        let (t, why) = auto(0.8, 100 * gib, gib, KV_AUTO_CAP_BYTES_CPU_16BIT, big).tokens();
+        assert_eq!(t as u64, KV_AUTO_CAP_BYTES_CPU_16BIT / 1024);
+        assert!(why.contains("capped at 2 GiB"), "{why}");
+        // One running request of a 1000-token context: 992 tokens (whole pages).
+        let (t, why) = auto(0.5, 10 * gib, gib, KV_AUTO_CAP_BYTES, 1).tokens();
         assert_eq!(t, 992);
-        assert!(why.contains("capped"));
-        let (t, _) = kv_tokens_for_fraction(0.1, gib, gib, 1024, usize::MAX, 16);
+        assert!(
+            why.contains("max_running_requests 1 x context 1000 = 1000 tokens"),
+            "{why}"
+        );
+        let (t, _) = auto(0.1, gib, gib, KV_AUTO_CAP_BYTES, big).tokens();
         assert_eq!(t, 0);
+    }
+
+    #[test]
+    fn the_16_bit_cap_is_for_the_cpu_only() {
+        assert_eq!(kv_auto_cap_bytes(true, DType::F16), 2 << 30);
+        assert_eq!(kv_auto_cap_bytes(true, DType::BF16), 2 << 30);
+        assert_eq!(kv_auto_cap_bytes(true, DType::F32), KV_AUTO_CAP_BYTES);
+        assert_eq!(kv_auto_cap_bytes(false, DType::F16), KV_AUTO_CAP_BYTES);
     }
 }

@@ -1,7 +1,8 @@
 //! `arbor generate` end to end: the binary streams the greedy continuation
 //! that Hugging Face transformers wrote into each tiny fixture's
-//! `reference.json` (an independent implementation), then prints the token
-//! counts and prefill/decode speeds; bad arguments get a clear error.
+//! `reference.json` (an independent implementation) with the default KV
+//! cache (f16 on the CPU), then prints the token counts and prefill/decode
+//! speeds; bad arguments get a clear error.
 //! Speed is printed, never asserted.
 
 mod common;
@@ -83,5 +84,21 @@ fn generate_streams_the_transformers_greedy_continuation() -> Result<()> {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("exceed the model's context"), "{err}");
+    let out = Command::new(BIN)
+        .args([
+            "generate",
+            "--model-path",
+            &fixture("tiny-llama"),
+            "--prompt",
+            "x",
+        ])
+        .args(["--kv-cache-dtype", "fp8"])
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kv-cache-dtype") && err.contains("auto, f32, f16 or bf16"),
+        "{err}"
+    );
     Ok(())
 }

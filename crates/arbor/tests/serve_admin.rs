@@ -1,6 +1,8 @@
 //! End-to-end tests of `arbor serve`'s operation: admin endpoints, API
 //! keys, metrics names and prefix, configuration precedence and errors,
-//! graceful SIGTERM, and aborts on client disconnect. Speed is never asserted.
+//! graceful SIGTERM, aborts on client disconnect, and the KV cache's dtype
+//! (`auto`: f16 on the CPU, which keeps the transformers greedy ids of the
+//! tiny fixtures) and size defaults. Speed is never asserted.
 
 mod common;
 
@@ -419,5 +421,171 @@ async fn kv_cache_size_in_gib() -> Result<()> {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("kv_cache_gb / --kv-cache-gb"), "{err}");
+    Ok(())
+}
+
+/// `--kv-cache-dtype auto` (the default) is f16 on the CPU: /get_server_info
+/// reports the dtype in use and why (`model.kv_cache_dtype` echoes the
+/// setting), and the start-up summary prints "f16 (auto: CPU)". `f32` on
+/// request (flag or `[model] kv_cache_dtype`) is honoured, and a bad value is
+/// refused naming the flag and the key.
+#[tokio::test]
+async fn kv_cache_dtype_is_f16_on_the_cpu_unless_asked() -> Result<()> {
+    let model = fixture("tiny-llama");
+    let c = client();
+    let base = [
+        "--model-path",
+        model.as_str(),
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-total-tokens",
+        "1024",
+    ];
+    let dir = tempfile::tempdir()?;
+    let toml = dir.path().join("arbor.toml");
+    std::fs::write(&toml, "[model]\nkv_cache_dtype = \"f32\"\n")?;
+    let toml = toml.display().to_string();
+    // (extra args, configured, in use, reason, bytes per token, summary).
+    type Case<'a> = (&'a [&'a str], &'a str, &'a str, Value, u64, &'a str);
+    let cases: [Case<'_>; 4] = [
+        (
+            &[],
+            "auto",
+            "f16",
+            json!("auto: CPU"),
+            384,
+            ", f16 (auto: CPU), ",
+        ),
+        (
+            &["--kv-cache-dtype", "f32"],
+            "f32",
+            "f32",
+            Value::Null,
+            768,
+            ", f32, ",
+        ),
+        (
+            &["--config", &toml],
+            "f32",
+            "f32",
+            Value::Null,
+            768,
+            ", f32, ",
+        ),
+        (
+            &["--config", &toml, "--kv-cache-dtype", "bf16"],
+            "bf16",
+            "bf16",
+            Value::Null,
+            384,
+            ", bf16, ",
+        ),
+    ];
+    for (extra, configured, dtype, reason, per_token, summary) in cases {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        let s = Server::start(&args)?;
+        let (st, info) = get(&c, &s.url("/get_server_info"), None).await?;
+        assert_eq!(st, 200);
+        let info: Value = serde_json::from_str(&info)?;
+        assert_eq!(
+            info["model"]["kv_cache_dtype"], configured,
+            "{extra:?}: {info}"
+        );
+        assert_eq!(info["kv_cache_dtype"], dtype, "{extra:?}: {info}");
+        assert_eq!(info["kv_cache_dtype_reason"], reason, "{extra:?}: {info}");
+        assert_eq!(info["max_total_num_tokens"], 1024, "{extra:?}");
+        assert_eq!(
+            info["kv_cache_bytes"],
+            1024 * per_token,
+            "{extra:?}: {info}"
+        );
+        assert!(s.log_contains(summary), "{extra:?}: {}", s.logs());
+    }
+    assert_serve_refuses(&["--kv-cache-dtype", "fp8"], "--kv-cache-dtype")?;
+    assert_serve_refuses(&["--kv-cache-dtype", "q4_0"], "auto, f32, f16 or bf16")?;
+    std::fs::write(
+        dir.path().join("bad.toml"),
+        "[model]\nkv_cache_dtype = \"f64\"\n",
+    )?;
+    let bad = dir.path().join("bad.toml").display().to_string();
+    assert_serve_refuses(&["--config", &bad], "[model] kv_cache_dtype")?;
+    Ok(())
+}
+
+/// Without a size the KV cache gets the memory rule with its bounds, and the
+/// summary names the bound that applied: with two running requests of the
+/// tiny Llama's 256-token context, 512 tokens (`max_running_requests 2 x
+/// context 256`), far below the 2 GiB an f16 cache may take on the CPU.
+#[tokio::test]
+async fn automatic_kv_size_names_the_bound_that_applied() -> Result<()> {
+    let model = fixture("tiny-llama");
+    let c = client();
+    let s = Server::start(&[
+        "--model-path",
+        &model,
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-running-requests",
+        "2",
+    ])?;
+    let (_, info) = get(&c, &s.url("/get_server_info"), None).await?;
+    let info: Value = serde_json::from_str(&info)?;
+    assert_eq!(info["max_total_num_tokens"], 512, "{info}");
+    assert_eq!(info["kv_cache_dtype"], "f16", "{info}");
+    assert!(
+        s.log_contains("512 tokens (32 pages of 16), f16 (auto: CPU)")
+            && s.log_contains("[capped at max_running_requests 2 x context 256 = 512 tokens]"),
+        "{}",
+        s.logs()
+    );
+    Ok(())
+}
+
+/// The default (f16) KV cache keeps the greedy continuation transformers
+/// wrote into each tiny fixture's `reference.json` token for token: every
+/// prompt, all `max_new_tokens` ids (the f32 path is held to the same ids by
+/// the models crate's parity tests).
+#[tokio::test]
+async fn default_f16_kv_keeps_the_transformers_greedy_ids() -> Result<()> {
+    let c = client();
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"] {
+        let dir = fixture(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{dir}/reference.json"))?)?;
+        let s = Server::start(&[
+            "--model-path",
+            &dir,
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--max-total-tokens",
+            "2048",
+        ])?;
+        let (_, info) = get(&c, &s.url("/get_server_info"), None).await?;
+        let info: Value = serde_json::from_str(&info)?;
+        assert_eq!(info["kv_cache_dtype"], "f16", "{name}: {info}");
+        let prompts = reference["prompts"].as_array().map_or(&[][..], |v| v);
+        ensure!(!prompts.is_empty(), "{name}: no prompts");
+        for (i, p) in prompts.iter().enumerate() {
+            let body = json!({
+                "input_ids": p["input_ids"],
+                "sampling_params": {"max_new_tokens": reference["max_new_tokens"], "temperature": 0, "ignore_eos": true},
+            });
+            let r: Value = c
+                .post(s.url("/generate"))
+                .json(&body)
+                .send()
+                .await?
+                .json()
+                .await?;
+            assert_eq!(r["output_ids"], p["greedy_ids"], "{name} prompt {i}");
+        }
+    }
     Ok(())
 }

@@ -4,7 +4,8 @@
 //!
 //! For each (batch size, input length, output length) of the sweep it loads
 //! nothing new: the model is loaded once, a KV cache sized for that batch is
-//! allocated, random prompts (ids below `min(vocab, 10000)`, SGLang's range)
+//! allocated (`--kv-cache-dtype`, `auto` as `arbor serve`: f16 on the CPU),
+//! random prompts (ids below `min(vocab, 10000)`, SGLang's range)
 //! are prefilled in one forward pass, then `output_len - 1` decode steps run
 //! with greedy picks. Lines are printed in SGLang's format; one JSONL record
 //! per run goes to `--result-filename`. Invariants: timings cover the forward
@@ -15,7 +16,7 @@ use crate::error::{BenchError, Result};
 use crate::rng::Rng;
 use crate::stats;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
-use arbor_engine_core::{BackendOptions, DType, LoadOptions, Registry};
+use arbor_engine_core::{BackendOptions, KvDtypeChoice, LoadOptions, Registry, ResolvedKvDtype};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -40,8 +41,8 @@ pub struct OneBatchArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
-    /// KV cache element type: f32, f16 or bf16.
-    #[arg(long = "kv-cache-dtype", default_value = "f32")]
+    /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16.
+    #[arg(long = "kv-cache-dtype", default_value = "auto")]
     pub kv_cache_dtype: String,
     /// Tokens per KV page.
     #[arg(long = "page-size", default_value_t = 16)]
@@ -99,10 +100,14 @@ fn argmax(xs: &[f32]) -> u32 {
 struct Loaded {
     model: Arc<dyn arbor_engine_core::Model>,
     backend: Arc<dyn arbor_engine_core::Backend>,
-    kv_dtype: DType,
+    kv_dtype: ResolvedKvDtype,
 }
 
 fn load(args: &OneBatchArgs) -> Result<Loaded> {
+    let kv_choice: KvDtypeChoice = args
+        .kv_cache_dtype
+        .parse()
+        .map_err(|e| BenchError::invalid(format!("--kv-cache-dtype: {e}")))?;
     let registry = Registry::builtin()?;
     let factory = registry.backends.get(&args.device)?;
     let backend = factory(&BackendOptions {
@@ -140,8 +145,8 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
     bar.finish_and_clear();
     Ok(Loaded {
         model: loaded?.model,
+        kv_dtype: kv_choice.resolve(&*backend),
         backend,
-        kv_dtype: args.kv_cache_dtype.parse()?,
     })
 }
 
@@ -177,7 +182,7 @@ fn run_once(
         None,
         ps,
         bs * per_seq,
-        m.kv_dtype,
+        m.kv_dtype.dtype,
     )?;
     let pool = runner.new_page_pool();
     let pages = (0..bs)
@@ -266,12 +271,13 @@ pub fn run_one_batch(args: OneBatchArgs) -> Result<Vec<OneBatchResult>> {
     let m = load(&args)?;
     let s = m.model.spec();
     println!(
-        "model: {} ({} layers, hidden {}, vocab {}), device: {}",
+        "model: {} ({} layers, hidden {}, vocab {}), device: {}, KV cache: {}",
         s.architecture,
         s.num_layers,
         s.hidden_size,
         s.vocab_size,
-        m.backend.info().name
+        m.backend.info().name,
+        m.kv_dtype
     );
     let mut rng = Rng::new(args.seed);
     if !args.skip_warmup {

@@ -8,12 +8,17 @@
 //! [`PagePool`] hands out page indices. A [`PageSet`] returns its pages to the
 //! pool when dropped, so a page is owned by exactly one `PageSet` at a time and
 //! can never leak or be freed twice. `used + free == total` always holds.
+//!
+//! [`KvDtypeChoice`] is what `--kv-cache-dtype` asks for: one element type,
+//! or `auto`, which [`KvDtypeChoice::resolve`] turns into f16 on the CPU and
+//! f32 on the other devices, with the reason for the start-up summary.
 
 use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::tensor::Tensor;
 use std::fmt;
+use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Shape of a KV cache.
@@ -47,6 +52,80 @@ impl KvSpec {
     pub fn pages_for_bytes(&self, bytes: u64) -> usize {
         let per_page = (self.bytes_per_token() * self.page_size) as u64;
         bytes.checked_div(per_page).unwrap_or(0) as usize
+    }
+}
+
+/// The KV cache element type asked for (`--kv-cache-dtype`, `[model]
+/// kv_cache_dtype`): `auto` or one of f32, f16, bf16 (and their long names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvDtypeChoice {
+    /// f16 on the CPU backend when it stores f16 KV (half the memory of f32;
+    /// its attention computes in f32 either way), f32 on every other device
+    /// (what they used before `auto` existed).
+    #[default]
+    Auto,
+    /// Exactly this element type.
+    Exact(DType),
+}
+
+impl FromStr for KvDtypeChoice {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        match s.parse::<DType>() {
+            Ok(d @ (DType::F32 | DType::F16 | DType::BF16)) => Ok(Self::Exact(d)),
+            _ => Err(CoreError::Config(format!(
+                "KV cache dtype must be auto, f32, f16 or bf16, got '{s}'"
+            ))),
+        }
+    }
+}
+
+/// The KV element type a [`KvDtypeChoice`] comes to on one backend.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResolvedKvDtype {
+    /// The element type the cache is allocated with.
+    pub dtype: DType,
+    /// Why, when `auto` chose it (`"auto: CPU"`); `None` when asked for.
+    pub auto_reason: Option<String>,
+}
+
+impl fmt::Display for ResolvedKvDtype {
+    /// `f16 (auto: CPU)`, or just `f32` when the dtype was asked for.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.auto_reason {
+            Some(why) => write!(f, "{} ({why})", self.dtype),
+            None => write!(f, "{}", self.dtype),
+        }
+    }
+}
+
+impl KvDtypeChoice {
+    /// The element type on `backend`: an exact choice as it is (the cache
+    /// refuses a dtype the backend does not list when it is allocated); `auto`
+    /// is f16 on the `cpu` backend when its `kv_dtypes` list f16, else f32.
+    pub fn resolve(self, backend: &dyn Backend) -> ResolvedKvDtype {
+        match self {
+            Self::Exact(dtype) => ResolvedKvDtype {
+                dtype,
+                auto_reason: None,
+            },
+            Self::Auto => {
+                let device = backend.info().backend;
+                let f16 = backend.capabilities().kv_dtypes.contains(&DType::F16);
+                let (dtype, why) = match (device == "cpu", f16) {
+                    (true, true) => (DType::F16, "auto: CPU".to_string()),
+                    (true, false) => (DType::F32, "auto: this CPU backend has no f16 KV".into()),
+                    (false, _) => (DType::F32, format!("auto: f32 on {device}")),
+                };
+                ResolvedKvDtype {
+                    dtype,
+                    auto_reason: Some(why),
+                }
+            }
+        }
     }
 }
 
@@ -297,6 +376,41 @@ impl Drop for PageSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_dtype_choice_parses_auto_and_the_float_types() {
+        assert_eq!(
+            "auto".parse::<KvDtypeChoice>().unwrap(),
+            KvDtypeChoice::Auto
+        );
+        assert_eq!(
+            "AUTO".parse::<KvDtypeChoice>().unwrap(),
+            KvDtypeChoice::Auto
+        );
+        for (s, d) in [
+            ("f32", DType::F32),
+            ("f16", DType::F16),
+            ("half", DType::F16),
+            ("bf16", DType::BF16),
+            ("bfloat16", DType::BF16),
+        ] {
+            assert_eq!(s.parse::<KvDtypeChoice>().unwrap(), KvDtypeChoice::Exact(d));
+        }
+        for bad in ["fp8", "q4_0", "", "f64"] {
+            let e = bad.parse::<KvDtypeChoice>().unwrap_err().to_string();
+            assert!(e.contains("auto, f32, f16 or bf16"), "{bad}: {e}");
+        }
+        let asked = ResolvedKvDtype {
+            dtype: DType::F32,
+            auto_reason: None,
+        };
+        assert_eq!(asked.to_string(), "f32");
+        let auto = ResolvedKvDtype {
+            dtype: DType::F16,
+            auto_reason: Some("auto: CPU".into()),
+        };
+        assert_eq!(auto.to_string(), "f16 (auto: CPU)");
+    }
 
     #[test]
     fn pages_return_on_drop() {

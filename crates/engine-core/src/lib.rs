@@ -42,7 +42,7 @@ pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
-pub use kv::{KvCache, KvLayer, KvSpec, PagePool, PageSet};
+pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, ResolvedKvDtype};
 pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};
 pub use model::{
     ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
