@@ -4,6 +4,8 @@
 //! Per row: `t = A x` (r dot products of length `in`), then
 //! `out += t[k] · Bᵀ[k]` for k in order (r vector updates of the row, read
 //! from the transposed expand factor).
+//! Rows of one adapter are processed together, one factor row at a time, so
+//! each row of A and Bᵀ is read once per group while it is in cache.
 //! The work is split by (row, column range): rows across threads when there
 //! are enough of them, else each row's columns across threads (each thread
 //! then computes the row's `t` itself, identically). A row's result depends
@@ -65,25 +67,45 @@ pub fn lora_add(b: &CpuBackend, x: &Tensor, out: &Tensor, entries: &[LoraRows<'_
         .flat_map(|e| e.rows.clone().map(move |r| (r, e)))
         .collect();
     let max_rank = list.iter().map(|e| e.rank).max().unwrap_or(0);
-    // Rows `r0..r1` of the list, output columns `c0..c1` of each.
+    // Rows `r0..r1` of the list, output columns `c0..c1` of each. Rows of one
+    // adapter go together, factor row by factor row, so each row of A and Bᵀ
+    // is read once per group while it is in cache; per output row the
+    // operations and their order are those of the row alone.
     let run = |r0: usize, r1: usize, c0: usize, c1: usize| {
-        let mut shrunk = vec![0f32; max_rank];
-        for &(row, e) in &rows[r0..r1] {
-            // SAFETY: x, A and B are read-only views of their full extents;
-            // this call alone writes columns c0..c1 of this row of `out`.
+        let mut shrunk: Vec<f32> = Vec::new();
+        let mut g0 = r0;
+        while g0 < r1 {
+            let e = rows[g0].1;
+            let mut g1 = g0 + 1;
+            while g1 < r1 && std::ptr::eq(rows[g1].1, e) {
+                g1 += 1;
+            }
+            let group = &rows[g0..g1];
+            let r = e.rank;
+            shrunk.clear();
+            shrunk.resize(group.len() * r, 0.0);
+            // SAFETY: x, A and Bᵀ are read-only views of their full extents;
+            // this call alone writes columns c0..c1 of these rows of `out`.
             unsafe {
-                let xr = std::slice::from_raw_parts(xp.get().add(row * inp), inp);
-                let a = std::slice::from_raw_parts(e.a.get(), e.rank * inp);
-                let bt = std::slice::from_raw_parts(e.bt.get(), e.rank * outd);
-                let s = &mut shrunk[..e.rank];
-                for (k, v) in s.iter_mut().enumerate() {
-                    *v = simd::dot(&a[k * inp..(k + 1) * inp], xr);
+                let a = std::slice::from_raw_parts(e.a.get(), r * inp);
+                let bt = std::slice::from_raw_parts(e.bt.get(), r * outd);
+                for k in 0..r {
+                    let ak = &a[k * inp..(k + 1) * inp];
+                    for (i, &(row, _)) in group.iter().enumerate() {
+                        let xr = std::slice::from_raw_parts(xp.get().add(row * inp), inp);
+                        shrunk[i * r + k] = simd::dot(ak, xr);
+                    }
                 }
-                let o = std::slice::from_raw_parts_mut(op.get().add(row * outd + c0), c1 - c0);
-                for (k, &sk) in s.iter().enumerate() {
-                    simd::axpy(sk, &bt[k * outd + c0..k * outd + c1], o);
+                for k in 0..r {
+                    let bk = &bt[k * outd + c0..k * outd + c1];
+                    for (i, &(row, _)) in group.iter().enumerate() {
+                        let o =
+                            std::slice::from_raw_parts_mut(op.get().add(row * outd + c0), c1 - c0);
+                        simd::axpy(shrunk[i * r + k], bk, o);
+                    }
                 }
             }
+            g0 = g1;
         }
     };
     let n = rows.len();
