@@ -1,7 +1,10 @@
 //! Host memory standing in for device memory.
 //!
 //! Buffers live in a slab of 64-byte-aligned, zero-initialized allocations
-//! indexed by the slot of their [`BufferId`]. A [`Tensor`] is resolved to a raw
+//! indexed by the slot of their [`BufferId`]. Large ones (from
+//! [`MAP_MIN`] bytes: the KV pool, weight matrices) are anonymous memory
+//! maps, zero pages the kernel commits on first touch, so a KV pool costs
+//! resident memory only for the pages requests have written. A [`Tensor`] is resolved to a raw
 //! pointer only inside an operation, after checking that it belongs to this
 //! device, that its byte range lies inside its buffer and that it is aligned
 //! for its element type. The allocation stays alive during the operation
@@ -16,9 +19,28 @@ use std::sync::{Arc, Mutex};
 
 const ALIGN: usize = 64;
 
-struct Allocation {
-    ptr: NonNull<u8>,
-    layout: Layout,
+/// Allocations of at least this many bytes are anonymous maps (page-aligned).
+pub const MAP_MIN: usize = 1 << 20;
+
+enum Allocation {
+    Heap { ptr: NonNull<u8>, layout: Layout },
+    Mapped(memmap2::MmapMut),
+}
+
+impl Allocation {
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            Allocation::Heap { ptr, .. } => ptr.as_ptr(),
+            Allocation::Mapped(m) => m.as_ptr() as *mut u8,
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Allocation::Heap { layout, .. } => layout.size(),
+            Allocation::Mapped(m) => m.len(),
+        }
+    }
 }
 
 // SAFETY: the allocation is plain memory; synchronization of its contents is
@@ -27,8 +49,10 @@ unsafe impl Send for Allocation {}
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: allocated in `HostMemory::allocate` with this layout.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        if let Allocation::Heap { ptr, layout } = self {
+            // SAFETY: allocated in `HostMemory::allocate` with this layout.
+            unsafe { dealloc(ptr.as_ptr(), *layout) }
+        }
     }
 }
 
@@ -85,13 +109,22 @@ impl HostMemory {
 
     /// Allocates `bytes` zeroed bytes and returns the owning handle.
     pub fn allocate(self: &Arc<Self>, bytes: usize) -> Result<Arc<DeviceBuffer>> {
-        let layout = Layout::from_size_align(bytes.max(1), ALIGN)
-            .map_err(|e| CoreError::OutOfMemory(format!("{bytes} bytes: {e}")))?;
-        // SAFETY: layout has non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr)
-            .ok_or_else(|| CoreError::OutOfMemory(format!("host allocation of {bytes} bytes")))?;
-        let a = Allocation { ptr, layout };
+        let a = if bytes >= MAP_MIN {
+            let m = memmap2::MmapMut::map_anon(bytes).map_err(|e| {
+                CoreError::OutOfMemory(format!("host allocation of {bytes} bytes: {e}"))
+            })?;
+            Allocation::Mapped(m)
+        } else {
+            let layout = Layout::from_size_align(bytes.max(1), ALIGN)
+                .map_err(|e| CoreError::OutOfMemory(format!("{bytes} bytes: {e}")))?;
+            // SAFETY: layout has non-zero size.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            let ptr = NonNull::new(ptr).ok_or_else(|| {
+                CoreError::OutOfMemory(format!("host allocation of {bytes} bytes"))
+            })?;
+            Allocation::Heap { ptr, layout }
+        };
+        let size = a.size();
         let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
         let slot = match slab.free.pop() {
             Some(s) => {
@@ -104,8 +137,7 @@ impl HostMemory {
             }
         };
         drop(slab);
-        self.allocated
-            .fetch_add(layout.size() as u64, Ordering::Relaxed);
+        self.allocated.fetch_add(size as u64, Ordering::Relaxed);
         let owner: Arc<dyn BufferOwner> = self.clone();
         Ok(Arc::new(DeviceBuffer::new(
             BufferId {
@@ -136,7 +168,7 @@ impl HostMemory {
             .and_then(|s| s.as_ref())
             .ok_or_else(|| CoreError::Internal(format!("buffer {id:?} is not allocated")))?;
         // SAFETY: range.start <= buffer bytes <= allocation size.
-        let ptr = unsafe { a.ptr.as_ptr().add(range.start) };
+        let ptr = unsafe { a.ptr().add(range.start) };
         if !(ptr as usize).is_multiple_of(align.max(1)) {
             return Err(CoreError::invalid(format!(
                 "tensor {t:?} is not aligned to {align} bytes"
@@ -155,8 +187,7 @@ impl BufferOwner for HostMemory {
         if let Some(slot) = slab.slots.get_mut(id.slot as usize)
             && let Some(a) = slot.take()
         {
-            self.allocated
-                .fetch_sub(a.layout.size() as u64, Ordering::Relaxed);
+            self.allocated.fetch_sub(a.size() as u64, Ordering::Relaxed);
             slab.free.push(id.slot as usize);
         }
     }
