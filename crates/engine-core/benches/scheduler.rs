@@ -3,7 +3,8 @@
 //! streaming), with a zero-cost model stand-in (constant logits over a small
 //! vocabulary) so only the scheduler's own work is timed. Benchmark only.
 //!
-//! Run: `cargo bench -p arbor-engine-core --bench scheduler`
+//! Run: `cargo bench -p arbor-engine-core --bench scheduler` (`ARBOR_BENCH_STEPS`:
+//! tokens per request, default 200; more for a profile).
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
@@ -91,13 +92,16 @@ fn main() {
             ..Default::default()
         };
         let engine = Engine::new(cfg, parts).expect("engine");
-        let steps = 200;
+        let steps: usize = std::env::var("ARBOR_BENCH_STEPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(200);
         let params = SamplingParams {
             ignore_eos: true,
             ..SamplingParams::greedy(steps)
         };
         let t0 = Instant::now();
-        let streams: Vec<_> = (0..running)
+        let mut streams: Vec<_> = (0..running)
             .map(|i| {
                 let prompt: Vec<u32> = (0..100).map(|j| ((i * 7 + j) % VOCAB) as u32).collect();
                 engine
@@ -106,17 +110,26 @@ fn main() {
             })
             .collect();
         let it0 = engine.stats().iterations;
+        // Steady state: from when every request has its first token (the
+        // prompts are admitted and prefilled) to the end.
+        for s in &mut streams {
+            s.blocking_next();
+        }
+        let (t1, it1) = (Instant::now(), engine.stats().iterations);
         for s in streams {
             s.collect_blocking();
         }
         let elapsed = t0.elapsed().as_secs_f64();
         let iters = engine.stats().iterations - it0;
+        let decode = t1.elapsed().as_secs_f64();
+        let decode_iters = (engine.stats().iterations - it1).max(1);
         println!(
-            "{running} running decodes: {iters} iterations in {:.2} s: {:.0} µs per iteration ({:.2} µs per request-step), {:.0} tokens/s of scheduler throughput",
+            "{running} running decodes: {iters} iterations in {:.2} s: {:.0} µs per iteration ({:.2} µs per request-step), {:.0} tokens/s of scheduler throughput; decode only: {:.0} µs per iteration over {decode_iters}",
             elapsed,
             elapsed / iters as f64 * 1e6,
             elapsed / (iters as f64 * running as f64) * 1e6,
-            (running * steps) as f64 / elapsed
+            (running * steps) as f64 / elapsed,
+            decode / decode_iters as f64 * 1e6,
         );
     }
 }
