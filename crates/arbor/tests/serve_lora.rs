@@ -118,6 +118,40 @@ async fn adapters_by_name_batch_openai_and_models() -> Result<()> {
         );
         ensure!(v["model"] == "tiny-llama:attn", "{v}");
     }
+    // Chat: the adapter by model name and by SGLang's extra `lora_path` agree.
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi there"}],
+            "max_tokens": 12, "temperature": 0});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        body
+    };
+    let url = s.url("/v1/chat/completions");
+    let by_model = post_ok(&c, &url, &chat(json!({"model": "tiny-llama:all"}))).await?;
+    let by_field = post_ok(
+        &c,
+        &url,
+        &chat(json!({"model": "tiny-llama", "lora_path": "all"})),
+    )
+    .await?;
+    let base = post_ok(&c, &url, &chat(json!({"model": "tiny-llama"}))).await?;
+    let content = |v: &Value| v["choices"][0]["message"]["content"].clone();
+    ensure!(
+        content(&by_model) == content(&by_field),
+        "{by_model} vs {by_field}"
+    );
+    ensure!(content(&by_model) != content(&base), "{by_model} vs {base}");
+    let (code, v) = post(
+        &c,
+        &url,
+        &chat(json!({"model": "attn", "lora_path": "all"})),
+    )
+    .await?;
+    ensure!(
+        code == 400 && v.to_string().contains("lora_path"),
+        "{code} {v}"
+    );
     let (code, v) = post(
         &c,
         &s.url("/v1/completions"),

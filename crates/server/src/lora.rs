@@ -1,7 +1,7 @@
 //! Multi-LoRA serving over HTTP, SGLang's shapes: `lora_path` on
 //! `/generate` (one adapter name, or one per prompt of a batch, `null` for
 //! the base model), the OpenAI `model` field naming `base:adapter` or the
-//! adapter alone, `POST /load_lora_adapter` (`lora_name`, `lora_path`) and
+//! adapter alone (or SGLang's extra `lora_path` field there), `POST /load_lora_adapter` (`lora_name`, `lora_path`) and
 //! `POST /unload_lora_adapter` (`lora_name`), and adapters listed by
 //! `/v1/models` with the served model as their parent.
 //!

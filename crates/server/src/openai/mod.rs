@@ -47,15 +47,27 @@ pub(crate) struct Common {
 }
 
 /// Checks the `model` field against the served name and the loaded LoRA
-/// adapters (`base:adapter`, or the adapter's name); returns the adapter.
+/// adapters (`base:adapter`, or the adapter's name), and SGLang's extra
+/// `lora_path` field (an adapter's name); returns the adapter.
 pub(crate) fn check_model(
     st: &AppState,
     f: &mut Fields,
 ) -> Result<Option<Arc<arbor_engine_core::LoraAdapter>>, ApiError> {
-    match f.string("model")? {
-        Some(m) => st.resolve_model(&m),
-        None => Ok(None),
+    let by_model = match f.string("model")? {
+        Some(m) => st.resolve_model(&m)?,
+        None => None,
+    };
+    let Some(name) = f.string("lora_path")? else {
+        return Ok(by_model);
+    };
+    let a = st.adapter("lora_path", &name)?;
+    if by_model.as_ref().is_some_and(|m| !Arc::ptr_eq(m, &a)) {
+        return Err(ApiError::bad_param(
+            "lora_path",
+            "'lora_path' names another adapter than 'model'",
+        ));
     }
+    Ok(Some(a))
 }
 
 /// Reads a token limit that must be at least 1.
