@@ -243,6 +243,13 @@ fn mixed_batches_give_each_request_its_own_tokens() -> Result<()> {
                 );
             }
         }
+        // The cap held, and steps did mix adapters up to it (base + 3 adapters).
+        let mixed = e.stats().lora_max_step_adapters;
+        assert_eq!(
+            mixed,
+            max_loras.min(4),
+            "page {page_size}, max_loras {max_loras}"
+        );
         assert_pool_empty(&e);
     }
     Ok(())

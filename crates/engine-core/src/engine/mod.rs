@@ -291,6 +291,10 @@ pub struct EngineStats {
     pub tiers: crate::prefix_cache::TierStats,
     /// Copies between device and host the steps ran (HiCache).
     pub kv_copy: crate::tier::KvCopyStats,
+    /// Most distinct LoRA adapters one step has run with, the base model
+    /// counting as one (0 until a request with an adapter arrives); never
+    /// above [`EngineConfig::max_loras_per_batch`].
+    pub lora_max_step_adapters: usize,
 }
 
 /// Everything the engine runs with besides its settings.

@@ -195,6 +195,20 @@ impl Scheduler {
         // evictions before this point recorded run first.
         plan.kv_ops = self.cache.take_kv_ops();
         let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
+        if self.lora_used {
+            let mut seen: Vec<AdapterKey> = Vec::new();
+            for k in plan
+                .seqs
+                .iter()
+                .map(|s| s.lora.as_ref().map(|a| Arc::as_ptr(a) as usize))
+            {
+                if !seen.contains(&k) {
+                    seen.push(k);
+                }
+            }
+            let c = &mut self.counters.lora_max_step_adapters;
+            *c = (*c).max(seen.len());
+        }
         let vocab = self.executor.model_spec().vocab_size;
         let n_seqs = plan.seqs.len();
         let npre = prefill.len();
