@@ -185,35 +185,21 @@ pub fn build(
     backend: Arc<dyn Backend>,
     spec: &ModelSpec,
 ) -> Result<Arc<LoraRegistry>> {
-    let mut max_rank = s.max_rank;
-    if max_rank.is_none() && !s.adapters.is_empty() {
-        // Load once unbounded to learn the ranks, then bound later loads.
-        let probe = LoraRegistry::new(
-            backend.clone(),
-            spec.clone(),
-            LoraLimits {
-                max_rank: None,
-                targets: s.targets.clone(),
-            },
-            None,
-        );
-        let mut r = 0;
-        for (name, path) in &s.adapters {
-            r = r.max(probe.load(name, path).context("--lora-paths")?.rank());
-        }
-        max_rank = Some(r);
-    }
-    let registry = LoraRegistry::new(
+    let mut registry = LoraRegistry::new(
         backend,
         spec.clone(),
         LoraLimits {
-            max_rank,
+            max_rank: s.max_rank,
             targets: s.targets.clone(),
         },
         s.max_loaded,
     );
+    let mut largest = 0;
     for (name, path) in &s.adapters {
-        registry.load(name, path).context("--lora-paths")?;
+        largest = largest.max(registry.load(name, path).context("--lora-paths")?.rank());
+    }
+    if s.max_rank.is_none() && !s.adapters.is_empty() {
+        registry.set_max_rank(Some(largest));
     }
     Ok(Arc::new(registry))
 }

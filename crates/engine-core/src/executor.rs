@@ -143,14 +143,15 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
     let mut positions = Vec::with_capacity(tokens);
     let mut rows = Vec::with_capacity(plan.seqs.len());
     let mut first_row = vec![0; plan.seqs.len()];
-    let adapter_key = |i: &usize| plan.seqs[*i].lora.as_ref().map(Arc::as_ptr);
-    let mut order: Vec<usize> = (0..plan.seqs.len()).collect();
-    let with_lora = plan.seqs.iter().any(|s| s.lora.is_some());
-    if with_lora {
-        order.sort_by_key(adapter_key);
-    }
+    // Packing order, only built when some sequence has an adapter.
+    let sorted: Option<Vec<usize>> = plan.seqs.iter().any(|s| s.lora.is_some()).then(|| {
+        let mut order: Vec<usize> = (0..plan.seqs.len()).collect();
+        order.sort_by_key(|i| plan.seqs[*i].lora.as_ref().map(Arc::as_ptr));
+        order
+    });
     let mut lora: Vec<LoraSegment> = Vec::new();
-    for i in order {
+    for k in 0..plan.seqs.len() {
+        let i = sorted.as_ref().map_or(k, |o| o[k]);
         let s = &plan.seqs[i];
         s.validate(page_size)?;
         let q_start = ids.len();

@@ -54,6 +54,12 @@ impl LoraRegistry {
         &self.limits
     }
 
+    /// Bounds the rank of adapters loaded from now on (before the registry
+    /// is shared: the start-up adapters' largest rank bounds later loads).
+    pub fn set_max_rank(&mut self, max_rank: Option<usize>) {
+        self.limits.max_rank = max_rank;
+    }
+
     /// Loads the adapter in `dir` as `name`.
     pub fn load(&self, name: &str, dir: &Path) -> Result<Arc<LoraAdapter>> {
         check_name(name)?;

@@ -15,18 +15,22 @@ use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateReque
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
     Backend, BatchLayout, DType, ForwardBatch, LoadOptions, LoraAdapter, LoraSegment,
-    PrefixCacheOptions, Registry, SamplingParams,
+    PrefixCacheOptions, Registry,
 };
 use arbor_kv_radix as _;
 use arbor_lora::{LoraError, LoraLimits, LoraRegistry, load_adapter};
 use arbor_models::{LoadedModel, load_model};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
+#[path = "support/device.rs"]
+mod device;
+use device::{fixtures, ids};
+
+#[path = "../../engine-core/tests/support/tiny.rs"]
+mod tiny;
+use tiny::{assert_pool_empty, greedy};
 
 struct Base {
     model: LoadedModel,
@@ -65,17 +69,6 @@ fn reference(name: &str) -> Result<Value> {
     Ok(serde_json::from_str(&text)?)
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn engine(b: &Base, page_size: usize, max_loras: usize) -> Result<Engine> {
     let runner = ModelRunner::new(
         b.model.model.clone(),
@@ -102,30 +95,11 @@ fn engine(b: &Base, page_size: usize, max_loras: usize) -> Result<Engine> {
     Ok(Engine::new(cfg, parts)?)
 }
 
-fn greedy(n: usize) -> SamplingParams {
-    SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(n)
-    }
-}
-
 fn request(prompt: &[u32], lora: Option<&Arc<LoraAdapter>>, n: usize) -> GenerateRequest {
     GenerateRequest {
         lora: lora.cloned(),
         ..GenerateRequest::new(prompt.to_vec(), greedy(n))
     }
-}
-
-fn assert_pool_empty(e: &Engine) {
-    assert!(e.flush_cache().unwrap(), "engine should be idle");
-    for _ in 0..100 {
-        let s = e.stats();
-        if s.num_used_tokens == 0 && s.evictable_tokens == 0 {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("KV pages still in use: {:?}", e.stats());
 }
 
 /// Last-position logits of `prompt` with `lora` applied to all its rows.
@@ -421,9 +395,6 @@ fn bad_adapters_are_refused() -> Result<()> {
     assert_pool_empty(&e);
     Ok(())
 }
-
-#[path = "support/device.rs"]
-mod device;
 
 #[test]
 fn a_batch_of_segments_matches_peft_on_the_cpu() -> Result<()> {

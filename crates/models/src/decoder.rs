@@ -347,10 +347,7 @@ impl Model for DecoderModel {
             Ok(out)
         };
         // Adds the batch's LoRA deltas of one linear (nothing without adapters).
-        let lora = |layer: usize, target: LoraTarget, x: &Tensor, out: &Tensor| -> Result<()> {
-            if batch.lora.is_empty() {
-                return Ok(());
-            }
+        let lora = |layer: usize, target: LoraTarget, x: &Tensor, out: &Tensor| {
             apply_lora(b, &batch.lora, layer, target, x, out)
         };
         let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];

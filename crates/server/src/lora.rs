@@ -134,12 +134,13 @@ pub(crate) fn adapter_cards(st: &AppState, created: u64) -> Vec<Value> {
         .collect()
 }
 
-fn loaded(r: &LoraRegistry) -> Value {
+/// SGLang's answer to a load or unload: success and the adapters loaded now.
+fn loaded_reply(r: &LoraRegistry) -> Response {
     let mut m = Map::new();
     for (name, l) in r.list() {
         m.insert(name, json!(l.path.display().to_string()));
     }
-    Value::Object(m)
+    Json(json!({"success": true, "error_message": "", "loaded_adapters": m})).into_response()
 }
 
 async fn body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Fields, ApiError> {
@@ -176,16 +177,9 @@ pub(crate) async fn load_lora_adapter(
         tokio::task::spawn_blocking(move || r.load(&name, &dir))
             .await
             .map_err(|e| ApiError::internal(format!("loading the adapter failed: {e}")))??;
-        Ok::<_, ApiError>(Json(json!({
-            "success": true,
-            "error_message": "",
-            "loaded_adapters": loaded(&registry),
-        })))
+        Ok::<_, ApiError>(loaded_reply(&registry))
     };
-    match run.await {
-        Ok(r) => r.into_response(),
-        Err(e) => e.into_response(),
-    }
+    run.await.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// Handles `POST /unload_lora_adapter`.
@@ -200,14 +194,7 @@ pub(crate) async fn unload_lora_adapter(
         let name = name_field(&mut f)?;
         f.finish()?;
         registry.unload(&name)?;
-        Ok::<_, ApiError>(Json(json!({
-            "success": true,
-            "error_message": "",
-            "loaded_adapters": loaded(&registry),
-        })))
+        Ok::<_, ApiError>(loaded_reply(&registry))
     };
-    match run.await {
-        Ok(r) => r.into_response(),
-        Err(e) => e.into_response(),
-    }
+    run.await.unwrap_or_else(IntoResponse::into_response)
 }

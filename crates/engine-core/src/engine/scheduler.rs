@@ -123,9 +123,18 @@ pub(crate) struct Scheduler {
 /// Which adapter a request runs with, for counting (`None`: the base model).
 type AdapterKey = Option<usize>;
 
-fn adapter_key(r: &Req) -> AdapterKey {
+fn adapter_key(lora: &Option<Arc<crate::lora::LoraAdapter>>) -> AdapterKey {
     // The address of the shared adapter: requests of one adapter hold one Arc.
-    r.lora.as_ref().map(|a| Arc::as_ptr(a) as usize)
+    lora.as_ref().map(|a| Arc::as_ptr(a) as usize)
+}
+
+/// Adds the keys of `keys` not in `set` yet (sets of a few adapters).
+fn add_distinct(set: &mut Vec<AdapterKey>, keys: impl IntoIterator<Item = AdapterKey>) {
+    for k in keys {
+        if !set.contains(&k) {
+            set.push(k);
+        }
+    }
 }
 
 impl Scheduler {
@@ -553,14 +562,11 @@ impl Scheduler {
                 let active = adapters.get_or_insert_with(|| {
                     let mut v = in_flight_adapters.to_vec();
                     let ours = self.running.iter().chain(&self.chunked);
-                    for k in ours.chain(entries.iter().map(|e| &e.req)).map(adapter_key) {
-                        if !v.contains(&k) {
-                            v.push(k);
-                        }
-                    }
+                    let ours = ours.chain(entries.iter().map(|e| &e.req));
+                    add_distinct(&mut v, ours.map(|q| adapter_key(&q.lora)));
                     v
                 });
-                let k = adapter_key(&r);
+                let k = adapter_key(&r.lora);
                 if !active.contains(&k) {
                     if active.len() >= self.cfg.max_loras_per_batch.max(1) {
                         queue[i] = Some(r);

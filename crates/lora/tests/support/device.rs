@@ -16,8 +16,21 @@ use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-fn fixtures() -> PathBuf {
+/// The repository's tests/fixtures.
+pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// A JSON list of token ids.
+pub fn ids(x: &Value) -> Vec<u32> {
+    x.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn first_prompt(adapter: &str) -> Result<(Vec<u32>, Vec<f32>, Vec<u32>)> {
@@ -25,16 +38,6 @@ fn first_prompt(adapter: &str) -> Result<(Vec<u32>, Vec<f32>, Vec<u32>)> {
         std::fs::read_to_string(fixtures().join("lora").join(adapter).join("reference.json"))?;
     let v: Value = serde_json::from_str(&text)?;
     let p = &v["prompts"][0];
-    let ids = |x: &Value| -> Vec<u32> {
-        x.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(Value::as_u64)
-                    .map(|t| t as u32)
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     let logits = p["last_logits"]
         .as_array()
         .context("last_logits")?

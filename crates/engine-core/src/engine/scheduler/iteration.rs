@@ -17,7 +17,7 @@
 //! saw the accepted tokens (draft masks were filled by accepting drafts
 //! tentatively and rolling back).
 
-use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key};
+use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key, add_distinct};
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
@@ -197,15 +197,7 @@ impl Scheduler {
         let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
         if self.lora_used {
             let mut seen: Vec<AdapterKey> = Vec::new();
-            for k in plan
-                .seqs
-                .iter()
-                .map(|s| s.lora.as_ref().map(|a| Arc::as_ptr(a) as usize))
-            {
-                if !seen.contains(&k) {
-                    seen.push(k);
-                }
-            }
+            add_distinct(&mut seen, plan.seqs.iter().map(|s| adapter_key(&s.lora)));
             let c = &mut self.counters.lora_max_step_adapters;
             *c = (*c).max(seen.len());
         }
@@ -233,11 +225,7 @@ impl Scheduler {
             let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
             let mut adapters: Vec<AdapterKey> = Vec::new();
             if self.lora_used {
-                for k in staying.iter().map(|r| adapter_key(r)) {
-                    if !adapters.contains(&k) {
-                        adapters.push(k);
-                    }
-                }
+                add_distinct(&mut adapters, staying.iter().map(|r| adapter_key(&r.lora)));
             }
             (staying.len(), reserve, adapters)
         } else {
