@@ -160,6 +160,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
             sampler,
             processors,
             hicache: cfg.hicache.to_settings(engine_cfg.disable_radix_cache)?,
+            draft_model: engine_cfg
+                .speculative
+                .as_ref()
+                .and(cfg.speculative.draft_model_path.clone()),
         },
     )?;
     let spec = built.model.model.spec().clone();

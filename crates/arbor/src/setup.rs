@@ -13,7 +13,7 @@ use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
     Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions, PrefixCacheOptions,
-    Registry, ResolvedKvDtype,
+    Registry, ResolvedKvDtype, SpeculatorInputs,
 };
 use arbor_models::LoadedModel;
 use clap::Args;
@@ -136,6 +136,8 @@ pub struct EngineSetup {
     pub processors: Vec<(String, serde_json::Value)>,
     /// Host and storage KV tiers under the radix cache, when on.
     pub hicache: Option<crate::hicache::HiCacheSettings>,
+    /// The draft model of `--speculative-algorithm STANDALONE`.
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 /// An engine with the model it runs.
@@ -261,6 +263,10 @@ pub fn build_engine(
     let backend = self::backend(registry, args)?;
     let resolved = kv_dtype(args, &*backend)?;
     let model = load(registry, backend.clone(), args)?;
+    let draft = match &setup.draft_model {
+        Some(p) => Some(load_draft(registry, backend.clone(), args, p, &model)?),
+        None => None,
+    };
     let spec = model.model.spec().clone();
     let page_size = args.page_size.max(1);
     let kv_dtype = resolved.dtype;
@@ -272,7 +278,18 @@ pub fn build_engine(
         num_pages: 1,
         dtype: kv_dtype,
     };
-    let per_token = probe.bytes_per_token() as u64;
+    // A draft model's KV lives in pages of its own, one per target page.
+    let draft_per_token = draft.as_ref().map_or(0, |d| {
+        let s = d.model.spec();
+        KvSpec {
+            num_layers: s.num_layers,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            ..probe
+        }
+        .bytes_per_token() as u64
+    });
+    let per_token = probe.bytes_per_token() as u64 + draft_per_token;
     let (tokens, note) = match setup.kv {
         KvBudget::Tokens(t) => (
             t.div_ceil(page_size) * page_size,
@@ -309,15 +326,17 @@ pub fn build_engine(
         );
     }
     let num_pages = (tokens / page_size).max(1);
-    let runner = ModelRunner::new(
-        model.model.clone(),
-        backend.clone(),
-        None,
-        page_size,
-        num_pages,
-        kv_dtype,
-    )
-    .context("allocating the KV cache")?;
+    let runner = Arc::new(
+        ModelRunner::new(
+            model.model.clone(),
+            backend.clone(),
+            None,
+            page_size,
+            num_pages,
+            kv_dtype,
+        )
+        .context("allocating the KV cache")?,
+    );
     let cache_name = if setup.engine.disable_radix_cache {
         "none"
     } else {
@@ -333,7 +352,7 @@ pub fn build_engine(
         registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?
     };
     let parts = EngineParts::local(
-        runner,
+        runner.clone(),
         prefix_cache,
         registry.samplers.get(&setup.sampler)?()?,
         setup
@@ -356,7 +375,11 @@ pub fn build_engine(
             .speculators
             .get(&sc.algorithm)
             .context("--speculative-algorithm")?;
-        parts.speculator = Some(create(sc).context("--speculative-algorithm")?);
+        let inputs = SpeculatorInputs {
+            target: runner,
+            draft_model: draft.map(|d| d.model),
+        };
+        parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
     }
     let engine = Engine::new(setup.engine.clone(), parts).context("starting the engine")?;
     Ok(BuiltEngine {
@@ -368,6 +391,39 @@ pub fn build_engine(
         model,
         backend,
     })
+}
+
+/// Loads the STANDALONE draft model at `path` like the target (device and
+/// `--dtype`), and checks that it shares the target's tokenizer.
+fn load_draft(
+    registry: &Registry,
+    backend: Arc<dyn Backend>,
+    args: &ModelArgs,
+    path: &std::path::Path,
+    target: &LoadedModel,
+) -> Result<LoadedModel> {
+    if !path.exists() {
+        bail!(
+            "--speculative-draft-model-path {}: no such file or folder",
+            path.display()
+        );
+    }
+    let draft_args = ModelArgs {
+        model_path: Some(path.to_path_buf()),
+        ..args.clone()
+    };
+    let draft = load(registry, backend, &draft_args).context("--speculative-draft-model-path")?;
+    let (t, d) = (&target.tokenizer, &draft.tokenizer);
+    if t.inner().get_vocab(true) != d.inner().get_vocab(true) {
+        bail!(
+            "--speculative-draft-model-path {}: its tokenizer ({} tokens) is not the target's ({} tokens); \
+             a draft model must share the target's vocabulary",
+            path.display(),
+            d.vocab_size(),
+            t.vocab_size()
+        );
+    }
+    Ok(draft)
 }
 
 /// Loads new weights for a running server (`/update_weights_from_disk`,

@@ -3,10 +3,11 @@
 //! [`SpeculativeConfig`].
 //!
 //! `algorithm` is `none` (off, the default) or a registered speculator
-//! (`ngram`, SGLang's `NGRAM`; any case). SGLang's other algorithms (EAGLE,
-//! EAGLE3, STANDALONE, NEXTN) are refused with a message saying so, and so is
-//! any algorithm when this binary was built without the `spec-decode` cargo
-//! feature.
+//! (any case): `ngram` (SGLang's `NGRAM`), `standalone` (a separate draft
+//! model, `draft_model_path`) or `layerskip` (the target's first
+//! `draft_layers` layers). SGLang's EAGLE, EAGLE3 and NEXTN are refused with a
+//! message saying so, and so is any algorithm when this binary was built
+//! without the `spec-decode` cargo feature.
 
 use anyhow::{Result, bail};
 use arbor_engine_core::speculative::{NgramMatchType, NgramOptions, SpeculativeConfig};
@@ -17,10 +18,16 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSection {
-    /// `none` or a registered speculator: `ngram` [default: none].
+    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip` [default: none].
     pub algorithm: Option<String>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     pub num_draft_tokens: Option<usize>,
+    /// Draft tokens a model drafter (standalone, layerskip) proposes per step, 1..=64 [default: 4].
+    pub num_steps: Option<usize>,
+    /// The draft model (HF folder or GGUF) of `standalone`; it must share the target's tokenizer.
+    pub draft_model_path: Option<std::path::PathBuf>,
+    /// Layers of the target that draft under `layerskip` (1..layers-1).
+    pub draft_layers: Option<usize>,
     /// Draft fewer tokens, or none, where acceptance and step cost say it does not pay [default: true].
     pub adaptive: Option<bool>,
     /// Shortest suffix matched against the n-gram table [default: 1].
@@ -42,9 +49,24 @@ pub struct SpeculativeSection {
 /// The `--speculative-*` flags (SGLang's names).
 #[derive(Args, Debug, Clone, Default)]
 pub struct SpeculativeArgs {
-    /// Speculative decoding: none or NGRAM (SGLang's EAGLE, EAGLE3, STANDALONE and NEXTN are not available yet) [default: none].
+    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model) or LAYERSKIP (the target's first layers); SGLang's EAGLE, EAGLE3 and NEXTN are not available yet [default: none].
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
+    /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64 [default: 4].
+    #[arg(long = "speculative-num-steps", help_heading = "Speculative decoding")]
+    pub speculative_num_steps: Option<usize>,
+    /// The STANDALONE draft model: an HF folder or a GGUF file with the target's tokenizer.
+    #[arg(
+        long = "speculative-draft-model-path",
+        help_heading = "Speculative decoding"
+    )]
+    pub speculative_draft_model_path: Option<std::path::PathBuf>,
+    /// LAYERSKIP: the target's first N layers (then its final norm and LM head) draft.
+    #[arg(
+        long = "speculative-draft-layers",
+        help_heading = "Speculative decoding"
+    )]
+    pub speculative_draft_layers: Option<usize>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     #[arg(
         long = "speculative-num-draft-tokens",
@@ -101,7 +123,7 @@ pub struct SpeculativeArgs {
     pub speculative_ngram_capacity: Option<usize>,
 }
 
-const SGLANG_ONLY: &[&str] = &["eagle", "eagle3", "standalone", "nextn", "mtp"];
+const SGLANG_ONLY: &[&str] = &["eagle", "eagle3", "nextn", "mtp"];
 
 impl SpeculativeSection {
     /// Defaults < `file` < `a`, every key filled in.
@@ -121,6 +143,16 @@ impl SpeculativeSection {
                     .or(f.num_draft_tokens)
                     .unwrap_or(e.num_draft_tokens),
             ),
+            num_steps: Some(
+                a.speculative_num_steps
+                    .or(f.num_steps)
+                    .unwrap_or(e.num_steps),
+            ),
+            draft_model_path: a
+                .speculative_draft_model_path
+                .clone()
+                .or(f.draft_model_path),
+            draft_layers: a.speculative_draft_layers.or(f.draft_layers),
             adaptive: Some(!a.disable_speculative_adaptive && f.adaptive.unwrap_or(true)),
             ngram_min_match_window_size: Some(
                 a.speculative_ngram_min_match_window_size
@@ -175,14 +207,38 @@ impl SpeculativeSection {
         }
         if SGLANG_ONLY.contains(&algo.as_str()) {
             bail!(
-                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM)",
+                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP)",
                 algo.to_ascii_uppercase()
             );
         }
+        let upper = algo.to_ascii_uppercase();
+        match (algo == "standalone", self.draft_model_path.is_some()) {
+            (true, false) => bail!(
+                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path \
+                 (TOML: [speculative] draft_model_path)"
+            ),
+            (false, true) => bail!(
+                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE only, not {upper}"
+            ),
+            _ => {}
+        }
+        match (algo == "layerskip", self.draft_layers.is_some()) {
+            (true, false) => bail!(
+                "--speculative-algorithm LAYERSKIP needs --speculative-draft-layers N \
+                 (TOML: [speculative] draft_layers)"
+            ),
+            (false, true) => bail!(
+                "--speculative-draft-layers is used by --speculative-algorithm LAYERSKIP only, not {upper}"
+            ),
+            _ => {}
+        }
         let d = NgramOptions::default();
+        let e = SpeculativeConfig::default();
         let c = SpeculativeConfig {
             algorithm: algo,
-            num_draft_tokens: self.num_draft_tokens.unwrap_or(8),
+            num_draft_tokens: self.num_draft_tokens.unwrap_or(e.num_draft_tokens),
+            num_steps: self.num_steps.unwrap_or(e.num_steps),
+            draft_layers: self.draft_layers,
             adaptive: self.adaptive.unwrap_or(true),
             ngram: NgramOptions {
                 min_match_window_size: self

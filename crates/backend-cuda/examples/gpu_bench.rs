@@ -219,6 +219,7 @@ fn step(
         logits_rows: rows,
         hidden_layers: Vec::new(),
         lora: Vec::new(),
+        exit_after: None,
     };
     let ctx = ForwardContext {
         kv: &s.kv,

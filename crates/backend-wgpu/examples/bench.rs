@@ -78,6 +78,7 @@ fn step(
         logits_rows: rows,
         hidden_layers: Vec::new(),
         lora: Vec::new(),
+        exit_after: None,
     };
     let ctx = ForwardContext {
         kv,

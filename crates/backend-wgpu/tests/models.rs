@@ -150,6 +150,7 @@ fn greedy_on_device(
             layout,
             hidden_layers: Vec::new(),
             lora: Vec::new(),
+            exit_after: None,
         };
         let ctx = ForwardContext {
             kv: &cache,

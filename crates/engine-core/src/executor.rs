@@ -87,7 +87,7 @@ pub enum MemoryOp {
 
 /// The single-device executor.
 pub struct LocalExecutor {
-    runner: ModelRunner,
+    runner: Arc<ModelRunner>,
     sampler: Arc<dyn Sampler>,
     processors: Vec<Arc<dyn LogitsProcessor>>,
     eos: Vec<u32>,
@@ -96,21 +96,21 @@ pub struct LocalExecutor {
 impl LocalExecutor {
     /// Binds a runner to the sampler, processors and EOS ids of the engine.
     pub fn new(
-        runner: ModelRunner,
+        runner: impl Into<Arc<ModelRunner>>,
         sampler: Arc<dyn Sampler>,
         processors: Vec<Arc<dyn LogitsProcessor>>,
         eos: Vec<u32>,
     ) -> Self {
         Self {
-            runner,
+            runner: runner.into(),
             sampler,
             processors,
             eos,
         }
     }
 
-    /// The runner.
-    pub fn runner(&self) -> &ModelRunner {
+    /// The runner (shared with a drafter that runs the target's layers).
+    pub fn runner(&self) -> &Arc<ModelRunner> {
         &self.runner
     }
 
@@ -186,6 +186,7 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
         logits_rows: rows,
         hidden_layers: plan.hidden_layers.clone(),
         lora,
+        exit_after: None,
     };
     Ok((batch, first_row))
 }

@@ -56,7 +56,9 @@ pub use prefix_cache::{
 pub use quant::QuantMethod;
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
-pub use speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
+pub use speculative::{
+    Draft, DraftRequest, Drafting, SpeculativeConfig, Speculator, SpeculatorInputs,
+};
 pub use step::{SampleRows, SampleSpec, SeqOutput, SeqPlan, StepOutput, StepPlan};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use tier::{

@@ -129,6 +129,10 @@ pub struct ForwardBatch {
     /// LoRA adapters by packed row range (empty: the base model for every
     /// row); see [`crate::lora`].
     pub lora: Vec<LoraSegment>,
+    /// Run only the first `n` decoder layers, then the final norm and the LM
+    /// head (self-speculative layer-skip drafting); `None` runs every layer.
+    /// The KV of layers past `n` is neither read nor written.
+    pub exit_after: Option<usize>,
 }
 
 impl ForwardBatch {
@@ -154,6 +158,11 @@ impl ForwardBatch {
             return Err(CoreError::invalid(format!(
                 "logits row {bad} past {n} tokens"
             )));
+        }
+        if self.exit_after == Some(0) {
+            return Err(CoreError::invalid(
+                "a forward pass must run at least one layer",
+            ));
         }
         let mut end = 0;
         for s in &self.lora {

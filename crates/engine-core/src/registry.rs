@@ -16,7 +16,7 @@ use crate::model::ModelArchitecture;
 use crate::prefix_cache::{EvictionPolicy, PrefixCache, PrefixCacheOptions};
 use crate::quant::QuantMethod;
 use crate::sampling::{LogitsProcessor, Sampler};
-use crate::speculative::{SpeculativeConfig, Speculator};
+use crate::speculative::{SpeculativeConfig, Speculator, SpeculatorInputs};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -111,9 +111,10 @@ pub type EvictionPolicyFactory = Arc<dyn Fn() -> Result<Arc<dyn EvictionPolicy>>
 /// Creates a prefix cache.
 pub type PrefixCacheFactory =
     Arc<dyn Fn(&PrefixCacheOptions) -> Result<Box<dyn PrefixCache>> + Send + Sync>;
-/// Creates a speculator (a fresh one per engine).
+/// Creates a speculator (a fresh one per engine) over the target's runner
+/// and, for a separate draft model, that model.
 pub type SpeculatorFactory =
-    Arc<dyn Fn(&SpeculativeConfig) -> Result<Box<dyn Speculator>> + Send + Sync>;
+    Arc<dyn Fn(&SpeculativeConfig, &SpeculatorInputs) -> Result<Box<dyn Speculator>> + Send + Sync>;
 /// Creates a grammar backend for one tokenizer.
 pub type GrammarBackendFactory =
     Arc<dyn Fn(&GrammarBackendConfig) -> Result<Arc<dyn GrammarBackend>> + Send + Sync>;
@@ -176,7 +177,7 @@ entry!(
 entry!(
     /// A built-in speculator (draft proposer for speculative decoding).
     SpeculatorEntry,
-    fn(&SpeculativeConfig) -> Result<Box<dyn Speculator>>
+    fn(&SpeculativeConfig, &SpeculatorInputs) -> Result<Box<dyn Speculator>>
 );
 
 /// Every implementation the process knows, by kind and name.

@@ -205,6 +205,7 @@ impl ModelRunner {
             logits_rows: rows,
             hidden_layers: Vec::new(),
             lora: Vec::new(),
+            exit_after: None,
         };
         let out = self.forward(&batch)?;
         let flat = self.backend.download_f32(&out.logits)?;

@@ -18,6 +18,9 @@
 //! `parents == None` (token `i` follows token `i - 1`).
 
 use crate::error::{CoreError, Result};
+use crate::model::Model;
+use crate::runner::ModelRunner;
+use std::sync::Arc;
 
 /// One request the speculator is asked to draft for.
 #[derive(Clone, Copy, Debug)]
@@ -33,6 +36,34 @@ pub struct DraftRequest<'a> {
     pub max_tokens: usize,
     /// Whether the attention backend can verify a tree; when false, propose a chain.
     pub allow_tree: bool,
+    /// The request's page table, covering `len + max_tokens` slots, for a
+    /// [`Drafting::Model`] speculator (it writes draft KV at those slots);
+    /// empty for a [`Drafting::Lookup`] one.
+    pub pages: &'a [u32],
+}
+
+/// How a speculator drafts, declared once ([`Speculator::drafting`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drafting {
+    /// Proposals are cheap lookups (n-gram): the scheduler trims them
+    /// afterwards to what pays and to the pages it can get.
+    Lookup,
+    /// Each draft token costs a model forward at the request's KV slots: the
+    /// scheduler decides every request's draft length and holds its pages
+    /// *before* proposing; the draft is a chain of at most `max_steps` tokens.
+    Model {
+        /// Most draft tokens per request and step.
+        max_steps: usize,
+    },
+}
+
+/// What a speculator may be built over besides its settings.
+#[derive(Clone)]
+pub struct SpeculatorInputs {
+    /// The target model's runner (its device, weights and KV cache).
+    pub target: Arc<ModelRunner>,
+    /// A separate draft model loaded on the target's device (STANDALONE).
+    pub draft_model: Option<Arc<dyn Model>>,
 }
 
 /// Draft tokens proposed for one request.
@@ -136,6 +167,10 @@ pub trait Speculator: Send {
     fn observe(&mut self, key: u64, tokens: &[u32]);
     /// The request `key` left; per-request state may be dropped.
     fn release(&mut self, key: u64);
+    /// How it drafts ([`Drafting::Lookup`] unless it runs a model).
+    fn drafting(&self) -> Drafting {
+        Drafting::Lookup
+    }
 }
 
 /// N-gram matching options (SGLang's `--speculative-ngram-*` flags).
@@ -208,6 +243,13 @@ pub struct SpeculativeConfig {
     pub adaptive: bool,
     /// Options of the n-gram speculator.
     pub ngram: NgramOptions,
+    /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per
+    /// step, as a chain (SGLang's `--speculative-num-steps`); at most
+    /// `num_draft_tokens`.
+    pub num_steps: usize,
+    /// Layers of the target that draft under LAYERSKIP (its first N, then
+    /// the final norm and LM head); `--speculative-draft-layers`.
+    pub draft_layers: Option<usize>,
 }
 
 impl Default for SpeculativeConfig {
@@ -217,6 +259,8 @@ impl Default for SpeculativeConfig {
             num_draft_tokens: 8,
             adaptive: true,
             ngram: NgramOptions::default(),
+            num_steps: 4,
+            draft_layers: None,
         }
     }
 }
@@ -229,6 +273,17 @@ impl SpeculativeConfig {
                 "--speculative-num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
                 self.num_draft_tokens
             )));
+        }
+        if self.num_steps == 0 || self.num_steps > MAX_DRAFT_TOKENS {
+            return Err(CoreError::Config(format!(
+                "--speculative-num-steps must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
+                self.num_steps
+            )));
+        }
+        if self.draft_layers == Some(0) {
+            return Err(CoreError::Config(
+                "--speculative-draft-layers must be at least 1".into(),
+            ));
         }
         let n = &self.ngram;
         if n.min_match_window_size == 0 || n.min_match_window_size > n.max_match_window_size {

@@ -57,20 +57,20 @@ fn shared() -> Option<&'static Shared> {
 }
 
 fn engine(s: &Shared, cfg: EngineConfig) -> Result<Engine> {
-    let runner = ModelRunner::new(
+    let runner = std::sync::Arc::new(ModelRunner::new(
         s.model.model.clone(),
         s.backend.clone(),
         None,
         16,
         512,
         DType::F32,
-    )?;
+    )?);
     let cache = s.registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
         page_size: 16,
         policy: s.registry.eviction_policies.get("lru")?()?,
     })?;
     let mut parts = EngineParts::local(
-        runner,
+        runner.clone(),
         cache,
         s.registry.samplers.get("standard")?()?,
         vec![],
@@ -78,7 +78,11 @@ fn engine(s: &Shared, cfg: EngineConfig) -> Result<Engine> {
         s.model.tokenizer.eos_token_ids.clone(),
     );
     if let Some(sc) = &cfg.speculative {
-        parts.speculator = Some(s.registry.speculators.get(&sc.algorithm)?(sc)?);
+        let inputs = arbor_engine_core::SpeculatorInputs {
+            target: runner,
+            draft_model: None,
+        };
+        parts.speculator = Some(s.registry.speculators.get(&sc.algorithm)?(sc, &inputs)?);
     }
     Ok(Engine::new(cfg, parts)?)
 }

@@ -1,8 +1,10 @@
 //! Speculative decoding through the engine on the tiny Llama fixture (a real
 //! model, checked against transformers in the models crate).
 //!
-//! Drafts come from the real n-gram speculator (crates/spec-decode) and from
-//! an *oracle* test speculator that proposes the known greedy continuation
+//! Drafts come from the real speculators of crates/spec-decode (n-gram,
+//! layer skip on the target's first layers, and a STANDALONE draft model:
+//! tiny-mistral, which shares tiny-llama's vocabulary, or tiny-llama itself,
+//! whose drafts must then all be accepted) and from an *oracle* test speculator that proposes the known greedy continuation
 //! with every fifth token corrupted, so that every step both accepts and
 //! rejects drafts. Greedy output must be identical, token for token, to plain
 //! decoding: alone, in a batch of 32, chunked, cached, retracted, with n > 1,
@@ -19,8 +21,11 @@ use arbor_engine_core::grammar::{
     GrammarVocab, JsonWhitespace, VocabSource,
 };
 use arbor_engine_core::runner::ModelRunner;
-use arbor_engine_core::speculative::{Draft, DraftRequest, SpeculativeConfig, Speculator};
+use arbor_engine_core::speculative::{
+    Draft, DraftRequest, SpeculativeConfig, Speculator, SpeculatorInputs,
+};
 use arbor_engine_core::{DType, PrefixCacheOptions, SamplingParams, SeqRng, TokenDecoder};
+use arbor_engine_core::{LoadOptions, Model};
 use arbor_grammar as _;
 use arbor_kv_radix as _;
 use arbor_spec_decode as _;
@@ -120,6 +125,22 @@ enum Spec {
     Oracle(Answers),
     OracleTree(Answers),
     Ngram,
+    /// The target's first N layers draft.
+    LayerSkip(usize),
+    /// A separate draft model.
+    Standalone(Arc<dyn Model>),
+}
+
+/// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
+fn draft_model(name: &str) -> Result<Arc<dyn Model>> {
+    let s = shared();
+    let opts = LoadOptions {
+        backend: s.backend.clone(),
+        quant: s.registry.quant_methods.get("f32")?()?,
+        progress: None,
+    };
+    let path = fixture().join("..").join(name);
+    Ok(arbor_models::load_model(&path, &s.registry, &opts)?.model)
 }
 
 fn speculative(draft_tokens: usize, adaptive: bool) -> SpeculativeConfig {
@@ -132,14 +153,18 @@ fn speculative(draft_tokens: usize, adaptive: bool) -> SpeculativeConfig {
 
 fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine> {
     let s = shared();
-    let runner = ModelRunner::new(
+    let runner = Arc::new(ModelRunner::new(
         s.model.model.clone(),
         s.backend.clone(),
         None,
         16,
         num_pages,
         DType::F32,
-    )?;
+    )?);
+    let mut inputs = SpeculatorInputs {
+        target: runner.clone(),
+        draft_model: None,
+    };
     let cache_name = if cfg.disable_radix_cache {
         "none"
     } else {
@@ -182,7 +207,17 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
         }
         Spec::Ngram => {
             let sc = cfg.speculative.get_or_insert_with(|| speculative(8, false));
-            parts.speculator = Some(s.registry.speculators.get("ngram")?(sc)?);
+            parts.speculator = Some(s.registry.speculators.get("ngram")?(sc, &inputs)?);
+        }
+        Spec::LayerSkip(n) => {
+            let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
+            sc.draft_layers = Some(*n);
+            parts.speculator = Some(s.registry.speculators.get("layerskip")?(sc, &inputs)?);
+        }
+        Spec::Standalone(m) => {
+            let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
+            inputs.draft_model = Some(m.clone());
+            parts.speculator = Some(s.registry.speculators.get("standalone")?(sc, &inputs)?);
         }
     }
     Ok(Engine::new(cfg, parts)?)
@@ -353,6 +388,59 @@ fn ngram_drafts_keep_greedy_output_identical() -> Result<()> {
     Ok(())
 }
 
+/// Prompts with something to copy and free ones.
+fn mixed_prompts() -> Vec<Vec<u32>> {
+    let mut ps = copy_prompts(24, 5);
+    ps.extend(prompts(8, 3));
+    ps
+}
+
+#[test]
+fn layer_skip_drafts_keep_greedy_output_identical() -> Result<()> {
+    let ps = mixed_prompts();
+    let want = reference(&ps, &greedy(24))?;
+    for (layers, overlap) in [(1, false), (2, true)] {
+        let (drafted, accepted) = check_all_shapes(&Spec::LayerSkip(layers), &ps, &want, overlap)?;
+        assert!(drafted > 0, "layer skip drafted nothing");
+        eprintln!(
+            "layer skip {layers} (overlap {overlap}): {accepted} of {drafted} drafts accepted"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn standalone_drafts_keep_greedy_output_identical() -> Result<()> {
+    let ps = mixed_prompts();
+    let want = reference(&ps, &greedy(24))?;
+    // Another model with the same vocabulary: drafts accepted and rejected.
+    let (drafted, accepted) = check_all_shapes(
+        &Spec::Standalone(draft_model("tiny-mistral")?),
+        &ps,
+        &want,
+        false,
+    )?;
+    assert!(drafted > 0, "the draft model drafted nothing");
+    eprintln!("standalone tiny-mistral: {accepted} of {drafted} drafts accepted");
+    // The target as its own draft: every draft is the target's own greedy
+    // token, so every one is accepted, in every shape (cached prefixes and
+    // retraction included) only if the draft KV the drafter reuses is right.
+    for overlap in [false, true] {
+        let (drafted, accepted) = check_all_shapes(
+            &Spec::Standalone(shared().model.model.clone()),
+            &ps,
+            &want,
+            overlap,
+        )?;
+        assert!(drafted > 0);
+        assert_eq!(
+            accepted, drafted,
+            "self-drafts rejected (overlap {overlap})"
+        );
+    }
+    Ok(())
+}
+
 #[test]
 fn n_samples_stop_conditions_and_adaptive() -> Result<()> {
     let ps = copy_prompts(6, 9);
@@ -365,7 +453,11 @@ fn n_samples_stop_conditions_and_adaptive() -> Result<()> {
         ..greedy(20)
     };
     let want_stop = reference(&ps, &params)?;
-    for spec in [Spec::Oracle(answers(&ps, &want)), Spec::Ngram] {
+    for spec in [
+        Spec::Oracle(answers(&ps, &want)),
+        Spec::Ngram,
+        Spec::LayerSkip(2),
+    ] {
         for adaptive in [false, true] {
             let cfg = EngineConfig {
                 speculative: Some(speculative(6, adaptive)),
@@ -515,15 +607,38 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
         );
     }
     // Configured without a speculator.
+    // Model drafters: too many layers, no or a foreign draft model.
+    for (spec, flag) in [
+        (Spec::LayerSkip(3), "--speculative-draft-layers"),
+        (Spec::LayerSkip(0), "--speculative-draft-layers"),
+        (Spec::Standalone(draft_model("tiny-qwen2")?), "vocabulary"),
+    ] {
+        let err = engine(EngineConfig::default(), 64, &spec)
+            .err()
+            .context("refused")?;
+        assert!(err.to_string().contains(flag), "{err}");
+    }
     let s = shared();
-    let runner = ModelRunner::new(
+    let runner = Arc::new(ModelRunner::new(
         s.model.model.clone(),
         s.backend.clone(),
         None,
         16,
         64,
         DType::F32,
-    )?;
+    )?);
+    let standalone = s.registry.speculators.get("standalone")?;
+    let inputs = SpeculatorInputs {
+        target: runner.clone(),
+        draft_model: None,
+    };
+    let err = standalone(&speculative(4, true), &inputs)
+        .err()
+        .context("refused")?;
+    assert!(
+        err.to_string().contains("--speculative-draft-model-path"),
+        "{err}"
+    );
     let cache = s.registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
         page_size: 16,
         policy: s.registry.eviction_policies.get("lru")?()?,

@@ -125,6 +125,7 @@ fn last_logits(b: &Base, prompt: &[u32], lora: &Arc<LoraAdapter>) -> Result<Vec<
             adapter: lora.clone(),
             rows: 0..prompt.len(),
         }],
+        exit_after: None,
     };
     Ok(b.backend.download_f32(&runner.forward(&batch)?.logits)?)
 }

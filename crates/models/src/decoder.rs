@@ -283,6 +283,17 @@ impl Model for DecoderModel {
                 "hidden state of layer {bad} asked of a model with {n_layers} layers"
             )));
         }
+        // Layers this pass runs (all, or the first `exit_after`).
+        let run = match batch.exit_after {
+            None => n_layers,
+            Some(n) if n <= n_layers && (n == n_layers || batch.hidden_layers.is_empty()) => n,
+            Some(n) => {
+                return Err(CoreError::invalid(format!(
+                    "an early exit after {n} of {n_layers} layers (with {} hidden states asked)",
+                    batch.hidden_layers.len()
+                )));
+            }
+        };
         let b = &*self.backend;
         let c = &self.cfg;
         let t = batch.input_ids.len();
@@ -352,7 +363,7 @@ impl Model for DecoderModel {
         };
         let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
         b.embedding(&self.embed, &ids, &resid)?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers.iter().enumerate().take(run) {
             if i > 0 {
                 // The residual stream after layer i - 1 is `resid + proj`.
                 for (slot, _) in batch

@@ -245,6 +245,7 @@ fn check_tree(
             logits_rows: (0..tokens.len() as u32).collect(),
             hidden_layers: Vec::new(),
             lora: Vec::new(),
+            exit_after: None,
         };
         let ctx = ForwardContext {
             kv: &kv,

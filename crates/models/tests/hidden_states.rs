@@ -61,6 +61,7 @@ fn final_hidden_state_gives_the_logits() -> Result<()> {
         logits_rows: vec![2, 6],
         hidden_layers: vec![layers - 1, layers, 0],
         lora: Vec::new(),
+        exit_after: None,
     };
     let out = runner.forward(&batch)?;
     let logits = backend.download_f32(&out.logits)?;

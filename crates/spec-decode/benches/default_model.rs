@@ -11,122 +11,18 @@
 //! (`ARBOR_BENCH_ROUNDS`, default 3; `ARBOR_BENCH_THREADS`, default 2).
 
 use arbor_backend_cpu::CpuBackend;
-use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
-use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::SpeculativeConfig;
-use arbor_engine_core::{
-    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams,
-};
+use arbor_engine_core::{Backend, LoadOptions, Registry};
 use arbor_kv_radix as _;
-use arbor_models::{LoadedModel, load_model};
+use arbor_models::load_model;
 use arbor_spec_decode as _;
 
 #[path = "../../engine-core/tests/support/chat.rs"]
 mod chat;
+mod support;
 use chat::{chat, copy_prompts};
-use std::io::Read;
 use std::sync::Arc;
-use std::time::Instant;
-
-fn env_usize(k: &str, d: usize) -> usize {
-    std::env::var(k)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(d)
-}
-
-fn engine(
-    m: &LoadedModel,
-    b: &Arc<dyn Backend>,
-    r: &Registry,
-    spec: Option<SpeculativeConfig>,
-) -> Engine {
-    let runner =
-        ModelRunner::new(m.model.clone(), b.clone(), None, 16, 2048, DType::F32).expect("runner");
-    let cache = r.prefix_caches.get("radix").expect("radix")(&PrefixCacheOptions {
-        page_size: 16,
-        policy: r.eviction_policies.get("lru").expect("lru")().expect("policy"),
-    })
-    .expect("cache");
-    let mut parts = EngineParts::local(
-        runner,
-        cache,
-        r.samplers.get("standard").expect("s")().expect("sampler"),
-        vec![],
-        m.tokenizer.clone(),
-        m.tokenizer.eos_token_ids.clone(),
-    );
-    if let Some(sc) = &spec {
-        parts.speculator =
-            Some(r.speculators.get("ngram").expect("ngram")(sc).expect("speculator"));
-    }
-    let cfg = EngineConfig {
-        speculative: spec,
-        ..Default::default()
-    };
-    Engine::new(cfg, parts).expect("engine")
-}
-
-/// First human turns of ShareGPT conversations, 40..400 characters long.
-fn sharegpt(n: usize) -> Vec<String> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/traces/sharegpt/ShareGPT_V3_first2500.json.gz");
-    let Ok(f) = std::fs::File::open(&path) else {
-        eprintln!("{} is absent: free-form prompts skipped", path.display());
-        return Vec::new();
-    };
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(f)
-        .read_to_string(&mut text)
-        .expect("gzip");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("json");
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|c| c["conversations"][0]["value"].as_str())
-        .filter(|s| (40..400).contains(&s.len()))
-        .take(n)
-        .map(str::to_string)
-        .collect()
-}
-
-/// Runs prompts concurrently; returns (completion tokens, decode seconds
-/// summed over requests, wall seconds, mean accept length, tokens).
-fn run(e: &Engine, prompts: &[Vec<u32>], max_new: usize) -> (usize, f64, f64, f64, Vec<Vec<u32>>) {
-    let t0 = Instant::now();
-    let streams: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            e.submit(GenerateRequest::new(
-                p.clone(),
-                SamplingParams::greedy(max_new),
-            ))
-            .expect("submit")
-        })
-        .collect();
-    let (mut toks, mut decode, mut acc, mut n_acc) = (0, 0.0, 0.0, 0);
-    let mut outs = Vec::new();
-    for s in streams {
-        let chunks = s.collect_blocking();
-        let last = chunks.last().expect("chunk");
-        let m = &last.meta;
-        toks += m.completion_tokens;
-        decode += m.elapsed - m.ttft.unwrap_or(m.elapsed);
-        if let Some(l) = m.spec_accept_length() {
-            acc += l;
-            n_acc += 1;
-        }
-        outs.push(chunks.iter().flat_map(|c| c.token_ids.clone()).collect());
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    (
-        toks,
-        decode,
-        wall,
-        if n_acc > 0 { acc / n_acc as f64 } else { 0.0 },
-        outs,
-    )
-}
+use support::{engine, env_usize, run, sharegpt};
 
 fn main() {
     let Some(path) = arbor_gguf::default_model_path().filter(|p| p.exists()) else {
@@ -143,13 +39,13 @@ fn main() {
         progress: None,
     };
     let m = load_model(&path, &registry, &opts).expect("model");
-    let off = engine(&m, &backend, &registry, None);
+    let off = engine(&m, &backend, &registry, None, None);
     let spec = |adaptive| SpeculativeConfig {
         adaptive,
         ..SpeculativeConfig::default()
     };
-    let on = engine(&m, &backend, &registry, Some(spec(false)));
-    let adaptive = engine(&m, &backend, &registry, Some(spec(true)));
+    let on = engine(&m, &backend, &registry, Some(spec(false)), None);
+    let adaptive = engine(&m, &backend, &registry, Some(spec(true)), None);
 
     println!("== batch 1, greedy, copy-heavy chat prompts, 128 new tokens, {threads} threads");
     let copies: Vec<Vec<u32>> = copy_prompts()

@@ -244,6 +244,7 @@ impl<'a> Replay<'a> {
                     len: s.history.len(),
                     max_tokens: DRAFT,
                     allow_tree: self.tree,
+                    pages: &[],
                 })
                 .collect();
             let t = Instant::now();
@@ -381,6 +382,7 @@ fn benches(c: &mut Criterion) {
                 len: t.len(),
                 max_tokens: DRAFT,
                 allow_tree: tree,
+                pages: &[],
             })
             .collect();
         g.throughput(Throughput::Elements(reqs.len() as u64));

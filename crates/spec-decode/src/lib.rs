@@ -9,21 +9,28 @@
 //! tree (`BFS` by recency with a breadth that shrinks with depth, or `PROB` by
 //! estimated probability).
 //!
-//! It registers with `inventory` as the speculator `ngram`; a binary must
-//! reference the crate (`use arbor_spec_decode as _;`) for the entry to be
-//! linked in.
+//! It also owns [`ModelDrafter`], the speculators that run a model to draft:
+//! `standalone` (a separate draft model sharing the target's tokenizer,
+//! SGLang's STANDALONE) and `layerskip` (the target's own first N layers,
+//! self-speculative).
+//!
+//! They register with `inventory` as the speculators `ngram`, `standalone`
+//! and `layerskip`; a binary must reference the crate (`use arbor_spec_decode
+//! as _;`) for the entries to be linked in.
 //!
 //! Invariant kept by every call: the trie never holds more than `capacity`
 //! nodes, and drafts satisfy [`Draft`](arbor_engine_core::Draft)'s tree
 //! invariant.
 
 mod draft;
+mod model;
 mod ngram;
 mod trie;
 
 #[cfg(test)]
 mod tests;
 
+pub use model::ModelDrafter;
 pub use ngram::{MAX_CAPACITY, MAX_PATH_LEN, NgramSpeculator, NgramStats};
 
 use arbor_engine_core::registry::SpeculatorEntry;
@@ -32,6 +39,22 @@ arbor_engine_core::inventory::submit! {
     SpeculatorEntry {
         name: "ngram",
         about: "n-gram trie over recent prompt and output tokens (SGLang's NGRAM): chain, BFS or PROB trees",
-        create: |cfg| Ok(Box::new(NgramSpeculator::from_config(cfg)?)),
+        create: |cfg, _| Ok(Box::new(NgramSpeculator::from_config(cfg)?)),
+    }
+}
+
+arbor_engine_core::inventory::submit! {
+    SpeculatorEntry {
+        name: "standalone",
+        about: "a separate draft model with the target's tokenizer (SGLang's STANDALONE): greedy chains, its KV in the target's pages",
+        create: |cfg, inputs| Ok(Box::new(ModelDrafter::standalone(cfg, inputs)?)),
+    }
+}
+
+arbor_engine_core::inventory::submit! {
+    SpeculatorEntry {
+        name: "layerskip",
+        about: "self-speculative layer skip: the target's first N layers, final norm and LM head draft greedy chains over its own KV",
+        create: |cfg, inputs| Ok(Box::new(ModelDrafter::layer_skip(cfg, inputs)?)),
     }
 }

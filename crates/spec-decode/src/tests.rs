@@ -26,6 +26,7 @@ fn propose(s: &mut NgramSpeculator, key: u64, tokens: &[u32], max: usize, tree: 
         len: tokens.len(),
         max_tokens: max,
         allow_tree: tree,
+        pages: &[],
     });
     d.validate().expect("draft invariant");
     assert!(d.tokens.len() <= max);
@@ -314,6 +315,7 @@ fn proposals_are_deterministic() {
                     len: h.len(),
                     max_tokens: 8,
                     allow_tree: tree,
+                    pages: &[],
                 }];
                 let da = a.propose(&reqs);
                 assert_eq!(da, b.propose(&reqs));
@@ -457,10 +459,31 @@ fn prob_first_chain_follows_the_greedy_chain() {
     }
 }
 
+/// A runner over the tiny Llama fixture (what a model drafter runs on).
+fn tiny_inputs(r: &Registry) -> arbor_engine_core::SpeculatorInputs {
+    use arbor_engine_core::{Backend, DType, LoadOptions, runner::ModelRunner};
+    let backend: std::sync::Arc<dyn Backend> =
+        std::sync::Arc::new(arbor_backend_cpu::CpuBackend::new(1).unwrap());
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: r.quant_methods.get("f32").unwrap()().unwrap(),
+        progress: None,
+    };
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
+    let m = arbor_models::load_model(&path, r, &opts).unwrap();
+    let runner = ModelRunner::new(m.model, backend, None, 16, 8, DType::F32).unwrap();
+    arbor_engine_core::SpeculatorInputs {
+        target: std::sync::Arc::new(runner),
+        draft_model: None,
+    }
+}
+
 #[test]
 fn registered_and_validated() {
     let r = Registry::builtin().unwrap();
-    let f = r.speculators.get("ngram").unwrap();
+    let inputs = tiny_inputs(&r);
+    let f = |c: &SpeculativeConfig| r.speculators.get("ngram").unwrap()(c, &inputs);
     let mut cfg = SpeculativeConfig::default();
     let s = f(&cfg).unwrap();
     assert_eq!(s.name(), "ngram");

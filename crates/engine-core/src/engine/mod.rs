@@ -315,7 +315,7 @@ impl EngineParts {
     /// Parts for one device: a [`LocalExecutor`] over `runner` with `sampler`
     /// and `processors`, and no speculator.
     pub fn local(
-        runner: ModelRunner,
+        runner: impl Into<Arc<ModelRunner>>,
         prefix_cache: Box<dyn PrefixCache>,
         sampler: Arc<dyn Sampler>,
         processors: Vec<Arc<dyn LogitsProcessor>>,

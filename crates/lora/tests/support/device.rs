@@ -113,6 +113,7 @@ pub fn lora_batch_matches_peft(backend: Arc<dyn Backend>, tol: f32) -> Result<()
         logits_rows: rows,
         hidden_layers: Vec::new(),
         lora,
+        exit_after: None,
     };
     let logits = backend.download_f32(&runner.forward(&batch)?.logits)?;
     let vocab = spec.vocab_size;

@@ -21,7 +21,7 @@ use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key, add_
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
-use crate::speculative::Draft;
+use crate::speculative::{Draft, Drafting};
 use crate::step::{
     MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepPlan,
 };
@@ -175,7 +175,13 @@ impl Scheduler {
         }
         let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
             + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();
+        let drafting = Instant::now();
         let drafts = self.draft(&mut decoding, base_tokens);
+        // A model drafter's forwards are part of what a draft token costs.
+        let draft_secs = match self.speculator.as_ref().map(|s| s.drafting()) {
+            Some(Drafting::Model { .. }) => drafting.elapsed().as_secs_f64(),
+            _ => 0.0,
+        };
         // The sequence buffers of the last step are refilled (no allocation
         // per request once they have grown).
         let mut plan = StepPlan {
@@ -300,7 +306,7 @@ impl Scheduler {
         if self.speculator.is_some() {
             self.adaptive
                 .cost
-                .record(plan_tokens, started.elapsed().as_secs_f64());
+                .record(plan_tokens, started.elapsed().as_secs_f64() + draft_secs);
         }
         self.counters.iterations += 1;
         if let Ok(o) = &result {

@@ -18,7 +18,7 @@
 
 use super::Scheduler;
 use crate::engine::request::Req;
-use crate::speculative::{Draft, DraftRequest};
+use crate::speculative::{Draft, DraftRequest, Drafting};
 
 /// Tokens of a request's tail given to the speculator, at least (its
 /// longest match window needs no more).
@@ -33,7 +33,9 @@ impl Scheduler {
     }
 
     /// Draft tokens for each decoding request (empty where none), with pages
-    /// allocated for them.
+    /// allocated for them. A [`Drafting::Lookup`] speculator proposes first
+    /// and its drafts are cut afterwards; a [`Drafting::Model`] one is told
+    /// each request's granted length, with its pages held, before it runs.
     pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Draft> {
         let mut drafts: Vec<Draft> = vec![Draft::default(); decoding.len()];
         let tree_ok = self.executor.capabilities().tree;
@@ -50,8 +52,7 @@ impl Scheduler {
         let Some(spec) = self.speculator.as_mut() else {
             return drafts;
         };
-        let tail_len = MIN_TAIL.max(cfg.ngram.max_match_window_size + 1);
-        let mut tails: Vec<Vec<u32>> = Vec::with_capacity(eligible.len());
+        let drafting = spec.drafting();
         // (index into `decoding`, draft limit, tree allowed) of each request asked.
         let mut picked: Vec<(usize, usize, bool)> = Vec::with_capacity(eligible.len());
         for &i in &eligible {
@@ -61,26 +62,56 @@ impl Scheduler {
                 r.spec_observed = r.len();
             }
             let room = context.saturating_sub(r.len() + 1);
-            let limit = cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room);
-            if limit > 0 {
-                tails.push(r.tail(r.len().saturating_sub(tail_len)));
-                picked.push((i, limit, tree_ok && r.matcher.is_none()));
+            let mut limit = cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room);
+            let mut tree = tree_ok && r.matcher.is_none();
+            if let Drafting::Model { max_steps } = drafting {
+                limit = limit.min(max_steps);
+                tree = false;
             }
+            if limit > 0 {
+                picked.push((i, limit, tree));
+            }
+        }
+        if let Drafting::Model { .. } = drafting {
+            let mut wants: Vec<(usize, usize)> = picked.iter().map(|&(i, l, _)| (i, l)).collect();
+            self.grant_and_hold(decoding, &mut wants, base_tokens, cfg.adaptive);
+            for (p, (_, g)) in picked.iter_mut().zip(wants) {
+                p.1 = g;
+            }
+            picked.retain(|p| p.1 > 0);
         }
         if picked.is_empty() {
             return drafts;
         }
+        let tail_len = MIN_TAIL.max(cfg.ngram.max_match_window_size + 1);
+        let model = matches!(drafting, Drafting::Model { .. });
+        let mut tails: Vec<Vec<u32>> = Vec::with_capacity(picked.len());
+        let mut tables: Vec<Vec<u32>> = Vec::with_capacity(if model { picked.len() } else { 0 });
+        for &(i, _, _) in &picked {
+            let r = &decoding[i];
+            tails.push(r.tail(r.len().saturating_sub(tail_len)));
+            if model {
+                let mut t = Vec::new();
+                r.page_table_into(&mut t);
+                tables.push(t);
+            }
+        }
+        let no_pages: &[u32] = &[];
         let reqs: Vec<DraftRequest<'_>> = picked
             .iter()
-            .zip(&tails)
-            .map(|(&(i, limit, tree), t)| DraftRequest {
+            .enumerate()
+            .map(|(k, &(i, limit, tree))| DraftRequest {
                 key: decoding[i].key,
-                tokens: t,
+                tokens: &tails[k],
                 len: decoding[i].len(),
                 max_tokens: limit,
                 allow_tree: tree,
+                pages: tables.get(k).map_or(no_pages, |t| t.as_slice()),
             })
             .collect();
+        let Some(spec) = self.speculator.as_mut() else {
+            return drafts;
+        };
         let proposed = spec.propose(&reqs);
         drop(reqs);
         let mut chains: Vec<(usize, Draft)> = Vec::new();
@@ -95,44 +126,70 @@ impl Scheduler {
                 chains.push((i, c));
             }
         }
-        if cfg.adaptive && !chains.is_empty() {
-            let lens: Vec<usize> = chains.iter().map(|(_, c)| c.len()).collect();
-            let rates: Vec<(f64, f64)> =
-                chains.iter().map(|(i, _)| decoding[*i].spec_rate).collect();
-            let grant = self.adaptive.grant(&lens, &rates, base_tokens);
-            for ((_, c), g) in chains.iter_mut().zip(grant) {
-                self.counters.spec_draft_tokens_skipped_total += (c.len() - g) as u64;
+        if !model {
+            let mut wants: Vec<(usize, usize)> =
+                chains.iter().map(|(i, c)| (*i, c.len())).collect();
+            self.grant_and_hold(decoding, &mut wants, base_tokens, cfg.adaptive);
+            for ((_, c), (_, g)) in chains.iter_mut().zip(wants) {
                 c.truncate(g);
             }
         }
         let mut granted = 0usize;
-        for (i, mut c) in chains {
-            let r = &mut decoding[i];
-            let ps = self.page_size;
-            let need = (r.len() + c.len()).div_ceil(ps);
-            let have = r.page_capacity(ps) / ps;
-            if need > have {
-                let evictable = self.cache.stats().evictable_tokens / ps;
-                let got = if need - have <= self.pool.free_pages() + evictable {
-                    self.alloc_pages(need - have)
-                } else {
-                    None
-                };
-                match got {
-                    Some(p) => {
-                        if let Some(own) = r.own.as_mut()
-                            && own.append(p).is_err()
-                        {
-                            c = Draft::default();
-                        }
-                    }
-                    None => c.truncate(r.page_capacity(ps).saturating_sub(r.len())),
-                }
-            }
+        for (i, c) in chains {
             granted += c.len();
             drafts[i] = c;
         }
         self.counters.spec_draft_budget = granted as f64 / decoding.len().max(1) as f64;
         drafts
+    }
+
+    /// Cuts each wanted (request, draft length) to what the adaptive
+    /// controller grants (when `adaptive`), then holds pages for it: free or
+    /// evictable ones only (never by retracting another request); a length
+    /// that finds none is cut to the slots the request already holds.
+    fn grant_and_hold(
+        &mut self,
+        decoding: &mut [Req],
+        wants: &mut [(usize, usize)],
+        base_tokens: usize,
+        adaptive: bool,
+    ) {
+        if adaptive && !wants.is_empty() {
+            let lens: Vec<usize> = wants.iter().map(|w| w.1).collect();
+            let rates: Vec<(f64, f64)> = wants.iter().map(|w| decoding[w.0].spec_rate).collect();
+            let grant = self.adaptive.grant(&lens, &rates, base_tokens);
+            for (w, g) in wants.iter_mut().zip(grant) {
+                self.counters.spec_draft_tokens_skipped_total += (w.1 - g) as u64;
+                w.1 = g;
+            }
+        }
+        let ps = self.page_size;
+        for (i, len) in wants.iter_mut() {
+            if *len == 0 {
+                continue;
+            }
+            let r = &mut decoding[*i];
+            let need = (r.len() + *len).div_ceil(ps);
+            let have = r.page_capacity(ps) / ps;
+            if need <= have {
+                continue;
+            }
+            let evictable = self.cache.stats().evictable_tokens / ps;
+            let got = if need - have <= self.pool.free_pages() + evictable {
+                self.alloc_pages(need - have)
+            } else {
+                None
+            };
+            match got {
+                Some(p) => {
+                    if let Some(own) = r.own.as_mut()
+                        && own.append(p).is_err()
+                    {
+                        *len = 0;
+                    }
+                }
+                None => *len = (*len).min(r.page_capacity(ps).saturating_sub(r.len())),
+            }
+        }
     }
 }

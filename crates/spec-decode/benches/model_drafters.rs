@@ -1,0 +1,161 @@
+//! Model drafters on the default model (SmolLM2-135M-Instruct Q4_1, 30
+//! layers), the engine end to end, greedy:
+//!
+//! 1. batch 1 on copy-heavy chat prompts and two free-form ones: decode
+//!    tok/s and mean accept length of plain decoding, n-gram, LAYERSKIP with
+//!    N in {4, 8, 12}, and STANDALONE with the default model as its own draft
+//!    (every draft accepted: the acceptance ceiling, which shows the per-step
+//!    overhead of drafting with a second model);
+//! 2. where each breaks even: output tok/s of 1, 4 and 16 concurrent
+//!    free-form prompts (ShareGPT's first user turns) against plain.
+//!
+//! Speculation is not adaptive here (`adaptive: false`), so the figures are
+//! the drafters' own. Engines alternate A B A B within one run; only ratios
+//! measured this way mean anything on a shared machine. Benchmark only;
+//! nothing asserted.
+//!
+//! Run: `cargo bench -p arbor-spec-decode --bench model_drafters`
+//! (`ARBOR_BENCH_ROUNDS`, default 2; `ARBOR_BENCH_THREADS`, default 2).
+
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::engine::Engine;
+use arbor_engine_core::speculative::SpeculativeConfig;
+use arbor_engine_core::{Backend, LoadOptions, Registry};
+use arbor_kv_radix as _;
+use arbor_models::load_model;
+use arbor_spec_decode as _;
+
+#[path = "../../engine-core/tests/support/chat.rs"]
+mod chat;
+mod support;
+use chat::{chat, copy_prompts};
+use std::sync::Arc;
+use support::{engine, env_usize, run, sharegpt};
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn main() {
+    let Some(path) = arbor_gguf::default_model_path().filter(|p| p.exists()) else {
+        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
+        return;
+    };
+    let rounds = env_usize("ARBOR_BENCH_ROUNDS", 2);
+    let threads = env_usize("ARBOR_BENCH_THREADS", 2);
+    let registry = Registry::builtin().expect("registry");
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+        progress: None,
+    };
+    let m = load_model(&path, &registry, &opts).expect("model");
+    let spec = |algorithm: &str, draft_layers: Option<usize>| SpeculativeConfig {
+        algorithm: algorithm.into(),
+        adaptive: false,
+        draft_layers,
+        ..SpeculativeConfig::default()
+    };
+    let mut engines: Vec<(String, Engine)> = vec![
+        ("plain".into(), engine(&m, &backend, &registry, None, None)),
+        (
+            "ngram".into(),
+            engine(&m, &backend, &registry, Some(spec("ngram", None)), None),
+        ),
+    ];
+    for n in [4, 8, 12] {
+        engines.push((
+            format!("layerskip {n}"),
+            engine(
+                &m,
+                &backend,
+                &registry,
+                Some(spec("layerskip", Some(n))),
+                None,
+            ),
+        ));
+    }
+    engines.push((
+        "standalone (self)".into(),
+        engine(
+            &m,
+            &backend,
+            &registry,
+            Some(spec("standalone", None)),
+            Some(m.model.clone()),
+        ),
+    ));
+    let free: Vec<Vec<u32>> = sharegpt(16)
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
+    let mut prompts: Vec<Vec<u32>> = copy_prompts()
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
+    prompts.extend(free.iter().take(2).cloned());
+    let steps = SpeculativeConfig::default().num_steps;
+    println!(
+        "== batch 1, greedy, {} prompts (3 copy-heavy, 2 free-form), 96 new tokens, {threads} threads, model drafters {steps} steps",
+        prompts.len()
+    );
+    let n = engines.len();
+    let mut rate = vec![Vec::new(); n];
+    let mut accept = vec![0.0f64; n];
+    let mut same = true;
+    for round in 0..rounds {
+        for p in &prompts {
+            let mut outs = Vec::new();
+            for (i, (_, e)) in engines.iter().enumerate() {
+                let _ = e.flush_cache();
+                let (t, d, _, a, o) = run(e, std::slice::from_ref(p), 96);
+                rate[i].push(t.saturating_sub(1) as f64 / d.max(1e-9));
+                accept[i] += a / (rounds * prompts.len()) as f64;
+                outs.push(o);
+            }
+            same &= outs.iter().all(|o| *o == outs[0]);
+        }
+        eprintln!("round {} done", round + 1);
+    }
+    for (i, (name, _)) in engines.iter().enumerate() {
+        println!(
+            "{name:>18}: decode {:.1} tok/s, {:.2}x plain, mean accept length {:.2}",
+            mean(&rate[i]),
+            mean(&rate[i]) / mean(&rate[0]),
+            accept[i],
+        );
+    }
+    println!("outputs identical: {same}");
+    if free.len() < 16 {
+        return;
+    }
+    println!(
+        "== concurrent free-form prompts (ShareGPT), 48 new tokens: output tok/s against plain"
+    );
+    for bs in [1usize, 4, 16] {
+        let mut out_rate = vec![Vec::new(); n];
+        let mut same = true;
+        for _ in 0..rounds {
+            let mut outs = Vec::new();
+            for (i, (_, e)) in engines.iter().enumerate() {
+                let _ = e.flush_cache();
+                let (t, _, wall, _, o) = run(e, &free[..bs], 48);
+                out_rate[i].push(t as f64 / wall);
+                outs.push(o);
+            }
+            same &= outs.iter().all(|o| *o == outs[0]);
+        }
+        let cells: Vec<String> = engines
+            .iter()
+            .enumerate()
+            .skip(1)
+            .map(|(i, (name, _))| format!("{name} {:.2}x", mean(&out_rate[i]) / mean(&out_rate[0])))
+            .collect();
+        println!(
+            "batch {bs:>2}: plain {:.1} tok/s; {}; outputs identical: {same}",
+            mean(&out_rate[0]),
+            cells.join(", ")
+        );
+    }
+}
