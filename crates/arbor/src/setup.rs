@@ -136,7 +136,8 @@ pub struct EngineSetup {
     pub processors: Vec<(String, serde_json::Value)>,
     /// Host and storage KV tiers under the radix cache, when on.
     pub hicache: Option<crate::hicache::HiCacheSettings>,
-    /// The draft model of `--speculative-algorithm STANDALONE`.
+    /// The draft checkpoint of `--speculative-algorithm STANDALONE` (a
+    /// model, loaded here) or EAGLE3 (a head the speculator loads).
     pub draft_model: Option<std::path::PathBuf>,
 }
 
@@ -263,9 +264,14 @@ pub fn build_engine(
     let backend = self::backend(registry, args)?;
     let resolved = kv_dtype(args, &*backend)?;
     let model = load(registry, backend.clone(), args)?;
+    let standalone = setup
+        .engine
+        .speculative
+        .as_ref()
+        .is_some_and(|s| s.algorithm == "standalone");
     let draft = match &setup.draft_model {
-        Some(p) => Some(load_draft(registry, backend.clone(), args, p, &model)?),
-        None => None,
+        Some(p) if standalone => Some(load_draft(registry, backend.clone(), args, p, &model)?),
+        _ => None,
     };
     let spec = model.model.spec().clone();
     let page_size = args.page_size.max(1);
@@ -378,6 +384,7 @@ pub fn build_engine(
         let inputs = SpeculatorInputs {
             target: runner,
             draft_model: draft.map(|d| d.model),
+            draft_path: setup.draft_model.clone(),
         };
         parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
     }

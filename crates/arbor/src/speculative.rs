@@ -5,7 +5,8 @@
 //! `algorithm` is `none` (off, the default) or a registered speculator
 //! (any case): `ngram` (SGLang's `NGRAM`), `standalone` (a separate draft
 //! model, `draft_model_path`) or `layerskip` (the target's first
-//! `draft_layers` layers). SGLang's EAGLE, EAGLE3 and NEXTN are refused with a
+//! `draft_layers` layers) or `eagle3` (an EAGLE3 draft head at
+//! `draft_model_path`). SGLang's EAGLE and NEXTN are refused with a
 //! message saying so, and so is any algorithm when this binary was built
 //! without the `spec-decode` cargo feature.
 
@@ -18,13 +19,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSection {
-    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip` [default: none].
+    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle3` [default: none].
     pub algorithm: Option<String>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     pub num_draft_tokens: Option<usize>,
     /// Draft tokens a model drafter (standalone, layerskip) proposes per step, 1..=64 [default: 4].
     pub num_steps: Option<usize>,
-    /// The draft model (HF folder or GGUF) of `standalone`; it must share the target's tokenizer.
+    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle3`.
     pub draft_model_path: Option<std::path::PathBuf>,
     /// Layers of the target that draft under `layerskip` (1..layers-1).
     pub draft_layers: Option<usize>,
@@ -49,13 +50,13 @@ pub struct SpeculativeSection {
 /// The `--speculative-*` flags (SGLang's names).
 #[derive(Args, Debug, Clone, Default)]
 pub struct SpeculativeArgs {
-    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model) or LAYERSKIP (the target's first layers); SGLang's EAGLE, EAGLE3 and NEXTN are not available yet [default: none].
+    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers) or EAGLE3 (a draft head); SGLang's EAGLE and NEXTN are not available yet [default: none].
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
     /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64 [default: 4].
     #[arg(long = "speculative-num-steps", help_heading = "Speculative decoding")]
     pub speculative_num_steps: Option<usize>,
-    /// The STANDALONE draft model: an HF folder or a GGUF file with the target's tokenizer.
+    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), or the EAGLE3 head's folder.
     #[arg(
         long = "speculative-draft-model-path",
         help_heading = "Speculative decoding"
@@ -123,7 +124,7 @@ pub struct SpeculativeArgs {
     pub speculative_ngram_capacity: Option<usize>,
 }
 
-const SGLANG_ONLY: &[&str] = &["eagle", "eagle3", "nextn", "mtp"];
+const SGLANG_ONLY: &[&str] = &["eagle", "nextn", "mtp"];
 
 impl SpeculativeSection {
     /// Defaults < `file` < `a`, every key filled in.
@@ -207,18 +208,19 @@ impl SpeculativeSection {
         }
         if SGLANG_ONLY.contains(&algo.as_str()) {
             bail!(
-                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP)",
+                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP, EAGLE3)",
                 algo.to_ascii_uppercase()
             );
         }
         let upper = algo.to_ascii_uppercase();
-        match (algo == "standalone", self.draft_model_path.is_some()) {
+        let drafts_from_path = matches!(algo.as_str(), "standalone" | "eagle3");
+        match (drafts_from_path, self.draft_model_path.is_some()) {
             (true, false) => bail!(
-                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path \
+                "--speculative-algorithm {upper} needs --speculative-draft-model-path \
                  (TOML: [speculative] draft_model_path)"
             ),
             (false, true) => bail!(
-                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE only, not {upper}"
+                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE and EAGLE3 only, not {upper}"
             ),
             _ => {}
         }

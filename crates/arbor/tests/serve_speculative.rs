@@ -1,6 +1,7 @@
-//! `arbor serve --speculative-algorithm NGRAM` end to end on the tiny Llama:
-//! greedy answers equal those of a server without speculation (native and
-//! OpenAI routes, streamed and not), `meta_info` reports SGLang's
+//! `arbor serve --speculative-algorithm NGRAM | LAYERSKIP | STANDALONE` end
+//! to end on the tiny Llama (STANDALONE drafts with tiny-mistral, which
+//! shares its vocabulary): greedy answers equal those of a server without
+//! speculation (native and OpenAI routes, streamed and not), `meta_info` reports SGLang's
 //! `spec_verify_ct` and `spec_accept_length`, Prometheus shows the draft
 //! counters, bad flags are refused naming the flag, and no KV page leaks.
 
@@ -76,20 +77,38 @@ async fn answers(c: &reqwest::Client, s: &Server) -> Result<Vec<(String, Value)>
 
 #[tokio::test]
 async fn ngram_speculation_changes_no_answer() -> Result<()> {
+    speculation_changes_no_answer(&["NGRAM", "--speculative-num-draft-tokens", "6"]).await
+}
+
+#[tokio::test]
+async fn layer_skip_changes_no_answer() -> Result<()> {
+    speculation_changes_no_answer(&["LAYERSKIP", "--speculative-draft-layers", "2"]).await
+}
+
+#[tokio::test]
+async fn standalone_draft_model_changes_no_answer() -> Result<()> {
+    let draft = fixture("tiny-mistral");
+    speculation_changes_no_answer(&[
+        "STANDALONE",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-num-steps",
+        "3",
+    ])
+    .await
+}
+
+/// Answers with `--speculative-algorithm` and `spec` equal those without.
+async fn speculation_changes_no_answer(spec: &[&str]) -> Result<()> {
     let c = client();
     let plain = Server::tiny(&["--served-model-name", "m"])?;
     let want = answers(&c, &plain).await?;
     assert_no_leak(&c, &plain, "arbor", None).await?;
     drop(plain);
 
-    let spec = Server::tiny(&[
-        "--served-model-name",
-        "m",
-        "--speculative-algorithm",
-        "NGRAM",
-        "--speculative-num-draft-tokens",
-        "6",
-    ])?;
+    let mut args = vec!["--served-model-name", "m", "--speculative-algorithm"];
+    args.extend_from_slice(spec);
+    let spec = Server::tiny(&args)?;
     let got = answers(&c, &spec).await?;
     for (i, ((w, _), (g, m))) in want.iter().zip(&got).enumerate() {
         assert_eq!(w, g, "answer {i} changed under speculation");
@@ -110,6 +129,7 @@ async fn ngram_speculation_changes_no_answer() -> Result<()> {
 
 #[test]
 fn bad_speculative_flags_are_refused() -> Result<()> {
+    let qwen2 = fixture("tiny-qwen2");
     for (args, needle) in [
         (
             vec![
@@ -129,7 +149,55 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
             ],
             "--speculative-num-draft-tokens",
         ),
-        (vec!["--speculative-algorithm", "EAGLE3"], "not available"),
+        (vec!["--speculative-algorithm", "EAGLE"], "not available"),
+        (
+            vec!["--speculative-algorithm", "EAGLE3"],
+            "--speculative-draft-model-path",
+        ),
+        (
+            vec!["--speculative-algorithm", "STANDALONE"],
+            "--speculative-draft-model-path",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "STANDALONE",
+                "--speculative-draft-model-path",
+                "/nonexistent/draft",
+            ],
+            "no such file",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "STANDALONE",
+                "--speculative-draft-model-path",
+                &qwen2,
+            ],
+            "tokenizer",
+        ),
+        (
+            vec!["--speculative-algorithm", "LAYERSKIP"],
+            "--speculative-draft-layers",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "LAYERSKIP",
+                "--speculative-draft-layers",
+                "3",
+            ],
+            "--speculative-draft-layers",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "NGRAM",
+                "--speculative-draft-layers",
+                "1",
+            ],
+            "LAYERSKIP only",
+        ),
         (
             vec!["--speculative-algorithm", "medusa"],
             "--speculative-algorithm",

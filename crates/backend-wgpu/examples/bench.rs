@@ -79,6 +79,7 @@ fn step(
         hidden_layers: Vec::new(),
         lora: Vec::new(),
         exit_after: None,
+        hidden_at_every_row: false,
     };
     let ctx = ForwardContext {
         kv,

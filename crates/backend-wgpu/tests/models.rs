@@ -151,6 +151,7 @@ fn greedy_on_device(
             hidden_layers: Vec::new(),
             lora: Vec::new(),
             exit_after: None,
+            hidden_at_every_row: false,
         };
         let ctx = ForwardContext {
             kv: &cache,

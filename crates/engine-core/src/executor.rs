@@ -128,10 +128,13 @@ impl LocalExecutor {
 }
 
 /// The packed forward batch of a plan, with each sequence's first sampled
-/// row (indexed by plan order). Sequences are packed in plan order, except
+/// row and its first packed row (both indexed by plan order). Sequences are packed in plan order, except
 /// that with LoRA adapters those of one adapter are packed next to one
 /// another (base rows first), one [`LoraSegment`] per adapter.
-fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<usize>)> {
+fn build_batch(
+    plan: &StepPlan,
+    page_size: usize,
+) -> Result<(ForwardBatch, Vec<usize>, Vec<usize>)> {
     let mut layout = BatchLayout::new(page_size);
     let tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
     layout.seqs.reserve(plan.seqs.len());
@@ -143,6 +146,7 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
     let mut positions = Vec::with_capacity(tokens);
     let mut rows = Vec::with_capacity(plan.seqs.len());
     let mut first_row = vec![0; plan.seqs.len()];
+    let mut q_starts = vec![0; plan.seqs.len()];
     // Packing order, only built when some sequence has an adapter.
     let sorted: Option<Vec<usize>> = plan.seqs.iter().any(|s| s.lora.is_some()).then(|| {
         let mut order: Vec<usize> = (0..plan.seqs.len()).collect();
@@ -155,6 +159,7 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
         let s = &plan.seqs[i];
         s.validate(page_size)?;
         let q_start = ids.len();
+        q_starts[i] = q_start;
         match &s.tree {
             Some(parents) => layout.push_tree_seq(s.prefix_len, parents, &s.pages)?,
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
@@ -187,8 +192,9 @@ fn build_batch(plan: &StepPlan, page_size: usize) -> Result<(ForwardBatch, Vec<u
         hidden_layers: plan.hidden_layers.clone(),
         lora,
         exit_after: None,
+        hidden_at_every_row: !plan.hidden_layers.is_empty(),
     };
-    Ok((batch, first_row))
+    Ok((batch, first_row, q_starts))
 }
 
 impl Executor for LocalExecutor {
@@ -235,7 +241,7 @@ impl Executor for LocalExecutor {
             });
         }
         let ps = self.runner.kv_spec().page_size;
-        let (batch, first_row) = build_batch(plan, ps)?;
+        let (batch, first_row, q_starts) = build_batch(plan, ps)?;
         let out = self.runner.forward(&batch)?;
         let backend = self.runner.backend();
         let vocab = self.model_spec().vocab_size;
@@ -324,8 +330,8 @@ impl Executor for LocalExecutor {
             let hidden_size = self.model_spec().hidden_size;
             for t in &out.hidden {
                 let h = backend.download_f32(t)?;
-                for (s, (seq, &r0)) in seqs.iter_mut().zip(plan.seqs.iter().zip(&first_row)) {
-                    let n = seq.sampled_rows().len();
+                for (s, (seq, &r0)) in seqs.iter_mut().zip(plan.seqs.iter().zip(&q_starts)) {
+                    let n = seq.tokens.len();
                     s.hidden
                         .push(h[r0 * hidden_size..(r0 + n) * hidden_size].to_vec());
                 }

@@ -122,8 +122,8 @@ pub struct ForwardBatch {
     pub layout: Arc<BatchLayout>,
     /// Rows of the packed batch whose logits are wanted (usually each sequence's last).
     pub logits_rows: Vec<u32>,
-    /// Layers whose output hidden states are wanted at `logits_rows` (for
-    /// EAGLE/MTP drafters): `i < num_layers` is the residual stream after
+    /// Layers whose output hidden states are wanted at `logits_rows` (or at
+    /// every row: `hidden_at_every_row`; for EAGLE/MTP drafters): `i < num_layers` is the residual stream after
     /// layer `i`; `num_layers` is the final normed state the LM head reads.
     pub hidden_layers: Vec<usize>,
     /// LoRA adapters by packed row range (empty: the base model for every
@@ -133,6 +133,10 @@ pub struct ForwardBatch {
     /// head (self-speculative layer-skip drafting); `None` runs every layer.
     /// The KV of layers past `n` is neither read nor written.
     pub exit_after: Option<usize>,
+    /// Capture `hidden_layers` at every row of the batch (a drafter that
+    /// reads the target's features at every computed position: EAGLE, MTP)
+    /// instead of at `logits_rows`.
+    pub hidden_at_every_row: bool,
 }
 
 impl ForwardBatch {
@@ -183,7 +187,8 @@ impl ForwardBatch {
 pub struct ForwardOutput {
     /// f32 logits `[logits_rows.len(), vocab_size]` on the device.
     pub logits: Tensor,
-    /// One f32 `[logits_rows.len(), hidden_size]` tensor per entry of
+    /// One f32 `[logits_rows.len(), hidden_size]` tensor (`[tokens,
+    /// hidden_size]` with `hidden_at_every_row`) per entry of
     /// [`ForwardBatch::hidden_layers`], in that order.
     pub hidden: Vec<Tensor>,
 }
@@ -205,6 +210,12 @@ pub trait Model: Send + Sync {
     /// Runs the batch: logits of `logits_rows`, and the hidden states of
     /// `hidden_layers` at those rows.
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput>;
+    /// The input embedding table `[vocab, hidden]` on the device, for a
+    /// drafter that shares it (an EAGLE head without its own); `None` when
+    /// the model does not expose it.
+    fn input_embedding(&self) -> Option<Tensor> {
+        None
+    }
 }
 
 /// Named tensors of a checkpoint, read on demand.

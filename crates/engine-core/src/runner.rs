@@ -206,6 +206,7 @@ impl ModelRunner {
             hidden_layers: Vec::new(),
             lora: Vec::new(),
             exit_after: None,
+            hidden_at_every_row: false,
         };
         let out = self.forward(&batch)?;
         let flat = self.backend.download_f32(&out.logits)?;

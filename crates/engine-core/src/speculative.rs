@@ -42,6 +42,25 @@ pub struct DraftRequest<'a> {
     pub pages: &'a [u32],
 }
 
+/// What one sequence's step computed and kept, for a speculator that reads
+/// the target's hidden states ([`Speculator::hidden_layers`]).
+#[derive(Clone, Copy, Debug)]
+pub struct ComputedStates<'a> {
+    /// The request's key.
+    pub key: u64,
+    /// Position of the first computed token.
+    pub start: usize,
+    /// For each computed position `p` (from `start`), the token at `p + 1`:
+    /// the prompt's, a kept draft, or the one just sampled.
+    pub next_tokens: &'a [u32],
+    /// The request's page table (covering at least `start + next_tokens.len()` positions).
+    pub pages: &'a [u32],
+    /// Row-major `[next_tokens.len(), layers * hidden_size]`: at each
+    /// position, the hidden states of [`Speculator::hidden_layers`] in that
+    /// order.
+    pub states: &'a [f32],
+}
+
 /// How a speculator drafts, declared once ([`Speculator::drafting`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Drafting {
@@ -64,6 +83,8 @@ pub struct SpeculatorInputs {
     pub target: Arc<ModelRunner>,
     /// A separate draft model loaded on the target's device (STANDALONE).
     pub draft_model: Option<Arc<dyn Model>>,
+    /// A draft checkpoint that the speculator loads itself (an EAGLE3 head's folder).
+    pub draft_path: Option<std::path::PathBuf>,
 }
 
 /// Draft tokens proposed for one request.
@@ -171,6 +192,15 @@ pub trait Speculator: Send {
     fn drafting(&self) -> Drafting {
         Drafting::Lookup
     }
+    /// Target layers whose hidden states it reads at every computed
+    /// position (index `i < num_layers`: the residual stream after layer
+    /// `i`; see `ForwardBatch::hidden_layers`); empty (the default) for none.
+    fn hidden_layers(&self) -> &[usize] {
+        &[]
+    }
+    /// After every step (when [`hidden_layers`](Self::hidden_layers) is not
+    /// empty): what each sequence computed and kept, with those states.
+    fn observe_states(&mut self, _seqs: &[ComputedStates<'_>]) {}
 }
 
 /// N-gram matching options (SGLang's `--speculative-ngram-*` flags).

@@ -175,8 +175,9 @@ pub struct StepPlan {
     pub seqs: Vec<SeqPlan>,
     /// Grammar bitmasks of the sampled rows.
     pub masks: MaskInput,
-    /// Layers whose hidden states are wanted at the sampled rows (see
-    /// [`ForwardBatch::hidden_layers`](crate::model::ForwardBatch)).
+    /// Layers whose hidden states are wanted at every new token (see
+    /// [`ForwardBatch::hidden_layers`](crate::model::ForwardBatch)): what an
+    /// EAGLE-style drafter reads.
     pub hidden_layers: Vec<usize>,
     /// KV tier operations.
     pub kv_ops: KvTierOps,
@@ -205,8 +206,8 @@ pub struct SeqOutput {
     pub accepted_path: Vec<usize>,
     /// Log-probabilities of `tokens`, when asked.
     pub logprobs: Vec<TokenLogprob>,
-    /// Hidden states at the sampled rows, one `[rows * hidden]` f32 vector
-    /// per layer asked.
+    /// Hidden states at every token of the plan's sequence, one `[tokens *
+    /// hidden]` f32 vector per layer the plan asked for.
     pub hidden: Vec<Vec<f32>>,
     /// Sampling this sequence failed (a logits processor or sampler error);
     /// only its request fails.

@@ -57,6 +57,15 @@ fn shared() -> Option<&'static Shared> {
 }
 
 fn engine(s: &Shared, cfg: EngineConfig) -> Result<Engine> {
+    engine_with_draft(s, cfg, None)
+}
+
+/// An engine whose speculator (when configured) may draft with `draft`.
+fn engine_with_draft(
+    s: &Shared,
+    cfg: EngineConfig,
+    draft: Option<std::sync::Arc<dyn arbor_engine_core::Model>>,
+) -> Result<Engine> {
     let runner = std::sync::Arc::new(ModelRunner::new(
         s.model.model.clone(),
         s.backend.clone(),
@@ -80,7 +89,8 @@ fn engine(s: &Shared, cfg: EngineConfig) -> Result<Engine> {
     if let Some(sc) = &cfg.speculative {
         let inputs = arbor_engine_core::SpeculatorInputs {
             target: runner,
-            draft_model: None,
+            draft_model: draft,
+            draft_path: None,
         };
         parts.speculator = Some(s.registry.speculators.get(&sc.algorithm)?(sc, &inputs)?);
     }
@@ -201,6 +211,64 @@ fn ngram_speculation_on_copy_heavy_prompts_is_lossless() -> Result<()> {
             st.spec_accepted_tokens_total, st.spec_draft_tokens_total, st.spec_verify_ct_total
         );
         assert!(st.spec_accepted_tokens_total > 0);
+        assert_pool_empty(&e);
+    }
+    Ok(())
+}
+
+#[test]
+fn layer_skip_and_standalone_on_copy_heavy_prompts_are_lossless() -> Result<()> {
+    let Some(s) = shared() else {
+        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
+        return Ok(());
+    };
+    let prompts: Vec<Vec<u32>> = copy_prompts()
+        .iter()
+        .map(|q| chat::chat(&s.model, q))
+        .collect::<Result<_, _>>()?;
+    let plain = engine(s, EngineConfig::default())?;
+    let want = run(&plain, &prompts, 64)?;
+    assert_pool_empty(&plain);
+    // The default model as its own STANDALONE draft: with batch-invariant
+    // kernels its drafts are the target's own greedy tokens, so every one is
+    // accepted; a draft computed from stale KV or a shape-dependent logit
+    // would be rejected.
+    for (algorithm, layers, draft) in [
+        ("layerskip", Some(8), None),
+        ("standalone", None, Some(s.model.model.clone())),
+    ] {
+        let self_draft = draft.is_some();
+        let cfg = EngineConfig {
+            speculative: Some(SpeculativeConfig {
+                algorithm: algorithm.into(),
+                adaptive: false,
+                draft_layers: layers,
+                ..SpeculativeConfig::default()
+            }),
+            ..Default::default()
+        };
+        let e = engine_with_draft(s, cfg, draft)?;
+        for (p, w) in prompts.iter().zip(&want) {
+            assert_eq!(
+                &run(&e, std::slice::from_ref(p), 64)?[0],
+                w,
+                "{algorithm} alone"
+            );
+        }
+        assert_eq!(
+            run(&e, &prompts, 64)?,
+            want,
+            "{algorithm} batched and cached"
+        );
+        let st = e.stats();
+        eprintln!(
+            "{algorithm}: {} of {} drafts accepted over {} verify steps",
+            st.spec_accepted_tokens_total, st.spec_draft_tokens_total, st.spec_verify_ct_total
+        );
+        assert!(st.spec_draft_tokens_total > 0);
+        if self_draft {
+            assert_eq!(st.spec_accepted_tokens_total, st.spec_draft_tokens_total);
+        }
         assert_pool_empty(&e);
     }
     Ok(())

@@ -164,6 +164,7 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
     let mut inputs = SpeculatorInputs {
         target: runner.clone(),
         draft_model: None,
+        draft_path: None,
     };
     let cache_name = if cfg.disable_radix_cache {
         "none"
@@ -631,6 +632,7 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
     let inputs = SpeculatorInputs {
         target: runner.clone(),
         draft_model: None,
+        draft_path: None,
     };
     let err = standalone(&speculative(4, true), &inputs)
         .err()

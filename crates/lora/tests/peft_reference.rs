@@ -126,6 +126,7 @@ fn last_logits(b: &Base, prompt: &[u32], lora: &Arc<LoraAdapter>) -> Result<Vec<
             rows: 0..prompt.len(),
         }],
         exit_after: None,
+        hidden_at_every_row: false,
     };
     Ok(b.backend.download_f32(&runner.forward(&batch)?.logits)?)
 }

@@ -275,6 +275,10 @@ impl Model for DecoderModel {
         &self.spec
     }
 
+    fn input_embedding(&self) -> Option<Tensor> {
+        Some(self.embed.clone())
+    }
+
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
         let n_layers = self.layers.len();
@@ -357,6 +361,16 @@ impl Model for DecoderModel {
             }
             Ok(out)
         };
+        // The rows of a hidden state that are kept, as a new tensor.
+        let capture = |src: &Tensor| -> Result<Tensor> {
+            if batch.hidden_at_every_row {
+                let out = f32t(&[t, h])?;
+                b.copy(src, &out)?;
+                Ok(out)
+            } else {
+                select(src)
+            }
+        };
         // Adds the batch's LoRA deltas of one linear (nothing without adapters).
         let lora = |layer: usize, target: LoraTarget, x: &Tensor, out: &Tensor| {
             apply_lora(b, &batch.lora, layer, target, x, out)
@@ -375,7 +389,11 @@ impl Model for DecoderModel {
                     let full = f32t(&[t, h])?;
                     b.copy(&resid, &full)?;
                     b.add_assign(&full, &proj)?;
-                    hidden[slot] = Some(select(&full)?);
+                    hidden[slot] = Some(if batch.hidden_at_every_row {
+                        full
+                    } else {
+                        select(&full)?
+                    });
                 }
             }
             if i == 0 {
@@ -449,9 +467,9 @@ impl Model for DecoderModel {
         // After the final add, `resid` is the stream after the last layer.
         for (slot, &l) in batch.hidden_layers.iter().enumerate() {
             if l + 1 == n_layers {
-                hidden[slot] = Some(select(&resid)?);
+                hidden[slot] = Some(capture(&resid)?);
             } else if l == n_layers {
-                hidden[slot] = Some(select(&x)?);
+                hidden[slot] = Some(capture(&x)?);
             }
         }
         let hidden = hidden

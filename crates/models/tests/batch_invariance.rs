@@ -246,6 +246,7 @@ fn check_tree(
             hidden_layers: Vec::new(),
             lora: Vec::new(),
             exit_after: None,
+            hidden_at_every_row: false,
         };
         let ctx = ForwardContext {
             kv: &kv,

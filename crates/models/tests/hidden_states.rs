@@ -62,6 +62,7 @@ fn final_hidden_state_gives_the_logits() -> Result<()> {
         hidden_layers: vec![layers - 1, layers, 0],
         lora: Vec::new(),
         exit_after: None,
+        hidden_at_every_row: false,
     };
     let out = runner.forward(&batch)?;
     let logits = backend.download_f32(&out.logits)?;

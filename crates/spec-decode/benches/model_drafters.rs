@@ -15,7 +15,8 @@
 //! nothing asserted.
 //!
 //! Run: `cargo bench -p arbor-spec-decode --bench model_drafters`
-//! (`ARBOR_BENCH_ROUNDS`, default 2; `ARBOR_BENCH_THREADS`, default 2).
+//! (`ARBOR_BENCH_ROUNDS`, default 2; `ARBOR_BENCH_THREADS`, default 2;
+//! `ARBOR_BENCH_LAYERS`, the LAYERSKIP depths, default `4,8,12`).
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::Engine;
@@ -64,7 +65,12 @@ fn main() {
             engine(&m, &backend, &registry, Some(spec("ngram", None)), None),
         ),
     ];
-    for n in [4, 8, 12] {
+    let layers: Vec<usize> = std::env::var("ARBOR_BENCH_LAYERS")
+        .unwrap_or_else(|_| "4,8,12".into())
+        .split(',')
+        .filter_map(|n| n.trim().parse().ok())
+        .collect();
+    for n in layers {
         engines.push((
             format!("layerskip {n}"),
             engine(

@@ -271,6 +271,7 @@ impl ModelDrafter {
                 hidden_layers: Vec::new(),
                 lora: Vec::new(),
                 exit_after: self.exit_after,
+                hidden_at_every_row: false,
             };
             let logits = self.runner.forward(&batch)?.logits;
             let backend = self.runner.backend().clone();

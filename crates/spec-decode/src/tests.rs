@@ -476,6 +476,7 @@ fn tiny_inputs(r: &Registry) -> arbor_engine_core::SpeculatorInputs {
     arbor_engine_core::SpeculatorInputs {
         target: std::sync::Arc::new(runner),
         draft_model: None,
+        draft_path: None,
     }
 }
 

@@ -114,6 +114,7 @@ pub fn lora_batch_matches_peft(backend: Arc<dyn Backend>, tol: f32) -> Result<()
         hidden_layers: Vec::new(),
         lora,
         exit_after: None,
+        hidden_at_every_row: false,
     };
     let logits = backend.download_f32(&runner.forward(&batch)?.logits)?;
     let vocab = spec.vocab_size;

@@ -50,6 +50,7 @@ pub fn engine(
         let inputs = SpeculatorInputs {
             target: runner,
             draft_model: draft,
+            draft_path: None,
         };
         let create = r.speculators.get(&sc.algorithm).expect("speculator");
         parts.speculator = Some(create(sc, &inputs).expect("speculator"));

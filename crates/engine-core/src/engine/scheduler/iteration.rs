@@ -200,6 +200,7 @@ impl Scheduler {
         // Copies between device and host tiers that the admissions and
         // evictions before this point recorded run first.
         plan.kv_ops = self.cache.take_kv_ops();
+        plan.hidden_layers = self.planned_hidden_layers();
         let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
         if self.lora_used {
             let mut seen: Vec<AdapterKey> = Vec::new();
@@ -328,6 +329,7 @@ impl Scheduler {
                 return deferred.map_or(Ok(true), Err);
             }
         };
+        self.report_states(&prefill, &decoding, &outputs);
         self.apply_outputs(prefill, decoding, &drafts, outputs)?;
         deferred.map_or(Ok(true), Err)
     }

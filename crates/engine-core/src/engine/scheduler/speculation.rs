@@ -16,15 +16,115 @@
 //! executor moves the accepted path's KV into chain order after verifying.
 //! Elsewhere the first chain of a proposed tree is verified.
 
-use super::Scheduler;
+use super::{PrefillEntry, Scheduler};
 use crate::engine::request::Req;
-use crate::speculative::{Draft, DraftRequest, Drafting};
+use crate::speculative::{ComputedStates, Draft, DraftRequest, Drafting};
+use crate::step::{SampleRows, SeqOutput};
 
 /// Tokens of a request's tail given to the speculator, at least (its
 /// longest match window needs no more).
 const MIN_TAIL: usize = 64;
 
+/// One sequence's kept states, owned until the speculator has seen them.
+struct Kept {
+    key: u64,
+    start: usize,
+    next_tokens: Vec<u32>,
+    pages: Vec<u32>,
+    states: Vec<f32>,
+}
+
 impl Scheduler {
+    /// The hidden layers the step plans ask for (the speculator's).
+    pub(super) fn planned_hidden_layers(&self) -> Vec<usize> {
+        match (&self.cfg.speculative, &self.speculator) {
+            (Some(_), Some(s)) => s.hidden_layers().to_vec(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Tells the speculator what each sequence of the step computed and
+    /// kept, with its hidden states (when it reads any): a prompt chunk's
+    /// every position (the last one only when a token follows it), a
+    /// decoding request's pending tokens and accepted drafts. Called before
+    /// the outputs are applied (`decoding` still has its old `computed`).
+    pub(super) fn report_states(
+        &mut self,
+        prefill: &[PrefillEntry],
+        decoding: &[Req],
+        outputs: &[SeqOutput],
+    ) {
+        let layers = match &self.speculator {
+            Some(s) if !s.hidden_layers().is_empty() => s.hidden_layers().len(),
+            _ => return,
+        };
+        let h = self.executor.model_spec().hidden_size;
+        let mut kept: Vec<Kept> = Vec::with_capacity(outputs.len());
+        let seqs = prefill
+            .iter()
+            .map(|e| (&e.req, e.start))
+            .chain(decoding.iter().map(|r| (r, r.computed)));
+        for (((r, start), plan), out) in seqs.zip(&self.seq_bufs).zip(outputs) {
+            if out.hidden.len() != layers || out.error.is_some() {
+                continue;
+            }
+            // Plan rows whose KV was kept, in position order.
+            let rows: Vec<usize> = if out.tokens.is_empty() {
+                (0..plan.tokens.len()).collect()
+            } else if !out.accepted_path.is_empty() {
+                std::iter::once(0)
+                    .chain(out.accepted_path.iter().copied())
+                    .collect()
+            } else {
+                let drafts = match plan.sample.as_ref().map(|s| s.rows) {
+                    Some(SampleRows::Verify { drafts }) => drafts,
+                    _ => 0,
+                };
+                (0..plan.tokens.len() - drafts + out.accepted.min(drafts)).collect()
+            };
+            // The token after each kept position.
+            let mut next: Vec<u32> = rows.iter().skip(1).map(|&i| plan.tokens[i]).collect();
+            let after = match out.tokens.last() {
+                Some(&t) => Some(t),
+                None => r.tail(start + plan.tokens.len()).first().copied(),
+            };
+            next.extend(after);
+            let n = next.len().min(rows.len());
+            let mut states = Vec::with_capacity(n * layers * h);
+            for &i in &rows[..n] {
+                for l in &out.hidden {
+                    states.extend_from_slice(&l[i * h..(i + 1) * h]);
+                }
+            }
+            let mut pages = Vec::new();
+            r.page_table_into(&mut pages);
+            next.truncate(n);
+            kept.push(Kept {
+                key: r.key,
+                start,
+                next_tokens: next,
+                pages,
+                states,
+            });
+        }
+        let view: Vec<ComputedStates<'_>> = kept
+            .iter()
+            .filter(|k| !k.next_tokens.is_empty())
+            .map(|k| ComputedStates {
+                key: k.key,
+                start: k.start,
+                next_tokens: &k.next_tokens,
+                pages: &k.pages,
+                states: &k.states,
+            })
+            .collect();
+        if let Some(s) = self.speculator.as_mut()
+            && !view.is_empty()
+        {
+            s.observe_states(&view);
+        }
+    }
+
     fn may_draft(&self, r: &Req) -> bool {
         r.len() - r.computed == 1
             && r.remaining_new() > 1
