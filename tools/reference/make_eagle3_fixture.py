@@ -322,8 +322,8 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
         seq = {
             "prompt_ids": prompt,
             "prefill": {
-                "input_ids": ids,
-                "positions": pos,
+                "input_ids": list(ids),
+                "positions": list(pos),
                 "features": f32list(feats32[: n - 1]),
                 "fused": f32list(hs),
                 "logits": f32list(logits),
@@ -446,6 +446,9 @@ def check() -> None:
     got = compute_reference(cfg, on_disk, target)
     worst = 0.0
     for sw, sg in zip(want["sequences"], got["sequences"], strict=True):
+        if sw["prompt_ids"] != sg["prompt_ids"] or len(sw["prefill"]["input_ids"]) != len(sg["prompt_ids"]) - 1:
+            ok = False
+            print("MISMATCH prompt_ids")
         for key in ("input_ids", "draft_ids", "target_ids", "positions"):
             if sw["prefill"][key] != sg["prefill"][key]:
                 ok = False
