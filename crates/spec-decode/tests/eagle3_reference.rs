@@ -31,6 +31,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 type R<T = ()> = Result<T, Box<dyn std::error::Error>>;
+/// Logits rows and aux rows of one forward.
+type Rows2 = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 
 /// Allowed error, relative to `max(1, max|reference|)` of the compared row set.
 const TOL: f32 = 1e-4;
@@ -200,7 +202,7 @@ fn run_head(
                    positions: Vec<u32>,
                    logits_rows: Vec<u32>,
                    hidden: &Tensor|
-     -> R<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+     -> R<Rows2> {
         let layout = Arc::new(layout);
         let prepared = attention.prepare(layout.clone())?;
         let ctx = ForwardContext {
