@@ -14,6 +14,11 @@
 //! SGLang's STANDALONE) and `layerskip` (the target's own first N layers,
 //! self-speculative).
 //!
+//! And it owns [`Eagle3Head`], an EAGLE3 draft head (SpecForge / SGLang
+//! `LlamaForCausalLMEagle3` checkpoints): loading, the fusion of the
+//! target's three aux hidden states and one draft forward over its own
+//! one-layer KV cache (not yet a registered speculator).
+//!
 //! They register with `inventory` as the speculators `ngram`, `standalone`
 //! and `layerskip`; a binary must reference the crate (`use arbor_spec_decode
 //! as _;`) for the entries to be linked in.
@@ -23,6 +28,7 @@
 //! invariant.
 
 mod draft;
+mod eagle3;
 mod model;
 mod ngram;
 mod trie;
@@ -30,6 +36,7 @@ mod trie;
 #[cfg(test)]
 mod tests;
 
+pub use eagle3::{EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, Eagle3Output};
 pub use model::ModelDrafter;
 pub use ngram::{MAX_CAPACITY, MAX_PATH_LEN, NgramSpeculator, NgramStats};
 
