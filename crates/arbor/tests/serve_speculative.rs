@@ -1,6 +1,7 @@
-//! `arbor serve --speculative-algorithm NGRAM | LAYERSKIP | STANDALONE` end
-//! to end on the tiny Llama (STANDALONE drafts with tiny-mistral, which
-//! shares its vocabulary): greedy answers equal those of a server without
+//! `arbor serve --speculative-algorithm NGRAM | LAYERSKIP | STANDALONE |
+//! EAGLE3` end to end on the tiny Llama (STANDALONE drafts with
+//! tiny-mistral, which shares its vocabulary; EAGLE3 with the seeded head of
+//! tests/fixtures/eagle3-tiny-llama): greedy answers equal those of a server without
 //! speculation (native and OpenAI routes, streamed and not), `meta_info` reports SGLang's
 //! `spec_verify_ct` and `spec_accept_length`, Prometheus shows the draft
 //! counters, bad flags are refused naming the flag, and no KV page leaks.
@@ -98,6 +99,12 @@ async fn standalone_draft_model_changes_no_answer() -> Result<()> {
     .await
 }
 
+#[tokio::test]
+async fn eagle3_head_changes_no_answer() -> Result<()> {
+    let head = fixture("eagle3-tiny-llama");
+    speculation_changes_no_answer(&["EAGLE3", "--speculative-draft-model-path", &head]).await
+}
+
 /// Answers with `--speculative-algorithm` and `spec` equal those without.
 async fn speculation_changes_no_answer(spec: &[&str]) -> Result<()> {
     let c = client();
@@ -130,6 +137,7 @@ async fn speculation_changes_no_answer(spec: &[&str]) -> Result<()> {
 #[test]
 fn bad_speculative_flags_are_refused() -> Result<()> {
     let qwen2 = fixture("tiny-qwen2");
+    let mistral = fixture("tiny-mistral");
     for (args, needle) in [
         (
             vec![
@@ -153,6 +161,15 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
         (
             vec!["--speculative-algorithm", "EAGLE3"],
             "--speculative-draft-model-path",
+        ),
+        (
+            vec![
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                &mistral,
+            ],
+            "LlamaForCausalLMEagle3",
         ),
         (
             vec!["--speculative-algorithm", "STANDALONE"],

@@ -129,6 +129,8 @@ enum Spec {
     LayerSkip(usize),
     /// A separate draft model.
     Standalone(Arc<dyn Model>),
+    /// The EAGLE3 head of tests/fixtures/eagle3-tiny-llama.
+    Eagle3,
 }
 
 /// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
@@ -219,6 +221,11 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
             let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
             inputs.draft_model = Some(m.clone());
             parts.speculator = Some(s.registry.speculators.get("standalone")?(sc, &inputs)?);
+        }
+        Spec::Eagle3 => {
+            let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
+            inputs.draft_path = Some(fixture().join("../eagle3-tiny-llama"));
+            parts.speculator = Some(s.registry.speculators.get("eagle3")?(sc, &inputs)?);
         }
     }
     Ok(Engine::new(cfg, parts)?)
@@ -443,6 +450,18 @@ fn standalone_drafts_keep_greedy_output_identical() -> Result<()> {
 }
 
 #[test]
+fn eagle3_drafts_keep_greedy_output_identical() -> Result<()> {
+    let ps = mixed_prompts();
+    let want = reference(&ps, &greedy(24))?;
+    for overlap in [false, true] {
+        let (drafted, accepted) = check_all_shapes(&Spec::Eagle3, &ps, &want, overlap)?;
+        assert!(drafted > 0, "the EAGLE3 head drafted nothing");
+        eprintln!("EAGLE3 (overlap {overlap}): {accepted} of {drafted} drafts accepted");
+    }
+    Ok(())
+}
+
+#[test]
 fn n_samples_stop_conditions_and_adaptive() -> Result<()> {
     let ps = copy_prompts(6, 9);
     // Stop strings and token ids from the reference's own output.
@@ -458,6 +477,7 @@ fn n_samples_stop_conditions_and_adaptive() -> Result<()> {
         Spec::Oracle(answers(&ps, &want)),
         Spec::Ngram,
         Spec::LayerSkip(2),
+        Spec::Eagle3,
     ] {
         for adaptive in [false, true] {
             let cfg = EngineConfig {
@@ -555,8 +575,38 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         Ok(counts)
     };
     let a = collect(&Spec::Off)?;
-    let b = collect(&Spec::Oracle(answers(std::slice::from_ref(&prompt), &want)))?;
-    // Two-sample chi-square over the categories seen, rare ones pooled.
+    // Every speculator's drafts are a function of the sequence, so rejection
+    // sampling keeps the distribution whoever drafts.
+    let specs = [
+        (
+            "oracle",
+            Spec::Oracle(answers(std::slice::from_ref(&prompt), &want)),
+        ),
+        ("layer skip", Spec::LayerSkip(2)),
+        (
+            "standalone (self)",
+            Spec::Standalone(shared().model.model.clone()),
+        ),
+        ("eagle3", Spec::Eagle3),
+    ];
+    for (name, spec) in specs {
+        let b = collect(&spec)?;
+        let (stat, dof) = chi_square(&a, &b);
+        let crit = chi2_critical(dof);
+        eprintln!(
+            "{name}: chi-square {stat:.1} over {dof} degrees of freedom (critical {crit:.1} at p = 0.001)"
+        );
+        assert!(
+            stat < crit,
+            "{name} changed the sampled distribution: {stat} >= {crit}"
+        );
+    }
+    Ok(())
+}
+
+/// Two-sample chi-square over the categories seen (rare ones pooled): the
+/// statistic and its degrees of freedom.
+fn chi_square(a: &HashMap<(u32, u32), usize>, b: &HashMap<(u32, u32), usize>) -> (f64, usize) {
     let mut keys: Vec<_> = a.keys().chain(b.keys()).copied().collect();
     keys.sort();
     keys.dedup();
@@ -582,16 +632,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
     if ra + rb > 0 {
         cell(ra, rb, &mut stat, &mut dof);
     }
-    let dof = dof.saturating_sub(1).max(1);
-    let crit = chi2_critical(dof);
-    eprintln!(
-        "chi-square {stat:.1} over {dof} degrees of freedom (critical {crit:.1} at p = 0.001)"
-    );
-    assert!(
-        stat < crit,
-        "speculation changed the sampled distribution: {stat} >= {crit}"
-    );
-    Ok(())
+    (stat, dof.saturating_sub(1).max(1))
 }
 
 #[test]

@@ -17,11 +17,12 @@
 //! And it owns [`Eagle3Head`], an EAGLE3 draft head (SpecForge / SGLang
 //! `LlamaForCausalLMEagle3` checkpoints): loading, the fusion of the
 //! target's three aux hidden states and one draft forward over its own
-//! one-layer KV cache (not yet a registered speculator).
+//! one-layer KV cache; [`HeadDrafter`] drafts with it (or any [`DraftHead`]) from the target's
+//! hidden states (`eagle3`, SGLang's EAGLE3).
 //!
-//! They register with `inventory` as the speculators `ngram`, `standalone`
-//! and `layerskip`; a binary must reference the crate (`use arbor_spec_decode
-//! as _;`) for the entries to be linked in.
+//! They register with `inventory` as the speculators `ngram`, `standalone`,
+//! `layerskip` and `eagle3`; a binary must reference the crate (`use
+//! arbor_spec_decode as _;`) for the entries to be linked in.
 //!
 //! Invariant kept by every call: the trie never holds more than `capacity`
 //! nodes, and drafts satisfy [`Draft`](arbor_engine_core::Draft)'s tree
@@ -29,6 +30,8 @@
 
 mod draft;
 mod eagle3;
+mod head;
+mod head_drafter;
 mod model;
 mod ngram;
 mod trie;
@@ -37,6 +40,8 @@ mod trie;
 mod tests;
 
 pub use eagle3::{EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, Eagle3Output};
+pub use head::{DraftHead, HeadOutput};
+pub use head_drafter::HeadDrafter;
 pub use model::ModelDrafter;
 pub use ngram::{MAX_CAPACITY, MAX_PATH_LEN, NgramSpeculator, NgramStats};
 
@@ -63,5 +68,13 @@ arbor_engine_core::inventory::submit! {
         name: "layerskip",
         about: "self-speculative layer skip: the target's first N layers, final norm and LM head draft greedy chains over its own KV",
         create: |cfg, inputs| Ok(Box::new(ModelDrafter::layer_skip(cfg, inputs)?)),
+    }
+}
+
+arbor_engine_core::inventory::submit! {
+    SpeculatorEntry {
+        name: "eagle3",
+        about: "an EAGLE3 draft head over the target's low/mid/high hidden states (SGLang's EAGLE3): greedy chains, its KV in the target's pages",
+        create: |cfg, inputs| Ok(Box::new(HeadDrafter::eagle3(cfg, inputs)?)),
     }
 }

@@ -152,6 +152,7 @@ fn target_features(layers: [usize; 3], prompt: &[u32]) -> R<Vec<Vec<f32>>> {
         hidden_layers: layers.to_vec(),
         lora: Vec::new(),
         exit_after: None,
+        hidden_at_every_row: false,
     })?;
     let h = s.target.model.spec().hidden_size;
     let per_layer: Vec<Vec<f32>> = out
@@ -218,6 +219,7 @@ fn run_head(
             hidden_layers: Vec::new(),
             lora: Vec::new(),
             exit_after: None,
+            hidden_at_every_row: false,
         };
         let out = head.forward(&batch, hidden, &ctx)?;
         Ok((
@@ -526,5 +528,81 @@ fn heads_that_do_not_fit_are_refused() -> R {
         err.contains("k_proj.weight") && err.contains("[64, 128]"),
         "{err}"
     );
+    Ok(())
+}
+
+/// The registered `eagle3` speculator, fed the target's states of each
+/// reference prompt (all but its last position, whose next token is the
+/// prompt's last), proposes the reference's chain: the prefill's last token,
+/// then the three chain steps' (positions, state passing and d2t wiring).
+#[test]
+fn eagle3_drafter_proposes_the_reference_chain() -> R {
+    use arbor_engine_core::speculative::{ComputedStates, SpeculativeConfig, SpeculatorInputs};
+    use arbor_engine_core::{DraftRequest, Registry};
+    let s = shared();
+    let registry = Registry::builtin()?;
+    let runner = ModelRunner::new(
+        s.target.model.clone(),
+        s.backend.clone(),
+        None,
+        PAGE,
+        8,
+        DType::F32,
+    )?;
+    let inputs = SpeculatorInputs {
+        target: Arc::new(runner),
+        draft_model: None,
+        draft_path: Some(head_dir()),
+    };
+    let cfg = SpeculativeConfig {
+        algorithm: "eagle3".into(),
+        num_steps: 4,
+        ..SpeculativeConfig::default()
+    };
+    let mut drafter = registry.speculators.get("eagle3")?(&cfg, &inputs)?;
+    let layers: Vec<usize> = drafter.hidden_layers().to_vec();
+    assert_eq!(layers.len(), 3);
+    let seqs = s.reference["sequences"].as_array().ok_or("sequences")?;
+    // Each sequence in its own pages; all extended in one call, drafted in one.
+    let pages: Vec<Vec<u32>> = (0..seqs.len() as u32)
+        .map(|i| vec![4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3])
+        .collect();
+    let mut prompts = Vec::new();
+    let mut states = Vec::new();
+    for seq in seqs {
+        let prompt = ints(&seq["prompt_ids"]);
+        let f = target_features([layers[0], layers[1], layers[2]], &prompt)?;
+        states.push(f[..prompt.len() - 1].concat());
+        prompts.push(prompt);
+    }
+    let computed: Vec<ComputedStates<'_>> = (0..seqs.len())
+        .map(|i| ComputedStates {
+            key: i as u64,
+            start: 0,
+            next_tokens: &prompts[i][1..],
+            pages: &pages[i],
+            states: &states[i],
+        })
+        .collect();
+    drafter.observe_states(&computed);
+    let reqs: Vec<DraftRequest<'_>> = (0..seqs.len())
+        .map(|i| DraftRequest {
+            key: i as u64,
+            tokens: &prompts[i],
+            len: prompts[i].len(),
+            max_tokens: 4,
+            allow_tree: false,
+            pages: &pages[i],
+        })
+        .collect();
+    let drafts = drafter.propose(&reqs);
+    for (seq, d) in seqs.iter().zip(&drafts) {
+        let mut want = vec![*ints(&seq["prefill"]["target_ids"]).last().ok_or("ids")?];
+        for c in seq["chain"].as_array().ok_or("chain")? {
+            want.push(c["target_id"].as_u64().ok_or("target_id")? as u32);
+        }
+        assert_eq!(d.tokens, want, "EAGLE3 chain");
+        assert!(d.parents.is_none());
+    }
     Ok(())
 }

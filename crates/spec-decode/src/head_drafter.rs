@@ -1,6 +1,7 @@
-//! The EAGLE3 speculator (`eagle3`, SGLang's `--speculative-algorithm
-//! EAGLE3`): an [`Eagle3Head`] drafts greedy chains from the target's own
-//! hidden states.
+//! Drafting from the target's hidden states with a [`DraftHead`]:
+//! [`HeadDrafter`] is the `eagle3` speculator (SGLang's
+//! `--speculative-algorithm EAGLE3`, with an `Eagle3Head`) and the `nextn`
+//! one (MTP: next-n prediction layers shipped in the target's checkpoint).
 //!
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
@@ -24,6 +25,7 @@
 //! extend. Drafts are advisory: verification decides what is kept.
 
 use crate::eagle3::Eagle3Head;
+use crate::head::DraftHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::error::{CoreError, Result};
@@ -46,9 +48,9 @@ struct Pending {
     state: Vec<f32>,
 }
 
-/// Proposes EAGLE3 draft chains (see the module docs).
-pub struct Eagle3Drafter {
-    head: Eagle3Head,
+/// Proposes draft chains with a [`DraftHead`] (see the module docs).
+pub struct HeadDrafter {
+    head: Box<dyn DraftHead>,
     backend: Arc<dyn Backend>,
     attention: Arc<dyn AttentionBackend>,
     kv: KvCache,
@@ -59,9 +61,9 @@ pub struct Eagle3Drafter {
     failures: u64,
 }
 
-impl Eagle3Drafter {
-    /// Loads the head at `inputs.draft_path` for `inputs.target`.
-    pub fn new(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
+impl HeadDrafter {
+    /// `eagle3`: loads the head at `inputs.draft_path` for `inputs.target`.
+    pub fn eagle3(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
         let dir = inputs.draft_path.as_ref().ok_or_else(|| {
             CoreError::Config(
                 "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (the head's folder)"
@@ -69,19 +71,27 @@ impl Eagle3Drafter {
             )
         })?;
         let target = &inputs.target;
-        let backend = target.backend().clone();
         let embed = target.model().input_embedding();
-        let head = Eagle3Head::load(dir, target.spec(), embed, backend.clone())?;
+        let head = Eagle3Head::load(dir, target.spec(), embed, target.backend().clone())?;
+        Self::new(Box::new(head), cfg, inputs)
+    }
+
+    /// A drafter with `head` over `inputs.target`'s device and pages.
+    pub fn new(
+        head: Box<dyn DraftHead>,
+        cfg: &SpeculativeConfig,
+        inputs: &SpeculatorInputs,
+    ) -> Result<Self> {
+        let target = &inputs.target;
+        let backend = target.backend().clone();
         let t = *target.kv_spec();
         let kv = KvCache::allocate(&*backend, head.kv_spec(t.page_size, t.num_pages, t.dtype))?;
         let attention = target.attention().clone();
         let context = head
-            .config()
-            .decoder
-            .max_position_embeddings
+            .max_position_embeddings()
             .min(target.spec().max_position_embeddings);
         Ok(Self {
-            layers: head.aux_layers().to_vec(),
+            layers: head.target_layers(),
             head,
             backend,
             attention,
@@ -148,10 +158,11 @@ impl Eagle3Drafter {
             seed: 0,
         };
         let picked = self.backend.alloc(DType::U32, &[n])?;
-        self.backend.sample(&out.logits, &vec![greedy; n], &picked)?;
+        self.backend
+            .sample(&out.logits, &vec![greedy; n], &picked)?;
         let mut bytes = vec![0u8; n * 4];
         self.backend.download(&picked, &mut bytes)?;
-        let states = self.backend.download_f32(&out.aux)?;
+        let states = self.backend.download_f32(&out.state)?;
         let h = self.head.hidden_size();
         bytes
             .chunks_exact(4)
@@ -166,7 +177,7 @@ impl Eagle3Drafter {
     /// Extend: the head's KV at every position the target kept, and each
     /// request's next draft start.
     fn extend(&mut self, seqs: &[ComputedStates<'_>]) -> Result<()> {
-        let width = self.layers.len() * self.head.config().target_hidden_size;
+        let width = self.head.feature_width();
         let fits = |s: &&ComputedStates<'_>| {
             s.states.len() == s.next_tokens.len() * width
                 && s.start + s.next_tokens.len() <= self.context
@@ -206,7 +217,11 @@ impl Eagle3Drafter {
         let mut states: Vec<Vec<f32>> = Vec::with_capacity(reqs.len());
         let mut lens: Vec<usize> = Vec::with_capacity(reqs.len());
         for r in reqs {
-            match self.pending.get(&r.key).filter(|p| p.len == r.len && r.len >= 2) {
+            match self
+                .pending
+                .get(&r.key)
+                .filter(|p| p.len == r.len && r.len >= 2)
+            {
                 Some(p) => {
                     // Draft step j writes position len - 2 + j; it must fit
                     // the context and the pages held.
@@ -250,9 +265,9 @@ impl Eagle3Drafter {
     }
 }
 
-impl Speculator for Eagle3Drafter {
+impl Speculator for HeadDrafter {
     fn name(&self) -> &str {
-        "eagle3"
+        self.head.name()
     }
 
     fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft> {
@@ -260,7 +275,10 @@ impl Speculator for Eagle3Drafter {
             Ok(chains) => chains.into_iter().map(Draft::chain).collect(),
             Err(e) => {
                 self.failures += 1;
-                tracing::warn!("EAGLE3 drafting failed: {e}; this step verifies no drafts");
+                tracing::warn!(
+                    "{} drafting failed: {e}; this step verifies no drafts",
+                    self.head.name()
+                );
                 vec![Draft::default(); reqs.len()]
             }
         }
@@ -285,7 +303,10 @@ impl Speculator for Eagle3Drafter {
     fn observe_states(&mut self, seqs: &[ComputedStates<'_>]) {
         if let Err(e) = self.extend(seqs) {
             self.failures += 1;
-            tracing::warn!("EAGLE3 extend failed: {e}; the next drafts may be poor");
+            tracing::warn!(
+                "{} extend failed: {e}; the next drafts may be poor",
+                self.head.name()
+            );
         }
     }
 }
