@@ -384,7 +384,11 @@ pub fn build_engine(
         let inputs = SpeculatorInputs {
             target: runner,
             draft_model: draft.map(|d| d.model),
-            draft_path: setup.draft_model.clone(),
+            // NEXTN's layers live in the target's checkpoint by default.
+            draft_path: setup
+                .draft_model
+                .clone()
+                .or_else(|| (sc.algorithm == "nextn").then(|| model.path.clone())),
         };
         parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
     }

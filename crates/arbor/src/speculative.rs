@@ -4,11 +4,12 @@
 //!
 //! `algorithm` is `none` (off, the default) or a registered speculator
 //! (any case): `ngram` (SGLang's `NGRAM`), `standalone` (a separate draft
-//! model, `draft_model_path`) or `layerskip` (the target's first
-//! `draft_layers` layers) or `eagle3` (an EAGLE3 draft head at
-//! `draft_model_path`). SGLang's EAGLE and NEXTN are refused with a
-//! message saying so, and so is any algorithm when this binary was built
-//! without the `spec-decode` cargo feature.
+//! model at `draft_model_path`), `layerskip` (the target's first
+//! `draft_layers` layers), `eagle3` (an EAGLE3 draft head at
+//! `draft_model_path`) or `nextn` (MTP layers of the target's checkpoint).
+//! SGLang's EAGLE is refused with a message saying so, and so is any
+//! algorithm when this binary was built without the `spec-decode` cargo
+//! feature.
 
 use anyhow::{Result, bail};
 use arbor_engine_core::speculative::{NgramMatchType, NgramOptions, SpeculativeConfig};
@@ -19,13 +20,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSection {
-    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle3` [default: none].
+    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle3`, `nextn` [default: none].
     pub algorithm: Option<String>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     pub num_draft_tokens: Option<usize>,
     /// Draft tokens a model drafter (standalone, layerskip) proposes per step, 1..=64 [default: 4].
     pub num_steps: Option<usize>,
-    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle3`.
+    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle3`; the checkpoint with the MTP layers for `nextn` (default: the target's).
     pub draft_model_path: Option<std::path::PathBuf>,
     /// Layers of the target that draft under `layerskip` (1..layers-1).
     pub draft_layers: Option<usize>,
@@ -50,13 +51,13 @@ pub struct SpeculativeSection {
 /// The `--speculative-*` flags (SGLang's names).
 #[derive(Args, Debug, Clone, Default)]
 pub struct SpeculativeArgs {
-    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers) or EAGLE3 (a draft head); SGLang's EAGLE and NEXTN are not available yet [default: none].
+    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers), EAGLE3 (a draft head) or NEXTN (the target's MTP layers); SGLang's EAGLE is not available yet [default: none].
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
     /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64 [default: 4].
     #[arg(long = "speculative-num-steps", help_heading = "Speculative decoding")]
     pub speculative_num_steps: Option<usize>,
-    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), or the EAGLE3 head's folder.
+    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), the EAGLE3 head's folder, or the checkpoint holding NEXTN's layers (default: the target's).
     #[arg(
         long = "speculative-draft-model-path",
         help_heading = "Speculative decoding"
@@ -124,7 +125,7 @@ pub struct SpeculativeArgs {
     pub speculative_ngram_capacity: Option<usize>,
 }
 
-const SGLANG_ONLY: &[&str] = &["eagle", "nextn", "mtp"];
+const SGLANG_ONLY: &[&str] = &["eagle"];
 
 impl SpeculativeSection {
     /// Defaults < `file` < `a`, every key filled in.
@@ -208,19 +209,21 @@ impl SpeculativeSection {
         }
         if SGLANG_ONLY.contains(&algo.as_str()) {
             bail!(
-                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP, EAGLE3)",
+                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP, EAGLE3, NEXTN)",
                 algo.to_ascii_uppercase()
             );
         }
         let upper = algo.to_ascii_uppercase();
-        let drafts_from_path = matches!(algo.as_str(), "standalone" | "eagle3");
-        match (drafts_from_path, self.draft_model_path.is_some()) {
-            (true, false) => bail!(
+        // NEXTN's layers are in the target's checkpoint unless a path is given.
+        let needs_path = matches!(algo.as_str(), "standalone" | "eagle3");
+        let takes_path = needs_path || algo == "nextn";
+        match (needs_path, takes_path, self.draft_model_path.is_some()) {
+            (true, _, false) => bail!(
                 "--speculative-algorithm {upper} needs --speculative-draft-model-path \
                  (TOML: [speculative] draft_model_path)"
             ),
-            (false, true) => bail!(
-                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE and EAGLE3 only, not {upper}"
+            (_, false, true) => bail!(
+                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE, EAGLE3 and NEXTN only, not {upper}"
             ),
             _ => {}
         }
@@ -308,5 +311,36 @@ mod tests {
         let off =
             SpeculativeSection::resolve(SpeculativeSection::default(), &SpeculativeArgs::default());
         assert!(off.to_engine().expect("off").is_none());
+    }
+
+    #[test]
+    fn draft_paths_and_layers_go_with_their_algorithms() {
+        let with = |algo: &str, path: bool, layers: Option<usize>| {
+            let a = SpeculativeArgs {
+                speculative_algorithm: Some(algo.into()),
+                speculative_draft_model_path: path.then(|| "/models/draft".into()),
+                speculative_draft_layers: layers,
+                ..Default::default()
+            };
+            SpeculativeSection::resolve(SpeculativeSection::default(), &a).to_engine()
+        };
+        if !cfg!(feature = "spec-decode") {
+            return;
+        }
+        let err = |r: Result<Option<SpeculativeConfig>>| r.expect_err("refused").to_string();
+        assert!(err(with("STANDALONE", false, None)).contains("--speculative-draft-model-path"));
+        assert!(err(with("EAGLE3", false, None)).contains("--speculative-draft-model-path"));
+        assert!(err(with("NGRAM", true, None)).contains("STANDALONE, EAGLE3 and NEXTN only"));
+        assert!(err(with("LAYERSKIP", false, None)).contains("--speculative-draft-layers"));
+        assert!(err(with("NGRAM", false, Some(2))).contains("LAYERSKIP only"));
+        let c = with("LAYERSKIP", false, Some(2)).expect("ok").expect("on");
+        assert_eq!(
+            (c.algorithm.as_str(), c.draft_layers),
+            ("layerskip", Some(2))
+        );
+        assert_eq!(c.num_steps, 4);
+        with("STANDALONE", true, None).expect("ok");
+        with("NEXTN", false, None).expect("ok");
+        with("NEXTN", true, None).expect("ok");
     }
 }

@@ -10,7 +10,8 @@
 //!    free-form prompts (ShareGPT's first user turns) against plain.
 //!
 //! Speculation is not adaptive here (`adaptive: false`), so the figures are
-//! the drafters' own. Engines alternate A B A B within one run; only ratios
+//! the drafters' own, except for one adaptive LAYERSKIP 8 engine (what the
+//! controller makes of a drafter that does not pay). Engines alternate A B A B within one run; only ratios
 //! measured this way mean anything on a shared machine. Benchmark only;
 //! nothing asserted.
 //!
@@ -82,6 +83,20 @@ fn main() {
             ),
         ));
     }
+    // What the adaptive controller makes of the weakest drafter.
+    engines.push((
+        "layerskip 8 adaptive".into(),
+        engine(
+            &m,
+            &backend,
+            &registry,
+            Some(SpeculativeConfig {
+                adaptive: true,
+                ..spec("layerskip", Some(8))
+            }),
+            None,
+        ),
+    ));
     engines.push((
         "standalone (self)".into(),
         engine(
