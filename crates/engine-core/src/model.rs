@@ -216,6 +216,16 @@ pub trait Model: Send + Sync {
     fn input_embedding(&self) -> Option<Tensor> {
         None
     }
+    /// The LM head `[vocab, hidden]` on the device (the input embedding when
+    /// tied), for a drafter that shares it; `None` when not exposed.
+    fn lm_head(&self) -> Option<Tensor> {
+        None
+    }
+    /// The final norm's weight `[hidden]` on the device, for a drafter that
+    /// shares it; `None` when not exposed.
+    fn final_norm(&self) -> Option<Tensor> {
+        None
+    }
 }
 
 /// Named tensors of a checkpoint, read on demand.

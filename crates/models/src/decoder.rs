@@ -279,6 +279,14 @@ impl Model for DecoderModel {
         Some(self.embed.clone())
     }
 
+    fn lm_head(&self) -> Option<Tensor> {
+        Some(self.lm_head.clone())
+    }
+
+    fn final_norm(&self) -> Option<Tensor> {
+        Some(self.norm.clone())
+    }
+
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
         let n_layers = self.layers.len();
