@@ -611,6 +611,9 @@ impl LocalExecutor {
             } else if p.is_greedy() {
                 let t = argmax(&l);
                 (t, kids.into_iter().find(|&c| s.tokens[base + c] == t))
+            } else if let (&[c], Some(q)) = (kids.as_slice(), sp.draft_probs.get(at)) {
+                // A sampled chain: draft `at` (row `c`) was drawn from `q`.
+                speculative_sample(&l, p, s.tokens[base + c], q, &mut rng, c)
             } else {
                 reject_sample(&l, p, &kids, |c| s.tokens[base + c], &mut rng)
             };
@@ -640,6 +643,57 @@ impl LocalExecutor {
         }
         Ok(out)
     }
+}
+
+/// Speculative sampling of draft `d`, drawn from `q`, at one row (Leviathan
+/// et al.): accepted with probability `min(1, p(d) / q(d))` (then `Some(row)`
+/// comes back), else the token is drawn from `max(0, p - q)` normalized (from
+/// `p` when that is empty). `p` is the standard sampler's filtered
+/// distribution of `logits`, so the token's law is exactly `p`'s.
+fn speculative_sample(
+    logits: &[f32],
+    params: &SamplingParams,
+    d: u32,
+    q: &[(f32, u32)],
+    rng: &mut SeqRng,
+    row: usize,
+) -> (u32, Option<usize>) {
+    let Some(cand) = filtered_candidates(logits, params) else {
+        let t = argmax(logits);
+        return (t, (t == d).then_some(row));
+    };
+    let total: f32 = cand.iter().map(|x| x.0).sum();
+    if total <= 0.0 {
+        let t = argmax(logits);
+        return (t, (t == d).then_some(row));
+    }
+    let q_of = |t: u32| q.iter().find(|x| x.1 == t).map_or(0.0, |x| x.0);
+    let pd = cand.iter().find(|x| x.1 == d).map_or(0.0, |x| x.0) / total;
+    let qd = q_of(d);
+    // q(d) = 0 cannot come from a draw of q: treat d as a point mass.
+    let accept = if qd > 0.0 { (pd / qd).min(1.0) } else { pd };
+    if rng.next_f32() < accept {
+        return (d, Some(row));
+    }
+    let residual: Vec<(f32, u32)> = cand
+        .iter()
+        .map(|x| ((x.0 / total - q_of(x.1)).max(0.0), x.1))
+        .filter(|x| x.0 > 0.0)
+        .collect();
+    let pool = if residual.is_empty() {
+        &cand
+    } else {
+        &residual
+    };
+    let mass: f32 = pool.iter().map(|x| x.0).sum();
+    let mut r = rng.next_f32() * mass;
+    for x in pool {
+        r -= x.0;
+        if r < 0.0 {
+            return (x.1, None);
+        }
+    }
+    (pool[pool.len() - 1].1, None)
 }
 
 /// Rejection sampling of deterministic draft children at one row: returns
@@ -685,6 +739,41 @@ fn reject_sample(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn speculative_sampling_with_draft_probabilities_keeps_the_distribution() {
+        // p = (0.5, 0.3, 0.2); drafts drawn from q = (0.1, 0.6, 0.3).
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let params = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        let q = [(0.1f32, 0u32), (0.6, 1), (0.3, 2)];
+        let mut counts = [0usize; 3];
+        let mut accepted = 0usize;
+        let mut rng = SeqRng::new(11);
+        let n = 200_000;
+        for _ in 0..n {
+            let u = rng.next_f32();
+            let d = if u < 0.1 {
+                0
+            } else if u < 0.7 {
+                1
+            } else {
+                2
+            };
+            let (t, acc) = speculative_sample(&logits, &params, d, &q, &mut rng, 1);
+            accepted += usize::from(acc.is_some());
+            counts[t as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
+            let f = *c as f64 / n as f64;
+            assert!((f - p).abs() < 0.005, "{counts:?}");
+        }
+        // Acceptance is sum(min(p, q)) = 0.1 + 0.3 + 0.2 = 0.6.
+        let a = accepted as f64 / n as f64;
+        assert!((a - 0.6).abs() < 0.005, "accept rate {a}");
+    }
 
     #[test]
     fn rejection_keeps_the_distribution() {

@@ -20,6 +20,7 @@
 use crate::error::{CoreError, Result};
 use crate::model::Model;
 use crate::runner::ModelRunner;
+use crate::sampling::SamplingParams;
 use std::sync::Arc;
 
 /// One request the speculator is asked to draft for.
@@ -40,6 +41,20 @@ pub struct DraftRequest<'a> {
     /// [`Drafting::Model`] speculator (it writes draft KV at those slots);
     /// empty for a [`Drafting::Lookup`] one.
     pub pages: &'a [u32],
+    /// Set for a request sampled at temperature > 0: a drafter may draw its
+    /// chain from its own distribution under these parameters (filtered as
+    /// the standard sampler does: `sampling::filtered_candidates`), seeded
+    /// by `seed`, and then returns that distribution in [`Draft::probs`].
+    pub sampling: Option<DraftSampling<'a>>,
+}
+
+/// How a sampled request's drafts may be drawn ([`DraftRequest::sampling`]).
+#[derive(Clone, Copy, Debug)]
+pub struct DraftSampling<'a> {
+    /// The request's sampling parameters.
+    pub params: &'a SamplingParams,
+    /// Seeds the draws (drawn from the request's generator).
+    pub seed: u64,
 }
 
 /// What one sequence's step computed and kept, for a speculator that reads
@@ -88,12 +103,16 @@ pub struct SpeculatorInputs {
 }
 
 /// Draft tokens proposed for one request.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Draft {
     /// Draft tokens; empty when the speculator has nothing to propose.
     pub tokens: Vec<u32>,
     /// Parent of each token (`None` for a chain); see the module invariant.
     pub parents: Option<Vec<Option<u32>>>,
+    /// A sampled chain's distributions: for each token, the (probability,
+    /// token) pairs it was drawn from, summing to 1. Empty for
+    /// deterministic drafts (then each token counts as a point mass).
+    pub probs: Vec<Vec<(f32, u32)>>,
 }
 
 impl Draft {
@@ -102,12 +121,14 @@ impl Draft {
         Self {
             tokens,
             parents: None,
+            probs: Vec::new(),
         }
     }
 
     /// Keeps the first `n` tokens (still a valid tree: parents come first).
     pub fn truncate(&mut self, n: usize) {
         self.tokens.truncate(n);
+        self.probs.truncate(n);
         if let Some(p) = self.parents.as_mut() {
             p.truncate(n);
         }
@@ -134,8 +155,21 @@ impl Draft {
         Some(out)
     }
 
-    /// Checks the tree invariant.
+    /// Checks the tree invariant, and that distributions come with a chain,
+    /// one per token.
     pub fn validate(&self) -> Result<()> {
+        if !self.probs.is_empty() && (self.parents.is_some() || self.probs.len() != self.len()) {
+            return Err(CoreError::invalid(format!(
+                "draft of {} tokens with {} distributions{}",
+                self.len(),
+                self.probs.len(),
+                if self.parents.is_some() {
+                    " (a tree)"
+                } else {
+                    ""
+                }
+            )));
+        }
         if let Some(p) = &self.parents {
             if p.len() != self.tokens.len() {
                 return Err(CoreError::invalid(format!(
@@ -353,6 +387,7 @@ mod tests {
         let d = Draft {
             tokens: vec![10, 11, 12, 13],
             parents: Some(vec![None, None, Some(0), Some(2)]),
+            probs: Vec::new(),
         };
         d.validate().unwrap();
         assert_eq!(d.first_chain(), vec![10, 12, 13]);
@@ -364,6 +399,7 @@ mod tests {
         let bad = Draft {
             tokens: vec![1, 2],
             parents: Some(vec![None, Some(1)]),
+            probs: Vec::new(),
         };
         assert!(bad.validate().is_err());
         assert_eq!(Draft::chain(vec![4, 5]).first_chain(), vec![4, 5]);

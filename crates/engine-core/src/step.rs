@@ -53,6 +53,12 @@ pub struct SampleSpec {
     pub logprobs: Option<usize>,
     /// Tokens generated so far (for `min_new_tokens`).
     pub generated: usize,
+    /// For drafts sampled from a drafter's distribution (a chain): that
+    /// distribution at each draft token, as (probability, token) summing to
+    /// 1; verification then accepts draft `d` with probability
+    /// `min(1, p(d) / q(d))` and draws a rejection from `max(0, p - q)`.
+    /// Empty for deterministic drafts.
+    pub draft_probs: Vec<Vec<(f32, u32)>>,
 }
 
 /// The history logits processors see.
@@ -235,6 +241,7 @@ mod tests {
             context: None,
             logprobs: None,
             generated: 0,
+            draft_probs: Vec::new(),
         }
     }
 

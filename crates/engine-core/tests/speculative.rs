@@ -107,6 +107,7 @@ impl Speculator for Oracle {
                 Draft {
                     tokens,
                     parents: Some(parents),
+                    probs: Vec::new(),
                 }
             })
             .collect()
@@ -541,6 +542,9 @@ fn json_schema_grammar_with_speculation() -> Result<()> {
     Ok(())
 }
 
+/// How often each (token 2, token 3) pair was drawn.
+type Counts = HashMap<(u32, u32), usize>;
+
 /// Chi-square statistic's critical value at p = 0.001 (Wilson–Hilferty).
 fn chi2_critical(dof: usize) -> f64 {
     let k = dof as f64;
@@ -558,7 +562,8 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         ..greedy(3)
     };
     let n = 1200;
-    let collect = |spec: &Spec| -> Result<HashMap<(u32, u32), usize>> {
+    // The counts of (token 2, token 3), and (accepted, drafted) drafts.
+    let collect = |spec: &Spec| -> Result<(Counts, (u64, u64))> {
         let e = engine(EngineConfig::default(), 256, spec)?;
         let mut counts = HashMap::new();
         for chunk in (0..n as u64).collect::<Vec<_>>().chunks(64) {
@@ -571,12 +576,18 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
                 *counts.entry((out[1], out[2])).or_default() += 1;
             }
         }
+        let st = e.stats();
         assert_pool_empty(&e);
-        Ok(counts)
+        Ok((
+            counts,
+            (st.spec_accepted_tokens_total, st.spec_draft_tokens_total),
+        ))
     };
-    let a = collect(&Spec::Off)?;
-    // Every speculator's drafts are a function of the sequence, so rejection
-    // sampling keeps the distribution whoever drafts.
+    let (a, _) = collect(&Spec::Off)?;
+    // The oracle's drafts are a function of the sequence (point masses);
+    // model drafters draw theirs from their own distribution and verification
+    // runs speculative sampling against it: either way the distribution is
+    // plain sampling's.
     let specs = [
         (
             "oracle",
@@ -590,7 +601,15 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         ("eagle3", Spec::Eagle3),
     ];
     for (name, spec) in specs {
-        let b = collect(&spec)?;
+        let self_draft = matches!(spec, Spec::Standalone(_));
+        let (b, (accepted, drafted)) = collect(&spec)?;
+        eprintln!("{name}: {accepted} of {drafted} sampled drafts accepted");
+        if self_draft {
+            // Drawn from the target's own distribution: q = p, so every
+            // draft is accepted.
+            assert!(drafted > 0);
+            assert_eq!(accepted, drafted, "{name}");
+        }
         let (stat, dof) = chi_square(&a, &b);
         let crit = chi2_critical(dof);
         eprintln!(
@@ -606,7 +625,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
 
 /// Two-sample chi-square over the categories seen (rare ones pooled): the
 /// statistic and its degrees of freedom.
-fn chi_square(a: &HashMap<(u32, u32), usize>, b: &HashMap<(u32, u32), usize>) -> (f64, usize) {
+fn chi_square(a: &Counts, b: &Counts) -> (f64, usize) {
     let mut keys: Vec<_> = a.keys().chain(b.keys()).copied().collect();
     keys.sort();
     keys.dedup();

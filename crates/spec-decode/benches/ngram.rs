@@ -245,6 +245,7 @@ impl<'a> Replay<'a> {
                     max_tokens: DRAFT,
                     allow_tree: self.tree,
                     pages: &[],
+                    sampling: None,
                 })
                 .collect();
             let t = Instant::now();
@@ -383,6 +384,7 @@ fn benches(c: &mut Criterion) {
                 max_tokens: DRAFT,
                 allow_tree: tree,
                 pages: &[],
+                sampling: None,
             })
             .collect();
         g.throughput(Throughput::Elements(reqs.len() as u64));

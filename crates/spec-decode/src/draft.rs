@@ -129,6 +129,7 @@ impl Tree {
         Draft {
             tokens: self.tokens,
             parents: Some(self.parents),
+            probs: Vec::new(),
         }
     }
 }

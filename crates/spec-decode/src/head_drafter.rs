@@ -6,15 +6,18 @@
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
 //!   for each position `p` the target computed and kept, the head takes the
-//!   token at `p + 1` and the target's fused low/mid/high hidden states at
-//!   `p`, and writes its KV at `p`. The last position's output is the first
-//!   draft token and the hidden state the next draft step starts from; both
-//!   are kept for the request, tagged with the sequence length they apply to.
+//!   token at `p + 1` and the target's hidden states at `p` (EAGLE3: the
+//!   fused low/mid/high layers), and writes its KV at `p`. The last
+//!   position's logits (the first draft token's distribution) and output
+//!   state (where the next draft step starts) are kept for the request,
+//!   tagged with the sequence length they apply to.
 //! - **Draft** ([`Speculator::propose`]): when the request's length is still
-//!   that tag, the chain starts with the kept token; every further token is
+//!   that tag, the chain starts from the kept logits; every further token is
 //!   one head forward (batched over the requests still drafting) that feeds
 //!   the previous draft token with the previous step's output state at the
-//!   next position.
+//!   next position. Tokens are argmaxes, or for a request sampled at
+//!   temperature > 0 draws from the head's filtered distribution, returned
+//!   with the draft for speculative sampling.
 //!
 //! Where its KV lives: a one-layer cache of its own with the target's page
 //! size and page count, addressed by the target's page table, so its pages
@@ -24,17 +27,17 @@
 //! the KV that draft steps write past the sequence is rewritten by the next
 //! extend. Drafts are advisory: verification decides what is kept.
 
+use crate::choose::{Choice, argmax, draw};
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
-use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::error::{CoreError, Result};
 use arbor_engine_core::kv::KvCache;
 use arbor_engine_core::model::{ForwardBatch, ForwardContext};
 use arbor_engine_core::speculative::{
     ComputedStates, Drafting, SpeculativeConfig, SpeculatorInputs,
 };
-use arbor_engine_core::{Backend, DType, Draft, DraftRequest, Speculator, Tensor};
+use arbor_engine_core::{Backend, Draft, DraftRequest, SamplingParams, SeqRng, Speculator, Tensor};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -42,8 +45,9 @@ use std::sync::Arc;
 struct Pending {
     /// The sequence length it applies to.
     len: usize,
-    /// The first draft token (a target id).
-    token: u32,
+    /// The head's logits over its draft vocabulary at position `len - 2`
+    /// (the first draft token's distribution).
+    logits: Vec<f32>,
     /// The head's output state at position `len - 2` (`[hidden]`).
     state: Vec<f32>,
 }
@@ -109,15 +113,15 @@ impl HeadDrafter {
     }
 
     /// One head forward over `seqs` (prefix, fed token ids, pages), with
-    /// `hidden` (`[tokens, width]` rows in the same order); the chosen
-    /// target ids and output states (`[hidden]` each) at each sequence's
-    /// last row.
+    /// `hidden` (`[tokens, width]` rows in the same order); at each
+    /// sequence's last row, its logits over the draft vocabulary and its
+    /// output state (`[hidden]`).
     fn step(
         &self,
         seqs: &[(usize, &[u32], &[u32])],
         hidden: Vec<f32>,
         width: usize,
-    ) -> Result<Vec<(u32, Vec<f32>)>> {
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
         let ps = self.kv.spec().page_size;
         let mut layout = BatchLayout::new(ps);
         let mut ids = Vec::new();
@@ -149,29 +153,37 @@ impl HeadDrafter {
             attention_batch: &attention_batch,
         };
         let out = self.head.forward(&batch, &hidden, &ctx)?;
-        let n = seqs.len();
-        let greedy = SampleRow {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-        };
-        let picked = self.backend.alloc(DType::U32, &[n])?;
-        self.backend
-            .sample(&out.logits, &vec![greedy; n], &picked)?;
-        let mut bytes = vec![0u8; n * 4];
-        self.backend.download(&picked, &mut bytes)?;
+        let vocab = out.logits.row_len();
+        let logits = self.backend.download_f32(&out.logits)?;
         let states = self.backend.download_f32(&out.state)?;
         let h = self.head.hidden_size();
-        bytes
-            .chunks_exact(4)
+        Ok(logits
+            .chunks_exact(vocab)
             .zip(states.chunks_exact(h))
-            .map(|(c, s)| {
-                let d = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                Ok((self.head.target_id(d)?, s.to_vec()))
-            })
-            .collect()
+            .map(|(l, s)| (l.to_vec(), s.to_vec()))
+            .collect())
+    }
+
+    /// The draft token of a logits row (a target id): its argmax, or a draw
+    /// under `sampling`, then with the distribution (in target ids).
+    fn pick(
+        &self,
+        row: &[f32],
+        sampling: Option<(&SamplingParams, &mut SeqRng)>,
+    ) -> Result<Choice> {
+        let (id, probs) = match sampling.and_then(|(p, rng)| draw(row, p, rng)) {
+            Some(c) => c,
+            None => (argmax(row), None),
+        };
+        let probs = match probs {
+            Some(q) => Some(
+                q.into_iter()
+                    .map(|(p, d)| Ok((p, self.head.target_id(d)?)))
+                    .collect::<Result<Vec<_>>>()?,
+            ),
+            None => None,
+        };
+        Ok((self.head.target_id(id)?, probs))
     }
 
     /// Extend: the head's KV at every position the target kept, and each
@@ -195,12 +207,12 @@ impl HeadDrafter {
             .map(|s| (s.start, s.next_tokens, s.pages))
             .collect();
         let out = self.step(&fed, hidden, width)?;
-        for (s, (token, state)) in kept.iter().zip(out) {
+        for (s, (logits, state)) in kept.iter().zip(out) {
             self.pending.insert(
                 s.key,
                 Pending {
                     len: s.start + s.next_tokens.len() + 1,
-                    token,
+                    logits,
                     state,
                 },
             );
@@ -208,40 +220,43 @@ impl HeadDrafter {
         Ok(())
     }
 
-    /// The chains for `reqs`, in order.
-    fn draft(&self, reqs: &[DraftRequest<'_>]) -> Result<Vec<Vec<u32>>> {
+    /// The chains for `reqs`, in order (drawn, with their distributions,
+    /// for sampled requests).
+    fn draft(&self, reqs: &[DraftRequest<'_>]) -> Result<Vec<Draft>> {
         let ps = self.kv.spec().page_size;
         let h = self.head.hidden_size();
-        // Per request: chain length, then the chain and the current state.
-        let mut chains: Vec<Vec<u32>> = Vec::with_capacity(reqs.len());
-        let mut states: Vec<Vec<f32>> = Vec::with_capacity(reqs.len());
-        let mut lens: Vec<usize> = Vec::with_capacity(reqs.len());
-        for r in reqs {
-            match self
+        let n = reqs.len();
+        let mut chains: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut probs: Vec<Vec<Vec<(f32, u32)>>> = vec![Vec::new(); n];
+        let mut states: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut lens: Vec<usize> = vec![0; n];
+        let mut rngs: Vec<Option<SeqRng>> = reqs
+            .iter()
+            .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))
+            .collect();
+        for (i, r) in reqs.iter().enumerate() {
+            let Some(p) = self
                 .pending
                 .get(&r.key)
                 .filter(|p| p.len == r.len && r.len >= 2)
-            {
-                Some(p) => {
-                    // Draft step j writes position len - 2 + j; it must fit
-                    // the context and the pages held.
-                    let room = (self.context + 2)
-                        .saturating_sub(r.len)
-                        .min((r.pages.len() * ps + 2).saturating_sub(r.len));
-                    lens.push(r.max_tokens.min(self.max_steps).min(room).max(1));
-                    chains.push(vec![p.token]);
-                    states.push(p.state.clone());
-                }
-                None => {
-                    lens.push(0);
-                    chains.push(Vec::new());
-                    states.push(Vec::new());
-                }
-            }
+            else {
+                continue;
+            };
+            // Draft step j writes position len - 2 + j; it must fit the
+            // context and the pages held.
+            let room = (self.context + 2)
+                .saturating_sub(r.len)
+                .min((r.pages.len() * ps + 2).saturating_sub(r.len));
+            lens[i] = r.max_tokens.min(self.max_steps).min(room).max(1);
+            let sampling = r.sampling.zip(rngs[i].as_mut()).map(|(s, g)| (s.params, g));
+            let (t, q) = self.pick(&p.logits, sampling)?;
+            chains[i].push(t);
+            probs[i].extend(q);
+            states[i].clone_from(&p.state);
         }
         let steps = lens.iter().copied().max().unwrap_or(0);
         for j in 1..steps {
-            let who: Vec<usize> = (0..reqs.len()).filter(|&i| lens[i] > j).collect();
+            let who: Vec<usize> = (0..n).filter(|&i| lens[i] > j).collect();
             if who.is_empty() {
                 break;
             }
@@ -249,19 +264,36 @@ impl HeadDrafter {
             let mut fed: Vec<(usize, &[u32], &[u32])> = Vec::with_capacity(who.len());
             for &i in &who {
                 hidden.extend_from_slice(&states[i]);
-                let last = &chains[i][j - 1..j];
-                fed.push((reqs[i].len - 2 + j, last, reqs[i].pages));
+                fed.push((reqs[i].len - 2 + j, &chains[i][j - 1..j], reqs[i].pages));
             }
             let out = self.step(&fed, hidden, h)?;
-            for (&i, (token, state)) in who.iter().zip(out) {
-                chains[i].push(token);
+            for (&i, (logits, state)) in who.iter().zip(out) {
+                let sampling = reqs[i]
+                    .sampling
+                    .zip(rngs[i].as_mut())
+                    .map(|(s, g)| (s.params, g));
+                let (t, q) = self.pick(&logits, sampling)?;
+                chains[i].push(t);
+                probs[i].extend(q);
                 states[i] = state;
             }
         }
-        for (c, &n) in chains.iter_mut().zip(&lens) {
-            c.truncate(n);
-        }
-        Ok(chains)
+        Ok(chains
+            .into_iter()
+            .zip(probs)
+            .zip(lens)
+            .map(|((mut tokens, mut probs), n)| {
+                tokens.truncate(n);
+                probs.truncate(n);
+                if probs.len() != tokens.len() {
+                    probs.clear();
+                }
+                Draft {
+                    probs,
+                    ..Draft::chain(tokens)
+                }
+            })
+            .collect())
     }
 }
 
@@ -272,7 +304,7 @@ impl Speculator for HeadDrafter {
 
     fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft> {
         match self.draft(reqs) {
-            Ok(chains) => chains.into_iter().map(Draft::chain).collect(),
+            Ok(drafts) => drafts,
             Err(e) => {
                 self.failures += 1;
                 tracing::warn!(

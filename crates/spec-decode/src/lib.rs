@@ -28,6 +28,7 @@
 //! nodes, and drafts satisfy [`Draft`](arbor_engine_core::Draft)'s tree
 //! invariant.
 
+mod choose;
 mod draft;
 mod eagle3;
 mod head;

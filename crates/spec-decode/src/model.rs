@@ -2,7 +2,9 @@
 //! STANDALONE) or the target's own first N layers (`layerskip`,
 //! self-speculative layer skip).
 //!
-//! A [`ModelDrafter`] proposes a chain greedily: its first forward feeds the
+//! A [`ModelDrafter`] proposes a chain (argmaxes; for a request sampled at
+//! temperature > 0, draws from the draft's filtered distribution, returned
+//! with the draft for speculative sampling): its first forward feeds the
 //! request's tokens from the first position whose draft KV is not known to be
 //! valid up to the pending token, each later forward feeds the previous draft
 //! token; every forward is batched over the requests still drafting. Drafts
@@ -24,13 +26,13 @@
 //!   request's draft KV at position `p` is valid exactly when the slot's key
 //!   equals the hash of the request's tokens `0..=p`.
 
+use crate::choose::choose;
 use arbor_engine_core::attention::BatchLayout;
-use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::error::{CoreError, Result};
 use arbor_engine_core::model::{ForwardBatch, Model};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{Drafting, SpeculativeConfig, SpeculatorInputs};
-use arbor_engine_core::{DType, Draft, DraftRequest, Speculator};
+use arbor_engine_core::{Draft, DraftRequest, SamplingParams, SeqRng, Speculator};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -213,8 +215,9 @@ impl ModelDrafter {
         }
     }
 
-    /// Runs the draft forwards for `reqs`; the chains, in order.
-    fn run(&mut self, reqs: &[DraftRequest<'_>]) -> Result<Vec<Vec<u32>>> {
+    /// Runs the draft forwards for `reqs`; the chains, in order (with their
+    /// distributions for sampled requests).
+    fn run(&mut self, reqs: &[DraftRequest<'_>]) -> Result<Vec<Draft>> {
         let kv = *self.runner.kv_spec();
         let ps = kv.page_size;
         let context = self.runner.spec().max_position_embeddings;
@@ -240,6 +243,13 @@ impl ModelDrafter {
             plan.push((k, start, 0));
         }
         let mut out: Vec<Vec<u32>> = plan.iter().map(|p| Vec::with_capacity(p.0)).collect();
+        // Sampled requests draw their chains (and keep the distributions).
+        let mut probs: Vec<Vec<Vec<(f32, u32)>>> = vec![Vec::new(); reqs.len()];
+        let mut rngs: Vec<Option<SeqRng>> = reqs
+            .iter()
+            .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))
+            .collect();
+        let greedy = SamplingParams::default();
         let steps = plan.iter().map(|p| p.0).max().unwrap_or(0);
         for j in 0..steps {
             let mut layout = BatchLayout::new(ps);
@@ -275,24 +285,41 @@ impl ModelDrafter {
             };
             let logits = self.runner.forward(&batch)?.logits;
             let backend = self.runner.backend().clone();
-            let greedy = SampleRow {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                min_p: 0.0,
-                seed: 0,
-            };
-            let picked = backend.alloc(DType::U32, &[who.len()])?;
-            backend.sample(&logits, &vec![greedy; who.len()], &picked)?;
-            let mut bytes = vec![0u8; who.len() * 4];
-            backend.download(&picked, &mut bytes)?;
-            for (&i, c) in who.iter().zip(bytes.chunks_exact(4)) {
-                let tok = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let mut sampling: Vec<Option<(&SamplingParams, &mut SeqRng)>> = rngs
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| who.contains(i))
+                .map(|(i, g)| {
+                    g.as_mut()
+                        .map(|g| (reqs[i].sampling.map_or(&greedy, |s| s.params), g))
+                })
+                .collect();
+            let chosen = choose(&*backend, &logits, &mut sampling)?;
+            drop(sampling);
+            for (&i, (tok, q)) in who.iter().zip(chosen) {
                 self.record(&reqs[i], &mut plan[i], j, out[i].last().copied());
                 out[i].push(tok);
+                if let Some(q) = q {
+                    probs[i].push(q);
+                }
             }
         }
-        Ok(out)
+        let drafts = out
+            .into_iter()
+            .zip(probs)
+            .map(|(tokens, probs)| {
+                let probs = if probs.len() == tokens.len() {
+                    probs
+                } else {
+                    Vec::new()
+                };
+                Draft {
+                    probs,
+                    ..Draft::chain(tokens)
+                }
+            })
+            .collect();
+        Ok(drafts)
     }
 
     /// Records in `slot_keys` what draft forward `j` wrote for `r` (own cache
@@ -340,7 +367,7 @@ impl Speculator for ModelDrafter {
 
     fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft> {
         match self.run(reqs) {
-            Ok(chains) => chains.into_iter().map(Draft::chain).collect(),
+            Ok(drafts) => drafts,
             Err(e) => {
                 self.failures += 1;
                 tracing::warn!(

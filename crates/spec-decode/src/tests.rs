@@ -27,6 +27,7 @@ fn propose(s: &mut NgramSpeculator, key: u64, tokens: &[u32], max: usize, tree: 
         max_tokens: max,
         allow_tree: tree,
         pages: &[],
+        sampling: None,
     });
     d.validate().expect("draft invariant");
     assert!(d.tokens.len() <= max);
@@ -37,6 +38,7 @@ fn tree(tokens: &[u32], parents: &[Option<u32>]) -> Draft {
     Draft {
         tokens: tokens.to_vec(),
         parents: Some(parents.to_vec()),
+        probs: Vec::new(),
     }
 }
 
@@ -316,6 +318,7 @@ fn proposals_are_deterministic() {
                     max_tokens: 8,
                     allow_tree: tree,
                     pages: &[],
+                    sampling: None,
                 }];
                 let da = a.propose(&reqs);
                 assert_eq!(da, b.propose(&reqs));

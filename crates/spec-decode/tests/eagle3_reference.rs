@@ -593,6 +593,7 @@ fn eagle3_drafter_proposes_the_reference_chain() -> R {
             max_tokens: 4,
             allow_tree: false,
             pages: &pages[i],
+            sampling: None,
         })
         .collect();
     let drafts = drafter.propose(&reqs);

@@ -25,6 +25,7 @@ fn spec(rows: SampleRows) -> SampleSpec {
         context: None,
         logprobs: None,
         generated: 1,
+        draft_probs: Vec::new(),
     }
 }
 

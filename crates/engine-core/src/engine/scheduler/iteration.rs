@@ -99,6 +99,7 @@ impl Scheduler {
             context,
             logprobs: r.return_logprob.then_some(r.top_logprobs_num),
             generated: r.output.len(),
+            draft_probs: Vec::new(),
         }
     }
 
@@ -132,7 +133,11 @@ impl Scheduler {
             .filter(|p| !draft.is_empty() && p.len() == s.tokens.len());
         s.prefix_len = r.computed;
         r.page_table_into(&mut s.pages);
-        s.sample = Some(self.sample_spec(r, rows));
+        let mut spec = self.sample_spec(r, rows);
+        if s.tree.is_none() && draft.probs.len() == draft.len() {
+            spec.draft_probs.clone_from(&draft.probs);
+        }
+        s.sample = Some(spec);
         s.lora.clone_from(&r.lora);
     }
 

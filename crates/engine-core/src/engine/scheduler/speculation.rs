@@ -18,7 +18,7 @@
 
 use super::{PrefillEntry, Scheduler};
 use crate::engine::request::Req;
-use crate::speculative::{ComputedStates, Draft, DraftRequest, Drafting};
+use crate::speculative::{ComputedStates, Draft, DraftRequest, DraftSampling, Drafting};
 use crate::step::{SampleRows, SeqOutput};
 
 /// Tokens of a request's tail given to the speculator, at least (its
@@ -197,6 +197,15 @@ impl Scheduler {
             }
         }
         let no_pages: &[u32] = &[];
+        // A model drafter may sample a sampled request's chain (seeded from
+        // the request's generator).
+        let seeds: Vec<Option<u64>> = picked
+            .iter()
+            .map(|&(i, _, _)| {
+                let r = &mut decoding[i];
+                (model && !r.params.is_greedy()).then(|| r.rng.next_u64())
+            })
+            .collect();
         let reqs: Vec<DraftRequest<'_>> = picked
             .iter()
             .enumerate()
@@ -207,6 +216,10 @@ impl Scheduler {
                 max_tokens: limit,
                 allow_tree: tree,
                 pages: tables.get(k).map_or(no_pages, |t| t.as_slice()),
+                sampling: seeds[k].map(|seed| DraftSampling {
+                    params: &decoding[i].params,
+                    seed,
+                }),
             })
             .collect();
         let Some(spec) = self.speculator.as_mut() else {
@@ -217,7 +230,7 @@ impl Scheduler {
         let mut chains: Vec<(usize, Draft)> = Vec::new();
         for (&(i, limit, tree), d) in picked.iter().zip(proposed) {
             let mut c = match d.validate() {
-                Ok(()) if tree => d,
+                Ok(()) if tree || d.parents.is_none() => d,
                 Ok(()) => Draft::chain(d.first_chain()),
                 Err(_) => Draft::default(),
             };

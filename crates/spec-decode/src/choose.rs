@@ -1,0 +1,90 @@
+//! Choosing draft tokens from a drafter's logits rows: the argmax on the
+//! device for greedy requests; for a request sampled at temperature > 0, a
+//! draw on the host from the standard sampler's filtered distribution
+//! (`sampling::filtered_candidates`), returned with the token so that
+//! verification can run speculative sampling against it.
+//!
+//! Invariant: a returned distribution is normalized (its probabilities sum
+//! to 1) and contains the drawn token.
+
+use arbor_engine_core::backend::SampleRow;
+use arbor_engine_core::error::Result;
+use arbor_engine_core::sampling::filtered_candidates;
+use arbor_engine_core::{Backend, DType, SamplingParams, SeqRng, Tensor};
+
+/// A row's draft token and, when drawn, the distribution it was drawn from
+/// (ids in the logits' vocabulary).
+pub(crate) type Choice = (u32, Option<Vec<(f32, u32)>>);
+
+/// One choice per row of `logits` (f32 `[rows, vocab]`); `sampling[i]` is
+/// set for a row drawn at temperature > 0.
+pub(crate) fn choose(
+    backend: &(dyn Backend + 'static),
+    logits: &Tensor,
+    sampling: &mut [Option<(&SamplingParams, &mut SeqRng)>],
+) -> Result<Vec<Choice>> {
+    let n = sampling.len();
+    let greedy = SampleRow {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 0,
+    };
+    let picked = backend.alloc(DType::U32, &[n])?;
+    backend.sample(logits, &vec![greedy; n], &picked)?;
+    let mut bytes = vec![0u8; n * 4];
+    backend.download(&picked, &mut bytes)?;
+    let mut out: Vec<Choice> = bytes
+        .chunks_exact(4)
+        .map(|c| (u32::from_le_bytes([c[0], c[1], c[2], c[3]]), None))
+        .collect();
+    if sampling.iter().all(Option::is_none) {
+        return Ok(out);
+    }
+    let all = backend.download_f32(logits)?;
+    let vocab = logits.row_len();
+    for (i, s) in sampling.iter_mut().enumerate() {
+        if let Some((params, rng)) = s {
+            let row = &all[i * vocab..(i + 1) * vocab];
+            if let Some(c) = draw(row, params, rng) {
+                out[i] = c;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The argmax of `row` (the lowest id among equal maxima).
+pub(crate) fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A draw from `row`'s filtered distribution under `params`, with that
+/// distribution; `None` when nothing is finite (the argmax then stands).
+pub(crate) fn draw(row: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Option<Choice> {
+    let mut cand = filtered_candidates(row, params)?;
+    let total: f32 = cand.iter().map(|c| c.0).sum();
+    if total.is_nan() || total <= 0.0 {
+        return None;
+    }
+    for c in cand.iter_mut() {
+        c.0 /= total;
+    }
+    let mut r = rng.next_f32();
+    let mut token = cand[cand.len() - 1].1;
+    for c in &cand {
+        r -= c.0;
+        if r < 0.0 {
+            token = c.1;
+            break;
+        }
+    }
+    Some((token, Some(cand)))
+}
