@@ -6,8 +6,9 @@
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
 //!   for each position `p` the target computed and kept, the head takes the
-//!   token at `p + 1` and the target's fused low/mid/high hidden states at
-//!   `p`, and writes its KV at `p`. The last position's output is the first
+//!   token at `p + 1` and the target's hidden states at `p` (the head's
+//!   [`target_layers`](DraftHead::target_layers): EAGLE3's low/mid/high
+//!   layers, MTP's final normed state), and writes its KV at `p`. The last position's output is the first
 //!   draft token and the hidden state the next draft step starts from; both
 //!   are kept for the request, tagged with the sequence length they apply to.
 //! - **Draft** ([`Speculator::propose`]): when the request's length is still
@@ -26,6 +27,7 @@
 
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
+use crate::mtp::MtpHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::error::{CoreError, Result};
@@ -73,6 +75,21 @@ impl HeadDrafter {
         let target = &inputs.target;
         let embed = target.model().input_embedding();
         let head = Eagle3Head::load(dir, target.spec(), embed, target.backend().clone())?;
+        Self::new(Box::new(head), cfg, inputs)
+    }
+
+    /// `nextn` (MTP): loads the first next-n prediction layer of the
+    /// checkpoint at `inputs.draft_path` (the target's own folder) for
+    /// `inputs.target`.
+    pub fn nextn(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
+        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
+            CoreError::Config(
+                "--speculative-algorithm NEXTN needs --speculative-draft-model-path (the target's checkpoint folder, which holds its next-n prediction layers)"
+                    .into(),
+            )
+        })?;
+        let target = &inputs.target;
+        let head = MtpHead::load(dir, target.spec(), target.backend().clone())?;
         Self::new(Box::new(head), cfg, inputs)
     }
 
