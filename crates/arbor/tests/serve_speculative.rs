@@ -1,7 +1,8 @@
 //! `arbor serve --speculative-algorithm NGRAM | LAYERSKIP | STANDALONE |
-//! EAGLE3` end to end on the tiny Llama (STANDALONE drafts with
+//! EAGLE3 | NEXTN` end to end on the tiny Llama (STANDALONE drafts with
 //! tiny-mistral, which shares its vocabulary; EAGLE3 with the seeded head of
-//! tests/fixtures/eagle3-tiny-llama): greedy answers equal those of a server without
+//! tests/fixtures/eagle3-tiny-llama; NEXTN with the MTP layer of
+//! tests/fixtures/tiny-llama-mtp): greedy answers equal those of a server without
 //! speculation (native and OpenAI routes, streamed and not), `meta_info` reports SGLang's
 //! `spec_verify_ct` and `spec_accept_length`, Prometheus shows the draft
 //! counters, bad flags are refused naming the flag, and no KV page leaks.
@@ -105,6 +106,13 @@ async fn eagle3_head_changes_no_answer() -> Result<()> {
     speculation_changes_no_answer(&["EAGLE3", "--speculative-draft-model-path", &head]).await
 }
 
+#[tokio::test]
+async fn nextn_layer_changes_no_answer() -> Result<()> {
+    // tiny-llama-mtp holds tiny-llama's weights plus one MTP layer.
+    let mtp = fixture("tiny-llama-mtp");
+    speculation_changes_no_answer(&["NEXTN", "--speculative-draft-model-path", &mtp]).await
+}
+
 /// Answers with `--speculative-algorithm` and `spec` equal those without.
 async fn speculation_changes_no_answer(spec: &[&str]) -> Result<()> {
     let c = client();
@@ -158,6 +166,11 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
             "--speculative-num-draft-tokens",
         ),
         (vec!["--speculative-algorithm", "EAGLE"], "not available"),
+        // The target (tiny-llama) has no next-n prediction layer.
+        (
+            vec!["--speculative-algorithm", "NEXTN"],
+            "num_nextn_predict_layers",
+        ),
         (
             vec!["--speculative-algorithm", "EAGLE3"],
             "--speculative-draft-model-path",

@@ -4,7 +4,8 @@
 //! Drafts come from the real speculators of crates/spec-decode (n-gram,
 //! layer skip on the target's first layers, and a STANDALONE draft model:
 //! tiny-mistral, which shares tiny-llama's vocabulary, or tiny-llama itself,
-//! whose drafts must then all be accepted) and from an *oracle* test speculator that proposes the known greedy continuation
+//! whose drafts must then all be accepted; an EAGLE3 head; an MTP layer) and
+//! from an *oracle* test speculator that proposes the known greedy continuation
 //! with every fifth token corrupted, so that every step both accepts and
 //! rejects drafts. Greedy output must be identical, token for token, to plain
 //! decoding: alone, in a batch of 32, chunked, cached, retracted, with n > 1,
@@ -132,6 +133,9 @@ enum Spec {
     Standalone(Arc<dyn Model>),
     /// The EAGLE3 head of tests/fixtures/eagle3-tiny-llama.
     Eagle3,
+    /// The MTP layer of tests/fixtures/tiny-llama-mtp (tiny-llama's weights
+    /// plus one next-n prediction layer).
+    Nextn,
 }
 
 /// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
@@ -223,10 +227,14 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
             inputs.draft_model = Some(m.clone());
             parts.speculator = Some(s.registry.speculators.get("standalone")?(sc, &inputs)?);
         }
-        Spec::Eagle3 => {
+        Spec::Eagle3 | Spec::Nextn => {
             let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
-            inputs.draft_path = Some(fixture().join("../eagle3-tiny-llama"));
-            parts.speculator = Some(s.registry.speculators.get("eagle3")?(sc, &inputs)?);
+            let (name, dir) = match spec {
+                Spec::Eagle3 => ("eagle3", "eagle3-tiny-llama"),
+                _ => ("nextn", "tiny-llama-mtp"),
+            };
+            inputs.draft_path = Some(fixture().join("..").join(dir));
+            parts.speculator = Some(s.registry.speculators.get(name)?(sc, &inputs)?);
         }
     }
     Ok(Engine::new(cfg, parts)?)
@@ -451,13 +459,18 @@ fn standalone_drafts_keep_greedy_output_identical() -> Result<()> {
 }
 
 #[test]
-fn eagle3_drafts_keep_greedy_output_identical() -> Result<()> {
+fn eagle3_and_nextn_drafts_keep_greedy_output_identical() -> Result<()> {
     let ps = mixed_prompts();
     let want = reference(&ps, &greedy(24))?;
-    for overlap in [false, true] {
-        let (drafted, accepted) = check_all_shapes(&Spec::Eagle3, &ps, &want, overlap)?;
-        assert!(drafted > 0, "the EAGLE3 head drafted nothing");
-        eprintln!("EAGLE3 (overlap {overlap}): {accepted} of {drafted} drafts accepted");
+    for (name, spec, overlap) in [
+        ("EAGLE3", Spec::Eagle3, false),
+        ("EAGLE3", Spec::Eagle3, true),
+        ("NEXTN", Spec::Nextn, false),
+        ("NEXTN", Spec::Nextn, true),
+    ] {
+        let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
+        assert!(drafted > 0, "{name} drafted nothing");
+        eprintln!("{name} (overlap {overlap}): {accepted} of {drafted} drafts accepted");
     }
     Ok(())
 }
@@ -599,6 +612,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
             Spec::Standalone(shared().model.model.clone()),
         ),
         ("eagle3", Spec::Eagle3),
+        ("nextn", Spec::Nextn),
     ];
     for (name, spec) in specs {
         let self_draft = matches!(spec, Spec::Standalone(_));

@@ -251,9 +251,9 @@ pub struct Eagle3Output {
 
 /// The two halves of a q/k/v weight `[out, 2h]`: columns `..h` read the
 /// normed embedding, columns `h..` the normed hidden state.
-struct SplitLinear {
-    embed: Tensor,
-    hidden: Tensor,
+pub(crate) struct SplitLinear {
+    pub(crate) embed: Tensor,
+    pub(crate) hidden: Tensor,
 }
 
 /// A loaded EAGLE3 draft head.
@@ -356,7 +356,11 @@ impl<'a> HeadFile<'a> {
 }
 
 /// Uploads a weight matrix in its own dtype when the backend takes it, else as f32.
-fn upload_weight(backend: &dyn Backend, t: &HostTensor<'_>, name: &str) -> Result<Tensor> {
+pub(crate) fn upload_weight(
+    backend: &dyn Backend,
+    t: &HostTensor<'_>,
+    name: &str,
+) -> Result<Tensor> {
     if backend.capabilities().weight_dtypes.contains(&t.dtype) {
         backend.upload(t)
     } else {
@@ -368,7 +372,7 @@ fn upload_weight(backend: &dyn Backend, t: &HostTensor<'_>, name: &str) -> Resul
 }
 
 /// Splits `[out, 2h]` row-major into its column halves `[out, h]` and `[out, h]`.
-fn split_columns(
+pub(crate) fn split_columns(
     t: &HostTensor<'_>,
     h: usize,
 ) -> Result<(HostTensor<'static>, HostTensor<'static>)> {
@@ -389,7 +393,7 @@ fn split_columns(
 }
 
 /// A bias-free linear of [`Backend::linear_many`].
-fn lin<'a>(w: &'a Tensor, out: &'a Tensor) -> LinearRef<'a> {
+pub(crate) fn lin<'a>(w: &'a Tensor, out: &'a Tensor) -> LinearRef<'a> {
     LinearRef { w, bias: None, out }
 }
 

@@ -6,8 +6,9 @@
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
 //!   for each position `p` the target computed and kept, the head takes the
-//!   token at `p + 1` and the target's hidden states at `p` (EAGLE3: the
-//!   fused low/mid/high layers), and writes its KV at `p`. The last
+//!   token at `p + 1` and the target's hidden states at `p` (the head's
+//!   [`target_layers`](DraftHead::target_layers): EAGLE3's low/mid/high
+//!   layers, MTP's final normed state), and writes its KV at `p`. The last
 //!   position's logits (the first draft token's distribution) and output
 //!   state (where the next draft step starts) are kept for the request,
 //!   tagged with the sequence length they apply to.
@@ -30,6 +31,7 @@
 use crate::choose::{Choice, argmax, draw};
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
+use crate::mtp::MtpHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
 use arbor_engine_core::error::{CoreError, Result};
 use arbor_engine_core::kv::KvCache;
@@ -77,6 +79,28 @@ impl HeadDrafter {
         let target = &inputs.target;
         let embed = target.model().input_embedding();
         let head = Eagle3Head::load(dir, target.spec(), embed, target.backend().clone())?;
+        Self::new(Box::new(head), cfg, inputs)
+    }
+
+    /// `nextn` (MTP): loads the first next-n prediction layer of the
+    /// checkpoint at `inputs.draft_path` (the target's own folder) for
+    /// `inputs.target`.
+    pub fn nextn(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
+        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
+            CoreError::Config(
+                "--speculative-algorithm NEXTN needs --speculative-draft-model-path (the target's checkpoint folder, which holds its next-n prediction layers)"
+                    .into(),
+            )
+        })?;
+        let target = &inputs.target;
+        let model = target.model();
+        let head = MtpHead::load_sharing(
+            dir,
+            target.spec(),
+            model.input_embedding(),
+            model.lm_head(),
+            target.backend().clone(),
+        )?;
         Self::new(Box::new(head), cfg, inputs)
     }
 

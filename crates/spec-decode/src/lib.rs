@@ -20,8 +20,13 @@
 //! one-layer KV cache; [`HeadDrafter`] drafts with it (or any [`DraftHead`]) from the target's
 //! hidden states (`eagle3`, SGLang's EAGLE3).
 //!
+//! And [`MtpHead`], the MTP / NEXTN draft head: the next-n prediction layer
+//! shipped in the target's own checkpoint (DeepSeek-V3 layout,
+//! `num_nextn_predict_layers`), run by [`HeadDrafter`] over the target's
+//! final normed hidden states (`nextn`, SGLang's NEXTN).
+//!
 //! They register with `inventory` as the speculators `ngram`, `standalone`,
-//! `layerskip` and `eagle3`; a binary must reference the crate (`use
+//! `layerskip`, `eagle3` and `nextn`; a binary must reference the crate (`use
 //! arbor_spec_decode as _;`) for the entries to be linked in.
 //!
 //! Invariant kept by every call: the trie never holds more than `capacity`
@@ -34,6 +39,7 @@ mod eagle3;
 mod head;
 mod head_drafter;
 mod model;
+mod mtp;
 mod ngram;
 mod trie;
 
@@ -44,6 +50,7 @@ pub use eagle3::{EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, Eagle3Output};
 pub use head::{DraftHead, HeadOutput};
 pub use head_drafter::HeadDrafter;
 pub use model::ModelDrafter;
+pub use mtp::{MtpHead, NEXTN_LAYERS_KEY};
 pub use ngram::{MAX_CAPACITY, MAX_PATH_LEN, NgramSpeculator, NgramStats};
 
 use arbor_engine_core::registry::SpeculatorEntry;
@@ -77,5 +84,13 @@ arbor_engine_core::inventory::submit! {
         name: "eagle3",
         about: "an EAGLE3 draft head over the target's low/mid/high hidden states (SGLang's EAGLE3): greedy chains, its KV in the target's pages",
         create: |cfg, inputs| Ok(Box::new(HeadDrafter::eagle3(cfg, inputs)?)),
+    }
+}
+
+arbor_engine_core::inventory::submit! {
+    SpeculatorEntry {
+        name: "nextn",
+        about: "the next-n prediction (MTP) layer of the target's own checkpoint (SGLang's NEXTN) over its final hidden states: greedy chains, its KV in the target's pages",
+        create: |cfg, inputs| Ok(Box::new(HeadDrafter::nextn(cfg, inputs)?)),
     }
 }

@@ -1,0 +1,537 @@
+//! The MTP / NEXTN draft head (SGLang's `--speculative-algorithm NEXTN`):
+//! the next-n prediction layer shipped in the target's own checkpoint
+//! (DeepSeek-V3 layout, `num_nextn_predict_layers` in its `config.json`).
+//!
+//! This module owns [`MtpHead`]: loading the layer from the target's folder
+//! and running one draft forward. Scheduling, acceptance and where its KV
+//! pages come from belong to [`HeadDrafter`](crate::HeadDrafter).
+//!
+//! The layer's tensors live at `model.layers.{L}.` with `L` the target's
+//! `num_hidden_layers`: `enorm`, `hnorm`, `eh_proj` (`[h, 2h]`), one Llama
+//! decoder layer (`input_layernorm`, `self_attn.{q,k,v,o}_proj`,
+//! `post_attention_layernorm`, `mlp.{gate,up,down}_proj`; rope, eps and
+//! geometry from the target's config) and `shared_head.norm`;
+//! `shared_head.head` and `embed_tokens` are optional and default to the
+//! target's `lm_head.weight` (its embedding when tied) and
+//! `model.embed_tokens.weight` from the same checkpoint. A forward at
+//! position `p` takes the token at `p + 1` and a state of position `p`
+//! (the target's final hidden state after its final norm, or the head's
+//! previous output state), as vLLM's `DeepSeekMultiTokenPredictorLayer`:
+//!
+//! ```text
+//! e = embed(id), zeroed where p == 0      (vLLM masks position 0; SGLang does not)
+//! x = eh_proj([enorm(e), hnorm(h)])       state = layer(x) (pre-norm residual output)
+//! logits = shared_head.head(shared_head.norm(state))      over the full vocabulary
+//! ```
+//!
+//! With several next-n layers only the first (`L`) is used, for every step
+//! (as SGLang, which supports one).
+//!
+//! Invariants established by [`MtpHead::load`]: `num_nextn_predict_layers`
+//! is at least 1; the config's geometry is the target's; every tensor has
+//! the shape that geometry implies (errors name the tensor and the folder);
+//! `eh_proj` is split into its embedding and state column halves (there is
+//! no concat op, so `x = W_e · enorm(e) + W_h · hnorm(h)`). A forward uses
+//! only [`Backend`] operations and the caller's attention over layer 0 of a
+//! KV cache of [`MtpHead::kv_spec`], so it runs on every backend; its state
+//! width is the target's hidden size, so target states and its own states
+//! are fed the same way.
+
+use crate::eagle3::{SplitLinear, lin, split_columns, upload_weight};
+use crate::head::{DraftHead, HeadOutput};
+use arbor_engine_core::{
+    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec,
+    ModelSpec, Result, RopeStyle, Tensor, WeightSource,
+};
+use arbor_models::DecoderConfig;
+use arbor_models::safetensors_source::SafetensorsSource;
+use serde_json::Value;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The config key that gives the number of next-n prediction layers.
+pub const NEXTN_LAYERS_KEY: &str = "num_nextn_predict_layers";
+
+/// A loaded MTP (next-n prediction) layer.
+pub struct MtpHead {
+    cfg: DecoderConfig,
+    /// Its layer index in the checkpoint (the target's layer count).
+    layer: usize,
+    /// The target's layer count: the index of its final normed state.
+    target_num_layers: usize,
+    backend: Arc<dyn Backend>,
+    embed: Tensor,
+    enorm: Tensor,
+    hnorm: Tensor,
+    eh_proj: SplitLinear,
+    input_norm: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    post_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    head_norm: Tensor,
+    head: Tensor,
+    inv_freq: Tensor,
+}
+
+impl std::fmt::Debug for MtpHead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "MtpHead(layer {}, hidden {}, vocab {})",
+            self.layer, self.cfg.hidden_size, self.cfg.vocab_size
+        )
+    }
+}
+
+fn cfg_err(file: &str, key: &str, what: impl std::fmt::Display) -> CoreError {
+    CoreError::Config(format!("{file}: key '{key}' {what}"))
+}
+
+/// The checkpoint's tensors, with errors that name the tensor and the folder.
+struct Source<'a> {
+    st: SafetensorsSource,
+    dir: &'a Path,
+    backend: &'a dyn Backend,
+}
+
+impl Source<'_> {
+    fn err(&self, name: &str, what: impl std::fmt::Display) -> CoreError {
+        CoreError::load(format!("{}: tensor '{name}' {what}", self.dir.display()))
+    }
+
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor<'_>>> {
+        let Some(t) = self.st.tensor(name)? else {
+            return Ok(None);
+        };
+        if t.shape != shape {
+            return Err(self.err(name, format!("has shape {:?}, expected {shape:?}", t.shape)));
+        }
+        Ok(Some(t))
+    }
+
+    fn required(&self, name: &str, shape: &[usize]) -> Result<HostTensor<'_>> {
+        self.get(name, shape)?.ok_or_else(|| {
+            self.err(
+                name,
+                format!("is missing (the MTP layer needs it; {NEXTN_LAYERS_KEY} is set)"),
+            )
+        })
+    }
+
+    fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        upload_weight(self.backend, &self.required(name, shape)?, name)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
+        let f = self
+            .required(name, &[len])?
+            .cast(DType::F32)
+            .map_err(|e| self.err(name, e))?;
+        self.backend.upload(&f)
+    }
+
+    /// The first of `names` present (each of `shape`), uploaded as a weight.
+    fn first_of(&self, names: &[&str], shape: &[usize]) -> Result<Option<Tensor>> {
+        for name in names {
+            if let Some(t) = self.get(name, shape)? {
+                return upload_weight(self.backend, &t, name).map(Some);
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl MtpHead {
+    /// Loads the first next-n layer of the checkpoint in `dir` (its
+    /// `config.json` and safetensors, sharded with an index or one file),
+    /// which must be `target`'s.
+    pub fn load(dir: &Path, target: &ModelSpec, backend: Arc<dyn Backend>) -> Result<Self> {
+        Self::load_sharing(dir, target, None, None, backend)
+    }
+
+    /// As [`load`](Self::load), but the target's own embedding and LM head
+    /// (on the device) stand in for the layer's absent `embed_tokens` and
+    /// `shared_head.head`, instead of second copies read from the checkpoint.
+    pub fn load_sharing(
+        dir: &Path,
+        target: &ModelSpec,
+        target_embed: Option<Tensor>,
+        target_head: Option<Tensor>,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let file = cfg_path.display().to_string();
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
+        let v: Value = serde_json::from_str(&text)
+            .map_err(|e| CoreError::load(format!("{file}: invalid JSON: {e}")))?;
+        let n_mtp = match v.get(NEXTN_LAYERS_KEY) {
+            None | Some(Value::Null) => {
+                return Err(cfg_err(
+                    &file,
+                    NEXTN_LAYERS_KEY,
+                    "is absent: the checkpoint has no next-n prediction (MTP) layers for NEXTN",
+                ));
+            }
+            Some(x) => x.as_u64().ok_or_else(|| {
+                cfg_err(
+                    &file,
+                    NEXTN_LAYERS_KEY,
+                    format!("must be a non-negative integer, found {x}"),
+                )
+            })?,
+        };
+        if n_mtp == 0 {
+            return Err(cfg_err(
+                &file,
+                NEXTN_LAYERS_KEY,
+                "is 0: the checkpoint has no next-n prediction (MTP) layers for NEXTN",
+            ));
+        }
+        let cfg = DecoderConfig::from_json(&v, &file)?;
+        Self::check_target(&cfg, target, &file)?;
+        for key in ["attention_bias", "mlp_bias"] {
+            if v.get(key).and_then(Value::as_bool) == Some(true) {
+                return Err(cfg_err(
+                    &file,
+                    key,
+                    "is true; MTP layers with attention or MLP biases are not supported",
+                ));
+            }
+        }
+        if cfg.sliding_window.is_some() {
+            return Err(cfg_err(
+                &file,
+                "sliding_window",
+                "is set; the MTP layer attends over the whole context",
+            ));
+        }
+
+        let src = Source {
+            st: SafetensorsSource::open(dir)?,
+            dir,
+            backend: &*backend,
+        };
+        let c = &cfg;
+        let (h, nh, nkv, hd) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        let (inter, vocab) = (c.intermediate_size, c.vocab_size);
+        let layer = c.num_hidden_layers;
+        let p = format!("model.layers.{layer}.");
+        let name = |s: &str| format!("{p}{s}");
+
+        let own_embed = name("embed_tokens.weight");
+        let embed = match src.first_of(&[&own_embed], &[vocab, h])? {
+            Some(t) => Some(t),
+            None => target_embed.filter(|t| t.shape() == [vocab, h]),
+        };
+        let embed = match embed {
+            Some(t) => Some(t),
+            None => src.first_of(&["model.embed_tokens.weight"], &[vocab, h])?,
+        }
+        .ok_or_else(|| {
+            src.err(
+                "model.embed_tokens.weight",
+                format!("is missing (and so is '{own_embed}')"),
+            )
+        })?;
+        let own_head = name("shared_head.head.weight");
+        let head = match src.first_of(&[&own_head], &[vocab, h])? {
+            Some(t) => Some(t),
+            None => target_head.filter(|t| t.shape() == [vocab, h]),
+        };
+        let head = match head {
+            Some(t) => Some(t),
+            None => src.first_of(&["lm_head.weight"], &[vocab, h])?,
+        };
+        let head = match head {
+            Some(t) => t,
+            None if c.tie_word_embeddings => embed.clone(),
+            None => {
+                return Err(src.err(
+                    "lm_head.weight",
+                    format!("is missing (and so is '{own_head}')"),
+                ));
+            }
+        };
+        let enorm = src.vector(&name("enorm.weight"), h)?;
+        let hnorm = src.vector(&name("hnorm.weight"), h)?;
+        let eh_name = name("eh_proj.weight");
+        let (we, wh) = split_columns(&src.required(&eh_name, &[h, 2 * h])?, h)?;
+        let eh_proj = SplitLinear {
+            embed: upload_weight(&*backend, &we, &eh_name)?,
+            hidden: upload_weight(&*backend, &wh, &eh_name)?,
+        };
+        let input_norm = src.vector(&name("input_layernorm.weight"), h)?;
+        let q = src.weight(&name("self_attn.q_proj.weight"), &[nh * hd, h])?;
+        let k = src.weight(&name("self_attn.k_proj.weight"), &[nkv * hd, h])?;
+        let v = src.weight(&name("self_attn.v_proj.weight"), &[nkv * hd, h])?;
+        let o = src.weight(&name("self_attn.o_proj.weight"), &[h, nh * hd])?;
+        let post_norm = src.vector(&name("post_attention_layernorm.weight"), h)?;
+        let gate = src.weight(&name("mlp.gate_proj.weight"), &[inter, h])?;
+        let up = src.weight(&name("mlp.up_proj.weight"), &[inter, h])?;
+        let down = src.weight(&name("mlp.down_proj.weight"), &[h, inter])?;
+        let head_norm = src.vector(&name("shared_head.norm.weight"), h)?;
+
+        let freqs = c.inv_freq();
+        let inv_freq = backend.upload_f32(&[freqs.len()], &freqs)?;
+        Ok(Self {
+            layer,
+            target_num_layers: target.num_layers,
+            backend: backend.clone(),
+            embed,
+            enorm,
+            hnorm,
+            eh_proj,
+            input_norm,
+            q,
+            k,
+            v,
+            o,
+            post_norm,
+            gate,
+            up,
+            down,
+            head_norm,
+            head,
+            inv_freq,
+            cfg,
+        })
+    }
+
+    /// Checks that the checkpoint's config describes `target`.
+    fn check_target(c: &DecoderConfig, target: &ModelSpec, file: &str) -> Result<()> {
+        let fields = [
+            ("num_hidden_layers", c.num_hidden_layers, target.num_layers),
+            ("hidden_size", c.hidden_size, target.hidden_size),
+            ("vocab_size", c.vocab_size, target.vocab_size),
+            (
+                "num_attention_heads",
+                c.num_attention_heads,
+                target.num_heads,
+            ),
+            (
+                "num_key_value_heads",
+                c.num_key_value_heads,
+                target.num_kv_heads,
+            ),
+            ("head_dim", c.head_dim, target.head_dim),
+        ];
+        for (key, ours, theirs) in fields {
+            if ours != theirs {
+                return Err(cfg_err(
+                    file,
+                    key,
+                    format!(
+                        "is {ours}, but the target's is {theirs}: NEXTN reads the MTP layers of the target's own checkpoint"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint layer index it runs (`model.layers.{L}`).
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    /// The target's config, which the layer shares.
+    pub fn config(&self) -> &DecoderConfig {
+        &self.cfg
+    }
+
+    /// The head's KV cache shape: one layer.
+    pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
+        KvSpec {
+            num_layers: 1,
+            num_kv_heads: self.cfg.num_key_value_heads,
+            head_dim: self.cfg.head_dim,
+            page_size,
+            num_pages,
+            dtype,
+        }
+    }
+
+    /// One draft forward over `batch`'s new tokens with `hidden` f32 `[t,
+    /// hidden]` (target final states or previous output states). K and V
+    /// go into layer 0 of `ctx.kv`; logits (full vocabulary) and the output
+    /// state come back at `batch.logits_rows`.
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<HeadOutput> {
+        let c = &self.cfg;
+        batch.validate(c.vocab_size)?;
+        if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() || !batch.lora.is_empty() {
+            return Err(CoreError::invalid(
+                "an MTP draft forward takes no hidden_layers, exit_after or LoRA",
+            ));
+        }
+        let b = &*self.backend;
+        let t = batch.input_ids.len();
+        let (h, nh, nkv, hd) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        if hidden.dtype() != DType::F32 || hidden.shape() != [t, h] {
+            return Err(CoreError::invalid(format!(
+                "MTP hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
+            )));
+        }
+        let kv_spec = ctx.kv.spec();
+        if kv_spec.num_layers < 1 || kv_spec.num_kv_heads != nkv || kv_spec.head_dim != hd {
+            return Err(CoreError::invalid(format!(
+                "KV cache {kv_spec:?} does not fit the MTP layer ({nkv} KV heads of {hd})"
+            )));
+        }
+        let ids = b.upload_u32(&[t], &batch.input_ids)?;
+        let pos = b.upload_u32(&[t], &batch.positions)?;
+        let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
+        let eps = c.rms_norm_eps;
+
+        // e = embed(ids) with the rows at position 0 zeroed (vLLM's
+        // `inputs_embeds[positions == 0] = 0`): embed into the first t rows
+        // of a zeroed [t + 1, h] and gather those rows from row t.
+        let e = f32t(&[t, h])?;
+        if batch.positions.contains(&0) {
+            let padded = f32t(&[t + 1, h])?;
+            b.embedding(&self.embed, &ids, &padded.narrow(0, t)?)?;
+            let rows: Vec<u32> = batch
+                .positions
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| if p == 0 { t as u32 } else { i as u32 })
+                .collect();
+            b.gather_rows(&padded, &b.upload_u32(&[t], &rows)?, &e)?;
+        } else {
+            b.embedding(&self.embed, &ids, &e)?;
+        }
+        // x = eh_proj([enorm(e), hnorm(h)]) as two half linears (enorm(0) = 0).
+        b.rms_norm(&e, &self.enorm, eps, &e)?;
+        let hn = f32t(&[t, h])?;
+        b.rms_norm(hidden, &self.hnorm, eps, &hn)?;
+        let x = f32t(&[t, h])?;
+        let x2 = f32t(&[t, h])?;
+        b.linear(&e, &self.eh_proj.embed, None, &x)?;
+        b.linear(&hn, &self.eh_proj.hidden, None, &x2)?;
+        b.add_assign(&x, &x2)?;
+
+        // The decoder layer; `x` is the residual stream.
+        let n = f32t(&[t, h])?;
+        b.rms_norm(&x, &self.input_norm, eps, &n)?;
+        let q = f32t(&[t, nh * hd])?;
+        let k = f32t(&[t, nkv * hd])?;
+        let v = f32t(&[t, nkv * hd])?;
+        b.linear_many(&n, &[lin(&self.q, &q), lin(&self.k, &k), lin(&self.v, &v)])?;
+        b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+        b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+        let attn = f32t(&[t, nh * hd])?;
+        let params = AttentionParams {
+            num_heads: nh,
+            num_kv_heads: nkv,
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            sliding_window: None,
+        };
+        ctx.attention.forward(
+            ctx.attention_batch,
+            ctx.kv.layer(0)?,
+            &q,
+            &k,
+            &v,
+            &attn,
+            &params,
+        )?;
+        let proj = f32t(&[t, h])?;
+        b.linear(&attn, &self.o, None, &proj)?;
+        // x += attn; n = post_attention_layernorm(x).
+        b.add_rms_norm(&x, &proj, &self.post_norm, eps, &n)?;
+        let inter = c.intermediate_size;
+        let gate = f32t(&[t, inter])?;
+        let up = f32t(&[t, inter])?;
+        b.linear_many(&n, &[lin(&self.gate, &gate), lin(&self.up, &up)])?;
+        let act = f32t(&[t, inter])?;
+        b.silu_mul(&gate, &up, &act)?;
+        b.linear(&act, &self.down, None, &proj)?;
+        // state = x += mlp; n = shared_head.norm(state).
+        b.add_rms_norm(&x, &proj, &self.head_norm, eps, &n)?;
+
+        let rows = batch.logits_rows.len();
+        let all_rows = rows == t
+            && batch
+                .logits_rows
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r as usize == i);
+        let (state, normed) = if all_rows {
+            (x, n)
+        } else {
+            let state = f32t(&[rows, h])?;
+            let normed = f32t(&[rows, h])?;
+            if rows > 0 {
+                let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
+                b.gather_rows(&x, &idx, &state)?;
+                b.gather_rows(&n, &idx, &normed)?;
+            }
+            (state, normed)
+        };
+        let logits = f32t(&[rows, c.vocab_size])?;
+        if rows > 0 {
+            b.linear(&normed, &self.head, None, &logits)?;
+        }
+        Ok(HeadOutput { logits, state })
+    }
+}
+
+impl DraftHead for MtpHead {
+    fn name(&self) -> &'static str {
+        "nextn"
+    }
+    fn hidden_size(&self) -> usize {
+        self.cfg.hidden_size
+    }
+    fn target_layers(&self) -> Vec<usize> {
+        // The target's final state after its final norm.
+        vec![self.target_num_layers]
+    }
+    fn feature_width(&self) -> usize {
+        self.cfg.hidden_size
+    }
+    fn max_position_embeddings(&self) -> usize {
+        self.cfg.max_position_embeddings
+    }
+    fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
+        MtpHead::kv_spec(self, page_size, num_pages, dtype)
+    }
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<HeadOutput> {
+        MtpHead::forward(self, batch, hidden, ctx)
+    }
+    fn target_id(&self, draft_id: u32) -> Result<u32> {
+        if (draft_id as usize) < self.cfg.vocab_size {
+            Ok(draft_id)
+        } else {
+            Err(CoreError::invalid(format!(
+                "draft id {draft_id} outside the vocabulary of {}",
+                self.cfg.vocab_size
+            )))
+        }
+    }
+}
