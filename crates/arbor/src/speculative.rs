@@ -30,6 +30,8 @@ pub struct SpeculativeSection {
     pub draft_model_path: Option<std::path::PathBuf>,
     /// Layers of the target that draft under `layerskip` (1..layers-1).
     pub draft_layers: Option<usize>,
+    /// Draft heads (eagle, eagle3, nextn): children per tree level; 1 drafts chains [default: 1].
+    pub eagle_topk: Option<usize>,
     /// Draft fewer tokens, or none, where acceptance and step cost say it does not pay [default: true].
     pub adaptive: Option<bool>,
     /// Shortest suffix matched against the n-gram table [default: 1].
@@ -69,6 +71,9 @@ pub struct SpeculativeArgs {
         help_heading = "Speculative decoding"
     )]
     pub speculative_draft_layers: Option<usize>,
+    /// Draft heads (EAGLE, EAGLE3, NEXTN): children kept per step; above 1, trees of the --speculative-num-draft-tokens best nodes over --speculative-num-steps levels [default: 1].
+    #[arg(long = "speculative-eagle-topk", help_heading = "Speculative decoding")]
+    pub speculative_eagle_topk: Option<usize>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     #[arg(
         long = "speculative-num-draft-tokens",
@@ -155,6 +160,11 @@ impl SpeculativeSection {
                 .clone()
                 .or(f.draft_model_path),
             draft_layers: a.speculative_draft_layers.or(f.draft_layers),
+            eagle_topk: Some(
+                a.speculative_eagle_topk
+                    .or(f.eagle_topk)
+                    .unwrap_or(e.eagle_topk),
+            ),
             adaptive: Some(!a.disable_speculative_adaptive && f.adaptive.unwrap_or(true)),
             ngram_min_match_window_size: Some(
                 a.speculative_ngram_min_match_window_size
@@ -244,6 +254,7 @@ impl SpeculativeSection {
             num_draft_tokens: self.num_draft_tokens.unwrap_or(e.num_draft_tokens),
             num_steps: self.num_steps.unwrap_or(e.num_steps),
             draft_layers: self.draft_layers,
+            eagle_topk: self.eagle_topk.unwrap_or(e.eagle_topk),
             adaptive: self.adaptive.unwrap_or(true),
             ngram: NgramOptions {
                 min_match_window_size: self

@@ -84,10 +84,12 @@ pub enum Drafting {
     Lookup,
     /// Each draft token costs a model forward at the request's KV slots: the
     /// scheduler decides every request's draft length and holds its pages
-    /// *before* proposing; the draft is a chain of at most `max_steps` tokens.
+    /// *before* proposing; the draft has at most `max_tokens` tokens.
     Model {
         /// Most draft tokens per request and step.
-        max_steps: usize,
+        max_tokens: usize,
+        /// It proposes trees where the request allows them (else chains).
+        tree: bool,
     },
 }
 
@@ -295,6 +297,9 @@ impl NgramMatchType {
 /// Largest `num_draft_tokens` accepted.
 pub const MAX_DRAFT_TOKENS: usize = 64;
 
+/// Largest `eagle_topk` accepted.
+pub const MAX_EAGLE_TOPK: usize = 16;
+
 /// Speculation settings (SGLang's `--speculative-*` flags).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpeculativeConfig {
@@ -314,6 +319,10 @@ pub struct SpeculativeConfig {
     /// Layers of the target that draft under LAYERSKIP (its first N, then
     /// the final norm and LM head); `--speculative-draft-layers`.
     pub draft_layers: Option<usize>,
+    /// Draft heads (EAGLE, EAGLE3, NEXTN): children kept per step; above 1,
+    /// a tree of the `num_draft_tokens` best nodes by cumulative probability
+    /// over `num_steps` levels (SGLang's `--speculative-eagle-topk`).
+    pub eagle_topk: usize,
 }
 
 impl Default for SpeculativeConfig {
@@ -325,6 +334,7 @@ impl Default for SpeculativeConfig {
             ngram: NgramOptions::default(),
             num_steps: 4,
             draft_layers: None,
+            eagle_topk: 1,
         }
     }
 }
@@ -342,6 +352,12 @@ impl SpeculativeConfig {
             return Err(CoreError::Config(format!(
                 "--speculative-num-steps must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
                 self.num_steps
+            )));
+        }
+        if self.eagle_topk == 0 || self.eagle_topk > MAX_EAGLE_TOPK {
+            return Err(CoreError::Config(format!(
+                "--speculative-eagle-topk must be between 1 and {MAX_EAGLE_TOPK}, not {}",
+                self.eagle_topk
             )));
         }
         if self.draft_layers == Some(0) {

@@ -136,6 +136,8 @@ enum Spec {
     /// The MTP layer of tests/fixtures/tiny-llama-mtp (tiny-llama's weights
     /// plus one next-n prediction layer).
     Nextn,
+    /// The EAGLE3 head drafting trees (`eagle_topk` 3 over 3 levels, 8 nodes).
+    Eagle3Tree,
 }
 
 /// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
@@ -227,11 +229,16 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
             inputs.draft_model = Some(m.clone());
             parts.speculator = Some(s.registry.speculators.get("standalone")?(sc, &inputs)?);
         }
-        Spec::Eagle3 | Spec::Nextn => {
+        Spec::Eagle3 | Spec::Nextn | Spec::Eagle3Tree => {
             let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
+            if matches!(spec, Spec::Eagle3Tree) {
+                sc.eagle_topk = 3;
+                sc.num_steps = 3;
+                sc.num_draft_tokens = 8;
+            }
             let (name, dir) = match spec {
-                Spec::Eagle3 => ("eagle3", "eagle3-tiny-llama"),
-                _ => ("nextn", "tiny-llama-mtp"),
+                Spec::Nextn => ("nextn", "tiny-llama-mtp"),
+                _ => ("eagle3", "eagle3-tiny-llama"),
             };
             inputs.draft_path = Some(fixture().join("..").join(dir));
             parts.speculator = Some(s.registry.speculators.get(name)?(sc, &inputs)?);
@@ -467,6 +474,8 @@ fn eagle3_and_nextn_drafts_keep_greedy_output_identical() -> Result<()> {
         ("EAGLE3", Spec::Eagle3, true),
         ("NEXTN", Spec::Nextn, false),
         ("NEXTN", Spec::Nextn, true),
+        ("EAGLE3 trees", Spec::Eagle3Tree, false),
+        ("EAGLE3 trees", Spec::Eagle3Tree, true),
     ] {
         let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
         assert!(drafted > 0, "{name} drafted nothing");

@@ -45,6 +45,12 @@ pub trait DraftHead: Send {
     ) -> Result<HeadOutput>;
     /// The target id of a draft-vocabulary id.
     fn target_id(&self, draft_id: u32) -> Result<u32>;
+    /// Target features `[tokens, feature_width]` as the head's state input
+    /// `[tokens, hidden_size]` (what `forward` does to them first; the
+    /// features themselves when the widths agree).
+    fn fuse(&self, features: &Tensor) -> Result<Tensor> {
+        Ok(features.clone())
+    }
 }
 
 impl DraftHead for crate::eagle3::Eagle3Head {
@@ -80,5 +86,8 @@ impl DraftHead for crate::eagle3::Eagle3Head {
     }
     fn target_id(&self, draft_id: u32) -> Result<u32> {
         crate::eagle3::Eagle3Head::target_id(self, draft_id)
+    }
+    fn fuse(&self, features: &Tensor) -> Result<Tensor> {
+        crate::eagle3::Eagle3Head::fuse(self, features)
     }
 }

@@ -31,6 +31,7 @@
 use crate::choose::{Choice, argmax, draw};
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
+use crate::head_tree::Growing;
 use crate::mtp::MtpHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
 use arbor_engine_core::error::{CoreError, Result};
@@ -52,6 +53,9 @@ struct Pending {
     logits: Vec<f32>,
     /// The head's output state at position `len - 2` (`[hidden]`).
     state: Vec<f32>,
+    /// The head's input state at position `len - 2` (the target's fused
+    /// features), kept for trees (their forwards re-run that position).
+    root: Option<Vec<f32>>,
 }
 
 /// Proposes draft chains with a [`DraftHead`] (see the module docs).
@@ -62,6 +66,11 @@ pub struct HeadDrafter {
     kv: KvCache,
     layers: Vec<usize>,
     max_steps: usize,
+    /// Children per level of a tree (1: chains).
+    topk: usize,
+    /// Levels of a tree (`num_steps`) and its most nodes (`num_draft_tokens`).
+    depth: usize,
+    tree_tokens: usize,
     context: usize,
     pending: HashMap<u64, Pending>,
     failures: u64,
@@ -125,6 +134,9 @@ impl HeadDrafter {
             attention,
             kv,
             max_steps: cfg.num_steps.min(cfg.num_draft_tokens),
+            topk: cfg.eagle_topk,
+            depth: cfg.num_steps,
+            tree_tokens: cfg.num_draft_tokens,
             context,
             pending: HashMap::new(),
             failures: 0,
@@ -134,6 +146,21 @@ impl HeadDrafter {
     /// Head forwards that failed so far.
     pub fn failures(&self) -> u64 {
         self.failures
+    }
+
+    /// The KV pages' size (the target's).
+    pub(crate) fn page_size(&self) -> usize {
+        self.kv.spec().page_size
+    }
+
+    /// Width of the head's state.
+    pub(crate) fn hidden_size(&self) -> usize {
+        self.head.hidden_size()
+    }
+
+    /// The target id of a draft-vocabulary id.
+    pub(crate) fn target_id(&self, draft_id: u32) -> Result<u32> {
+        self.head.target_id(draft_id)
     }
 
     /// One head forward over `seqs` (prefix, fed token ids, pages), with
@@ -157,26 +184,37 @@ impl HeadDrafter {
             positions.extend((prefix..prefix + fed.len()).map(|p| p as u32));
             rows.push((ids.len() - 1) as u32);
         }
-        let t = ids.len();
-        let layout = Arc::new(layout);
         let batch = ForwardBatch {
             input_ids: ids,
             positions,
-            layout: layout.clone(),
+            layout: Arc::new(layout),
             logits_rows: rows,
             hidden_layers: Vec::new(),
             lora: Vec::new(),
             exit_after: None,
             hidden_at_every_row: false,
         };
+        self.run_batch(&batch, hidden, width)
+    }
+
+    /// Runs the head over `batch` with `hidden` (`[tokens, width]`); at each
+    /// of its logits rows, the logits over the draft vocabulary and the
+    /// output state (`[hidden]`).
+    pub(crate) fn run_batch(
+        &self,
+        batch: &ForwardBatch,
+        hidden: Vec<f32>,
+        width: usize,
+    ) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let t = batch.input_ids.len();
         let hidden: Tensor = self.backend.upload_f32(&[t, width], &hidden)?;
-        let attention_batch = self.attention.prepare(layout)?;
+        let attention_batch = self.attention.prepare(batch.layout.clone())?;
         let ctx = ForwardContext {
             kv: &self.kv,
             attention: &*self.attention,
             attention_batch: &attention_batch,
         };
-        let out = self.head.forward(&batch, &hidden, &ctx)?;
+        let out = self.head.forward(batch, &hidden, &ctx)?;
         let vocab = out.logits.row_len();
         let logits = self.backend.download_f32(&out.logits)?;
         let states = self.backend.download_f32(&out.state)?;
@@ -230,14 +268,27 @@ impl HeadDrafter {
             .iter()
             .map(|s| (s.start, s.next_tokens, s.pages))
             .collect();
+        let roots = if self.topk > 1 {
+            let mut last = Vec::with_capacity(kept.len() * width);
+            for s in &kept {
+                last.extend_from_slice(&s.states[s.states.len() - width..]);
+            }
+            let t = self.backend.upload_f32(&[kept.len(), width], &last)?;
+            let fused = self.backend.download_f32(&self.head.fuse(&t)?)?;
+            let h = self.head.hidden_size();
+            fused.chunks_exact(h).map(|r| Some(r.to_vec())).collect()
+        } else {
+            vec![None; kept.len()]
+        };
         let out = self.step(&fed, hidden, width)?;
-        for (s, (logits, state)) in kept.iter().zip(out) {
+        for ((s, (logits, state)), root) in kept.iter().zip(out).zip(roots) {
             self.pending.insert(
                 s.key,
                 Pending {
                     len: s.start + s.next_tokens.len() + 1,
                     logits,
                     state,
+                    root,
                 },
             );
         }
@@ -258,6 +309,8 @@ impl HeadDrafter {
             .iter()
             .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))
             .collect();
+        // Greedy requests that allow a tree grow one (`topk` > 1).
+        let mut trees: Vec<(usize, Growing<'_>)> = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             let Some(p) = self
                 .pending
@@ -266,6 +319,21 @@ impl HeadDrafter {
             else {
                 continue;
             };
+            if let (true, true, None, Some(root)) =
+                (self.topk > 1, r.allow_tree, r.sampling, &p.root)
+            {
+                let g = Growing::new(
+                    self,
+                    r,
+                    &p.logits,
+                    root.clone(),
+                    p.state.clone(),
+                    self.topk,
+                    self.depth,
+                )?;
+                trees.push((i, g));
+                continue;
+            }
             // Draft step j writes position len - 2 + j; it must fit the
             // context and the pages held.
             let room = (self.context + 2)
@@ -302,7 +370,7 @@ impl HeadDrafter {
                 states[i] = state;
             }
         }
-        Ok(chains
+        let mut drafts: Vec<Draft> = chains
             .into_iter()
             .zip(probs)
             .zip(lens)
@@ -317,7 +385,12 @@ impl HeadDrafter {
                     ..Draft::chain(tokens)
                 }
             })
-            .collect())
+            .collect();
+        let (at, growing): (Vec<usize>, Vec<Growing<'_>>) = trees.into_iter().unzip();
+        for (i, d) in at.into_iter().zip(self.grow(growing, self.topk)?) {
+            drafts[i] = d;
+        }
+        Ok(drafts)
     }
 }
 
@@ -347,8 +420,16 @@ impl Speculator for HeadDrafter {
     }
 
     fn drafting(&self) -> Drafting {
-        Drafting::Model {
-            max_steps: self.max_steps,
+        if self.topk > 1 {
+            Drafting::Model {
+                max_tokens: self.tree_tokens,
+                tree: true,
+            }
+        } else {
+            Drafting::Model {
+                max_tokens: self.max_steps,
+                tree: false,
+            }
         }
     }
 

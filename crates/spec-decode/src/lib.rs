@@ -38,6 +38,7 @@ mod draft;
 mod eagle3;
 mod head;
 mod head_drafter;
+mod head_tree;
 mod model;
 mod mtp;
 mod ngram;

@@ -395,7 +395,8 @@ impl Speculator for ModelDrafter {
 
     fn drafting(&self) -> Drafting {
         Drafting::Model {
-            max_steps: self.max_steps,
+            max_tokens: self.max_steps,
+            tree: false,
         }
     }
 }

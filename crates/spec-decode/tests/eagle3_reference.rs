@@ -607,3 +607,82 @@ fn eagle3_drafter_proposes_the_reference_chain() -> R {
     }
     Ok(())
 }
+
+/// With `eagle_topk` 3 the `eagle3` speculator drafts a valid tree whose
+/// greedy path starts with the reference chain: the best first-level node is
+/// the prefill's token, and its best child is the first chain step's.
+#[test]
+fn eagle3_drafter_grows_a_tree_along_the_reference_chain() -> R {
+    use arbor_engine_core::speculative::{ComputedStates, SpeculativeConfig, SpeculatorInputs};
+    use arbor_engine_core::{DraftRequest, Registry};
+    let s = shared();
+    let registry = Registry::builtin()?;
+    let runner = ModelRunner::new(
+        s.target.model.clone(),
+        s.backend.clone(),
+        None,
+        PAGE,
+        8,
+        DType::F32,
+    )?;
+    let inputs = SpeculatorInputs {
+        target: Arc::new(runner),
+        draft_model: None,
+        draft_path: Some(head_dir()),
+    };
+    let cfg = SpeculativeConfig {
+        algorithm: "eagle3".into(),
+        num_steps: 3,
+        num_draft_tokens: 10,
+        eagle_topk: 3,
+        ..SpeculativeConfig::default()
+    };
+    let mut drafter = registry.speculators.get("eagle3")?(&cfg, &inputs)?;
+    let layers: Vec<usize> = drafter.hidden_layers().to_vec();
+    let seqs = s.reference["sequences"].as_array().ok_or("sequences")?;
+    let pages: Vec<Vec<u32>> = (0..seqs.len() as u32)
+        .map(|i| vec![4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3])
+        .collect();
+    let mut prompts = Vec::new();
+    let mut states = Vec::new();
+    for seq in seqs {
+        let prompt = ints(&seq["prompt_ids"]);
+        let f = target_features([layers[0], layers[1], layers[2]], &prompt)?;
+        states.push(f[..prompt.len() - 1].concat());
+        prompts.push(prompt);
+    }
+    let computed: Vec<ComputedStates<'_>> = (0..seqs.len())
+        .map(|i| ComputedStates {
+            key: i as u64,
+            start: 0,
+            next_tokens: &prompts[i][1..],
+            pages: &pages[i],
+            states: &states[i],
+        })
+        .collect();
+    drafter.observe_states(&computed);
+    let reqs: Vec<DraftRequest<'_>> = (0..seqs.len())
+        .map(|i| DraftRequest {
+            key: i as u64,
+            tokens: &prompts[i],
+            len: prompts[i].len(),
+            max_tokens: 10,
+            allow_tree: true,
+            pages: &pages[i],
+            sampling: None,
+        })
+        .collect();
+    let drafts = drafter.propose(&reqs);
+    for (seq, d) in seqs.iter().zip(&drafts) {
+        d.validate()?;
+        let parents = d.parents.as_ref().ok_or("a tree")?;
+        assert!(d.len() <= 10 && d.len() > 3, "{d:?}");
+        // Three first-level nodes (the top 3 of the kept logits).
+        assert_eq!(parents.iter().filter(|p| p.is_none()).count(), 3, "{d:?}");
+        let chain = d.first_chain();
+        let first = *ints(&seq["prefill"]["target_ids"]).last().ok_or("ids")?;
+        let second = seq["chain"][0]["target_id"].as_u64().ok_or("target_id")? as u32;
+        assert_eq!(chain[..2], [first, second], "{d:?}");
+    }
+    Ok(())
+}

@@ -164,9 +164,13 @@ impl Scheduler {
             let room = context.saturating_sub(r.len() + 1);
             let mut limit = cfg.num_draft_tokens.min(r.remaining_new() - 1).min(room);
             let mut tree = tree_ok && r.matcher.is_none();
-            if let Drafting::Model { max_steps } = drafting {
-                limit = limit.min(max_steps);
-                tree = false;
+            if let Drafting::Model {
+                max_tokens,
+                tree: trees,
+            } = drafting
+            {
+                limit = limit.min(max_tokens);
+                tree &= trees;
             }
             if limit > 0 {
                 picked.push((i, limit, tree));
