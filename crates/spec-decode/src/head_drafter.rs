@@ -1,13 +1,16 @@
 //! Drafting from the target's hidden states with a [`DraftHead`]:
 //! [`HeadDrafter`] is the `eagle3` speculator (SGLang's
-//! `--speculative-algorithm EAGLE3`, with an `Eagle3Head`) and the `nextn`
-//! one (MTP: next-n prediction layers shipped in the target's checkpoint).
+//! `--speculative-algorithm EAGLE3`, with an `Eagle3Head`), the `eagle` one
+//! (`--speculative-algorithm EAGLE`, with an `EagleHead` over the target's
+//! final normed state) and the `nextn` one (MTP: next-n prediction layers
+//! shipped in the target's checkpoint).
 //!
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
 //!   for each position `p` the target computed and kept, the head takes the
-//!   token at `p + 1` and the target's fused low/mid/high hidden states at
-//!   `p`, and writes its KV at `p`. The last position's output is the first
+//!   token at `p + 1` and the target's hidden states at `p` (the head's
+//!   [`target_layers`](DraftHead::target_layers): EAGLE3's low/mid/high
+//!   layers, EAGLE's final normed state), and writes its KV at `p`. The last position's output is the first
 //!   draft token and the hidden state the next draft step starts from; both
 //!   are kept for the request, tagged with the sequence length they apply to.
 //! - **Draft** ([`Speculator::propose`]): when the request's length is still
@@ -24,6 +27,7 @@
 //! the KV that draft steps write past the sequence is rewritten by the next
 //! extend. Drafts are advisory: verification decides what is kept.
 
+use crate::eagle::EagleHead;
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
 use arbor_engine_core::attention::{AttentionBackend, BatchLayout};
@@ -73,6 +77,20 @@ impl HeadDrafter {
         let target = &inputs.target;
         let embed = target.model().input_embedding();
         let head = Eagle3Head::load(dir, target.spec(), embed, target.backend().clone())?;
+        Self::new(Box::new(head), cfg, inputs)
+    }
+
+    /// `eagle`: loads the EAGLE head at `inputs.draft_path` for `inputs.target`,
+    /// sharing the target's LM head (and its embedding when the head has none).
+    pub fn eagle(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
+        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
+            CoreError::Config(
+                "--speculative-algorithm EAGLE needs --speculative-draft-model-path (the head's folder)"
+                    .into(),
+            )
+        })?;
+        let target = &inputs.target;
+        let head = EagleHead::load(dir, &*target.model(), target.backend().clone())?;
         Self::new(Box::new(head), cfg, inputs)
     }
 
