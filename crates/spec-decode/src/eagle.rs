@@ -79,7 +79,11 @@ impl EagleConfig {
             ));
         }
         if decoder.num_hidden_layers == 0 {
-            return Err(cfg_err(file, "num_hidden_layers", "is 0; an EAGLE head has at least one layer"));
+            return Err(cfg_err(
+                file,
+                "num_hidden_layers",
+                "is 0; an EAGLE head has at least one layer",
+            ));
         }
         for key in ["attention_bias", "mlp_bias"] {
             if v.get(key).and_then(Value::as_bool) == Some(true) {

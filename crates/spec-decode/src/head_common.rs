@@ -105,7 +105,11 @@ impl<'a> HeadFile<'a> {
     }
 
     /// The tensor when present, which must then have `shape`.
-    pub(crate) fn view_shaped(&self, name: &str, shape: &[usize]) -> Result<Option<TensorView<'a>>> {
+    pub(crate) fn view_shaped(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<TensorView<'a>>> {
         let Some(t) = self.view(name)? else {
             return Ok(None);
         };
@@ -173,7 +177,11 @@ impl<'a> HeadFile<'a> {
 }
 
 /// Uploads a weight matrix in its own dtype when the backend takes it, else as f32.
-pub(crate) fn upload_weight(backend: &dyn Backend, t: &HostTensor<'_>, name: &str) -> Result<Tensor> {
+pub(crate) fn upload_weight(
+    backend: &dyn Backend,
+    t: &HostTensor<'_>,
+    name: &str,
+) -> Result<Tensor> {
     if backend.capabilities().weight_dtypes.contains(&t.dtype) {
         backend.upload(t)
     } else {
@@ -305,7 +313,7 @@ impl Mlp {
 }
 
 /// The rows `rows` of f32 `x` (`[t, d]`); `x` itself when they are all rows in order.
-pub(crate) fn select_rows(b: &dyn Backend, x: Tensor, rows: &[u32]) -> Result<Tensor> {
+pub(crate) fn select_rows(b: &(dyn Backend + 'static), x: Tensor, rows: &[u32]) -> Result<Tensor> {
     let t = x.rows();
     if rows.len() == t && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
         return Ok(x);

@@ -497,7 +497,10 @@ fn heads_that_do_not_fit_are_refused() -> R {
     let err = EagleHead::load(dir.path(), &opaque, s.backend.clone())
         .unwrap_err()
         .to_string();
-    assert!(err.contains("LM head") && err.contains("exposes none"), "{err}");
+    assert!(
+        err.contains("LM head") && err.contains("exposes none"),
+        "{err}"
+    );
     // ... and with the target's LM head, its own (equal) embedding gives the same logits.
     let own = load_head(dir.path())?;
     let shared_embed = load_head(&head_dir())?;
