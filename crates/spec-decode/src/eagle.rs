@@ -25,15 +25,17 @@
 //! `layers.{i}.post_attention_layernorm.weight`,
 //! `layers.{i}.input_layernorm.weight` (`i > 0`),
 //! `layers.{i}.mlp.{gate,up,down}_proj.weight`, optionally
-//! `embed_tokens.weight` (used when present, else the target's embedding); a
-//! `lm_head.weight` is ignored (SGLang's `load_lm_head_from_target`).
+//! `embed_tokens.weight` (a frozen copy of the target's: used only when the
+//! target exposes no embedding, since EAGLE's `load_emb` and SGLang's
+//! `set_embed_and_head` both take the target's); a `lm_head.weight` is
+//! ignored (the target's LM head is used, as SGLang does for EAGLE).
 //!
 //! Invariants established by [`EagleHead::load`]: every tensor has the shape
 //! the config implies (errors name the tensor and the file); the head's
 //! hidden size and vocabulary are the target's; `fc`'s weight is split into
 //! its embedding and state halves (there is no concat op, so
 //! `x = W_e · embed + W_h · h + b`); the LM head (and the embedding when the
-//! checkpoint has none) is the target's `[vocab, hidden]` tensor. A forward
+//! target exposes one) is the target's `[vocab, hidden]` tensor. A forward
 //! uses only [`Backend`] operations and the caller's attention over the
 //! layers of a KV cache of [`EagleHead::kv_spec`], so it runs on every
 //! backend.
@@ -187,8 +189,9 @@ impl std::fmt::Debug for EagleHead {
 
 impl EagleHead {
     /// Loads the head in `dir` (`config.json`, `model.safetensors`) for
-    /// `target`, whose LM head it uses (and its input embedding when the
-    /// checkpoint has no `embed_tokens.weight`).
+    /// `target`, whose LM head and input embedding it uses (the
+    /// checkpoint's `embed_tokens.weight` only when the target exposes no
+    /// embedding).
     pub fn load(dir: &Path, target: &dyn Model, backend: Arc<dyn Backend>) -> Result<Self> {
         let (v, file) = read_config(dir)?;
         let cfg = EagleConfig::from_json(&v, &file)?;
@@ -223,15 +226,19 @@ impl EagleHead {
             Ok(t)
         };
 
-        let embed = match src.view_shaped("embed_tokens.weight", &[vocab, h])? {
-            Some(t) => upload_weight(
+        // The target's embedding when it exposes one (EAGLE's `load_emb`,
+        // SGLang's `set_embed_and_head`), else the checkpoint's copy.
+        let own_embed = src.view_shaped("embed_tokens.weight", &[vocab, h])?;
+        let embed = match (target.input_embedding(), own_embed) {
+            (Some(e), _) => from_target("input embedding", Some(e))?,
+            (None, Some(t)) => upload_weight(
                 b,
                 &src.host("embed_tokens.weight", &t)?,
                 "embed_tokens.weight",
             )?,
-            None => from_target(
+            (None, None) => from_target(
                 "input embedding (the head has no 'embed_tokens.weight')",
-                target.input_embedding(),
+                None,
             )?,
         };
         let lm_head = from_target("LM head", target.lm_head())?;

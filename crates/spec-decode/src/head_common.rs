@@ -51,6 +51,12 @@ impl HeadMap {
     /// Maps `dir/model.safetensors`.
     pub(crate) fn open(dir: &Path) -> Result<Self> {
         let path: PathBuf = dir.join("model.safetensors");
+        if !path.exists() && dir.join("pytorch_model.bin").exists() {
+            return Err(CoreError::load(format!(
+                "{}: missing; the head has only pytorch_model.bin (a pickle, which Arbor does not read): convert it to model.safetensors",
+                path.display()
+            )));
+        }
         let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
         // SAFETY: the map is read-only and only read while loading; checkpoints
         // are not modified while loaded (as for every checkpoint Arbor maps).

@@ -11,9 +11,12 @@
 //!   embedding and LM head, match the reference's logits and states within
 //!   `TOL · max(1, max|x|)` and choose exactly its tokens; once on the
 //!   reference's states, once end to end on Arbor's own;
-//! - the registered `eagle` speculator proposes the reference chain;
+//! - the registered `eagle` speculator proposes the reference chain (and
+//!   without a head folder is refused, naming `--speculative-draft-model-path`);
+//! - the target's embedding is used even when the head carries a copy;
 //! - a head whose config or tensors do not fit, or a target that exposes no
-//!   LM head, is refused with errors that name the key or tensor.
+//!   LM head (or no embedding, for a head without one), is refused with
+//!   errors that name the key or tensor.
 #![allow(clippy::unwrap_used)]
 
 use arbor_backend_cpu::CpuBackend;
@@ -451,6 +454,17 @@ fn heads_that_do_not_fit_are_refused() -> R {
             "{err}"
         );
     }
+    // An original checkpoint with only pytorch_model.bin.
+    let dir = edited_head(|_| {}, None)?;
+    std::fs::rename(
+        dir.path().join("model.safetensors"),
+        dir.path().join("pytorch_model.bin"),
+    )?;
+    let err = err_of(dir.path());
+    assert!(
+        err.contains("pytorch_model.bin") && err.contains("convert"),
+        "{err}"
+    );
     // `bias: false` reads no fc.bias (so a head without one loads).
     let dir = edited_head(|c| c["bias"] = false.into(), Some("fc.bias"))?;
     let head = load_head(dir.path())?;
@@ -477,19 +491,19 @@ fn heads_that_do_not_fit_are_refused() -> R {
         err.contains("embed_tokens.weight") && err.contains("exposes none"),
         "{err}"
     );
-    // With its own embedding the head still needs the target's LM head.
-    let dir = edited_head(|_| {}, None)?;
-    let embed = s.target.model.input_embedding().unwrap();
-    let host = s.backend.download_f32(&embed)?;
-    let mut st: Vec<(String, safetensors::tensor::TensorView<'_>)> = Vec::new();
+    // A head with its own `embed_tokens.weight`: without a target embedding
+    // it is used, but the head still needs the target's LM head; with one,
+    // the target's wins (EAGLE's load_emb, SGLang's set_embed_and_head), so
+    // even a zeroed copy gives the reference logits.
     let bytes = std::fs::read(head_dir().join("model.safetensors"))?;
     let orig = safetensors::SafeTensors::deserialize(&bytes)?;
-    st.extend(orig.tensors());
-    let raw: Vec<u8> = host.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let zeros = vec![0u8; 500 * 64 * 4];
+    let mut st: Vec<(String, safetensors::tensor::TensorView<'_>)> = orig.tensors();
     st.push((
         "embed_tokens.weight".into(),
-        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![500, 64], &raw)?,
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![500, 64], &zeros)?,
     ));
+    let dir = edited_head(|_| {}, None)?;
     std::fs::write(
         dir.path().join("model.safetensors"),
         safetensors::serialize(st, None)?,
@@ -501,14 +515,13 @@ fn heads_that_do_not_fit_are_refused() -> R {
         err.contains("LM head") && err.contains("exposes none"),
         "{err}"
     );
-    // ... and with the target's LM head, its own (equal) embedding gives the same logits.
-    let own = load_head(dir.path())?;
-    let shared_embed = load_head(&head_dir())?;
+    let with_copy = load_head(dir.path())?;
+    let plain = load_head(&head_dir())?;
     let seqs = s.reference["sequences"].as_array().unwrap();
     let ids = vec![ints(&seqs[0]["prefill"]["input_ids"])];
     let states = vec![rows(&seqs[0]["prefill"]["target_states"])];
-    let a = run_head(&own, &ids, &states, 1)?;
-    let b = run_head(&shared_embed, &ids, &states, 1)?;
+    let a = run_head(&with_copy, &ids, &states, 1)?;
+    let b = run_head(&plain, &ids, &states, 1)?;
     assert_eq!(a[0].prefill_logits, b[0].prefill_logits);
     assert_eq!(a[0].chain_logits, b[0].chain_logits);
     Ok(())
