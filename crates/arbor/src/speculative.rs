@@ -5,11 +5,11 @@
 //! `algorithm` is `none` (off, the default) or a registered speculator
 //! (any case): `ngram` (SGLang's `NGRAM`), `standalone` (a separate draft
 //! model at `draft_model_path`), `layerskip` (the target's first
-//! `draft_layers` layers), `eagle3` (an EAGLE3 draft head at
-//! `draft_model_path`) or `nextn` (MTP layers of the target's checkpoint).
-//! SGLang's EAGLE is refused with a message saying so, and so is any
-//! algorithm when this binary was built without the `spec-decode` cargo
-//! feature.
+//! `draft_layers` layers), `eagle` / `eagle3` (an EAGLE or EAGLE3 draft
+//! head at `draft_model_path`) or `nextn` (MTP layers of the target's
+//! checkpoint). Any algorithm is refused when this binary was built without
+//! the `spec-decode` cargo feature; an unknown one by the registry, naming
+//! the flag.
 
 use anyhow::{Result, bail};
 use arbor_engine_core::speculative::{NgramMatchType, NgramOptions, SpeculativeConfig};
@@ -20,13 +20,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSection {
-    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle3`, `nextn` [default: none].
+    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle`, `eagle3`, `nextn` [default: none].
     pub algorithm: Option<String>,
     /// Most draft tokens per request and step, 1..=64 [default: 8].
     pub num_draft_tokens: Option<usize>,
     /// Draft tokens a model drafter (standalone, layerskip) proposes per step, 1..=64 [default: 4].
     pub num_steps: Option<usize>,
-    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle3`; the checkpoint with the MTP layers for `nextn` (default: the target's).
+    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle` and `eagle3`; the checkpoint with the MTP layers for `nextn` (default: the target's).
     pub draft_model_path: Option<std::path::PathBuf>,
     /// Layers of the target that draft under `layerskip` (1..layers-1).
     pub draft_layers: Option<usize>,
@@ -53,13 +53,13 @@ pub struct SpeculativeSection {
 /// The `--speculative-*` flags (SGLang's names).
 #[derive(Args, Debug, Clone, Default)]
 pub struct SpeculativeArgs {
-    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers), EAGLE3 (a draft head) or NEXTN (the target's MTP layers); SGLang's EAGLE is not available yet [default: none].
+    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers), EAGLE or EAGLE3 (a draft head) or NEXTN (the target's MTP layers) [default: none].
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
     pub speculative_algorithm: Option<String>,
     /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64 [default: 4].
     #[arg(long = "speculative-num-steps", help_heading = "Speculative decoding")]
     pub speculative_num_steps: Option<usize>,
-    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), the EAGLE3 head's folder, or the checkpoint holding NEXTN's layers (default: the target's).
+    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), the EAGLE or EAGLE3 head's folder, or the checkpoint holding NEXTN's layers (default: the target's).
     #[arg(
         long = "speculative-draft-model-path",
         help_heading = "Speculative decoding"
@@ -129,8 +129,6 @@ pub struct SpeculativeArgs {
     )]
     pub speculative_ngram_capacity: Option<usize>,
 }
-
-const SGLANG_ONLY: &[&str] = &["eagle"];
 
 impl SpeculativeSection {
     /// Defaults < `file` < `a`, every key filled in.
@@ -217,15 +215,9 @@ impl SpeculativeSection {
                  built without: rebuild with the `spec-decode` cargo feature of arbor"
             );
         }
-        if SGLANG_ONLY.contains(&algo.as_str()) {
-            bail!(
-                "--speculative-algorithm {}: not available in Arbor yet (available: NGRAM, STANDALONE, LAYERSKIP, EAGLE3, NEXTN)",
-                algo.to_ascii_uppercase()
-            );
-        }
         let upper = algo.to_ascii_uppercase();
         // NEXTN's layers are in the target's checkpoint unless a path is given.
-        let needs_path = matches!(algo.as_str(), "standalone" | "eagle3");
+        let needs_path = matches!(algo.as_str(), "standalone" | "eagle" | "eagle3");
         let takes_path = needs_path || algo == "nextn";
         match (needs_path, takes_path, self.draft_model_path.is_some()) {
             (true, _, false) => bail!(
@@ -233,7 +225,7 @@ impl SpeculativeSection {
                  (TOML: [speculative] draft_model_path)"
             ),
             (_, false, true) => bail!(
-                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE, EAGLE3 and NEXTN only, not {upper}"
+                "--speculative-draft-model-path is used by --speculative-algorithm STANDALONE, EAGLE, EAGLE3 and NEXTN only, not {upper}"
             ),
             _ => {}
         }

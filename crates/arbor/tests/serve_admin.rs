@@ -189,7 +189,7 @@ fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
     );
     let (ok, err) = run("[speculative]\nalgorithm = \"eagle\"\n")?;
     assert!(
-        !ok && err.contains("EAGLE") && err.contains("not available"),
+        !ok && err.contains("EAGLE") && err.contains("draft_model_path"),
         "{err}"
     );
     let (ok, err) = run("[speculative]\nalgorithm = \"ngram\"\nnum_draft_tokens = 65\n")?;

@@ -1,7 +1,8 @@
 //! `arbor serve --speculative-algorithm NGRAM | LAYERSKIP | STANDALONE |
-//! EAGLE3 | NEXTN` end to end on the tiny Llama (STANDALONE drafts with
-//! tiny-mistral, which shares its vocabulary; EAGLE3 with the seeded head of
-//! tests/fixtures/eagle3-tiny-llama; NEXTN with the MTP layer of
+//! EAGLE | EAGLE3 | NEXTN` end to end on the tiny Llama (STANDALONE drafts with
+//! tiny-mistral, which shares its vocabulary; EAGLE (with trees) and EAGLE3
+//! with the seeded heads of tests/fixtures/eagle-tiny-llama and
+//! eagle3-tiny-llama; NEXTN with the MTP layer of
 //! tests/fixtures/tiny-llama-mtp): greedy answers equal those of a server without
 //! speculation (native and OpenAI routes, streamed and not), `meta_info` reports SGLang's
 //! `spec_verify_ct` and `spec_accept_length`, Prometheus shows the draft
@@ -107,6 +108,19 @@ async fn eagle3_head_changes_no_answer() -> Result<()> {
 }
 
 #[tokio::test]
+async fn eagle_head_changes_no_answer() -> Result<()> {
+    let head = fixture("eagle-tiny-llama");
+    speculation_changes_no_answer(&[
+        "EAGLE",
+        "--speculative-draft-model-path",
+        &head,
+        "--speculative-eagle-topk",
+        "2",
+    ])
+    .await
+}
+
+#[tokio::test]
 async fn nextn_layer_changes_no_answer() -> Result<()> {
     // tiny-llama-mtp holds tiny-llama's weights plus one MTP layer.
     let mtp = fixture("tiny-llama-mtp");
@@ -165,7 +179,10 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
             ],
             "--speculative-num-draft-tokens",
         ),
-        (vec!["--speculative-algorithm", "EAGLE"], "not available"),
+        (
+            vec!["--speculative-algorithm", "EAGLE"],
+            "--speculative-draft-model-path",
+        ),
         // The target (tiny-llama) has no next-n prediction layer.
         (
             vec!["--speculative-algorithm", "NEXTN"],

@@ -4,7 +4,8 @@
 //! Drafts come from the real speculators of crates/spec-decode (n-gram,
 //! layer skip on the target's first layers, and a STANDALONE draft model:
 //! tiny-mistral, which shares tiny-llama's vocabulary, or tiny-llama itself,
-//! whose drafts must then all be accepted; an EAGLE3 head; an MTP layer) and
+//! whose drafts must then all be accepted; EAGLE and EAGLE3 heads, chains
+//! and trees; an MTP layer) and
 //! from an *oracle* test speculator that proposes the known greedy continuation
 //! with every fifth token corrupted, so that every step both accepts and
 //! rejects drafts. Greedy output must be identical, token for token, to plain
@@ -138,6 +139,8 @@ enum Spec {
     Nextn,
     /// The EAGLE3 head drafting trees (`eagle_topk` 3 over 3 levels, 8 nodes).
     Eagle3Tree,
+    /// The EAGLE head of tests/fixtures/eagle-tiny-llama.
+    Eagle,
 }
 
 /// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
@@ -229,7 +232,7 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
             inputs.draft_model = Some(m.clone());
             parts.speculator = Some(s.registry.speculators.get("standalone")?(sc, &inputs)?);
         }
-        Spec::Eagle3 | Spec::Nextn | Spec::Eagle3Tree => {
+        Spec::Eagle3 | Spec::Nextn | Spec::Eagle3Tree | Spec::Eagle => {
             let sc = cfg.speculative.get_or_insert_with(|| speculative(6, false));
             if matches!(spec, Spec::Eagle3Tree) {
                 sc.eagle_topk = 3;
@@ -238,6 +241,7 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
             }
             let (name, dir) = match spec {
                 Spec::Nextn => ("nextn", "tiny-llama-mtp"),
+                Spec::Eagle => ("eagle", "eagle-tiny-llama"),
                 _ => ("eagle3", "eagle3-tiny-llama"),
             };
             inputs.draft_path = Some(fixture().join("..").join(dir));
@@ -466,7 +470,7 @@ fn standalone_drafts_keep_greedy_output_identical() -> Result<()> {
 }
 
 #[test]
-fn eagle3_and_nextn_drafts_keep_greedy_output_identical() -> Result<()> {
+fn eagle_eagle3_and_nextn_drafts_keep_greedy_output_identical() -> Result<()> {
     let ps = mixed_prompts();
     let want = reference(&ps, &greedy(24))?;
     for (name, spec, overlap) in [
@@ -476,6 +480,7 @@ fn eagle3_and_nextn_drafts_keep_greedy_output_identical() -> Result<()> {
         ("NEXTN", Spec::Nextn, true),
         ("EAGLE3 trees", Spec::Eagle3Tree, false),
         ("EAGLE3 trees", Spec::Eagle3Tree, true),
+        ("EAGLE", Spec::Eagle, false),
     ] {
         let (drafted, accepted) = check_all_shapes(&spec, &ps, &want, overlap)?;
         assert!(drafted > 0, "{name} drafted nothing");
@@ -622,6 +627,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         ),
         ("eagle3", Spec::Eagle3),
         ("nextn", Spec::Nextn),
+        ("eagle", Spec::Eagle),
     ];
     for (name, spec) in specs {
         let self_draft = matches!(spec, Spec::Standalone(_));

@@ -24,18 +24,17 @@
 //! [`Backend`] operations and the caller's attention over layer 0 of a KV
 //! cache of [`Eagle3Head::kv_spec`], so it runs on every backend.
 
+use crate::head_common::{
+    HeadMap, Mlp, SplitLinear, cfg_err, check_kv, lin, read_config, rope_attention, select_rows,
+    upload_weight,
+};
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec,
-    LinearRef, ModelSpec, Result, RopeStyle, Tensor,
+    Backend, CoreError, DType, ForwardBatch, ForwardContext, KvSpec, ModelSpec, Result, Tensor,
 };
 use arbor_models::DecoderConfig;
-use memmap2::Mmap;
-use safetensors::SafeTensors;
-use safetensors::tensor::{Dtype, SafeTensorError, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
-use std::borrow::Cow;
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 /// The architecture name an EAGLE3 head's `config.json` carries.
@@ -54,10 +53,6 @@ pub struct Eagle3Config {
     pub aux_layer_ids: Option<[usize; 3]>,
     /// Whether `fc` carries a bias (the config's `bias`).
     pub fc_bias: bool,
-}
-
-fn cfg_err(file: &str, key: &str, what: impl std::fmt::Display) -> CoreError {
-    CoreError::Config(format!("{file}: key '{key}' {what}"))
 }
 
 impl Eagle3Config {
@@ -249,13 +244,6 @@ pub struct Eagle3Output {
     pub aux: Tensor,
 }
 
-/// The two halves of a q/k/v weight `[out, 2h]`: columns `..h` read the
-/// normed embedding, columns `h..` the normed hidden state.
-pub(crate) struct SplitLinear {
-    pub(crate) embed: Tensor,
-    pub(crate) hidden: Tensor,
-}
-
 /// A loaded EAGLE3 draft head.
 pub struct Eagle3Head {
     cfg: Eagle3Config,
@@ -271,9 +259,7 @@ pub struct Eagle3Head {
     v: SplitLinear,
     o: Tensor,
     post_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    mlp: Mlp,
     norm: Tensor,
     lm_head: Tensor,
     inv_freq: Tensor,
@@ -289,112 +275,6 @@ impl std::fmt::Debug for Eagle3Head {
             self.cfg.decoder.hidden_size, self.cfg.draft_vocab_size, self.aux_layers
         )
     }
-}
-
-/// The head's `model.safetensors`, read in place.
-struct HeadFile<'a> {
-    st: SafeTensors<'a>,
-    path: &'a Path,
-}
-
-fn float_dtype(d: Dtype) -> Option<DType> {
-    match d {
-        Dtype::F32 => Some(DType::F32),
-        Dtype::F16 => Some(DType::F16),
-        Dtype::BF16 => Some(DType::BF16),
-        _ => None,
-    }
-}
-
-impl<'a> HeadFile<'a> {
-    fn err(&self, name: &str, what: impl std::fmt::Display) -> CoreError {
-        CoreError::load(format!("{}: tensor '{name}' {what}", self.path.display()))
-    }
-
-    fn view(&self, name: &str) -> Result<Option<TensorView<'a>>> {
-        match self.st.tensor(name) {
-            Ok(t) => Ok(Some(t)),
-            Err(SafeTensorError::TensorNotFound(_)) => Ok(None),
-            Err(e) => Err(self.err(name, format!("cannot be read: {e}"))),
-        }
-    }
-
-    fn view_shaped(&self, name: &str, shape: &[usize]) -> Result<Option<TensorView<'a>>> {
-        let Some(t) = self.view(name)? else {
-            return Ok(None);
-        };
-        if t.shape() != shape {
-            return Err(self.err(
-                name,
-                format!("has shape {:?}, expected {shape:?}", t.shape()),
-            ));
-        }
-        Ok(Some(t))
-    }
-
-    fn required(&self, name: &str, shape: &[usize]) -> Result<TensorView<'a>> {
-        self.view_shaped(name, shape)?
-            .ok_or_else(|| self.err(name, "is missing"))
-    }
-
-    /// A float tensor as a host tensor of its own dtype.
-    fn host(&self, name: &str, t: &TensorView<'a>) -> Result<HostTensor<'a>> {
-        let dtype = float_dtype(t.dtype()).ok_or_else(|| {
-            self.err(
-                name,
-                format!("has dtype {:?}; supported: F32, F16, BF16", t.dtype()),
-            )
-        })?;
-        let h = HostTensor {
-            dtype,
-            shape: t.shape().to_vec(),
-            data: Cow::Borrowed(t.data()),
-        };
-        h.validate(name)?;
-        Ok(h)
-    }
-}
-
-/// Uploads a weight matrix in its own dtype when the backend takes it, else as f32.
-pub(crate) fn upload_weight(
-    backend: &dyn Backend,
-    t: &HostTensor<'_>,
-    name: &str,
-) -> Result<Tensor> {
-    if backend.capabilities().weight_dtypes.contains(&t.dtype) {
-        backend.upload(t)
-    } else {
-        let f = t
-            .cast(DType::F32)
-            .map_err(|e| CoreError::load(format!("tensor '{name}': {e}")))?;
-        backend.upload(&f)
-    }
-}
-
-/// Splits `[out, 2h]` row-major into its column halves `[out, h]` and `[out, h]`.
-pub(crate) fn split_columns(
-    t: &HostTensor<'_>,
-    h: usize,
-) -> Result<(HostTensor<'static>, HostTensor<'static>)> {
-    let out = t.shape.first().copied().unwrap_or(0);
-    let half = t.dtype.bytes_for(h)?;
-    let mut a = Vec::with_capacity(out * half);
-    let mut b = Vec::with_capacity(out * half);
-    for row in t.data.chunks_exact(2 * half) {
-        a.extend_from_slice(&row[..half]);
-        b.extend_from_slice(&row[half..]);
-    }
-    let mk = |data: Vec<u8>| HostTensor {
-        dtype: t.dtype,
-        shape: vec![out, h],
-        data: Cow::Owned(data),
-    };
-    Ok((mk(a), mk(b)))
-}
-
-/// A bias-free linear of [`Backend::linear_many`].
-pub(crate) fn lin<'a>(w: &'a Tensor, out: &'a Tensor) -> LinearRef<'a> {
-    LinearRef { w, bias: None, out }
 }
 
 fn read_i64(t: &TensorView<'_>) -> Vec<i64> {
@@ -414,28 +294,14 @@ impl Eagle3Head {
         target_embed: Option<Tensor>,
         backend: Arc<dyn Backend>,
     ) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        let file = cfg_path.display().to_string();
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| CoreError::load(format!("{file}: invalid JSON: {e}")))?;
+        let (v, file) = read_config(dir)?;
         let cfg = Eagle3Config::from_json(&v, &file)?;
         cfg.check_target(target, &file)?;
         let aux_layers = cfg.aux_layers(target.num_layers, &file)?;
 
-        let st_path: PathBuf = dir.join("model.safetensors");
-        let f = File::open(&st_path).map_err(|e| CoreError::io(&st_path, e))?;
-        // SAFETY: the map is read-only and only read while loading; checkpoints
-        // are not modified while loaded (as for every checkpoint Arbor maps).
-        #[allow(unsafe_code)]
-        let map = unsafe { Mmap::map(&f) }.map_err(|e| CoreError::io(&st_path, e))?;
-        let st = SafeTensors::deserialize(&map[..]).map_err(|e| {
-            CoreError::load(format!(
-                "{}: invalid safetensors file: {e}",
-                st_path.display()
-            ))
-        })?;
-        let src = HeadFile { st, path: &st_path };
+        let map = HeadMap::open(dir)?;
+        let src = map.file()?;
+        let st_path = src.path;
 
         let c = &cfg.decoder;
         let (h, th, nh, nkv, hd) = (
@@ -448,24 +314,9 @@ impl Eagle3Head {
         let inter = c.intermediate_size;
         let (vocab, dv) = (c.vocab_size, cfg.draft_vocab_size);
         let b = &*backend;
-        let weight = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            let t = src.required(name, shape)?;
-            upload_weight(b, &src.host(name, &t)?, name)
-        };
-        let vector = |name: &str, len: usize| -> Result<Tensor> {
-            let t = src.required(name, &[len])?;
-            let host = src.host(name, &t)?;
-            let f = host.cast(DType::F32).map_err(|e| src.err(name, e))?;
-            b.upload(&f)
-        };
-        let split = |name: &str, out: usize| -> Result<SplitLinear> {
-            let t = src.required(name, &[out, 2 * h])?;
-            let (e, hh) = split_columns(&src.host(name, &t)?, h)?;
-            Ok(SplitLinear {
-                embed: upload_weight(b, &e, name)?,
-                hidden: upload_weight(b, &hh, name)?,
-            })
-        };
+        let weight = |name: &str, shape: &[usize]| src.weight(b, name, shape);
+        let vector = |name: &str, len: usize| src.vector(b, name, len);
+        let split = |name: &str, out: usize| src.split(b, name, out, h);
 
         let embed = match src.view_shaped("embed_tokens.weight", &[vocab, h])? {
             Some(t) => upload_weight(
@@ -514,9 +365,7 @@ impl Eagle3Head {
         let v = split(&format!("{p}.self_attn.v_proj.weight"), nkv * hd)?;
         let o = weight(&format!("{p}.self_attn.o_proj.weight"), &[h, nh * hd])?;
         let post_norm = vector(&format!("{p}.post_attention_layernorm.weight"), h)?;
-        let gate = weight(&format!("{p}.mlp.gate_proj.weight"), &[inter, h])?;
-        let up = weight(&format!("{p}.mlp.up_proj.weight"), &[inter, h])?;
-        let down = weight(&format!("{p}.mlp.down_proj.weight"), &[h, inter])?;
+        let mlp = Mlp::load(&src, b, &format!("{p}.mlp"), h, inter)?;
         let norm = vector("norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings {
             embed.clone()
@@ -600,9 +449,7 @@ impl Eagle3Head {
             v,
             o,
             post_norm,
-            gate,
-            up,
-            down,
+            mlp,
             norm,
             lm_head,
             inv_freq,
@@ -712,12 +559,7 @@ impl Eagle3Head {
                 "EAGLE3 hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
             )));
         }
-        let kv_spec = ctx.kv.spec();
-        if kv_spec.num_layers < 1 || kv_spec.num_kv_heads != nkv || kv_spec.head_dim != hd {
-            return Err(CoreError::invalid(format!(
-                "KV cache {kv_spec:?} does not fit the EAGLE3 head ({nkv} KV heads of {hd})"
-            )));
-        }
+        check_kv(ctx, c, 1, "EAGLE3")?;
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         let pos = b.upload_u32(&[t], &batch.positions)?;
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
@@ -754,25 +596,7 @@ impl Eagle3Head {
         b.add_assign(&q, &q2)?;
         b.add_assign(&k, &k2)?;
         b.add_assign(&v, &v2)?;
-        b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-        b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-        let attn = f32t(&[t, nh * hd])?;
-        let params = AttentionParams {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            sliding_window: None,
-        };
-        ctx.attention.forward(
-            ctx.attention_batch,
-            ctx.kv.layer(0)?,
-            &q,
-            &k,
-            &v,
-            &attn,
-            &params,
-        )?;
+        let attn = rope_attention(b, ctx, 0, c, &self.inv_freq, &pos, &q, &k, &v)?;
         let proj = f32t(&[t, h])?;
         b.linear(&attn, &self.o, None, &proj)?;
 
@@ -781,35 +605,13 @@ impl Eagle3Head {
         b.copy(hidden, &resid)?;
         let x = f32t(&[t, h])?;
         b.add_rms_norm(&resid, &proj, &self.post_norm, eps, &x)?;
-        let inter = c.intermediate_size;
-        let gate = f32t(&[t, inter])?;
-        let up = f32t(&[t, inter])?;
-        b.linear_many(&x, &[lin(&self.gate, &gate), lin(&self.up, &up)])?;
-        let act = f32t(&[t, inter])?;
-        b.silu_mul(&gate, &up, &act)?;
-        b.linear(&act, &self.down, None, &proj)?;
+        self.mlp.forward(b, &x, &proj)?;
         // resid = aux = mlp + resid; x = norm(aux).
         b.add_rms_norm(&resid, &proj, &self.norm, eps, &x)?;
 
         let rows = batch.logits_rows.len();
-        let all_rows = rows == t
-            && batch
-                .logits_rows
-                .iter()
-                .enumerate()
-                .all(|(i, &r)| r as usize == i);
-        let (aux, normed) = if all_rows {
-            (resid, x)
-        } else {
-            let aux = f32t(&[rows, h])?;
-            let normed = f32t(&[rows, h])?;
-            if rows > 0 {
-                let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
-                b.gather_rows(&resid, &idx, &aux)?;
-                b.gather_rows(&x, &idx, &normed)?;
-            }
-            (aux, normed)
-        };
+        let aux = select_rows(b, resid, &batch.logits_rows)?;
+        let normed = select_rows(b, x, &batch.logits_rows)?;
         let logits = f32t(&[rows, self.cfg.draft_vocab_size])?;
         if rows > 0 {
             b.linear(&normed, &self.lm_head, None, &logits)?;

@@ -1,5 +1,5 @@
 //! [`DraftHead`]: what a drafter that reads the target's hidden states
-//! needs of its head (EAGLE3's `Eagle3Head`; MTP's next-n layer).
+//! needs of its head (EAGLE3's `Eagle3Head`, EAGLE's `EagleHead`; MTP's next-n layer).
 //!
 //! A head runs over positions `p` given the token at `p + 1` and a state of
 //! position `p`: either the target's features (`feature_width` wide: its
@@ -24,7 +24,7 @@ pub struct HeadOutput {
 
 /// A draft head over the target's hidden states.
 pub trait DraftHead: Send {
-    /// Registered name of the drafter it makes (`eagle3`, `nextn`).
+    /// Registered name of the drafter it makes (`eagle3`, `eagle`, `nextn`).
     fn name(&self) -> &'static str;
     /// Width of the head's own state.
     fn hidden_size(&self) -> usize;
@@ -89,5 +89,41 @@ impl DraftHead for crate::eagle3::Eagle3Head {
     }
     fn fuse(&self, features: &Tensor) -> Result<Tensor> {
         crate::eagle3::Eagle3Head::fuse(self, features)
+    }
+}
+
+impl DraftHead for crate::eagle::EagleHead {
+    fn name(&self) -> &'static str {
+        "eagle"
+    }
+    fn hidden_size(&self) -> usize {
+        crate::eagle::EagleHead::hidden_size(self)
+    }
+    fn target_layers(&self) -> Vec<usize> {
+        vec![self.target_layer()]
+    }
+    fn feature_width(&self) -> usize {
+        crate::eagle::EagleHead::hidden_size(self)
+    }
+    fn max_position_embeddings(&self) -> usize {
+        self.config().decoder.max_position_embeddings
+    }
+    fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
+        crate::eagle::EagleHead::kv_spec(self, page_size, num_pages, dtype)
+    }
+    fn forward(
+        &self,
+        batch: &ForwardBatch,
+        hidden: &Tensor,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<HeadOutput> {
+        let out = crate::eagle::EagleHead::forward(self, batch, hidden, ctx)?;
+        Ok(HeadOutput {
+            logits: out.logits,
+            state: out.state,
+        })
+    }
+    fn target_id(&self, draft_id: u32) -> Result<u32> {
+        crate::eagle::EagleHead::target_id(self, draft_id)
     }
 }

@@ -1,17 +1,19 @@
 //! Drafting from the target's hidden states with a [`DraftHead`]:
 //! [`HeadDrafter`] is the `eagle3` speculator (SGLang's
-//! `--speculative-algorithm EAGLE3`, with an `Eagle3Head`) and the `nextn`
-//! one (MTP: next-n prediction layers shipped in the target's checkpoint).
+//! `--speculative-algorithm EAGLE3`, with an `Eagle3Head`), the `eagle` one
+//! (`--speculative-algorithm EAGLE`, with an `EagleHead` over the target's
+//! final normed state) and the `nextn` one (MTP: next-n prediction layers
+//! shipped in the target's checkpoint).
 //!
 //! Flow, as SGLang's EAGLE worker:
 //! - **Extend** ([`Speculator::observe_states`], after every target step):
 //!   for each position `p` the target computed and kept, the head takes the
 //!   token at `p + 1` and the target's hidden states at `p` (the head's
 //!   [`target_layers`](DraftHead::target_layers): EAGLE3's low/mid/high
-//!   layers, MTP's final normed state), and writes its KV at `p`. The last
-//!   position's logits (the first draft token's distribution) and output
-//!   state (where the next draft step starts) are kept for the request,
-//!   tagged with the sequence length they apply to.
+//!   layers, MTP's and EAGLE's final normed state), and writes its KV at
+//!   `p`. The last position's logits (the first draft token's distribution)
+//!   and output state (where the next draft step starts) are kept for the
+//!   request, tagged with the sequence length they apply to.
 //! - **Draft** ([`Speculator::propose`]): when the request's length is still
 //!   that tag, the chain starts from the kept logits; every further token is
 //!   one head forward (batched over the requests still drafting) that feeds
@@ -29,6 +31,7 @@
 //! extend. Drafts are advisory: verification decides what is kept.
 
 use crate::choose::{Choice, argmax, draw};
+use crate::eagle::EagleHead;
 use crate::eagle3::Eagle3Head;
 use crate::head::DraftHead;
 use crate::head_tree::Growing;
@@ -110,6 +113,20 @@ impl HeadDrafter {
             model.lm_head(),
             target.backend().clone(),
         )?;
+        Self::new(Box::new(head), cfg, inputs)
+    }
+
+    /// `eagle`: loads the EAGLE head at `inputs.draft_path` for `inputs.target`,
+    /// sharing the target's LM head (and its embedding when the head has none).
+    pub fn eagle(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
+        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
+            CoreError::Config(
+                "--speculative-algorithm EAGLE needs --speculative-draft-model-path (the head's folder)"
+                    .into(),
+            )
+        })?;
+        let target = &inputs.target;
+        let head = EagleHead::load(dir, &*target.model(), target.backend().clone())?;
         Self::new(Box::new(head), cfg, inputs)
     }
 

@@ -17,8 +17,12 @@
 //! And it owns [`Eagle3Head`], an EAGLE3 draft head (SpecForge / SGLang
 //! `LlamaForCausalLMEagle3` checkpoints): loading, the fusion of the
 //! target's three aux hidden states and one draft forward over its own
-//! one-layer KV cache; [`HeadDrafter`] drafts with it (or any [`DraftHead`]) from the target's
-//! hidden states (`eagle3`, SGLang's EAGLE3).
+//! one-layer KV cache; and [`EagleHead`], an EAGLE draft head (EAGLE-1 /
+//! EAGLE-2 checkpoints, SGLang `LlamaForCausalLMEagle`): `fc` over the
+//! target token's embedding and the target's final normed hidden state,
+//! Llama layer(s) without the first input norm, and the target's own LM
+//! head. [`HeadDrafter`] drafts with either (or any [`DraftHead`]) from the
+//! target's hidden states (`eagle3`, SGLang's EAGLE3; `eagle`, SGLang's EAGLE).
 //!
 //! And [`MtpHead`], the MTP / NEXTN draft head: the next-n prediction layer
 //! shipped in the target's own checkpoint (DeepSeek-V3 layout,
@@ -26,7 +30,8 @@
 //! final normed hidden states (`nextn`, SGLang's NEXTN).
 //!
 //! They register with `inventory` as the speculators `ngram`, `standalone`,
-//! `layerskip`, `eagle3` and `nextn`; a binary must reference the crate (`use
+//! `layerskip`, `eagle3`, `eagle` and `nextn`; a binary must reference the
+//! crate (`use
 //! arbor_spec_decode as _;`) for the entries to be linked in.
 //!
 //! Invariant kept by every call: the trie never holds more than `capacity`
@@ -35,8 +40,10 @@
 
 mod choose;
 mod draft;
+mod eagle;
 mod eagle3;
 mod head;
+mod head_common;
 mod head_drafter;
 mod head_tree;
 mod model;
@@ -47,6 +54,7 @@ mod trie;
 #[cfg(test)]
 mod tests;
 
+pub use eagle::{EAGLE_ARCHITECTURE, EagleConfig, EagleHead, EagleOutput};
 pub use eagle3::{EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Head, Eagle3Output};
 pub use head::{DraftHead, HeadOutput};
 pub use head_drafter::HeadDrafter;
@@ -83,7 +91,7 @@ arbor_engine_core::inventory::submit! {
 arbor_engine_core::inventory::submit! {
     SpeculatorEntry {
         name: "eagle3",
-        about: "an EAGLE3 draft head over the target's low/mid/high hidden states (SGLang's EAGLE3): greedy chains, its KV in the target's pages",
+        about: "an EAGLE3 draft head over the target's low/mid/high hidden states (SGLang's EAGLE3): chains or trees, its KV in the target's pages",
         create: |cfg, inputs| Ok(Box::new(HeadDrafter::eagle3(cfg, inputs)?)),
     }
 }
@@ -91,7 +99,15 @@ arbor_engine_core::inventory::submit! {
 arbor_engine_core::inventory::submit! {
     SpeculatorEntry {
         name: "nextn",
-        about: "the next-n prediction (MTP) layer of the target's own checkpoint (SGLang's NEXTN) over its final hidden states: greedy chains, its KV in the target's pages",
+        about: "the next-n prediction (MTP) layer of the target's own checkpoint (SGLang's NEXTN) over its final hidden states: chains or trees, its KV in the target's pages",
         create: |cfg, inputs| Ok(Box::new(HeadDrafter::nextn(cfg, inputs)?)),
+    }
+}
+
+arbor_engine_core::inventory::submit! {
+    SpeculatorEntry {
+        name: "eagle",
+        about: "an EAGLE (EAGLE-1/2) draft head over the target's final hidden state, with the target's LM head (SGLang's EAGLE): chains or trees, its KV in the target's pages",
+        create: |cfg, inputs| Ok(Box::new(HeadDrafter::eagle(cfg, inputs)?)),
     }
 }

@@ -37,8 +37,8 @@
 //! width is the target's hidden size, so target states and its own states
 //! are fed the same way.
 
-use crate::eagle3::{SplitLinear, lin, split_columns, upload_weight};
 use crate::head::{DraftHead, HeadOutput};
+use crate::head_common::{SplitLinear, lin, split_columns, upload_weight};
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec,
     ModelSpec, Result, RopeStyle, Tensor, WeightSource,

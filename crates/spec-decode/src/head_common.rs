@@ -1,0 +1,333 @@
+//! What the draft heads (EAGLE3's [`Eagle3Head`](crate::Eagle3Head), EAGLE's
+//! [`EagleHead`](crate::EagleHead)) share: reading a head folder's
+//! `config.json` and `model.safetensors` (every tensor's shape and dtype
+//! checked, errors naming the tensor and the file) and the pieces of a Llama
+//! decoder layer they run with [`Backend`] operations (rotary attention over
+//! one layer of the caller's KV cache, the SwiGLU MLP, row selection).
+
+use arbor_engine_core::{
+    AttentionParams, Backend, CoreError, DType, ForwardContext, HostTensor, LinearRef, Result,
+    RopeStyle, Tensor,
+};
+use arbor_models::DecoderConfig;
+use memmap2::Mmap;
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, SafeTensorError, TensorView};
+use serde_json::Value;
+use std::borrow::Cow;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// A config error naming the file and the key.
+pub(crate) fn cfg_err(file: &str, key: &str, what: impl std::fmt::Display) -> CoreError {
+    CoreError::Config(format!("{file}: key '{key}' {what}"))
+}
+
+/// The head's `config.json` in `dir`, parsed, with its path for errors.
+pub(crate) fn read_config(dir: &Path) -> Result<(Value, String)> {
+    let cfg_path = dir.join("config.json");
+    let file = cfg_path.display().to_string();
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
+    let v: Value = serde_json::from_str(&text)
+        .map_err(|e| CoreError::load(format!("{file}: invalid JSON: {e}")))?;
+    Ok((v, file))
+}
+
+/// The two column halves of a weight `[out, 2h]` that reads a concatenation
+/// `[a, b]`: columns `..h` read `a` (the embedding), columns `h..` read `b`
+/// (the hidden state), so `W · [a, b] = W_embed · a + W_hidden · b`.
+pub(crate) struct SplitLinear {
+    pub(crate) embed: Tensor,
+    pub(crate) hidden: Tensor,
+}
+
+/// The head's `model.safetensors`, mapped.
+pub(crate) struct HeadMap {
+    map: Mmap,
+    path: PathBuf,
+}
+
+impl HeadMap {
+    /// Maps `dir/model.safetensors`.
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
+        let path: PathBuf = dir.join("model.safetensors");
+        if !path.exists() && dir.join("pytorch_model.bin").exists() {
+            return Err(CoreError::load(format!(
+                "{}: missing; the head has only pytorch_model.bin (a pickle, which Arbor does not read): convert it to model.safetensors",
+                path.display()
+            )));
+        }
+        let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
+        // SAFETY: the map is read-only and only read while loading; checkpoints
+        // are not modified while loaded (as for every checkpoint Arbor maps).
+        #[allow(unsafe_code)]
+        let map = unsafe { Mmap::map(&f) }.map_err(|e| CoreError::io(&path, e))?;
+        Ok(Self { map, path })
+    }
+
+    /// Its tensors, read in place.
+    pub(crate) fn file(&self) -> Result<HeadFile<'_>> {
+        let st = SafeTensors::deserialize(&self.map[..]).map_err(|e| {
+            CoreError::load(format!(
+                "{}: invalid safetensors file: {e}",
+                self.path.display()
+            ))
+        })?;
+        Ok(HeadFile {
+            st,
+            path: &self.path,
+        })
+    }
+}
+
+/// The head's `model.safetensors`, read in place.
+pub(crate) struct HeadFile<'a> {
+    st: SafeTensors<'a>,
+    pub(crate) path: &'a Path,
+}
+
+fn float_dtype(d: Dtype) -> Option<DType> {
+    match d {
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F16 => Some(DType::F16),
+        Dtype::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+impl<'a> HeadFile<'a> {
+    /// A load error naming the file and the tensor.
+    pub(crate) fn err(&self, name: &str, what: impl std::fmt::Display) -> CoreError {
+        CoreError::load(format!("{}: tensor '{name}' {what}", self.path.display()))
+    }
+
+    /// The tensor, `None` when absent.
+    pub(crate) fn view(&self, name: &str) -> Result<Option<TensorView<'a>>> {
+        match self.st.tensor(name) {
+            Ok(t) => Ok(Some(t)),
+            Err(SafeTensorError::TensorNotFound(_)) => Ok(None),
+            Err(e) => Err(self.err(name, format!("cannot be read: {e}"))),
+        }
+    }
+
+    /// The tensor when present, which must then have `shape`.
+    pub(crate) fn view_shaped(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Option<TensorView<'a>>> {
+        let Some(t) = self.view(name)? else {
+            return Ok(None);
+        };
+        if t.shape() != shape {
+            return Err(self.err(
+                name,
+                format!("has shape {:?}, expected {shape:?}", t.shape()),
+            ));
+        }
+        Ok(Some(t))
+    }
+
+    /// The tensor, which must be present with `shape`.
+    pub(crate) fn required(&self, name: &str, shape: &[usize]) -> Result<TensorView<'a>> {
+        self.view_shaped(name, shape)?
+            .ok_or_else(|| self.err(name, "is missing"))
+    }
+
+    /// A float tensor as a host tensor of its own dtype.
+    pub(crate) fn host(&self, name: &str, t: &TensorView<'a>) -> Result<HostTensor<'a>> {
+        let dtype = float_dtype(t.dtype()).ok_or_else(|| {
+            self.err(
+                name,
+                format!("has dtype {:?}; supported: F32, F16, BF16", t.dtype()),
+            )
+        })?;
+        let h = HostTensor {
+            dtype,
+            shape: t.shape().to_vec(),
+            data: Cow::Borrowed(t.data()),
+        };
+        h.validate(name)?;
+        Ok(h)
+    }
+
+    /// A required weight matrix of `shape`, uploaded (see [`upload_weight`]).
+    pub(crate) fn weight(&self, b: &dyn Backend, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.required(name, shape)?;
+        upload_weight(b, &self.host(name, &t)?, name)
+    }
+
+    /// A required vector (norm weight, bias) of `len`, uploaded as f32.
+    pub(crate) fn vector(&self, b: &dyn Backend, name: &str, len: usize) -> Result<Tensor> {
+        let t = self.required(name, &[len])?;
+        let host = self.host(name, &t)?;
+        let f = host.cast(DType::F32).map_err(|e| self.err(name, e))?;
+        b.upload(&f)
+    }
+
+    /// A required `[out, 2h]` weight, uploaded as its two column halves.
+    pub(crate) fn split(
+        &self,
+        b: &dyn Backend,
+        name: &str,
+        out: usize,
+        h: usize,
+    ) -> Result<SplitLinear> {
+        let t = self.required(name, &[out, 2 * h])?;
+        let (e, hh) = split_columns(&self.host(name, &t)?, h)?;
+        Ok(SplitLinear {
+            embed: upload_weight(b, &e, name)?,
+            hidden: upload_weight(b, &hh, name)?,
+        })
+    }
+}
+
+/// Uploads a weight matrix in its own dtype when the backend takes it, else as f32.
+pub(crate) fn upload_weight(
+    backend: &dyn Backend,
+    t: &HostTensor<'_>,
+    name: &str,
+) -> Result<Tensor> {
+    if backend.capabilities().weight_dtypes.contains(&t.dtype) {
+        backend.upload(t)
+    } else {
+        let f = t
+            .cast(DType::F32)
+            .map_err(|e| CoreError::load(format!("tensor '{name}': {e}")))?;
+        backend.upload(&f)
+    }
+}
+
+/// Splits `[out, 2h]` row-major into its column halves `[out, h]` and `[out, h]`.
+pub(crate) fn split_columns(
+    t: &HostTensor<'_>,
+    h: usize,
+) -> Result<(HostTensor<'static>, HostTensor<'static>)> {
+    let out = t.shape.first().copied().unwrap_or(0);
+    let half = t.dtype.bytes_for(h)?;
+    let mut a = Vec::with_capacity(out * half);
+    let mut b = Vec::with_capacity(out * half);
+    for row in t.data.chunks_exact(2 * half) {
+        a.extend_from_slice(&row[..half]);
+        b.extend_from_slice(&row[half..]);
+    }
+    let mk = |data: Vec<u8>| HostTensor {
+        dtype: t.dtype,
+        shape: vec![out, h],
+        data: Cow::Owned(data),
+    };
+    Ok((mk(a), mk(b)))
+}
+
+/// A bias-free linear of [`Backend::linear_many`].
+pub(crate) fn lin<'a>(w: &'a Tensor, out: &'a Tensor) -> LinearRef<'a> {
+    LinearRef { w, bias: None, out }
+}
+
+// ---------------------------------------------------------------------------
+// Pieces of a Llama decoder layer.
+
+/// Rotates `q` and `k` (neox style) at `pos` and attends over layer `layer`
+/// of `ctx.kv` (writing K and V there); returns f32 `[t, heads * head_dim]`
+/// before `o_proj`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rope_attention(
+    b: &dyn Backend,
+    ctx: &ForwardContext<'_>,
+    layer: usize,
+    c: &DecoderConfig,
+    inv_freq: &Tensor,
+    pos: &Tensor,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<Tensor> {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    b.rope(q, pos, inv_freq, hd, RopeStyle::Neox)?;
+    b.rope(k, pos, inv_freq, hd, RopeStyle::Neox)?;
+    let attn = b.alloc(DType::F32, &[q.rows(), nh * hd])?;
+    let params = AttentionParams {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: hd,
+        scale: 1.0 / (hd as f32).sqrt(),
+        sliding_window: None,
+    };
+    ctx.attention.forward(
+        ctx.attention_batch,
+        ctx.kv.layer(layer)?,
+        q,
+        k,
+        v,
+        &attn,
+        &params,
+    )?;
+    Ok(attn)
+}
+
+/// Checks that `ctx`'s KV cache has `layers` layers of the head's geometry.
+pub(crate) fn check_kv(
+    ctx: &ForwardContext<'_>,
+    c: &DecoderConfig,
+    layers: usize,
+    what: &str,
+) -> Result<()> {
+    let s = ctx.kv.spec();
+    let (nkv, hd) = (c.num_key_value_heads, c.head_dim);
+    if s.num_layers < layers || s.num_kv_heads != nkv || s.head_dim != hd {
+        return Err(CoreError::invalid(format!(
+            "KV cache {s:?} does not fit the {what} head ({layers} layers of {nkv} KV heads of {hd})"
+        )));
+    }
+    Ok(())
+}
+
+/// A SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub(crate) struct Mlp {
+    pub(crate) gate: Tensor,
+    pub(crate) up: Tensor,
+    pub(crate) down: Tensor,
+}
+
+impl Mlp {
+    /// Loads `{prefix}.{gate,up,down}_proj.weight` for hidden `h`, intermediate `inter`.
+    pub(crate) fn load(
+        src: &HeadFile<'_>,
+        b: &dyn Backend,
+        prefix: &str,
+        h: usize,
+        inter: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            gate: src.weight(b, &format!("{prefix}.gate_proj.weight"), &[inter, h])?,
+            up: src.weight(b, &format!("{prefix}.up_proj.weight"), &[inter, h])?,
+            down: src.weight(b, &format!("{prefix}.down_proj.weight"), &[h, inter])?,
+        })
+    }
+
+    /// `out = mlp(x)`; `x` and `out` f32 `[t, h]`.
+    pub(crate) fn forward(&self, b: &dyn Backend, x: &Tensor, out: &Tensor) -> Result<()> {
+        let inter = self.gate.rows();
+        let t = x.rows();
+        let gate = b.alloc(DType::F32, &[t, inter])?;
+        let up = b.alloc(DType::F32, &[t, inter])?;
+        b.linear_many(x, &[lin(&self.gate, &gate), lin(&self.up, &up)])?;
+        let act = b.alloc(DType::F32, &[t, inter])?;
+        b.silu_mul(&gate, &up, &act)?;
+        b.linear(&act, &self.down, None, out)
+    }
+}
+
+/// The rows `rows` of f32 `x` (`[t, d]`); `x` itself when they are all rows in order.
+pub(crate) fn select_rows(b: &(dyn Backend + 'static), x: Tensor, rows: &[u32]) -> Result<Tensor> {
+    let t = x.rows();
+    if rows.len() == t && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+        return Ok(x);
+    }
+    let out = b.alloc(DType::F32, &[rows.len(), x.row_len()])?;
+    if !rows.is_empty() {
+        let idx = b.upload_u32(&[rows.len()], rows)?;
+        b.gather_rows(&x, &idx, &out)?;
+    }
+    Ok(out)
+}
