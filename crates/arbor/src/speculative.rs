@@ -333,7 +333,9 @@ mod tests {
         let err = |r: Result<Option<SpeculativeConfig>>| r.expect_err("refused").to_string();
         assert!(err(with("STANDALONE", false, None)).contains("--speculative-draft-model-path"));
         assert!(err(with("EAGLE3", false, None)).contains("--speculative-draft-model-path"));
-        assert!(err(with("NGRAM", true, None)).contains("STANDALONE, EAGLE3 and NEXTN only"));
+        assert!(
+            err(with("NGRAM", true, None)).contains("STANDALONE, EAGLE, EAGLE3 and NEXTN only")
+        );
         assert!(err(with("LAYERSKIP", false, None)).contains("--speculative-draft-layers"));
         assert!(err(with("NGRAM", false, Some(2))).contains("LAYERSKIP only"));
         let c = with("LAYERSKIP", false, Some(2)).expect("ok").expect("on");
