@@ -748,7 +748,7 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
     };
     let err = Engine::new(cfg, parts).err().context("refused")?;
     assert!(err.to_string().contains("no speculator"), "{err}");
-    assert!(s.registry.speculators.get("eagle").is_err());
+    assert!(s.registry.speculators.get("medusa").is_err());
     Ok(())
 }
 
