@@ -41,8 +41,8 @@
 //! backend.
 
 use crate::head_common::{
-    Attention, HeadMap, Mlp, SplitLinear, cfg_err, check_batch, check_hidden, check_kv,
-    check_plain_llama, check_vocab, kv_spec, lm_logits, read_bool, read_config, same_id,
+    Attention, HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden,
+    check_kv, check_plain_llama, check_vocab, kv_spec, lm_logits, read_bool, read_config, same_id,
     select_rows, upload_inv_freq,
 };
 use arbor_engine_core::{
@@ -71,16 +71,7 @@ impl EagleConfig {
     /// Parses the head's `config.json` value; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str) -> Result<Self> {
         let decoder = DecoderConfig::from_json(v, file)?;
-        if decoder.architecture != EAGLE_ARCHITECTURE {
-            return Err(cfg_err(
-                file,
-                "architectures",
-                format!(
-                    "is '{}', expected '{EAGLE_ARCHITECTURE}'",
-                    decoder.architecture
-                ),
-            ));
-        }
+        check_architecture(&decoder, file, EAGLE_ARCHITECTURE)?;
         if decoder.num_hidden_layers == 0 {
             return Err(cfg_err(
                 file,

@@ -25,9 +25,9 @@
 //! cache of [`Eagle3Head::kv_spec`], so it runs on every backend.
 
 use crate::head_common::{
-    HeadMap, Mlp, SplitLinear, cfg_err, check_batch, check_hidden, check_kv, check_plain_llama,
-    check_vocab, kv_spec, lin, lm_logits, read_bool, read_config, rope_attention, select_rows,
-    upload_inv_freq,
+    HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden, check_kv,
+    check_plain_llama, check_vocab, kv_spec, lin, lm_logits, read_bool, read_config,
+    rope_attention, select_rows, upload_inv_freq,
 };
 use arbor_engine_core::{
     Backend, CoreError, DType, ForwardBatch, ForwardContext, KvSpec, ModelSpec, Result, Tensor,
@@ -60,16 +60,7 @@ impl Eagle3Config {
     /// Parses the head's `config.json` value; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str) -> Result<Self> {
         let decoder = DecoderConfig::from_json(v, file)?;
-        if decoder.architecture != EAGLE3_ARCHITECTURE {
-            return Err(cfg_err(
-                file,
-                "architectures",
-                format!(
-                    "is '{}', expected '{EAGLE3_ARCHITECTURE}'",
-                    decoder.architecture
-                ),
-            ));
-        }
+        check_architecture(&decoder, file, EAGLE3_ARCHITECTURE)?;
         if decoder.num_hidden_layers != 1 {
             return Err(cfg_err(
                 file,

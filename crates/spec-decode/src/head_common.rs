@@ -36,6 +36,18 @@ pub(crate) fn read_config(dir: &Path) -> Result<(Value, String)> {
     Ok((v, file))
 }
 
+/// Checks that the config's architecture is `expected`.
+pub(crate) fn check_architecture(c: &DecoderConfig, file: &str, expected: &str) -> Result<()> {
+    if c.architecture != expected {
+        return Err(cfg_err(
+            file,
+            "architectures",
+            format!("is '{}', expected '{expected}'", c.architecture),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses what the heads do not run: `attention_bias` or `mlp_bias` set
 /// (`biases` says why) and a sliding window (`window` says why).
 pub(crate) fn check_plain_llama(
