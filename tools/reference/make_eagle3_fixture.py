@@ -30,40 +30,26 @@ Needs torch, transformers 5.x, safetensors, numpy. See tools/reference/README.md
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import shutil
-import sys
 import time
-import warnings
 from collections import Counter
-from pathlib import Path
 
-# Single-threaded CPU math so that reruns produce the same bytes.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+import draft_heads_common as common
+import torch
+from draft_heads_common import (
+    FIXTURES,
+    TARGET,
+    attention,
+    f32list,
+    greedy_chain,
+    margin,
+    mlp,
+    rms,
+    target_config,
+    target_reference,
+    target_weights,
+    versions,
+)
 
-import numpy as np  # noqa: E402
-import safetensors  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-warnings.filterwarnings("ignore")
-transformers.utils.logging.disable_progress_bar()
-torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-FIXTURES = REPO / "tests" / "fixtures"
-TARGET = FIXTURES / "tiny-llama"
 OUT = FIXTURES / "eagle3-tiny-llama"
 
 BASE_SEED = 9000
@@ -77,27 +63,6 @@ MIN_MARGIN = 1e-2  # required top1-top2 gap of every draft argmax
 HOT_FROM_USE = 64  # hot ids taken by frequency in tiny-llama's prompts + greedy outputs
 # Standard deviations of the normal weights; norm weights are uniform in [0.8, 1.2].
 STD = {"fc": 0.1, "attn": 0.15, "mlp": 0.15, "lm_head": 0.5}
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def versions() -> dict:
-    return {
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "safetensors_version": safetensors.__version__,
-        "numpy_version": np.__version__,
-    }
-
-
-def target_config() -> dict:
-    return json.loads((TARGET / "config.json").read_text(encoding="utf-8"))
-
-
-def target_reference() -> dict:
-    return json.loads((TARGET / "reference.json").read_text(encoding="utf-8"))
 
 
 def head_config(tc: dict) -> dict:
@@ -163,17 +128,8 @@ def make_weights(tc: dict, cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         "norm.weight": ([h], None),
         "lm_head.weight": ([cfg["draft_vocab_size"], h], "lm_head"),
     }
-    g = torch.Generator().manual_seed(seed)
-    w: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape, kind = shapes[name]
-        if kind is None:
-            w[name] = 0.8 + 0.4 * torch.rand(shape, generator=g, dtype=torch.float32)
-        else:
-            w[name] = STD[kind] * torch.randn(shape, generator=g, dtype=torch.float32)
-    target = {}
-    for f in sorted(TARGET.glob("*.safetensors")):
-        target.update(load_file(str(f)))
+    w = common.seeded_weights(shapes, STD, seed)
+    target = target_weights()
     w["embed_tokens.weight"] = target["model.embed_tokens.weight"].clone().contiguous()
     hot = torch.tensor(hot_ids(tc, seed), dtype=torch.int64)
     w["d2t"] = hot - torch.arange(DRAFT_VOCAB, dtype=torch.int64)
@@ -185,10 +141,6 @@ def make_weights(tc: dict, cfg: dict, seed: int) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------
 # Target features (transformers) and the float64 draft forward (this file's own code).
-
-
-def load_target():
-    return AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @torch.no_grad()
@@ -217,96 +169,28 @@ def target_features(model, ids: list[int]) -> torch.Tensor:
     return torch.cat([outs[i][0] for i in AUX_LAYERS], dim=-1)
 
 
-def inv_freq(cfg: dict) -> torch.Tensor:
-    """Rotary inverse frequencies (float64), Llama-3 scaling when configured."""
-    hd, base = cfg["head_dim"], cfg["rope_theta"]
-    f = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    rs = cfg.get("rope_scaling") or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "llama3":
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wl = 2 * math.pi / f
-        scaled = torch.where(wl > old / lo, f / factor, f)
-        s = (old / wl - lo) / (hi - lo)
-        smooth = (1 - s) * scaled / factor + s * scaled
-        medium = (wl >= old / hi) & (wl <= old / lo)
-        f = torch.where(medium, smooth, scaled)
-    else:
-        assert kind == "default", kind
-    return f
-
-
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, heads: int, hd: int) -> torch.Tensor:
-    t = x.shape[0]
-    x = x.view(t, heads, hd)
-    ang = pos[:, None].to(torch.float64) * freq[None, :]  # [t, hd/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
-    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
-    return (x * cos + rot * sin).reshape(t, heads * hd)
-
-
 def draft_forward(w64: dict, cfg: dict, ids: list[int], h: torch.Tensor, pos: list[int]):
     """One sequence, causal over all its rows. `h` is the fused hidden [t, hidden]. -> (logits, aux)."""
     eps = cfg["rms_norm_eps"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    t = len(ids)
     p = torch.tensor(pos)
     emb = w64["embed_tokens.weight"][torch.tensor(ids)]
     x = torch.cat(
         [rms(emb, w64["midlayer.input_layernorm.weight"], eps), rms(h, w64["midlayer.hidden_norm.weight"], eps)],
         dim=-1,
     )
-    a = "midlayer.self_attn."
-    q = x @ w64[a + "q_proj.weight"].T
-    k = x @ w64[a + "k_proj.weight"].T
-    v = x @ w64[a + "v_proj.weight"].T
-    freq = inv_freq(cfg)
-    q = rope(q, p, freq, nh, hd).view(t, nh, hd)
-    k = rope(k, p, freq, nkv, hd).view(t, nkv, hd)
-    v = v.view(t, nkv, hd)
-    group = nh // nkv
-    out = torch.zeros(t, nh, hd, dtype=torch.float64)
-    for head in range(nh):
-        kh, vh = k[:, head // group], v[:, head // group]
-        s = (q[:, head] @ kh.T) / math.sqrt(hd)
-        # Causal by position (rows are one sequence in position order).
-        mask = p[None, :] > p[:, None]
-        s = s.masked_fill(mask, float("-inf"))
-        out[:, head] = torch.softmax(s, dim=-1) @ vh
-    attn = out.reshape(t, nh * hd) @ w64[a + "o_proj.weight"].T
+    attn = attention(w64, "midlayer.self_attn.", x, p, cfg)
     r2 = attn + h
     h2 = rms(r2, w64["midlayer.post_attention_layernorm.weight"], eps)
-    m = "midlayer.mlp."
-    gate = h2 @ w64[m + "gate_proj.weight"].T
-    up = h2 @ w64[m + "up_proj.weight"].T
-    mlp = (torch.nn.functional.silu(gate) * up) @ w64[m + "down_proj.weight"].T
-    aux = mlp + r2
+    aux = mlp(w64, "midlayer.mlp.", h2) + r2
     logits = rms(aux, w64["norm.weight"], eps) @ w64["lm_head.weight"].T
     return logits, aux
-
-
-def margin(row: torch.Tensor) -> float:
-    top = torch.topk(row, 2).values
-    return float(top[0] - top[1])
-
-
-def f32list(t: torch.Tensor) -> list:
-    return t.to(torch.float32).tolist()
 
 
 def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
     w64 = {k: v.to(torch.float64) for k, v in w.items() if v.is_floating_point()}
     d2t = w["d2t"]
     tref = target_reference()
-    # Our rope frequencies must be transformers' (float32) ones.
-    hf = target.model.rotary_emb.inv_freq.to(torch.float64)
-    assert torch.allclose(inv_freq(cfg), hf, rtol=1e-6, atol=0), (inv_freq(cfg), hf)
+    common.check_inv_freq(cfg, target)
     seqs = []
     for pi in PROMPTS:
         prompt = tref["prompts"][pi]["input_ids"]
@@ -334,27 +218,19 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
             },
             "chain": [],
         }
-        prev_aux, prev_tok = aux[-1], draft[-1]
-        for step in range(CHAIN_STEPS):
-            tid = prev_tok + int(d2t[prev_tok])
-            ids.append(tid)
-            pos.append(n - 1 + step)
-            hs = torch.cat([hs, prev_aux[None, :]], dim=0)
-            logits, aux = draft_forward(w64, cfg, ids, hs, pos)
-            row, a = logits[-1], aux[-1]
-            d = int(row.argmax())
-            seq["chain"].append(
-                {
-                    "input_id": tid,
-                    "position": pos[-1],
-                    "logits": f32list(row),
-                    "aux": f32list(a),
-                    "draft_id": d,
-                    "target_id": d + int(d2t[d]),
-                    "margin": margin(row),
-                }
-            )
-            prev_aux, prev_tok = a, d
+        # Each step feeds the previous aux and the previous draft token's target id.
+        seq["chain"] = greedy_chain(
+            lambda i, x, p: draft_forward(w64, cfg, i, x, p),
+            ids,
+            hs,
+            pos,
+            aux[-1],
+            draft[-1],
+            CHAIN_STEPS,
+            "aux",
+            lambda d: d + int(d2t[d]),
+            lambda d: {"draft_id": d, "target_id": d + int(d2t[d])},
+        )
         seqs.append(seq)
     hot = (d2t + torch.arange(DRAFT_VOCAB)).tolist()
     return {
@@ -372,19 +248,10 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
 
 
 def acceptable(ref: dict) -> str | None:
-    worst = min(
-        min(s["prefill"]["min_margin"] for s in ref["sequences"]),
-        min(c["margin"] for s in ref["sequences"] for c in s["chain"]),
-    )
+    worst = common.worst_margin(ref)
     if worst < MIN_MARGIN:
         return f"top-2 margin {worst:.4f} < {MIN_MARGIN}"
-    chain = [c["target_id"] for s in ref["sequences"] for c in s["chain"]]
-    if len(set(chain)) < 3:
-        return f"chain tokens {chain} have fewer than 3 distinct ids"
-    prefill = [t for s in ref["sequences"] for t in s["prefill"]["draft_ids"]]
-    if len(set(prefill)) < 8:
-        return "prefill draft ids have fewer than 8 distinct values"
-    return None
+    return common.too_few_distinct(ref, "target_id", "draft_ids", "prefill draft ids")
 
 
 def build(seed: int, target) -> tuple[dict, dict, dict]:
@@ -398,23 +265,9 @@ def build(seed: int, target) -> tuple[dict, dict, dict]:
 
 def write_all() -> None:
     t0 = time.time()
-    target = load_target()
-    for seed in range(BASE_SEED, BASE_SEED + MAX_SEED_TRIES):
-        cfg, w, ref = build(seed, target)
-        why = acceptable(ref)
-        if why is None:
-            break
-        print(f"seed {seed}: {why}")
-    else:
-        sys.exit("no acceptable seed")
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
-    write_json(OUT / "config.json", cfg)
-    save_file({k: w[k] for k in sorted(w)}, str(OUT / "model.safetensors"), metadata={"format": "pt"})
-    write_json(OUT / "reference.json", ref)
-    for f in OUT.iterdir():
-        os.chmod(f, 0o644)
+    target = common.load_target()
+    cfg, w, ref = common.find_seed(build, acceptable, target, BASE_SEED, MAX_SEED_TRIES)
+    common.write_head_folder(OUT, cfg, w, ref)
     summarize(ref)
     print(f"wrote {OUT} in {time.time() - t0:.1f}s")
 
@@ -431,56 +284,24 @@ def summarize(ref: dict) -> None:
 
 def check() -> None:
     """Rebuild from the committed seed and compare with the committed folder."""
-    want = json.loads((OUT / "reference.json").read_text(encoding="utf-8"))
-    target = load_target()
+    want = common.read_json(OUT / "reference.json")
+    target = common.load_target()
     cfg, w, ref = build(want["seed"], target)
-    ok = True
-    if json.loads((OUT / "config.json").read_text(encoding="utf-8")) != cfg:
-        ok = False
-        print("MISMATCH config.json")
-    on_disk = load_file(str(OUT / "model.safetensors"))
-    if sorted(on_disk) != sorted(w) or any(not torch.equal(on_disk[k], w[k]) for k in w):
-        ok = False
-        print("MISMATCH model.safetensors")
+    chk = common.Check()
+    chk.same(common.read_json(OUT / "config.json"), cfg, "config.json")
+    on_disk = chk.weights(OUT / "model.safetensors", w)
     # The reference recomputed from the committed weights.
     got = compute_reference(cfg, on_disk, target)
-    worst = 0.0
-    for sw, sg in zip(want["sequences"], got["sequences"], strict=True):
-        if sw["prompt_ids"] != sg["prompt_ids"] or len(sw["prefill"]["input_ids"]) != len(sg["prompt_ids"]) - 1:
-            ok = False
-            print("MISMATCH prompt_ids")
-        for key in ("input_ids", "draft_ids", "target_ids", "positions"):
-            if sw["prefill"][key] != sg["prefill"][key]:
-                ok = False
-                print(f"MISMATCH prefill {key}")
-        for key in ("features", "logits", "aux"):
-            a, b = np.array(sw["prefill"][key]), np.array(sg["prefill"][key])
-            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1.0)))
-        for cw, cg in zip(sw["chain"], sg["chain"], strict=True):
-            for key in ("input_id", "position", "draft_id", "target_id"):
-                if cw[key] != cg[key]:
-                    ok = False
-                    print(f"MISMATCH chain {key}")
-            for key in ("logits", "aux"):
-                a, b = np.array(cw[key]), np.array(cg[key])
-                worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1.0)))
-    if worst > 1e-6 or acceptable(got) is not None:
-        ok = False
-    print(f"eagle3-tiny-llama: ids ok={ok}, worst relative difference {worst:.2e}")
-    if not ok:
-        sys.exit("EAGLE3 reference check FAILED")
-    print("EAGLE3 reference check passed")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="rebuild in memory and compare with the committed folder")
-    args = ap.parse_args()
-    if args.check:
-        check()
-    else:
-        write_all()
+    chk.sequences(
+        want,
+        got,
+        ("input_ids", "draft_ids", "target_ids", "positions"),
+        ("features", "logits", "aux"),
+        ("input_id", "position", "draft_id", "target_id"),
+        ("logits", "aux"),
+    )
+    chk.finish(acceptable(got) is None, OUT.name, "EAGLE3")
 
 
 if __name__ == "__main__":
-    main()
+    common.main(__doc__, check, write_all)

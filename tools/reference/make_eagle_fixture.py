@@ -34,39 +34,25 @@ Needs torch, transformers 5.x, safetensors, numpy. See tools/reference/README.md
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
-import shutil
-import sys
 import time
-import warnings
-from pathlib import Path
 
-# Single-threaded CPU math so that reruns produce the same bytes.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+import draft_heads_common as common
+import torch
+from draft_heads_common import (
+    FIXTURES,
+    TARGET,
+    attention,
+    f32list,
+    greedy_chain,
+    margin,
+    mlp,
+    rms,
+    target_config,
+    target_reference,
+    target_weights,
+    versions,
+)
 
-import numpy as np  # noqa: E402
-import safetensors  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-warnings.filterwarnings("ignore")
-transformers.utils.logging.disable_progress_bar()
-torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
-FIXTURES = REPO / "tests" / "fixtures"
-TARGET = FIXTURES / "tiny-llama"
 OUT = FIXTURES / "eagle-tiny-llama"
 
 BASE_SEED = 9500
@@ -78,34 +64,6 @@ CHAIN_STEPS = 3
 MIN_MARGIN = 1e-2  # required top1-top2 gap of every draft argmax
 # Standard deviations of the normal weights; norm weights are uniform in [0.8, 1.2].
 STD = {"fc": 0.1, "fc_bias": 0.05, "attn": 0.15, "mlp": 0.15}
-
-
-def write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def versions() -> dict:
-    return {
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "safetensors_version": safetensors.__version__,
-        "numpy_version": np.__version__,
-    }
-
-
-def target_config() -> dict:
-    return json.loads((TARGET / "config.json").read_text(encoding="utf-8"))
-
-
-def target_reference() -> dict:
-    return json.loads((TARGET / "reference.json").read_text(encoding="utf-8"))
-
-
-def target_weights() -> dict[str, torch.Tensor]:
-    w = {}
-    for f in sorted(TARGET.glob("*.safetensors")):
-        w.update(load_file(str(f)))
-    return w
 
 
 def head_config(tc: dict) -> dict:
@@ -153,23 +111,11 @@ def make_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
                 p + "mlp.down_proj.weight": ([h, inter], "mlp"),
             }
         )
-    g = torch.Generator().manual_seed(seed)
-    w: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes):
-        shape, kind = shapes[name]
-        if kind is None:
-            w[name] = 0.8 + 0.4 * torch.rand(shape, generator=g, dtype=torch.float32)
-        else:
-            w[name] = STD[kind] * torch.randn(shape, generator=g, dtype=torch.float32)
-    return w
+    return common.seeded_weights(shapes, STD, seed)
 
 
 # ---------------------------------------------------------------------------------------------
 # Target states (transformers) and the float64 draft forward (this file's own code).
-
-
-def load_target():
-    return AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @torch.no_grad()
@@ -194,81 +140,20 @@ def target_states(model, ids: list[int]) -> torch.Tensor:
     return state
 
 
-def inv_freq(cfg: dict) -> torch.Tensor:
-    """Rotary inverse frequencies (float64), Llama-3 scaling when configured."""
-    hd, base = cfg["head_dim"], cfg["rope_theta"]
-    f = 1.0 / base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    rs = cfg.get("rope_scaling") or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "llama3":
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wl = 2 * math.pi / f
-        scaled = torch.where(wl > old / lo, f / factor, f)
-        s = (old / wl - lo) / (hi - lo)
-        smooth = (1 - s) * scaled / factor + s * scaled
-        medium = (wl >= old / hi) & (wl <= old / lo)
-        f = torch.where(medium, smooth, scaled)
-    else:
-        assert kind == "default", kind
-    return f
-
-
-def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: torch.Tensor, pos: torch.Tensor, freq: torch.Tensor, heads: int, hd: int) -> torch.Tensor:
-    t = x.shape[0]
-    x = x.view(t, heads, hd)
-    ang = pos[:, None].to(torch.float64) * freq[None, :]  # [t, hd/2]
-    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None, :]
-    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None, :]
-    rot = torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
-    return (x * cos + rot * sin).reshape(t, heads * hd)
-
-
 def draft_forward(w64: dict, cfg: dict, ids: list[int], h: torch.Tensor, pos: list[int]):
     """One sequence, causal over all its rows. `h` is the input state [t, hidden]. -> (logits, state)."""
     eps = cfg["rms_norm_eps"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    t = len(ids)
     p = torch.tensor(pos)
     emb = w64["target.embed_tokens.weight"][torch.tensor(ids)]
     x = torch.cat([emb, h], dim=-1) @ w64["fc.weight"].T + w64["fc.bias"]
-    freq = inv_freq(cfg)
-    group = nh // nkv
     for i in range(cfg["num_hidden_layers"]):
         pre = f"layers.{i}."
         a_in = x if i == 0 else rms(x, w64[pre + "input_layernorm.weight"], eps)
-        a = pre + "self_attn."
-        q = rope(a_in @ w64[a + "q_proj.weight"].T, p, freq, nh, hd).view(t, nh, hd)
-        k = rope(a_in @ w64[a + "k_proj.weight"].T, p, freq, nkv, hd).view(t, nkv, hd)
-        v = (a_in @ w64[a + "v_proj.weight"].T).view(t, nkv, hd)
-        out = torch.zeros(t, nh, hd, dtype=torch.float64)
-        for head in range(nh):
-            kh, vh = k[:, head // group], v[:, head // group]
-            s = (q[:, head] @ kh.T) / math.sqrt(hd)
-            # Causal by position (rows are one sequence in position order).
-            s = s.masked_fill(p[None, :] > p[:, None], float("-inf"))
-            out[:, head] = torch.softmax(s, dim=-1) @ vh
-        x = x + out.reshape(t, nh * hd) @ w64[a + "o_proj.weight"].T
-        m = pre + "mlp."
+        x = x + attention(w64, pre + "self_attn.", a_in, p, cfg)
         h2 = rms(x, w64[pre + "post_attention_layernorm.weight"], eps)
-        x = x + (torch.nn.functional.silu(h2 @ w64[m + "gate_proj.weight"].T) * (h2 @ w64[m + "up_proj.weight"].T)) @ w64[
-            m + "down_proj.weight"
-        ].T
+        x = x + mlp(w64, pre + "mlp.", h2)
     logits = x @ w64["target.lm_head.weight"].T
     return logits, x
-
-
-def margin(row: torch.Tensor) -> float:
-    top = torch.topk(row, 2).values
-    return float(top[0] - top[1])
-
-
-def f32list(t: torch.Tensor) -> list:
-    return t.to(torch.float32).tolist()
 
 
 def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
@@ -277,9 +162,7 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
     w64["target.embed_tokens.weight"] = tw["model.embed_tokens.weight"].to(torch.float64)
     w64["target.lm_head.weight"] = tw["lm_head.weight"].to(torch.float64)
     tref = target_reference()
-    # Our rope frequencies must be transformers' (float32) ones.
-    hf = target.model.rotary_emb.inv_freq.to(torch.float64)
-    assert torch.allclose(inv_freq(cfg), hf, rtol=1e-6, atol=0), (inv_freq(cfg), hf)
+    common.check_inv_freq(cfg, target)
     seqs = []
     for pi in PROMPTS:
         prompt = tref["prompts"][pi]["input_ids"]
@@ -304,25 +187,19 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
             },
             "chain": [],
         }
-        prev_state, prev_tok = state[-1], chosen[-1]
-        for step in range(CHAIN_STEPS):
-            ids.append(prev_tok)
-            pos.append(n - 1 + step)
-            hs = torch.cat([hs, prev_state[None, :]], dim=0)
-            logits, state = draft_forward(w64, cfg, ids, hs, pos)
-            row, s = logits[-1], state[-1]
-            tok = int(row.argmax())
-            seq["chain"].append(
-                {
-                    "input_id": prev_tok,
-                    "position": pos[-1],
-                    "logits": f32list(row),
-                    "state": f32list(s),
-                    "token_id": tok,
-                    "margin": margin(row),
-                }
-            )
-            prev_state, prev_tok = s, tok
+        # Each step feeds the previous output state and token.
+        seq["chain"] = greedy_chain(
+            lambda i, x, p: draft_forward(w64, cfg, i, x, p),
+            ids,
+            hs,
+            pos,
+            state[-1],
+            chosen[-1],
+            CHAIN_STEPS,
+            "state",
+            lambda t: t,
+            lambda t: {"token_id": t},
+        )
         seqs.append(seq)
     return {
         "head": OUT.name,
@@ -337,19 +214,10 @@ def compute_reference(cfg: dict, w: dict[str, torch.Tensor], target) -> dict:
 
 
 def acceptable(ref: dict) -> str | None:
-    worst = min(
-        min(s["prefill"]["min_margin"] for s in ref["sequences"]),
-        min(c["margin"] for s in ref["sequences"] for c in s["chain"]),
-    )
+    worst = common.worst_margin(ref)
     if worst < MIN_MARGIN:
         return f"top-2 margin {worst:.4f} < {MIN_MARGIN}"
-    chain = [c["token_id"] for s in ref["sequences"] for c in s["chain"]]
-    if len(set(chain)) < 3:
-        return f"chain tokens {chain} have fewer than 3 distinct ids"
-    prefill = [t for s in ref["sequences"] for t in s["prefill"]["token_ids"]]
-    if len(set(prefill)) < 8:
-        return "prefill tokens have fewer than 8 distinct values"
-    return None
+    return common.too_few_distinct(ref, "token_id", "token_ids", "prefill tokens")
 
 
 def build(seed: int, target) -> tuple[dict, dict, dict]:
@@ -362,23 +230,9 @@ def build(seed: int, target) -> tuple[dict, dict, dict]:
 
 def write_all() -> None:
     t0 = time.time()
-    target = load_target()
-    for seed in range(BASE_SEED, BASE_SEED + MAX_SEED_TRIES):
-        cfg, w, ref = build(seed, target)
-        why = acceptable(ref)
-        if why is None:
-            break
-        print(f"seed {seed}: {why}")
-    else:
-        sys.exit("no acceptable seed")
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir(parents=True)
-    write_json(OUT / "config.json", cfg)
-    save_file({k: w[k] for k in sorted(w)}, str(OUT / "model.safetensors"), metadata={"format": "pt"})
-    write_json(OUT / "reference.json", ref)
-    for f in OUT.iterdir():
-        os.chmod(f, 0o644)
+    target = common.load_target()
+    cfg, w, ref = common.find_seed(build, acceptable, target, BASE_SEED, MAX_SEED_TRIES)
+    common.write_head_folder(OUT, cfg, w, ref)
     summarize(ref)
     print(f"wrote {OUT} in {time.time() - t0:.1f}s")
 
@@ -396,56 +250,24 @@ def summarize(ref: dict) -> None:
 
 def check() -> None:
     """Rebuild from the committed seed and compare with the committed folder."""
-    want = json.loads((OUT / "reference.json").read_text(encoding="utf-8"))
-    target = load_target()
+    want = common.read_json(OUT / "reference.json")
+    target = common.load_target()
     cfg, w, ref = build(want["seed"], target)
-    ok = True
-    if json.loads((OUT / "config.json").read_text(encoding="utf-8")) != cfg:
-        ok = False
-        print("MISMATCH config.json")
-    on_disk = load_file(str(OUT / "model.safetensors"))
-    if sorted(on_disk) != sorted(w) or any(not torch.equal(on_disk[k], w[k]) for k in w):
-        ok = False
-        print("MISMATCH model.safetensors")
+    chk = common.Check()
+    chk.same(common.read_json(OUT / "config.json"), cfg, "config.json")
+    on_disk = chk.weights(OUT / "model.safetensors", w)
     # The reference recomputed from the committed weights.
     got = compute_reference(cfg, on_disk, target)
-    worst = 0.0
-    for sw, sg in zip(want["sequences"], got["sequences"], strict=True):
-        if sw["prompt_ids"] != sg["prompt_ids"] or len(sw["prefill"]["input_ids"]) != len(sg["prompt_ids"]) - 1:
-            ok = False
-            print("MISMATCH prompt_ids")
-        for key in ("input_ids", "token_ids", "positions"):
-            if sw["prefill"][key] != sg["prefill"][key]:
-                ok = False
-                print(f"MISMATCH prefill {key}")
-        for key in ("target_states", "logits", "state"):
-            a, b = np.array(sw["prefill"][key]), np.array(sg["prefill"][key])
-            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1.0)))
-        for cw, cg in zip(sw["chain"], sg["chain"], strict=True):
-            for key in ("input_id", "position", "token_id"):
-                if cw[key] != cg[key]:
-                    ok = False
-                    print(f"MISMATCH chain {key}")
-            for key in ("logits", "state"):
-                a, b = np.array(cw[key]), np.array(cg[key])
-                worst = max(worst, float(np.abs(a - b).max() / max(np.abs(a).max(), 1.0)))
-    if worst > 1e-6 or acceptable(got) is not None:
-        ok = False
-    print(f"eagle-tiny-llama: ids ok={ok}, worst relative difference {worst:.2e}")
-    if not ok:
-        sys.exit("EAGLE reference check FAILED")
-    print("EAGLE reference check passed")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="rebuild in memory and compare with the committed folder")
-    args = ap.parse_args()
-    if args.check:
-        check()
-    else:
-        write_all()
+    chk.sequences(
+        want,
+        got,
+        ("input_ids", "token_ids", "positions"),
+        ("target_states", "logits", "state"),
+        ("input_id", "position", "token_id"),
+        ("logits", "state"),
+    )
+    chk.finish(acceptable(got) is None, OUT.name, "EAGLE")
 
 
 if __name__ == "__main__":
-    main()
+    common.main(__doc__, check, write_all)

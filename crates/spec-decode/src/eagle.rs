@@ -41,8 +41,9 @@
 //! backend.
 
 use crate::head_common::{
-    HeadMap, Mlp, SplitLinear, cfg_err, check_kv, lin, read_config, rope_attention, select_rows,
-    upload_weight,
+    Attention, HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden,
+    check_kv, check_plain_llama, check_vocab, kv_spec, lm_logits, read_bool, read_config, same_id,
+    select_rows, upload_inv_freq,
 };
 use arbor_engine_core::{
     Backend, CoreError, DType, ForwardBatch, ForwardContext, KvSpec, Model, ModelSpec, Result,
@@ -70,16 +71,7 @@ impl EagleConfig {
     /// Parses the head's `config.json` value; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str) -> Result<Self> {
         let decoder = DecoderConfig::from_json(v, file)?;
-        if decoder.architecture != EAGLE_ARCHITECTURE {
-            return Err(cfg_err(
-                file,
-                "architectures",
-                format!(
-                    "is '{}', expected '{EAGLE_ARCHITECTURE}'",
-                    decoder.architecture
-                ),
-            ));
-        }
+        check_architecture(&decoder, file, EAGLE_ARCHITECTURE)?;
         if decoder.num_hidden_layers == 0 {
             return Err(cfg_err(
                 file,
@@ -87,28 +79,14 @@ impl EagleConfig {
                 "is 0; an EAGLE head has at least one layer",
             ));
         }
-        for key in ["attention_bias", "mlp_bias"] {
-            if v.get(key).and_then(Value::as_bool) == Some(true) {
-                return Err(cfg_err(
-                    file,
-                    key,
-                    "is true; EAGLE heads have no attention or MLP biases",
-                ));
-            }
-        }
-        if decoder.sliding_window.is_some() {
-            return Err(cfg_err(
-                file,
-                "sliding_window",
-                "is set; EAGLE heads attend over the whole context",
-            ));
-        }
-        let fc_bias = match v.get("bias") {
-            None | Some(Value::Null) => true,
-            Some(x) => x.as_bool().ok_or_else(|| {
-                cfg_err(file, "bias", format!("must be true or false, found {x}"))
-            })?,
-        };
+        check_plain_llama(
+            v,
+            &decoder,
+            file,
+            "is true; EAGLE heads have no attention or MLP biases",
+            "is set; EAGLE heads attend over the whole context",
+        )?;
+        let fc_bias = read_bool(v, file, "bias", true)?;
         Ok(Self { decoder, fc_bias })
     }
 
@@ -125,17 +103,7 @@ impl EagleConfig {
                 ),
             ));
         }
-        if self.decoder.vocab_size != target.vocab_size {
-            return Err(cfg_err(
-                file,
-                "vocab_size",
-                format!(
-                    "is {}, but the target's vocabulary has {} ids",
-                    self.decoder.vocab_size, target.vocab_size
-                ),
-            ));
-        }
-        Ok(())
+        check_vocab(&self.decoder, target, file)
     }
 }
 
@@ -153,10 +121,7 @@ pub struct EagleOutput {
 struct Layer {
     /// `None` for layer 0 (EAGLE has no input norm there).
     input_norm: Option<Tensor>,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    attn: Attention,
     post_norm: Tensor,
     mlp: Mlp,
 }
@@ -201,13 +166,7 @@ impl EagleHead {
         let map = HeadMap::open(dir)?;
         let src = map.file()?;
         let c = &cfg.decoder;
-        let (h, nh, nkv, hd) = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        );
-        let (inter, vocab) = (c.intermediate_size, c.vocab_size);
+        let (h, inter, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let b = &*backend;
         let from_target = |what: &str, t: Option<Tensor>| -> Result<Tensor> {
             let t = t.ok_or_else(|| {
@@ -231,11 +190,7 @@ impl EagleHead {
         let own_embed = src.view_shaped("embed_tokens.weight", &[vocab, h])?;
         let embed = match (target.input_embedding(), own_embed) {
             (Some(e), _) => from_target("input embedding", Some(e))?,
-            (None, Some(t)) => upload_weight(
-                b,
-                &src.host("embed_tokens.weight", &t)?,
-                "embed_tokens.weight",
-            )?,
+            (None, Some(t)) => src.upload(b, "embed_tokens.weight", &t)?,
             (None, None) => from_target(
                 "input embedding (the head has no 'embed_tokens.weight')",
                 None,
@@ -256,20 +211,15 @@ impl EagleHead {
             } else {
                 Some(src.vector(b, &format!("{p}.input_layernorm.weight"), h)?)
             };
-            let a = format!("{p}.self_attn");
             layers.push(Layer {
                 input_norm,
-                q: src.weight(b, &format!("{a}.q_proj.weight"), &[nh * hd, h])?,
-                k: src.weight(b, &format!("{a}.k_proj.weight"), &[nkv * hd, h])?,
-                v: src.weight(b, &format!("{a}.v_proj.weight"), &[nkv * hd, h])?,
-                o: src.weight(b, &format!("{a}.o_proj.weight"), &[h, nh * hd])?,
+                attn: Attention::load(&src, b, &format!("{p}.self_attn"), c)?,
                 post_norm: src.vector(b, &format!("{p}.post_attention_layernorm.weight"), h)?,
                 mlp: Mlp::load(&src, b, &format!("{p}.mlp"), h, inter)?,
             });
         }
 
-        let freqs = c.inv_freq();
-        let inv_freq = backend.upload_f32(&[freqs.len()], &freqs)?;
+        let inv_freq = upload_inv_freq(b, c)?;
         Ok(Self {
             target_layer: spec.num_layers,
             cfg,
@@ -306,14 +256,13 @@ impl EagleHead {
 
     /// The head's KV cache shape: one layer per decoder layer.
     pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
-        KvSpec {
-            num_layers: self.layers.len(),
-            num_kv_heads: self.cfg.decoder.num_key_value_heads,
-            head_dim: self.cfg.decoder.head_dim,
+        kv_spec(
+            &self.cfg.decoder,
+            self.layers.len(),
             page_size,
             num_pages,
             dtype,
-        }
+        )
     }
 
     /// One draft forward over `batch`'s new tokens. `hidden` is f32 `[t,
@@ -327,25 +276,11 @@ impl EagleHead {
         ctx: &ForwardContext<'_>,
     ) -> Result<EagleOutput> {
         let c = &self.cfg.decoder;
-        batch.validate(c.vocab_size)?;
-        if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() || !batch.lora.is_empty() {
-            return Err(CoreError::invalid(
-                "an EAGLE draft forward takes no hidden_layers, exit_after or LoRA",
-            ));
-        }
+        check_batch(batch, c.vocab_size, "EAGLE")?;
         let b = &*self.backend;
         let t = batch.input_ids.len();
-        let (h, nh, nkv, hd) = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        );
-        if hidden.dtype() != DType::F32 || hidden.shape() != [t, h] {
-            return Err(CoreError::invalid(format!(
-                "EAGLE hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
-            )));
-        }
+        let h = c.hidden_size;
+        check_hidden(hidden, t, h, "EAGLE")?;
         check_kv(ctx, c, self.layers.len(), "EAGLE")?;
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         let pos = b.upload_u32(&[t], &batch.positions)?;
@@ -362,19 +297,13 @@ impl EagleHead {
 
         let normed = f32t(&[t, h])?;
         let proj = f32t(&[t, h])?;
-        let q = f32t(&[t, nh * hd])?;
-        let k = f32t(&[t, nkv * hd])?;
-        let v = f32t(&[t, nkv * hd])?;
         for (i, layer) in self.layers.iter().enumerate() {
             // Layer 0 attends over resid itself; later layers over the
             // input norm that the previous layer's last add wrote to `normed`.
             let a_in = if i == 0 { &resid } else { &normed };
-            b.linear_many(
-                a_in,
-                &[lin(&layer.q, &q), lin(&layer.k, &k), lin(&layer.v, &v)],
-            )?;
-            let attn = rope_attention(b, ctx, i, c, &self.inv_freq, &pos, &q, &k, &v)?;
-            b.linear(&attn, &layer.o, None, &proj)?;
+            layer
+                .attn
+                .forward(b, ctx, i, c, &self.inv_freq, &pos, a_in, &proj)?;
             // resid += attn; normed = post_attention_layernorm(resid).
             b.add_rms_norm(&resid, &proj, &layer.post_norm, eps, &normed)?;
             layer.mlp.forward(b, &normed, &proj)?;
@@ -387,24 +316,13 @@ impl EagleHead {
 
         // No final norm: the state goes straight into the target's LM head.
         let state = select_rows(b, resid, &batch.logits_rows)?;
-        let rows = batch.logits_rows.len();
-        let logits = f32t(&[rows, c.vocab_size])?;
-        if rows > 0 {
-            b.linear(&state, &self.lm_head, None, &logits)?;
-        }
+        let logits = lm_logits(b, &state, &self.lm_head, c.vocab_size)?;
         Ok(EagleOutput { logits, state })
     }
 
     /// The target id of a draft id (the same id: the head's logits cover the
     /// target's vocabulary).
     pub fn target_id(&self, draft_id: u32) -> Result<u32> {
-        if (draft_id as usize) < self.cfg.decoder.vocab_size {
-            Ok(draft_id)
-        } else {
-            Err(CoreError::invalid(format!(
-                "draft id {draft_id} outside the vocabulary of {}",
-                self.cfg.decoder.vocab_size
-            )))
-        }
+        same_id(draft_id, self.cfg.decoder.vocab_size)
     }
 }

@@ -25,8 +25,9 @@
 //! cache of [`Eagle3Head::kv_spec`], so it runs on every backend.
 
 use crate::head_common::{
-    HeadMap, Mlp, SplitLinear, cfg_err, check_kv, lin, read_config, rope_attention, select_rows,
-    upload_weight,
+    HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden, check_kv,
+    check_plain_llama, check_vocab, kv_spec, lin, lm_logits, read_bool, read_config,
+    rope_attention, select_rows, upload_inv_freq,
 };
 use arbor_engine_core::{
     Backend, CoreError, DType, ForwardBatch, ForwardContext, KvSpec, ModelSpec, Result, Tensor,
@@ -59,16 +60,7 @@ impl Eagle3Config {
     /// Parses the head's `config.json` value; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str) -> Result<Self> {
         let decoder = DecoderConfig::from_json(v, file)?;
-        if decoder.architecture != EAGLE3_ARCHITECTURE {
-            return Err(cfg_err(
-                file,
-                "architectures",
-                format!(
-                    "is '{}', expected '{EAGLE3_ARCHITECTURE}'",
-                    decoder.architecture
-                ),
-            ));
-        }
+        check_architecture(&decoder, file, EAGLE3_ARCHITECTURE)?;
         if decoder.num_hidden_layers != 1 {
             return Err(cfg_err(
                 file,
@@ -79,22 +71,13 @@ impl Eagle3Config {
                 ),
             ));
         }
-        for key in ["attention_bias", "mlp_bias"] {
-            if v.get(key).and_then(Value::as_bool) == Some(true) {
-                return Err(cfg_err(
-                    file,
-                    key,
-                    "is true; EAGLE3 heads have no attention or MLP biases",
-                ));
-            }
-        }
-        if decoder.sliding_window.is_some() {
-            return Err(cfg_err(
-                file,
-                "sliding_window",
-                "is set; EAGLE3 heads attend over the whole context",
-            ));
-        }
+        check_plain_llama(
+            v,
+            &decoder,
+            file,
+            "is true; EAGLE3 heads have no attention or MLP biases",
+            "is set; EAGLE3 heads attend over the whole context",
+        )?;
         let usize_opt = |key: &str| -> Result<Option<usize>> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(None),
@@ -152,12 +135,7 @@ impl Eagle3Config {
                 }
             }
         };
-        let fc_bias = match v.get("bias") {
-            None | Some(Value::Null) => false,
-            Some(x) => x.as_bool().ok_or_else(|| {
-                cfg_err(file, "bias", format!("must be true or false, found {x}"))
-            })?,
-        };
+        let fc_bias = read_bool(v, file, "bias", false)?;
         Ok(Self {
             decoder,
             draft_vocab_size,
@@ -220,17 +198,7 @@ impl Eagle3Config {
                 ),
             ));
         }
-        if self.decoder.vocab_size != target.vocab_size {
-            return Err(cfg_err(
-                file,
-                "vocab_size",
-                format!(
-                    "is {}, but the target's vocabulary has {} ids",
-                    self.decoder.vocab_size, target.vocab_size
-                ),
-            ));
-        }
-        Ok(())
+        check_vocab(&self.decoder, target, file)
     }
 }
 
@@ -319,11 +287,7 @@ impl Eagle3Head {
         let split = |name: &str, out: usize| src.split(b, name, out, h);
 
         let embed = match src.view_shaped("embed_tokens.weight", &[vocab, h])? {
-            Some(t) => upload_weight(
-                b,
-                &src.host("embed_tokens.weight", &t)?,
-                "embed_tokens.weight",
-            )?,
+            Some(t) => src.upload(b, "embed_tokens.weight", &t)?,
             None => match target_embed {
                 Some(_) if h != target.hidden_size => {
                     return Err(cfg_err(
@@ -433,8 +397,7 @@ impl Eagle3Head {
             }
         }
 
-        let freqs = c.inv_freq();
-        let inv_freq = backend.upload_f32(&[freqs.len()], &freqs)?;
+        let inv_freq = upload_inv_freq(b, c)?;
         Ok(Self {
             cfg,
             backend: backend.clone(),
@@ -480,14 +443,7 @@ impl Eagle3Head {
 
     /// The head's KV cache shape: one layer.
     pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
-        KvSpec {
-            num_layers: 1,
-            num_kv_heads: self.cfg.decoder.num_key_value_heads,
-            head_dim: self.cfg.decoder.head_dim,
-            page_size,
-            num_pages,
-            dtype,
-        }
+        kv_spec(&self.cfg.decoder, 1, page_size, num_pages, dtype)
     }
 
     /// The target id of draft id `draft_id`.
@@ -532,12 +488,7 @@ impl Eagle3Head {
         ctx: &ForwardContext<'_>,
     ) -> Result<Eagle3Output> {
         let c = &self.cfg.decoder;
-        batch.validate(c.vocab_size)?;
-        if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() || !batch.lora.is_empty() {
-            return Err(CoreError::invalid(
-                "an EAGLE3 draft forward takes no hidden_layers, exit_after or LoRA",
-            ));
-        }
+        check_batch(batch, c.vocab_size, "EAGLE3")?;
         let b = &*self.backend;
         let t = batch.input_ids.len();
         let (h, nh, nkv, hd) = (
@@ -554,11 +505,7 @@ impl Eagle3Head {
         } else {
             hidden
         };
-        if hidden.dtype() != DType::F32 || hidden.shape() != [t, h] {
-            return Err(CoreError::invalid(format!(
-                "EAGLE3 hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
-            )));
-        }
+        check_hidden(hidden, t, h, "EAGLE3")?;
         check_kv(ctx, c, 1, "EAGLE3")?;
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         let pos = b.upload_u32(&[t], &batch.positions)?;
@@ -609,13 +556,9 @@ impl Eagle3Head {
         // resid = aux = mlp + resid; x = norm(aux).
         b.add_rms_norm(&resid, &proj, &self.norm, eps, &x)?;
 
-        let rows = batch.logits_rows.len();
         let aux = select_rows(b, resid, &batch.logits_rows)?;
         let normed = select_rows(b, x, &batch.logits_rows)?;
-        let logits = f32t(&[rows, self.cfg.draft_vocab_size])?;
-        if rows > 0 {
-            b.linear(&normed, &self.lm_head, None, &logits)?;
-        }
+        let logits = lm_logits(b, &normed, &self.lm_head, self.cfg.draft_vocab_size)?;
         Ok(Eagle3Output { logits, aux })
     }
 }

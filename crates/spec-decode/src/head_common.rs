@@ -1,13 +1,16 @@
 //! What the draft heads (EAGLE3's [`Eagle3Head`](crate::Eagle3Head), EAGLE's
-//! [`EagleHead`](crate::EagleHead)) share: reading a head folder's
-//! `config.json` and `model.safetensors` (every tensor's shape and dtype
-//! checked, errors naming the tensor and the file) and the pieces of a Llama
-//! decoder layer they run with [`Backend`] operations (rotary attention over
-//! one layer of the caller's KV cache, the SwiGLU MLP, row selection).
+//! [`EagleHead`](crate::EagleHead), MTP's [`MtpHead`](crate::MtpHead))
+//! share: reading a head's `config.json` (and the checks every head makes
+//! of it and of its batches, hidden input and KV cache) and a head folder's
+//! `model.safetensors` (every tensor's shape and dtype checked, errors
+//! naming the tensor and the file), and the pieces of a Llama decoder layer
+//! they run with [`Backend`] operations (rotary self-attention over one
+//! layer of the caller's KV cache, the SwiGLU MLP, row selection, the LM
+//! head), loaded from any [`Weights`].
 
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardContext, HostTensor, LinearRef, Result,
-    RopeStyle, Tensor,
+    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec,
+    LinearRef, ModelSpec, Result, RopeStyle, Tensor,
 };
 use arbor_models::DecoderConfig;
 use memmap2::Mmap;
@@ -33,12 +36,152 @@ pub(crate) fn read_config(dir: &Path) -> Result<(Value, String)> {
     Ok((v, file))
 }
 
+/// Checks that the config's architecture is `expected`.
+pub(crate) fn check_architecture(c: &DecoderConfig, file: &str, expected: &str) -> Result<()> {
+    if c.architecture != expected {
+        return Err(cfg_err(
+            file,
+            "architectures",
+            format!("is '{}', expected '{expected}'", c.architecture),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses what the heads do not run: `attention_bias` or `mlp_bias` set
+/// (`biases` says why) and a sliding window (`window` says why).
+pub(crate) fn check_plain_llama(
+    v: &Value,
+    c: &DecoderConfig,
+    file: &str,
+    biases: &str,
+    window: &str,
+) -> Result<()> {
+    for key in ["attention_bias", "mlp_bias"] {
+        if v.get(key).and_then(Value::as_bool) == Some(true) {
+            return Err(cfg_err(file, key, biases));
+        }
+    }
+    if c.sliding_window.is_some() {
+        return Err(cfg_err(file, "sliding_window", window));
+    }
+    Ok(())
+}
+
+/// The boolean `key` of `v`, `default` when absent or null.
+pub(crate) fn read_bool(v: &Value, file: &str, key: &str, default: bool) -> Result<bool> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| cfg_err(file, key, format!("must be true or false, found {x}"))),
+    }
+}
+
+/// Checks that the head's vocabulary is the target's.
+pub(crate) fn check_vocab(c: &DecoderConfig, target: &ModelSpec, file: &str) -> Result<()> {
+    if c.vocab_size != target.vocab_size {
+        return Err(cfg_err(
+            file,
+            "vocab_size",
+            format!(
+                "is {}, but the target's vocabulary has {} ids",
+                c.vocab_size, target.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The target id of a draft id when the head's logits cover the target's
+/// vocabulary of `vocab` ids (the same id).
+pub(crate) fn same_id(draft_id: u32, vocab: usize) -> Result<u32> {
+    if (draft_id as usize) < vocab {
+        Ok(draft_id)
+    } else {
+        Err(CoreError::invalid(format!(
+            "draft id {draft_id} outside the vocabulary of {vocab}"
+        )))
+    }
+}
+
+/// A head's KV cache shape: `layers` layers of its geometry.
+pub(crate) fn kv_spec(
+    c: &DecoderConfig,
+    layers: usize,
+    page_size: usize,
+    num_pages: usize,
+    dtype: DType,
+) -> KvSpec {
+    KvSpec {
+        num_layers: layers,
+        num_kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        page_size,
+        num_pages,
+        dtype,
+    }
+}
+
+/// The rotary inverse frequencies of `c`, uploaded.
+pub(crate) fn upload_inv_freq(b: &(dyn Backend + 'static), c: &DecoderConfig) -> Result<Tensor> {
+    let freqs = c.inv_freq();
+    b.upload_f32(&[freqs.len()], &freqs)
+}
+
+/// Checks a draft forward's batch: valid for `vocab`, and without
+/// `hidden_layers`, `exit_after` or LoRA (`what` names the head).
+pub(crate) fn check_batch(batch: &ForwardBatch, vocab: usize, what: &str) -> Result<()> {
+    batch.validate(vocab)?;
+    if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() || !batch.lora.is_empty() {
+        return Err(CoreError::invalid(format!(
+            "an {what} draft forward takes no hidden_layers, exit_after or LoRA"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `hidden` is f32 `[t, h]` (`what` names the head).
+pub(crate) fn check_hidden(hidden: &Tensor, t: usize, h: usize, what: &str) -> Result<()> {
+    if hidden.dtype() != DType::F32 || hidden.shape() != [t, h] {
+        return Err(CoreError::invalid(format!(
+            "{what} hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
+        )));
+    }
+    Ok(())
+}
+
+/// Where a head's weights come from (its own `model.safetensors`, or the
+/// target's checkpoint for MTP), with errors that name the tensor.
+pub(crate) trait Weights {
+    /// A required weight matrix of `shape`, uploaded (see [`upload_weight`]).
+    fn weight(&self, b: &dyn Backend, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// A required vector (norm weight, bias) of `len`, uploaded as f32.
+    fn vector(&self, b: &dyn Backend, name: &str, len: usize) -> Result<Tensor>;
+}
+
 /// The two column halves of a weight `[out, 2h]` that reads a concatenation
 /// `[a, b]`: columns `..h` read `a` (the embedding), columns `h..` read `b`
 /// (the hidden state), so `W · [a, b] = W_embed · a + W_hidden · b`.
 pub(crate) struct SplitLinear {
     pub(crate) embed: Tensor,
     pub(crate) hidden: Tensor,
+}
+
+impl SplitLinear {
+    /// `t` (`[out, 2h]`, the weight `name`) split into its halves and uploaded.
+    pub(crate) fn upload(
+        b: &dyn Backend,
+        t: &HostTensor<'_>,
+        name: &str,
+        h: usize,
+    ) -> Result<Self> {
+        let (e, hh) = split_columns(t, h)?;
+        Ok(Self {
+            embed: upload_weight(b, &e, name)?,
+            hidden: upload_weight(b, &hh, name)?,
+        })
+    }
 }
 
 /// The head's `model.safetensors`, mapped.
@@ -151,10 +294,15 @@ impl<'a> HeadFile<'a> {
         Ok(h)
     }
 
+    /// The weight `name` read as `t`, uploaded (see [`upload_weight`]).
+    pub(crate) fn upload(&self, b: &dyn Backend, name: &str, t: &TensorView<'a>) -> Result<Tensor> {
+        upload_weight(b, &self.host(name, t)?, name)
+    }
+
     /// A required weight matrix of `shape`, uploaded (see [`upload_weight`]).
     pub(crate) fn weight(&self, b: &dyn Backend, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.required(name, shape)?;
-        upload_weight(b, &self.host(name, &t)?, name)
+        self.upload(b, name, &t)
     }
 
     /// A required vector (norm weight, bias) of `len`, uploaded as f32.
@@ -174,11 +322,16 @@ impl<'a> HeadFile<'a> {
         h: usize,
     ) -> Result<SplitLinear> {
         let t = self.required(name, &[out, 2 * h])?;
-        let (e, hh) = split_columns(&self.host(name, &t)?, h)?;
-        Ok(SplitLinear {
-            embed: upload_weight(b, &e, name)?,
-            hidden: upload_weight(b, &hh, name)?,
-        })
+        SplitLinear::upload(b, &self.host(name, &t)?, name, h)
+    }
+}
+
+impl Weights for HeadFile<'_> {
+    fn weight(&self, b: &dyn Backend, name: &str, shape: &[usize]) -> Result<Tensor> {
+        HeadFile::weight(self, b, name, shape)
+    }
+    fn vector(&self, b: &dyn Backend, name: &str, len: usize) -> Result<Tensor> {
+        HeadFile::vector(self, b, name, len)
     }
 }
 
@@ -265,6 +418,61 @@ pub(crate) fn rope_attention(
     Ok(attn)
 }
 
+/// Llama self-attention weights (no biases).
+pub(crate) struct Attention {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+    pub(crate) o: Tensor,
+}
+
+impl Attention {
+    /// Loads `{prefix}.{q,k,v,o}_proj.weight` for the geometry of `c`.
+    pub(crate) fn load(
+        src: &dyn Weights,
+        b: &dyn Backend,
+        prefix: &str,
+        c: &DecoderConfig,
+    ) -> Result<Self> {
+        let (h, nh, nkv, hd) = (
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        );
+        Ok(Self {
+            q: src.weight(b, &format!("{prefix}.q_proj.weight"), &[nh * hd, h])?,
+            k: src.weight(b, &format!("{prefix}.k_proj.weight"), &[nkv * hd, h])?,
+            v: src.weight(b, &format!("{prefix}.v_proj.weight"), &[nkv * hd, h])?,
+            o: src.weight(b, &format!("{prefix}.o_proj.weight"), &[h, nh * hd])?,
+        })
+    }
+
+    /// `out = o_proj(attention(q(x), k(x), v(x)))` with [`rope_attention`]
+    /// over layer `layer` of `ctx.kv`; `x` and `out` f32 `[t, h]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward(
+        &self,
+        b: &dyn Backend,
+        ctx: &ForwardContext<'_>,
+        layer: usize,
+        c: &DecoderConfig,
+        inv_freq: &Tensor,
+        pos: &Tensor,
+        x: &Tensor,
+        out: &Tensor,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let t = x.rows();
+        let q = b.alloc(DType::F32, &[t, nh * hd])?;
+        let k = b.alloc(DType::F32, &[t, nkv * hd])?;
+        let v = b.alloc(DType::F32, &[t, nkv * hd])?;
+        b.linear_many(x, &[lin(&self.q, &q), lin(&self.k, &k), lin(&self.v, &v)])?;
+        let attn = rope_attention(b, ctx, layer, c, inv_freq, pos, &q, &k, &v)?;
+        b.linear(&attn, &self.o, None, out)
+    }
+}
+
 /// Checks that `ctx`'s KV cache has `layers` layers of the head's geometry.
 pub(crate) fn check_kv(
     ctx: &ForwardContext<'_>,
@@ -292,7 +500,7 @@ pub(crate) struct Mlp {
 impl Mlp {
     /// Loads `{prefix}.{gate,up,down}_proj.weight` for hidden `h`, intermediate `inter`.
     pub(crate) fn load(
-        src: &HeadFile<'_>,
+        src: &dyn Weights,
         b: &dyn Backend,
         prefix: &str,
         h: usize,
@@ -330,4 +538,19 @@ pub(crate) fn select_rows(b: &(dyn Backend + 'static), x: Tensor, rows: &[u32]) 
         b.gather_rows(&x, &idx, &out)?;
     }
     Ok(out)
+}
+
+/// Logits `head · x` of f32 `x` (`[rows, h]`): f32 `[rows, vocab]`.
+pub(crate) fn lm_logits(
+    b: &dyn Backend,
+    x: &Tensor,
+    head: &Tensor,
+    vocab: usize,
+) -> Result<Tensor> {
+    let rows = x.rows();
+    let logits = b.alloc(DType::F32, &[rows, vocab])?;
+    if rows > 0 {
+        b.linear(x, head, None, &logits)?;
+    }
+    Ok(logits)
 }

@@ -27,6 +27,9 @@
 //! With several next-n layers only the first (`L`) is used, for every step
 //! (as SGLang, which supports one).
 //!
+//! The decoder-layer pieces, config reading and the checks it shares with
+//! the EAGLE heads live in `head_common`.
+//!
 //! Invariants established by [`MtpHead::load`]: `num_nextn_predict_layers`
 //! is at least 1; the config's geometry is the target's; every tensor has
 //! the shape that geometry implies (errors name the tensor and the folder);
@@ -38,10 +41,14 @@
 //! are fed the same way.
 
 use crate::head::{DraftHead, HeadOutput};
-use crate::head_common::{SplitLinear, lin, split_columns, upload_weight};
+use crate::head_common::{
+    Attention, Mlp, SplitLinear, Weights, cfg_err, check_batch, check_hidden, check_kv,
+    check_plain_llama, kv_spec, lm_logits, read_config, same_id, select_rows, upload_inv_freq,
+    upload_weight,
+};
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec,
-    ModelSpec, Result, RopeStyle, Tensor, WeightSource,
+    Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec, ModelSpec, Result,
+    Tensor, WeightSource,
 };
 use arbor_models::DecoderConfig;
 use arbor_models::safetensors_source::SafetensorsSource;
@@ -65,14 +72,9 @@ pub struct MtpHead {
     hnorm: Tensor,
     eh_proj: SplitLinear,
     input_norm: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
+    attn: Attention,
     post_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    mlp: Mlp,
     head_norm: Tensor,
     head: Tensor,
     inv_freq: Tensor,
@@ -88,15 +90,10 @@ impl std::fmt::Debug for MtpHead {
     }
 }
 
-fn cfg_err(file: &str, key: &str, what: impl std::fmt::Display) -> CoreError {
-    CoreError::Config(format!("{file}: key '{key}' {what}"))
-}
-
 /// The checkpoint's tensors, with errors that name the tensor and the folder.
 struct Source<'a> {
     st: SafetensorsSource,
     dir: &'a Path,
-    backend: &'a dyn Backend,
 }
 
 impl Source<'_> {
@@ -123,26 +120,28 @@ impl Source<'_> {
         })
     }
 
-    fn weight(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        upload_weight(self.backend, &self.required(name, shape)?, name)
+    /// The first of `names` present (each of `shape`), uploaded as a weight.
+    fn first_of(&self, b: &dyn Backend, names: &[&str], shape: &[usize]) -> Result<Option<Tensor>> {
+        for name in names {
+            if let Some(t) = self.get(name, shape)? {
+                return upload_weight(b, &t, name).map(Some);
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Weights for Source<'_> {
+    fn weight(&self, b: &dyn Backend, name: &str, shape: &[usize]) -> Result<Tensor> {
+        upload_weight(b, &self.required(name, shape)?, name)
     }
 
-    fn vector(&self, name: &str, len: usize) -> Result<Tensor> {
+    fn vector(&self, b: &dyn Backend, name: &str, len: usize) -> Result<Tensor> {
         let f = self
             .required(name, &[len])?
             .cast(DType::F32)
             .map_err(|e| self.err(name, e))?;
-        self.backend.upload(&f)
-    }
-
-    /// The first of `names` present (each of `shape`), uploaded as a weight.
-    fn first_of(&self, names: &[&str], shape: &[usize]) -> Result<Option<Tensor>> {
-        for name in names {
-            if let Some(t) = self.get(name, shape)? {
-                return upload_weight(self.backend, &t, name).map(Some);
-            }
-        }
-        Ok(None)
+        b.upload(&f)
     }
 }
 
@@ -164,11 +163,7 @@ impl MtpHead {
         target_head: Option<Tensor>,
         backend: Arc<dyn Backend>,
     ) -> Result<Self> {
-        let cfg_path = dir.join("config.json");
-        let file = cfg_path.display().to_string();
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| CoreError::load(format!("{file}: invalid JSON: {e}")))?;
+        let (v, file) = read_config(dir)?;
         let n_mtp = match v.get(NEXTN_LAYERS_KEY) {
             None | Some(Value::Null) => {
                 return Err(cfg_err(
@@ -194,48 +189,33 @@ impl MtpHead {
         }
         let cfg = DecoderConfig::from_json(&v, &file)?;
         Self::check_target(&cfg, target, &file)?;
-        for key in ["attention_bias", "mlp_bias"] {
-            if v.get(key).and_then(Value::as_bool) == Some(true) {
-                return Err(cfg_err(
-                    &file,
-                    key,
-                    "is true; MTP layers with attention or MLP biases are not supported",
-                ));
-            }
-        }
-        if cfg.sliding_window.is_some() {
-            return Err(cfg_err(
-                &file,
-                "sliding_window",
-                "is set; the MTP layer attends over the whole context",
-            ));
-        }
+        check_plain_llama(
+            &v,
+            &cfg,
+            &file,
+            "is true; MTP layers with attention or MLP biases are not supported",
+            "is set; the MTP layer attends over the whole context",
+        )?;
 
         let src = Source {
             st: SafetensorsSource::open(dir)?,
             dir,
-            backend: &*backend,
         };
+        let b = &*backend;
         let c = &cfg;
-        let (h, nh, nkv, hd) = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        );
-        let (inter, vocab) = (c.intermediate_size, c.vocab_size);
+        let (h, inter, vocab) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let layer = c.num_hidden_layers;
         let p = format!("model.layers.{layer}.");
         let name = |s: &str| format!("{p}{s}");
 
         let own_embed = name("embed_tokens.weight");
-        let embed = match src.first_of(&[&own_embed], &[vocab, h])? {
+        let embed = match src.first_of(b, &[&own_embed], &[vocab, h])? {
             Some(t) => Some(t),
             None => target_embed.filter(|t| t.shape() == [vocab, h]),
         };
         let embed = match embed {
             Some(t) => Some(t),
-            None => src.first_of(&["model.embed_tokens.weight"], &[vocab, h])?,
+            None => src.first_of(b, &["model.embed_tokens.weight"], &[vocab, h])?,
         }
         .ok_or_else(|| {
             src.err(
@@ -244,13 +224,13 @@ impl MtpHead {
             )
         })?;
         let own_head = name("shared_head.head.weight");
-        let head = match src.first_of(&[&own_head], &[vocab, h])? {
+        let head = match src.first_of(b, &[&own_head], &[vocab, h])? {
             Some(t) => Some(t),
             None => target_head.filter(|t| t.shape() == [vocab, h]),
         };
         let head = match head {
             Some(t) => Some(t),
-            None => src.first_of(&["lm_head.weight"], &[vocab, h])?,
+            None => src.first_of(b, &["lm_head.weight"], &[vocab, h])?,
         };
         let head = match head {
             Some(t) => t,
@@ -262,27 +242,16 @@ impl MtpHead {
                 ));
             }
         };
-        let enorm = src.vector(&name("enorm.weight"), h)?;
-        let hnorm = src.vector(&name("hnorm.weight"), h)?;
+        let enorm = src.vector(b, &name("enorm.weight"), h)?;
+        let hnorm = src.vector(b, &name("hnorm.weight"), h)?;
         let eh_name = name("eh_proj.weight");
-        let (we, wh) = split_columns(&src.required(&eh_name, &[h, 2 * h])?, h)?;
-        let eh_proj = SplitLinear {
-            embed: upload_weight(&*backend, &we, &eh_name)?,
-            hidden: upload_weight(&*backend, &wh, &eh_name)?,
-        };
-        let input_norm = src.vector(&name("input_layernorm.weight"), h)?;
-        let q = src.weight(&name("self_attn.q_proj.weight"), &[nh * hd, h])?;
-        let k = src.weight(&name("self_attn.k_proj.weight"), &[nkv * hd, h])?;
-        let v = src.weight(&name("self_attn.v_proj.weight"), &[nkv * hd, h])?;
-        let o = src.weight(&name("self_attn.o_proj.weight"), &[h, nh * hd])?;
-        let post_norm = src.vector(&name("post_attention_layernorm.weight"), h)?;
-        let gate = src.weight(&name("mlp.gate_proj.weight"), &[inter, h])?;
-        let up = src.weight(&name("mlp.up_proj.weight"), &[inter, h])?;
-        let down = src.weight(&name("mlp.down_proj.weight"), &[h, inter])?;
-        let head_norm = src.vector(&name("shared_head.norm.weight"), h)?;
-
-        let freqs = c.inv_freq();
-        let inv_freq = backend.upload_f32(&[freqs.len()], &freqs)?;
+        let eh_proj = SplitLinear::upload(b, &src.required(&eh_name, &[h, 2 * h])?, &eh_name, h)?;
+        let input_norm = src.vector(b, &name("input_layernorm.weight"), h)?;
+        let attn = Attention::load(&src, b, &name("self_attn"), c)?;
+        let post_norm = src.vector(b, &name("post_attention_layernorm.weight"), h)?;
+        let mlp = Mlp::load(&src, b, &name("mlp"), h, inter)?;
+        let head_norm = src.vector(b, &name("shared_head.norm.weight"), h)?;
+        let inv_freq = upload_inv_freq(b, c)?;
         Ok(Self {
             layer,
             target_num_layers: target.num_layers,
@@ -292,14 +261,9 @@ impl MtpHead {
             hnorm,
             eh_proj,
             input_norm,
-            q,
-            k,
-            v,
-            o,
+            attn,
             post_norm,
-            gate,
-            up,
-            down,
+            mlp,
             head_norm,
             head,
             inv_freq,
@@ -351,14 +315,7 @@ impl MtpHead {
 
     /// The head's KV cache shape: one layer.
     pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
-        KvSpec {
-            num_layers: 1,
-            num_kv_heads: self.cfg.num_key_value_heads,
-            head_dim: self.cfg.head_dim,
-            page_size,
-            num_pages,
-            dtype,
-        }
+        kv_spec(&self.cfg, 1, page_size, num_pages, dtype)
     }
 
     /// One draft forward over `batch`'s new tokens with `hidden` f32 `[t,
@@ -372,31 +329,12 @@ impl MtpHead {
         ctx: &ForwardContext<'_>,
     ) -> Result<HeadOutput> {
         let c = &self.cfg;
-        batch.validate(c.vocab_size)?;
-        if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() || !batch.lora.is_empty() {
-            return Err(CoreError::invalid(
-                "an MTP draft forward takes no hidden_layers, exit_after or LoRA",
-            ));
-        }
+        check_batch(batch, c.vocab_size, "MTP")?;
         let b = &*self.backend;
         let t = batch.input_ids.len();
-        let (h, nh, nkv, hd) = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        );
-        if hidden.dtype() != DType::F32 || hidden.shape() != [t, h] {
-            return Err(CoreError::invalid(format!(
-                "MTP hidden {hidden:?} for {t} tokens: expected f32 [{t}, {h}]"
-            )));
-        }
-        let kv_spec = ctx.kv.spec();
-        if kv_spec.num_layers < 1 || kv_spec.num_kv_heads != nkv || kv_spec.head_dim != hd {
-            return Err(CoreError::invalid(format!(
-                "KV cache {kv_spec:?} does not fit the MTP layer ({nkv} KV heads of {hd})"
-            )));
-        }
+        let h = c.hidden_size;
+        check_hidden(hidden, t, h, "MTP")?;
+        check_kv(ctx, c, 1, "MTP")?;
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         let pos = b.upload_u32(&[t], &batch.positions)?;
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
@@ -432,66 +370,18 @@ impl MtpHead {
         // The decoder layer; `x` is the residual stream.
         let n = f32t(&[t, h])?;
         b.rms_norm(&x, &self.input_norm, eps, &n)?;
-        let q = f32t(&[t, nh * hd])?;
-        let k = f32t(&[t, nkv * hd])?;
-        let v = f32t(&[t, nkv * hd])?;
-        b.linear_many(&n, &[lin(&self.q, &q), lin(&self.k, &k), lin(&self.v, &v)])?;
-        b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-        b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-        let attn = f32t(&[t, nh * hd])?;
-        let params = AttentionParams {
-            num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
-            sliding_window: None,
-        };
-        ctx.attention.forward(
-            ctx.attention_batch,
-            ctx.kv.layer(0)?,
-            &q,
-            &k,
-            &v,
-            &attn,
-            &params,
-        )?;
         let proj = f32t(&[t, h])?;
-        b.linear(&attn, &self.o, None, &proj)?;
+        self.attn
+            .forward(b, ctx, 0, c, &self.inv_freq, &pos, &n, &proj)?;
         // x += attn; n = post_attention_layernorm(x).
         b.add_rms_norm(&x, &proj, &self.post_norm, eps, &n)?;
-        let inter = c.intermediate_size;
-        let gate = f32t(&[t, inter])?;
-        let up = f32t(&[t, inter])?;
-        b.linear_many(&n, &[lin(&self.gate, &gate), lin(&self.up, &up)])?;
-        let act = f32t(&[t, inter])?;
-        b.silu_mul(&gate, &up, &act)?;
-        b.linear(&act, &self.down, None, &proj)?;
+        self.mlp.forward(b, &n, &proj)?;
         // state = x += mlp; n = shared_head.norm(state).
         b.add_rms_norm(&x, &proj, &self.head_norm, eps, &n)?;
 
-        let rows = batch.logits_rows.len();
-        let all_rows = rows == t
-            && batch
-                .logits_rows
-                .iter()
-                .enumerate()
-                .all(|(i, &r)| r as usize == i);
-        let (state, normed) = if all_rows {
-            (x, n)
-        } else {
-            let state = f32t(&[rows, h])?;
-            let normed = f32t(&[rows, h])?;
-            if rows > 0 {
-                let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
-                b.gather_rows(&x, &idx, &state)?;
-                b.gather_rows(&n, &idx, &normed)?;
-            }
-            (state, normed)
-        };
-        let logits = f32t(&[rows, c.vocab_size])?;
-        if rows > 0 {
-            b.linear(&normed, &self.head, None, &logits)?;
-        }
+        let state = select_rows(b, x, &batch.logits_rows)?;
+        let normed = select_rows(b, n, &batch.logits_rows)?;
+        let logits = lm_logits(b, &normed, &self.head, c.vocab_size)?;
         Ok(HeadOutput { logits, state })
     }
 }
@@ -525,13 +415,6 @@ impl DraftHead for MtpHead {
         MtpHead::forward(self, batch, hidden, ctx)
     }
     fn target_id(&self, draft_id: u32) -> Result<u32> {
-        if (draft_id as usize) < self.cfg.vocab_size {
-            Ok(draft_id)
-        } else {
-            Err(CoreError::invalid(format!(
-                "draft id {draft_id} outside the vocabulary of {}",
-                self.cfg.vocab_size
-            )))
-        }
+        same_id(draft_id, self.cfg.vocab_size)
     }
 }
