@@ -226,6 +226,7 @@ async fn refit_under_traffic_then_outputs_equal_a_fresh_server() -> Result<()> {
             json!({"weight_version": "v3", "abort_all_requests": false}),
         ),
     ];
+    let mut updates = 0u64;
     for (path, extra) in steps {
         let mut body = json!({"model_path": path.display().to_string()});
         if let (Some(o), Some(e)) = (body.as_object_mut(), extra.as_object()) {
@@ -244,6 +245,7 @@ async fn refit_under_traffic_then_outputs_equal_a_fresh_server() -> Result<()> {
                 path.display()
             );
             println!("refit to {}: {v}", path.display());
+            updates += 1;
             paused = v["num_paused_requests"].as_u64().unwrap_or(0);
             if paused > 0 {
                 break;
@@ -269,7 +271,7 @@ async fn refit_under_traffic_then_outputs_equal_a_fresh_server() -> Result<()> {
 
     let info = model_info(&c, &s).await?;
     assert_eq!(info["weight_version"], "v3", "{info}");
-    assert_eq!(info["weight_updates"], 3, "{info}");
+    assert_eq!(info["weight_updates"], updates, "{info}");
     assert_eq!(info["model_path"], json!(b.display().to_string()), "{info}");
     let after = outputs(&c, &s).await?;
     let r = post_ok(&c, &s.url("/generate"), &greedy_body(PROMPTS[0], 2)).await?;

@@ -586,7 +586,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
     let params = |seed: u64| SamplingParams {
         temperature: 1.3,
         seed: Some(seed),
-        ..greedy(3)
+        ..greedy(5)
     };
     let n = 1200;
     // The counts of (token 2, token 3), and (accepted, drafted) drafts.
@@ -599,7 +599,8 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
                 .map(|&s| GenerateRequest::new(prompt.clone(), params(s)))
                 .collect();
             for out in run_all(&e, reqs)? {
-                // Tokens 2 and 3 are the ones verification draws.
+                // Tokens 2 and 3 are drawn by the first verification (of up
+                // to four drafts: chains, or trees of several levels).
                 *counts.entry((out[1], out[2])).or_default() += 1;
             }
         }
@@ -628,6 +629,7 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         ("eagle3", Spec::Eagle3),
         ("nextn", Spec::Nextn),
         ("eagle", Spec::Eagle),
+        ("eagle3 trees", Spec::Eagle3Tree),
     ];
     for (name, spec) in specs {
         let self_draft = matches!(spec, Spec::Standalone(_));

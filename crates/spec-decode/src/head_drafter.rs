@@ -326,7 +326,10 @@ impl HeadDrafter {
             .iter()
             .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))
             .collect();
-        // Greedy requests that allow a tree grow one (`topk` > 1).
+        // Requests that allow a tree grow one (`topk` > 1): its nodes are the
+        // head's best tokens, point masses for verification also when the
+        // request samples (rejection sampling of deterministic children,
+        // SGLang's target-only tree verification).
         let mut trees: Vec<(usize, Growing<'_>)> = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             let Some(p) = self
@@ -336,9 +339,7 @@ impl HeadDrafter {
             else {
                 continue;
             };
-            if let (true, true, None, Some(root)) =
-                (self.topk > 1, r.allow_tree, r.sampling, &p.root)
-            {
+            if let (true, true, Some(root)) = (self.topk > 1, r.allow_tree, &p.root) {
                 let g = Growing::new(
                     self,
                     r,
