@@ -18,11 +18,13 @@
 //! Verification (greedy): walk the drafts from the root; while the target's
 //! token at the current row equals a draft child, accept it and move there;
 //! the first disagreement (or the end) contributes the target's own token.
-//! Verification (temperature > 0, drafts proposed deterministically): at each
-//! row, draft child `d` is accepted with probability `p(d)`; a rejected child
-//! is removed from `p` (renormalized) before the next child is tried; when no
-//! child is accepted, the token is drawn from what is left of `p`. The output
-//! distribution is then exactly that of plain sampling.
+//! Verification (temperature > 0): recursive rejection sampling at each row
+//! ([`verify_row`]): a child drawn from the drafter's `q` is accepted with
+//! probability `min(1, p(d) / q(d))`, a deterministic one (a point mass)
+//! with probability `p(d)`; after a rejection `p` keeps only the residual
+//! and the next child is tried; when no child is accepted, the token is
+//! drawn from what is left of `p`. The output distribution is then exactly
+//! that of plain sampling.
 
 use crate::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
@@ -611,11 +613,12 @@ impl LocalExecutor {
             } else if p.is_greedy() {
                 let t = argmax(&l);
                 (t, kids.into_iter().find(|&c| s.tokens[base + c] == t))
-            } else if let (&[c], Some(q)) = (kids.as_slice(), sp.draft_probs.get(at)) {
-                // A sampled chain: draft `at` (row `c`) was drawn from `q`.
-                speculative_sample(&l, p, s.tokens[base + c], q, &mut rng, c)
             } else {
-                reject_sample(&l, p, &kids, |c| s.tokens[base + c], &mut rng)
+                // Draft token `c - 1` sits at row `c`; siblings share one `q`.
+                let q = sp.draft_probs.get(kids[0] - 1).map(|q| &q[..]);
+                let drafts: Vec<u32> = kids.iter().map(|&c| s.tokens[base + c]).collect();
+                let (t, i) = verify_row(&l, p, &drafts, q, &mut rng);
+                (t, i.map(|i| kids[i]))
             };
             if let Some(top) = sp.logprobs {
                 let lse = log_sum_exp(raw);
@@ -645,154 +648,200 @@ impl LocalExecutor {
     }
 }
 
-/// Speculative sampling of draft `d`, drawn from `q`, at one row (Leviathan
-/// et al.): accepted with probability `min(1, p(d) / q(d))` (then `Some(row)`
-/// comes back), else the token is drawn from `max(0, p - q)` normalized (from
-/// `p` when that is empty). `p` is the standard sampler's filtered
-/// distribution of `logits`, so the token's law is exactly `p`'s.
-fn speculative_sample(
+/// Verification of one row's draft children (`drafts`, in order) by
+/// recursive rejection sampling, which keeps the token's law exactly `p`,
+/// the standard sampler's filtered distribution of `logits`. Child `x` is
+/// accepted with probability `min(1, p(x) / q(x))`; on rejection `p`
+/// becomes `max(0, p - q)` normalized and `q` loses `x` (renormalized), so
+/// children drawn from `q` without replacement, in order, are each checked
+/// against the law they were drawn from (Leviathan et al. for one child;
+/// Jeon et al.'s recursive speculative decoding for several). Without `q`,
+/// or for a child that `q` does not hold, the child is a point mass:
+/// accepted with probability `p(x)`, after which `p` loses `x` (SGLang's
+/// target-only verification). Returns the token and the index of the
+/// accepted child (`None`: drawn from what is left of `p`).
+fn verify_row(
     logits: &[f32],
     params: &SamplingParams,
-    d: u32,
-    q: &[(f32, u32)],
+    drafts: &[u32],
+    q_dist: Option<&[(f32, u32)]>,
     rng: &mut SeqRng,
-    row: usize,
 ) -> (u32, Option<usize>) {
+    let point = |t: u32| (t, drafts.iter().position(|&d| d == t));
     let Some(cand) = filtered_candidates(logits, params) else {
-        let t = argmax(logits);
-        return (t, (t == d).then_some(row));
+        // Nothing finite: the plain sampler takes the argmax; so does this.
+        return point(argmax(logits));
     };
-    let total: f32 = cand.iter().map(|x| x.0).sum();
-    if total <= 0.0 {
-        let t = argmax(logits);
-        return (t, (t == d).then_some(row));
-    }
-    let q_of = |t: u32| q.iter().find(|x| x.1 == t).map_or(0.0, |x| x.0);
-    let pd = cand.iter().find(|x| x.1 == d).map_or(0.0, |x| x.0) / total;
-    let qd = q_of(d);
-    // q(d) = 0 cannot come from a draw of q: treat d as a point mass.
-    let accept = if qd > 0.0 { (pd / qd).min(1.0) } else { pd };
-    if rng.next_f32() < accept {
-        return (d, Some(row));
-    }
-    let residual: Vec<(f32, u32)> = cand
-        .iter()
-        .map(|x| ((x.0 / total - q_of(x.1)).max(0.0), x.1))
-        .filter(|x| x.0 > 0.0)
-        .collect();
-    let pool = if residual.is_empty() {
-        &cand
-    } else {
-        &residual
-    };
-    let mass: f32 = pool.iter().map(|x| x.0).sum();
-    let mut r = rng.next_f32() * mass;
-    for x in pool {
-        r -= x.0;
-        if r < 0.0 {
-            return (x.1, None);
+    // Dense over the vocabulary: each rejection updates every entry.
+    let mut p = vec![0f32; logits.len()];
+    for (w, t) in cand {
+        if let Some(x) = p.get_mut(t as usize) {
+            *x = w;
         }
     }
-    (pool[pool.len() - 1].1, None)
+    if !normalize(&mut p) {
+        return point(argmax(logits));
+    }
+    let mut q = Vec::new();
+    if let Some(dist) = q_dist {
+        q = vec![0f32; logits.len()];
+        for &(w, t) in dist {
+            if let Some(x) = q.get_mut(t as usize) {
+                *x = w;
+            }
+        }
+        if !normalize(&mut q) {
+            q.clear();
+        }
+    }
+    for (i, &d) in drafts.iter().enumerate() {
+        let pd = p.get(d as usize).copied().unwrap_or(0.0);
+        let qd = q.get(d as usize).copied().unwrap_or(0.0);
+        // q(d) = 0: d cannot have come from q; it counts as a point mass.
+        let accept = if qd > 0.0 { (pd / qd).min(1.0) } else { pd };
+        if rng.next_f32() < accept {
+            return (d, Some(i));
+        }
+        let before = p.clone();
+        if qd > 0.0 {
+            for (x, y) in p.iter_mut().zip(&q) {
+                *x = (*x - y).max(0.0);
+            }
+        } else if let Some(x) = p.get_mut(d as usize) {
+            *x = 0.0;
+        }
+        // Empty only through rounding (p = q accepts surely): keep p.
+        if !normalize(&mut p) {
+            p = before;
+        }
+        if let Some(x) = q.get_mut(d as usize) {
+            *x = 0.0;
+            if !normalize(&mut q) {
+                q.clear();
+            }
+        }
+    }
+    let mut r = rng.next_f32();
+    let mut last = 0;
+    for (t, &x) in p.iter().enumerate() {
+        if x > 0.0 {
+            r -= x;
+            last = t;
+            if r < 0.0 {
+                break;
+            }
+        }
+    }
+    (last as u32, None)
 }
 
-/// Rejection sampling of deterministic draft children at one row: returns
-/// the token and the accepted child (None when the token was drawn from the residual).
-fn reject_sample(
-    logits: &[f32],
-    params: &SamplingParams,
-    kids: &[usize],
-    token_of: impl Fn(usize) -> u32,
-    rng: &mut SeqRng,
-) -> (u32, Option<usize>) {
-    let Some(mut cand) = filtered_candidates(logits, params) else {
-        // Nothing finite: the plain sampler takes the argmax; so does this.
-        let t = argmax(logits);
-        return (t, kids.iter().copied().find(|&c| token_of(c) == t));
-    };
-    for &c in kids {
-        let d = token_of(c);
-        let total: f32 = cand.iter().map(|x| x.0).sum();
-        if total <= 0.0 {
-            break;
-        }
-        let pd = cand.iter().find(|x| x.1 == d).map_or(0.0, |x| x.0) / total;
-        if rng.next_f32() < pd {
-            return (d, Some(c));
-        }
-        cand.retain(|x| x.1 != d);
+/// Scales `d` to sum to 1; false when it sums to nothing.
+fn normalize(d: &mut [f32]) -> bool {
+    let total: f32 = d.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        return false;
     }
-    let total: f32 = cand.iter().map(|x| x.0).sum();
-    if cand.is_empty() || total <= 0.0 {
-        return (argmax(logits), None);
+    for x in d.iter_mut() {
+        *x /= total;
     }
-    let mut r = rng.next_f32() * total;
-    for x in &cand {
-        r -= x.0;
-        if r < 0.0 {
-            return (x.1, None);
-        }
-    }
-    (cand[cand.len() - 1].1, None)
+    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn speculative_sampling_with_draft_probabilities_keeps_the_distribution() {
-        // p = (0.5, 0.3, 0.2); drafts drawn from q = (0.1, 0.6, 0.3).
-        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+    /// Draws `k` distinct tokens from `q` without replacement, in order.
+    fn draws(q: &[f32], k: usize, rng: &mut SeqRng) -> Vec<u32> {
+        let mut left = q.to_vec();
+        let mut out = Vec::new();
+        for _ in 0..k {
+            let total: f32 = left.iter().sum();
+            let mut r = rng.next_f32() * total;
+            let mut pick = left.len() - 1;
+            for (i, &w) in left.iter().enumerate() {
+                if w > 0.0 {
+                    pick = i;
+                    r -= w;
+                    if r < 0.0 {
+                        break;
+                    }
+                }
+            }
+            out.push(pick as u32);
+            left[pick] = 0.0;
+        }
+        out
+    }
+
+    /// Token frequencies and acceptance rate of `n` verifications of `k`
+    /// children drawn from `q` (or point masses at `fixed` when set).
+    fn run(p: &[f32], q: &[f32], k: usize, fixed: Option<&[u32]>, n: usize) -> (Vec<f64>, f64) {
+        let logits: Vec<f32> = p.iter().map(|x| x.ln()).collect();
         let params = SamplingParams {
             temperature: 1.0,
             ..SamplingParams::default()
         };
-        let q = [(0.1f32, 0u32), (0.6, 1), (0.3, 2)];
-        let mut counts = [0usize; 3];
+        let dist: Vec<(f32, u32)> = q.iter().enumerate().map(|(t, &w)| (w, t as u32)).collect();
+        let mut counts = vec![0usize; p.len()];
         let mut accepted = 0usize;
         let mut rng = SeqRng::new(11);
-        let n = 200_000;
         for _ in 0..n {
-            let u = rng.next_f32();
-            let d = if u < 0.1 {
-                0
-            } else if u < 0.7 {
-                1
-            } else {
-                2
+            let (drafts, q) = match fixed {
+                Some(f) => (f.to_vec(), None),
+                None => (draws(q, k, &mut rng), Some(&dist[..])),
             };
-            let (t, acc) = speculative_sample(&logits, &params, d, &q, &mut rng, 1);
-            accepted += usize::from(acc.is_some());
+            let (t, acc) = verify_row(&logits, &params, &drafts, q, &mut rng);
+            if let Some(i) = acc {
+                assert_eq!(drafts[i], t);
+                accepted += 1;
+            }
             counts[t as usize] += 1;
         }
-        for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
-            let f = *c as f64 / n as f64;
-            assert!((f - p).abs() < 0.005, "{counts:?}");
+        let f = counts.iter().map(|&c| c as f64 / n as f64).collect();
+        (f, accepted as f64 / n as f64)
+    }
+
+    fn assert_close(f: &[f64], p: &[f32]) {
+        for (x, &y) in f.iter().zip(p) {
+            assert!((x - f64::from(y)).abs() < 0.005, "{f:?} against {p:?}");
         }
+    }
+
+    #[test]
+    fn one_child_drawn_from_q_keeps_the_distribution() {
+        // p = (0.5, 0.3, 0.2); the child drawn from q = (0.1, 0.6, 0.3).
+        let p = [0.5f32, 0.3, 0.2];
+        let (f, a) = run(&p, &[0.1, 0.6, 0.3], 1, None, 200_000);
+        assert_close(&f, &p);
         // Acceptance is sum(min(p, q)) = 0.1 + 0.3 + 0.2 = 0.6.
-        let a = accepted as f64 / n as f64;
         assert!((a - 0.6).abs() < 0.005, "accept rate {a}");
     }
 
     #[test]
-    fn rejection_keeps_the_distribution() {
-        // p = softmax([ln 0.5, ln 0.3, ln 0.2]); a draft of token 1 (p = 0.3).
-        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
-        let params = SamplingParams {
-            temperature: 1.0,
-            ..SamplingParams::default()
-        };
-        let mut counts = [0usize; 3];
-        let mut rng = SeqRng::new(7);
-        let n = 200_000;
-        for _ in 0..n {
-            let (t, _) = reject_sample(&logits, &params, &[0], |_| 1, &mut rng);
-            counts[t as usize] += 1;
-        }
-        for (c, p) in counts.iter().zip([0.5, 0.3, 0.2]) {
-            let f = *c as f64 / n as f64;
-            assert!((f - p).abs() < 0.005, "{counts:?}");
-        }
+    fn children_drawn_without_replacement_keep_the_distribution() {
+        let p = [0.4f32, 0.05, 0.25, 0.2, 0.1];
+        let q = [0.05f32, 0.4, 0.1, 0.15, 0.3];
+        let (f1, a1) = run(&p, &q, 1, None, 200_000);
+        assert_close(&f1, &p);
+        let (f3, a3) = run(&p, &q, 3, None, 200_000);
+        assert_close(&f3, &p);
+        // More children drawn from q accept more often.
+        assert!(a3 > a1 + 0.1, "1 child {a1}, 3 children {a3}");
+        let (f5, a5) = run(&p, &q, 5, None, 100_000);
+        assert_close(&f5, &p);
+        // All of the vocabulary drawn: one child is always accepted.
+        assert!(a5 > 0.99, "3 children {a3}, all 5 {a5}");
+    }
+
+    #[test]
+    fn point_mass_children_keep_the_distribution() {
+        let p = [0.5f32, 0.3, 0.2];
+        let (f, a) = run(&p, &[], 1, Some(&[1]), 200_000);
+        assert_close(&f, &p);
+        assert!((a - 0.3).abs() < 0.005, "accept rate {a}");
+        let (f, a) = run(&p, &[], 2, Some(&[2, 0]), 200_000);
+        assert_close(&f, &p);
+        assert!((a - 0.7).abs() < 0.005, "accept rate {a}");
     }
 }

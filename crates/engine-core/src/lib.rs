@@ -57,8 +57,8 @@ pub use quant::QuantMethod;
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
 pub use speculative::{
-    ComputedStates, Draft, DraftRequest, DraftSampling, Drafting, SpeculativeConfig, Speculator,
-    SpeculatorInputs,
+    ComputedStates, Draft, DraftDist, DraftRequest, DraftSampling, Drafting, SpeculativeConfig,
+    Speculator, SpeculatorInputs,
 };
 pub use step::{SampleRows, SampleSpec, SeqOutput, SeqPlan, StepOutput, StepPlan};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};

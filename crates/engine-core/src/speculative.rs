@@ -15,7 +15,10 @@
 //! Invariant of a [`Draft`]: `parents`, when present, has one entry per draft
 //! token; entry `i` is `None` for a token that follows the request's last token
 //! directly, else the index (`< i`) of its parent draft token. A chain is
-//! `parents == None` (token `i` follows token `i - 1`).
+//! `parents == None` (token `i` follows token `i - 1`). A sampled draft's
+//! `probs` has one distribution per token, the one it was drawn from;
+//! siblings were drawn together without replacement, in their listed order,
+//! from one shared distribution (verification relies on that order).
 
 use crate::error::{CoreError, Result};
 use crate::model::Model;
@@ -42,7 +45,7 @@ pub struct DraftRequest<'a> {
     /// empty for a [`Drafting::Lookup`] one.
     pub pages: &'a [u32],
     /// Set for a request sampled at temperature > 0: a drafter may draw its
-    /// chain from its own distribution under these parameters (filtered as
+    /// chain or tree from its own distribution under these parameters (filtered as
     /// the standard sampler does: `sampling::filtered_candidates`), seeded
     /// by `seed`, and then returns that distribution in [`Draft::probs`].
     pub sampling: Option<DraftSampling<'a>>,
@@ -111,11 +114,16 @@ pub struct Draft {
     pub tokens: Vec<u32>,
     /// Parent of each token (`None` for a chain); see the module invariant.
     pub parents: Option<Vec<Option<u32>>>,
-    /// A sampled chain's distributions: for each token, the (probability,
-    /// token) pairs it was drawn from, summing to 1. Empty for
-    /// deterministic drafts (then each token counts as a point mass).
-    pub probs: Vec<Vec<(f32, u32)>>,
+    /// A sampled draft's distributions: for each token, the one it was
+    /// drawn from (siblings share one: they were drawn from it without
+    /// replacement, in order). Empty for deterministic drafts (then each
+    /// token counts as a point mass).
+    pub probs: Vec<DraftDist>,
 }
+
+/// A drafter's distribution at one position: (probability, token id)
+/// pairs summing to 1, shared by the draft tokens drawn from it.
+pub type DraftDist = Arc<[(f32, u32)]>;
 
 impl Draft {
     /// A chain of tokens.
@@ -157,21 +165,9 @@ impl Draft {
         Some(out)
     }
 
-    /// Checks the tree invariant, and that distributions come with a chain,
-    /// one per token.
+    /// Checks the tree invariant and, for a sampled draft, one distribution
+    /// per token, shared by siblings, which are distinct tokens.
     pub fn validate(&self) -> Result<()> {
-        if !self.probs.is_empty() && (self.parents.is_some() || self.probs.len() != self.len()) {
-            return Err(CoreError::invalid(format!(
-                "draft of {} tokens with {} distributions{}",
-                self.len(),
-                self.probs.len(),
-                if self.parents.is_some() {
-                    " (a tree)"
-                } else {
-                    ""
-                }
-            )));
-        }
         if let Some(p) = &self.parents {
             if p.len() != self.tokens.len() {
                 return Err(CoreError::invalid(format!(
@@ -188,26 +184,82 @@ impl Draft {
                 }
             }
         }
+        if self.probs.is_empty() {
+            return Ok(());
+        }
+        if self.probs.len() != self.len() {
+            return Err(CoreError::invalid(format!(
+                "draft of {} tokens with {} distributions",
+                self.len(),
+                self.probs.len()
+            )));
+        }
+        let Some(parents) = &self.parents else {
+            return Ok(());
+        };
+        for (i, parent) in parents.iter().enumerate() {
+            let Some(j) = (0..i).find(|&j| parents[j] == *parent) else {
+                continue;
+            };
+            if self.tokens[..i]
+                .iter()
+                .zip(&parents[..i])
+                .any(|(&t, q)| q == parent && t == self.tokens[i])
+            {
+                return Err(CoreError::invalid(format!(
+                    "sampled draft token {i} repeats a sibling's token {}",
+                    self.tokens[i]
+                )));
+            }
+            let (a, b) = (&self.probs[j], &self.probs[i]);
+            if !Arc::ptr_eq(a, b) && a[..] != b[..] {
+                return Err(CoreError::invalid(format!(
+                    "sampled draft token {i} has another distribution than its sibling {j}"
+                )));
+            }
+        }
         Ok(())
     }
 
     /// The first chain of the draft: token 0, then at each step the first
     /// child of the previous token (the whole draft for a chain).
     pub fn first_chain(&self) -> Vec<u32> {
+        self.first_chain_indices()
+            .into_iter()
+            .map(|i| self.tokens[i])
+            .collect()
+    }
+
+    /// The first chain as a draft of its own, distributions kept (a first
+    /// child is a plain draw from its distribution, so a sampled tree's
+    /// first chain is a sampled chain).
+    pub fn into_first_chain(self) -> Draft {
+        let at = self.first_chain_indices();
+        let probs = if self.probs.len() == self.len() {
+            at.iter().map(|&i| self.probs[i].clone()).collect()
+        } else {
+            Vec::new()
+        };
+        Draft {
+            tokens: at.iter().map(|&i| self.tokens[i]).collect(),
+            parents: None,
+            probs,
+        }
+    }
+
+    /// Indices of the first chain's tokens.
+    fn first_chain_indices(&self) -> Vec<usize> {
         let Some(parents) = &self.parents else {
-            return self.tokens.clone();
+            return (0..self.tokens.len()).collect();
         };
         let mut out = Vec::new();
         let mut cur: Option<u32> = None;
-        loop {
-            let next = parents.iter().position(|&p| p == cur);
-            match next {
-                Some(i) if out.len() < self.tokens.len() => {
-                    out.push(self.tokens[i]);
-                    cur = Some(i as u32);
-                }
-                _ => break,
+        while let Some(i) = parents.iter().position(|&p| p == cur) {
+            if out.len() >= self.tokens.len() {
+                break;
             }
+            out.push(i);
+            cur = Some(i as u32);
         }
         out
     }
@@ -419,6 +471,40 @@ mod tests {
         };
         assert!(bad.validate().is_err());
         assert_eq!(Draft::chain(vec![4, 5]).first_chain(), vec![4, 5]);
+    }
+
+    #[test]
+    fn sampled_trees_share_distributions_among_distinct_siblings() {
+        let q: DraftDist = Arc::from(vec![(0.5, 10), (0.5, 11)]);
+        let r: DraftDist = Arc::from(vec![(1.0, 12)]);
+        let mut d = Draft {
+            tokens: vec![10, 11, 12],
+            parents: Some(vec![None, None, Some(0)]),
+            probs: vec![q.clone(), q.clone(), r.clone()],
+        };
+        d.validate().unwrap();
+        d.probs[1] = r.clone();
+        assert!(
+            d.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("distribution")
+        );
+        d.probs[1] = q.clone();
+        d.tokens[1] = 10;
+        assert!(d.validate().unwrap_err().to_string().contains("repeats"));
+        d.tokens[1] = 11;
+        let chain = d.clone().into_first_chain();
+        assert_eq!(chain.tokens, vec![10, 12]);
+        assert!(Arc::ptr_eq(&chain.probs[0], &q) && Arc::ptr_eq(&chain.probs[1], &r));
+        chain.validate().unwrap();
+        d.probs.pop();
+        assert!(
+            d.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("3 tokens with 2")
+        );
     }
 
     #[test]

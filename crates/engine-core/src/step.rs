@@ -53,12 +53,14 @@ pub struct SampleSpec {
     pub logprobs: Option<usize>,
     /// Tokens generated so far (for `min_new_tokens`).
     pub generated: usize,
-    /// For drafts sampled from a drafter's distribution (a chain): that
-    /// distribution at each draft token, as (probability, token) summing to
-    /// 1; verification then accepts draft `d` with probability
-    /// `min(1, p(d) / q(d))` and draws a rejection from `max(0, p - q)`.
-    /// Empty for deterministic drafts.
-    pub draft_probs: Vec<Vec<(f32, u32)>>,
+    /// For drafts sampled from a drafter's distribution (a chain or a
+    /// tree): the distribution each draft token was drawn from
+    /// ([`crate::Draft::probs`]); verification then runs recursive
+    /// rejection sampling at each row: child `x` of the row is accepted with
+    /// probability `min(1, p(x) / q(x))`, else `p` becomes `max(0, p - q)`
+    /// normalized, `q` loses `x`, and the next child is tried. Empty for
+    /// deterministic drafts (point masses).
+    pub draft_probs: Vec<crate::DraftDist>,
 }
 
 /// The history logits processors see.

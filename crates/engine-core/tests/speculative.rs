@@ -24,7 +24,7 @@ use arbor_engine_core::grammar::{
 };
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{
-    Draft, DraftRequest, SpeculativeConfig, Speculator, SpeculatorInputs,
+    Draft, DraftDist, DraftRequest, Drafting, SpeculativeConfig, Speculator, SpeculatorInputs,
 };
 use arbor_engine_core::{DType, PrefixCacheOptions, SamplingParams, SeqRng, TokenDecoder};
 use arbor_engine_core::{LoadOptions, Model};
@@ -122,6 +122,83 @@ impl Speculator for Oracle {
     }
 }
 
+/// Proposes, for a sampled request, a fixed-shape tree drawn from a fixed
+/// distribution `q` over the vocabulary (a test speculator for recursive
+/// rejection sampling with several children per row): three children of
+/// the pending token drawn without replacement, then two under the first.
+/// The shape never depends on the draws, as verification requires.
+struct DrawnTree {
+    q: DraftDist,
+}
+
+impl DrawnTree {
+    fn new(vocab: u32) -> Self {
+        let w: Vec<f32> = (0..vocab).map(|t| 1.0 + (t % 7) as f32).collect();
+        let total: f32 = w.iter().sum();
+        Self {
+            q: w.iter()
+                .enumerate()
+                .map(|(t, &x)| (x / total, t as u32))
+                .collect(),
+        }
+    }
+
+    /// `k` distinct tokens drawn from `q` without replacement, in order.
+    fn draw(&self, k: usize, rng: &mut SeqRng) -> Vec<u32> {
+        let mut left: Vec<f32> = self.q.iter().map(|x| x.0).collect();
+        let mut out = Vec::new();
+        for _ in 0..k {
+            let mut r = rng.next_f32() * left.iter().sum::<f32>();
+            let mut pick = 0;
+            for (i, &w) in left.iter().enumerate() {
+                if w > 0.0 {
+                    pick = i;
+                    r -= w;
+                    if r < 0.0 {
+                        break;
+                    }
+                }
+            }
+            left[pick] = 0.0;
+            out.push(self.q[pick].1);
+        }
+        out
+    }
+}
+
+impl Speculator for DrawnTree {
+    fn name(&self) -> &str {
+        "drawn-tree"
+    }
+    fn propose(&mut self, reqs: &[DraftRequest<'_>]) -> Vec<Draft> {
+        reqs.iter()
+            .map(|r| {
+                let Some(s) = r.sampling.filter(|_| r.allow_tree) else {
+                    return Draft::default();
+                };
+                let mut rng = SeqRng::new(s.seed);
+                let mut tokens = self.draw(3, &mut rng);
+                tokens.extend(self.draw(2, &mut rng));
+                Draft {
+                    tokens,
+                    parents: Some(vec![None, None, None, Some(0), Some(0)]),
+                    probs: vec![self.q.clone(); 5],
+                }
+            })
+            .collect()
+    }
+    fn observe(&mut self, _key: u64, _tokens: &[u32]) {}
+    fn release(&mut self, _key: u64) {}
+    /// Draws from a distribution, as a model drafter does (which is what
+    /// gives it the request's sampling parameters and seed).
+    fn drafting(&self) -> Drafting {
+        Drafting::Model {
+            max_tokens: 5,
+            tree: true,
+        }
+    }
+}
+
 #[derive(Clone)]
 enum Spec {
     Off,
@@ -141,6 +218,8 @@ enum Spec {
     Eagle3Tree,
     /// The EAGLE head of tests/fixtures/eagle-tiny-llama.
     Eagle,
+    /// [`DrawnTree`].
+    DrawnTree,
 }
 
 /// A fixture model loaded on the shared CPU backend (a STANDALONE draft).
@@ -217,6 +296,12 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
                 vocab: s.model.model.spec().vocab_size as u32,
                 tree: matches!(spec, Spec::OracleTree(_)),
             }));
+        }
+        Spec::DrawnTree => {
+            cfg.speculative.get_or_insert_with(|| speculative(5, false));
+            parts.speculator = Some(Box::new(DrawnTree::new(
+                s.model.model.spec().vocab_size as u32,
+            )));
         }
         Spec::Ngram => {
             let sc = cfg.speculative.get_or_insert_with(|| speculative(8, false));
@@ -613,9 +698,9 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
     };
     let (a, _) = collect(&Spec::Off)?;
     // The oracle's drafts are a function of the sequence (point masses);
-    // model drafters draw theirs from their own distribution and verification
-    // runs speculative sampling against it: either way the distribution is
-    // plain sampling's.
+    // model drafters (and the drawn trees) draw theirs from their own
+    // distribution and verification runs recursive rejection sampling
+    // against it: either way the distribution is plain sampling's.
     let specs = [
         (
             "oracle",
@@ -630,11 +715,19 @@ fn sampled_tokens_keep_their_distribution() -> Result<()> {
         ("nextn", Spec::Nextn),
         ("eagle", Spec::Eagle),
         ("eagle3 trees", Spec::Eagle3Tree),
+        ("drawn trees", Spec::DrawnTree),
     ];
     for (name, spec) in specs {
         let self_draft = matches!(spec, Spec::Standalone(_));
         let (b, (accepted, drafted)) = collect(&spec)?;
         eprintln!("{name}: {accepted} of {drafted} sampled drafts accepted");
+        if matches!(spec, Spec::DrawnTree) {
+            // Several children per row, drawn from q: some are accepted.
+            assert!(
+                drafted > 0 && accepted > 0,
+                "{name}: {accepted} of {drafted}"
+            );
+        }
         if self_draft {
             // Drawn from the target's own distribution: q = p, so every
             // draft is accepted.

@@ -10,11 +10,11 @@
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::error::Result;
 use arbor_engine_core::sampling::filtered_candidates;
-use arbor_engine_core::{Backend, DType, SamplingParams, SeqRng, Tensor};
+use arbor_engine_core::{Backend, DType, DraftDist, SamplingParams, SeqRng, Tensor};
 
 /// A row's draft token and, when drawn, the distribution it was drawn from
 /// (ids in the logits' vocabulary).
-pub(crate) type Choice = (u32, Option<Vec<(f32, u32)>>);
+pub(crate) type Choice = (u32, Option<DraftDist>);
 
 /// One choice per row of `logits` (f32 `[rows, vocab]`); `sampling[i]` is
 /// set for a row drawn at temperature > 0.
@@ -86,5 +86,5 @@ pub(crate) fn draw(row: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Op
             break;
         }
     }
-    Some((token, Some(cand)))
+    Some((token, Some(cand.into())))
 }

@@ -43,7 +43,9 @@ use arbor_engine_core::model::{ForwardBatch, ForwardContext};
 use arbor_engine_core::speculative::{
     ComputedStates, Drafting, SpeculativeConfig, SpeculatorInputs,
 };
-use arbor_engine_core::{Backend, Draft, DraftRequest, SamplingParams, SeqRng, Speculator, Tensor};
+use arbor_engine_core::{
+    Backend, Draft, DraftDist, DraftRequest, SamplingParams, SeqRng, Speculator, Tensor,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -256,9 +258,9 @@ impl HeadDrafter {
         };
         let probs = match probs {
             Some(q) => Some(
-                q.into_iter()
-                    .map(|(p, d)| Ok((p, self.head.target_id(d)?)))
-                    .collect::<Result<Vec<_>>>()?,
+                q.iter()
+                    .map(|&(p, d)| Ok((p, self.head.target_id(d)?)))
+                    .collect::<Result<DraftDist>>()?,
             ),
             None => None,
         };
@@ -319,7 +321,7 @@ impl HeadDrafter {
         let h = self.head.hidden_size();
         let n = reqs.len();
         let mut chains: Vec<Vec<u32>> = vec![Vec::new(); n];
-        let mut probs: Vec<Vec<Vec<(f32, u32)>>> = vec![Vec::new(); n];
+        let mut probs: Vec<Vec<DraftDist>> = vec![Vec::new(); n];
         let mut states: Vec<Vec<f32>> = vec![Vec::new(); n];
         let mut lens: Vec<usize> = vec![0; n];
         let mut rngs: Vec<Option<SeqRng>> = reqs
@@ -327,9 +329,8 @@ impl HeadDrafter {
             .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))
             .collect();
         // Requests that allow a tree grow one (`topk` > 1): its nodes are the
-        // head's best tokens, point masses for verification also when the
-        // request samples (rejection sampling of deterministic children,
-        // SGLang's target-only tree verification).
+        // head's best tokens, or for a sampled request draws from the head's
+        // distribution, returned with it (see `head_tree`).
         let mut trees: Vec<(usize, Growing<'_>)> = Vec::new();
         for (i, r) in reqs.iter().enumerate() {
             let Some(p) = self

@@ -4,6 +4,15 @@
 //! nodes of the level below (by cumulative log-probability), `topk`
 //! children each; the draft is the `max_tokens` best nodes of all levels.
 //!
+//! For a request sampled at temperature > 0 the children of a node are
+//! instead `topk` draws without replacement from the head's filtered
+//! distribution `q` (in draw order, sharing `q`, which the draft returns for
+//! recursive rejection sampling), and the draft keeps a prefix of the
+//! nodes in breadth-first order, sibling groups by their parent's score:
+//! how many children of a node are kept then never depends on what those
+//! children are, which the exactness of verification needs (a "best nodes"
+//! cut would keep a child for being likely under `q`).
+//!
 //! Each level is one head forward over a tree per request: its root re-runs
 //! the extend's last position (the pending token with the target's fused
 //! state), then every node expanded so far, each fed its token and its
@@ -13,15 +22,16 @@
 //!
 //! Invariants of the returned draft: parents come before children, the set
 //! is closed under ancestors (a child never scores above its parent), and
-//! each node's children are listed best first, so `Draft::first_chain` is
-//! the greedy chain through the tree.
+//! each node's children are listed best first (drawn: in draw order), so
+//! `Draft::first_chain` is the greedy chain through the tree.
 
 use crate::choose::argmax;
 use crate::head_drafter::HeadDrafter;
 use arbor_engine_core::attention::BatchLayout;
 use arbor_engine_core::error::Result;
 use arbor_engine_core::model::ForwardBatch;
-use arbor_engine_core::{Draft, DraftRequest};
+use arbor_engine_core::sampling::filtered_candidates;
+use arbor_engine_core::{Draft, DraftDist, DraftRequest, SeqRng};
 use std::sync::Arc;
 
 /// One node of a request's draft tree.
@@ -35,6 +45,8 @@ struct Node {
     score: f32,
     /// The node's output state, once it was expanded.
     state: Option<Vec<f32>>,
+    /// The distribution it was drawn from (sampled requests).
+    dist: Option<DraftDist>,
 }
 
 /// One request's tree under construction.
@@ -50,7 +62,13 @@ pub(crate) struct Growing<'a> {
     frontier: Vec<usize>,
     /// Levels it may still expand (slots and depth allowing).
     levels: usize,
+    /// Draws the children of a sampled request.
+    rng: Option<SeqRng>,
 }
+
+/// A node's children from its logits row: `(log-probability, draft id)`
+/// in order, with the distribution they were drawn from (in target ids).
+type Children = (Vec<(f32, u32)>, Option<DraftDist>);
 
 /// The `k` best (log-probability, draft id) of a logits row, best first.
 fn top_k(row: &[f32], k: usize) -> Vec<(f32, u32)> {
@@ -91,14 +109,17 @@ impl<'a> Growing<'a> {
             nodes: Vec::new(),
             frontier: Vec::new(),
             levels: 0,
+            rng: req.sampling.map(|s| SeqRng::new(s.seed)),
         };
-        for (lp, id) in top_k(logits, topk) {
+        let (kids, dist) = g.children(d, logits, topk)?;
+        for (lp, id) in kids {
             g.nodes.push(Node {
                 token: d.target_id(id)?,
                 parent: None,
                 depth: 1,
                 score: lp,
                 state: None,
+                dist: dist.clone(),
             });
         }
         g.frontier = (0..g.nodes.len()).collect();
@@ -111,6 +132,53 @@ impl<'a> Growing<'a> {
         }
         g.levels = levels;
         Ok(g)
+    }
+
+    /// The children of a node whose head logits are `row`: its `k` best
+    /// tokens, or for a sampled request `k` draws without replacement from
+    /// the standard sampler's filtered distribution (a single argmax, as a
+    /// point mass, when nothing is finite).
+    fn children(&mut self, d: &HeadDrafter, row: &[f32], k: usize) -> Result<Children> {
+        let (Some(rng), Some(s)) = (self.rng.as_mut(), self.req.sampling) else {
+            return Ok((top_k(row, k), None));
+        };
+        let mut cand = filtered_candidates(row, s.params).unwrap_or_default();
+        let total: f32 = cand.iter().map(|c| c.0).sum();
+        if cand.is_empty() || total.is_nan() || total <= 0.0 {
+            let t = argmax(row);
+            let dist: DraftDist = Arc::from(vec![(1.0, d.target_id(t)?)]);
+            return Ok((vec![(0.0, t)], Some(dist)));
+        }
+        for c in cand.iter_mut() {
+            c.0 /= total;
+        }
+        let dist = cand
+            .iter()
+            .map(|&(w, t)| Ok((w, d.target_id(t)?)))
+            .collect::<Result<DraftDist>>()?;
+        let mut left: Vec<f32> = cand.iter().map(|c| c.0).collect();
+        let mut kids = Vec::with_capacity(k);
+        for _ in 0..k {
+            let mass: f32 = left.iter().sum();
+            if mass <= 0.0 {
+                break;
+            }
+            let mut r = rng.next_f32() * mass;
+            let mut pick = None;
+            for (i, &w) in left.iter().enumerate() {
+                if w > 0.0 {
+                    pick = Some(i);
+                    r -= w;
+                    if r < 0.0 {
+                        break;
+                    }
+                }
+            }
+            let Some(i) = pick else { break };
+            kids.push((cand[i].0.ln(), cand[i].1));
+            left[i] = 0.0;
+        }
+        Ok((kids, Some(dist)))
     }
 
     /// The nodes of this level's forward (root first), with their parents
@@ -131,37 +199,57 @@ impl<'a> Growing<'a> {
         (order, parents)
     }
 
-    /// The draft: the `max_tokens` best nodes, parents first, children best first.
+    /// The draft: the `max_tokens` best nodes, parents first, children best
+    /// first; for a sampled request the first `max_tokens` in breadth-first
+    /// order (see the module comment), children in draw order.
     fn finish(mut self) -> Draft {
         let n = self.req.max_tokens.min(self.nodes.len());
         let mut by_score: Vec<usize> = (0..self.nodes.len()).collect();
-        let key = |i: &usize| (self.nodes[*i].depth, *i);
-        by_score.sort_by(|a, b| {
-            self.nodes[*b]
-                .score
-                .total_cmp(&self.nodes[*a].score)
-                .then(key(a).cmp(&key(b)))
-        });
-        by_score.truncate(n);
-        // Parents first; siblings best first.
-        by_score.sort_by(|a, b| {
-            (self.nodes[*a].depth)
-                .cmp(&self.nodes[*b].depth)
-                .then(self.nodes[*b].score.total_cmp(&self.nodes[*a].score))
-                .then(a.cmp(b))
-        });
+        let nodes = &self.nodes;
+        if self.rng.is_some() {
+            let parent_score = |i: usize| nodes[i].parent.map_or(0.0, |p| nodes[p].score);
+            by_score.sort_by(|&a, &b| {
+                (nodes[a].depth)
+                    .cmp(&nodes[b].depth)
+                    .then(parent_score(b).total_cmp(&parent_score(a)))
+                    .then(nodes[a].parent.cmp(&nodes[b].parent))
+                    .then(a.cmp(&b))
+            });
+            by_score.truncate(n);
+        } else {
+            let key = |i: &usize| (nodes[*i].depth, *i);
+            by_score.sort_by(|a, b| {
+                nodes[*b]
+                    .score
+                    .total_cmp(&nodes[*a].score)
+                    .then(key(a).cmp(&key(b)))
+            });
+            by_score.truncate(n);
+            // Parents first; siblings best first.
+            by_score.sort_by(|a, b| {
+                (nodes[*a].depth)
+                    .cmp(&nodes[*b].depth)
+                    .then(nodes[*b].score.total_cmp(&nodes[*a].score))
+                    .then(a.cmp(b))
+            });
+        }
         let index = |i: usize| by_score.iter().position(|&x| x == i);
         let mut tokens = Vec::with_capacity(n);
         let mut parents = Vec::with_capacity(n);
+        let mut probs = Vec::new();
         for &i in &by_score {
             tokens.push(self.nodes[i].token);
             parents.push(self.nodes[i].parent.and_then(index).map(|p| p as u32));
+            probs.extend(self.nodes[i].dist.clone());
+        }
+        if probs.len() != tokens.len() {
+            probs.clear();
         }
         self.nodes.clear();
         Draft {
             tokens,
             parents: Some(parents),
-            probs: Vec::new(),
+            probs,
         }
     }
 }
@@ -223,19 +311,25 @@ impl HeadDrafter {
             for (&t, order) in active.iter().zip(orders) {
                 let g = &mut trees[t];
                 let mut candidates: Vec<usize> = Vec::new();
-                for i in order.into_iter().filter(|i| g.frontier.contains(i)) {
+                let expand: Vec<usize> = order
+                    .into_iter()
+                    .filter(|i| g.frontier.contains(i))
+                    .collect();
+                for i in expand {
                     let Some((logits, state)) = out.next() else {
                         break;
                     };
                     g.nodes[i].state = Some(state);
                     let (score, depth) = (g.nodes[i].score, g.nodes[i].depth);
-                    for (lp, id) in top_k(&logits, topk) {
+                    let (kids, dist) = g.children(self, &logits, topk)?;
+                    for (lp, id) in kids {
                         g.nodes.push(Node {
                             token: self.target_id(id)?,
                             parent: Some(i),
                             depth: depth + 1,
                             score: score + lp,
                             state: None,
+                            dist: dist.clone(),
                         });
                         candidates.push(g.nodes.len() - 1);
                     }

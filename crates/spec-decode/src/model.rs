@@ -32,7 +32,7 @@ use arbor_engine_core::error::{CoreError, Result};
 use arbor_engine_core::model::{ForwardBatch, Model};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{Drafting, SpeculativeConfig, SpeculatorInputs};
-use arbor_engine_core::{Draft, DraftRequest, SamplingParams, SeqRng, Speculator};
+use arbor_engine_core::{Draft, DraftDist, DraftRequest, SamplingParams, SeqRng, Speculator};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -244,7 +244,7 @@ impl ModelDrafter {
         }
         let mut out: Vec<Vec<u32>> = plan.iter().map(|p| Vec::with_capacity(p.0)).collect();
         // Sampled requests draw their chains (and keep the distributions).
-        let mut probs: Vec<Vec<Vec<(f32, u32)>>> = vec![Vec::new(); reqs.len()];
+        let mut probs: Vec<Vec<DraftDist>> = vec![Vec::new(); reqs.len()];
         let mut rngs: Vec<Option<SeqRng>> = reqs
             .iter()
             .map(|r| r.sampling.map(|s| SeqRng::new(s.seed)))

@@ -21,15 +21,17 @@
 mod heads;
 
 use arbor_engine_core::speculative::SpeculativeConfig;
-use arbor_engine_core::{DType, Draft, Registry, Tensor, WeightSource};
+use arbor_engine_core::{DType, Draft, Registry, SamplingParams, Tensor, WeightSource};
 use arbor_models::safetensors_source::SafetensorsSource;
 use arbor_spec_decode::Eagle3Head;
 use heads::{
     Keys, R, TOL, check_runs, compare, fixtures, head_dir, ints, propose_on_reference,
-    reference_chain, rows, run_head, shared, speculator_inputs, split_rows, target_states,
+    propose_sampled_on_reference, reference_chain, rows, run_head, shared, speculator_inputs,
+    split_rows, target_states,
 };
 use serde_json::Value;
 use std::path::Path;
+use std::sync::Arc;
 
 /// The target (`tests/fixtures/tiny-llama`) and the head (with its reference).
 const TARGET: &str = "tiny-llama";
@@ -269,6 +271,99 @@ fn eagle3_drafter_grows_a_tree_along_the_reference_chain() -> R {
         assert_eq!(parents.iter().filter(|p| p.is_none()).count(), 3, "{d:?}");
         let chain = d.first_chain();
         assert_eq!(chain[..2], reference_chain(&KEYS, seq)?[..2], "{d:?}");
+    }
+    Ok(())
+}
+
+/// For a sampled request the `eagle3` tree is drawn: each node's three
+/// children are distinct draws from one shared distribution (the head's,
+/// filtered by the request's parameters), nodes come breadth-first with
+/// whole sibling groups (only the last one cut), and over many seeds the
+/// first child of the root follows that distribution.
+#[test]
+fn eagle3_sampled_trees_are_drawn_from_the_head() -> R {
+    let cfg = SpeculativeConfig {
+        algorithm: "eagle3".into(),
+        num_steps: 3,
+        num_draft_tokens: 10,
+        eagle_topk: 3,
+        ..SpeculativeConfig::default()
+    };
+    let registry = Registry::builtin()?;
+    let inputs = speculator_inputs(Some(head_dir()))?;
+    let mut drafter = registry.speculators.get("eagle3")?(&cfg, &inputs)?;
+    let params = SamplingParams {
+        temperature: 0.7,
+        top_k: 20,
+        ..SamplingParams::default()
+    };
+    let rounds = 300;
+    let mut first: Vec<std::collections::HashMap<u32, usize>> = Vec::new();
+    let mut root_q: Vec<Vec<(f32, u32)>> = Vec::new();
+    for round in 0..rounds {
+        let drafts =
+            propose_sampled_on_reference(&mut *drafter, 10, true, Some((&params, 1000 * round)))?;
+        first.resize_with(drafts.len(), Default::default);
+        for (k, d) in drafts.iter().enumerate() {
+            d.validate()?;
+            let parents = d.parents.as_ref().ok_or("a tree")?;
+            assert_eq!(d.probs.len(), d.len(), "{d:?}");
+            assert_eq!(d.len(), 10, "{d:?}");
+            // Breadth-first, siblings together: 3 + 3 + 3 + the first of a group.
+            let depth = |mut i: usize| {
+                let mut n = 1;
+                while let Some(p) = parents[i] {
+                    i = p as usize;
+                    n += 1;
+                }
+                n
+            };
+            let depths: Vec<usize> = (0..d.len()).map(depth).collect();
+            assert!(depths.windows(2).all(|w| w[0] <= w[1]), "{depths:?}");
+            let mut groups: Vec<(Option<u32>, Vec<usize>)> = Vec::new();
+            for (i, p) in parents.iter().enumerate() {
+                match groups.last_mut() {
+                    Some((q, g)) if q == p => g.push(i),
+                    _ => groups.push((*p, vec![i])),
+                }
+            }
+            let sizes: Vec<usize> = groups.iter().map(|g| g.1.len()).collect();
+            assert_eq!(sizes, vec![3, 3, 3, 1], "whole sibling groups: {d:?}");
+            for (_, g) in &groups {
+                let q = &d.probs[g[0]];
+                assert!(q.len() <= 20, "top_k 20 filters q");
+                let sum: f32 = q.iter().map(|x| x.0).sum();
+                assert!((sum - 1.0).abs() < 1e-4, "q sums to {sum}");
+                for &i in g {
+                    assert!(Arc::ptr_eq(q, &d.probs[i]));
+                    assert!(q.iter().any(|x| x.1 == d.tokens[i] && x.0 > 0.0));
+                }
+            }
+            *first[k].entry(d.tokens[0]).or_default() += 1;
+            if round == 0 {
+                root_q.push(d.probs[0].to_vec());
+            } else {
+                assert_eq!(
+                    root_q[k],
+                    d.probs[0][..],
+                    "the root's q is the same every round"
+                );
+            }
+        }
+    }
+    // The root's first child is a plain draw from q: each token within
+    // 4.5 standard deviations of its expected count.
+    for (counts, q) in first.iter().zip(&root_q) {
+        for &(w, t) in q {
+            let n = rounds as f64;
+            let want = n * f64::from(w);
+            let got = counts.get(&t).copied().unwrap_or(0) as f64;
+            let sd = (n * f64::from(w) * (1.0 - f64::from(w))).sqrt().max(1.0);
+            assert!(
+                (got - want).abs() < 4.5 * sd,
+                "token {t}: {got} drawn, {want:.1} expected"
+            );
+        }
     }
     Ok(())
 }

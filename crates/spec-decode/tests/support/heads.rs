@@ -16,8 +16,9 @@ use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{ComputedStates, SpeculatorInputs};
 use arbor_engine_core::{
-    AttentionBackend, Backend, BatchLayout, DType, Draft, DraftRequest, ForwardBatch,
-    ForwardContext, KvCache, LoadOptions, Registry, Speculator, Tensor,
+    AttentionBackend, Backend, BatchLayout, DType, Draft, DraftRequest, DraftSampling,
+    ForwardBatch, ForwardContext, KvCache, LoadOptions, Registry, SamplingParams, Speculator,
+    Tensor,
 };
 use arbor_models::{LoadedModel, load_model};
 use arbor_spec_decode::DraftHead;
@@ -421,6 +422,17 @@ pub fn propose_on_reference(
     max_tokens: usize,
     allow_tree: bool,
 ) -> R<Vec<Draft>> {
+    propose_sampled_on_reference(drafter, max_tokens, allow_tree, None)
+}
+
+/// [`propose_on_reference`] for requests sampled under `sampling`
+/// (parameters and seed) when it is set.
+pub fn propose_sampled_on_reference(
+    drafter: &mut dyn Speculator,
+    max_tokens: usize,
+    allow_tree: bool,
+    sampling: Option<(&SamplingParams, u64)>,
+) -> R<Vec<Draft>> {
     let layers: Vec<usize> = drafter.hidden_layers().to_vec();
     let seqs = shared().reference["sequences"]
         .as_array()
@@ -454,7 +466,10 @@ pub fn propose_on_reference(
             max_tokens,
             allow_tree,
             pages: &pages[i],
-            sampling: None,
+            sampling: sampling.map(|(params, seed)| DraftSampling {
+                params,
+                seed: seed + i as u64,
+            }),
         })
         .collect();
     Ok(drafter.propose(&reqs))

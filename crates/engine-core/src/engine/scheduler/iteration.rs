@@ -134,7 +134,7 @@ impl Scheduler {
         s.prefix_len = r.computed;
         r.page_table_into(&mut s.pages);
         let mut spec = self.sample_spec(r, rows);
-        if s.tree.is_none() && draft.probs.len() == draft.len() {
+        if draft.probs.len() == draft.len() {
             spec.draft_probs.clone_from(&draft.probs);
         }
         s.sample = Some(spec);

@@ -235,7 +235,7 @@ impl Scheduler {
         for (&(i, limit, tree), d) in picked.iter().zip(proposed) {
             let mut c = match d.validate() {
                 Ok(()) if tree || d.parents.is_none() => d,
-                Ok(()) => Draft::chain(d.first_chain()),
+                Ok(()) => d.into_first_chain(),
                 Err(_) => Draft::default(),
             };
             c.truncate(limit);
