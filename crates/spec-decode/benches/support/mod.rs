@@ -92,15 +92,21 @@ pub fn run(
     prompts: &[Vec<u32>],
     max_new: usize,
 ) -> (usize, f64, f64, f64, Vec<Vec<u32>>) {
+    run_with(e, prompts, &SamplingParams::greedy(max_new))
+}
+
+/// [`run`] under `params` (every request alike).
+pub fn run_with(
+    e: &Engine,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+) -> (usize, f64, f64, f64, Vec<Vec<u32>>) {
     let t0 = Instant::now();
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
-            e.submit(GenerateRequest::new(
-                p.clone(),
-                SamplingParams::greedy(max_new),
-            ))
-            .expect("submit")
+            e.submit(GenerateRequest::new(p.clone(), params.clone()))
+                .expect("submit")
         })
         .collect();
     let (mut toks, mut decode, mut acc, mut n_acc) = (0, 0.0, 0.0, 0);
