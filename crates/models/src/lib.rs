@@ -14,6 +14,7 @@ pub mod quant_methods;
 pub mod random;
 pub mod safetensors_source;
 pub mod tokenizer;
+pub mod torch_bin;
 
 /// Where `arbor fetch-default` keeps the default model.
 pub use arbor_gguf::default_model_path;

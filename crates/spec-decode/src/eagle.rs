@@ -153,7 +153,7 @@ impl std::fmt::Debug for EagleHead {
 }
 
 impl EagleHead {
-    /// Loads the head in `dir` (`config.json`, `model.safetensors`) for
+    /// Loads the head in `dir` (`config.json`, `model.safetensors` or `pytorch_model.bin`) for
     /// `target`, whose LM head and input embedding it uses (the
     /// checkpoint's `embed_tokens.weight` only when the target exposes no
     /// embedding).

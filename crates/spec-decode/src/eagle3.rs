@@ -253,7 +253,7 @@ fn read_i64(t: &TensorView<'_>) -> Vec<i64> {
 }
 
 impl Eagle3Head {
-    /// Loads the head in `dir` (`config.json`, `model.safetensors`) for
+    /// Loads the head in `dir` (`config.json`, `model.safetensors` or `pytorch_model.bin`) for
     /// `target`. `target_embed` (`[vocab, hidden]`, the target's input
     /// embedding) is used when the checkpoint has no `embed_tokens.weight`.
     pub fn load(

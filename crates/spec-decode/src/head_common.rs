@@ -2,7 +2,7 @@
 //! [`EagleHead`](crate::EagleHead), MTP's [`MtpHead`](crate::MtpHead))
 //! share: reading a head's `config.json` (and the checks every head makes
 //! of it and of its batches, hidden input and KV cache) and a head folder's
-//! `model.safetensors` (every tensor's shape and dtype checked, errors
+//! `model.safetensors` or `pytorch_model.bin` (every tensor's shape and dtype checked, errors
 //! naming the tensor and the file), and the pieces of a Llama decoder layer
 //! they run with [`Backend`] operations (rotary self-attention over one
 //! layer of the caller's KV cache, the SwiGLU MLP, row selection, the LM
@@ -184,33 +184,48 @@ impl SplitLinear {
     }
 }
 
-/// The head's `model.safetensors`, mapped.
+/// The head's `model.safetensors`, mapped, or its `pytorch_model.bin`
+/// converted to safetensors bytes (as the published EAGLE heads ship).
 pub(crate) struct HeadMap {
-    map: Mmap,
+    bytes: HeadBytes,
     path: PathBuf,
 }
 
+enum HeadBytes {
+    Mapped(Mmap),
+    Converted(Vec<u8>),
+}
+
 impl HeadMap {
-    /// Maps `dir/model.safetensors`.
+    /// Maps `dir/model.safetensors`, else reads `dir/pytorch_model.bin`.
     pub(crate) fn open(dir: &Path) -> Result<Self> {
         let path: PathBuf = dir.join("model.safetensors");
-        if !path.exists() && dir.join("pytorch_model.bin").exists() {
-            return Err(CoreError::load(format!(
-                "{}: missing; the head has only pytorch_model.bin (a pickle, which Arbor does not read): convert it to model.safetensors",
-                path.display()
-            )));
+        let bin = dir.join("pytorch_model.bin");
+        if !path.exists() && bin.exists() {
+            let bytes = arbor_models::torch_bin::to_safetensors(&bin)?;
+            return Ok(Self {
+                bytes: HeadBytes::Converted(bytes),
+                path: bin,
+            });
         }
         let f = File::open(&path).map_err(|e| CoreError::io(&path, e))?;
         // SAFETY: the map is read-only and only read while loading; checkpoints
         // are not modified while loaded (as for every checkpoint Arbor maps).
         #[allow(unsafe_code)]
         let map = unsafe { Mmap::map(&f) }.map_err(|e| CoreError::io(&path, e))?;
-        Ok(Self { map, path })
+        Ok(Self {
+            bytes: HeadBytes::Mapped(map),
+            path,
+        })
     }
 
     /// Its tensors, read in place.
     pub(crate) fn file(&self) -> Result<HeadFile<'_>> {
-        let st = SafeTensors::deserialize(&self.map[..]).map_err(|e| {
+        let bytes = match &self.bytes {
+            HeadBytes::Mapped(m) => &m[..],
+            HeadBytes::Converted(v) => &v[..],
+        };
+        let st = SafeTensors::deserialize(bytes).map_err(|e| {
             CoreError::load(format!(
                 "{}: invalid safetensors file: {e}",
                 self.path.display()
@@ -223,7 +238,7 @@ impl HeadMap {
     }
 }
 
-/// The head's `model.safetensors`, read in place.
+/// The head's tensors (safetensors bytes), read in place.
 pub(crate) struct HeadFile<'a> {
     st: SafeTensors<'a>,
     pub(crate) path: &'a Path,

@@ -158,7 +158,7 @@ fn heads_that_do_not_fit_are_refused() -> R {
             "{err}"
         );
     }
-    // An original checkpoint with only pytorch_model.bin.
+    // A pytorch_model.bin that is not a torch.save archive (safetensors bytes).
     let dir = edited_head(|_| {}, None)?;
     std::fs::rename(
         dir.path().join("model.safetensors"),
@@ -166,7 +166,7 @@ fn heads_that_do_not_fit_are_refused() -> R {
     )?;
     let err = err_of(dir.path());
     assert!(
-        err.contains("pytorch_model.bin") && err.contains("convert"),
+        err.contains("pytorch_model.bin") && err.contains("not a torch.save zip archive"),
         "{err}"
     );
     // `bias: false` reads no fc.bias (so a head without one loads).
@@ -248,14 +248,22 @@ fn eagle_drafter_proposes_the_reference_chain() -> R {
     let create = registry.speculators.get("eagle")?;
     let err = create(&cfg, &inputs).err().ok_or("no error")?.to_string();
     assert!(err.contains("--speculative-draft-model-path"), "{err}");
-    inputs.draft_path = Some(head_dir());
-    let mut drafter = create(&cfg, &inputs)?;
-    assert_eq!(drafter.name(), "eagle");
-    assert_eq!(drafter.hidden_layers(), [s.target.model.spec().num_layers]);
-    let drafts = propose_on_reference(&mut *drafter, 4, false)?;
-    for (seq, d) in heads::sequences().iter().zip(&drafts) {
-        assert_eq!(d.tokens, reference_chain(&KEYS, seq)?, "EAGLE chain");
-        assert!(d.parents.is_none());
+    // The head as safetensors, and as its original checkpoints ship
+    // (pytorch_model.bin written by torch.save: tests/fixtures/eagle-tiny-llama-bin).
+    for dir in [head_dir(), fixtures().join("eagle-tiny-llama-bin")] {
+        inputs.draft_path = Some(dir.clone());
+        let mut drafter = create(&cfg, &inputs)?;
+        assert_eq!(drafter.name(), "eagle");
+        assert_eq!(drafter.hidden_layers(), [s.target.model.spec().num_layers]);
+        let drafts = propose_on_reference(&mut *drafter, 4, false)?;
+        for (seq, d) in heads::sequences().iter().zip(&drafts) {
+            assert_eq!(
+                d.tokens,
+                reference_chain(&KEYS, seq)?,
+                "EAGLE chain from {dir:?}"
+            );
+            assert!(d.parents.is_none());
+        }
     }
     Ok(())
 }
