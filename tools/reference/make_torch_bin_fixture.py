@@ -9,6 +9,10 @@ src/torch_bin.rs), written by torch.save itself (the zip format of torch >= 1.6)
 * tests/fixtures/torch-bin/nested.bin: {"state_dict": {...}, "epoch": 2}, as training scripts save.
 * tests/fixtures/eagle-tiny-llama-bin/: the EAGLE fixture head (tests/fixtures/eagle-tiny-llama)
   as its original checkpoints ship: config.json and pytorch_model.bin with the same tensors.
+* tests/fixtures/tiny-llama-bin/: tests/fixtures/tiny-llama with its two safetensors shards
+  re-saved as pytorch_model-0000{1,2}-of-00002.bin and pytorch_model.bin.index.json (the layout of
+  older Hugging Face checkpoints); every other file (config, tokenizer, reference.json) copied, so
+  the transformers parity test runs on it unchanged.
 
     python tools/reference/make_torch_bin_fixture.py           # (re)write the fixtures
     python tools/reference/make_torch_bin_fixture.py --check   # torch.load them and compare
@@ -30,6 +34,17 @@ ROOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 OUT = ROOT / "torch-bin"
 EAGLE = ROOT / "eagle-tiny-llama"
 EAGLE_BIN = ROOT / "eagle-tiny-llama-bin"
+LLAMA = ROOT / "tiny-llama"
+LLAMA_BIN = ROOT / "tiny-llama-bin"
+COPIED = ["config.json", "generation_config.json", "reference.json", "special_tokens_map.json",
+          "tokenizer.json", "tokenizer_config.json"]
+
+
+def llama_shards() -> dict:
+    """tiny-llama's safetensors shards by file name, renamed to their torch names."""
+    index = json.loads((LLAMA / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    return {f.replace("model-", "pytorch_model-").replace(".safetensors", ".bin"): f for f in files}
 
 
 def mixed() -> "OrderedDict[str, torch.Tensor]":
@@ -70,7 +85,17 @@ def write_all() -> None:
     EAGLE_BIN.mkdir(parents=True, exist_ok=True)
     shutil.copy(EAGLE / "config.json", EAGLE_BIN / "config.json")
     torch.save(OrderedDict(load_file(EAGLE / "model.safetensors")), EAGLE_BIN / "pytorch_model.bin")
-    print(f"wrote {OUT} and {EAGLE_BIN}")
+    LLAMA_BIN.mkdir(parents=True, exist_ok=True)
+    for f in COPIED:
+        shutil.copy(LLAMA / f, LLAMA_BIN / f)
+    weight_map = {}
+    for bin_name, st_name in llama_shards().items():
+        sd = OrderedDict(load_file(LLAMA / st_name))
+        torch.save(sd, LLAMA_BIN / bin_name)
+        weight_map.update({k: bin_name for k in sd})
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (LLAMA_BIN / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    print(f"wrote {OUT}, {EAGLE_BIN} and {LLAMA_BIN}")
 
 
 def check() -> None:
@@ -84,6 +109,14 @@ def check() -> None:
     st = load_file(EAGLE / "model.safetensors")
     assert list(eagle) == list(st) and all(torch.equal(eagle[k], st[k]) for k in st)
     assert (EAGLE_BIN / "config.json").read_bytes() == (EAGLE / "config.json").read_bytes()
+    for f in COPIED:
+        assert (LLAMA_BIN / f).read_bytes() == (LLAMA / f).read_bytes(), f
+    index = json.loads((LLAMA_BIN / "pytorch_model.bin.index.json").read_text())["weight_map"]
+    for bin_name, st_name in llama_shards().items():
+        got = torch.load(LLAMA_BIN / bin_name, weights_only=True)
+        st = load_file(LLAMA / st_name)
+        assert sorted(got) == sorted(st) and all(torch.equal(got[k], st[k]) for k in st), bin_name
+        assert all(index[k] == bin_name for k in st), bin_name
     print("torch-bin fixtures: ok")
 
 

@@ -1,6 +1,7 @@
 //! Model architectures and everything needed to load a model folder.
 //!
-//! [`load_model`] reads a Hugging Face folder (`config.json`, safetensors,
+//! [`load_model`] reads a Hugging Face folder (`config.json`, safetensors
+//! or `pytorch_model.bin` shards,
 //! `tokenizer.json`, `tokenizer_config.json`, `generation_config.json`),
 //! builds the architecture registered under `architectures[0]`, and returns a
 //! [`LoadedModel`]: the model, its tokenizer with special tokens, and its chat

@@ -194,6 +194,13 @@ fn tiny_mistral_matches_transformers() -> Result<()> {
     check_model("tiny-mistral")
 }
 
+/// tiny-llama as older checkpoints ship it: sharded pytorch_model.bin files
+/// written by torch.save (tools/reference/make_torch_bin_fixture.py).
+#[test]
+fn tiny_llama_from_pytorch_bin_matches_transformers() -> Result<()> {
+    check_model("tiny-llama-bin")
+}
+
 #[test]
 fn half_precision_weights_load_and_stay_close() -> Result<()> {
     for dtype in ["f16", "bf16"] {
