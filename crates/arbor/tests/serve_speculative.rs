@@ -120,6 +120,16 @@ async fn eagle_head_changes_no_answer() -> Result<()> {
     .await
 }
 
+/// The EAGLE head as published heads ship (pytorch_model.bin), and a
+/// STANDALONE draft folder of pytorch_model.bin shards.
+#[tokio::test]
+async fn pytorch_bin_drafters_change_no_answer() -> Result<()> {
+    let head = fixture("eagle-tiny-llama-bin");
+    speculation_changes_no_answer(&["EAGLE", "--speculative-draft-model-path", &head]).await?;
+    let draft = fixture("tiny-llama-bin");
+    speculation_changes_no_answer(&["STANDALONE", "--speculative-draft-model-path", &draft]).await
+}
+
 #[tokio::test]
 async fn nextn_layer_changes_no_answer() -> Result<()> {
     // tiny-llama-mtp holds tiny-llama's weights plus one MTP layer.
