@@ -702,17 +702,20 @@ fn verify_row(
         if rng.next_f32() < accept {
             return (d, Some(i));
         }
-        let before = p.clone();
+        // The residual; nothing only through rounding (p = q accepts
+        // surely, as does p = δ_d): then p stays.
         if qd > 0.0 {
-            for (x, y) in p.iter_mut().zip(&q) {
-                *x = (*x - y).max(0.0);
+            let mass: f32 = p.iter().zip(&q).map(|(x, y)| (x - y).max(0.0)).sum();
+            if mass > 0.0 && mass.is_finite() {
+                for (x, y) in p.iter_mut().zip(&q) {
+                    *x = (*x - y).max(0.0) / mass;
+                }
             }
         } else if let Some(x) = p.get_mut(d as usize) {
-            *x = 0.0;
-        }
-        // Empty only through rounding (p = q accepts surely): keep p.
-        if !normalize(&mut p) {
-            p = before;
+            let pd = std::mem::take(x);
+            if !normalize(&mut p) {
+                p[d as usize] = pd;
+            }
         }
         if let Some(x) = q.get_mut(d as usize) {
             *x = 0.0;

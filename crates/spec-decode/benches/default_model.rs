@@ -10,35 +10,22 @@
 //! Run: `cargo bench -p arbor-spec-decode --bench default_model`
 //! (`ARBOR_BENCH_ROUNDS`, default 3; `ARBOR_BENCH_THREADS`, default 2).
 
-use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::speculative::SpeculativeConfig;
-use arbor_engine_core::{Backend, LoadOptions, Registry};
 use arbor_kv_radix as _;
-use arbor_models::load_model;
 use arbor_spec_decode as _;
 
 #[path = "../../engine-core/tests/support/chat.rs"]
 mod chat;
 mod support;
 use chat::{chat, copy_prompts};
-use std::sync::Arc;
-use support::{engine, env_usize, run, sharegpt};
+use support::{default_model, engine, env_usize, run, sharegpt};
 
 fn main() {
-    let Some(path) = arbor_gguf::default_model_path().filter(|p| p.exists()) else {
-        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
-        return;
-    };
     let rounds = env_usize("ARBOR_BENCH_ROUNDS", 3);
     let threads = env_usize("ARBOR_BENCH_THREADS", 2);
-    let registry = Registry::builtin().expect("registry");
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
-    let opts = LoadOptions {
-        backend: backend.clone(),
-        quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
-        progress: None,
+    let Some((m, backend, registry)) = default_model(threads) else {
+        return;
     };
-    let m = load_model(&path, &registry, &opts).expect("model");
     let off = engine(&m, &backend, &registry, None, None);
     let spec = |adaptive| SpeculativeConfig {
         adaptive,

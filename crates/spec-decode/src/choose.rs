@@ -16,6 +16,9 @@ use arbor_engine_core::{Backend, DType, DraftDist, SamplingParams, SeqRng, Tenso
 /// (ids in the logits' vocabulary).
 pub(crate) type Choice = (u32, Option<DraftDist>);
 
+/// A (probability, draft id) pair.
+pub(crate) type Weighted = (f32, u32);
+
 /// One choice per row of `logits` (f32 `[rows, vocab]`); `sampling[i]` is
 /// set for a row drawn at temperature > 0.
 pub(crate) fn choose(
@@ -69,6 +72,20 @@ pub(crate) fn argmax(row: &[f32]) -> u32 {
 /// A draw from `row`'s filtered distribution under `params`, with that
 /// distribution; `None` when nothing is finite (the argmax then stands).
 pub(crate) fn draw(row: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Option<Choice> {
+    let (drawn, cand) = draw_distinct(row, params, rng, 1)?;
+    let token = drawn.first()?.1;
+    Some((token, Some(cand.into())))
+}
+
+/// Up to `k` distinct tokens drawn without replacement, in draw order, from
+/// `row`'s filtered distribution under `params`, each with its probability,
+/// and that distribution (normalized); `None` when nothing is finite.
+pub(crate) fn draw_distinct(
+    row: &[f32],
+    params: &SamplingParams,
+    rng: &mut SeqRng,
+    k: usize,
+) -> Option<(Vec<Weighted>, Vec<Weighted>)> {
     let mut cand = filtered_candidates(row, params)?;
     let total: f32 = cand.iter().map(|c| c.0).sum();
     if total.is_nan() || total <= 0.0 {
@@ -77,14 +94,27 @@ pub(crate) fn draw(row: &[f32], params: &SamplingParams, rng: &mut SeqRng) -> Op
     for c in cand.iter_mut() {
         c.0 /= total;
     }
-    let mut r = rng.next_f32();
-    let mut token = cand[cand.len() - 1].1;
-    for c in &cand {
-        r -= c.0;
-        if r < 0.0 {
-            token = c.1;
+    let mut left: Vec<f32> = cand.iter().map(|c| c.0).collect();
+    let mut drawn = Vec::with_capacity(k);
+    for _ in 0..k {
+        let mass: f32 = left.iter().sum();
+        if mass <= 0.0 {
             break;
         }
+        let mut r = rng.next_f32() * mass;
+        let mut pick = None;
+        for (i, &w) in left.iter().enumerate() {
+            if w > 0.0 {
+                pick = Some(i);
+                r -= w;
+                if r < 0.0 {
+                    break;
+                }
+            }
+        }
+        let Some(i) = pick else { break };
+        drawn.push(cand[i]);
+        left[i] = 0.0;
     }
-    Some((token, Some(cand.into())))
+    Some((drawn, cand))
 }

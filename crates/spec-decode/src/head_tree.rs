@@ -25,12 +25,11 @@
 //! each node's children are listed best first (drawn: in draw order), so
 //! `Draft::first_chain` is the greedy chain through the tree.
 
-use crate::choose::argmax;
+use crate::choose::{argmax, draw_distinct};
 use crate::head_drafter::HeadDrafter;
 use arbor_engine_core::attention::BatchLayout;
 use arbor_engine_core::error::Result;
 use arbor_engine_core::model::ForwardBatch;
-use arbor_engine_core::sampling::filtered_candidates;
 use arbor_engine_core::{Draft, DraftDist, DraftRequest, SeqRng};
 use std::sync::Arc;
 
@@ -142,43 +141,19 @@ impl<'a> Growing<'a> {
         let (Some(rng), Some(s)) = (self.rng.as_mut(), self.req.sampling) else {
             return Ok((top_k(row, k), None));
         };
-        let mut cand = filtered_candidates(row, s.params).unwrap_or_default();
-        let total: f32 = cand.iter().map(|c| c.0).sum();
-        if cand.is_empty() || total.is_nan() || total <= 0.0 {
+        let Some((drawn, cand)) = draw_distinct(row, s.params, rng, k) else {
             let t = argmax(row);
             let dist: DraftDist = Arc::from(vec![(1.0, d.target_id(t)?)]);
             return Ok((vec![(0.0, t)], Some(dist)));
-        }
-        for c in cand.iter_mut() {
-            c.0 /= total;
-        }
+        };
         let dist = cand
             .iter()
             .map(|&(w, t)| Ok((w, d.target_id(t)?)))
             .collect::<Result<DraftDist>>()?;
-        let mut left: Vec<f32> = cand.iter().map(|c| c.0).collect();
-        let mut kids = Vec::with_capacity(k);
-        for _ in 0..k {
-            let mass: f32 = left.iter().sum();
-            if mass <= 0.0 {
-                break;
-            }
-            let mut r = rng.next_f32() * mass;
-            let mut pick = None;
-            for (i, &w) in left.iter().enumerate() {
-                if w > 0.0 {
-                    pick = Some(i);
-                    r -= w;
-                    if r < 0.0 {
-                        break;
-                    }
-                }
-            }
-            let Some(i) = pick else { break };
-            kids.push((cand[i].0.ln(), cand[i].1));
-            left[i] = 0.0;
-        }
-        Ok((kids, Some(dist)))
+        Ok((
+            drawn.iter().map(|&(w, t)| (w.ln(), t)).collect(),
+            Some(dist),
+        ))
     }
 
     /// The nodes of this level's forward (root first), with their parents

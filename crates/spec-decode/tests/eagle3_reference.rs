@@ -21,7 +21,7 @@
 mod heads;
 
 use arbor_engine_core::speculative::SpeculativeConfig;
-use arbor_engine_core::{DType, Draft, Registry, SamplingParams, Tensor, WeightSource};
+use arbor_engine_core::{DType, Draft, Registry, SamplingParams, Speculator, Tensor, WeightSource};
 use arbor_models::safetensors_source::SafetensorsSource;
 use arbor_spec_decode::Eagle3Head;
 use heads::{
@@ -221,14 +221,30 @@ fn heads_that_do_not_fit_are_refused() -> R {
     Ok(())
 }
 
+/// The registered `eagle3` speculator with `cfg` over the fixture head.
+fn eagle3_drafter(cfg: &SpeculativeConfig) -> R<Box<dyn Speculator>> {
+    let registry = Registry::builtin()?;
+    let inputs = speculator_inputs(Some(head_dir()))?;
+    let drafter = registry.speculators.get("eagle3")?(cfg, &inputs)?;
+    assert_eq!(drafter.hidden_layers().len(), 3);
+    Ok(drafter)
+}
+
 /// The registered `eagle3` speculator with `cfg`, fed the target's states
 /// of each reference prompt, drafts up to `max_tokens` for each.
 fn eagle3_drafts(cfg: SpeculativeConfig, max_tokens: usize, allow_tree: bool) -> R<Vec<Draft>> {
-    let registry = Registry::builtin()?;
-    let inputs = speculator_inputs(Some(head_dir()))?;
-    let mut drafter = registry.speculators.get("eagle3")?(&cfg, &inputs)?;
-    assert_eq!(drafter.hidden_layers().len(), 3);
-    propose_on_reference(&mut *drafter, max_tokens, allow_tree)
+    propose_on_reference(&mut *eagle3_drafter(&cfg)?, max_tokens, allow_tree)
+}
+
+/// The tree tests' settings: three children per node over three levels, ten nodes.
+fn tree_config() -> SpeculativeConfig {
+    SpeculativeConfig {
+        algorithm: "eagle3".into(),
+        num_steps: 3,
+        num_draft_tokens: 10,
+        eagle_topk: 3,
+        ..SpeculativeConfig::default()
+    }
 }
 
 /// The registered `eagle3` speculator, fed the target's states of each
@@ -255,14 +271,7 @@ fn eagle3_drafter_proposes_the_reference_chain() -> R {
 /// the prefill's token, and its best child is the first chain step's.
 #[test]
 fn eagle3_drafter_grows_a_tree_along_the_reference_chain() -> R {
-    let cfg = SpeculativeConfig {
-        algorithm: "eagle3".into(),
-        num_steps: 3,
-        num_draft_tokens: 10,
-        eagle_topk: 3,
-        ..SpeculativeConfig::default()
-    };
-    let drafts = eagle3_drafts(cfg, 10, true)?;
+    let drafts = eagle3_drafts(tree_config(), 10, true)?;
     for (seq, d) in heads::sequences().iter().zip(&drafts) {
         d.validate()?;
         let parents = d.parents.as_ref().ok_or("a tree")?;
@@ -282,16 +291,7 @@ fn eagle3_drafter_grows_a_tree_along_the_reference_chain() -> R {
 /// first child of the root follows that distribution.
 #[test]
 fn eagle3_sampled_trees_are_drawn_from_the_head() -> R {
-    let cfg = SpeculativeConfig {
-        algorithm: "eagle3".into(),
-        num_steps: 3,
-        num_draft_tokens: 10,
-        eagle_topk: 3,
-        ..SpeculativeConfig::default()
-    };
-    let registry = Registry::builtin()?;
-    let inputs = speculator_inputs(Some(head_dir()))?;
-    let mut drafter = registry.speculators.get("eagle3")?(&cfg, &inputs)?;
+    let mut drafter = eagle3_drafter(&tree_config())?;
     let params = SamplingParams {
         temperature: 0.7,
         top_k: 20,

@@ -1,5 +1,6 @@
 //! Shared pieces of the default-model benchmarks (a module of each bench):
-//! an engine builder over any registered speculator, a concurrent run that
+//! the default model on the CPU backend, an engine builder over any
+//! registered speculator, a concurrent run that
 //! reports decode time and accept length, and ShareGPT's first user turns.
 #![allow(dead_code)]
 
@@ -7,12 +8,32 @@ use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateReque
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::SpeculativeConfig;
 use arbor_engine_core::{
-    Backend, DType, Model, PrefixCacheOptions, Registry, SamplingParams, SpeculatorInputs,
+    Backend, DType, LoadOptions, Model, PrefixCacheOptions, Registry, SamplingParams,
+    SpeculatorInputs,
 };
 use arbor_models::LoadedModel;
 use std::io::Read;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// The default model on a CPU backend of `threads` threads, with the
+/// registry; `None` (after saying so) when it was not fetched.
+pub fn default_model(threads: usize) -> Option<(LoadedModel, Arc<dyn Backend>, Registry)> {
+    let Some(path) = arbor_gguf::default_model_path().filter(|p| p.exists()) else {
+        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
+        return None;
+    };
+    let registry = Registry::builtin().expect("registry");
+    let backend: Arc<dyn Backend> =
+        Arc::new(arbor_backend_cpu::CpuBackend::new(threads).expect("cpu"));
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+        progress: None,
+    };
+    let m = arbor_models::load_model(&path, &registry, &opts).expect("model");
+    Some((m, backend, registry))
+}
 
 pub fn env_usize(k: &str, d: usize) -> usize {
     std::env::var(k)
