@@ -27,6 +27,7 @@ pub struct ModelSection {
     pub device: Option<String>,
     pub threads: Option<usize>,
     pub dtype: Option<String>,
+    pub quantization: Option<String>,
     pub kv_cache_dtype: Option<String>,
     pub wgpu_adapter: Option<String>,
 }
@@ -222,6 +223,9 @@ pub struct ServeArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16 [default: auto].
     #[arg(long, help_heading = "Model")]
     pub dtype: Option<String>,
+    /// Quantization method, as `arbor info` lists them: fp8 (FP8 W8A8; quantizes a float checkpoint at load), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
+    #[arg(long, help_heading = "Model")]
+    pub quantization: Option<String>,
     /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16 [default: auto].
     #[arg(long = "kv-cache-dtype", help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
@@ -442,6 +446,7 @@ impl ServeConfig {
                 ),
                 threads: Some(a.threads.or(m.threads).unwrap_or(0)),
                 dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
+                quantization: a.quantization.clone().or(m.quantization),
                 kv_cache_dtype: Some(
                     a.kv_cache_dtype
                         .clone()

@@ -24,6 +24,7 @@ use arbor_grammar as _;
 #[cfg(feature = "kv-radix")]
 use arbor_kv_radix as _;
 use arbor_models as _;
+use arbor_quant as _;
 #[cfg(feature = "spec-decode")]
 use arbor_spec_decode as _;
 use clap::{Parser, Subcommand};

@@ -56,6 +56,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         device: m.device.clone().unwrap_or_else(|| "cpu".into()),
         threads: m.threads.unwrap_or(0),
         dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
+        quantization: m.quantization.clone(),
         kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "auto".into()),
         page_size: cfg.page_size(),
         wgpu_adapter: m.wgpu_adapter.clone(),
@@ -226,6 +227,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         registry: Arc::new(registry),
         backend: built.backend.clone(),
         dtype: model_args.dtype.clone(),
+        quantization: model_args.quantization.clone(),
     }));
     // Only the engine holds the weights from here on (released memory is freed).
     drop(built.model);
@@ -247,8 +249,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             spec.architecture, spec.num_layers, spec.max_position_embeddings
         );
         println!(
-            "  weights:    {}, {} on {} ({} threads)",
+            "  weights:    {} ({}), {} on {} ({} threads)",
             spec.weight_dtype,
+            spec.quantization,
             mib(spec.weight_bytes),
             model_args.device,
             if model_args.threads == 0 { "all".to_string() } else { model_args.threads.to_string() }

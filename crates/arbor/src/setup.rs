@@ -37,6 +37,11 @@ pub struct ModelArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Quantization method (`arbor info` lists them): a checkpoint's own
+    /// (`quantization_config` in config.json) is used without this; `fp8`
+    /// quantizes a float checkpoint's linear layers at load.
+    #[arg(long)]
+    pub quantization: Option<String>,
     /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16.
     #[arg(long = "kv-cache-dtype", default_value = "auto")]
     pub kv_cache_dtype: String,
@@ -85,7 +90,7 @@ pub fn load(
     backend: Arc<dyn Backend>,
     args: &ModelArgs,
 ) -> Result<LoadedModel> {
-    let quant = registry.quant_methods.get(&args.dtype)?()?;
+    let quant = quant_method(registry, &args.dtype, args.quantization.as_deref())?;
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
@@ -106,6 +111,26 @@ pub fn load(
         .with_context(|| format!("loading {}", path.display()));
     bar.finish_and_clear();
     loaded
+}
+
+/// The method `--dtype` and `--quantization` choose: the quantization
+/// method on the float method's base, else the float method. A checkpoint's
+/// own `quantization_config` takes over at load (`arbor_models::load_model`).
+pub fn quant_method(
+    registry: &Registry,
+    dtype: &str,
+    quantization: Option<&str>,
+) -> Result<Arc<dyn arbor_engine_core::QuantMethod>> {
+    let float = registry.quant_methods.get(dtype).context("--dtype")?(&Default::default())
+        .context("--dtype")?;
+    let Some(q) = quantization else {
+        return Ok(float);
+    };
+    let init = arbor_engine_core::QuantInit {
+        checkpoint: None,
+        base: Some(float),
+    };
+    registry.quant_methods.get(q).context("--quantization")?(&init).context("--quantization")
 }
 
 /// How big the KV cache is.
@@ -443,6 +468,7 @@ pub struct DiskWeightLoader {
     pub registry: Arc<Registry>,
     pub backend: Arc<dyn Backend>,
     pub dtype: String,
+    pub quantization: Option<String>,
 }
 
 impl arbor_server::refit::WeightLoader for DiskWeightLoader {
@@ -453,12 +479,8 @@ impl arbor_server::refit::WeightLoader for DiskWeightLoader {
         if !path.exists() {
             return Err(format!("{}: no such file or folder", path.display()));
         }
-        let quant = self
-            .registry
-            .quant_methods
-            .get(&self.dtype)
-            .and_then(|f| f())
-            .map_err(|e| e.to_string())?;
+        let quant = quant_method(&self.registry, &self.dtype, self.quantization.as_deref())
+            .map_err(|e| format!("{e:#}"))?;
         let opts = LoadOptions {
             backend: self.backend.clone(),
             quant,

@@ -75,6 +75,8 @@ impl CpuBackend {
             DType::Q4_K,
             DType::Q5_K,
             DType::Q6_K,
+            DType::F8_S32,
+            DType::U4_S32,
         ];
         Ok(Self {
             mem: Arc::new(HostMemory::new(next_device_tag())),

@@ -163,7 +163,7 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: dynb.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     let flags = ArchFlags {

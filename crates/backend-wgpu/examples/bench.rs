@@ -120,7 +120,7 @@ fn main() -> Result<()> {
     };
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     let t = Instant::now();

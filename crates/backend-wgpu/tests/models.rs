@@ -42,7 +42,7 @@ fn load(path: &Path, backend: &Arc<dyn Backend>, dtype: &str) -> Result<LoadedMo
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get(dtype)?()?,
+        quant: registry.quant_methods.get(dtype)?(&Default::default())?,
         progress: None,
     };
     Ok(load_model(path, &registry, &opts)?)

@@ -114,7 +114,7 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
         threads: args.threads,
         ..Default::default()
     })?;
-    let quant = registry.quant_methods.get(&args.dtype)?()?;
+    let quant = registry.quant_methods.get(&args.dtype)?(&Default::default())?;
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")

@@ -65,6 +65,7 @@ fn main() {
         sliding_window: None,
         weight_dtype: DType::F32,
         weight_bytes: 0,
+        quantization: "f32".into(),
     };
     for running in [64usize, 256] {
         let model = Arc::new(NullModel {

@@ -3,6 +3,16 @@
 //! A quantized type stores `block_size` logical elements in `block_bytes`
 //! bytes; a row of a quantized tensor must hold a whole number of blocks.
 //! Byte sizes here are the ggml layouts, so GGUF tensor data is used as is.
+//!
+//! Besides ggml's, three types carry the weights of HF quantized checkpoints:
+//! `f8_e4m3` is the checkpoint element (OCP E4M3FN, one byte, no infinities,
+//! NaN at `0x7f`/`0xff`), and the two Arbor block types hold a linear's
+//! weights with their scales in band, converted at load by the quantization
+//! methods of `arbor-quant`: `f8_s32` (32 E4M3 values then their f32 scale,
+//! 36 bytes; value = e4m3 × scale) and `u4_s32` (32 unsigned 4-bit values,
+//! element `i < 16` in the low nibble of byte `i` and element `16 + i` in its
+//! high nibble, then an f16 scale, a u8 zero point and a zero byte,
+//! 20 bytes; value = (q − zero) × scale).
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
@@ -32,11 +42,14 @@ pub enum DType {
     Q5_K,
     Q6_K,
     Q8_K,
+    F8E4M3,
+    F8_S32,
+    U4_S32,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 18] = [
+    pub const ALL: [DType; 21] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -55,13 +68,29 @@ impl DType {
         DType::Q5_K,
         DType::Q6_K,
         DType::Q8_K,
+        DType::F8E4M3,
+        DType::F8_S32,
+        DType::U4_S32,
     ];
 
     /// Logical elements per storage block (1 for plain types).
     pub const fn block_size(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32 | DType::U8 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => 32,
+            DType::F32
+            | DType::F16
+            | DType::BF16
+            | DType::I32
+            | DType::U32
+            | DType::U8
+            | DType::F8E4M3 => 1,
+            DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::Q8_1
+            | DType::F8_S32
+            | DType::U4_S32 => 32,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
                 256
             }
@@ -73,7 +102,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::F8E4M3 => 1,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q5_0 => 22,
@@ -86,6 +115,8 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::Q8_K => 292,
+            DType::F8_S32 => 36,
+            DType::U4_S32 => 20,
         }
     }
 
@@ -131,6 +162,9 @@ impl DType {
             DType::Q5_K => "q5_k",
             DType::Q6_K => "q6_k",
             DType::Q8_K => "q8_k",
+            DType::F8E4M3 => "f8_e4m3",
+            DType::F8_S32 => "f8_s32",
+            DType::U4_S32 => "u4_s32",
         }
     }
 }

@@ -53,7 +53,7 @@ pub use prefix_cache::{
     CacheNamespace, EvictionKey, EvictionPolicy, InsertOutcome, NodeId, NodeMeta, PrefixCache,
     PrefixCacheOptions, PrefixCacheStats, PrefixMatch, TierStats,
 };
-pub use quant::QuantMethod;
+pub use quant::{LinearSpec, QuantInit, QuantMethod};
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
 pub use speculative::{

@@ -43,6 +43,8 @@ pub struct ModelSpec {
     pub weight_dtype: DType,
     /// Bytes of all weights on the device.
     pub weight_bytes: u64,
+    /// The quantization method that loaded the weights (`QuantMethod::name`).
+    pub quantization: String,
 }
 
 impl ModelSpec {

@@ -14,7 +14,7 @@ use crate::error::{CoreError, Result};
 use crate::grammar::{GrammarBackend, GrammarBackendConfig};
 use crate::model::ModelArchitecture;
 use crate::prefix_cache::{EvictionPolicy, PrefixCache, PrefixCacheOptions};
-use crate::quant::QuantMethod;
+use crate::quant::{QuantInit, QuantMethod};
 use crate::sampling::{LogitsProcessor, Sampler};
 use crate::speculative::{SpeculativeConfig, Speculator, SpeculatorInputs};
 use std::collections::BTreeMap;
@@ -105,7 +105,7 @@ pub type SamplerFactory = Arc<dyn Fn() -> Result<Arc<dyn Sampler>> + Send + Sync
 pub type LogitsProcessorFactory =
     Arc<dyn Fn(&serde_json::Value) -> Result<Arc<dyn LogitsProcessor>> + Send + Sync>;
 /// Creates a quantization method.
-pub type QuantMethodFactory = Arc<dyn Fn() -> Result<Arc<dyn QuantMethod>> + Send + Sync>;
+pub type QuantMethodFactory = Arc<dyn Fn(&QuantInit) -> Result<Arc<dyn QuantMethod>> + Send + Sync>;
 /// Creates an eviction policy.
 pub type EvictionPolicyFactory = Arc<dyn Fn() -> Result<Arc<dyn EvictionPolicy>> + Send + Sync>;
 /// Creates a prefix cache.
@@ -157,7 +157,7 @@ entry!(
 entry!(
     /// A built-in quantization method.
     QuantMethodEntry,
-    fn() -> Result<Arc<dyn QuantMethod>>
+    fn(&QuantInit) -> Result<Arc<dyn QuantMethod>>
 );
 entry!(
     /// A built-in eviction policy.

@@ -43,7 +43,8 @@ fn shared() -> Option<&'static Shared> {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
         let opts = LoadOptions {
             backend: backend.clone(),
-            quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+            quant: registry.quant_methods.get("auto").expect("auto")(&Default::default())
+                .expect("quant"),
             progress: None,
         };
         let model = load_model(&path, &registry, &opts).expect("the default model loads");

@@ -40,7 +40,7 @@ fn setup_with(jump_forward: bool, overlap_schedule: Option<bool>) -> Result<Setu
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let m = arbor_models::load_model(&fixture(), &registry, &opts)?;

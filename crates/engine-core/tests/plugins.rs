@@ -178,7 +178,7 @@ fn engine_with(registry: &Registry, processors: &[&str], sampler: &str) -> Resul
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let m = arbor_models::load_model(&root().join("tests/fixtures/tiny-llama"), registry, &opts)?;

@@ -24,7 +24,7 @@ fn load(path: &std::path::Path, quant: &str) -> Result<Arc<dyn Model>> {
     let s = shared();
     let opts = LoadOptions {
         backend: s.backend.clone(),
-        quant: s.registry.quant_methods.get(quant)?()?,
+        quant: s.registry.quant_methods.get(quant)?(&Default::default())?,
         progress: None,
     };
     Ok(arbor_models::load_model(path, &s.registry, &opts)?.model)

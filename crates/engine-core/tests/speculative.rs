@@ -227,7 +227,7 @@ fn draft_model(name: &str) -> Result<Arc<dyn Model>> {
     let s = shared();
     let opts = LoadOptions {
         backend: s.backend.clone(),
-        quant: s.registry.quant_methods.get("f32")?()?,
+        quant: s.registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let path = fixture().join("..").join(name);

@@ -88,7 +88,8 @@ fn main() {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+        quant: registry.quant_methods.get("auto").expect("auto")(&Default::default())
+            .expect("quant"),
         progress: None,
     };
     let m = load_model(&path, &registry, &opts).expect("model");

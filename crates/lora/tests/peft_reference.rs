@@ -43,7 +43,7 @@ fn base(name: &str) -> Result<Base> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let model = load_model(&fixtures().join(name), &registry, &opts)?;

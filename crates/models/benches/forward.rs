@@ -51,7 +51,8 @@ fn main() {
         .expect("weights");
         let opts = LoadOptions {
             backend: backend.clone(),
-            quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+            quant: registry.quant_methods.get("auto").expect("auto")(&Default::default())
+                .expect("quant"),
             progress: None,
         };
         let model = DecoderModel::load(

@@ -13,8 +13,8 @@ use arbor_engine_core::lora::{LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
-    HostTensor, LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, RopeStyle,
-    Tensor, WeightSource, inventory,
+    HostTensor, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec, Result,
+    RopeStyle, Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -130,7 +130,14 @@ impl<'a> Loader<'a> {
     }
 
     fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
-        let w = self.weight(&format!("{name}.weight"), &[out, inp])?;
+        let caps = self.opts.backend.capabilities().clone();
+        let spec = LinearSpec {
+            prefix: name,
+            out_features: out,
+            in_features: inp,
+        };
+        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
+        let w = self.upload(t)?;
         let bname = format!("{name}.bias");
         let b = match bias {
             Bias::Required => Some(self.vector_req(&bname, out)?),
@@ -215,7 +222,7 @@ impl DecoderModel {
             l.tick();
             embed.clone()
         } else if src.tensor("lm_head.weight")?.is_some() {
-            l.weight("lm_head.weight", &[cfg.vocab_size, h])?
+            l.linear("lm_head", cfg.vocab_size, h, Bias::Optional)?.w
         } else {
             tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
             l.tick();
@@ -252,6 +259,7 @@ impl DecoderModel {
             sliding_window: cfg.sliding_window,
             weight_dtype,
             weight_bytes: l.bytes,
+            quantization: opts.quant.name().to_string(),
         };
         Ok(Self {
             spec,

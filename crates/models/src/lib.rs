@@ -23,7 +23,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::DecoderConfig;
 pub use tokenizer::TextTokenizer;
 
-use arbor_engine_core::{CoreError, LoadOptions, Model, Registry, Result};
+use arbor_engine_core::{CoreError, LoadOptions, Model, QuantInit, QuantMethod, Registry, Result};
 use safetensors_source::SafetensorsSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -97,6 +97,10 @@ pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Resul
     let tokenizer = TextTokenizer::from_dir(path, &config)?;
     let chat_template = ChatTemplate::from_dir(path)?.map(Arc::new);
     let weights = SafetensorsSource::open(path)?;
+    let opts = &LoadOptions {
+        quant: checkpoint_quant(path, &config, registry, opts)?,
+        ..opts.clone()
+    };
     let model = factory()
         .load(&config, &weights, opts)
         .map_err(|e| match e {
@@ -119,6 +123,52 @@ pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Resul
         name: path_name(path),
         config,
     })
+}
+
+/// The quantization method that loads the checkpoint at `path`: the one its
+/// `config.json` names in `quantization_config.quant_method` (built on the
+/// chosen float method), else the chosen method. Choosing a different
+/// non-float method than the checkpoint's is an error.
+fn checkpoint_quant(
+    path: &Path,
+    config: &serde_json::Value,
+    registry: &Registry,
+    opts: &LoadOptions,
+) -> Result<Arc<dyn QuantMethod>> {
+    let Some(qc) = config.get("quantization_config") else {
+        return Ok(opts.quant.clone());
+    };
+    let where_ = || format!("{}", path.join("config.json").display());
+    let name = qc
+        .get("quant_method")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| {
+            CoreError::load(format!(
+                "{}: quantization_config.quant_method is missing",
+                where_()
+            ))
+        })?
+        .to_ascii_lowercase();
+    let chosen = opts.quant.name().to_string();
+    if !opts.quant.is_float() && chosen != name {
+        return Err(CoreError::load(format!(
+            "{}: the checkpoint is quantized with '{name}' (quantization_config); \
+             --quantization {chosen} cannot load it",
+            where_()
+        )));
+    }
+    let factory = registry.quant_methods.get(&name).map_err(|_| {
+        CoreError::load(format!(
+            "{}: quantization_config.quant_method '{name}' is not supported (supported: {})",
+            where_(),
+            registry.quant_methods.names().join(", ")
+        ))
+    })?;
+    let init = QuantInit {
+        checkpoint: Some(qc.clone()),
+        base: opts.quant.is_float().then(|| opts.quant.clone()),
+    };
+    factory(&init).map_err(|e| CoreError::load(format!("{}: quantization_config: {e}", where_())))
 }
 
 /// The last component of `path` (without a file extension for files), or

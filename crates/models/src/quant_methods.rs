@@ -25,6 +25,9 @@ impl QuantMethod for FloatWeights {
     fn name(&self) -> &str {
         self.name
     }
+    fn is_float(&self) -> bool {
+        true
+    }
     fn prepare<'a>(
         &self,
         tensor: HostTensor<'a>,
@@ -35,14 +38,14 @@ impl QuantMethod for FloatWeights {
 }
 
 inventory::submit! {
-    QuantMethodEntry { name: "auto", about: "keep the checkpoint's weight dtype", create: || Ok(Arc::new(FloatWeights::new("auto", None))) }
+    QuantMethodEntry { name: "auto", about: "keep the checkpoint's weight dtype", create: |_| Ok(Arc::new(FloatWeights::new("auto", None))) }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "f32", about: "float32 weights", create: || Ok(Arc::new(FloatWeights::new("f32", Some(DType::F32)))) }
+    QuantMethodEntry { name: "f32", about: "float32 weights", create: |_| Ok(Arc::new(FloatWeights::new("f32", Some(DType::F32)))) }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "f16", about: "float16 weights", create: || Ok(Arc::new(FloatWeights::new("f16", Some(DType::F16)))) }
+    QuantMethodEntry { name: "f16", about: "float16 weights", create: |_| Ok(Arc::new(FloatWeights::new("f16", Some(DType::F16)))) }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "bf16", about: "bfloat16 weights", create: || Ok(Arc::new(FloatWeights::new("bf16", Some(DType::BF16)))) }
+    QuantMethodEntry { name: "bf16", about: "bfloat16 weights", create: |_| Ok(Arc::new(FloatWeights::new("bf16", Some(DType::BF16)))) }
 }

@@ -106,9 +106,12 @@ fn dtype_of(d: Dtype, name: &str, path: &Path) -> Result<DType> {
         Dtype::F32 => DType::F32,
         Dtype::F16 => DType::F16,
         Dtype::BF16 => DType::BF16,
+        Dtype::F8_E4M3 => DType::F8E4M3,
+        Dtype::I32 => DType::I32,
+        Dtype::U8 => DType::U8,
         other => {
             return Err(CoreError::load(format!(
-                "{}: tensor '{name}' has dtype {other:?}; supported: F32, F16, BF16",
+                "{}: tensor '{name}' has dtype {other:?}; supported: F32, F16, BF16, F8_E4M3, I32, U8",
                 path.display()
             )));
         }

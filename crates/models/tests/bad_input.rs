@@ -31,7 +31,7 @@ fn load(dir: &Path) -> String {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(1).unwrap());
     let opts = LoadOptions {
         backend,
-        quant: registry.quant_methods.get("auto").unwrap()().unwrap(),
+        quant: registry.quant_methods.get("auto").unwrap()(&Default::default()).unwrap(),
         progress: None,
     };
     match arbor_models::load_model(dir, &registry, &opts) {

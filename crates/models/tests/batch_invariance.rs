@@ -75,7 +75,7 @@ fn load_fixture(name: &str, quant: &str) -> Result<(Arc<dyn Model>, Arc<dyn Back
     let quant: Arc<dyn QuantMethod> = match quant {
         "q4_1" => Arc::new(Quantize(DType::Q4_1)),
         "q8_0" => Arc::new(Quantize(DType::Q8_0)),
-        other => registry.quant_methods.get(other)?()?,
+        other => registry.quant_methods.get(other)?(&Default::default())?,
     };
     let opts = LoadOptions {
         backend: backend.clone(),
@@ -329,7 +329,7 @@ fn default_model_is_batch_invariant() -> Result<()> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     let model = load_model(&path, &registry, &opts)?.model;
@@ -351,7 +351,7 @@ fn default_model_greedy_is_the_same_alone_and_in_a_batch_of_16() -> Result<()> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     let m = load_model(&path, &registry, &opts)?;

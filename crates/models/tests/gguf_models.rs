@@ -216,7 +216,7 @@ fn load(path: &Path) -> Result<(LoadedModel, Arc<dyn Backend>)> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     Ok((load_model(path, &registry, &opts)?, backend))

@@ -44,7 +44,7 @@ fn final_hidden_state_gives_the_logits() -> Result<()> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let m = arbor_models::load_model(&fixture(), &registry, &opts)?;

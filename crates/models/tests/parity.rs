@@ -24,7 +24,7 @@ fn load(name: &str, dtype: &str) -> Result<(LoadedModel, Value, Arc<dyn Backend>
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get(dtype)?()?,
+        quant: registry.quant_methods.get(dtype)?(&Default::default())?,
         progress: None,
     };
     let dir = fixture(name);

@@ -30,7 +30,7 @@ fn model() -> Result<Option<(LoadedModel, Arc<dyn Backend>)>> {
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?()?,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
         progress: None,
     };
     Ok(Some((load_model(&path, &registry, &opts)?, backend)))

@@ -1,4 +1,6 @@
-//! GGUF (ggml) weight block formats and their CPU dot-product kernels.
+//! GGUF (ggml) weight block formats and their CPU dot-product kernels, and
+//! the quantization methods of HF checkpoints ([`methods`]: FP8, AWQ, GPTQ,
+//! compressed-tensors) with the in-band block formats they load into.
 //!
 //! Owns: the byte layouts of F32/F16/BF16 and ggml's block formats (Q4_0,
 //! Q4_1, Q5_0, Q5_1, Q8_0, Q8_1, Q2_K..Q6_K, Q8_K; GGUF tensor data is used
@@ -48,6 +50,7 @@ mod acts;
 mod error;
 mod formats;
 mod gemm;
+pub mod methods;
 mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -55,6 +58,8 @@ mod x86;
 pub use acts::{PreparedActs, act_dtype_for, prepare_acts};
 pub use arbor_engine_core::DType;
 pub use error::QuantError;
+/// The E4M3 element and the in-band scaled weight blocks (`f8_s32`, `u4_s32`).
+pub use formats::scaled;
 use gemm::OutMat;
 pub use gemm::gemm_supported;
 pub use simd::{SimdLevel, detected_level};
@@ -154,6 +159,9 @@ fn dequantize_scalar(dtype: DType, src: &[u8], dst: &mut [f32]) {
     let bs = dtype.block_size();
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => formats::float::dequantize(dtype, src, dst),
+        DType::F8E4M3 | DType::F8_S32 | DType::U4_S32 => {
+            formats::scaled::dequantize(dtype, src, dst)
+        }
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
             for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bs)) {
                 formats::legacy::dequantize_block(dtype, b, y);
@@ -184,6 +192,7 @@ pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     let bs = dtype.block_size();
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => formats::float::quantize(dtype, src, dst),
+        DType::F8E4M3 | DType::F8_S32 | DType::U4_S32 => formats::scaled::quantize(dtype, src, dst),
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
             for (x, y) in src.chunks_exact(bs).zip(dst.chunks_exact_mut(bb)) {
                 formats::legacy::quantize_block(dtype, x, y);
@@ -518,7 +527,7 @@ unsafe fn dot_rows_x86(
     out: OutMat,
 ) -> bool {
     match weight {
-        DType::F32 | DType::F16 | DType::BF16 => {
+        DType::F32 | DType::F16 | DType::BF16 | DType::F8_S32 | DType::U4_S32 => {
             // SAFETY: per this function's contract.
             unsafe { x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out) };
             true
@@ -548,6 +557,9 @@ unsafe fn dot_rows_scalar(
             let v = match weight {
                 DType::F32 | DType::F16 | DType::BF16 => {
                     formats::float::dot_row(weight, wr, &acts.f[i * k..(i + 1) * k])
+                }
+                DType::F8_S32 | DType::U4_S32 => {
+                    formats::scaled::dot_row(weight, wr, &acts.f[i * k..(i + 1) * k])
                 }
                 DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
                     let nb = k / 32;

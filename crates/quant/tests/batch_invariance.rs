@@ -7,7 +7,7 @@
 
 use arbor_quant::{DType, SimdLevel, dot_rows_with, prepare_acts, quantize, row_bytes};
 
-const DOT: [DType; 13] = [
+const DOT: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -21,6 +21,8 @@ const DOT: [DType; 13] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::F8_S32,
+    DType::U4_S32,
 ];
 
 struct Rng(u64);

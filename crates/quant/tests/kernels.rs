@@ -9,7 +9,7 @@ use arbor_quant::{
 };
 
 /// Formats `dot_rows` accepts.
-const DOT: [DType; 13] = [
+const DOT: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -23,6 +23,8 @@ const DOT: [DType; 13] = [
     DType::Q4_K,
     DType::Q5_K,
     DType::Q6_K,
+    DType::F8_S32,
+    DType::U4_S32,
 ];
 
 struct Rng(u64);
@@ -130,6 +132,31 @@ fn random_weights(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize) -> Vec<u
     let mut w: Vec<u8> = (0..n_rows * row_bytes(dtype, k).unwrap())
         .map(|_| rng.next() as u8)
         .collect();
+    match dtype {
+        DType::F8E4M3 => {
+            // Any finite code (0x7f and 0xff are NaN).
+            w.iter_mut().for_each(|b| *b &= 0xfe);
+            return w;
+        }
+        DType::F8_S32 => {
+            for blk in w.chunks_exact_mut(bb) {
+                blk[..32].iter_mut().for_each(|b| *b &= 0xfe);
+                let s = (rng.unit() + 0.1) * 0.01;
+                blk[32..36].copy_from_slice(&s.to_le_bytes());
+            }
+            return w;
+        }
+        DType::U4_S32 => {
+            for blk in w.chunks_exact_mut(bb) {
+                let s = (rng.unit() + 0.1) * 0.02;
+                blk[16..18].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
+                blk[18] &= 0x0f;
+                blk[19] = 0;
+            }
+            return w;
+        }
+        _ => {}
+    }
     let offs: &[usize] = match dtype {
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],

@@ -469,7 +469,7 @@ fn tiny_inputs(r: &Registry) -> arbor_engine_core::SpeculatorInputs {
         std::sync::Arc::new(arbor_backend_cpu::CpuBackend::new(1).unwrap());
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: r.quant_methods.get("f32").unwrap()().unwrap(),
+        quant: r.quant_methods.get("f32").unwrap()(&Default::default()).unwrap(),
         progress: None,
     };
     let path =

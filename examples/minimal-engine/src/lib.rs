@@ -22,7 +22,7 @@ pub fn answer(
     // Pick the parts: a CPU device, the model, a radix cache with LRU eviction.
     let registry = Registry::builtin()?;
     let backend = Arc::new(CpuBackend::new(0)?);
-    let quant = registry.quant_methods.get("auto")?()?;
+    let quant = registry.quant_methods.get("auto")?(&Default::default())?;
     let opts = LoadOptions {
         backend: backend.clone(),
         quant,

@@ -34,7 +34,7 @@ fn tiny_runner(b: &Arc<CudaBackend>) -> ModelRunner {
     let backend: Arc<dyn Backend> = b.clone();
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto").unwrap()().unwrap(),
+        quant: registry.quant_methods.get("auto").unwrap()(&Default::default()).unwrap(),
         progress: None,
     };
     let model = DecoderModel::load(cfg, flags, &weights, &opts).unwrap();

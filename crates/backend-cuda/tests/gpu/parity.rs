@@ -27,7 +27,7 @@ fn load(backend: &Arc<dyn Backend>, name: &str, dtype: &str) -> Result<(LoadedMo
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get(dtype)?()?,
+        quant: registry.quant_methods.get(dtype)?(&Default::default())?,
         progress: None,
     };
     let dir = fixture(name);

@@ -42,7 +42,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let m = arbor_models::load_model(model, &registry, &opts)?;
@@ -142,7 +142,7 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let m = arbor_models::load_model(model, &registry, &opts)?;

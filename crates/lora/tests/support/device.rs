@@ -53,7 +53,7 @@ pub fn lora_batch_matches_peft(backend: Arc<dyn Backend>, tol: f32) -> Result<()
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?()?,
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
     let model = arbor_models::load_model(&fixtures().join("tiny-llama"), &registry, &opts)?;

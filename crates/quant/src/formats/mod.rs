@@ -15,6 +15,7 @@ pub mod float;
 pub mod kquant_ref;
 pub mod kquants;
 pub mod legacy;
+pub mod scaled;
 
 /// Reads the little-endian f16 at `b[off..off+2]` as f32.
 #[inline(always)]

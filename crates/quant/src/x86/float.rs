@@ -1,5 +1,6 @@
-//! AVX2 and AVX-512 dot products of float weights (F32, F16, BF16) with f32
-//! activations, for any number of activation rows, batch-invariant.
+//! AVX2 and AVX-512 dot products of float weights (F32, F16, BF16) and of
+//! the scaled weight blocks (`f8_s32`, `u4_s32`) with f32 activations, for
+//! any number of activation rows, batch-invariant.
 //!
 //! Numerics (the contract that makes an output independent of `m`, of the
 //! other rows and of how the caller splits the weight rows): every output
@@ -11,7 +12,11 @@
 //! horizontal reduction (`hsum512`: halves, quarters, pairs; `hsum256`
 //! likewise) gives the value. The weights are converted to f32 exactly (f16
 //! through `vcvtph2ps`, bf16 by a 16-bit shift), so converting in registers
-//! or ahead of time would not change a bit.
+//! or ahead of time would not change a bit. The scaled blocks are
+//! dequantized in registers with the operations of `formats::scaled` (E4M3
+//! through its f16 bit pattern times `scale * 256`; `(q - zero) * scale`),
+//! so each weight vector equals the scalar dequantization bit for bit; their
+//! rows are whole blocks of 32, so they never take the partial-vector path.
 //!
 //! Tiling (speed only): tiles of `MR` activation rows by `NR` weight rows
 //! keep `MR * NR` accumulators in registers, so each loaded weight vector is
@@ -31,6 +36,8 @@ use std::arch::x86_64::*;
 const F32: u8 = 0;
 const F16: u8 = 1;
 const BF16: u8 = 2;
+const F8S: u8 = 3;
+const U4S: u8 = 4;
 
 /// Weight rows per block of the driver (the block is re-read from L2 for
 /// every tile of activation rows).
@@ -40,13 +47,109 @@ fn code(dtype: DType) -> u8 {
     match dtype {
         DType::F16 => F16,
         DType::BF16 => BF16,
+        DType::F8_S32 => F8S,
+        DType::U4_S32 => U4S,
         _ => F32,
     }
 }
 
-/// Element size in bytes for a dtype code.
+/// Element size in bytes for a float dtype code.
 const fn esize(dt: u8) -> usize {
     if dt == F32 { 4 } else { 2 }
+}
+
+/// Bytes of a row of `k` elements for a dtype code.
+const fn row_bytes(dt: u8, k: usize) -> usize {
+    match dt {
+        F8S => k / 32 * 36,
+        U4S => k / 32 * 20,
+        _ => k * esize(dt),
+    }
+}
+
+/// The E4M3 bytes of `v` (16-bit lanes) as f16 bits of value/256.
+#[inline(always)]
+unsafe fn e4m3_f16_256(v: __m256i) -> __m256i {
+    // SAFETY: AVX2 is enabled in every caller.
+    unsafe {
+        let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(v, _mm256_set1_epi16(0x80)));
+        let rest = _mm256_slli_epi16::<7>(_mm256_and_si256(v, _mm256_set1_epi16(0x7f)));
+        _mm256_or_si256(sign, rest)
+    }
+}
+
+/// [`e4m3_f16_256`] on 8 lanes.
+#[inline(always)]
+unsafe fn e4m3_f16_128(v: __m128i) -> __m128i {
+    // SAFETY: SSE2 is enabled in every caller.
+    unsafe {
+        let sign = _mm_slli_epi16::<8>(_mm_and_si128(v, _mm_set1_epi16(0x80)));
+        let rest = _mm_slli_epi16::<7>(_mm_and_si128(v, _mm_set1_epi16(0x7f)));
+        _mm_or_si128(sign, rest)
+    }
+}
+
+/// Elements `j..j + 16` of the row at `row` (`j` a multiple of 16) as f32.
+#[inline(always)]
+unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
+    // SAFETY: the caller guarantees the row holds more than j + 15 elements
+    // and AVX-512 F/BW/VL + F16C are enabled.
+    unsafe {
+        match DT {
+            F8S => {
+                let b = row.add(j / 32 * 36);
+                let s = _mm512_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
+                let q = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(j % 32) as *const __m128i));
+                _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16_256(q)), s)
+            }
+            U4S => {
+                let b = row.add(j / 32 * 20);
+                let s = half::f16::from_bits((b.add(16) as *const u16).read_unaligned()).to_f32();
+                let z = _mm512_set1_epi32(*b.add(18) as i32);
+                let raw = _mm_loadu_si128(b as *const __m128i);
+                let nib = if j.is_multiple_of(32) {
+                    _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+                } else {
+                    _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
+                };
+                let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(nib), z);
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s))
+            }
+            _ => load16::<DT>(row.add(j * esize(DT))),
+        }
+    }
+}
+
+/// Elements `j..j + 8` of the row at `row` (`j` a multiple of 8) as f32.
+#[inline(always)]
+unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
+    // SAFETY: the caller guarantees the row holds more than j + 7 elements
+    // and AVX2 + F16C are enabled.
+    unsafe {
+        match DT {
+            F8S => {
+                let b = row.add(j / 32 * 36);
+                let s = _mm256_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
+                let q = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(j % 32) as *const __m128i));
+                _mm256_mul_ps(_mm256_cvtph_ps(e4m3_f16_128(q)), s)
+            }
+            U4S => {
+                let b = row.add(j / 32 * 20);
+                let s = half::f16::from_bits((b.add(16) as *const u16).read_unaligned()).to_f32();
+                let z = _mm256_set1_epi32(*b.add(18) as i32);
+                let jj = j % 32;
+                let raw = _mm_loadl_epi64(b.add(jj % 16) as *const __m128i);
+                let nib = if jj < 16 {
+                    _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+                } else {
+                    _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
+                };
+                let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(nib), z);
+                _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s))
+            }
+            _ => load8::<DT>(row.add(j * esize(DT))),
+        }
+    }
 }
 
 // ---------------------------------------------------------------- AVX-512
@@ -116,7 +219,7 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
         while j + 16 <= k {
             let mut wv = [_mm512_setzero_ps(); NR];
             for (v, &wr) in wv.iter_mut().zip(&w) {
-                *v = load16::<DT>(wr.add(j * es));
+                *v = wload16::<DT>(wr, j);
             }
             for (a, &xr) in acc.iter_mut().zip(&x) {
                 let xv = _mm512_loadu_ps(xr.add(j));
@@ -209,7 +312,7 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
         while j + 8 <= k {
             let mut wv = [_mm256_setzero_ps(); NR];
             for (v, &wr) in wv.iter_mut().zip(&w) {
-                *v = load8::<DT>(wr.add(j * es));
+                *v = wload8::<DT>(wr, j);
             }
             for (a, &xr) in acc.iter_mut().zip(&x) {
                 let xv = _mm256_loadu_ps(xr.add(j));
@@ -251,7 +354,7 @@ macro_rules! drive {
     ($w:expr, $n_rows:expr, $k:expr, $x:expr, $m:expr, $out:expr, $tile:ident, $mrmax:expr, $nr:expr, [$($mr:literal),*]) => {{
         const NR: usize = $nr;
         let (n_rows, k, m, out) = ($n_rows, $k, $m, $out);
-        let rb = k * esize(DT);
+        let rb = row_bytes(DT, k);
         let wp: *const u8 = $w.as_ptr();
         let xp: *const f32 = $x.as_ptr();
         let mut b0 = 0;
@@ -352,9 +455,13 @@ pub unsafe fn dot_rows(
         match (avx512, code(dtype)) {
             (true, F32) => run512::<F32>(w, n_rows, k, x, m, out),
             (true, F16) => run512::<F16>(w, n_rows, k, x, m, out),
+            (true, F8S) => run512::<F8S>(w, n_rows, k, x, m, out),
+            (true, U4S) => run512::<U4S>(w, n_rows, k, x, m, out),
             (true, _) => run512::<BF16>(w, n_rows, k, x, m, out),
             (false, F32) => run256::<F32>(w, n_rows, k, x, m, out),
             (false, F16) => run256::<F16>(w, n_rows, k, x, m, out),
+            (false, F8S) => run256::<F8S>(w, n_rows, k, x, m, out),
+            (false, U4S) => run256::<U4S>(w, n_rows, k, x, m, out),
             (false, _) => run256::<BF16>(w, n_rows, k, x, m, out),
         }
     }

@@ -28,7 +28,8 @@ pub fn default_model(threads: usize) -> Option<(LoadedModel, Arc<dyn Backend>, R
         Arc::new(arbor_backend_cpu::CpuBackend::new(threads).expect("cpu"));
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("auto").expect("auto")().expect("quant"),
+        quant: registry.quant_methods.get("auto").expect("auto")(&Default::default())
+            .expect("quant"),
         progress: None,
     };
     let m = arbor_models::load_model(&path, &registry, &opts).expect("model");

@@ -57,7 +57,8 @@ pub fn shared() -> &'static Shared {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
         let opts = LoadOptions {
             backend: backend.clone(),
-            quant: registry.quant_methods.get("f32").expect("f32")().expect("quant"),
+            quant: registry.quant_methods.get("f32").expect("f32")(&Default::default())
+                .expect("quant"),
             progress: None,
         };
         let target =

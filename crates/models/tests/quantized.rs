@@ -1,0 +1,320 @@
+//! Quantized HF checkpoints (tests/fixtures/quant, written by
+//! tools/reference/make_quant_fixtures.py): each format's checkpoint loads
+//! through its `quantization_config`, packs into the expected stored dtype,
+//! and matches transformers run on the weights dequantized in numpy with the
+//! format's published formula: last-position logits within 1e-4 × max|logit|
+//! and the greedy continuation identical up to the first near-tie (a step
+//! whose top-2 margin is under 1e-3). Bad checkpoints fail with errors that
+//! name the tensor or the config key. Every run returns its KV pages.
+
+use anyhow::{Context, Result};
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
+use arbor_engine_core::sampling::StandardSampler;
+use arbor_engine_core::{Backend, DType, LoadOptions, QuantInit, Registry, SamplingParams};
+use arbor_models::{LoadedModel, load_model};
+use arbor_quant as _;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn options(
+    registry: &Registry,
+    backend: &Arc<dyn Backend>,
+    quantization: Option<&str>,
+) -> Result<LoadOptions> {
+    let float = registry.quant_methods.get("f32")?(&Default::default())?;
+    let quant = match quantization {
+        None => float,
+        Some(q) => registry.quant_methods.get(q)?(&QuantInit {
+            checkpoint: None,
+            base: Some(float),
+        })?,
+    };
+    Ok(LoadOptions {
+        backend: backend.clone(),
+        quant,
+        progress: None,
+    })
+}
+
+fn load(dir: &Path, quantization: Option<&str>) -> Result<(LoadedModel, Arc<dyn Backend>)> {
+    let registry = Registry::builtin()?;
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
+    let opts = options(&registry, &backend, quantization)?;
+    Ok((load_model(dir, &registry, &opts)?, backend))
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|x| x as u32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn floats(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_f64)
+                .map(|x| x as f32)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Logits and greedy tokens of `m` against `reference`.
+fn check_against(
+    name: &str,
+    m: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    reference: &Value,
+) -> Result<()> {
+    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, DType::F32)?;
+    let pool = runner.new_page_pool();
+    let prompts = reference["prompts"].as_array().context("prompts")?;
+    for (i, p) in prompts.iter().enumerate() {
+        let tokens = ids(&p["input_ids"]);
+        let want = floats(&p["last_logits"]);
+        let pages = pool.alloc(pool.pages_for(tokens.len()))?;
+        let got = runner.step(&[SeqStep {
+            tokens: &tokens,
+            prefix_len: 0,
+            pages: pages.pages(),
+            want_logits: true,
+        }])?;
+        drop(pages);
+        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let err = got[0]
+            .iter()
+            .zip(&want)
+            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        println!("{name} prompt {i}: max |logit| {max:.3}, max abs error {err:.2e}");
+        assert_eq!(got[0].len(), want.len());
+        assert!(
+            err <= 1e-4 * max,
+            "{name} prompt {i}: logits error {err} > 1e-4 * {max}"
+        );
+    }
+    let params = vec![
+        SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(32)
+        };
+        prompts.len()
+    ];
+    let setup = SamplingSetup {
+        sampler: &StandardSampler,
+        processors: &[],
+        eos_token_ids: &[],
+    };
+    let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&p["input_ids"])).collect();
+    let (outs, _) = generate_static(&runner, &pool, &inputs, &params, &setup, &mut |_, _| {})?;
+    for (i, (o, p)) in outs.iter().zip(prompts).enumerate() {
+        let want = ids(&p["greedy_ids"]);
+        let margins = floats(&p["margins"]);
+        let sure = margins.iter().position(|&m| m < 1e-3).unwrap_or(want.len());
+        assert_eq!(
+            o.tokens[..sure],
+            want[..sure],
+            "{name} prompt {i}: greedy tokens (compared up to step {sure})"
+        );
+    }
+    assert_eq!(
+        pool.free_pages(),
+        pool.total_pages(),
+        "{name}: KV pages leaked"
+    );
+    Ok(())
+}
+
+fn check_format(name: &str, stored: DType) -> Result<()> {
+    let dir = fixtures().join("quant").join(name);
+    let (m, backend) = load(&dir, None).with_context(|| format!("loading {name}"))?;
+    assert_eq!(
+        m.model.spec().weight_dtype,
+        stored,
+        "{name}: stored weight dtype"
+    );
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    check_against(name, &m, &backend, &reference)
+}
+
+#[test]
+fn block_fp8_matches_its_dequantized_reference() -> Result<()> {
+    check_format("fp8-block", DType::F8_S32)
+}
+
+#[test]
+fn compressed_tensors_fp8_channel_matches() -> Result<()> {
+    check_format("fp8-dynamic", DType::F8_S32)
+}
+
+#[test]
+fn compressed_tensors_fp8_tensor_with_input_scale_matches() -> Result<()> {
+    check_format("fp8-static", DType::F8_S32)
+}
+
+#[test]
+fn compressed_tensors_w4a16_matches() -> Result<()> {
+    check_format("w4a16", DType::U4_S32)
+}
+
+#[test]
+fn awq_matches() -> Result<()> {
+    check_format("awq", DType::U4_S32)
+}
+
+#[test]
+fn gptq_matches() -> Result<()> {
+    check_format("gptq", DType::U4_S32)
+}
+
+/// Act-order groups mix within 32 inputs: the exact f32 dequantization.
+#[test]
+fn gptq_act_order_matches_through_the_f32_fallback() -> Result<()> {
+    check_format("gptq-actorder", DType::F32)
+}
+
+#[test]
+fn fp8_at_load_matches_per_channel_reference() -> Result<()> {
+    let (m, backend) = load(&fixtures().join("tiny-llama"), Some("fp8"))?;
+    assert_eq!(m.model.spec().weight_dtype, DType::F8_S32);
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(
+        fixtures().join("quant/fp8-online.json"),
+    )?)?;
+    check_against("fp8-online", &m, &backend, &reference)
+}
+
+/// A copy of a fixture folder whose config.json and tensors `edit` rewrites.
+fn edited(
+    name: &str,
+    edit_config: impl FnOnce(&mut Value),
+    edit_tensors: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) -> Result<tempfile::TempDir> {
+    let src = fixtures().join("quant").join(name);
+    let dir = tempfile::tempdir()?;
+    for e in std::fs::read_dir(&src)? {
+        let e = e?;
+        std::fs::copy(e.path(), dir.path().join(e.file_name()))?;
+    }
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
+    edit_config(&mut cfg);
+    std::fs::write(dir.path().join("config.json"), serde_json::to_string(&cfg)?)?;
+    let bytes = std::fs::read(src.join("model.safetensors"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)?;
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit_tensors(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors"))?;
+    Ok(dir)
+}
+
+fn load_error(dir: &Path, quantization: Option<&str>) -> String {
+    match load(dir, quantization) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
+    let scale = "model.layers.1.mlp.up_proj.weight_scale_inv";
+    let d = edited("fp8-block", |_| {}, |t| t.retain(|(n, ..)| n != scale))?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(scale) && e.contains("missing"), "{e}");
+
+    let d = edited(
+        "awq",
+        |c| c["quantization_config"]["quant_method"] = "fancy4".into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(
+        e.contains("fancy4") && e.contains("not supported") && e.contains("awq"),
+        "{e}"
+    );
+
+    // Group size 48 divides no layer of tiny-llama (64 and 160 inputs).
+    let d = edited(
+        "gptq",
+        |c| c["quantization_config"]["group_size"] = 48.into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(
+        e.contains("group_size 48") && e.contains("model.layers.0.self_attn.q_proj"),
+        "{e}"
+    );
+
+    let d = edited(
+        "awq",
+        |c| c["quantization_config"]["bits"] = 3.into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains("bits must be 4"), "{e}");
+
+    // Scales of the wrong shape.
+    let s = "model.layers.0.self_attn.k_proj.scales";
+    let d = edited(
+        "awq",
+        |_| {},
+        |t| {
+            if let Some(x) = t.iter_mut().find(|(n, ..)| n == s) {
+                x.2 = vec![x.2[1], x.2[0]];
+            }
+        },
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(s) && e.contains("shape"), "{e}");
+
+    // A NaN E4M3 code in a weight.
+    let w = "model.layers.2.self_attn.o_proj.weight";
+    let d = edited(
+        "fp8-dynamic",
+        |_| {},
+        |t| {
+            if let Some(x) = t.iter_mut().find(|(n, ..)| n == w) {
+                x.3[5] = 0x7f;
+            }
+        },
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(w) && e.contains("NaN"), "{e}");
+
+    // A method other than the checkpoint's.
+    let e = load_error(&fixtures().join("quant/fp8-block"), Some("awq"));
+    assert!(
+        e.contains("quantized with 'fp8'") && e.contains("awq"),
+        "{e}"
+    );
+    // A checkpoint method on a float checkpoint.
+    let e = load_error(&fixtures().join("tiny-llama"), Some("gptq"));
+    assert!(
+        e.contains("--quantization gptq") && e.contains("has none"),
+        "{e}"
+    );
+    Ok(())
+}

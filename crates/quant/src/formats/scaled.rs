@@ -1,0 +1,250 @@
+//! The scaled weight formats of HF quantized checkpoints, in Arbor's in-band
+//! block layouts (see `arbor_engine_core::dtype`): the E4M3 element
+//! (`f8_e4m3`), 32 E4M3 values with an f32 scale (`f8_s32`) and 32 unsigned
+//! 4-bit values with an f16 scale and a u8 zero point (`u4_s32`).
+//!
+//! Numerics: an E4M3 byte is decoded as the f16 with the same sign, exponent
+//! and mantissa bits (exact, E4M3 ⊂ f16 up to a factor 2^8) times 256, and an
+//! `f8_s32` element as that f16 times `scale * 256` (one rounding, the same
+//! as `f32(e4m3) * scale`); the SIMD kernels use exactly these operations, so
+//! every level dequantizes bit for bit alike. A `u4_s32` element is
+//! `f32(q - zero) * f32(scale)` (one rounding). The NaN codes `0x7f`/`0xff`
+//! decode as ±480; loaders reject weights that hold them.
+//!
+//! The quantizers here are references for tests and for quantizing float
+//! checkpoints at load: E4M3 rounds to nearest even and saturates at ±448.
+
+/// Largest finite E4M3 magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Bytes of an `f8_s32` block.
+pub const F8_BLOCK: usize = 36;
+/// Bytes of a `u4_s32` block.
+pub const U4_BLOCK: usize = 20;
+
+/// True for the NaN codes of E4M3FN.
+#[inline(always)]
+pub fn e4m3_is_nan(b: u8) -> bool {
+    b & 0x7f == 0x7f
+}
+
+/// The f16 bits whose value is `e4m3(b) / 256`.
+#[inline(always)]
+pub fn e4m3_as_f16_bits(b: u8) -> u16 {
+    (((b & 0x80) as u16) << 8) | (((b & 0x7f) as u16) << 7)
+}
+
+/// Decodes one E4M3 byte (exact; NaN codes give ±480).
+#[inline(always)]
+pub fn e4m3_to_f32(b: u8) -> f32 {
+    half::f16::from_bits(e4m3_as_f16_bits(b)).to_f32() * 256.0
+}
+
+/// Encodes `v` as E4M3: round to nearest even, saturate at ±448, NaN to 0x7f.
+pub fn f32_to_e4m3(v: f32) -> u8 {
+    if v.is_nan() {
+        return 0x7f;
+    }
+    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = v.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    // Subnormals step by 2^-9 below 2^-6; code m (0..=8) is m * 2^-9, and
+    // code 8 is the smallest normal, so the rounded count is the code.
+    let min_normal = f32::from_bits(0x3c80_0000); // 2^-6
+    if a < min_normal {
+        let m = (a * 512.0).round_ties_even() as u8;
+        return sign | m;
+    }
+    let e = (a.to_bits() >> 23) as i32 - 127; // -6..=8
+    let frac = a / f32::from_bits(((e + 127) as u32) << 23); // [1, 2)
+    let mut m = ((frac - 1.0) * 8.0).round_ties_even() as i32;
+    let mut e = e;
+    if m == 8 {
+        m = 0;
+        e += 1;
+    }
+    let code = (((e + 7) as u8) << 3) | m as u8;
+    sign | code.min(0x7e)
+}
+
+/// Reads the f32 at `b[off..off + 4]`.
+#[inline(always)]
+fn rd_f32(b: &[u8], off: usize) -> f32 {
+    f32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+/// Dequantizes one block of `f8_s32` (36 bytes) into 32 values.
+pub fn dequantize_f8_block(b: &[u8], y: &mut [f32]) {
+    let s = rd_f32(b, 32) * 256.0;
+    for (o, &c) in y.iter_mut().zip(&b[..32]) {
+        *o = half::f16::from_bits(e4m3_as_f16_bits(c)).to_f32() * s;
+    }
+}
+
+/// Dequantizes one block of `u4_s32` (20 bytes) into 32 values.
+pub fn dequantize_u4_block(b: &[u8], y: &mut [f32]) {
+    let s = super::rd_f16(b, 16);
+    let z = b[18] as i32;
+    for i in 0..16 {
+        y[i] = ((b[i] & 0x0f) as i32 - z) as f32 * s;
+        y[i + 16] = ((b[i] >> 4) as i32 - z) as f32 * s;
+    }
+}
+
+/// Writes an `f8_s32` block of `codes` (32 E4M3 bytes) with `scale`.
+pub fn write_f8_block(codes: &[u8], scale: f32, y: &mut [u8]) {
+    y[..32].copy_from_slice(&codes[..32]);
+    y[32..36].copy_from_slice(&scale.to_le_bytes());
+}
+
+/// Writes a `u4_s32` block of `q` (32 values in 0..16, element order) with
+/// the f16 `scale` bits and `zero` (any u8: GPTQ's original format reaches 16).
+pub fn write_u4_block(q: &[u8], scale_f16: u16, zero: u8, y: &mut [u8]) {
+    for i in 0..16 {
+        y[i] = (q[i] & 0x0f) | ((q[i + 16] & 0x0f) << 4);
+    }
+    y[16..18].copy_from_slice(&scale_f16.to_le_bytes());
+    y[18] = zero;
+    y[19] = 0;
+}
+
+/// Reference quantizer of one `f8_s32` block: scale `amax / 448` (1 for an
+/// all-zero block), values rounded to nearest even.
+pub fn quantize_f8_block(x: &[f32], y: &mut [u8]) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let scale = if amax > 0.0 && amax.is_finite() {
+        amax / E4M3_MAX
+    } else {
+        1.0
+    };
+    let mut codes = [0u8; 32];
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = f32_to_e4m3(v / scale);
+    }
+    write_f8_block(&codes, scale, y);
+}
+
+/// Reference quantizer of one `u4_s32` block, AutoAWQ's asymmetric rule:
+/// `scale = max(max − min, 1e-5) / 15` (rounded to f16), `zero =
+/// round(−min / scale)` in 0..=15, `q = clamp(round(x / scale) + zero, 0, 15)`.
+pub fn quantize_u4_block(x: &[f32], y: &mut [u8]) {
+    let (mut lo, mut hi) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.is_finite() {
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+    }
+    let scale = half::f16::from_f32((hi - lo).max(1e-5) / 15.0);
+    let s = scale.to_f32().max(f32::MIN_POSITIVE);
+    let zero = (-lo / s).round_ties_even().clamp(0.0, 15.0);
+    let mut q = [0u8; 32];
+    for (o, &v) in q.iter_mut().zip(x) {
+        let v = if v.is_finite() { v } else { 0.0 };
+        *o = ((v / s).round_ties_even() + zero).clamp(0.0, 15.0) as u8;
+    }
+    write_u4_block(&q, scale.to_bits(), zero as u8, y);
+}
+
+/// Dequantizes whole blocks of `dtype` (`f8_e4m3`, `f8_s32` or `u4_s32`).
+pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
+    match dtype {
+        crate::DType::F8E4M3 => {
+            for (o, &c) in dst.iter_mut().zip(src) {
+                *o = e4m3_to_f32(c);
+            }
+        }
+        crate::DType::F8_S32 => {
+            for (b, y) in src.chunks_exact(F8_BLOCK).zip(dst.chunks_exact_mut(32)) {
+                dequantize_f8_block(b, y);
+            }
+        }
+        _ => {
+            for (b, y) in src.chunks_exact(U4_BLOCK).zip(dst.chunks_exact_mut(32)) {
+                dequantize_u4_block(b, y);
+            }
+        }
+    }
+}
+
+/// Quantizes whole blocks of `dtype` with the reference quantizers.
+pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
+    match dtype {
+        crate::DType::F8E4M3 => {
+            for (o, &v) in dst.iter_mut().zip(src) {
+                *o = f32_to_e4m3(v);
+            }
+        }
+        crate::DType::F8_S32 => {
+            for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(F8_BLOCK)) {
+                quantize_f8_block(x, y);
+            }
+        }
+        _ => {
+            for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(U4_BLOCK)) {
+                quantize_u4_block(x, y);
+            }
+        }
+    }
+}
+
+/// Scalar dot of a row of `f8_s32` or `u4_s32` weights with f32
+/// activations: the weights are dequantized block by block and accumulated
+/// in eight f32 lanes, as `float::dot_row` does.
+pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
+    let bb = if dtype == crate::DType::F8_S32 {
+        F8_BLOCK
+    } else {
+        U4_BLOCK
+    };
+    let mut acc = [0.0f32; 8];
+    let mut buf = [0.0f32; 32];
+    for (b, xs) in w.chunks_exact(bb).zip(x.chunks_exact(32)) {
+        if dtype == crate::DType::F8_S32 {
+            dequantize_f8_block(b, &mut buf);
+        } else {
+            dequantize_u4_block(b, &mut buf);
+        }
+        for (wv, xv) in buf.chunks_exact(8).zip(xs.chunks_exact(8)) {
+            for l in 0..8 {
+                acc[l] += wv[l] * xv[l];
+            }
+        }
+    }
+    let s0 = (acc[0] + acc[4]) + (acc[1] + acc[5]);
+    let s1 = (acc[2] + acc[6]) + (acc[3] + acc[7]);
+    s0 + s1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e4m3_round_trips_every_finite_code() {
+        for c in 0u8..=255 {
+            if e4m3_is_nan(c) {
+                continue;
+            }
+            let v = e4m3_to_f32(c);
+            let back = f32_to_e4m3(v);
+            // -0 and +0 both decode to zero.
+            if v == 0.0 {
+                assert_eq!(back & 0x7f, 0);
+            } else {
+                assert_eq!(back, c, "code {c:#x} = {v}");
+            }
+        }
+        assert_eq!(e4m3_to_f32(0x7e), 448.0);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_to_f32(0xb8), -1.0);
+        assert_eq!(f32_to_e4m3(1000.0), 0x7e);
+        assert_eq!(f32_to_e4m3(-1e9), 0xfe);
+        // 1.0625 lies halfway between 1.0 (m=0) and 1.125 (m=1): even wins.
+        assert_eq!(f32_to_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_e4m3(1.1875), 0x3a);
+    }
+}

@@ -1,0 +1,361 @@
+//! What the quantization methods share: reading scale and packed tensors,
+//! the map from a weight element to its scale, packing into the in-band
+//! block dtypes, the f32 fallback, layer exclusion lists and config fields.
+//!
+//! Invariant: a packed weight always dequantizes element for element to the
+//! format's formula; [`ScaleMap::uniform_in_32`] says when a scale layout
+//! can be packed that way, and callers fall back to f32 otherwise.
+
+use crate::DType;
+use crate::formats::scaled::{e4m3_is_nan, write_f8_block, write_u4_block};
+use arbor_engine_core::quant::{cast_float_weight, in_tensor};
+use arbor_engine_core::{
+    BackendCapabilities, CoreError, HostTensor, QuantMethod, Result, WeightSource,
+};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+/// Where each element's scale comes from, for a weight of `[n, k]`.
+#[derive(Clone, Debug)]
+pub enum ScaleMap {
+    /// One scale for the whole tensor.
+    Tensor(f32),
+    /// One scale per output row (`n` values).
+    Rows(Vec<f32>),
+    /// One scale per `[bn, bk]` block, `ceil(n/bn) × ceil(k/bk)` row-major.
+    Blocks {
+        s: Vec<f32>,
+        bn: usize,
+        bk: usize,
+        cols: usize,
+    },
+    /// One scale per row and group of `g` inputs, `n × (k/g)` row-major.
+    Groups {
+        s: Vec<f32>,
+        g: usize,
+        groups: usize,
+    },
+}
+
+impl ScaleMap {
+    /// The scale of element `(r, c)`.
+    pub fn at(&self, r: usize, c: usize) -> f32 {
+        match self {
+            ScaleMap::Tensor(s) => *s,
+            ScaleMap::Rows(s) => s[r],
+            ScaleMap::Blocks { s, bn, bk, cols } => s[(r / bn) * cols + c / bk],
+            ScaleMap::Groups { s, g, groups } => s[r * groups + c / g],
+        }
+    }
+
+    /// True when the scale is constant over every run of 32 inputs.
+    pub fn uniform_in_32(&self) -> bool {
+        match self {
+            ScaleMap::Tensor(_) | ScaleMap::Rows(_) => true,
+            ScaleMap::Blocks { bk, .. } => bk.is_multiple_of(32),
+            ScaleMap::Groups { g, .. } => g.is_multiple_of(32),
+        }
+    }
+
+    /// Checks every scale is finite and positive.
+    pub fn check(&self, src: &dyn WeightSource, name: &str) -> Result<()> {
+        let bad = |v: f32| !(v.is_finite() && v > 0.0);
+        let found = match self {
+            ScaleMap::Tensor(s) => bad(*s).then_some(*s),
+            ScaleMap::Rows(s) | ScaleMap::Blocks { s, .. } | ScaleMap::Groups { s, .. } => {
+                s.iter().copied().find(|v| bad(*v))
+            }
+        };
+        match found {
+            Some(v) => Err(in_tensor(
+                src,
+                name,
+                CoreError::load(format!(
+                    "holds the scale {v}; scales must be finite and positive"
+                )),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The values of a float tensor as f32.
+pub fn floats(src: &dyn WeightSource, name: &str, t: &HostTensor<'_>) -> Result<Vec<f32>> {
+    if !t.dtype.is_float() {
+        return Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!("has dtype {}; expected f32, f16 or bf16", t.dtype)),
+        ));
+    }
+    t.to_f32_vec().map_err(|e| in_tensor(src, name, e))
+}
+
+/// The values of an I32 tensor.
+pub fn ints(src: &dyn WeightSource, name: &str, t: &HostTensor<'_>) -> Result<Vec<i32>> {
+    if t.dtype != DType::I32 {
+        return Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!("has dtype {}; expected i32 (packed int4)", t.dtype)),
+        ));
+    }
+    Ok(t.data
+        .chunks_exact(4)
+        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
+}
+
+/// A required tensor of any shape.
+pub fn tensor<'a>(src: &'a dyn WeightSource, name: &str) -> Result<HostTensor<'a>> {
+    let t = src.tensor(name)?.ok_or_else(|| {
+        CoreError::load(format!("{}: tensor '{name}' is missing", src.describe()))
+    })?;
+    t.validate(name)?;
+    Ok(t)
+}
+
+/// A shape error naming the tensor.
+pub fn bad_shape(src: &dyn WeightSource, name: &str, got: &[usize], want: &str) -> CoreError {
+    CoreError::load(format!(
+        "{}: tensor '{name}' has shape {got:?}, expected {want}",
+        src.describe()
+    ))
+}
+
+/// Packs E4M3 codes `[n, k]` with their scales into `f8_s32`, checking for
+/// NaN codes. `scales.uniform_in_32()` must hold and `k % 32 == 0`.
+pub fn pack_f8(
+    src: &dyn WeightSource,
+    name: &str,
+    codes: &[u8],
+    n: usize,
+    k: usize,
+    scales: &ScaleMap,
+) -> Result<HostTensor<'static>> {
+    if let Some(i) = codes.iter().position(|&c| e4m3_is_nan(c)) {
+        return Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!("element {i} is an E4M3 NaN")),
+        ));
+    }
+    let nb = k / 32;
+    let mut out = vec![0u8; n * nb * 36];
+    for r in 0..n {
+        for b in 0..nb {
+            let o = (r * nb + b) * 36;
+            let c0 = r * k + b * 32;
+            write_f8_block(
+                &codes[c0..c0 + 32],
+                scales.at(r, b * 32),
+                &mut out[o..o + 36],
+            );
+        }
+    }
+    Ok(HostTensor {
+        dtype: DType::F8_S32,
+        shape: vec![n, k],
+        data: Cow::Owned(out),
+    })
+}
+
+/// Unsigned 4-bit values of a weight `[n, k]` with per-element zero points
+/// and scales given by group of 32 (`zero(r, b)`, `scale(r, b)` for block `b`).
+pub struct U4Weight<'f> {
+    pub n: usize,
+    pub k: usize,
+    /// Value of element `(r, c)`, 0..16.
+    pub q: &'f dyn Fn(usize, usize) -> u8,
+    /// Zero point of element `(r, c)`.
+    pub zero: &'f dyn Fn(usize, usize) -> u8,
+    /// Scale of element `(r, c)` as f32 (from the checkpoint's f16/bf16/f32).
+    pub scale: &'f dyn Fn(usize, usize) -> f32,
+}
+
+impl U4Weight<'_> {
+    /// The f32 dequantization `(q − zero) × scale`, `[n, k]`.
+    pub fn to_f32(&self) -> HostTensor<'static> {
+        let mut v = Vec::with_capacity(self.n * self.k * 4);
+        for r in 0..self.n {
+            for c in 0..self.k {
+                let x =
+                    ((self.q)(r, c) as i32 - (self.zero)(r, c) as i32) as f32 * (self.scale)(r, c);
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        HostTensor {
+            dtype: DType::F32,
+            shape: vec![self.n, self.k],
+            data: Cow::Owned(v),
+        }
+    }
+
+    /// Packs into `u4_s32` when every run of 32 inputs shares one scale and
+    /// zero and the scales are exact in f16; `None` otherwise.
+    pub fn pack(&self) -> Option<HostTensor<'static>> {
+        if !self.k.is_multiple_of(32) {
+            return None;
+        }
+        let nb = self.k / 32;
+        let mut out = vec![0u8; self.n * nb * 20];
+        let mut q = [0u8; 32];
+        for r in 0..self.n {
+            for b in 0..nb {
+                let c0 = b * 32;
+                let (s, z) = ((self.scale)(r, c0), (self.zero)(r, c0));
+                let h = half::f16::from_f32(s);
+                if h.to_f32() != s {
+                    return None;
+                }
+                for (i, o) in q.iter_mut().enumerate() {
+                    let c = c0 + i;
+                    if (self.scale)(r, c) != s || (self.zero)(r, c) != z {
+                        return None;
+                    }
+                    *o = (self.q)(r, c);
+                }
+                let o = (r * nb + b) * 20;
+                write_u4_block(&q, h.to_bits(), z, &mut out[o..o + 20]);
+            }
+        }
+        Some(HostTensor {
+            dtype: DType::U4_S32,
+            shape: vec![self.n, self.k],
+            data: Cow::Owned(out),
+        })
+    }
+}
+
+/// A packed weight as the device takes it: as is when the device multiplies
+/// its dtype, else dequantized to f32 (exact).
+pub fn for_device(
+    t: HostTensor<'static>,
+    caps: &BackendCapabilities,
+) -> Result<HostTensor<'static>> {
+    if caps.weight_dtypes.contains(&t.dtype) {
+        return Ok(t);
+    }
+    let n: usize = t.shape.iter().product();
+    let mut f = vec![0.0f32; n];
+    crate::dequantize(t.dtype, &t.data, &mut f).map_err(|e| CoreError::load(e.to_string()))?;
+    Ok(HostTensor {
+        dtype: DType::F32,
+        shape: t.shape,
+        data: Cow::Owned(f.iter().flat_map(|v| v.to_le_bytes()).collect()),
+    })
+}
+
+/// Stores a weight the method leaves unquantized with the base method.
+pub fn store_float<'a>(
+    base: &Option<Arc<dyn QuantMethod>>,
+    t: HostTensor<'a>,
+    caps: &BackendCapabilities,
+) -> Result<HostTensor<'a>> {
+    match base {
+        Some(b) => b.prepare(t, caps),
+        None => cast_float_weight(t, None, caps),
+    }
+}
+
+/// Module names a format leaves unquantized.
+#[derive(Clone, Debug, Default)]
+pub struct Excluded {
+    /// Names matched as substrings of the layer name (AWQ, GPTQ, ModelOpt, fp8).
+    pub parts: Vec<String>,
+    /// compressed-tensors `ignore`: exact names, or `re:` patterns matched
+    /// from the start of the name.
+    pub exact: Vec<String>,
+    pub patterns: Vec<regex::Regex>,
+}
+
+impl Excluded {
+    /// Substring names from the string arrays under `keys` of `qc`.
+    pub fn parts_of(qc: Option<&serde_json::Value>, keys: &[&str]) -> Self {
+        let mut parts = Vec::new();
+        for key in keys {
+            if let Some(a) = qc.and_then(|q| q.get(*key)).and_then(|v| v.as_array()) {
+                parts.extend(a.iter().filter_map(|v| v.as_str()).map(str::to_string));
+            }
+        }
+        Self {
+            parts,
+            ..Self::default()
+        }
+    }
+
+    /// compressed-tensors' `ignore` list.
+    pub fn ignore_list(qc: &serde_json::Value) -> Result<Self> {
+        let mut out = Self::default();
+        for v in qc
+            .get("ignore")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let Some(s) = v.as_str() else { continue };
+            match s.strip_prefix("re:") {
+                Some(p) => out.patterns.push(anchored(p, "ignore")?),
+                None => out.exact.push(s.to_string()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// True if the layer `prefix` is excluded.
+    pub fn contains(&self, prefix: &str) -> bool {
+        self.parts.iter().any(|p| prefix.contains(p.as_str()))
+            || self.exact.iter().any(|e| e == prefix)
+            || self.patterns.iter().any(|r| r.is_match(prefix))
+    }
+}
+
+/// A `re:` pattern of a compressed-tensors list, matched from the start.
+pub fn anchored(p: &str, key: &str) -> Result<regex::Regex> {
+    regex::Regex::new(&format!("^(?:{p})"))
+        .map_err(|e| CoreError::load(format!("quantization_config.{key}: pattern 're:{p}': {e}")))
+}
+
+/// An unsigned integer field of a config object, with a default.
+pub fn uint(v: Option<&serde_json::Value>, key: &str, default: usize) -> Result<usize> {
+    match v.and_then(|o| o.get(key)) {
+        None | Some(serde_json::Value::Null) => Ok(default),
+        Some(x) => x.as_u64().map(|u| u as usize).ok_or_else(|| {
+            CoreError::load(format!("{key} must be a non-negative integer, got {x}"))
+        }),
+    }
+}
+
+/// A string field of a config object.
+pub fn string<'v>(v: Option<&'v serde_json::Value>, key: &str) -> Option<&'v str> {
+    v.and_then(|o| o.get(key)).and_then(|x| x.as_str())
+}
+
+/// The scalar in a tensor of one element (`[]` or `[1]`).
+pub fn scalar(src: &dyn WeightSource, name: &str, t: &HostTensor<'_>) -> Result<Option<f32>> {
+    let n: usize = t.shape.iter().product();
+    if n != 1 {
+        return Ok(None);
+    }
+    Ok(floats(src, name, t)?.first().copied())
+}
+
+/// Checks an optional static activation scale (`input_scale`): one finite
+/// positive value when present.
+pub fn check_input_scale(src: &dyn WeightSource, prefix: &str) -> Result<()> {
+    let name = format!("{prefix}.input_scale");
+    let Some(t) = src.tensor(&name)? else {
+        return Ok(());
+    };
+    match scalar(src, &name, &t)? {
+        Some(v) if v.is_finite() && v > 0.0 => Ok(()),
+        Some(v) => Err(in_tensor(
+            src,
+            &name,
+            CoreError::load(format!(
+                "holds {v}; an input scale must be finite and positive"
+            )),
+        )),
+        None => Err(bad_shape(src, &name, &t.shape, "[] or [1]")),
+    }
+}

@@ -1,0 +1,340 @@
+//! `awq` and `gptq`: 4-bit integer weights with a scale and a zero point per
+//! group of inputs.
+//!
+//! AutoAWQ GEMM (`version: "gemm"`, `zero_point: true`): `qweight` I32
+//! `[k, n/8]` and `qzeros` I32 `[k/g, n/8]` hold eight outputs per word in
+//! AWQ's order (output `8j + i` in bits `4 · [0,4,1,5,2,6,3,7][i]`),
+//! `scales` `[k/g, n]`; value = `(q − z) × s`.
+//!
+//! GPTQ: `qweight` I32 `[k/8, n]` holds eight inputs per word (input `8j + i`
+//! in bits `4i`), `qzeros` I32 `[k/g, n/8]` eight outputs per word in order,
+//! `scales` `[k/g, n]`, `g_idx` I32 `[k]` the group of each input (act-order
+//! checkpoints permute it); value = `(q − z) × s[g_idx]`, where the stored
+//! zero is `z − 1` in the original format (`checkpoint_format: "gptq"`, the
+//! default) and `z` in GPTQModel's `gptq_v2`. `group_size: -1` is one group.
+
+use super::common::{
+    Excluded, U4Weight, bad_shape, floats, for_device, ints, store_float, string, tensor,
+};
+use arbor_engine_core::quant::{fetch, in_tensor};
+use arbor_engine_core::{
+    BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
+    WeightSource,
+};
+use std::sync::Arc;
+
+/// Nibble of output `i % 8` within an AWQ word.
+const AWQ_NIBBLE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+/// The error of a checkpoint method asked to load a checkpoint without a
+/// `quantization_config` (chosen by name for a float checkpoint).
+pub(super) fn unconfigured(method: &str, src: &dyn WeightSource) -> CoreError {
+    CoreError::load(format!(
+        "{}: --quantization {method} loads checkpoints quantized with {method} \
+         (config.json quantization_config); this one has none (--quantization fp8 quantizes a \
+         float checkpoint at load)",
+        src.describe()
+    ))
+}
+
+fn bits4(qc: &serde_json::Value) -> Result<()> {
+    match qc
+        .get("bits")
+        .or_else(|| qc.get("w_bit"))
+        .and_then(|v| v.as_u64())
+    {
+        Some(4) => Ok(()),
+        other => Err(CoreError::load(format!(
+            "bits must be 4, got {}",
+            other.map_or("nothing".to_string(), |b| b.to_string())
+        ))),
+    }
+}
+
+/// `group_size` (`q_group_size` in old AWQ configs); -1 means all inputs.
+fn group_size(qc: &serde_json::Value) -> Result<Option<usize>> {
+    let v = qc.get("group_size").or_else(|| qc.get("q_group_size"));
+    match v.and_then(|v| v.as_i64()) {
+        Some(-1) => Ok(None),
+        Some(g) if g > 0 => Ok(Some(g as usize)),
+        _ => Err(CoreError::load(format!(
+            "group_size must be a positive integer or -1, got {}",
+            v.map_or("nothing".to_string(), |v| v.to_string())
+        ))),
+    }
+}
+
+/// The group size of a layer with `k` inputs, checked to divide it.
+fn layer_group(src: &dyn WeightSource, prefix: &str, g: Option<usize>, k: usize) -> Result<usize> {
+    let g = g.unwrap_or(k);
+    if g == 0 || !k.is_multiple_of(g) {
+        return Err(CoreError::load(format!(
+            "{}: layer '{prefix}': group_size {g} does not divide its {k} inputs",
+            src.describe()
+        )));
+    }
+    Ok(g)
+}
+
+/// A required I32 tensor of `shape`, as values.
+fn packed(src: &dyn WeightSource, name: &str, shape: [usize; 2]) -> Result<Vec<i32>> {
+    let t = tensor(src, name)?;
+    if t.shape != shape {
+        return Err(bad_shape(src, name, &t.shape, &format!("{shape:?}")));
+    }
+    ints(src, name, &t)
+}
+
+/// Scales `[groups, n]` as f32, checked finite and positive.
+fn group_scales(src: &dyn WeightSource, name: &str, groups: usize, n: usize) -> Result<Vec<f32>> {
+    let t = tensor(src, name)?;
+    if t.shape != [groups, n] {
+        return Err(bad_shape(src, name, &t.shape, &format!("[{groups}, {n}]")));
+    }
+    let s = floats(src, name, &t)?;
+    if let Some(v) = s.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        return Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!(
+                "holds the scale {v}; scales must be finite and positive"
+            )),
+        ));
+    }
+    Ok(s)
+}
+
+fn outputs_by_8(src: &dyn WeightSource, prefix: &str, n: usize) -> Result<()> {
+    if n.is_multiple_of(8) {
+        Ok(())
+    } else {
+        Err(CoreError::load(format!(
+            "{}: layer '{prefix}': {n} outputs are not a multiple of 8 (eight per packed word)",
+            src.describe()
+        )))
+    }
+}
+
+fn store(w: &U4Weight<'_>, caps: &BackendCapabilities) -> Result<HostTensor<'static>> {
+    match w.pack() {
+        Some(p) => for_device(p, caps),
+        None => Ok(w.to_f32()),
+    }
+}
+
+/// The `awq` method.
+pub struct Awq {
+    /// False when built without a checkpoint config (every load fails).
+    configured: bool,
+    base: Option<Arc<dyn QuantMethod>>,
+    group: Option<usize>,
+    excluded: Excluded,
+}
+
+impl Awq {
+    pub fn new(init: &QuantInit) -> Result<Self> {
+        let Some(qc) = init.checkpoint.as_ref() else {
+            return Ok(Self {
+                configured: false,
+                base: init.base.clone(),
+                group: None,
+                excluded: Excluded::default(),
+            });
+        };
+        bits4(qc)?;
+        let version = string(Some(qc), "version")
+            .unwrap_or("gemm")
+            .to_ascii_lowercase();
+        if version != "gemm" {
+            return Err(CoreError::load(format!(
+                "AWQ version \"{version}\" is not supported (supported: gemm)"
+            )));
+        }
+        if !qc
+            .get("zero_point")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true)
+        {
+            return Err(CoreError::load(
+                "AWQ without zero points (zero_point: false) is not supported",
+            ));
+        }
+        Ok(Self {
+            configured: true,
+            base: init.base.clone(),
+            group: group_size(qc)?,
+            excluded: Excluded::parts_of(Some(qc), &["modules_to_not_convert"]),
+        })
+    }
+}
+
+impl QuantMethod for Awq {
+    fn name(&self) -> &str {
+        "awq"
+    }
+
+    fn prepare<'a>(&self, t: HostTensor<'a>, caps: &BackendCapabilities) -> Result<HostTensor<'a>> {
+        store_float(&self.base, t, caps)
+    }
+
+    fn load_linear<'a>(
+        &self,
+        src: &'a dyn WeightSource,
+        spec: &LinearSpec<'_>,
+        caps: &BackendCapabilities,
+    ) -> Result<HostTensor<'a>> {
+        let (n, k, p) = (spec.out_features, spec.in_features, spec.prefix);
+        if !self.configured {
+            return Err(unconfigured(self.name(), src));
+        }
+        if self.excluded.contains(p)
+            || src.tensor(&format!("{p}.qweight"))?.is_none()
+                && src.tensor(&format!("{p}.weight"))?.is_some()
+        {
+            let name = format!("{p}.weight");
+            let t = fetch(src, &name, &[n, k])?;
+            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+        }
+        outputs_by_8(src, p, n)?;
+        let g = layer_group(src, p, self.group, k)?;
+        let (groups, nw) = (k / g, n / 8);
+        let qw = packed(src, &format!("{p}.qweight"), [k, nw])?;
+        let qz = packed(src, &format!("{p}.qzeros"), [groups, nw])?;
+        let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
+        let nib = |word: i32, r: usize| ((word as u32 >> (4 * AWQ_NIBBLE[r % 8])) & 0xf) as u8;
+        let q = |r: usize, c: usize| nib(qw[c * nw + r / 8], r);
+        let zero = |r: usize, c: usize| nib(qz[(c / g) * nw + r / 8], r);
+        let scale = |r: usize, c: usize| s[(c / g) * n + r];
+        store(
+            &U4Weight {
+                n,
+                k,
+                q: &q,
+                zero: &zero,
+                scale: &scale,
+            },
+            caps,
+        )
+    }
+}
+
+/// The `gptq` method.
+pub struct Gptq {
+    /// False when built without a checkpoint config (every load fails).
+    configured: bool,
+    base: Option<Arc<dyn QuantMethod>>,
+    group: Option<usize>,
+    /// Stored zeros are `z − 1` (the original GPTQ format).
+    zeros_minus_one: bool,
+    excluded: Excluded,
+}
+
+impl Gptq {
+    pub fn new(init: &QuantInit) -> Result<Self> {
+        let Some(qc) = init.checkpoint.as_ref() else {
+            return Ok(Self {
+                configured: false,
+                base: init.base.clone(),
+                group: None,
+                zeros_minus_one: true,
+                excluded: Excluded::default(),
+            });
+        };
+        bits4(qc)?;
+        let fmt = string(Some(qc), "checkpoint_format").unwrap_or("gptq");
+        let zeros_minus_one = match fmt {
+            "gptq" => true,
+            "gptq_v2" => false,
+            other => {
+                return Err(CoreError::load(format!(
+                    "checkpoint_format \"{other}\" is not supported (supported: gptq, gptq_v2)"
+                )));
+            }
+        };
+        Ok(Self {
+            configured: true,
+            base: init.base.clone(),
+            group: group_size(qc)?,
+            zeros_minus_one,
+            excluded: Excluded::parts_of(Some(qc), &["modules_to_not_convert"]),
+        })
+    }
+}
+
+impl QuantMethod for Gptq {
+    fn name(&self) -> &str {
+        "gptq"
+    }
+
+    fn prepare<'a>(&self, t: HostTensor<'a>, caps: &BackendCapabilities) -> Result<HostTensor<'a>> {
+        store_float(&self.base, t, caps)
+    }
+
+    fn load_linear<'a>(
+        &self,
+        src: &'a dyn WeightSource,
+        spec: &LinearSpec<'_>,
+        caps: &BackendCapabilities,
+    ) -> Result<HostTensor<'a>> {
+        let (n, k, p) = (spec.out_features, spec.in_features, spec.prefix);
+        if !self.configured {
+            return Err(unconfigured(self.name(), src));
+        }
+        if self.excluded.contains(p)
+            || src.tensor(&format!("{p}.qweight"))?.is_none()
+                && src.tensor(&format!("{p}.weight"))?.is_some()
+        {
+            let name = format!("{p}.weight");
+            let t = fetch(src, &name, &[n, k])?;
+            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+        }
+        outputs_by_8(src, p, n)?;
+        if !k.is_multiple_of(8) {
+            return Err(CoreError::load(format!(
+                "{}: layer '{p}': {k} inputs are not a multiple of 8 (eight per packed word)",
+                src.describe()
+            )));
+        }
+        let g = layer_group(src, p, self.group, k)?;
+        let (groups, nw) = (k / g, n / 8);
+        let qw = packed(src, &format!("{p}.qweight"), [k / 8, n])?;
+        let qz = packed(src, &format!("{p}.qzeros"), [groups, nw])?;
+        let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
+        let gname = format!("{p}.g_idx");
+        let gidx: Vec<usize> = match src.tensor(&gname)? {
+            None => (0..k).map(|c| c / g).collect(),
+            Some(t) => {
+                if t.shape != [k] {
+                    return Err(bad_shape(src, &gname, &t.shape, &format!("[{k}]")));
+                }
+                let v = ints(src, &gname, &t)?;
+                if let Some(bad) = v.iter().find(|&&x| x < 0 || x as usize >= groups) {
+                    return Err(in_tensor(
+                        src,
+                        &gname,
+                        CoreError::load(format!(
+                            "holds group {bad}; the layer has {groups} groups"
+                        )),
+                    ));
+                }
+                v.into_iter().map(|x| x as usize).collect()
+            }
+        };
+        let add = u8::from(self.zeros_minus_one);
+        let q = |r: usize, c: usize| ((qw[(c / 8) * n + r] as u32 >> (4 * (c % 8))) & 0xf) as u8;
+        let zero = |r: usize, c: usize| {
+            (((qz[gidx[c] * nw + r / 8] as u32) >> (4 * (r % 8))) & 0xf) as u8 + add
+        };
+        let scale = |r: usize, c: usize| s[gidx[c] * n + r];
+        store(
+            &U4Weight {
+                n,
+                k,
+                q: &q,
+                zero: &zero,
+                scale: &scale,
+            },
+            caps,
+        )
+    }
+}

@@ -1,0 +1,58 @@
+//! Quantization methods for HF checkpoints, registered by name: `fp8`
+//! (serialized FP8 per tensor, per channel or in 128×128 blocks, and FP8
+//! quantization of float checkpoints at load), `compressed-tensors`
+//! (llm-compressor's `float-quantized` FP8 and `pack-quantized` INT4),
+//! `awq` (AutoAWQ GEMM) and `gptq` (GPTQ and GPTQModel, act-order included).
+//!
+//! Each method reads the tensors its format defines for a linear layer,
+//! checks their dtypes and shapes (errors name the tensor), and packs the
+//! weight into an in-band block dtype the device multiplies: `f8_s32` for
+//! FP8 and `u4_s32` for INT4, one scale (and zero point) per 32 inputs of a
+//! row. The conversion is exact: every element of the stored weight
+//! dequantizes to the value the format's published formula gives
+//! (`e4m3 × scale`; `(q − zero) × scale`). Where a layout cannot be put in
+//! blocks of 32 exactly (a GPTQ act-order `g_idx` that mixes groups within 32
+//! inputs, scales that f16 cannot hold) or the device lacks the block dtype,
+//! the weight is dequantized to f32 with the same formula instead.
+//!
+//! Activations stay f32 on every path (a weight-only product, as vLLM's
+//! Marlin kernels run FP8 checkpoints on GPUs without FP8 units): static
+//! `input_scale` tensors are checked (present, positive, finite) but not
+//! applied.
+
+mod common;
+mod compressed;
+mod fp8;
+mod int4;
+
+pub use common::ScaleMap;
+
+use arbor_engine_core::registry::QuantMethodEntry;
+use arbor_engine_core::{QuantInit, QuantMethod, Result, inventory};
+use std::sync::Arc;
+
+fn fp8(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(fp8::Fp8Method::new(init)?))
+}
+fn compressed_tensors(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(compressed::CompressedTensors::new(init)?))
+}
+fn awq(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(int4::Awq::new(init)?))
+}
+fn gptq(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(int4::Gptq::new(init)?))
+}
+
+inventory::submit! {
+    QuantMethodEntry { name: "fp8", about: "FP8 E4M3 weights (per tensor, per channel or 128x128 blocks); quantizes float checkpoints at load", create: fp8 }
+}
+inventory::submit! {
+    QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4", create: compressed_tensors }
+}
+inventory::submit! {
+    QuantMethodEntry { name: "awq", about: "AutoAWQ INT4 (GEMM layout, zero points, groups of a multiple of 32)", create: awq }
+}
+inventory::submit! {
+    QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 (v1 and v2 zero points, act-order g_idx)", create: gptq }
+}

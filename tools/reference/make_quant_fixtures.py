@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""Quantized checkpoints of tests/fixtures/tiny-llama in the published HF formats, with reference
+logits, for Arbor's quantization methods (crates/quant/src/methods).
+
+Each folder under tests/fixtures/quant/ holds config.json (tiny-llama's, plus the format's
+`quantization_config`), model.safetensors with that format's exact tensor names, dtypes and
+packing, the tokenizer files, and reference.json. The seven linear layers of every decoder layer
+are quantized; embeddings, norms and lm_head stay f32 (lm_head is listed as ignored).
+
+| folder | format |
+|---|---|
+| fp8-block | `quant_method: fp8`, `weight_block_size: [128, 128]`, E4M3 `weight` + f32 `weight_scale_inv` (DeepSeek-V3, Qwen3-FP8); 160-wide layers leave partial blocks |
+| fp8-dynamic | compressed-tensors `float-quantized`, channel strategy: E4M3 `weight` + bf16 `weight_scale [n, 1]`, dynamic per-token activations (llm-compressor FP8_DYNAMIC) |
+| fp8-static | compressed-tensors `float-quantized`, tensor strategy: `weight_scale [1]` and static `input_scale [1]` (llm-compressor FP8) |
+| w4a16 | compressed-tensors `pack-quantized` symmetric int4, group 32: I32 `weight_packed [n, k/8]`, bf16 `weight_scale [n, k/32]`, `weight_shape` |
+| awq | AutoAWQ GEMM, group 32, zero points: I32 `qweight [k, n/8]` and `qzeros [k/32, n/8]` in AWQ's nibble order, f16 `scales` |
+| gptq | GPTQ (checkpoint_format gptq: zeros stored minus one), asymmetric, group 32, `desc_act: false`, I32 `qweight [k/8, n]`, `qzeros`, f16 `scales`, `g_idx` |
+| gptq-actorder | GPTQ symmetric with `desc_act: true`: `g_idx` assigns inputs to groups in a permuted order |
+
+reference.json: for each prompt of tiny-llama's reference, the last-position logits and 32 greedy
+tokens (with each step's top-1 minus top-2 logit margin, so a test can stop at a near-tie) of transformers' LlamaForCausalLM (f32, eager attention) run on the weights dequantized in
+numpy with each format's published formula (e4m3 x scale; (q - z) x s), after unpacking the
+packed tensors the way vLLM's reference unpackers do (checked to round-trip). `fp8-online.json`
+is the same for tiny-llama quantized at load by `--quantization fp8` (one E4M3 scale per output
+channel, amax / 448, round to nearest even).
+
+    /tmp/torchenv/bin/python tools/reference/make_quant_fixtures.py
+
+Needs torch, transformers, safetensors, numpy and ml_dtypes.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+SRC = ROOT / "tiny-llama"
+OUT = ROOT / "quant"
+COPIED = ["generation_config.json", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+LINEARS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+NEW_TOKENS = 32
+F8 = ml_dtypes.float8_e4m3fn
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ pack order: nibble i holds column order[i]
+AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]  # vLLM's unpack order
+
+
+def source_weights() -> dict:
+    sd = {}
+    for f in sorted(SRC.glob("model-*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def linear_names(cfg: dict):
+    for i in range(cfg["num_hidden_layers"]):
+        for lin in LINEARS:
+            yield f"model.layers.{i}.{lin}"
+
+
+# ---------------------------------------------------------------- FP8
+
+def e4m3(x: np.ndarray) -> np.ndarray:
+    """Round to E4M3 (nearest even), saturating at +-448."""
+    return np.clip(x, -448.0, 448.0).astype(F8)
+
+
+def e4m3_bytes(q: np.ndarray) -> np.ndarray:
+    return q.view(np.uint8)
+
+
+def from_e4m3(q: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32)
+
+
+def fp8_block(w: np.ndarray, bn=128, bk=128):
+    n, k = w.shape
+    rows, cols = -(-n // bn), -(-k // bk)
+    s = np.zeros((rows, cols), np.float32)
+    q = np.zeros((n, k), F8)
+    for i in range(rows):
+        for j in range(cols):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            s[i, j] = max(np.abs(blk).max() / 448.0, 1e-12)
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = e4m3(blk / s[i, j])
+    deq = from_e4m3(q) * np.repeat(np.repeat(s, bn, 0), bk, 1)[:n, :k]
+    return {"weight": q, "weight_scale_inv": s}, deq
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16)
+
+
+def fp8_channel(w: np.ndarray):
+    s = bf16(np.abs(w).max(axis=1, keepdims=True) / 448.0)
+    q = e4m3(w / s.astype(np.float32))
+    return {"weight": q, "weight_scale": s}, from_e4m3(q) * s.astype(np.float32)
+
+
+def fp8_tensor(w: np.ndarray):
+    s = np.array([np.abs(w).max() / 448.0], np.float32)
+    q = e4m3(w / s[0])
+    # A static activation scale, as llm-compressor calibrates it (checked, not applied, on the CPU).
+    return {"weight": q, "weight_scale": s, "input_scale": np.array([0.05], np.float32)}, from_e4m3(q) * s[0]
+
+
+def fp8_rows_online(w: np.ndarray) -> np.ndarray:
+    """What --quantization fp8 stores: per output channel amax/448 in f32, x / s rounded to E4M3."""
+    amax = np.abs(w).max(axis=1, keepdims=True).astype(np.float32)
+    s = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    q = e4m3((w / s).astype(np.float32))
+    return from_e4m3(q) * s
+
+
+# ---------------------------------------------------------------- INT4
+
+def groups_asym(w: np.ndarray, g: int, scale_dtype):
+    """Per output row and group of g inputs: AutoAWQ's min/max rule. Returns q [n, k] in 0..15,
+    zeros [n, k/g], scales [n, k/g] (in scale_dtype)."""
+    n, k = w.shape
+    wg = w.reshape(n, k // g, g)
+    hi, lo = wg.max(-1), wg.min(-1)
+    s = ((hi - lo).clip(min=1e-5) / 15).astype(scale_dtype)
+    sf = s.astype(np.float32)
+    z = np.clip(np.round(-lo / sf), 0, 15).astype(np.int32)
+    q = np.clip(np.round(wg / sf[..., None]) + z[..., None], 0, 15).astype(np.int32).reshape(n, k)
+    return q, z, s
+
+
+def groups_sym(w: np.ndarray, g: int, scale_dtype):
+    """Symmetric int4: scale amax/7, q in -8..7 (returned offset by +8, zero 8)."""
+    n, k = w.shape
+    wg = w.reshape(n, k // g, g)
+    s = (np.abs(wg).max(-1).clip(min=1e-5) / 7).astype(scale_dtype)
+    sf = s.astype(np.float32)
+    q = np.clip(np.round(wg / sf[..., None]), -8, 7).astype(np.int32).reshape(n, k) + 8
+    return q, np.full(s.shape, 8, np.int32), s
+
+
+def pack_rows_seq(v: np.ndarray) -> np.ndarray:
+    """Pack 8 consecutive values of the last axis per int32, value i in bits 4i."""
+    r, c = v.shape
+    v = v.reshape(r, c // 8, 8).astype(np.uint32)
+    out = np.zeros((r, c // 8), np.uint32)
+    for i in range(8):
+        out |= (v[:, :, i] & 0xF) << (4 * i)
+    return out.view(np.int32)
+
+
+def unpack_rows_seq(p: np.ndarray) -> np.ndarray:
+    u = p.view(np.uint32)
+    return np.stack([(u >> (4 * i)) & 0xF for i in range(8)], -1).reshape(u.shape[0], -1).astype(np.int32)
+
+
+def awq_pack(v: np.ndarray) -> np.ndarray:
+    """AutoAWQ's WQLinear_GEMM packing of v [rows, cols] along cols."""
+    r, c = v.shape
+    out = np.zeros((r, c // 8), np.uint32)
+    for col in range(c // 8):
+        for i in range(8):
+            out[:, col] |= (v[:, col * 8 + AWQ_ORDER[i]].astype(np.uint32) & 0xF) << (4 * i)
+    return out.view(np.int32)
+
+
+def awq_unpack(p: np.ndarray) -> np.ndarray:
+    """vLLM's awq dequantize: shift out the nibbles, then undo the order."""
+    u = p.view(np.uint32)
+    nib = np.stack([(u >> (4 * i)) & 0xF for i in range(8)], -1)  # [r, c/8, 8] in nibble order
+    return nib[:, :, AWQ_REVERSE].reshape(u.shape[0], -1).astype(np.int32)
+
+
+def awq(w: np.ndarray, g=32):
+    q, z, s = groups_asym(w, g, np.float16)  # [n, k], [n, k/g]
+    qweight = awq_pack(q.T)  # [k, n/8]
+    qzeros = awq_pack(z.T)  # [k/g, n/8]
+    scales = s.T.copy()  # [k/g, n]
+    iq, iz = awq_unpack(qweight), awq_unpack(qzeros)
+    assert (iq == q.T).all() and (iz == z.T).all()
+    gi = np.arange(w.shape[1]) // g
+    deq = ((iq - iz[gi]) * scales.astype(np.float32)[gi]).T
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales}, deq
+
+
+def gptq(w: np.ndarray, g=32, sym=False, act_order=False, rng=None):
+    n, k = w.shape
+    if act_order:
+        # Inputs quantized in a permuted order: group of input c is its rank in perm // g.
+        perm = rng.permutation(k)
+        g_idx = np.empty(k, np.int32)
+        g_idx[perm] = np.arange(k) // g
+        wp = w[:, perm]
+        q_p, z, s = (groups_sym if sym else groups_asym)(wp, g, np.float16)
+        q = np.empty_like(q_p)
+        q[:, perm] = q_p
+    else:
+        g_idx = (np.arange(k) // g).astype(np.int32)
+        q, z, s = (groups_sym if sym else groups_asym)(w, g, np.float16)
+    qt = q.T.reshape(k // 8, 8, n).astype(np.uint32)  # input 8j + i of output c at [j, i, c]
+    qweight = np.zeros((k // 8, n), np.uint32)
+    for i in range(8):
+        qweight |= (qt[:, i, :] & 0xF) << (4 * i)
+    qweight = qweight.view(np.int32)
+    qzeros = pack_rows_seq((z.T - 1) & 0xF)  # [k/g, n/8], the original format's zero - 1
+    scales = s.T.copy()  # [k/g, n]
+    # Reference unpack (AutoGPTQ's dequant): qweight along k, zeros + 1.
+    u = qweight.view(np.uint32)
+    iq = np.stack([(u >> (4 * i)) & 0xF for i in range(8)], 1).reshape(k, n).astype(np.int32)
+    iz = ((unpack_rows_seq(qzeros) + 1) & 0x1F).astype(np.int32)
+    assert (iq == q.T).all() and (iz == z.T).all()
+    deq = ((iq - iz[g_idx]) * scales.astype(np.float32)[g_idx]).T
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
+
+
+def w4a16(w: np.ndarray, g=32):
+    q, _, s = groups_sym(w, g, ml_dtypes.bfloat16)
+    n, k = w.shape
+    packed = pack_rows_seq(q)  # [n, k/8], stored as q + 8
+    iq = unpack_rows_seq(packed) - 8
+    deq = iq * np.repeat(s.astype(np.float32), g, 1)
+    return {"weight_packed": packed, "weight_scale": s, "weight_shape": np.array([n, k], np.int32)}, deq
+
+
+# ---------------------------------------------------------------- configs
+
+def ct_config(weights: dict, acts, fmt: str) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+        "ignore": ["lm_head"],
+    }
+
+
+FORMATS = {
+    "fp8-block": (fp8_block, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                              "weight_block_size": [128, 128]}),
+    "fp8-dynamic": (fp8_channel, ct_config(
+        {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+        {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+        "float-quantized")),
+    "fp8-static": (fp8_tensor, ct_config(
+        {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+        {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
+        "float-quantized")),
+    "w4a16": (w4a16, ct_config(
+        {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True,
+         "dynamic": False},
+        None, "pack-quantized")),
+    "awq": (awq, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                  "version": "gemm", "modules_to_not_convert": None}),
+    "gptq": (lambda w: gptq(w, sym=False), {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                            "desc_act": False, "sym": False,
+                                            "checkpoint_format": "gptq"}),
+    "gptq-actorder": (None, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                             "sym": True, "checkpoint_format": "gptq"}),
+}
+
+
+def reference(cfg: dict, deq: dict, prompts: list) -> dict:
+    torch.manual_seed(0)
+    conf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("quantization_config",)})
+    model = LlamaForCausalLM(conf).eval()
+    sd = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in deq.items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    out = []
+    for p in prompts:
+        ids = p["input_ids"]
+        seq = list(ids)
+        margins = []
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).logits[0, -1].float()
+            for _ in range(NEW_TOKENS):
+                lg = model(torch.tensor([seq])).logits[0, -1]
+                top2 = torch.topk(lg, 2).values
+                margins.append(float(top2[0] - top2[1]))
+                seq.append(int(torch.argmax(lg)))
+        out.append({"text": p["text"], "input_ids": ids,
+                    "last_logits": [float(v) for v in last.numpy().astype(np.float32)],
+                    "greedy_ids": seq[len(ids):], "margins": margins,
+                    "min_margin": min(margins)})
+    return {"model": "tiny-llama", "prompts": out, "torch_version": torch.__version__}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cfg = json.loads((SRC / "config.json").read_text())
+    prompts = json.loads((SRC / "reference.json").read_text())["prompts"]
+    sd = source_weights()
+    OUT.mkdir(exist_ok=True)
+    for name, (quantize, qc) in FORMATS.items():
+        rng = np.random.default_rng(5)
+        d = OUT / name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir()
+        tensors, deq = {}, {}
+        for k, v in sd.items():
+            tensors[k], deq[k] = v, v
+        for lin in linear_names(cfg):
+            w = sd[f"{lin}.weight"].astype(np.float32)
+            del tensors[f"{lin}.weight"]
+            if name == "gptq-actorder":
+                parts, dq = gptq(w, sym=True, act_order=True, rng=rng)
+            else:
+                parts, dq = quantize(w)
+            for part, t in parts.items():
+                tensors[f"{lin}.{part}"] = t
+            deq[f"{lin}.weight"] = dq.astype(np.float32)
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / "model.safetensors"))
+        qcfg = dict(cfg, quantization_config=qc, torch_dtype="bfloat16")
+        (d / "config.json").write_text(json.dumps(qcfg, indent=2) + "\n")
+        for f in COPIED:
+            shutil.copy(SRC / f, d / f)
+        ref = reference(cfg, deq, prompts)
+        ref["format"] = name
+        (d / "reference.json").write_text(json.dumps(ref) + "\n")
+        print(name, "min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
+              "bytes", (d / "model.safetensors").stat().st_size)
+    deq = dict(sd)
+    for lin in linear_names(cfg):
+        deq[f"{lin}.weight"] = fp8_rows_online(sd[f"{lin}.weight"].astype(np.float32))
+    ref = reference(cfg, deq, prompts)
+    ref["format"] = "fp8-online"
+    (OUT / "fp8-online.json").write_text(json.dumps(ref) + "\n")
+    print("fp8-online min margins", [round(p["min_margin"], 4) for p in ref["prompts"]])
+
+
+if __name__ == "__main__":
+    main()
