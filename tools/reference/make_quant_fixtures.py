@@ -15,6 +15,7 @@ are quantized; embeddings, norms and lm_head stay f32 (lm_head is listed as igno
 | w4a16 | compressed-tensors `pack-quantized` symmetric int4, group 32: I32 `weight_packed [n, k/8]`, bf16 `weight_scale [n, k/32]`, `weight_shape` |
 | awq | AutoAWQ GEMM, group 32, zero points: I32 `qweight [k, n/8]` and `qzeros [k/32, n/8]` in AWQ's nibble order, f16 `scales` |
 | gptq | GPTQ (checkpoint_format gptq: zeros stored minus one), asymmetric, group 32, `desc_act: false`, I32 `qweight [k/8, n]`, `qzeros`, f16 `scales`, `g_idx` |
+| nvfp4 | ModelOpt NVFP4: U8 `weight [n, k/2]` (two E2M1 codes a byte), E4M3 `weight_scale [n, k/16]`, f32 `weight_scale_2` (global) and `input_scale` |
 | gptq-actorder | GPTQ symmetric with `desc_act: true`: `g_idx` assigns inputs to groups in a permuted order |
 
 reference.json: for each prompt of tiny-llama's reference, the last-position logits and 32 greedy
@@ -226,6 +227,33 @@ def w4a16(w: np.ndarray, g=32):
     return {"weight_packed": packed, "weight_scale": s, "weight_shape": np.array([n, k], np.int32)}, deq
 
 
+# ---------------------------------------------------------------- NVFP4
+
+F4 = ml_dtypes.float4_e2m1fn
+
+
+def nvfp4(w: np.ndarray):
+    """ModelOpt NVFP4: global scale amax / (6 * 448), E4M3 block scales per 16 inputs, E2M1 codes
+    packed two a byte (element 2i in the low nibble)."""
+    n, k = w.shape
+    g2 = np.float32(np.abs(w).max() / (6.0 * 448.0))
+    wg = w.reshape(n, k // 16, 16)
+    bs = e4m3(np.abs(wg).max(-1) / 6.0 / g2)  # [n, k/16] E4M3
+    eff = (from_e4m3(bs) * g2).astype(np.float32)  # f32(block scale) x global, the dequant scale
+    safe = np.where(eff > 0, eff, 1.0).astype(np.float32)
+    codes = np.clip(wg / safe[..., None], -6.0, 6.0).astype(F4).reshape(n, k)
+    nib = codes.view(np.uint8) & 0xF
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)
+    # Reference unpack (vLLM's break_fp4_bytes): low nibble first.
+    lo, hi = packed & 0xF, packed >> 4
+    un = np.stack([lo, hi], -1).reshape(n, k)
+    assert (un == nib).all()
+    vals = un.view(F4).astype(np.float32)
+    deq = (vals.reshape(n, k // 16, 16) * eff[..., None]).reshape(n, k)
+    return {"weight": packed, "weight_scale": bs, "weight_scale_2": np.array(g2, np.float32),
+            "input_scale": np.array(0.05, np.float32)}, deq
+
+
 # ---------------------------------------------------------------- configs
 
 def ct_config(weights: dict, acts, fmt: str) -> dict:
@@ -258,6 +286,8 @@ FORMATS = {
     "gptq": (lambda w: gptq(w, sym=False), {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                             "desc_act": False, "sym": False,
                                             "checkpoint_format": "gptq"}),
+    "nvfp4": (nvfp4, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                      "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}),
     "gptq-actorder": (None, {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
                              "sym": True, "checkpoint_format": "gptq"}),
 }

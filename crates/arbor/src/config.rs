@@ -789,11 +789,11 @@ mod tests {
             Some("f32"),
             "flag beats file"
         );
-        let bad = FileConfig::parse("[model]\nkv_cache_dtype = \"fp8\"\n").unwrap();
+        let bad = FileConfig::parse("[model]\nkv_cache_dtype = \"int3\"\n").unwrap();
         let e = ServeConfig::resolve(bad, &ServeArgs::default()).unwrap_err();
         let m = format!("{e:#}");
         assert!(
-            m.contains("[model] kv_cache_dtype / --kv-cache-dtype") && m.contains("fp8"),
+            m.contains("[model] kv_cache_dtype / --kv-cache-dtype") && m.contains("int3"),
             "{m}"
         );
     }

@@ -196,10 +196,16 @@ pub const KV_AUTO_CAP_BYTES: u64 = 4 << 30;
 pub const KV_AUTO_CAP_BYTES_CPU_16BIT: u64 = 2 << 30;
 
 /// The byte cap of the fraction rule: [`KV_AUTO_CAP_BYTES_CPU_16BIT`] for a
-/// 16-bit cache on the CPU, else [`KV_AUTO_CAP_BYTES`] (other devices as
+/// 16-bit or 8-bit cache on the CPU (an FP8 cache then holds twice the
+/// tokens of an f16 one), else [`KV_AUTO_CAP_BYTES`] (other devices as
 /// before).
 pub fn kv_auto_cap_bytes(on_cpu: bool, dtype: DType) -> u64 {
-    if on_cpu && matches!(dtype, DType::F16 | DType::BF16) {
+    if on_cpu
+        && matches!(
+            dtype,
+            DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
+    {
         KV_AUTO_CAP_BYTES_CPU_16BIT
     } else {
         KV_AUTO_CAP_BYTES

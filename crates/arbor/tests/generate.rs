@@ -92,12 +92,13 @@ fn generate_streams_the_transformers_greedy_continuation() -> Result<()> {
             "--prompt",
             "x",
         ])
-        .args(["--kv-cache-dtype", "fp8"])
+        .args(["--kv-cache-dtype", "fp4"])
         .output()?;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--kv-cache-dtype") && err.contains("auto, f32, f16 or bf16"),
+        err.contains("--kv-cache-dtype")
+            && err.contains("auto, f32, f16, bf16, fp8_e4m3 or fp8_e5m2"),
         "{err}"
     );
     Ok(())

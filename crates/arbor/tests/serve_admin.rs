@@ -449,7 +449,7 @@ async fn kv_cache_dtype_is_f16_on_the_cpu_unless_asked() -> Result<()> {
     let toml = toml.display().to_string();
     // (extra args, configured, in use, reason, bytes per token, summary).
     type Case<'a> = (&'a [&'a str], &'a str, &'a str, Value, u64, &'a str);
-    let cases: [Case<'_>; 4] = [
+    let cases: [Case<'_>; 5] = [
         (
             &[],
             "auto",
@@ -482,6 +482,14 @@ async fn kv_cache_dtype_is_f16_on_the_cpu_unless_asked() -> Result<()> {
             384,
             ", bf16, ",
         ),
+        (
+            &["--kv-cache-dtype", "fp8_e4m3"],
+            "fp8_e4m3",
+            "f8_e4m3",
+            Value::Null,
+            192,
+            ", f8_e4m3, ",
+        ),
     ];
     for (extra, configured, dtype, reason, per_token, summary) in cases {
         let mut args = base.to_vec();
@@ -504,8 +512,11 @@ async fn kv_cache_dtype_is_f16_on_the_cpu_unless_asked() -> Result<()> {
         );
         assert!(s.log_contains(summary), "{extra:?}: {}", s.logs());
     }
-    assert_serve_refuses(&["--kv-cache-dtype", "fp8"], "--kv-cache-dtype")?;
-    assert_serve_refuses(&["--kv-cache-dtype", "q4_0"], "auto, f32, f16 or bf16")?;
+    assert_serve_refuses(&["--kv-cache-dtype", "fp4"], "--kv-cache-dtype")?;
+    assert_serve_refuses(
+        &["--kv-cache-dtype", "q4_0"],
+        "auto, f32, f16, bf16, fp8_e4m3 or fp8_e5m2",
+    )?;
     std::fs::write(
         dir.path().join("bad.toml"),
         "[model]\nkv_cache_dtype = \"f64\"\n",

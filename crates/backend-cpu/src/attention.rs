@@ -2,7 +2,8 @@
 //! draft trees, with grouped-query attention and an optional sliding window.
 //!
 //! `forward` first writes the batch's new K and V rows into their KV slots
-//! (converting to the cache dtype), then runs one task per (sequence, KV head,
+//! (converting to the cache dtype: f32, f16, bf16, or FP8 E4M3/E5M2 with a
+//! scale of 1, rounding to nearest even and saturating), then runs one task per (sequence, KV head,
 //! block of queries): it gathers that head's keys (transposed) and values
 //! from their pages into contiguous f32 scratch, stacks the block's queries
 //! of every head of the GQA group, computes all their scores over the
@@ -36,6 +37,7 @@ use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
     CoreError, DType, KvLayer, Result, Tensor,
 };
+use arbor_quant::scaled;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -121,6 +123,17 @@ impl KvPtr {
                     );
                     s.convert_to_f32_slice(&mut dst[..width]);
                 }
+                DType::F8E4M3 | DType::F8E5M2 => {
+                    let s = std::slice::from_raw_parts(self.ptr.get().add(row * width), width);
+                    let decode = if self.dtype == DType::F8E4M3 {
+                        scaled::e4m3_to_f32
+                    } else {
+                        scaled::e5m2_to_f32
+                    };
+                    for (o, &b) in dst[..width].iter_mut().zip(s) {
+                        *o = decode(b);
+                    }
+                }
                 _ => {
                     let s = std::slice::from_raw_parts(
                         (self.ptr.get() as *const f32).add(row * width),
@@ -154,6 +167,17 @@ impl KvPtr {
                         width,
                     );
                     d.convert_from_f32_slice(src);
+                }
+                DType::F8E4M3 | DType::F8E5M2 => {
+                    let d = std::slice::from_raw_parts_mut(self.ptr.get().add(row * width), width);
+                    let encode = if self.dtype == DType::F8E4M3 {
+                        scaled::f32_to_e4m3
+                    } else {
+                        scaled::f32_to_e5m2
+                    };
+                    for (o, &v) in d.iter_mut().zip(src) {
+                        *o = encode(v);
+                    }
                 }
                 _ => {
                     std::ptr::copy_nonoverlapping(
@@ -206,7 +230,10 @@ impl AttentionBackend for CpuAttention {
         crate::no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
         for c in [&kv.k, &kv.v] {
             if c.numel() % kw != 0
-                || !matches!(c.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                || !matches!(
+                    c.dtype(),
+                    DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+                )
                 || c.row_len() != hd
             {
                 return Err(CoreError::invalid(format!(

@@ -77,13 +77,20 @@ impl CpuBackend {
             DType::Q6_K,
             DType::F8_S32,
             DType::U4_S32,
+            DType::F4_S16,
         ];
         Ok(Self {
             mem: Arc::new(HostMemory::new(next_device_tag())),
             pool: Arc::new(pool),
             caps: BackendCapabilities {
                 weight_dtypes,
-                kv_dtypes: vec![DType::F32, DType::F16, DType::BF16],
+                kv_dtypes: vec![
+                    DType::F32,
+                    DType::F16,
+                    DType::BF16,
+                    DType::F8E4M3,
+                    DType::F8E5M2,
+                ],
                 asynchronous: false,
                 attention: vec!["cpu-paged"],
             },

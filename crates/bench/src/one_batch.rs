@@ -41,6 +41,9 @@ pub struct OneBatchArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
+    /// Quantization method (fp8 quantizes a float checkpoint at load) [default: the checkpoint's].
+    #[arg(long)]
+    pub quantization: Option<String>,
     /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16.
     #[arg(long = "kv-cache-dtype", default_value = "auto")]
     pub kv_cache_dtype: String,
@@ -114,7 +117,13 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
         threads: args.threads,
         ..Default::default()
     })?;
-    let quant = registry.quant_methods.get(&args.dtype)?(&Default::default())?;
+    let mut quant = registry.quant_methods.get(&args.dtype)?(&Default::default())?;
+    if let Some(q) = &args.quantization {
+        quant = registry.quant_methods.get(q)?(&arbor_engine_core::QuantInit {
+            checkpoint: None,
+            base: Some(quant),
+        })?;
+    }
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")

@@ -4,15 +4,18 @@
 //! bytes; a row of a quantized tensor must hold a whole number of blocks.
 //! Byte sizes here are the ggml layouts, so GGUF tensor data is used as is.
 //!
-//! Besides ggml's, three types carry the weights of HF quantized checkpoints:
-//! `f8_e4m3` is the checkpoint element (OCP E4M3FN, one byte, no infinities,
-//! NaN at `0x7f`/`0xff`), and the two Arbor block types hold a linear's
+//! Besides ggml's, `f8_e4m3` (OCP E4M3FN, one byte, no infinities, NaN at
+//! `0x7f`/`0xff`) and `f8_e5m2` (the top byte of an f16) are the elements of
+//! FP8 checkpoints and FP8 KV caches, and the two Arbor block types hold a linear's
 //! weights with their scales in band, converted at load by the quantization
 //! methods of `arbor-quant`: `f8_s32` (32 E4M3 values then their f32 scale,
 //! 36 bytes; value = e4m3 × scale) and `u4_s32` (32 unsigned 4-bit values,
 //! element `i < 16` in the low nibble of byte `i` and element `16 + i` in its
 //! high nibble, then an f16 scale, a u8 zero point and a zero byte,
-//! 20 bytes; value = (q − zero) × scale).
+//! 20 bytes; value = (q − zero) × scale) and `f4_s16` (16 E2M1 values,
+//! element `i < 8` in the low nibble of byte `i` and element `8 + i` in its
+//! high nibble, then an f32 scale, 12 bytes; value = e2m1 × scale, the scale
+//! being NVFP4's E4M3 block scale times its global scale).
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
@@ -43,13 +46,15 @@ pub enum DType {
     Q6_K,
     Q8_K,
     F8E4M3,
+    F8E5M2,
     F8_S32,
     U4_S32,
+    F4_S16,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 21] = [
+    pub const ALL: [DType; 23] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -69,8 +74,10 @@ impl DType {
         DType::Q6_K,
         DType::Q8_K,
         DType::F8E4M3,
+        DType::F8E5M2,
         DType::F8_S32,
         DType::U4_S32,
+        DType::F4_S16,
     ];
 
     /// Logical elements per storage block (1 for plain types).
@@ -82,7 +89,8 @@ impl DType {
             | DType::I32
             | DType::U32
             | DType::U8
-            | DType::F8E4M3 => 1,
+            | DType::F8E4M3
+            | DType::F8E5M2 => 1,
             DType::Q4_0
             | DType::Q4_1
             | DType::Q5_0
@@ -91,6 +99,7 @@ impl DType {
             | DType::Q8_1
             | DType::F8_S32
             | DType::U4_S32 => 32,
+            DType::F4_S16 => 16,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
                 256
             }
@@ -102,7 +111,7 @@ impl DType {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::F16 | DType::BF16 => 2,
-            DType::U8 | DType::F8E4M3 => 1,
+            DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q5_0 => 22,
@@ -117,6 +126,7 @@ impl DType {
             DType::Q8_K => 292,
             DType::F8_S32 => 36,
             DType::U4_S32 => 20,
+            DType::F4_S16 => 12,
         }
     }
 
@@ -163,8 +173,10 @@ impl DType {
             DType::Q6_K => "q6_k",
             DType::Q8_K => "q8_k",
             DType::F8E4M3 => "f8_e4m3",
+            DType::F8E5M2 => "f8_e5m2",
             DType::F8_S32 => "f8_s32",
             DType::U4_S32 => "u4_s32",
+            DType::F4_S16 => "f4_s16",
         }
     }
 }

@@ -74,10 +74,18 @@ impl FromStr for KvDtypeChoice {
         if s.eq_ignore_ascii_case("auto") {
             return Ok(Self::Auto);
         }
+        // SGLang's spellings of the FP8 KV types.
+        let s = match s.to_ascii_lowercase().as_str() {
+            "fp8" | "fp8_e4m3" => "f8_e4m3".to_string(),
+            "fp8_e5m2" => "f8_e5m2".to_string(),
+            other => other.to_string(),
+        };
         match s.parse::<DType>() {
-            Ok(d @ (DType::F32 | DType::F16 | DType::BF16)) => Ok(Self::Exact(d)),
+            Ok(d @ (DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2)) => {
+                Ok(Self::Exact(d))
+            }
             _ => Err(CoreError::Config(format!(
-                "KV cache dtype must be auto, f32, f16 or bf16, got '{s}'"
+                "KV cache dtype must be auto, f32, f16, bf16, fp8_e4m3 or fp8_e5m2, got '{s}'"
             ))),
         }
     }
@@ -393,12 +401,19 @@ mod tests {
             ("half", DType::F16),
             ("bf16", DType::BF16),
             ("bfloat16", DType::BF16),
+            ("fp8_e4m3", DType::F8E4M3),
+            ("fp8", DType::F8E4M3),
+            ("FP8_E5M2", DType::F8E5M2),
+            ("f8_e5m2", DType::F8E5M2),
         ] {
             assert_eq!(s.parse::<KvDtypeChoice>().unwrap(), KvDtypeChoice::Exact(d));
         }
-        for bad in ["fp8", "q4_0", "", "f64"] {
+        for bad in ["fp4", "q4_0", "", "f64", "u4_s32"] {
             let e = bad.parse::<KvDtypeChoice>().unwrap_err().to_string();
-            assert!(e.contains("auto, f32, f16 or bf16"), "{bad}: {e}");
+            assert!(
+                e.contains("auto, f32, f16, bf16, fp8_e4m3 or fp8_e5m2"),
+                "{bad}: {e}"
+            );
         }
         let asked = ResolvedKvDtype {
             dtype: DType::F32,

@@ -131,6 +131,13 @@ pub fn cast_float_weight<'a>(
             tensor.dtype
         )));
     }
+    if !tensor.dtype.is_float() {
+        return Err(CoreError::load(format!(
+            "has dtype {}; a weight must be f32, f16, bf16 or a quantized type \
+             (a quantized checkpoint needs its quantization_config)",
+            tensor.dtype
+        )));
+    }
     let want = if caps.weight_dtypes.contains(&want) {
         want
     } else {

@@ -77,7 +77,15 @@ pub fn ggml_type_id(dtype: DType) -> Option<u32> {
         DType::Q8_K => 15,
         DType::I32 => 26,
         DType::BF16 => 30,
-        DType::U32 | DType::U8 | DType::F8E4M3 | DType::F8_S32 | DType::U4_S32 => return None,
+        DType::U32
+        | DType::U8
+        | DType::F8E4M3
+        | DType::F8E5M2
+        | DType::F8_S32
+        | DType::U4_S32
+        | DType::F4_S16 => {
+            return None;
+        }
     })
 }
 

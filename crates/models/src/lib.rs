@@ -135,7 +135,27 @@ fn checkpoint_quant(
     registry: &Registry,
     opts: &LoadOptions,
 ) -> Result<Arc<dyn QuantMethod>> {
-    let Some(qc) = config.get("quantization_config") else {
+    // ModelOpt's older exports keep their config in hf_quant_config.json.
+    let modelopt = path.join("hf_quant_config.json");
+    let from_file = match config.get("quantization_config") {
+        Some(_) => None,
+        None if modelopt.is_file() => {
+            let text = std::fs::read_to_string(&modelopt)
+                .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
+            let mut v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
+            let Some(obj) = v.as_object_mut() else {
+                return Err(CoreError::load(format!(
+                    "{}: expected a JSON object",
+                    modelopt.display()
+                )));
+            };
+            obj.insert("quant_method".into(), "modelopt".into());
+            Some(v)
+        }
+        None => None,
+    };
+    let Some(qc) = config.get("quantization_config").or(from_file.as_ref()) else {
         return Ok(opts.quant.clone());
     };
     let where_ = || format!("{}", path.join("config.json").display());

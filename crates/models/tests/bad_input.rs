@@ -154,7 +154,7 @@ fn tensor_errors_name_the_tensor() -> Result<()> {
         t.0 = safetensors::Dtype::I32;
     })?;
     let e = load(d.path());
-    assert!(e.contains(name) && e.contains("I32"), "{e}");
+    assert!(e.contains(name) && e.contains("has dtype i32"), "{e}");
 
     let d = copy()?;
     let p = d.path().join("model.safetensors");

@@ -179,6 +179,37 @@ fn gptq_matches() -> Result<()> {
     check_format("gptq", DType::U4_S32)
 }
 
+#[test]
+fn modelopt_nvfp4_matches() -> Result<()> {
+    check_format("nvfp4", DType::F4_S16)
+}
+
+/// ModelOpt's older exports: the config in hf_quant_config.json.
+#[test]
+fn modelopt_config_in_hf_quant_config_json_loads() -> Result<()> {
+    let d = edited(
+        "nvfp4",
+        |c| {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("quantization_config");
+            }
+        },
+        |_| {},
+    )?;
+    let hf = serde_json::json!({
+        "producer": {"name": "modelopt", "version": "0.29.0"},
+        "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    });
+    std::fs::write(d.path().join("hf_quant_config.json"), hf.to_string())?;
+    let (m, backend) = load(d.path(), None)?;
+    assert_eq!(m.model.spec().weight_dtype, DType::F4_S16);
+    assert_eq!(m.model.spec().quantization, "modelopt");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(
+        fixtures().join("quant/nvfp4/reference.json"),
+    )?)?;
+    check_against("nvfp4 (hf_quant_config.json)", &m, &backend, &reference)
+}
+
 /// Act-order groups mix within 32 inputs: the exact f32 dequantization.
 #[test]
 fn gptq_act_order_matches_through_the_f32_fallback() -> Result<()> {
@@ -304,6 +335,20 @@ fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
     let e = load_error(d.path(), None);
     assert!(e.contains(w) && e.contains("NaN"), "{e}");
 
+    // NVFP4 block scales of the wrong dtype.
+    let s = "model.layers.0.mlp.down_proj.weight_scale";
+    let d = edited(
+        "nvfp4",
+        |_| {},
+        |t| {
+            if let Some(x) = t.iter_mut().find(|(n, ..)| n == s) {
+                x.1 = safetensors::Dtype::U8;
+            }
+        },
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(s) && e.contains("f8_e4m3"), "{e}");
+
     // A method other than the checkpoint's.
     let e = load_error(&fixtures().join("quant/fp8-block"), Some("awq"));
     assert!(
@@ -316,5 +361,99 @@ fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
         e.contains("--quantization gptq") && e.contains("has none"),
         "{e}"
     );
+    Ok(())
+}
+
+/// FP8 KV caches (scale 1): a quarter of f32's bytes per token, logits near
+/// the f32-KV reference (this model's keys and values are small, so E4M3
+/// loses about 8% of the largest logit and E5M2, with two mantissa bits,
+/// about 15%), and greedy tokens the same whether a prompt runs alone or in
+/// a batch.
+#[test]
+fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
+    let dir = fixtures().join("tiny-llama");
+    let (m, backend) = load(&dir, None)?;
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let prompts: Vec<Vec<u32>> = reference["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .map(|p| ids(&p["input_ids"]))
+        .collect();
+    for (name, kv, tol) in [
+        ("fp8_e4m3", DType::F8E4M3, 0.1),
+        ("fp8_e5m2", DType::F8E5M2, 0.2),
+    ] {
+        let choice: arbor_engine_core::KvDtypeChoice = name.parse()?;
+        assert_eq!(choice.resolve(backend.as_ref()).dtype, kv);
+        let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, kv)?;
+        let pool = runner.new_page_pool();
+        for (i, p) in reference["prompts"]
+            .as_array()
+            .context("prompts")?
+            .iter()
+            .enumerate()
+        {
+            let want = floats(&p["last_logits"]);
+            let pages = pool.alloc(pool.pages_for(prompts[i].len()))?;
+            let got = runner.step(&[SeqStep {
+                tokens: &prompts[i],
+                prefix_len: 0,
+                pages: pages.pages(),
+                want_logits: true,
+            }])?;
+            let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+            let err = got[0]
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            println!("{name} KV prompt {i}: max abs logit error {err:.3e} of {max:.3}");
+            assert!(err <= tol * max, "{name} prompt {i}: error {err}");
+        }
+        let params = |n: usize| {
+            vec![
+                SamplingParams {
+                    ignore_eos: true,
+                    ..SamplingParams::greedy(24)
+                };
+                n
+            ]
+        };
+        let setup = SamplingSetup {
+            sampler: &StandardSampler,
+            processors: &[],
+            eos_token_ids: &[],
+        };
+        let (batch, _) = generate_static(
+            &runner,
+            &pool,
+            &prompts,
+            &params(prompts.len()),
+            &setup,
+            &mut |_, _| {},
+        )?;
+        for (i, p) in prompts.iter().enumerate() {
+            let (alone, _) = generate_static(
+                &runner,
+                &pool,
+                std::slice::from_ref(p),
+                &params(1),
+                &setup,
+                &mut |_, _| {},
+            )?;
+            assert_eq!(
+                alone[0].tokens, batch[i].tokens,
+                "{name} prompt {i}: alone vs batched"
+            );
+        }
+        assert_eq!(
+            pool.free_pages(),
+            pool.total_pages(),
+            "{name}: KV pages leaked"
+        );
+    }
+    let bytes = |d: DType| d.bytes_for(1).map(|b| b as f64);
+    assert_eq!(bytes(DType::F32)? / bytes(DType::F8E4M3)?, 4.0);
     Ok(())
 }

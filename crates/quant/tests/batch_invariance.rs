@@ -7,7 +7,7 @@
 
 use arbor_quant::{DType, SimdLevel, dot_rows_with, prepare_acts, quantize, row_bytes};
 
-const DOT: [DType; 15] = [
+const DOT: [DType; 16] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -23,6 +23,7 @@ const DOT: [DType; 15] = [
     DType::Q6_K,
     DType::F8_S32,
     DType::U4_S32,
+    DType::F4_S16,
 ];
 
 struct Rng(u64);

@@ -9,7 +9,7 @@ use arbor_quant::{
 };
 
 /// Formats `dot_rows` accepts.
-const DOT: [DType; 15] = [
+const DOT: [DType; 16] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -25,6 +25,7 @@ const DOT: [DType; 15] = [
     DType::Q6_K,
     DType::F8_S32,
     DType::U4_S32,
+    DType::F4_S16,
 ];
 
 struct Rng(u64);
@@ -138,11 +139,23 @@ fn random_weights(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize) -> Vec<u
             w.iter_mut().for_each(|b| *b &= 0xfe);
             return w;
         }
+        DType::F8E5M2 => {
+            // Any finite code (exponent 11111 is infinity or NaN).
+            w.iter_mut().for_each(|b| *b &= 0xbf);
+            return w;
+        }
         DType::F8_S32 => {
             for blk in w.chunks_exact_mut(bb) {
                 blk[..32].iter_mut().for_each(|b| *b &= 0xfe);
                 let s = (rng.unit() + 0.1) * 0.01;
                 blk[32..36].copy_from_slice(&s.to_le_bytes());
+            }
+            return w;
+        }
+        DType::F4_S16 => {
+            for blk in w.chunks_exact_mut(bb) {
+                let s = (rng.unit() + 0.1) * 0.02;
+                blk[8..12].copy_from_slice(&s.to_le_bytes());
             }
             return w;
         }

@@ -8,11 +8,13 @@
 //! `f8_s32` element as that f16 times `scale * 256` (one rounding, the same
 //! as `f32(e4m3) * scale`); the SIMD kernels use exactly these operations, so
 //! every level dequantizes bit for bit alike. A `u4_s32` element is
-//! `f32(q - zero) * f32(scale)` (one rounding). The NaN codes `0x7f`/`0xff`
+//! `f32(q - zero) * f32(scale)` (one rounding), an `f4_s16` element
+//! `e2m1 * scale` (one rounding). The NaN codes `0x7f`/`0xff`
 //! decode as ±480; loaders reject weights that hold them.
 //!
 //! The quantizers here are references for tests and for quantizing float
-//! checkpoints at load: E4M3 rounds to nearest even and saturates at ±448.
+//! checkpoints at load: E4M3 rounds to nearest even and saturates at ±448,
+//! E2M1 rounds to nearest (ties to the even code) and saturates at ±6.
 
 /// Largest finite E4M3 magnitude.
 pub const E4M3_MAX: f32 = 448.0;
@@ -21,6 +23,70 @@ pub const E4M3_MAX: f32 = 448.0;
 pub const F8_BLOCK: usize = 36;
 /// Bytes of a `u4_s32` block.
 pub const U4_BLOCK: usize = 20;
+/// Bytes of an `f4_s16` block.
+pub const F4_BLOCK: usize = 12;
+
+/// The E2M1 values by code (bit 3 the sign).
+pub const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// Dequantizes one block of `f4_s16` (12 bytes) into 16 values.
+pub fn dequantize_f4_block(b: &[u8], y: &mut [f32]) {
+    let s = rd_f32(b, 8);
+    for i in 0..8 {
+        y[i] = E2M1[(b[i] & 0x0f) as usize] * s;
+        y[i + 8] = E2M1[(b[i] >> 4) as usize] * s;
+    }
+}
+
+/// Writes an `f4_s16` block of `codes` (16 E2M1 codes, element order) with `scale`.
+pub fn write_f4_block(codes: &[u8], scale: f32, y: &mut [u8]) {
+    for i in 0..8 {
+        y[i] = (codes[i] & 0x0f) | ((codes[i + 8] & 0x0f) << 4);
+    }
+    y[8..12].copy_from_slice(&scale.to_le_bytes());
+}
+
+/// The E2M1 code nearest to `v` (ties to the even code), saturating at ±6.
+pub fn f32_to_e2m1(v: f32) -> u8 {
+    let sign = if v.is_sign_negative() { 8u8 } else { 0 };
+    let a = if v.is_nan() { 0.0 } else { v.abs() };
+    // Midpoints between the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; at a tie
+    // the even code (the one with a zero mantissa bit) wins.
+    const MID: [(f32, bool); 7] = [
+        (0.25, false),
+        (0.75, true),
+        (1.25, false),
+        (1.75, true),
+        (2.5, false),
+        (3.5, true),
+        (5.0, false),
+    ];
+    let mut code = 0u8;
+    for (m, up_on_tie) in MID {
+        if a > m || (a == m && up_on_tie) {
+            code += 1;
+        }
+    }
+    sign | code
+}
+
+/// Reference quantizer of one `f4_s16` block: scale `amax / 6` (1 for an
+/// all-zero block), values rounded to the nearest E2M1.
+pub fn quantize_f4_block(x: &[f32], y: &mut [u8]) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let scale = if amax > 0.0 && amax.is_finite() {
+        amax / 6.0
+    } else {
+        1.0
+    };
+    let mut codes = [0u8; 16];
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = f32_to_e2m1(v / scale);
+    }
+    write_f4_block(&codes, scale, y);
+}
 
 /// True for the NaN codes of E4M3FN.
 #[inline(always)]
@@ -67,6 +133,41 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
     }
     let code = (((e + 7) as u8) << 3) | m as u8;
     sign | code.min(0x7e)
+}
+
+/// Decodes one E5M2 byte (exact: the top byte of an f16).
+#[inline(always)]
+pub fn e5m2_to_f32(b: u8) -> f32 {
+    half::f16::from_bits((b as u16) << 8).to_f32()
+}
+
+/// Encodes `v` as E5M2: round to nearest even, saturate at ±57344 (the
+/// largest finite value), NaN to 0x7e.
+pub fn f32_to_e5m2(v: f32) -> u8 {
+    if v.is_nan() {
+        return 0x7e;
+    }
+    let sign = if v.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = v.abs();
+    if a >= 57344.0 {
+        return sign | 0x7b;
+    }
+    // Subnormals step by 2^-16 below 2^-14; code 4 is the smallest normal.
+    let min_normal = f32::from_bits(0x3880_0000); // 2^-14
+    if a < min_normal {
+        let m = (a * 65536.0).round_ties_even() as u8;
+        return sign | m;
+    }
+    let e = (a.to_bits() >> 23) as i32 - 127; // -14..=15
+    let frac = a / f32::from_bits(((e + 127) as u32) << 23);
+    let mut m = ((frac - 1.0) * 4.0).round_ties_even() as i32;
+    let mut e = e;
+    if m == 4 {
+        m = 0;
+        e += 1;
+    }
+    let code = (((e + 15) as u8) << 2) | m as u8;
+    sign | code.min(0x7b)
 }
 
 /// Reads the f32 at `b[off..off + 4]`.
@@ -148,7 +249,8 @@ pub fn quantize_u4_block(x: &[f32], y: &mut [u8]) {
     write_u4_block(&q, scale.to_bits(), zero as u8, y);
 }
 
-/// Dequantizes whole blocks of `dtype` (`f8_e4m3`, `f8_s32` or `u4_s32`).
+/// Dequantizes whole blocks of `dtype` (`f8_e4m3`, `f8_e5m2`, `f8_s32`,
+/// `u4_s32` or `f4_s16`).
 pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
     match dtype {
         crate::DType::F8E4M3 => {
@@ -156,9 +258,19 @@ pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
                 *o = e4m3_to_f32(c);
             }
         }
+        crate::DType::F8E5M2 => {
+            for (o, &c) in dst.iter_mut().zip(src) {
+                *o = e5m2_to_f32(c);
+            }
+        }
         crate::DType::F8_S32 => {
             for (b, y) in src.chunks_exact(F8_BLOCK).zip(dst.chunks_exact_mut(32)) {
                 dequantize_f8_block(b, y);
+            }
+        }
+        crate::DType::F4_S16 => {
+            for (b, y) in src.chunks_exact(F4_BLOCK).zip(dst.chunks_exact_mut(16)) {
+                dequantize_f4_block(b, y);
             }
         }
         _ => {
@@ -177,9 +289,19 @@ pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
                 *o = f32_to_e4m3(v);
             }
         }
+        crate::DType::F8E5M2 => {
+            for (o, &v) in dst.iter_mut().zip(src) {
+                *o = f32_to_e5m2(v);
+            }
+        }
         crate::DType::F8_S32 => {
             for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(F8_BLOCK)) {
                 quantize_f8_block(x, y);
+            }
+        }
+        crate::DType::F4_S16 => {
+            for (x, y) in src.chunks_exact(16).zip(dst.chunks_exact_mut(F4_BLOCK)) {
+                quantize_f4_block(x, y);
             }
         }
         _ => {
@@ -190,24 +312,24 @@ pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Scalar dot of a row of `f8_s32` or `u4_s32` weights with f32
+/// Scalar dot of a row of `f8_s32`, `u4_s32` or `f4_s16` weights with f32
 /// activations: the weights are dequantized block by block and accumulated
 /// in eight f32 lanes, as `float::dot_row` does.
 pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
-    let bb = if dtype == crate::DType::F8_S32 {
-        F8_BLOCK
-    } else {
-        U4_BLOCK
+    let (bb, bs) = match dtype {
+        crate::DType::F8_S32 => (F8_BLOCK, 32),
+        crate::DType::F4_S16 => (F4_BLOCK, 16),
+        _ => (U4_BLOCK, 32),
     };
     let mut acc = [0.0f32; 8];
     let mut buf = [0.0f32; 32];
-    for (b, xs) in w.chunks_exact(bb).zip(x.chunks_exact(32)) {
-        if dtype == crate::DType::F8_S32 {
-            dequantize_f8_block(b, &mut buf);
-        } else {
-            dequantize_u4_block(b, &mut buf);
+    for (b, xs) in w.chunks_exact(bb).zip(x.chunks_exact(bs)) {
+        match dtype {
+            crate::DType::F8_S32 => dequantize_f8_block(b, &mut buf),
+            crate::DType::F4_S16 => dequantize_f4_block(b, &mut buf),
+            _ => dequantize_u4_block(b, &mut buf),
         }
-        for (wv, xv) in buf.chunks_exact(8).zip(xs.chunks_exact(8)) {
+        for (wv, xv) in buf[..bs].chunks_exact(8).zip(xs.chunks_exact(8)) {
             for l in 0..8 {
                 acc[l] += wv[l] * xv[l];
             }
@@ -246,5 +368,45 @@ mod tests {
         // 1.0625 lies halfway between 1.0 (m=0) and 1.125 (m=1): even wins.
         assert_eq!(f32_to_e4m3(1.0625), 0x38);
         assert_eq!(f32_to_e4m3(1.1875), 0x3a);
+    }
+
+    #[test]
+    fn e5m2_round_trips_every_finite_code() {
+        for c in 0u8..=255 {
+            let v = e5m2_to_f32(c);
+            if !v.is_finite() {
+                continue;
+            }
+            let back = f32_to_e5m2(v);
+            if v == 0.0 {
+                assert_eq!(back & 0x7f, 0);
+            } else {
+                assert_eq!(back, c, "code {c:#x} = {v}");
+            }
+        }
+        assert_eq!(e5m2_to_f32(0x7b), 57344.0);
+        assert_eq!(f32_to_e5m2(1e9), 0x7b);
+        // 1.125 lies halfway between 1.0 (m=0) and 1.25 (m=1): even wins.
+        assert_eq!(f32_to_e5m2(1.125), 0x3c);
+        assert_eq!(f32_to_e5m2(1.375), 0x3e);
+        assert_eq!(e5m2_to_f32(0x01), 2f32.powi(-16));
+    }
+
+    #[test]
+    fn e2m1_rounds_to_nearest_even() {
+        for (c, &v) in E2M1.iter().enumerate() {
+            let back = f32_to_e2m1(v);
+            if v == 0.0 {
+                assert_eq!(back & 7, 0);
+            } else {
+                assert_eq!(back as usize, c, "{v}");
+            }
+        }
+        assert_eq!(E2M1[f32_to_e2m1(0.25) as usize], 0.0);
+        assert_eq!(E2M1[f32_to_e2m1(0.75) as usize], 1.0);
+        assert_eq!(E2M1[f32_to_e2m1(2.5) as usize], 2.0);
+        assert_eq!(E2M1[f32_to_e2m1(5.0) as usize], 4.0);
+        assert_eq!(E2M1[f32_to_e2m1(-3.4) as usize], -3.0);
+        assert_eq!(E2M1[f32_to_e2m1(100.0) as usize], 6.0);
     }
 }

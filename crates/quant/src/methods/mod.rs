@@ -2,13 +2,14 @@
 //! (serialized FP8 per tensor, per channel or in 128×128 blocks, and FP8
 //! quantization of float checkpoints at load), `compressed-tensors`
 //! (llm-compressor's `float-quantized` FP8 and `pack-quantized` INT4),
-//! `awq` (AutoAWQ GEMM) and `gptq` (GPTQ and GPTQModel, act-order included).
+//! `awq` (AutoAWQ GEMM), `gptq` (GPTQ and GPTQModel, act-order included)
+//! and `modelopt` (NVIDIA ModelOpt NVFP4 and FP8).
 //!
 //! Each method reads the tensors its format defines for a linear layer,
 //! checks their dtypes and shapes (errors name the tensor), and packs the
 //! weight into an in-band block dtype the device multiplies: `f8_s32` for
 //! FP8 and `u4_s32` for INT4, one scale (and zero point) per 32 inputs of a
-//! row. The conversion is exact: every element of the stored weight
+//! row, and `f4_s16` for NVFP4 (one scale per 16). The conversion is exact: every element of the stored weight
 //! dequantizes to the value the format's published formula gives
 //! (`e4m3 × scale`; `(q − zero) × scale`). Where a layout cannot be put in
 //! blocks of 32 exactly (a GPTQ act-order `g_idx` that mixes groups within 32
@@ -24,6 +25,7 @@ mod common;
 mod compressed;
 mod fp8;
 mod int4;
+mod modelopt;
 
 pub use common::ScaleMap;
 
@@ -40,6 +42,9 @@ fn compressed_tensors(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
 fn awq(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
     Ok(Arc::new(int4::Awq::new(init)?))
 }
+fn modelopt(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(modelopt::ModelOpt::new(init)?))
+}
 fn gptq(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
     Ok(Arc::new(int4::Gptq::new(init)?))
 }
@@ -51,7 +56,10 @@ inventory::submit! {
     QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4", create: compressed_tensors }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "awq", about: "AutoAWQ INT4 (GEMM layout, zero points, groups of a multiple of 32)", create: awq }
+    QuantMethodEntry { name: "awq", about: "AutoAWQ INT4 (GEMM layout, zero points, any group size)", create: awq }
+}
+inventory::submit! {
+    QuantMethodEntry { name: "modelopt", about: "NVIDIA ModelOpt checkpoints: NVFP4 (E2M1, E4M3 scales per 16, global scale), FP8", create: modelopt }
 }
 inventory::submit! {
     QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 (v1 and v2 zero points, act-order g_idx)", create: gptq }

@@ -14,9 +14,10 @@
 //! through `vcvtph2ps`, bf16 by a 16-bit shift), so converting in registers
 //! or ahead of time would not change a bit. The scaled blocks are
 //! dequantized in registers with the operations of `formats::scaled` (E4M3
-//! through its f16 bit pattern times `scale * 256`; `(q - zero) * scale`),
-//! so each weight vector equals the scalar dequantization bit for bit; their
-//! rows are whole blocks of 32, so they never take the partial-vector path.
+//! through its f16 bit pattern times `scale * 256`; `(q - zero) * scale`;
+//! E2M1 by table lookup times the scale), so each weight vector equals
+//! the scalar dequantization bit for bit; their rows are whole blocks (of
+//! 32, or 16 for `f4_s16`), so they never take the partial-vector path.
 //!
 //! Tiling (speed only): tiles of `MR` activation rows by `NR` weight rows
 //! keep `MR * NR` accumulators in registers, so each loaded weight vector is
@@ -30,6 +31,7 @@
 //! holds `m` rows of `n_rows` columns.
 
 use crate::DType;
+use crate::formats::scaled::E2M1;
 use crate::gemm::OutMat;
 use std::arch::x86_64::*;
 
@@ -38,6 +40,7 @@ const F16: u8 = 1;
 const BF16: u8 = 2;
 const F8S: u8 = 3;
 const U4S: u8 = 4;
+const F4S: u8 = 5;
 
 /// Weight rows per block of the driver (the block is re-read from L2 for
 /// every tile of activation rows).
@@ -49,6 +52,7 @@ fn code(dtype: DType) -> u8 {
         DType::BF16 => BF16,
         DType::F8_S32 => F8S,
         DType::U4_S32 => U4S,
+        DType::F4_S16 => F4S,
         _ => F32,
     }
 }
@@ -63,6 +67,7 @@ const fn row_bytes(dt: u8, k: usize) -> usize {
     match dt {
         F8S => k / 32 * 36,
         U4S => k / 32 * 20,
+        F4S => k / 16 * 12,
         _ => k * esize(dt),
     }
 }
@@ -89,6 +94,16 @@ unsafe fn e4m3_f16_128(v: __m128i) -> __m128i {
     }
 }
 
+/// The f16 at `p` as f32, through F16C.
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: two bytes are readable at `p` (caller) and F16C is enabled.
+    unsafe {
+        let bits = (p as *const u16).read_unaligned();
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+}
+
 /// Elements `j..j + 16` of the row at `row` (`j` a multiple of 16) as f32.
 #[inline(always)]
 unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
@@ -104,7 +119,7 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
             }
             U4S => {
                 let b = row.add(j / 32 * 20);
-                let s = half::f16::from_bits((b.add(16) as *const u16).read_unaligned()).to_f32();
+                let s = f16_at(b.add(16));
                 let z = _mm512_set1_epi32(*b.add(18) as i32);
                 let raw = _mm_loadu_si128(b as *const __m128i);
                 let nib = if j.is_multiple_of(32) {
@@ -114,6 +129,16 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
                 };
                 let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(nib), z);
                 _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s))
+            }
+            F4S => {
+                let b = row.add(j / 16 * 12);
+                let s = _mm512_set1_ps((b.add(8) as *const f32).read_unaligned());
+                let raw = _mm_loadl_epi64(b as *const __m128i);
+                let lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f));
+                let codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+                let table = _mm512_loadu_ps(E2M1.as_ptr());
+                _mm512_mul_ps(_mm512_permutexvar_ps(codes, table), s)
             }
             _ => load16::<DT>(row.add(j * esize(DT))),
         }
@@ -135,7 +160,7 @@ unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
             }
             U4S => {
                 let b = row.add(j / 32 * 20);
-                let s = half::f16::from_bits((b.add(16) as *const u16).read_unaligned()).to_f32();
+                let s = f16_at(b.add(16));
                 let z = _mm256_set1_epi32(*b.add(18) as i32);
                 let jj = j % 32;
                 let raw = _mm_loadl_epi64(b.add(jj % 16) as *const __m128i);
@@ -146,6 +171,21 @@ unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
                 };
                 let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(nib), z);
                 _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s))
+            }
+            F4S => {
+                let b = row.add(j / 16 * 12);
+                let s = _mm256_set1_ps((b.add(8) as *const f32).read_unaligned());
+                let raw = _mm_loadl_epi64(b as *const __m128i);
+                let nib = if j.is_multiple_of(16) {
+                    _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+                } else {
+                    _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
+                };
+                let codes = _mm256_cvtepu8_epi32(nib);
+                // Magnitude from the 8-entry table, then the sign bit (code bit 3).
+                let mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1.as_ptr()), codes);
+                let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(codes, _mm256_set1_epi32(8)));
+                _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), s)
             }
             _ => load8::<DT>(row.add(j * esize(DT))),
         }
@@ -434,6 +474,105 @@ unsafe fn run256<const DT: u8>(
     drive!(w, n_rows, k, x, m, out, tile256, MR256, NR256, [1, 2, 3, 4]);
 }
 
+/// True for the scaled block codes, which dequantize in registers.
+const fn scaled(dt: u8) -> bool {
+    matches!(dt, F8S | U4S | F4S)
+}
+
+thread_local! {
+    /// Dequantized weight rows of the panel path, reused across calls.
+    static PANEL: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Writes rows `r0..r0 + rows` of `w` (scaled code `DT`), dequantized, to `dst`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")]
+unsafe fn panel512<const DT: u8>(w: &[u8], r0: usize, rows: usize, k: usize, dst: &mut [f32]) {
+    let rb = row_bytes(DT, k);
+    // SAFETY: rows r0..r0+rows of k elements exist in w (caller); dst holds rows * k.
+    unsafe {
+        for r in 0..rows {
+            let row = w.as_ptr().add((r0 + r) * rb);
+            let out = dst.as_mut_ptr().add(r * k);
+            let mut j = 0;
+            while j < k {
+                _mm512_storeu_ps(out.add(j), wload16::<DT>(row, j));
+                j += 16;
+            }
+        }
+    }
+}
+
+/// [`panel512`] with AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn panel256<const DT: u8>(w: &[u8], r0: usize, rows: usize, k: usize, dst: &mut [f32]) {
+    let rb = row_bytes(DT, k);
+    // SAFETY: as in panel512.
+    unsafe {
+        for r in 0..rows {
+            let row = w.as_ptr().add((r0 + r) * rb);
+            let out = dst.as_mut_ptr().add(r * k);
+            let mut j = 0;
+            while j < k {
+                _mm256_storeu_ps(out.add(j), wload8::<DT>(row, j));
+                j += 8;
+            }
+        }
+    }
+}
+
+/// The panel path of the scaled formats for more activation rows than one
+/// tile holds: blocks of [`NB`] weight rows are dequantized once into f32
+/// (the same values the in-register path computes) and multiplied by the
+/// f32 kernel, whose per-element sequence is the in-register path's, so the
+/// results are bit-identical to it.
+///
+/// # Safety
+/// As [`dot_rows`], with `DT` a scaled code.
+unsafe fn run_panels<const DT: u8>(
+    avx512: bool,
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    out: OutMat,
+) {
+    PANEL.with(|p| {
+        let mut panel = p.borrow_mut();
+        let mut b0 = 0;
+        while b0 < n_rows {
+            let rows = (n_rows - b0).min(NB);
+            panel.resize(rows * k, 0.0);
+            let bytes: &[u8] = {
+                // SAFETY: features per the contract; rows b0..b0+rows exist.
+                unsafe {
+                    if avx512 {
+                        panel512::<DT>(w, b0, rows, k, &mut panel);
+                    } else {
+                        panel256::<DT>(w, b0, rows, k, &mut panel);
+                    }
+                    std::slice::from_raw_parts(panel.as_ptr() as *const u8, rows * k * 4)
+                }
+            };
+            let view = OutMat {
+                // SAFETY: column b0 is inside every output row (contract).
+                ptr: unsafe { out.ptr.add(b0) },
+                stride: out.stride,
+            };
+            // SAFETY: the panel holds `rows` f32 rows of k; the view covers
+            // columns b0..b0+rows of the m output rows.
+            unsafe {
+                if avx512 {
+                    run512::<F32>(bytes, rows, k, x, m, view);
+                } else {
+                    run256::<F32>(bytes, rows, k, x, m, view);
+                }
+            }
+            b0 += rows;
+        }
+    });
+}
+
 /// Dot products of float weights with f32 activations (every `m`).
 ///
 /// # Safety
@@ -450,18 +589,33 @@ pub unsafe fn dot_rows(
     m: usize,
     out: OutMat,
 ) {
+    let dt = code(dtype);
+    let tile_rows = if avx512 { MR512 } else { MR256 };
+    if scaled(dt) && m > tile_rows {
+        // SAFETY: per this function's contract.
+        unsafe {
+            match dt {
+                F8S => run_panels::<F8S>(avx512, w, n_rows, k, x, m, out),
+                U4S => run_panels::<U4S>(avx512, w, n_rows, k, x, m, out),
+                _ => run_panels::<F4S>(avx512, w, n_rows, k, x, m, out),
+            }
+        }
+        return;
+    }
     // SAFETY: features and lengths per this function's contract.
     unsafe {
-        match (avx512, code(dtype)) {
+        match (avx512, dt) {
             (true, F32) => run512::<F32>(w, n_rows, k, x, m, out),
             (true, F16) => run512::<F16>(w, n_rows, k, x, m, out),
             (true, F8S) => run512::<F8S>(w, n_rows, k, x, m, out),
             (true, U4S) => run512::<U4S>(w, n_rows, k, x, m, out),
+            (true, F4S) => run512::<F4S>(w, n_rows, k, x, m, out),
             (true, _) => run512::<BF16>(w, n_rows, k, x, m, out),
             (false, F32) => run256::<F32>(w, n_rows, k, x, m, out),
             (false, F16) => run256::<F16>(w, n_rows, k, x, m, out),
             (false, F8S) => run256::<F8S>(w, n_rows, k, x, m, out),
             (false, U4S) => run256::<U4S>(w, n_rows, k, x, m, out),
+            (false, F4S) => run256::<F4S>(w, n_rows, k, x, m, out),
             (false, _) => run256::<BF16>(w, n_rows, k, x, m, out),
         }
     }

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Batch-1 decode and 512-token prefill of the default model's architecture in each weight format,
+# side by side: the formats alternate within each round (A B C ... A B C ...), so a noisy machine
+# affects them alike. Folders come from tools/reference/make_default_quant.py (default
+# /tmp/arbor-quant); the GGUF Q4_1 is the default model itself.
+#
+#   scripts/bench-quant.sh [QUANT_DIR] [ROUNDS]
+#
+# Prints one line per run and a median summary per format (tokens/s).
+set -euo pipefail
+dir=${1:-/tmp/arbor-quant}
+rounds=${2:-2}
+arbor=${ARBOR_BIN:-target/release/arbor}
+gguf=${ARBOR_DEFAULT_GGUF:-$HOME/.cache/arbor/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+threads=${THREADS:-2}
+formats=(bf16 fp8-block fp8-dynamic awq gptq w4a16 nvfp4 gguf-q4_1)
+out=$(mktemp)
+for r in $(seq "$rounds"); do
+  for f in "${formats[@]}"; do
+    if [ "$f" = gguf-q4_1 ]; then path=$gguf; else path=$dir/$f; fi
+    [ -e "$path" ] || { echo "skip $f: $path is absent"; continue; }
+    log=$("$arbor" bench one-batch --model-path "$path" --threads "$threads" --batch-size 1 \
+      --input-len 512 --output-len 65 --kv-cache-dtype auto 2>&1)
+    pre=$(grep '^Prefill' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
+    dec=$(grep '^Decode\.  median' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
+    echo "round $r $f prefill512 $pre tok/s decode-b1 $dec tok/s"
+    echo "$f $pre $dec" >>"$out"
+  done
+done
+echo "median over $rounds rounds (tok/s): format prefill512 decode-b1"
+python3 - "$out" <<'EOF'
+import statistics, sys
+rows = {}
+for line in open(sys.argv[1]):
+    f, p, d = line.split()
+    rows.setdefault(f, []).append((float(p), float(d)))
+base = rows.get("bf16")
+for f, v in rows.items():
+    p = statistics.median(x[0] for x in v)
+    d = statistics.median(x[1] for x in v)
+    rel = ""
+    if base:
+        bp = statistics.median(x[0] for x in base)
+        bd = statistics.median(x[1] for x in base)
+        rel = f"  ({p / bp:.2f}x, {d / bd:.2f}x bf16)"
+    print(f"{f:12} {p:9.1f} {d:8.1f}{rel}")
+EOF
+rm -f "$out"
