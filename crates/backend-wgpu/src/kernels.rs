@@ -226,6 +226,12 @@ fn cache_type(cdt: u32) -> &'static str {
 }
 
 /// The code kernels use for a weight or embedding dtype.
+/// True for the weight codes multiplied against Q8 activations
+/// (`matmul_q.wgsl`); the float and scaled codes use `matmul_f.wgsl`.
+pub fn uses_q8_acts(code: u32) -> bool {
+    (3..=5).contains(&code)
+}
+
 pub fn weight_code(dtype: DType) -> Result<u32> {
     Ok(match dtype {
         DType::F32 => 0,
@@ -234,6 +240,9 @@ pub fn weight_code(dtype: DType) -> Result<u32> {
         DType::Q8_0 => 3,
         DType::Q4_0 => 4,
         DType::Q4_1 => 5,
+        DType::F8_S32 => 6,
+        DType::U4_S32 => 7,
+        DType::F4_S16 => 8,
         other => {
             return Err(CoreError::unsupported(format!(
                 "{other} weights on the wgpu backend"
@@ -329,7 +338,7 @@ mod tests {
                         });
                     }
                 }
-                for wdt in 0..3 {
+                for wdt in [0, 1, 2, 6, 7, 8] {
                     for fast in [false, true] {
                         all.push(Kernel::MatmulF {
                             tm,

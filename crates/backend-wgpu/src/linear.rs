@@ -1,7 +1,9 @@
 //! Linear layers: `out[m, n] = x[m, k] · w[n, k]ᵀ (+ bias)` for every weight
 //! dtype the backend lists.
 //!
-//! Float weights (f32, f16, bf16) are multiplied with f32 activations and f32
+//! Float weights (f32, f16, bf16) and the scaled blocks of HF quantized
+//! checkpoints (`f8_s32`, `u4_s32`, `f4_s16`, dequantized element by element
+//! with the CPU's formulas) are multiplied with f32 activations and f32
 //! accumulation (`matmul_f.wgsl`). Block-quantized weights (Q8_0, Q4_0, Q4_1)
 //! are multiplied as ggml and the CPU backend do: the activations are first
 //! quantized to Q8 blocks (`quant_act.wgsl`, once per input even when several
@@ -75,7 +77,7 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
     // Q8 activations, shared by every quantized layer of this input.
     let mut acts: Option<(Tensor, Tensor)> = None;
     for l in layers {
-        if l.w.dtype().is_quantized() && acts.is_none() {
+        if kernels::uses_q8_acts(kernels::weight_code(l.w.dtype())?) && acts.is_none() {
             acts = Some(quantize_acts(b, &xv, m, k)?);
         }
     }
@@ -91,7 +93,7 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
             let w = l.w.narrow(c0, rows)?;
             let bias = l.bias.map(|t| t.narrow(c0, rows)).transpose()?;
             match &acts {
-                Some((q, meta)) if w.dtype().is_quantized() => {
+                Some((q, meta)) if kernels::uses_q8_acts(kernels::weight_code(w.dtype())?) => {
                     matmul_q(b, q, meta, &w, bias.as_ref(), l.out, (m, n, k), c0)?
                 }
                 _ => matmul_f(b, &xv, &w, bias.as_ref(), l.out, (m, n, k), c0)?,

@@ -25,6 +25,12 @@ pub fn embedding(b: &WgpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) ->
     }
     no_overlap(out, &[table, ids])?;
     let dt = kernels::weight_code(table.dtype())?;
+    if dt > 5 {
+        return Err(CoreError::unsupported(format!(
+            "{} embedding tables on the wgpu backend",
+            table.dtype()
+        )));
+    }
     let row_bytes = table.dtype().bytes_for(dim)?;
     let tv = b.view_any(table, Access::Read)?;
     let iv = b.view(ids, DType::U32, Access::Read)?;

@@ -245,6 +245,22 @@ fn quantized_linear_matches_cpu() {
     }
 }
 
+/// The scaled blocks of HF quantized checkpoints (FP8, INT4, NVFP4), built by
+/// arbor-quant's reference quantizers, against the CPU backend's kernels.
+#[test]
+fn scaled_linear_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    for dt in [DType::F8_S32, DType::U4_S32, DType::F4_S16] {
+        for (i, (m, n, k)) in [(1, 70, 64), (2, 33, 96), (8, 128, 576), (9, 65, 160)]
+            .into_iter()
+            .enumerate()
+        {
+            linear_case(&*g, &*c, dt, m, n, k, 40 + i as u64);
+        }
+    }
+}
+
 /// Weight views that start inside a buffer, at offsets that are not word-aligned
 /// (Q4_0 rows of 18 bytes, f16 rows of 2 bytes).
 #[test]

@@ -24,6 +24,7 @@ use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
 use arbor_engine_core::{Backend, DType, LoadOptions, Registry, TokenDecoder};
 use arbor_models::{LoadedModel, load_model};
+use arbor_quant as _;
 use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -258,6 +259,17 @@ fn tiny_qwen2_matches_cpu() -> Result<()> {
 #[test]
 fn tiny_qwen3_matches_cpu() -> Result<()> {
     check_fixture("tiny-qwen3", "f32")
+}
+
+/// HF quantized checkpoints (tests/fixtures/quant): FP8 blocks, INT4 (AWQ,
+/// compressed-tensors W4A16) and NVFP4, packed as on the CPU and multiplied
+/// by `matmul_f.wgsl`.
+#[test]
+fn quantized_checkpoints_match_cpu() -> Result<()> {
+    for name in ["quant/fp8-block", "quant/awq", "quant/w4a16", "quant/nvfp4"] {
+        check_fixture(name, "f32")?;
+    }
+    Ok(())
 }
 
 /// The default model's chats of tests/fixtures/smollm2/llamacpp.json, with
