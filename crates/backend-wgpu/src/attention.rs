@@ -167,9 +167,13 @@ impl AttentionBackend for WgpuAttention {
         let kv_in = b.view(k, DType::F32, Access::Read)?;
         let vv_in = b.view(v, DType::F32, Access::Read)?;
         let ov = b.view(out, DType::F32, Access::Write)?;
-        let elem = if cdt == 0 { 4 } else { 2 };
+        if cdt >= 3 && !hd.is_multiple_of(4) {
+            return Err(CoreError::unsupported(format!(
+                "an FP8 KV cache with head_dim {hd} (not a multiple of 4) on the wgpu backend"
+            )));
+        }
         for c in [&kv.k, &kv.v] {
-            if !c.offset().is_multiple_of(4) || !(kw * elem).is_multiple_of(4) {
+            if !c.offset().is_multiple_of(4) || !(kw * c.dtype().block_bytes()).is_multiple_of(4) {
                 return Err(CoreError::invalid(format!(
                     "KV cache {c:?} is not word-aligned"
                 )));
@@ -189,7 +193,11 @@ impl AttentionBackend for WgpuAttention {
             .u(vcw.word_off())
             .u(mv.word_off() + u32_of(meta.slots, "metadata offset")?)
             .u(0);
-        let per_token = if cdt == 0 { kw } else { kw / 2 };
+        let per_token = match cdt {
+            0 => kw,
+            1 | 2 => kw / 2,
+            _ => kw / 4,
+        };
         gpu.dispatch(
             &write,
             &params,

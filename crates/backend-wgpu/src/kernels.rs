@@ -178,6 +178,11 @@ impl Kernel {
                 let body = if cdt == 0 {
                     "kc[p.kc_off + slot * p.width + e] = k[p.k_off + t * p.width + e];\n    \
                      vc[p.vc_off + slot * p.width + e] = v[p.v_off + t * p.width + e];"
+                } else if cdt >= 3 {
+                    "let i = p.k_off + t * p.width + 4u * e;\n    \
+                     kc[p.kc_off + slot * (p.width / 4u) + e] = pack4(k[i], k[i + 1u], k[i + 2u], k[i + 3u]);\n    \
+                     let j = p.v_off + t * p.width + 4u * e;\n    \
+                     vc[p.vc_off + slot * (p.width / 4u) + e] = pack4(v[j], v[j + 1u], v[j + 2u], v[j + 3u]);"
                 } else {
                     "let i = p.k_off + t * p.width + 2u * e;\n    \
                      kc[p.kc_off + slot * (p.width / 2u) + e] = pack(k[i], k[i + 1u]);\n    \
@@ -199,6 +204,11 @@ impl Kernel {
                         "let b = p.{off} + row + 2u * i; return vec2<f32>({c}[b], {c}[b + 1u]);"
                     ),
                     1 => format!("return unpack2x16float({c}[p.{off} + row / 2u + i]);"),
+                    3 | 4 => format!(
+                        "let w = {c}[p.{off} + (row + 2u * i) / 4u]; \
+                         let sh = ((row + 2u * i) & 3u) * 8u; \
+                         return vec2<f32>(fp8_to_f32((w >> sh) & 0xffu), fp8_to_f32((w >> (sh + 8u)) & 0xffu));"
+                    ),
                     _ => format!(
                         "let w = {c}[p.{off} + row / 2u + i]; \
                          return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));"
@@ -225,13 +235,13 @@ fn cache_type(cdt: u32) -> &'static str {
     if cdt == 0 { "f32" } else { "u32" }
 }
 
-/// The code kernels use for a weight or embedding dtype.
 /// True for the weight codes multiplied against Q8 activations
 /// (`matmul_q.wgsl`); the float and scaled codes use `matmul_f.wgsl`.
 pub fn uses_q8_acts(code: u32) -> bool {
     (3..=5).contains(&code)
 }
 
+/// The code kernels use for a weight or embedding dtype.
 pub fn weight_code(dtype: DType) -> Result<u32> {
     Ok(match dtype {
         DType::F32 => 0,
@@ -257,6 +267,8 @@ pub fn cache_code(dtype: DType) -> Result<u32> {
         DType::F32 => 0,
         DType::F16 => 1,
         DType::BF16 => 2,
+        DType::F8E4M3 => 3,
+        DType::F8E5M2 => 4,
         other => {
             return Err(CoreError::unsupported(format!(
                 "a {other} KV cache on the wgpu backend"
@@ -317,7 +329,7 @@ mod tests {
         for dt in 0..6 {
             all.push(Kernel::Embedding { dt });
         }
-        for cdt in 0..3 {
+        for cdt in 0..5 {
             all.push(Kernel::KvWrite { cdt });
             for hd in [16, 64, 128] {
                 all.push(Kernel::Attention { cdt, hd });

@@ -60,6 +60,12 @@ fn run(
     for c in [&layer.k, &layer.v] {
         let mut bytes = vec![0u8; c.byte_len().unwrap()];
         b.download(c, &mut bytes).unwrap();
+        if matches!(dtype, DType::F8E4M3 | DType::F8E5M2) {
+            let mut f = vec![0.0f32; c.numel()];
+            arbor_quant::dequantize(dtype, &bytes, &mut f).unwrap();
+            cache.extend(f);
+            continue;
+        }
         cache.extend(
             arbor_engine_core::HostTensor {
                 dtype,
@@ -99,6 +105,9 @@ fn paged_attention_matches_cpu() {
         (DType::F16, 64, None),
         (DType::BF16, 32, None),
         (DType::F16, 16, Some(4)),
+        // FP8 caches: the WGSL encoders must give the CPU's bytes exactly.
+        (DType::F8E4M3, 64, None),
+        (DType::F8E5M2, 16, Some(4)),
     ] {
         let params = AttentionParams {
             num_heads: 4,

@@ -1,7 +1,8 @@
 // Paged causal attention with grouped-query heads and an optional sliding
 // window, one invocation per (token, query head), online softmax over the
 // sequence's keys lo..=pos read from the paged cache (CDT 0: f32, 1: f16,
-// 2: bf16). HD is the head dimension (even).
+// 2: bf16, 3: FP8 E4M3, 4: FP8 E5M2, four a word). HD is the head dimension
+// (even; a multiple of 4 for FP8).
 //
 // lay (u32, the batch layout): per sequence 4 words at seq_off (q_start, q_len, prefix_len,
 // first page-table index); the page table at pt_off; the sequence of each
@@ -35,6 +36,29 @@ struct P {
 
 const HD: u32 = {{HD}}u;
 const CDT: u32 = {{CDT}}u;
+
+// An FP8 byte (CDT 3: E4M3, 4: E5M2) as f32, exactly.
+fn fp8_to_f32(c: u32) -> f32 {
+    var v: f32;
+    if (CDT == 3u) {
+        let e = (c >> 3u) & 15u;
+        let m = f32(c & 7u);
+        if (e == 0u) {
+            v = m * 0.001953125;
+        } else {
+            v = (1.0 + m * 0.125) * bitcast<f32>((e + 120u) << 23u);
+        }
+    } else {
+        let e = (c >> 2u) & 31u;
+        let m = f32(c & 3u);
+        if (e == 0u) {
+            v = m * 0.0000152587890625;
+        } else {
+            v = (1.0 + m * 0.25) * bitcast<f32>((e + 112u) << 23u);
+        }
+    }
+    return select(v, -v, (c & 0x80u) != 0u);
+}
 
 // Elements 2i, 2i+1 of the cache row starting at element `row` (even).
 fn kpair(row: u32, i: u32) -> vec2<f32> {
