@@ -1,0 +1,112 @@
+//! End to end: `arbor serve` on the quantized HF checkpoints of
+//! tests/fixtures/quant (FP8 blocks, AWQ, NVFP4) and on a float checkpoint
+//! with `--quantization fp8`. Each serves greedy completions over HTTP equal
+//! to the format's transformers reference (up to its first near-tie), names
+//! the method in the start-up summary, refuses a conflicting
+//! `--quantization` with a message, and returns every KV page.
+
+mod common;
+
+use anyhow::{Context, Result, ensure};
+use common::*;
+use serde_json::{Value, json};
+
+fn start(model: &str, extra: &[&str]) -> Result<Server> {
+    let mut args = vec![
+        "--model-path",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-total-tokens",
+        "2048",
+        "--kv-cache-dtype",
+        "f32",
+        "--enable-metrics",
+    ];
+    args.extend_from_slice(extra);
+    Server::start(&args)
+}
+
+async fn check_greedy(
+    c: &reqwest::Client,
+    s: &Server,
+    name: &str,
+    reference: &Value,
+) -> Result<()> {
+    let prompts = reference["prompts"].as_array().map_or(&[][..], |v| v);
+    ensure!(!prompts.is_empty(), "{name}: no prompts");
+    for (i, p) in prompts.iter().enumerate() {
+        let body = json!({
+            "input_ids": p["input_ids"],
+            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
+        });
+        let r: Value = c
+            .post(s.url("/generate"))
+            .json(&body)
+            .send()
+            .await?
+            .json()
+            .await?;
+        let got = r["output_ids"].as_array().context("output_ids")?;
+        let want = p["greedy_ids"].as_array().context("greedy_ids")?;
+        let margins = p["margins"].as_array().context("margins")?;
+        let sure = margins
+            .iter()
+            .position(|m| m.as_f64().unwrap_or(0.0) < 1e-3)
+            .unwrap_or(want.len());
+        assert_eq!(
+            got[..sure],
+            want[..sure],
+            "{name} prompt {i} (up to step {sure})"
+        );
+    }
+    assert_no_leak(c, s, "arbor", None).await
+}
+
+#[tokio::test]
+async fn quantized_checkpoints_serve_their_reference_completions() -> Result<()> {
+    let c = client();
+    for (name, summary) in [
+        ("quant/fp8-block", "f8_s32 (fp8)"),
+        ("quant/awq", "u4_s32 (awq)"),
+        ("quant/nvfp4", "f4_s16 (modelopt)"),
+    ] {
+        let model = fixture(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{model}/reference.json"))?)?;
+        let s = start(&model, &["--dtype", "f32"])?;
+        assert!(s.log_contains(summary), "{name}: {}", s.logs());
+        check_greedy(&c, &s, name, &reference).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn quantization_fp8_quantizes_a_float_checkpoint_at_load() -> Result<()> {
+    let c = client();
+    let model = fixture("tiny-llama");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("quant/fp8-online.json"))?)?;
+    let s = start(&model, &["--dtype", "f32", "--quantization", "fp8"])?;
+    assert!(s.log_contains("f8_s32 (fp8)"), "{}", s.logs());
+    check_greedy(&c, &s, "fp8-online", &reference).await
+}
+
+#[test]
+fn conflicting_or_unknown_quantization_is_refused() -> Result<()> {
+    for (model, flag, needle) in [
+        ("quant/awq", "gptq", "quantized with 'awq'"),
+        ("tiny-llama", "int3", "--quantization"),
+    ] {
+        let err = match start(&fixture(model), &["--quantization", flag]) {
+            Ok(s) => panic!("{model} with --quantization {flag} started: {}", s.logs()),
+            Err(e) => format!("{e:#}"),
+        };
+        assert!(err.contains(needle), "{model} {flag}: {err}");
+    }
+    Ok(())
+}
