@@ -145,6 +145,39 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
     }
 }
 
+/// Elements `j..j + 32` (one whole block, `j` a multiple of 32) of an
+/// `f8_s32` or `u4_s32` row, as [`wload16`] computes them.
+#[inline(always)]
+unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the row holds the block and AVX-512
+    // F/BW/VL + F16C are enabled.
+    unsafe {
+        if DT == F8S {
+            let b = row.add(j / 32 * 36);
+            let s = _mm512_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
+            let q0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b as *const __m128i));
+            let q1 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b.add(16) as *const __m128i));
+            [
+                _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16_256(q0)), s),
+                _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16_256(q1)), s),
+            ]
+        } else {
+            let b = row.add(j / 32 * 20);
+            let s = _mm512_set1_ps(f16_at(b.add(16)));
+            let z = _mm512_set1_epi32(*b.add(18) as i32);
+            let raw = _mm_loadu_si128(b as *const __m128i);
+            let lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f));
+            let q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), z);
+            let q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), z);
+            [
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q0), s),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q1), s),
+            ]
+        }
+    }
+}
+
 /// Elements `j..j + 8` of the row at `row` (`j` a multiple of 8) as f32.
 #[inline(always)]
 unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
@@ -256,6 +289,25 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let mut j = 0;
+        if DT == F8S || DT == U4S {
+            // Whole 32-element blocks, their scale (and zero) loaded once;
+            // each accumulator takes the two halves in order, as below.
+            while j + 32 <= k {
+                let mut wv = [[_mm512_setzero_ps(); 2]; NR];
+                for (v, &wr) in wv.iter_mut().zip(&w) {
+                    *v = wload32::<DT>(wr, j);
+                }
+                for (a, &xr) in acc.iter_mut().zip(&x) {
+                    let x0 = _mm512_loadu_ps(xr.add(j));
+                    let x1 = _mm512_loadu_ps(xr.add(j + 16));
+                    for (ar, wr) in a.iter_mut().zip(&wv) {
+                        *ar = _mm512_fmadd_ps(wr[0], x0, *ar);
+                        *ar = _mm512_fmadd_ps(wr[1], x1, *ar);
+                    }
+                }
+                j += 32;
+            }
+        }
         while j + 16 <= k {
             let mut wv = [_mm512_setzero_ps(); NR];
             for (v, &wr) in wv.iter_mut().zip(&w) {
