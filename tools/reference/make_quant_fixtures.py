@@ -13,6 +13,7 @@ are quantized; embeddings, norms and lm_head stay f32 (lm_head is listed as igno
 | fp8-dynamic | compressed-tensors `float-quantized`, channel strategy: E4M3 `weight` + bf16 `weight_scale [n, 1]`, dynamic per-token activations (llm-compressor FP8_DYNAMIC) |
 | fp8-static | compressed-tensors `float-quantized`, tensor strategy: `weight_scale [1]` and static `input_scale [1]` (llm-compressor FP8) |
 | w4a16 | compressed-tensors `pack-quantized` symmetric int4, group 32: I32 `weight_packed [n, k/8]`, bf16 `weight_scale [n, k/32]`, `weight_shape` |
+| w4a16-asym | the same, asymmetric: I32 `weight_zero_point [n/8, k/32]` (zero + 8, packed along the outputs) |
 | awq | AutoAWQ GEMM, group 32, zero points: I32 `qweight [k, n/8]` and `qzeros [k/32, n/8]` in AWQ's nibble order, f16 `scales` |
 | gptq | GPTQ (checkpoint_format gptq: zeros stored minus one), asymmetric, group 32, `desc_act: false`, I32 `qweight [k/8, n]`, `qzeros`, f16 `scales`, `g_idx` |
 | nvfp4 | ModelOpt NVFP4: U8 `weight [n, k/2]` (two E2M1 codes a byte), E4M3 `weight_scale [n, k/16]`, f32 `weight_scale_2` (global) and `input_scale` |
@@ -21,13 +22,15 @@ are quantized; embeddings, norms and lm_head stay f32 (lm_head is listed as igno
 reference.json: for each prompt of tiny-llama's reference, the last-position logits and 32 greedy
 tokens (with each step's top-1 minus top-2 logit margin, so a test can stop at a near-tie) of transformers' LlamaForCausalLM (f32, eager attention) run on the weights dequantized in
 numpy with each format's published formula (e4m3 x scale; (q - z) x s), after unpacking the
-packed tensors the way vLLM's reference unpackers do (checked to round-trip). `fp8-online.json`
+packed tensors the way vLLM's reference unpackers do (checked to round-trip); for the
+compressed-tensors folders the weights are also decompressed by the compressed-tensors library
+itself and must agree (to its bf16 rounding). `fp8-online.json`
 is the same for tiny-llama quantized at load by `--quantization fp8` (one E4M3 scale per output
 channel, amax / 448, round to nearest even).
 
     /tmp/torchenv/bin/python tools/reference/make_quant_fixtures.py
 
-Needs torch, transformers, safetensors, numpy and ml_dtypes.
+Needs torch, transformers, safetensors, numpy, ml_dtypes and compressed-tensors (0.20).
 """
 
 import json
@@ -101,7 +104,10 @@ def bf16(x: np.ndarray) -> np.ndarray:
 def fp8_channel(w: np.ndarray):
     s = bf16(np.abs(w).max(axis=1, keepdims=True) / 448.0)
     q = e4m3(w / s.astype(np.float32))
-    return {"weight": q, "weight_scale": s}, from_e4m3(q) * s.astype(np.float32)
+    parts, deq = {"weight": q, "weight_scale": s}, from_e4m3(q) * s.astype(np.float32)
+    check_ct(parts, {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+             deq, False)
+    return parts, deq
 
 
 def fp8_tensor(w: np.ndarray):
@@ -218,13 +224,63 @@ def gptq(w: np.ndarray, g=32, sym=False, act_order=False, rng=None):
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}, deq
 
 
+def to_torch(v: np.ndarray) -> torch.Tensor:
+    if v.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(v.view(np.int16).copy()).view(torch.bfloat16)
+    if v.dtype == F8:
+        return torch.from_numpy(v.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    return torch.from_numpy(np.ascontiguousarray(v))
+
+
+def ct_decompressed(parts: dict, weights: dict, packed: bool) -> np.ndarray:
+    """The weight compressed-tensors itself decompresses from `parts` (an independent check of
+    the layout; it dequantizes in the scale's dtype, so it matches to bf16 rounding)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    sd = {k: to_torch(v) for k, v in parts.items()}
+    if packed:
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        out = PackedQuantizationCompressor.decompress(sd, scheme)
+    else:
+        from compressed_tensors.quantization.lifecycle.forward import dequantize
+        out = {"weight": dequantize(x_q=sd["weight"], scale=sd["weight_scale"], args=scheme.weights)}
+    return out["weight"].float().numpy()
+
+
+def check_ct(parts: dict, weights: dict, deq: np.ndarray, packed: bool) -> None:
+    lib = ct_decompressed(parts, weights, packed)
+    rel = np.abs(lib - deq).max() / np.abs(deq).max()
+    assert lib.shape == deq.shape and rel < 1e-2, (lib.shape, deq.shape, rel)
+
+
+W4A16_WEIGHTS = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                 "symmetric": True, "dynamic": False}
+W4A16_ASYM_WEIGHTS = dict(W4A16_WEIGHTS, symmetric=False)
+
+
+def w4a16_asym(w: np.ndarray, g=32):
+    """compressed-tensors W4A16_ASYM: zero points packed along the output dim."""
+    q, z, s = groups_asym(w, g, ml_dtypes.bfloat16)
+    n, k = w.shape
+    packed = pack_rows_seq(q)  # [n, k/8]; q is the signed value + 8
+    zp = pack_rows_seq(z.T.copy()).T.copy()  # [n/8, k/g], zero + 8 packed along n
+    deq = (q - np.repeat(z, g, 1)) * np.repeat(s.astype(np.float32), g, 1)
+    parts = {"weight_packed": packed, "weight_scale": s, "weight_zero_point": zp,
+             "weight_shape": np.array([n, k], np.int32)}
+    check_ct(parts, W4A16_ASYM_WEIGHTS, deq, True)
+    return parts, deq
+
+
 def w4a16(w: np.ndarray, g=32):
     q, _, s = groups_sym(w, g, ml_dtypes.bfloat16)
     n, k = w.shape
     packed = pack_rows_seq(q)  # [n, k/8], stored as q + 8
     iq = unpack_rows_seq(packed) - 8
     deq = iq * np.repeat(s.astype(np.float32), g, 1)
-    return {"weight_packed": packed, "weight_scale": s, "weight_shape": np.array([n, k], np.int32)}, deq
+    parts = {"weight_packed": packed, "weight_scale": s, "weight_shape": np.array([n, k], np.int32)}
+    if g == 32:
+        check_ct(parts, W4A16_WEIGHTS, deq, True)
+    return parts, deq
 
 
 # ---------------------------------------------------------------- NVFP4
@@ -277,10 +333,8 @@ FORMATS = {
         {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
         {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
         "float-quantized")),
-    "w4a16": (w4a16, ct_config(
-        {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True,
-         "dynamic": False},
-        None, "pack-quantized")),
+    "w4a16": (w4a16, ct_config(W4A16_WEIGHTS, None, "pack-quantized")),
+    "w4a16-asym": (w4a16_asym, ct_config(W4A16_ASYM_WEIGHTS, None, "pack-quantized")),
     "awq": (awq, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
                   "version": "gemm", "modules_to_not_convert": None}),
     "gptq": (lambda w: gptq(w, sym=False), {"quant_method": "gptq", "bits": 4, "group_size": 32,

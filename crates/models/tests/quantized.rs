@@ -170,6 +170,11 @@ fn compressed_tensors_w4a16_matches() -> Result<()> {
 }
 
 #[test]
+fn compressed_tensors_w4a16_asymmetric_matches() -> Result<()> {
+    check_format("w4a16-asym", DType::U4_S32)
+}
+
+#[test]
 fn awq_matches() -> Result<()> {
     check_format("awq", DType::U4_S32)
 }

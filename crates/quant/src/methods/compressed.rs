@@ -7,10 +7,13 @@
 //!   presets): `weight` E4M3 and `weight_scale` per `tensor` (`[1]`),
 //!   `channel` (`[n, 1]`), `group` (`[n, k/g]`) or `block` (`[ceil(n/bn),
 //!   ceil(k/bk)]` for `block_structure [bn, bk]`).
-//! - 4-bit symmetric `int` weights (`pack-quantized`, the W4A16 preset):
-//!   `weight_packed` I32 `[n, k/8]` (element `c` of a row in bits
+//! - 4-bit `int` weights (`pack-quantized`, the W4A16 and W4A16_ASYM
+//!   presets): `weight_packed` I32 `[n, k/8]` (element `c` of a row in bits
 //!   `4 (c % 8)` of word `c / 8`, stored as `q + 8`), `weight_scale` per
-//!   `group` or `channel`; value = `(u − 8) × scale`.
+//!   `group` or `channel`, and for asymmetric schemes `weight_zero_point`
+//!   I32 `[ceil(n/8), groups]` (the zero of output `r` in bits `4 (r % 8)`
+//!   of word `r / 8`, stored as `z + 8`); value = `(u − uz) × scale`, with
+//!   `uz = 8` when symmetric.
 
 use super::common::{
     Excluded, ScaleMap, U4Weight, anchored, bad_shape, check_input_scale, floats, for_device, ints,
@@ -47,6 +50,8 @@ struct Scheme {
     patterns: Vec<regex::Regex>,
     kind: Kind,
     strategy: Strategy,
+    /// False: int4 weights carry a `weight_zero_point`.
+    symmetric: bool,
 }
 
 impl Scheme {
@@ -84,11 +89,7 @@ fn parse_scheme(name: &str, g: &serde_json::Value, format: Option<&str>) -> Resu
             )));
         }
     };
-    if kind == Kind::Int4 && !w.get("symmetric").and_then(|v| v.as_bool()).unwrap_or(true) {
-        return Err(at(
-            "asymmetric int4 (weight_zero_point) is not supported".into()
-        ));
-    }
+    let symmetric = w.get("symmetric").and_then(|v| v.as_bool()).unwrap_or(true);
     let strategy = match string(Some(w), "strategy").unwrap_or("tensor") {
         "tensor" => Strategy::Tensor,
         "channel" => Strategy::Channel,
@@ -125,6 +126,7 @@ fn parse_scheme(name: &str, g: &serde_json::Value, format: Option<&str>) -> Resu
         patterns: Vec::new(),
         kind,
         strategy,
+        symmetric,
     };
     for t in g
         .get("targets")
@@ -229,9 +231,10 @@ impl CompressedTensors {
         &self,
         src: &dyn WeightSource,
         spec: &LinearSpec<'_>,
-        strategy: Strategy,
+        scheme: &Scheme,
         caps: &BackendCapabilities,
     ) -> Result<HostTensor<'static>> {
+        let strategy = scheme.strategy;
         let (n, k) = (spec.out_features, spec.in_features);
         let name = format!("{}.weight_packed", spec.prefix);
         let t = tensor(src, &name)?;
@@ -247,7 +250,34 @@ impl CompressedTensors {
         let scales = self.scales(src, spec.prefix, strategy, n, k)?;
         let kw = k.div_ceil(8);
         let q = |r: usize, c: usize| ((words[r * kw + c / 8] as u32 >> (4 * (c % 8))) & 0xf) as u8;
-        let zero = |_: usize, _: usize| 8u8;
+        // Zero points: 8 (the offset of the signed values) when symmetric,
+        // else `weight_zero_point`, packed eight outputs a word along dim 0.
+        let (zg, groups) = match strategy {
+            Strategy::Group(g) => (g, k / g),
+            _ => (k.max(1), 1),
+        };
+        let zp: Vec<i32> = if scheme.symmetric {
+            Vec::new()
+        } else {
+            let zname = format!("{}.weight_zero_point", spec.prefix);
+            let zt = tensor(src, &zname)?;
+            if zt.shape != [n.div_ceil(8), groups] {
+                return Err(bad_shape(
+                    src,
+                    &zname,
+                    &zt.shape,
+                    &format!("[{}, {groups}]", n.div_ceil(8)),
+                ));
+            }
+            ints(src, &zname, &zt)?
+        };
+        let zero = |r: usize, c: usize| {
+            if zp.is_empty() {
+                8u8
+            } else {
+                ((zp[(r / 8) * groups + c / zg] as u32 >> (4 * (r % 8))) & 0xf) as u8
+            }
+        };
         let scale = |r: usize, c: usize| scales.at(r, c);
         let w = U4Weight {
             n,
@@ -291,7 +321,7 @@ impl QuantMethod for CompressedTensors {
             return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
         };
         match scheme.kind {
-            Kind::Int4 => self.load_int4(src, spec, scheme.strategy, caps),
+            Kind::Int4 => self.load_int4(src, spec, scheme, caps),
             Kind::Fp8 => {
                 let name = format!("{}.weight", spec.prefix);
                 let t = fetch(src, &name, &[n, k])?;

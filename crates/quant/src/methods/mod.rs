@@ -53,7 +53,7 @@ inventory::submit! {
     QuantMethodEntry { name: "fp8", about: "FP8 E4M3 weights (per tensor, per channel or 128x128 blocks); quantizes float checkpoints at load", create: fp8 }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4", create: compressed_tensors }
+    QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4 (symmetric or with zero points)", create: compressed_tensors }
 }
 inventory::submit! {
     QuantMethodEntry { name: "awq", about: "AutoAWQ INT4 (GEMM layout, zero points, any group size)", create: awq }
