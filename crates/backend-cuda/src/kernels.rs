@@ -62,6 +62,9 @@ kernels! {
     PrefillF16D256 = "prefill_f16_d256": "ppppppiiiifi",
     PrefillBf16D256 = "prefill_bf16_d256": "ppppppiiiifi",
     SampleRows = "sample_rows": "pppii",
+    DequantF8S32 = "dequant_f8_s32": "ppl",
+    DequantU4S32 = "dequant_u4_s32": "ppl",
+    DequantF4S16 = "dequant_f4_s16": "ppl",
 }
 
 impl K {
@@ -82,6 +85,7 @@ pub fn source() -> String {
         include_str!("../kernels/elementwise.cu"),
         include_str!("../kernels/attention.cu"),
         include_str!("../kernels/sampling.cu"),
+        include_str!("../kernels/dequant.cu"),
     ]
     .join("\n")
 }

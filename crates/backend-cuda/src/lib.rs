@@ -67,7 +67,11 @@ impl CudaBackend {
         Ok(Self {
             dev: Arc::new(dev),
             caps: Arc::new(BackendCapabilities {
-                weight_dtypes: floats.clone(),
+                weight_dtypes: [
+                    floats.as_slice(),
+                    &[DType::F8_S32, DType::U4_S32, DType::F4_S16],
+                ]
+                .concat(),
                 kv_dtypes: floats,
                 asynchronous: true,
                 attention: vec!["cuda-paged"],

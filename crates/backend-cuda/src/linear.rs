@@ -6,7 +6,11 @@
 //! (round to nearest even) in a scratch buffer, then multiplied on tensor
 //! cores with f32 accumulation and an f32 output; this is the precision of a
 //! PyTorch bf16/f16 model, whose activations are already in that type. Biases
-//! are added in f32 by a separate kernel. [`CudaBackend::op_linear_many`]
+//! are added in f32 by a separate kernel. The scaled blocks of HF quantized
+//! checkpoints (`f8_s32`, `u4_s32`, `f4_s16`) stay packed in device memory
+//! and are dequantized to an f32 scratch before each GEMM (exactly the CPU's
+//! values), then multiplied as f32 weights: a dequantizing GEMM, until FP8
+//! and FP4 tensor-core paths exist. [`CudaBackend::op_linear_many`]
 //! rounds the shared input once for all its layers (Q/K/V, gate/up).
 
 use crate::CudaBackend;
@@ -14,6 +18,16 @@ use crate::exec::{Args, Gemm, Op};
 use crate::kernels::K;
 use crate::ops::{no_overlap, stride_grid, want};
 use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
+
+/// The kernel that dequantizes a scaled weight dtype to f32, if it is one.
+fn dequant_kernel(dtype: DType) -> Option<K> {
+    match dtype {
+        DType::F8_S32 => Some(K::DequantF8S32),
+        DType::U4_S32 => Some(K::DequantU4S32),
+        DType::F4_S16 => Some(K::DequantF4S16),
+        _ => None,
+    }
+}
 
 impl CudaBackend {
     pub(crate) fn op_linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
@@ -39,7 +53,9 @@ impl CudaBackend {
                     l.out
                 )));
             }
-            if !matches!(l.w.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            if !matches!(l.w.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                && dequant_kernel(l.w.dtype()).is_none()
+            {
                 return Err(CoreError::unsupported(format!(
                     "CUDA linear with {} weights",
                     l.w.dtype()
@@ -69,7 +85,28 @@ impl CudaBackend {
         // The rounded input, when some weight is 16-bit (one rounding per type).
         let mut half_in: Option<(DType, u64, Tensor)> = None;
         for l in layers {
-            let wd = l.w.dtype();
+            let n = l.w.shape()[0];
+            // Scaled blocks: dequantized to an f32 scratch (exact), then the f32 GEMM.
+            let mut wd = l.w.dtype();
+            let mut wp = self.p(&st, l.w)?;
+            let _scratch = match dequant_kernel(wd) {
+                Some(kernel) => {
+                    let scratch = self.alloc_in(&mut st, DType::F32, &[n * k], false)?;
+                    let sp = self.p(&st, &scratch)?;
+                    let args = Args::new().p(wp).p(sp).l((n * k) as u64);
+                    self.dev.launch(
+                        &mut st,
+                        kernel,
+                        [stride_grid(self, n * k), 1, 1],
+                        256,
+                        0,
+                        args,
+                    )?;
+                    (wd, wp) = (DType::F32, sp);
+                    Some(scratch)
+                }
+                None => None,
+            };
             let xin = if wd == DType::F32 {
                 xp
             } else {
@@ -89,13 +126,12 @@ impl CudaBackend {
                 }
                 half_in.as_ref().map(|h| h.1).unwrap_or(xp)
             };
-            let n = l.w.shape()[0];
             let op = Op::Gemm(Gemm {
                 dtype: wd,
                 m: rows,
                 n,
                 k,
-                w: self.p(&st, l.w)?,
+                w: wp,
                 x: xin,
                 out: self.p(&st, l.out)?,
             });
