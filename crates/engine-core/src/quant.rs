@@ -73,10 +73,22 @@ pub trait QuantMethod: Send + Sync {
         spec: &LinearSpec<'_>,
         caps: &BackendCapabilities,
     ) -> Result<HostTensor<'a>> {
-        let name = format!("{}.weight", spec.prefix);
-        let t = fetch(src, &name, &[spec.out_features, spec.in_features])?;
-        self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e))
+        load_unquantized(src, spec, |t| self.prepare(t, caps))
     }
+}
+
+/// The unquantized form of the linear layer `spec`: `{prefix}.weight`, shape
+/// checked, stored by `prepare` (a method's [`QuantMethod::prepare`]). The
+/// default of [`QuantMethod::load_linear`], and what quantized formats do for
+/// the layers they leave in float.
+pub fn load_unquantized<'a>(
+    src: &'a dyn WeightSource,
+    spec: &LinearSpec<'_>,
+    prepare: impl FnOnce(HostTensor<'a>) -> Result<HostTensor<'a>>,
+) -> Result<HostTensor<'a>> {
+    let name = format!("{}.weight", spec.prefix);
+    let t = fetch(src, &name, &[spec.out_features, spec.in_features])?;
+    prepare(t).map_err(|e| in_tensor(src, &name, e))
 }
 
 /// The tensor `name` of `src`, which must exist, have `shape` and hold the

@@ -59,23 +59,26 @@ impl ScaleMap {
 
     /// Checks every scale is finite and positive.
     pub fn check(&self, src: &dyn WeightSource, name: &str) -> Result<()> {
-        let bad = |v: f32| !(v.is_finite() && v > 0.0);
-        let found = match self {
-            ScaleMap::Tensor(s) => bad(*s).then_some(*s),
+        match self {
+            ScaleMap::Tensor(s) => check_scales(src, name, std::slice::from_ref(s)),
             ScaleMap::Rows(s) | ScaleMap::Blocks { s, .. } | ScaleMap::Groups { s, .. } => {
-                s.iter().copied().find(|v| bad(*v))
+                check_scales(src, name, s)
             }
-        };
-        match found {
-            Some(v) => Err(in_tensor(
-                src,
-                name,
-                CoreError::load(format!(
-                    "holds the scale {v}; scales must be finite and positive"
-                )),
-            )),
-            None => Ok(()),
         }
+    }
+}
+
+/// Checks that every value of the scale tensor `name` is finite and positive.
+pub fn check_scales(src: &dyn WeightSource, name: &str, scales: &[f32]) -> Result<()> {
+    match scales.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
+        Some(v) => Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!(
+                "holds the scale {v}; scales must be finite and positive"
+            )),
+        )),
+        None => Ok(()),
     }
 }
 

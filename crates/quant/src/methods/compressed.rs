@@ -21,7 +21,7 @@ use super::common::{
 };
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
-use arbor_engine_core::quant::{fetch, in_tensor};
+use arbor_engine_core::quant::{fetch, in_tensor, load_unquantized};
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
     WeightSource,
@@ -316,9 +316,7 @@ impl QuantMethod for CompressedTensors {
             .then(|| self.schemes.iter().find(|s| s.matches(spec.prefix)))
             .flatten();
         let Some(scheme) = scheme else {
-            let name = format!("{}.weight", spec.prefix);
-            let t = fetch(src, &name, &[n, k])?;
-            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+            return load_unquantized(src, spec, |t| self.prepare(t, caps));
         };
         match scheme.kind {
             Kind::Int4 => self.load_int4(src, spec, scheme, caps),

@@ -19,7 +19,7 @@ use super::common::{
 };
 use crate::DType;
 use crate::formats::scaled::{E4M3_MAX, e4m3_to_f32, f32_to_e4m3};
-use arbor_engine_core::quant::{fetch, in_tensor};
+use arbor_engine_core::quant::{fetch, in_tensor, load_unquantized};
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
     WeightSource,
@@ -214,11 +214,11 @@ impl QuantMethod for Fp8Method {
         caps: &BackendCapabilities,
     ) -> Result<HostTensor<'a>> {
         let (n, k) = (spec.out_features, spec.in_features);
+        if self.excluded.contains(spec.prefix) {
+            return load_unquantized(src, spec, |t| self.prepare(t, caps));
+        }
         let name = format!("{}.weight", spec.prefix);
         let t = fetch(src, &name, &[n, k])?;
-        if self.excluded.contains(spec.prefix) {
-            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
-        }
         match t.dtype {
             DType::F8E4M3 => {
                 let scales = self.scales(src, spec.prefix, n, k)?;

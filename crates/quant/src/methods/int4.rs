@@ -14,9 +14,10 @@
 //! default) and `z` in GPTQModel's `gptq_v2`. `group_size: -1` is one group.
 
 use super::common::{
-    Excluded, U4Weight, bad_shape, floats, for_device, ints, store_float, string, tensor,
+    Excluded, U4Weight, bad_shape, check_scales, floats, for_device, ints, store_float, string,
+    tensor,
 };
-use arbor_engine_core::quant::{fetch, in_tensor};
+use arbor_engine_core::quant::{in_tensor, load_unquantized};
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
     WeightSource,
@@ -92,15 +93,7 @@ fn group_scales(src: &dyn WeightSource, name: &str, groups: usize, n: usize) -> 
         return Err(bad_shape(src, name, &t.shape, &format!("[{groups}, {n}]")));
     }
     let s = floats(src, name, &t)?;
-    if let Some(v) = s.iter().find(|v| !(v.is_finite() && **v > 0.0)) {
-        return Err(in_tensor(
-            src,
-            name,
-            CoreError::load(format!(
-                "holds the scale {v}; scales must be finite and positive"
-            )),
-        ));
-    }
+    check_scales(src, name, &s)?;
     Ok(s)
 }
 
@@ -113,6 +106,14 @@ fn outputs_by_8(src: &dyn WeightSource, prefix: &str, n: usize) -> Result<()> {
             src.describe()
         )))
     }
+}
+
+/// True when the layer `p` is excluded, or shipped as a float `weight`
+/// without a `qweight` (a layer the quantizer skipped).
+fn left_in_float(excluded: &Excluded, src: &dyn WeightSource, p: &str) -> Result<bool> {
+    Ok(excluded.contains(p)
+        || src.tensor(&format!("{p}.qweight"))?.is_none()
+            && src.tensor(&format!("{p}.weight"))?.is_some())
 }
 
 fn store(w: &U4Weight<'_>, caps: &BackendCapabilities) -> Result<HostTensor<'static>> {
@@ -187,13 +188,8 @@ impl QuantMethod for Awq {
         if !self.configured {
             return Err(unconfigured(self.name(), src));
         }
-        if self.excluded.contains(p)
-            || src.tensor(&format!("{p}.qweight"))?.is_none()
-                && src.tensor(&format!("{p}.weight"))?.is_some()
-        {
-            let name = format!("{p}.weight");
-            let t = fetch(src, &name, &[n, k])?;
-            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+        if left_in_float(&self.excluded, src, p)? {
+            return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
         outputs_by_8(src, p, n)?;
         let g = layer_group(src, p, self.group, k)?;
@@ -280,13 +276,8 @@ impl QuantMethod for Gptq {
         if !self.configured {
             return Err(unconfigured(self.name(), src));
         }
-        if self.excluded.contains(p)
-            || src.tensor(&format!("{p}.qweight"))?.is_none()
-                && src.tensor(&format!("{p}.weight"))?.is_some()
-        {
-            let name = format!("{p}.weight");
-            let t = fetch(src, &name, &[n, k])?;
-            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+        if left_in_float(&self.excluded, src, p)? {
+            return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
         outputs_by_8(src, p, n)?;
         if !k.is_multiple_of(8) {

@@ -19,7 +19,7 @@ use super::common::{
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
 use crate::formats::scaled::{e4m3_is_nan, e4m3_to_f32, write_f4_block};
-use arbor_engine_core::quant::{fetch, in_tensor};
+use arbor_engine_core::quant::{fetch, in_tensor, load_unquantized};
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
     WeightSource,
@@ -209,8 +209,7 @@ impl QuantMethod for ModelOpt {
         let (n, k, p) = (spec.out_features, spec.in_features, spec.prefix);
         let name = format!("{p}.weight");
         if self.excluded.contains(p) {
-            let t = fetch(src, &name, &[n, k])?;
-            return self.prepare(t, caps).map_err(|e| in_tensor(src, &name, e));
+            return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
         match algo {
             Algo::Nvfp4 => self.load_nvfp4(src, spec, caps),
