@@ -45,6 +45,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Serve a model over HTTP: SGLang's native API, the OpenAI API and Prometheus metrics.
     Serve(Box<config::ServeArgs>),
+    /// Route requests across several workers (cache-aware, power-of-two, round-robin, random).
+    Router(Box<arbor_router::RouterArgs>),
     /// Benchmarks: load-test a serving endpoint, or time one batch in-process.
     Bench {
         #[command(subcommand)]
@@ -69,6 +71,7 @@ fn main() {
         Command::Generate(a) => generate::run(a),
         Command::Info(a) => info::run(a),
         Command::Serve(a) => serve::run(*a),
+        Command::Router(a) => arbor_router::run(*a).map_err(anyhow::Error::from),
         Command::Bench { command } => arbor_bench::run_bench(command).map_err(anyhow::Error::from),
         Command::ProfileWorkload(a) => arbor_bench::run_profile_workload(a)
             .map(|_| ())

@@ -51,8 +51,14 @@ pub fn drain(
 
 impl Server {
     pub fn start(args: &[&str]) -> Result<Self> {
+        Self::start_command("serve", args)
+    }
+
+    /// Starts `arbor SUBCOMMAND ARGS` (`serve` or `router`): both print
+    /// `listening on http://ADDR` once ready.
+    pub fn start_command(subcommand: &str, args: &[&str]) -> Result<Self> {
         let mut child = Command::new(BIN)
-            .arg("serve")
+            .arg(subcommand)
             .args(args)
             .env("ARBOR_LOG", "warn")
             .stdin(Stdio::null())
@@ -81,7 +87,7 @@ impl Server {
                 Err(_) => {
                     let _ = child.kill();
                     bail!(
-                        "arbor serve did not start: stdout {:?} stderr {:?}",
+                        "arbor {subcommand} did not start: stdout {:?} stderr {:?}",
                         stdout.lock().map(|s| s.clone()).unwrap_or_default(),
                         stderr.lock().map(|s| s.clone()).unwrap_or_default()
                     );

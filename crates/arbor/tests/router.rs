@@ -1,0 +1,486 @@
+//! `arbor router` end to end: real `arbor serve` workers (the tiny Llama)
+//! on loopback ports behind a real router process. Which worker served a
+//! request is read from the workers' own metrics, not from the router.
+//! Worker generation is paused (`/pause_generation` in place) where a test
+//! needs requests to be in flight at the same time, so no test depends on
+//! timing. Each test ends with every worker's KV pool back to empty.
+
+mod common;
+
+use anyhow::{Context, Result, ensure};
+use common::{Server, SseReader, assert_no_leak, client, get, metric, post};
+use serde_json::{Value, json};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn router(workers: &[&Server], extra: &[&str]) -> Result<Server> {
+    let mut args: Vec<String> = vec!["--port".into(), "0".into()];
+    if !workers.is_empty() {
+        args.push("--worker-urls".into());
+        args.extend(workers.iter().map(|w| w.base.clone()));
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Server::start_command("router", &refs)
+}
+
+fn workers(n: usize) -> Result<Vec<Server>> {
+    (0..n).map(|_| Server::tiny(&[])).collect()
+}
+
+/// Requests each worker has finished or started (its own counter).
+async fn served(c: &reqwest::Client, ws: &[Server]) -> Result<Vec<f64>> {
+    let mut out = Vec::new();
+    for w in ws {
+        let (_, m) = get(c, &w.url("/metrics"), None).await?;
+        out.push(metric(&m, "arbor:num_requests_total").context("num_requests_total")?);
+    }
+    Ok(out)
+}
+
+fn delta(before: &[f64], after: &[f64]) -> Vec<u64> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| (a - b) as u64)
+        .collect()
+}
+
+/// An unlabelled sample of the router's metrics.
+fn plain_metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+async fn pause(c: &reqwest::Client, w: &Server) -> Result<()> {
+    let (s, v) = post(c, &w.url("/pause_generation"), &json!({"mode": "in_place"})).await?;
+    ensure!(s == 200, "pause: {s} {v}");
+    Ok(())
+}
+
+async fn resume(c: &reqwest::Client, w: &Server) -> Result<()> {
+    let (s, v) = post(c, &w.url("/continue_generation"), &json!({})).await?;
+    ensure!(s == 200, "continue: {s} {v}");
+    Ok(())
+}
+
+/// The router's view: each worker's in-flight load, by URL.
+async fn loads(c: &reqwest::Client, r: &Server) -> Result<Vec<(String, u64)>> {
+    let (_, body) = get(c, &r.url("/workers"), None).await?;
+    let v: Value = serde_json::from_str(&body)?;
+    Ok(v["workers"]
+        .as_array()
+        .context("workers")?
+        .iter()
+        .map(|w| {
+            (
+                w["url"].as_str().unwrap_or("").to_string(),
+                w["load"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect())
+}
+
+async fn wait_total_load(c: &reqwest::Client, r: &Server, want: u64) -> Result<Vec<(String, u64)>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let l = loads(c, r).await?;
+        if l.iter().map(|x| x.1).sum::<u64>() == want {
+            return Ok(l);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "router load never reached {want}: {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Requests waiting in each worker's queue (its own gauge).
+async fn queued(c: &reqwest::Client, ws: &[Server]) -> Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for w in ws {
+        let (_, m) = get(c, &w.url("/metrics"), None).await?;
+        let q = metric(&m, "arbor:num_queue_reqs").unwrap_or(0.0)
+            + metric(&m, "arbor:num_running_reqs").unwrap_or(0.0);
+        out.push(q as u64);
+    }
+    Ok(out)
+}
+
+fn prefix(group: usize) -> String {
+    let words = ["oak", "elm", "ash", "fir", "yew", "bay"];
+    (0..24)
+        .map(|i| words[(i * (group + 2) + group) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn generate_body(text: &str, n: u32) -> Value {
+    json!({"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": true}})
+}
+
+#[tokio::test]
+async fn cache_aware_keeps_each_prefix_on_one_worker() -> Result<()> {
+    let ws = workers(3)?;
+    let r = router(&ws.iter().collect::<Vec<_>>(), &["--policy", "cache_aware"])?;
+    let c = client();
+    let mut homes = Vec::new();
+    for g in 0..3 {
+        let before = served(&c, &ws).await?;
+        let mut cached = Vec::new();
+        for q in 0..4 {
+            let (s, v) = post(
+                &c,
+                &r.url("/generate"),
+                &generate_body(&format!("{} question {q}", prefix(g)), 4),
+            )
+            .await?;
+            ensure!(s == 200, "{s} {v}");
+            cached.push(v["meta_info"]["cached_tokens"].as_u64().unwrap_or(0));
+        }
+        let d = delta(&before, &served(&c, &ws).await?);
+        let home = d
+            .iter()
+            .position(|&n| n == 4)
+            .with_context(|| format!("group {g} spread: {d:?}"))?;
+        ensure!(d.iter().sum::<u64>() == 4, "{d:?}");
+        // The worker really reused the prefix.
+        ensure!(
+            cached[1..].iter().all(|&t| t > 0),
+            "no cache hit: {cached:?}"
+        );
+        homes.push(home);
+    }
+    // A new prefix goes to the worker with the smallest tree: each its own.
+    homes.sort_unstable();
+    homes.dedup();
+    ensure!(homes.len() == 3, "groups shared workers: {homes:?}");
+    // The OpenAI APIs route by their prompt too, and streams pass through.
+    let before = served(&c, &ws).await?;
+    let body = json!({"prompt": format!("{} question 9", prefix(1)), "max_tokens": 3, "temperature": 0, "stream": true});
+    let resp = c.post(r.url("/v1/completions")).json(&body).send().await?;
+    let (events, done) = SseReader::new(resp)?.rest().await?;
+    ensure!(done && !events.is_empty());
+    let d = delta(&before, &served(&c, &ws).await?);
+    ensure!(d.iter().sum::<u64>() == 1);
+    let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+    let hits = metric(&m, "arbor_router_routing_decisions_total").context("decisions")?;
+    ensure!(hits > 0.0, "{m}");
+    ensure!(m.contains("decision=\"cache_hit\"} 10"), "{m}");
+    ensure!(m.contains("decision=\"cache_miss\"} 3"), "{m}");
+    let (s, _) = post(&c, &r.url("/flush_cache"), &json!({})).await?;
+    ensure!(s == 200);
+    for w in &ws {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    Ok(())
+}
+
+/// 12 requests of one hot prefix in flight at once (workers paused).
+async fn hot_prefix_loads(c: &reqwest::Client, ws: &[Server], r: &Server) -> Result<Vec<u64>> {
+    for w in ws {
+        pause(c, w).await?;
+    }
+    let calls: Vec<_> = (0..12)
+        .map(|q| {
+            let c = c.clone();
+            let url = r.url("/generate");
+            let body = generate_body(&format!("{} hot {q}", prefix(4)), 2);
+            tokio::spawn(async move { post(&c, &url, &body).await })
+        })
+        .collect();
+    let router_view = wait_total_load(c, r, 12).await?;
+    // The workers agree: each holds what the router says it sent.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let on_workers = loop {
+        let q = queued(c, ws).await?;
+        if q.iter().sum::<u64>() == 12 || Instant::now() > deadline {
+            break q;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let by_url: Vec<u64> = ws
+        .iter()
+        .map(|w| {
+            router_view
+                .iter()
+                .find(|(u, _)| *u == w.base)
+                .map_or(0, |x| x.1)
+        })
+        .collect();
+    ensure!(
+        by_url == on_workers,
+        "router {router_view:?} workers {on_workers:?}"
+    );
+    for w in ws {
+        resume(c, w).await?;
+    }
+    for h in calls {
+        let (s, v) = h.await??;
+        ensure!(s == 200, "{s} {v}");
+    }
+    Ok(on_workers)
+}
+
+#[tokio::test]
+async fn bounded_load_caps_a_hot_prefix() -> Result<()> {
+    let ws = workers(3)?;
+    let all: Vec<&Server> = ws.iter().collect();
+    let c = client();
+    // SGLang's cache_aware: 12 in flight are far below the imbalance
+    // thresholds, so the prefix's worker takes them all.
+    let plain = router(&all, &["--policy", "cache_aware"])?;
+    let loads = hot_prefix_loads(&c, &ws, &plain).await?;
+    ensure!(loads.iter().max() == Some(&12), "{loads:?}");
+    drop(plain);
+    // Bounded: at most ⌈1.25 × 12 / 3⌉ = 5 on any worker.
+    let bounded = router(
+        &all,
+        &["--policy", "cache_aware", "--max-load-factor", "1.25"],
+    )?;
+    let loads = hot_prefix_loads(&c, &ws, &bounded).await?;
+    ensure!(loads.iter().all(|&n| (1..=5).contains(&n)), "{loads:?}");
+    let (_, m) = get(&c, &bounded.url("/metrics"), None).await?;
+    ensure!(m.contains("decision=\"bounded_load\""), "{m}");
+    for w in &ws {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn round_robin_power_of_two_and_random_spread_load() -> Result<()> {
+    let ws = workers(3)?;
+    let all: Vec<&Server> = ws.iter().collect();
+    let c = client();
+    for policy in ["round_robin", "power_of_two", "random"] {
+        let r = router(&all, &["--policy", policy])?;
+        let before = served(&c, &ws).await?;
+        for q in 0..9 {
+            let (s, v) = post(
+                &c,
+                &r.url("/v1/chat/completions"),
+                &json!({
+                "messages": [{"role": "user", "content": format!("{} {q}", prefix(0))}],
+                "max_tokens": 2, "temperature": 0}),
+            )
+            .await?;
+            ensure!(s == 200, "{policy}: {s} {v}");
+        }
+        let d = delta(&before, &served(&c, &ws).await?);
+        ensure!(d.iter().sum::<u64>() == 9, "{policy}: {d:?}");
+        if policy == "round_robin" {
+            ensure!(d == [3, 3, 3], "{d:?}");
+        } else {
+            // Same prefix every time, yet no affinity: with 9 requests the
+            // chance that one worker takes all is (1/3)^8 for random and
+            // zero for power_of_two (an idle worker beats a busy one only
+            // when loads differ; sequential requests see equal loads, so
+            // the draw decides).
+            ensure!(d.iter().filter(|&&n| n > 0).count() >= 2, "{policy}: {d:?}");
+        }
+        let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+        ensure!(m.contains(&format!("decision=\"{policy}\"}} 9")), "{m}");
+    }
+    for w in &ws {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_killed_worker_loses_no_request_that_had_not_started() -> Result<()> {
+    let mut ws = workers(3)?;
+    let all: Vec<&Server> = ws.iter().collect();
+    let r = router(
+        &all,
+        &[
+            "--policy",
+            "round_robin",
+            "--health-check-interval-secs",
+            "1",
+            "--retry-initial-backoff-ms",
+            "10",
+        ],
+    )?;
+    let c = client();
+    for w in &ws {
+        pause(&c, w).await?;
+    }
+    let calls: Vec<_> = (0..6)
+        .map(|q| {
+            let c = c.clone();
+            let url = r.url("/generate");
+            let body = generate_body(&format!("{} kill {q}", prefix(2)), 3);
+            tokio::spawn(async move { post(&c, &url, &body).await })
+        })
+        .collect();
+    let l = wait_total_load(&c, &r, 6).await?;
+    ensure!(l.iter().all(|x| x.1 == 2), "{l:?}");
+    // Worker 1 dies with two requests queued; the others go on.
+    ws[1].child.kill()?;
+    ws[1].child.wait()?;
+    resume(&c, &ws[0]).await?;
+    resume(&c, &ws[2]).await?;
+    for h in calls {
+        let (s, v) = h.await??;
+        ensure!(s == 200, "a request was lost: {s} {v}");
+        ensure!(v["meta_info"]["completion_tokens"] == 3, "{v}");
+    }
+    let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+    ensure!(
+        plain_metric(&m, "arbor_router_retries_total") >= Some(2.0),
+        "{m}"
+    );
+    // Health checks take the dead worker out; traffic goes to the others.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+        if m.contains(&format!(
+            "arbor_router_worker_healthy{{worker=\"{}\"}} 0",
+            ws[1].base
+        )) {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "worker 1 still healthy: {m}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for q in 0..4 {
+        let (s, v) = post(
+            &c,
+            &r.url("/generate"),
+            &generate_body(&format!("after {q}"), 2),
+        )
+        .await?;
+        ensure!(s == 200, "{s} {v}");
+    }
+    // A request that had started streaming gets a clear error when its
+    // worker dies: pause the worker mid-stream, then kill it.
+    let body = json!({"text": "stream me", "stream": true, "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": true}});
+    let resp = c.post(r.url("/generate")).json(&body).send().await?;
+    let mut reader = SseReader::new(resp)?;
+    let first = reader.next().await?.context("no first event")?;
+    ensure!(first.get("text").is_some(), "{first}");
+    let l = loads(&c, &r).await?;
+    let busy = l
+        .iter()
+        .find(|x| x.1 == 1)
+        .context("no busy worker")?
+        .0
+        .clone();
+    let victim = ws
+        .iter()
+        .position(|w| w.base == busy)
+        .context("busy worker")?;
+    pause(&c, &ws[victim]).await?;
+    ws[victim].child.kill()?;
+    ws[victim].child.wait()?;
+    let (rest, done) = reader.rest().await?;
+    ensure!(!done, "the stream claimed to be complete");
+    let err = rest.last().context("no error event")?;
+    let msg = err["error"]["message"].as_str().unwrap_or("");
+    ensure!(
+        msg.contains("failed mid-response") && msg.contains(&busy),
+        "{err}"
+    );
+    let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+    ensure!(
+        m.contains("arbor_router_request_failures_total{reason=\"mid_stream\"} 1"),
+        "{m}"
+    );
+    let survivor = (0..3)
+        .find(|&i| i != 1 && i != victim)
+        .context("survivor")?;
+    assert_no_leak(&c, &ws[survivor], "arbor", None).await
+}
+
+#[tokio::test]
+async fn workers_come_and_go_and_bad_input_gets_clear_errors() -> Result<()> {
+    let c = client();
+    let r = router(&[], &["--policy", "cache_aware"])?;
+    let (s, body) = get(&c, &r.url("/health"), None).await?;
+    ensure!(s == 503, "{s} {body}");
+    let (s, v) = post(&c, &r.url("/generate"), &generate_body("hi", 1)).await?;
+    ensure!(
+        s == 503
+            && v["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("no healthy worker"),
+        "{s} {v}"
+    );
+    let w = Server::tiny(&[])?;
+    let add = |url: String| {
+        let c = c.clone();
+        let r = r.url(&format!("/add_worker?url={url}"));
+        async move { c.post(r).send().await.map(|x| x.status().as_u16()) }
+    };
+    ensure!(add(w.base.clone()).await? == 200);
+    ensure!(add(w.base.clone()).await? == 400, "a duplicate was added");
+    ensure!(
+        add("http://127.0.0.1:1".into()).await? == 400,
+        "an unreachable worker was added"
+    );
+    ensure!(add("not-a-url".into()).await? == 400);
+    let (s, v) = post(&c, &r.url("/generate"), &generate_body("hi", 2)).await?;
+    ensure!(s == 200, "{s} {v}");
+    let (s, body) = get(&c, &r.url("/list_workers"), None).await?;
+    ensure!(s == 200 && body.contains(&w.base), "{body}");
+    let (s, body) = get(&c, &r.url("/v1/models"), None).await?;
+    ensure!(s == 200 && body.contains("\"object\""), "{s} {body}");
+    // Not JSON: 400 from the router itself.
+    let resp = c.post(r.url("/generate")).body("{oops").send().await?;
+    ensure!(resp.status().as_u16() == 400);
+    // The worker's own 400s pass through untouched.
+    let (s, v) = post(
+        &c,
+        &r.url("/generate"),
+        &json!({"text": "x", "sampling_params": {"temperature": -1}}),
+    )
+    .await?;
+    ensure!(s == 400 && v["error"]["message"].is_string(), "{s} {v}");
+    let remove = |url: String| {
+        let c = c.clone();
+        let r = r.url(&format!("/remove_worker?url={url}"));
+        async move { c.post(r).send().await.map(|x| x.status().as_u16()) }
+    };
+    ensure!(remove("http://127.0.0.1:1".into()).await? == 404);
+    ensure!(remove(w.base.clone()).await? == 200);
+    let (s, _) = post(&c, &r.url("/generate"), &generate_body("hi", 1)).await?;
+    ensure!(s == 503);
+    assert_no_leak(&c, &w, "arbor", None).await?;
+
+    // Start-up errors name the problem.
+    let refuse = |args: &[&str], needle: &str| -> Result<()> {
+        let out = Command::new(common::BIN)
+            .arg("router")
+            .args(["--port", "0"])
+            .args(args)
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{args:?} was accepted");
+        ensure!(err.contains(needle), "{args:?}: {err}");
+        Ok(())
+    };
+    refuse(
+        &[
+            "--worker-urls",
+            "http://127.0.0.1:1",
+            "--worker-startup-timeout-secs",
+            "1",
+        ],
+        "http://127.0.0.1:1 was not healthy",
+    )?;
+    refuse(
+        &["--worker-urls", &w.base, &format!("{}/", w.base)],
+        "registered already",
+    )?;
+    refuse(
+        &["--worker-urls", "localhost:8000"],
+        "is not http://HOST:PORT",
+    )?;
+    refuse(&["--policy", "least_busy"], "cache_aware")?;
+    refuse(&["--max-load-factor", "0.5"], "--max-load-factor")?;
+    Ok(())
+}
