@@ -18,6 +18,7 @@ pub mod refit;
 mod request;
 mod scheduler;
 mod stream;
+pub mod transfer;
 
 pub use policy::SchedulePolicy;
 
@@ -347,6 +348,7 @@ enum Msg {
         storage: bool,
     },
     Control(refit::Control),
+    Transfer(transfer::TransferOp),
     Shutdown,
 }
 

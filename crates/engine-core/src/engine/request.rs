@@ -104,10 +104,7 @@ impl Req {
             spec_verify_ct: 0,
             spec_accepted: 0,
             spec_rate: (0.0, 0.0),
-            ns: match &r.lora {
-                Some(a) => r.namespace.with_adapter(a.digest()),
-                None => r.namespace,
-            },
+            ns: super::transfer::request_namespace(&r.namespace, r.lora.as_ref()),
             lora: r.lora,
             priority: r.priority,
             return_logprob: r.return_logprob,

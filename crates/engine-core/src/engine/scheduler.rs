@@ -41,6 +41,7 @@ use crate::speculative::Speculator;
 mod iteration;
 mod refit;
 mod speculation;
+mod transfer;
 use std::collections::VecDeque;
 use std::sync::mpsc::Receiver;
 use std::sync::{Arc, Mutex};
@@ -270,6 +271,7 @@ impl Scheduler {
                 let _ = reply.send(ok);
             }
             Msg::Control(c) => self.control(c),
+            Msg::Transfer(op) => self.transfer(op),
             Msg::Shutdown => return false,
         }
         true

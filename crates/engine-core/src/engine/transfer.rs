@@ -1,0 +1,186 @@
+//! KV transfer between engines, for prefill/decode disaggregation: one
+//! engine exports the KV pages of a cached token prefix, another imports
+//! them into its own prefix cache, and a request there then matches the
+//! prefix instead of computing it.
+//!
+//! - [`Engine::export_kv`]: between steps, matches `tokens` in the prefix
+//!   cache (whole pages; a host-tier hit is loaded back first), copies the
+//!   matched pages to host memory in the host-tier layout (per layer the
+//!   page's K bytes then its V bytes) and returns them as [`KvPages`]. The
+//!   match is locked while the copy runs, so no page is evicted under it.
+//! - [`Engine::import_kv`]: between steps, checks that the pages were made
+//!   by an engine of the same layout ([`KvPages::layout`]), takes device
+//!   pages from the pool (evicting unlocked cache entries if needed), writes
+//!   the bytes and inserts the tokens into the prefix cache, which owns the
+//!   pages from then on (evictable, freed by a flush). Pages already cached
+//!   are freed again by the insert.
+//! - [`KvTransfer`]: how pages travel from one engine to another (TCP in
+//!   crates/kv-transfer; NIXL or Mooncake's transfer engine fit the same
+//!   trait). The receiving side hands what arrives to `import_kv`.
+//!
+//! Namespaces travel with the pages unversioned; each engine salts them
+//! with its own weight version, so pages never cross a weight update.
+
+use super::{Engine, Msg};
+use crate::error::{CoreError, Result};
+use crate::lora::LoraAdapter;
+use crate::prefix_cache::CacheNamespace;
+use std::sync::{Arc, mpsc};
+
+/// The KV of a token prefix, in whole pages (see the module doc).
+#[derive(Clone, PartialEq, Eq)]
+pub struct KvPages {
+    /// Digest of the exporter's KV layout (model shape, KV dtype, page
+    /// size): an importer with another layout refuses the pages.
+    pub layout: [u8; 32],
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Bytes per page.
+    pub page_bytes: usize,
+    /// The cache namespace (before weight versioning).
+    pub namespace: CacheNamespace,
+    /// The prefix, `pages.len() * page_size` tokens.
+    pub tokens: Vec<u32>,
+    /// One entry of `page_bytes` per page.
+    pub pages: Vec<Vec<u8>>,
+}
+
+impl std::fmt::Debug for KvPages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPages")
+            .field("page_size", &self.page_size)
+            .field("page_bytes", &self.page_bytes)
+            .field("namespace", &self.namespace)
+            .field("tokens", &self.tokens.len())
+            .field("pages", &self.pages.len())
+            .finish()
+    }
+}
+
+impl KvPages {
+    /// Bytes of KV carried.
+    pub fn bytes(&self) -> usize {
+        self.pages.len() * self.page_bytes
+    }
+
+    /// Whether the shape is consistent (token count, page sizes).
+    pub fn check(&self) -> Result<()> {
+        if self.page_size == 0 || self.tokens.len() != self.pages.len() * self.page_size {
+            return Err(CoreError::invalid(format!(
+                "KV pages: {} tokens do not fill {} pages of {}",
+                self.tokens.len(),
+                self.pages.len(),
+                self.page_size
+            )));
+        }
+        if let Some(p) = self.pages.iter().find(|p| p.len() != self.page_bytes) {
+            return Err(CoreError::invalid(format!(
+                "KV pages: a page of {} bytes, expected {}",
+                p.len(),
+                self.page_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What one transfer moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TransferReport {
+    /// Tokens the receiving engine now caches from the transfer.
+    pub tokens: usize,
+    /// Bytes sent.
+    pub bytes: usize,
+    /// Seconds from the start of sending to the receiver's answer.
+    pub seconds: f64,
+}
+
+/// Why a transfer failed (the receiver then computes the prefix itself).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// The peer address is not usable.
+    #[error("bad KV transfer peer {0:?}")]
+    BadPeer(String),
+    /// The peer could not be reached or the connection broke.
+    #[error("KV transfer I/O: {0}")]
+    Io(String),
+    /// The peer refused the pages (another layout, no memory, ...).
+    #[error("KV transfer refused by the peer: {0}")]
+    Refused(String),
+    /// What arrived is not a valid transfer.
+    #[error("KV transfer protocol: {0}")]
+    Protocol(String),
+}
+
+/// Moves KV pages to another engine.
+pub trait KvTransfer: Send + Sync {
+    /// Registered name (`tcp`).
+    fn name(&self) -> &str;
+    /// Sends `pages` to the engine listening at `peer` and waits until it
+    /// imported them.
+    fn send(
+        &self,
+        peer: &str,
+        pages: &KvPages,
+    ) -> std::result::Result<TransferReport, TransferError>;
+}
+
+/// Messages of this module to the scheduler thread.
+pub(crate) enum TransferOp {
+    Export {
+        namespace: CacheNamespace,
+        tokens: Vec<u32>,
+        reply: mpsc::Sender<Result<KvPages>>,
+    },
+    Import {
+        pages: KvPages,
+        reply: mpsc::Sender<Result<usize>>,
+    },
+}
+
+/// The namespace a request with `namespace` and `lora` runs in (before
+/// weight versioning).
+pub(crate) fn request_namespace(
+    namespace: &CacheNamespace,
+    lora: Option<&Arc<LoraAdapter>>,
+) -> CacheNamespace {
+    match lora {
+        Some(a) => namespace.with_adapter(a.digest()),
+        None => namespace.clone(),
+    }
+}
+
+impl Engine {
+    fn transfer<T>(&self, make: impl FnOnce(mpsc::Sender<Result<T>>) -> TransferOp) -> Result<T> {
+        let (tx, rx) = mpsc::channel();
+        self.tx
+            .send(Msg::Transfer(make(tx)))
+            .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
+        rx.recv()
+            .map_err(|_| CoreError::Internal("the scheduler stopped before answering".into()))?
+    }
+
+    /// The cached whole-page prefix of `tokens` of a request with
+    /// `namespace` and `lora`, as pages (see the module doc).
+    pub fn export_kv(
+        &self,
+        tokens: &[u32],
+        namespace: &CacheNamespace,
+        lora: Option<&Arc<LoraAdapter>>,
+    ) -> Result<KvPages> {
+        let namespace = request_namespace(namespace, lora);
+        let tokens = tokens.to_vec();
+        self.transfer(|reply| TransferOp::Export {
+            namespace,
+            tokens,
+            reply,
+        })
+    }
+
+    /// Caches `pages` (see the module doc); returns the tokens now cached
+    /// from them.
+    pub fn import_kv(&self, pages: KvPages) -> Result<usize> {
+        pages.check()?;
+        self.transfer(|reply| TransferOp::Import { pages, reply })
+    }
+}

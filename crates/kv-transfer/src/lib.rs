@@ -1,0 +1,154 @@
+//! KV page transfer between engines over TCP (prefill/decode
+//! disaggregation): [`TcpTransfer`] sends an exported prefix
+//! ([`KvPages`]) to a [`TcpReceiver`], which hands it to the decode
+//! engine's `import_kv` and answers with the tokens it now caches.
+//!
+//! One connection per transfer; the frame format is in [`wire`]. The
+//! sender waits for the receiver's answer, so once `send` returned `Ok` the
+//! pages are in the decode engine's prefix cache. Every failure is an error
+//! value (the decode side then computes the prefix itself); nothing here
+//! panics on what the network brings.
+
+pub mod wire;
+
+use arbor_engine_core::engine::transfer::{KvPages, KvTransfer, TransferError, TransferReport};
+use std::io::{BufReader, BufWriter, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Sends pages over TCP.
+#[derive(Debug, Clone)]
+pub struct TcpTransfer {
+    connect_timeout: Duration,
+    io_timeout: Duration,
+}
+
+impl Default for TcpTransfer {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+fn io(e: std::io::Error) -> TransferError {
+    TransferError::Io(e.to_string())
+}
+
+impl KvTransfer for TcpTransfer {
+    fn name(&self) -> &str {
+        "tcp"
+    }
+
+    fn send(&self, peer: &str, pages: &KvPages) -> Result<TransferReport, TransferError> {
+        let start = Instant::now();
+        let addr = peer
+            .to_socket_addrs()
+            .map_err(|e| TransferError::BadPeer(format!("{peer}: {e}")))?
+            .next()
+            .ok_or_else(|| TransferError::BadPeer(peer.to_string()))?;
+        let stream = TcpStream::connect_timeout(&addr, self.connect_timeout).map_err(io)?;
+        stream.set_read_timeout(Some(self.io_timeout)).map_err(io)?;
+        stream
+            .set_write_timeout(Some(self.io_timeout))
+            .map_err(io)?;
+        let _ = stream.set_nodelay(true);
+        let mut w = BufWriter::with_capacity(1 << 20, stream.try_clone().map_err(io)?);
+        wire::write_pages(&mut w, pages).map_err(io)?;
+        w.flush().map_err(io)?;
+        drop(w);
+        let tokens = wire::read_answer(&mut BufReader::new(stream))?;
+        Ok(TransferReport {
+            tokens,
+            bytes: pages.bytes(),
+            seconds: start.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+/// What the receiver does with pages that arrived: import them and say how
+/// many tokens are now cached, or why not.
+pub type PageSink = Arc<dyn Fn(KvPages) -> Result<usize, String> + Send + Sync>;
+
+/// Accepts transfers on a TCP port until dropped.
+pub struct TcpReceiver {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for TcpReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TcpReceiver({})", self.addr)
+    }
+}
+
+impl TcpReceiver {
+    /// Listens on `addr` (port 0: any free port) and hands every transfer to `sink`.
+    pub fn bind(addr: &str, sink: PageSink, limits: wire::Limits) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::Builder::new()
+            .name("arbor-kv-recv".into())
+            .spawn(move || accept_loop(listener, sink, limits, flag))?;
+        Ok(Self { addr, stop })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpReceiver {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((stream, from)) => {
+                let sink = sink.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("arbor-kv-conn".into())
+                    .spawn(move || {
+                        if let Err(e) = serve_one(stream, &sink, limits) {
+                            tracing::warn!("KV transfer from {from}: {e}");
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!("KV transfer from {from}: no thread: {e}");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => {
+                tracing::warn!("KV transfer accept: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn serve_one(stream: TcpStream, sink: &PageSink, limits: wire::Limits) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(60)))?;
+    let _ = stream.set_nodelay(true);
+    let mut r = BufReader::with_capacity(1 << 20, stream.try_clone()?);
+    let answer = match wire::read_pages(&mut r, limits) {
+        Ok(pages) => sink(pages),
+        Err(e) => Err(e.to_string()),
+    };
+    let mut w = BufWriter::new(stream);
+    wire::write_answer(&mut w, &answer)?;
+    w.flush()
+}

@@ -1,0 +1,148 @@
+//! Prefill/decode disaggregation between two engines on the tiny Llama,
+//! over a real TCP transfer: the prefill engine computes each prompt, its
+//! KV pages travel to the decode engine, and the decode engine's greedy
+//! output equals that of an engine that computed everything itself, with
+//! the transferred prefix counted as cached. Both pools are empty after a
+//! flush.
+
+#[path = "../../engine-core/tests/support/tiny.rs"]
+mod tiny;
+
+use anyhow::{Context, Result, ensure};
+use arbor_engine_core::engine::transfer::{KvTransfer, TransferError};
+use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
+use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::{CacheNamespace, DType, PrefixCacheOptions, SamplingParams};
+use arbor_kv_radix as _;
+use arbor_kv_transfer::wire::Limits;
+use arbor_kv_transfer::{TcpReceiver, TcpTransfer};
+use std::sync::Arc;
+use tiny::{assert_pool_empty, greedy, prompts, shared};
+
+fn engine(page: usize, dtype: DType) -> Result<Engine> {
+    let s = shared();
+    let runner = ModelRunner::new(
+        s.model.model.clone(),
+        s.backend.clone(),
+        None,
+        page,
+        256,
+        dtype,
+    )?;
+    let policy = s.registry.eviction_policies.get("lru")?()?;
+    let cache = s.registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
+        page_size: page,
+        policy,
+    })?;
+    let parts = EngineParts::local(
+        runner,
+        cache,
+        s.registry.samplers.get("standard")?()?,
+        Vec::new(),
+        s.model.tokenizer.clone(),
+        s.model.tokenizer.eos_token_ids.clone(),
+    );
+    Ok(Engine::new(
+        EngineConfig {
+            disable_radix_cache: false,
+            ..EngineConfig::default()
+        },
+        parts,
+    )?)
+}
+
+fn generate(e: &Engine, prompt: &[u32], p: &SamplingParams) -> Result<(Vec<u32>, usize)> {
+    let chunks = e
+        .submit(GenerateRequest::new(prompt.to_vec(), p.clone()))?
+        .collect_blocking();
+    let last = chunks.last().context("a chunk")?;
+    Ok((
+        chunks.iter().flat_map(|c| c.token_ids.clone()).collect(),
+        last.meta.cached_tokens,
+    ))
+}
+
+fn receiver(decode: &Arc<Engine>) -> Result<TcpReceiver> {
+    let e = decode.clone();
+    Ok(TcpReceiver::bind(
+        "127.0.0.1:0",
+        Arc::new(move |p| e.import_kv(p).map_err(|e| e.to_string())),
+        Limits::default(),
+    )?)
+}
+
+#[test]
+fn decode_after_a_transfer_equals_computing_everything() -> Result<()> {
+    for page in [1, 16] {
+        let reference = engine(page, DType::F32)?;
+        let prefill = engine(page, DType::F32)?;
+        let decode = Arc::new(engine(page, DType::F32)?);
+        let rx = receiver(&decode)?;
+        let peer = rx.local_addr().to_string();
+        let tcp = TcpTransfer::default();
+        for prompt in prompts(6, 11).into_iter().filter(|p| p.len() > page) {
+            let (want, _) = generate(&reference, &prompt, &greedy(12))?;
+            // The prefill engine computes the prompt (and one token).
+            generate(&prefill, &prompt, &greedy(1))?;
+            let pages = prefill.export_kv(&prompt, &CacheNamespace::default(), None)?;
+            let whole = (prompt.len() / page) * page;
+            // The radix cache holds whole pages of the prompt (page 1: all
+            // but nothing, since the finished sequence is cached whole).
+            ensure!(
+                pages.tokens.len() == whole && pages.tokens[..] == prompt[..whole],
+                "{page}: {pages:?}"
+            );
+            let report = tcp.send(&peer, &pages)?;
+            ensure!(
+                report.tokens == whole && report.bytes == pages.bytes(),
+                "{report:?}"
+            );
+            let (got, cached) = generate(&decode, &prompt, &greedy(12))?;
+            ensure!(got == want, "page {page}: {got:?} != {want:?}");
+            // The decode engine computed only what the transfer lacked.
+            ensure!(
+                cached == whole.min(prompt.len() - 1) / page * page,
+                "cached {cached} of {}",
+                prompt.len()
+            );
+        }
+        assert_pool_empty(&reference);
+        assert_pool_empty(&prefill);
+        assert_pool_empty(&decode);
+    }
+    Ok(())
+}
+
+#[test]
+fn mismatched_or_unreachable_peers_fail_cleanly() -> Result<()> {
+    let prefill = engine(16, DType::F32)?;
+    // Another KV dtype is another layout: refused, nothing allocated.
+    let decode = Arc::new(engine(16, DType::F16)?);
+    let rx = receiver(&decode)?;
+    let prompt: Vec<u32> = (1..40).collect();
+    generate(&prefill, &prompt, &greedy(1))?;
+    let pages = prefill.export_kv(&prompt, &CacheNamespace::default(), None)?;
+    ensure!(pages.pages.len() == 2);
+    let tcp = TcpTransfer::default();
+    match tcp.send(&rx.local_addr().to_string(), &pages) {
+        Err(TransferError::Refused(m)) => ensure!(m.contains("another layout"), "{m}"),
+        other => anyhow::bail!("{other:?}"),
+    }
+    ensure!(matches!(
+        tcp.send("127.0.0.1:1", &pages),
+        Err(TransferError::Io(_))
+    ));
+    ensure!(matches!(
+        tcp.send("no port", &pages),
+        Err(TransferError::BadPeer(_))
+    ));
+    // Nothing cached: an empty export, and an import of it caches nothing.
+    let none = prefill.export_kv(&[400, 401, 402], &CacheNamespace::default(), None)?;
+    ensure!(none.pages.is_empty() && prefill.import_kv(none)? == 0);
+    // A namespace keeps its pages apart.
+    let salted = prefill.export_kv(&prompt, &CacheNamespace::new(None, Some("tenant")), None)?;
+    ensure!(salted.pages.is_empty());
+    assert_pool_empty(&prefill);
+    assert_pool_empty(&decode);
+    Ok(())
+}
