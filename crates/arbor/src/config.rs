@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
+pub use crate::disagg::{DisaggregationArgs, DisaggregationSection};
 pub use crate::hicache::{HiCacheArgs, HiCacheSection};
 pub use crate::lora::{LoraArgs, LoraSection};
 pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
@@ -140,11 +141,12 @@ pub struct FileConfig {
     pub speculative: SpeculativeSection,
     pub hicache: HiCacheSection,
     pub lora: LoraSection,
+    pub disaggregation: DisaggregationSection,
     pub plugins: Vec<PluginEntry>,
 }
 
 const SECTIONS: &str = "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], \
-                        [speculative], [hicache], [lora], [[plugins]]";
+                        [speculative], [hicache], [lora], [disaggregation], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -179,6 +181,7 @@ impl FileConfig {
                 "speculative" => c.speculative = section(&k, v)?,
                 "hicache" => c.hicache = section(&k, v)?,
                 "lora" => c.lora = section(&k, v)?,
+                "disaggregation" => c.disaggregation = section(&k, v)?,
                 "plugins" => {
                     let toml::Value::Array(items) = v else {
                         bail!("'plugins' must be an array of tables ([[plugins]])");
@@ -349,6 +352,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub lora: LoraArgs,
 
+    #[command(flatten)]
+    pub disaggregation: DisaggregationArgs,
+
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
@@ -371,6 +377,7 @@ pub struct ServeConfig {
     pub speculative: SpeculativeSection,
     pub hicache: HiCacheSection,
     pub lora: LoraSection,
+    pub disaggregation: DisaggregationSection,
     pub plugins: Vec<PluginEntry>,
 }
 
@@ -427,6 +434,7 @@ impl ServeConfig {
             speculative: spec,
             hicache,
             lora,
+            disaggregation,
             mut plugins,
         } = file;
         compiled_out_check(&g, &c, a)?;
@@ -595,6 +603,7 @@ impl ServeConfig {
             speculative: SpeculativeSection::resolve(spec, &a.speculative),
             hicache: HiCacheSection::resolve(hicache, &a.hicache),
             lora: LoraSection::resolve(lora, &a.lora),
+            disaggregation: DisaggregationSection::resolve(disaggregation, &a.disaggregation),
             plugins,
         };
         cfg.validate()?;
@@ -660,6 +669,8 @@ impl ServeConfig {
         self.hicache
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
         self.lora.to_settings()?;
+        self.disaggregation
+            .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! so the linker keeps their `inventory` registrations.
 
 mod config;
+mod disagg;
 mod fetch;
 mod generate;
 mod hicache;

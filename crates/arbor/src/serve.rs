@@ -196,6 +196,34 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
+    let mut opts = opts;
+    let disaggregation = cfg
+        .disaggregation
+        .to_settings(engine_cfg.disable_radix_cache)?
+        .map(|d| crate::disagg::start(&d, &engine, &host))
+        .transpose()?;
+    let disagg_line = match &disaggregation {
+        None => "off".to_string(),
+        Some(crate::disagg::Started::Prefill(t)) => {
+            format!(
+                "prefill (sends prompts' KV to decode workers over {})",
+                t.name()
+            )
+        }
+        Some(crate::disagg::Started::Decode(rx)) => {
+            format!("decode (receives KV over tcp on {})", rx.local_addr())
+        }
+    };
+    if let (Some(o), Some(d)) = (opts.server_info.as_object_mut(), &disaggregation) {
+        let (mode, addr) = match d {
+            crate::disagg::Started::Prefill(_) => ("prefill", serde_json::Value::Null),
+            crate::disagg::Started::Decode(rx) => ("decode", rx.local_addr().to_string().into()),
+        };
+        o.insert(
+            "disaggregation".into(),
+            serde_json::json!({"mode": mode, "transfer_backend": "tcp", "kv_transfer_address": addr}),
+        );
+    }
     let mut server = Server::new(
         engine.clone(),
         built.model.tokenizer.clone(),
@@ -204,6 +232,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     )?;
     if let Some(g) = grammar {
         server = server.with_grammar(g);
+    }
+    if let Some(crate::disagg::Started::Prefill(t)) = &disaggregation {
+        server = server.with_kv_transfer(t.clone());
     }
     if let Some(l) = &lora {
         let registry = crate::lora::build(l, built.backend.clone(), &spec)?;
@@ -308,6 +339,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
             if opts.enable_metrics { format!("on ({metrics_prefix}:)") } else { "off".into() },
             if opts.enable_cache_report { "on" } else { "off" }
         );
+        if disaggregation.is_some() {
+            println!("  disaggregation: {disagg_line}");
+        }
         println!("listening on http://{addr}");
         server
             .serve(listener, arbor_server::shutdown_signal())

@@ -484,3 +484,133 @@ async fn workers_come_and_go_and_bad_input_gets_clear_errors() -> Result<()> {
     refuse(&["--max-load-factor", "0.5"], "--max-load-factor")?;
     Ok(())
 }
+
+#[tokio::test]
+async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> Result<()> {
+    let single = Server::tiny(&[])?;
+    let mut prefill = Server::tiny(&["--disaggregation-mode", "prefill"])?;
+    let decode = Server::tiny(&["--disaggregation-mode", "decode", "--page-size", "16"])?;
+    ensure!(
+        decode
+            .logs()
+            .contains("disaggregation: decode (receives KV over tcp on 127.0.0.1:"),
+        "{}",
+        decode.logs()
+    );
+    let r = router(
+        &[],
+        &[
+            "--pd-disaggregation",
+            "--prefill",
+            &prefill.base,
+            "--decode",
+            &decode.base,
+            "--health-check-interval-secs",
+            "1",
+        ],
+    )?;
+    let c = client();
+    for q in 0..4 {
+        let text = format!("{} pd {q}", prefix(q % 2));
+        let body = generate_body(&text, 16);
+        let (s, want) = post(&c, &single.url("/generate"), &body).await?;
+        ensure!(s == 200, "{want}");
+        let (s, got) = post(&c, &r.url("/generate"), &body).await?;
+        ensure!(s == 200, "{got}");
+        ensure!(
+            got["output_ids"] == want["output_ids"],
+            "q {q}: {got} != {want}"
+        );
+        // The decode worker matched the transferred prompt: all its whole
+        // pages (16 tokens each) came from the prefill worker.
+        let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
+        let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
+        ensure!(
+            prompt > 16 && cached >= prompt / 16 * 16 - 16 && cached > 0,
+            "cached {cached} of {prompt}"
+        );
+    }
+    // Streams and the OpenAI APIs go through the same path.
+    let body = json!({"text": format!("{} pd stream", prefix(3)), "stream": true, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}});
+    let (want, _) = SseReader::new(c.post(single.url("/generate")).json(&body).send().await?)?
+        .rest()
+        .await?;
+    let (got, done) = SseReader::new(c.post(r.url("/generate")).json(&body).send().await?)?
+        .rest()
+        .await?;
+    ensure!(
+        done && got.last().map(|v| &v["output_ids"]) == want.last().map(|v| &v["output_ids"]),
+        "{got:?} vs {want:?}"
+    );
+    let chat = json!({"messages": [{"role": "user", "content": prefix(5)}], "max_tokens": 6, "temperature": 0});
+    let (s, a) = post(&c, &single.url("/v1/chat/completions"), &chat).await?;
+    let (s2, b) = post(&c, &r.url("/v1/chat/completions"), &chat).await?;
+    ensure!(
+        s == 200 && s2 == 200 && a["choices"][0]["message"] == b["choices"][0]["message"],
+        "{a} vs {b}"
+    );
+    let (_, m) = get(&c, &prefill.url("/metrics"), None).await?;
+    ensure!(
+        metric(&m, "arbor:kv_transfer_tokens_total") > Some(0.0),
+        "{m}"
+    );
+    ensure!(
+        metric(&m, "arbor:kv_transfer_failures_total") == Some(0.0),
+        "{m}"
+    );
+    // Only the decode worker is asked for model information.
+    let (s, body) = get(&c, &r.url("/v1/models"), None).await?;
+    ensure!(s == 200, "{body}");
+    for w in [&single, &prefill, &decode] {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    // A prefill worker that dies costs time, not requests.
+    prefill.child.kill()?;
+    prefill.child.wait()?;
+    let body = generate_body(&format!("{} after the prefill died", prefix(1)), 8);
+    let (_, want) = post(&c, &single.url("/generate"), &body).await?;
+    let (s, got) = post(&c, &r.url("/generate"), &body).await?;
+    ensure!(
+        s == 200 && got["output_ids"] == want["output_ids"],
+        "{s} {got}"
+    );
+    let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+    ensure!(
+        m.contains("arbor_router_request_failures_total{reason=\"prefill\"} 1"),
+        "{m}"
+    );
+    assert_no_leak(&c, &decode, "arbor", None).await?;
+
+    // Roles are checked: a whole worker is neither a prefill nor a decode
+    // worker, and only prefill workers take the peer header.
+    let out = Command::new(common::BIN)
+        .args([
+            "router",
+            "--port",
+            "0",
+            "--pd-disaggregation",
+            "--prefill",
+            &single.base,
+            "--decode",
+            &decode.base,
+        ])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(
+        !out.status.success() && err.contains("runs --disaggregation-mode null, not prefill"),
+        "{err}"
+    );
+    let resp = c
+        .post(single.url("/generate"))
+        .header("x-arbor-kv-peer", "127.0.0.1:1")
+        .json(&generate_body("x", 1))
+        .send()
+        .await?;
+    let status = resp.status().as_u16();
+    let text = resp.text().await?;
+    ensure!(
+        status == 400 && text.contains("not a prefill worker"),
+        "{status} {text}"
+    );
+    Ok(())
+}

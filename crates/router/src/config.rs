@@ -6,7 +6,7 @@
 
 use crate::RouterError;
 use crate::policy::{CacheAwareSettings, PolicyKind};
-use crate::worker::{BreakerSettings, HealthSettings};
+use crate::worker::{BreakerSettings, HealthSettings, Role};
 use std::time::Duration;
 
 /// `arbor router` options.
@@ -25,6 +25,23 @@ pub struct RouterArgs {
     /// Routing policy.
     #[arg(long, value_enum, default_value = "cache_aware")]
     pub policy: PolicyKind,
+    /// Prefill/decode disaggregation: route each request through a prefill
+    /// worker (`--prefill`), which sends the prompt's KV to a decode worker
+    /// (`--decode`) that generates.
+    #[arg(long)]
+    pub pd_disaggregation: bool,
+    /// PD: prefill worker URLs (`arbor serve --disaggregation-mode prefill`).
+    #[arg(long, num_args = 1..)]
+    pub prefill: Vec<String>,
+    /// PD: decode worker URLs (`arbor serve --disaggregation-mode decode`).
+    #[arg(long, num_args = 1..)]
+    pub decode: Vec<String>,
+    /// PD: the prefill pool's policy [default: --policy].
+    #[arg(long, value_enum)]
+    pub prefill_policy: Option<PolicyKind>,
+    /// PD: the decode pool's policy [default: --policy].
+    #[arg(long, value_enum)]
+    pub decode_policy: Option<PolicyKind>,
     /// cache_aware: minimum matched fraction of the text for prefix affinity (0..=1).
     #[arg(long, default_value_t = 0.3)]
     pub cache_threshold: f64,
@@ -128,6 +145,19 @@ impl RetrySettings {
     }
 }
 
+/// Prefill/decode disaggregation settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PdConfig {
+    /// Prefill workers at start-up.
+    pub prefill: Vec<String>,
+    /// Decode workers at start-up.
+    pub decode: Vec<String>,
+    /// The prefill pool's policy.
+    pub prefill_policy: PolicyKind,
+    /// The decode pool's policy.
+    pub decode_policy: PolicyKind,
+}
+
 /// Checked router settings.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -137,8 +167,10 @@ pub struct RouterConfig {
     pub port: u16,
     /// Start-up workers.
     pub worker_urls: Vec<String>,
-    /// Policy.
+    /// Policy (of the decode pool too, unless `decode_policy` says otherwise).
     pub policy: PolicyKind,
+    /// PD mode: the prefill and decode workers at start-up, with the pools' policies.
+    pub pd: Option<PdConfig>,
     /// cache_aware thresholds.
     pub cache_aware: CacheAwareSettings,
     /// Tree eviction period.
@@ -228,6 +260,38 @@ impl RouterConfig {
         if a.max_payload_size == 0 {
             return Err(bad("--max-payload-size", "must be at least 1"));
         }
+        let pd = if a.pd_disaggregation {
+            if !a.worker_urls.is_empty() {
+                return Err(bad(
+                    "--worker-urls",
+                    "with --pd-disaggregation, name workers with --prefill and --decode",
+                ));
+            }
+            if a.prefill.is_empty() || a.decode.is_empty() {
+                return Err(bad(
+                    "--pd-disaggregation",
+                    "needs at least one --prefill and one --decode worker",
+                ));
+            }
+            Some(PdConfig {
+                prefill: a.prefill.clone(),
+                decode: a.decode.clone(),
+                prefill_policy: a.prefill_policy.unwrap_or(a.policy),
+                decode_policy: a.decode_policy.unwrap_or(a.policy),
+            })
+        } else {
+            for (flag, set) in [
+                ("--prefill", !a.prefill.is_empty()),
+                ("--decode", !a.decode.is_empty()),
+                ("--prefill-policy", a.prefill_policy.is_some()),
+                ("--decode-policy", a.decode_policy.is_some()),
+            ] {
+                if set {
+                    return Err(bad(flag, "needs --pd-disaggregation"));
+                }
+            }
+            None
+        };
         Ok(Self {
             cache_aware: CacheAwareSettings {
                 cache_threshold: a.cache_threshold,
@@ -272,7 +336,17 @@ impl RouterConfig {
             port: a.port,
             worker_urls: a.worker_urls,
             policy: a.policy,
+            pd,
         })
+    }
+
+    /// The policy of the workers of `role`.
+    pub fn policy_for(&self, role: Role) -> PolicyKind {
+        match (role, &self.pd) {
+            (Role::Prefill, Some(pd)) => pd.prefill_policy,
+            (Role::Decode, Some(pd)) => pd.decode_policy,
+            _ => self.policy,
+        }
     }
 }
 
@@ -336,6 +410,34 @@ mod tests {
                 other => panic!("{args:?}: {other:?}"),
             }
         }
+        for (args, flag) in [
+            (&["--prefill", "http://a:1"][..], "--prefill"),
+            (
+                &["--pd-disaggregation", "--prefill", "http://a:1"],
+                "--pd-disaggregation",
+            ),
+            (
+                &["--pd-disaggregation", "--worker-urls", "http://a:1"],
+                "--worker-urls",
+            ),
+        ] {
+            match parse(args) {
+                Err(RouterError::Config { flag: f, .. }) => assert_eq!(f, flag),
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+        let pd = parse(&[
+            "--pd-disaggregation",
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:2",
+            "--decode-policy",
+            "round_robin",
+        ])
+        .expect("valid");
+        assert_eq!(pd.policy_for(Role::Prefill), PolicyKind::CacheAware);
+        assert_eq!(pd.policy_for(Role::Decode), PolicyKind::RoundRobin);
         let Err(e) = Cli::try_parse_from(["router", "--policy", "least_busy"]) else {
             panic!("an unknown policy parsed");
         };

@@ -22,6 +22,7 @@
 
 pub mod config;
 pub mod metrics;
+pub mod pd;
 pub mod policy;
 pub mod proxy;
 pub mod state;
@@ -43,7 +44,7 @@ use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use worker::WorkerUrlError;
+use worker::{Role, WorkerUrlError, Workers};
 
 /// Errors starting or running the router.
 #[derive(Debug, thiserror::Error)]
@@ -99,15 +100,16 @@ pub async fn check_health(st: &RouterState, url: &str) -> Result<(), String> {
     }
 }
 
-async fn wait_healthy(st: &RouterState) -> Result<(), RouterError> {
+async fn wait_healthy(st: &RouterState, urls: &[(String, Role)]) -> Result<(), RouterError> {
     let start = Instant::now();
-    for w in st.workers.all() {
+    for (url, _) in urls {
+        let url = worker::normalize_url(url)?;
         loop {
-            match check_health(st, w.url()).await {
+            match check_health(st, &url).await {
                 Ok(()) => break,
                 Err(e) if start.elapsed() >= st.cfg.startup_timeout => {
                     return Err(RouterError::Startup {
-                        url: w.url().to_string(),
+                        url: url.clone(),
                         waited_secs: start.elapsed().as_secs(),
                         last_error: e,
                     });
@@ -186,12 +188,11 @@ async fn generation(
         }
     };
     let text = text::routing_text(&path, &json);
-    forward(
-        &st,
-        Some(&text),
-        outgoing(Method::POST, &uri, headers, body),
-    )
-    .await
+    let out = outgoing(Method::POST, &uri, headers, body);
+    if st.cfg.pd.is_some() {
+        return pd::generate(&st, &text, out).await;
+    }
+    forward(&st, Role::Regular, Some(&text), out, None).await
 }
 
 async fn any_worker(
@@ -202,7 +203,13 @@ async fn any_worker(
     body: Bytes,
 ) -> Response {
     st.metrics.request(uri.path());
-    forward(&st, None, outgoing(method, &uri, headers, body)).await
+    // Model and server information: from a worker that generates.
+    let role = if st.cfg.pd.is_some() {
+        Role::Decode
+    } else {
+        Role::Regular
+    };
+    forward(&st, role, None, outgoing(method, &uri, headers, body), None).await
 }
 
 async fn health(State(st): State<Arc<RouterState>>) -> Response {
@@ -218,7 +225,7 @@ async fn health(State(st): State<Arc<RouterState>>) -> Response {
 }
 
 async fn metrics_text(State(st): State<Arc<RouterState>>) -> Response {
-    let text = st.metrics.render(st.cfg.policy, &st.workers.all());
+    let text = st.metrics.render(&st.workers.all());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
@@ -270,13 +277,36 @@ async fn add_worker(
         Ok(u) => u,
         Err(e) => return error_response(StatusCode::BAD_REQUEST, e.to_string()),
     };
+    let role = match (
+        q.get("worker_type").map(String::as_str),
+        st.cfg.pd.is_some(),
+    ) {
+        (None | Some("regular"), false) => Role::Regular,
+        (Some("prefill"), true) => Role::Prefill,
+        (Some("decode"), true) => Role::Decode,
+        (t, pd) => {
+            let want = if pd {
+                "prefill or decode"
+            } else {
+                "regular (or none)"
+            };
+            return error_response(
+                StatusCode::BAD_REQUEST,
+                format!("worker_type {t:?}: this router takes {want}"),
+            );
+        }
+    };
     if let Err(e) = check_health(&st, &url).await {
         return error_response(
             StatusCode::BAD_REQUEST,
             format!("worker {url} is not healthy: {e}"),
         );
     }
-    match st.workers.add(&url) {
+    let peer = match pd::check_role(&st, &url, role).await {
+        Ok(p) => p,
+        Err(e) => return error_response(StatusCode::BAD_REQUEST, e),
+    };
+    match st.workers.add_with(&url, role, peer) {
         Ok(w) => {
             tracing::warn!("added worker {}", w.url());
             (
@@ -336,6 +366,7 @@ async fn workers(State(st): State<Arc<RouterState>>) -> Response {
         .map(|w| {
             json!({
                 "url": w.url(),
+                "role": w.role().name(),
                 "healthy": w.healthy(),
                 "load": w.load(),
                 "processed": w.processed(),
@@ -404,14 +435,18 @@ async fn shutdown_signal() {
 fn summary(st: &RouterState, addr: std::net::SocketAddr) {
     let c = &st.cfg;
     println!("arbor router");
-    println!(
-        "  workers:    {}",
-        if c.worker_urls.is_empty() {
-            "none yet (POST /add_worker?url=...)".to_string()
-        } else {
-            c.worker_urls.join(", ")
-        }
-    );
+    let workers = match &c.pd {
+        Some(pd) => format!(
+            "prefill/decode disaggregation: prefill {} ({}), decode {} ({})",
+            pd.prefill.join(", "),
+            pd.prefill_policy.name(),
+            pd.decode.join(", "),
+            pd.decode_policy.name()
+        ),
+        None if c.worker_urls.is_empty() => "none yet (POST /add_worker?url=...)".to_string(),
+        None => c.worker_urls.join(", "),
+    };
+    println!("  workers:    {workers}");
     let policy = match c.policy {
         policy::PolicyKind::CacheAware => format!(
             "cache_aware (cache threshold {}, balance abs {} rel {}, tree {} chars evicted every {} s, load bound {})",
@@ -458,8 +493,20 @@ pub fn run(args: RouterArgs) -> Result<(), RouterError> {
         .build()
         .map_err(|e| RouterError::Client(e.to_string()))?;
     let st = Arc::new(RouterState::new(cfg, client));
-    for url in &st.cfg.worker_urls {
-        st.workers.add(url)?;
+    let mut startup: Vec<(String, Role)> = st
+        .cfg
+        .worker_urls
+        .iter()
+        .map(|u| (u.clone(), Role::Regular))
+        .collect();
+    if let Some(pd) = &st.cfg.pd {
+        startup.extend(pd.prefill.iter().map(|u| (u.clone(), Role::Prefill)));
+        startup.extend(pd.decode.iter().map(|u| (u.clone(), Role::Decode)));
+    }
+    // Refuse malformed and repeated URLs before contacting anyone.
+    let checked = Workers::new(st.cfg.breaker);
+    for (url, _) in &startup {
+        checked.add(url)?;
     }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -468,13 +515,24 @@ pub fn run(args: RouterArgs) -> Result<(), RouterError> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        wait_healthy(&st).await?;
+        wait_healthy(&st, &startup).await?;
+        for (url, role) in &startup {
+            let peer =
+                pd::check_role(&st, url, *role)
+                    .await
+                    .map_err(|message| RouterError::Config {
+                        flag: match role {
+                            Role::Regular => "--worker-urls".into(),
+                            r => format!("--{}", r.name()),
+                        },
+                        message,
+                    })?;
+            st.workers.add_with(url, *role, peer)?;
+        }
         let listener = tokio::net::TcpListener::bind((st.cfg.host.as_str(), st.cfg.port)).await?;
         summary(&st, listener.local_addr()?);
         tokio::spawn(health_loop(st.clone()));
-        if st.cfg.policy == policy::PolicyKind::CacheAware {
-            tokio::spawn(eviction_loop(st.clone()));
-        }
+        tokio::spawn(eviction_loop(st.clone()));
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });

@@ -24,6 +24,8 @@ pub enum FailureKind {
     MidStream,
     /// The request itself was bad (never reached a worker).
     BadRequest,
+    /// PD: the prefill worker failed (the decode worker computed the prompt).
+    Prefill,
 }
 
 impl FailureKind {
@@ -33,6 +35,7 @@ impl FailureKind {
             Self::Upstream => "upstream",
             Self::MidStream => "mid_stream",
             Self::BadRequest => "bad_request",
+            Self::Prefill => "prefill",
         }
     }
 }
@@ -41,7 +44,7 @@ impl FailureKind {
 struct Labelled {
     requests_by_route: BTreeMap<String, u64>,
     requests_by_worker: BTreeMap<String, u64>,
-    decisions: BTreeMap<&'static str, u64>,
+    decisions: BTreeMap<(&'static str, &'static str), u64>,
     failures: BTreeMap<FailureKind, u64>,
 }
 
@@ -67,9 +70,9 @@ impl RouterMetrics {
         self.with(|l| *l.requests_by_worker.entry(worker.to_string()).or_default() += 1);
     }
 
-    /// A routing decision.
-    pub fn decision(&self, d: Decision) {
-        self.with(|l| *l.decisions.entry(d.name()).or_default() += 1);
+    /// A routing decision of `policy`.
+    pub fn decision(&self, policy: PolicyKind, d: Decision) {
+        self.with(|l| *l.decisions.entry((policy.name(), d.name())).or_default() += 1);
     }
 
     /// A retry.
@@ -88,7 +91,7 @@ impl RouterMetrics {
     }
 
     /// The exposition text.
-    pub fn render(&self, policy: PolicyKind, workers: &[Arc<Worker>]) -> String {
+    pub fn render(&self, workers: &[Arc<Worker>]) -> String {
         let mut o = String::new();
         let l = self.labelled.lock().unwrap_or_else(|p| p.into_inner());
         let family = |o: &mut String, name: &str, kind: &str, help: &str| {
@@ -127,15 +130,11 @@ impl RouterMetrics {
             "counter",
             "Routing decisions, by policy and reason.",
         );
-        for d in Decision::ALL {
-            if let Some(n) = l.decisions.get(d.name()) {
-                let _ = writeln!(
-                    o,
-                    "arbor_router_routing_decisions_total{{policy=\"{}\",decision=\"{}\"}} {n}",
-                    policy.name(),
-                    d.name()
-                );
-            }
+        for ((policy, decision), n) in &l.decisions {
+            let _ = writeln!(
+                o,
+                "arbor_router_routing_decisions_total{{policy=\"{policy}\",decision=\"{decision}\"}} {n}"
+            );
         }
         family(
             &mut o,
@@ -246,11 +245,11 @@ mod tests {
         m.request("/generate");
         m.request("/generate");
         m.sent(a.url());
-        m.decision(Decision::CacheHit);
+        m.decision(PolicyKind::CacheAware, Decision::CacheHit);
         m.retry();
         m.failure(FailureKind::MidStream);
         a.breaker().record(false);
-        let text = m.render(PolicyKind::CacheAware, &ws.all());
+        let text = m.render(&ws.all());
         for line in [
             "arbor_router_requests_total{route=\"/generate\"} 2",
             "arbor_router_worker_requests_total{worker=\"http://a:1\"} 1",
@@ -264,7 +263,7 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "{line} missing in\n{text}");
         }
         ws.remove("http://a:1").expect("registered");
-        let text = m.render(PolicyKind::CacheAware, &ws.all());
+        let text = m.render(&ws.all());
         assert!(text.contains("arbor_router_worker_requests_total{worker=\"http://a:1\"} 1"));
         assert!(!text.contains("arbor_router_worker_load{worker=\"http://a:1\"}"));
     }

@@ -69,17 +69,6 @@ pub enum Decision {
 }
 
 impl Decision {
-    /// Every decision, in metric order.
-    pub const ALL: [Decision; 7] = [
-        Self::CacheHit,
-        Self::CacheMiss,
-        Self::Balance,
-        Self::BoundedLoad,
-        Self::PowerOfTwo,
-        Self::RoundRobin,
-        Self::Random,
-    ];
-
     /// The metric label.
     pub fn name(self) -> &'static str {
         match self {

@@ -12,7 +12,7 @@
 
 use crate::metrics::FailureKind;
 use crate::state::RouterState;
-use crate::worker::{LoadGuard, Worker};
+use crate::worker::{LoadGuard, Role, Worker};
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -157,14 +157,21 @@ fn stream_back(st: Arc<RouterState>, guard: LoadGuard, resp: reqwest::Response) 
     })
 }
 
-/// Sends `out` to a worker chosen by `text` (see [`RouterState::pick`]),
-/// retrying as the module doc says.
-pub async fn forward(st: &Arc<RouterState>, text: Option<&[char]>, out: Outgoing) -> Response {
+/// Sends `out` to a worker of `role` chosen by `text` (see
+/// [`RouterState::pick`]; `first`: the worker of the first attempt, chosen
+/// already), retrying as the module doc says.
+pub async fn forward(
+    st: &Arc<RouterState>,
+    role: Role,
+    text: Option<&[char]>,
+    out: Outgoing,
+    mut first: Option<LoadGuard>,
+) -> Response {
     let mut tried: Vec<Arc<Worker>> = Vec::new();
     let mut errors: Vec<String> = Vec::new();
     let max = st.cfg.retry.max_retries;
     for n in 0..=max {
-        let Some(guard) = st.pick(text, &tried) else {
+        let Some(guard) = first.take().or_else(|| st.pick(role, text, &tried)) else {
             if errors.is_empty() {
                 st.metrics.failure(FailureKind::NoWorker);
                 return error_response(

@@ -8,7 +8,7 @@
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
 use crate::policy::{self, CandidateState, Decision, PolicyKind, Rng};
-use crate::worker::{LoadGuard, Worker, Workers};
+use crate::worker::{LoadGuard, Role, Worker, Workers};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -59,17 +59,22 @@ impl RouterState {
             .unit()
     }
 
-    /// Chooses a worker for a request routed by `text` (`None`: not a
+    /// Chooses a worker of `role` for a request routed by `text` (`None`: not a
     /// generation request; the least loaded takes it and no decision is
     /// counted), skipping `tried` while others are available. Returns the
     /// worker's load guard, or `None` when no worker is available.
-    pub fn pick(&self, text: Option<&[char]>, tried: &[Arc<Worker>]) -> Option<LoadGuard> {
+    pub fn pick(
+        &self,
+        role: Role,
+        text: Option<&[char]>,
+        tried: &[Arc<Worker>],
+    ) -> Option<LoadGuard> {
         let mut ch = self.choice.lock().unwrap_or_else(|p| p.into_inner());
         let available: Vec<Arc<Worker>> = self
             .workers
             .all()
             .into_iter()
-            .filter(|w| w.available())
+            .filter(|w| w.role() == role && w.available())
             .collect();
         let fresh: Vec<Arc<Worker>> = available
             .iter()
@@ -84,7 +89,8 @@ impl RouterState {
             let i = (0..cands.len()).min_by_key(|&i| (cands[i].load(), i))?;
             return Some(LoadGuard::new(cands[i].clone()));
         };
-        let (i, decision) = match self.cfg.policy {
+        let policy = self.cfg.policy_for(role);
+        let (i, decision) = match policy {
             PolicyKind::CacheAware => {
                 let states: Vec<CandidateState> = cands.iter().map(|w| w.candidate(text)).collect();
                 policy::cache_aware(&states, text.len(), &self.cfg.cache_aware)
@@ -104,10 +110,10 @@ impl RouterState {
             PolicyKind::Random => (ch.rng.below(cands.len()), Decision::Random),
         };
         let w = cands.get(i)?.clone();
-        if self.cfg.policy == PolicyKind::CacheAware && !text.is_empty() {
+        if policy == PolicyKind::CacheAware && !text.is_empty() {
             w.tree().insert(text);
         }
-        self.metrics.decision(decision);
+        self.metrics.decision(policy, decision);
         Some(LoadGuard::new(w))
     }
 }

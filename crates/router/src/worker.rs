@@ -141,10 +141,35 @@ struct HealthCounts {
     successes: u32,
 }
 
+/// What a worker does in the deployment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A whole worker (prefill and decode).
+    Regular,
+    /// Computes prompts and sends their KV to a decode worker.
+    Prefill,
+    /// Receives KV and generates.
+    Decode,
+}
+
+impl Role {
+    /// The name in listings and `worker_type`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Regular => "regular",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+        }
+    }
+}
+
 /// One worker.
 #[derive(Debug)]
 pub struct Worker {
     url: String,
+    role: Role,
+    /// Decode workers: where their KV transfer engine listens.
+    kv_peer: Option<String>,
     load: AtomicUsize,
     processed: AtomicU64,
     healthy: AtomicBool,
@@ -154,9 +179,11 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(url: String, breaker: BreakerSettings) -> Self {
+    fn new(url: String, role: Role, kv_peer: Option<String>, breaker: BreakerSettings) -> Self {
         Self {
             url,
+            role,
+            kv_peer,
             load: AtomicUsize::new(0),
             processed: AtomicU64::new(0),
             healthy: AtomicBool::new(true),
@@ -169,6 +196,16 @@ impl Worker {
     /// Its base URL (no trailing slash).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Its role.
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// A decode worker's KV transfer address (`HOST:PORT`).
+    pub fn kv_peer(&self) -> Option<&str> {
+        self.kv_peer.as_deref()
     }
 
     /// Requests in flight through this router.
@@ -339,14 +376,24 @@ impl Workers {
         self.list.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Registers `url`.
+    /// Registers `url` as a regular worker.
     pub fn add(&self, url: &str) -> Result<Arc<Worker>, WorkerUrlError> {
+        self.add_with(url, Role::Regular, None)
+    }
+
+    /// Registers `url` with `role` (and a decode worker's KV address).
+    pub fn add_with(
+        &self,
+        url: &str,
+        role: Role,
+        kv_peer: Option<String>,
+    ) -> Result<Arc<Worker>, WorkerUrlError> {
         let url = normalize_url(url)?;
         let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
         if list.iter().any(|w| w.url == url) {
             return Err(WorkerUrlError::Duplicate(url));
         }
-        let w = Arc::new(Worker::new(url, self.breaker));
+        let w = Arc::new(Worker::new(url, role, kv_peer, self.breaker));
         list.push(w.clone());
         Ok(w)
     }

@@ -26,6 +26,7 @@
 
 mod admin;
 pub mod constraint;
+pub mod disagg;
 pub mod error;
 mod fields;
 mod lora;
@@ -180,6 +181,19 @@ impl Server {
     pub fn with_lora(mut self, registry: Arc<arbor_lora::LoraRegistry>) -> Self {
         if let Some(st) = Arc::get_mut(&mut self.state) {
             st.lora = Some(registry);
+        }
+        self
+    }
+
+    /// Makes this a prefill worker of a disaggregated deployment: requests
+    /// with `x-arbor-kv-peer` send their prompts' KV through `transfer`
+    /// ([`disagg`]).
+    pub fn with_kv_transfer(
+        mut self,
+        transfer: Arc<dyn arbor_engine_core::engine::transfer::KvTransfer>,
+    ) -> Self {
+        if let Some(st) = Arc::get_mut(&mut self.state) {
+            st.kv_transfer = Some(transfer);
         }
         self
     }

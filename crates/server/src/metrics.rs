@@ -8,10 +8,12 @@
 //! default; `sglang:` makes SGLang dashboards work) with a `model_name`
 //! label. Histogram buckets are SGLang's.
 
+use arbor_engine_core::engine::transfer::TransferReport;
 use arbor_engine_core::engine::{EngineStats, OutputChunk};
 use arbor_engine_core::grammar::GrammarCacheStats;
 use std::fmt::Write;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -105,6 +107,11 @@ pub struct Metrics {
     itl: Histogram,
     e2e: Histogram,
     queue: Histogram,
+    /// Prefill/decode disaggregation: KV sent to decode workers.
+    kv_sent_tokens: AtomicU64,
+    kv_sent_bytes: AtomicU64,
+    kv_sent_micros: AtomicU64,
+    kv_send_failures: AtomicU64,
 }
 
 /// Checks a metric prefix (a Prometheus name without colons).
@@ -148,7 +155,26 @@ impl Metrics {
                 "Histogram of time spent waiting in the queue in seconds.",
                 QUEUE_BUCKETS,
             ),
+            kv_sent_tokens: AtomicU64::new(0),
+            kv_sent_bytes: AtomicU64::new(0),
+            kv_sent_micros: AtomicU64::new(0),
+            kv_send_failures: AtomicU64::new(0),
         }
+    }
+
+    /// Counts one KV transfer to a decode worker.
+    pub(crate) fn kv_transferred(&self, t: &TransferReport) {
+        self.kv_sent_tokens
+            .fetch_add(t.tokens as u64, Ordering::Relaxed);
+        self.kv_sent_bytes
+            .fetch_add(t.bytes as u64, Ordering::Relaxed);
+        self.kv_sent_micros
+            .fetch_add((t.seconds * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    /// Counts one failed KV transfer.
+    pub(crate) fn kv_transfer_failed(&self) {
+        self.kv_send_failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records the timings a chunk carries for one sample.
@@ -371,6 +397,30 @@ impl Metrics {
             "Number of requests aborted.",
             s.num_aborted_requests_total as f64,
         );
+        for (name, help, v) in [
+            (
+                "kv_transfer_tokens_total",
+                "Prompt tokens of KV sent to decode workers.",
+                self.kv_sent_tokens.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kv_transfer_bytes_total",
+                "Bytes of KV sent to decode workers.",
+                self.kv_sent_bytes.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kv_transfer_seconds_total",
+                "Seconds spent sending KV to decode workers.",
+                self.kv_sent_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            ),
+            (
+                "kv_transfer_failures_total",
+                "KV transfers to decode workers that failed.",
+                self.kv_send_failures.load(Ordering::Relaxed) as f64,
+            ),
+        ] {
+            one(name, "counter", help, v);
+        }
         for h in [&self.ttft, &self.itl, &self.e2e, &self.queue] {
             h.render(&mut out, p, l);
         }

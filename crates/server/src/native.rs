@@ -64,7 +64,7 @@ async fn generate_inner(
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let req = parse(&st, v)?;
     let logprobs = req.jobs.iter().map(|j| j.return_logprob).collect();
-    let mut run = run::submit(&st, req.jobs).await?;
+    let mut run = run::submit(&st, req.jobs, &headers).await?;
     let fmt = NativeFormat {
         state: st.clone(),
         list: req.list,

@@ -97,11 +97,20 @@ pub(crate) struct Run {
     pub prompt_lens: Vec<usize>,
     /// Samples per prompt.
     pub n: usize,
+    /// A disaggregated prefill: the KV to send once every sample finished.
+    export: Option<crate::disagg::PrefillExport>,
 }
 
-/// Validates and enqueues every job; all share the same `n`.
-pub(crate) async fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run, ApiError> {
+/// Validates and enqueues every job; all share the same `n`. On a prefill
+/// worker, `headers` may name a decode worker to send the prompts' KV to
+/// ([`crate::disagg`]).
+pub(crate) async fn submit(
+    state: &Arc<AppState>,
+    mut jobs: Vec<Job>,
+    headers: &axum::http::HeaderMap,
+) -> Result<Run, ApiError> {
     state.check_accepting()?;
+    let export = crate::disagg::prefill_jobs(state, headers, &mut jobs)?;
     if jobs.is_empty() {
         return Err(ApiError::bad_request("the request holds no prompt"));
     }
@@ -150,6 +159,7 @@ pub(crate) async fn submit(state: &Arc<AppState>, jobs: Vec<Job>) -> Result<Run,
         samples,
         prompt_lens,
         n,
+        export,
     })
 }
 
@@ -166,6 +176,10 @@ impl Run {
                 .map(|(i, st)| Box::pin(async move { (i, st.next().await) }))
                 .collect();
             if futs.is_empty() {
+                drop(futs);
+                if let Some(x) = self.export.take() {
+                    x.send(self.state.clone()).await;
+                }
                 return None;
             }
             let ((slot, item), _, rest) = select_all(futs).await;

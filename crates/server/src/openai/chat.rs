@@ -239,7 +239,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.constraint = constraint;
     let model = st.response_model(lora.as_deref());
     job.lora = lora;
-    let mut run = run::submit(&st, vec![job]).await?;
+    let mut run = run::submit(&st, vec![job], &headers).await?;
     let fmt = ChatFormat {
         state: st.clone(),
         id,

@@ -132,7 +132,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             j
         })
         .collect();
-    let mut run = run::submit(&st, jobs).await?;
+    let mut run = run::submit(&st, jobs, &headers).await?;
     let mut fmt = CompletionFormat {
         state: st.clone(),
         id,

@@ -1,0 +1,148 @@
+//! `[disaggregation]`: prefill/decode disaggregation (SGLang's
+//! `--disaggregation-mode`), the flags, their checks and the start-up of
+//! the KV transfer engine.
+//!
+//! A prefill worker sends the KV of each routed prompt to the decode worker
+//! the router names; a decode worker listens for KV on
+//! `--disaggregation-transfer-port` and imports it into its prefix cache.
+//! Both need the radix cache. The transfer backend is `tcp`
+//! (crates/kv-transfer); NIXL and Mooncake are not built in.
+
+use anyhow::{Result, bail};
+use arbor_engine_core::engine::Engine;
+use arbor_engine_core::engine::transfer::KvTransfer;
+use arbor_kv_transfer::{TcpReceiver, TcpTransfer, wire::Limits};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// The disaggregation flags.
+#[derive(Args, Debug, Clone, Default)]
+pub struct DisaggregationArgs {
+    /// null (a whole worker), prefill or decode [default: null].
+    #[arg(long = "disaggregation-mode", help_heading = "Disaggregation")]
+    pub disaggregation_mode: Option<String>,
+    /// How KV moves between prefill and decode workers: tcp [default: tcp].
+    #[arg(
+        long = "disaggregation-transfer-backend",
+        help_heading = "Disaggregation"
+    )]
+    pub disaggregation_transfer_backend: Option<String>,
+    /// Decode workers: the port the KV transfer engine listens on, on --host; 0 picks a free one (printed, and in /get_server_info) [default: 0].
+    #[arg(long = "disaggregation-transfer-port", help_heading = "Disaggregation")]
+    pub disaggregation_transfer_port: Option<u16>,
+}
+
+/// `[disaggregation]` in the TOML file.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationSection {
+    /// null, prefill or decode.
+    pub disaggregation_mode: Option<String>,
+    /// tcp.
+    pub disaggregation_transfer_backend: Option<String>,
+    /// Decode workers' transfer port (0: any).
+    pub disaggregation_transfer_port: Option<u16>,
+}
+
+/// A worker's role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Computes prompts and sends their KV.
+    Prefill,
+    /// Receives KV and generates.
+    Decode,
+}
+
+/// Checked settings (`None`: a whole worker).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DisaggregationSettings {
+    /// The role.
+    pub role: Role,
+    /// Decode: the transfer port.
+    pub port: u16,
+}
+
+impl DisaggregationSection {
+    /// Defaults < `f` < `a`.
+    pub fn resolve(f: DisaggregationSection, a: &DisaggregationArgs) -> Self {
+        Self {
+            disaggregation_mode: Some(
+                a.disaggregation_mode
+                    .clone()
+                    .or(f.disaggregation_mode)
+                    .unwrap_or_else(|| "null".into()),
+            ),
+            disaggregation_transfer_backend: Some(
+                a.disaggregation_transfer_backend
+                    .clone()
+                    .or(f.disaggregation_transfer_backend)
+                    .unwrap_or_else(|| "tcp".into()),
+            ),
+            disaggregation_transfer_port: Some(
+                a.disaggregation_transfer_port
+                    .or(f.disaggregation_transfer_port)
+                    .unwrap_or(0),
+            ),
+        }
+    }
+
+    /// The checked settings; errors name the key.
+    pub fn to_settings(&self, disable_radix_cache: bool) -> Result<Option<DisaggregationSettings>> {
+        let backend = self
+            .disaggregation_transfer_backend
+            .as_deref()
+            .unwrap_or("tcp");
+        if backend != "tcp" {
+            bail!(
+                "[disaggregation] disaggregation_transfer_backend / --disaggregation-transfer-backend \
+                 '{backend}': only tcp is built in (mooncake and nixl are not)"
+            );
+        }
+        let role = match self.disaggregation_mode.as_deref().unwrap_or("null") {
+            "null" => return Ok(None),
+            "prefill" => Role::Prefill,
+            "decode" => Role::Decode,
+            other => bail!(
+                "[disaggregation] disaggregation_mode / --disaggregation-mode '{other}': expected null, prefill or decode"
+            ),
+        };
+        if disable_radix_cache {
+            bail!(
+                "[disaggregation] disaggregation_mode / --disaggregation-mode: prefill and decode workers \
+                 share KV through the radix cache; drop --disable-radix-cache"
+            );
+        }
+        Ok(Some(DisaggregationSettings {
+            role,
+            port: self.disaggregation_transfer_port.unwrap_or(0),
+        }))
+    }
+}
+
+/// What a disaggregated worker runs beside its HTTP server.
+pub enum Started {
+    /// Prefill: the sender the server uses.
+    Prefill(Arc<dyn KvTransfer>),
+    /// Decode: the listening receiver (stops when dropped).
+    Decode(TcpReceiver),
+}
+
+/// Starts the transfer engine of `s` for `engine`; a decode receiver listens on `host`.
+pub fn start(s: &DisaggregationSettings, engine: &Arc<Engine>, host: &str) -> Result<Started> {
+    Ok(match s.role {
+        Role::Prefill => Started::Prefill(Arc::new(TcpTransfer::default())),
+        Role::Decode => {
+            let e = engine.clone();
+            let sink = Arc::new(move |p| e.import_kv(p).map_err(|e| e.to_string()));
+            let rx = TcpReceiver::bind(&format!("{host}:{}", s.port), sink, Limits::default())
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "--disaggregation-transfer-port {}: listening on {host}: {e}",
+                        s.port
+                    )
+                })?;
+            Started::Decode(rx)
+        }
+    })
+}
