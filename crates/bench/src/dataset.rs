@@ -225,6 +225,25 @@ pub struct GspSpec {
     pub output_len: usize,
     /// Lengths are uniform in `[ratio * len, len]` (1.0: fixed, SGLang's default).
     pub range_ratio: f64,
+    /// Share of all prompts that belong to the first group (0: every group
+    /// has `prompts_per_group`); the rest are spread evenly over the others.
+    pub hot_fraction: f64,
+}
+
+impl GspSpec {
+    /// Prompts of each group (they sum to `num_groups * prompts_per_group`).
+    pub fn group_sizes(&self) -> Vec<usize> {
+        let g = self.num_groups;
+        let n = g * self.prompts_per_group;
+        if self.hot_fraction <= 0.0 || g < 2 {
+            return vec![self.prompts_per_group; g];
+        }
+        let hot = ((self.hot_fraction.min(1.0) * n as f64).round() as usize).min(n);
+        let rest = n - hot;
+        let mut sizes = vec![hot];
+        sizes.extend((0..g - 1).map(|i| rest / (g - 1) + usize::from(i < rest % (g - 1))));
+        sizes
+    }
 }
 
 /// SGLang's `generated-shared-prefix`: each group has a system prompt of
@@ -235,7 +254,8 @@ pub fn sample_gsp(spec: GspSpec, tok: &PromptTokenizer, rng: &mut Rng) -> Result
     if vocab.is_empty() {
         return Err(BenchError::Tokenizer("the vocabulary is empty".into()));
     }
-    let n = spec.num_groups * spec.prompts_per_group;
+    let sizes = spec.group_sizes();
+    let n: usize = sizes.iter().sum();
     let sys_lens = random_lens(
         spec.system_prompt_len,
         spec.range_ratio,
@@ -255,9 +275,9 @@ pub fn sample_gsp(spec: GspSpec, tok: &PromptTokenizer, rng: &mut Rng) -> Result
         .map(|&l| random_text(l, rng))
         .collect::<Result<_>>()?;
     let mut rows = Vec::with_capacity(n);
+    let mut flat = 0;
     for (g, system) in systems.iter().enumerate() {
-        for p in 0..spec.prompts_per_group {
-            let flat = g * spec.prompts_per_group + p;
+        for _ in 0..sizes[g] {
             let question = random_text(q_lens[flat], rng)?;
             let full = format!("{system}\n\n{question}");
             let ids = tok.encode(&full, true)?;
@@ -268,6 +288,7 @@ pub fn sample_gsp(spec: GspSpec, tok: &PromptTokenizer, rng: &mut Rng) -> Result
                 timestamp_s: None,
                 tokens: Some(ids),
             });
+            flat += 1;
         }
     }
     rng.shuffle(&mut rows);
@@ -515,6 +536,7 @@ mod tests {
             question_len: 20,
             output_len: 16,
             range_ratio: 1.0,
+            hot_fraction: 0.0,
         };
         let rows = sample_gsp(spec, &tok, &mut Rng::new(4)).unwrap();
         assert_eq!(rows.len(), 32);
@@ -540,6 +562,35 @@ mod tests {
             .map(|r| r.tokens.as_ref().unwrap()[..200].to_vec())
             .collect();
         assert!(first.iter().any(|f| f != &first[0]));
+    }
+
+    #[test]
+    fn a_hot_group_takes_its_share() {
+        let spec = GspSpec {
+            num_groups: 4,
+            prompts_per_group: 8,
+            system_prompt_len: 50,
+            question_len: 5,
+            output_len: 4,
+            range_ratio: 1.0,
+            hot_fraction: 0.5,
+        };
+        assert_eq!(spec.group_sizes(), vec![16, 6, 5, 5]);
+        let rows = sample_gsp(spec, &PromptTokenizer::Words, &mut Rng::new(9)).unwrap();
+        let mut groups = std::collections::HashMap::new();
+        for r in &rows {
+            *groups
+                .entry(r.tokens.as_ref().unwrap()[..50].to_vec())
+                .or_insert(0) += 1;
+        }
+        let mut sizes: Vec<usize> = groups.into_values().collect();
+        sizes.sort_unstable();
+        assert_eq!(sizes, vec![5, 5, 6, 16]);
+        let all = GspSpec {
+            hot_fraction: 1.0,
+            ..spec
+        };
+        assert_eq!(all.group_sizes(), vec![32, 0, 0, 0]);
     }
 
     #[test]

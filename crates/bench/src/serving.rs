@@ -116,6 +116,10 @@ pub struct ServingArgs {
     /// generated-shared-prefix lengths are uniform in [ratio * len, len] (1: fixed).
     #[arg(long = "gsp-range-ratio", default_value_t = 1.0)]
     pub gsp_range_ratio: f64,
+    /// generated-shared-prefix: share of all prompts in the first group, a
+    /// hot prefix (0: groups of equal size; the total stays groups x prompts per group).
+    #[arg(long = "gsp-hot-group-fraction", default_value_t = 0.0)]
+    pub gsp_hot_group_fraction: f64,
     /// Requests per second, Poisson arrivals; inf sends all at once.
     #[arg(long = "request-rate", default_value_t = f64::INFINITY)]
     pub request_rate: f64,
@@ -267,7 +271,13 @@ pub fn build_dataset(
                 question_len: args.gsp_question_len,
                 output_len: args.gsp_output_len,
                 range_ratio: args.gsp_range_ratio,
+                hot_fraction: args.gsp_hot_group_fraction,
             };
+            if !(0.0..=1.0).contains(&g.hot_fraction) {
+                return Err(BenchError::invalid(
+                    "--gsp-hot-group-fraction must be in 0..=1",
+                ));
+            }
             dataset::sample_gsp(g, tok, rng)?
         }
         DatasetName::Mooncake => {

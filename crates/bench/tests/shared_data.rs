@@ -109,6 +109,7 @@ fn shared_prefix_with_the_exact_tokenizer() -> Result<()> {
         question_len: 16,
         output_len: 4,
         range_ratio: 1.0,
+        hot_fraction: 0.0,
     };
     let rows = dataset::sample_gsp(spec, &tok, &mut Rng::new(5))?;
     assert_eq!(rows.len(), 15);

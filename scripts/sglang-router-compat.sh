@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Arbor workers behind SGLang's own router (PyPI sglang-router, unmodified):
+# two `arbor serve` workers of the tiny Llama fixture, SGLang's router in
+# front with cache_aware; the native API, the OpenAI chat API (official
+# client) and a stream through it must equal the workers' direct answers
+# (greedy), and a shared prefix must stay on one worker.
+#
+#   PYTHON=venv/bin/python ARBOR=target/debug/arbor scripts/sglang-router-compat.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+arbor=${ARBOR:-target/debug/arbor}
+tmp=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+urls=()
+for i in 0 1; do
+  "$arbor" serve --model-path tests/fixtures/tiny-llama --port 0 --threads 1 \
+    --max-total-tokens 8192 --enable-metrics >"$tmp/w$i.log" 2>&1 &
+  pids+=($!)
+done
+for i in 0 1; do
+  for _ in $(seq 300); do grep -q '^listening on ' "$tmp/w$i.log" && break; sleep 0.1; done
+  urls+=("$(grep '^listening on ' "$tmp/w$i.log" | sed 's/^listening on //')")
+done
+free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+prom=$(free_port)
+"$py" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
+  --policy cache_aware --prometheus-port "$prom" >"$tmp/router.log" 2>&1 &
+pids+=($!)
+"$py" - "http://127.0.0.1:$port" "${urls[@]}" <<'PY' || { tail -20 "$tmp/router.log"; exit 1; }
+import json, sys, time, urllib.request
+router, workers = sys.argv[1], sys.argv[2:]
+def post(url, body):
+    rq = urllib.request.Request(url, json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(rq, timeout=60) as r:
+        return r.read().decode()
+def served():
+    out = []
+    for w in workers:
+        text = urllib.request.urlopen(w + "/metrics", timeout=10).read().decode()
+        out.append(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("arbor:num_requests_total")))
+    return out
+deadline = time.time() + 120
+while True:
+    try:
+        urllib.request.urlopen(router + "/health", timeout=5)
+        break
+    except Exception:
+        if time.time() > deadline:
+            sys.exit("SGLang's router did not come up")
+        time.sleep(0.5)
+prefix = "oak elm ash fir yew bay " * 6
+before = served()
+for q in range(4):
+    body = {"text": f"{prefix} question {q}", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    got = json.loads(post(router + "/generate", body))
+    want = json.loads(post(workers[0] + "/generate", body))
+    assert got["output_ids"] == want["output_ids"], (got, want)
+after = served()
+d = [a - b for a, b in zip(after, before)]
+# Each direct request counted once on worker 0; the routed ones all on one worker.
+routed = [d[0] - 4, d[1]]
+assert sorted(routed) == [0, 4], d
+from openai import OpenAI
+c = OpenAI(base_url=router + "/v1", api_key="none")
+direct = OpenAI(base_url=workers[1] + "/v1", api_key="none")
+msgs = [{"role": "user", "content": "Name a tree."}]
+a = c.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, temperature=0)
+b = direct.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=6, temperature=0)
+assert a.choices[0].message.content == b.choices[0].message.content, (a, b)
+s = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0, stream=True))
+t = direct.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0).choices[0].text
+assert s == t, (s, t)
+print(f"SGLang's router in front of Arbor workers: native, chat, stream equal; prefix affinity {routed}")
+PY
