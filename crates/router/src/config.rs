@@ -5,6 +5,7 @@
 //! naming its flag, before any worker is contacted.
 
 use crate::RouterError;
+use crate::discovery::DiscoveryConfig;
 use crate::policy::{CacheAwareSettings, PolicyKind};
 use crate::worker::{BreakerSettings, HealthSettings, Role};
 use std::time::Duration;
@@ -42,6 +43,30 @@ pub struct RouterArgs {
     /// PD: the decode pool's policy [default: --policy].
     #[arg(long, value_enum)]
     pub decode_policy: Option<PolicyKind>,
+    /// Find workers through the Kubernetes API: ready pods matching --selector.
+    #[arg(long)]
+    pub service_discovery: bool,
+    /// Discovery: label selector of worker pods (`app=arbor`, several are ANDed).
+    #[arg(long, num_args = 1..)]
+    pub selector: Vec<String>,
+    /// Discovery with --pd-disaggregation: label selector of prefill pods.
+    #[arg(long, num_args = 1..)]
+    pub prefill_selector: Vec<String>,
+    /// Discovery with --pd-disaggregation: label selector of decode pods.
+    #[arg(long, num_args = 1..)]
+    pub decode_selector: Vec<String>,
+    /// Discovery: the workers' HTTP port on each pod.
+    #[arg(long, default_value_t = 30000)]
+    pub service_discovery_port: u16,
+    /// Discovery: the namespace [default: the router's own, else default].
+    #[arg(long)]
+    pub service_discovery_namespace: Option<String>,
+    /// Discovery: seconds between pod listings.
+    #[arg(long, default_value_t = 10)]
+    pub service_discovery_interval_secs: u64,
+    /// Discovery: the Kubernetes API URL [default: in-cluster, from the service account].
+    #[arg(long)]
+    pub kube_api_url: Option<String>,
     /// cache_aware: minimum matched fraction of the text for prefix affinity (0..=1).
     #[arg(long, default_value_t = 0.3)]
     pub cache_threshold: f64,
@@ -158,6 +183,67 @@ pub struct PdConfig {
     pub decode_policy: PolicyKind,
 }
 
+fn discovery(a: &RouterArgs) -> Result<Option<DiscoveryConfig>, RouterError> {
+    if !a.service_discovery {
+        for (flag, set) in [
+            ("--selector", !a.selector.is_empty()),
+            ("--kube-api-url", a.kube_api_url.is_some()),
+            (
+                "--service-discovery-namespace",
+                a.service_discovery_namespace.is_some(),
+            ),
+        ] {
+            if set {
+                return Err(bad(flag, "needs --service-discovery"));
+            }
+        }
+        return Ok(None);
+    }
+    let selectors = if a.pd_disaggregation {
+        if a.prefill_selector.is_empty() || a.decode_selector.is_empty() {
+            return Err(bad(
+                "--service-discovery",
+                "with --pd-disaggregation, give --prefill-selector and --decode-selector",
+            ));
+        }
+        vec![
+            (Role::Prefill, a.prefill_selector.clone()),
+            (Role::Decode, a.decode_selector.clone()),
+        ]
+    } else {
+        if a.selector.is_empty() {
+            return Err(bad(
+                "--selector",
+                "--service-discovery needs a label selector, e.g. app=arbor",
+            ));
+        }
+        vec![(Role::Regular, a.selector.clone())]
+    };
+    for (_, sel) in &selectors {
+        if let Some(s) = sel.iter().find(|s| !s.contains('=') || s.starts_with('=')) {
+            return Err(bad("--selector", format!("{s:?} is not KEY=VALUE")));
+        }
+    }
+    if let Some(u) = &a.kube_api_url
+        && !(u.starts_with("http://") || u.starts_with("https://"))
+    {
+        return Err(bad(
+            "--kube-api-url",
+            format!("{u:?} is not an http(s) URL"),
+        ));
+    }
+    Ok(Some(DiscoveryConfig {
+        selectors,
+        port: a.service_discovery_port,
+        namespace: a.service_discovery_namespace.clone(),
+        api_url: a.kube_api_url.clone(),
+        interval: positive(
+            "--service-discovery-interval-secs",
+            a.service_discovery_interval_secs,
+        )?,
+    }))
+}
+
 /// Checked router settings.
 #[derive(Clone, Debug)]
 pub struct RouterConfig {
@@ -171,6 +257,8 @@ pub struct RouterConfig {
     pub policy: PolicyKind,
     /// PD mode: the prefill and decode workers at start-up, with the pools' policies.
     pub pd: Option<PdConfig>,
+    /// Kubernetes service discovery.
+    pub discovery: Option<DiscoveryConfig>,
     /// cache_aware thresholds.
     pub cache_aware: CacheAwareSettings,
     /// Tree eviction period.
@@ -267,7 +355,7 @@ impl RouterConfig {
                     "with --pd-disaggregation, name workers with --prefill and --decode",
                 ));
             }
-            if a.prefill.is_empty() || a.decode.is_empty() {
+            if !a.service_discovery && (a.prefill.is_empty() || a.decode.is_empty()) {
                 return Err(bad(
                     "--pd-disaggregation",
                     "needs at least one --prefill and one --decode worker",
@@ -285,6 +373,8 @@ impl RouterConfig {
                 ("--decode", !a.decode.is_empty()),
                 ("--prefill-policy", a.prefill_policy.is_some()),
                 ("--decode-policy", a.decode_policy.is_some()),
+                ("--prefill-selector", !a.prefill_selector.is_empty()),
+                ("--decode-selector", !a.decode_selector.is_empty()),
             ] {
                 if set {
                     return Err(bad(flag, "needs --pd-disaggregation"));
@@ -292,7 +382,9 @@ impl RouterConfig {
             }
             None
         };
+        let discovery = discovery(&a)?;
         Ok(Self {
+            discovery,
             cache_aware: CacheAwareSettings {
                 cache_threshold: a.cache_threshold,
                 balance_abs_threshold: a.balance_abs_threshold,
@@ -426,6 +518,42 @@ mod tests {
                 other => panic!("{args:?}: {other:?}"),
             }
         }
+        for (args, flag) in [
+            (&["--selector", "app=arbor"][..], "--selector"),
+            (&["--service-discovery"], "--selector"),
+            (
+                &["--service-discovery", "--selector", "arbor"],
+                "--selector",
+            ),
+            (
+                &[
+                    "--service-discovery",
+                    "--pd-disaggregation",
+                    "--selector",
+                    "a=b",
+                ],
+                "--service-discovery",
+            ),
+        ] {
+            match parse(args) {
+                Err(RouterError::Config { flag: f, .. }) => assert_eq!(f, flag, "{args:?}"),
+                other => panic!("{args:?}: {other:?}"),
+            }
+        }
+        let d = parse(&[
+            "--service-discovery",
+            "--selector",
+            "app=arbor",
+            "component=worker",
+        ])
+        .expect("valid");
+        assert_eq!(
+            d.discovery.map(|x| x.selectors),
+            Some(vec![(
+                Role::Regular,
+                vec!["app=arbor".to_string(), "component=worker".to_string()]
+            )])
+        );
         let pd = parse(&[
             "--pd-disaggregation",
             "--prefill",

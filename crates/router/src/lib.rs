@@ -21,6 +21,7 @@
 //! `--eviction-interval-secs`.
 
 pub mod config;
+pub mod discovery;
 pub mod metrics;
 pub mod pd;
 pub mod policy;
@@ -508,6 +509,15 @@ pub fn run(args: RouterArgs) -> Result<(), RouterError> {
     for (url, _) in &startup {
         checked.add(url)?;
     }
+    let kube = match &st.cfg.discovery {
+        Some(d) => Some(
+            discovery::KubeApi::new(d).map_err(|message| RouterError::Config {
+                flag: "--service-discovery".into(),
+                message,
+            })?,
+        ),
+        None => None,
+    };
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 8));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
@@ -533,6 +543,9 @@ pub fn run(args: RouterArgs) -> Result<(), RouterError> {
         summary(&st, listener.local_addr()?);
         tokio::spawn(health_loop(st.clone()));
         tokio::spawn(eviction_loop(st.clone()));
+        if let (Some(d), Some(api)) = (st.cfg.discovery.clone(), kube) {
+            tokio::spawn(discovery::run(st.clone(), d, api));
+        }
         let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
             let _ = tcp.set_nodelay(true);
         });

@@ -86,6 +86,15 @@ impl Server {
                 }
                 Err(_) => {
                     let _ = child.kill();
+                    let _ = child.wait();
+                    // The process is gone; its stderr reader may still be
+                    // copying the last lines.
+                    let settle = Instant::now() + Duration::from_secs(2);
+                    while Instant::now() < settle
+                        && stderr.lock().map(|s| s.is_empty()).unwrap_or(false)
+                    {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
                     bail!(
                         "arbor {subcommand} did not start: stdout {:?} stderr {:?}",
                         stdout.lock().map(|s| s.clone()).unwrap_or_default(),
