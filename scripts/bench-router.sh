@@ -2,7 +2,7 @@
 # The router's policies side by side on 4 workers of the default model:
 # `arbor bench serving` with generated-shared-prefix prompts (16 groups)
 # through `arbor router` under round_robin, power_of_two, cache_aware and
-# cache_aware with bounded load (--max-load-factor 1.25), alternating the
+# cache_aware with bounded load (--max-load-factor, LOAD_FACTORS), alternating the
 # policies within each round; then the same with one group taking half the
 # traffic (--gsp-hot-group-fraction 0.5). Every run starts from empty
 # caches (--flush-cache goes through the router to every worker).
@@ -22,6 +22,9 @@ per_group=${PER_GROUP:-8}
 sys_len=${SYS_LEN:-512}
 q_len=${Q_LEN:-32}
 out_len=${OUT_LEN:-16}
+factors=${LOAD_FACTORS:-1.25}   # bounded-load factors to compare, space separated
+hots=${HOT_FRACTIONS:-0 0.5}    # --gsp-hot-group-fraction values
+policies=${POLICIES:-round_robin power_of_two cache_aware}
 tmp=$(mktemp -d)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
@@ -85,12 +88,14 @@ PY
   tail -1 "$results"
 }
 
-for hot in 0 0.5; do
+for hot in $hots; do
   for r in $(seq "$rounds"); do
-    run round_robin "$hot" --policy round_robin
-    run power_of_two "$hot" --policy power_of_two
-    run cache_aware "$hot" --policy cache_aware
-    run cache_aware_bounded "$hot" --policy cache_aware --max-load-factor 1.25
+    for p in $policies; do
+      run "$p" "$hot" --policy "$p"
+    done
+    for f in $factors; do
+      run "cache_aware_bounded_$f" "$hot" --policy cache_aware --max-load-factor "$f"
+    done
   done
 done
 echo "medians over $rounds rounds"
