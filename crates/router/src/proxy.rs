@@ -66,17 +66,12 @@ pub struct Outgoing {
     pub body: Bytes,
 }
 
-enum Attempt {
-    Answered(Response),
-    Failed(String),
-}
-
-async fn attempt(st: &Arc<RouterState>, guard: LoadGuard, out: &Outgoing, last: bool) -> Attempt {
-    let w = guard.worker().clone();
-    let url = format!("{}{}", w.url(), out.path_and_query);
+/// `out` addressed to the worker at `base`: the client's headers but the
+/// hop-by-hop ones, the body for a POST, the request time limit.
+fn request_to(st: &RouterState, base: &str, out: &Outgoing) -> reqwest::RequestBuilder {
     let mut rq = st
         .client
-        .request(out.method.clone(), &url)
+        .request(out.method.clone(), format!("{base}{}", out.path_and_query))
         .timeout(st.cfg.request_timeout);
     for (k, v) in &out.headers {
         if !hop_by_hop(k) {
@@ -86,6 +81,17 @@ async fn attempt(st: &Arc<RouterState>, guard: LoadGuard, out: &Outgoing, last: 
     if out.method == Method::POST {
         rq = rq.body(out.body.clone());
     }
+    rq
+}
+
+enum Attempt {
+    Answered(Response),
+    Failed(String),
+}
+
+async fn attempt(st: &Arc<RouterState>, guard: LoadGuard, out: &Outgoing, last: bool) -> Attempt {
+    let w = guard.worker().clone();
+    let rq = request_to(st, w.url(), out);
     st.metrics.sent(w.url());
     let resp = match rq.send().await {
         Ok(r) => r,
@@ -212,17 +218,7 @@ pub async fn broadcast(st: &Arc<RouterState>, out: Outgoing) -> Vec<(String, Res
         let st = st.clone();
         let out = out.clone();
         async move {
-            let url = format!("{}{}", w.url(), out.path_and_query);
-            let mut rq = st
-                .client
-                .request(out.method.clone(), &url)
-                .timeout(st.cfg.request_timeout);
-            for (k, v) in &out.headers {
-                if !hop_by_hop(k) {
-                    rq = rq.header(k, v);
-                }
-            }
-            let r = match rq.body(out.body.clone()).send().await {
+            let r = match request_to(&st, w.url(), &out).send().await {
                 Ok(r) => Ok(r.status().as_u16()),
                 Err(e) => Err(e.to_string()),
             };
