@@ -284,6 +284,16 @@ impl Backend for CpuBackend {
         ops::sample(self, logits, rows, out)
     }
 
+    fn scatter_add_rows(
+        &self,
+        out: &Tensor,
+        rows: &Tensor,
+        scales: &Tensor,
+        x: &Tensor,
+    ) -> Result<()> {
+        ops::scatter_add_rows(self, out, rows, scales, x)
+    }
+
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
         ops::gather_rows(self, x, rows, out)
     }

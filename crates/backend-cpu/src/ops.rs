@@ -273,6 +273,48 @@ pub fn add_assign(b: &CpuBackend, dst: &Tensor, src: &Tensor) -> Result<()> {
     })
 }
 
+pub fn scatter_add_rows(
+    b: &CpuBackend,
+    out: &Tensor,
+    rows: &Tensor,
+    scales: &Tensor,
+    x: &Tensor,
+) -> Result<()> {
+    let (xp, n, dim) = f32_rows(b, x)?;
+    let (op, orows, odim) = f32_rows(b, out)?;
+    if odim != dim || rows.numel() != n || scales.numel() != n {
+        return Err(CoreError::invalid(format!(
+            "scatter-add {x:?} into {out:?} at {rows:?} scaled by {scales:?}"
+        )));
+    }
+    no_overlap(out, &[x, rows, scales])?;
+    let rv = b.view(rows, DType::U32)?;
+    let sv = b.view(scales, DType::F32)?;
+    // SAFETY: n aligned u32 and f32 values.
+    let (idx, sc) = unsafe {
+        (
+            std::slice::from_raw_parts(rv.ptr as *const u32, n),
+            std::slice::from_raw_parts(sv.ptr as *const f32, n),
+        )
+    };
+    if let Some(bad) = idx.iter().find(|&&r| r as usize >= orows) {
+        return Err(CoreError::invalid(format!(
+            "scatter-add row {bad} past {orows} rows"
+        )));
+    }
+    for (i, (&r, &s)) in idx.iter().zip(sc).enumerate() {
+        // SAFETY: row i of x and row r of out are inside their non-overlapping views.
+        unsafe {
+            let d = std::slice::from_raw_parts_mut(op.get().add(r as usize * dim), dim);
+            let v = std::slice::from_raw_parts(xp.get().add(i * dim), dim);
+            for (d, &v) in d.iter_mut().zip(v) {
+                *d += s * v;
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
     let (xp, xrows, dim) = f32_rows(b, x)?;
     let (op, orows, odim) = f32_rows(b, out)?;

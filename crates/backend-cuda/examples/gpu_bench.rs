@@ -169,9 +169,10 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
     let flags = ArchFlags {
         qkv_bias: false,
         qk_norm: false,
+        moe: None,
     };
     backend.set_synthetic_weights(Some(0x5eed));
-    let model = DecoderModel::load(cfg.clone(), flags, &Synthetic::new(cfg), &opts);
+    let model = DecoderModel::load(cfg.clone(), None, flags, &Synthetic::new(cfg), &opts);
     backend.set_synthetic_weights(None);
     let model = model?;
     let s = model.spec();

@@ -221,6 +221,59 @@ pub trait Backend: Send + Sync {
     /// `out[i] = x[rows[i]]`: selects rows of an f32 `[m, d]` tensor; `rows` is u32.
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()>;
 
+    /// `out[rows[i]] += scales[i] * x[i]` for each row `i` of `x` (`[n, d]`
+    /// f32), in order of `i` (so a row listed twice gets both additions, in
+    /// that order); `rows` is u32 `[n]`, `scales` f32 `[n]`, `out` f32 `[m,
+    /// d]`. The combine step of a mixture of experts. This default runs on
+    /// the host (a download and a write of `out`); a backend may run it
+    /// where the tensors are.
+    fn scatter_add_rows(
+        &self,
+        out: &Tensor,
+        rows: &Tensor,
+        scales: &Tensor,
+        x: &Tensor,
+    ) -> Result<()> {
+        let (n, d) = (x.rows(), x.row_len());
+        if out.dtype() != DType::F32
+            || x.dtype() != DType::F32
+            || rows.dtype() != DType::U32
+            || scales.dtype() != DType::F32
+            || rows.numel() != n
+            || scales.numel() != n
+            || out.row_len() != d
+        {
+            return Err(CoreError::invalid(format!(
+                "scatter-add {x:?} into {out:?} at {rows:?} scaled by {scales:?}"
+            )));
+        }
+        let host = |t: &Tensor| -> Result<Vec<u8>> {
+            let mut bytes = vec![0u8; t.byte_len()?];
+            self.download(t, &mut bytes)?;
+            Ok(bytes)
+        };
+        let word = |b: &[u8], i: usize| [b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]];
+        let (ob, rb, sb, xb) = (host(out)?, host(rows)?, host(scales)?, host(x)?);
+        let mut acc: Vec<f32> = (0..out.numel())
+            .map(|i| f32::from_le_bytes(word(&ob, i)))
+            .collect();
+        for i in 0..n {
+            let r = u32::from_le_bytes(word(&rb, i)) as usize;
+            if r >= out.rows() {
+                return Err(CoreError::invalid(format!(
+                    "scatter-add row {r} past {} rows",
+                    out.rows()
+                )));
+            }
+            let s = f32::from_le_bytes(word(&sb, i));
+            for j in 0..d {
+                acc[r * d + j] += s * f32::from_le_bytes(word(&xb, i * d + j));
+            }
+        }
+        let bytes: Vec<u8> = acc.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.write(out, &bytes)
+    }
+
     /// LoRA: adds `(x[rows] aᵀ) bᵀ` to `out[rows]` for each entry (rows of
     /// entries do not overlap). Each row's sum depends on that row alone, so
     /// the result is batch-invariant. This default runs a shrink, an expand
@@ -290,7 +343,7 @@ pub trait Backend: Send + Sync {
     }
 }
 
-impl dyn Backend {
+impl dyn Backend + '_ {
     /// Uploads f32 values as a tensor of `shape`.
     pub fn upload_f32(&self, shape: &[usize], values: &[f32]) -> Result<Tensor> {
         self.upload(&HostTensor::from_f32(shape, values))

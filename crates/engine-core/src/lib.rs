@@ -19,6 +19,7 @@ pub mod grammar;
 pub mod kv;
 pub mod lora;
 pub mod model;
+pub mod moe;
 pub mod no_prefix_cache;
 pub mod plugin;
 pub mod prefix_cache;

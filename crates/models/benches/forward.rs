@@ -44,6 +44,7 @@ fn main() {
             ArchFlags {
                 qkv_bias: false,
                 qk_norm: false,
+                moe: None,
             },
             dtype,
             1,
@@ -57,9 +58,11 @@ fn main() {
         };
         let model = DecoderModel::load(
             cfg.clone(),
+            None,
             ArchFlags {
                 qkv_bias: false,
                 qk_norm: false,
+                moe: None,
             },
             &src,
             &opts,

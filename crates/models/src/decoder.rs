@@ -1,5 +1,7 @@
 //! The Llama-family decoder: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3
-//! (per-head q/k RMSNorm), with optional tied embeddings and GQA.
+//! (per-head q/k RMSNorm), with optional tied embeddings and GQA, and their
+//! sparse mixture-of-experts variants (Qwen2-MoE, Qwen3-MoE, Mixtral), whose
+//! feed-forward is a [`MoeBlock`] in the sparse layers.
 //!
 //! One implementation serves the four architectures; an [`ArchFlags`] value
 //! per registered name says what differs. The model owns its weights only;
@@ -9,6 +11,7 @@
 //! when loading, and errors name the tensor and the checkpoint.
 
 use crate::config::DecoderConfig;
+use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
 use arbor_engine_core::lora::{LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
@@ -25,6 +28,8 @@ pub struct ArchFlags {
     pub qkv_bias: bool,
     /// Per-head RMSNorm on q and k before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// Sparse MoE feed-forward blocks, named and routed this way.
+    pub moe: Option<MoeStyle>,
 }
 
 struct Linear {
@@ -41,9 +46,19 @@ struct Layer {
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     post_norm: Tensor,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    ffn: Ffn,
+}
+
+/// A layer's feed-forward.
+enum Ffn {
+    /// SwiGLU MLP.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Routed experts.
+    Moe(MoeBlock),
 }
 
 /// A loaded Llama-family decoder.
@@ -58,7 +73,8 @@ pub struct DecoderModel {
     inv_freq: Tensor,
 }
 
-struct Loader<'a> {
+/// Reads, checks and uploads a checkpoint's tensors, counting progress.
+pub(crate) struct Loader<'a> {
     src: &'a dyn WeightSource,
     opts: &'a LoadOptions,
     loaded: usize,
@@ -129,6 +145,28 @@ impl<'a> Loader<'a> {
         self.vector(name, len)?.ok_or_else(|| self.missing(name))
     }
 
+    /// A matrix kept in f32 whatever the quantization (MoE router weights).
+    pub(crate) fn f32_matrix(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.fetch(name, shape)?.ok_or_else(|| self.missing(name))?;
+        let t = t.cast(DType::F32).map_err(|e| {
+            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
+        })?;
+        self.upload(t)
+    }
+
+    /// The weight of a linear without bias (`{prefix}.weight`, or its
+    /// quantized tensors), stored as the quantization method decides.
+    pub(crate) fn matrix(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
+        let caps = self.opts.backend.capabilities().clone();
+        let spec = LinearSpec {
+            prefix,
+            out_features: out,
+            in_features: inp,
+        };
+        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
+        self.upload(t)
+    }
+
     fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
         let caps = self.opts.backend.capabilities().clone();
         let spec = LinearSpec {
@@ -157,6 +195,7 @@ impl DecoderModel {
     /// Loads a model of `cfg` from `src`.
     pub fn load(
         cfg: DecoderConfig,
+        moe: Option<&MoeConfig>,
         flags: ArchFlags,
         src: &dyn WeightSource,
         opts: &LoadOptions,
@@ -168,12 +207,21 @@ impl DecoderModel {
             cfg.head_dim,
         );
         let inter = cfg.intermediate_size;
-        let per_layer = 9 + if flags.qk_norm { 2 } else { 0 };
+        let attn_tensors = 6 + if flags.qk_norm { 2 } else { 0 };
+        let total = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                attn_tensors
+                    + match moe {
+                        Some(m) if m.is_sparse(i) => m.tensors_per_layer(),
+                        _ => 3,
+                    }
+            })
+            .sum::<usize>();
         let mut l = Loader {
             src,
             opts,
             loaded: 0,
-            total: 3 + per_layer * cfg.num_hidden_layers,
+            total: 3 + total,
             bytes: 0,
         };
         let embed = l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
@@ -212,9 +260,14 @@ impl DecoderModel {
                     None
                 },
                 post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
-                up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, mlp_bias)?,
-                down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, mlp_bias)?,
+                ffn: match moe {
+                    Some(m) if m.is_sparse(i) => Ffn::Moe(MoeBlock::load(&mut l, m, i, h)?),
+                    _ => Ffn::Dense {
+                        gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
+                        up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, mlp_bias)?,
+                        down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, mlp_bias)?,
+                    },
+                },
             });
         }
         let norm = l.vector_req("model.norm.weight", h)?;
@@ -458,26 +511,47 @@ impl Model for DecoderModel {
             self.linear(&attn, &layer.o, &proj)?;
             lora(i, LoraTarget::O, &attn, &proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
-            b.linear_many(
-                &x,
-                &[
-                    LinearRef {
-                        w: &layer.gate.w,
-                        bias: layer.gate.b.as_ref(),
-                        out: &gate,
-                    },
-                    LinearRef {
-                        w: &layer.up.w,
-                        bias: layer.up.b.as_ref(),
-                        out: &up,
-                    },
-                ],
-            )?;
-            lora(i, LoraTarget::Gate, &x, &gate)?;
-            lora(i, LoraTarget::Up, &x, &up)?;
-            b.silu_mul(&gate, &up, &act)?;
-            self.linear(&act, &layer.down, &proj)?;
-            lora(i, LoraTarget::Down, &act, &proj)?;
+            match &layer.ffn {
+                Ffn::Dense {
+                    gate: gate_w,
+                    up: up_w,
+                    down: down_w,
+                } => {
+                    b.linear_many(
+                        &x,
+                        &[
+                            LinearRef {
+                                w: &gate_w.w,
+                                bias: gate_w.b.as_ref(),
+                                out: &gate,
+                            },
+                            LinearRef {
+                                w: &up_w.w,
+                                bias: up_w.b.as_ref(),
+                                out: &up,
+                            },
+                        ],
+                    )?;
+                    lora(i, LoraTarget::Gate, &x, &gate)?;
+                    lora(i, LoraTarget::Up, &x, &up)?;
+                    b.silu_mul(&gate, &up, &act)?;
+                    self.linear(&act, down_w, &proj)?;
+                    lora(i, LoraTarget::Down, &act, &proj)?;
+                }
+                Ffn::Moe(block) => {
+                    if let Some(s) = batch.lora.iter().find(|s| {
+                        [LoraTarget::Gate, LoraTarget::Up, LoraTarget::Down]
+                            .iter()
+                            .any(|&t| s.adapter.pair(i, t).is_some())
+                    }) {
+                        return Err(CoreError::unsupported(format!(
+                            "LoRA adapter '{}' targets the MLP of layer {i}, a mixture of experts",
+                            s.adapter.name()
+                        )));
+                    }
+                    block.forward(b, &x, &proj)?;
+                }
+            }
         }
         b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
         // After the final add, `resid` is the stream after the last layer.
@@ -515,8 +589,21 @@ impl ModelArchitecture for DecoderArchitecture {
         options: &LoadOptions,
     ) -> Result<Box<dyn Model>> {
         let cfg = DecoderConfig::from_json(config, "config.json")?;
+        let moe = match self.flags.moe {
+            Some(style) => Some(MoeConfig::from_json(
+                config,
+                "config.json",
+                style,
+                cfg.num_hidden_layers,
+            )?),
+            None => None,
+        };
         Ok(Box::new(DecoderModel::load(
-            cfg, self.flags, weights, options,
+            cfg,
+            moe.as_ref(),
+            self.flags,
+            weights,
+            options,
         )?))
     }
 }
@@ -524,6 +611,7 @@ impl ModelArchitecture for DecoderArchitecture {
 const PLAIN: ArchFlags = ArchFlags {
     qkv_bias: false,
     qk_norm: false,
+    moe: None,
 };
 
 inventory::submit! {
@@ -544,13 +632,34 @@ inventory::submit! {
     ArchitectureEntry {
         name: "Qwen2ForCausalLM",
         about: "Qwen2/2.5 decoders (q/k/v bias)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: None } }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3ForCausalLM",
         about: "Qwen3 dense decoders (per-head q/k RMSNorm)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: None } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "Qwen3MoeForCausalLM",
+        about: "Qwen3 mixture-of-experts decoders (q/k RMSNorm, softmax top-k routing)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: Some(MoeStyle::Qwen) } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "Qwen2MoeForCausalLM",
+        about: "Qwen2/1.5 mixture-of-experts decoders (q/k/v bias, a sigmoid-gated shared expert)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: Some(MoeStyle::Qwen) } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "MixtralForCausalLM",
+        about: "Mixtral mixture-of-experts decoders (Mistral attention, renormalized top-k routing)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::Mixtral) } }),
     }
 }

@@ -8,6 +8,7 @@
 
 use crate::config::DecoderConfig;
 use crate::decoder::ArchFlags;
+use crate::moe::{MoeConfig, MoeStyle};
 use arbor_engine_core::{CoreError, DType, HostTensor, Result, SeqRng, WeightSource};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -67,6 +68,42 @@ impl RandomWeights {
             dtype,
             seed,
         })
+    }
+
+    /// The same, with the sparse layers of `moe` holding a router and
+    /// experts (and a shared expert where `moe` has one) instead of the dense MLP.
+    pub fn with_moe(mut self, cfg: &DecoderConfig, moe: &MoeConfig) -> Self {
+        let (h, ei) = (cfg.hidden_size, moe.expert_intermediate_size);
+        for l in (0..cfg.num_hidden_layers).filter(|&l| moe.is_sparse(l)) {
+            let p = format!("model.layers.{l}");
+            for n in ["gate_proj", "up_proj", "down_proj"] {
+                self.shapes.remove(&format!("{p}.mlp.{n}.weight"));
+            }
+            let (block, names) = match moe.style {
+                MoeStyle::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                MoeStyle::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            };
+            let mut put = |name: String, shape: Vec<usize>| {
+                self.shapes.insert(name, (shape, false));
+            };
+            put(format!("{p}.{block}.gate.weight"), vec![moe.num_experts, h]);
+            let mut mlp = |prefix: String, inter: usize| {
+                put(format!("{prefix}.{}.weight", names[0]), vec![inter, h]);
+                put(format!("{prefix}.{}.weight", names[1]), vec![inter, h]);
+                put(format!("{prefix}.{}.weight", names[2]), vec![h, inter]);
+            };
+            for e in 0..moe.num_experts {
+                mlp(format!("{p}.{block}.experts.{e}"), ei);
+            }
+            if let Some(si) = moe.shared_expert_intermediate_size {
+                mlp(format!("{p}.{block}.shared_expert"), si);
+                self.shapes.insert(
+                    format!("{p}.{block}.shared_expert_gate.weight"),
+                    (vec![1, h], false),
+                );
+            }
+        }
+        self
     }
 }
 

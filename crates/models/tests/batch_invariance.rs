@@ -3,7 +3,8 @@
 //! prefill, two chunks (a cached prefix), token-by-token decode, or inside a
 //! batch with 15 other sequences (prefills and decodes of other lengths) —
 //! and a draft-tree token's logits equal the same token's in a chain of only
-//! its ancestors. Checked on the tiny fixture models (tests/fixtures) with
+//! its ancestors. Checked on the tiny fixture models (tests/fixtures, the
+//! mixture-of-experts ones included: routing is per token) with
 //! f32, bf16, Q4_1 and Q8_0 weights, and on the default model
 //! (SmolLM2-135M-Instruct Q4_1 GGUF; skipped with a message when absent),
 //! where 16 concurrent greedy requests also give the tokens each gives alone.
@@ -306,6 +307,9 @@ fn tiny_models_are_batch_invariant() -> Result<()> {
         ("tiny-qwen2", "f32", DType::F32),
         ("tiny-qwen3", "q4_1", DType::F32),
         ("tiny-mistral", "f32", DType::BF16),
+        ("tiny-qwen3-moe", "f32", DType::F32),
+        ("tiny-qwen2-moe", "q8_0", DType::F32),
+        ("tiny-mixtral", "bf16", DType::F16),
     ];
     for (i, (name, quant, kv)) in cases.into_iter().enumerate() {
         let what = format!("{name} ({quant} weights, {kv} KV)");

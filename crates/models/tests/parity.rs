@@ -194,6 +194,25 @@ fn tiny_mistral_matches_transformers() -> Result<()> {
     check_model("tiny-mistral")
 }
 
+/// Mixture of experts (tools/reference/make_moe_fixtures.py): 3 layers, 8
+/// experts top-2 renormalized, layer 1 dense (`mlp_only_layers`), 2 shards.
+#[test]
+fn tiny_qwen3_moe_matches_transformers() -> Result<()> {
+    check_model("tiny-qwen3-moe")
+}
+
+/// 8 experts top-4 without renormalization, and a sigmoid-gated shared expert.
+#[test]
+fn tiny_qwen2_moe_matches_transformers() -> Result<()> {
+    check_model("tiny-qwen2-moe")
+}
+
+/// 4 experts top-2 (`block_sparse_moe.experts.{e}.w1/w2/w3`).
+#[test]
+fn tiny_mixtral_matches_transformers() -> Result<()> {
+    check_model("tiny-mixtral")
+}
+
 /// tiny-llama as older checkpoints ship it: sharded pytorch_model.bin files
 /// written by torch.save (tools/reference/make_torch_bin_fixture.py).
 #[test]

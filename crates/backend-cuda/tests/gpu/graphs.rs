@@ -28,6 +28,7 @@ fn tiny_runner(b: &Arc<CudaBackend>) -> ModelRunner {
     let flags = ArchFlags {
         qkv_bias: false,
         qk_norm: false,
+        moe: None,
     };
     let weights = RandomWeights::new(&cfg, flags, DType::BF16, 7).unwrap();
     let registry = Registry::builtin().unwrap();
@@ -37,7 +38,7 @@ fn tiny_runner(b: &Arc<CudaBackend>) -> ModelRunner {
         quant: registry.quant_methods.get("auto").unwrap()(&Default::default()).unwrap(),
         progress: None,
     };
-    let model = DecoderModel::load(cfg, flags, &weights, &opts).unwrap();
+    let model = DecoderModel::load(cfg, None, flags, &weights, &opts).unwrap();
     ModelRunner::new(Arc::new(model), backend, None, 16, 64, DType::BF16).unwrap()
 }
 

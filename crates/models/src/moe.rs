@@ -1,0 +1,298 @@
+//! The sparse MoE feed-forward block of Qwen2-MoE, Qwen3-MoE and Mixtral:
+//! its `config.json` keys ([`MoeConfig`]), its weights ([`MoeBlock`]) and its
+//! forward (router → top-k → grouped experts → optional shared expert).
+//!
+//! Invariants: the router weight is kept in f32 whatever the checkpoint's
+//! dtype or quantization (routing decisions are the most precision-sensitive
+//! part of the block); every expert of the layer is loaded with the shapes
+//! the config implies, and errors name the tensor; the routing of a token
+//! depends on that token only (see `arbor_engine_core::moe`).
+
+use crate::decoder::Loader;
+use arbor_engine_core::moe::{ExpertWeights, RouterScoring, route, run_experts};
+use arbor_engine_core::{Backend, CoreError, DType, Result, Tensor};
+use serde_json::Value;
+
+/// How an architecture names its MoE tensors and scores its router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeStyle {
+    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`; optional
+    /// `mlp.shared_expert` with a sigmoid `mlp.shared_expert_gate`
+    /// (Qwen2-MoE, Qwen3-MoE); `norm_topk_prob` decides renormalization.
+    Qwen,
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2`
+    /// (gate/up/down); the top-k weights are always renormalized (Mixtral).
+    Mixtral,
+}
+
+/// The MoE keys of a `config.json`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Tensor naming and router scoring.
+    pub style: MoeStyle,
+    /// Routed experts per MoE layer (`num_experts`, `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Width of each routed expert (`moe_intermediate_size`, else `intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Renormalize the top-k weights (`norm_topk_prob`; always for Mixtral).
+    pub renormalize: bool,
+    /// Width of the shared expert (`shared_expert_intermediate_size`), when there is one.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Layers whose feed-forward is dense (`mlp_only_layers`, and those that
+    /// `decoder_sparse_step` skips).
+    pub dense_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Parses the MoE keys of `v`; `file` names it in errors.
+    pub fn from_json(v: &Value, file: &str, style: MoeStyle, layers: usize) -> Result<Self> {
+        let err = |key: &str, what: &str| CoreError::load(format!("{file}: key '{key}' {what}"));
+        let uint = |key: &str| -> Result<Option<usize>> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| err(key, &format!("must be a non-negative integer, found {x}"))),
+            }
+        };
+        let num_experts = match (uint("num_experts")?, uint("num_local_experts")?) {
+            (Some(n), _) | (None, Some(n)) => n,
+            (None, None) => return Err(err("num_experts", "is missing")),
+        };
+        let top_k =
+            uint("num_experts_per_tok")?.ok_or_else(|| err("num_experts_per_tok", "is missing"))?;
+        if num_experts == 0 || top_k == 0 || top_k > num_experts {
+            return Err(err(
+                "num_experts_per_tok",
+                &format!("({top_k}) must be between 1 and the number of experts ({num_experts})"),
+            ));
+        }
+        let expert_intermediate_size = match style {
+            MoeStyle::Qwen => uint("moe_intermediate_size")?,
+            MoeStyle::Mixtral => None,
+        }
+        .or(uint("intermediate_size")?)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| err("moe_intermediate_size", "is missing or zero"))?;
+        let renormalize = match style {
+            MoeStyle::Mixtral => true,
+            MoeStyle::Qwen => match v.get("norm_topk_prob") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(x) => {
+                    return Err(err(
+                        "norm_topk_prob",
+                        &format!("must be true or false, found {x}"),
+                    ));
+                }
+            },
+        };
+        let shared_expert_intermediate_size = match style {
+            MoeStyle::Qwen => uint("shared_expert_intermediate_size")?.filter(|&n| n > 0),
+            MoeStyle::Mixtral => None,
+        };
+        let step = uint("decoder_sparse_step")?.unwrap_or(1);
+        if step == 0 {
+            return Err(err("decoder_sparse_step", "must be positive"));
+        }
+        let only: Vec<usize> = match v.get("mlp_only_layers") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_u64().map(|n| n as usize).ok_or_else(|| {
+                        err("mlp_only_layers", &format!("holds {x}, not a layer index"))
+                    })
+                })
+                .collect::<Result<_>>()?,
+            Some(x) => {
+                return Err(err(
+                    "mlp_only_layers",
+                    &format!("must be a list, found {x}"),
+                ));
+            }
+        };
+        let dense_layers = (0..layers)
+            .filter(|i| only.contains(i) || (i + 1) % step != 0)
+            .collect();
+        Ok(Self {
+            style,
+            num_experts,
+            top_k,
+            expert_intermediate_size,
+            renormalize,
+            shared_expert_intermediate_size,
+            dense_layers,
+        })
+    }
+
+    /// True when layer `i` has a sparse MoE block.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        !self.dense_layers.contains(&i)
+    }
+
+    /// Tensors one sparse layer loads (for load progress).
+    pub fn tensors_per_layer(&self) -> usize {
+        1 + 3 * self.num_experts
+            + if self.shared_expert_intermediate_size.is_some() {
+                4
+            } else {
+                0
+            }
+    }
+}
+
+/// A shared expert, run on every token; Qwen2-MoE scales it by a sigmoid gate.
+struct SharedExpert {
+    /// The expert, as the single slot of a one-expert routing.
+    mlp: [Option<ExpertWeights>; 1],
+    /// `[1, hidden]` f32 (`shared_expert_gate`).
+    gate: Option<Tensor>,
+}
+
+/// One sparse feed-forward block.
+pub struct MoeBlock {
+    /// `[num_experts, hidden]` f32.
+    router: Tensor,
+    experts: Vec<Option<ExpertWeights>>,
+    top_k: usize,
+    scoring: RouterScoring,
+    shared: Option<SharedExpert>,
+}
+
+impl MoeBlock {
+    /// Loads layer `layer`'s block.
+    pub(crate) fn load(
+        l: &mut Loader<'_>,
+        cfg: &MoeConfig,
+        layer: usize,
+        hidden: usize,
+    ) -> Result<Self> {
+        let (prefix, names) = match cfg.style {
+            MoeStyle::Qwen => (
+                format!("model.layers.{layer}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
+            ),
+            MoeStyle::Mixtral => (
+                format!("model.layers.{layer}.block_sparse_moe"),
+                ["w1", "w3", "w2"],
+            ),
+        };
+        let router = l.f32_matrix(&format!("{prefix}.gate.weight"), &[cfg.num_experts, hidden])?;
+        let inter = cfg.expert_intermediate_size;
+        let mut experts = Vec::with_capacity(cfg.num_experts);
+        for e in 0..cfg.num_experts {
+            let p = format!("{prefix}.experts.{e}");
+            experts.push(Some(expert(l, &p, names, hidden, inter)?));
+        }
+        let shared = match cfg.shared_expert_intermediate_size {
+            None => None,
+            Some(si) => Some(SharedExpert {
+                mlp: [Some(expert(
+                    l,
+                    &format!("{prefix}.shared_expert"),
+                    ["gate_proj", "up_proj", "down_proj"],
+                    hidden,
+                    si,
+                )?)],
+                gate: Some(
+                    l.f32_matrix(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?,
+                ),
+            }),
+        };
+        Ok(Self {
+            router,
+            experts,
+            top_k: cfg.top_k,
+            scoring: RouterScoring::SoftmaxTopK {
+                renormalize: cfg.renormalize,
+            },
+            shared,
+        })
+    }
+
+    /// `out = moe(x)` for `x` `[tokens, hidden]` f32; overwrites `out`.
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor, out: &Tensor) -> Result<()> {
+        let t = x.rows();
+        let n_exp = self.experts.len();
+        let logits = b.alloc(DType::F32, &[t, n_exp])?;
+        b.linear(x, &self.router, None, &logits)?;
+        let routing = route(&b.download_f32(&logits)?, n_exp, self.top_k, &self.scoring)?;
+        run_experts(b, x, &routing, &self.experts, out)?;
+        if let Some(s) = &self.shared {
+            let y = b.alloc(DType::F32, &[t, x.row_len()])?;
+            let all = arbor_engine_core::moe::MoeRouting {
+                num_experts: 1,
+                top_k: 1,
+                experts: vec![0; t],
+                weights: match &s.gate {
+                    None => vec![1.0; t],
+                    Some(g) => {
+                        let gl = b.alloc(DType::F32, &[t, 1])?;
+                        b.linear(x, g, None, &gl)?;
+                        b.download_f32(&gl)?
+                            .iter()
+                            .map(|&v| 1.0 / (1.0 + (-v).exp()))
+                            .collect()
+                    }
+                },
+            };
+            run_experts(b, x, &all, &s.mlp, &y)?;
+            b.add_assign(out, &y)?;
+        }
+        Ok(())
+    }
+}
+
+fn expert(
+    l: &mut Loader<'_>,
+    prefix: &str,
+    names: [&str; 3],
+    hidden: usize,
+    inter: usize,
+) -> Result<ExpertWeights> {
+    Ok(ExpertWeights {
+        gate: l.matrix(&format!("{prefix}.{}", names[0]), inter, hidden)?,
+        up: l.matrix(&format!("{prefix}.{}", names[1]), inter, hidden)?,
+        down: l.matrix(&format!("{prefix}.{}", names[2]), hidden, inter)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn sparse_layers_follow_step_and_dense_list() {
+        let v = json!({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": true});
+        let c = MoeConfig::from_json(&v, "config.json", MoeStyle::Qwen, 6).unwrap();
+        assert_eq!(c.dense_layers, vec![0, 2, 3, 4]);
+        assert!(c.is_sparse(1) && c.is_sparse(5) && !c.is_sparse(3));
+        assert!(c.renormalize);
+        let m = json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32});
+        let c = MoeConfig::from_json(&m, "config.json", MoeStyle::Mixtral, 2).unwrap();
+        assert!(c.renormalize && c.dense_layers.is_empty() && c.expert_intermediate_size == 32);
+    }
+
+    #[test]
+    fn bad_keys_are_named() {
+        let v = json!({"num_experts": 4, "num_experts_per_tok": 5, "moe_intermediate_size": 16});
+        let e = MoeConfig::from_json(&v, "x/config.json", MoeStyle::Qwen, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("x/config.json") && e.contains("num_experts_per_tok"),
+            "{e}"
+        );
+        let v = json!({"num_experts_per_tok": 2, "moe_intermediate_size": 16});
+        let e = MoeConfig::from_json(&v, "config.json", MoeStyle::Qwen, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("num_experts") && e.contains("missing"), "{e}");
+    }
+}
