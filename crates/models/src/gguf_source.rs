@@ -7,6 +7,12 @@
 //! whole blocks in every format, so quantized rows move as they are), so the
 //! same decoder with Hugging Face's rotate-half RoPE runs both formats. A
 //! `rope_freqs.weight` tensor (Llama 3 scaling) is exposed under that name.
+//!
+//! Mixture-of-experts files (`qwen3moe`, `qwen2moe`, and `llama` with an
+//! `expert_count`: Mixtral) stack each layer's experts in one 3-D tensor
+//! (`blk.N.ffn_{gate,up,down}_exps`, `[experts, out, in]`); expert `e` of a
+//! Hugging Face name is the `e`-th outermost slice of it, borrowed as is
+//! (slices are whole rows, so quantized blocks stay intact).
 
 use crate::{ChatTemplate, LoadedModel, TextTokenizer};
 use arbor_engine_core::{CoreError, HostTensor, LoadOptions, Registry, Result, WeightSource};
@@ -33,8 +39,45 @@ fn hf_architecture(arch: &str) -> Option<&'static str> {
         "mistral" => "MistralForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
+        "qwen3moe" => "Qwen3MoeForCausalLM",
+        "qwen2moe" => "Qwen2MoeForCausalLM",
         _ => return None,
     })
+}
+
+/// A GGUF tensor name, and which outermost slice of it (an expert) is meant.
+type GgufRef = (String, Option<usize>);
+
+/// The GGUF tensor of a Hugging Face MoE tensor name (the router, an
+/// expert's projection, the shared expert), `None` for other names.
+fn gguf_moe_name(hf: &str) -> Option<GgufRef> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let tail = tail
+        .strip_prefix("mlp.")
+        .or_else(|| tail.strip_prefix("block_sparse_moe."))?;
+    let fixed = match tail {
+        "gate.weight" => Some("ffn_gate_inp"),
+        "shared_expert_gate.weight" => Some("ffn_gate_inp_shexp"),
+        "shared_expert.gate_proj.weight" => Some("ffn_gate_shexp"),
+        "shared_expert.up_proj.weight" => Some("ffn_up_shexp"),
+        "shared_expert.down_proj.weight" => Some("ffn_down_shexp"),
+        _ => None,
+    };
+    if let Some(g) = fixed {
+        return Some((format!("blk.{layer}.{g}.weight"), None));
+    }
+    let (expert, proj) = tail.strip_prefix("experts.")?.split_once('.')?;
+    let g = match proj {
+        "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
+        "up_proj.weight" | "w3.weight" => "ffn_up_exps",
+        "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((
+        format!("blk.{layer}.{g}.weight"),
+        Some(expert.parse().ok()?),
+    ))
 }
 
 /// Tensors of a GGUF file under their Hugging Face names.
@@ -109,7 +152,10 @@ impl WeightSource for GgufWeights {
     }
 
     fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
-        let Some(g) = gguf_name(name) else {
+        let Some((g, expert)) = gguf_name(name)
+            .map(|g| (g, None))
+            .or_else(|| gguf_moe_name(name))
+        else {
             return Ok(None);
         };
         let Some(info) = self.file.tensor(&g) else {
@@ -121,6 +167,28 @@ impl WeightSource for GgufWeights {
             shape: info.shape.clone(),
             data: Cow::Borrowed(data),
         };
+        // llama.cpp keeps the shared expert's gate as a vector.
+        if g.ends_with("ffn_gate_inp_shexp.weight") && t.shape.len() == 1 {
+            t.shape = vec![1, t.shape[0]];
+        }
+        if let Some(e) = expert {
+            let [n, out, inp] = info.shape[..] else {
+                return Err(CoreError::load(format!(
+                    "{}: tensor '{g}' has shape {:?}, expected [experts, out, in]",
+                    self.describe(),
+                    info.shape
+                )));
+            };
+            if e >= n {
+                return Ok(None);
+            }
+            let per = data.len() / n;
+            t = HostTensor {
+                dtype: info.dtype,
+                shape: vec![out, inp],
+                data: Cow::Borrowed(&data[e * per..(e + 1) * per]),
+            };
+        }
         if let Some((heads, kv_heads)) = self.unpermute {
             let h = if g.ends_with("attn_q.weight") {
                 Some(heads)
@@ -202,7 +270,49 @@ fn synth_config(f: &GgufFile, arch: &str, hf: &str) -> Result<Value> {
     if let Some(w) = f.get_u64(&key("attention.sliding_window"))? {
         cfg["sliding_window"] = json!(w);
     }
+    if let Some(experts) = f.get_u64(&key("expert_count"))?.filter(|&n| n > 0) {
+        moe_config(f, arch, experts, &mut cfg)?;
+    }
     Ok(cfg)
+}
+
+/// The MoE keys of the `config.json` equivalent: counts and widths from the
+/// metadata (llama.cpp's `expert_*` keys), dense layers where a block has no
+/// router, and llama.cpp's top-k weight normalization per architecture
+/// unless `expert_weights_norm` says otherwise.
+fn moe_config(f: &GgufFile, arch: &str, experts: u64, cfg: &mut Value) -> Result<()> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let used = f.get_u64(&key("expert_used_count"))?.ok_or_else(|| {
+        CoreError::load(format!(
+            "GGUF metadata key '{}' is missing",
+            key("expert_used_count")
+        ))
+    })?;
+    cfg["num_experts"] = json!(experts);
+    cfg["num_experts_per_tok"] = json!(used);
+    if let Some(w) = f.get_u64(&key("expert_feed_forward_length"))? {
+        cfg["moe_intermediate_size"] = json!(w);
+    } else if let Some(t) = f.tensor("blk.0.ffn_gate_exps.weight") {
+        cfg["moe_intermediate_size"] = json!(t.shape.get(1).copied().unwrap_or(0));
+    }
+    if let Some(w) = f.get_u64(&key("expert_shared_feed_forward_length"))? {
+        cfg["shared_expert_intermediate_size"] = json!(w);
+    }
+    let norm = match f.get_bool(&key("expert_weights_norm"))? {
+        Some(b) => b,
+        None => arch != "qwen2moe",
+    };
+    cfg["norm_topk_prob"] = json!(norm);
+    let layers = cfg["num_hidden_layers"].as_u64().unwrap_or(0);
+    let dense: Vec<u64> = (0..layers)
+        .filter(|i| f.tensor(&format!("blk.{i}.ffn_gate_inp.weight")).is_none())
+        .collect();
+    cfg["mlp_only_layers"] = json!(dense);
+    if arch == "llama" {
+        cfg["architectures"] = json!(["MixtralForCausalLM"]);
+        cfg["num_local_experts"] = json!(experts);
+    }
+    Ok(())
 }
 
 /// Loads a model, tokenizer and chat template from one GGUF file.
@@ -211,7 +321,7 @@ pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result
     let arch = file.architecture()?.to_string();
     let hf = hf_architecture(&arch).ok_or_else(|| {
         CoreError::load(format!(
-            "{}: GGUF architecture '{arch}' is not supported (supported: llama, mistral, qwen2, qwen3)",
+            "{}: GGUF architecture '{arch}' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3moe, qwen2moe)",
             path.display()
         ))
     })?;
@@ -240,6 +350,7 @@ pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result
         _ => crate::path_name(path),
     };
     let weights = GgufWeights { file, unpermute };
+    let hf = config["architectures"][0].as_str().unwrap_or(hf);
     let factory = registry.architectures.get(hf)?;
     let model = factory().load(&config, &weights, opts)?;
     Ok(LoadedModel {
@@ -275,6 +386,18 @@ mod tests {
             Some("token_embd.weight")
         );
         assert_eq!(gguf_name("nonsense"), None);
+        assert_eq!(
+            gguf_moe_name("model.layers.2.mlp.experts.5.up_proj.weight"),
+            Some(("blk.2.ffn_up_exps.weight".into(), Some(5)))
+        );
+        assert_eq!(
+            gguf_moe_name("model.layers.0.block_sparse_moe.experts.1.w2.weight"),
+            Some(("blk.0.ffn_down_exps.weight".into(), Some(1)))
+        );
+        assert_eq!(
+            gguf_moe_name("model.layers.1.mlp.shared_expert_gate.weight"),
+            Some(("blk.1.ffn_gate_inp_shexp.weight".into(), None))
+        );
     }
 
     #[test]

@@ -1,8 +1,10 @@
-//! The GGUF loading paths of qwen2, qwen3 and mistral (llama is covered by
-//! the real SmolLM2 file in smollm2.rs): each tiny Hugging Face fixture is
+//! The GGUF loading paths of qwen2, qwen3, mistral and the mixture-of-experts
+//! qwen3moe, qwen2moe and Mixtral (`llama` with `expert_count`; plain llama
+//! is covered by the real SmolLM2 file in smollm2.rs): each tiny Hugging Face fixture is
 //! converted here to a GGUF file the way llama.cpp's `convert_hf_to_gguf.py`
 //! writes one (its metadata keys, tensor names, Q/K row permutation for
-//! mistral, a `gpt2` tokenizer from `tokenizer.json`), in f32 so nothing is
+//! mistral, experts stacked in `ffn_*_exps` `[experts, out, in]` tensors, a
+//! `gpt2` tokenizer from `tokenizer.json`), in f32 so nothing is
 //! lost, then loaded through `load_model` like any GGUF file. The result must
 //! tokenize the prompts and continue them greedily exactly as transformers
 //! did (the fixtures' reference.json), with last-position logits within
@@ -65,11 +67,34 @@ fn llama_cpp_name(hf: &str) -> Option<String> {
                 "mlp.gate_proj" => "ffn_gate",
                 "mlp.up_proj" => "ffn_up",
                 "mlp.down_proj" => "ffn_down",
+                "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+                "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
+                "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+                "mlp.shared_expert.down_proj" => "ffn_down_shexp",
                 _ => return None,
             };
             format!("blk.{layer}.{g}.{kind}")
         }
     })
+}
+
+/// For a routed expert's tensor: the stacked llama.cpp tensor it belongs to
+/// and the expert's index.
+fn llama_cpp_expert(hf: &str) -> Option<(String, usize)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let tail = tail
+        .strip_prefix("mlp.experts.")
+        .or_else(|| tail.strip_prefix("block_sparse_moe.experts."))?;
+    let (e, proj) = tail.split_once('.')?;
+    let g = match proj {
+        "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
+        "up_proj.weight" | "w3.weight" => "ffn_up_exps",
+        "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{g}.weight"), e.parse().ok()?))
 }
 
 /// llama.cpp's `LlamaModel.permute`: within each head, rows `[0, d/2)` and
@@ -172,8 +197,27 @@ fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
             _ => String::new(),
         })
         .collect();
+    if let Some(n) = cfg["num_experts"]
+        .as_u64()
+        .or(cfg["num_local_experts"].as_u64())
+    {
+        w.add_u32(format!("{arch}.expert_count"), n as u32).add_u32(
+            format!("{arch}.expert_used_count"),
+            u("num_experts_per_tok")? as u32,
+        );
+        if let Some(m) = cfg["moe_intermediate_size"].as_u64() {
+            w.add_u32(format!("{arch}.expert_feed_forward_length"), m as u32);
+        }
+        if let Some(m) = cfg["shared_expert_intermediate_size"].as_u64() {
+            w.add_u32(
+                format!("{arch}.expert_shared_feed_forward_length"),
+                m as u32,
+            );
+        }
+    }
     let reference = json(&dir.join("reference.json"))?;
-    let pre = if arch == "mistral" { "gpt-2" } else { "qwen2" };
+    let permuted = matches!(arch, "mistral" | "llama");
+    let pre = if permuted { "gpt-2" } else { "qwen2" };
     w.add_str("tokenizer.ggml.model", "gpt2")
         .add_str("tokenizer.ggml.pre", pre)
         .add_array("tokenizer.ggml.tokens", GgufArray::String(tokens))
@@ -189,24 +233,50 @@ fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
         w.add_str("tokenizer.chat_template", t);
     }
 
-    // Tensors, f32, Q and K permuted for the archs llama.cpp permutes.
-    let st = std::fs::read(dir.join("model.safetensors"))?;
-    let tensors = safetensors::SafeTensors::deserialize(&st)?;
-    let mut names: Vec<String> = tensors.names().into_iter().map(str::to_string).collect();
-    names.sort();
-    for hf in names {
-        let t = tensors.tensor(&hf)?;
-        anyhow::ensure!(t.dtype() == safetensors::Dtype::F32, "{hf}: not f32");
+    // Tensors, f32, Q and K permuted for the archs llama.cpp permutes, the
+    // routed experts of a layer stacked in expert order.
+    let mut shards: Vec<PathBuf> = std::fs::read_dir(&dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    shards.sort();
+    let bytes: Vec<Vec<u8>> = shards.iter().map(std::fs::read).collect::<Result<_, _>>()?;
+    let mut all = std::collections::BTreeMap::new();
+    for b in &bytes {
+        let st = safetensors::SafeTensors::deserialize(b)?;
+        for (name, t) in st.tensors() {
+            anyhow::ensure!(t.dtype() == safetensors::Dtype::F32, "{name}: not f32");
+            all.insert(name, (t.shape().to_vec(), t.data().to_vec()));
+        }
+    }
+    let mut stacked: std::collections::BTreeMap<String, Vec<(usize, Vec<usize>, Vec<u8>)>> =
+        Default::default();
+    for (hf, (shape, mut data)) in all {
+        if let Some((g, e)) = llama_cpp_expert(&hf) {
+            stacked.entry(g).or_default().push((e, shape, data));
+            continue;
+        }
         let g = llama_cpp_name(&hf).with_context(|| format!("no llama.cpp name for {hf}"))?;
-        let mut data = t.data().to_vec();
-        if arch == "mistral" {
+        if permuted {
             if g.ends_with("attn_q.weight") {
-                data = permute(&data, t.shape()[0], heads as usize);
+                data = permute(&data, shape[0], heads as usize);
             } else if g.ends_with("attn_k.weight") {
-                data = permute(&data, t.shape()[0], kv_heads as usize);
+                data = permute(&data, shape[0], kv_heads as usize);
             }
         }
-        w.add_tensor(g, DType::F32, t.shape(), data)?;
+        // llama.cpp keeps the shared expert's gate as a vector.
+        let shape = if g.ends_with("ffn_gate_inp_shexp.weight") {
+            vec![shape.iter().product()]
+        } else {
+            shape
+        };
+        w.add_tensor(g, DType::F32, &shape, data)?;
+    }
+    for (g, mut experts) in stacked {
+        experts.sort_by_key(|(e, _, _)| *e);
+        let shape = [experts.len(), experts[0].1[0], experts[0].1[1]];
+        let data: Vec<u8> = experts.into_iter().flat_map(|(_, _, d)| d).collect();
+        w.add_tensor(g, DType::F32, &shape, data)?;
     }
     Ok(w)
 }
@@ -309,6 +379,22 @@ fn qwen3_gguf_matches_transformers() -> Result<()> {
 #[test]
 fn mistral_gguf_matches_transformers() -> Result<()> {
     check("tiny-mistral", "mistral")
+}
+
+#[test]
+fn qwen3moe_gguf_matches_transformers() -> Result<()> {
+    check("tiny-qwen3-moe", "qwen3moe")
+}
+
+#[test]
+fn qwen2moe_gguf_matches_transformers() -> Result<()> {
+    check("tiny-qwen2-moe", "qwen2moe")
+}
+
+/// Mixtral as llama.cpp writes it: architecture `llama` with `expert_count`.
+#[test]
+fn mixtral_gguf_matches_transformers() -> Result<()> {
+    check("tiny-mixtral", "llama")
 }
 
 #[test]
