@@ -325,6 +325,54 @@ pub fn run_experts(
     b.copy(&acc, out)
 }
 
+/// The same sum as [`run_experts`], one token and one expert at a time (a
+/// GEMV per token per chosen expert, in ascending expert id): the baseline
+/// the grouped computation is measured and checked against. With a
+/// batch-invariant linear the two give bit-identical outputs.
+pub fn run_experts_per_token(
+    b: &dyn Backend,
+    x: &Tensor,
+    routing: &MoeRouting,
+    experts: &[Option<ExpertWeights>],
+    out: &Tensor,
+) -> Result<()> {
+    let (t, h) = (x.rows(), x.row_len());
+    if routing.tokens() != t || experts.len() != routing.num_experts {
+        return Err(CoreError::invalid(format!(
+            "experts of {x:?} with a routing of {} tokens over {} experts",
+            routing.tokens(),
+            routing.num_experts
+        )));
+    }
+    let acc = b.alloc(DType::F32, &[t, h])?;
+    let k = routing.top_k;
+    for row in 0..t {
+        let xr = x.narrow(row, 1)?;
+        let mut chosen: Vec<(u32, f32)> = (0..k)
+            .map(|j| (routing.experts[row * k + j], routing.weights[row * k + j]))
+            .collect();
+        chosen.sort_by_key(|&(e, _)| e);
+        for (e, w) in chosen {
+            let Some(ex) = &experts[e as usize] else {
+                continue;
+            };
+            let inter = ex.intermediate();
+            let gate = b.alloc(DType::F32, &[1, inter])?;
+            let up = b.alloc(DType::F32, &[1, inter])?;
+            b.linear(&xr, &ex.gate, None, &gate)?;
+            b.linear(&xr, &ex.up, None, &up)?;
+            let act = b.alloc(DType::F32, &[1, inter])?;
+            b.silu_mul(&gate, &up, &act)?;
+            let y = b.alloc(DType::F32, &[1, h])?;
+            b.linear(&act, &ex.down, None, &y)?;
+            let rows = b.upload_u32(&[1], &[row as u32])?;
+            let scales = b.upload_f32(&[1], &[w])?;
+            b.scatter_add_rows(&acc, &rows, &scales, &y)?;
+        }
+    }
+    b.copy(&acc, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
