@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod comm;
 pub mod detok;
 pub mod dtype;
 pub mod engine;
