@@ -220,7 +220,9 @@ impl Communicator for LocalComm {
         }
         let all = self.group.exchange(self.rank, vec![self.host(t)?])?;
         if all.iter().any(|p| p[0].len() != t.numel()) {
-            return Err(CoreError::invalid("all_reduce of tensors of different sizes"));
+            return Err(CoreError::invalid(
+                "all_reduce of tensors of different sizes",
+            ));
         }
         self.put(t, &Self::sum(&all))
     }
@@ -234,7 +236,9 @@ impl Communicator for LocalComm {
         }
         let all = self.group.exchange(self.rank, vec![self.host(x)?])?;
         if all.iter().any(|p| p[0].len() != m * n) {
-            return Err(CoreError::invalid("all_gather of tensors of different sizes"));
+            return Err(CoreError::invalid(
+                "all_gather of tensors of different sizes",
+            ));
         }
         let mut v = Vec::with_capacity(m * n * w);
         for row in 0..m {
@@ -254,7 +258,9 @@ impl Communicator for LocalComm {
         }
         let all = self.group.exchange(self.rank, vec![self.host(x)?])?;
         if all.iter().any(|p| p[0].len() != m * n) {
-            return Err(CoreError::invalid("reduce_scatter of tensors of different sizes"));
+            return Err(CoreError::invalid(
+                "reduce_scatter of tensors of different sizes",
+            ));
         }
         let sum = Self::sum(&all);
         let per = (m / w) * n;
@@ -311,7 +317,11 @@ impl Communicator for LocalComm {
             if s.aborted {
                 return Err(LocalGroup::aborted());
             }
-            if let Some(v) = s.mail.get_mut(&(from, self.rank)).and_then(VecDeque::pop_front) {
+            if let Some(v) = s
+                .mail
+                .get_mut(&(from, self.rank))
+                .and_then(VecDeque::pop_front)
+            {
                 break v;
             }
             s = self.group.cv.wait(s).map_err(|_| LocalGroup::aborted())?;

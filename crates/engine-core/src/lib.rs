@@ -32,6 +32,7 @@ pub mod speculative;
 pub mod step;
 pub mod tensor;
 pub mod tier;
+pub mod tp;
 
 pub use attention::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
@@ -48,7 +49,7 @@ pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, Resolve
 pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};
 pub use model::{
     ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
-    WeightSource,
+    ShardSpec, WeightSource,
 };
 pub use no_prefix_cache::NoPrefixCache;
 pub use prefix_cache::{
@@ -68,6 +69,7 @@ pub use tier::{
     CopyDirection, HostKvPool, HostPages, HostSlotRef, KvCopyStats, KvTier, KvTierOps, PageCopy,
     PageKey, TierError, TierIdentity, page_keys,
 };
+pub use tp::TpExecutor;
 
 /// Re-exported so that implementation crates register with the same `inventory`.
 pub use inventory;

@@ -249,6 +249,30 @@ pub struct LoadOptions {
     pub progress: Option<Arc<dyn Fn(usize, usize) + Send + Sync>>,
 }
 
+/// One rank's share of a tensor-parallel model (and of its experts, with
+/// expert parallelism): the rank and group size come from `comm`.
+#[derive(Clone)]
+pub struct ShardSpec {
+    /// This rank's end of the group; the model reduces its partial sums
+    /// through it.
+    pub comm: Arc<dyn crate::comm::Communicator>,
+    /// Routed experts are partitioned over the ranks (expert parallelism,
+    /// `--ep-size` equal to `--tp-size`) instead of split along their width.
+    pub expert_parallel: bool,
+}
+
+impl std::fmt::Debug for ShardSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ShardSpec(rank {} of {}, expert_parallel: {})",
+            self.comm.rank(),
+            self.comm.world_size(),
+            self.expert_parallel
+        )
+    }
+}
+
 /// A model architecture: builds models of one `architectures` name.
 pub trait ModelArchitecture: Send + Sync {
     /// Loads a model from its `config.json` value and weights.
@@ -258,4 +282,19 @@ pub trait ModelArchitecture: Send + Sync {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<Box<dyn Model>>;
+
+    /// Loads one rank's shard of the model (tensor parallelism): only that
+    /// rank's slices of the weights, heads split, partial sums reduced
+    /// through `shard.comm`. Architectures without it refuse.
+    fn load_shard(
+        &self,
+        _config: &serde_json::Value,
+        _weights: &dyn WeightSource,
+        _options: &LoadOptions,
+        _shard: &ShardSpec,
+    ) -> Result<Box<dyn Model>> {
+        Err(CoreError::unsupported(
+            "tensor parallelism for this architecture",
+        ))
+    }
 }

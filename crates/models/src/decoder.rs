@@ -12,12 +12,14 @@
 
 use crate::config::DecoderConfig;
 use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
+use crate::shard::{ShardedSource, shard_config};
+use arbor_engine_core::comm::Communicator;
 use arbor_engine_core::lora::{LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
     HostTensor, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec, Result,
-    RopeStyle, Tensor, WeightSource, inventory,
+    RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -61,9 +63,17 @@ enum Ffn {
     Moe(MoeBlock),
 }
 
-/// A loaded Llama-family decoder.
+/// This rank's place in a tensor-parallel group.
+struct TpRank {
+    comm: Arc<dyn Communicator>,
+    /// The LM head holds this rank's rows of the vocabulary; logits are gathered.
+    vocab_parallel: bool,
+}
+
+/// A loaded Llama-family decoder (or one tensor-parallel rank's shard of it).
 pub struct DecoderModel {
     spec: ModelSpec,
+    tp: Option<TpRank>,
     cfg: DecoderConfig,
     backend: Arc<dyn Backend>,
     embed: Tensor,
@@ -104,6 +114,13 @@ impl<'a> Loader<'a> {
             "{}: tensor '{name}' is missing",
             self.src.describe()
         ))
+    }
+
+    /// Counts `n` tensors another rank loads.
+    pub(crate) fn skip(&mut self, n: usize) {
+        for _ in 0..n {
+            self.tick();
+        }
     }
 
     fn tick(&mut self) {
@@ -200,6 +217,53 @@ impl DecoderModel {
         src: &dyn WeightSource,
         opts: &LoadOptions,
     ) -> Result<Self> {
+        Self::load_inner(cfg, moe, flags, src, opts, None)
+    }
+
+    /// Loads rank `shard.comm.rank()`'s shard of a model of `cfg` (the
+    /// whole model's shape) from the whole checkpoint `src`.
+    pub fn load_shard(
+        cfg: DecoderConfig,
+        moe: Option<&MoeConfig>,
+        flags: ArchFlags,
+        src: &dyn WeightSource,
+        opts: &LoadOptions,
+        shard: &ShardSpec,
+    ) -> Result<Self> {
+        let (rank, world) = (shard.comm.rank(), shard.comm.world_size());
+        let (local, local_moe) = shard_config(&cfg, moe, world, shard.expert_parallel)?;
+        let vocab_parallel = cfg.vocab_size.is_multiple_of(world);
+        let sharded = ShardedSource::new(src, rank, world, vocab_parallel, shard.expert_parallel);
+        let tp = TpRank {
+            comm: shard.comm.clone(),
+            vocab_parallel,
+        };
+        let experts = shard.expert_parallel.then(|| {
+            let per = local_moe.as_ref().map_or(0, |m| m.num_experts / world);
+            rank * per..(rank + 1) * per
+        });
+        Self::load_inner(
+            local,
+            local_moe.as_ref(),
+            flags,
+            &sharded,
+            opts,
+            Some((tp, experts)),
+        )
+    }
+
+    fn load_inner(
+        cfg: DecoderConfig,
+        moe: Option<&MoeConfig>,
+        flags: ArchFlags,
+        src: &dyn WeightSource,
+        opts: &LoadOptions,
+        shard: Option<(TpRank, Option<std::ops::Range<usize>>)>,
+    ) -> Result<Self> {
+        let (tp, owned_experts) = match shard {
+            Some((tp, experts)) => (Some(tp), experts),
+            None => (None, None),
+        };
         let h = cfg.hidden_size;
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,
@@ -261,7 +325,9 @@ impl DecoderModel {
                 },
                 post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ffn: match moe {
-                    Some(m) if m.is_sparse(i) => Ffn::Moe(MoeBlock::load(&mut l, m, i, h)?),
+                    Some(m) if m.is_sparse(i) => {
+                        Ffn::Moe(MoeBlock::load(&mut l, m, i, h, owned_experts.clone())?)
+                    }
                     _ => Ffn::Dense {
                         gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
                         up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, mlp_bias)?,
@@ -271,15 +337,23 @@ impl DecoderModel {
             });
         }
         let norm = l.vector_req("model.norm.weight", h)?;
+        // A vocab-parallel rank's LM head holds its rows of the vocabulary.
+        let (head_rows, head_start) = match &tp {
+            Some(t) if t.vocab_parallel => {
+                let per = cfg.vocab_size / t.comm.world_size();
+                (per, t.comm.rank() * per)
+            }
+            _ => (cfg.vocab_size, 0),
+        };
         let lm_head = if cfg.tie_word_embeddings {
             l.tick();
-            embed.clone()
+            embed.narrow(head_start, head_rows)?
         } else if src.tensor("lm_head.weight")?.is_some() {
-            l.linear("lm_head", cfg.vocab_size, h, Bias::Optional)?.w
+            l.linear("lm_head", head_rows, h, Bias::Optional)?.w
         } else {
             tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
             l.tick();
-            embed.clone()
+            embed.narrow(head_start, head_rows)?
         };
         let mut freqs = cfg.inv_freq();
         // GGUF Llama 3 files carry the scaling as per-frequency divisors.
@@ -316,6 +390,7 @@ impl DecoderModel {
         };
         Ok(Self {
             spec,
+            tp,
             cfg,
             backend: opts.backend.clone(),
             embed,
@@ -328,6 +403,14 @@ impl DecoderModel {
 
     fn linear(&self, x: &Tensor, l: &Linear, out: &Tensor) -> Result<()> {
         self.backend.linear(x, &l.w, l.b.as_ref(), out)
+    }
+
+    /// Sums a row-parallel output over the ranks (nothing on one device).
+    fn reduce(&self, partial: &Tensor) -> Result<()> {
+        match &self.tp {
+            Some(t) => t.comm.all_reduce(partial),
+            None => Ok(()),
+        }
     }
 }
 
@@ -350,6 +433,11 @@ impl Model for DecoderModel {
 
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
+        if self.tp.is_some() && !batch.lora.is_empty() {
+            return Err(CoreError::unsupported(
+                "LoRA adapters with tensor parallelism",
+            ));
+        }
         let n_layers = self.layers.len();
         if let Some(bad) = batch.hidden_layers.iter().find(|&&l| l > n_layers) {
             return Err(CoreError::invalid(format!(
@@ -510,6 +598,7 @@ impl Model for DecoderModel {
             )?;
             self.linear(&attn, &layer.o, &proj)?;
             lora(i, LoraTarget::O, &attn, &proj)?;
+            self.reduce(&proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
             match &layer.ffn {
                 Ffn::Dense {
@@ -552,6 +641,7 @@ impl Model for DecoderModel {
                     block.forward(b, &x, &proj)?;
                 }
             }
+            self.reduce(&proj)?;
         }
         b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
         // After the final add, `resid` is the stream after the last layer.
@@ -571,7 +661,14 @@ impl Model for DecoderModel {
             return Ok(ForwardOutput { logits, hidden });
         }
         let sel = if all_rows { x } else { select(&x)? };
-        b.linear(&sel, &self.lm_head, None, &logits)?;
+        match &self.tp {
+            Some(t) if t.vocab_parallel => {
+                let local = f32t(&[rows, self.lm_head.rows()])?;
+                b.linear(&sel, &self.lm_head, None, &local)?;
+                t.comm.all_gather(&local, &logits)?;
+            }
+            _ => b.linear(&sel, &self.lm_head, None, &logits)?,
+        }
         Ok(ForwardOutput { logits, hidden })
     }
 }
@@ -604,6 +701,33 @@ impl ModelArchitecture for DecoderArchitecture {
             self.flags,
             weights,
             options,
+        )?))
+    }
+
+    fn load_shard(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+        shard: &ShardSpec,
+    ) -> Result<Box<dyn Model>> {
+        let cfg = DecoderConfig::from_json(config, "config.json")?;
+        let moe = match self.flags.moe {
+            Some(style) => Some(MoeConfig::from_json(
+                config,
+                "config.json",
+                style,
+                cfg.num_hidden_layers,
+            )?),
+            None => None,
+        };
+        Ok(Box::new(DecoderModel::load_shard(
+            cfg,
+            moe.as_ref(),
+            self.flags,
+            weights,
+            options,
+            shard,
         )?))
     }
 }

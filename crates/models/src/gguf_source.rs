@@ -316,7 +316,12 @@ fn moe_config(f: &GgufFile, arch: &str, experts: u64, cfg: &mut Value) -> Result
 }
 
 /// Loads a model, tokenizer and chat template from one GGUF file.
-pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
+pub fn load_gguf(
+    path: &Path,
+    registry: &Registry,
+    opts: &LoadOptions,
+    shard: Option<&arbor_engine_core::ShardSpec>,
+) -> Result<LoadedModel> {
     let file = GgufFile::open(path)?;
     let arch = file.architecture()?.to_string();
     let hf = hf_architecture(&arch).ok_or_else(|| {
@@ -352,7 +357,7 @@ pub fn load_gguf(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result
     let weights = GgufWeights { file, unpermute };
     let hf = config["architectures"][0].as_str().unwrap_or(hf);
     let factory = registry.architectures.get(hf)?;
-    let model = factory().load(&config, &weights, opts)?;
+    let model = crate::build(&*factory(), &config, &weights, opts, shard)?;
     Ok(LoadedModel {
         model: Arc::from(model),
         tokenizer: Arc::new(tokenizer),

@@ -15,6 +15,7 @@ pub mod moe;
 pub mod quant_methods;
 pub mod random;
 pub mod safetensors_source;
+pub mod shard;
 pub mod tokenizer;
 pub mod torch_bin;
 
@@ -24,7 +25,9 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::DecoderConfig;
 pub use tokenizer::TextTokenizer;
 
-use arbor_engine_core::{CoreError, LoadOptions, Model, QuantInit, QuantMethod, Registry, Result};
+use arbor_engine_core::{
+    CoreError, LoadOptions, Model, QuantInit, QuantMethod, Registry, Result, ShardSpec,
+};
 use safetensors_source::SafetensorsSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -67,8 +70,42 @@ fn read_config(dir: &Path) -> Result<serde_json::Value> {
 
 /// Loads a Hugging Face model folder, or a GGUF file, with the architectures in `registry`.
 pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Result<LoadedModel> {
+    load(path, registry, opts, None)
+}
+
+/// Loads one tensor-parallel rank's shard of the model at `path` (only that
+/// rank's slices of the weights reach its device).
+pub fn load_model_shard(
+    path: &Path,
+    registry: &Registry,
+    opts: &LoadOptions,
+    shard: &ShardSpec,
+) -> Result<LoadedModel> {
+    load(path, registry, opts, Some(shard))
+}
+
+/// Builds `arch` from its config and weights, whole or as `shard`.
+pub(crate) fn build(
+    arch: &dyn arbor_engine_core::ModelArchitecture,
+    config: &serde_json::Value,
+    weights: &dyn arbor_engine_core::WeightSource,
+    opts: &LoadOptions,
+    shard: Option<&ShardSpec>,
+) -> Result<Box<dyn Model>> {
+    match shard {
+        Some(s) => arch.load_shard(config, weights, opts, s),
+        None => arch.load(config, weights, opts),
+    }
+}
+
+fn load(
+    path: &Path,
+    registry: &Registry,
+    opts: &LoadOptions,
+    shard: Option<&ShardSpec>,
+) -> Result<LoadedModel> {
     if path.is_file() && gguf_source::is_gguf(path) {
-        return gguf_source::load_gguf(path, registry, opts);
+        return gguf_source::load_gguf(path, registry, opts, shard);
     }
     if !path.is_dir() {
         return Err(CoreError::load(format!(
@@ -102,20 +139,16 @@ pub fn load_model(path: &Path, registry: &Registry, opts: &LoadOptions) -> Resul
         quant: checkpoint_quant(path, &config, registry, opts)?,
         ..opts.clone()
     };
-    let model = factory()
-        .load(&config, &weights, opts)
-        .map_err(|e| match e {
-            CoreError::ModelLoad(m) if m.starts_with("config.json") => {
-                CoreError::ModelLoad(format!(
-                    "{}{}",
-                    path.display(),
-                    m.strip_prefix("config.json")
-                        .map(|r| format!("/config.json{r}"))
-                        .unwrap_or(m.clone())
-                ))
-            }
-            other => other,
-        })?;
+    let model = build(&*factory(), &config, &weights, opts, shard).map_err(|e| match e {
+        CoreError::ModelLoad(m) if m.starts_with("config.json") => CoreError::ModelLoad(format!(
+            "{}{}",
+            path.display(),
+            m.strip_prefix("config.json")
+                .map(|r| format!("/config.json{r}"))
+                .unwrap_or(m.clone())
+        )),
+        other => other,
+    })?;
     Ok(LoadedModel {
         model: Arc::from(model),
         tokenizer: Arc::new(tokenizer),

@@ -164,12 +164,14 @@ pub struct MoeBlock {
 }
 
 impl MoeBlock {
-    /// Loads layer `layer`'s block.
+    /// Loads layer `layer`'s block; with `owned`, only those experts (the
+    /// others are another rank's).
     pub(crate) fn load(
         l: &mut Loader<'_>,
         cfg: &MoeConfig,
         layer: usize,
         hidden: usize,
+        owned: Option<std::ops::Range<usize>>,
     ) -> Result<Self> {
         let (prefix, names) = match cfg.style {
             MoeStyle::Qwen => (
@@ -185,6 +187,12 @@ impl MoeBlock {
         let inter = cfg.expert_intermediate_size;
         let mut experts = Vec::with_capacity(cfg.num_experts);
         for e in 0..cfg.num_experts {
+            if owned.as_ref().is_some_and(|r| !r.contains(&e)) {
+                // Another rank's expert (expert parallelism).
+                l.skip(3);
+                experts.push(None);
+                continue;
+            }
             let p = format!("{prefix}.experts.{e}");
             experts.push(Some(expert(l, &p, names, hidden, inter)?));
         }

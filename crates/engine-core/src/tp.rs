@@ -1,0 +1,190 @@
+//! The tensor-parallel executor: one [`LocalExecutor`] per rank (each with
+//! its own device, model shard and KV cache shard), all running every step
+//! plan at once, one thread per rank.
+//!
+//! Invariants:
+//! - Every rank receives the same plan; the ranks' page tables are the
+//!   scheduler's (one page pool mirrors all the shards: a page id names the
+//!   same tokens on every rank, each rank holding its own heads).
+//! - Collectives return bit-identical logits to every rank, so every rank
+//!   samples the same tokens; rank 0's output is the step's output, and a
+//!   rank whose output differs is an error, not a silent divergence.
+//! - A rank that fails aborts the group so that no rank stays blocked in a
+//!   collective; the group is reset before the step returns its error.
+
+use crate::comm::Communicator;
+use crate::error::{CoreError, Result};
+use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor};
+use crate::kv::KvSpec;
+use crate::model::ModelSpec;
+use crate::sampling::SamplingParams;
+use crate::step::{MaskInput, StepOutput, StepPlan};
+use std::sync::Arc;
+
+/// Runs each plan on every rank of a tensor-parallel group.
+pub struct TpExecutor {
+    ranks: Vec<LocalExecutor>,
+    comms: Vec<Arc<dyn Communicator>>,
+    /// The whole model's shape (heads and widths of all ranks together).
+    spec: ModelSpec,
+}
+
+impl TpExecutor {
+    /// Rank `i` is `ranks[i]`, communicating through `comms[i]`.
+    pub fn new(ranks: Vec<LocalExecutor>, comms: Vec<Arc<dyn Communicator>>) -> Result<Self> {
+        let first = ranks
+            .first()
+            .ok_or_else(|| CoreError::invalid("a tensor-parallel executor of no ranks"))?;
+        if comms.len() != ranks.len()
+            || comms
+                .iter()
+                .enumerate()
+                .any(|(i, c)| c.rank() != i || c.world_size() != ranks.len())
+        {
+            return Err(CoreError::invalid(
+                "each rank needs the communicator of its own rank in a group of all of them",
+            ));
+        }
+        let kv = first.kv_spec();
+        if ranks.iter().any(|r| {
+            let k = r.kv_spec();
+            k.num_pages != kv.num_pages || k.page_size != kv.page_size
+        }) {
+            return Err(CoreError::invalid(
+                "the ranks' KV caches differ in pages or page size",
+            ));
+        }
+        let w = ranks.len();
+        let mut spec = first.model_spec().clone();
+        spec.num_heads *= w;
+        spec.num_kv_heads *= w;
+        spec.intermediate_size *= w;
+        spec.weight_bytes = ranks.iter().map(|r| r.model_spec().weight_bytes).sum();
+        Ok(Self { ranks, comms, spec })
+    }
+
+    /// Ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+impl Executor for TpExecutor {
+    fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn kv_spec(&self) -> &KvSpec {
+        self.ranks[0].kv_spec()
+    }
+
+    fn capabilities(&self) -> ExecutorCapabilities {
+        ExecutorCapabilities {
+            // A step returns once every rank has finished it.
+            asynchronous: false,
+            tree: self.ranks.iter().all(|r| r.capabilities().tree),
+        }
+    }
+
+    fn sampler_name(&self) -> &str {
+        self.ranks[0].sampler_name()
+    }
+
+    fn needs_context(&self, params: &SamplingParams) -> bool {
+        self.ranks[0].needs_context(params)
+    }
+
+    fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
+        let mut plans = rank_plans(plan, self.ranks.len());
+        let plan0 = plans.remove(0);
+        let results: Vec<Result<StepOutput>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter()
+                .zip(&self.comms)
+                .skip(1)
+                .zip(plans)
+                .map(|((r, c), plan)| {
+                    s.spawn(move || {
+                        let out = r.execute(&plan);
+                        if out.is_err() {
+                            c.abort();
+                        }
+                        out
+                    })
+                })
+                .collect();
+            let first = self.ranks[0].execute(&plan0);
+            if first.is_err() {
+                self.comms[0].abort();
+            }
+            let mut all = vec![first];
+            for h in handles {
+                all.push(h.join().unwrap_or_else(|_| {
+                    Err(CoreError::Internal(
+                        "a tensor-parallel rank panicked".into(),
+                    ))
+                }));
+            }
+            all
+        });
+        let failed = results.iter().position(Result::is_err);
+        if failed.is_some() {
+            self.comms[0].reset()?;
+        }
+        let mut results = results.into_iter();
+        let first = results
+            .next()
+            .ok_or_else(|| CoreError::Internal("no rank ran the step".into()))?;
+        // The first failure is the cause; the others were aborted by it.
+        let first = match (first, failed) {
+            (Ok(o), None) => o,
+            (Err(e), _) => return Err(e),
+            (Ok(_), Some(i)) => {
+                return results
+                    .nth(i - 1)
+                    .map_or_else(|| Err(CoreError::Internal("a rank failed".into())), |r| r);
+            }
+        };
+        for (i, r) in results.enumerate() {
+            let o = r?;
+            if o.seqs
+                .iter()
+                .map(|s| &s.tokens)
+                .ne(first.seqs.iter().map(|s| &s.tokens))
+            {
+                return Err(CoreError::Internal(format!(
+                    "tensor-parallel rank {} sampled other tokens than rank 0",
+                    i + 1
+                )));
+            }
+        }
+        Ok(first)
+    }
+}
+
+/// One copy of `plan` per rank: grammar masks the scheduler sends late are
+/// received once here and handed to every rank (a failed fill, a closed
+/// channel, stays a closed channel for each).
+fn rank_plans(plan: &StepPlan, n: usize) -> Vec<StepPlan> {
+    let masks = match &plan.masks {
+        MaskInput::None => None,
+        MaskInput::Ready(m) => Some(Some(m.clone())),
+        MaskInput::Late(rx) => Some(rx.recv().ok()),
+    };
+    (0..n)
+        .map(|_| StepPlan {
+            seqs: plan.seqs.clone(),
+            masks: match &masks {
+                None => MaskInput::None,
+                Some(Some(m)) => MaskInput::Ready(m.clone()),
+                Some(None) => {
+                    let (_, rx) = std::sync::mpsc::channel();
+                    MaskInput::Late(rx)
+                }
+            },
+            hidden_layers: plan.hidden_layers.clone(),
+            kv_ops: plan.kv_ops.clone(),
+        })
+        .collect()
+}

@@ -1,0 +1,324 @@
+//! Tensor-parallel sharding of a decoder checkpoint: the per-rank shape
+//! ([`shard_config`]) and the weight source that hands a rank only its
+//! slices ([`ShardedSource`]), by the Megatron layout SGLang and vLLM use.
+//!
+//! - **Column-parallel** (rows split; each rank computes a slice of the
+//!   outputs): q/k/v projections and their biases, gate/up projections
+//!   (dense, shared expert, routed experts unless expert-parallel), and the
+//!   LM head when the vocabulary divides (vocab-parallel: logits are
+//!   gathered).
+//! - **Row-parallel** (columns split; each rank computes a partial sum that
+//!   is all-reduced): o and down projections; their bias is added by rank 0
+//!   only (the other ranks read zeros).
+//! - **Replicated**: embeddings, norms, the MoE router, the shared expert's
+//!   gate, and, with expert parallelism, the routed experts (each rank loads
+//!   only its own).
+//!
+//! Invariants: a rank's slice of a column split is rows `[r·n/w, (r+1)·n/w)`,
+//! of a row split columns `[r·k/w, (r+1)·k/w)`; quantized rows are cut only
+//! at block boundaries; a checkpoint tensor this layout does not know under a
+//! split module (pre-quantized `qweight`, scales) is an error, not silently
+//! replicated.
+
+use crate::config::DecoderConfig;
+use crate::moe::MoeConfig;
+use arbor_engine_core::{CoreError, HostTensor, Result, WeightSource};
+use std::borrow::Cow;
+
+/// How one tensor is split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Split {
+    /// Outermost dimension (output rows).
+    Rows,
+    /// Innermost dimension (input columns).
+    Cols,
+    /// Rank 0 holds it, the others zeros (the bias of a row-parallel linear).
+    RankZero,
+    /// Every rank holds all of it.
+    Whole,
+}
+
+/// The rank's shapes: heads, MLP and expert widths divided by `world`.
+/// Errors name the key that `world` does not divide.
+pub fn shard_config(
+    cfg: &DecoderConfig,
+    moe: Option<&MoeConfig>,
+    world: usize,
+    expert_parallel: bool,
+) -> Result<(DecoderConfig, Option<MoeConfig>)> {
+    let check = |key: &str, n: usize| -> Result<usize> {
+        if world == 0 || !n.is_multiple_of(world) {
+            return Err(CoreError::invalid(format!(
+                "--tp-size {world} does not divide {key} ({n})"
+            )));
+        }
+        Ok(n / world)
+    };
+    let mut c = cfg.clone();
+    c.num_attention_heads = check("num_attention_heads", cfg.num_attention_heads)?;
+    c.num_key_value_heads = check("num_key_value_heads", cfg.num_key_value_heads)?;
+    c.intermediate_size = check("intermediate_size", cfg.intermediate_size)?;
+    let moe = match moe {
+        None if expert_parallel => {
+            return Err(CoreError::invalid(
+                "--ep-size applies to mixture-of-experts models only",
+            ));
+        }
+        None => None,
+        Some(m) => {
+            let mut m = m.clone();
+            if expert_parallel {
+                if !m.num_experts.is_multiple_of(world) {
+                    return Err(CoreError::invalid(format!(
+                        "--ep-size {world} does not divide num_experts ({})",
+                        m.num_experts
+                    )));
+                }
+            } else {
+                m.expert_intermediate_size =
+                    check("moe_intermediate_size", m.expert_intermediate_size)?;
+            }
+            if let Some(s) = m.shared_expert_intermediate_size {
+                m.shared_expert_intermediate_size =
+                    Some(check("shared_expert_intermediate_size", s)?);
+            }
+            Some(m)
+        }
+    };
+    Ok((c, moe))
+}
+
+/// A rank's view of a checkpoint: each tensor as this rank's slice.
+pub struct ShardedSource<'a> {
+    inner: &'a dyn WeightSource,
+    rank: usize,
+    world: usize,
+    /// The LM head is split by vocabulary rows.
+    vocab_parallel: bool,
+    /// Routed experts are whole (expert parallelism).
+    expert_parallel: bool,
+}
+
+impl<'a> ShardedSource<'a> {
+    /// Rank `rank` of `world` over `inner`.
+    pub fn new(
+        inner: &'a dyn WeightSource,
+        rank: usize,
+        world: usize,
+        vocab_parallel: bool,
+        expert_parallel: bool,
+    ) -> Self {
+        Self {
+            inner,
+            rank,
+            world,
+            vocab_parallel,
+            expert_parallel,
+        }
+    }
+
+    fn split_of(&self, name: &str) -> Result<Split> {
+        if name == "lm_head.weight" {
+            return Ok(if self.vocab_parallel {
+                Split::Rows
+            } else {
+                Split::Whole
+            });
+        }
+        let Some((module, kind)) = name.rsplit_once('.') else {
+            return Ok(Split::Whole);
+        };
+        let proj = module.rsplit('.').next().unwrap_or(module);
+        let routed = module.contains(".experts.");
+        let split = match proj {
+            _ if routed && self.expert_parallel => return Ok(Split::Whole),
+            "q_proj" | "k_proj" | "v_proj" | "gate_proj" | "up_proj" | "w1" | "w3" => match kind {
+                "weight" | "bias" => Split::Rows,
+                _ => return Err(self.unknown(name)),
+            },
+            "o_proj" | "down_proj" | "w2" => match kind {
+                "weight" => Split::Cols,
+                "bias" => Split::RankZero,
+                _ => return Err(self.unknown(name)),
+            },
+            _ => Split::Whole,
+        };
+        Ok(split)
+    }
+
+    fn unknown(&self, name: &str) -> CoreError {
+        CoreError::unsupported(format!(
+            "{}: tensor parallelism of checkpoint tensor '{name}' (only float and GGUF-typed \
+             weights are split)",
+            self.inner.describe()
+        ))
+    }
+
+    fn slice<'t>(&self, name: &str, t: HostTensor<'t>, split: Split) -> Result<HostTensor<'t>> {
+        let (r, w) = (self.rank, self.world);
+        let bad = |why: &str| {
+            CoreError::load(format!(
+                "{}: cannot split tensor '{name}' {:?} over {w} ranks: {why}",
+                self.inner.describe(),
+                t.shape
+            ))
+        };
+        match split {
+            Split::Whole => Ok(t),
+            Split::RankZero if r == 0 => Ok(t),
+            Split::RankZero => Ok(HostTensor {
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: Cow::Owned(vec![0u8; t.data.len()]),
+            }),
+            Split::Rows => {
+                let n = *t.shape.first().ok_or_else(|| bad("a scalar"))?;
+                if !n.is_multiple_of(w) {
+                    return Err(bad("rows do not divide"));
+                }
+                let per = t.data.len() / w;
+                let mut shape = t.shape.clone();
+                shape[0] = n / w;
+                let data = match t.data {
+                    Cow::Borrowed(d) => Cow::Borrowed(&d[r * per..(r + 1) * per]),
+                    Cow::Owned(d) => Cow::Owned(d[r * per..(r + 1) * per].to_vec()),
+                };
+                Ok(HostTensor {
+                    dtype: t.dtype,
+                    shape,
+                    data,
+                })
+            }
+            Split::Cols => {
+                let [rows, k] = t.shape[..] else {
+                    return Err(bad("not a matrix"));
+                };
+                let block = t.dtype.block_size();
+                if !k.is_multiple_of(w) || !(k / w).is_multiple_of(block) {
+                    return Err(bad("columns do not divide into whole blocks"));
+                }
+                let row_bytes = t.data.len() / rows.max(1);
+                let part = t.dtype.bytes_for(k / w)?;
+                let mut data = Vec::with_capacity(rows * part);
+                for row in t.data.chunks_exact(row_bytes) {
+                    data.extend_from_slice(&row[r * part..(r + 1) * part]);
+                }
+                Ok(HostTensor {
+                    dtype: t.dtype,
+                    shape: vec![rows, k / w],
+                    data: Cow::Owned(data),
+                })
+            }
+        }
+    }
+}
+
+impl WeightSource for ShardedSource<'_> {
+    fn describe(&self) -> String {
+        format!(
+            "{} (rank {} of {})",
+            self.inner.describe(),
+            self.rank,
+            self.world
+        )
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
+        let Some(t) = self.inner.tensor(name)? else {
+            return Ok(None);
+        };
+        let split = self.split_of(name)?;
+        self.slice(name, t, split).map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_engine_core::DType;
+
+    struct One(HostTensor<'static>);
+    impl WeightSource for One {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+        fn tensor(&self, _: &str) -> Result<Option<HostTensor<'_>>> {
+            Ok(Some(self.0.clone()))
+        }
+    }
+
+    #[test]
+    fn column_and_row_slices() {
+        // A 4 x 4 matrix holding its own index.
+        let v: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        let src = One(HostTensor::from_f32(&[4, 4], &v));
+        let s = ShardedSource::new(&src, 1, 2, true, false);
+        let q = s
+            .tensor("model.layers.0.self_attn.q_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(q.shape, vec![2, 4]);
+        assert_eq!(
+            q.to_f32_vec().unwrap(),
+            (8..16).map(|i| i as f32).collect::<Vec<_>>()
+        );
+        let o = s
+            .tensor("model.layers.0.self_attn.o_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.shape, vec![4, 2]);
+        assert_eq!(
+            o.to_f32_vec().unwrap(),
+            vec![2., 3., 6., 7., 10., 11., 14., 15.]
+        );
+        let b = s
+            .tensor("model.layers.0.mlp.down_proj.bias")
+            .unwrap()
+            .unwrap();
+        assert!(b.to_f32_vec().unwrap().iter().all(|&x| x == 0.0));
+        let n = s
+            .tensor("model.layers.0.input_layernorm.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(n.shape, vec![4, 4]);
+        let e = s
+            .tensor("model.layers.0.mlp.experts.3.down_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.shape, vec![4, 2]);
+        let ep = ShardedSource::new(&src, 1, 2, true, true);
+        let e = ep
+            .tensor("model.layers.0.mlp.experts.3.down_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.shape, vec![4, 4]);
+        let head = ShardedSource::new(&src, 0, 2, false, false);
+        assert_eq!(
+            head.tensor("lm_head.weight").unwrap().unwrap().shape,
+            vec![4, 4]
+        );
+        assert!(s.tensor("model.layers.0.self_attn.q_proj.qweight").is_err());
+    }
+
+    #[test]
+    fn quantized_columns_split_at_blocks_only() {
+        let data = vec![0u8; DType::Q8_0.bytes_for(2 * 64).unwrap()];
+        let src = One(HostTensor {
+            dtype: DType::Q8_0,
+            shape: vec![2, 64],
+            data: Cow::Owned(data),
+        });
+        let two = ShardedSource::new(&src, 0, 2, false, false);
+        let o = two
+            .tensor("model.layers.0.self_attn.o_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.shape, vec![2, 32]);
+        assert_eq!(o.data.len(), DType::Q8_0.bytes_for(64).unwrap());
+        let four = ShardedSource::new(&src, 0, 4, false, false);
+        assert!(
+            four.tensor("model.layers.0.self_attn.o_proj.weight")
+                .is_err()
+        );
+    }
+}
