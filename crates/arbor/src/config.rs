@@ -5,7 +5,8 @@
 //! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
 //! given, else the TOML value, else the default. Sections mirror the crates:
 //! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[grammar]`, `[cache]`,
-//! `[metrics]`, `[speculative]` and `[[plugins]]`. An unknown section or key is an error that names both the
+//! `[metrics]`, `[speculative]`, `[hicache]`, `[lora]`, `[disaggregation]`,
+//! `[parallel]` and `[[plugins]]`. An unknown section or key is an error that names both the
 //! section and the key. Flags use SGLang's names.
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -17,6 +18,7 @@ use std::path::{Path, PathBuf};
 pub use crate::disagg::{DisaggregationArgs, DisaggregationSection};
 pub use crate::hicache::{HiCacheArgs, HiCacheSection};
 pub use crate::lora::{LoraArgs, LoraSection};
+pub use crate::parallel::{ParallelArgs, ParallelSection};
 pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
 
 /// `[model]`: what to load and on which device.
@@ -142,11 +144,12 @@ pub struct FileConfig {
     pub hicache: HiCacheSection,
     pub lora: LoraSection,
     pub disaggregation: DisaggregationSection,
+    pub parallel: ParallelSection,
     pub plugins: Vec<PluginEntry>,
 }
 
 const SECTIONS: &str = "[model], [server], [scheduler], [sampling], [grammar], [cache], [metrics], \
-                        [speculative], [hicache], [lora], [disaggregation], [[plugins]]";
+                        [speculative], [hicache], [lora], [disaggregation], [parallel], [[plugins]]";
 
 fn section<T: DeserializeOwned>(name: &str, v: toml::Value) -> Result<T> {
     if !v.is_table() {
@@ -182,6 +185,7 @@ impl FileConfig {
                 "hicache" => c.hicache = section(&k, v)?,
                 "lora" => c.lora = section(&k, v)?,
                 "disaggregation" => c.disaggregation = section(&k, v)?,
+                "parallel" => c.parallel = section(&k, v)?,
                 "plugins" => {
                     let toml::Value::Array(items) = v else {
                         bail!("'plugins' must be an array of tables ([[plugins]])");
@@ -355,6 +359,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub disaggregation: DisaggregationArgs,
 
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
@@ -378,6 +385,7 @@ pub struct ServeConfig {
     pub hicache: HiCacheSection,
     pub lora: LoraSection,
     pub disaggregation: DisaggregationSection,
+    pub parallel: ParallelSection,
     pub plugins: Vec<PluginEntry>,
 }
 
@@ -435,6 +443,7 @@ impl ServeConfig {
             hicache,
             lora,
             disaggregation,
+            parallel,
             mut plugins,
         } = file;
         compiled_out_check(&g, &c, a)?;
@@ -604,6 +613,7 @@ impl ServeConfig {
             hicache: HiCacheSection::resolve(hicache, &a.hicache),
             lora: LoraSection::resolve(lora, &a.lora),
             disaggregation: DisaggregationSection::resolve(disaggregation, &a.disaggregation),
+            parallel: ParallelSection::resolve(parallel, &a.parallel),
             plugins,
         };
         cfg.validate()?;
@@ -671,6 +681,7 @@ impl ServeConfig {
         self.lora.to_settings()?;
         self.disaggregation
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
+        self.parallel.to_settings()?;
         Ok(())
     }
 

@@ -11,6 +11,7 @@ mod generate;
 mod hicache;
 mod info;
 mod lora;
+mod parallel;
 mod serve;
 mod setup;
 mod speculative;

@@ -37,6 +37,9 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
             built.kv_dtype.auto_reason.clone().into(),
         );
         o.insert("kv_cache_bytes".into(), built.kv_bytes.into());
+        // SGLang's top-level names.
+        o.insert("tp_size".into(), cfg.parallel.tp_size.unwrap_or(1).into());
+        o.insert("ep_size".into(), cfg.parallel.ep_size.unwrap_or(1).into());
     }
     info
 }
@@ -62,7 +65,25 @@ pub fn run(args: ServeArgs) -> Result<()> {
         wgpu_adapter: m.wgpu_adapter.clone(),
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args.cuda_graph_max_bs.or(q.max_running_requests),
+        tp_size: cfg.parallel.tp_size.unwrap_or(1),
+        ep_size: cfg.parallel.ep_size.unwrap_or(1),
     };
+    crate::parallel::check_supported(
+        model_args.parallel()?,
+        &model_args.device,
+        &[
+            (
+                "LoRA (--lora-paths, --enable-lora)",
+                cfg.lora.to_settings()?.is_some(),
+            ),
+            (
+                "--disaggregation-mode",
+                cfg.disaggregation
+                    .to_settings(cfg.cache.disable_radix_cache.unwrap_or(false))?
+                    .is_some(),
+            ),
+        ],
+    )?;
     let policy: SchedulePolicy = q
         .schedule_policy
         .as_deref()
@@ -341,6 +362,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         );
         if disaggregation.is_some() {
             println!("  disaggregation: {disagg_line}");
+        }
+        let tp = cfg.parallel.tp_size.unwrap_or(1);
+        if tp > 1 {
+            println!(
+                "  parallel:   tensor-parallel {tp} ranks (in-process, the threads split between them), \
+                 expert-parallel {}",
+                cfg.parallel.ep_size.unwrap_or(1)
+            );
         }
         println!("listening on http://{addr}");
         server

@@ -57,6 +57,31 @@ pub struct ModelArgs {
     /// Largest decode batch run as a CUDA graph [default: 256].
     #[arg(long = "cuda-graph-max-bs")]
     pub cuda_graph_max_bs: Option<usize>,
+    /// Tensor-parallel ranks (CPU: in-process ranks on split cores).
+    #[arg(
+        long = "tp-size",
+        visible_alias = "tensor-parallel-size",
+        default_value_t = 1
+    )]
+    pub tp_size: usize,
+    /// Expert-parallel ranks of a MoE model: 1, or equal to --tp-size.
+    #[arg(
+        long = "ep-size",
+        visible_alias = "expert-parallel-size",
+        default_value_t = 1
+    )]
+    pub ep_size: usize,
+}
+
+impl ModelArgs {
+    /// The checked parallelism of `--tp-size` and `--ep-size`.
+    pub fn parallel(&self) -> Result<crate::parallel::Parallel> {
+        crate::parallel::ParallelSection {
+            tp_size: Some(self.tp_size),
+            ep_size: Some(self.ep_size),
+        }
+        .to_settings()
+    }
 }
 
 /// The registry of built-in implementations.
@@ -292,9 +317,37 @@ pub fn build_engine(
     setup: &EngineSetup,
 ) -> Result<BuiltEngine> {
     let available = mem_available();
-    let backend = self::backend(registry, args)?;
+    let parallel = args.parallel()?;
+    crate::parallel::check_supported(
+        parallel,
+        &args.device,
+        &[
+            (
+                "--speculative-algorithm",
+                setup.engine.speculative.is_some(),
+            ),
+            ("--enable-hierarchical-cache", setup.hicache.is_some()),
+        ],
+    )?;
+    // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
+    let (backend, model, ranks) = if parallel.tp > 1 {
+        let r = crate::parallel::load_ranks(registry, args, parallel)?;
+        let mut models = r.models.into_iter();
+        let first = models.next().context("rank 0")?;
+        let all: Vec<_> = std::iter::once(first.model.clone())
+            .chain(models.map(|m| m.model))
+            .collect();
+        (
+            r.backends[0].clone(),
+            first,
+            Some((all, r.backends, r.comms)),
+        )
+    } else {
+        let backend = self::backend(registry, args)?;
+        let model = load(registry, backend.clone(), args)?;
+        (backend, model, None)
+    };
     let resolved = kv_dtype(args, &*backend)?;
-    let model = load(registry, backend.clone(), args)?;
     let standalone = setup
         .engine
         .speculative
@@ -304,7 +357,12 @@ pub fn build_engine(
         Some(p) if standalone => Some(load_draft(registry, backend.clone(), args, p, &model)?),
         _ => None,
     };
-    let spec = model.model.spec().clone();
+    let mut spec = model.model.spec().clone();
+    if let Some((models, _, _)) = &ranks {
+        // The KV and weights of all the ranks together.
+        spec.num_kv_heads *= models.len();
+        spec.weight_bytes = models.iter().map(|m| m.spec().weight_bytes).sum();
+    }
     let page_size = args.page_size.max(1);
     let kv_dtype = resolved.dtype;
     let probe = KvSpec {
@@ -388,10 +446,7 @@ pub fn build_engine(
         let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
         registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?
     };
-    let parts = EngineParts::local(
-        runner.clone(),
-        prefix_cache,
-        registry.samplers.get(&setup.sampler)?()?,
+    let processors = || -> Result<Vec<_>> {
         setup
             .processors
             .iter()
@@ -402,11 +457,36 @@ pub fn build_engine(
                     .and_then(|f| f(config))
                     .with_context(|| format!("logits processor '{name}'"))
             })
-            .collect::<Result<_>>()?,
+            .collect()
+    };
+    let mut parts = EngineParts::local(
+        runner.clone(),
+        prefix_cache,
+        registry.samplers.get(&setup.sampler)?()?,
+        processors()?,
         model.tokenizer.clone(),
         model.tokenizer.eos_token_ids.clone(),
     );
-    let mut parts = parts;
+    if let Some((models, backends, comms)) = ranks {
+        let mut executors = Vec::with_capacity(models.len());
+        for (rank, (m, b)) in models.into_iter().zip(backends).enumerate() {
+            let r = if rank == 0 {
+                runner.clone()
+            } else {
+                Arc::new(
+                    ModelRunner::new(m, b, None, page_size, num_pages, kv_dtype)
+                        .with_context(|| format!("allocating rank {rank}'s KV cache"))?,
+                )
+            };
+            executors.push(arbor_engine_core::LocalExecutor::new(
+                r,
+                registry.samplers.get(&setup.sampler)?()?,
+                processors()?,
+                model.tokenizer.eos_token_ids.clone(),
+            ));
+        }
+        parts.executor = Box::new(arbor_engine_core::TpExecutor::new(executors, comms)?);
+    }
     if let Some(sc) = &setup.engine.speculative {
         let create = registry
             .speculators

@@ -1,0 +1,219 @@
+//! `[parallel]`: tensor and expert parallelism (SGLang's `--tp-size` and
+//! `--ep-size`), the flags, their checks, and loading one model shard per
+//! rank.
+//!
+//! With `tp_size` N > 1 the model is split over N ranks of an in-process
+//! group (engine-core `comm::LocalGroup`): each rank is a CPU backend with
+//! its share of the threads, holding only its slices of the weights
+//! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
+//! every step on all of them. `ep_size` equal to `tp_size` partitions the
+//! routed experts of a MoE model over the ranks instead of splitting each
+//! expert's width. Other devices (NCCL between GPUs), speculative decoding,
+//! HiCache, LoRA and PD disaggregation do not run with tp_size > 1 yet and
+//! are refused at start-up.
+
+use crate::setup::ModelArgs;
+use anyhow::{Context, Result, bail};
+use arbor_engine_core::comm::{Communicator, LocalGroup};
+use arbor_engine_core::{Backend, BackendOptions, Registry, ShardSpec};
+use arbor_models::LoadedModel;
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// The parallelism flags of `arbor serve`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ParallelArgs {
+    /// Tensor-parallel ranks (CPU: in-process ranks on split cores) [default: 1].
+    #[arg(
+        long = "tp-size",
+        visible_alias = "tensor-parallel-size",
+        help_heading = "Parallelism"
+    )]
+    pub tp_size: Option<usize>,
+    /// Expert-parallel ranks of a MoE model: 1, or equal to --tp-size [default: 1].
+    #[arg(
+        long = "ep-size",
+        visible_alias = "expert-parallel-size",
+        help_heading = "Parallelism"
+    )]
+    pub ep_size: Option<usize>,
+}
+
+/// `[parallel]` in the TOML file.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    pub tp_size: Option<usize>,
+    pub ep_size: Option<usize>,
+}
+
+/// Checked parallelism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parallel {
+    /// Tensor-parallel ranks.
+    pub tp: usize,
+    /// Routed experts are partitioned over the ranks.
+    pub expert_parallel: bool,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Self {
+            tp: 1,
+            expert_parallel: false,
+        }
+    }
+}
+
+impl ParallelSection {
+    /// Defaults < `f` < `a`.
+    pub fn resolve(f: ParallelSection, a: &ParallelArgs) -> Self {
+        Self {
+            tp_size: Some(a.tp_size.or(f.tp_size).unwrap_or(1)),
+            ep_size: Some(a.ep_size.or(f.ep_size).unwrap_or(1)),
+        }
+    }
+
+    /// The checked settings; errors name the key.
+    pub fn to_settings(&self) -> Result<Parallel> {
+        let tp = self.tp_size.unwrap_or(1);
+        let ep = self.ep_size.unwrap_or(1);
+        if tp == 0 {
+            bail!("[parallel] tp_size / --tp-size must be at least 1");
+        }
+        if ep != 1 && ep != tp {
+            bail!("[parallel] ep_size / --ep-size must be 1 or equal tp_size ({tp}), got {ep}");
+        }
+        Ok(Parallel {
+            tp,
+            expert_parallel: ep > 1,
+        })
+    }
+}
+
+/// Refuses what does not run with tensor parallelism yet, naming it.
+pub fn check_supported(p: Parallel, device: &str, others: &[(&str, bool)]) -> Result<()> {
+    if p.tp == 1 {
+        return Ok(());
+    }
+    if device != "cpu" {
+        bail!(
+            "--tp-size {} runs on --device cpu only in this build (in-process ranks); \
+             NCCL between GPUs is not built",
+            p.tp
+        );
+    }
+    if let Some((what, _)) = others.iter().find(|(_, on)| *on) {
+        bail!("{what} does not run with --tp-size > 1 yet");
+    }
+    Ok(())
+}
+
+/// One rank's device, model shard and communicator, for every rank.
+pub struct Ranks {
+    pub models: Vec<LoadedModel>,
+    pub backends: Vec<Arc<dyn Backend>>,
+    pub comms: Vec<Arc<dyn Communicator>>,
+}
+
+/// Starts `p.tp` CPU backends (the threads split between them) and loads
+/// each rank's shard of the model.
+pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<Ranks> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let total = if args.threads == 0 {
+        cores
+    } else {
+        args.threads
+    };
+    let per_rank = (total / p.tp).max(1);
+    let factory = registry.backends.get(&args.device)?;
+    let backends: Vec<Arc<dyn Backend>> = (0..p.tp)
+        .map(|rank| {
+            factory(&BackendOptions {
+                threads: per_rank,
+                device_index: rank,
+                ..Default::default()
+            })
+            .with_context(|| format!("starting device '{}' for rank {rank}", args.device))
+        })
+        .collect::<Result<_>>()?;
+    let group = LocalGroup::new(p.tp)?;
+    let comms: Vec<Arc<dyn Communicator>> = group
+        .ranks(&backends)?
+        .into_iter()
+        .map(|c| c as Arc<dyn Communicator>)
+        .collect();
+    let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
+    let quant = crate::setup::quant_method(registry, &args.dtype, args.quantization.as_deref())?;
+    let mut models = Vec::with_capacity(p.tp);
+    for (rank, (b, c)) in backends.iter().zip(&comms).enumerate() {
+        let opts = arbor_engine_core::LoadOptions {
+            backend: b.clone(),
+            quant: quant.clone(),
+            progress: None,
+        };
+        let shard = ShardSpec {
+            comm: c.clone(),
+            expert_parallel: p.expert_parallel,
+        };
+        models.push(
+            arbor_models::load_model_shard(&path, registry, &opts, &shard).with_context(|| {
+                format!("loading rank {rank} of {} of {}", p.tp, path.display())
+            })?,
+        );
+    }
+    Ok(Ranks {
+        models,
+        backends,
+        comms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_and_errors() {
+        let a = ParallelArgs {
+            tp_size: Some(2),
+            ep_size: None,
+        };
+        let s = ParallelSection::resolve(
+            ParallelSection {
+                tp_size: Some(4),
+                ep_size: Some(2),
+            },
+            &a,
+        );
+        assert_eq!(
+            s.to_settings().unwrap(),
+            Parallel {
+                tp: 2,
+                expert_parallel: true
+            }
+        );
+        let bad = ParallelSection {
+            tp_size: Some(2),
+            ep_size: Some(3),
+        };
+        let e = bad.to_settings().unwrap_err().to_string();
+        assert!(e.contains("ep_size") && e.contains("--ep-size"), "{e}");
+        let zero = ParallelSection {
+            tp_size: Some(0),
+            ep_size: None,
+        };
+        assert!(zero.to_settings().is_err());
+        let p = Parallel {
+            tp: 2,
+            expert_parallel: false,
+        };
+        assert!(check_supported(p, "wgpu", &[]).is_err());
+        let e = check_supported(p, "cpu", &[("--speculative-algorithm", true)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--speculative-algorithm"), "{e}");
+        assert!(check_supported(p, "cpu", &[("--lora-paths", false)]).is_ok());
+    }
+}
