@@ -42,7 +42,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Generate text from a prompt and print speed figures.
-    Generate(generate::GenerateArgs),
+    Generate(Box<generate::GenerateArgs>),
     /// List registered implementations and the devices they run on.
     Info(info::InfoArgs),
     /// Serve a model over HTTP: SGLang's native API, the OpenAI API and Prometheus metrics.
@@ -70,7 +70,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(a) => generate::run(a),
+        Command::Generate(a) => generate::run(*a),
         Command::Info(a) => info::run(a),
         Command::Serve(a) => serve::run(*a),
         Command::Router(a) => arbor_router::run(*a).map_err(anyhow::Error::from),

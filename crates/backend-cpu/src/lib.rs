@@ -284,6 +284,10 @@ impl Backend for CpuBackend {
         ops::sample(self, logits, rows, out)
     }
 
+    fn copy_cols(&self, src: &Tensor, dst: &Tensor, offset: usize) -> Result<()> {
+        ops::copy_cols(self, src, dst, offset)
+    }
+
     fn scatter_add_rows(
         &self,
         out: &Tensor,

@@ -170,6 +170,7 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
         qkv_bias: false,
         qk_norm: false,
         moe: None,
+        mla: false,
     };
     backend.set_synthetic_weights(Some(0x5eed));
     let model = DecoderModel::load(cfg.clone(), None, flags, &Synthetic::new(cfg), &opts);

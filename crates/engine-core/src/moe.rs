@@ -32,6 +32,19 @@ pub enum RouterScoring {
         /// Divide the chosen weights by their sum.
         renormalize: bool,
     },
+    /// DeepSeek-V2 (`greedy`, `group_limited_greedy`): softmax over all
+    /// experts; experts are split into `groups`, the `topk_groups` groups
+    /// with the highest single score are kept (one group of all experts:
+    /// no limit), the top k of those are chosen, and their probabilities
+    /// (not renormalized) times `scale` are the weights.
+    SoftmaxGroupLimited {
+        /// Expert groups (`n_group`; 1 for `greedy`).
+        groups: usize,
+        /// Groups kept (`topk_group`; 1 for `greedy`).
+        topk_groups: usize,
+        /// Multiplies the weights (`routed_scaling_factor`).
+        scale: f32,
+    },
     /// DeepSeek-V3 (`noaux_tc`): sigmoid scores; the choice adds a
     /// per-expert correction bias; experts are split into `groups`, the
     /// `topk_groups` groups with the largest sum of their two best biased
@@ -136,25 +149,32 @@ pub fn route(
             logits.len()
         )));
     }
-    if let RouterScoring::SigmoidGrouped {
-        bias,
-        groups,
-        topk_groups,
-        ..
-    } = scoring
-    {
-        let per_group = num_experts.checked_div(*groups).unwrap_or(0);
-        if bias.len() != num_experts
+    let limits = match scoring {
+        RouterScoring::SoftmaxTopK { .. } => None,
+        RouterScoring::SoftmaxGroupLimited {
+            groups,
+            topk_groups,
+            ..
+        } => Some((num_experts, *groups, *topk_groups)),
+        RouterScoring::SigmoidGrouped {
+            bias,
+            groups,
+            topk_groups,
+            ..
+        } => Some((bias.len(), *groups, *topk_groups)),
+    };
+    if let Some((biases, groups, topk_groups)) = limits {
+        let per_group = num_experts.checked_div(groups).unwrap_or(0);
+        if biases != num_experts
             || per_group == 0
-            || !num_experts.is_multiple_of(*groups)
-            || *topk_groups == 0
-            || *topk_groups > *groups
+            || !num_experts.is_multiple_of(groups)
+            || topk_groups == 0
+            || topk_groups > groups
             || topk_groups * per_group < top_k
         {
             return Err(CoreError::invalid(format!(
-                "grouped routing of {num_experts} experts ({} biases) in {groups} groups, \
-                 {topk_groups} kept, top {top_k}",
-                bias.len()
+                "grouped routing of {num_experts} experts ({biases} biases) in {groups} groups, \
+                 {topk_groups} kept, top {top_k}"
             )));
         }
     }
@@ -174,13 +194,44 @@ pub fn route(
     })
 }
 
+fn softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    exp.iter().map(|&e| e / sum).collect()
+}
+
 fn route_row(row: &[f32], top_k: usize, scoring: &RouterScoring) -> (Vec<usize>, Vec<f32>) {
     match scoring {
+        RouterScoring::SoftmaxGroupLimited {
+            groups,
+            topk_groups,
+            scale,
+        } => {
+            let probs = softmax(row);
+            let per_group = row.len() / groups;
+            let best: Vec<f32> = probs
+                .chunks_exact(per_group)
+                .map(|g| g.iter().copied().fold(f32::NEG_INFINITY, f32::max))
+                .collect();
+            let kept = top_k_indices(&best, *topk_groups);
+            let masked: Vec<f32> = probs
+                .iter()
+                .enumerate()
+                .map(|(e, &p)| {
+                    if kept.contains(&(e / per_group)) {
+                        p
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let chosen = top_k_indices(&masked, top_k);
+            let w = chosen.iter().map(|&e| masked[e] * scale).collect();
+            (chosen, w)
+        }
         RouterScoring::SoftmaxTopK { renormalize } => {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let exp: Vec<f32> = row.iter().map(|&x| (x - max).exp()).collect();
-            let sum: f32 = exp.iter().sum();
-            let probs: Vec<f32> = exp.iter().map(|&e| e / sum).collect();
+            let probs = softmax(row);
             let chosen = top_k_indices(&probs, top_k);
             let mut w: Vec<f32> = chosen.iter().map(|&e| probs[e]).collect();
             if *renormalize {

@@ -143,7 +143,7 @@ impl Executor for TpExecutor {
             (Ok(_), Some(i)) => {
                 return results
                     .nth(i - 1)
-                    .map_or_else(|| Err(CoreError::Internal("a rank failed".into())), |r| r);
+                    .unwrap_or_else(|| Err(CoreError::Internal("a rank failed".into())));
             }
         };
         for (i, r) in results.enumerate() {

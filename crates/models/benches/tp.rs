@@ -25,6 +25,7 @@ const FLAGS: ArchFlags = ArchFlags {
     qkv_bias: false,
     qk_norm: false,
     moe: None,
+    mla: false,
 };
 
 /// A communicator that adds the time spent in each collective to a counter.

@@ -21,6 +21,52 @@ pub enum RopeScaling {
         high_freq_factor: f32,
         original_max_position_embeddings: f32,
     },
+    /// YaRN (DeepSeek-V2/V3, long-context Qwen): frequencies blended between
+    /// interpolated and extrapolated by a ramp over `[beta_slow, beta_fast]`
+    /// rotations, and an attention factor on q·k (transformers'
+    /// `_compute_yarn_parameters`).
+    Yarn {
+        factor: f32,
+        original_max_position_embeddings: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        mscale: f32,
+        mscale_all_dim: f32,
+        /// Given explicitly (`attention_factor`), else derived.
+        attention_factor: Option<f32>,
+        truncate: bool,
+    },
+}
+
+/// YaRN's `get_mscale`: `0.1·mscale·ln(scale) + 1` above a scale of 1.
+pub fn yarn_mscale(scale: f32, mscale: f32) -> f32 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+impl RopeScaling {
+    /// The factor RoPE's cos and sin are multiplied by (1 but for YaRN).
+    pub fn attention_factor(&self) -> f32 {
+        match self {
+            RopeScaling::Yarn {
+                factor,
+                mscale,
+                mscale_all_dim,
+                attention_factor,
+                ..
+            } => attention_factor.unwrap_or_else(|| {
+                if *mscale != 0.0 && *mscale_all_dim != 0.0 {
+                    yarn_mscale(*factor, *mscale) / yarn_mscale(*factor, *mscale_all_dim)
+                } else {
+                    yarn_mscale(*factor, 1.0)
+                }
+            }),
+            _ => 1.0,
+        }
+    }
 }
 
 /// The shape and options of a Llama-family decoder.
@@ -49,6 +95,8 @@ pub struct DecoderConfig {
     pub partial_rotary_factor: f32,
     /// Checkpoint dtype, when stated.
     pub dtype: Option<DType>,
+    /// Multi-head latent attention (DeepSeek-V2/V3), set by those architectures.
+    pub mla: Option<crate::mla::MlaConfig>,
 }
 
 struct Keys<'a> {
@@ -115,10 +163,23 @@ fn rope_from(obj: &Value, keys: &Keys<'_>, prefix: &str) -> Result<RopeScaling> 
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         },
+        "yarn" => {
+            let opt = |k: &str| obj.get(k).and_then(Value::as_f64).map(|x| x as f32);
+            RopeScaling::Yarn {
+                factor: num("factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+                beta_fast: opt("beta_fast").filter(|&x| x != 0.0).unwrap_or(32.0),
+                beta_slow: opt("beta_slow").filter(|&x| x != 0.0).unwrap_or(1.0),
+                mscale: opt("mscale").unwrap_or(0.0),
+                mscale_all_dim: opt("mscale_all_dim").unwrap_or(0.0),
+                attention_factor: opt("attention_factor"),
+                truncate: obj.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+            }
+        }
         other => {
             return Err(keys.err(
                 &format!("{prefix}.rope_type"),
-                &format!("'{other}' is not supported (supported: default, linear, llama3)"),
+                &format!("'{other}' is not supported (supported: default, linear, llama3, yarn)"),
             ));
         }
     })
@@ -227,6 +288,7 @@ impl DecoderConfig {
             rope_scaling,
             partial_rotary_factor: k.f32_opt("partial_rotary_factor")?.unwrap_or(1.0),
             dtype,
+            mla: None,
         })
     }
 
@@ -264,6 +326,29 @@ impl DecoderConfig {
                     } else {
                         scaled
                     };
+                }
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings: old,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                let (d, pi) = (dim as f32, std::f32::consts::PI);
+                let corr = |rot: f32| d * (old / (rot * 2.0 * pi)).ln() / (2.0 * base.ln());
+                let (mut low, mut high) = (corr(beta_fast), corr(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, high) = (low.max(0.0), high.min(d - 1.0));
+                let high = if low == high { high + 0.001 } else { high };
+                for (i, x) in f.iter_mut().enumerate() {
+                    let ramp = ((i as f32 - low) / (high - low)).clamp(0.0, 1.0);
+                    let extrapolation = 1.0 - ramp;
+                    let interpolated = *x / factor;
+                    *x = interpolated * (1.0 - extrapolation) + *x * extrapolation;
                 }
             }
         }

@@ -11,6 +11,7 @@
 //! when loading, and errors name the tensor and the checkpoint.
 
 use crate::config::DecoderConfig;
+use crate::mla::{MlaAttn, MlaConfig};
 use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
 use arbor_engine_core::comm::Communicator;
@@ -32,6 +33,8 @@ pub struct ArchFlags {
     pub qk_norm: bool,
     /// Sparse MoE feed-forward blocks, named and routed this way.
     pub moe: Option<MoeStyle>,
+    /// Multi-head latent attention (DeepSeek-V2/V3).
+    pub mla: bool,
 }
 
 struct Linear {
@@ -41,14 +44,26 @@ struct Linear {
 
 struct Layer {
     input_norm: Tensor,
+    attn: Attn,
+    post_norm: Tensor,
+    ffn: Ffn,
+}
+
+/// A layer's attention.
+enum Attn {
+    /// Grouped-query attention over per-head K and V.
+    Mha(Mha),
+    /// Multi-head latent attention over a latent KV cache.
+    Mla(MlaAttn),
+}
+
+struct Mha {
     q: Linear,
     k: Linear,
     v: Linear,
     o: Linear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
-    post_norm: Tensor,
-    ffn: Ffn,
 }
 
 /// A layer's feed-forward.
@@ -114,6 +129,37 @@ impl<'a> Loader<'a> {
             "{}: tensor '{name}' is missing",
             self.src.describe()
         ))
+    }
+
+    /// The checkpoint being read.
+    pub(crate) fn source(&self) -> &'a dyn WeightSource {
+        self.src
+    }
+
+    /// A weight computed at load (an absorbed MLA projection) from f32
+    /// values, stored in `dtype` then as the quantization method decides.
+    pub(crate) fn absorbed(
+        &mut self,
+        what: &str,
+        shape: &[usize],
+        values: &[f32],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let t = crate::mla::host_tensor(shape, values, dtype)?;
+        let caps = self.opts.backend.capabilities().clone();
+        let t = self
+            .opts
+            .quant
+            .prepare(t, &caps)
+            .map_err(|e| CoreError::load(format!("{}: {what}: {e}", self.src.describe())))?;
+        let d = self.opts.backend.upload(&t)?;
+        self.bytes += d.byte_len()? as u64;
+        Ok(d)
+    }
+
+    /// Downloads a small f32 tensor loaded here (a router bias).
+    pub(crate) fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        self.opts.backend.download_f32(t)
     }
 
     /// Counts `n` tensors another rank loads.
@@ -271,7 +317,17 @@ impl DecoderModel {
             cfg.head_dim,
         );
         let inter = cfg.intermediate_size;
-        let attn_tensors = 6 + if flags.qk_norm { 2 } else { 0 };
+        let attn_tensors = match &cfg.mla {
+            Some(m) => m.tensors_per_layer() + 2,
+            None => 6 + if flags.qk_norm { 2 } else { 0 },
+        };
+        if cfg.mla.is_none() && cfg.rope_scaling.attention_factor() != 1.0 {
+            return Err(CoreError::unsupported(format!(
+                "{}: YaRN with an attention factor of {} outside latent attention",
+                src.describe(),
+                cfg.rope_scaling.attention_factor()
+            )));
+        }
         let total = (0..cfg.num_hidden_layers)
             .map(|i| {
                 attn_tensors
@@ -309,19 +365,24 @@ impl DecoderModel {
             let p = format!("model.layers.{i}");
             layers.push(Layer {
                 input_norm: l.vector_req(&format!("{p}.input_layernorm.weight"), h)?,
-                q: l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv_bias)?,
-                k: l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv_bias)?,
-                v: l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv_bias)?,
-                o: l.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, o_bias)?,
-                q_norm: if flags.qk_norm {
-                    Some(l.vector_req(&format!("{p}.self_attn.q_norm.weight"), hd)?)
-                } else {
-                    None
-                },
-                k_norm: if flags.qk_norm {
-                    Some(l.vector_req(&format!("{p}.self_attn.k_norm.weight"), hd)?)
-                } else {
-                    None
+                attn: match &cfg.mla {
+                    Some(m) => Attn::Mla(MlaAttn::load(&mut l, &cfg, m, i, nh)?),
+                    None => Attn::Mha(Mha {
+                        q: l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv_bias)?,
+                        k: l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv_bias)?,
+                        v: l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv_bias)?,
+                        o: l.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, o_bias)?,
+                        q_norm: if flags.qk_norm {
+                            Some(l.vector_req(&format!("{p}.self_attn.q_norm.weight"), hd)?)
+                        } else {
+                            None
+                        },
+                        k_norm: if flags.qk_norm {
+                            Some(l.vector_req(&format!("{p}.self_attn.k_norm.weight"), hd)?)
+                        } else {
+                            None
+                        },
+                    }),
                 },
                 post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ffn: match moe {
@@ -372,13 +433,21 @@ impl DecoderModel {
             }
         }
         let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
-        let weight_dtype = layers.first().map_or(embed.dtype(), |l| l.q.w.dtype());
+        let weight_dtype = layers.first().map_or(embed.dtype(), |l| match &l.attn {
+            Attn::Mha(m) => m.q.w.dtype(),
+            Attn::Mla(_) => embed.dtype(),
+        });
+        // The KV cache's geometry: one latent "head" with latent attention.
+        let (kv_heads, kv_dim) = match &cfg.mla {
+            Some(m) => (1, m.kv_head_dim()),
+            None => (nkv, hd),
+        };
         let spec = ModelSpec {
             architecture: cfg.architecture.clone(),
             num_layers: cfg.num_hidden_layers,
             num_heads: nh,
-            num_kv_heads: nkv,
-            head_dim: hd,
+            num_kv_heads: kv_heads,
+            head_dim: kv_dim,
             hidden_size: h,
             intermediate_size: inter,
             vocab_size: cfg.vocab_size,
@@ -466,8 +535,8 @@ impl Model for DecoderModel {
         );
         let kv_spec = ctx.kv.spec();
         if kv_spec.num_layers != c.num_hidden_layers
-            || kv_spec.num_kv_heads != nkv
-            || kv_spec.head_dim != hd
+            || kv_spec.num_kv_heads != self.spec.num_kv_heads
+            || kv_spec.head_dim != self.spec.head_dim
         {
             return Err(CoreError::invalid(format!(
                 "KV cache {kv_spec:?} does not fit the model"
@@ -558,46 +627,67 @@ impl Model for DecoderModel {
             } else {
                 b.add_rms_norm(&resid, &proj, &layer.input_norm, c.rms_norm_eps, &x)?;
             }
-            b.linear_many(
-                &x,
-                &[
-                    LinearRef {
-                        w: &layer.q.w,
-                        bias: layer.q.b.as_ref(),
-                        out: &q,
-                    },
-                    LinearRef {
-                        w: &layer.k.w,
-                        bias: layer.k.b.as_ref(),
-                        out: &k,
-                    },
-                    LinearRef {
-                        w: &layer.v.w,
-                        bias: layer.v.b.as_ref(),
-                        out: &v,
-                    },
-                ],
-            )?;
-            lora(i, LoraTarget::Q, &x, &q)?;
-            lora(i, LoraTarget::K, &x, &k)?;
-            lora(i, LoraTarget::V, &x, &v)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                b.rms_norm(&q_heads, qn, c.rms_norm_eps, &q_heads)?;
-                b.rms_norm(&k_heads, kn, c.rms_norm_eps, &k_heads)?;
+            match &layer.attn {
+                Attn::Mha(m) => {
+                    b.linear_many(
+                        &x,
+                        &[
+                            LinearRef {
+                                w: &m.q.w,
+                                bias: m.q.b.as_ref(),
+                                out: &q,
+                            },
+                            LinearRef {
+                                w: &m.k.w,
+                                bias: m.k.b.as_ref(),
+                                out: &k,
+                            },
+                            LinearRef {
+                                w: &m.v.w,
+                                bias: m.v.b.as_ref(),
+                                out: &v,
+                            },
+                        ],
+                    )?;
+                    lora(i, LoraTarget::Q, &x, &q)?;
+                    lora(i, LoraTarget::K, &x, &k)?;
+                    lora(i, LoraTarget::V, &x, &v)?;
+                    if let (Some(qn), Some(kn)) = (&m.q_norm, &m.k_norm) {
+                        b.rms_norm(&q_heads, qn, c.rms_norm_eps, &q_heads)?;
+                        b.rms_norm(&k_heads, kn, c.rms_norm_eps, &k_heads)?;
+                    }
+                    b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+                    b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
+                    ctx.attention.forward(
+                        ctx.attention_batch,
+                        ctx.kv.layer(i)?,
+                        &q,
+                        &k,
+                        &v,
+                        &attn,
+                        &params,
+                    )?;
+                    self.linear(&attn, &m.o, &proj)?;
+                    lora(i, LoraTarget::O, &attn, &proj)?;
+                }
+                Attn::Mla(a) => {
+                    if let Some(s) = batch.lora.iter().find(|s| {
+                        [LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O]
+                            .iter()
+                            .any(|&t| s.adapter.pair(i, t).is_some())
+                    }) {
+                        return Err(CoreError::unsupported(format!(
+                            "LoRA adapter '{}' targets the latent attention of layer {i}",
+                            s.adapter.name()
+                        )));
+                    }
+                    let rope = crate::mla::Rope {
+                        positions: &pos,
+                        inv_freq: &self.inv_freq,
+                    };
+                    a.forward(b, &x, rope, i, ctx, &proj)?;
+                }
             }
-            b.rope(&q, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-            b.rope(&k, &pos, &self.inv_freq, hd, RopeStyle::Neox)?;
-            ctx.attention.forward(
-                ctx.attention_batch,
-                ctx.kv.layer(i)?,
-                &q,
-                &k,
-                &v,
-                &attn,
-                &params,
-            )?;
-            self.linear(&attn, &layer.o, &proj)?;
-            lora(i, LoraTarget::O, &attn, &proj)?;
             self.reduce(&proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
             match &layer.ffn {
@@ -678,6 +768,22 @@ pub struct DecoderArchitecture {
     flags: ArchFlags,
 }
 
+impl DecoderArchitecture {
+    /// The parsed `config.json`; with latent attention, its MLA keys and the
+    /// rotary width as the head width RoPE reads.
+    fn config(&self, config: &serde_json::Value) -> Result<DecoderConfig> {
+        let mut cfg = DecoderConfig::from_json(config, "config.json")?;
+        if self.flags.mla {
+            let v3 = self.flags.moe == Some(MoeStyle::DeepSeekV3);
+            let mla = MlaConfig::from_json(config, "config.json", v3)?;
+            cfg.head_dim = mla.qk_rope_head_dim;
+            cfg.partial_rotary_factor = 1.0;
+            cfg.mla = Some(mla);
+        }
+        Ok(cfg)
+    }
+}
+
 impl ModelArchitecture for DecoderArchitecture {
     fn load(
         &self,
@@ -685,7 +791,7 @@ impl ModelArchitecture for DecoderArchitecture {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<Box<dyn Model>> {
-        let cfg = DecoderConfig::from_json(config, "config.json")?;
+        let cfg = self.config(config)?;
         let moe = match self.flags.moe {
             Some(style) => Some(MoeConfig::from_json(
                 config,
@@ -711,7 +817,7 @@ impl ModelArchitecture for DecoderArchitecture {
         options: &LoadOptions,
         shard: &ShardSpec,
     ) -> Result<Box<dyn Model>> {
-        let cfg = DecoderConfig::from_json(config, "config.json")?;
+        let cfg = self.config(config)?;
         let moe = match self.flags.moe {
             Some(style) => Some(MoeConfig::from_json(
                 config,
@@ -736,6 +842,7 @@ const PLAIN: ArchFlags = ArchFlags {
     qkv_bias: false,
     qk_norm: false,
     moe: None,
+    mla: false,
 };
 
 inventory::submit! {
@@ -756,34 +863,48 @@ inventory::submit! {
     ArchitectureEntry {
         name: "Qwen2ForCausalLM",
         about: "Qwen2/2.5 decoders (q/k/v bias)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: None } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: None, mla: false } }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3ForCausalLM",
         about: "Qwen3 dense decoders (per-head q/k RMSNorm)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: None } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: None, mla: false } }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3MoeForCausalLM",
         about: "Qwen3 mixture-of-experts decoders (q/k RMSNorm, softmax top-k routing)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: Some(MoeStyle::Qwen) } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: true, moe: Some(MoeStyle::Qwen), mla: false } }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen2MoeForCausalLM",
         about: "Qwen2/1.5 mixture-of-experts decoders (q/k/v bias, a sigmoid-gated shared expert)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: Some(MoeStyle::Qwen) } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: true, qk_norm: false, moe: Some(MoeStyle::Qwen), mla: false } }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "MixtralForCausalLM",
         about: "Mixtral mixture-of-experts decoders (Mistral attention, renormalized top-k routing)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::Mixtral) } }),
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::Mixtral), mla: false } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "DeepseekV2ForCausalLM",
+        about: "DeepSeek-V2 (latent attention over a latent KV cache, group-limited softmax experts, shared experts)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::DeepSeekV2), mla: true } }),
+    }
+}
+inventory::submit! {
+    ArchitectureEntry {
+        name: "DeepseekV3ForCausalLM",
+        about: "DeepSeek-V3 (latent attention, sigmoid experts with bias-corrected group-limited routing)",
+        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::DeepSeekV3), mla: true } }),
     }
 }

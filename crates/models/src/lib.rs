@@ -11,6 +11,7 @@ pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod gguf_source;
+pub mod mla;
 pub mod moe;
 pub mod quant_methods;
 pub mod random;

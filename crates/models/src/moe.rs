@@ -1,4 +1,5 @@
-//! The sparse MoE feed-forward block of Qwen2-MoE, Qwen3-MoE and Mixtral:
+//! The sparse MoE feed-forward block of Qwen2-MoE, Qwen3-MoE, Mixtral and
+//! DeepSeek-V2/V3:
 //! its `config.json` keys ([`MoeConfig`]), its weights ([`MoeBlock`]) and its
 //! forward (router → top-k → grouped experts → optional shared expert).
 //!
@@ -23,6 +24,37 @@ pub enum MoeStyle {
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.w1/w3/w2`
     /// (gate/up/down); the top-k weights are always renormalized (Mixtral).
     Mixtral,
+    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`, ungated
+    /// `mlp.shared_experts` (`n_shared_experts` wide); softmax routing,
+    /// greedy or group-limited (`topk_method`), times
+    /// `routed_scaling_factor`; the first `first_k_dense_replace` layers are
+    /// dense (DeepSeek-V2).
+    DeepSeekV2,
+    /// As DeepSeek-V2, with sigmoid scores, the
+    /// `mlp.gate.e_score_correction_bias` and group-limited choice
+    /// (`noaux_tc`), renormalized when `norm_topk_prob` (DeepSeek-V3).
+    DeepSeekV3,
+}
+
+/// How a block's router turns logits into weights (the config's half of
+/// `RouterScoring`; DeepSeek-V3's bias is a weight).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RouterConfig {
+    /// Softmax, top k, renormalized when asked.
+    Softmax { renormalize: bool },
+    /// DeepSeek-V2: softmax, group-limited top k, scaled.
+    GroupLimited {
+        groups: usize,
+        topk_groups: usize,
+        scale: f32,
+    },
+    /// DeepSeek-V3: biased sigmoid, group-limited top k.
+    NoAuxTc {
+        groups: usize,
+        topk_groups: usize,
+        renormalize: bool,
+        scale: f32,
+    },
 }
 
 /// The MoE keys of a `config.json`.
@@ -36,8 +68,8 @@ pub struct MoeConfig {
     pub top_k: usize,
     /// Width of each routed expert (`moe_intermediate_size`, else `intermediate_size`).
     pub expert_intermediate_size: usize,
-    /// Renormalize the top-k weights (`norm_topk_prob`; always for Mixtral).
-    pub renormalize: bool,
+    /// How the router scores experts.
+    pub router: RouterConfig,
     /// Width of the shared expert (`shared_expert_intermediate_size`), when there is one.
     pub shared_expert_intermediate_size: Option<usize>,
     /// Layers whose feed-forward is dense (`mlp_only_layers`, and those that
@@ -58,7 +90,13 @@ impl MoeConfig {
                     .ok_or_else(|| err(key, &format!("must be a non-negative integer, found {x}"))),
             }
         };
-        let num_experts = match (uint("num_experts")?, uint("num_local_experts")?) {
+        let deepseek = matches!(style, MoeStyle::DeepSeekV2 | MoeStyle::DeepSeekV3);
+        let experts_key = if deepseek {
+            uint("n_routed_experts")?
+        } else {
+            uint("num_experts")?
+        };
+        let num_experts = match (experts_key, uint("num_local_experts")?) {
             (Some(n), _) | (None, Some(n)) => n,
             (None, None) => return Err(err("num_experts", "is missing")),
         };
@@ -71,28 +109,88 @@ impl MoeConfig {
             ));
         }
         let expert_intermediate_size = match style {
-            MoeStyle::Qwen => uint("moe_intermediate_size")?,
             MoeStyle::Mixtral => None,
+            _ => uint("moe_intermediate_size")?,
         }
         .or(uint("intermediate_size")?)
         .filter(|&n| n > 0)
         .ok_or_else(|| err("moe_intermediate_size", "is missing or zero"))?;
-        let renormalize = match style {
-            MoeStyle::Mixtral => true,
-            MoeStyle::Qwen => match v.get("norm_topk_prob") {
-                None | Some(Value::Null) => false,
-                Some(Value::Bool(b)) => *b,
-                Some(x) => {
+        let norm_topk_prob = match v.get("norm_topk_prob") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(x) => {
+                return Err(err(
+                    "norm_topk_prob",
+                    &format!("must be true or false, found {x}"),
+                ));
+            }
+        };
+        let scale = match v.get("routed_scaling_factor") {
+            None | Some(Value::Null) => 1.0,
+            Some(x) => x.as_f64().ok_or_else(|| {
+                err(
+                    "routed_scaling_factor",
+                    &format!("must be a number, found {x}"),
+                )
+            })? as f32,
+        };
+        let groups = uint("n_group")?.unwrap_or(1).max(1);
+        let topk_groups = uint("topk_group")?.unwrap_or(1).max(1);
+        let router = match style {
+            MoeStyle::Mixtral => RouterConfig::Softmax { renormalize: true },
+            MoeStyle::Qwen => RouterConfig::Softmax {
+                renormalize: norm_topk_prob,
+            },
+            MoeStyle::DeepSeekV2 => match v.get("topk_method").and_then(Value::as_str) {
+                None | Some("greedy") => RouterConfig::GroupLimited {
+                    groups: 1,
+                    topk_groups: 1,
+                    scale,
+                },
+                Some("group_limited_greedy") => RouterConfig::GroupLimited {
+                    groups,
+                    topk_groups,
+                    scale,
+                },
+                Some(other) => {
                     return Err(err(
-                        "norm_topk_prob",
-                        &format!("must be true or false, found {x}"),
+                        "topk_method",
+                        &format!("'{other}' is not supported (greedy, group_limited_greedy)"),
                     ));
                 }
             },
+            MoeStyle::DeepSeekV3 => RouterConfig::NoAuxTc {
+                groups,
+                topk_groups,
+                renormalize: norm_topk_prob,
+                scale,
+            },
         };
+        if let RouterConfig::GroupLimited {
+            groups,
+            topk_groups,
+            ..
+        }
+        | RouterConfig::NoAuxTc {
+            groups,
+            topk_groups,
+            ..
+        } = router
+            && (!num_experts.is_multiple_of(groups) || topk_groups > groups)
+        {
+            return Err(err(
+                "n_group",
+                &format!(
+                    "({groups}) must divide the {num_experts} experts, with topk_group ({topk_groups}) at most n_group"
+                ),
+            ));
+        }
         let shared_expert_intermediate_size = match style {
             MoeStyle::Qwen => uint("shared_expert_intermediate_size")?.filter(|&n| n > 0),
             MoeStyle::Mixtral => None,
+            MoeStyle::DeepSeekV2 | MoeStyle::DeepSeekV3 => uint("n_shared_experts")?
+                .filter(|&n| n > 0)
+                .map(|n| n * expert_intermediate_size),
         };
         let step = uint("decoder_sparse_step")?.unwrap_or(1);
         if step == 0 {
@@ -115,15 +213,21 @@ impl MoeConfig {
                 ));
             }
         };
+        // DeepSeek's first layers are dense (transformers reads only this key).
+        let first_dense = if deepseek {
+            uint("first_k_dense_replace")?.unwrap_or(0)
+        } else {
+            0
+        };
         let dense_layers = (0..layers)
-            .filter(|i| only.contains(i) || (i + 1) % step != 0)
+            .filter(|&i| i < first_dense || only.contains(&i) || (i + 1) % step != 0)
             .collect();
         Ok(Self {
             style,
             num_experts,
             top_k,
             expert_intermediate_size,
-            renormalize,
+            router,
             shared_expert_intermediate_size,
             dense_layers,
         })
@@ -136,12 +240,13 @@ impl MoeConfig {
 
     /// Tensors one sparse layer loads (for load progress).
     pub fn tensors_per_layer(&self) -> usize {
-        1 + 3 * self.num_experts
-            + if self.shared_expert_intermediate_size.is_some() {
-                4
-            } else {
-                0
-            }
+        let shared = match (self.style, self.shared_expert_intermediate_size) {
+            (_, None) => 0,
+            (MoeStyle::Qwen, Some(_)) => 4,
+            (_, Some(_)) => 3,
+        };
+        let bias = usize::from(self.style == MoeStyle::DeepSeekV3);
+        1 + bias + 3 * self.num_experts + shared
     }
 }
 
@@ -174,13 +279,13 @@ impl MoeBlock {
         owned: Option<std::ops::Range<usize>>,
     ) -> Result<Self> {
         let (prefix, names) = match cfg.style {
-            MoeStyle::Qwen => (
-                format!("model.layers.{layer}.mlp"),
-                ["gate_proj", "up_proj", "down_proj"],
-            ),
             MoeStyle::Mixtral => (
                 format!("model.layers.{layer}.block_sparse_moe"),
                 ["w1", "w3", "w2"],
+            ),
+            _ => (
+                format!("model.layers.{layer}.mlp"),
+                ["gate_proj", "up_proj", "down_proj"],
             ),
         };
         let router = l.f32_matrix(&format!("{prefix}.gate.weight"), &[cfg.num_experts, hidden])?;
@@ -198,6 +303,16 @@ impl MoeBlock {
         }
         let shared = match cfg.shared_expert_intermediate_size {
             None => None,
+            Some(si) if cfg.style != MoeStyle::Qwen => Some(SharedExpert {
+                mlp: [Some(expert(
+                    l,
+                    &format!("{prefix}.shared_experts"),
+                    names,
+                    hidden,
+                    si,
+                )?)],
+                gate: None,
+            }),
             Some(si) => Some(SharedExpert {
                 mlp: [Some(expert(
                     l,
@@ -211,13 +326,39 @@ impl MoeBlock {
                 ),
             }),
         };
+        let scoring = match cfg.router {
+            RouterConfig::Softmax { renormalize } => RouterScoring::SoftmaxTopK { renormalize },
+            RouterConfig::GroupLimited {
+                groups,
+                topk_groups,
+                scale,
+            } => RouterScoring::SoftmaxGroupLimited {
+                groups,
+                topk_groups,
+                scale,
+            },
+            RouterConfig::NoAuxTc {
+                groups,
+                topk_groups,
+                renormalize,
+                scale,
+            } => {
+                let name = format!("{prefix}.gate.e_score_correction_bias");
+                let bias = l.f32_matrix(&name, &[cfg.num_experts])?;
+                RouterScoring::SigmoidGrouped {
+                    bias: l.download_f32(&bias)?,
+                    groups,
+                    topk_groups,
+                    renormalize,
+                    scale,
+                }
+            }
+        };
         Ok(Self {
             router,
             experts,
             top_k: cfg.top_k,
-            scoring: RouterScoring::SoftmaxTopK {
-                renormalize: cfg.renormalize,
-            },
+            scoring,
             shared,
         })
     }
@@ -281,10 +422,26 @@ mod tests {
         let c = MoeConfig::from_json(&v, "config.json", MoeStyle::Qwen, 6).unwrap();
         assert_eq!(c.dense_layers, vec![0, 2, 3, 4]);
         assert!(c.is_sparse(1) && c.is_sparse(5) && !c.is_sparse(3));
-        assert!(c.renormalize);
+        assert_eq!(c.router, RouterConfig::Softmax { renormalize: true });
         let m = json!({"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32});
         let c = MoeConfig::from_json(&m, "config.json", MoeStyle::Mixtral, 2).unwrap();
-        assert!(c.renormalize && c.dense_layers.is_empty() && c.expert_intermediate_size == 32);
+        assert!(c.dense_layers.is_empty() && c.expert_intermediate_size == 32);
+        let d = json!({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                       "n_shared_experts": 2, "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2,
+                       "norm_topk_prob": true, "routed_scaling_factor": 2.5});
+        let c = MoeConfig::from_json(&d, "config.json", MoeStyle::DeepSeekV3, 3).unwrap();
+        assert_eq!(c.dense_layers, vec![0]);
+        assert_eq!(c.shared_expert_intermediate_size, Some(32));
+        assert_eq!(
+            c.router,
+            RouterConfig::NoAuxTc {
+                groups: 4,
+                topk_groups: 2,
+                renormalize: true,
+                scale: 2.5
+            }
+        );
+        assert_eq!(c.tensors_per_layer(), 1 + 1 + 24 + 3);
     }
 
     #[test]

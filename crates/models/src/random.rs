@@ -71,7 +71,9 @@ impl RandomWeights {
     }
 
     /// The same, with the sparse layers of `moe` holding a router and
-    /// experts (and a shared expert where `moe` has one) instead of the dense MLP.
+    /// experts (and a shared expert where `moe` has one) instead of the dense
+    /// MLP, named as `moe.style` names them. (Latent attention's tensors are
+    /// not generated.)
     pub fn with_moe(mut self, cfg: &DecoderConfig, moe: &MoeConfig) -> Self {
         let (h, ei) = (cfg.hidden_size, moe.expert_intermediate_size);
         for l in (0..cfg.num_hidden_layers).filter(|&l| moe.is_sparse(l)) {
@@ -80,8 +82,8 @@ impl RandomWeights {
                 self.shapes.remove(&format!("{p}.mlp.{n}.weight"));
             }
             let (block, names) = match moe.style {
-                MoeStyle::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
                 MoeStyle::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
             };
             let mut put = |name: String, shape: Vec<usize>| {
                 self.shapes.insert(name, (shape, false));
@@ -95,11 +97,21 @@ impl RandomWeights {
             for e in 0..moe.num_experts {
                 mlp(format!("{p}.{block}.experts.{e}"), ei);
             }
-            if let Some(si) = moe.shared_expert_intermediate_size {
-                mlp(format!("{p}.{block}.shared_expert"), si);
+            match (moe.style, moe.shared_expert_intermediate_size) {
+                (MoeStyle::Qwen, Some(si)) => {
+                    mlp(format!("{p}.{block}.shared_expert"), si);
+                    self.shapes.insert(
+                        format!("{p}.{block}.shared_expert_gate.weight"),
+                        (vec![1, h], false),
+                    );
+                }
+                (_, Some(si)) => mlp(format!("{p}.{block}.shared_experts"), si),
+                (_, None) => {}
+            }
+            if moe.style == MoeStyle::DeepSeekV3 {
                 self.shapes.insert(
-                    format!("{p}.{block}.shared_expert_gate.weight"),
-                    (vec![1, h], false),
+                    format!("{p}.{block}.gate.e_score_correction_bias"),
+                    (vec![moe.num_experts], false),
                 );
             }
         }

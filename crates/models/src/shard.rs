@@ -132,7 +132,8 @@ impl<'a> ShardedSource<'a> {
         let routed = module.contains(".experts.");
         let split = match proj {
             _ if routed && self.expert_parallel => return Ok(Split::Whole),
-            "q_proj" | "k_proj" | "v_proj" | "gate_proj" | "up_proj" | "w1" | "w3" => match kind {
+            "q_proj" | "k_proj" | "v_proj" | "q_b_proj" | "kv_b_proj" | "gate_proj" | "up_proj"
+            | "w1" | "w3" => match kind {
                 "weight" | "bias" => Split::Rows,
                 _ => return Err(self.unknown(name)),
             },

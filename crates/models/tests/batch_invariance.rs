@@ -310,6 +310,8 @@ fn tiny_models_are_batch_invariant() -> Result<()> {
         ("tiny-qwen3-moe", "f32", DType::F32),
         ("tiny-qwen2-moe", "q8_0", DType::F32),
         ("tiny-mixtral", "bf16", DType::F16),
+        ("tiny-deepseek-v2", "f32", DType::F32),
+        ("tiny-deepseek-v3", "bf16", DType::F32),
     ];
     for (i, (name, quant, kv)) in cases.into_iter().enumerate() {
         let what = format!("{name} ({quant} weights, {kv} KV)");

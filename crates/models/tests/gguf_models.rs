@@ -115,6 +115,9 @@ fn permute(data: &[u8], rows: usize, heads: usize) -> Vec<u8> {
     out
 }
 
+/// One routed expert's tensor: its index, shape and f32 bytes.
+type Expert = (usize, Vec<usize>, Vec<u8>);
+
 /// The GGUF file of a tiny HF fixture, as llama.cpp's converter writes it.
 fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
     let dir = fixture(name);
@@ -249,8 +252,7 @@ fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
             all.insert(name, (t.shape().to_vec(), t.data().to_vec()));
         }
     }
-    let mut stacked: std::collections::BTreeMap<String, Vec<(usize, Vec<usize>, Vec<u8>)>> =
-        Default::default();
+    let mut stacked: std::collections::BTreeMap<String, Vec<Expert>> = Default::default();
     for (hf, (shape, mut data)) in all {
         if let Some((g, e)) = llama_cpp_expert(&hf) {
             stacked.entry(g).or_default().push((e, shape, data));

@@ -213,6 +213,22 @@ fn tiny_mixtral_matches_transformers() -> Result<()> {
     check_model("tiny-mixtral")
 }
 
+/// Latent attention without a query compression, YaRN rope (factor 4 over
+/// 64 positions), a dense first layer, group-limited softmax routing and a
+/// shared expert.
+#[test]
+fn tiny_deepseek_v2_matches_transformers() -> Result<()> {
+    check_model("tiny-deepseek-v2")
+}
+
+/// Latent attention with a query compression (`q_lora_rank`), interleaved
+/// rope, sigmoid routing with the correction bias and group limit, top-k
+/// renormalized and scaled by 2.5.
+#[test]
+fn tiny_deepseek_v3_matches_transformers() -> Result<()> {
+    check_model("tiny-deepseek-v3")
+}
+
 /// tiny-llama as older checkpoints ship it: sharded pytorch_model.bin files
 /// written by torch.save (tools/reference/make_torch_bin_fixture.py).
 #[test]

@@ -1,6 +1,7 @@
 //! Tensor and expert parallelism with the in-process communicator: every
 //! tiny fixture architecture (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE,
-//! Mixtral) served by an engine over a `TpExecutor` of two ranks — each rank
+//! Mixtral, DeepSeek-V2 and -V3 with latent attention: heads split, the
+//! latent KV replicated) served by an engine over a `TpExecutor` of two ranks — each rank
 //! a CPU backend holding only its shard (heads, MLP and expert widths split,
 //! a vocab-parallel LM head), the MoE ones also with their experts
 //! partitioned (`--ep-size 2`) — continues the reference prompts greedily
@@ -40,17 +41,15 @@ fn ids(v: &Value) -> Vec<u32> {
         .unwrap_or_default()
 }
 
-/// The ranks' shards of `name`, each on its own one-thread CPU backend.
-fn shards(
-    registry: &Registry,
-    name: &str,
-    world: usize,
-    expert_parallel: bool,
-) -> Result<(
+/// Each rank's model shard, device and communicator.
+type Shards = (
     Vec<LoadedModel>,
     Vec<Arc<dyn Backend>>,
     Vec<Arc<dyn Communicator>>,
-)> {
+);
+
+/// The ranks' shards of `name`, each on its own one-thread CPU backend.
+fn shards(registry: &Registry, name: &str, world: usize, expert_parallel: bool) -> Result<Shards> {
     let backends: Vec<Arc<dyn Backend>> = (0..world)
         .map(|_| Ok(Arc::new(CpuBackend::new(1)?) as Arc<dyn Backend>))
         .collect::<Result<_>>()?;
@@ -209,7 +208,13 @@ fn dense_models_under_tp2_continue_as_transformers() -> Result<()> {
 
 #[test]
 fn moe_models_under_tp2_and_ep2_continue_as_transformers() -> Result<()> {
-    for name in ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"] {
+    for name in [
+        "tiny-qwen3-moe",
+        "tiny-qwen2-moe",
+        "tiny-mixtral",
+        "tiny-deepseek-v2",
+        "tiny-deepseek-v3",
+    ] {
         check(name, false)?;
         check(name, true)?;
     }

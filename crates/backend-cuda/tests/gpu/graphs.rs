@@ -29,6 +29,7 @@ fn tiny_runner(b: &Arc<CudaBackend>) -> ModelRunner {
         qkv_bias: false,
         qk_norm: false,
         moe: None,
+        mla: false,
     };
     let weights = RandomWeights::new(&cfg, flags, DType::BF16, 7).unwrap();
     let registry = Registry::builtin().unwrap();

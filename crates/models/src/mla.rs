@@ -1,0 +1,339 @@
+//! Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache,
+//! with the up-projections absorbed into the query and output weights.
+//!
+//! Each token caches one "KV head" of width `D = qk_rope_head_dim +
+//! kv_lora_rank`: the key is `[k_pe (roped) | c_kv]`, the value `[0 | c_kv]`
+//! (`c_kv` the normed compressed latent), so the cache holds `2·D` values per
+//! token and layer instead of `heads·(qk_head_dim + v_head_dim)` for the
+//! expanded keys and values. The query is absorbed at load: per head
+//! `[q_pe | W_UKᵀ q_nope]`, so that `q·k = q_pe·k_pe + q_nope·(W_UK c_kv)`
+//! exactly as the expanded attention; the output projection absorbs `W_UV`
+//! (`o_proj · W_UV` per head, zero on the rotary columns). Attention is then
+//! the ordinary paged kernel with one KV head shared by every query head
+//! (MQA) and the softmax scale of the expanded head width.
+//!
+//! Invariants: absorbed weights are computed from float checkpoints (f32,
+//! f16, bf16) in f32 and stored in the checkpoint's float dtype; YaRN's
+//! attention factor multiplies the rotary rows of q and k (RoPE is linear);
+//! the rotary dimensions come first in each head, so the backend's RoPE (which
+//! rotates a head's first `qk_rope_head_dim` dimensions) applies to q and k.
+
+use crate::config::{DecoderConfig, RopeScaling};
+use crate::decoder::Loader;
+use arbor_engine_core::{
+    AttentionParams, Backend, CoreError, DType, ForwardContext, HostTensor, Result, RopeStyle,
+    Tensor, WeightSource,
+};
+use serde_json::Value;
+
+/// The MLA keys of a DeepSeek `config.json`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaConfig {
+    /// Rank of the query compression (`q_lora_rank`); `None`: a plain `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the KV latent (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Per-head query/key width without RoPE (`qk_nope_head_dim`).
+    pub qk_nope_head_dim: usize,
+    /// Per-head query/key width with RoPE (`qk_rope_head_dim`).
+    pub qk_rope_head_dim: usize,
+    /// Per-head value width (`v_head_dim`).
+    pub v_head_dim: usize,
+    /// RoPE rotates adjacent pairs (DeepSeek's layout: always for V2, `rope_interleave` for V3).
+    pub interleaved: bool,
+}
+
+impl MlaConfig {
+    /// Parses the MLA keys of `v`; `file` names it in errors.
+    pub fn from_json(v: &Value, file: &str, v3: bool) -> Result<Self> {
+        let err = |key: &str, what: &str| CoreError::load(format!("{file}: key '{key}' {what}"));
+        let uint = |key: &str| -> Result<Option<usize>> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .map(|n| Some(n as usize))
+                    .ok_or_else(|| err(key, &format!("must be a non-negative integer, found {x}"))),
+            }
+        };
+        let need = |key: &str| -> Result<usize> {
+            uint(key)?
+                .filter(|&n| n > 0)
+                .ok_or_else(|| err(key, "is missing or zero"))
+        };
+        let rope = need("qk_rope_head_dim")?;
+        if !rope.is_multiple_of(2) {
+            return Err(err("qk_rope_head_dim", &format!("({rope}) must be even")));
+        }
+        if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
+            return Err(err("attention_bias", "true is not supported for MLA"));
+        }
+        let interleaved = !v3 || v.get("rope_interleave").and_then(Value::as_bool) != Some(false);
+        Ok(Self {
+            q_lora_rank: uint("q_lora_rank")?.filter(|&n| n > 0),
+            kv_lora_rank: need("kv_lora_rank")?,
+            qk_nope_head_dim: need("qk_nope_head_dim")?,
+            qk_rope_head_dim: rope,
+            v_head_dim: need("v_head_dim")?,
+            interleaved,
+        })
+    }
+
+    /// Width of the cached latent "head": `qk_rope_head_dim + kv_lora_rank`.
+    pub fn kv_head_dim(&self) -> usize {
+        self.qk_rope_head_dim + self.kv_lora_rank
+    }
+
+    /// The softmax scale: `1/sqrt(qk_head_dim)`, times YaRN's `mscale²` for
+    /// `mscale_all_dim` (as transformers' `yarn_apply_mscale`).
+    pub fn softmax_scale(&self, rope: &RopeScaling) -> f32 {
+        let base = 1.0 / ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f32).sqrt();
+        match rope {
+            RopeScaling::Yarn {
+                factor,
+                mscale_all_dim,
+                ..
+            } if *mscale_all_dim != 0.0 => {
+                let m = crate::config::yarn_mscale(*factor, *mscale_all_dim);
+                base * m * m
+            }
+            _ => base,
+        }
+    }
+
+    /// Tensors one layer's attention loads (for load progress).
+    pub fn tensors_per_layer(&self) -> usize {
+        if self.q_lora_rank.is_some() { 7 } else { 5 }
+    }
+}
+
+/// What RoPE reads: each token's position and the inverse frequencies.
+#[derive(Clone, Copy)]
+pub(crate) struct Rope<'a> {
+    pub positions: &'a Tensor,
+    pub inv_freq: &'a Tensor,
+}
+
+/// One layer's latent attention.
+pub struct MlaAttn {
+    /// `q_a_proj` and `q_a_layernorm` (with a query compression).
+    q_a: Option<(Tensor, Tensor)>,
+    /// Absorbed query weight `[heads·D, q_in]`.
+    q: Tensor,
+    /// `c_kv` rows of `kv_a_proj_with_mqa` `[kv_lora_rank, hidden]`.
+    ckv: Tensor,
+    /// `k_pe` rows of `kv_a_proj_with_mqa` `[qk_rope_head_dim, hidden]`.
+    kpe: Tensor,
+    /// `kv_a_layernorm` `[kv_lora_rank]`.
+    kv_norm: Tensor,
+    /// Absorbed output weight `[hidden, heads·D]`.
+    o: Tensor,
+    heads: usize,
+    mla: MlaConfig,
+    scale: f32,
+    style: RopeStyle,
+}
+
+/// The float values and shape of a checkpoint tensor.
+fn host(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<(Vec<f32>, DType)> {
+    let t = src.tensor(name)?.ok_or_else(|| {
+        CoreError::load(format!("{}: tensor '{name}' is missing", src.describe()))
+    })?;
+    if t.shape != shape {
+        return Err(CoreError::load(format!(
+            "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
+            src.describe(),
+            t.shape
+        )));
+    }
+    if !t.dtype.is_float() {
+        return Err(CoreError::unsupported(format!(
+            "{}: tensor '{name}' is {}: MLA weight absorption needs float weights",
+            src.describe(),
+            t.dtype
+        )));
+    }
+    Ok((t.to_f32_vec()?, t.dtype))
+}
+
+impl MlaAttn {
+    /// Loads layer `layer`'s attention for `heads` query heads (this rank's).
+    pub(crate) fn load(
+        l: &mut Loader<'_>,
+        cfg: &DecoderConfig,
+        mla: &MlaConfig,
+        layer: usize,
+        heads: usize,
+    ) -> Result<Self> {
+        let src = l.source();
+        let p = format!("model.layers.{layer}.self_attn");
+        let h = cfg.hidden_size;
+        let (nope, rope, lora, vd) = (
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.kv_lora_rank,
+            mla.v_head_dim,
+        );
+        let d = mla.kv_head_dim();
+        let af = cfg.rope_scaling.attention_factor();
+        let (q_a, q_in, q_name) = match mla.q_lora_rank {
+            Some(r) => {
+                let qa = l.matrix(&format!("{p}.q_a_proj"), r, h)?;
+                let norm = l.f32_matrix(&format!("{p}.q_a_layernorm.weight"), &[r])?;
+                (Some((qa, norm)), r, format!("{p}.q_b_proj.weight"))
+            }
+            None => (None, h, format!("{p}.q_proj.weight")),
+        };
+        let (qw, dtype) = host(src, &q_name, &[heads * (nope + rope), q_in])?;
+        let (kvb, _) = host(
+            src,
+            &format!("{p}.kv_b_proj.weight"),
+            &[heads * (nope + vd), lora],
+        )?;
+        let (ow, _) = host(src, &format!("{p}.o_proj.weight"), &[h, heads * vd])?;
+        let (kva, _) = host(
+            src,
+            &format!("{p}.kv_a_proj_with_mqa.weight"),
+            &[lora + rope, h],
+        )?;
+        // q_b_proj (or q_proj), kv_b_proj, o_proj and kv_a_proj_with_mqa are read.
+        l.skip(4);
+        // Absorbed query: per head [q_pe rows · af | W_UKᵀ · W_q_nope].
+        let mut q = vec![0f32; heads * d * q_in];
+        for hd in 0..heads {
+            let qrow = |r: usize| &qw[(hd * (nope + rope) + r) * q_in..][..q_in];
+            let out = &mut q[hd * d * q_in..(hd + 1) * d * q_in];
+            for r in 0..rope {
+                for (o, &w) in out[r * q_in..(r + 1) * q_in].iter_mut().zip(qrow(nope + r)) {
+                    *o = w * af;
+                }
+            }
+            for n in 0..nope {
+                let uk = &kvb[(hd * (nope + vd) + n) * lora..][..lora];
+                let qn = qrow(n);
+                for (j, &u) in uk.iter().enumerate() {
+                    let row = &mut out[(rope + j) * q_in..(rope + j + 1) * q_in];
+                    for (o, &w) in row.iter_mut().zip(qn) {
+                        *o += u * w;
+                    }
+                }
+            }
+        }
+        // Absorbed output: column block of head hd = [0 | o_proj[:, hd] · W_UV].
+        let mut o = vec![0f32; h * heads * d];
+        for hd in 0..heads {
+            for c in 0..vd {
+                let uv = &kvb[(hd * (nope + vd) + nope + c) * lora..][..lora];
+                for row in 0..h {
+                    let w = ow[row * heads * vd + hd * vd + c];
+                    let dst = &mut o[row * heads * d + hd * d + rope..][..lora];
+                    for (x, &u) in dst.iter_mut().zip(uv) {
+                        *x += w * u;
+                    }
+                }
+            }
+        }
+        let kpe: Vec<f32> = kva[lora * h..].iter().map(|&w| w * af).collect();
+        let q = l.absorbed(&format!("{p} (absorbed q)"), &[heads * d, q_in], &q, dtype)?;
+        let o = l.absorbed(&format!("{p} (absorbed o)"), &[h, heads * d], &o, dtype)?;
+        let ckv = l.absorbed(
+            &format!("{p}.kv_a_proj_with_mqa (c_kv)"),
+            &[lora, h],
+            &kva[..lora * h],
+            dtype,
+        )?;
+        let kpe = l.absorbed(
+            &format!("{p}.kv_a_proj_with_mqa (k_pe)"),
+            &[rope, h],
+            &kpe,
+            dtype,
+        )?;
+        let kv_norm = l.f32_matrix(&format!("{p}.kv_a_layernorm.weight"), &[lora])?;
+        Ok(Self {
+            q_a,
+            q,
+            ckv,
+            kpe,
+            kv_norm,
+            o,
+            heads,
+            mla: mla.clone(),
+            scale: mla.softmax_scale(&cfg.rope_scaling),
+            style: if mla.interleaved {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Neox
+            },
+        })
+    }
+
+    /// `out = attention(x)` for `x` `[tokens, hidden]` (normed), writing this
+    /// layer's latent K and V into `ctx.kv`.
+    pub(crate) fn forward(
+        &self,
+        b: &dyn Backend,
+        x: &Tensor,
+        rope_in: Rope<'_>,
+        layer: usize,
+        ctx: &ForwardContext<'_>,
+        out: &Tensor,
+    ) -> Result<()> {
+        let (positions, inv_freq) = (rope_in.positions, rope_in.inv_freq);
+        let t = x.rows();
+        let (rope, lora, d) = (
+            self.mla.qk_rope_head_dim,
+            self.mla.kv_lora_rank,
+            self.mla.kv_head_dim(),
+        );
+        let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
+        let q = f32t(&[t, self.heads * d])?;
+        match &self.q_a {
+            Some((qa, norm)) => {
+                let c = f32t(&[t, qa.rows()])?;
+                b.linear(x, qa, None, &c)?;
+                b.rms_norm(&c, norm, 1e-6, &c)?;
+                b.linear(&c, &self.q, None, &q)?;
+            }
+            None => b.linear(x, &self.q, None, &q)?,
+        }
+        b.rope(&q, positions, inv_freq, d, self.style)?;
+        let c = f32t(&[t, lora])?;
+        b.linear(x, &self.ckv, None, &c)?;
+        b.rms_norm(&c, &self.kv_norm, 1e-6, &c)?;
+        let kpe = f32t(&[t, rope])?;
+        b.linear(x, &self.kpe, None, &kpe)?;
+        b.rope(&kpe, positions, inv_freq, rope, self.style)?;
+        let k = f32t(&[t, d])?;
+        b.copy_cols(&kpe, &k, 0)?;
+        b.copy_cols(&c, &k, rope)?;
+        let v = f32t(&[t, d])?;
+        b.copy_cols(&c, &v, rope)?;
+        let attn = f32t(&[t, self.heads * d])?;
+        let params = AttentionParams {
+            num_heads: self.heads,
+            num_kv_heads: 1,
+            head_dim: d,
+            scale: self.scale,
+            sliding_window: None,
+        };
+        ctx.attention.forward(
+            ctx.attention_batch,
+            ctx.kv.layer(layer)?,
+            &q,
+            &k,
+            &v,
+            &attn,
+            &params,
+        )?;
+        b.linear(&attn, &self.o, None, out)
+    }
+}
+
+/// An f32 host tensor of absorbed values in `dtype`, for the loader.
+pub(crate) fn host_tensor(
+    shape: &[usize],
+    values: &[f32],
+    dtype: DType,
+) -> Result<HostTensor<'static>> {
+    HostTensor::from_f32(shape, values).cast(dtype)
+}
