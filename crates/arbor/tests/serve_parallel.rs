@@ -1,7 +1,8 @@
 //! End to end: `arbor serve --tp-size 2` (and `--ep-size 2` for a
 //! mixture-of-experts model) on the tiny fixtures serves the greedy
 //! completions transformers computed (reference.json) over HTTP, reports
-//! the parallelism in /get_server_info and the start-up summary, returns
+//! the parallelism in /get_server_info and the start-up summary, counts the
+//! tokens routed to each expert in /metrics, returns
 //! every KV page, and refuses what does not run with it (a tp size that does
 //! not divide the heads, an ep size other than 1 or tp, speculative decoding).
 
@@ -66,6 +67,31 @@ async fn check(model: &str, extra: &[&str]) -> Result<()> {
             r["output_ids"], p["greedy_ids"],
             "{model} {extra:?} prompt {i}"
         );
+    }
+    if let Some(top_k) = reference["num_experts_per_tok"].as_u64() {
+        // Every computed token (the prompt and all but the last generated
+        // one) was routed to top_k experts of layer 0.
+        let computed: u64 = prompts
+            .iter()
+            .map(|p| p["input_ids"].as_array().map_or(0, |a| a.len() as u64) + 31)
+            .sum();
+        let want = (top_k * computed) as f64;
+        let mut got = 0.0;
+        for _ in 0..50 {
+            let text = c.get(s.url("/metrics")).send().await?.text().await?;
+            got = text
+                .lines()
+                .filter(|l| {
+                    l.starts_with("arbor:moe_expert_tokens_total{") && l.contains("layer=\"0\"")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            if got == want {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        assert_eq!(got, want, "{model}: tokens routed in layer 0");
     }
     assert_no_leak(&c, &s, "arbor", None).await
 }

@@ -68,6 +68,11 @@ pub trait Executor: Send + Sync {
     fn needs_context(&self, params: &SamplingParams) -> bool;
     /// Computes the plan's sequences and samples their rows.
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput>;
+    /// Tokens routed to each expert of each MoE layer so far (empty for a
+    /// dense model).
+    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+        Vec::new()
+    }
     /// Memory control of RL weight refit, called by the scheduler between
     /// steps ([`crate::engine::refit`]). Executors without it refuse.
     fn memory(&self, _op: MemoryOp) -> Result<()> {
@@ -221,6 +226,10 @@ impl Executor for LocalExecutor {
 
     fn needs_context(&self, params: &SamplingParams) -> bool {
         self.processors.iter().any(|p| p.is_active(params))
+    }
+
+    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+        self.runner.model().expert_load()
     }
 
     fn memory(&self, op: MemoryOp) -> Result<()> {

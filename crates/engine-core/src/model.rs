@@ -228,6 +228,11 @@ pub trait Model: Send + Sync {
     fn final_norm(&self) -> Option<Tensor> {
         None
     }
+    /// Tokens routed to each expert of each MoE layer so far (empty for a
+    /// dense model).
+    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+        Vec::new()
+    }
 }
 
 /// Named tensors of a checkpoint, read on demand.

@@ -77,6 +77,49 @@ pub struct MoeRouting {
     pub weights: Vec<f32>,
 }
 
+/// Tokens routed to each expert of one MoE layer since start-up (the input
+/// of expert-parallel load balancing).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ExpertLoad {
+    /// The decoder layer.
+    pub layer: usize,
+    /// Tokens per expert (each token counts once per expert it is routed to).
+    pub tokens: Vec<u64>,
+}
+
+/// Running per-expert token counts of one layer, shared by the threads that
+/// run forwards.
+#[derive(Debug)]
+pub struct ExpertCounter {
+    counts: Vec<std::sync::atomic::AtomicU64>,
+}
+
+impl ExpertCounter {
+    /// Zero counts for `num_experts` experts.
+    pub fn new(num_experts: usize) -> Self {
+        Self {
+            counts: (0..num_experts)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+        }
+    }
+
+    /// Adds a batch's routing.
+    pub fn record(&self, routing: &MoeRouting) {
+        for (c, n) in self.counts.iter().zip(routing.load()) {
+            c.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The counts so far.
+    pub fn snapshot(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+            .collect()
+    }
+}
+
 /// One expert's share of a batch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExpertGroup {

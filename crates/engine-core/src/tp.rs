@@ -94,6 +94,12 @@ impl Executor for TpExecutor {
         self.ranks[0].needs_context(params)
     }
 
+    /// Every rank routes every token (the router is replicated), so rank 0's
+    /// counts are the group's.
+    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+        self.ranks[0].expert_load()
+    }
+
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
         let mut plans = rank_plans(plan, self.ranks.len());
         let plan0 = plans.remove(0);

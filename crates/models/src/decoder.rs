@@ -500,6 +500,20 @@ impl Model for DecoderModel {
         Some(self.norm.clone())
     }
 
+    fn expert_load(&self) -> Vec<arbor_engine_core::moe::ExpertLoad> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(layer, l)| match &l.ffn {
+                Ffn::Moe(m) => Some(arbor_engine_core::moe::ExpertLoad {
+                    layer,
+                    tokens: m.expert_load(),
+                }),
+                Ffn::Dense { .. } => None,
+            })
+            .collect()
+    }
+
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
         if self.tp.is_some() && !batch.lora.is_empty() {

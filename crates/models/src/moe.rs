@@ -10,7 +10,7 @@
 //! depends on that token only (see `arbor_engine_core::moe`).
 
 use crate::decoder::Loader;
-use arbor_engine_core::moe::{ExpertWeights, RouterScoring, route, run_experts};
+use arbor_engine_core::moe::{ExpertCounter, ExpertWeights, RouterScoring, route, run_experts};
 use arbor_engine_core::{Backend, CoreError, DType, Result, Tensor};
 use serde_json::Value;
 
@@ -266,6 +266,8 @@ pub struct MoeBlock {
     top_k: usize,
     scoring: RouterScoring,
     shared: Option<SharedExpert>,
+    /// Tokens routed to each expert so far.
+    load: ExpertCounter,
 }
 
 impl MoeBlock {
@@ -360,7 +362,13 @@ impl MoeBlock {
             top_k: cfg.top_k,
             scoring,
             shared,
+            load: ExpertCounter::new(cfg.num_experts),
         })
+    }
+
+    /// Tokens routed to each expert so far.
+    pub fn expert_load(&self) -> Vec<u64> {
+        self.load.snapshot()
     }
 
     /// `out = moe(x)` for `x` `[tokens, hidden]` f32; overwrites `out`.
@@ -370,6 +378,7 @@ impl MoeBlock {
         let logits = b.alloc(DType::F32, &[t, n_exp])?;
         b.linear(x, &self.router, None, &logits)?;
         let routing = route(&b.download_f32(&logits)?, n_exp, self.top_k, &self.scoring)?;
+        self.load.record(&routing);
         run_experts(b, x, &routing, &self.experts, out)?;
         if let Some(s) = &self.shared {
             let y = b.alloc(DType::F32, &[t, x.row_len()])?;

@@ -421,6 +421,22 @@ impl Metrics {
         ] {
             one(name, "counter", help, v);
         }
+        if !s.expert_load.is_empty() {
+            let name = format!("{p}:moe_expert_tokens_total");
+            let _ = writeln!(
+                out,
+                "# HELP {name} Tokens routed to each expert of each MoE layer (the input of expert load balancing).\n# TYPE {name} counter"
+            );
+            for e in &s.expert_load {
+                for (expert, n) in e.tokens.iter().enumerate() {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{{l},layer=\"{}\",expert=\"{expert}\"}} {n}",
+                        e.layer
+                    );
+                }
+            }
+        }
         for h in [&self.ttft, &self.itl, &self.e2e, &self.queue] {
             h.render(&mut out, p, l);
         }

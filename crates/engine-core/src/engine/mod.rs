@@ -296,6 +296,9 @@ pub struct EngineStats {
     /// counting as one (0 until a request with an adapter arrives); never
     /// above [`EngineConfig::max_loras_per_batch`].
     pub lora_max_step_adapters: usize,
+    /// Tokens routed to each expert of each MoE layer since start-up
+    /// (refreshed about once a second; empty for a dense model).
+    pub expert_load: Vec<crate::moe::ExpertLoad>,
 }
 
 /// Everything the engine runs with besides its settings.

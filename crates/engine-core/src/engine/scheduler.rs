@@ -838,6 +838,7 @@ impl Scheduler {
             self.window_verify = 0;
             self.window_accepted = 0;
             self.window_start = Instant::now();
+            c.expert_load = self.executor.expert_load();
         }
         c.cache_tokens = cache_stats.cached_tokens;
         c.tiers = cache_stats.tiers;
