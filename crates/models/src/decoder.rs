@@ -474,47 +474,24 @@ impl DecoderModel {
         self.backend.linear(x, &l.w, l.b.as_ref(), out)
     }
 
-    /// Sums a row-parallel output over the ranks (nothing on one device).
-    fn reduce(&self, partial: &Tensor) -> Result<()> {
-        match &self.tp {
-            Some(t) => t.comm.all_reduce(partial),
-            None => Ok(()),
-        }
-    }
-}
-
-impl Model for DecoderModel {
-    fn spec(&self) -> &ModelSpec {
-        &self.spec
+    /// A forward whose residual stream enters layer 0 as `embeds` (`[tokens,
+    /// hidden]` f32) instead of the embeddings of `batch.input_ids` (an MTP
+    /// layer's combined embedding and state).
+    pub fn forward_from_embeds(
+        &self,
+        batch: &ForwardBatch,
+        embeds: &Tensor,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<ForwardOutput> {
+        self.run(batch, ctx, Some(embeds))
     }
 
-    fn input_embedding(&self) -> Option<Tensor> {
-        Some(self.embed.clone())
-    }
-
-    fn lm_head(&self) -> Option<Tensor> {
-        Some(self.lm_head.clone())
-    }
-
-    fn final_norm(&self) -> Option<Tensor> {
-        Some(self.norm.clone())
-    }
-
-    fn expert_load(&self) -> Vec<arbor_engine_core::moe::ExpertLoad> {
-        self.layers
-            .iter()
-            .enumerate()
-            .filter_map(|(layer, l)| match &l.ffn {
-                Ffn::Moe(m) => Some(arbor_engine_core::moe::ExpertLoad {
-                    layer,
-                    tokens: m.expert_load(),
-                }),
-                Ffn::Dense { .. } => None,
-            })
-            .collect()
-    }
-
-    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
+    fn run(
+        &self,
+        batch: &ForwardBatch,
+        ctx: &ForwardContext<'_>,
+        embeds: Option<&Tensor>,
+    ) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
         if self.tp.is_some() && !batch.lora.is_empty() {
             return Err(CoreError::unsupported(
@@ -616,7 +593,15 @@ impl Model for DecoderModel {
             apply_lora(b, &batch.lora, layer, target, x, out)
         };
         let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
-        b.embedding(&self.embed, &ids, &resid)?;
+        match embeds {
+            Some(e) if e.rows() == t && e.row_len() == h => b.copy(e, &resid)?,
+            Some(e) => {
+                return Err(CoreError::invalid(format!(
+                    "input embeddings {e:?} for {t} tokens of width {h}"
+                )));
+            }
+            None => b.embedding(&self.embed, &ids, &resid)?,
+        }
         for (i, layer) in self.layers.iter().enumerate().take(run) {
             if i > 0 {
                 // The residual stream after layer i - 1 is `resid + proj`.
@@ -775,6 +760,50 @@ impl Model for DecoderModel {
         }
         Ok(ForwardOutput { logits, hidden })
     }
+
+    /// Sums a row-parallel output over the ranks (nothing on one device).
+    fn reduce(&self, partial: &Tensor) -> Result<()> {
+        match &self.tp {
+            Some(t) => t.comm.all_reduce(partial),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Model for DecoderModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn input_embedding(&self) -> Option<Tensor> {
+        Some(self.embed.clone())
+    }
+
+    fn lm_head(&self) -> Option<Tensor> {
+        Some(self.lm_head.clone())
+    }
+
+    fn final_norm(&self) -> Option<Tensor> {
+        Some(self.norm.clone())
+    }
+
+    fn expert_load(&self) -> Vec<arbor_engine_core::moe::ExpertLoad> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(layer, l)| match &l.ffn {
+                Ffn::Moe(m) => Some(arbor_engine_core::moe::ExpertLoad {
+                    layer,
+                    tokens: m.expert_load(),
+                }),
+                Ffn::Dense { .. } => None,
+            })
+            .collect()
+    }
+
+    fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {
+        self.run(batch, ctx, None)
+    }
 }
 
 /// Builds a [`DecoderModel`] for one registered architecture name.
@@ -783,6 +812,33 @@ pub struct DecoderArchitecture {
 }
 
 impl DecoderArchitecture {
+    /// The architecture these flags describe.
+    pub fn new(flags: ArchFlags) -> Self {
+        Self { flags }
+    }
+
+    /// Loads a model of this architecture from a `config.json` value, as
+    /// the concrete type (for a caller that runs it from embeddings: an MTP
+    /// layer).
+    pub fn load_model(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+    ) -> Result<DecoderModel> {
+        let cfg = self.config(config)?;
+        let moe = match self.flags.moe {
+            Some(style) => Some(MoeConfig::from_json(
+                config,
+                "config.json",
+                style,
+                cfg.num_hidden_layers,
+            )?),
+            None => None,
+        };
+        DecoderModel::load(cfg, moe.as_ref(), self.flags, weights, options)
+    }
+
     /// The parsed `config.json`; with latent attention, its MLA keys and the
     /// rotary width as the head width RoPE reads.
     fn config(&self, config: &serde_json::Value) -> Result<DecoderConfig> {
@@ -805,23 +861,7 @@ impl ModelArchitecture for DecoderArchitecture {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<Box<dyn Model>> {
-        let cfg = self.config(config)?;
-        let moe = match self.flags.moe {
-            Some(style) => Some(MoeConfig::from_json(
-                config,
-                "config.json",
-                style,
-                cfg.num_hidden_layers,
-            )?),
-            None => None,
-        };
-        Ok(Box::new(DecoderModel::load(
-            cfg,
-            moe.as_ref(),
-            self.flags,
-            weights,
-            options,
-        )?))
+        Ok(Box::new(self.load_model(config, weights, options)?))
     }
 
     fn load_shard(
@@ -851,6 +891,22 @@ impl ModelArchitecture for DecoderArchitecture {
         )?))
     }
 }
+
+/// DeepSeek-V2's flags.
+pub const DEEPSEEK_V2: ArchFlags = ArchFlags {
+    qkv_bias: false,
+    qk_norm: false,
+    moe: Some(MoeStyle::DeepSeekV2),
+    mla: true,
+};
+
+/// DeepSeek-V3's flags.
+pub const DEEPSEEK_V3: ArchFlags = ArchFlags {
+    qkv_bias: false,
+    qk_norm: false,
+    moe: Some(MoeStyle::DeepSeekV3),
+    mla: true,
+};
 
 const PLAIN: ArchFlags = ArchFlags {
     qkv_bias: false,
@@ -912,13 +968,13 @@ inventory::submit! {
     ArchitectureEntry {
         name: "DeepseekV2ForCausalLM",
         about: "DeepSeek-V2 (latent attention over a latent KV cache, group-limited softmax experts, shared experts)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::DeepSeekV2), mla: true } }),
+        create: || Box::new(DecoderArchitecture { flags: DEEPSEEK_V2 }),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "DeepseekV3ForCausalLM",
         about: "DeepSeek-V3 (latent attention, sigmoid experts with bias-corrected group-limited routing)",
-        create: || Box::new(DecoderArchitecture { flags: ArchFlags { qkv_bias: false, qk_norm: false, moe: Some(MoeStyle::DeepSeekV3), mla: true } }),
+        create: || Box::new(DecoderArchitecture { flags: DEEPSEEK_V3 }),
     }
 }

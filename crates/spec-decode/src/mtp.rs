@@ -27,6 +27,14 @@
 //! With several next-n layers only the first (`L`) is used, for every step
 //! (as SGLang, which supports one).
 //!
+//! For a DeepSeek-V2/V3 target the layer is a DeepSeek decoder layer
+//! (latent attention, routed and shared experts, with the target's MLA and
+//! MoE config): it runs as a one-layer `DecoderModel` over the checkpoint
+//! with `model.layers.0.*` read from `model.layers.{L}.*`, its final norm
+//! `shared_head.norm` and its LM head `shared_head.head` (else the
+//! target's), fed `x` as its input embeddings; its KV cache is one latent
+//! layer. That model holds its own copy of the embedding table (unused).
+//!
 //! The decoder-layer pieces, config reading and the checks it shares with
 //! the EAGLE heads live in `head_common`.
 //!
@@ -47,10 +55,12 @@ use crate::head_common::{
     upload_weight,
 };
 use arbor_engine_core::{
-    Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec, ModelSpec, Result,
-    Tensor, WeightSource,
+    Backend, CoreError, DType, ForwardBatch, ForwardContext, HostTensor, KvSpec, LoadOptions,
+    ModelSpec, Result, Tensor, WeightSource,
 };
 use arbor_models::DecoderConfig;
+use arbor_models::decoder::{DEEPSEEK_V2, DEEPSEEK_V3, DecoderArchitecture, DecoderModel};
+use arbor_models::quant_methods::FloatWeights;
 use arbor_models::safetensors_source::SafetensorsSource;
 use serde_json::Value;
 use std::path::Path;
@@ -71,13 +81,58 @@ pub struct MtpHead {
     enorm: Tensor,
     hnorm: Tensor,
     eh_proj: SplitLinear,
-    input_norm: Tensor,
-    attn: Attention,
-    post_norm: Tensor,
-    mlp: Mlp,
-    head_norm: Tensor,
-    head: Tensor,
-    inv_freq: Tensor,
+    block: Block,
+}
+
+/// The decoder layer and shared head after `eh_proj`.
+enum Block {
+    /// A Llama decoder layer, `shared_head.norm` and the LM head.
+    Llama {
+        input_norm: Tensor,
+        attn: Attention,
+        post_norm: Tensor,
+        mlp: Mlp,
+        head_norm: Tensor,
+        head: Tensor,
+        inv_freq: Tensor,
+    },
+    /// A DeepSeek decoder layer as a one-layer model (see the module doc).
+    Decoder(Box<DecoderModel>),
+}
+
+/// The checkpoint as the one-layer model of a DeepSeek MTP layer reads it.
+struct LayerSource<'a> {
+    st: &'a SafetensorsSource,
+    layer: usize,
+}
+
+impl WeightSource for LayerSource<'_> {
+    fn describe(&self) -> String {
+        format!("{} (MTP layer {})", self.st.describe(), self.layer)
+    }
+
+    fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
+        let own = |s: &str| format!("model.layers.{}.{s}", self.layer);
+        let mapped = match name {
+            "model.norm.weight" => own("shared_head.norm.weight"),
+            "lm_head.weight" | "model.embed_tokens.weight" => {
+                let local = if name == "lm_head.weight" {
+                    own("shared_head.head.weight")
+                } else {
+                    own("embed_tokens.weight")
+                };
+                match self.st.tensor(&local)? {
+                    Some(t) => return Ok(Some(t)),
+                    None => name.to_string(),
+                }
+            }
+            _ => match name.strip_prefix("model.layers.0.") {
+                Some(rest) => own(rest),
+                None => return Ok(None),
+            },
+        };
+        self.st.tensor(&mapped)
+    }
 }
 
 impl std::fmt::Debug for MtpHead {
@@ -188,14 +243,21 @@ impl MtpHead {
             ));
         }
         let cfg = DecoderConfig::from_json(&v, &file)?;
-        Self::check_target(&cfg, target, &file)?;
-        check_plain_llama(
-            &v,
-            &cfg,
-            &file,
-            "is true; MTP layers with attention or MLP biases are not supported",
-            "is set; the MTP layer attends over the whole context",
-        )?;
+        let deepseek = match cfg.architecture.as_str() {
+            "DeepseekV2ForCausalLM" => Some(DEEPSEEK_V2),
+            "DeepseekV3ForCausalLM" => Some(DEEPSEEK_V3),
+            _ => None,
+        };
+        Self::check_target(&cfg, target, &file, deepseek.is_none())?;
+        if deepseek.is_none() {
+            check_plain_llama(
+                &v,
+                &cfg,
+                &file,
+                "is true; MTP layers with attention or MLP biases are not supported",
+                "is set; the MTP layer attends over the whole context",
+            )?;
+        }
 
         let src = Source {
             st: SafetensorsSource::open(dir)?,
@@ -246,12 +308,20 @@ impl MtpHead {
         let hnorm = src.vector(b, &name("hnorm.weight"), h)?;
         let eh_name = name("eh_proj.weight");
         let eh_proj = SplitLinear::upload(b, &src.required(&eh_name, &[h, 2 * h])?, &eh_name, h)?;
-        let input_norm = src.vector(b, &name("input_layernorm.weight"), h)?;
-        let attn = Attention::load(&src, b, &name("self_attn"), c)?;
-        let post_norm = src.vector(b, &name("post_attention_layernorm.weight"), h)?;
-        let mlp = Mlp::load(&src, b, &name("mlp"), h, inter)?;
-        let head_norm = src.vector(b, &name("shared_head.norm.weight"), h)?;
-        let inv_freq = upload_inv_freq(b, c)?;
+        let block = match deepseek {
+            Some(flags) => Block::Decoder(Box::new(Self::load_decoder(
+                &v, &src, layer, flags, &backend,
+            )?)),
+            None => Block::Llama {
+                input_norm: src.vector(b, &name("input_layernorm.weight"), h)?,
+                attn: Attention::load(&src, b, &name("self_attn"), c)?,
+                post_norm: src.vector(b, &name("post_attention_layernorm.weight"), h)?,
+                mlp: Mlp::load(&src, b, &name("mlp"), h, inter)?,
+                head_norm: src.vector(b, &name("shared_head.norm.weight"), h)?,
+                head,
+                inv_freq: upload_inv_freq(b, c)?,
+            },
+        };
         Ok(Self {
             layer,
             target_num_layers: target.num_layers,
@@ -260,19 +330,53 @@ impl MtpHead {
             enorm,
             hnorm,
             eh_proj,
-            input_norm,
-            attn,
-            post_norm,
-            mlp,
-            head_norm,
-            head,
-            inv_freq,
+            block,
             cfg,
         })
     }
 
-    /// Checks that the checkpoint's config describes `target`.
-    fn check_target(c: &DecoderConfig, target: &ModelSpec, file: &str) -> Result<()> {
+    /// The one-layer model of a DeepSeek MTP layer: the target's config with
+    /// one layer (sparse when layer `layer` of the target would be).
+    fn load_decoder(
+        v: &Value,
+        src: &Source<'_>,
+        layer: usize,
+        flags: arbor_models::decoder::ArchFlags,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<DecoderModel> {
+        let mut one = v.clone();
+        let first_dense = v
+            .get("first_k_dense_replace")
+            .and_then(Value::as_u64)
+            .unwrap_or(0) as usize;
+        if let Some(o) = one.as_object_mut() {
+            o.insert("num_hidden_layers".into(), 1.into());
+            o.insert(
+                "first_k_dense_replace".into(),
+                usize::from(layer < first_dense).into(),
+            );
+        }
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: Arc::new(FloatWeights::new("auto", None)),
+            progress: None,
+        };
+        let ls = LayerSource { st: &src.st, layer };
+        DecoderArchitecture::new(flags)
+            .load_model(&one, &ls, &opts)
+            // Name tensors as the checkpoint does, not as the one-layer model reads them.
+            .map_err(|e| match e {
+                CoreError::ModelLoad(m) => CoreError::ModelLoad(
+                    m.replace("'model.layers.0.", &format!("'model.layers.{layer}.")),
+                ),
+                other => other,
+            })
+    }
+
+    /// Checks that the checkpoint's config describes `target` (its attention
+    /// geometry too with `heads`: latent attention's KV geometry is not the
+    /// config's).
+    fn check_target(c: &DecoderConfig, target: &ModelSpec, file: &str, heads: bool) -> Result<()> {
         let fields = [
             ("num_hidden_layers", c.num_hidden_layers, target.num_layers),
             ("hidden_size", c.hidden_size, target.hidden_size),
@@ -289,7 +393,8 @@ impl MtpHead {
             ),
             ("head_dim", c.head_dim, target.head_dim),
         ];
-        for (key, ours, theirs) in fields {
+        let checked = if heads { &fields[..] } else { &fields[..3] };
+        for &(key, ours, theirs) in checked {
             if ours != theirs {
                 return Err(cfg_err(
                     file,
@@ -315,7 +420,20 @@ impl MtpHead {
 
     /// The head's KV cache shape: one layer.
     pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
-        kv_spec(&self.cfg, 1, page_size, num_pages, dtype)
+        match &self.block {
+            Block::Llama { .. } => kv_spec(&self.cfg, 1, page_size, num_pages, dtype),
+            Block::Decoder(m) => {
+                let s = arbor_engine_core::Model::spec(&**m);
+                KvSpec {
+                    num_layers: 1,
+                    num_kv_heads: s.num_kv_heads,
+                    head_dim: s.head_dim,
+                    page_size,
+                    num_pages,
+                    dtype,
+                }
+            }
+        }
     }
 
     /// One draft forward over `batch`'s new tokens with `hidden` f32 `[t,
@@ -334,7 +452,9 @@ impl MtpHead {
         let t = batch.input_ids.len();
         let h = c.hidden_size;
         check_hidden(hidden, t, h, "MTP")?;
-        check_kv(ctx, c, 1, "MTP")?;
+        if let Block::Llama { .. } = &self.block {
+            check_kv(ctx, c, 1, "MTP")?;
+        }
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         let pos = b.upload_u32(&[t], &batch.positions)?;
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
@@ -367,21 +487,49 @@ impl MtpHead {
         b.linear(&hn, &self.eh_proj.hidden, None, &x2)?;
         b.add_assign(&x, &x2)?;
 
+        let (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq) = match &self.block {
+            Block::Llama {
+                input_norm,
+                attn,
+                post_norm,
+                mlp,
+                head_norm,
+                head,
+                inv_freq,
+            } => (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq),
+            Block::Decoder(m) => {
+                // The layer's state is the residual stream after its one layer.
+                let inner = ForwardBatch {
+                    hidden_layers: vec![0],
+                    hidden_at_every_row: false,
+                    exit_after: None,
+                    ..batch.clone()
+                };
+                let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
+                let state = out
+                    .hidden
+                    .pop()
+                    .ok_or_else(|| CoreError::Internal("the MTP layer returned no state".into()))?;
+                return Ok(HeadOutput {
+                    logits: out.logits,
+                    state,
+                });
+            }
+        };
         // The decoder layer; `x` is the residual stream.
         let n = f32t(&[t, h])?;
-        b.rms_norm(&x, &self.input_norm, eps, &n)?;
+        b.rms_norm(&x, input_norm, eps, &n)?;
         let proj = f32t(&[t, h])?;
-        self.attn
-            .forward(b, ctx, 0, c, &self.inv_freq, &pos, &n, &proj)?;
+        attn.forward(b, ctx, 0, c, inv_freq, &pos, &n, &proj)?;
         // x += attn; n = post_attention_layernorm(x).
-        b.add_rms_norm(&x, &proj, &self.post_norm, eps, &n)?;
-        self.mlp.forward(b, &n, &proj)?;
+        b.add_rms_norm(&x, &proj, post_norm, eps, &n)?;
+        mlp.forward(b, &n, &proj)?;
         // state = x += mlp; n = shared_head.norm(state).
-        b.add_rms_norm(&x, &proj, &self.head_norm, eps, &n)?;
+        b.add_rms_norm(&x, &proj, head_norm, eps, &n)?;
 
         let state = select_rows(b, x, &batch.logits_rows)?;
         let normed = select_rows(b, n, &batch.logits_rows)?;
-        let logits = lm_logits(b, &normed, &self.head, c.vocab_size)?;
+        let logits = lm_logits(b, &normed, head, c.vocab_size)?;
         Ok(HeadOutput { logits, state })
     }
 }
