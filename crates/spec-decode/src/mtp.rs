@@ -97,7 +97,7 @@ enum Block {
         inv_freq: Tensor,
     },
     /// A DeepSeek decoder layer as a one-layer model (see the module doc).
-    Decoder(Box<DecoderModel>),
+    Decoder(DecoderModel),
 }
 
 /// The checkpoint as the one-layer model of a DeepSeek MTP layer reads it.
@@ -309,9 +309,7 @@ impl MtpHead {
         let eh_name = name("eh_proj.weight");
         let eh_proj = SplitLinear::upload(b, &src.required(&eh_name, &[h, 2 * h])?, &eh_name, h)?;
         let block = match deepseek {
-            Some(flags) => Block::Decoder(Box::new(Self::load_decoder(
-                &v, &src, layer, flags, &backend,
-            )?)),
+            Some(flags) => Block::Decoder(Self::load_decoder(&v, &src, layer, flags, &backend)?),
             None => Block::Llama {
                 input_norm: src.vector(b, &name("input_layernorm.weight"), h)?,
                 attn: Attention::load(&src, b, &name("self_attn"), c)?,
@@ -423,7 +421,7 @@ impl MtpHead {
         match &self.block {
             Block::Llama { .. } => kv_spec(&self.cfg, 1, page_size, num_pages, dtype),
             Block::Decoder(m) => {
-                let s = arbor_engine_core::Model::spec(&**m);
+                let s = arbor_engine_core::Model::spec(m);
                 KvSpec {
                     num_layers: 1,
                     num_kv_heads: s.num_kv_heads,
