@@ -99,16 +99,17 @@ pub struct DecoderConfig {
     pub mla: Option<crate::mla::MlaConfig>,
 }
 
-struct Keys<'a> {
-    v: &'a Value,
-    file: &'a str,
+/// Typed reads of a `config.json`'s keys; errors name the key and the file.
+pub(crate) struct Keys<'a> {
+    pub(crate) v: &'a Value,
+    pub(crate) file: &'a str,
 }
 
 impl Keys<'_> {
-    fn err(&self, key: &str, what: &str) -> CoreError {
+    pub(crate) fn err(&self, key: &str, what: &str) -> CoreError {
         CoreError::load(format!("{}: key '{key}' {what}", self.file))
     }
-    fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
+    pub(crate) fn usize_opt(&self, key: &str) -> Result<Option<usize>> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(x) => x.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
@@ -116,11 +117,11 @@ impl Keys<'_> {
             }),
         }
     }
-    fn usize_req(&self, key: &str) -> Result<usize> {
+    pub(crate) fn usize_req(&self, key: &str) -> Result<usize> {
         self.usize_opt(key)?
             .ok_or_else(|| self.err(key, "is missing"))
     }
-    fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
+    pub(crate) fn f32_opt(&self, key: &str) -> Result<Option<f32>> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(x) => x
@@ -129,7 +130,7 @@ impl Keys<'_> {
                 .ok_or_else(|| self.err(key, &format!("must be a number, found {x}"))),
         }
     }
-    fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
+    pub(crate) fn bool_opt(&self, key: &str) -> Result<Option<bool>> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(x) => x

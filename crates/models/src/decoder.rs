@@ -145,7 +145,7 @@ impl<'a> Loader<'a> {
         values: &[f32],
         dtype: DType,
     ) -> Result<Tensor> {
-        let t = crate::mla::host_tensor(shape, values, dtype)?;
+        let t = HostTensor::from_f32(shape, values).cast(dtype)?;
         let caps = self.opts.backend.capabilities().clone();
         let t = self
             .opts
@@ -826,7 +826,22 @@ impl DecoderArchitecture {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<DecoderModel> {
-        let cfg = self.config(config)?;
+        let (cfg, moe) = self.config(config)?;
+        DecoderModel::load(cfg, moe.as_ref(), self.flags, weights, options)
+    }
+
+    /// The parsed `config.json`, with its MoE keys when the architecture has
+    /// experts; with latent attention, its MLA keys and the rotary width as
+    /// the head width RoPE reads.
+    fn config(&self, config: &serde_json::Value) -> Result<(DecoderConfig, Option<MoeConfig>)> {
+        let mut cfg = DecoderConfig::from_json(config, "config.json")?;
+        if self.flags.mla {
+            let v3 = self.flags.moe == Some(MoeStyle::DeepSeekV3);
+            let mla = MlaConfig::from_json(config, "config.json", v3)?;
+            cfg.head_dim = mla.qk_rope_head_dim;
+            cfg.partial_rotary_factor = 1.0;
+            cfg.mla = Some(mla);
+        }
         let moe = match self.flags.moe {
             Some(style) => Some(MoeConfig::from_json(
                 config,
@@ -836,21 +851,7 @@ impl DecoderArchitecture {
             )?),
             None => None,
         };
-        DecoderModel::load(cfg, moe.as_ref(), self.flags, weights, options)
-    }
-
-    /// The parsed `config.json`; with latent attention, its MLA keys and the
-    /// rotary width as the head width RoPE reads.
-    fn config(&self, config: &serde_json::Value) -> Result<DecoderConfig> {
-        let mut cfg = DecoderConfig::from_json(config, "config.json")?;
-        if self.flags.mla {
-            let v3 = self.flags.moe == Some(MoeStyle::DeepSeekV3);
-            let mla = MlaConfig::from_json(config, "config.json", v3)?;
-            cfg.head_dim = mla.qk_rope_head_dim;
-            cfg.partial_rotary_factor = 1.0;
-            cfg.mla = Some(mla);
-        }
-        Ok(cfg)
+        Ok((cfg, moe))
     }
 }
 
@@ -871,16 +872,7 @@ impl ModelArchitecture for DecoderArchitecture {
         options: &LoadOptions,
         shard: &ShardSpec,
     ) -> Result<Box<dyn Model>> {
-        let cfg = self.config(config)?;
-        let moe = match self.flags.moe {
-            Some(style) => Some(MoeConfig::from_json(
-                config,
-                "config.json",
-                style,
-                cfg.num_hidden_layers,
-            )?),
-            None => None,
-        };
+        let (cfg, moe) = self.config(config)?;
         Ok(Box::new(DecoderModel::load_shard(
             cfg,
             moe.as_ref(),

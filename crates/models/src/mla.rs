@@ -18,11 +18,11 @@
 //! the rotary dimensions come first in each head, so the backend's RoPE (which
 //! rotates a head's first `qk_rope_head_dim` dimensions) applies to q and k.
 
-use crate::config::{DecoderConfig, RopeScaling};
+use crate::config::{DecoderConfig, Keys, RopeScaling};
 use crate::decoder::Loader;
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardContext, HostTensor, Result, RopeStyle,
-    Tensor, WeightSource,
+    AttentionParams, Backend, CoreError, DType, ForwardContext, Result, RopeStyle, Tensor,
+    WeightSource,
 };
 use serde_json::Value;
 
@@ -46,16 +46,9 @@ pub struct MlaConfig {
 impl MlaConfig {
     /// Parses the MLA keys of `v`; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str, v3: bool) -> Result<Self> {
-        let err = |key: &str, what: &str| CoreError::load(format!("{file}: key '{key}' {what}"));
-        let uint = |key: &str| -> Result<Option<usize>> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(|n| Some(n as usize))
-                    .ok_or_else(|| err(key, &format!("must be a non-negative integer, found {x}"))),
-            }
-        };
+        let k = Keys { v, file };
+        let err = |key: &str, what: &str| k.err(key, what);
+        let uint = |key: &str| k.usize_opt(key);
         let need = |key: &str| -> Result<usize> {
             uint(key)?
                 .filter(|&n| n > 0)
@@ -327,13 +320,4 @@ impl MlaAttn {
         )?;
         b.linear(&attn, &self.o, None, out)
     }
-}
-
-/// An f32 host tensor of absorbed values in `dtype`, for the loader.
-pub(crate) fn host_tensor(
-    shape: &[usize],
-    values: &[f32],
-    dtype: DType,
-) -> Result<HostTensor<'static>> {
-    HostTensor::from_f32(shape, values).cast(dtype)
 }

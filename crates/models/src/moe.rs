@@ -9,9 +9,10 @@
 //! the config implies, and errors name the tensor; the routing of a token
 //! depends on that token only (see `arbor_engine_core::moe`).
 
+use crate::config::Keys;
 use crate::decoder::Loader;
 use arbor_engine_core::moe::{ExpertCounter, ExpertWeights, RouterScoring, route, run_experts};
-use arbor_engine_core::{Backend, CoreError, DType, Result, Tensor};
+use arbor_engine_core::{Backend, DType, Result, Tensor};
 use serde_json::Value;
 
 /// How an architecture names its MoE tensors and scores its router.
@@ -80,16 +81,9 @@ pub struct MoeConfig {
 impl MoeConfig {
     /// Parses the MoE keys of `v`; `file` names it in errors.
     pub fn from_json(v: &Value, file: &str, style: MoeStyle, layers: usize) -> Result<Self> {
-        let err = |key: &str, what: &str| CoreError::load(format!("{file}: key '{key}' {what}"));
-        let uint = |key: &str| -> Result<Option<usize>> {
-            match v.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .map(|n| Some(n as usize))
-                    .ok_or_else(|| err(key, &format!("must be a non-negative integer, found {x}"))),
-            }
-        };
+        let k = Keys { v, file };
+        let err = |key: &str, what: &str| k.err(key, what);
+        let uint = |key: &str| k.usize_opt(key);
         let deepseek = matches!(style, MoeStyle::DeepSeekV2 | MoeStyle::DeepSeekV3);
         let experts_key = if deepseek {
             uint("n_routed_experts")?
@@ -115,25 +109,8 @@ impl MoeConfig {
         .or(uint("intermediate_size")?)
         .filter(|&n| n > 0)
         .ok_or_else(|| err("moe_intermediate_size", "is missing or zero"))?;
-        let norm_topk_prob = match v.get("norm_topk_prob") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(x) => {
-                return Err(err(
-                    "norm_topk_prob",
-                    &format!("must be true or false, found {x}"),
-                ));
-            }
-        };
-        let scale = match v.get("routed_scaling_factor") {
-            None | Some(Value::Null) => 1.0,
-            Some(x) => x.as_f64().ok_or_else(|| {
-                err(
-                    "routed_scaling_factor",
-                    &format!("must be a number, found {x}"),
-                )
-            })? as f32,
-        };
+        let norm_topk_prob = k.bool_opt("norm_topk_prob")?.unwrap_or(false);
+        let scale = k.f32_opt("routed_scaling_factor")?.unwrap_or(1.0);
         let groups = uint("n_group")?.unwrap_or(1).max(1);
         let topk_groups = uint("topk_group")?.unwrap_or(1).max(1);
         let router = match style {
