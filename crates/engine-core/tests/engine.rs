@@ -423,6 +423,73 @@ fn stop_conditions() -> Result<()> {
     Ok(())
 }
 
+/// Text made by the reader (requests without stop strings: the scheduler
+/// sends ids only) equals the tokenizer's decode of the ids, and the text
+/// the scheduler makes for the same tokens (a stop string that never
+/// matches); with n = 2 and chunks merged while a stream is not read.
+#[test]
+fn text_made_by_the_reader_equals_the_schedulers() -> Result<()> {
+    let e = engine(EngineConfig::default(), 128, 16)?;
+    let tok = &shared().model.tokenizer;
+    let decode = |ids: &[u32]| arbor_engine_core::TokenDecoder::decode(&**tok, ids, true);
+    let sampled = SamplingParams {
+        temperature: 1.0,
+        seed: Some(7),
+        n: 2,
+        ..greedy(24)
+    };
+    let never = SamplingParams {
+        stop: vec!["\u{1}never".into()],
+        ..sampled.clone()
+    };
+    let ps = prompts(6, 33);
+    // All submitted before any is read: the later streams' chunks merge.
+    let streams: Vec<_> = ps
+        .iter()
+        .flat_map(|p| [sampled.clone(), never.clone()].map(|q| (p.clone(), q)))
+        .map(|(p, q)| e.submit(GenerateRequest::new(p, q)))
+        .collect::<Result<_, _>>()?;
+    let mut texts = Vec::new();
+    for s in streams {
+        let chunks = s.collect_blocking();
+        let mut per_sample = Vec::new();
+        for i in 0..2u32 {
+            let mine: Vec<&OutputChunk> = chunks.iter().filter(|c| c.index == i).collect();
+            let ids: Vec<u32> = mine.iter().flat_map(|c| c.token_ids.clone()).collect();
+            let text: String = mine.iter().map(|c| c.text.as_str()).collect();
+            assert_eq!(ids.len(), 24);
+            assert_eq!(text, decode(&ids)?);
+            per_sample.push(text);
+        }
+        texts.push(per_sample);
+    }
+    for pair in texts.chunks(2) {
+        assert_eq!(pair[0], pair[1], "reader-made and scheduler-made text");
+    }
+
+    // A trimmed stop token has no text; with no_stop_trim it has.
+    let p = ps[0].clone();
+    let free = run_all(&e, std::slice::from_ref(&p), &greedy(20))?.remove(0);
+    let stop_id = free[6];
+    let first = free.iter().position(|&t| t == stop_id).expect("present");
+    for keep in [false, true] {
+        let params = SamplingParams {
+            stop_token_ids: vec![stop_id],
+            no_stop_trim: keep,
+            ..greedy(20)
+        };
+        let chunks = e
+            .submit(GenerateRequest::new(p.clone(), params))?
+            .collect_blocking();
+        let text: String = chunks.iter().map(|c| c.text.as_str()).collect();
+        let upto = if keep { first + 1 } else { first };
+        assert_eq!(tokens_of(&chunks), free[..=first].to_vec());
+        assert_eq!(text, decode(&free[..upto])?, "no_stop_trim {keep}");
+    }
+    assert_pool_empty(&e);
+    Ok(())
+}
+
 // The same properties with overlap scheduling forced on: while batch N runs,
 // batch N+1's prefills are admitted (and grammar masks filled); the output
 // must not change, and every pool must end empty.

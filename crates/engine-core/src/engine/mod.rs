@@ -362,6 +362,8 @@ pub struct RequestStream {
     rx: stream::ChunkReceiver,
     tx: mpsc::Sender<Msg>,
     remaining: usize,
+    /// Makes the text of chunks that carry ids only (no stop strings).
+    text: Option<stream::StreamText>,
 }
 
 impl RequestStream {
@@ -371,15 +373,39 @@ impl RequestStream {
     }
     /// Next chunk, waiting for it; `None` once every sample finished.
     pub fn blocking_next(&mut self) -> Option<OutputChunk> {
-        let c = self.rx.blocking_recv();
-        self.track(&c);
-        c
+        loop {
+            let r = self.rx.blocking_recv();
+            if let Some(c) = self.take(r) {
+                return c;
+            }
+        }
     }
     /// Next chunk; `None` once every sample finished.
     pub async fn next(&mut self) -> Option<OutputChunk> {
-        let c = self.rx.recv().await;
+        loop {
+            let r = self.rx.recv().await;
+            if let Some(c) = self.take(r) {
+                return c;
+            }
+        }
+    }
+    /// The chunk to hand out for what the channel gave (`None`: skip it).
+    fn take(&mut self, r: Option<stream::Received>) -> Option<Option<OutputChunk>> {
+        let c = match (r, self.text.as_mut()) {
+            (None, _) => None,
+            (Some(r), None) => Some(r.chunk),
+            (Some(r), Some(t)) => match t.text_of(r) {
+                stream::Decoded::Chunk(c) => Some(c),
+                stream::Decoded::Failed(c) => {
+                    // The text is lost: stop generating it.
+                    let _ = self.tx.send(Msg::Abort(self.rid.clone()));
+                    Some(c)
+                }
+                stream::Decoded::Skip => return None,
+            },
+        };
         self.track(&c);
-        c
+        Some(c)
     }
     fn track(&mut self, c: &Option<OutputChunk>) {
         match c {
@@ -409,6 +435,8 @@ impl Drop for RequestStream {
 /// A running engine.
 pub struct Engine {
     tx: mpsc::Sender<Msg>,
+    /// For the text of streams whose chunks carry ids only.
+    decoder: Arc<dyn TokenDecoder>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Option<JoinHandle<()>>,
     next_id: AtomicU64,
@@ -468,6 +496,7 @@ impl Engine {
             ..Default::default()
         }));
         let (tx, rx) = mpsc::channel();
+        let decoder = parts.decoder.clone();
         let sched = scheduler::Scheduler::new(config, parts, stats.clone())?;
         let thread = std::thread::Builder::new()
             .name("arbor-scheduler".into())
@@ -475,6 +504,7 @@ impl Engine {
             .map_err(|e| CoreError::Internal(format!("starting the scheduler: {e}")))?;
         Ok(Self {
             tx,
+            decoder,
             stats,
             thread: Some(thread),
             next_id: AtomicU64::new(1),
@@ -532,6 +562,14 @@ impl Engine {
         }
         let (otx, orx) = stream::channel();
         let n = req.params.n;
+        // Only stop strings need the text on the scheduler thread.
+        let text = (!stream::scheduler_makes_text(&req.params)).then(|| {
+            stream::StreamText::new(
+                self.decoder.clone(),
+                &req.input_ids,
+                req.params.skip_special_tokens,
+            )
+        });
         let r = request::Req::new(rid.clone(), req, otx, Instant::now())?;
         self.tx
             .send(Msg::Submit(Box::new(r)))
@@ -541,6 +579,7 @@ impl Engine {
             rx: orx,
             tx: self.tx.clone(),
             remaining: n,
+            text,
         })
     }
 

@@ -7,6 +7,10 @@
 //! While decoding, `computed == tokens - 1` (the newest sampled token is the
 //! next input). Text is streamed only up to the longest suffix that could
 //! still grow into a stop string.
+//!
+//! Only a request with stop strings is detokenized here (`text_here`): the
+//! others stream token ids, and the reader makes their text
+//! ([`super::stream::StreamText`]).
 
 use super::stream::{ChunkParts, ChunkSender};
 use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, TokenLogprob};
@@ -66,9 +70,16 @@ pub(crate) struct Req {
     pub cached_tiers: (usize, usize),
     pub retractions: u32,
     pub arrival: Instant,
-    pub admitted: Option<Instant>,
+    /// Seconds from arrival to the first admission (set once).
+    pub queue_time: Option<f64>,
     pub first_token: Option<Instant>,
+    /// Seconds from arrival to the first token (set with `first_token`).
+    ttft: Option<f64>,
     // Output text.
+    /// Stop strings are matched here, so this side detokenizes.
+    text_here: bool,
+    /// The newest pending token has no text (a trimmed stop token).
+    untexted_last: bool,
     detok: IncrementalDetokenizer,
     text: String,
     sent_text: usize,
@@ -92,6 +103,7 @@ impl Req {
         let detok =
             IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
         let rng = r.params.seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
+        let text_here = super::stream::scheduler_makes_text(&r.params);
         Ok(Self {
             rid,
             index: 0,
@@ -124,8 +136,11 @@ impl Req {
             cached_tiers: (0, 0),
             retractions: 0,
             arrival,
-            admitted: None,
+            queue_time: None,
             first_token: None,
+            ttft: None,
+            text_here,
+            untexted_last: false,
             detok,
             text: String::new(),
             sent_text: 0,
@@ -152,6 +167,8 @@ impl Req {
             index,
             prompt: self.prompt.clone(),
             output: Vec::new(),
+            text_here: self.text_here,
+            untexted_last: false,
             detok: IncrementalDetokenizer::new(
                 &self.prompt[ctx_start..],
                 params.skip_special_tokens,
@@ -183,8 +200,9 @@ impl Req {
             cached_tiers: (0, 0),
             retractions: 0,
             arrival: self.arrival,
-            admitted: None,
+            queue_time: None,
             first_token: None,
+            ttft: None,
             text: String::new(),
             sent_text: 0,
             pending_ids: Vec::new(),
@@ -258,12 +276,8 @@ impl Req {
             cached_tokens_host: self.cached_tiers.0,
             cached_tokens_storage: self.cached_tiers.1,
             retractions: self.retractions,
-            queue_time: self
-                .admitted
-                .map_or(0.0, |a| a.duration_since(self.arrival).as_secs_f64()),
-            ttft: self
-                .first_token
-                .map(|f| f.duration_since(self.arrival).as_secs_f64()),
+            queue_time: self.queue_time.unwrap_or(0.0),
+            ttft: self.ttft,
             elapsed: now.duration_since(self.arrival).as_secs_f64(),
             spec_verify_ct: self.spec_verify_ct,
             spec_accepted_tokens: self.spec_accepted,
@@ -280,12 +294,18 @@ impl Req {
         with_text: bool,
     ) -> Option<Finish> {
         if self.first_token.is_none() {
-            self.first_token = Some(Instant::now());
+            let now = Instant::now();
+            self.first_token = Some(now);
+            self.ttft = Some(now.duration_since(self.arrival).as_secs_f64());
         }
         self.output.push(token);
         self.pending_ids.push(token);
         if let Some(l) = logprob {
             self.pending_logprobs.push(l);
+        }
+        if !self.text_here {
+            self.untexted_last = !with_text;
+            return None;
         }
         if !with_text {
             return None;
@@ -363,6 +383,7 @@ impl Req {
             })
         );
         if finish.is_some()
+            && self.text_here
             && !stopped_by_string
             && let Ok(rest) = self.detok.flush(decoder)
         {
@@ -384,6 +405,7 @@ impl Req {
             logprobs: &mut self.pending_logprobs,
             finish,
             meta,
+            untexted_last: std::mem::take(&mut self.untexted_last),
         });
         self.sent_text = upto;
     }

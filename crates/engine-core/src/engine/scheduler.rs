@@ -651,8 +651,8 @@ impl Scheduler {
         if let Some(own) = r.own.as_mut() {
             own.append(pages)?;
         }
-        if r.admitted.is_none() {
-            r.admitted = Some(Instant::now());
+        if r.queue_time.is_none() {
+            r.queue_time = Some(r.arrival.elapsed().as_secs_f64());
         }
         b.rem_chunk = b.rem_chunk.saturating_sub(len);
         b.rem_input = b.rem_input.saturating_sub(len);

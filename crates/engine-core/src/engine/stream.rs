@@ -9,15 +9,24 @@
 //!
 //! The receiver sees the end (`None`) once every sender is dropped and the
 //! queue is empty; sending after the receiver is gone does nothing.
+//!
+//! Text is made on one side only. A request with stop strings is
+//! detokenized by the scheduler (it must see the text to stop), and its
+//! chunks carry text. Any other request's chunks carry token ids only and
+//! [`StreamText`] detokenizes them on the reader's thread, as SGLang's
+//! detokenizer process does: the scheduler thread does no tokenizer work for
+//! it. The reader feeds the detokenizer the same ids one at a time, in the
+//! same order, as the scheduler would have, so the text is identical.
 
-use super::{Finish, OutputChunk, OutputMeta, TokenLogprob};
+use super::{Finish, FinishKind, OutputChunk, OutputMeta, TokenLogprob};
+use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Poll, Waker};
 
 #[derive(Default)]
 struct State {
-    queue: VecDeque<OutputChunk>,
+    queue: VecDeque<Received>,
     /// The async receiver waiting for a chunk.
     waker: Option<Waker>,
     /// Threads blocked in [`ChunkReceiver::blocking_recv`].
@@ -101,6 +110,16 @@ pub(crate) struct ChunkParts<'a> {
     pub logprobs: &'a mut Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
+    /// The last token id has no text (a stop token, trimmed); only on a
+    /// finishing chunk of a request whose text the reader makes.
+    pub untexted_last: bool,
+}
+
+/// A chunk as it was queued.
+pub(crate) struct Received {
+    pub chunk: OutputChunk,
+    /// See [`ChunkParts::untexted_last`].
+    pub untexted_last: bool,
 }
 
 impl ChunkSender {
@@ -113,24 +132,29 @@ impl ChunkSender {
             return;
         }
         if let Some(last) = s.queue.back_mut()
-            && last.index == p.index
-            && last.finish.is_none()
+            && last.chunk.index == p.index
+            && last.chunk.finish.is_none()
         {
-            last.token_ids.append(p.token_ids);
-            last.text.push_str(p.text);
-            last.logprobs.append(p.logprobs);
-            last.finish = p.finish;
-            last.meta = p.meta;
+            let c = &mut last.chunk;
+            c.token_ids.append(p.token_ids);
+            c.text.push_str(p.text);
+            c.logprobs.append(p.logprobs);
+            c.finish = p.finish;
+            c.meta = p.meta;
+            last.untexted_last = p.untexted_last;
             // Whoever waits was woken when `last` was queued.
             return;
         }
-        s.queue.push_back(OutputChunk {
-            index: p.index,
-            token_ids: std::mem::take(p.token_ids),
-            text: p.text.to_string(),
-            logprobs: std::mem::take(p.logprobs),
-            finish: p.finish,
-            meta: p.meta,
+        s.queue.push_back(Received {
+            chunk: OutputChunk {
+                index: p.index,
+                token_ids: std::mem::take(p.token_ids),
+                text: p.text.to_string(),
+                logprobs: std::mem::take(p.logprobs),
+                finish: p.finish,
+                meta: p.meta,
+            },
+            untexted_last: p.untexted_last,
         });
         self.shared.notify(s);
     }
@@ -151,7 +175,7 @@ impl Drop for ChunkReceiver {
 
 impl ChunkReceiver {
     /// The next chunk, waiting for it; `None` once every sender is gone.
-    pub fn blocking_recv(&mut self) -> Option<OutputChunk> {
+    pub fn blocking_recv(&mut self) -> Option<Received> {
         let mut s = self.shared.lock();
         loop {
             if let Some(c) = s.queue.pop_front() {
@@ -167,7 +191,7 @@ impl ChunkReceiver {
     }
 
     /// The next chunk; `None` once every sender is gone.
-    pub async fn recv(&mut self) -> Option<OutputChunk> {
+    pub async fn recv(&mut self) -> Option<Received> {
         std::future::poll_fn(|cx| {
             let mut s = self.shared.lock();
             if let Some(c) = s.queue.pop_front() {
@@ -184,6 +208,98 @@ impl ChunkReceiver {
         })
         .await
     }
+}
+
+/// Whether the scheduler detokenizes a request (it must see the text of
+/// one with stop strings); otherwise the reader does ([`StreamText`]).
+pub(crate) fn scheduler_makes_text(params: &crate::sampling::SamplingParams) -> bool {
+    !params.stop.is_empty()
+}
+
+/// The reader's detokenizer, for the requests whose chunks carry ids only:
+/// one [`IncrementalDetokenizer`] per sample, started, like the scheduler's,
+/// after the prompt's last tokens.
+pub(crate) struct StreamText {
+    decoder: Arc<dyn TokenDecoder>,
+    context: Vec<u32>,
+    skip_special_tokens: bool,
+    samples: Vec<SampleText>,
+}
+
+#[derive(Default)]
+struct SampleText {
+    detok: Option<IncrementalDetokenizer>,
+    /// Detokenizing failed: the sample was ended with an abort chunk.
+    failed: bool,
+}
+
+impl StreamText {
+    /// Tokens of the prompt's end decoded for spacing (never emitted).
+    const CONTEXT: usize = 5;
+
+    pub fn new(decoder: Arc<dyn TokenDecoder>, prompt: &[u32], skip_special_tokens: bool) -> Self {
+        Self {
+            decoder,
+            context: prompt[prompt.len().saturating_sub(Self::CONTEXT)..].to_vec(),
+            skip_special_tokens,
+            samples: Vec::new(),
+        }
+    }
+
+    /// The chunk with its text.
+    pub fn text_of(&mut self, r: Received) -> Decoded {
+        let Received {
+            mut chunk,
+            untexted_last,
+        } = r;
+        let i = chunk.index as usize;
+        if self.samples.len() <= i {
+            self.samples.resize_with(i + 1, SampleText::default);
+        }
+        let sample = &mut self.samples[i];
+        if sample.failed {
+            return Decoded::Skip;
+        }
+        let (context, skip) = (&self.context, self.skip_special_tokens);
+        let detok = sample
+            .detok
+            .get_or_insert_with(|| IncrementalDetokenizer::new(context, skip));
+        let texted =
+            chunk.token_ids.len() - usize::from(untexted_last && !chunk.token_ids.is_empty());
+        let mut text = std::mem::take(&mut chunk.text);
+        for &id in &chunk.token_ids[..texted] {
+            match detok.push_str(&*self.decoder, &[id]) {
+                Ok(delta) => text.push_str(delta),
+                Err(e) => {
+                    sample.failed = true;
+                    chunk.text = text;
+                    chunk.finish = Some(Finish {
+                        kind: FinishKind::Abort,
+                        matched: None,
+                        message: Some(format!("detokenizing the output failed: {e}")),
+                    });
+                    return Decoded::Failed(chunk);
+                }
+            }
+        }
+        if chunk.finish.is_some()
+            && let Ok(rest) = detok.flush(&*self.decoder)
+        {
+            text.push_str(&rest);
+        }
+        chunk.text = text;
+        Decoded::Chunk(chunk)
+    }
+}
+
+/// What [`StreamText::text_of`] made of a chunk.
+pub(crate) enum Decoded {
+    Chunk(OutputChunk),
+    /// The sample's tokens could not be decoded: this chunk ends it with an
+    /// abort (the request should be aborted).
+    Failed(OutputChunk),
+    /// A chunk of a sample that already failed.
+    Skip,
 }
 
 #[cfg(test)]
@@ -203,6 +319,7 @@ mod tests {
                 message: None,
             }),
             meta: OutputMeta::default(),
+            untexted_last: false,
         });
         assert!(ids.is_empty());
     }
@@ -216,18 +333,18 @@ mod tests {
         send(&tx2, 1, &[9], "z", false);
         send(&tx, 0, &[4], "d", true);
         send(&tx, 0, &[5], "e", false);
-        let c = rx.blocking_recv().unwrap();
+        let c = rx.blocking_recv().unwrap().chunk;
         assert_eq!(
             (c.index, c.token_ids, c.text.as_str()),
             (0, vec![1, 2, 3], "abc")
         );
-        let c = rx.blocking_recv().unwrap();
+        let c = rx.blocking_recv().unwrap().chunk;
         assert_eq!((c.index, c.token_ids, c.text.as_str()), (1, vec![9], "z"));
-        let c = rx.blocking_recv().unwrap();
+        let c = rx.blocking_recv().unwrap().chunk;
         assert_eq!((c.token_ids, c.finish.is_some()), (vec![4], true));
         // Nothing merges into a finished chunk.
         send(&tx, 0, &[6], "f", false);
-        assert_eq!(rx.blocking_recv().unwrap().token_ids, vec![5, 6]);
+        assert_eq!(rx.blocking_recv().unwrap().chunk.token_ids, vec![5, 6]);
         drop((tx, tx2));
         assert!(rx.blocking_recv().is_none());
     }
@@ -238,7 +355,7 @@ mod tests {
         let t = std::thread::spawn(move || {
             let mut got = Vec::new();
             while let Some(c) = rx.blocking_recv() {
-                got.extend(c.token_ids);
+                got.extend(c.chunk.token_ids);
             }
             got
         });
