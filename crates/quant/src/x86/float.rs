@@ -25,6 +25,10 @@
 //! walked in blocks of [`NB`] (kept in L2) with the activation rows in the
 //! inner loop. Ragged edges repeat the last row's pointer and drop the
 //! duplicate results, so no tile shape changes any element's arithmetic.
+//! When one tile covers every activation row (decode: each weight is read
+//! once), the next tile's weight rows (adjacent in memory) are prefetched
+//! while a tile runs, spread over its steps: the hardware prefetchers follow
+//! `NR` interleaved row streams poorly. Prefetching changes no arithmetic.
 //!
 //! Preconditions (checked by `lib.rs` before any call): `w` holds `n_rows`
 //! rows of `k` elements, `x` holds `m` rows of `k` f32, and the output view
@@ -283,8 +287,10 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
     w: [*const u8; NR],
     x: [*const f32; MR],
     k: usize,
+    next: Prefetch,
 ) -> [[f32; NR]; MR] {
     let es = esize(DT);
+    let per_step = next.per_step(k / 16);
     // SAFETY: every row holds k elements (caller); loads stay below k.
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
@@ -293,6 +299,7 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
             // Whole 32-element blocks, their scale (and zero) loaded once;
             // each accumulator takes the two halves in order, as below.
             while j + 32 <= k {
+                next.lines((j >> 4) * per_step, 2 * per_step);
                 let mut wv = [[_mm512_setzero_ps(); 2]; NR];
                 for (v, &wr) in wv.iter_mut().zip(&w) {
                     *v = wload32::<DT>(wr, j);
@@ -309,6 +316,7 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
             }
         }
         while j + 16 <= k {
+            next.lines((j >> 4) * per_step, per_step);
             let mut wv = [_mm512_setzero_ps(); NR];
             for (v, &wr) in wv.iter_mut().zip(&w) {
                 *v = wload16::<DT>(wr, j);
@@ -395,13 +403,16 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
     w: [*const u8; NR],
     x: [*const f32; MR],
     k: usize,
+    next: Prefetch,
 ) -> [[f32; NR]; MR] {
     let es = esize(DT);
+    let per_step = next.per_step(k / 8);
     // SAFETY: every row holds k elements (caller); loads stay below k.
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); NR]; MR];
         let mut j = 0;
         while j + 8 <= k {
+            next.lines((j >> 3) * per_step, per_step);
             let mut wv = [_mm256_setzero_ps(); NR];
             for (v, &wr) in wv.iter_mut().zip(&w) {
                 *v = wload8::<DT>(wr, j);
@@ -439,6 +450,40 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
 
 // ---------------------------------------------------------------- driver
 
+/// The bytes of the tile after the current one (its weight rows are
+/// adjacent), to prefetch while the current one runs; `len` 0 for none.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    base: *const u8,
+    len: usize,
+}
+
+impl Prefetch {
+    /// Bytes to prefetch per step when a tile takes `steps` steps.
+    #[inline(always)]
+    fn per_step(self, steps: usize) -> usize {
+        if self.len == 0 {
+            0
+        } else {
+            self.len.div_ceil(steps.max(1))
+        }
+    }
+
+    /// Prefetches the lines of `base[from..from + n]` (clipped to `len`).
+    #[inline(always)]
+    fn lines(self, from: usize, n: usize) {
+        let end = (from + n).min(self.len);
+        let mut off = from;
+        while off < end {
+            // SAFETY: a prefetch never faults; the address is within the weights.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.base.wrapping_add(off) as *const i8);
+            }
+            off += 64;
+        }
+    }
+}
+
 /// Runs the tiles of one level over the whole output: blocks of [`NB`]
 /// weight rows, tiles of at most `$mr` activation rows within, `$nr` weight
 /// rows innermost; `$run!(n)` runs a tile of `n` activation rows.
@@ -458,6 +503,16 @@ macro_rules! drive {
                 let mut r0 = b0;
                 while r0 < b1 {
                     let nr = (b1 - r0).min(NR);
+                    // Only when this pass over the weights is the only one.
+                    let ahead = r0 + nr;
+                    let next = Prefetch {
+                        base: wp.wrapping_add(ahead * rb),
+                        len: if m <= $mrmax {
+                            n_rows.saturating_sub(ahead).min(NR) * rb
+                        } else {
+                            0
+                        },
+                    };
                     // SAFETY: rows r0..r0+nr of w and i0..i0+mr of x exist (a
                     // ragged edge repeats the last one); the output view
                     // holds every (i, r) written (caller).
@@ -472,7 +527,7 @@ macro_rules! drive {
                                 for (i, p) in xr.iter_mut().enumerate() {
                                     *p = xp.add((i0 + i) * k);
                                 }
-                                let res = $tile::<DT, $mr, NR>(wr, xr, k);
+                                let res = $tile::<DT, $mr, NR>(wr, xr, k, next);
                                 for (i, row) in res.iter().enumerate() {
                                     for (r, v) in row.iter().enumerate().take(nr) {
                                         out.set(i0 + i, r0 + r, *v);
