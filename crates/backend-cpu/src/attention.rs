@@ -114,14 +114,14 @@ impl KvPtr {
                         (self.ptr.get() as *const f16).add(row * width),
                         width,
                     );
-                    s.convert_to_f32_slice(&mut dst[..width]);
+                    crate::convert::f16_to_f32(s, &mut dst[..width]);
                 }
                 DType::BF16 => {
                     let s = std::slice::from_raw_parts(
                         (self.ptr.get() as *const bf16).add(row * width),
                         width,
                     );
-                    s.convert_to_f32_slice(&mut dst[..width]);
+                    crate::convert::bf16_to_f32(s, &mut dst[..width]);
                 }
                 DType::F8E4M3 | DType::F8E5M2 => {
                     let s = std::slice::from_raw_parts(self.ptr.get().add(row * width), width);

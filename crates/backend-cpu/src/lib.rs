@@ -26,6 +26,7 @@
 
 pub mod attention;
 pub mod bandwidth;
+mod convert;
 mod linear;
 mod lora;
 pub mod memory;
