@@ -89,32 +89,27 @@ mod x86 {
 mod tests {
     use super::*;
 
+    fn assert_same(got: &[f32], want: impl Iterator<Item = (u16, f32)>, what: &str) {
+        for (g, (bits, w)) in got.iter().zip(want) {
+            assert!(
+                g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                "{what} {bits:#06x}"
+            );
+        }
+    }
+
     #[test]
     fn widening_matches_the_half_crate_bit_for_bit() {
         // Every f16 and bf16 bit pattern, in rows of 37 (a ragged tail).
         let all: Vec<u16> = (0..=u16::MAX).collect();
         for row in all.chunks(37) {
+            let mut got = vec![0f32; row.len()];
             let h: Vec<f16> = row.iter().map(|&b| f16::from_bits(b)).collect();
-            let mut got = vec![0f32; h.len()];
             f16_to_f32(&h, &mut got);
-            for (g, x) in got.iter().zip(&h) {
-                let want = x.to_f32();
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "f16 {:#06x}",
-                    x.to_bits()
-                );
-            }
+            assert_same(&got, h.iter().map(|x| (x.to_bits(), x.to_f32())), "f16");
             let b: Vec<bf16> = row.iter().map(|&v| bf16::from_bits(v)).collect();
             bf16_to_f32(&b, &mut got);
-            for (g, x) in got.iter().zip(&b) {
-                let want = x.to_f32();
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "bf16 {:#06x}",
-                    x.to_bits()
-                );
-            }
+            assert_same(&got, b.iter().map(|x| (x.to_bits(), x.to_f32())), "bf16");
         }
     }
 }

@@ -8,7 +8,7 @@
 //! next input). Text is streamed only up to the longest suffix that could
 //! still grow into a stop string.
 //!
-//! Only a request with stop strings is detokenized here (`text_here`): the
+//! Only a request with stop strings is detokenized here ([`Req::text_here`]): the
 //! others stream token ids, and the reader makes their text
 //! ([`super::stream::StreamText`]).
 
@@ -76,8 +76,6 @@ pub(crate) struct Req {
     /// Seconds from arrival to the first token (set with `first_token`).
     ttft: Option<f64>,
     // Output text.
-    /// Stop strings are matched here, so this side detokenizes.
-    text_here: bool,
     /// The newest pending token has no text (a trimmed stop token).
     untexted_last: bool,
     detok: IncrementalDetokenizer,
@@ -103,7 +101,6 @@ impl Req {
         let detok =
             IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
         let rng = r.params.seed.map_or_else(SeqRng::from_entropy, SeqRng::new);
-        let text_here = super::stream::scheduler_makes_text(&r.params);
         Ok(Self {
             rid,
             index: 0,
@@ -139,7 +136,6 @@ impl Req {
             queue_time: None,
             first_token: None,
             ttft: None,
-            text_here,
             untexted_last: false,
             detok,
             text: String::new(),
@@ -167,7 +163,6 @@ impl Req {
             index,
             prompt: self.prompt.clone(),
             output: Vec::new(),
-            text_here: self.text_here,
             untexted_last: false,
             detok: IncrementalDetokenizer::new(
                 &self.prompt[ctx_start..],
@@ -209,6 +204,11 @@ impl Req {
             pending_logprobs: Vec::new(),
             sink: self.sink.clone(),
         })
+    }
+
+    /// Stop strings are matched here, so this side detokenizes.
+    fn text_here(&self) -> bool {
+        super::stream::scheduler_makes_text(&self.params)
     }
 
     /// Prompt followed by the output.
@@ -303,11 +303,9 @@ impl Req {
         if let Some(l) = logprob {
             self.pending_logprobs.push(l);
         }
-        if !self.text_here {
-            self.untexted_last = !with_text;
-            return None;
-        }
-        if !with_text {
+        // Read only when the reader makes the text (see `ChunkParts`).
+        self.untexted_last = !with_text;
+        if !with_text || !self.text_here() {
             return None;
         }
         match self.detok.push_str(decoder, &[token]) {
@@ -383,7 +381,7 @@ impl Req {
             })
         );
         if finish.is_some()
-            && self.text_here
+            && self.text_here()
             && !stopped_by_string
             && let Ok(rest) = self.detok.flush(decoder)
         {

@@ -110,8 +110,9 @@ pub(crate) struct ChunkParts<'a> {
     pub logprobs: &'a mut Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
-    /// The last token id has no text (a stop token, trimmed); only on a
-    /// finishing chunk of a request whose text the reader makes.
+    /// The last token id has no text (a stop token, trimmed); set only on
+    /// a finishing chunk, and read only for a request whose text the reader
+    /// makes.
     pub untexted_last: bool,
 }
 

@@ -34,6 +34,7 @@
 //! rows of `k` elements, `x` holds `m` rows of `k` f32, and the output view
 //! holds `m` rows of `n_rows` columns.
 
+use super::Prefetch;
 use crate::DType;
 use crate::formats::scaled::E2M1;
 use crate::gemm::OutMat;
@@ -449,40 +450,6 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
 }
 
 // ---------------------------------------------------------------- driver
-
-/// The bytes of the tile after the current one (its weight rows are
-/// adjacent), to prefetch while the current one runs; `len` 0 for none.
-#[derive(Clone, Copy)]
-struct Prefetch {
-    base: *const u8,
-    len: usize,
-}
-
-impl Prefetch {
-    /// Bytes to prefetch per step when a tile takes `steps` steps.
-    #[inline(always)]
-    fn per_step(self, steps: usize) -> usize {
-        if self.len == 0 {
-            0
-        } else {
-            self.len.div_ceil(steps.max(1))
-        }
-    }
-
-    /// Prefetches the lines of `base[from..from + n]` (clipped to `len`).
-    #[inline(always)]
-    fn lines(self, from: usize, n: usize) {
-        let end = (from + n).min(self.len);
-        let mut off = from;
-        while off < end {
-            // SAFETY: a prefetch never faults; the address is within the weights.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(self.base.wrapping_add(off) as *const i8);
-            }
-            off += 64;
-        }
-    }
-}
 
 /// Runs the tiles of one level over the whole output: blocks of [`NB`]
 /// weight rows, tiles of at most `$mr` activation rows within, `$nr` weight

@@ -29,6 +29,7 @@
 //! layout (`PreparedActs::qs`) with scales, sums and (Q8_1) `s`; the output
 //! view is valid for `m` rows of `n_rows` columns.
 
+use super::Prefetch;
 use super::legacy::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, bb, decode, dot8, reduce8};
 use crate::DType;
 use crate::acts::PreparedActs;
@@ -84,8 +85,10 @@ unsafe fn run<const F: u8>(w: &[u8], n_rows: usize, k: usize, acts: &PreparedAct
         }
         // The next group's bytes, prefetched while this group runs.
         let ahead = r0 + 8 * PREFETCH_GROUPS;
-        let next = w.as_ptr().wrapping_add(ahead * rb);
-        let next_len = n_rows.saturating_sub(ahead).min(8) * rb;
+        let next = Prefetch {
+            base: w.as_ptr().wrapping_add(ahead * rb),
+            len: n_rows.saturating_sub(ahead).min(8) * rb,
+        };
         let mut kb0 = 0;
         while kb0 < nb {
             let nblk = (nb - kb0).min(KC_BLOCKS);
@@ -96,12 +99,7 @@ unsafe fn run<const F: u8>(w: &[u8], n_rows: usize, k: usize, acts: &PreparedAct
                 // SAFETY: block b of every row and of every activation row
                 // is in bounds (module preconditions).
                 unsafe {
-                    for j in 0..lines {
-                        let off = (b * lines + j) * 64;
-                        if off < next_len {
-                            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(off) as *const i8);
-                        }
-                    }
+                    next.lines(b * lines * 64, lines * 64);
                     let mut blk = rows;
                     for p in blk.iter_mut() {
                         *p = p.add(b * bbytes);

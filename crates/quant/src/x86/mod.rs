@@ -3,6 +3,7 @@
 //! Every function here is `unsafe` only because it requires CPU features:
 //! callers in `lib.rs` check the level against [`crate::detected_level`] and
 //! validate all lengths first. Kernels never allocate or keep state.
+//! [`Prefetch`] is the weight prefetch the GEMV and float kernels share.
 
 pub mod acts;
 pub mod dequant;
@@ -11,3 +12,39 @@ pub mod gemm;
 pub mod gemv;
 pub mod kquants;
 pub mod legacy;
+
+use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+
+/// Weight bytes to prefetch while a kernel works on the rows before them
+/// (the next tile or row group: weight rows are adjacent); `len` 0 for none.
+#[derive(Clone, Copy)]
+struct Prefetch {
+    base: *const u8,
+    len: usize,
+}
+
+impl Prefetch {
+    /// Bytes to prefetch per step when a tile takes `steps` steps.
+    #[inline(always)]
+    fn per_step(self, steps: usize) -> usize {
+        if self.len == 0 {
+            0
+        } else {
+            self.len.div_ceil(steps.max(1))
+        }
+    }
+
+    /// Prefetches the lines of `base[from..from + n]` (clipped to `len`).
+    #[inline(always)]
+    fn lines(self, from: usize, n: usize) {
+        let end = (from + n).min(self.len);
+        let mut off = from;
+        while off < end {
+            // SAFETY: a prefetch never faults; the address is within the weights.
+            unsafe {
+                _mm_prefetch::<_MM_HINT_T0>(self.base.wrapping_add(off) as *const i8);
+            }
+            off += 64;
+        }
+    }
+}
