@@ -19,6 +19,10 @@
 #   scripts/gpu-check.sh                   build here with cargo, then run
 #   scripts/gpu-check.sh --build-only DIR  build and copy the test and benchmark
 #                                          executables to DIR (no GPU needed)
+#   scripts/gpu-check.sh --rocm            AMD GPU path (ARBOR_REQUIRE_ROCM=1): build
+#                                          with --features rocm, `arbor info` must
+#                                          open the device, the hiprtc compile test
+#                                          for the device's arch, and the open test
 #   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
 #                                          without cargo or crates.io)
 # Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS
@@ -32,6 +36,7 @@ case "${1:-}" in
   "") ;;
   --build-only) MODE=build-only; DIR="${2:?--build-only needs a folder}" ;;
   --prebuilt) MODE=prebuilt; DIR="${2:?--prebuilt needs a folder}" ;;
+  --rocm) MODE=rocm ;;
   -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
   *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
 esac
@@ -43,6 +48,24 @@ START=$(date +%s)
 step() { echo; echo "== [$(( $(date +%s) - START ))s] $*"; }
 die() { echo; echo "gpu-check: FAILED: $*" >&2; exit 1; }
 trap 'echo "gpu-check: FAILED at line $LINENO (exit $?)" >&2' ERR
+
+if [ "$MODE" = rocm ]; then
+  export CARGO_TARGET_DIR="${CARGO_TARGET_DIR%-cuda}-rocm"
+  step "ROCm: versions"
+  command -v rocminfo >/dev/null && rocminfo | grep -E "Marketing Name|Name: +gfx" | head -8 || echo "rocminfo not found"
+  rustc --version
+  step "ROCm: build arbor --features rocm"
+  cargo build --release -p arbor --features rocm
+  step "ROCm: arbor info must open the device"
+  "$CARGO_TARGET_DIR/release/arbor" info | tee /tmp/gpu-check-rocm-info.txt
+  grep -q "^  rocm: .*gfx" /tmp/gpu-check-rocm-info.txt || die "arbor info did not open a ROCm device"
+  ARCH="$(grep -o 'gfx[0-9a-f]*' /tmp/gpu-check-rocm-info.txt | head -1)"
+  step "ROCm: hiprtc compile test for $ARCH, and opening the device"
+  ARBOR_REQUIRE_ROCM=1 ARBOR_REQUIRE_HIPRTC=1 ARBOR_HIPRTC_ARCHES="$ARCH" \
+    cargo test --release -p arbor-backend-rocm -- --nocapture
+  step "ROCm: done"
+  exit 0
+fi
 
 # Folders that may hold the CUDA libraries.
 lib_dirs() {

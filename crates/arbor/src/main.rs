@@ -19,6 +19,8 @@ mod speculative;
 use arbor_backend_cpu as _;
 #[cfg(feature = "cuda")]
 use arbor_backend_cuda as _;
+#[cfg(feature = "rocm")]
+use arbor_backend_rocm as _;
 #[cfg(feature = "wgpu")]
 use arbor_backend_wgpu as _;
 #[cfg(feature = "grammar")]

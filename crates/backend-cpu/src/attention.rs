@@ -227,7 +227,7 @@ impl AttentionBackend for CpuAttention {
         let kp = self.f32_view(k, tokens, kw, "k")?;
         let vp = self.f32_view(v, tokens, kw, "v")?;
         let op = self.f32_view(out, tokens, qw, "out")?;
-        crate::no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
+        out.check_no_overlap(&[q, k, v, &kv.k, &kv.v])?;
         for c in [&kv.k, &kv.v] {
             if c.numel() % kw != 0
                 || !matches!(

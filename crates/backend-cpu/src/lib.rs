@@ -126,28 +126,6 @@ impl CpuBackend {
     }
 }
 
-pub(crate) fn no_overlap(out: &Tensor, inputs: &[&Tensor]) -> Result<()> {
-    for i in inputs {
-        if out.overlaps(i) {
-            return Err(CoreError::invalid(format!(
-                "output {out:?} overlaps input {i:?}"
-            )));
-        }
-    }
-    Ok(())
-}
-
-pub(crate) fn same_shape(a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() || a.row_len() != b.row_len() {
-        return Err(CoreError::invalid(format!(
-            "shape mismatch: {:?} vs {:?}",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
-
 impl Backend for CpuBackend {
     fn info(&self) -> DeviceInfo {
         DeviceInfo {
@@ -213,7 +191,7 @@ impl Backend for CpuBackend {
         if src.dtype() != dst.dtype() || src.numel() != dst.numel() {
             return Err(CoreError::invalid(format!("copy {src:?} into {dst:?}")));
         }
-        no_overlap(dst, &[src])?;
+        dst.check_no_overlap(&[src])?;
         let s = self.bytes_of(src)?;
         let d = self.bytes_of(dst)?;
         // SAFETY: equal sizes, checked non-overlapping live ranges.

@@ -17,9 +17,9 @@
 //! by one and the bias is added per element, so row `i` of the output is
 //! bit-identical for any batch it is computed in and any thread split.
 
+use crate::CpuBackend;
 use crate::memory::SendPtr;
 use crate::pool::share;
-use crate::{CpuBackend, no_overlap};
 use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
 use arbor_quant::PreparedActs;
 use std::sync::Mutex;
@@ -91,7 +91,7 @@ pub fn linear_many(b: &CpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Resu
         for other in &layers[..i] {
             inputs.push(other.out);
         }
-        no_overlap(l.out, &inputs)?;
+        l.out.check_no_overlap(&inputs)?;
         let ov = b.view(l.out, DType::F32)?;
         let wv = b.bytes_of(l.w)?;
         let bias = match l.bias {

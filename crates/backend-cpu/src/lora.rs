@@ -15,7 +15,7 @@
 
 use crate::memory::SendPtr;
 use crate::pool::share;
-use crate::{CpuBackend, no_overlap, simd};
+use crate::{CpuBackend, simd};
 use arbor_engine_core::{CoreError, DType, LoraRows, Result, Tensor};
 
 /// Below this many multiply-adds the kernel runs on the calling thread.
@@ -52,7 +52,7 @@ pub fn lora_add(b: &CpuBackend, x: &Tensor, out: &Tensor, entries: &[LoraRows<'_
             )));
         }
         end = e.rows.end;
-        no_overlap(out, &[x, e.a, e.bt])?;
+        out.check_no_overlap(&[x, e.a, e.bt])?;
         list.push(Entry {
             rows: e.rows.clone(),
             a: SendPtr(b.view(e.a, DType::F32)?.ptr as *mut f32),

@@ -6,10 +6,10 @@
 //! thread only writes the rows of its share, so the raw output pointer is
 //! accessed disjointly.
 
+use crate::CpuBackend;
 use crate::memory::SendPtr;
 use crate::pool::share;
-use crate::{CpuBackend, no_overlap, same_shape};
-use arbor_engine_core::{CoreError, DType, Result, RopeStyle, Tensor};
+use arbor_engine_core::{CoreError, DType, Result, RopeDims, RopeStyle, Tensor};
 
 /// Below this many elements a kernel runs on the calling thread only.
 const PARALLEL_MIN: usize = 32 * 1024;
@@ -51,7 +51,7 @@ pub fn embedding(b: &CpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) -> 
             "embedding of {n} ids into {out:?} (dim {dim})"
         )));
     }
-    no_overlap(out, &[table, ids])?;
+    out.check_no_overlap(&[table, ids])?;
     // SAFETY: `ids_v` covers n u32 values, aligned (checked by view).
     let ids_s = unsafe { std::slice::from_raw_parts(ids_v.ptr as *const u32, n) };
     if let Some(bad) = ids_s.iter().find(|&&i| i as usize >= vocab) {
@@ -101,10 +101,10 @@ fn rms_scale(row: &[f32], eps: f32) -> f32 {
 }
 
 pub fn rms_norm(b: &CpuBackend, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()> {
-    same_shape(x, out)?;
+    x.check_same_shape(out)?;
     let in_place = x.buffer_id() == out.buffer_id() && x.offset() == out.offset();
     if !in_place {
-        no_overlap(out, &[x, w])?;
+        out.check_no_overlap(&[x, w])?;
     }
     let (xp, rows, dim) = f32_rows(b, x)?;
     let (op, _, _) = f32_rows(b, out)?;
@@ -140,10 +140,10 @@ pub fn add_rms_norm(
     eps: f32,
     out: &Tensor,
 ) -> Result<()> {
-    same_shape(residual, x)?;
-    same_shape(residual, out)?;
-    no_overlap(out, &[residual, x, w])?;
-    no_overlap(residual, &[x, w])?;
+    residual.check_same_shape(x)?;
+    residual.check_same_shape(out)?;
+    out.check_no_overlap(&[residual, x, w])?;
+    residual.check_no_overlap(&[x, w])?;
     let (rp, rows, dim) = f32_rows(b, residual)?;
     let (xp, _, _) = f32_rows(b, x)?;
     let (op, _, _) = f32_rows(b, out)?;
@@ -175,32 +175,19 @@ pub fn rope(
     head_dim: usize,
     style: RopeStyle,
 ) -> Result<()> {
-    let (xp, tokens, width) = f32_rows(b, x)?;
-    if head_dim == 0 || width % head_dim != 0 {
-        return Err(CoreError::invalid(format!(
-            "rope over rows of {width} with head_dim {head_dim}"
-        )));
-    }
-    if positions.numel() != tokens {
-        return Err(CoreError::invalid(format!(
-            "rope: {} positions for {tokens} tokens",
-            positions.numel()
-        )));
-    }
-    let half = inv_freq.numel();
-    if half == 0 || 2 * half > head_dim {
-        return Err(CoreError::invalid(format!(
-            "rope: {half} frequencies for head_dim {head_dim}"
-        )));
-    }
-    no_overlap(x, &[positions, inv_freq])?;
+    let RopeDims {
+        tokens,
+        width,
+        heads,
+        half,
+    } = RopeDims::check(x, positions, inv_freq, head_dim)?;
+    let (xp, _, _) = f32_rows(b, x)?;
     let pv = b.view(positions, DType::U32)?;
     let fv = b.view(inv_freq, DType::F32)?;
     // SAFETY: aligned views of `tokens` u32 and `half` f32 values.
     let pos = unsafe { std::slice::from_raw_parts(pv.ptr as *const u32, tokens) };
     // SAFETY: as above.
     let freqs = unsafe { std::slice::from_raw_parts(fv.ptr as *const f32, half) };
-    let heads = width / head_dim;
     rows_parallel(b, tokens, width, &|r0, r1| {
         let mut cos = vec![0f32; half];
         let mut sin = vec![0f32; half];
@@ -237,9 +224,9 @@ pub fn rope(
 }
 
 pub fn silu_mul(b: &CpuBackend, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {
-    same_shape(gate, up)?;
-    same_shape(gate, out)?;
-    no_overlap(out, &[gate, up])?;
+    gate.check_same_shape(up)?;
+    gate.check_same_shape(out)?;
+    out.check_no_overlap(&[gate, up])?;
     let (gp, rows, dim) = f32_rows(b, gate)?;
     let (upp, _, _) = f32_rows(b, up)?;
     let (op, _, _) = f32_rows(b, out)?;
@@ -256,8 +243,8 @@ pub fn silu_mul(b: &CpuBackend, gate: &Tensor, up: &Tensor, out: &Tensor) -> Res
 }
 
 pub fn add_assign(b: &CpuBackend, dst: &Tensor, src: &Tensor) -> Result<()> {
-    same_shape(dst, src)?;
-    no_overlap(dst, &[src])?;
+    dst.check_same_shape(src)?;
+    dst.check_no_overlap(&[src])?;
     let (dp, rows, dim) = f32_rows(b, dst)?;
     let (sp, _, _) = f32_rows(b, src)?;
     rows_parallel(b, rows, dim, &|r0, r1| {
@@ -281,7 +268,7 @@ pub fn copy_cols(b: &CpuBackend, src: &Tensor, dst: &Tensor, offset: usize) -> R
             "copy the columns of {src:?} into {dst:?} at column {offset}"
         )));
     }
-    no_overlap(dst, &[src])?;
+    dst.check_no_overlap(&[src])?;
     for r in 0..m {
         // SAFETY: row r of src and columns offset..offset+a of row r of dst
         // are inside their non-overlapping views.
@@ -306,7 +293,7 @@ pub fn scatter_add_rows(
             "scatter-add {x:?} into {out:?} at {rows:?} scaled by {scales:?}"
         )));
     }
-    no_overlap(out, &[x, rows, scales])?;
+    out.check_no_overlap(&[x, rows, scales])?;
     let rv = b.view(rows, DType::U32)?;
     let sv = b.view(scales, DType::F32)?;
     // SAFETY: n aligned u32 and f32 values.
@@ -343,7 +330,7 @@ pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> R
             "gather {n} rows of {x:?} into {out:?}"
         )));
     }
-    no_overlap(out, &[x, rows])?;
+    out.check_no_overlap(&[x, rows])?;
     let rv = b.view(rows, DType::U32)?;
     // SAFETY: n aligned u32 values.
     let idx = unsafe { std::slice::from_raw_parts(rv.ptr as *const u32, n) };
@@ -381,7 +368,7 @@ pub fn sample(
             rows.len()
         )));
     }
-    no_overlap(out, &[logits])?;
+    out.check_no_overlap(&[logits])?;
     let ov = b.view(out, DType::U32)?;
     // SAFETY: n aligned u32 values of a live tensor that overlaps nothing read here.
     let ids = unsafe { std::slice::from_raw_parts_mut(ov.ptr as *mut u32, n) };

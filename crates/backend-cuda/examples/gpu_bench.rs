@@ -1,6 +1,6 @@
 //! Decode and prefill throughput of a Llama-3.1-8B-shaped model with random
 //! bf16 weights created on the GPU (the host supplies only shapes; see
-//! `CudaBackend::set_synthetic_weights`), printed as one table.
+//! `GpuBackend::set_synthetic_weights`), printed as one table.
 //!
 //! Decode: batches of 1, 8, 64 and 256 sequences, each with a cached context
 //! of `--context` tokens, run step after step through the model, device
@@ -15,7 +15,7 @@
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result, bail};
-use arbor_backend_cuda::CudaBackend;
+use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendOptions, BatchLayout, DType, ForwardBatch, ForwardContext,
@@ -146,7 +146,7 @@ fn llama_8b(layers: usize) -> Result<DecoderConfig> {
 }
 
 struct Setup {
-    backend: Arc<CudaBackend>,
+    backend: Arc<GpuBackend>,
     model: DecoderModel,
     kv: KvCache,
     attention: Arc<dyn AttentionBackend>,
@@ -154,7 +154,7 @@ struct Setup {
 }
 
 fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
-    let backend = Arc::new(CudaBackend::new(&BackendOptions {
+    let backend = Arc::new(arbor_backend_cuda::open(&BackendOptions {
         disable_cuda_graph: !graphs,
         cuda_graph_max_bs: Some(256),
         ..Default::default()

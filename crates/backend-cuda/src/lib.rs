@@ -1,338 +1,41 @@
-//! Arbor's NVIDIA GPU backend, through cudarc with dynamically loaded CUDA
-//! libraries: it builds without a CUDA toolkit and, on a machine without a
-//! driver or device, creating it returns `CoreError::Device("no CUDA device:
-//! ...")` instead of panicking.
+//! Arbor's NVIDIA GPU backend: the shared GPU backend (`arbor-backend-gpu`)
+//! over [`CudaDriver`], which drives the CUDA driver API, cuBLAS and NVRTC
+//! through cudarc with dynamically loaded libraries. It builds without a CUDA
+//! toolkit and, on a machine without a driver or device, [`open`] returns
+//! `CoreError::Device("no CUDA device: ...")` instead of panicking.
 //!
-//! [`CudaBackend`] implements engine-core's [`Backend`]: device memory with a
-//! caching pool ([`memory`]), linear layers through cuBLAS ([`linear`]),
-//! NVRTC kernels compiled at run time and cached ([`kernels`]) for RMSNorm
-//! (with the fused residual add), RoPE, SiLU-and-mul, embedding lookup, row
-//! gathering and device sampling, and [`attention::CudaAttention`] for paged
-//! attention. All work is queued on one stream, asynchronously to the host;
-//! `download` and `synchronize` wait. Decode batches run as CUDA graphs per
-//! batch-size bucket ([`exec`]) unless `BackendOptions::disable_cuda_graph`.
-//!
-//! Every operation validates dtypes, shapes, device ownership and overlap on
-//! the host, as the CPU backend does, before anything is queued.
+//! Linear layers go through cuBLAS (`cublasGemmEx`), the kernels of the
+//! shared CUDA C source are compiled by NVRTC for the device's `sm_XY` (PTX
+//! for `compute_XY` as a fallback) and cached on disk (`$ARBOR_CUDA_CACHE`),
+//! and decode batches run as CUDA graphs per batch-size bucket unless
+//! `BackendOptions::disable_cuda_graph`.
 #![allow(unsafe_code)]
 
-pub mod attention;
-mod device;
-pub mod exec;
-pub mod kernels;
-mod linear;
-pub mod memory;
+mod driver;
 pub mod nvrtc;
-mod ops;
-mod sample;
 
-pub use device::probe;
-pub use exec::GraphStats;
+pub use arbor_backend_gpu::{DEFAULT_CUDA_GRAPH_MAX_BS, GpuBackend, GraphStats, kernels};
+pub use driver::{CudaDriver, probe};
 
-use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::registry::BackendEntry;
-use arbor_engine_core::{
-    AttentionBackend, Backend, BackendCapabilities, BackendOptions, BufferId, BufferOwner,
-    CoreError, DType, DeviceBuffer, DeviceInfo, HostTensor, LinearRef, Result, RopeStyle, Tensor,
-    inventory, tensor::next_device_tag,
-};
-use device::{Device, GraphConfig};
-use exec::{Args, Op, State};
-use kernels::K;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use arbor_engine_core::{Backend, BackendOptions, Result, inventory};
+use std::sync::Arc;
 
-/// Largest decode batch captured as a CUDA graph when the options do not say.
-pub const DEFAULT_CUDA_GRAPH_MAX_BS: usize = 256;
+/// The name of the CUDA paged attention.
+pub const ATTENTION: &str = "cuda-paged";
 
-/// An NVIDIA GPU.
-#[derive(Clone)]
-pub struct CudaBackend {
-    pub(crate) dev: Arc<Device>,
-    caps: Arc<BackendCapabilities>,
-    synthetic: Arc<Mutex<Option<u64>>>,
-    uploads: Arc<AtomicU64>,
-}
-
-impl CudaBackend {
-    /// Opens device `opts.device_index`, with CUDA graphs for decode batches up
-    /// to `opts.cuda_graph_max_bs` (default 256) unless `opts.disable_cuda_graph`.
-    pub fn new(opts: &BackendOptions) -> Result<Self> {
-        let graphs = GraphConfig::new(
-            !opts.disable_cuda_graph,
-            opts.cuda_graph_max_bs.unwrap_or(DEFAULT_CUDA_GRAPH_MAX_BS),
-        );
-        let dev = Device::new(next_device_tag(), opts.device_index, graphs)?;
-        let floats = vec![DType::F32, DType::F16, DType::BF16];
-        Ok(Self {
-            dev: Arc::new(dev),
-            caps: Arc::new(BackendCapabilities {
-                weight_dtypes: [
-                    floats.as_slice(),
-                    &[DType::F8_S32, DType::U4_S32, DType::F4_S16],
-                ]
-                .concat(),
-                kv_dtypes: floats,
-                asynchronous: true,
-                attention: vec!["cuda-paged"],
-            }),
-            synthetic: Arc::new(Mutex::new(None)),
-            uploads: Arc::new(AtomicU64::new(0)),
-        })
-    }
-
-    /// Graph use so far.
-    pub fn graph_stats(&self) -> GraphStats {
-        self.dev.lock().map(|st| st.stats).unwrap_or_default()
-    }
-
-    /// The decode batch sizes captured as graphs (empty when disabled).
-    pub fn graph_buckets(&self) -> Vec<usize> {
-        if self.dev.graphs.enabled {
-            self.dev.graphs.buckets.clone()
-        } else {
-            Vec::new()
-        }
-    }
-
-    /// The NVRTC target the kernels were built for (`sm_90`, or `compute_90` PTX).
-    pub fn kernel_target(&self) -> &str {
-        &self.dev.kernel_target
-    }
-
-    /// For benchmarks: while `Some(seed)`, uploads of 2-D f16/bf16 tensors
-    /// ignore the host data and fill the tensor on the device with uniform
-    /// values in [-0.02, 0.02) derived from the seed, so random weights of any
-    /// size never cross PCIe. Everything else uploads normally.
-    pub fn set_synthetic_weights(&self, seed: Option<u64>) {
-        *self.synthetic.lock().unwrap_or_else(|e| e.into_inner()) = seed;
-    }
-
-    fn new_tensor(
-        &self,
-        st: &mut State,
-        dtype: DType,
-        shape: &[usize],
-        cap: usize,
-        zero: bool,
-    ) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let bytes = dtype.bytes_for(n)?;
-        let cap = cap.max(bytes).max(1);
-        let slot = self.dev.alloc_block(st, cap)?;
-        let owner: Arc<dyn BufferOwner> = self.dev.clone();
-        let buf = Arc::new(DeviceBuffer::new(
-            BufferId {
-                device: self.dev.tag,
-                slot,
-            },
-            bytes,
-            owner,
-        ));
-        let t = Tensor::new(buf, dtype, shape)?;
-        if zero {
-            let dst = self.dev.ptr(st, &t, 1)?;
-            self.dev.submit(st, Op::Memset { dst, bytes: cap })?;
-        }
-        Ok(t)
-    }
-
-    /// A tensor of exactly `shape` (not scaled in a graph step), for the
-    /// backend's own scratch and metadata.
-    pub(crate) fn alloc_in(
-        &self,
-        st: &mut State,
-        dtype: DType,
-        shape: &[usize],
-        zero: bool,
-    ) -> Result<Tensor> {
-        self.new_tensor(st, dtype, shape, 0, zero)
-    }
-
-    /// A tensor for the caller: padded to the bucket in a graph step.
-    fn alloc_for_caller(
-        &self,
-        st: &mut State,
-        dtype: DType,
-        shape: &[usize],
-        zero: bool,
-    ) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let cap = st.padded_bytes(dtype.bytes_for(n)?);
-        self.new_tensor(st, dtype, shape, cap, zero)
-    }
-
-    /// Bytes a whole-buffer transfer to `t` covers: padded in a graph step.
-    fn transfer_bytes(st: &mut State, t: &Tensor, bytes: usize) -> usize {
-        match st.step_shape() {
-            Some((b, bucket)) if bucket > b && st.rows(b, &[t]) == bucket => st.padded_bytes(bytes),
-            _ => bytes,
-        }
-    }
-}
-
-impl Backend for CudaBackend {
-    fn info(&self) -> DeviceInfo {
-        let free = self.dev.lock().ok().and_then(|st| {
-            cudarc::driver::result::mem_get_info()
-                .ok()
-                .map(|(free, _)| free as u64 + st.mem.cached_bytes as u64)
-        });
-        DeviceInfo {
-            backend: "cuda".into(),
-            name: format!(
-                "{} (sm_{}{})",
-                self.dev.props.name, self.dev.props.arch.0, self.dev.props.arch.1
-            ),
-            total_memory: Some(self.dev.props.total_mem),
-            free_memory: free,
-            parallelism: Some(self.dev.props.sm_count as usize),
-        }
-    }
-
-    fn capabilities(&self) -> &BackendCapabilities {
-        &self.caps
-    }
-
-    fn alloc(&self, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-        let mut st = self.dev.lock()?;
-        self.alloc_for_caller(&mut st, dtype, shape, true)
-    }
-
-    fn upload(&self, host: &HostTensor<'_>) -> Result<Tensor> {
-        host.validate("upload")?;
-        let synthetic = *self.synthetic.lock().unwrap_or_else(|e| e.into_inner());
-        let mut st = self.dev.lock()?;
-        let t = self.alloc_for_caller(&mut st, host.dtype, &host.shape, false)?;
-        let p = self.dev.ptr(&st, &t, 1)?;
-        if let Some(seed) = synthetic
-            && host.shape.len() == 2
-            && matches!(host.dtype, DType::F16 | DType::BF16)
-        {
-            let n = t.numel();
-            let k = if host.dtype == DType::BF16 {
-                K::FillBf16
-            } else {
-                K::FillF16
-            };
-            let salt = self.uploads.fetch_add(1, Ordering::Relaxed);
-            let seed = seed ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let args = Args::new().p(p).l(n as u64).l(seed).f(0.02).f(0.0);
-            let grid = ops::stride_grid(self, n);
-            self.dev.launch(&mut st, k, [grid, 1, 1], 256, 0, args)?;
-            return Ok(t);
-        }
-        let bytes = Self::transfer_bytes(&mut st, &t, host.data.len());
-        self.dev.upload_to(&mut st, p, &host.data, bytes)?;
-        Ok(t)
-    }
-
-    fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()> {
-        let len = dst.byte_len()?;
-        if len != data.len() {
-            return Err(CoreError::invalid(format!(
-                "write of {} bytes into {dst:?} of {len} bytes",
-                data.len()
-            )));
-        }
-        let mut st = self.dev.lock()?;
-        let p = self.dev.ptr(&st, dst, 1)?;
-        let bytes = Self::transfer_bytes(&mut st, dst, len);
-        self.dev.upload_to(&mut st, p, data, bytes)
-    }
-
-    fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {
-        let len = src.byte_len()?;
-        if len != dst.len() {
-            return Err(CoreError::invalid(format!(
-                "download of {src:?} ({len} bytes) into {} bytes",
-                dst.len()
-            )));
-        }
-        let mut st = self.dev.lock()?;
-        let p = self.dev.ptr(&st, src, 1)?;
-        self.dev.download_from(&mut st, p, dst)
-    }
-
-    fn synchronize(&self) -> Result<()> {
-        let mut st = self.dev.lock()?;
-        self.dev.sync(&mut st)
-    }
-
-    fn copy(&self, src: &Tensor, dst: &Tensor) -> Result<()> {
-        self.op_copy(src, dst)
-    }
-
-    fn embedding(&self, table: &Tensor, ids: &Tensor, out: &Tensor) -> Result<()> {
-        self.op_embedding(table, ids, out)
-    }
-
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
-        self.op_linear_many(x, &[LinearRef { w, bias, out }])
-    }
-
-    fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
-        self.op_linear_many(x, layers)
-    }
-
-    fn rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()> {
-        self.op_rms_norm(x, w, eps, out)
-    }
-
-    fn add_rms_norm(
-        &self,
-        residual: &Tensor,
-        x: &Tensor,
-        w: &Tensor,
-        eps: f32,
-        out: &Tensor,
-    ) -> Result<()> {
-        self.op_add_rms_norm(residual, x, w, eps, out)
-    }
-
-    fn rope(
-        &self,
-        x: &Tensor,
-        positions: &Tensor,
-        inv_freq: &Tensor,
-        head_dim: usize,
-        style: RopeStyle,
-    ) -> Result<()> {
-        self.op_rope(x, positions, inv_freq, head_dim, style)
-    }
-
-    fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {
-        self.op_silu_mul(gate, up, out)
-    }
-
-    fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        self.op_add_assign(dst, src)
-    }
-
-    fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
-        self.op_gather_rows(x, rows, out)
-    }
-
-    fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>> {
-        match name {
-            "cuda-paged" => Ok(Arc::new(attention::CudaAttention::new(self.clone()))),
-            other => Err(CoreError::NotRegistered {
-                kind: "attention backend",
-                name: other.to_string(),
-                available: self.caps.attention.join(", "),
-            }),
-        }
-    }
-
-    fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
-        self.op_sample(logits, rows, out)
-    }
+/// Opens CUDA device `opts.device_index` as a backend, with CUDA graphs for
+/// decode batches up to `opts.cuda_graph_max_bs` (default 256) unless
+/// `opts.disable_cuda_graph`.
+pub fn open(opts: &BackendOptions) -> Result<GpuBackend> {
+    let drv = CudaDriver::open(opts.device_index)?;
+    Ok(GpuBackend::new(Box::new(drv), opts, ATTENTION))
 }
 
 inventory::submit! {
     BackendEntry {
         name: "cuda",
         about: "NVIDIA GPUs (sm_80+): cuBLAS GEMMs, NVRTC kernels, paged attention, CUDA graphs",
-        create: |opts: &BackendOptions| Ok(Arc::new(CudaBackend::new(opts)?) as Arc<dyn Backend>),
+        create: |opts: &BackendOptions| Ok(Arc::new(open(opts)?) as Arc<dyn Backend>),
     }
 }

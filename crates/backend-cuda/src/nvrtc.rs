@@ -1,5 +1,6 @@
-//! NVRTC, loaded at run time: finding the library, and compiling a source to
-//! PTX or CUBIN.
+//! NVRTC, loaded at run time: finding the library, compiling a source to PTX
+//! or CUBIN ([`Nvrtc`], the kernel compiler of the CUDA backend), and reading
+//! the kernels' parameters back from the PTX.
 //!
 //! cudarc opens `libnvrtc.so*` by name through the dynamic loader, so it finds
 //! a library on `LD_LIBRARY_PATH` or in the system paths. `ARBOR_NVRTC_LIB`
@@ -11,7 +12,9 @@
 
 #![allow(unsafe_code)]
 
+use arbor_backend_gpu::kernels::{self, KernelCompiler, Param};
 use cudarc::nvrtc::{result, sys};
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -174,4 +177,86 @@ pub fn ptx_text(image: &[u8]) -> String {
     CStr::from_bytes_until_nul(image)
         .map(|c| c.to_string_lossy().into_owned())
         .unwrap_or_else(|_| String::from_utf8_lossy(image).into_owned())
+}
+
+/// The CUDA backend's kernel compiler: `sm_XY` gives a CUBIN, `compute_XY` PTX.
+pub struct Nvrtc;
+
+impl KernelCompiler for Nvrtc {
+    fn runtime(&self) -> &'static str {
+        "cuda"
+    }
+    fn cache_env(&self) -> &'static str {
+        "ARBOR_CUDA_CACHE"
+    }
+    fn version(&self) -> Result<String, String> {
+        version().map(|(maj, min)| format!("nvrtc {maj}.{min}"))
+    }
+    fn compile(&self, src: &str, target: &str) -> Result<Vec<u8>, String> {
+        compile(src, target).map_err(|e| e.to_string())
+    }
+    /// A CUBIN is an ELF file; PTX is a NUL-terminated text with a `.version`.
+    fn looks_valid(&self, b: &[u8], target: &str) -> bool {
+        if target.starts_with("sm_") {
+            b.starts_with(b"\x7fELF")
+        } else {
+            b.last() == Some(&0) && b.windows(8).any(|w| w == b".version")
+        }
+    }
+}
+
+/// The `.entry` kernels of a PTX text with their parameter types (`u64`, `u32`, `f32`...).
+pub fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut rest = ptx;
+    while let Some(at) = rest.find(".entry ") {
+        rest = &rest[at + ".entry ".len()..];
+        let name_end = rest.find(['(', ' ', '\n']).unwrap_or(rest.len());
+        let name = rest[..name_end].trim().to_string();
+        let params_end = rest.find(')').unwrap_or(rest.len());
+        let params = rest[..params_end]
+            .split(".param")
+            .skip(1)
+            .filter_map(|p| p.split_whitespace().next())
+            .map(|t| t.trim_start_matches('.').to_string())
+            .collect();
+        out.push((name, params));
+        rest = &rest[params_end..];
+    }
+    out
+}
+
+/// Checks that every kernel is in the PTX with parameters of its signature.
+pub fn check_ptx(ptx: &str) -> Result<(), String> {
+    let entries: HashMap<String, Vec<Param>> = ptx_entries(ptx)
+        .into_iter()
+        .map(|(name, params)| {
+            let params = params
+                .iter()
+                .map(|t| match t.as_str() {
+                    "u64" | "s64" | "b64" => Param::Bits64,
+                    "u32" | "s32" | "b32" => Param::Bits32,
+                    "f32" => Param::F32,
+                    _ => Param::Other,
+                })
+                .collect();
+            (name, params)
+        })
+        .collect();
+    kernels::check_signatures(&entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptx_entries() {
+        let ptx = ".visible .entry rms_norm(\n\t.param .u64 rms_norm_param_0,\n\t.param .u32 a,\n\t.param .f32 b\n)\n{ ret; }\n.visible .entry x(\n)\n";
+        let e = ptx_entries(ptx);
+        assert_eq!(e[0].0, "rms_norm");
+        assert_eq!(e[0].1, vec!["u64", "u32", "f32"]);
+        assert_eq!(e[1].0, "x");
+        assert!(e[1].1.is_empty());
+    }
 }

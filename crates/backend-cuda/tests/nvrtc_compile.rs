@@ -24,7 +24,7 @@ fn kernels_compile_for_sm80_and_sm90() {
         let ptx =
             nvrtc::compile(&src, &format!("compute_{arch}")).unwrap_or_else(|e| panic!("{e}"));
         let text = nvrtc::ptx_text(&ptx);
-        kernels::check_ptx(&text).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
+        nvrtc::check_ptx(&text).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
         let (cubin, log) =
             nvrtc::compile_with_log(&src, &format!("sm_{arch}"), &["--ptxas-options=-v"])
                 .unwrap_or_else(|e| panic!("{e}"));

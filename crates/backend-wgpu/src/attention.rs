@@ -15,7 +15,7 @@
 
 use crate::context::{Access, Params};
 use crate::kernels::{self, Kernel, grid_threads};
-use crate::{WgpuBackend, no_overlap, u32_of};
+use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
     Result, Tensor,
@@ -123,9 +123,9 @@ impl AttentionBackend for WgpuAttention {
         self.f32_input(k, tokens, kw, "k")?;
         self.f32_input(v, tokens, kw, "v")?;
         self.f32_input(out, tokens, qw, "out")?;
-        no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
-        no_overlap(&kv.k, &[&kv.v, k, v])?;
-        no_overlap(&kv.v, &[k, v])?;
+        out.check_no_overlap(&[q, k, v, &kv.k, &kv.v])?;
+        kv.k.check_no_overlap(&[&kv.v, k, v])?;
+        kv.v.check_no_overlap(&[k, v])?;
         if kv.k.dtype() != kv.v.dtype() || kv.k.numel() != kv.v.numel() {
             return Err(CoreError::invalid(format!(
                 "KV cache tensors {:?} and {:?} differ",

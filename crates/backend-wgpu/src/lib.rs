@@ -230,28 +230,6 @@ impl WgpuBackend {
     }
 }
 
-pub(crate) fn no_overlap(out: &Tensor, inputs: &[&Tensor]) -> Result<()> {
-    for i in inputs {
-        if out.overlaps(i) {
-            return Err(CoreError::invalid(format!(
-                "output {out:?} overlaps input {i:?}"
-            )));
-        }
-    }
-    Ok(())
-}
-
-pub(crate) fn same_shape(a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() || a.row_len() != b.row_len() {
-        return Err(CoreError::invalid(format!(
-            "shape mismatch: {:?} vs {:?}",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
-
 pub(crate) fn u32_of(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v).map_err(|_| CoreError::unsupported(format!("{what} of {v} exceeds 32 bits")))
 }
@@ -352,7 +330,7 @@ impl Backend for WgpuBackend {
         if src.dtype() != dst.dtype() || src.numel() != dst.numel() {
             return Err(CoreError::invalid(format!("copy {src:?} into {dst:?}")));
         }
-        no_overlap(dst, &[src])?;
+        dst.check_no_overlap(&[src])?;
         let s = self.gpu.mem.buffer(src)?;
         let d = self.gpu.mem.buffer(dst)?;
         let (sr, dr) = (src.byte_range()?, dst.byte_range()?);

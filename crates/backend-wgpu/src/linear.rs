@@ -18,7 +18,7 @@
 
 use crate::context::{Access, Params, View};
 use crate::kernels::{self, Kernel};
-use crate::{WgpuBackend, no_overlap, u32_of};
+use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
 
 /// Largest batch multiplied with one activation row-tile per invocation.
@@ -68,7 +68,7 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
             }
             inputs.push(bias);
         }
-        no_overlap(l.out, &inputs)?;
+        l.out.check_no_overlap(&inputs)?;
     }
     if m == 0 {
         return Ok(());

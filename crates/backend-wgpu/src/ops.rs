@@ -8,8 +8,8 @@
 
 use crate::context::{Access, Params};
 use crate::kernels::{self, Kernel, grid, grid_threads};
-use crate::{WgpuBackend, no_overlap, same_shape, u32_of};
-use arbor_engine_core::{CoreError, DType, Result, RopeStyle, Tensor};
+use crate::{WgpuBackend, u32_of};
+use arbor_engine_core::{CoreError, DType, Result, RopeDims, RopeStyle, Tensor};
 
 pub fn embedding(b: &WgpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) -> Result<()> {
     let [vocab, dim] = *table.shape() else {
@@ -23,7 +23,7 @@ pub fn embedding(b: &WgpuBackend, table: &Tensor, ids: &Tensor, out: &Tensor) ->
             "embedding of {n} ids into {out:?} (dim {dim})"
         )));
     }
-    no_overlap(out, &[table, ids])?;
+    out.check_no_overlap(&[table, ids])?;
     let dt = kernels::weight_code(table.dtype())?;
     if dt > 5 {
         return Err(CoreError::unsupported(format!(
@@ -60,17 +60,17 @@ pub fn rms_norm(
     eps: f32,
     out: &Tensor,
 ) -> Result<()> {
-    same_shape(x, out)?;
+    x.check_same_shape(out)?;
     match residual {
         Some(r) => {
-            same_shape(r, x)?;
-            no_overlap(out, &[r, x, w])?;
-            no_overlap(r, &[x, w])?;
+            r.check_same_shape(x)?;
+            out.check_no_overlap(&[r, x, w])?;
+            r.check_no_overlap(&[x, w])?;
         }
         None => {
             let in_place = x.buffer_id() == out.buffer_id() && x.offset() == out.offset();
             if !in_place {
-                no_overlap(out, &[x, w])?;
+                out.check_no_overlap(&[x, w])?;
             }
         }
     }
@@ -113,25 +113,12 @@ pub fn rope(
     head_dim: usize,
     style: RopeStyle,
 ) -> Result<()> {
-    let (tokens, width) = (x.rows(), x.row_len());
-    if head_dim == 0 || !width.is_multiple_of(head_dim) {
-        return Err(CoreError::invalid(format!(
-            "rope over rows of {width} with head_dim {head_dim}"
-        )));
-    }
-    if positions.numel() != tokens {
-        return Err(CoreError::invalid(format!(
-            "rope: {} positions for {tokens} tokens",
-            positions.numel()
-        )));
-    }
-    let half = inv_freq.numel();
-    if half == 0 || 2 * half > head_dim {
-        return Err(CoreError::invalid(format!(
-            "rope: {half} frequencies for head_dim {head_dim}"
-        )));
-    }
-    no_overlap(x, &[positions, inv_freq])?;
+    let RopeDims {
+        tokens,
+        width,
+        half,
+        ..
+    } = RopeDims::check(x, positions, inv_freq, head_dim)?;
     let xv = b.view(x, DType::F32, Access::Write)?;
     let pv = b.view(positions, DType::U32, Access::Read)?;
     let fv = b.view(inv_freq, DType::F32, Access::Read)?;
@@ -155,9 +142,9 @@ pub fn rope(
 }
 
 pub fn silu_mul(b: &WgpuBackend, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {
-    same_shape(gate, up)?;
-    same_shape(gate, out)?;
-    no_overlap(out, &[gate, up])?;
+    gate.check_same_shape(up)?;
+    gate.check_same_shape(out)?;
+    out.check_no_overlap(&[gate, up])?;
     let gv = b.view(gate, DType::F32, Access::Read)?;
     let uv = b.view(up, DType::F32, Access::Read)?;
     let ov = b.view(out, DType::F32, Access::Write)?;
@@ -174,8 +161,8 @@ pub fn silu_mul(b: &WgpuBackend, gate: &Tensor, up: &Tensor, out: &Tensor) -> Re
 }
 
 pub fn add_assign(b: &WgpuBackend, dst: &Tensor, src: &Tensor) -> Result<()> {
-    same_shape(dst, src)?;
-    no_overlap(dst, &[src])?;
+    dst.check_same_shape(src)?;
+    dst.check_no_overlap(&[src])?;
     let sv = b.view(src, DType::F32, Access::Read)?;
     let dv = b.view(dst, DType::F32, Access::Write)?;
     let gpu = b.gpu();
@@ -198,7 +185,7 @@ pub fn gather_rows(b: &WgpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> 
             "gather {n} rows of {x:?} into {out:?}"
         )));
     }
-    no_overlap(out, &[x, rows])?;
+    out.check_no_overlap(&[x, rows])?;
     let xv = b.view(x, DType::F32, Access::Read)?;
     let rv = b.view(rows, DType::U32, Access::Read)?;
     let ov = b.view(out, DType::F32, Access::Write)?;

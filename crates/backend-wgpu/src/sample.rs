@@ -10,7 +10,7 @@
 
 use crate::context::{Access, Params};
 use crate::kernels::{Kernel, grid};
-use crate::{WgpuBackend, no_overlap, u32_of};
+use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{CoreError, DType, Result, Tensor};
 
@@ -29,7 +29,7 @@ pub fn sample(b: &WgpuBackend, logits: &Tensor, rows: &[SampleRow], out: &Tensor
             rows.len()
         )));
     }
-    no_overlap(out, &[logits])?;
+    out.check_no_overlap(&[logits])?;
     if rows.is_empty() {
         return Ok(());
     }

@@ -56,6 +56,58 @@ pub enum RopeStyle {
     Interleaved,
 }
 
+/// The sizes of a [`Backend::rope`] call, checked once for every backend:
+/// rows of `x` are whole heads, one position per row, and the frequencies
+/// cover at most the head (`2 * half <= head_dim`); `x` is rotated in place,
+/// so it must not overlap the positions or the frequencies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeDims {
+    /// Rows (tokens) of `x`.
+    pub tokens: usize,
+    /// Elements per row of `x`.
+    pub width: usize,
+    /// Heads per row.
+    pub heads: usize,
+    /// Rotary frequencies (half the rotated dims).
+    pub half: usize,
+}
+
+impl RopeDims {
+    /// Checks a rope call's arguments and returns its sizes.
+    pub fn check(
+        x: &Tensor,
+        positions: &Tensor,
+        inv_freq: &Tensor,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let (tokens, width) = (x.rows(), x.row_len());
+        if head_dim == 0 || !width.is_multiple_of(head_dim) {
+            return Err(CoreError::invalid(format!(
+                "rope over rows of {width} with head_dim {head_dim}"
+            )));
+        }
+        if positions.numel() != tokens {
+            return Err(CoreError::invalid(format!(
+                "rope: {} positions for {tokens} tokens",
+                positions.numel()
+            )));
+        }
+        let half = inv_freq.numel();
+        if half == 0 || 2 * half > head_dim {
+            return Err(CoreError::invalid(format!(
+                "rope: {half} frequencies for head_dim {head_dim}"
+            )));
+        }
+        x.check_no_overlap(&[positions, inv_freq])?;
+        Ok(Self {
+            tokens,
+            width,
+            heads: width / head_dim,
+            half,
+        })
+    }
+}
+
 /// One linear layer of [`Backend::linear_many`].
 #[derive(Clone, Copy, Debug)]
 pub struct LinearRef<'a> {

@@ -39,7 +39,8 @@ pub use attention::{
     SeqLayout,
 };
 pub use backend::{
-    Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, LoraRows, RopeStyle,
+    Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, LoraRows, RopeDims,
+    RopeStyle,
 };
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dtype::DType;

@@ -219,6 +219,39 @@ impl Tensor {
             _ => true,
         }
     }
+
+    /// An error unless this tensor (an output) shares no byte with any of
+    /// `inputs`: the argument check of every backend operation.
+    pub fn check_no_overlap(&self, inputs: &[&Tensor]) -> Result<()> {
+        match inputs.iter().find(|i| self.overlaps(i)) {
+            Some(i) => Err(CoreError::invalid(format!(
+                "output {self:?} overlaps input {i:?}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// An error unless `other` has as many elements in rows of the same length.
+    pub fn check_same_shape(&self, other: &Tensor) -> Result<()> {
+        if self.numel() != other.numel() || self.row_len() != other.row_len() {
+            return Err(CoreError::invalid(format!(
+                "shape mismatch: {:?} vs {:?}",
+                self.shape(),
+                other.shape()
+            )));
+        }
+        Ok(())
+    }
+
+    /// An error unless this tensor holds `dtype` elements.
+    pub fn check_dtype(&self, dtype: DType) -> Result<()> {
+        if self.dtype != dtype {
+            return Err(CoreError::invalid(format!(
+                "expected a {dtype} tensor, got {self:?}"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A tensor in host memory, as read from a checkpoint or produced on the host.

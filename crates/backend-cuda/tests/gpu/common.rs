@@ -4,17 +4,17 @@
 #![allow(dead_code)]
 
 use arbor_backend_cpu::CpuBackend;
-use arbor_backend_cuda::CudaBackend;
+use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::{Backend, BackendOptions, DType, HostTensor, Tensor};
 use std::sync::{Arc, OnceLock};
 
-fn open(opts: BackendOptions) -> Result<Arc<CudaBackend>, String> {
-    CudaBackend::new(&opts)
+fn open(opts: BackendOptions) -> Result<Arc<GpuBackend>, String> {
+    arbor_backend_cuda::open(&opts)
         .map(Arc::new)
         .map_err(|e| e.to_string())
 }
 
-fn report(d: &Result<Arc<CudaBackend>, String>) -> Option<Arc<CudaBackend>> {
+fn report(d: &Result<Arc<GpuBackend>, String>) -> Option<Arc<GpuBackend>> {
     match d {
         Ok(b) => Some(b.clone()),
         Err(e) => {
@@ -28,13 +28,13 @@ fn report(d: &Result<Arc<CudaBackend>, String>) -> Option<Arc<CudaBackend>> {
 }
 
 /// The CUDA device (CUDA graphs on), or `None` with the reason printed.
-pub fn gpu() -> Option<Arc<CudaBackend>> {
-    static DEV: OnceLock<Result<Arc<CudaBackend>, String>> = OnceLock::new();
+pub fn gpu() -> Option<Arc<GpuBackend>> {
+    static DEV: OnceLock<Result<Arc<GpuBackend>, String>> = OnceLock::new();
     report(DEV.get_or_init(|| open(BackendOptions::default())))
 }
 
 /// A new instance of its own, with CUDA graphs on or off.
-pub fn gpu_with(disable_cuda_graph: bool) -> Option<Arc<CudaBackend>> {
+pub fn gpu_with(disable_cuda_graph: bool) -> Option<Arc<GpuBackend>> {
     report(&open(BackendOptions {
         disable_cuda_graph,
         ..Default::default()

@@ -2,12 +2,12 @@
 //! GPU, no cuBLAS or NVRTC) it is an error that starts with "no CUDA device",
 //! never a panic, through the type and through the registry; with a device it
 //! opens and describes itself.
-use arbor_backend_cuda::{CudaBackend, probe};
+use arbor_backend_cuda::probe;
 use arbor_engine_core::{Backend, BackendOptions, CoreError, Registry};
 
 #[test]
 fn creation_errors_without_a_device_and_works_with_one() {
-    let made = CudaBackend::new(&BackendOptions::default());
+    let made = arbor_backend_cuda::open(&BackendOptions::default());
     let registry = Registry::builtin().unwrap();
     assert!(registry.backends.names().contains(&"cuda".to_string()));
     let factory = registry.backends.get("cuda").unwrap();
@@ -38,13 +38,13 @@ fn creation_errors_without_a_device_and_works_with_one() {
             assert_eq!(info.backend, "cuda");
             assert!(b.capabilities().asynchronous);
             assert!(factory(&BackendOptions::default()).is_ok());
-            let off = CudaBackend::new(&BackendOptions {
+            let off = arbor_backend_cuda::open(&BackendOptions {
                 disable_cuda_graph: true,
                 ..Default::default()
             })
             .unwrap();
             assert!(off.graph_buckets().is_empty());
-            let capped = CudaBackend::new(&BackendOptions {
+            let capped = arbor_backend_cuda::open(&BackendOptions {
                 cuda_graph_max_bs: Some(20),
                 ..Default::default()
             })

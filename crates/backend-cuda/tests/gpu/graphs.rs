@@ -5,7 +5,7 @@
 //! then replayed; batches of 3 and 4 sequences share the bucket of 4.
 
 use crate::common::*;
-use arbor_backend_cuda::CudaBackend;
+use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
 use arbor_engine_core::sampling::StandardSampler;
 use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
@@ -14,7 +14,7 @@ use arbor_models::decoder::{ArchFlags, DecoderModel};
 use arbor_models::random::RandomWeights;
 use std::sync::Arc;
 
-fn tiny_runner(b: &Arc<CudaBackend>) -> ModelRunner {
+fn tiny_runner(b: &Arc<GpuBackend>) -> ModelRunner {
     let cfg = DecoderConfig::from_json(
         &serde_json::json!({
             "architectures": ["LlamaForCausalLM"],

@@ -30,8 +30,8 @@ __device__ void block_argmax(float& v, u32& i, float* sv, u32* si) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-        const u32 i2 = __shfl_xor_sync(0xffffffffu, i, o);
+        const float v2 = SHFL_XOR(v, o);
+        const u32 i2 = SHFL_XOR(i, o);
         if (v2 > v || (v2 == v && i2 < i) || (v != v && v2 == v2)) {
             v = v2;
             i = i2;
@@ -47,8 +47,8 @@ __device__ void block_argmax(float& v, u32& i, float* sv, u32* si) {
     i = lane < (int)(blockDim.x >> 5) ? si[lane] : 0xffffffffu;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
-        const u32 i2 = __shfl_xor_sync(0xffffffffu, i, o);
+        const float v2 = SHFL_XOR(v, o);
+        const u32 i2 = SHFL_XOR(i, o);
         if (v2 > v || (v2 == v && i2 < i) || (v != v && v2 == v2)) {
             v = v2;
             i = i2;
@@ -59,13 +59,13 @@ __device__ void block_argmax(float& v, u32& i, float* sv, u32* si) {
 __device__ u32 block_count(u32 c, u32* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    for (int o = 16; o > 0; o >>= 1) c += SHFL_XOR(c, o);
     __syncthreads();
     if (lane == 0) scratch[warp] = c;
     __syncthreads();
     u32 t = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0u;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    for (int o = 16; o > 0; o >>= 1) t += SHFL_XOR(t, o);
     return t;
 }
 
@@ -203,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
         float sc = p;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const float y = __shfl_up_sync(0xffffffffu, sc, o);
+            const float y = SHFL_UP(sc, o);
             if (lane >= o) sc += y;
         }
         __syncthreads();
@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
             float w = lane < warps ? sf[lane] : 0.0f;
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
-                const float y = __shfl_up_sync(0xffffffffu, w, o);
+                const float y = SHFL_UP(w, o);
                 if (lane >= o) w += y;
             }
             sf[lane] = w;

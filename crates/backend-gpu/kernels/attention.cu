@@ -268,7 +268,7 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
             }
 #pragma unroll
             for (int off = 8; off > 0; off >>= 1)
-                rmax = fmaxf(rmax, __shfl_xor_sync(0xffffffffu, rmax, off));
+                rmax = fmaxf(rmax, SHFL_XOR(rmax, off));
             const float mn = fmaxf(m[i], rmax);
             float rsum = 0.0f;
             if (mn == -INFINITY) {
@@ -284,7 +284,7 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
             }
 #pragma unroll
             for (int off = 8; off > 0; off >>= 1)
-                rsum += __shfl_xor_sync(0xffffffffu, rsum, off);
+                rsum += SHFL_XOR(rsum, off);
             if (mn != -INFINITY) {
                 const float corr = expf(m[i] - mn);
                 l[i] = l[i] * corr + rsum;
@@ -337,3 +337,8 @@ PREFILL(prefill_bf16_d128, bf16_t, 4, 4, 8)
 PREFILL(prefill_f32_d256, float, 2, 2, 16)
 PREFILL(prefill_f16_d256, f16_t, 2, 2, 16)
 PREFILL(prefill_bf16_d256, bf16_t, 2, 2, 16)
+// 16 x 16 tiles, for devices whose blocks get 64 KiB of shared memory (AMD
+// LDS) and head dims above 128.
+PREFILL(prefill_f32_d256_small, float, 1, 1, 16)
+PREFILL(prefill_f16_d256_small, f16_t, 1, 1, 16)
+PREFILL(prefill_bf16_d256_small, bf16_t, 1, 1, 16)

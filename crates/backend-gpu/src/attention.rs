@@ -16,11 +16,10 @@
 //! batch is small, so every SM has work); a graph step chooses the count from
 //! the bucket alone, since lengths change from step to step.
 
-use crate::CudaBackend;
+use crate::GpuBackend;
 use crate::device::PREFILL_SMEM_MAX;
 use crate::exec::Args;
 use crate::kernels::K;
-use crate::ops::no_overlap;
 use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, BufferId, CoreError, DType,
     KvLayer, Result, Tensor,
@@ -46,13 +45,13 @@ struct Prepared {
 }
 
 /// The CUDA paged attention.
-pub struct CudaAttention {
-    b: CudaBackend,
+pub struct GpuAttention {
+    b: GpuBackend,
     prepared: Mutex<VecDeque<Prepared>>,
 }
 
-impl CudaAttention {
-    pub(crate) fn new(b: CudaBackend) -> Self {
+impl GpuAttention {
+    pub(crate) fn new(b: GpuBackend) -> Self {
         Self {
             b,
             prepared: Mutex::new(VecDeque::new()),
@@ -76,11 +75,59 @@ pub(crate) fn decode_splits(
     s
 }
 
+/// Shared memory bytes of the prefill kernel with `bq` x `bq` tiles:
+/// Q [bq][hd + 1], K [bq][hd + 1], V [bq][hd], P [bq][bq + 1] floats.
+pub(crate) fn prefill_smem(bq: usize, hd: usize) -> usize {
+    4 * (2 * bq * (hd + 1) + bq * hd + bq * (bq + 1))
+}
+
+/// The prefill kernel for KV dtype `kd` and head dim `hd` with the largest
+/// tile whose shared memory fits `max_shared` bytes per block: 64-row tiles
+/// (head dims up to 128), 32-row tiles (up to 256), then 16-row tiles (for
+/// the 64 KiB of LDS of AMD GPUs). Returns the tile's rows and the kernel.
+pub(crate) fn prefill_kernel(kd: DType, hd: usize, max_shared: u32) -> Result<(usize, K)> {
+    let limit = max_shared.min(PREFILL_SMEM_MAX) as usize;
+    let families: &[(usize, [K; 3])] = &[
+        (
+            64,
+            [K::PrefillF32D128, K::PrefillF16D128, K::PrefillBf16D128],
+        ),
+        (
+            32,
+            [K::PrefillF32D256, K::PrefillF16D256, K::PrefillBf16D256],
+        ),
+        (
+            16,
+            [
+                K::PrefillF32D256Small,
+                K::PrefillF16D256Small,
+                K::PrefillBf16D256Small,
+            ],
+        ),
+    ];
+    let max_dim = |bq: usize| if bq == 64 { 128 } else { 256 };
+    let fit = families
+        .iter()
+        .find(|(bq, _)| hd <= max_dim(*bq) && prefill_smem(*bq, hd) <= limit);
+    let Some((bq, ks)) = fit else {
+        return Err(CoreError::unsupported(format!(
+            "prefill attention with head_dim {hd} needs {} bytes of shared memory (device allows {limit})",
+            prefill_smem(16, hd)
+        )));
+    };
+    let kern = match kd {
+        DType::F32 => ks[0],
+        DType::F16 => ks[1],
+        _ => ks[2],
+    };
+    Ok((*bq, kern))
+}
+
 fn to_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| CoreError::unsupported(format!("{what} {v} exceeds i32")))
 }
 
-impl AttentionBackend for CudaAttention {
+impl AttentionBackend for GpuAttention {
     fn name(&self) -> &str {
         "cuda-paged"
     }
@@ -191,7 +238,7 @@ impl AttentionBackend for CudaAttention {
                 )));
             }
         }
-        no_overlap(out, &[q, k, v, &kv.k, &kv.v])?;
+        out.check_no_overlap(&[q, k, v, &kv.k, &kv.v])?;
         let kd = kv.k.dtype();
         for c in [&kv.k, &kv.v] {
             if c.dtype() != kd
@@ -272,7 +319,7 @@ impl AttentionBackend for CudaAttention {
             } else {
                 Some(info.max_kv_len)
             };
-            let splits = decode_splits(seqs, nkv, dev.props.sm_count as usize, known_len);
+            let splits = decode_splits(seqs, nkv, dev.props().compute_units as usize, known_len);
             let part_o = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * hd], false)?;
             let part_ml = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * 2], false)?;
             let (pop, pmp) = (b.p(&st, &part_o)?, b.p(&st, &part_ml)?);
@@ -303,22 +350,8 @@ impl AttentionBackend for CudaAttention {
             let args = Args::new().p(pop).p(pmp).p(sp).p(op).i(nh).i(hd).i(splits);
             dev.launch(&mut st, K::DecodeMerge, [seqs, nh, 1], 128, 0, args)
         } else {
-            let (bq, bk) = if hd <= 128 { (64, 64) } else { (32, 32) };
-            let smem = 4 * (bq * (hd + 1) + bk * (hd + 1) + bk * hd + bq * (bk + 1));
-            let limit = dev.props.smem_optin.min(PREFILL_SMEM_MAX) as usize;
-            if smem > limit {
-                return Err(CoreError::unsupported(format!(
-                    "prefill attention needs {smem} bytes of shared memory (device allows {limit})"
-                )));
-            }
-            let kern = match (kd, hd <= 128) {
-                (DType::F32, true) => K::PrefillF32D128,
-                (DType::F16, true) => K::PrefillF16D128,
-                (_, true) => K::PrefillBf16D128,
-                (DType::F32, false) => K::PrefillF32D256,
-                (DType::F16, false) => K::PrefillF16D256,
-                (_, false) => K::PrefillBf16D256,
-            };
+            let (bq, kern) = prefill_kernel(kd, hd, dev.props().max_shared_per_block)?;
+            let smem = prefill_smem(bq, hd);
             let args = Args::new()
                 .p(qp)
                 .p(kc)

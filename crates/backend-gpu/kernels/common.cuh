@@ -1,9 +1,28 @@
-// Shared helpers of Arbor's CUDA kernels (compiled with NVRTC, no headers).
+// Shared helpers of Arbor's GPU kernels, compiled at run time without headers:
+// by NVRTC for NVIDIA GPUs and by hiprtc for AMD GPUs, from this one source.
 //
 // Storage types: `float` (f32), `bf16_t` and `f16_t` (raw 16-bit patterns).
 // Conversions round to nearest even, as the `half` crate does on the host, so
 // a value written to a bf16/f16 KV cache here has the same bits as on the CPU.
 // All arithmetic is in f32. Kernels are compiled without fast-math.
+//
+// Portability: the kernels are written for warps of 32 lanes (`lane =
+// threadIdx.x & 31`, `warp = threadIdx.x >> 5`, shuffles across offsets up to
+// 16). On AMD GPUs with 64-wide wavefronts (CDNA: gfx9xx) a wavefront holds
+// two such warps: `SHFL_XOR` and `SHFL_UP` pass width 32, so they exchange
+// only inside each 32-lane half, so every reduction computes exactly what it
+// does on a 32-wide warp; 32-wide wavefronts (RDNA) are one warp. The only
+// other differences are the f16 conversions (PTX `cvt` on NVIDIA, clang's
+// `_Float16` on AMD; both round to nearest even).
+
+#if defined(__HIPCC_RTC__) || defined(__HIP__)
+#define ARBOR_HIP 1
+#define SHFL_XOR(v, o) __shfl_xor((v), (o), 32)
+#define SHFL_UP(v, o) __shfl_up((v), (o), 32)
+#else
+#define SHFL_XOR(v, o) __shfl_xor_sync(0xffffffffu, (v), (o))
+#define SHFL_UP(v, o) __shfl_up_sync(0xffffffffu, (v), (o))
+#endif
 
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -20,10 +39,14 @@ __device__ __forceinline__ float to_f32(bf16_t v) {
     return __uint_as_float(((u32)v.x) << 16);
 }
 __device__ __forceinline__ float to_f32(f16_t v) {
+#ifdef ARBOR_HIP
+    return (float)__builtin_bit_cast(_Float16, v.x);
+#else
     float f;
     unsigned short h = v.x;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#endif
 }
 
 template <typename T> __device__ __forceinline__ T from_f32(float v);
@@ -41,8 +64,12 @@ template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float v) {
     return r;
 }
 template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float v) {
+#ifdef ARBOR_HIP
+    unsigned short h = __builtin_bit_cast(unsigned short, (_Float16)v);
+#else
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#endif
     f16_t r;
     r.x = h;
     return r;
@@ -50,13 +77,13 @@ template <> __device__ __forceinline__ f16_t from_f32<f16_t>(float v) {
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v += SHFL_XOR(v, o);
     return v;
 }
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, SHFL_XOR(v, o));
     return v;
 }
 

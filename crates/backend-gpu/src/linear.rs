@@ -10,13 +10,14 @@
 //! checkpoints (`f8_s32`, `u4_s32`, `f4_s16`) stay packed in device memory
 //! and are dequantized to an f32 scratch before each GEMM (exactly the CPU's
 //! values), then multiplied as f32 weights: a dequantizing GEMM, until FP8
-//! and FP4 tensor-core paths exist. [`CudaBackend::op_linear_many`]
+//! and FP4 tensor-core paths exist. [`GpuBackend::op_linear_many`]
 //! rounds the shared input once for all its layers (Q/K/V, gate/up).
 
-use crate::CudaBackend;
-use crate::exec::{Args, Gemm, Op};
+use crate::GpuBackend;
+use crate::driver::Gemm;
+use crate::exec::{Args, Op};
 use crate::kernels::K;
-use crate::ops::{no_overlap, stride_grid, want};
+use crate::ops::stride_grid;
 use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
 
 /// The kernel that dequantizes a scaled weight dtype to f32, if it is one.
@@ -29,9 +30,9 @@ fn dequant_kernel(dtype: DType) -> Option<K> {
     }
 }
 
-impl CudaBackend {
+impl GpuBackend {
     pub(crate) fn op_linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
-        want(x, DType::F32)?;
+        x.check_dtype(DType::F32)?;
         let (m, k) = (x.rows(), x.row_len());
         for (i, l) in layers.iter().enumerate() {
             let [n, wk] = *l.w.shape() else {
@@ -46,7 +47,7 @@ impl CudaBackend {
                     l.w
                 )));
             }
-            want(l.out, DType::F32)?;
+            l.out.check_dtype(DType::F32)?;
             if l.out.rows() != m || l.out.row_len() != n {
                 return Err(CoreError::invalid(format!(
                     "linear output {:?}, expected [{m}, {n}]",
@@ -63,7 +64,7 @@ impl CudaBackend {
             }
             let mut inputs = vec![x, l.w];
             if let Some(b) = l.bias {
-                want(b, DType::F32)?;
+                b.check_dtype(DType::F32)?;
                 if b.numel() != n {
                     return Err(CoreError::invalid(format!("bias {b:?} for {n} outputs")));
                 }
@@ -72,7 +73,7 @@ impl CudaBackend {
             for other in &layers[..i] {
                 inputs.push(other.out);
             }
-            no_overlap(l.out, &inputs)?;
+            l.out.check_no_overlap(&inputs)?;
         }
         if layers.is_empty() || m == 0 {
             return Ok(());

@@ -1,7 +1,8 @@
-//! Queuing work on the stream: recorded operations, decode steps, CUDA graphs.
+//! Queuing work on the stream: recorded operations, decode steps, graphs
+//! (CUDA graphs, HIP graphs).
 //!
 //! Every device operation becomes an [`Op`] (a kernel launch with its packed
-//! arguments, a cuBLAS GEMM, a copy or a memset). Outside a step an op runs at
+//! arguments, a BLAS GEMM, a copy or a memset), run through the [`Driver`]. Outside a step an op runs at
 //! once. Between [`Device::begin_step`] (called by the attention backend when
 //! it prepares a decode batch that fits a graph bucket) and the next sync point
 //! ([`Device::flush`]: a download, `synchronize`, or the next prepare) ops are
@@ -30,12 +31,11 @@
 
 #![allow(unsafe_code)]
 
-use crate::device::{Device, dev_err};
+use crate::device::Device;
+use crate::driver::{Driver, Gemm, Graph};
 use crate::kernels::K;
 use crate::memory::{Kind, Memory};
-use arbor_engine_core::{CoreError, DType, Result, Tensor};
-use cudarc::cublas::sys as cb;
-use cudarc::driver::{result as drv, sys};
+use arbor_engine_core::{CoreError, Result, Tensor};
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 
@@ -77,19 +77,6 @@ impl Args {
         self.sig.push('f');
         self
     }
-}
-
-/// A GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 output and accumulation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Gemm {
-    /// Type of `w` and `x`.
-    pub dtype: DType,
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub w: u64,
-    pub x: u64,
-    pub out: u64,
 }
 
 /// One unit of queued work.
@@ -150,23 +137,10 @@ pub struct GraphStats {
     pub failures: u64,
 }
 
-struct Graph {
-    graph: sys::CUgraph,
-    exec: sys::CUgraphExec,
+/// A bucket's captured graph and the ops it replays.
+struct Captured {
+    graph: Box<dyn Graph>,
     ops: Vec<Op>,
-}
-
-// SAFETY: the handles are used only under the state lock with the context bound.
-unsafe impl Send for Graph {}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        // SAFETY: created by a successful capture and instantiation; destroyed once.
-        unsafe {
-            let _ = drv::graph::exec_destroy(self.exec);
-            let _ = drv::graph::destroy(self.graph);
-        }
-    }
 }
 
 /// Everything behind the device's lock.
@@ -174,7 +148,7 @@ impl Drop for Graph {
 pub(crate) struct State {
     pub mem: Memory,
     pub step: Option<Step>,
-    graphs: HashMap<usize, Graph>,
+    graphs: HashMap<usize, Captured>,
     broken: HashSet<usize>,
     /// Buckets whose first step ran eagerly (warming cuBLAS up before capture).
     warm: HashSet<usize>,
@@ -236,24 +210,11 @@ impl State {
     }
 
     /// Frees everything at device teardown.
-    pub fn teardown(&mut self) {
+    pub fn teardown(&mut self, drv: &dyn Driver) {
         self.step = None;
         self.graphs.clear();
-        self.mem.teardown();
+        self.mem.teardown(drv);
     }
-}
-
-fn cuda_type(d: DType) -> Result<cb::cudaDataType> {
-    Ok(match d {
-        DType::F32 => cb::cudaDataType::CUDA_R_32F,
-        DType::F16 => cb::cudaDataType::CUDA_R_16F,
-        DType::BF16 => cb::cudaDataType::CUDA_R_16BF,
-        other => {
-            return Err(CoreError::unsupported(format!(
-                "CUDA GEMM with {other} inputs"
-            )));
-        }
-    })
 }
 
 impl Device {
@@ -287,7 +248,7 @@ impl Device {
             }
             st.no_graph("the step arena is growing");
         }
-        if let Some(s) = st.mem.pool_alloc(cap) {
+        if let Some(s) = st.mem.pool_alloc(self.drv.as_ref(), cap) {
             return Ok(s);
         }
         // Out of memory: run what is recorded, drain, return cached blocks, retry.
@@ -299,14 +260,13 @@ impl Device {
                 self.exec(op)?;
             }
         }
-        self.stream
-            .synchronize()
-            .map_err(dev_err("cuStreamSynchronize"))?;
+        self.drv.sync()?;
         st.staging_busy = false;
-        st.mem.trim();
-        st.mem.pool_alloc(cap).ok_or_else(|| {
+        st.mem.trim(self.drv.as_ref());
+        st.mem.pool_alloc(self.drv.as_ref(), cap).ok_or_else(|| {
             CoreError::OutOfMemory(format!(
-                "CUDA allocation of {cap} bytes failed ({} MiB allocated)",
+                "{} allocation of {cap} bytes failed ({} MiB allocated)",
+                self.drv.backend_name(),
                 st.mem.pool_bytes >> 20
             ))
         })
@@ -343,7 +303,7 @@ impl Device {
         }
         if args.overflow || grid[0] > i32::MAX as usize || grid[1] > 65535 || grid[2] > 65535 {
             return Err(CoreError::unsupported(format!(
-                "kernel {} launch of {grid:?} blocks exceeds CUDA's limits",
+                "kernel {} launch of {grid:?} blocks exceeds the grid limits",
                 k.name()
             )));
         }
@@ -390,14 +350,13 @@ impl Device {
             return self.exec(&Op::HtoDOwned { dst, data: owned });
         }
         // SAFETY: `dst` covers `data.len()` bytes (checked by the caller); for
-        // pageable memory the driver has staged the data when this returns.
-        unsafe { drv::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
-            .map_err(dev_err("cuMemcpyHtoDAsync"))
+        // pageable memory the runtime has staged the data when this returns.
+        unsafe { self.drv.htod(dst, data.as_ptr(), data.len()) }
     }
 
     /// Runs one op on the stream now.
     pub fn exec(&self, op: &Op) -> Result<()> {
-        let stream = self.stream.cu_stream();
+        let drv = self.drv.as_ref();
         match op {
             Op::Kernel {
                 k,
@@ -412,86 +371,24 @@ impl Device {
                     .map(|v| v as *mut u64 as *mut c_void)
                     .collect();
                 // SAFETY: the argument list matches the kernel's signature
-                // (checked in `launch`, and against the PTX by the NVRTC
-                // test); every pointer argument was resolved from a live
-                // buffer whose capacity covers the launch's index range.
-                unsafe {
-                    drv::launch_kernel(
-                        self.func(*k).cu_function(),
-                        (grid[0], grid[1], grid[2]),
-                        (*block, 1, 1),
-                        *smem,
-                        stream,
-                        &mut ptrs,
-                    )
-                }
-                .map_err(dev_err(k.name()))
+                // (checked in `launch`, and against the compiled kernels by the
+                // NVRTC and hiprtc tests); every pointer argument was resolved
+                // from a live buffer whose capacity covers the launch's range.
+                unsafe { drv.launch(*k, *grid, *block, *smem, &mut ptrs) }
             }
-            Op::Gemm(g) => self.gemm(g),
-            Op::HtoD { dst, src, bytes } => {
-                // SAFETY: `src` points into live pinned staging holding `bytes`
-                // bytes that stay unchanged until the stream drains.
-                unsafe {
-                    let data = std::slice::from_raw_parts(*src as *const u8, *bytes);
-                    drv::memcpy_htod_async(*dst, data, stream)
-                }
-                .map_err(dev_err("cuMemcpyHtoDAsync"))
-            }
-            Op::HtoDOwned { dst, data } => {
-                // SAFETY: pageable source: the driver stages it before returning.
-                unsafe { drv::memcpy_htod_async(*dst, data, stream) }
-                    .map_err(dev_err("cuMemcpyHtoDAsync"))
-            }
-            Op::DtoD { dst, src, bytes } => {
-                // SAFETY: both ranges lie in live buffers (checked by the caller).
-                unsafe { drv::memcpy_dtod_async(*dst, *src, *bytes, stream) }
-                    .map_err(dev_err("cuMemcpyDtoDAsync"))
-            }
-            Op::Memset { dst, bytes } => {
-                // SAFETY: the range lies in a live buffer.
-                unsafe { drv::memset_d8_async(*dst, 0, *bytes, stream) }
-                    .map_err(dev_err("cuMemsetD8Async"))
-            }
+            // SAFETY: the addresses were resolved from live buffers of the
+            // GEMM's shapes when the op was built.
+            Op::Gemm(g) => unsafe { drv.gemm(g) },
+            // SAFETY: `src` points into live pinned staging holding `bytes`
+            // bytes that stay unchanged until the stream drains.
+            Op::HtoD { dst, src, bytes } => unsafe { drv.htod(*dst, *src as *const u8, *bytes) },
+            // SAFETY: pageable source: the runtime stages it before returning.
+            Op::HtoDOwned { dst, data } => unsafe { drv.htod(*dst, data.as_ptr(), data.len()) },
+            // SAFETY: both ranges lie in live buffers (checked by the caller).
+            Op::DtoD { dst, src, bytes } => unsafe { drv.dtod(*dst, *src, *bytes) },
+            // SAFETY: the range lies in a live buffer.
+            Op::Memset { dst, bytes } => unsafe { drv.memset(*dst, *bytes) },
         }
-    }
-
-    fn gemm(&self, g: &Gemm) -> Result<()> {
-        let ty = cuda_type(g.dtype)?;
-        let dim = |v: usize| {
-            i32::try_from(v).map_err(|_| CoreError::unsupported(format!("GEMM dimension {v}")))
-        };
-        let (m, n, k) = (dim(g.m)?, dim(g.n)?, dim(g.k)?);
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // Row-major out[m, n] = x[m, k] · w[n, k]ᵀ is column-major
-        // outᵀ (n × m) = wᵀ (n × k, w stored k × n) · xᵀ (k × m).
-        // SAFETY: the pointers cover w [n, k], x [m, k] and out [m, n] of the
-        // given types (checked when the op was built); alpha and beta are
-        // host scalars read during the call.
-        unsafe {
-            cb::cublasGemmEx(
-                self.blas.handle,
-                cb::cublasOperation_t::CUBLAS_OP_T,
-                cb::cublasOperation_t::CUBLAS_OP_N,
-                n,
-                m,
-                k,
-                &alpha as *const f32 as *const c_void,
-                g.w as *const c_void,
-                ty,
-                k,
-                g.x as *const c_void,
-                ty,
-                k,
-                &beta as *const f32 as *const c_void,
-                g.out as *mut c_void,
-                cb::cudaDataType::CUDA_R_32F,
-                n,
-                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-            .result()
-        }
-        .map_err(|e| CoreError::Device(format!("cublasGemmEx {m}x{n}x{k}: {e}")))
     }
 
     /// Starts recording a decode step of `b` sequences at `bucket`. Returns
@@ -502,12 +399,10 @@ impl Device {
             return Ok(false);
         }
         if st.staging_busy || st.mem.needs_grow() {
-            self.stream
-                .synchronize()
-                .map_err(dev_err("cuStreamSynchronize"))?;
+            self.drv.sync()?;
             st.staging_busy = false;
         }
-        if st.mem.begin_step()? {
+        if st.mem.begin_step(self.drv.as_ref())? {
             st.graphs.clear();
         }
         st.step = Some(Step {
@@ -542,7 +437,7 @@ impl Device {
             return step.ops.iter().try_for_each(|op| self.exec(op));
         }
         if st.warm.insert(step.bucket) {
-            // The first step of a bucket runs eagerly: cuBLAS picks and loads
+            // The first step of a bucket runs eagerly: the BLAS library picks and loads
             // its kernels for the new shapes outside of a capture.
             st.stats.eager_steps += 1;
             return step.ops.iter().try_for_each(|op| self.exec(op));
@@ -551,63 +446,31 @@ impl Device {
             && g.ops == step.ops
         {
             st.stats.replays += 1;
-            // SAFETY: an instantiated graph of this context; every address it
-            // uses is the same as in the ops just recorded, which are live.
-            return unsafe { drv::graph::launch(g.exec, self.stream.cu_stream()) }
-                .map_err(dev_err("cuGraphLaunch"));
+            // Every address the graph uses is the same as in the ops just
+            // recorded, which are live.
+            return g.graph.launch();
         }
-        match self.capture(&step.ops) {
-            Ok((graph, exec)) => {
-                let g = Graph {
-                    graph,
-                    exec,
-                    ops: step.ops,
-                };
-                // SAFETY: as for a replay.
-                unsafe { drv::graph::launch(g.exec, self.stream.cu_stream()) }
-                    .map_err(dev_err("cuGraphLaunch"))?;
+        let ops = step.ops;
+        match self
+            .drv
+            .capture(&mut || ops.iter().try_for_each(|op| self.exec(op)))
+        {
+            Ok(graph) => {
+                graph.launch()?;
                 st.stats.captures += 1;
-                st.graphs.insert(step.bucket, g);
+                st.graphs.insert(step.bucket, Captured { graph, ops });
                 Ok(())
             }
             Err(e) => {
                 tracing::warn!(
-                    "capturing a CUDA graph for decode batches of {} failed ({e}); \
+                    "capturing a {} graph for decode batches of {} failed ({e}); \
                      they run without one",
+                    self.drv.backend_name(),
                     step.bucket
                 );
                 st.broken.insert(step.bucket);
                 st.stats.failures += 1;
-                step.ops.iter().try_for_each(|op| self.exec(op))
-            }
-        }
-    }
-
-    fn capture(&self, ops: &[Op]) -> Result<(sys::CUgraph, sys::CUgraphExec)> {
-        let s = self.stream.cu_stream();
-        // SAFETY: a live stream of the bound context, not already capturing.
-        unsafe {
-            drv::stream::begin_capture(
-                s,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        }
-        .map_err(dev_err("cuStreamBeginCapture"))?;
-        let recorded = ops.iter().try_for_each(|op| self.exec(op));
-        // SAFETY: ends the capture begun above, whatever happened in between.
-        let ended = unsafe { drv::stream::end_capture(s) }.map_err(dev_err("cuStreamEndCapture"));
-        recorded?;
-        let graph = ended?;
-        if graph.is_null() {
-            return Err(CoreError::Device("stream capture produced no graph".into()));
-        }
-        // SAFETY: a graph just captured; destroyed if instantiation fails.
-        match unsafe { drv::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
-            Ok(exec) => Ok((graph, exec)),
-            Err(e) => {
-                // SAFETY: as above.
-                let _ = unsafe { drv::graph::destroy(graph) };
-                Err(dev_err("cuGraphInstantiate")(e))
+                ops.iter().try_for_each(|op| self.exec(op))
             }
         }
     }
@@ -615,9 +478,7 @@ impl Device {
     /// Flushes and waits for the stream to drain.
     pub fn sync(&self, st: &mut State) -> Result<()> {
         self.flush(st)?;
-        self.stream
-            .synchronize()
-            .map_err(dev_err("cuStreamSynchronize"))?;
+        self.drv.sync()?;
         st.staging_busy = false;
         Ok(())
     }
@@ -630,25 +491,15 @@ impl Device {
         }
         // SAFETY: `src` covers `dst.len()` bytes (checked by the caller); the
         // copy completes before the synchronize below returns.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr() as *mut c_void,
-                src,
-                dst.len(),
-                self.stream.cu_stream(),
-            )
-            .result()
-        }
-        .map_err(dev_err("cuMemcpyDtoHAsync"))?;
-        self.stream
-            .synchronize()
-            .map_err(dev_err("cuStreamSynchronize"))
+        unsafe { self.drv.dtoh(src, dst)? };
+        self.drv.sync()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arbor_engine_core::DType;
 
     #[test]
     fn args_pack_and_sign() {

@@ -9,22 +9,21 @@
 //! can differ from the host's, which walks its candidates in another order.
 //! Tokens tied at the top-k or top-p boundary are all kept here.
 
-use crate::CudaBackend;
+use crate::GpuBackend;
 use crate::exec::Args;
 use crate::kernels::K;
-use crate::ops::want;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{CoreError, DType, Result, Tensor};
 
-impl CudaBackend {
+impl GpuBackend {
     pub(crate) fn op_sample(
         &self,
         logits: &Tensor,
         rows: &[SampleRow],
         out: &Tensor,
     ) -> Result<()> {
-        want(logits, DType::F32)?;
-        want(out, DType::U32)?;
+        logits.check_dtype(DType::F32)?;
+        out.check_dtype(DType::U32)?;
         let vocab = logits.row_len();
         if logits.rows() != rows.len() || out.numel() != rows.len() || vocab == 0 {
             return Err(CoreError::invalid(format!(

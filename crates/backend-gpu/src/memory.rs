@@ -1,5 +1,7 @@
 //! Device memory: a slab of buffers behind [`BufferId`] slots, a caching pool,
-//! the per-step arena of CUDA-graph steps, and pinned staging for their uploads.
+//! the per-step arena of graph steps, and pinned staging for their uploads.
+//! Memory comes from the [`Driver`], which every method that allocates or
+//! frees is given.
 //!
 //! Pool: sizes round up to a class (512 B steps below 1 MiB, 1 MiB steps below
 //! 128 MiB, 32 MiB steps above) and freed blocks stay cached for reuse. Reuse is
@@ -26,9 +28,8 @@
 
 #![allow(unsafe_code)]
 
-use crate::device::dev_err;
-use arbor_engine_core::Result;
-use cudarc::driver::result as drv;
+use crate::driver::Driver;
+use arbor_engine_core::{CoreError, Result};
 use std::collections::BTreeMap;
 
 /// Alignment of every block and arena allocation.
@@ -153,12 +154,12 @@ impl Memory {
     }
 
     /// Returns every cached block to the driver.
-    pub fn trim(&mut self) {
+    pub fn trim(&mut self, drv: &dyn Driver) {
         for (_, ptrs) in std::mem::take(&mut self.cache) {
             for p in ptrs {
                 // SAFETY: a cached block is owned by no buffer; callers
                 // synchronize the stream before trimming.
-                let _ = unsafe { drv::free_sync(p) };
+                unsafe { drv.free(p) };
             }
         }
         self.pool_bytes -= self.cached_bytes.min(self.pool_bytes);
@@ -167,7 +168,7 @@ impl Memory {
 
     /// A pool block of at least `bytes`, cached or new; `None` when the driver
     /// is out of memory (the caller drains the stream, trims and retries).
-    pub fn pool_alloc(&mut self, bytes: usize) -> Option<u64> {
+    pub fn pool_alloc(&mut self, drv: &dyn Driver, bytes: usize) -> Option<u64> {
         let cap = size_class(bytes);
         if let Some(p) = self.cache.get_mut(&cap).and_then(Vec::pop) {
             self.cached_bytes -= cap;
@@ -176,8 +177,7 @@ impl Memory {
                 kind: Kind::Pool(cap),
             }));
         }
-        // SAFETY: allocates in the current context.
-        let ptr = unsafe { drv::malloc_sync(cap) }.ok()?;
+        let ptr = drv.malloc(cap)?;
         self.pool_bytes += cap;
         Some(self.new_slot(Block {
             ptr,
@@ -234,28 +234,27 @@ impl Memory {
     /// step seen. Returns whether they moved (captured graphs are then stale).
     /// The caller has drained the stream when staging may still be read or
     /// [`Memory::needs_grow`] holds, and checked that no step buffer is alive.
-    pub fn begin_step(&mut self) -> Result<bool> {
+    pub fn begin_step(&mut self, drv: &dyn Driver) -> Result<bool> {
         let mut moved = false;
         if self.arena.hwm > self.arena.cap {
             let cap = round_up(self.arena.hwm + self.arena.hwm / 2, 2 << 20);
             if self.arena.base != 0 {
                 // SAFETY: no live step buffer (checked by the caller) and the stream drained.
-                let _ = unsafe { drv::free_sync(self.arena.base) };
+                unsafe { drv.free(self.arena.base) };
                 self.arena.base = 0;
                 self.arena.cap = 0;
             }
-            // SAFETY: allocates in the current context.
-            let base = unsafe { drv::malloc_sync(cap) }.map_err(dev_err("cuMemAlloc (arena)"))?;
+            let base = drv.malloc(cap).ok_or_else(|| {
+                CoreError::OutOfMemory(format!("the graph step arena of {cap} bytes"))
+            })?;
             self.arena.base = base;
             self.arena.cap = cap;
             moved = true;
         }
         if self.staging.hwm > self.staging.cap {
             let cap = round_up(self.staging.hwm + self.staging.hwm / 2, 1 << 20);
-            self.free_staging();
-            // SAFETY: allocates pinned host memory in the current context.
-            let p = unsafe { drv::malloc_host(cap, 0) }.map_err(dev_err("cuMemHostAlloc"))?;
-            self.staging.base = p as *mut u8;
+            self.free_staging(drv);
+            self.staging.base = drv.malloc_host(cap)?;
             self.staging.cap = cap;
             moved = true;
         }
@@ -267,30 +266,30 @@ impl Memory {
         Ok(moved)
     }
 
-    fn free_staging(&mut self) {
+    fn free_staging(&mut self, drv: &dyn Driver) {
         if !self.staging.base.is_null() {
-            // SAFETY: allocated by cuMemHostAlloc; the stream has drained.
-            let _ = unsafe { drv::free_host(self.staging.base as *mut _) };
+            // SAFETY: allocated by malloc_host; the stream has drained.
+            unsafe { drv.free_host(self.staging.base) };
             self.staging.base = std::ptr::null_mut();
             self.staging.cap = 0;
         }
     }
 
     /// Frees everything (the device is being dropped; the stream has drained).
-    pub fn teardown(&mut self) {
+    pub fn teardown(&mut self, drv: &dyn Driver) {
         for b in self.slots.iter_mut().filter_map(Option::take) {
             if let Kind::Pool(_) = b.kind {
                 // SAFETY: the backend is dropped, so no buffer outlives this.
-                let _ = unsafe { drv::free_sync(b.ptr) };
+                unsafe { drv.free(b.ptr) };
             }
         }
-        self.trim();
+        self.trim(drv);
         if self.arena.base != 0 {
             // SAFETY: as above.
-            let _ = unsafe { drv::free_sync(self.arena.base) };
+            unsafe { drv.free(self.arena.base) };
             self.arena.base = 0;
         }
-        self.free_staging();
+        self.free_staging(drv);
     }
 }
 

@@ -1,23 +1,25 @@
-//! The NVRTC kernels: their sources, their table, and their compilation.
+//! The GPU kernels: their one source, their table, and the cache of their
+//! compiled images.
 //!
 //! Every kernel the backend launches is listed once in [`KERNELS`] with its
 //! `extern "C"` name and its parameter signature (`p` device pointer, `l` u64,
 //! `i` 32-bit integer, `f` f32). Launches are checked against the signature
-//! before they are queued ([`crate::exec::Args`]), and the NVRTC test checks
-//! the signatures against the `.entry` declarations of the compiled PTX, so the
-//! Rust and CUDA sides of every launch agree without a GPU.
+//! before they are queued ([`crate::exec::Args`]), and the NVRTC and hiprtc
+//! tests check the signatures against the compiled kernels' own parameter
+//! lists ([`check_signatures`]), so the Rust and GPU sides of every launch
+//! agree without a GPU.
 //!
-//! Kernels are compiled at run time for the device's architecture (a CUBIN for
-//! `sm_XY`, falling back to PTX for `compute_XY`), cached per process and on
-//! disk (`$ARBOR_CUDA_CACHE`, else `$XDG_CACHE_HOME/arbor/cuda`, else
-//! `~/.cache/arbor/cuda`) under a hash of the source, the NVRTC version and the
-//! target, so a restart does not recompile.
+//! The source (`kernels/*.cu`) is CUDA C that NVRTC and hiprtc both compile;
+//! `kernels/common.cuh` holds the few differences. Kernels are compiled at run
+//! time for the device's architecture by the runtime's [`KernelCompiler`],
+//! cached per process and on disk (`$ARBOR_<RUNTIME>_CACHE`, else
+//! `$XDG_CACHE_HOME/arbor/<runtime>`, else `~/.cache/arbor/<runtime>`) under a
+//! hash of the source, the compiler's version and the target, so a restart
+//! does not recompile. Cache files are written whole and renamed into place.
 
-use crate::nvrtc;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock};
-
 macro_rules! kernels {
     ($($id:ident = $name:literal : $sig:literal,)*) => {
         /// A kernel of [`KERNELS`], by position.
@@ -61,6 +63,9 @@ kernels! {
     PrefillF32D256 = "prefill_f32_d256": "ppppppiiiifi",
     PrefillF16D256 = "prefill_f16_d256": "ppppppiiiifi",
     PrefillBf16D256 = "prefill_bf16_d256": "ppppppiiiifi",
+    PrefillF32D256Small = "prefill_f32_d256_small": "ppppppiiiifi",
+    PrefillF16D256Small = "prefill_f16_d256_small": "ppppppiiiifi",
+    PrefillBf16D256Small = "prefill_bf16_d256_small": "ppppppiiiifi",
     SampleRows = "sample_rows": "pppii",
     DequantF8S32 = "dequant_f8_s32": "ppl",
     DequantU4S32 = "dequant_u4_s32": "ppl",
@@ -90,12 +95,26 @@ pub fn source() -> String {
     .join("\n")
 }
 
-/// Compiled kernels: a CUBIN or a PTX text (NUL-terminated), and which.
+/// A runtime's compiler of the kernel source (NVRTC, hiprtc).
+pub trait KernelCompiler {
+    /// The runtime's short name: the cache's subfolder (`cuda`, `rocm`).
+    fn runtime(&self) -> &'static str;
+    /// The environment variable naming the cache folder (`ARBOR_CUDA_CACHE`).
+    fn cache_env(&self) -> &'static str;
+    /// The compiler's version, part of the cache key.
+    fn version(&self) -> Result<String, String>;
+    /// Compiles `src` for `target`.
+    fn compile(&self, src: &str, target: &str) -> Result<Vec<u8>, String>;
+    /// Whether a cached image for `target` is of the kind `compile` makes.
+    fn looks_valid(&self, image: &[u8], target: &str) -> bool;
+}
+
+/// Compiled kernels and their target.
 #[derive(Clone, Debug)]
 pub struct Image {
-    /// The bytes to load with `cuModuleLoadData`.
+    /// The bytes to load as a module (CUBIN, PTX text, AMD code object).
     pub bytes: Vec<u8>,
-    /// The NVRTC target (`sm_90`, `compute_90`).
+    /// The target (`sm_90`, `compute_90`, `gfx90a`).
     pub target: String,
 }
 
@@ -107,40 +126,43 @@ fn fnv1a(data: &[u8], mut h: u64) -> u64 {
     h
 }
 
-fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("ARBOR_CUDA_CACHE") {
+fn cache_dir(c: &dyn KernelCompiler) -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os(c.cache_env()) {
         return Some(PathBuf::from(d));
     }
+    let sub = format!("arbor/{}", c.runtime());
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return Some(PathBuf::from(d).join("arbor/cuda"));
+        return Some(PathBuf::from(d).join(sub));
     }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/arbor/cuda"))
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join(sub))
 }
 
-/// Compiles every kernel for `target` (`sm_XY` gives a CUBIN, `compute_XY`
-/// PTX), from the process cache, the disk cache, or NVRTC.
-pub fn compile_cached(target: &str) -> Result<Image, String> {
+/// Every kernel compiled for `target`, from the process cache, the disk
+/// cache, or the compiler.
+pub fn compile_cached(c: &dyn KernelCompiler, target: &str) -> Result<Image, String> {
     static MEM: OnceLock<Mutex<HashMap<String, Image>>> = OnceLock::new();
     let mem = MEM.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(img) = mem.lock().unwrap_or_else(|e| e.into_inner()).get(target) {
+    let mem_key = format!("{}/{target}", c.runtime());
+    if let Some(img) = mem.lock().unwrap_or_else(|e| e.into_inner()).get(&mem_key) {
         return Ok(img.clone());
     }
     let src = source();
-    let (maj, min) = nvrtc::version()?;
+    let version = c.version()?;
     let key = fnv1a(
-        format!("{maj}.{min}/{target}/").as_bytes(),
+        format!("{version}/{target}/").as_bytes(),
         fnv1a(src.as_bytes(), 0xcbf2_9ce4_8422_2325),
     );
-    let file = cache_dir().map(|d| d.join(format!("kernels-{target}-{key:016x}.bin")));
+    let file = cache_dir(c).map(|d| d.join(format!("kernels-{target}-{key:016x}.bin")));
     let cached = file.as_ref().and_then(|f| std::fs::read(f).ok());
     let bytes = match cached {
-        Some(b) if looks_valid(&b, target) => b,
+        Some(b) if c.looks_valid(&b, target) => b,
         _ => {
             let t0 = std::time::Instant::now();
-            let b = nvrtc::compile(&src, target).map_err(|e| e.to_string())?;
+            let b = c.compile(&src, target)?;
             tracing::info!(
-                "compiled {} CUDA kernels for {target} in {:.1} s",
+                "compiled {} {} kernels for {target} in {:.1} s",
                 KERNELS.len(),
+                c.runtime(),
                 t0.elapsed().as_secs_f64()
             );
             if let Some(f) = &file {
@@ -165,69 +187,52 @@ pub fn compile_cached(target: &str) -> Result<Image, String> {
     };
     mem.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(target.to_string(), img.clone());
+        .insert(mem_key, img.clone());
     Ok(img)
 }
 
-/// A cached image is used only if it is a CUBIN (ELF) or a NUL-terminated PTX text.
-fn looks_valid(b: &[u8], target: &str) -> bool {
-    if target.starts_with("sm_") {
-        b.starts_with(b"\x7fELF")
-    } else {
-        b.last() == Some(&0) && b.windows(8).any(|w| w == b".version")
-    }
+/// A parameter of a compiled kernel as its image describes it: what each
+/// runtime's metadata can tell apart.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// A global pointer (AMD metadata: `global_buffer`).
+    Pointer,
+    /// 8 bytes of unknown kind (PTX `.u64`: a pointer or a u64).
+    Bits64,
+    /// An 8-byte value (AMD `by_value`, size 8).
+    Value64,
+    /// A 4-byte value of unknown kind (AMD `by_value`, size 4; PTX `.u32`).
+    Bits32,
+    /// A 4-byte float (PTX `.f32`).
+    F32,
+    /// Anything else.
+    Other,
 }
 
-/// The `.entry` kernels of a PTX text with their parameter types (`u64`, `u32`, `f32`...).
-pub fn ptx_entries(ptx: &str) -> Vec<(String, Vec<String>)> {
-    let mut out = Vec::new();
-    let mut rest = ptx;
-    while let Some(at) = rest.find(".entry ") {
-        rest = &rest[at + ".entry ".len()..];
-        let name_end = rest.find(['(', ' ', '\n']).unwrap_or(rest.len());
-        let name = rest[..name_end].trim().to_string();
-        let params_end = rest.find(')').unwrap_or(rest.len());
-        let params = rest[..params_end]
-            .split(".param")
-            .skip(1)
-            .filter_map(|p| p.split_whitespace().next())
-            .map(|t| t.trim_start_matches('.').to_string())
-            .collect();
-        out.push((name, params));
-        rest = &rest[params_end..];
-    }
-    out
+fn accepts(sig: char, p: Param) -> bool {
+    matches!(
+        (sig, p),
+        ('p', Param::Pointer | Param::Bits64)
+            | ('l', Param::Value64 | Param::Bits64)
+            | ('i', Param::Bits32)
+            | ('f', Param::Bits32 | Param::F32)
+    )
 }
 
-/// Checks that every kernel of [`KERNELS`] is in the PTX with parameters of its signature.
-pub fn check_ptx(ptx: &str) -> Result<(), String> {
-    let entries: HashMap<String, Vec<String>> = ptx_entries(ptx).into_iter().collect();
+/// Checks that every kernel of [`KERNELS`] is among the compiled `entries`
+/// with parameters its signature accepts.
+pub fn check_signatures(entries: &HashMap<String, Vec<Param>>) -> Result<(), String> {
     let mut problems = Vec::new();
     for (_, name, sig) in KERNELS {
         let Some(params) = entries.get(*name) else {
-            problems.push(format!("{name}: missing from the PTX"));
+            problems.push(format!("{name}: missing from the compiled kernels"));
             continue;
         };
-        let want: Vec<&str> = sig
-            .chars()
-            .map(|c| match c {
-                'p' | 'l' => "64",
-                'i' => "32",
-                _ => "f32",
-            })
-            .collect();
-        let got: Vec<&str> = params
-            .iter()
-            .map(|t| match t.as_str() {
-                "u64" | "s64" | "b64" => "64",
-                "u32" | "s32" | "b32" => "32",
-                "f32" => "f32",
-                _ => "?",
-            })
-            .collect();
-        if want != got {
+        let fits =
+            params.len() == sig.len() && sig.chars().zip(params).all(|(c, p)| accepts(c, *p));
+        if !fits {
             problems.push(format!(
-                "{name}: PTX parameters {params:?} do not match the signature {sig}"
+                "{name}: compiled parameters {params:?} do not match the signature {sig}"
             ));
         }
     }
@@ -255,12 +260,31 @@ mod tests {
     }
 
     #[test]
-    fn parses_ptx_entries() {
-        let ptx = ".visible .entry rms_norm(\n\t.param .u64 rms_norm_param_0,\n\t.param .u32 a,\n\t.param .f32 b\n)\n{ ret; }\n.visible .entry x(\n)\n";
-        let e = ptx_entries(ptx);
-        assert_eq!(e[0].0, "rms_norm");
-        assert_eq!(e[0].1, vec!["u64", "u32", "f32"]);
-        assert_eq!(e[1].0, "x");
-        assert!(e[1].1.is_empty());
+    fn signatures_are_checked_per_parameter() {
+        let ok: HashMap<String, Vec<Param>> = KERNELS
+            .iter()
+            .map(|(_, name, sig)| {
+                let params = sig
+                    .chars()
+                    .map(|c| match c {
+                        'p' => Param::Pointer,
+                        'l' => Param::Bits64,
+                        'i' => Param::Bits32,
+                        _ => Param::F32,
+                    })
+                    .collect();
+                (name.to_string(), params)
+            })
+            .collect();
+        check_signatures(&ok).unwrap();
+        let mut bad = ok.clone();
+        bad.get_mut("rms_norm").unwrap().pop();
+        bad.remove("rope");
+        let e = check_signatures(&bad).unwrap_err();
+        assert!(e.contains("rms_norm: compiled parameters"), "{e}");
+        assert!(e.contains("rope: missing"), "{e}");
+        let mut swapped = ok;
+        swapped.get_mut("add_assign").unwrap()[0] = Param::Bits32;
+        assert!(check_signatures(&swapped).is_err());
     }
 }

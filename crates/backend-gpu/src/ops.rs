@@ -9,41 +9,10 @@
 //! gathered rows) cannot be checked on the host: the kernels write zeros for
 //! out-of-range indices instead of reading past a table.
 
-use crate::CudaBackend;
+use crate::GpuBackend;
 use crate::exec::{Args, Op, State};
 use crate::kernels::K;
-use arbor_engine_core::{CoreError, DType, Result, RopeStyle, Tensor};
-
-pub(crate) fn no_overlap(out: &Tensor, inputs: &[&Tensor]) -> Result<()> {
-    for i in inputs {
-        if out.overlaps(i) {
-            return Err(CoreError::invalid(format!(
-                "output {out:?} overlaps input {i:?}"
-            )));
-        }
-    }
-    Ok(())
-}
-
-pub(crate) fn same_shape(a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.numel() != b.numel() || a.row_len() != b.row_len() {
-        return Err(CoreError::invalid(format!(
-            "shape mismatch: {:?} vs {:?}",
-            a.shape(),
-            b.shape()
-        )));
-    }
-    Ok(())
-}
-
-pub(crate) fn want(t: &Tensor, dtype: DType) -> Result<()> {
-    if t.dtype() != dtype {
-        return Err(CoreError::invalid(format!(
-            "expected a {dtype} tensor, got {t:?}"
-        )));
-    }
-    Ok(())
-}
+use arbor_engine_core::{CoreError, DType, Result, RopeDims, RopeStyle, Tensor};
 
 /// Threads for a row of `dim` elements reduced by one block.
 fn row_block(dim: usize) -> u32 {
@@ -51,13 +20,13 @@ fn row_block(dim: usize) -> u32 {
 }
 
 /// Blocks for a grid-stride loop over `n` elements.
-pub(crate) fn stride_grid(b: &CudaBackend, n: usize) -> usize {
+pub(crate) fn stride_grid(b: &GpuBackend, n: usize) -> usize {
     n.div_ceil(256)
-        .min(b.dev.props.sm_count as usize * 16)
+        .min(b.dev.props().compute_units as usize * 16)
         .max(1)
 }
 
-impl CudaBackend {
+impl GpuBackend {
     /// Resolves `t` (f32/u32 need 4-byte alignment).
     pub(crate) fn p(&self, st: &State, t: &Tensor) -> Result<u64> {
         self.dev.ptr(st, t, t.dtype().block_bytes().min(4))
@@ -79,15 +48,15 @@ impl CudaBackend {
                 )));
             }
         };
-        want(ids, DType::U32)?;
-        want(out, DType::F32)?;
+        ids.check_dtype(DType::U32)?;
+        out.check_dtype(DType::F32)?;
         let n = ids.numel();
         if out.rows() != n || out.row_len() != dim {
             return Err(CoreError::invalid(format!(
                 "embedding of {n} ids into {out:?} (dim {dim})"
             )));
         }
-        no_overlap(out, &[table, ids])?;
+        out.check_no_overlap(&[table, ids])?;
         let mut st = self.dev.lock()?;
         let rows = st.rows(n, &[ids, out]);
         let args = Args::new()
@@ -101,7 +70,7 @@ impl CudaBackend {
     }
 
     fn norm_weight(&self, w: &Tensor, dim: usize) -> Result<()> {
-        want(w, DType::F32)?;
+        w.check_dtype(DType::F32)?;
         if w.numel() != dim {
             return Err(CoreError::invalid(format!(
                 "norm weight {w:?} for rows of {dim}"
@@ -111,12 +80,12 @@ impl CudaBackend {
     }
 
     pub(crate) fn op_rms_norm(&self, x: &Tensor, w: &Tensor, eps: f32, out: &Tensor) -> Result<()> {
-        want(x, DType::F32)?;
-        want(out, DType::F32)?;
-        same_shape(x, out)?;
+        x.check_dtype(DType::F32)?;
+        out.check_dtype(DType::F32)?;
+        x.check_same_shape(out)?;
         let in_place = x.buffer_id() == out.buffer_id() && x.offset() == out.offset();
         if !in_place {
-            no_overlap(out, &[x, w])?;
+            out.check_no_overlap(&[x, w])?;
         }
         let dim = x.row_len();
         self.norm_weight(w, dim)?;
@@ -142,12 +111,12 @@ impl CudaBackend {
         out: &Tensor,
     ) -> Result<()> {
         for t in [residual, x, out] {
-            want(t, DType::F32)?;
+            t.check_dtype(DType::F32)?;
         }
-        same_shape(residual, x)?;
-        same_shape(residual, out)?;
-        no_overlap(out, &[residual, x, w])?;
-        no_overlap(residual, &[x, w])?;
+        residual.check_same_shape(x)?;
+        residual.check_same_shape(out)?;
+        out.check_no_overlap(&[residual, x, w])?;
+        residual.check_no_overlap(&[x, w])?;
         let dim = residual.row_len();
         self.norm_weight(w, dim)?;
         let mut st = self.dev.lock()?;
@@ -178,28 +147,15 @@ impl CudaBackend {
         head_dim: usize,
         style: RopeStyle,
     ) -> Result<()> {
-        want(x, DType::F32)?;
-        want(positions, DType::U32)?;
-        want(inv_freq, DType::F32)?;
-        let (tokens, width) = (x.rows(), x.row_len());
-        if head_dim == 0 || !width.is_multiple_of(head_dim) {
-            return Err(CoreError::invalid(format!(
-                "rope over rows of {width} with head_dim {head_dim}"
-            )));
-        }
-        if positions.numel() != tokens {
-            return Err(CoreError::invalid(format!(
-                "rope: {} positions for {tokens} tokens",
-                positions.numel()
-            )));
-        }
-        let half = inv_freq.numel();
-        if half == 0 || 2 * half > head_dim {
-            return Err(CoreError::invalid(format!(
-                "rope: {half} frequencies for head_dim {head_dim}"
-            )));
-        }
-        no_overlap(x, &[positions, inv_freq])?;
+        x.check_dtype(DType::F32)?;
+        positions.check_dtype(DType::U32)?;
+        inv_freq.check_dtype(DType::F32)?;
+        let RopeDims {
+            tokens,
+            heads,
+            half,
+            ..
+        } = RopeDims::check(x, positions, inv_freq, head_dim)?;
         let mut st = self.dev.lock()?;
         let rows = st.rows(tokens, &[x, positions]);
         let args = Args::new()
@@ -207,7 +163,7 @@ impl CudaBackend {
             .p(self.p(&st, positions)?)
             .p(self.p(&st, inv_freq)?)
             .i(rows)
-            .i(width / head_dim)
+            .i(heads)
             .i(head_dim)
             .i(half)
             .i(match style {
@@ -220,11 +176,11 @@ impl CudaBackend {
 
     pub(crate) fn op_silu_mul(&self, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {
         for t in [gate, up, out] {
-            want(t, DType::F32)?;
+            t.check_dtype(DType::F32)?;
         }
-        same_shape(gate, up)?;
-        same_shape(gate, out)?;
-        no_overlap(out, &[gate, up])?;
+        gate.check_same_shape(up)?;
+        gate.check_same_shape(out)?;
+        out.check_no_overlap(&[gate, up])?;
         let mut st = self.dev.lock()?;
         let n = st.rows(gate.numel(), &[gate, up, out]);
         let args = Args::new()
@@ -243,10 +199,10 @@ impl CudaBackend {
     }
 
     pub(crate) fn op_add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
-        want(dst, DType::F32)?;
-        want(src, DType::F32)?;
-        same_shape(dst, src)?;
-        no_overlap(dst, &[src])?;
+        dst.check_dtype(DType::F32)?;
+        src.check_dtype(DType::F32)?;
+        dst.check_same_shape(src)?;
+        dst.check_no_overlap(&[src])?;
         let mut st = self.dev.lock()?;
         let n = st.rows(dst.numel(), &[dst, src]);
         let args = Args::new()
@@ -264,9 +220,9 @@ impl CudaBackend {
     }
 
     pub(crate) fn op_gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
-        want(x, DType::F32)?;
-        want(out, DType::F32)?;
-        want(rows, DType::U32)?;
+        x.check_dtype(DType::F32)?;
+        out.check_dtype(DType::F32)?;
+        rows.check_dtype(DType::U32)?;
         let (xrows, dim) = (x.rows(), x.row_len());
         let n = rows.numel();
         if out.row_len() != dim || out.rows() != n {
@@ -274,7 +230,7 @@ impl CudaBackend {
                 "gather {n} rows of {x:?} into {out:?}"
             )));
         }
-        no_overlap(out, &[x, rows])?;
+        out.check_no_overlap(&[x, rows])?;
         let mut st = self.dev.lock()?;
         let m = st.rows(n, &[rows, out]);
         let args = Args::new()
@@ -292,7 +248,7 @@ impl CudaBackend {
         if src.dtype() != dst.dtype() || src.numel() != dst.numel() {
             return Err(CoreError::invalid(format!("copy {src:?} into {dst:?}")));
         }
-        no_overlap(dst, &[src])?;
+        dst.check_no_overlap(&[src])?;
         let bytes = src.byte_len()?;
         if bytes == 0 {
             return Ok(());

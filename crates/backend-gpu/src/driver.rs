@@ -1,0 +1,146 @@
+//! The narrow interface a GPU runtime gives the shared backend: device and
+//! pinned host memory, copies and memsets on the backend's one stream, kernel
+//! launches by [`K`], a GEMM, stream capture into a replayable graph, and the
+//! device's properties.
+//!
+//! `backend-cuda` implements it over the CUDA driver, cuBLAS and NVRTC
+//! (through cudarc), `backend-rocm` over the HIP runtime, rocBLAS and hiprtc
+//! (through libloading). Everything above it (op recording, graphs per
+//! decode bucket, the memory pool, argument checks, kernel selection) is
+//! written once, in this crate.
+//!
+//! Invariants a driver keeps: every queued operation goes to one stream, in
+//! call order; `bind` makes the driver's context current on the calling
+//! thread and is called (under the backend's lock) before any other method;
+//! a [`Graph`] replays exactly the operations queued during its capture.
+
+#![allow(unsafe_code)]
+
+use crate::kernels::K;
+use arbor_engine_core::{DType, Result};
+use std::ffi::c_void;
+
+/// What the shared code needs to know about a device, read once when it opens.
+#[derive(Clone, Debug)]
+pub struct DeviceProps {
+    /// The device's product name.
+    pub name: String,
+    /// The architecture the kernels were compiled for (`sm_90`, `gfx90a`).
+    pub arch: String,
+    /// Streaming multiprocessors (NVIDIA) or compute units (AMD).
+    pub compute_units: u32,
+    /// Largest dynamic shared memory (LDS on AMD) one block may use, in bytes.
+    pub max_shared_per_block: u32,
+    /// Device memory in bytes.
+    pub total_memory: u64,
+}
+
+/// A GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 output and accumulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemm {
+    /// Type of `w` and `x`.
+    pub dtype: DType,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub w: u64,
+    pub x: u64,
+    pub out: u64,
+}
+
+/// A captured, instantiated graph. Dropping it frees the driver's objects.
+pub trait Graph: Send {
+    /// Queues one replay on the driver's stream.
+    fn launch(&self) -> Result<()>;
+}
+
+/// A GPU runtime bound to one device and one stream.
+pub trait Driver: Send + Sync + 'static {
+    /// The backend's name (`cuda`, `rocm`), used in messages and `info`.
+    fn backend_name(&self) -> &'static str;
+
+    /// Properties read when the device opened.
+    fn props(&self) -> &DeviceProps;
+
+    /// Makes this driver's context current on the calling thread.
+    fn bind(&self) -> Result<()>;
+
+    /// Device memory: `(free, total)` bytes, if the runtime says.
+    fn mem_info(&self) -> Option<(u64, u64)>;
+
+    /// `bytes` of device memory, or `None` when the device is out of memory.
+    fn malloc(&self, bytes: usize) -> Option<u64>;
+
+    /// Returns device memory from [`Driver::malloc`].
+    ///
+    /// # Safety
+    /// `ptr` came from `malloc` of this driver, is freed once, and no queued
+    /// work still uses it (the stream has drained).
+    unsafe fn free(&self, ptr: u64);
+
+    /// `bytes` of pinned host memory.
+    fn malloc_host(&self, bytes: usize) -> Result<*mut u8>;
+
+    /// Returns pinned host memory from [`Driver::malloc_host`].
+    ///
+    /// # Safety
+    /// As for [`Driver::free`].
+    unsafe fn free_host(&self, ptr: *mut u8);
+
+    /// Queues kernel `k` over `grid` blocks of `block` threads with `smem`
+    /// bytes of dynamic shared memory; `args` point at one 8-byte slot per
+    /// parameter.
+    ///
+    /// # Safety
+    /// `args` matches the kernel's signature, and every device address among
+    /// them covers the range the launch touches.
+    unsafe fn launch(
+        &self,
+        k: K,
+        grid: [u32; 3],
+        block: u32,
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()>;
+
+    /// Queues a copy of `bytes` bytes from host `src` to device `dst`.
+    ///
+    /// # Safety
+    /// `dst` covers `bytes`; `src` holds `bytes` readable bytes that stay
+    /// unchanged until the copy ran (pinned staging) or are pageable memory,
+    /// which the runtime stages before returning.
+    unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()>;
+
+    /// Queues a copy from device `src` into `dst` (call [`Driver::sync`]
+    /// before reading `dst`).
+    ///
+    /// # Safety
+    /// `src` covers `dst.len()` bytes and `dst` outlives the copy.
+    unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+
+    /// Queues a device-to-device copy.
+    ///
+    /// # Safety
+    /// Both ranges lie in live device buffers.
+    unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()>;
+
+    /// Queues zeroing `bytes` bytes at `dst`.
+    ///
+    /// # Safety
+    /// The range lies in a live device buffer.
+    unsafe fn memset(&self, dst: u64, bytes: usize) -> Result<()>;
+
+    /// Queues a GEMM.
+    ///
+    /// # Safety
+    /// The addresses cover `w [n, k]`, `x [m, k]` (of `g.dtype`) and
+    /// `out [m, n]` (f32).
+    unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
+
+    /// Waits until everything queued has run.
+    fn sync(&self) -> Result<()>;
+
+    /// Captures what `record` queues into a graph (nothing runs during the
+    /// capture). The capture is ended whatever `record` returns.
+    fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Box<dyn Graph>>;
+}
