@@ -253,16 +253,16 @@ pub trait Sampler: Send + Sync {
 /// Index of the largest value; the lowest index wins ties (as `torch.argmax`).
 /// NaN is never the largest; 0 when nothing exceeds `-inf`.
 pub fn argmax(values: &[f32]) -> u32 {
-    // The largest value first, in 8 independent lanes (vectorized), then
-    // its first index.
-    let mut lanes = [f32::NEG_INFINITY; 8];
-    let chunks = values.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (l, &v) in lanes.iter_mut().zip(c) {
-            if v > *l {
-                *l = v;
-            }
+    // Two passes over fixed-size chunks, both of which vectorize: the
+    // largest value in 16 independent lanes (only a strictly larger value
+    // replaces a lane's, so NaN never does), then the first chunk holding
+    // it and its first index there.
+    const LANES: usize = 16;
+    let (chunks, rest) = values.as_chunks::<LANES>();
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for chunk in chunks {
+        for (l, &v) in lanes.iter_mut().zip(chunk) {
+            *l = if v > *l { v } else { *l };
         }
     }
     let mut best = f32::NEG_INFINITY;
@@ -274,7 +274,13 @@ pub fn argmax(values: &[f32]) -> u32 {
     if best == f32::NEG_INFINITY {
         return 0;
     }
-    values.iter().position(|&v| v == best).unwrap_or(0) as u32
+    let first = |c: &[f32]| c.iter().position(|&v| v == best);
+    for (c, chunk) in chunks.iter().enumerate() {
+        if chunk.iter().fold(false, |hit, &v| hit | (v == best)) {
+            return (c * LANES + first(chunk).unwrap_or(0)) as u32;
+        }
+    }
+    (chunks.len() * LANES + first(rest).unwrap_or(0)) as u32
 }
 
 /// Greedy, or temperature with top-k, top-p and min-p filtering.
@@ -458,6 +464,43 @@ mod tests {
             .sample(&mut l, &SamplingParams::greedy(1), &mut rng)
             .unwrap();
         assert_eq!(t, 1);
+    }
+
+    /// The definition: the first index of the largest non-NaN value; 0
+    /// when nothing exceeds `-inf`.
+    fn argmax_reference(v: &[f32]) -> u32 {
+        let mut best: Option<(usize, f32)> = None;
+        for (i, &x) in v.iter().enumerate() {
+            if x > best.map_or(f32::NEG_INFINITY, |b| b.1) {
+                best = Some((i, x));
+            }
+        }
+        best.map_or(0, |b| b.0 as u32)
+    }
+
+    #[test]
+    fn argmax_matches_its_definition() {
+        let mut rng = SeqRng::new(7);
+        for len in 0..80 {
+            for _ in 0..50 {
+                // Few distinct values (many ties), some NaN and infinities.
+                let v: Vec<f32> = (0..len)
+                    .map(|_| match rng.next_u64() % 12 {
+                        0 => f32::NAN,
+                        1 => f32::NEG_INFINITY,
+                        2 if len > 40 => f32::INFINITY,
+                        r => (r % 5) as f32 - 2.0,
+                    })
+                    .collect();
+                assert_eq!(argmax(&v), argmax_reference(&v), "{v:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN; 9]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY; 17]), 0);
+        let mut big = vec![0.5f32; 49_152];
+        big[49_151] = 0.75;
+        big[20_001] = 0.75;
+        assert_eq!(argmax(&big), 20_001);
     }
 
     #[test]

@@ -202,11 +202,16 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
+/// The tokens one sequence's step produced: one, or up to `drafts + 1`
+/// after verification; held inline up to four (no allocation per request
+/// per step).
+pub type StepTokens = smallvec::SmallVec<[u32; 4]>;
+
 /// What one sequence of a step produced.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SeqOutput {
     /// New tokens: the accepted drafts then one sampled token (empty without sampling).
-    pub tokens: Vec<u32>,
+    pub tokens: StepTokens,
     /// Draft tokens accepted (`tokens.len() - 1` after verification; 0 otherwise).
     pub accepted: usize,
     /// For a tree: the indices (within the plan's tokens) of the accepted

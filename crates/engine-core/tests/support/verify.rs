@@ -34,7 +34,13 @@ fn step(ex: &LocalExecutor, seq: SeqPlan) -> Result<Vec<u32>> {
         seqs: vec![seq],
         ..Default::default()
     })?;
-    Ok(out.seqs.into_iter().next().context("one sequence")?.tokens)
+    Ok(out
+        .seqs
+        .into_iter()
+        .next()
+        .context("one sequence")?
+        .tokens
+        .into_vec())
 }
 
 /// Runs the check on `backend` with the HF model folder `model`.
