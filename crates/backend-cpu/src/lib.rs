@@ -263,6 +263,10 @@ impl Backend for CpuBackend {
         ops::sample(self, logits, rows, out)
     }
 
+    fn edit_logits(&self, logits: &Tensor, edits: &arbor_engine_core::LogitEdits) -> Result<()> {
+        ops::edit_logits(self, logits, edits)
+    }
+
     fn copy_cols(&self, src: &Tensor, dst: &Tensor, offset: usize) -> Result<()> {
         ops::copy_cols(self, src, dst, offset)
     }

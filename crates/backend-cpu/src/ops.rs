@@ -355,6 +355,18 @@ pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> R
 /// [`Backend::sample`](arbor_engine_core::Backend::sample) on host memory:
 /// reads each logits row in place (no download) and draws it with
 /// [`SampleRow::draw`](arbor_engine_core::backend::SampleRow::draw).
+/// [`Backend::edit_logits`](arbor_engine_core::Backend::edit_logits) in place.
+pub fn edit_logits(
+    b: &CpuBackend,
+    logits: &Tensor,
+    edits: &arbor_engine_core::LogitEdits,
+) -> Result<()> {
+    let (lp, n, vocab) = f32_rows(b, logits)?;
+    // SAFETY: the [n, vocab] f32 view of a live tensor, written only here.
+    let values = unsafe { std::slice::from_raw_parts_mut(lp.get(), n * vocab) };
+    edits.apply(values, vocab)
+}
+
 pub fn sample(
     b: &CpuBackend,
     logits: &Tensor,

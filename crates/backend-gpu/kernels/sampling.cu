@@ -227,3 +227,36 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
     }
     if (tid == 0) out[row] = done != 0xffffffffu ? done : last_kept;
 }
+
+// Token edits of logits rows (engine-core's `logit_edits`), one thread per
+// edit. An edit is 6 words: row, token (bit 31: forbidden), then the f32 bits
+// of pos_scale, neg_scale, penalty and bias. The logit x becomes -inf when
+// forbidden, else (x * (x > 0 ? pos_scale : neg_scale) - penalty) + bias,
+// each operation correctly rounded on its own (the _rn intrinsics are never
+// contracted into an fma): the host's bits. Edits touch distinct entries.
+extern "C" __global__ void edit_tokens(float* logits, const u32* edits, int n, int vocab) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const u32* e = edits + 6 * (size_t)i;
+    const u32 tw = e[1];
+    float* at = logits + (size_t)e[0] * vocab + (tw & 0x7fffffffu);
+    if (tw >> 31) {
+        *at = -INFINITY;
+        return;
+    }
+    const float x = *at;
+    const float s = __uint_as_float(x > 0.0f ? e[2] : e[3]);
+    *at = __fadd_rn(__fsub_rn(__fmul_rn(x, s), __uint_as_float(e[4])), __uint_as_float(e[5]));
+}
+
+// Grammar masks: block (x, k) covers tokens of masked row k (`rows[k]`); a
+// token whose bit (t % 32 of word t / 32 of mask k, `words` words a mask) is
+// clear becomes -inf.
+extern "C" __global__ void mask_rows(float* logits, const u32* rows, const u32* masks, int n,
+                                     int vocab, int words) {
+    const int k = blockIdx.y;
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n || t >= vocab) return;
+    const u32 w = masks[(size_t)k * words + (t >> 5)];
+    if (((w >> (t & 31)) & 1u) == 0u) logits[(size_t)rows[k] * vocab + t] = -INFINITY;
+}

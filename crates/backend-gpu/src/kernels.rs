@@ -67,6 +67,8 @@ kernels! {
     PrefillF16D256Small = "prefill_f16_d256_small": "ppppppiiiifi",
     PrefillBf16D256Small = "prefill_bf16_d256_small": "ppppppiiiifi",
     SampleRows = "sample_rows": "pppii",
+    EditTokens = "edit_tokens": "ppii",
+    MaskRows = "mask_rows": "pppiii",
     DequantF8S32 = "dequant_f8_s32": "ppl",
     DequantU4S32 = "dequant_u4_s32": "ppl",
     DequantF4S16 = "dequant_f4_s16": "ppl",

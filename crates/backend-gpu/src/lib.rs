@@ -326,6 +326,10 @@ impl Backend for GpuBackend {
         })
     }
 
+    fn edit_logits(&self, logits: &Tensor, edits: &arbor_engine_core::LogitEdits) -> Result<()> {
+        self.op_edit_logits(logits, edits)
+    }
+
     fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
         self.op_sample(logits, rows, out)
     }

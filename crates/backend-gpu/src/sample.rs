@@ -8,12 +8,18 @@
 //! as `SeqRng::new(seed).next_f32()`), but the token drawn for a given seed
 //! can differ from the host's, which walks its candidates in another order.
 //! Tokens tied at the top-k or top-p boundary are all kept here.
+//!
+//! Logit edits (penalties, logit bias, `min_new_tokens`, grammar masks,
+//! [`LogitEdits`]) run before, in place: one thread per token edit, then one
+//! per token of each masked row, with the bits of `LogitEdits::apply` on the
+//! host. Their sizes change from step to step, so a step that edits logits
+//! runs without a graph.
 
 use crate::GpuBackend;
 use crate::exec::Args;
 use crate::kernels::K;
 use arbor_engine_core::backend::SampleRow;
-use arbor_engine_core::{CoreError, DType, Result, Tensor};
+use arbor_engine_core::{CoreError, DType, LogitEdits, Result, Tensor};
 
 impl GpuBackend {
     pub(crate) fn op_sample(
@@ -61,5 +67,79 @@ impl GpuBackend {
             .i(vocab);
         self.dev
             .launch(&mut st, K::SampleRows, [n, 1, 1], 1024, 0, args)
+    }
+
+    pub(crate) fn op_edit_logits(&self, logits: &Tensor, edits: &LogitEdits) -> Result<()> {
+        logits.check_dtype(DType::F32)?;
+        let (rows, vocab) = (logits.rows(), logits.row_len());
+        edits.check(rows, vocab)?;
+        if edits.is_empty() {
+            return Ok(());
+        }
+        let words = |v: &mut Vec<u8>, w: u32| v.extend_from_slice(&w.to_le_bytes());
+        let mut st = self.dev.lock()?;
+        st.no_graph("logit edits change size every step");
+        let lp = self.p(&st, logits)?;
+        if !edits.tokens.is_empty() {
+            let n = edits.tokens.len();
+            let mut bytes = Vec::with_capacity(n * 24);
+            for e in &edits.tokens {
+                for w in [
+                    e.row,
+                    e.token | (u32::from(e.forbidden) << 31),
+                    e.pos_scale.to_bits(),
+                    e.neg_scale.to_bits(),
+                    e.penalty.to_bits(),
+                    e.bias.to_bits(),
+                ] {
+                    words(&mut bytes, w);
+                }
+            }
+            let et = self.alloc_in(&mut st, DType::U32, &[n, 6], false)?;
+            let ep = self.p(&st, &et)?;
+            self.dev.upload_to(&mut st, ep, &bytes, bytes.len())?;
+            let args = Args::new().p(lp).p(ep).i(n).i(vocab);
+            self.dev.launch(
+                &mut st,
+                K::EditTokens,
+                [n.div_ceil(256), 1, 1],
+                256,
+                0,
+                args,
+            )?;
+        }
+        let masked = edits.mask_rows.len();
+        if masked > 0 {
+            if masked > 65535 {
+                return Err(CoreError::invalid(format!(
+                    "grammar masks on {masked} rows in one step"
+                )));
+            }
+            let mut rb = Vec::with_capacity(masked * 4);
+            edits.mask_rows.iter().for_each(|&r| words(&mut rb, r));
+            let mut mb = Vec::with_capacity(edits.mask_bits.len() * 4);
+            edits.mask_bits.iter().for_each(|&w| words(&mut mb, w));
+            let rt = self.alloc_in(&mut st, DType::U32, &[masked], false)?;
+            let mt = self.alloc_in(&mut st, DType::U32, &[edits.mask_bits.len().max(1)], false)?;
+            let (rp, mp) = (self.p(&st, &rt)?, self.p(&st, &mt)?);
+            self.dev.upload_to(&mut st, rp, &rb, rb.len())?;
+            self.dev.upload_to(&mut st, mp, &mb, mb.len())?;
+            let args = Args::new()
+                .p(lp)
+                .p(rp)
+                .p(mp)
+                .i(masked)
+                .i(vocab)
+                .i(edits.mask_words);
+            self.dev.launch(
+                &mut st,
+                K::MaskRows,
+                [vocab.div_ceil(256), masked, 1],
+                256,
+                0,
+                args,
+            )?;
+        }
+        Ok(())
     }
 }

@@ -30,6 +30,8 @@ pub const MATMUL_F: &str = include_str!("shaders/matmul_f.wgsl");
 pub const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
 pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
 pub const SAMPLE: &str = include_str!("shaders/sample.wgsl");
+pub const EDIT_TOKENS: &str = include_str!("shaders/edit_tokens.wgsl");
+pub const MASK_ROWS: &str = include_str!("shaders/mask_rows.wgsl");
 
 /// Invocations per workgroup of the 1-D kernels (`WG` in common.wgsl).
 pub const WG: u32 = 64;
@@ -87,6 +89,10 @@ pub enum Kernel {
         hd: usize,
     },
     Sample,
+    /// Token edits of logits rows (`edit_tokens.wgsl`).
+    EditTokens,
+    /// Grammar masks of logits rows (`mask_rows.wgsl`).
+    MaskRows,
 }
 
 fn bias_decl(bias: bool, binding: u32) -> (&'static str, String) {
@@ -226,6 +232,8 @@ impl Kernel {
                 )
             }
             Kernel::Sample => specialize(SAMPLE, &[]),
+            Kernel::EditTokens => specialize(EDIT_TOKENS, &[]),
+            Kernel::MaskRows => specialize(MASK_ROWS, &[]),
         }
     }
 }
@@ -325,6 +333,8 @@ mod tests {
             Kernel::Gather,
             Kernel::QuantAct,
             Kernel::Sample,
+            Kernel::EditTokens,
+            Kernel::MaskRows,
         ];
         for dt in 0..6 {
             all.push(Kernel::Embedding { dt });

@@ -409,6 +409,10 @@ impl Backend for WgpuBackend {
     fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
         sample::sample(self, logits, rows, out)
     }
+
+    fn edit_logits(&self, logits: &Tensor, edits: &arbor_engine_core::LogitEdits) -> Result<()> {
+        sample::edit_logits(self, logits, edits)
+    }
 }
 
 impl WgpuBackend {

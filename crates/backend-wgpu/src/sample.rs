@@ -7,12 +7,17 @@
 //! row's seed, so the same seed and logits give the same token. The draw maps
 //! to tokens in id order, so it selects from the same distribution as the
 //! host's `StandardSampler` but not always the same token for a given seed.
+//!
+//! Logit edits (penalties, logit bias, `min_new_tokens`, grammar masks) run
+//! before, in place: one invocation per token edit (`edit_tokens.wgsl`),
+//! then one per token of each masked row (`mask_rows.wgsl`), with the bits
+//! of `LogitEdits::apply` on the host.
 
 use crate::context::{Access, Params};
-use crate::kernels::{Kernel, grid};
+use crate::kernels::{Kernel, grid, grid_threads};
 use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::backend::SampleRow;
-use arbor_engine_core::{CoreError, DType, Result, Tensor};
+use arbor_engine_core::{CoreError, DType, LogitEdits, Result, Tensor};
 
 /// Words of parameters per row in the kernel's layout.
 const ROW_WORDS: usize = 8;
@@ -73,4 +78,62 @@ pub fn sample(b: &WgpuBackend, logits: &Tensor, rows: &[SampleRow], out: &Tensor
         .u(0);
     let groups = grid(rows.len(), gpu.limits.max_compute_workgroups_per_dimension)?;
     gpu.dispatch(&pipe, &params, &[&lv, &pv, &sv, &ov], groups)
+}
+
+/// [`Backend::edit_logits`](arbor_engine_core::Backend::edit_logits) on the device.
+pub fn edit_logits(b: &WgpuBackend, logits: &Tensor, edits: &LogitEdits) -> Result<()> {
+    if logits.dtype() != DType::F32 {
+        return Err(CoreError::invalid(format!("logit edits on {logits:?}")));
+    }
+    let vocab = logits.row_len();
+    edits.check(logits.rows(), vocab)?;
+    let gpu = b.gpu();
+    let max = gpu.limits.max_compute_workgroups_per_dimension;
+    let lv = b.view(logits, DType::F32, Access::Write)?;
+    if !edits.tokens.is_empty() {
+        let mut words = Vec::with_capacity(edits.tokens.len() * 6);
+        for e in &edits.tokens {
+            words.extend_from_slice(&[
+                e.row,
+                e.token | (u32::from(e.forbidden) << 31),
+                e.pos_scale.to_bits(),
+                e.neg_scale.to_bits(),
+                e.penalty.to_bits(),
+                e.bias.to_bits(),
+            ]);
+        }
+        let et = b.upload_words(&words)?;
+        let ev = b.view(&et, DType::U32, Access::Read)?;
+        let params = Params::new()
+            .us(edits.tokens.len())?
+            .u(u32_of(vocab, "vocabulary")?)
+            .u(lv.word_off())
+            .u(ev.word_off())
+            .u(0)
+            .u(0)
+            .u(0)
+            .u(0);
+        let pipe = gpu.kernel(&Kernel::EditTokens)?;
+        let groups = grid_threads(edits.tokens.len(), max)?;
+        gpu.dispatch(&pipe, &params, &[&lv, &ev], groups)?;
+    }
+    if !edits.mask_rows.is_empty() {
+        let rt = b.upload_words(&edits.mask_rows)?;
+        let mt = b.upload_words(&edits.mask_bits)?;
+        let rv = b.view(&rt, DType::U32, Access::Read)?;
+        let mv = b.view(&mt, DType::U32, Access::Read)?;
+        let params = Params::new()
+            .us(edits.mask_rows.len())?
+            .u(u32_of(vocab, "vocabulary")?)
+            .us(edits.mask_words)?
+            .u(lv.word_off())
+            .u(rv.word_off())
+            .u(mv.word_off())
+            .u(0)
+            .u(0);
+        let pipe = gpu.kernel(&Kernel::MaskRows)?;
+        let groups = grid_threads(edits.mask_rows.len() * vocab, max)?;
+        gpu.dispatch(&pipe, &params, &[&lv, &rv, &mv], groups)?;
+    }
+    Ok(())
 }

@@ -421,6 +421,34 @@ pub trait Backend: Send + Sync {
         }
         self.write(out, &ids)
     }
+
+    /// Applies `edits` ([`crate::logit_edits`]) in place to `logits`
+    /// (`[rows, vocab]` f32) before [`Backend::sample`], giving exactly the
+    /// bits of [`LogitEdits::apply`] on the host. Devices whose memory is not
+    /// host memory edit on the device so that only the edits cross. This
+    /// default downloads the logits, edits them and writes them back.
+    ///
+    /// [`LogitEdits::apply`]: crate::logit_edits::LogitEdits::apply
+    fn edit_logits(&self, logits: &Tensor, edits: &crate::logit_edits::LogitEdits) -> Result<()> {
+        if logits.dtype() != DType::F32 {
+            return Err(CoreError::invalid(format!("logit edits on {logits:?}")));
+        }
+        edits.check(logits.rows(), logits.row_len())?;
+        if edits.is_empty() {
+            return Ok(());
+        }
+        let mut bytes = vec![0u8; logits.byte_len()?];
+        self.download(logits, &mut bytes)?;
+        let mut values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        edits.apply(&mut values, logits.row_len())?;
+        for (b, v) in bytes.chunks_exact_mut(4).zip(values) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+        self.write(logits, &bytes)
+    }
 }
 
 impl dyn Backend + '_ {

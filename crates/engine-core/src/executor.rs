@@ -5,15 +5,19 @@
 //! comes with tensor parallelism). It builds the typed attention layout from
 //! the plan (chains and draft trees), runs the forward, then samples:
 //!
-//! - **On the device** when every sampled row needs only what
-//!   [`Backend::sample`] does (argmax, or a seeded temperature/top-k/top-p/
-//!   min-p draw): only the ids cross to the host. Greedy verification of
-//!   drafts takes this path too (argmax per row, compared on the host).
-//! - **On the host** otherwise — a logits processor active for the request
-//!   (penalties, logit bias, plugins), a grammar mask, logprobs,
-//!   `min_new_tokens`, a sampler other than `standard`, or rejection sampling
-//!   of drafts at temperature > 0 — for the whole step, at the cost of
-//!   copying its logits rows.
+//! - **On the device** when the sequence needs only what
+//!   [`Backend::edit_logits`] and [`Backend::sample`] do: its rows' edits
+//!   ([`LogitEdits`]: `min_new_tokens`, repetition/frequency/presence
+//!   penalties, logit bias, grammar masks) go to the device, which then takes
+//!   the argmax or a seeded temperature/top-k/top-p/min-p draw, and only the
+//!   ids cross to the host. Greedy verification of drafts takes this path
+//!   too (argmax per row, compared on the host), each row edited with the
+//!   history its path implies.
+//! - **On the host** otherwise — a logits processor that cannot say what it
+//!   does as token edits (plugins), logprobs, a sampler other than
+//!   `standard`, or rejection sampling of drafts at temperature > 0 — at the
+//!   cost of copying the sequence's logits rows. Both paths edit a row to
+//!   the same bits.
 //!
 //! Verification (greedy): walk the drafts from the root; while the target's
 //! token at the current row equals a draft child, accept it and move there;
@@ -30,6 +34,7 @@ use crate::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
+use crate::logit_edits::{LogitEdits, RowEdits};
 use crate::lora::LoraSegment;
 use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
@@ -121,16 +126,109 @@ impl LocalExecutor {
         &self.runner
     }
 
-    /// `standard`: the sampler is the standard one (asked once per step).
-    fn row_is_simple(&self, s: &SampleSpec, has_mask: bool, standard: bool) -> bool {
-        let p = &*s.params;
-        let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !p.is_greedy();
-        standard
-            && !has_mask
-            && !verify_sampled
-            && s.logprobs.is_none()
-            && s.generated >= p.min_new_tokens
-            && !self.processors.iter().any(|q| q.is_active(p))
+    /// Whether `s` can be sampled where the logits are: the standard
+    /// sampler, no draft rejection sampling, no logprobs (what else acts on
+    /// its rows goes into [`LogitEdits`] by [`Self::seq_edits`]).
+    fn device_samples(&self, s: &SampleSpec, standard: bool) -> bool {
+        let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !s.params.is_greedy();
+        standard && !verify_sampled && s.logprobs.is_none()
+    }
+
+    /// The edits of a sequence's sampled rows (the first at `first_row` of
+    /// the device's logits): `min_new_tokens`, the active logits processors
+    /// (each row seeing the output extended by the drafts on its path, as
+    /// the host walk does) and the grammar masks. `None` when some processor
+    /// cannot say what it does as token edits.
+    fn seq_edits<'m>(
+        &self,
+        s: &SeqPlan,
+        sp: &SampleSpec,
+        masks: &'m [crate::grammar::TokenBitmask],
+        first_row: u32,
+        vocab: usize,
+    ) -> Option<SeqEdits<'m>> {
+        let p = &*sp.params;
+        let n = s.sampled_rows().len();
+        let base = s.tokens.len() - n;
+        let active: Vec<&Arc<dyn LogitsProcessor>> =
+            self.processors.iter().filter(|q| q.is_active(p)).collect();
+        let mut out = SeqEdits {
+            rows: Vec::new(),
+            masks: Vec::new(),
+        };
+        // Tokens accepted before row j: the drafts on the path from the root.
+        let path = |j: usize| -> Vec<u32> {
+            let mut toks = Vec::new();
+            match &s.tree {
+                None => toks.extend_from_slice(&s.tokens[base + 1..=base + j]),
+                Some(parents) => {
+                    let mut at = base + j;
+                    while at > base {
+                        toks.push(s.tokens[at]);
+                        at = usize::try_from(parents[at]).unwrap_or(base);
+                    }
+                    toks.reverse();
+                }
+            }
+            toks
+        };
+        let (empty_prompt, empty_output) = (Vec::new(), Vec::new());
+        let (prompt, output) = sp
+            .context
+            .as_ref()
+            .map_or((&empty_prompt, &empty_output), |c| (&*c.prompt, &c.output));
+        for j in 0..n {
+            let row = first_row + j as u32;
+            let drafted = if j == 0 { Vec::new() } else { path(j) };
+            let forbid_eos = sp.generated + drafted.len() < p.min_new_tokens;
+            if let Some(m) = masks.get(j) {
+                out.masks.push((row, m));
+            }
+            if active.is_empty() && !forbid_eos {
+                continue;
+            }
+            let mut edits = RowEdits::new(row, vocab);
+            if forbid_eos {
+                for &e in self.eos.iter().chain(&p.stop_token_ids) {
+                    edits.forbid(e);
+                }
+            }
+            if !active.is_empty() {
+                let mut history = output.clone();
+                history.extend_from_slice(&drafted);
+                let ctx = LogitsContext {
+                    prompt,
+                    output: &history,
+                    params: p,
+                };
+                for q in &active {
+                    q.edit(&ctx, &mut edits);
+                }
+            }
+            if !edits.is_exact() {
+                return None;
+            }
+            out.rows.push(edits);
+        }
+        Some(out)
+    }
+}
+
+/// One sequence's share of a step's [`LogitEdits`].
+struct SeqEdits<'m> {
+    rows: Vec<RowEdits>,
+    masks: Vec<(u32, &'m crate::grammar::TokenBitmask)>,
+}
+
+impl SeqEdits<'_> {
+    fn add_to(self, all: &mut LogitEdits) -> Result<()> {
+        for r in self.rows {
+            r.finish(all)?;
+        }
+        for (row, m) in self.masks {
+            all.push_mask(row, m)?;
+        }
+        Ok(())
     }
 }
 
@@ -249,6 +347,7 @@ impl Executor for LocalExecutor {
             return Ok(StepOutput {
                 seqs: Vec::new(),
                 kv_copy,
+                host_sampled_rows: 0,
             });
         }
         let ps = self.runner.kv_spec().page_size;
@@ -265,19 +364,27 @@ impl Executor for LocalExecutor {
                 late.as_ref()
             }
         };
-        let has_mask = |i: usize| masks.and_then(|m| m.get(i)).is_some_and(|v| !v.is_empty());
-        // Per sequence: sampled on the device (ids only come back) or on the host.
+        // Per sequence: sampled on the device (edits go, ids come back) or on the host.
         let standard = self.sampler.name() == "standard";
-        let on_device: Vec<bool> = plan
-            .seqs
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                s.sample
-                    .as_ref()
-                    .is_none_or(|sp| self.row_is_simple(sp, has_mask(i), standard))
-            })
-            .collect();
+        let mut on_device = Vec::with_capacity(plan.seqs.len());
+        let mut edits = LogitEdits::new(vocab);
+        let mut dev_rows_so_far = 0u32;
+        for (i, s) in plan.seqs.iter().enumerate() {
+            let Some(sp) = s.sample.as_ref() else {
+                on_device.push(true);
+                continue;
+            };
+            let seq_masks = masks.and_then(|m| m.get(i)).map_or(&[][..], Vec::as_slice);
+            let seq_edits = self
+                .device_samples(sp, standard)
+                .then(|| self.seq_edits(s, sp, seq_masks, dev_rows_so_far, vocab))
+                .flatten();
+            on_device.push(seq_edits.is_some());
+            if let Some(e) = seq_edits {
+                e.add_to(&mut edits)?;
+                dev_rows_so_far += s.sampled_rows().len() as u32;
+            }
+        }
         let rows_of = |want: bool| -> Vec<u32> {
             plan.seqs
                 .iter()
@@ -300,6 +407,9 @@ impl Executor for LocalExecutor {
                 .zip(&on_device)
                 .filter(|(_, d)| **d)
                 .map(|(s, _)| s);
+            if !edits.is_empty() {
+                backend.edit_logits(&t, &edits)?;
+            }
             sample_on_device(&**backend, &t, dev_seqs)?
         };
         let host_logits = if host_rows.is_empty() {
@@ -348,7 +458,11 @@ impl Executor for LocalExecutor {
                 }
             }
         }
-        Ok(StepOutput { seqs, kv_copy })
+        Ok(StepOutput {
+            seqs,
+            kv_copy,
+            host_sampled_rows: host_rows.len(),
+        })
     }
 }
 

@@ -18,6 +18,7 @@ pub mod error;
 pub mod executor;
 pub mod grammar;
 pub mod kv;
+pub mod logit_edits;
 pub mod lora;
 pub mod model;
 pub mod moe;
@@ -47,6 +48,7 @@ pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
 pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, ResolvedKvDtype};
+pub use logit_edits::{LogitEdits, RowEdits, TokenEdit};
 pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};
 pub use model::{
     ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,

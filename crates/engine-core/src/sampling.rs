@@ -12,6 +12,7 @@
 //! output tokens, frequency and presence penalties cover output tokens only.
 
 use crate::error::{CoreError, Result};
+use crate::logit_edits::{LogitEdits, RowEdits};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -240,6 +241,14 @@ pub trait LogitsProcessor: Send + Sync {
         let _ = params;
         true
     }
+    /// Writes what `process` would do to a row as token edits, so the row
+    /// can be edited and sampled where the logits are
+    /// ([`crate::logit_edits`]); gives the row up (the default) when that
+    /// cannot express it, and the row is then processed on the host.
+    fn edit(&self, ctx: &LogitsContext<'_>, row: &mut RowEdits) {
+        let _ = ctx;
+        row.give_up();
+    }
 }
 
 /// Chooses the next token from processed logits.
@@ -395,22 +404,23 @@ impl LogitsProcessor for PenaltyProcessor {
     }
 
     fn process(&self, logits: &mut [f32], ctx: &LogitsContext<'_>) -> Result<()> {
+        let mut row = RowEdits::new(0, logits.len());
+        self.edit(ctx, &mut row);
+        let mut edits = LogitEdits::new(logits.len());
+        row.finish(&mut edits)?;
+        edits.apply(logits, logits.len())
+    }
+
+    /// Repetition over the prompt and the output (a positive logit times
+    /// `1 / r`, another times `r`), then `frequency * count + presence`
+    /// subtracted for each output token.
+    fn edit(&self, ctx: &LogitsContext<'_>, row: &mut RowEdits) {
         let p = ctx.params;
-        let n = logits.len();
         if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; n];
+            let mut seen = std::collections::HashSet::new();
             for &t in ctx.prompt.iter().chain(ctx.output) {
-                if let Some(s) = seen.get_mut(t as usize) {
-                    *s = true;
-                }
-            }
-            for (l, s) in logits.iter_mut().zip(seen) {
-                if s {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
+                if seen.insert(t) {
+                    row.repeat(t, p.repetition_penalty);
                 }
             }
         }
@@ -420,12 +430,9 @@ impl LogitsProcessor for PenaltyProcessor {
                 *counts.entry(t).or_default() += 1;
             }
             for (t, c) in counts {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    *l -= p.frequency_penalty * c as f32 + p.presence_penalty;
-                }
+                row.penalize(t, p.frequency_penalty * c as f32 + p.presence_penalty);
             }
         }
-        Ok(())
     }
 }
 
@@ -449,6 +456,12 @@ impl LogitsProcessor for LogitBiasProcessor {
             }
         }
         Ok(())
+    }
+
+    fn edit(&self, ctx: &LogitsContext<'_>, row: &mut RowEdits) {
+        for (&t, &b) in &ctx.params.logit_bias {
+            row.bias(t, b);
+        }
     }
 }
 

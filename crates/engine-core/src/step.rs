@@ -234,6 +234,9 @@ pub struct StepOutput {
     pub seqs: Vec<SeqOutput>,
     /// What the plan's KV tier copies cost.
     pub kv_copy: KvCopyStats,
+    /// Sampled rows whose logits were copied to the host (the rest were
+    /// sampled where the logits are).
+    pub host_sampled_rows: usize,
 }
 
 #[cfg(test)]

@@ -850,6 +850,17 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
 #[path = "support/verify.rs"]
 mod verify;
 
+#[path = "support/edits.rs"]
+mod edits;
+
+/// Penalties, logit bias, `min_new_tokens` and grammar masks as logit
+/// edits on the CPU backend: no row takes the host path, and every token
+/// (greedy, seeded draws, verified drafts) is the host path's.
+#[test]
+fn logit_edits_match_the_host_path_on_the_cpu() -> Result<()> {
+    edits::edited_sampling_matches_host(shared().backend.clone(), &fixture(), true)
+}
+
 #[test]
 fn chain_verification_is_exact_on_the_cpu() -> Result<()> {
     verify::chain_verify_matches_decode(shared().backend.clone(), &fixture())

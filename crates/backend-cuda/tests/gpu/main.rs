@@ -8,6 +8,7 @@ mod attention;
 mod common;
 mod device;
 mod graphs;
+mod logit_edits;
 mod ops;
 mod parity;
 mod sampling;
