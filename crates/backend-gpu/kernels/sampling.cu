@@ -260,3 +260,83 @@ extern "C" __global__ void mask_rows(float* logits, const u32* rows, const u32* 
     const u32 w = masks[(size_t)k * words + (t >> 5)];
     if (((w >> (t & 31)) & 1u) == 0u) logits[(size_t)rows[k] * vocab + t] = -INFINITY;
 }
+
+// Log-probability statistics of logits rows, one block of LP_THREADS per row:
+// the row's log-sum-exp (m + log(sum(exp(x - m))) from its largest value m;
+// m itself when m is not finite), then its `top` largest logits as
+// (id, logit - lse), largest first and the lower id first among equal values:
+// pick k is the best (value, id) strictly after pick k - 1 in that order, so
+// no list of earlier picks is kept. NaN logits are never picked.
+#define LP_THREADS 256
+
+// (v, i) is a better pick than (w, j): any pick beats none; then the larger
+// value, then the lower id.
+__device__ __forceinline__ bool lp_better(float v, u32 i, float w, u32 j) {
+    return j == 0xffffffffu || (i != 0xffffffffu && (v > w || (v == w && i < j)));
+}
+
+extern "C" __global__ void __launch_bounds__(LP_THREADS)
+    logprob_stats(const float* logits, float* lse, u32* ids, float* vals, int rows, int vocab,
+                  int top) {
+    __shared__ float sv[LP_THREADS];
+    __shared__ u32 si[LP_THREADS];
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    const float* x = logits + (size_t)row * vocab;
+    const int t = threadIdx.x;
+    float m = -INFINITY;
+    for (int i = t; i < vocab; i += LP_THREADS) m = fmaxf(m, x[i]);
+    sv[t] = m;
+    __syncthreads();
+    for (int s = LP_THREADS / 2; s > 0; s >>= 1) {
+        if (t < s) sv[t] = fmaxf(sv[t], sv[t + s]);
+        __syncthreads();
+    }
+    m = sv[0];
+    __syncthreads();
+    float l = m;
+    if (finite_f(m)) {
+        float s = 0.0f;
+        for (int i = t; i < vocab; i += LP_THREADS) s += expf(x[i] - m);
+        sv[t] = s;
+        __syncthreads();
+        for (int h = LP_THREADS / 2; h > 0; h >>= 1) {
+            if (t < h) sv[t] += sv[t + h];
+            __syncthreads();
+        }
+        l = m + logf(sv[0]);
+        __syncthreads();
+    }
+    if (t == 0) lse[row] = l;
+    float pv = 0.0f;
+    u32 pid = 0xffffffffu;
+    for (int k = 0; k < top; ++k) {
+        float bv = -INFINITY;
+        u32 bi = 0xffffffffu;
+        for (int i = t; i < vocab; i += LP_THREADS) {
+            const float v = x[i];
+            const bool after = k == 0 || v < pv || (v == pv && (u32)i > pid);
+            if (after && v == v && lp_better(v, (u32)i, bv, bi)) {
+                bv = v;
+                bi = (u32)i;
+            }
+        }
+        sv[t] = bv;
+        si[t] = bi;
+        __syncthreads();
+        for (int h = LP_THREADS / 2; h > 0; h >>= 1) {
+            if (t < h && lp_better(sv[t + h], si[t + h], sv[t], si[t])) {
+                sv[t] = sv[t + h];
+                si[t] = si[t + h];
+            }
+            __syncthreads();
+        }
+        pv = sv[0];
+        pid = si[0];
+        if (t == 0) {
+            ids[(size_t)row * top + k] = pid;
+            vals[(size_t)row * top + k] = pv - l;
+        }
+        __syncthreads();
+    }
+}

@@ -69,6 +69,7 @@ kernels! {
     SampleRows = "sample_rows": "pppii",
     EditTokens = "edit_tokens": "ppii",
     MaskRows = "mask_rows": "pppiii",
+    LogprobStats = "logprob_stats": "ppppiii",
     DequantF8S32 = "dequant_f8_s32": "ppl",
     DequantU4S32 = "dequant_u4_s32": "ppl",
     DequantF4S16 = "dequant_f4_s16": "ppl",

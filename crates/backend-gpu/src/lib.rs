@@ -330,6 +330,17 @@ impl Backend for GpuBackend {
         self.op_edit_logits(logits, edits)
     }
 
+    fn logprob_stats(
+        &self,
+        logits: &Tensor,
+        top: usize,
+        lse: &Tensor,
+        top_ids: &Tensor,
+        top_logprobs: &Tensor,
+    ) -> Result<()> {
+        self.op_logprob_stats(logits, top, lse, top_ids, top_logprobs)
+    }
+
     fn sample(&self, logits: &Tensor, rows: &[SampleRow], out: &Tensor) -> Result<()> {
         self.op_sample(logits, rows, out)
     }

@@ -13,7 +13,8 @@
 //! [`LogitEdits`]) run before, in place: one thread per token edit, then one
 //! per token of each masked row, with the bits of `LogitEdits::apply` on the
 //! host. Their sizes change from step to step, so a step that edits logits
-//! runs without a graph.
+//! runs without a graph. Logprob statistics (log-sum-exp and the top
+//! alternatives of a row) take one block per row.
 
 use crate::GpuBackend;
 use crate::exec::Args;
@@ -141,5 +142,33 @@ impl GpuBackend {
             )?;
         }
         Ok(())
+    }
+
+    pub(crate) fn op_logprob_stats(
+        &self,
+        logits: &Tensor,
+        top: usize,
+        lse: &Tensor,
+        top_ids: &Tensor,
+        top_logprobs: &Tensor,
+    ) -> Result<()> {
+        arbor_engine_core::backend::check_logprob_stats(logits, top, lse, top_ids, top_logprobs)?;
+        let rows = logits.rows();
+        if rows == 0 {
+            return Ok(());
+        }
+        let mut st = self.dev.lock()?;
+        // Which rows want logprobs changes from step to step.
+        st.no_graph("logprob statistics");
+        let args = Args::new()
+            .p(self.p(&st, logits)?)
+            .p(self.p(&st, lse)?)
+            .p(self.p(&st, top_ids)?)
+            .p(self.p(&st, top_logprobs)?)
+            .i(rows)
+            .i(logits.row_len())
+            .i(top);
+        self.dev
+            .launch(&mut st, K::LogprobStats, [rows, 1, 1], 256, 0, args)
     }
 }

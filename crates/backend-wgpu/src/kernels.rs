@@ -32,6 +32,7 @@ pub const ATTENTION: &str = include_str!("shaders/attention.wgsl");
 pub const SAMPLE: &str = include_str!("shaders/sample.wgsl");
 pub const EDIT_TOKENS: &str = include_str!("shaders/edit_tokens.wgsl");
 pub const MASK_ROWS: &str = include_str!("shaders/mask_rows.wgsl");
+pub const LOGPROB_STATS: &str = include_str!("shaders/logprob_stats.wgsl");
 
 /// Invocations per workgroup of the 1-D kernels (`WG` in common.wgsl).
 pub const WG: u32 = 64;
@@ -93,6 +94,8 @@ pub enum Kernel {
     EditTokens,
     /// Grammar masks of logits rows (`mask_rows.wgsl`).
     MaskRows,
+    /// Log-sum-exp and top alternatives of logits rows (`logprob_stats.wgsl`).
+    LogprobStats,
 }
 
 fn bias_decl(bias: bool, binding: u32) -> (&'static str, String) {
@@ -234,6 +237,7 @@ impl Kernel {
             Kernel::Sample => specialize(SAMPLE, &[]),
             Kernel::EditTokens => specialize(EDIT_TOKENS, &[]),
             Kernel::MaskRows => specialize(MASK_ROWS, &[]),
+            Kernel::LogprobStats => specialize(LOGPROB_STATS, &[]),
         }
     }
 }
@@ -335,6 +339,7 @@ mod tests {
             Kernel::Sample,
             Kernel::EditTokens,
             Kernel::MaskRows,
+            Kernel::LogprobStats,
         ];
         for dt in 0..6 {
             all.push(Kernel::Embedding { dt });

@@ -413,6 +413,17 @@ impl Backend for WgpuBackend {
     fn edit_logits(&self, logits: &Tensor, edits: &arbor_engine_core::LogitEdits) -> Result<()> {
         sample::edit_logits(self, logits, edits)
     }
+
+    fn logprob_stats(
+        &self,
+        logits: &Tensor,
+        top: usize,
+        lse: &Tensor,
+        top_ids: &Tensor,
+        top_logprobs: &Tensor,
+    ) -> Result<()> {
+        sample::logprob_stats(self, logits, top, lse, top_ids, top_logprobs)
+    }
 }
 
 impl WgpuBackend {

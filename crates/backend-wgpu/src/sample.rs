@@ -11,7 +11,9 @@
 //! Logit edits (penalties, logit bias, `min_new_tokens`, grammar masks) run
 //! before, in place: one invocation per token edit (`edit_tokens.wgsl`),
 //! then one per token of each masked row (`mask_rows.wgsl`), with the bits
-//! of `LogitEdits::apply` on the host.
+//! of `LogitEdits::apply` on the host. Logprob statistics (log-sum-exp and
+//! the top alternatives of a row) take one workgroup per row
+//! (`logprob_stats.wgsl`).
 
 use crate::context::{Access, Params};
 use crate::kernels::{Kernel, grid, grid_threads};
@@ -136,4 +138,37 @@ pub fn edit_logits(b: &WgpuBackend, logits: &Tensor, edits: &LogitEdits) -> Resu
         gpu.dispatch(&pipe, &params, &[&lv, &rv, &mv], groups)?;
     }
     Ok(())
+}
+
+/// [`Backend::logprob_stats`](arbor_engine_core::Backend::logprob_stats) on the device.
+pub fn logprob_stats(
+    b: &WgpuBackend,
+    logits: &Tensor,
+    top: usize,
+    lse: &Tensor,
+    top_ids: &Tensor,
+    top_logprobs: &Tensor,
+) -> Result<()> {
+    arbor_engine_core::backend::check_logprob_stats(logits, top, lse, top_ids, top_logprobs)?;
+    let rows = logits.rows();
+    if rows == 0 {
+        return Ok(());
+    }
+    let lv = b.view(logits, DType::F32, Access::Read)?;
+    let sv = b.view(lse, DType::F32, Access::Write)?;
+    let iv = b.view(top_ids, DType::U32, Access::Write)?;
+    let vv = b.view(top_logprobs, DType::F32, Access::Write)?;
+    let gpu = b.gpu();
+    let pipe = gpu.kernel(&Kernel::LogprobStats)?;
+    let params = Params::new()
+        .us(rows)?
+        .u(u32_of(logits.row_len(), "vocabulary")?)
+        .us(top)?
+        .u(lv.word_off())
+        .u(sv.word_off())
+        .u(iv.word_off())
+        .u(vv.word_off())
+        .u(0);
+    let groups = grid(rows, gpu.limits.max_compute_workgroups_per_dimension)?;
+    gpu.dispatch(&pipe, &params, &[&lv, &sv, &iv, &vv], groups)
 }

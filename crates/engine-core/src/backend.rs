@@ -408,18 +408,45 @@ pub trait Backend: Send + Sync {
                 rows.len()
             )));
         }
-        let mut bytes = vec![0u8; logits.byte_len()?];
-        self.download(logits, &mut bytes)?;
-        let values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let values = f32_values(self, logits)?;
         let mut ids = Vec::with_capacity(rows.len() * 4);
         for (r, row) in rows.iter().enumerate() {
             let id = row.draw(&values[r * vocab..(r + 1) * vocab])?;
             ids.extend_from_slice(&id.to_le_bytes());
         }
         self.write(out, &ids)
+    }
+
+    /// Log-probability statistics of each row of `logits` (`[rows, vocab]`
+    /// f32): `lse` (`[rows]` f32) gets the row's log-sum-exp, and `top_ids`
+    /// (`[rows, top]` u32) and `top_logprobs` (`[rows, top]` f32) its `top`
+    /// largest logits as (id, logit - lse): largest first, the lower id first
+    /// among equal values (`top <= vocab` and `top <= MAX_TOP_LOGPROBS`).
+    /// Devices compute them where the logits are, so that only these cross
+    /// to the host. This default downloads the logits.
+    fn logprob_stats(
+        &self,
+        logits: &Tensor,
+        top: usize,
+        lse: &Tensor,
+        top_ids: &Tensor,
+        top_logprobs: &Tensor,
+    ) -> Result<()> {
+        check_logprob_stats(logits, top, lse, top_ids, top_logprobs)?;
+        let vocab = logits.row_len();
+        let values = f32_values(self, logits)?;
+        let (mut l, mut ids, mut vals) = (Vec::new(), Vec::new(), Vec::new());
+        for row in values.chunks_exact(vocab.max(1)) {
+            let m = crate::sampling::log_sum_exp(row);
+            l.extend_from_slice(&m.to_le_bytes());
+            for (id, x) in crate::sampling::top_logits(row, top) {
+                ids.extend_from_slice(&id.to_le_bytes());
+                vals.extend_from_slice(&(x - m).to_le_bytes());
+            }
+        }
+        self.write(lse, &l)?;
+        self.write(top_ids, &ids)?;
+        self.write(top_logprobs, &vals)
     }
 
     /// Applies `edits` ([`crate::logit_edits`]) in place to `logits`
@@ -437,18 +464,54 @@ pub trait Backend: Send + Sync {
         if edits.is_empty() {
             return Ok(());
         }
-        let mut bytes = vec![0u8; logits.byte_len()?];
-        self.download(logits, &mut bytes)?;
-        let mut values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let mut values = f32_values(self, logits)?;
         edits.apply(&mut values, logits.row_len())?;
-        for (b, v) in bytes.chunks_exact_mut(4).zip(values) {
-            b.copy_from_slice(&v.to_le_bytes());
-        }
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.write(logits, &bytes)
     }
+}
+
+/// The values of an f32 tensor, downloaded (the host side of the defaults).
+fn f32_values<B: Backend + ?Sized>(b: &B, t: &Tensor) -> Result<Vec<f32>> {
+    t.check_dtype(DType::F32)?;
+    let mut bytes = vec![0u8; t.byte_len()?];
+    b.download(t, &mut bytes)?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Most alternatives [`Backend::logprob_stats`] gives per row.
+pub const MAX_TOP_LOGPROBS: usize = 64;
+
+/// The argument check of [`Backend::logprob_stats`], for every backend.
+pub fn check_logprob_stats(
+    logits: &Tensor,
+    top: usize,
+    lse: &Tensor,
+    top_ids: &Tensor,
+    top_logprobs: &Tensor,
+) -> Result<()> {
+    let (rows, vocab) = (logits.rows(), logits.row_len());
+    logits.check_dtype(DType::F32)?;
+    lse.check_dtype(DType::F32)?;
+    top_ids.check_dtype(DType::U32)?;
+    top_logprobs.check_dtype(DType::F32)?;
+    if top > vocab
+        || top > MAX_TOP_LOGPROBS
+        || lse.numel() != rows
+        || top_ids.numel() != rows * top
+        || top_logprobs.numel() != rows * top
+    {
+        return Err(CoreError::invalid(format!(
+            "logprob statistics (top {top}) of {logits:?} into {lse:?}, {top_ids:?}, {top_logprobs:?}"
+        )));
+    }
+    for out in [lse, top_ids, top_logprobs] {
+        out.check_no_overlap(&[logits])?;
+    }
+    Ok(())
 }
 
 impl dyn Backend + '_ {
@@ -469,18 +532,7 @@ impl dyn Backend + '_ {
 
     /// Downloads an f32 tensor.
     pub fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
-        if t.dtype() != DType::F32 {
-            return Err(CoreError::invalid(format!(
-                "download_f32 of a {} tensor",
-                t.dtype()
-            )));
-        }
-        let mut bytes = vec![0u8; t.byte_len()?];
-        self.download(t, &mut bytes)?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        f32_values(self, t)
     }
 
     /// Attention implementation by name, or the device's default when `None`.

@@ -19,6 +19,7 @@ pub mod executor;
 pub mod grammar;
 pub mod kv;
 pub mod logit_edits;
+mod logprobs;
 pub mod lora;
 pub mod model;
 pub mod moe;

@@ -390,6 +390,30 @@ pub fn filtered_candidates(logits: &[f32], params: &SamplingParams) -> Option<Ve
     Some(cand)
 }
 
+/// `ln(sum(exp(v)))`, computed from the largest value; that value when it
+/// is not finite.
+pub fn log_sum_exp(v: &[f32]) -> f32 {
+    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !m.is_finite() {
+        return m;
+    }
+    m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln()
+}
+
+/// The `n` largest values of `v` with their indices: largest first, the
+/// lower index first among equal values.
+pub fn top_logits(v: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
+    let k = n.min(idx.len());
+    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
+    idx.truncate(k);
+    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    idx
+}
+
 /// Repetition, frequency and presence penalties.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PenaltyProcessor;

@@ -872,9 +872,10 @@ fn tier_copies_are_exact_on_the_cpu() -> Result<()> {
     verify::tier_copies_move_kv_exactly(shared().backend.clone(), &fixture())
 }
 
-/// A step whose rows are sampled partly on the device (greedy, no
-/// processor) and partly on the host (logprobs, a penalty) gives every
-/// request what it gets alone; with and without drafts.
+/// A step mixing plain greedy rows, rows with logprobs and rows with a
+/// penalty (logprob statistics and logit edits, all where the logits are)
+/// gives every request what it gets alone; with and without drafts. (Rows
+/// on the host next to rows on the device: `logit_edits_match_the_host_path_on_the_cpu`.)
 #[test]
 fn mixed_device_and_host_rows_agree() -> Result<()> {
     let ps = prompts(12, 23);

@@ -11,7 +11,10 @@
 //!   history, logit bias, `min_new_tokens` with stop ids, grammar masks,
 //!   and greedy verification of drafts under penalties (each row seeing the
 //!   drafts on its path); seeded draws too where the device's sampler draws
-//!   as the host's does.
+//!   as the host's does;
+//! - logprobs come from the device too (`Backend::logprob_stats`: the same
+//!   alternatives as the host's definition, values within 1e-4), for plain
+//!   and verified rows.
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::executor::{Executor, LocalExecutor};
@@ -20,9 +23,10 @@ use arbor_engine_core::logit_edits::{LogitEdits, RowEdits};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::sampling::{
     LogitBiasProcessor, LogitsContext, LogitsProcessor, PenaltyProcessor, SeqRng, StandardSampler,
+    log_sum_exp, top_logits,
 };
 use arbor_engine_core::step::{
-    MaskInput, SampleContext, SampleRows, SampleSpec, SeqPlan, StepOutput, StepPlan,
+    MaskInput, SampleContext, SampleRows, SampleSpec, SeqPlan, StepOutput, StepPlan, TokenLogprob,
 };
 use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
 use std::path::Path;
@@ -119,6 +123,7 @@ struct Req {
     out: Vec<u32>,
     /// A grammar mask each step: tokens `id % 3 == step % 3`.
     masked: bool,
+    logprobs: Option<usize>,
 }
 
 impl Req {
@@ -152,7 +157,7 @@ impl Req {
                     prompt: self.prompt.clone(),
                     output: self.out.clone(),
                 }),
-                logprobs: None,
+                logprobs: self.logprobs,
                 generated: self.out.len(),
                 draft_probs: Vec::new(),
             }),
@@ -206,6 +211,7 @@ pub fn edited_sampling_matches_host(
     same_draws: bool,
 ) -> Result<()> {
     edits_match_the_host(&*backend)?;
+    logprob_stats_match_the_host(&*backend)?;
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
@@ -246,6 +252,7 @@ pub fn edited_sampling_matches_host(
         params: Arc::new(SamplingParams::greedy(32)),
         out: Vec::new(),
         masked: false,
+        logprobs: None,
     };
     let first = run(&host, std::slice::from_ref(&probe), 0, &[Vec::new()])?;
     let stop = *first.seqs[0].tokens.first().context("a token")?;
@@ -256,6 +263,7 @@ pub fn edited_sampling_matches_host(
             params: Arc::new(SamplingParams::greedy(32)),
             out: Vec::new(),
             masked: false,
+            logprobs: None,
         };
         for step in 0..12 {
             let o = run(&dev, std::slice::from_ref(&r), step, &[Vec::new()])?;
@@ -301,6 +309,7 @@ pub fn edited_sampling_matches_host(
                 params: p.clone(),
                 out: Vec::new(),
                 masked: i == 2,
+                logprobs: [Some(3), None, Some(5)].get(i).copied().flatten(),
             };
             [r(), r()]
         })
@@ -325,6 +334,8 @@ pub fn edited_sampling_matches_host(
                 y.tokens,
                 x.error
             );
+            same_logprobs(&x.logprobs, &y.logprobs, reqs[i][0].logprobs)
+                .with_context(|| format!("step {step}, request {i}"))?;
             reqs[i][0].out.extend_from_slice(&x.tokens);
             reqs[i][1].out.extend_from_slice(&y.tokens);
         }
@@ -364,15 +375,17 @@ pub fn edited_sampling_matches_host(
             let r = &mut reqs[0][k];
             r.out.truncate(1);
             let o = run(ex, std::slice::from_ref(r), 12, &[drafts.clone()])?;
-            got.push(o.seqs[0].tokens.clone().into_vec());
+            let o = o.seqs.into_iter().next().context("one sequence")?;
+            got.push((o.tokens.into_vec(), o.logprobs));
         }
         let want = if wrong { &cont[1..4] } else { &cont[1..6] };
         ensure!(
-            got[0] == got[1] && got[0] == want,
+            got[0].0 == got[1].0 && got[0].0 == want,
             "verify (wrong draft: {wrong}): device {:?} host {:?} want {want:?}",
-            got[0],
-            got[1]
+            got[0].0,
+            got[1].0
         );
+        same_logprobs(&got[0].1, &got[1].1, Some(3)).context("verify")?;
     }
     // The same as a draft tree whose first branch is wrong: the rows of the
     // right branch see only their own ancestors.
@@ -389,15 +402,94 @@ pub fn edited_sampling_matches_host(
                 seqs: vec![seq],
                 ..Default::default()
             })?;
-            got.push(o.seqs[0].tokens.clone().into_vec());
+            let o = o.seqs.into_iter().next().context("one sequence")?;
+            got.push((o.tokens.into_vec(), o.logprobs));
         }
         ensure!(
-            got[0] == got[1] && got[0] == cont[1..6],
+            got[0].0 == got[1].0 && got[0].0 == cont[1..6],
             "tree verify: device {:?} host {:?} want {:?}",
-            got[0],
-            got[1],
+            got[0].0,
+            got[1].0,
             &cont[1..6]
         );
+        same_logprobs(&got[0].1, &got[1].1, Some(3)).context("tree verify")?;
+    }
+    Ok(())
+}
+
+/// Logprobs computed on the device against the host's: one per token
+/// (when asked), the same token and alternatives, values within 1e-4.
+fn same_logprobs(dev: &[TokenLogprob], host: &[TokenLogprob], asked: Option<usize>) -> Result<()> {
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-4 * a.abs().max(1.0);
+    ensure!(
+        dev.len() == host.len() && (asked.is_some() || dev.is_empty()),
+        "{} logprobs on the device, {} on the host",
+        dev.len(),
+        host.len()
+    );
+    for (d, h) in dev.iter().zip(host) {
+        ensure!(
+            d.token == h.token && close(d.logprob, h.logprob) && d.top.len() == h.top.len(),
+            "device {d:?} host {h:?}"
+        );
+        ensure!(Some(d.top.len()) == asked, "{} alternatives", d.top.len());
+        for (a, b) in d.top.iter().zip(&h.top) {
+            ensure!(a.0 == b.0 && close(a.1, b.1), "device {d:?} host {h:?}");
+        }
+    }
+    Ok(())
+}
+
+/// `Backend::logprob_stats` against the host's definitions: the same
+/// alternatives in the same order (ties to the lower id), values within
+/// 1e-5; and too many alternatives refused.
+pub fn logprob_stats_match_the_host(backend: &dyn Backend) -> Result<()> {
+    let mut rng = SeqRng::new(11);
+    for (rows, vocab, top) in [(1usize, 7usize, 7usize), (4, 1000, 20), (3, 300, 64)] {
+        let mut values: Vec<f32> = (0..rows * vocab)
+            .map(|_| 16.0 * rng.next_f32() - 8.0)
+            .collect();
+        // Ties among the largest: the lower id comes first.
+        values[vocab / 2] = 9.0;
+        values[vocab / 3] = 9.0;
+        values[0] = f32::NEG_INFINITY;
+        let t = backend.upload_f32(&[rows, vocab], &values)?;
+        let lse = backend.alloc(DType::F32, &[rows])?;
+        let ids = backend.alloc(DType::U32, &[rows, top])?;
+        let vals = backend.alloc(DType::F32, &[rows, top])?;
+        backend.logprob_stats(&t, top, &lse, &ids, &vals)?;
+        let got_lse = backend.download_f32(&lse)?;
+        let got_vals = backend.download_f32(&vals)?;
+        let mut raw = vec![0u8; rows * top * 4];
+        backend.download(&ids, &mut raw)?;
+        let got_ids: Vec<u32> = raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        for (r, row) in values.chunks_exact(vocab).enumerate() {
+            let want_lse = log_sum_exp(row);
+            ensure!(
+                (got_lse[r] - want_lse).abs() <= 1e-5 * want_lse.abs().max(1.0),
+                "row {r}: lse {} want {want_lse}",
+                got_lse[r]
+            );
+            for (k, (id, x)) in top_logits(row, top).into_iter().enumerate() {
+                let (gi, gv) = (got_ids[r * top + k], got_vals[r * top + k]);
+                let want = x - want_lse;
+                ensure!(
+                    gi == id && (gv == want || (gv - want).abs() <= 1e-5 * want.abs().max(1.0)),
+                    "[{rows}, {vocab}] row {r} alternative {k}: ({gi}, {gv}) want ({id}, {want})"
+                );
+            }
+        }
+        if top < vocab {
+            let more = backend.alloc(DType::U32, &[rows, 65])?;
+            let more_v = backend.alloc(DType::F32, &[rows, 65])?;
+            ensure!(
+                backend.logprob_stats(&t, 65, &lse, &more, &more_v).is_err(),
+                "65 alternatives accepted"
+            );
+        }
     }
     Ok(())
 }

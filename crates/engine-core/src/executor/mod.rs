@@ -32,21 +32,19 @@
 
 use crate::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
-use crate::error::{CoreError, Result};
+use crate::error::Result;
 use crate::kv::KvSpec;
 use crate::logit_edits::{LogitEdits, RowEdits};
+use crate::logprobs::{DeviceLogprobs, RowLogprob};
 use crate::lora::LoraSegment;
 use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
-use crate::sampling::{
-    LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng, argmax, filtered_candidates,
-};
+use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams};
 use crate::step::{
     MaskInput, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput, StepPlan,
     TokenLogprob,
 };
 use crate::tensor::Tensor;
-use crate::tier::{CopyDirection, KvCopyStats, KvTierOps};
 use std::sync::Arc;
 
 /// What an executor can run, declared once.
@@ -127,11 +125,64 @@ impl LocalExecutor {
     }
 
     /// Whether `s` can be sampled where the logits are: the standard
-    /// sampler, no draft rejection sampling, no logprobs (what else acts on
+    /// sampler, no draft rejection sampling, at most
+    /// [`crate::backend::MAX_TOP_LOGPROBS`] alternatives (what else acts on
     /// its rows goes into [`LogitEdits`] by [`Self::seq_edits`]).
     fn device_samples(&self, s: &SampleSpec, standard: bool) -> bool {
         let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !s.params.is_greedy();
-        standard && !verify_sampled && s.logprobs.is_none()
+        standard && !verify_sampled && s.logprobs.is_none_or(DeviceLogprobs::fits)
+    }
+
+    /// Samples the rows of the device sequences where the logits are: the
+    /// logprob statistics of the raw rows that ask for them first, then the
+    /// edits, then the draws. Returns one id per device row (in plan order)
+    /// and, per device row, its logprob when its request asked.
+    fn sample_device_rows(
+        &self,
+        plan: &StepPlan,
+        logits: &Tensor,
+        on_device: &[bool],
+        first_row: &[usize],
+        edits: &LogitEdits,
+    ) -> Result<(Vec<u32>, Vec<Option<RowLogprob>>)> {
+        let backend = &**self.runner.backend();
+        let (mut rows, mut lp_rows, mut lp_at, mut top) = (Vec::new(), Vec::new(), Vec::new(), 0);
+        let dev_seqs = || {
+            plan.seqs
+                .iter()
+                .zip(first_row)
+                .zip(on_device)
+                .filter(|(_, d)| **d)
+                .map(|(s, _)| s)
+        };
+        for (s, &r0) in dev_seqs() {
+            let n = s.sampled_rows().len();
+            if let Some(k) = s.sample.as_ref().and_then(|sp| sp.logprobs) {
+                top = top.max(k);
+                lp_at.extend(rows.len()..rows.len() + n);
+                lp_rows.extend((r0..r0 + n).map(|r| r as u32));
+            }
+            rows.extend((r0..r0 + n).map(|r| r as u32));
+        }
+        if rows.is_empty() {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let lp = (!lp_rows.is_empty())
+            .then(|| DeviceLogprobs::start(backend, logits, &lp_rows, top))
+            .transpose()?;
+        let t = select_rows(backend, logits, &rows)?;
+        if !edits.is_empty() {
+            backend.edit_logits(&t, edits)?;
+        }
+        let ids = sample_on_device(backend, &t, dev_seqs().map(|(s, _)| s))?;
+        let mut per_row = vec![None; ids.len()];
+        if let Some(lp) = lp {
+            let toks: Vec<u32> = lp_at.iter().map(|&i| ids[i]).collect();
+            for (&i, l) in lp_at.iter().zip(lp.finish(backend, &toks)?) {
+                per_row[i] = Some(l);
+            }
+        }
+        Ok((ids, per_row))
     }
 
     /// The edits of a sequence's sampled rows (the first at `first_row` of
@@ -385,37 +436,21 @@ impl Executor for LocalExecutor {
                 dev_rows_so_far += s.sampled_rows().len() as u32;
             }
         }
-        let rows_of = |want: bool| -> Vec<u32> {
-            plan.seqs
-                .iter()
-                .zip(&first_row)
-                .zip(&on_device)
-                .filter(|(_, d)| **d == want)
-                .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
-                .collect()
-        };
-        let (dev_rows, host_rows) = (rows_of(true), rows_of(false));
-        let total = batch.logits_rows.len();
-        // Device ids and host logits, each in the order of its rows.
-        let dev_ids = if dev_rows.is_empty() {
-            Vec::new()
-        } else {
-            let t = select_rows(&**backend, &out.logits, &dev_rows, total)?;
-            let dev_seqs = plan
-                .seqs
-                .iter()
-                .zip(&on_device)
-                .filter(|(_, d)| **d)
-                .map(|(s, _)| s);
-            if !edits.is_empty() {
-                backend.edit_logits(&t, &edits)?;
-            }
-            sample_on_device(&**backend, &t, dev_seqs)?
-        };
+        let host_rows: Vec<u32> = plan
+            .seqs
+            .iter()
+            .zip(&first_row)
+            .zip(&on_device)
+            .filter(|(_, d)| !**d)
+            .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
+            .collect();
+        // Device ids (and logprobs) and host logits, each in the order of its rows.
+        let (dev_ids, dev_logprobs) =
+            self.sample_device_rows(plan, &out.logits, &on_device, &first_row, &edits)?;
         let host_logits = if host_rows.is_empty() {
             Vec::new()
         } else {
-            let t = select_rows(&**backend, &out.logits, &host_rows, total)?;
+            let t = select_rows(&**backend, &out.logits, &host_rows)?;
             backend.download_f32(&t)?
         };
         let (mut di, mut hi) = (0usize, 0usize);
@@ -427,7 +462,11 @@ impl Executor for LocalExecutor {
                 0
             };
             if on_device[i] {
-                seqs.push(verify_ids(s, &dev_ids[di..di + n]));
+                let mut o = verify_ids(s, &dev_ids[di..di + n]);
+                if let Some(k) = s.sample.as_ref().and_then(|sp| sp.logprobs) {
+                    attach_logprobs(s, &mut o, &dev_logprobs[di..di + n], k);
+                }
+                seqs.push(o);
                 di += n;
                 continue;
             }
@@ -466,16 +505,11 @@ impl Executor for LocalExecutor {
     }
 }
 
-/// Rows `rows` (of `total`) of the logits: the tensor itself when that is
-/// all of them in order (with LoRA adapters the packed order may differ
-/// from the plan's).
-fn select_rows(
-    backend: &(dyn Backend + 'static),
-    logits: &Tensor,
-    rows: &[u32],
-    total: usize,
-) -> Result<Tensor> {
-    if rows.len() == total && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
+/// Rows `rows` of the logits: the tensor itself when that is all of them
+/// in order (with LoRA adapters the packed order may differ from the
+/// plan's).
+fn select_rows(backend: &(dyn Backend + 'static), logits: &Tensor, rows: &[u32]) -> Result<Tensor> {
+    if rows.len() == logits.rows() && rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
         return Ok(logits.clone());
     }
     let idx = backend.upload_u32(&[rows.len()], rows)?;
@@ -506,6 +540,30 @@ fn sample_on_device<'a>(
         .chunks_exact(4)
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect())
+}
+
+/// Adds to a device sequence's output the logprobs (with `top`
+/// alternatives) of the rows its walk visited: the root, then each accepted
+/// draft's row.
+fn attach_logprobs(s: &SeqPlan, out: &mut SeqOutput, rows: &[Option<RowLogprob>], top: usize) {
+    let base = s.tokens.len() - rows.len();
+    let visited = std::iter::once(0).chain(match &s.tree {
+        Some(_) => out
+            .accepted_path
+            .iter()
+            .map(|p| p - base)
+            .collect::<Vec<_>>(),
+        None => (1..out.tokens.len()).collect(),
+    });
+    for (&token, row) in out.tokens.iter().zip(visited) {
+        if let Some(Some(l)) = rows.get(row) {
+            out.logprobs.push(TokenLogprob {
+                token,
+                logprob: l.logprob,
+                top: l.top.iter().take(top).copied().collect(),
+            });
+        }
+    }
 }
 
 /// The children (row indices within the sampled rows) of row `at`, in order.
@@ -546,428 +604,5 @@ fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
     out
 }
 
-fn log_sum_exp(v: &[f32]) -> f32 {
-    let m = v.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    if !m.is_finite() {
-        return m;
-    }
-    m + v.iter().map(|x| (x - m).exp()).sum::<f32>().ln()
-}
-
-fn top_n(v: &[f32], n: usize) -> Vec<(u32, f32)> {
-    if n == 0 {
-        return Vec::new();
-    }
-    let mut idx: Vec<(u32, f32)> = v.iter().enumerate().map(|(i, &x)| (i as u32, x)).collect();
-    let k = n.min(idx.len());
-    idx.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1));
-    idx.truncate(k);
-    idx.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    idx
-}
-
-impl LocalExecutor {
-    /// Runs a plan's copies between device pages and host slots, in order.
-    /// A host page holds, per layer, the page's K bytes then its V bytes. On
-    /// the CPU a copy is a memcpy; it is still counted and timed.
-    fn copy_tier_pages(&self, ops: &KvTierOps) -> Result<KvCopyStats> {
-        let mut stats = KvCopyStats::default();
-        let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
-            return Ok(stats);
-        };
-        let start = std::time::Instant::now();
-        let kv = self.runner.kv();
-        let spec = *kv.spec();
-        let backend = self.runner.backend();
-        let part = spec.bytes_per_token() * spec.page_size / (2 * spec.num_layers);
-        if host.page_bytes() != 2 * spec.num_layers * part {
-            return Err(CoreError::invalid(format!(
-                "host KV pages of {} bytes for device pages of {}",
-                host.page_bytes(),
-                2 * spec.num_layers * part
-            )));
-        }
-        let mut views = Vec::with_capacity(2 * spec.num_layers);
-        for c in &ops.copies {
-            if c.device_page as usize >= spec.num_pages {
-                return Err(CoreError::invalid(format!(
-                    "KV copy of device page {} of {}",
-                    c.device_page, spec.num_pages
-                )));
-            }
-            let first = c.device_page as usize * spec.page_size;
-            views.clear();
-            for l in 0..spec.num_layers {
-                let layer = kv.layer(l)?;
-                views.push(layer.k.narrow(first, spec.page_size)?);
-                views.push(layer.v.narrow(first, spec.page_size)?);
-            }
-            let mut failed = None;
-            match c.direction {
-                CopyDirection::ToHost => {
-                    let written = host.write(c.host, |bytes| {
-                        for (view, dst) in views.iter().zip(bytes.chunks_exact_mut(part)) {
-                            if let Err(e) = backend.download(view, dst) {
-                                failed = Some(e);
-                                return;
-                            }
-                        }
-                    });
-                    if !written {
-                        return Err(CoreError::Internal(format!(
-                            "KV backup into freed host slot {}",
-                            c.host.slot
-                        )));
-                    }
-                    stats.pages_to_host += 1;
-                }
-                CopyDirection::ToDevice => {
-                    let read = host.read(c.host, std::time::Duration::ZERO, |bytes| {
-                        for (view, src) in views.iter().zip(bytes.chunks_exact(part)) {
-                            if let Err(e) = backend.write(view, src) {
-                                failed = Some(e);
-                                return;
-                            }
-                        }
-                    });
-                    if read.is_none() {
-                        return Err(CoreError::Internal(format!(
-                            "KV load from host slot {} that holds no page",
-                            c.host.slot
-                        )));
-                    }
-                    stats.pages_to_device += 1;
-                }
-            }
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            stats.bytes += host.page_bytes() as u64;
-        }
-        stats.seconds = start.elapsed().as_secs_f64();
-        Ok(stats)
-    }
-
-    /// After a draft tree's verification, moves the KV of the accepted path
-    /// (plan indices `path`, increasing) into chain order, so that the
-    /// sequence's first `prefix_len + 1 + path.len()` slots hold its tokens
-    /// in order. Safe in place: the j-th accepted token moves from index
-    /// `path[j] >= j + 1` to `j + 1`, and later sources lie past every
-    /// earlier destination.
-    fn compact_accepted(&self, s: &SeqPlan, path: &[usize]) -> Result<()> {
-        let kv = self.runner.kv();
-        let ps = kv.spec().page_size;
-        let slot = |i: usize| -> Result<usize> {
-            let t = s.prefix_len + i;
-            let page = s
-                .pages
-                .get(t / ps)
-                .ok_or_else(|| crate::error::CoreError::invalid("draft past its pages"))?;
-            Ok(*page as usize * ps + t % ps)
-        };
-        let backend = self.runner.backend();
-        for (j, &src) in path.iter().enumerate() {
-            let dst = j + 1;
-            if src == dst {
-                continue;
-            }
-            let (from, to) = (slot(src)?, slot(dst)?);
-            for l in 0..kv.spec().num_layers {
-                let layer = kv.layer(l)?;
-                for t in [&layer.k, &layer.v] {
-                    backend.copy(&t.narrow(from, 1)?, &t.narrow(to, 1)?)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Samples (and verifies) one sequence's rows on the host.
-    fn sample_on_host(
-        &self,
-        s: &SeqPlan,
-        rows: &[f32],
-        vocab: usize,
-        masks: &[crate::grammar::TokenBitmask],
-    ) -> Result<SeqOutput> {
-        let Some(sp) = &s.sample else {
-            return Ok(SeqOutput::default());
-        };
-        let p = &*sp.params;
-        let n = s.sampled_rows().len();
-        let base = s.tokens.len() - n;
-        let mut rng = SeqRng::new(sp.seed);
-        let mut out = SeqOutput::default();
-        // Output so far, extended by the accepted drafts (what processors see).
-        let mut history: Vec<u32> = sp
-            .context
-            .as_ref()
-            .map(|c| c.output.clone())
-            .unwrap_or_default();
-        let empty: Vec<u32> = Vec::new();
-        let prompt = sp.context.as_ref().map_or(&empty, |c| &*c.prompt);
-        let mut at = 0;
-        loop {
-            let raw = &rows[at * vocab..(at + 1) * vocab];
-            let mut l = raw.to_vec();
-            if sp.generated + out.tokens.len() < p.min_new_tokens {
-                for &e in self.eos.iter().chain(&p.stop_token_ids) {
-                    if let Some(x) = l.get_mut(e as usize) {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            let ctx = LogitsContext {
-                prompt,
-                output: &history,
-                params: p,
-            };
-            for q in &self.processors {
-                if q.is_active(p) {
-                    q.process(&mut l, &ctx)?;
-                }
-            }
-            if let Some(m) = masks.get(at) {
-                m.apply_to_logits(&mut l);
-            }
-            let kids = children(s, at);
-            let (tok, next) = if kids.is_empty() {
-                (self.sampler.sample(&mut l, p, &mut rng)?, None)
-            } else if p.is_greedy() {
-                let t = argmax(&l);
-                (t, kids.into_iter().find(|&c| s.tokens[base + c] == t))
-            } else {
-                // Draft token `c - 1` sits at row `c`; siblings share one `q`.
-                let q = sp.draft_probs.get(kids[0] - 1).map(|q| &q[..]);
-                let drafts: Vec<u32> = kids.iter().map(|&c| s.tokens[base + c]).collect();
-                let (t, i) = verify_row(&l, p, &drafts, q, &mut rng);
-                (t, i.map(|i| kids[i]))
-            };
-            if let Some(top) = sp.logprobs {
-                let lse = log_sum_exp(raw);
-                out.logprobs.push(TokenLogprob {
-                    token: tok,
-                    logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
-                    top: top_n(raw, top)
-                        .into_iter()
-                        .map(|(t, x)| (t, x - lse))
-                        .collect(),
-                });
-            }
-            out.tokens.push(tok);
-            history.push(tok);
-            match next {
-                Some(c) => {
-                    out.accepted += 1;
-                    if s.tree.is_some() {
-                        out.accepted_path.push(base + c);
-                    }
-                    at = c;
-                }
-                None => break,
-            }
-        }
-        Ok(out)
-    }
-}
-
-/// Verification of one row's draft children (`drafts`, in order) by
-/// recursive rejection sampling, which keeps the token's law exactly `p`,
-/// the standard sampler's filtered distribution of `logits`. Child `x` is
-/// accepted with probability `min(1, p(x) / q(x))`; on rejection `p`
-/// becomes `max(0, p - q)` normalized and `q` loses `x` (renormalized), so
-/// children drawn from `q` without replacement, in order, are each checked
-/// against the law they were drawn from (Leviathan et al. for one child;
-/// Jeon et al.'s recursive speculative decoding for several). Without `q`,
-/// or for a child that `q` does not hold, the child is a point mass:
-/// accepted with probability `p(x)`, after which `p` loses `x` (SGLang's
-/// target-only verification). Returns the token and the index of the
-/// accepted child (`None`: drawn from what is left of `p`).
-fn verify_row(
-    logits: &[f32],
-    params: &SamplingParams,
-    drafts: &[u32],
-    q_dist: Option<&[(f32, u32)]>,
-    rng: &mut SeqRng,
-) -> (u32, Option<usize>) {
-    let point = |t: u32| (t, drafts.iter().position(|&d| d == t));
-    let Some(cand) = filtered_candidates(logits, params) else {
-        // Nothing finite: the plain sampler takes the argmax; so does this.
-        return point(argmax(logits));
-    };
-    // Dense over the vocabulary: each rejection updates every entry.
-    let mut p = vec![0f32; logits.len()];
-    for (w, t) in cand {
-        if let Some(x) = p.get_mut(t as usize) {
-            *x = w;
-        }
-    }
-    if !normalize(&mut p) {
-        return point(argmax(logits));
-    }
-    let mut q = Vec::new();
-    if let Some(dist) = q_dist {
-        q = vec![0f32; logits.len()];
-        for &(w, t) in dist {
-            if let Some(x) = q.get_mut(t as usize) {
-                *x = w;
-            }
-        }
-        if !normalize(&mut q) {
-            q.clear();
-        }
-    }
-    for (i, &d) in drafts.iter().enumerate() {
-        let pd = p.get(d as usize).copied().unwrap_or(0.0);
-        let qd = q.get(d as usize).copied().unwrap_or(0.0);
-        // q(d) = 0: d cannot have come from q; it counts as a point mass.
-        let accept = if qd > 0.0 { (pd / qd).min(1.0) } else { pd };
-        if rng.next_f32() < accept {
-            return (d, Some(i));
-        }
-        // The residual; nothing only through rounding (p = q accepts
-        // surely, as does p = δ_d): then p stays.
-        if qd > 0.0 {
-            let mass: f32 = p.iter().zip(&q).map(|(x, y)| (x - y).max(0.0)).sum();
-            if mass > 0.0 && mass.is_finite() {
-                for (x, y) in p.iter_mut().zip(&q) {
-                    *x = (*x - y).max(0.0) / mass;
-                }
-            }
-        } else if let Some(x) = p.get_mut(d as usize) {
-            let pd = std::mem::take(x);
-            if !normalize(&mut p) {
-                p[d as usize] = pd;
-            }
-        }
-        if let Some(x) = q.get_mut(d as usize) {
-            *x = 0.0;
-            if !normalize(&mut q) {
-                q.clear();
-            }
-        }
-    }
-    let mut r = rng.next_f32();
-    let mut last = 0;
-    for (t, &x) in p.iter().enumerate() {
-        if x > 0.0 {
-            r -= x;
-            last = t;
-            if r < 0.0 {
-                break;
-            }
-        }
-    }
-    (last as u32, None)
-}
-
-/// Scales `d` to sum to 1; false when it sums to nothing.
-fn normalize(d: &mut [f32]) -> bool {
-    let total: f32 = d.iter().sum();
-    if total.is_nan() || total <= 0.0 {
-        return false;
-    }
-    for x in d.iter_mut() {
-        *x /= total;
-    }
-    true
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Draws `k` distinct tokens from `q` without replacement, in order.
-    fn draws(q: &[f32], k: usize, rng: &mut SeqRng) -> Vec<u32> {
-        let mut left = q.to_vec();
-        let mut out = Vec::new();
-        for _ in 0..k {
-            let total: f32 = left.iter().sum();
-            let mut r = rng.next_f32() * total;
-            let mut pick = left.len() - 1;
-            for (i, &w) in left.iter().enumerate() {
-                if w > 0.0 {
-                    pick = i;
-                    r -= w;
-                    if r < 0.0 {
-                        break;
-                    }
-                }
-            }
-            out.push(pick as u32);
-            left[pick] = 0.0;
-        }
-        out
-    }
-
-    /// Token frequencies and acceptance rate of `n` verifications of `k`
-    /// children drawn from `q` (or point masses at `fixed` when set).
-    fn run(p: &[f32], q: &[f32], k: usize, fixed: Option<&[u32]>, n: usize) -> (Vec<f64>, f64) {
-        let logits: Vec<f32> = p.iter().map(|x| x.ln()).collect();
-        let params = SamplingParams {
-            temperature: 1.0,
-            ..SamplingParams::default()
-        };
-        let dist: Vec<(f32, u32)> = q.iter().enumerate().map(|(t, &w)| (w, t as u32)).collect();
-        let mut counts = vec![0usize; p.len()];
-        let mut accepted = 0usize;
-        let mut rng = SeqRng::new(11);
-        for _ in 0..n {
-            let (drafts, q) = match fixed {
-                Some(f) => (f.to_vec(), None),
-                None => (draws(q, k, &mut rng), Some(&dist[..])),
-            };
-            let (t, acc) = verify_row(&logits, &params, &drafts, q, &mut rng);
-            if let Some(i) = acc {
-                assert_eq!(drafts[i], t);
-                accepted += 1;
-            }
-            counts[t as usize] += 1;
-        }
-        let f = counts.iter().map(|&c| c as f64 / n as f64).collect();
-        (f, accepted as f64 / n as f64)
-    }
-
-    fn assert_close(f: &[f64], p: &[f32]) {
-        for (x, &y) in f.iter().zip(p) {
-            assert!((x - f64::from(y)).abs() < 0.005, "{f:?} against {p:?}");
-        }
-    }
-
-    #[test]
-    fn one_child_drawn_from_q_keeps_the_distribution() {
-        // p = (0.5, 0.3, 0.2); the child drawn from q = (0.1, 0.6, 0.3).
-        let p = [0.5f32, 0.3, 0.2];
-        let (f, a) = run(&p, &[0.1, 0.6, 0.3], 1, None, 200_000);
-        assert_close(&f, &p);
-        // Acceptance is sum(min(p, q)) = 0.1 + 0.3 + 0.2 = 0.6.
-        assert!((a - 0.6).abs() < 0.005, "accept rate {a}");
-    }
-
-    #[test]
-    fn children_drawn_without_replacement_keep_the_distribution() {
-        let p = [0.4f32, 0.05, 0.25, 0.2, 0.1];
-        let q = [0.05f32, 0.4, 0.1, 0.15, 0.3];
-        let (f1, a1) = run(&p, &q, 1, None, 200_000);
-        assert_close(&f1, &p);
-        let (f3, a3) = run(&p, &q, 3, None, 200_000);
-        assert_close(&f3, &p);
-        // More children drawn from q accept more often.
-        assert!(a3 > a1 + 0.1, "1 child {a1}, 3 children {a3}");
-        let (f5, a5) = run(&p, &q, 5, None, 100_000);
-        assert_close(&f5, &p);
-        // All of the vocabulary drawn: one child is always accepted.
-        assert!(a5 > 0.99, "3 children {a3}, all 5 {a5}");
-    }
-
-    #[test]
-    fn point_mass_children_keep_the_distribution() {
-        let p = [0.5f32, 0.3, 0.2];
-        let (f, a) = run(&p, &[], 1, Some(&[1]), 200_000);
-        assert_close(&f, &p);
-        assert!((a - 0.3).abs() < 0.005, "accept rate {a}");
-        let (f, a) = run(&p, &[], 2, Some(&[2, 0]), 200_000);
-        assert_close(&f, &p);
-        assert!((a - 0.7).abs() < 0.005, "accept rate {a}");
-    }
-}
+mod host;
+mod kv_ops;

@@ -1,0 +1,107 @@
+//! Log-probabilities of rows sampled where the logits are: the executor's
+//! device path for requests that ask for logprobs.
+//!
+//! Before the rows are edited and sampled, [`DeviceLogprobs::start`] copies
+//! the raw logits of the rows that want logprobs (a gather on the device)
+//! and computes their statistics there ([`Backend::logprob_stats`]:
+//! log-sum-exp and the top alternatives). Once the tokens are known,
+//! [`DeviceLogprobs::finish`] gathers each sampled token's raw logit from
+//! the copy and downloads only the statistics: a few floats per row instead
+//! of the vocabulary. Logprobs are of the raw logits (before penalties,
+//! bias and masks), as on the host path.
+
+use crate::backend::{Backend, MAX_TOP_LOGPROBS};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Logprob statistics of some rows of a step's logits, on the device.
+pub(crate) struct DeviceLogprobs {
+    /// `[n, vocab]` raw logits of the rows.
+    raw: Tensor,
+    lse: Tensor,
+    ids: Tensor,
+    vals: Tensor,
+    /// Alternatives computed per row (the most any of the rows asked for).
+    top: usize,
+}
+
+/// One row's logprob: the sampled token's and the alternatives'.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct RowLogprob {
+    /// The sampled token's log-probability.
+    pub logprob: f32,
+    /// The top alternatives as (id, logprob), best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl DeviceLogprobs {
+    /// Whether a request asking for `top` alternatives fits the device path.
+    pub fn fits(top: usize) -> bool {
+        top <= MAX_TOP_LOGPROBS
+    }
+
+    /// Statistics of rows `rows` of `logits`, with `top` alternatives
+    /// (capped at the vocabulary).
+    pub fn start(backend: &dyn Backend, logits: &Tensor, rows: &[u32], top: usize) -> Result<Self> {
+        let vocab = logits.row_len();
+        let top = top.min(vocab);
+        let n = rows.len();
+        let idx = backend.upload_u32(&[n], rows)?;
+        let raw = backend.alloc(DType::F32, &[n, vocab])?;
+        backend.gather_rows(logits, &idx, &raw)?;
+        let lse = backend.alloc(DType::F32, &[n])?;
+        let ids = backend.alloc(DType::U32, &[n, top])?;
+        let vals = backend.alloc(DType::F32, &[n, top])?;
+        backend.logprob_stats(&raw, top, &lse, &ids, &vals)?;
+        Ok(Self {
+            raw,
+            lse,
+            ids,
+            vals,
+            top,
+        })
+    }
+
+    /// Per row, the logprob of `tokens[row]` and the alternatives.
+    pub fn finish(&self, backend: &dyn Backend, tokens: &[u32]) -> Result<Vec<RowLogprob>> {
+        let (n, vocab) = (self.raw.rows(), self.raw.row_len());
+        let flat: Vec<u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| {
+                // A token past the vocabulary reads past its row: gathered
+                // as zero (gather's rule for a row past the input).
+                if (t as usize) < vocab {
+                    (r * vocab + t as usize) as u32
+                } else {
+                    u32::MAX
+                }
+            })
+            .collect();
+        let idx = backend.upload_u32(&[n], &flat)?;
+        let picked = backend.alloc(DType::F32, &[n, 1])?;
+        backend.gather_rows(&self.raw.reshape(&[n * vocab, 1])?, &idx, &picked)?;
+        let picked = backend.download_f32(&picked)?;
+        let lse = backend.download_f32(&self.lse)?;
+        let vals = backend.download_f32(&self.vals)?;
+        let mut ids = vec![0u8; n * self.top * 4];
+        backend.download(&self.ids, &mut ids)?;
+        let ids: Vec<u32> = ids
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok((0..n)
+            .map(|r| RowLogprob {
+                logprob: if (tokens[r] as usize) < vocab {
+                    picked[r] - lse[r]
+                } else {
+                    f32::NEG_INFINITY
+                },
+                top: (r * self.top..(r + 1) * self.top)
+                    .map(|k| (ids[k], vals[k]))
+                    .collect(),
+            })
+            .collect())
+    }
+}
