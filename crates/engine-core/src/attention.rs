@@ -415,7 +415,7 @@ mod tests {
         l.push_seq(2, 3, &[1, 2]).unwrap();
         // A deep right branch: 0 - 1, 0 - 2 - 3 - ... - 39, plus 40 and 41 under 38.
         let mut parents = vec![-1, 0, 0];
-        parents.extend((3..40).map(|j| j as i32 - 1));
+        parents.extend(2..39);
         parents.extend([38, 38]);
         l.push_tree_seq(1, &parents, &(3..15).collect::<Vec<u32>>())
             .unwrap();
