@@ -138,6 +138,38 @@ pub(crate) fn prefill_kernel(
     Ok((*bq, kern, prefill_smem(*bq, hd, tree)))
 }
 
+/// The device metadata of a prepared batch: sequence info, page table and
+/// slots, then the tree masks when it has them.
+type Metadata<'a> = (Prepared, [&'a Tensor; 3], Option<&'a Tensor>);
+
+impl GpuAttention {
+    /// What `prepare` recorded about `batch`, and its device metadata.
+    fn prepared_info<'a>(&self, batch: &'a AttentionBatch) -> Result<Metadata<'a>> {
+        let key = batch
+            .device
+            .first()
+            .map(Tensor::buffer_id)
+            .ok_or_else(|| CoreError::invalid("attention batch without device metadata"))?;
+        let info = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|p| p.key == key)
+            .copied()
+            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by cuda-paged"))?;
+        let (meta, tree) = match &batch.device[..] {
+            [s, p, sl] => ([s, p, sl], None),
+            [s, p, sl, tr] => ([s, p, sl], Some(tr)),
+            _ => return Err(CoreError::invalid("attention batch metadata is malformed")),
+        };
+        if tree.is_some() != info.tree {
+            return Err(CoreError::invalid("attention batch metadata is malformed"));
+        }
+        Ok((info, meta, tree))
+    }
+}
+
 fn to_i32(v: usize, what: &str) -> Result<i32> {
     i32::try_from(v).map_err(|_| CoreError::unsupported(format!("{what} {v} exceeds i32")))
 }
@@ -292,32 +324,12 @@ impl AttentionBackend for GpuAttention {
             )));
         }
         let slots = kv.k.numel() / kw;
-        let key = batch
-            .device
-            .first()
-            .map(Tensor::buffer_id)
-            .ok_or_else(|| CoreError::invalid("attention batch without device metadata"))?;
-        let info = self
-            .prepared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|p| p.key == key)
-            .copied()
-            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by cuda-paged"))?;
+        let (info, [seq_t, pt_t, slot_t], tree_t) = self.prepared_info(batch)?;
         if info.needed_slots > slots {
             return Err(CoreError::invalid(format!(
                 "the batch uses KV slot {} of a cache of {slots} slots",
                 info.needed_slots - 1
             )));
-        }
-        let (seq_t, pt_t, slot_t, tree_t) = match &batch.device[..] {
-            [s, p, sl] => (s, p, sl, None),
-            [s, p, sl, tr] => (s, p, sl, Some(tr)),
-            _ => return Err(CoreError::invalid("attention batch metadata is malformed")),
-        };
-        if tree_t.is_some() != info.tree {
-            return Err(CoreError::invalid("attention batch metadata is malformed"));
         }
         let window = p
             .sliding_window
