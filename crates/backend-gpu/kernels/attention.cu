@@ -9,6 +9,14 @@
 // token), q_len, kv_len (tokens in the cache after this batch) and page_start
 // (index of the first page in `page_table`). A sequence with kv_len 0 is
 // padding: its output rows are written as zeros.
+//
+// Draft trees (prefill kernels only; a tree of one token is a decode): `tree`
+// is null when no sequence of the batch is a tree, else 4 words per new token
+// (engine-core's BatchLayout::tree_mask_words): depth + 1 for a tree token (0
+// for a chain's), then bits over its sequence's new tokens (bit i % 32 of word
+// 1 + i / 32: it sees new token i, an ancestor or itself). New token i sits at
+// cache position prefix + i; its position for the sliding window is prefix +
+// its depth.
 
 __device__ __forceinline__ u32 kv_slot(const u32* page_table, int page_start, int pos,
                                        int page_size) {
@@ -174,11 +182,18 @@ extern "C" __global__ void decode_merge(const float* part_o, const float* part_m
 // 16 x 16 (tx, ty). A tile has BQ = 16 * RI queries and each key tile BK = 16 *
 // CJ keys; thread (tx, ty) owns query rows ty + 16 i and score columns tx + 16 j,
 // and output dims tx + 16 j (j < DJ, head_dim <= 16 * DJ). Dynamic shared
-// memory: Q [BQ][hd + 1], K [BK][hd + 1], V [BK][hd], P [BQ][BK + 1] floats.
+// memory: Q [BQ][hd + 1], K [BK][hd + 1], V [BK][hd], P [BQ][BK + 1] floats,
+// then for a batch with a tree T [BQ][4] words.
+//
+// A chain's query sees cache positions lo..=its own. For a tree's tile, T
+// holds per query its first visible position qlo (as an int) and the bits of
+// the new tokens it sees within the window: its ancestors and itself, less
+// the `qlo - prefix` shallowest (ancestors come in depth order, one per
+// depth); the key tiles start where the window of a depth-0 token could.
 template <typename KV, int RI, int CJ, int DJ>
 __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const int* seq_info,
-                             const u32* page_table, float* out, int heads, int kv_heads,
-                             int head_dim, int page_size, float scale, int window) {
+                             const u32* page_table, const u32* tree, float* out, int heads,
+                             int kv_heads, int head_dim, int page_size, float scale, int window) {
     constexpr int BQ = 16 * RI;
     constexpr int BK = 16 * CJ;
     extern __shared__ float smem[];
@@ -198,6 +213,7 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
     float* Ks = Qs + BQ * hp;
     float* Vs = Ks + BK * hp;
     float* Ps = Vs + BK * hd;
+    u32* Ts = reinterpret_cast<u32*>(Ps + BQ * (BK + 1));
     const int tid = threadIdx.x;
     const int tx = tid & 15, ty = tid >> 4;
 
@@ -209,7 +225,20 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
     const int n_rows = min(BQ, q_len - qi0);
     const int pos_first = prefix + qi0;
     const int pos_last = prefix + qi0 + n_rows - 1;
-    const int lo = window > 0 ? max(0, pos_first - window + 1) : 0;
+    // A tree's root has a mask row (depth + 1 = 1); a chain's rows are zero.
+    const bool is_tree = tree != nullptr && tree[4 * (size_t)q_start] != 0u;
+    const int lo = window > 0 ? max(0, (is_tree ? prefix : pos_first) - window + 1) : 0;
+    if (is_tree && tid < n_rows) {
+        const u32* row = tree + 4 * (size_t)(q_start + qi0 + tid);
+        const int qlo = window > 0 ? prefix + (int)row[0] - window : 0;
+        int drop = qlo - prefix;
+        for (int w = 0; w < 3; ++w) {
+            u32 bits = row[1 + w];
+            for (; drop > 0 && bits != 0u; --drop) bits &= bits - 1u;
+            Ts[4 * tid + 1 + w] = bits;
+        }
+        Ts[4 * tid] = (u32)qlo;
+    }
 
     float o[RI][DJ];
     float m[RI], l[RI];
@@ -256,13 +285,19 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
 #pragma unroll
         for (int i = 0; i < RI; ++i) {
             const int r = ty + 16 * i;
-            const int qpos = pos_first + r;
-            const int qlo = window > 0 ? qpos - window + 1 : 0;
+            // A tree's query: the prefix keys from its qlo, then T's bits.
+            const int qpos = is_tree ? prefix - 1 : pos_first + r;
+            const int qlo = is_tree ? (r < n_rows ? (int)Ts[4 * r] : 0)
+                                    : (window > 0 ? qpos - window + 1 : 0);
             float rmax = -INFINITY;
 #pragma unroll
             for (int j = 0; j < CJ; ++j) {
                 const int kp = k0 + tx + 16 * j;
-                const bool ok = r < n_rows && kp <= qpos && kp >= qlo;
+                const int nt = kp - prefix;
+                const bool ok =
+                    r < n_rows && ((kp <= qpos && kp >= qlo) ||
+                                   (is_tree && nt >= 0 && kp <= pos_last &&
+                                    ((Ts[4 * r + 1 + (nt >> 5)] >> (nt & 31)) & 1u)));
                 if (!ok) sc[i][j] = -INFINITY;
                 rmax = fmaxf(rmax, sc[i][j]);
             }
@@ -325,10 +360,10 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
 #define PREFILL(NAME, KV, RI, CJ, DJ)                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                         \
         NAME(const float* q, const KV* kc, const KV* vc, const int* seq_info,                  \
-             const u32* page_table, float* out, int heads, int kv_heads, int head_dim,         \
-             int page_size, float scale, int window) {                                         \
-        prefill_impl<KV, RI, CJ, DJ>(q, kc, vc, seq_info, page_table, out, heads, kv_heads,    \
-                                     head_dim, page_size, scale, window);                      \
+             const u32* page_table, const u32* tree, float* out, int heads, int kv_heads,      \
+             int head_dim, int page_size, float scale, int window) {                           \
+        prefill_impl<KV, RI, CJ, DJ>(q, kc, vc, seq_info, page_table, tree, out, heads,        \
+                                     kv_heads, head_dim, page_size, scale, window);            \
     }
 
 PREFILL(prefill_f32_d128, float, 4, 4, 8)

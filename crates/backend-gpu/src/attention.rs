@@ -1,9 +1,15 @@
 //! Paged attention on the GPU (`cuda-paged`): KV writes into pages, decode as
-//! flash-decoding and prefill over a cached prefix (kernels/attention.cu).
+//! flash-decoding and prefill over a cached prefix, with draft trees
+//! (kernels/attention.cu).
 //!
 //! `prepare` validates the layout on the host and uploads it once per batch:
 //! `seq_info` ([seqs, 4] i32: q_start, q_len, kv_len, page_start),
-//! `page_table` (u32) and `slot_mapping` (u32, one slot per new token). A pure
+//! `page_table` (u32) and `slot_mapping` (u32, one slot per new token), and,
+//! when some sequence is a draft tree of more than one token, its masks
+//! ([`BatchLayout::tree_mask_words`], four u32 per new token) for the prefill
+//! kernels, which then mask each key tile by them; without a tree they get a
+//! null pointer and mask causally as before. A one-token tree is a decode (it
+//! sees the prefix and itself, at position `prefix_len`). A pure
 //! decode batch that fits a CUDA-graph bucket also opens the backend's graph
 //! step here (see [`crate::exec`]): its metadata is padded to the bucket with
 //! empty sequences (kv_len 0, written as zeros) and slots 0xffffffff (skipped),
@@ -21,8 +27,8 @@ use crate::device::PREFILL_SMEM_MAX;
 use crate::exec::Args;
 use crate::kernels::K;
 use arbor_engine_core::{
-    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, BufferId, CoreError, DType,
-    KvLayer, Result, Tensor,
+    AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
+    BufferId, CoreError, DType, KvLayer, Result, Tensor,
 };
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -38,6 +44,8 @@ struct Prepared {
     /// Token rows of the device metadata (padded likewise).
     tokens: usize,
     decode: bool,
+    /// Tree masks were uploaded (the fourth device tensor).
+    tree: bool,
     max_q_len: usize,
     max_kv_len: usize,
     /// Slots the layout touches: the KV cache must have at least this many.
@@ -76,16 +84,23 @@ pub(crate) fn decode_splits(
 }
 
 /// Shared memory bytes of the prefill kernel with `bq` x `bq` tiles:
-/// Q [bq][hd + 1], K [bq][hd + 1], V [bq][hd], P [bq][bq + 1] floats.
-pub(crate) fn prefill_smem(bq: usize, hd: usize) -> usize {
-    4 * (2 * bq * (hd + 1) + bq * hd + bq * (bq + 1))
+/// Q [bq][hd + 1], K [bq][hd + 1], V [bq][hd], P [bq][bq + 1] floats, and
+/// for a batch with a draft tree T [bq][4] words (the tile's masks).
+pub(crate) fn prefill_smem(bq: usize, hd: usize, tree: bool) -> usize {
+    4 * (2 * bq * (hd + 1) + bq * hd + bq * (bq + 1) + if tree { 4 * bq } else { 0 })
 }
 
 /// The prefill kernel for KV dtype `kd` and head dim `hd` with the largest
-/// tile whose shared memory fits `max_shared` bytes per block: 64-row tiles
-/// (head dims up to 128), 32-row tiles (up to 256), then 16-row tiles (for
-/// the 64 KiB of LDS of AMD GPUs). Returns the tile's rows and the kernel.
-pub(crate) fn prefill_kernel(kd: DType, hd: usize, max_shared: u32) -> Result<(usize, K)> {
+/// tile whose shared memory (with tree masks when `tree`) fits `max_shared`
+/// bytes per block: 64-row tiles (head dims up to 128), 32-row tiles (up to
+/// 256), then 16-row tiles (for the 64 KiB of LDS of AMD GPUs). Returns the
+/// tile's rows, the kernel and its shared memory bytes.
+pub(crate) fn prefill_kernel(
+    kd: DType,
+    hd: usize,
+    tree: bool,
+    max_shared: u32,
+) -> Result<(usize, K, usize)> {
     let limit = max_shared.min(PREFILL_SMEM_MAX) as usize;
     let families: &[(usize, [K; 3])] = &[
         (
@@ -108,11 +123,11 @@ pub(crate) fn prefill_kernel(kd: DType, hd: usize, max_shared: u32) -> Result<(u
     let max_dim = |bq: usize| if bq == 64 { 128 } else { 256 };
     let fit = families
         .iter()
-        .find(|(bq, _)| hd <= max_dim(*bq) && prefill_smem(*bq, hd) <= limit);
+        .find(|(bq, _)| hd <= max_dim(*bq) && prefill_smem(*bq, hd, tree) <= limit);
     let Some((bq, ks)) = fit else {
         return Err(CoreError::unsupported(format!(
             "prefill attention with head_dim {hd} needs {} bytes of shared memory (device allows {limit})",
-            prefill_smem(16, hd)
+            prefill_smem(16, hd, tree)
         )));
     };
     let kern = match kd {
@@ -120,7 +135,39 @@ pub(crate) fn prefill_kernel(kd: DType, hd: usize, max_shared: u32) -> Result<(u
         DType::F16 => ks[1],
         _ => ks[2],
     };
-    Ok((*bq, kern))
+    Ok((*bq, kern, prefill_smem(*bq, hd, tree)))
+}
+
+/// The device metadata of a prepared batch: sequence info, page table and
+/// slots, then the tree masks when it has them.
+type Metadata<'a> = (Prepared, [&'a Tensor; 3], Option<&'a Tensor>);
+
+impl GpuAttention {
+    /// What `prepare` recorded about `batch`, and its device metadata.
+    fn prepared_info<'a>(&self, batch: &'a AttentionBatch) -> Result<Metadata<'a>> {
+        let key = batch
+            .device
+            .first()
+            .map(Tensor::buffer_id)
+            .ok_or_else(|| CoreError::invalid("attention batch without device metadata"))?;
+        let info = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|p| p.key == key)
+            .copied()
+            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by cuda-paged"))?;
+        let (meta, tree) = match &batch.device[..] {
+            [s, p, sl] => ([s, p, sl], None),
+            [s, p, sl, tr] => ([s, p, sl], Some(tr)),
+            _ => return Err(CoreError::invalid("attention batch metadata is malformed")),
+        };
+        if tree.is_some() != info.tree {
+            return Err(CoreError::invalid("attention batch metadata is malformed"));
+        }
+        Ok((info, meta, tree))
+    }
 }
 
 fn to_i32(v: usize, what: &str) -> Result<i32> {
@@ -132,17 +179,22 @@ impl AttentionBackend for GpuAttention {
         "cuda-paged"
     }
 
+    fn capabilities(&self) -> AttentionCapabilities {
+        AttentionCapabilities { tree: true }
+    }
+
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
         let needed_slots = layout.needed_slots();
         layout.validate(needed_slots)?;
-        if layout.has_tree() {
-            return Err(CoreError::unsupported(
-                "CUDA attention verifies draft chains, not trees",
-            ));
-        }
         let n = layout.seqs.len();
         let t = layout.num_tokens();
         let decode = n > 0 && layout.is_decode();
+        // Decode kernels need no mask: a tree of one token sees what a chain's does.
+        let tree_words = if decode {
+            None
+        } else {
+            layout.tree_mask_words()?
+        };
         let dev = &self.b.dev;
         let mut st = dev.lock()?;
         let bucket = if decode { dev.graphs.bucket(n) } else { None };
@@ -190,7 +242,21 @@ impl AttentionBackend for GpuAttention {
         let slot_t = self
             .b
             .alloc_in(&mut st, DType::U32, &[tokens.max(1)], false)?;
-        for (tensor, bytes) in [(&seq_t, &info_bytes), (&pt_t, &pt_bytes), (&slot_t, &slots)] {
+        let tree = match &tree_words {
+            Some(w) => {
+                let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+                Some((
+                    self.b.alloc_in(&mut st, DType::U32, &[w.len()], false)?,
+                    bytes,
+                ))
+            }
+            None => None,
+        };
+        let uploads = [(&seq_t, &info_bytes), (&pt_t, &pt_bytes), (&slot_t, &slots)];
+        for (tensor, bytes) in uploads
+            .into_iter()
+            .chain(tree.as_ref().map(|(t, b)| (t, b)))
+        {
             let p = dev.ptr(&st, tensor, 4)?;
             let cap = tensor.byte_len()?;
             dev.upload_to(&mut st, p, bytes, cap)?;
@@ -202,6 +268,7 @@ impl AttentionBackend for GpuAttention {
             real_seqs: n,
             tokens,
             decode,
+            tree: tree_words.is_some(),
             max_q_len: layout.seqs.iter().map(|s| s.q_len).max().unwrap_or(0),
             max_kv_len: layout.seqs.iter().map(|s| s.kv_len()).max().unwrap_or(0),
             needed_slots,
@@ -210,10 +277,9 @@ impl AttentionBackend for GpuAttention {
         table.retain(|p| p.key != prep.key);
         table.push_front(prep);
         table.truncate(16);
-        Ok(AttentionBatch {
-            layout,
-            device: vec![seq_t, pt_t, slot_t],
-        })
+        let mut device = vec![seq_t, pt_t, slot_t];
+        device.extend(tree.map(|(t, _)| t));
+        Ok(AttentionBatch { layout, device })
     }
 
     fn forward(
@@ -258,28 +324,13 @@ impl AttentionBackend for GpuAttention {
             )));
         }
         let slots = kv.k.numel() / kw;
-        let key = batch
-            .device
-            .first()
-            .map(Tensor::buffer_id)
-            .ok_or_else(|| CoreError::invalid("attention batch without device metadata"))?;
-        let info = self
-            .prepared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|p| p.key == key)
-            .copied()
-            .ok_or_else(|| CoreError::invalid("attention batch was not prepared by cuda-paged"))?;
+        let (info, [seq_t, pt_t, slot_t], tree_t) = self.prepared_info(batch)?;
         if info.needed_slots > slots {
             return Err(CoreError::invalid(format!(
                 "the batch uses KV slot {} of a cache of {slots} slots",
                 info.needed_slots - 1
             )));
         }
-        let [seq_t, pt_t, slot_t] = &batch.device[..] else {
-            return Err(CoreError::invalid("attention batch metadata is malformed"));
-        };
         let window = p
             .sliding_window
             .filter(|&w| w < i32::MAX as usize)
@@ -350,14 +401,17 @@ impl AttentionBackend for GpuAttention {
             let args = Args::new().p(pop).p(pmp).p(sp).p(op).i(nh).i(hd).i(splits);
             dev.launch(&mut st, K::DecodeMerge, [seqs, nh, 1], 128, 0, args)
         } else {
-            let (bq, kern) = prefill_kernel(kd, hd, dev.props().max_shared_per_block)?;
-            let smem = prefill_smem(bq, hd);
+            let max_shared = dev.props().max_shared_per_block;
+            let (bq, kern, smem) = prefill_kernel(kd, hd, tree_t.is_some(), max_shared)?;
+            // Null without a tree: the kernels mask causally.
+            let treep = tree_t.map(|t| b.p(&st, t)).transpose()?.unwrap_or(0);
             let args = Args::new()
                 .p(qp)
                 .p(kc)
                 .p(vc)
                 .p(sp)
                 .p(ptp)
+                .p(treep)
                 .p(op)
                 .i(nh)
                 .i(nkv)
@@ -381,6 +435,25 @@ mod tests {
         assert_eq!(decode_splits(8, 8, 132, None), 5);
         assert_eq!(decode_splits(256, 8, 132, None), 1);
         assert_eq!(decode_splits(1, 8, 132, Some(100)), 2);
+    }
+
+    #[test]
+    fn tree_masks_fit_shared_memory() {
+        assert_eq!(
+            prefill_smem(64, 128, true) - prefill_smem(64, 128, false),
+            64 * 16
+        );
+        // AMD's 64 KiB of LDS, A100's opt-in limit, and above it.
+        for limit in [64 * 1024, 163 * 1024, 227 * 1024] {
+            for hd in [64, 80, 128, 256] {
+                for tree in [false, true] {
+                    let (bq, _, smem) = prefill_kernel(DType::BF16, hd, tree, limit)
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    assert_eq!(smem, prefill_smem(bq, hd, tree));
+                    assert!(smem <= limit.min(PREFILL_SMEM_MAX) as usize, "{hd} {tree}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -1,26 +1,41 @@
-//! Paged attention on the device: causal prefill over a cached prefix and
-//! decode, with grouped-query attention and an optional sliding window.
+//! Paged attention on the device: causal prefill over a cached prefix,
+//! decode and draft trees, with grouped-query attention and an optional
+//! sliding window.
 //!
 //! [`WgpuAttention::prepare`] uploads the batch layout once as one u32 tensor
 //! ([`Meta`]): per sequence `(q_start, q_len, prefix_len, first page-table
-//! index)`, the page table, the slot of every new token, and the sequence of
-//! every new token. `forward` then records two dispatches per layer:
-//! `kv_write.wgsl` stores the new K and V rows in their slots (converted to the
-//! cache dtype), and `attention.wgsl` computes, for every (token, query head),
-//! an online softmax over the sequence's keys `lo..=pos` read through the page
-//! table, exactly the keys the CPU backend uses.
+//! index)`, the page table, the slot of every new token, the sequence of
+//! every new token and, when some sequence is a draft tree, the tree masks of
+//! [`BatchLayout::tree_mask_words`] (four words per new token). `forward` then
+//! records two dispatches per layer: `kv_write.wgsl` stores the new K and V
+//! rows in their slots (converted to the cache dtype), and `attention.wgsl`
+//! computes, for every (token, query head), an online softmax over the keys
+//! the token sees, read through the page table: exactly the keys the CPU
+//! backend uses.
+//!
+//! Visibility and order: a chain's token at position `pos` sees the keys
+//! `lo..=pos` (`lo = pos + 1 - window` with a sliding window, else 0); a
+//! tree token at depth `d` (position `pos = prefix_len + d`) sees the prefix
+//! keys from `lo`, then its ancestors root first, then itself, each kept when
+//! its position (`prefix_len` + its depth) is at least `lo`. One loop body
+//! consumes the keys in that order, so a tree token's output has the same
+//! bits as the same token computed in a chain of only its ancestors.
 //!
 //! Invariant: the layout is validated on the host (pages and slots inside the
-//! cache, sequences packed in order) before any kernel reads it.
+//! cache, sequences packed in order, trees well formed and of at most
+//! [`arbor_engine_core::TREE_MASK_TOKENS`] tokens) before any kernel reads it.
 
 use crate::context::{Access, Params};
 use crate::kernels::{self, Kernel, grid_threads};
 use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::{
-    AttentionBackend, AttentionBatch, AttentionParams, BatchLayout, CoreError, DType, KvLayer,
-    Result, Tensor,
+    AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
+    CoreError, DType, KvLayer, Result, TREE_MASK_WORDS, Tensor,
 };
 use std::sync::Arc;
+
+/// `tree_off` of the attention shader when no sequence is a tree.
+const NO_TREE: u32 = u32::MAX;
 
 /// The paged attention of the wgpu backend.
 pub struct WgpuAttention {
@@ -34,6 +49,8 @@ struct Meta {
     page_table: usize,
     slots: usize,
     token_seq: usize,
+    /// The tree masks, when some sequence is a tree.
+    tree: Option<usize>,
     len: usize,
 }
 
@@ -43,12 +60,18 @@ impl Meta {
         let page_table = 4 * layout.seqs.len();
         let slots = page_table + layout.page_table.len();
         let token_seq = slots + layout.slot_mapping.len();
-        let len = token_seq + layout.num_tokens();
+        let trees = token_seq + layout.num_tokens();
+        let (tree, len) = if layout.has_tree() {
+            (Some(trees), trees + TREE_MASK_WORDS * layout.num_tokens())
+        } else {
+            (None, trees)
+        };
         Self {
             seqs,
             page_table,
             slots,
             token_seq,
+            tree,
             len,
         }
     }
@@ -74,14 +97,14 @@ impl AttentionBackend for WgpuAttention {
         "wgpu-paged"
     }
 
+    fn capabilities(&self) -> AttentionCapabilities {
+        AttentionCapabilities { tree: true }
+    }
+
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
         // Slots are checked against the cache in `forward`; the sequences here.
         layout.validate(layout.needed_slots())?;
-        if layout.has_tree() {
-            return Err(CoreError::unsupported(
-                "wgpu attention verifies draft chains, not trees",
-            ));
-        }
+        let trees = layout.tree_mask_words()?;
         let meta = Meta::of(&layout);
         let mut words = Vec::with_capacity(meta.len);
         for s in &layout.seqs {
@@ -96,6 +119,10 @@ impl AttentionBackend for WgpuAttention {
             let i = u32_of(i, "sequence index")?;
             words.extend(std::iter::repeat_n(i, s.q_len));
         }
+        if let Some(t) = trees {
+            words.extend_from_slice(&t);
+        }
+        debug_assert_eq!(words.len(), meta.len);
         let device = self.backend.upload_words(&words)?;
         Ok(AttentionBatch {
             layout,
@@ -224,7 +251,10 @@ impl AttentionBackend for WgpuAttention {
             .u(off(meta.token_seq)?)
             .us(p.sliding_window.unwrap_or(0))?
             .f(p.scale)
-            .u(0)
+            .u(match meta.tree {
+                Some(t) => off(t)?,
+                None => NO_TREE,
+            })
             .u(0)
             .u(0);
         gpu.dispatch(

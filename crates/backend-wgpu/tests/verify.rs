@@ -1,6 +1,7 @@
-//! Chain verification of draft tokens on the wgpu device (the check shared
-//! with the CPU and CUDA suites): one verify step accepts exactly what plain
-//! one-token decode steps produce, and a rejected draft leaves no trace; and
+//! Chain and tree verification of draft tokens on the wgpu device (the checks
+//! shared with the CPU and CUDA suites): one verify step accepts exactly what
+//! plain one-token decode steps produce, through a non-first tree branch too,
+//! and a rejected draft leaves no trace; and
 //! HiCache's page copies between device and host move KV exactly.
 #![allow(clippy::unwrap_used)]
 
@@ -17,6 +18,16 @@ fn chain_verification_is_exact_on_wgpu() -> anyhow::Result<()> {
     let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/tiny-llama");
     verify::chain_verify_matches_decode(gpu, &model)
+}
+
+#[test]
+fn tree_verification_is_exact_on_wgpu() -> anyhow::Result<()> {
+    let Some(gpu) = common::gpu() else {
+        return Ok(());
+    };
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    verify::tree_verify_matches_decode(gpu, &model)
 }
 
 #[test]

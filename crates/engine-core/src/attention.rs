@@ -23,12 +23,25 @@
 //! and lie inside the cache; `slot_mapping` has one in-cache slot per new
 //! token; a tree's token 0 is its only root and every other token's parent
 //! comes before it.
+//!
+//! Device kernels take a tree as bits ([`BatchLayout::tree_mask_words`]): per
+//! new token its depth and which of its sequence's new tokens it sees, in a
+//! fixed [`TREE_MASK_WORDS`] words, so a tree has at most
+//! [`TREE_MASK_TOKENS`] new tokens there.
 
 use crate::error::{CoreError, Result};
 use crate::kv::KvLayer;
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// Words per new token of [`BatchLayout::tree_mask_words`].
+pub const TREE_MASK_WORDS: usize = 4;
+
+/// The most new tokens of one draft tree that [`BatchLayout::tree_mask_words`]
+/// describes (three words of bits; a tree of `MAX_DRAFT_TOKENS` drafts has
+/// one more token than that).
+pub const TREE_MASK_TOKENS: usize = 32 * (TREE_MASK_WORDS - 1);
 
 /// One sequence of a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -168,6 +181,49 @@ impl BatchLayout {
                 cur == i as i32
             }
         }
+    }
+
+    /// The batch's draft trees as device kernels read them, `None` when no
+    /// sequence is a tree: [`TREE_MASK_WORDS`] words per new token of the
+    /// batch, in batch order. For a tree token, word 0 is its depth + 1 (its
+    /// position is `prefix_len + depth`) and bit `i % 32` of word `1 + i / 32`
+    /// is set when it sees its sequence's new token `i` (its ancestors and
+    /// itself); a chain's tokens have four zero words. Refuses a tree of more
+    /// than [`TREE_MASK_TOKENS`] tokens.
+    pub fn tree_mask_words(&self) -> Result<Option<Vec<u32>>> {
+        if !self.has_tree() {
+            return Ok(None);
+        }
+        let mut words = vec![0u32; TREE_MASK_WORDS * self.num_tokens()];
+        for s in &self.seqs {
+            let Some(parents) = self.parents(s) else {
+                continue;
+            };
+            if parents.len() > TREE_MASK_TOKENS {
+                return Err(CoreError::unsupported(format!(
+                    "a draft tree of {} tokens (device attention masks at most {TREE_MASK_TOKENS})",
+                    parents.len()
+                )));
+            }
+            let base = TREE_MASK_WORDS * s.q_start;
+            let rows = words
+                .get_mut(base..base + TREE_MASK_WORDS * parents.len())
+                .ok_or_else(|| CoreError::invalid(format!("tree of {s:?} out of range")))?;
+            for (j, &p) in parents.iter().enumerate() {
+                let mut row = [0u32; TREE_MASK_WORDS];
+                if j > 0 {
+                    // A parent must come before its child: its row is filled.
+                    let p = usize::try_from(p).ok().filter(|&p| p < j).ok_or_else(|| {
+                        CoreError::invalid(format!("draft tree token {j} has parent {p}"))
+                    })?;
+                    row.copy_from_slice(&rows[TREE_MASK_WORDS * p..TREE_MASK_WORDS * (p + 1)]);
+                }
+                row[0] += 1;
+                row[1 + j / 32] |= 1 << (j % 32);
+                rows[TREE_MASK_WORDS * j..TREE_MASK_WORDS * (j + 1)].copy_from_slice(&row);
+            }
+        }
+        Ok(Some(words))
     }
 
     /// Checks every invariant of the module doc against a cache of `slots` KV slots.
@@ -350,5 +406,41 @@ mod tests {
         let mut bad = l.clone();
         bad.tree_parents[2] = 3;
         assert!(bad.validate(28).is_err());
+    }
+
+    #[test]
+    fn tree_mask_words_agree_with_visibility() {
+        let mut l = BatchLayout::new(4);
+        assert_eq!(l.tree_mask_words().unwrap(), None);
+        l.push_seq(2, 3, &[1, 2]).unwrap();
+        // A deep right branch: 0 - 1, 0 - 2 - 3 - ... - 39, plus 40 and 41 under 38.
+        let mut parents = vec![-1, 0, 0];
+        parents.extend(2..39);
+        parents.extend([38, 38]);
+        l.push_tree_seq(1, &parents, &(3..15).collect::<Vec<u32>>())
+            .unwrap();
+        let words = l.tree_mask_words().unwrap().unwrap();
+        assert_eq!(words.len(), 4 * l.num_tokens());
+        assert!(words[..12].iter().all(|&w| w == 0), "chain tokens");
+        let s = l.seqs[1].clone();
+        for j in 0..parents.len() {
+            let row = &words[4 * (s.q_start + j)..4 * (s.q_start + j + 1)];
+            let mut depth = 0;
+            let mut a = j as i32;
+            while parents[a as usize] >= 0 {
+                a = parents[a as usize];
+                depth += 1;
+            }
+            assert_eq!(row[0], depth + 1, "depth of {j}");
+            for i in 0..96 {
+                let bit = row[1 + i / 32] >> (i % 32) & 1 == 1;
+                assert_eq!(bit, i < parents.len() && l.sees(&s, j, i), "{j} sees {i}");
+            }
+        }
+        let mut big = BatchLayout::new(4);
+        let chain: Vec<i32> = (-1..96).collect();
+        big.push_tree_seq(0, &chain, &(0..25).collect::<Vec<u32>>())
+            .unwrap();
+        assert!(big.tree_mask_words().is_err());
     }
 }

@@ -866,6 +866,12 @@ fn chain_verification_is_exact_on_the_cpu() -> Result<()> {
     verify::chain_verify_matches_decode(shared().backend.clone(), &fixture())
 }
 
+/// Draft-tree verification through a non-first branch on the CPU backend.
+#[test]
+fn tree_verification_is_exact_on_the_cpu() -> Result<()> {
+    verify::tree_verify_matches_decode(shared().backend.clone(), &fixture())
+}
+
 /// HiCache's page copies between device and host on the CPU backend.
 #[test]
 fn tier_copies_are_exact_on_the_cpu() -> Result<()> {

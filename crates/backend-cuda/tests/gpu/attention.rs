@@ -4,7 +4,9 @@
 //! sizes 1 to 16, f32/f16/bf16 caches and a sliding window. The new K/V rows
 //! must land in the same slots with the same bits, and outputs agree within
 //! 2e-4 of their scale (f32 math in another order on both sides; both read
-//! K/V rounded to the cache type the same way).
+//! K/V rounded to the cache type the same way). Draft trees (branching,
+//! deep, random, up to 96 tokens, mixed with chains and decodes; one-token
+//! trees in a decode batch) are held to the same bound.
 
 use crate::common::*;
 use arbor_engine_core::{AttentionParams, Backend, BatchLayout, DType, KvLayer};
@@ -17,6 +19,9 @@ struct Case {
     page_size: usize,
     /// (prefix_len, q_len) per sequence.
     seqs: Vec<(usize, usize)>,
+    /// Parents of the new tokens of the sequences that are draft trees
+    /// (`q_len` of them), by sequence index; empty: all chains.
+    trees: Vec<Option<Vec<i32>>>,
     window: Option<usize>,
     dtype: DType,
 }
@@ -39,9 +44,12 @@ fn run_case(name: &str, c: &Case, rng: &mut Rng) {
         free.swap(i, rng.below(i + 1));
     }
     let mut layout = BatchLayout::new(ps);
-    for (&(p, q), &np) in c.seqs.iter().zip(&pages_per) {
+    for (i, (&(p, q), &np)) in c.seqs.iter().zip(&pages_per).enumerate() {
         let pages: Vec<u32> = free.drain(..np).collect();
-        layout.push_seq(p, q, &pages).unwrap();
+        match c.trees.get(i).and_then(Option::as_ref) {
+            Some(parents) => layout.push_tree_seq(p, parents, &pages).unwrap(),
+            None => layout.push_seq(p, q, &pages).unwrap(),
+        }
     }
     let layout = Arc::new(layout);
     let t = layout.num_tokens();
@@ -60,6 +68,7 @@ fn run_case(name: &str, c: &Case, rng: &mut Rng) {
     };
     let run = |b: &(dyn Backend + 'static)| {
         let att = b.attention(None).unwrap();
+        assert!(att.capabilities().tree);
         let batch = att.prepare(layout.clone()).unwrap();
         let kv = KvLayer {
             k: upload_as(b, &[slots, nkv, hd], &kc, c.dtype),
@@ -104,6 +113,7 @@ fn decode_batches() {
                     head_dim: hd,
                     page_size: ps,
                     seqs,
+                    trees: vec![],
                     window: None,
                     dtype,
                 };
@@ -126,6 +136,7 @@ fn long_decode_uses_many_splits() {
         head_dim: 128,
         page_size: 16,
         seqs: vec![(3000, 1)],
+        trees: vec![],
         window: None,
         dtype: DType::BF16,
     };
@@ -144,6 +155,7 @@ fn prefill_with_and_without_prefix() {
                     head_dim: hd,
                     page_size: ps,
                     seqs: vec![(0, 150), (37, 70), (200, 1), (5, 64)],
+                    trees: vec![],
                     window: None,
                     dtype,
                 };
@@ -167,9 +179,76 @@ fn sliding_window() {
             head_dim: 64,
             page_size: 4,
             seqs,
+            trees: vec![],
             window: Some(17),
             dtype: DType::F16,
         };
         run_case("sliding window 17", &c, &mut rng);
     }
+}
+
+/// A random draft tree of `n` tokens: each token's parent is any earlier one.
+fn random_tree(rng: &mut Rng, n: usize) -> Vec<i32> {
+    let mut p = vec![-1];
+    p.extend((1..n).map(|j| rng.below(j) as i32));
+    p
+}
+
+#[test]
+fn draft_trees() {
+    let mut rng = Rng::new(14);
+    // 0 -> {1, 2}; 1 -> 3; 2 -> {4, 5}; 5 -> 6 -> 7; 4 -> 8.
+    let branching = vec![-1, 0, 0, 1, 2, 2, 5, 6, 4];
+    // Three children of the root, a 36-deep path under the last, side branches.
+    let mut deep = vec![-1, 0, 0, 0];
+    deep.extend(3..39);
+    deep.extend([20, 40, 39]);
+    for (nh, nkv, hd) in [(4, 2, 64), (32, 8, 128), (6, 2, 80), (4, 4, 256)] {
+        for ps in [4, 16] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                for window in [None, Some(7)] {
+                    let trees = vec![
+                        None,
+                        Some(branching.clone()),
+                        None,
+                        Some(deep.clone()),
+                        Some(random_tree(&mut rng, 96)),
+                        Some(vec![-1]),
+                        None,
+                    ];
+                    let prefixes = [37, 20, 200, 5, 66, 3, 0];
+                    let seqs = prefixes
+                        .iter()
+                        .zip(&trees)
+                        .zip([70, 0, 1, 0, 0, 0, 150])
+                        .map(|((&p, t), q)| (p, t.as_ref().map_or(q, Vec::len)))
+                        .collect();
+                    let c = Case {
+                        heads: nh,
+                        kv_heads: nkv,
+                        head_dim: hd,
+                        page_size: ps,
+                        seqs,
+                        trees,
+                        window,
+                        dtype,
+                    };
+                    let name = format!("trees {nh}/{nkv}x{hd} ps{ps} {dtype} window {window:?}");
+                    run_case(&name, &c, &mut rng);
+                }
+            }
+        }
+    }
+    // One-token trees make a decode batch (the flash-decoding kernels).
+    let c = Case {
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        page_size: 16,
+        seqs: vec![(40, 1), (0, 1), (300, 1)],
+        trees: vec![Some(vec![-1]), None, Some(vec![-1])],
+        window: Some(33),
+        dtype: DType::BF16,
+    };
+    run_case("one-token trees in a decode batch", &c, &mut rng);
 }

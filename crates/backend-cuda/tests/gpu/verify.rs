@@ -1,6 +1,7 @@
-//! Chain verification of draft tokens on the CUDA device (the check shared
-//! with the CPU and wgpu suites): one verify step accepts exactly what plain
-//! one-token decode steps produce, and a rejected draft leaves no trace; and
+//! Chain and tree verification of draft tokens on the CUDA device (the checks
+//! shared with the CPU and wgpu suites): one verify step accepts exactly what
+//! plain one-token decode steps produce, through a non-first tree branch too,
+//! and a rejected draft leaves no trace; and
 //! HiCache's page copies between device and host move KV exactly.
 
 #[path = "../../../engine-core/tests/support/verify.rs"]
@@ -14,6 +15,16 @@ fn chain_verification_is_exact_on_cuda() -> anyhow::Result<()> {
     let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/tiny-llama");
     shared_check::chain_verify_matches_decode(gpu, &model)
+}
+
+#[test]
+fn tree_verification_is_exact_on_cuda() -> anyhow::Result<()> {
+    let Some(gpu) = crate::common::gpu() else {
+        return Ok(());
+    };
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    shared_check::tree_verify_matches_decode(gpu, &model)
 }
 
 #[test]

@@ -1,12 +1,21 @@
-// Paged causal attention with grouped-query heads and an optional sliding
-// window, one invocation per (token, query head), online softmax over the
-// sequence's keys lo..=pos read from the paged cache (CDT 0: f32, 1: f16,
-// 2: bf16, 3: FP8 E4M3, 4: FP8 E5M2, four a word). HD is the head dimension
-// (even; a multiple of 4 for FP8).
+// Paged attention with grouped-query heads and an optional sliding window,
+// one invocation per (token, query head), online softmax over the keys the
+// token sees, read from the paged cache (CDT 0: f32, 1: f16, 2: bf16, 3: FP8
+// E4M3, 4: FP8 E5M2, four a word). HD is the head dimension (even; a
+// multiple of 4 for FP8).
 //
 // lay (u32, the batch layout): per sequence 4 words at seq_off (q_start, q_len, prefix_len,
 // first page-table index); the page table at pt_off; the sequence of each
-// token at tok_off.
+// token at tok_off; when tree_off is not 0xffffffff, 4 words per token there:
+// depth + 1 for a draft-tree token (0 for a chain's), then bits over its
+// sequence's new tokens (bit i % 32 of word 1 + i / 32: it sees new token i).
+//
+// A chain token at position pos sees keys lo..=pos. A tree token at depth d
+// (pos = prefix + d) sees the prefix keys from lo, then its ancestors root
+// first and itself (new token i sits at prefix + i; its position is prefix +
+// its depth, which must be >= lo). Both walk one loop of cache positions
+// x with one body, so a tree token's keys come in the order, and with the
+// arithmetic, of the same token in a chain of only its ancestors.
 
 struct P {
     tokens: u32,
@@ -22,7 +31,7 @@ struct P {
     tok_off: u32,
     window: u32, // 0: none
     scale: f32,
-    pad0: u32,
+    tree_off: u32, // 0xffffffff: no tree in the batch
     pad1: u32,
     pad2: u32,
 }
@@ -83,11 +92,29 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     let q_start = lay[p.seq_off + 4u * s];
     let prefix = lay[p.seq_off + 4u * s + 2u];
     let first_page = lay[p.seq_off + 4u * s + 3u];
-    let pos = prefix + (t - q_start);
+    let jl = t - q_start;
+    var tree = false;
+    var mrow = 0u;
+    if (p.tree_off != 0xffffffffu) {
+        mrow = p.tree_off + 4u * t;
+        tree = lay[mrow] != 0u;
+    }
+    var pos = prefix + jl;
+    if (tree) {
+        pos = prefix + lay[mrow] - 1u;
+    }
     var lo = 0u;
     if (p.window > 0u && pos + 1u > p.window) {
         lo = pos + 1u - p.window;
     }
+    // Cache positions walked: x0..x1 (a tree skips what the token does not see).
+    var x0 = lo;
+    var x1 = pos + 1u;
+    if (tree) {
+        x0 = min(lo, prefix);
+        x1 = prefix + jl + 1u;
+    }
+    var depth = 0u;
     let qb = p.q_off + t * p.heads * HD + h * HD;
     var qv: array<vec2<f32>, HD / 2u>;
     var acc: array<vec2<f32>, HD / 2u>;
@@ -96,7 +123,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     var mx = -1.0e30;
     var l = 0.0;
-    for (var j = lo; j <= pos; j = j + 1u) {
+    for (var j = x0; j < x1; j = j + 1u) {
+        if (tree && j >= prefix) {
+            let i = j - prefix;
+            if (((lay[mrow + 1u + i / 32u] >> (i % 32u)) & 1u) == 0u) {
+                continue;
+            }
+            // An ancestor (or the token): its depth is the count met before it.
+            let d = depth;
+            depth = depth + 1u;
+            if (prefix + d < lo) {
+                continue;
+            }
+        }
         let page = lay[p.pt_off + first_page + j / p.page_size];
         let slot = page * p.page_size + j % p.page_size;
         let row = (slot * p.kv_heads + g) * HD;

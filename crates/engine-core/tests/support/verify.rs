@@ -6,7 +6,10 @@
 //! when one is wrong — and a draft past a rejection must leave no trace (the
 //! next step, overwriting its slots, continues exactly); a step that
 //! samples one row on the device and another on the host gives both right;
-//! and HiCache's page copies between device and host move KV exactly.
+//! tree verification accepts exactly what plain decoding gives through a
+//! branch that is not the first child (so the accepted KV is moved into
+//! chain order) and the steps after it continue exactly; and HiCache's page
+//! copies between device and host move KV exactly.
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::executor::{Executor, LocalExecutor};
@@ -134,6 +137,115 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         t == toks[5..6],
         "after rollback: {t:?}, want {:?}",
         &toks[5..6]
+    );
+    Ok(())
+}
+
+/// Tree verification on `backend` with the HF model folder `model`: the
+/// tokens of plain one-token decode steps `t0, t1, ...` are drafted as a tree
+/// whose right path is never the first child of its parent, next to wrong
+/// siblings and a wrong subtree:
+///
+/// ```text
+/// 0:t0 ─┬─ 1:t1' ── 3:t2
+///       └─ 2:t1 ─┬─ 4:t2'
+///                └─ 5:t2 ── 6:t3 ─┬─ 7:t4'
+///                                 └─ 8:t4
+/// ```
+/// (`x'` a wrong token). One verify step must accept the path 2, 5, 6, 8 and
+/// add the target's own `t5`, and two decode steps after it, reading the KV
+/// the executor moved into chain order, must give `t6`, `t7`.
+pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
+        progress: None,
+    };
+    let m = arbor_models::load_model(model, &registry, &opts)?;
+    let runner = ModelRunner::new(m.model.clone(), backend, None, 16, 16, DType::F32)?;
+    let pages: Vec<u32> = (0..8).collect();
+    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
+    ensure!(
+        ex.capabilities().tree,
+        "the attention backend does not declare draft trees"
+    );
+    let prompt: Vec<u32> = vec![5, 88, 213, 7, 64, 130, 2, 19];
+    let decode = |tok: u32, prefix_len: usize| -> Result<Vec<u32>> {
+        step(
+            &ex,
+            SeqPlan {
+                lora: None,
+                tokens: vec![tok],
+                prefix_len,
+                pages: pages.clone(),
+                tree: None,
+                sample: Some(spec(SampleRows::Last)),
+            },
+        )
+    };
+    let prefill = || {
+        step(
+            &ex,
+            SeqPlan {
+                lora: None,
+                tokens: prompt.clone(),
+                prefix_len: 0,
+                pages: pages.clone(),
+                tree: None,
+                sample: Some(spec(SampleRows::Last)),
+            },
+        )
+    };
+    let mut t = prefill()?;
+    for _ in 0..7 {
+        let last = *t.last().context("a token")?;
+        t.extend(decode(last, prompt.len() + t.len() - 1)?);
+    }
+    let vocab = m.model.spec().vocab_size as u32;
+    let wrong = |x: u32| (x + 1) % vocab;
+    let tokens = vec![
+        t[0],
+        wrong(t[1]),
+        t[1],
+        t[2],
+        wrong(t[2]),
+        t[2],
+        t[3],
+        wrong(t[4]),
+        t[4],
+    ];
+    let parents = vec![-1, 0, 0, 1, 2, 2, 5, 6, 6];
+    ensure!(prefill()? == t[..1], "prefill changed");
+    let out = ex.execute(&StepPlan {
+        seqs: vec![SeqPlan {
+            lora: None,
+            tokens,
+            prefix_len: prompt.len(),
+            pages: pages.clone(),
+            tree: Some(parents),
+            sample: Some(spec(SampleRows::Verify { drafts: 8 })),
+        }],
+        ..Default::default()
+    })?;
+    let s = out.seqs.into_iter().next().context("one sequence")?;
+    ensure!(s.error.is_none(), "{:?}", s.error);
+    ensure!(
+        s.tokens.as_slice() == &t[1..6] && s.accepted == 4 && s.accepted_path == [2, 5, 6, 8],
+        "tree verification gave {:?} (accepted {}, path {:?}), want {:?} along 2, 5, 6, 8",
+        s.tokens,
+        s.accepted,
+        s.accepted_path,
+        &t[1..6]
+    );
+    // The accepted tokens' KV now sits in chain order: decoding continues exactly.
+    let t6 = decode(t[5], prompt.len() + 5)?;
+    ensure!(t6 == t[6..7], "after the tree: {t6:?}, want {:?}", &t[6..7]);
+    let t7 = decode(t[6], prompt.len() + 6)?;
+    ensure!(
+        t7 == t[7..8],
+        "two steps after the tree: {t7:?}, want {:?}",
+        &t[7..8]
     );
     Ok(())
 }
