@@ -85,16 +85,9 @@ impl GpuBackend {
             let n = edits.tokens.len();
             let mut bytes = Vec::with_capacity(n * 24);
             for e in &edits.tokens {
-                for w in [
-                    e.row,
-                    e.token | (u32::from(e.forbidden) << 31),
-                    e.pos_scale.to_bits(),
-                    e.neg_scale.to_bits(),
-                    e.penalty.to_bits(),
-                    e.bias.to_bits(),
-                ] {
-                    words(&mut bytes, w);
-                }
+                e.device_words()
+                    .into_iter()
+                    .for_each(|w| words(&mut bytes, w));
             }
             let et = self.alloc_in(&mut st, DType::U32, &[n, 6], false)?;
             let ep = self.p(&st, &et)?;

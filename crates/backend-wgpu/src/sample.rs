@@ -93,17 +93,7 @@ pub fn edit_logits(b: &WgpuBackend, logits: &Tensor, edits: &LogitEdits) -> Resu
     let max = gpu.limits.max_compute_workgroups_per_dimension;
     let lv = b.view(logits, DType::F32, Access::Write)?;
     if !edits.tokens.is_empty() {
-        let mut words = Vec::with_capacity(edits.tokens.len() * 6);
-        for e in &edits.tokens {
-            words.extend_from_slice(&[
-                e.row,
-                e.token | (u32::from(e.forbidden) << 31),
-                e.pos_scale.to_bits(),
-                e.neg_scale.to_bits(),
-                e.penalty.to_bits(),
-                e.bias.to_bits(),
-            ]);
-        }
+        let words: Vec<u32> = edits.tokens.iter().flat_map(|e| e.device_words()).collect();
         let et = b.upload_words(&words)?;
         let ev = b.view(&et, DType::U32, Access::Read)?;
         let params = Params::new()

@@ -535,6 +535,17 @@ impl dyn Backend + '_ {
         f32_values(self, t)
     }
 
+    /// Downloads a u32 tensor's values.
+    pub fn download_u32(&self, t: &Tensor) -> Result<Vec<u32>> {
+        t.check_dtype(DType::U32)?;
+        let mut bytes = vec![0u8; t.byte_len()?];
+        self.download(t, &mut bytes)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
     /// Attention implementation by name, or the device's default when `None`.
     pub fn attention(&self, name: Option<&str>) -> Result<Arc<dyn AttentionBackend>> {
         let caps = self.capabilities();

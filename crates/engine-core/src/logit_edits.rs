@@ -63,6 +63,19 @@ impl TokenEdit {
         }
     }
 
+    /// The edit as the device kernels read it: row, token (bit 31:
+    /// forbidden), then the f32 bits of pos_scale, neg_scale, penalty, bias.
+    pub fn device_words(&self) -> [u32; 6] {
+        [
+            self.row,
+            self.token | (u32::from(self.forbidden) << 31),
+            self.pos_scale.to_bits(),
+            self.neg_scale.to_bits(),
+            self.penalty.to_bits(),
+            self.bias.to_bits(),
+        ]
+    }
+
     /// The edited logit.
     pub fn apply(&self, x: f32) -> f32 {
         if self.forbidden {

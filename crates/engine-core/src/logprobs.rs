@@ -85,12 +85,7 @@ impl DeviceLogprobs {
         let picked = backend.download_f32(&picked)?;
         let lse = backend.download_f32(&self.lse)?;
         let vals = backend.download_f32(&self.vals)?;
-        let mut ids = vec![0u8; n * self.top * 4];
-        backend.download(&self.ids, &mut ids)?;
-        let ids: Vec<u32> = ids
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let ids = backend.download_u32(&self.ids)?;
         Ok((0..n)
             .map(|r| RowLogprob {
                 logprob: if (tokens[r] as usize) < vocab {

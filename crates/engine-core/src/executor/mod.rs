@@ -534,12 +534,7 @@ fn sample_on_device<'a>(
     }
     let out = backend.alloc(crate::DType::U32, &[rows.len()])?;
     backend.sample(logits, &rows, &out)?;
-    let mut bytes = vec![0u8; rows.len() * 4];
-    backend.download(&out, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    backend.download_u32(&out)
 }
 
 /// Adds to a device sequence's output the logprobs (with `top`

@@ -460,12 +460,7 @@ pub fn logprob_stats_match_the_host(backend: &dyn Backend) -> Result<()> {
         backend.logprob_stats(&t, top, &lse, &ids, &vals)?;
         let got_lse = backend.download_f32(&lse)?;
         let got_vals = backend.download_f32(&vals)?;
-        let mut raw = vec![0u8; rows * top * 4];
-        backend.download(&ids, &mut raw)?;
-        let got_ids: Vec<u32> = raw
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let got_ids = backend.download_u32(&ids)?;
         for (r, row) in values.chunks_exact(vocab).enumerate() {
             let want_lse = log_sum_exp(row);
             ensure!(
