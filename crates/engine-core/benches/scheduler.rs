@@ -9,7 +9,9 @@
 //! what it costs in serving.
 //!
 //! Run: `cargo bench -p arbor-engine-core --bench scheduler` (`ARBOR_BENCH_STEPS`:
-//! tokens per request, default 200; more for a profile).
+//! tokens per request, default 200, at most about 400 (the KV pool holds 256
+//! requests of 100 + 400 tokens); `ARBOR_BENCH_REPEAT`: runs per
+//! configuration, default 3, whose median is printed).
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
@@ -94,70 +96,100 @@ fn main() {
         (256, "letters", &letters),
         (256, "tokenizer", &bpe),
     ];
+    let steps: usize = std::env::var("ARBOR_BENCH_STEPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let repeat: usize = std::env::var("ARBOR_BENCH_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
     for (running, decoder_name, decoder) in runs {
-        let model = Arc::new(NullModel {
-            spec: spec.clone(),
-            backend: backend.clone(),
-            zeros: backend.alloc(DType::F32, &[1024, VOCAB]).expect("logits"),
-        });
-        let runner =
-            ModelRunner::new(model, backend.clone(), None, 16, 8192, DType::F32).expect("runner");
-        let policy = registry.eviction_policies.get("lru").expect("lru")().expect("policy");
-        let cache = registry.prefix_caches.get("radix").expect("radix")(&PrefixCacheOptions {
-            page_size: 16,
-            policy,
-        })
-        .expect("cache");
-        let parts = EngineParts::local(
-            runner,
-            cache,
-            registry.samplers.get("standard").expect("s")().expect("sampler"),
-            vec![],
-            decoder.clone(),
-            vec![],
-        );
-        let cfg = EngineConfig {
-            max_running_requests: running,
-            ..Default::default()
-        };
-        let engine = Engine::new(cfg, parts).expect("engine");
-        let steps: usize = std::env::var("ARBOR_BENCH_STEPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(200);
-        let params = SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(steps)
-        };
-        let streams: Vec<_> = (0..running)
-            .map(|i| {
-                let prompt: Vec<u32> = (0..100).map(|j| ((i * 7 + j) % VOCAB) as u32).collect();
-                engine
-                    .submit(GenerateRequest::new(prompt, params.clone()))
-                    .expect("submit")
-            })
-            .collect();
-        let it0 = engine.stats().iterations;
-        // Timed by the scheduler's clock (the chunks' meta), not the
-        // reader's, which may lag (it makes the text of most requests).
-        // Steady state: from when every request has its first token (the
-        // prompts are admitted and prefilled) to when the last one ends;
-        // every request gets a token per iteration then.
-        let (mut first, mut last) = (0f64, 0f64);
-        for s in streams {
-            let chunks = s.collect_blocking();
-            let meta = &chunks.last().expect("a final chunk").meta;
-            first = first.max(meta.ttft.unwrap_or(0.0));
-            last = last.max(meta.elapsed);
+        let mut decode_us = Vec::with_capacity(repeat);
+        for _ in 0..repeat {
+            let (iters, first, last) =
+                run_once(&registry, &backend, &spec, decoder, running, steps);
+            let decode_iters = steps - 1;
+            let us = (last - first) / decode_iters as f64 * 1e6;
+            println!(
+                "{running} running decodes, {decoder_name}: {iters} iterations in {:.3} s: {:.0} µs per iteration ({:.2} µs per request-step); decode only: {us:.0} µs per iteration over {decode_iters}",
+                last,
+                last / iters as f64 * 1e6,
+                last / (iters as f64 * running as f64) * 1e6,
+            );
+            decode_us.push(us);
         }
-        let iters = engine.stats().iterations - it0;
-        let decode_iters = steps - 1;
+        decode_us.sort_by(f64::total_cmp);
         println!(
-            "{running} running decodes, {decoder_name}: {iters} iterations in {:.3} s: {:.0} µs per iteration ({:.2} µs per request-step); decode only: {:.0} µs per iteration over {decode_iters}",
-            last,
-            last / iters as f64 * 1e6,
-            last / (iters as f64 * running as f64) * 1e6,
-            (last - first) / decode_iters as f64 * 1e6,
+            "{running} running decodes, {decoder_name}: median decode-only iteration {:.0} µs (best {:.0}) over {repeat} runs",
+            decode_us[repeat / 2],
+            decode_us[0]
         );
     }
+}
+
+/// One engine run: `running` requests of `steps` tokens each; returns the
+/// iterations and, by the scheduler's clock, when every request had its
+/// first token and when the last one ended (seconds).
+fn run_once(
+    registry: &Registry,
+    backend: &Arc<dyn Backend>,
+    spec: &ModelSpec,
+    decoder: &Arc<dyn TokenDecoder>,
+    running: usize,
+    steps: usize,
+) -> (u64, f64, f64) {
+    let model = Arc::new(NullModel {
+        spec: spec.clone(),
+        backend: backend.clone(),
+        zeros: backend.alloc(DType::F32, &[1024, VOCAB]).expect("logits"),
+    });
+    let runner =
+        ModelRunner::new(model, backend.clone(), None, 16, 8192, DType::F32).expect("runner");
+    let policy = registry.eviction_policies.get("lru").expect("lru")().expect("policy");
+    let cache = registry.prefix_caches.get("radix").expect("radix")(&PrefixCacheOptions {
+        page_size: 16,
+        policy,
+    })
+    .expect("cache");
+    let parts = EngineParts::local(
+        runner,
+        cache,
+        registry.samplers.get("standard").expect("s")().expect("sampler"),
+        vec![],
+        decoder.clone(),
+        vec![],
+    );
+    let cfg = EngineConfig {
+        max_running_requests: running,
+        ..Default::default()
+    };
+    let engine = Engine::new(cfg, parts).expect("engine");
+    let params = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(steps)
+    };
+    let streams: Vec<_> = (0..running)
+        .map(|i| {
+            let prompt: Vec<u32> = (0..100).map(|j| ((i * 7 + j) % VOCAB) as u32).collect();
+            engine
+                .submit(GenerateRequest::new(prompt, params.clone()))
+                .expect("submit")
+        })
+        .collect();
+    let it0 = engine.stats().iterations;
+    // Timed by the scheduler's clock (the chunks' meta), not the
+    // reader's, which may lag (it makes the text of most requests).
+    // Steady state: from when every request has its first token (the
+    // prompts are admitted and prefilled) to when the last one ends;
+    // every request gets a token per iteration then.
+    let (mut first, mut last) = (0f64, 0f64);
+    for s in streams {
+        let chunks = s.collect_blocking();
+        let meta = &chunks.last().expect("a final chunk").meta;
+        first = first.max(meta.ttft.unwrap_or(0.0));
+        last = last.max(meta.elapsed);
+    }
+    (engine.stats().iterations - it0, first, last)
 }

@@ -82,6 +82,21 @@ pub struct BatchLayout {
     pub tree_parents: Vec<i32>,
 }
 
+/// The error of a sequence [`BatchLayout::push_seq`] refuses (kept out of
+/// its path).
+#[cold]
+fn bad_seq(page_size: usize, q_len: usize, kv_len: usize, pages: usize) -> CoreError {
+    if page_size == 0 {
+        CoreError::invalid("batch layout with page_size 0")
+    } else if q_len == 0 {
+        CoreError::invalid("a sequence must add at least one token")
+    } else {
+        CoreError::invalid(format!(
+            "{pages} pages of {page_size} cannot hold {kv_len} tokens"
+        ))
+    }
+}
+
 impl BatchLayout {
     /// An empty layout for pages of `page_size` tokens.
     pub fn new(page_size: usize) -> Self {
@@ -100,31 +115,31 @@ impl BatchLayout {
     /// stored in `pages` (which must cover `prefix_len + q_len` tokens).
     pub fn push_seq(&mut self, prefix_len: usize, q_len: usize, pages: &[u32]) -> Result<()> {
         let ps = self.page_size;
-        if ps == 0 {
-            return Err(CoreError::invalid("batch layout with page_size 0"));
-        }
-        if q_len == 0 {
-            return Err(CoreError::invalid("a sequence must add at least one token"));
-        }
         let kv_len = prefix_len + q_len;
-        if pages.len() * ps < kv_len {
-            return Err(CoreError::invalid(format!(
-                "{} pages of {ps} cannot hold {kv_len} tokens",
-                pages.len()
-            )));
+        if ps == 0 || q_len == 0 || pages.len() * ps < kv_len {
+            return Err(bad_seq(ps, q_len, kv_len, pages.len()));
         }
         let q_start = self.slot_mapping.len();
         let start = self.page_table.len();
         let used_pages = kv_len.div_ceil(ps);
         self.page_table.extend_from_slice(&pages[..used_pages]);
-        for t in prefix_len..kv_len {
-            let page = pages[t / ps] as usize;
-            let slot = page * ps + t % ps;
-            self.slot_mapping.push(
-                u32::try_from(slot).map_err(|_| {
-                    CoreError::invalid(format!("KV slot {slot} does not fit in u32"))
-                })?,
-            );
+        // Slots page by page: one division and one range check per page
+        // (a decode token is one slot on one page).
+        let mut t = prefix_len;
+        while t < kv_len {
+            let (page, offset) = (pages[t / ps] as usize, t % ps);
+            let n = (ps - offset).min(kv_len - t);
+            let first = page * ps + offset;
+            let slots = u32::try_from(first)
+                .ok()
+                .zip(u32::try_from(first + n).ok())
+                .ok_or_else(|| {
+                    CoreError::invalid(format!("KV slot {} does not fit in u32", first + n - 1))
+                })?;
+            for slot in slots.0..slots.1 {
+                self.slot_mapping.push(slot);
+            }
+            t += n;
         }
         self.seqs.push(SeqLayout {
             q_start,

@@ -67,7 +67,9 @@ pub use speculative::{
     ComputedStates, Draft, DraftDist, DraftRequest, DraftSampling, Drafting, SpeculativeConfig,
     Speculator, SpeculatorInputs,
 };
-pub use step::{SampleRows, SampleSpec, SeqOutput, SeqPlan, StepOutput, StepPlan, StepTokens};
+pub use step::{
+    SampleRows, SampleSpec, SeqExtra, SeqOutput, SeqPlan, StepOutput, StepPlan, StepTokens,
+};
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use tier::{
     CopyDirection, HostKvPool, HostPages, HostSlotRef, KvCopyStats, KvTier, KvTierOps, PageCopy,

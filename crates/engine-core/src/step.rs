@@ -207,13 +207,23 @@ pub struct TokenLogprob {
 /// per step).
 pub type StepTokens = smallvec::SmallVec<[u32; 4]>;
 
-/// What one sequence of a step produced.
+/// What one sequence of a step produced. The common case (tokens and an
+/// accepted count) is held inline; what only some sequences produce
+/// (a tree's path, logprobs, hidden states, an error) is kept out of line,
+/// so a decode step moves and drops small values.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SeqOutput {
     /// New tokens: the accepted drafts then one sampled token (empty without sampling).
     pub tokens: StepTokens,
     /// Draft tokens accepted (`tokens.len() - 1` after verification; 0 otherwise).
     pub accepted: usize,
+    /// The rest, when there is any.
+    pub extra: Option<Box<SeqExtra>>,
+}
+
+/// The parts of a [`SeqOutput`] that only some sequences have.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SeqExtra {
     /// For a tree: the indices (within the plan's tokens) of the accepted
     /// drafts, in order; empty for a chain.
     pub accepted_path: Vec<usize>,
@@ -225,6 +235,40 @@ pub struct SeqOutput {
     /// Sampling this sequence failed (a logits processor or sampler error);
     /// only its request fails.
     pub error: Option<String>,
+}
+
+impl SeqOutput {
+    /// The output of a sequence whose sampling failed with `error`.
+    pub fn failed(error: String) -> Self {
+        let mut o = Self::default();
+        o.extra_mut().error = Some(error);
+        o
+    }
+
+    /// The out-of-line parts, created on first use.
+    pub fn extra_mut(&mut self) -> &mut SeqExtra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    /// See [`SeqExtra::accepted_path`].
+    pub fn accepted_path(&self) -> &[usize] {
+        self.extra.as_ref().map_or(&[], |e| &e.accepted_path)
+    }
+
+    /// See [`SeqExtra::logprobs`].
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        self.extra.as_ref().map_or(&[], |e| &e.logprobs)
+    }
+
+    /// See [`SeqExtra::hidden`].
+    pub fn hidden(&self) -> &[Vec<f32>] {
+        self.extra.as_ref().map_or(&[], |e| &e.hidden)
+    }
+
+    /// See [`SeqExtra::error`].
+    pub fn error(&self) -> Option<&str> {
+        self.extra.as_ref().and_then(|e| e.error.as_deref())
+    }
 }
 
 /// What a step produced, one entry per sequence of the plan.

@@ -230,6 +230,11 @@ impl Req {
     pub fn extend_tail(&self, from: usize, max: usize, out: &mut Vec<u32>) {
         let p = self.prompt.len();
         let end = self.len().min(from.saturating_add(max));
+        if from >= p && end == from + 1 {
+            // One pending output token (a decode step): pushed, not copied.
+            out.push(self.output[from - p]);
+            return;
+        }
         if from < p {
             out.extend_from_slice(&self.prompt[from..end.min(p)]);
         }
@@ -256,9 +261,14 @@ impl Req {
         }
     }
 
+    /// Pages held: the cache's, then the request's own.
+    pub fn page_count(&self) -> usize {
+        self.tree_pages.len() + self.own.as_ref().map_or(0, |o| o.len())
+    }
+
     /// Token capacity of the pages held.
     pub fn page_capacity(&self, page_size: usize) -> usize {
-        (self.tree_pages.len() + self.own.as_ref().map_or(0, |o| o.len())) * page_size
+        self.page_count() * page_size
     }
 
     /// Tokens still to generate at most.

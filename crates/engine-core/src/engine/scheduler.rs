@@ -670,18 +670,17 @@ impl Scheduler {
     fn prepare_decode(&mut self) -> Result<()> {
         let ps = self.page_size;
         // Pages each request still needs for its pending tokens (one, or more after jump-forward).
-        let missing = |r: &Req| {
-            r.len()
-                .div_ceil(ps)
-                .saturating_sub(r.page_capacity(ps) / ps)
-        };
-        loop {
+        let missing = |r: &Req| r.len().div_ceil(ps).saturating_sub(r.page_count());
+        let need = loop {
             let need: usize = self.running.iter().map(missing).sum();
             let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;
             if need <= available || self.running.len() <= 1 {
-                break;
+                break need;
             }
             self.retract_one();
+        };
+        if need == 0 {
+            return Ok(());
         }
         for i in 0..self.running.len() {
             let n = missing(&self.running[i]);

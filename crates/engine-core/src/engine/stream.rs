@@ -138,8 +138,12 @@ impl ChunkSender {
         {
             let c = &mut last.chunk;
             c.token_ids.append(p.token_ids);
-            c.text.push_str(p.text);
-            c.logprobs.append(p.logprobs);
+            if !p.text.is_empty() {
+                c.text.push_str(p.text);
+            }
+            if !p.logprobs.is_empty() {
+                c.logprobs.append(p.logprobs);
+            }
             c.finish = p.finish;
             c.meta = p.meta;
             last.untexted_last = p.untexted_last;

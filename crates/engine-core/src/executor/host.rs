@@ -73,7 +73,7 @@ impl LocalExecutor {
             };
             if let Some(top) = sp.logprobs {
                 let lse = log_sum_exp(raw);
-                out.logprobs.push(TokenLogprob {
+                out.extra_mut().logprobs.push(TokenLogprob {
                     token: tok,
                     logprob: raw.get(tok as usize).copied().unwrap_or(f32::NEG_INFINITY) - lse,
                     top: top_logits(raw, top)
@@ -88,7 +88,7 @@ impl LocalExecutor {
                 Some(c) => {
                     out.accepted += 1;
                     if s.tree.is_some() {
-                        out.accepted_path.push(base + c);
+                        out.extra_mut().accepted_path.push(base + c);
                     }
                     at = c;
                 }

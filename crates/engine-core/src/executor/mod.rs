@@ -136,7 +136,8 @@ impl LocalExecutor {
     /// Samples the rows of the device sequences where the logits are: the
     /// logprob statistics of the raw rows that ask for them first, then the
     /// edits, then the draws. Returns one id per device row (in plan order)
-    /// and, per device row, its logprob when its request asked.
+    /// and, per device row, its logprob when its request asked (empty when
+    /// no row asked).
     fn sample_device_rows(
         &self,
         plan: &StepPlan,
@@ -146,23 +147,27 @@ impl LocalExecutor {
         edits: &LogitEdits,
     ) -> Result<(Vec<u32>, Vec<Option<RowLogprob>>)> {
         let backend = &**self.runner.backend();
-        let (mut rows, mut lp_rows, mut lp_at, mut top) = (Vec::new(), Vec::new(), Vec::new(), 0);
-        let dev_seqs = || {
-            plan.seqs
-                .iter()
-                .zip(first_row)
-                .zip(on_device)
-                .filter(|(_, d)| **d)
-                .map(|(s, _)| s)
-        };
-        for (s, &r0) in dev_seqs() {
+        // The device rows (in the logits) and how each is drawn; verify rows
+        // reach the device only when greedy, so one seed serves every row.
+        let mut rows = Vec::with_capacity(plan.seqs.len());
+        let mut draws = Vec::with_capacity(plan.seqs.len());
+        let (mut lp_rows, mut lp_at, mut top) = (Vec::new(), Vec::new(), 0);
+        let dev_seqs = plan.seqs.iter().zip(first_row).zip(on_device);
+        for ((s, &r0), _) in dev_seqs.filter(|(_, d)| **d) {
+            let Some(sp) = &s.sample else { continue };
             let n = s.sampled_rows().len();
-            if let Some(k) = s.sample.as_ref().and_then(|sp| sp.logprobs) {
+            if let Some(k) = sp.logprobs {
                 top = top.max(k);
                 lp_at.extend(rows.len()..rows.len() + n);
                 lp_rows.extend((r0..r0 + n).map(|r| r as u32));
             }
-            rows.extend((r0..r0 + n).map(|r| r as u32));
+            let draw = SampleRow::of(&sp.params, sp.seed);
+            // Pushed one by one: a decode sequence has one row, for which
+            // this is cheaper than extending from an iterator.
+            for r in r0..r0 + n {
+                rows.push(r as u32);
+                draws.push(draw);
+            }
         }
         if rows.is_empty() {
             return Ok((Vec::new(), Vec::new()));
@@ -174,15 +179,28 @@ impl LocalExecutor {
         if !edits.is_empty() {
             backend.edit_logits(&t, edits)?;
         }
-        let ids = sample_on_device(backend, &t, dev_seqs().map(|(s, _)| s))?;
-        let mut per_row = vec![None; ids.len()];
+        let out = backend.alloc(crate::DType::U32, &[draws.len()])?;
+        backend.sample(&t, &draws, &out)?;
+        let ids = backend.download_u32(&out)?;
+        // Filled only when some row asked for logprobs (empty otherwise).
+        let mut per_row = Vec::new();
         if let Some(lp) = lp {
+            per_row.resize(ids.len(), None);
             let toks: Vec<u32> = lp_at.iter().map(|&i| ids[i]).collect();
             for (&i, l) in lp_at.iter().zip(lp.finish(backend, &toks)?) {
                 per_row[i] = Some(l);
             }
         }
         Ok((ids, per_row))
+    }
+
+    /// True when nothing edits the rows of `sp`: no grammar mask, no active
+    /// logits processor, and `min_new_tokens` reached (the common case,
+    /// decided without building edits).
+    fn unedited(&self, sp: &SampleSpec, masks: &[crate::grammar::TokenBitmask]) -> bool {
+        masks.is_empty()
+            && sp.generated >= sp.params.min_new_tokens
+            && !self.processors.iter().any(|q| q.is_active(&sp.params))
     }
 
     /// The edits of a sequence's sampled rows (the first at `first_row` of
@@ -320,16 +338,24 @@ fn build_batch(
             Some(parents) => layout.push_tree_seq(s.prefix_len, parents, &s.pages)?,
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
         }
-        ids.extend_from_slice(&s.tokens);
+        // Pushed one by one: cheaper than slice and iterator extends for
+        // the one token of a decode sequence, and no slower for a chunk.
+        for &t in &s.tokens {
+            ids.push(t);
+        }
         match &s.tree {
             // A chain's positions follow one another (no list built).
             None => {
-                positions.extend((s.prefix_len..s.prefix_len + s.tokens.len()).map(|p| p as u32))
+                for p in s.prefix_len..s.prefix_len + s.tokens.len() {
+                    positions.push(p as u32);
+                }
             }
             Some(_) => positions.extend(s.positions()),
         }
         first_row[i] = rows.len();
-        rows.extend(s.sampled_rows().map(|r| (q_start + r) as u32));
+        for r in s.sampled_rows() {
+            rows.push((q_start + r) as u32);
+        }
         if let Some(a) = &s.lora {
             match lora.last_mut() {
                 Some(seg) if Arc::ptr_eq(&seg.adapter, a) => seg.rows.end = ids.len(),
@@ -426,8 +452,13 @@ impl Executor for LocalExecutor {
                 continue;
             };
             let seq_masks = masks.and_then(|m| m.get(i)).map_or(&[][..], Vec::as_slice);
-            let seq_edits = self
-                .device_samples(sp, standard)
+            let device = self.device_samples(sp, standard);
+            if device && self.unedited(sp, seq_masks) {
+                on_device.push(true);
+                dev_rows_so_far += s.sampled_rows().len() as u32;
+                continue;
+            }
+            let seq_edits = device
                 .then(|| self.seq_edits(s, sp, seq_masks, dev_rows_so_far, vocab))
                 .flatten();
             on_device.push(seq_edits.is_some());
@@ -475,15 +506,12 @@ impl Executor for LocalExecutor {
             let m = masks.and_then(|m| m.get(i)).map(Vec::as_slice);
             seqs.push(
                 self.sample_on_host(s, rows, vocab, m.unwrap_or(&[]))
-                    .unwrap_or_else(|e| SeqOutput {
-                        error: Some(e.to_string()),
-                        ..SeqOutput::default()
-                    }),
+                    .unwrap_or_else(|e| SeqOutput::failed(e.to_string())),
             );
         }
         for (seq, out) in plan.seqs.iter().zip(&seqs) {
-            if seq.tree.is_some() && !out.accepted_path.is_empty() {
-                self.compact_accepted(seq, &out.accepted_path)?;
+            if seq.tree.is_some() && !out.accepted_path().is_empty() {
+                self.compact_accepted(seq, out.accepted_path())?;
             }
         }
         if !plan.hidden_layers.is_empty() {
@@ -492,7 +520,8 @@ impl Executor for LocalExecutor {
                 let h = backend.download_f32(t)?;
                 for (s, (seq, &r0)) in seqs.iter_mut().zip(plan.seqs.iter().zip(&q_starts)) {
                     let n = seq.tokens.len();
-                    s.hidden
+                    s.extra_mut()
+                        .hidden
                         .push(h[r0 * hidden_size..(r0 + n) * hidden_size].to_vec());
                 }
             }
@@ -518,25 +547,6 @@ fn select_rows(backend: &(dyn Backend + 'static), logits: &Tensor, rows: &[u32])
     Ok(out)
 }
 
-/// One id per sampled row of `seqs` (whose rows `logits` holds, in order),
-/// drawn by [`Backend::sample`].
-fn sample_on_device<'a>(
-    backend: &dyn Backend,
-    logits: &Tensor,
-    seqs: impl Iterator<Item = &'a SeqPlan>,
-) -> Result<Vec<u32>> {
-    let mut rows = Vec::new();
-    for s in seqs {
-        let Some(sp) = &s.sample else { continue };
-        // Verify rows reach the device only when greedy, so one seed serves every row.
-        let row = SampleRow::of(&sp.params, sp.seed);
-        rows.extend(std::iter::repeat_n(row, s.sampled_rows().len()));
-    }
-    let out = backend.alloc(crate::DType::U32, &[rows.len()])?;
-    backend.sample(logits, &rows, &out)?;
-    backend.download_u32(&out)
-}
-
 /// Adds to a device sequence's output the logprobs (with `top`
 /// alternatives) of the rows its walk visited: the root, then each accepted
 /// draft's row.
@@ -544,21 +554,26 @@ fn attach_logprobs(s: &SeqPlan, out: &mut SeqOutput, rows: &[Option<RowLogprob>]
     let base = s.tokens.len() - rows.len();
     let visited = std::iter::once(0).chain(match &s.tree {
         Some(_) => out
-            .accepted_path
+            .accepted_path()
             .iter()
             .map(|p| p - base)
             .collect::<Vec<_>>(),
         None => (1..out.tokens.len()).collect(),
     });
-    for (&token, row) in out.tokens.iter().zip(visited) {
-        if let Some(Some(l)) = rows.get(row) {
-            out.logprobs.push(TokenLogprob {
+    let logprobs: Vec<TokenLogprob> = out
+        .tokens
+        .iter()
+        .zip(visited)
+        .filter_map(|(&token, row)| match rows.get(row) {
+            Some(Some(l)) => Some(TokenLogprob {
                 token,
                 logprob: l.logprob,
                 top: l.top.iter().take(top).copied().collect(),
-            });
-        }
-    }
+            }),
+            _ => None,
+        })
+        .collect();
+    out.extra_mut().logprobs.extend(logprobs);
 }
 
 /// The children (row indices within the sampled rows) of row `at`, in order.
@@ -577,6 +592,13 @@ fn children(s: &SeqPlan, at: usize) -> Vec<usize> {
 /// Output of a sequence from the target's token at each sampled row (greedy
 /// verification, or a single sampled row).
 fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
+    if let [id] = ids {
+        // One sampled row: nothing to verify.
+        return SeqOutput {
+            tokens: smallvec::smallvec![*id],
+            ..SeqOutput::default()
+        };
+    }
     let base = s.tokens.len() - ids.len();
     let mut out = SeqOutput::default();
     let mut at = 0;
@@ -589,7 +611,7 @@ fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
             Some(c) => {
                 out.accepted += 1;
                 if s.tree.is_some() {
-                    out.accepted_path.push(base + c);
+                    out.extra_mut().accepted_path.push(base + c);
                 }
                 at = c;
             }

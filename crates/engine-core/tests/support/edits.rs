@@ -328,13 +328,13 @@ pub fn edited_sampling_matches_host(
         );
         for (i, (x, y)) in out_dev.seqs.iter().zip(&out_host.seqs).enumerate() {
             ensure!(
-                x.tokens == y.tokens && x.error.is_none(),
+                x.tokens == y.tokens && x.error().is_none(),
                 "step {step}, request {i}: device {:?} host {:?} ({:?})",
                 x.tokens,
                 y.tokens,
-                x.error
+                x.error()
             );
-            same_logprobs(&x.logprobs, &y.logprobs, reqs[i][0].logprobs)
+            same_logprobs(x.logprobs(), y.logprobs(), reqs[i][0].logprobs)
                 .with_context(|| format!("step {step}, request {i}"))?;
             reqs[i][0].out.extend_from_slice(&x.tokens);
             reqs[i][1].out.extend_from_slice(&y.tokens);
@@ -376,7 +376,7 @@ pub fn edited_sampling_matches_host(
             r.out.truncate(1);
             let o = run(ex, std::slice::from_ref(r), 12, &[drafts.clone()])?;
             let o = o.seqs.into_iter().next().context("one sequence")?;
-            got.push((o.tokens.into_vec(), o.logprobs));
+            got.push((o.tokens.to_vec(), o.logprobs().to_vec()));
         }
         let want = if wrong { &cont[1..4] } else { &cont[1..6] };
         ensure!(
@@ -403,7 +403,7 @@ pub fn edited_sampling_matches_host(
                 ..Default::default()
             })?;
             let o = o.seqs.into_iter().next().context("one sequence")?;
-            got.push((o.tokens.into_vec(), o.logprobs));
+            got.push((o.tokens.to_vec(), o.logprobs().to_vec()));
         }
         ensure!(
             got[0].0 == got[1].0 && got[0].0 == cont[1..6],

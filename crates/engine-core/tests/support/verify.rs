@@ -229,13 +229,13 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
         ..Default::default()
     })?;
     let s = out.seqs.into_iter().next().context("one sequence")?;
-    ensure!(s.error.is_none(), "{:?}", s.error);
+    ensure!(s.error().is_none(), "{:?}", s.error());
     ensure!(
-        s.tokens.as_slice() == &t[1..6] && s.accepted == 4 && s.accepted_path == [2, 5, 6, 8],
+        s.tokens.as_slice() == &t[1..6] && s.accepted == 4 && s.accepted_path() == [2, 5, 6, 8],
         "tree verification gave {:?} (accepted {}, path {:?}), want {:?} along 2, 5, 6, 8",
         s.tokens,
         s.accepted,
-        s.accepted_path,
+        s.accepted_path(),
         &t[1..6]
     );
     // The accepted tokens' KV now sits in chain order: decoding continues exactly.

@@ -17,6 +17,7 @@
 //! saw the accepted tokens (draft masks were filled by accepting drafts
 //! tentatively and rolling back).
 
+use super::speculation::draft_of;
 use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key, add_distinct};
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
@@ -84,7 +85,9 @@ fn fill_all(constrained: &mut [(usize, &mut Req, &[u32])], seqs: usize, vocab: u
 }
 
 impl Scheduler {
-    fn sample_spec(&self, r: &mut Req, rows: SampleRows) -> SampleSpec {
+    /// Sets how `r` samples this step into `slot` (a buffer reused across
+    /// steps, usually holding the same request's spec of the last step).
+    fn set_sample(&self, r: &mut Req, rows: SampleRows, slot: &mut Option<SampleSpec>) {
         let context = self
             .executor
             .needs_context(&r.params)
@@ -92,14 +95,31 @@ impl Scheduler {
                 prompt: r.prompt.clone(),
                 output: r.output.clone(),
             });
-        SampleSpec {
-            params: r.params.clone(),
-            rows,
-            seed: r.rng.next_u64(),
-            context,
-            logprobs: r.return_logprob.then_some(r.top_logprobs_num),
-            generated: r.output.len(),
-            draft_probs: Vec::new(),
+        let seed = r.rng.next_u64();
+        let logprobs = r.return_logprob.then_some(r.top_logprobs_num);
+        match slot {
+            Some(sp) => {
+                if !Arc::ptr_eq(&sp.params, &r.params) {
+                    sp.params = r.params.clone();
+                }
+                sp.rows = rows;
+                sp.seed = seed;
+                sp.context = context;
+                sp.logprobs = logprobs;
+                sp.generated = r.output.len();
+                sp.draft_probs.clear();
+            }
+            None => {
+                *slot = Some(SampleSpec {
+                    params: r.params.clone(),
+                    rows,
+                    seed,
+                    context,
+                    logprobs,
+                    generated: r.output.len(),
+                    draft_probs: Vec::new(),
+                })
+            }
         }
     }
 
@@ -111,7 +131,11 @@ impl Scheduler {
         s.prefix_len = e.start;
         e.req.page_table_into(&mut s.pages);
         s.tree = None;
-        s.sample = samples.then(|| self.sample_spec(&mut e.req, SampleRows::Last));
+        if samples {
+            self.set_sample(&mut e.req, SampleRows::Last, &mut s.sample);
+        } else {
+            s.sample = None;
+        }
         s.lora.clone_from(&e.req.lora);
     }
 
@@ -133,11 +157,12 @@ impl Scheduler {
             .filter(|p| !draft.is_empty() && p.len() == s.tokens.len());
         s.prefix_len = r.computed;
         r.page_table_into(&mut s.pages);
-        let mut spec = self.sample_spec(r, rows);
-        if draft.probs.len() == draft.len() {
-            spec.draft_probs.clone_from(&draft.probs);
+        self.set_sample(r, rows, &mut s.sample);
+        if draft.probs.len() == draft.len()
+            && let Some(sp) = s.sample.as_mut()
+        {
+            sp.draft_probs.clone_from(&draft.probs);
         }
-        s.sample = Some(spec);
         s.lora.clone_from(&r.lora);
     }
 
@@ -199,8 +224,8 @@ impl Scheduler {
         for (e, s) in prefill.iter_mut().zip(pre_seqs) {
             self.prefill_plan(e, s);
         }
-        for ((r, d), s) in decoding.iter_mut().zip(&drafts).zip(dec_seqs) {
-            self.decode_plan(r, d, s);
+        for (i, (r, s)) in decoding.iter_mut().zip(dec_seqs).enumerate() {
+            self.decode_plan(r, draft_of(&drafts, i), s);
         }
         // Copies between device and host tiers that the admissions and
         // evictions before this point recorded run first.
@@ -254,9 +279,8 @@ impl Scheduler {
             .chain(
                 decoding
                     .iter_mut()
-                    .zip(&drafts)
                     .enumerate()
-                    .map(|(i, (r, d))| (npre + i, r, d.tokens.as_slice())),
+                    .map(|(i, r)| (npre + i, r, draft_of(&drafts, i).tokens.as_slice())),
             )
             .filter(|(_, r, _)| r.matcher.is_some())
             .collect();
@@ -413,7 +437,8 @@ impl Scheduler {
         // Decoding requests advance in place (a request is large: moving
         // each one out and back every step costs more than the rest).
         let speculating = self.speculator.is_some();
-        for (r, d) in decoding.iter_mut().zip(drafts) {
+        for (i, r) in decoding.iter_mut().enumerate() {
+            let d = draft_of(drafts, i);
             let out = outputs.next().unwrap_or_default();
             r.computed = r.len();
             r.finished = !self.advance(r, out, speculating.then_some(d.len()));
@@ -438,7 +463,7 @@ impl Scheduler {
             self.finish_mut(r, abort_finish(&format!("grammar failed: {e}")));
             return false;
         }
-        if let Some(e) = out.error {
+        if let Some(e) = out.error() {
             self.finish_mut(r, abort_finish(&format!("sampling failed: {e}")));
             return false;
         }
@@ -458,7 +483,11 @@ impl Scheduler {
             self.adaptive.observe(&mut r.spec_rate, d, accepted);
         }
         r.computed += out.accepted;
-        let mut logprobs = out.logprobs.into_iter();
+        let mut logprobs = out
+            .extra
+            .map(|e| e.logprobs)
+            .unwrap_or_default()
+            .into_iter();
         for tok in out.tokens {
             if let Some(f) = self.append(r, tok, logprobs.next()) {
                 r.computed = r.computed.min(r.len());

@@ -65,15 +65,15 @@ impl Scheduler {
             .map(|e| (&e.req, e.start))
             .chain(decoding.iter().map(|r| (r, r.computed)));
         for (((r, start), plan), out) in seqs.zip(&self.seq_bufs).zip(outputs) {
-            if out.hidden.len() != layers || out.error.is_some() {
+            if out.hidden().len() != layers || out.error().is_some() {
                 continue;
             }
             // Plan rows whose KV was kept, in position order.
             let rows: Vec<usize> = if out.tokens.is_empty() {
                 (0..plan.tokens.len()).collect()
-            } else if !out.accepted_path.is_empty() {
+            } else if !out.accepted_path().is_empty() {
                 std::iter::once(0)
-                    .chain(out.accepted_path.iter().copied())
+                    .chain(out.accepted_path().iter().copied())
                     .collect()
             } else {
                 let drafts = match plan.sample.as_ref().map(|s| s.rows) {
@@ -92,7 +92,7 @@ impl Scheduler {
             let n = next.len().min(rows.len());
             let mut states = Vec::with_capacity(n * layers * h);
             for &i in &rows[..n] {
-                for l in &out.hidden {
+                for l in out.hidden() {
                     states.extend_from_slice(&l[i * h..(i + 1) * h]);
                 }
             }
@@ -136,8 +136,9 @@ impl Scheduler {
     /// allocated for them. A [`Drafting::Lookup`] speculator proposes first
     /// and its drafts are cut afterwards; a [`Drafting::Model`] one is told
     /// each request's granted length, with its pages held, before it runs.
+    /// The list is empty when no request drafted (read it with [`draft_of`]).
     pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Draft> {
-        let mut drafts: Vec<Draft> = vec![Draft::default(); decoding.len()];
+        let mut drafts: Vec<Draft> = Vec::new();
         let tree_ok = self.executor.capabilities().tree;
         let Some(cfg) = self.cfg.speculative.clone() else {
             return drafts;
@@ -252,6 +253,9 @@ impl Scheduler {
             }
         }
         let mut granted = 0usize;
+        if !chains.is_empty() {
+            drafts.resize_with(decoding.len(), Draft::default);
+        }
         for (i, c) in chains {
             granted += c.len();
             drafts[i] = c;
@@ -309,4 +313,17 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// No draft tokens.
+static NO_DRAFT: Draft = Draft {
+    tokens: Vec::new(),
+    parents: None,
+    probs: Vec::new(),
+};
+
+/// The draft of decoding request `i` in a list from [`Scheduler::draft`]
+/// (empty when the list is).
+pub(super) fn draft_of(drafts: &[Draft], i: usize) -> &Draft {
+    drafts.get(i).unwrap_or(&NO_DRAFT)
 }
