@@ -11,7 +11,8 @@
 //! Run: `cargo bench -p arbor-engine-core --bench scheduler` (`ARBOR_BENCH_STEPS`:
 //! tokens per request, default 200, at most about 400 (the KV pool holds 256
 //! requests of 100 + 400 tokens); `ARBOR_BENCH_REPEAT`: runs per
-//! configuration, default 3, whose median is printed).
+//! configuration, default 3, whose median is printed; `ARBOR_BENCH_ONLY`:
+//! `blocking` or `async`, the runs with those readers).
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
@@ -91,10 +92,15 @@ fn main() {
     let bpe: Arc<dyn TokenDecoder> =
         Arc::new(TextTokenizer::from_dir(&fixture, &config).expect("fixture tokenizer"));
     let letters: Arc<dyn TokenDecoder> = Arc::new(Letters);
+    // (running, decoder, readers): blocking readers take the streams one
+    // after another (so most chunks merge unread); async readers are one
+    // task per stream on a tokio runtime, as the HTTP server reads them
+    // (every chunk wakes its task).
     let runs = [
-        (64usize, "letters", &letters),
-        (256, "letters", &letters),
-        (256, "tokenizer", &bpe),
+        (64usize, "letters", &letters, Readers::Blocking),
+        (256, "letters", &letters, Readers::Blocking),
+        (256, "tokenizer", &bpe, Readers::Blocking),
+        (256, "letters", &letters, Readers::Async),
     ];
     let steps: usize = std::env::var("ARBOR_BENCH_STEPS")
         .ok()
@@ -105,11 +111,24 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3)
         .max(1);
-    for (running, decoder_name, decoder) in runs {
+    // `ARBOR_BENCH_ONLY=async` or `blocking` keeps the runs with those readers.
+    let only = std::env::var("ARBOR_BENCH_ONLY").ok();
+    for (running, decoder_name, decoder, readers) in runs {
+        let kind = match readers {
+            Readers::Blocking => "blocking",
+            Readers::Async => "async",
+        };
+        if only.as_deref().is_some_and(|o| o != kind) {
+            continue;
+        }
+        let decoder_name = match readers {
+            Readers::Blocking => decoder_name.to_string(),
+            Readers::Async => format!("{decoder_name}, async readers"),
+        };
         let mut decode_us = Vec::with_capacity(repeat);
         for _ in 0..repeat {
             let (iters, first, last) =
-                run_once(&registry, &backend, &spec, decoder, running, steps);
+                run_once(&registry, &backend, &spec, decoder, running, steps, readers);
             let decode_iters = steps - 1;
             let us = (last - first) / decode_iters as f64 * 1e6;
             println!(
@@ -129,6 +148,15 @@ fn main() {
     }
 }
 
+/// How the streams are read.
+#[derive(Clone, Copy)]
+enum Readers {
+    /// One thread reads the streams one after another.
+    Blocking,
+    /// One tokio task per stream (two worker threads).
+    Async,
+}
+
 /// One engine run: `running` requests of `steps` tokens each; returns the
 /// iterations and, by the scheduler's clock, when every request had its
 /// first token and when the last one ended (seconds).
@@ -139,6 +167,7 @@ fn run_once(
     decoder: &Arc<dyn TokenDecoder>,
     running: usize,
     steps: usize,
+    readers: Readers,
 ) -> (u64, f64, f64) {
     let model = Arc::new(NullModel {
         spec: spec.clone(),
@@ -184,10 +213,42 @@ fn run_once(
     // Steady state: from when every request has its first token (the
     // prompts are admitted and prefilled) to when the last one ends;
     // every request gets a token per iteration then.
+    let metas: Vec<arbor_engine_core::engine::OutputMeta> = match readers {
+        Readers::Blocking => streams
+            .into_iter()
+            .map(|s| {
+                let chunks = s.collect_blocking();
+                chunks.last().expect("a final chunk").meta.clone()
+            })
+            .collect(),
+        Readers::Async => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let tasks: Vec<_> = streams
+                    .into_iter()
+                    .map(|mut s| {
+                        tokio::spawn(async move {
+                            let mut meta = None;
+                            while let Some(c) = s.next().await {
+                                meta = Some(c.meta);
+                            }
+                            meta.expect("a final chunk")
+                        })
+                    })
+                    .collect();
+                let mut metas = Vec::with_capacity(tasks.len());
+                for t in tasks {
+                    metas.push(t.await.expect("reader task"));
+                }
+                metas
+            })
+        }
+    };
     let (mut first, mut last) = (0f64, 0f64);
-    for s in streams {
-        let chunks = s.collect_blocking();
-        let meta = &chunks.last().expect("a final chunk").meta;
+    for meta in &metas {
         first = first.max(meta.ttft.unwrap_or(0.0));
         last = last.max(meta.elapsed);
     }

@@ -286,6 +286,7 @@ pub fn sample_next(
 }
 
 /// Whether `token` ends a sequence with `params`.
+#[inline]
 pub fn is_stop(token: u32, params: &SamplingParams, eos: &[u32]) -> bool {
     params.stop_token_ids.contains(&token) || (!params.ignore_eos && eos.contains(&token))
 }

@@ -227,6 +227,7 @@ impl Req {
     }
 
     /// Appends at most `max` tokens `from..` of prompt followed by output to `out`.
+    #[inline]
     pub fn extend_tail(&self, from: usize, max: usize, out: &mut Vec<u32>) {
         let p = self.prompt.len();
         let end = self.len().min(from.saturating_add(max));
