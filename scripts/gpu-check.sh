@@ -22,7 +22,8 @@
 #   scripts/gpu-check.sh --rocm            AMD GPU path (ARBOR_REQUIRE_ROCM=1): build
 #                                          with --features rocm, `arbor info` must
 #                                          open the device, the hiprtc compile test
-#                                          for the device's arch, and the open test
+#                                          for the device's arch, and the device
+#                                          suite shared with CUDA (tests/gpu)
 #   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
 #                                          without cargo or crates.io)
 # Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS
@@ -60,7 +61,7 @@ if [ "$MODE" = rocm ]; then
   "$CARGO_TARGET_DIR/release/arbor" info | tee /tmp/gpu-check-rocm-info.txt
   grep -q "^  rocm: .*gfx" /tmp/gpu-check-rocm-info.txt || die "arbor info did not open a ROCm device"
   ARCH="$(grep -o 'gfx[0-9a-f]*' /tmp/gpu-check-rocm-info.txt | head -1)"
-  step "ROCm: hiprtc compile test for $ARCH, and opening the device"
+  step "ROCm: hiprtc compile test for $ARCH, and the device suite (crates/backend-gpu/tests/suite)"
   ARBOR_REQUIRE_ROCM=1 ARBOR_REQUIRE_HIPRTC=1 ARBOR_HIPRTC_ARCHES="$ARCH" \
     cargo test --release -p arbor-backend-rocm -- --nocapture
   step "ROCm: done"

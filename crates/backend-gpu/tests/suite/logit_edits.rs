@@ -1,4 +1,4 @@
-//! Logit edits on the CUDA device (the check shared with the CPU and wgpu
+//! Logit edits on the device (the check shared with the CPU and wgpu
 //! suites): `edit_logits` gives the host's bits, and an executor sampling
 //! with penalties, logit bias, `min_new_tokens` and grammar masks keeps
 //! every row on the device and picks exactly the host path's greedy tokens.
@@ -7,7 +7,7 @@
 mod shared_check;
 
 #[test]
-fn logit_edits_match_the_host_path_on_cuda() -> anyhow::Result<()> {
+fn logit_edits_match_the_host_path_on_the_device() -> anyhow::Result<()> {
     let Some(gpu) = crate::common::gpu() else {
         return Ok(());
     };

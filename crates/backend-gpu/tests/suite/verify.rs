@@ -1,4 +1,4 @@
-//! Chain and tree verification of draft tokens on the CUDA device (the checks
+//! Chain and tree verification of draft tokens on the device (the checks
 //! shared with the CPU and wgpu suites): one verify step accepts exactly what
 //! plain one-token decode steps produce, through a non-first tree branch too,
 //! and a rejected draft leaves no trace; and
@@ -8,7 +8,7 @@
 mod shared_check;
 
 #[test]
-fn chain_verification_is_exact_on_cuda() -> anyhow::Result<()> {
+fn chain_verification_is_exact_on_the_device() -> anyhow::Result<()> {
     let Some(gpu) = crate::common::gpu() else {
         return Ok(());
     };
@@ -18,7 +18,7 @@ fn chain_verification_is_exact_on_cuda() -> anyhow::Result<()> {
 }
 
 #[test]
-fn tree_verification_is_exact_on_cuda() -> anyhow::Result<()> {
+fn tree_verification_is_exact_on_the_device() -> anyhow::Result<()> {
     let Some(gpu) = crate::common::gpu() else {
         return Ok(());
     };
@@ -28,7 +28,7 @@ fn tree_verification_is_exact_on_cuda() -> anyhow::Result<()> {
 }
 
 #[test]
-fn tier_copies_are_exact_on_cuda() -> anyhow::Result<()> {
+fn tier_copies_are_exact_on_the_device() -> anyhow::Result<()> {
     let Some(gpu) = crate::common::gpu() else {
         return Ok(());
     };
@@ -41,7 +41,7 @@ fn tier_copies_are_exact_on_cuda() -> anyhow::Result<()> {
 mod lora_check;
 
 #[test]
-fn lora_segments_match_peft_on_cuda() -> anyhow::Result<()> {
+fn lora_segments_match_peft_on_the_device() -> anyhow::Result<()> {
     let Some(gpu) = crate::common::gpu() else {
         return Ok(());
     };

@@ -1,15 +1,16 @@
-//! Shared pieces of the GPU tests: one CUDA backend per test binary (or a
-//! printed "no CUDA device" skip; `ARBOR_REQUIRE_CUDA=1` turns the skip into a
-//! failure), the CPU reference, seeded inputs and comparisons.
+//! Shared pieces of the GPU tests: one device backend per test binary (or a
+//! printed "no CUDA device" / "no ROCm device" skip; `ARBOR_REQUIRE_CUDA=1` or
+//! `ARBOR_REQUIRE_ROCM=1`, per [`crate::vendor::REQUIRE`], turns the skip into
+//! a failure), the CPU reference, seeded inputs and comparisons.
 #![allow(dead_code)]
 
+use crate::vendor::GpuBackend;
 use arbor_backend_cpu::CpuBackend;
-use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::{Backend, BackendOptions, DType, HostTensor, Tensor};
 use std::sync::{Arc, OnceLock};
 
 fn open(opts: BackendOptions) -> Result<Arc<GpuBackend>, String> {
-    arbor_backend_cuda::open(&opts)
+    crate::vendor::open(&opts)
         .map(Arc::new)
         .map_err(|e| e.to_string())
 }
@@ -18,8 +19,12 @@ fn report(d: &Result<Arc<GpuBackend>, String>) -> Option<Arc<GpuBackend>> {
     match d {
         Ok(b) => Some(b.clone()),
         Err(e) => {
-            if std::env::var("ARBOR_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
-                panic!("ARBOR_REQUIRE_CUDA=1 but the CUDA backend is unavailable: {e}");
+            let require = crate::vendor::REQUIRE;
+            if std::env::var(require).is_ok_and(|v| v == "1") {
+                panic!(
+                    "{require}=1 but the {} backend is unavailable: {e}",
+                    crate::vendor::NAME
+                );
             }
             println!("skipped: {e}");
             None
@@ -27,13 +32,13 @@ fn report(d: &Result<Arc<GpuBackend>, String>) -> Option<Arc<GpuBackend>> {
     }
 }
 
-/// The CUDA device (CUDA graphs on), or `None` with the reason printed.
+/// The device (graphs on), or `None` with the reason printed.
 pub fn gpu() -> Option<Arc<GpuBackend>> {
     static DEV: OnceLock<Result<Arc<GpuBackend>, String>> = OnceLock::new();
     report(DEV.get_or_init(|| open(BackendOptions::default())))
 }
 
-/// A new instance of its own, with CUDA graphs on or off.
+/// A new instance of its own, with graphs (CUDA or HIP) on or off.
 pub fn gpu_with(disable_cuda_graph: bool) -> Option<Arc<GpuBackend>> {
     report(&open(BackendOptions {
         disable_cuda_graph,

@@ -1,30 +1,31 @@
 //! Creating the backend: on a machine without a usable device (no driver, no
-//! GPU, no cuBLAS or NVRTC) it is an error that starts with "no CUDA device",
-//! never a panic, through the type and through the registry; with a device it
-//! opens and describes itself.
-use arbor_backend_cuda::probe;
+//! GPU, no BLAS library or runtime compiler) it is an error that starts with
+//! [`crate::vendor::NO_DEVICE`] ("no CUDA device", "no ROCm device"), never a
+//! panic, through the type and through the registry; with a device it opens
+//! and describes itself.
+use crate::vendor::{NAME, NO_DEVICE, open, probe};
 use arbor_engine_core::{Backend, BackendOptions, CoreError, Registry};
 
 #[test]
 fn creation_errors_without_a_device_and_works_with_one() {
-    let made = arbor_backend_cuda::open(&BackendOptions::default());
+    let made = open(&BackendOptions::default());
     let registry = Registry::builtin().unwrap();
-    assert!(registry.backends.names().contains(&"cuda".to_string()));
-    let factory = registry.backends.get("cuda").unwrap();
+    assert!(registry.backends.names().contains(&NAME.to_string()));
+    let factory = registry.backends.get(NAME).unwrap();
     match probe() {
         Err(why) => {
             println!("no device here ({why}): checking the error path");
             match made {
                 Err(CoreError::Device(msg)) => {
-                    assert!(msg.starts_with("no CUDA device: "), "{msg}")
+                    assert!(msg.starts_with(&format!("{NO_DEVICE}: ")), "{msg}")
                 }
                 Err(other) => panic!("expected a device error, got {other}"),
                 Ok(_) => panic!("the backend opened although probe failed"),
             }
             let err = factory(&BackendOptions::default()).err().unwrap();
-            assert!(err.to_string().contains("no CUDA device"), "{err}");
+            assert!(err.to_string().contains(NO_DEVICE), "{err}");
         }
-        Ok(()) => {
+        Ok(_) => {
             let b = made.unwrap();
             let info = b.info();
             println!(
@@ -35,16 +36,16 @@ fn creation_errors_without_a_device_and_works_with_one() {
                 b.kernel_target(),
                 b.graph_buckets()
             );
-            assert_eq!(info.backend, "cuda");
+            assert_eq!(info.backend, NAME);
             assert!(b.capabilities().asynchronous);
             assert!(factory(&BackendOptions::default()).is_ok());
-            let off = arbor_backend_cuda::open(&BackendOptions {
+            let off = open(&BackendOptions {
                 disable_cuda_graph: true,
                 ..Default::default()
             })
             .unwrap();
             assert!(off.graph_buckets().is_empty());
-            let capped = arbor_backend_cuda::open(&BackendOptions {
+            let capped = open(&BackendOptions {
                 cuda_graph_max_bs: Some(20),
                 ..Default::default()
             })

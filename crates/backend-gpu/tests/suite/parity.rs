@@ -2,7 +2,7 @@
 //! (Llama, Qwen2, Qwen3, Mistral; f32 weights): last-position logits within
 //! 1e-3 of their scale, and 32 greedy tokens identical to the CPU backend and
 //! to the transformers reference, one sequence at a time (page size 16) and
-//! as one batch (page size 1, decode through CUDA graphs). bf16 weights with a
+//! as one batch (page size 1, decode through device graphs). bf16 weights with a
 //! bf16 KV cache stay within 5% of the f32 reference logits. The quantized
 //! fixtures (FP8 blocks, AWQ, NVFP4) pass the same checks, their weights
 //! packed on the device.
@@ -104,7 +104,8 @@ fn check(name: &str) -> Result<()> {
     let Some(g) = gpu() else { return Ok(()) };
     let g: Arc<dyn Backend> = g;
     let c = cpu();
-    let (mg, r) = load(&g, name, "f32").with_context(|| format!("loading {name} on CUDA"))?;
+    let (mg, r) = load(&g, name, "f32")
+        .with_context(|| format!("loading {name} on {}", crate::vendor::NAME))?;
     let (mc, _) = load(&c, name, "f32")?;
     let prompts: Vec<Vec<u32>> = r["prompts"]
         .as_array()
@@ -124,7 +125,12 @@ fn check(name: &str) -> Result<()> {
         assert_close(&format!("{name} prompt {i} logits"), &lg, &lc, 1e-3);
         let got = greedy(&mg, &g, std::slice::from_ref(p), 16)?;
         let cpu = greedy(&mc, &c, std::slice::from_ref(p), 16)?;
-        assert_eq!(got, cpu, "{name} prompt {i}: greedy tokens, CUDA vs CPU");
+        assert_eq!(
+            got,
+            cpu,
+            "{name} prompt {i}: greedy tokens, {} vs CPU",
+            crate::vendor::NAME
+        );
         assert_eq!(
             got[0], want[i],
             "{name} prompt {i}: greedy tokens vs transformers"

@@ -1,11 +1,11 @@
-//! CUDA graphs for decode: a small random Llama generates the same greedy
+//! Decode graphs (CUDA graphs, HIP graphs): a small random Llama generates the same greedy
 //! tokens with graphs on (padded to batch-size buckets) as with graphs off,
 //! with last-position logits within 1e-3 of their scale (a padded GEMM may
 //! take another cuBLAS kernel); decode steps are captured once per bucket and
 //! then replayed; batches of 3 and 4 sequences share the bucket of 4.
 
 use crate::common::*;
-use arbor_backend_cuda::GpuBackend;
+use crate::vendor::GpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
 use arbor_engine_core::sampling::StandardSampler;
 use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
