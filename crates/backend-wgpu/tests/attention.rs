@@ -286,7 +286,7 @@ fn draft_trees_match_cpu_and_their_chains() {
             .collect();
         let mut free: Vec<u32> = (0..need.iter().sum::<usize>() as u32 + 2).collect();
         for i in (1..free.len()).rev() {
-            free.swap(i, rng.below(i as u64 + 1) as usize);
+            free.swap(i, rng.below(i + 1));
         }
         let slots = free.len() * 4;
         let mut layout = BatchLayout::new(4);

@@ -61,7 +61,7 @@ fn embedding_matches_cpu() {
     let mut rng = Rng::new(2);
     let (vocab, dim) = (50, 96);
     let table = rng.vec(vocab * dim, 2.0);
-    let ids: Vec<u32> = (0..13).map(|_| rng.below(vocab as u64) as u32).collect();
+    let ids: Vec<u32> = (0..13).map(|_| rng.below(vocab) as u32).collect();
     for dt in [
         DType::F32,
         DType::F16,
@@ -73,7 +73,7 @@ fn embedding_matches_cpu() {
         let h = host(dt, &[vocab, dim], &table);
         let run = |b: &dyn Backend| {
             let t = b.upload(&h).unwrap();
-            let i = upload_u32(b, &ids);
+            let i = upload_u32(b, &[ids.len()], &ids);
             let o = b.alloc(DType::F32, &[ids.len(), dim]).unwrap();
             b.embedding(&t, &i, &o).unwrap();
             download_f32(b, &o)
@@ -130,7 +130,7 @@ fn rope_matches_cpu() {
             .collect();
         let run = |b: &dyn Backend| {
             let xt = upload_f32(b, &[tokens, heads * hd], &x);
-            let pt = upload_u32(b, &pos);
+            let pt = upload_u32(b, &[pos.len()], &pos);
             let ft = upload_f32(b, &[freqs.len()], &freqs);
             b.rope(&xt, &pt, &ft, hd, style).unwrap();
             download_f32(b, &xt)
@@ -161,7 +161,7 @@ fn elementwise_matches_cpu() {
         let s = download_f32(b, &o);
         b.add_assign(&o, &at).unwrap();
         let add = download_f32(b, &o);
-        let rt = upload_u32(b, &rows);
+        let rt = upload_u32(b, &[rows.len()], &rows);
         let gt = b.alloc(DType::F32, &[rows.len(), d]).unwrap();
         b.gather_rows(&at, &rt, &gt).unwrap();
         (s, add, download_f32(b, &gt))
