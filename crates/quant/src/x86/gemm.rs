@@ -10,16 +10,15 @@
 //! Micro-kernels: VNNI keeps a `4 x 32` tile (`MR` x two 16-lane vectors) of
 //! i32 block sums and f32 accumulators in registers; per block and step,
 //! two weight vectors and `MR` broadcast activation words give `2*MR`
-//! `vpdpbusd`. AVX2 works on one 16-row half of the panel (two 8-lane
-//! vectors) for 2 rows, with `vpmaddubsw` sums kept in i16 for up to 8 steps
-//! (4-bit quants: 8 * 2 * 15 * 127 < 2^15; 5-bit: 4 steps) and the `vpsignb`
-//! trick for signed Q8_0.
+//! `vpdpbusd`. AVX2 (`x86::tile_avx2`) works on one 16-row half of the panel
+//! (two 8-lane vectors) for `MR256` rows with `vpmaddubsw`.
 //!
 //! Preconditions (checked in `lib.rs`): `w` holds `n_rows` rows of `nb`
 //! blocks; the activations hold `m` rows of `nb` blocks in the natural layout
 //! (`PreparedActs::qs`) with scales, sums and (Q8_1) `s`; the output view is
 //! valid for `m` rows of `n_rows` columns.
 
+use super::tile_avx2;
 use crate::acts::PreparedActs;
 use crate::gemm::{
     KC_BLOCKS, NR, OutMat, Panel, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QB, bias_shift, block_bytes,
@@ -32,13 +31,13 @@ use std::mem::MaybeUninit;
 /// `i`'s quants of chunk block `b` at `qs + i*k + b*32`, its scale, `s` and
 /// quant sum at `d/s/isum + i*nb + b`.
 #[derive(Clone, Copy)]
-struct Acts {
-    qs: *const i8,
-    d: *const f32,
-    s: *const f32,
-    isum: *const i32,
-    k: usize,
-    nb: usize,
+pub(super) struct Acts {
+    pub qs: *const i8,
+    pub d: *const f32,
+    pub s: *const f32,
+    pub isum: *const i32,
+    pub k: usize,
+    pub nb: usize,
 }
 
 impl Acts {
@@ -47,7 +46,7 @@ impl Acts {
     /// # Safety
     /// Row `i0` must exist.
     #[inline(always)]
-    unsafe fn row(self, i0: usize) -> Self {
+    pub(super) unsafe fn row(self, i0: usize) -> Self {
         // SAFETY: per the contract.
         unsafe {
             Self {
@@ -290,131 +289,12 @@ unsafe fn tile512<const F: u8, const MR: usize>(
     }
 }
 
-/// One `MR x 16` tile (half `g` of the panel) with AVX2 over `nblk` blocks.
-#[inline(always)]
-unsafe fn tile256<const F: u8, const MR: usize>(
-    p: *const Panel,
-    g: usize,
-    nblk: usize,
-    a: Acts,
-    out: OutMat,
-    ncols: usize,
-    add: bool,
-) {
-    // SAFETY: as in tile512; `out` points at column 16*g of the panel.
-    unsafe {
-        let pq = (std::ptr::addr_of!((*p).q) as *const u8).add(g * 64);
-        let pd = (std::ptr::addr_of!((*p).d) as *const f32).add(g * 16);
-        let pm = (std::ptr::addr_of!((*p).m) as *const f32).add(g * 16);
-        let ones = _mm256_set1_epi16(1);
-        // Steps summed in i16 before widening.
-        let group = if F == Q4_0 || F == Q4_1 { 8 } else { 4 };
-        let mut f = [[_mm256_setzero_ps(); 2]; MR];
-        for b in 0..nblk {
-            let mut acc = [[_mm256_setzero_si256(); 2]; MR];
-            if let Some(sh) = bias_shift(F, false) {
-                for (r, ar) in acc.iter_mut().enumerate() {
-                    let v = _mm256_set1_epi32(-(*a.isum.add(r * a.nb + b) << sh));
-                    *ar = [v, v];
-                }
-            }
-            let q = pq.add(b * QB);
-            let y = |r: usize, s: usize| {
-                _mm256_set1_epi32(
-                    (a.qs.add(r * a.k + b * 32 + 4 * s) as *const i32).read_unaligned(),
-                )
-            };
-            if F == Q8_0 {
-                for s in 0..8 {
-                    let w = [
-                        _mm256_load_si256(q.add(s * 128) as *const __m256i),
-                        _mm256_load_si256(q.add(s * 128 + 32) as *const __m256i),
-                    ];
-                    let wa = [_mm256_sign_epi8(w[0], w[0]), _mm256_sign_epi8(w[1], w[1])];
-                    for (r, ar) in acc.iter_mut().enumerate() {
-                        let av = y(r, s);
-                        for c in 0..2 {
-                            let p16 = _mm256_maddubs_epi16(wa[c], _mm256_sign_epi8(av, w[c]));
-                            ar[c] = _mm256_add_epi32(ar[c], _mm256_madd_epi16(p16, ones));
-                        }
-                    }
-                }
-            } else {
-                let mut s0 = 0;
-                while s0 < 8 {
-                    let mut h = [[_mm256_setzero_si256(); 2]; MR];
-                    for s in s0..s0 + group {
-                        let w = [
-                            _mm256_load_si256(q.add(s * 128) as *const __m256i),
-                            _mm256_load_si256(q.add(s * 128 + 32) as *const __m256i),
-                        ];
-                        for (r, hr) in h.iter_mut().enumerate() {
-                            let av = y(r, s);
-                            for c in 0..2 {
-                                hr[c] = _mm256_add_epi16(hr[c], _mm256_maddubs_epi16(w[c], av));
-                            }
-                        }
-                    }
-                    for (ar, hr) in acc.iter_mut().zip(&h) {
-                        for c in 0..2 {
-                            ar[c] = _mm256_add_epi32(ar[c], _mm256_madd_epi16(hr[c], ones));
-                        }
-                    }
-                    s0 += group;
-                }
-            }
-            let dw = [
-                _mm256_loadu_ps(pd.add(b * NR)),
-                _mm256_loadu_ps(pd.add(b * NR + 8)),
-            ];
-            for (r, fr) in f.iter_mut().enumerate() {
-                let da = _mm256_set1_ps(*a.d.add(r * a.nb + b));
-                for c in 0..2 {
-                    let sc = _mm256_mul_ps(dw[c], da);
-                    fr[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]), sc, fr[c]);
-                }
-            }
-            if has_min(F) {
-                let mw = [
-                    _mm256_loadu_ps(pm.add(b * NR)),
-                    _mm256_loadu_ps(pm.add(b * NR + 8)),
-                ];
-                for (r, fr) in f.iter_mut().enumerate() {
-                    let sa = _mm256_set1_ps(*a.s.add(r * a.nb + b));
-                    for c in 0..2 {
-                        fr[c] = _mm256_fmadd_ps(mw[c], sa, fr[c]);
-                    }
-                }
-            }
-        }
-        let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        for (r, fr) in f.iter().enumerate() {
-            for (c, v) in fr.iter().enumerate() {
-                let lanes = ncols.saturating_sub(8 * c).min(8);
-                if lanes == 0 {
-                    continue;
-                }
-                let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes as i32), idx);
-                let o = out.ptr.add(r * out.stride + 8 * c);
-                let v = if add {
-                    _mm256_add_ps(*v, _mm256_maskload_ps(o, mask))
-                } else {
-                    *v
-                };
-                _mm256_maskstore_ps(o, mask, v);
-            }
-        }
-    }
-}
-
 /// Largest row size for which the AVX-512 packer's i32 gather offsets
 /// (`15 * rb`) cannot overflow.
 const GATHER_MAX_RB: usize = (i32::MAX / 16) as usize;
 
 /// Rows of activations per VNNI tile.
 const MR512: usize = 4;
-/// Rows of activations per AVX2 tile.
-const MR256: usize = 2;
 
 /// The driver at one level for one format.
 #[inline(always)]
@@ -485,22 +365,7 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                             stride: o.stride,
                         };
                         let cols = rows - 16 * g;
-                        let mut i0 = 0;
-                        while i0 + MR256 <= m {
-                            tile256::<F, MR256>(
-                                p,
-                                g,
-                                nblk,
-                                ac.row(i0),
-                                og.starting_at(i0),
-                                cols,
-                                add,
-                            );
-                            i0 += MR256;
-                        }
-                        if i0 < m {
-                            tile256::<F, 1>(p, g, nblk, ac.row(i0), og.starting_at(i0), cols, add);
-                        }
+                        tile_avx2::rows::<F>(p, g, nblk, ac, og, m, cols, add);
                     }
                 }
             }
