@@ -161,6 +161,29 @@ pub(crate) unsafe fn pack_portable(
     nblk: usize,
     p: *mut Panel,
 ) {
+    for row in 0..NR {
+        // SAFETY: per this function's contract.
+        unsafe { pack_row(f, vnni, w, rb, row, rows, kb0, nblk, p) };
+    }
+}
+
+/// Packs panel row `row` as [`pack_portable`] does (zeros when `row >=
+/// rows`); the SIMD packers use it for the rows of a partial panel.
+///
+/// # Safety
+/// As [`pack_portable`]; `row < NR`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack_row(
+    f: u8,
+    vnni: bool,
+    w: &[u8],
+    rb: usize,
+    row: usize,
+    rows: usize,
+    kb0: usize,
+    nblk: usize,
+    p: *mut Panel,
+) {
     let bb = block_bytes(f);
     let mut q = [0u8; 32];
     // SAFETY: `p` is writable (contract); all offsets are below the array
@@ -169,23 +192,21 @@ pub(crate) unsafe fn pack_portable(
         let pq = std::ptr::addr_of_mut!((*p).q) as *mut u8;
         let pd = std::ptr::addr_of_mut!((*p).d) as *mut f32;
         let pm = std::ptr::addr_of_mut!((*p).m) as *mut f32;
-        for row in 0..NR {
-            let (g, l) = (row / 16, row % 16);
-            for b in 0..nblk {
-                let (d, m) = if row < rows {
-                    let o = row * rb + (kb0 + b) * bb;
-                    unpack_block(f, vnni, &w[o..o + bb], &mut q)
-                } else {
-                    q = [0; 32];
-                    (0.0, 0.0)
-                };
-                for s in 0..8 {
-                    let dst = pq.add(b * QB + s * 128 + g * 64 + l * 4);
-                    std::ptr::copy_nonoverlapping(q.as_ptr().add(4 * s), dst, 4);
-                }
-                *pd.add(b * NR + row) = d;
-                *pm.add(b * NR + row) = m;
+        let (g, l) = (row / 16, row % 16);
+        for b in 0..nblk {
+            let (d, m) = if row < rows {
+                let o = row * rb + (kb0 + b) * bb;
+                unpack_block(f, vnni, &w[o..o + bb], &mut q)
+            } else {
+                q = [0; 32];
+                (0.0, 0.0)
+            };
+            for s in 0..8 {
+                let dst = pq.add(b * QB + s * 128 + g * 64 + l * 4);
+                std::ptr::copy_nonoverlapping(q.as_ptr().add(4 * s), dst, 4);
             }
+            *pd.add(b * NR + row) = d;
+            *pm.add(b * NR + row) = m;
         }
     }
 }

@@ -3,8 +3,8 @@
 //!
 //! Driver ([`gemm`]): for each panel of 32 weight rows and each chunk of at
 //! most `KC_BLOCKS` blocks, pack the panel (AVX-512: 16 rows at a time with
-//! 128-bit inserts and an in-lane 4x4 dword transpose; AVX2: the portable
-//! packer), then run the micro-kernel over the activation rows in tiles of
+//! 128-bit inserts and an in-lane 4x4 dword transpose; AVX2: 8 rows at a
+//! time in `x86::pack_avx2`), then run the micro-kernel over the activation rows in tiles of
 //! `MR` rows. The first chunk stores its results, later chunks add to them.
 //!
 //! Micro-kernels: VNNI keeps a `4 x 32` tile (`MR` x two 16-lane vectors) of
@@ -18,6 +18,7 @@
 //! (`PreparedActs::qs`) with scales, sums and (Q8_1) `s`; the output view is
 //! valid for `m` rows of `n_rows` columns.
 
+use super::pack_avx2::pack_avx2;
 use super::tile_avx2;
 use crate::acts::PreparedActs;
 use crate::gemm::{
@@ -358,7 +359,7 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                         _ => {}
                     }
                 } else {
-                    pack_portable(F, false, wp, rb, rows, kb0, nblk, p);
+                    pack_avx2::<F>(wp, rb, rows, kb0, nblk, p);
                     for g in 0..rows.div_ceil(16) {
                         let og = OutMat {
                             ptr: o.ptr.add(16 * g),

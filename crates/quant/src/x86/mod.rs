@@ -12,6 +12,7 @@ pub mod gemm;
 pub mod gemv;
 pub mod kquants;
 pub mod legacy;
+mod pack_avx2;
 mod tile_avx2;
 
 use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
