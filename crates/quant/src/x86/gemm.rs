@@ -11,7 +11,7 @@
 //! i32 block sums and f32 accumulators in registers; per block and step,
 //! two weight vectors and `MR` broadcast activation words give `2*MR`
 //! `vpdpbusd`. AVX2 (`x86::tile_avx2`) works on one 16-row half of the panel
-//! (two 8-lane vectors) for `MR256` rows with `vpmaddubsw`.
+//! (two 8-lane vectors) for 4 (5-bit formats: 2) rows with `vpmaddubsw`.
 //!
 //! Preconditions (checked in `lib.rs`): `w` holds `n_rows` rows of `nb`
 //! blocks; the activations hold `m` rows of `nb` blocks in the natural layout

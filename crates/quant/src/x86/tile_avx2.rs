@@ -1,9 +1,9 @@
 //! The AVX2 micro-kernel of the tiled GEMM (`crate::gemm` describes the
 //! panel layout and the numerics; `x86::gemm` drives it).
 //!
-//! One call computes an `MR x 16` tile: `MR` activation rows against one
-//! 16-row half `g` of a packed panel (two 8-lane vectors), over `nblk`
-//! blocks. Per block and step `s` (4 quants), two aligned weight loads serve
+//! One call of [`tile`] computes an `MR x 16` tile: `MR` activation rows
+//! (4, or 2 for the 5-bit formats, see [`rows`]) against one 16-row half `g`
+//! of a packed panel (two 8-lane vectors), over `nblk` blocks. Per block and step `s` (4 quants), two aligned weight loads serve
 //! all `MR` rows; each row broadcasts its 4-byte activation word and adds two
 //! `vpmaddubsw` products to i16 sums, which are widened to i32 with
 //! `vpmaddwd` by ones after `group` steps (4-bit quants: 8 steps,
@@ -13,7 +13,8 @@
 //! registers. It emits no instruction; it keeps LLVM from reassociating the
 //! integer sums across steps and hoisting every step's loads at once, which
 //! made it spill weight vectors and accumulators to the stack (the previous
-//! kernel ran at about a third of `vpmaddubsw`'s throughput on Zen 2). The
+//! kernel ran at about a third of `vpmaddubsw`'s peak on Zen 2, this one
+//! at about half). The
 //! integer sums are exact, so grouping never changes a result.
 //!
 //! Numerics (unchanged from the kernel this replaces, and reproduced by
@@ -23,15 +24,14 @@
 //! output.
 
 use super::gemm::Acts;
-use crate::gemm::{NR, OutMat, Panel, Q4_0, Q4_1, Q8_0, QB, bias_shift, has_min};
+use crate::gemm::{NR, OutMat, Panel, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QB, bias_shift, has_min};
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-/// Rows of activations per tile.
-const MR: usize = 2;
-
-/// All `m` activation rows against half `g` of the panel, in tiles of
-/// [`MR`] rows (see [`tile`] for the arguments).
+/// All `m` activation rows against half `g` of the panel, in tiles of 4
+/// rows (2 for the 5-bit formats, whose i16 and i32 sums both stay live over
+/// 4 steps and would not fit the 16 registers at 4 rows); see [`tile`] for
+/// the arguments.
 ///
 /// # Safety
 /// As [`tile`], for `m` activation and output rows.
@@ -39,6 +39,33 @@ const MR: usize = 2;
 #[inline]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows<const F: u8>(
+    p: *const Panel,
+    g: usize,
+    nblk: usize,
+    a: Acts,
+    out: OutMat,
+    m: usize,
+    ncols: usize,
+    add: bool,
+) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        if F == Q5_0 || F == Q5_1 {
+            rows_by::<F, 2>(p, g, nblk, a, out, m, ncols, add)
+        } else {
+            rows_by::<F, 4>(p, g, nblk, a, out, m, ncols, add)
+        }
+    }
+}
+
+/// [`rows`] in tiles of `MR` rows (at most 4), then one tile of the rest.
+///
+/// # Safety
+/// As [`rows`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_by<const F: u8, const MR: usize>(
     p: *const Panel,
     g: usize,
     nblk: usize,
