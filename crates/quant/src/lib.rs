@@ -16,7 +16,7 @@
 //! position's logits then do not depend on the shape of the batch it is
 //! computed in). Every kernel applies one fixed sequence of operations per
 //! output element: the 32-element formats take the tiled GEMM at every `m`
-//! (AVX-512; on AVX2, below 32 rows, a GEMV that reproduces the GEMM's
+//! (AVX-512; on AVX2, below 4 rows, a GEMV that reproduces the GEMM's
 //! per-element arithmetic, see `x86::gemv`), the K-quant row kernels and
 //! the float kernels use one accumulator layout per element for every tile
 //! shape, the scalar level computes each element on its own, and each
@@ -215,7 +215,7 @@ pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
 /// weight dtype (or one with the same [`act_dtype_for`]) and `k`.
 ///
 /// Formats the tiled GEMM handles ([`gemm_supported`]) take it at the
-/// AVX-512 level for every `m`; at the AVX2 level, below 32 rows, a GEMV
+/// AVX-512 level for every `m`; at the AVX2 level, below 4 rows, a GEMV
 /// that reproduces the GEMM's per-element arithmetic exactly. Either way
 /// each output element is independent of `m` and of the other rows.
 pub fn dot_rows(

@@ -1,8 +1,11 @@
 //! AVX2 GEMV of the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) that
 //! computes every output element bit for bit as the AVX2 tiled GEMM
-//! (`x86::gemm`, `tile256`) does, without packing the weights: the AVX2
-//! packer is scalar, so below [`AVX2_GEMM_MIN_M`] activation rows packing
-//! costs more than the whole product.
+//! (`x86::gemm`, `x86::tile_avx2`) does, without packing the weights: below
+//! [`AVX2_GEMM_MIN_M`] activation rows packing costs more than it saves
+//! (measured on Zen 2 with the SIMD packer `x86::pack_avx2`: on a 576 x 1536
+//! Q4_1 product, one thread, the tiled GEMM takes 41 µs at m = 1 against
+//! this GEMV's 45 µs, and 97 against 176 µs at m = 8; for decode, m = 1, this
+//! GEMV stays, as its weight prefetching suits weights streamed from memory).
 //!
 //! Per output `(i, r)` the order is the GEMM's: for each chunk of
 //! `KC_BLOCKS` blocks, `f = 0`, then for each block `b` in order the exact
@@ -37,7 +40,7 @@ use crate::gemm::{KC_BLOCKS, OutMat, bias_shift, has_min};
 use std::arch::x86_64::*;
 
 /// From this many activation rows the AVX2 level takes the tiled GEMM.
-pub(crate) const AVX2_GEMM_MIN_M: usize = 32;
+pub(crate) const AVX2_GEMM_MIN_M: usize = 4;
 
 /// Row groups ahead of the one computed whose bytes are prefetched.
 const PREFETCH_GROUPS: usize = 1;
@@ -141,7 +144,16 @@ unsafe fn run<const F: u8>(w: &[u8], n_rows: usize, k: usize, acts: &PreparedAct
         let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nr as i32), idx);
         for (i, t) in tot.iter().enumerate().take(m) {
             // SAFETY: row i, columns r0..r0+nr of the output (contract).
-            unsafe { _mm256_maskstore_ps(out.ptr.add(i * out.stride + r0), mask, *t) };
+            // (A masked store is microcoded on AMD cores: whole groups
+            // take a plain one.)
+            unsafe {
+                let o = out.ptr.add(i * out.stride + r0);
+                if nr == 8 {
+                    _mm256_storeu_ps(o, *t);
+                } else {
+                    _mm256_maskstore_ps(o, mask, *t);
+                }
+            }
         }
         r0 += nr;
     }
