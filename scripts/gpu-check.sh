@@ -23,7 +23,7 @@
 #                                          with --features rocm, `arbor info` must
 #                                          open the device, the hiprtc compile test
 #                                          for the device's arch, and the device
-#                                          suite shared with CUDA (tests/gpu)
+#                                          suite shared with CUDA and wgpu (tests/gpu)
 #   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
 #                                          without cargo or crates.io)
 # Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS

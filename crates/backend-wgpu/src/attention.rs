@@ -11,7 +11,12 @@
 //! rows in their slots (converted to the cache dtype), and `attention.wgsl`
 //! computes, for every (token, query head), an online softmax over the keys
 //! the token sees, read through the page table: exactly the keys the CPU
-//! backend uses.
+//! backend uses. On an adapter that caps an invocation's loop iterations
+//! (llvmpipe: 65,535 in all, then every loop silently ends) the walk is
+//! split over several attention dispatches of at most
+//! `WgpuAttention::chunk_keys` positions, the running maximum, sum and tree
+//! depth kept in a state tensor and the unnormalized accumulator in `out`
+//! between them: the same operations in the same order, so the same bits.
 //!
 //! Visibility and order: a chain's token at position `pos` sees the keys
 //! `lo..=pos` (`lo = pos + 1 - window` with a sliding window, else 0); a
@@ -40,6 +45,8 @@ const NO_TREE: u32 = u32::MAX;
 /// The paged attention of the wgpu backend.
 pub struct WgpuAttention {
     backend: WgpuBackend,
+    /// The state binding of dispatches that walk in one go (never read).
+    no_state: std::sync::OnceLock<Tensor>,
 }
 
 /// Word offsets of the sections of the uploaded layout.
@@ -79,7 +86,25 @@ impl Meta {
 
 impl WgpuAttention {
     pub(crate) fn new(backend: WgpuBackend) -> Self {
-        Self { backend }
+        Self {
+            backend,
+            no_state: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Cache positions one dispatch walks per (token, head), or `None` for
+    /// the whole walk: on an adapter that caps the loop iterations of an
+    /// invocation ([`crate::context::Gpu::loop_budget`]), as many as fit
+    /// beside the loops over the head (load q, resume, save: `3 * hd / 2`)
+    /// with each position costing `hd + 1` iterations (scores, values, the
+    /// walk) and a margin for how the driver counts loop entries and exits
+    /// (measured on llvmpipe: `hd + 1` per position alone overruns).
+    fn chunk_keys(&self, hd: usize, longest_walk: usize) -> Option<usize> {
+        let budget = self.backend.gpu().loop_budget()? * 9 / 10;
+        let per_key = hd + 4;
+        let fixed = 2 * hd + 256;
+        let chunk = (budget.saturating_sub(fixed) / per_key).max(1);
+        (fixed + longest_walk * per_key > budget).then_some(chunk)
     }
 
     fn f32_input(&self, t: &Tensor, rows: usize, width: usize, what: &str) -> Result<()> {
@@ -237,31 +262,58 @@ impl AttentionBackend for WgpuAttention {
         let vcr = b.view(&kv.v, kv.v.dtype(), Access::Read)?;
         let attn = gpu.kernel(&Kernel::Attention { cdt, hd })?;
         let off = |s: usize| -> Result<u32> { Ok(mv.word_off() + u32_of(s, "metadata offset")?) };
-        let params = Params::new()
-            .us(tokens)?
-            .us(nh)?
-            .us(nkv)?
-            .us(layout.page_size)?
-            .u(qv.word_off())
-            .u(ov.word_off())
-            .u(kcr.word_off())
-            .u(vcr.word_off())
-            .u(off(meta.seqs)?)
-            .u(off(meta.page_table)?)
-            .u(off(meta.token_seq)?)
-            .us(p.sliding_window.unwrap_or(0))?
-            .f(p.scale)
-            .u(match meta.tree {
-                Some(t) => off(t)?,
-                None => NO_TREE,
-            })
-            .u(0)
-            .u(0);
-        gpu.dispatch(
-            &attn,
-            &params,
-            &[&qv, &mv, &kcr, &vcr, &ov],
-            grid_threads(tokens * nh, maxg)?,
-        )
+        // Positions a token walks: at most its sequence's length.
+        let longest = layout
+            .seqs
+            .iter()
+            .map(|s| s.prefix_len + s.q_len)
+            .max()
+            .unwrap_or(0);
+        let chunk = self.chunk_keys(hd, longest);
+        let state = match chunk {
+            Some(_) => b.alloc_uninit(DType::U32, &[tokens * nh * 4])?,
+            None => match self.no_state.get() {
+                Some(t) => t.clone(),
+                None => {
+                    let t = b.alloc_uninit(DType::U32, &[4])?;
+                    self.no_state.get_or_init(|| t).clone()
+                }
+            },
+        };
+        let sv = b.view(&state, DType::U32, Access::Write)?;
+        let (step, dispatches) = match chunk {
+            Some(c) => (c, longest.div_ceil(c)),
+            None => (0, 1),
+        };
+        for d in 0..dispatches {
+            let params = Params::new()
+                .us(tokens)?
+                .us(nh)?
+                .us(nkv)?
+                .us(layout.page_size)?
+                .u(qv.word_off())
+                .u(ov.word_off())
+                .u(kcr.word_off())
+                .u(vcr.word_off())
+                .u(off(meta.seqs)?)
+                .u(off(meta.page_table)?)
+                .u(off(meta.token_seq)?)
+                .us(p.sliding_window.unwrap_or(0))?
+                .f(p.scale)
+                .u(match meta.tree {
+                    Some(t) => off(t)?,
+                    None => NO_TREE,
+                })
+                .us(step)?
+                .us(d * step)?
+                .u(sv.word_off());
+            gpu.dispatch(
+                &attn,
+                &params,
+                &[&qv, &mv, &kcr, &vcr, &ov, &sv],
+                grid_threads(tokens * nh, maxg)?,
+            )?;
+        }
+        Ok(())
     }
 }

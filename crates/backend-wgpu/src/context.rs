@@ -34,8 +34,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Dispatches recorded before the encoder is submitted without being asked.
 pub const FLUSH_DISPATCHES: usize = 256;
-/// Bytes reserved per dispatch in the parameter arena (before alignment).
-const PARAM_BYTES: u64 = 64;
+/// Bytes reserved per dispatch in the parameter arena (before alignment):
+/// the largest parameter block a kernel takes (attention's 17 words, padded
+/// to 80 bytes), checked in [`Gpu::dispatch`].
+const PARAM_BYTES: u64 = 128;
 /// Host writes queued through `Queue::write_buffer` before an empty submission
 /// releases their staging memory.
 const WRITE_FLUSH_BYTES: u64 = 64 << 20;
@@ -153,6 +155,15 @@ fn align_up(v: u64, a: u64) -> u64 {
 }
 
 impl Gpu {
+    /// The loop iterations an invocation may run in all, where the adapter
+    /// caps them: llvmpipe (lavapipe) ends every loop of an invocation once
+    /// 65535 iterations have run together (Mesa's
+    /// `LP_MAX_TGSI_LOOP_ITERATIONS`), silently. `None`: no cap.
+    pub fn loop_budget(&self) -> Option<usize> {
+        let llvmpipe = |s: &str| s.to_ascii_lowercase().contains("llvmpipe");
+        (llvmpipe(&self.info.name) || llvmpipe(&self.info.driver)).then_some(65_535)
+    }
+
     /// Wraps an opened device.
     pub fn new(
         device: wgpu::Device,
@@ -340,6 +351,13 @@ impl Gpu {
                 "dispatch of {groups:?} workgroups exceeds the adapter's {maxg} per dimension"
             )));
         }
+        let bytes = params.bytes();
+        if bytes.len() as u64 > PARAM_BYTES {
+            return Err(CoreError::invalid(format!(
+                "kernel parameters of {} bytes exceed the {PARAM_BYTES} reserved per dispatch",
+                bytes.len()
+            )));
+        }
         let mut st = lock(&self.state);
         if st
             .pending
@@ -376,7 +394,6 @@ impl Gpu {
                 copies.push((*v).clone());
             }
         }
-        let bytes = params.bytes();
         let offset = p.params.len() as u64;
         p.params.resize(offset as usize, 0);
         p.params.extend_from_slice(&bytes);

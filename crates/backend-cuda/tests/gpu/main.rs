@@ -1,5 +1,5 @@
 //! The GPU tests of the CUDA backend, as one test binary (one device context,
-//! one kernel build): the device suite shared with the ROCm backend
+//! one kernel build): the device suite shared with the ROCm and wgpu backends
 //! (`crates/backend-gpu/tests/suite`, the same bodies for every vendor of the
 //! GPU backend), bound here to CUDA. Each test prints "skipped: ... no CUDA
 //! device ..." and passes on a machine without a device, unless

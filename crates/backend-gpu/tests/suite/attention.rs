@@ -143,6 +143,33 @@ fn long_decode_uses_many_splits() {
     run_case("decode of one 3001-token sequence", &c, &mut rng);
 }
 
+/// Long walks of every kind in one batch (a draft tree, a prefill chunk and
+/// a decode after about a thousand cached tokens, at head dims 64 and 256,
+/// with and without a window): where a device splits a long walk over
+/// several dispatches (wgpu on llvmpipe) the pieces must join exactly.
+#[test]
+fn long_walks_of_trees_chunks_and_decodes() {
+    let mut rng = Rng::new(15);
+    let branching = vec![-1, 0, 0, 1, 2, 2, 5, 6, 4];
+    for (nh, nkv, hd) in [(4, 2, 64), (4, 1, 256)] {
+        for window in [None, Some(700)] {
+            let trees = vec![Some(branching.clone()), None, None];
+            let c = Case {
+                heads: nh,
+                kv_heads: nkv,
+                head_dim: hd,
+                page_size: 16,
+                seqs: vec![(1100, branching.len()), (900, 40), (1300, 1)],
+                trees,
+                window,
+                dtype: DType::BF16,
+            };
+            let name = format!("long walks {nh}/{nkv}x{hd} window {window:?}");
+            run_case(&name, &c, &mut rng);
+        }
+    }
+}
+
 #[test]
 fn prefill_with_and_without_prefix() {
     let mut rng = Rng::new(12);

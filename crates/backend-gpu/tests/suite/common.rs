@@ -1,8 +1,8 @@
-//! Shared pieces of the GPU tests: one device backend per test binary (or a
-//! printed "no CUDA device" / "no ROCm device" skip; `ARBOR_REQUIRE_CUDA=1` or
-//! `ARBOR_REQUIRE_ROCM=1`, per [`crate::vendor::REQUIRE`], turns the skip into
-//! a failure); the CPU reference, seeded inputs and comparisons are shared
-//! with the wgpu suite (`engine-core/tests/support/device_data.rs`).
+//! Shared pieces of the device suite: one device backend per test binary
+//! (CUDA, ROCm or wgpu, per its `vendor` module; or a printed skip saying why
+//! none opened, which [`crate::vendor::REQUIRE`] set to 1 turns into a
+//! failure); the CPU reference, seeded inputs and comparisons come from
+//! `engine-core/tests/support/device_data.rs`.
 #![allow(dead_code)]
 
 use crate::vendor::GpuBackend;

@@ -1,5 +1,5 @@
 //! The GPU tests of the ROCm backend, as one test binary (one device context,
-//! one kernel build): the device suite shared with the CUDA backend
+//! one kernel build): the device suite shared with the CUDA and wgpu backends
 //! (`crates/backend-gpu/tests/suite`, the same bodies for every vendor of the
 //! GPU backend), bound here to ROCm (HIP). Each test prints "skipped: ... no ROCm
 //! device ..." and passes on a machine without a device, unless

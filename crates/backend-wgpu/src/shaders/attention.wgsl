@@ -16,6 +16,13 @@
 // its depth, which must be >= lo). Both walk one loop of cache positions
 // x with one body, so a tree token's keys come in the order, and with the
 // arithmetic, of the same token in a chain of only its ancestors.
+//
+// Chunks (chunk > 0): a dispatch walks only positions x0 + first ..
+// x0 + first + chunk of each token's walk; between dispatches the running
+// maximum, sum (their f32 bits) and tree depth stay in st (4 words per
+// (token, head)) and the unnormalized accumulator in out, as in registers, so the result
+// has the same bits as one walk. llvmpipe (lavapipe) stops every loop of an
+// invocation after 65535 iterations in all, which long walks exceed.
 
 struct P {
     tokens: u32,
@@ -32,8 +39,9 @@ struct P {
     window: u32, // 0: none
     scale: f32,
     tree_off: u32, // 0xffffffff: no tree in the batch
-    pad1: u32,
-    pad2: u32,
+    chunk: u32, // 0: the whole walk in one dispatch
+    first: u32, // this dispatch's first walk index
+    st_off: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -42,6 +50,7 @@ struct P {
 @group(0) @binding(3) var<storage, read> kc: array<{{CT}}>;
 @group(0) @binding(4) var<storage, read> vc: array<{{CT}}>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> st: array<u32>;
 
 const HD: u32 = {{HD}}u;
 const CDT: u32 = {{CDT}}u;
@@ -115,6 +124,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         x1 = prefix + jl + 1u;
     }
     var depth = 0u;
+    let ob = p.out_off + t * p.heads * HD + h * HD;
+    let sb = p.st_off + 4u * idx;
+    let walk_end = x1;
+    if (p.chunk > 0u) {
+        let begin = x0 + p.first;
+        if (begin >= walk_end) {
+            return;
+        }
+        x0 = begin;
+        x1 = min(walk_end, begin + p.chunk);
+    }
+    let resume = p.chunk > 0u && p.first > 0u;
     let qb = p.q_off + t * p.heads * HD + h * HD;
     var qv: array<vec2<f32>, HD / 2u>;
     var acc: array<vec2<f32>, HD / 2u>;
@@ -123,6 +144,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     var mx = -1.0e30;
     var l = 0.0;
+    if (resume) {
+        mx = bitcast<f32>(st[sb]);
+        l = bitcast<f32>(st[sb + 1u]);
+        depth = st[sb + 2u];
+        for (var i = 0u; i < HD / 2u; i = i + 1u) {
+            acc[i] = vec2<f32>(out[ob + 2u * i], out[ob + 2u * i + 1u]);
+        }
+    }
     for (var j = x0; j < x1; j = j + 1u) {
         if (tree && j >= prefix) {
             let i = j - prefix;
@@ -153,8 +182,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
         mx = m_new;
     }
+    if (x1 < walk_end) {
+        st[sb] = bitcast<u32>(mx);
+        st[sb + 1u] = bitcast<u32>(l);
+        st[sb + 2u] = depth;
+        for (var i = 0u; i < HD / 2u; i = i + 1u) {
+            out[ob + 2u * i] = acc[i].x;
+            out[ob + 2u * i + 1u] = acc[i].y;
+        }
+        return;
+    }
     let inv = 1.0 / l;
-    let ob = p.out_off + t * p.heads * HD + h * HD;
     for (var i = 0u; i < HD / 2u; i = i + 1u) {
         out[ob + 2u * i] = acc[i].x * inv;
         out[ob + 2u * i + 1u] = acc[i].y * inv;

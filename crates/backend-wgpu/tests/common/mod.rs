@@ -1,6 +1,6 @@
 //! Shared helpers of the wgpu tests: opening the device (or explaining why a
 //! test skips) and quantized host data; the seeded RNG and the comparisons
-//! with the CPU backend are shared with the CUDA/ROCm suite
+//! with the CPU backend are shared with the device suite
 //! (`engine-core/tests/support/device_data.rs`).
 #![allow(dead_code, clippy::unwrap_used)]
 
