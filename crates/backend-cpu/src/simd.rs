@@ -906,14 +906,16 @@ scores_level!(
     _mm256_mul_ps,
     _mm256_storeu_ps,
     8,
-    3
+    2
 );
 
 /// Defines the SIMD [`weighted_sum`] of one level: tiles of `R <= 4` rows
-/// by `N <= 4` vectors of `$lanes` floats, starting at element `d0`.
+/// by `N <= $maxn` vectors of `$lanes` floats, starting at element `d0`
+/// (`$maxn` keeps the `R * N` accumulators in registers: 16 of AVX2's 16
+/// would spill).
 macro_rules! wsum_level {
     ($tile:ident, $driver:ident, $feat:literal, $vt:ty, $zero:ident, $set1:ident, $load:ident,
-     $fma:ident, $mul:ident, $store:ident, $lanes:expr) => {
+     $fma:ident, $mul:ident, $store:ident, $lanes:expr, $maxn:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         #[allow(clippy::too_many_arguments)]
@@ -972,7 +974,7 @@ macro_rules! wsum_level {
                 let rr = (rows - r0).min(4);
                 let mut d0 = 0;
                 while d0 < hd {
-                    let n = ((hd - d0) / $lanes).min(4);
+                    let n = ((hd - d0) / $lanes).min($maxn);
                     // SAFETY: rows r0..r0+rr and elements d0..d0+n*lanes are in
                     // bounds (hd is a multiple of the lane count).
                     unsafe {
@@ -1014,7 +1016,8 @@ wsum_level!(
     _mm512_fmadd_ps,
     _mm512_mul_ps,
     _mm512_storeu_ps,
-    16
+    16,
+    4
 );
 wsum_level!(
     wsum_tile256,
@@ -1027,7 +1030,8 @@ wsum_level!(
     _mm256_fmadd_ps,
     _mm256_mul_ps,
     _mm256_storeu_ps,
-    8
+    8,
+    2
 );
 
 #[cfg(test)]
