@@ -2,15 +2,22 @@
 # GPU check of the CUDA backend (crates/backend-cuda), for a machine with an
 # NVIDIA GPU (sm_80 or newer; sized for one H200, under 8 minutes):
 #   1. prints the driver, GPU, toolkit and Rust versions, and finds cuBLAS and
-#      NVRTC (system CUDA, /usr/local/cuda*, or pip's nvidia-* wheels);
+#      NVRTC (CUDA 12 or 13: system CUDA, /usr/local/cuda*, or pip's nvidia-*
+#      wheels);
 #   2. builds `arbor` with `--features cuda` and checks that `arbor info`
 #      opens the device;
 #   3. runs the GPU tests with ARBOR_REQUIRE_CUDA=1 (a missing device fails
-#      instead of skipping): parity with the CPU backend on the tiny fixtures
-#      (identical greedy tokens), every op and the attention kernels against
-#      the CPU on random inputs within their stated tolerances, CUDA graphs
-#      against eager decoding, device sampling, and the NVRTC compile test;
-#   4. runs the benchmark (decode tok/s at batch 1, 8, 64, 256 and prefill of
+#      instead of skipping), each in its own process under a time limit:
+#      parity with the CPU backend on the tiny fixtures (identical greedy
+#      tokens), every op and the attention kernels against the CPU on random
+#      inputs within their stated tolerances, CUDA graphs against eager
+#      decoding, device sampling, verification, tier copies and LoRA, and the
+#      NVRTC compile test;
+#   4. serves tiny-llama with `arbor serve --device cuda` and with the CPU,
+#      checks that 16 concurrent greedy completions are identical, and runs
+#      `arbor bench serving` at 64 concurrent requests against the GPU server
+#      (scripts/gpu_serve_check.py);
+#   5. runs the benchmark (decode tok/s at batch 1, 8, 64, 256 and prefill of
 #      2,048 tokens on a Llama-3.1-8B-shaped model with random bf16 weights
 #      made on the GPU) and prints its table, with the share of the HBM
 #      roofline reached at batch 1.
@@ -18,7 +25,8 @@
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run
 #   scripts/gpu-check.sh --build-only DIR  build and copy the test and benchmark
-#                                          executables to DIR (no GPU needed)
+#                                          executables and arbor (xz) to DIR
+#                                          (no GPU needed)
 #   scripts/gpu-check.sh --rocm            AMD GPU path (ARBOR_REQUIRE_ROCM=1): build
 #                                          with --features rocm, `arbor info` must
 #                                          open the device, the hiprtc compile test
@@ -27,8 +35,11 @@
 #   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
 #                                          without cargo or crates.io)
 # Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS
-# (extra folders holding libcublas.so.12 / libnvrtc.so.12), BENCH_ARGS
-# (extra arguments for the benchmark, such as "--layers 4").
+# (extra folders holding libcublas.so.12 / libnvrtc.so.12, or the .so.13 of
+# CUDA 13), BENCH_ARGS (extra arguments for the benchmark, such as
+# "--layers 4"), GPU_CHECK_LOGS (folder for the logs; default
+# CARGO_TARGET_DIR), TEST_TIMEOUT and BENCH_TIMEOUT (seconds per test
+# process and for the benchmark; 180 and 300).
 set -euo pipefail
 
 MODE=run
@@ -96,7 +107,11 @@ find_lib() {
       if compgen -G "$d/$n" >/dev/null; then echo "$d"; return 0; fi
     done
   done
-  ldconfig -p 2>/dev/null | awk -v n="$1" '$1 ~ n {print $NF; exit}' | xargs -r dirname
+  for n in "$@"; do
+    d="$(ldconfig -p 2>/dev/null | awk -v n="$n" '$1 == n {print $NF; exit}')"
+    if [ -n "$d" ]; then dirname "$d"; return 0; fi
+  done
+  return 1
 }
 
 add_lib_dir() {
@@ -106,19 +121,26 @@ add_lib_dir() {
   esac
 }
 
+# cudarc (built against CUDA 12.8) opens `libcublas.so`, `libcublasLt.so`
+# and `libnvrtc.so` unversioned before it tries `.so.12`, and never tries
+# `.so.13`: a folder of unversioned links to the libraries found (CUDA 12 or
+# 13, whose C APIs used here are the same) goes first on LD_LIBRARY_PATH.
 find_cuda_libs() {
   step "CUDA libraries"
-  local blas lt nvrtc
-  blas="$(find_lib 'libcublas.so.12' 'libcublas.so')" || true
-  lt="$(find_lib 'libcublasLt.so.12' 'libcublasLt.so')" || true
-  nvrtc="$(find_lib 'libnvrtc.so.12' 'libnvrtc.so')" || true
-  [ -n "$blas" ] || die "libcublas.so.12 not found (install the CUDA toolkit or pip's nvidia-cublas-cu12, or set ARBOR_CUDA_LIB_DIRS)"
-  [ -n "$lt" ] || die "libcublasLt.so.12 not found (it comes with cuBLAS)"
-  [ -n "$nvrtc" ] || die "libnvrtc.so.12 not found (install the CUDA toolkit or pip's nvidia-cuda-nvrtc-cu12, or set ARBOR_CUDA_LIB_DIRS)"
-  add_lib_dir "$blas"; add_lib_dir "$lt"; add_lib_dir "$nvrtc"
-  echo "cuBLAS:   $blas"
-  echo "cuBLASLt: $lt"
-  echo "NVRTC:    $nvrtc"
+  local shim="${TMPDIR:-/tmp}/arbor-cuda-libs" name dir file
+  rm -rf "$shim"; mkdir -p "$shim"
+  for name in cublas cublasLt nvrtc; do
+    dir="$(find_lib "lib$name.so.12" "lib$name.so.13" "lib$name.so")" || true
+    [ -n "$dir" ] || die "lib$name.so.12 (or .13) not found (install the CUDA toolkit or pip's nvidia-cublas-cu12 and nvidia-cuda-nvrtc-cu12, or set ARBOR_CUDA_LIB_DIRS)"
+    for file in "$dir/lib$name.so.12" "$dir/lib$name.so.13" "$dir/lib$name.so"; do
+      [ -e "$file" ] && break
+    done
+    file="$(readlink -f "$file")"
+    ln -sf "$file" "$shim/lib$name.so"
+    add_lib_dir "$dir"
+    printf '%-9s %s\n' "$name:" "$file"
+  done
+  add_lib_dir "$shim"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 }
 
@@ -157,7 +179,10 @@ export_bins() {
   cp "$gpu" "$DIR/gpu-tests"
   cp "$nv" "$DIR/nvrtc-compile"
   cp "$CARGO_TARGET_DIR/release/examples/gpu_bench" "$DIR/gpu_bench"
+  cp "$CARGO_TARGET_DIR/release/arbor" "$DIR/arbor"
   strip "$DIR"/* 2>/dev/null || true
+  # The server binary travels compressed (a device machine may take few MiB).
+  xz -9f "$DIR/arbor"
   ls -la "$DIR"
   du -sh "$DIR"
 }
@@ -166,6 +191,11 @@ run_checks() {
   local gpu nv bench arbor
   if [ "$MODE" = prebuilt ]; then
     gpu="$DIR/gpu-tests"; nv="$DIR/nvrtc-compile"; bench="$DIR/gpu_bench"; arbor=""
+    if [ -f "$DIR/arbor.xz" ] && [ ! -x "$DIR/arbor" ]; then
+      python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$DIR/arbor.xz" "$DIR/arbor"
+      chmod +x "$DIR/arbor"
+    fi
+    [ -x "$DIR/arbor" ] && arbor="$DIR/arbor"
   else
     gpu="$(test_exe gpu)"; nv="$(test_exe nvrtc_compile)"
     bench="$CARGO_TARGET_DIR/release/examples/gpu_bench"
@@ -176,24 +206,56 @@ run_checks() {
   export ARBOR_FIXTURES="$ROOT/tests/fixtures"
   export ARBOR_CUDA_CACHE="${ARBOR_CUDA_CACHE:-$CARGO_TARGET_DIR/cuda-kernel-cache}"
   export RUST_BACKTRACE=1
+  local logs="${GPU_CHECK_LOGS:-$CARGO_TARGET_DIR}" failed=0 name rc passed=0 n=0
+  mkdir -p "$logs"
   if [ -n "$arbor" ]; then
     step "arbor info (the cuda backend must open the device)"
-    "$arbor" info | tee "$CARGO_TARGET_DIR/gpu-check-info.txt"
-    grep -q "cuda: unavailable" "$CARGO_TARGET_DIR/gpu-check-info.txt" && die "arbor info could not open the CUDA device"
+    "$arbor" info | tee "$logs/gpu-check-info.txt"
+    grep -q "cuda: unavailable" "$logs/gpu-check-info.txt" && die "arbor info could not open the CUDA device"
   fi
   step "NVRTC: every kernel for sm_80 and sm_90"
-  "$nv" --nocapture 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-nvrtc.txt"
-  step "GPU tests (parity, ops, attention, graphs, sampling)"
-  # One test at a time: the tests share one device and its stream.
-  "$gpu" --test-threads=1 --nocapture 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-tests.txt"
-  grep -q "skipped:" "$CARGO_TARGET_DIR/gpu-check-tests.txt" && die "a GPU test skipped although a device is required"
+  rc=0; timeout "${TEST_TIMEOUT:-180}" "$nv" --nocapture >"$logs/gpu-check-nvrtc.txt" 2>&1 || rc=$?
+  cat "$logs/gpu-check-nvrtc.txt"
+  [ "$rc" = 0 ] || { echo "NVRTC test FAILED (exit $rc)"; failed=$((failed + 1)); }
+  step "GPU tests (parity, ops, attention, graphs, sampling), each in its own process"
+  # One process per test, one at a time: a fault that poisons a CUDA context
+  # (an illegal address, a hang stopped by the time limit) fails that test
+  # alone and the rest still report.
+  : >"$logs/gpu-check-tests.txt"
+  for name in $("$gpu" --list --format terse 2>/dev/null | sed -n 's/: test$//p'); do
+    n=$((n + 1)); rc=0
+    echo "--- $name" >>"$logs/gpu-check-tests.txt"
+    timeout "${TEST_TIMEOUT:-180}" "$gpu" --exact "$name" --test-threads=1 --nocapture \
+      >>"$logs/gpu-check-tests.txt" 2>&1 || rc=$?
+    if [ "$rc" = 0 ] && tail -40 "$logs/gpu-check-tests.txt" | grep -q "skipped:"; then rc=skip; fi
+    if [ "$rc" = 0 ]; then
+      passed=$((passed + 1)); echo "ok      $name"
+    else
+      failed=$((failed + 1)); echo "FAILED  $name (exit $rc)"
+      echo "--- $name FAILED (exit $rc)" >>"$logs/gpu-check-tests.txt"
+    fi
+  done
+  echo "GPU tests: $passed of $n passed"
+  [ "$n" -gt 0 ] || { echo "no GPU tests were listed"; failed=$((failed + 1)); }
+  if [ -n "$arbor" ]; then
+    step "serve: tiny-llama over HTTP on cuda against the cpu, and arbor bench serving"
+    rc=0
+    timeout "${BENCH_TIMEOUT:-300}" python3 "$ROOT/scripts/gpu_serve_check.py" "$arbor" \
+      "$ROOT/tests/fixtures/tiny-llama" cuda >"$logs/gpu-check-serve.txt" 2>&1 || rc=$?
+    cat "$logs/gpu-check-serve.txt"
+    [ "$rc" = 0 ] || { echo "serve check FAILED (exit $rc)"; failed=$((failed + 1)); }
+  fi
   step "benchmark: Llama-3.1-8B shape, random bf16 weights on the GPU"
+  rc=0
   # shellcheck disable=SC2086
-  "$bench" ${BENCH_ARGS:-} 2>&1 | tee "$CARGO_TARGET_DIR/gpu-check-bench.txt"
+  timeout "${BENCH_TIMEOUT:-300}" "$bench" ${BENCH_ARGS:-} >"$logs/gpu-check-bench.txt" 2>&1 || rc=$?
+  cat "$logs/gpu-check-bench.txt"
+  [ "$rc" = 0 ] || { echo "benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
   step "summary"
-  grep -E "^test result|FAILED|panicked" "$CARGO_TARGET_DIR/gpu-check-tests.txt" "$CARGO_TARGET_DIR/gpu-check-nvrtc.txt" || true
-  sed -n '/== arbor CUDA benchmark ==/,$p' "$CARGO_TARGET_DIR/gpu-check-bench.txt"
+  grep -E "^(test result|---.*FAILED)|panicked" "$logs/gpu-check-tests.txt" "$logs/gpu-check-nvrtc.txt" || true
+  sed -n '/== arbor CUDA benchmark ==/,$p' "$logs/gpu-check-bench.txt"
   echo
+  [ "$failed" = 0 ] || die "$failed check(s) failed (logs in $logs)"
   echo "gpu-check: OK in $(( $(date +%s) - START )) s"
 }
 
