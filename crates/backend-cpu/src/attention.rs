@@ -101,6 +101,28 @@ struct KvPtr {
 }
 
 impl KvPtr {
+    /// Asks for element row `row` (of `width` values) to be brought into the
+    /// cache ahead of its [`Self::read`]: the gather walks rows scattered
+    /// over pages, which the hardware prefetchers do not follow.
+    #[inline(always)]
+    fn prefetch(&self, row: usize, width: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+            let bytes = width * self.dtype.block_bytes();
+            let start = self.ptr.get().wrapping_add(row * bytes);
+            let mut off = 0;
+            while off < bytes {
+                // SAFETY: a prefetch never faults, whatever the address
+                // (computed with wrapping arithmetic).
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(off) as *const i8) };
+                off += 64;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (row, width);
+    }
+
     /// Reads element row `row` (of `width` values) into `dst` as f32.
     ///
     /// # Safety
@@ -349,12 +371,19 @@ impl AttentionBackend for CpuAttention {
                     // Gather this KV head's keys (transposed, 8 at a time) and
                     // values, in f32. Lanes past the span hold stale values
                     // whose scores are never read.
+                    let slot_of = |t: usize| (pages[t / ps] as usize * ps + t % ps) * nkv + g;
                     let mut o0 = 0;
                     while o0 < span {
                         let n = (span - o0).min(8);
+                        // The rows of the group after next, so that their
+                        // loads overlap this group's conversion.
+                        for t in t0 + o0 + 16..(t0 + o0 + 24).min(t1) {
+                            kc.prefetch(slot_of(t), hd);
+                            vc.prefetch(slot_of(t), hd);
+                        }
                         for l in 0..n {
                             let t = t0 + o0 + l;
-                            let slot = (pages[t / ps] as usize * ps + t % ps) * nkv + g;
+                            let slot = slot_of(t);
                             let o = o0 + l;
                             // SAFETY: the slot is inside the cache (validated page table).
                             unsafe {

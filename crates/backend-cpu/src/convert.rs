@@ -63,7 +63,11 @@ mod x86 {
                 i += 8;
             }
         }
-        src[i..].convert_to_f32_slice(&mut dst[i..]);
+        // Rows are usually whole vectors: skip the `half` crate's call
+        // (its own feature check) when nothing is left.
+        if i < n {
+            src[i..].convert_to_f32_slice(&mut dst[i..]);
+        }
     }
 
     /// # Safety
@@ -81,7 +85,9 @@ mod x86 {
                 i += 8;
             }
         }
-        src[i..].convert_to_f32_slice(&mut dst[i..]);
+        if i < n {
+            src[i..].convert_to_f32_slice(&mut dst[i..]);
+        }
     }
 }
 

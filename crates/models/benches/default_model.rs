@@ -6,7 +6,10 @@
 //! process, from `/proc/self/task/*/schedstat`; with one thread that is the
 //! calling thread's own time, the figure to compare on a busy machine) and
 //! batch-8 decode (8 sequences of 64 prompt tokens, 32 steps).
-//! ARBOR_BENCH_ONLY=prefill,decode,bs8 picks sections (for profiling),
+//! ARBOR_BENCH_ONLY=prefill,decode,bs8 picks sections (for profiling);
+//! `bs16` (only when named) is the decode of serving 16 requests of 256+
+//! tokens: 16 sequences of 320 prompt tokens, then 32 steps, with the
+//! attention reading about 16 x 340 tokens of f16 KV per layer.
 //! ARBOR_BENCH_REPS the runs per figure (best of, default 3).
 //!
 //! Run: `cargo bench -p arbor-models --bench default_model`
@@ -37,8 +40,8 @@ fn main() {
     };
     let m = arbor_models::load_model(&path, &registry, &opts).expect("model");
     let bytes = m.model.spec().weight_bytes;
-    let runner =
-        ModelRunner::new(m.model.clone(), backend, None, 16, 64, DType::F16).expect("runner");
+    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, DType::F16)
+        .expect("runner");
     let pages: Vec<u32> = (0..64).collect();
     let prompt: Vec<u32> = (0..512u32).map(|i| 200 + (i * 7919) % 40000).collect();
     let only = std::env::var("ARBOR_BENCH_ONLY").unwrap_or_default();
@@ -137,6 +140,42 @@ fn main() {
             }
         });
         report("bs8_decode", (bsz * steps) as f64, r);
+    }
+    if only.split(',').any(|o| o == "bs16") {
+        // 16 sequences of 320 prompt tokens (24 pages each), then 32 steps.
+        let (bsz, plen, steps, per) = (16usize, 320usize, 32usize, 24usize);
+        let long = ModelRunner::new(m.model.clone(), backend, None, 16, bsz * per, DType::F16)
+            .expect("runner");
+        let pages: Vec<u32> = (0..(bsz * per) as u32).collect();
+        let tokens: Vec<u32> = (0..(plen + steps + 16 * bsz) as u32)
+            .map(|i| 200 + (i * 7919) % 40000)
+            .collect();
+        let seq_pages = |s: usize| &pages[s * per..(s + 1) * per];
+        let prompts = || {
+            let seqs: Vec<SeqStep<'_>> = (0..bsz)
+                .map(|s| SeqStep {
+                    tokens: &tokens[s * 16..s * 16 + plen],
+                    prefix_len: 0,
+                    pages: seq_pages(s),
+                    want_logits: true,
+                })
+                .collect();
+            long.step(&seqs).expect("bs16 prompts");
+        };
+        let r = best(&prompts, &|| {
+            for i in 0..steps {
+                let seqs: Vec<SeqStep<'_>> = (0..bsz)
+                    .map(|s| SeqStep {
+                        tokens: &tokens[s * 16 + plen + i..s * 16 + plen + i + 1],
+                        prefix_len: plen + i,
+                        pages: seq_pages(s),
+                        want_logits: true,
+                    })
+                    .collect();
+                long.step(&seqs).expect("bs16 decode");
+            }
+        });
+        report("bs16_decode", (bsz * steps) as f64, r);
     }
     println!(
         "{{\"engine\": \"arbor\", {}, \"weight_bytes\": {bytes}}}",

@@ -334,15 +334,15 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                     ptr: out.ptr.add(r0),
                     stride: out.stride,
                 };
+                // The next unit: the same rows' next chunk, or the next
+                // panel's first chunk (its packer prefetches it).
+                let next = if kb0 + nblk < nb {
+                    wp.as_ptr().wrapping_add((kb0 + nblk) * bb)
+                } else {
+                    wp.as_ptr().wrapping_add(2 * NR * rb)
+                };
                 if VNNI {
                     if rows == NR && rb <= GATHER_MAX_RB {
-                        // The next unit: the same rows' next chunk, or the
-                        // next panel's first chunk.
-                        let next = if kb0 + nblk < nb {
-                            wp.as_ptr().wrapping_add((kb0 + nblk) * bb)
-                        } else {
-                            wp.as_ptr().wrapping_add(2 * NR * rb)
-                        };
                         pack_avx512::<F>(wp, rb, kb0, nblk, next, p);
                     } else {
                         pack_portable(F, true, wp, rb, rows, kb0, nblk, p);
@@ -359,7 +359,7 @@ unsafe fn run<const F: u8, const VNNI: bool>(
                         _ => {}
                     }
                 } else {
-                    pack_avx2::<F>(wp, rb, rows, kb0, nblk, p);
+                    pack_avx2::<F>(wp, rb, rows, kb0, nblk, next, p);
                     for g in 0..rows.div_ceil(16) {
                         let og = OutMat {
                             ptr: o.ptr.add(16 * g),

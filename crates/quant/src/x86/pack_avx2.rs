@@ -48,16 +48,29 @@ fn transpose(z: [__m256i; 4]) -> [__m256i; 4] {
 
 /// Packs one block of 8 rows (row `l`'s block at `src + l*rb`): the 8
 /// steps of 32 bytes at `q + s*128`, scales at `d`, mins (zeros for formats
-/// without one) at `m`.
+/// without one) at `m`. Also prefetches the lines at `pf + l*rb` (the same
+/// block of the next unit's rows), so that streaming weights from memory
+/// overlaps the multiplication of this panel.
 ///
 /// # Safety
 /// AVX2 and F16C; the 8 blocks are readable; `q`, `d` and `m` are writable
-/// at those offsets (`q` 32-byte aligned).
+/// at those offsets (`q` 32-byte aligned). `pf` may be any address
+/// (prefetches do not fault; it is offset with wrapping arithmetic).
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-unsafe fn pack8<const F: u8>(src: *const u8, rb: usize, q: *mut u8, d: *mut f32, m: *mut f32) {
+unsafe fn pack8<const F: u8>(
+    src: *const u8,
+    rb: usize,
+    pf: *const u8,
+    q: *mut u8,
+    d: *mut f32,
+    m: *mut f32,
+) {
     // SAFETY: per the contract.
     unsafe {
+        for l in 0..8 {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(l * rb) as *const i8);
+        }
         let row = |l: usize| src.add(l * rb);
         let lanes = |off: usize| -> [__m256i; 4] {
             std::array::from_fn(|j| {
@@ -140,7 +153,9 @@ unsafe fn pack8<const F: u8>(src: *const u8, rb: usize, q: *mut u8, d: *mut f32,
 }
 
 /// Packs blocks `kb0..kb0+nblk` of the first `rows` rows of `w` into `p`
-/// in the AVX2 encoding, exactly as `pack_portable(F, false, ..)` does.
+/// in the AVX2 encoding, exactly as `pack_portable(F, false, ..)` does, and
+/// prefetches the same extent of the rows at `next` (the next unit of the
+/// walk; any address, as prefetches do not fault).
 ///
 /// # Safety
 /// AVX2 and F16C; the contract of `pack_portable`, and `w` holds `rows`
@@ -153,6 +168,7 @@ pub(crate) unsafe fn pack_avx2<const F: u8>(
     rows: usize,
     kb0: usize,
     nblk: usize,
+    next: *const u8,
     p: *mut Panel,
 ) {
     let bb = block_bytes(F);
@@ -171,10 +187,12 @@ pub(crate) unsafe fn pack_avx2<const F: u8>(
                 continue;
             }
             let src = w.as_ptr().add(8 * j * rb + kb0 * bb);
+            let pf = next.wrapping_add(8 * j * rb);
             for b in 0..nblk {
                 pack8::<F>(
                     src.add(b * bb),
                     rb,
+                    pf.wrapping_add(b * bb),
                     pq.add(b * QB + 32 * j),
                     pd.add(b * NR + 8 * j),
                     pm.add(b * NR + 8 * j),
@@ -244,11 +262,19 @@ mod tests {
                     unsafe {
                         pack_portable(f, false, wr, rb, rows, kb0, nblk, &mut *a);
                         match f {
-                            Q4_0 => pack_avx2::<Q4_0>(wr, rb, rows, kb0, nblk, &mut *b),
-                            Q4_1 => pack_avx2::<Q4_1>(wr, rb, rows, kb0, nblk, &mut *b),
-                            Q5_0 => pack_avx2::<Q5_0>(wr, rb, rows, kb0, nblk, &mut *b),
-                            Q5_1 => pack_avx2::<Q5_1>(wr, rb, rows, kb0, nblk, &mut *b),
-                            _ => pack_avx2::<Q8_0>(wr, rb, rows, kb0, nblk, &mut *b),
+                            Q4_0 => {
+                                pack_avx2::<Q4_0>(wr, rb, rows, kb0, nblk, wr.as_ptr(), &mut *b)
+                            }
+                            Q4_1 => {
+                                pack_avx2::<Q4_1>(wr, rb, rows, kb0, nblk, wr.as_ptr(), &mut *b)
+                            }
+                            Q5_0 => {
+                                pack_avx2::<Q5_0>(wr, rb, rows, kb0, nblk, wr.as_ptr(), &mut *b)
+                            }
+                            Q5_1 => {
+                                pack_avx2::<Q5_1>(wr, rb, rows, kb0, nblk, wr.as_ptr(), &mut *b)
+                            }
+                            _ => pack_avx2::<Q8_0>(wr, rb, rows, kb0, nblk, wr.as_ptr(), &mut *b),
                         }
                     }
                     assert!(
