@@ -67,6 +67,8 @@ struct Scratch {
     inv: Vec<f32>,
     /// A tree query's exponentials, contiguous, for their sum.
     ev: Vec<f32>,
+    /// The cache row (slot times KV heads, plus the head) of each span position.
+    slots: Vec<usize>,
 }
 
 thread_local! {
@@ -127,6 +129,7 @@ impl KvPtr {
     ///
     /// # Safety
     /// `row` must be inside the cache tensor this pointer was resolved from.
+    #[inline(always)]
     unsafe fn read(&self, row: usize, width: usize, dst: &mut [f32]) {
         // SAFETY: the caller guarantees the row is in bounds.
         unsafe {
@@ -361,6 +364,7 @@ impl AttentionBackend for CpuAttention {
                         extra,
                         inv,
                         ev,
+                        slots,
                     } = &mut *sc;
                     kbuf.resize(hd * sp, 0.0);
                     vbuf.resize(span * hd, 0.0);
@@ -371,20 +375,29 @@ impl AttentionBackend for CpuAttention {
                     // Gather this KV head's keys (transposed, 8 at a time) and
                     // values, in f32. Lanes past the span hold stale values
                     // whose scores are never read.
-                    let slot_of = |t: usize| (pages[t / ps] as usize * ps + t % ps) * nkv + g;
+                    // The cache row of each span position, walking the
+                    // pages (no division per key).
+                    slots.clear();
+                    let (mut page, mut off) = (t0 / ps, t0 % ps);
+                    while slots.len() < span {
+                        let base = pages[page] as usize * ps;
+                        let n = (ps - off).min(span - slots.len());
+                        slots.extend((base + off..base + off + n).map(|slot| slot * nkv + g));
+                        page += 1;
+                        off = 0;
+                    }
                     let mut o0 = 0;
                     while o0 < span {
                         let n = (span - o0).min(8);
                         // The rows of the group after next, so that their
                         // loads overlap this group's conversion.
-                        for t in t0 + o0 + 16..(t0 + o0 + 24).min(t1) {
-                            kc.prefetch(slot_of(t), hd);
-                            vc.prefetch(slot_of(t), hd);
+                        for &slot in slots.iter().take(o0 + 24).skip(o0 + 16) {
+                            kc.prefetch(slot, hd);
+                            vc.prefetch(slot, hd);
                         }
                         for l in 0..n {
-                            let t = t0 + o0 + l;
-                            let slot = slot_of(t);
                             let o = o0 + l;
+                            let slot = slots[o];
                             // SAFETY: the slot is inside the cache (validated page table).
                             unsafe {
                                 kc.read(slot, hd, &mut row[l * hd..(l + 1) * hd]);

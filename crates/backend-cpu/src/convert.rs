@@ -8,6 +8,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
+#[inline]
 fn has_avx2_f16c() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
@@ -18,6 +19,7 @@ fn has_avx2_f16c() -> bool {
 }
 
 /// `dst[i] = src[i]` widened, for the shorter of the two lengths.
+#[inline]
 pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let (src, dst) = (&src[..n], &mut dst[..n]);
@@ -31,6 +33,7 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
 }
 
 /// `dst[i] = src[i]` widened, for the shorter of the two lengths.
+#[inline]
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
     let (src, dst) = (&src[..n], &mut dst[..n]);
