@@ -164,10 +164,23 @@ build() {
   cargo build --release -p arbor-backend-cuda --example gpu_bench
 }
 
-# Paths of the test executables cargo built (newest first per target).
+# Path of the CUDA backend's test executable `name` (gpu, nvrtc_compile), as
+# cargo reports it: other crates' test binaries share names (ROCm's `gpu`),
+# so the newest file of that name in deps/ is not necessarily this one.
 test_exe() {
-  local name="$1"
-  ls -t "$CARGO_TARGET_DIR"/release/deps/"$name"-* 2>/dev/null | grep -v '\.d$' | head -1
+  cargo test --release -p arbor-backend-cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") == sys.argv[1] \
+            and "arbor-backend-cuda" in m.get("package_id", "") + m.get("manifest_path", ""):
+        print(m["executable"])
+' "$1" | tail -1
 }
 
 export_bins() {
