@@ -614,3 +614,51 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
     );
     Ok(())
 }
+
+/// `--api-key`: the router authorizes itself at workers started with
+/// `--api-key` (a router without it gets their 401 back, untouched), in
+/// place of whatever a client sent; `--prometheus-port` serves the router's
+/// metrics on a listener of their own.
+#[tokio::test]
+async fn api_key_reaches_the_workers_and_metrics_get_their_own_port() -> Result<()> {
+    let c = client();
+    let key = "router-secret";
+    let w = Server::tiny(&["--api-key", key])?;
+    let plain = router(&[&w], &[])?;
+    let (s, v) = post(&c, &plain.url("/generate"), &generate_body("hi", 2)).await?;
+    ensure!(s == 401, "a router without the key got through: {s} {v}");
+    drop(plain);
+    let r = router(&[&w], &["--api-key", key, "--prometheus-port", "0"])?;
+    let (s, v) = post(&c, &r.url("/generate"), &generate_body("hi", 2)).await?;
+    ensure!(s == 200, "{s} {v}");
+    // A client's own (wrong) key is replaced by the router's.
+    let resp = c
+        .post(r.url("/v1/completions"))
+        .bearer_auth("the-client-s-key")
+        .json(&json!({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "temperature": 0}))
+        .send()
+        .await?;
+    ensure!(resp.status().as_u16() == 200, "{}", resp.text().await?);
+    let (s, body) = get(&c, &r.url("/v1/models"), None).await?;
+    ensure!(s == 200, "{s} {body}");
+    // The metrics listener, printed before the serving address.
+    let logs = r.logs();
+    let metrics_url = logs
+        .lines()
+        .find_map(|l| l.strip_prefix("metrics on "))
+        .context("no metrics listener printed")?
+        .trim()
+        .to_string();
+    let (s, m) = get(&c, &metrics_url, None).await?;
+    ensure!(s == 200, "{s} {m}");
+    ensure!(
+        m.contains("arbor_router_requests_total"),
+        "not the router's metrics: {m}"
+    );
+    let (s, _) = get(&c, &metrics_url.replace("/metrics", "/generate"), None).await?;
+    ensure!(
+        s == 404,
+        "the metrics listener serves more than /metrics: {s}"
+    );
+    assert_no_leak(&c, &w, "arbor", Some(key)).await
+}

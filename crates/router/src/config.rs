@@ -144,6 +144,18 @@ pub struct RouterArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 512 << 20)]
     pub max_payload_size: usize,
+    /// The API key the router authorizes itself with at the workers (sent as
+    /// `Authorization: Bearer`, in place of a client's own), for workers
+    /// started with `arbor serve --api-key`.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Also serve the router's `/metrics` on this port, for a Prometheus
+    /// scraper kept off the serving port [default: only on --port].
+    #[arg(long)]
+    pub prometheus_port: Option<u16>,
+    /// Address of the --prometheus-port listener.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub prometheus_host: String,
 }
 
 /// Retry settings.
@@ -279,6 +291,10 @@ pub struct RouterConfig {
     pub request_timeout: Duration,
     /// Body size limit.
     pub max_payload_size: usize,
+    /// The key sent to workers (`Authorization: Bearer`), when set.
+    pub api_key: Option<String>,
+    /// The separate metrics listener's (host, port), when asked for.
+    pub prometheus: Option<(String, u16)>,
 }
 
 fn bad(flag: &str, message: impl Into<String>) -> RouterError {
@@ -424,6 +440,25 @@ impl RouterConfig {
             },
             request_timeout: positive("--request-timeout-secs", a.request_timeout_secs)?,
             max_payload_size: a.max_payload_size,
+            api_key: match a.api_key {
+                Some(k) if k.trim().is_empty() => {
+                    return Err(bad("--api-key", "must not be empty"));
+                }
+                Some(k) if k.chars().any(|c| c.is_control()) => {
+                    return Err(bad("--api-key", "must not hold control characters"));
+                }
+                k => k,
+            },
+            prometheus: match a.prometheus_port {
+                Some(p) if p == a.port && p != 0 && a.prometheus_host == a.host => {
+                    return Err(bad(
+                        "--prometheus-port",
+                        format!("{p} is the router's own --port"),
+                    ));
+                }
+                Some(p) => Some((a.prometheus_host, p)),
+                None => None,
+            },
             host: a.host,
             port: a.port,
             worker_urls: a.worker_urls,
@@ -469,6 +504,10 @@ mod tests {
         assert_eq!(c.cache_aware.max_load_factor, None);
         assert_eq!(c.worker_urls.len(), 2);
         assert_eq!(c.retry.max_retries, 5);
+        assert_eq!((c.api_key, c.prometheus), (None, None));
+        let c = parse(&["--api-key", "k", "--prometheus-port", "29000"]).expect("valid");
+        assert_eq!(c.api_key.as_deref(), Some("k"));
+        assert_eq!(c.prometheus, Some(("127.0.0.1".to_string(), 29000)));
         assert!(
             parse(&["--disable-retries"])
                 .expect("valid")
@@ -496,6 +535,9 @@ mod tests {
                 "--eviction-interval-secs",
             ),
             (&["--retry-jitter-factor", "2"], "--retry-jitter-factor"),
+            (&["--api-key", " "], "--api-key"),
+            (&["--api-key", "a\nb"], "--api-key"),
+            (&["--prometheus-port", "30000"], "--prometheus-port"),
         ] {
             match parse(args) {
                 Err(RouterError::Config { flag: f, .. }) => assert_eq!(f, flag),

@@ -487,7 +487,19 @@ fn summary(st: &RouterState, addr: std::net::SocketAddr) {
 pub fn run(args: RouterArgs) -> Result<(), RouterError> {
     let cfg = RouterConfig::from_args(args)?;
     let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut defaults = HeaderMap::new();
+    if let Some(key) = &cfg.api_key {
+        let mut v = header::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
+            RouterError::Config {
+                flag: "--api-key".into(),
+                message: e.to_string(),
+            }
+        })?;
+        v.set_sensitive(true);
+        defaults.insert(header::AUTHORIZATION, v);
+    }
     let client = reqwest::Client::builder()
+        .default_headers(defaults)
         .tcp_nodelay(true)
         .connect_timeout(Duration::from_secs(10))
         .pool_idle_timeout(Duration::from_secs(90))
@@ -540,6 +552,19 @@ pub fn run(args: RouterArgs) -> Result<(), RouterError> {
             st.workers.add_with(url, *role, peer)?;
         }
         let listener = tokio::net::TcpListener::bind((st.cfg.host.as_str(), st.cfg.port)).await?;
+        if let Some((host, port)) = &st.cfg.prometheus {
+            let metrics = tokio::net::TcpListener::bind((host.as_str(), *port)).await?;
+            println!("metrics on http://{}/metrics", metrics.local_addr()?);
+            let app = Router::new()
+                .route("/metrics", get(metrics_text))
+                .fallback(not_found)
+                .with_state(st.clone());
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(metrics, app).await {
+                    tracing::error!("the metrics listener stopped: {e}");
+                }
+            });
+        }
         summary(&st, listener.local_addr()?);
         tokio::spawn(health_loop(st.clone()));
         tokio::spawn(eviction_loop(st.clone()));

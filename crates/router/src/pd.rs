@@ -33,13 +33,20 @@ pub async fn check_role(st: &RouterState, url: &str, role: Role) -> Result<Optio
     if role == Role::Regular {
         return Ok(None);
     }
-    let info: Value = st
+    let resp = st
         .client
         .get(format!("{url}/get_server_info"))
         .timeout(st.cfg.health.timeout)
         .send()
         .await
-        .map_err(|e| format!("{url}/get_server_info: {e}"))?
+        .map_err(|e| format!("{url}/get_server_info: {e}"))?;
+    let status = resp.status();
+    if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
+        return Err(format!(
+            "{url}/get_server_info: {status}: the worker wants an API key (give the router --api-key)"
+        ));
+    }
+    let info: Value = resp
         .json()
         .await
         .map_err(|e| format!("{url}/get_server_info: {e}"))?;

@@ -67,14 +67,18 @@ pub struct Outgoing {
 }
 
 /// `out` addressed to the worker at `base`: the client's headers but the
-/// hop-by-hop ones, the body for a POST, the request time limit.
+/// hop-by-hop ones (and its `Authorization` when the router has an API key:
+/// the client's default headers carry the router's own), the body for a
+/// POST, the request time limit.
 fn request_to(st: &RouterState, base: &str, out: &Outgoing) -> reqwest::RequestBuilder {
     let mut rq = st
         .client
         .request(out.method.clone(), format!("{base}{}", out.path_and_query))
         .timeout(st.cfg.request_timeout);
+    let own_key = st.cfg.api_key.is_some();
     for (k, v) in &out.headers {
-        if !hop_by_hop(k) {
+        let replaced = own_key && k == header::AUTHORIZATION;
+        if !hop_by_hop(k) && !replaced {
             rq = rq.header(k, v);
         }
     }
