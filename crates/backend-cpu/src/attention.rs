@@ -372,9 +372,6 @@ impl AttentionBackend for CpuAttention {
                     scores.resize(nq * sp, 0.0);
                     row.resize(8 * hd, 0.0);
                     inv.resize(group, 0.0);
-                    // Gather this KV head's keys (transposed, 8 at a time) and
-                    // values, in f32. Lanes past the span hold stale values
-                    // whose scores are never read.
                     // The cache row of each span position, walking the
                     // pages (no division per key).
                     slots.clear();
@@ -386,6 +383,9 @@ impl AttentionBackend for CpuAttention {
                         page += 1;
                         off = 0;
                     }
+                    // Gather this KV head's keys (transposed, 8 at a time) and
+                    // values, in f32. Lanes past the span hold stale values
+                    // whose scores are never read.
                     let mut o0 = 0;
                     while o0 < span {
                         let n = (span - o0).min(8);

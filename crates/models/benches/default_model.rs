@@ -114,32 +114,17 @@ fn main() {
     }
     if wanted("bs8") {
         // 8 sequences of 64 prompt tokens (8 pages each), then 32 steps.
-        let (bsz, plen, steps) = (8usize, 64usize, 32usize);
-        let prompts = || {
-            let seqs: Vec<SeqStep<'_>> = (0..bsz)
-                .map(|s| SeqStep {
-                    tokens: &prompt[s * 31..s * 31 + plen],
-                    prefix_len: 0,
-                    pages: &pages[s * 8..s * 8 + 8],
-                    want_logits: true,
-                })
-                .collect();
-            runner.step(&seqs).expect("bs8 prompts");
+        let b = Batch {
+            runner: &runner,
+            tokens: &prompt,
+            pages: &pages,
+            bsz: 8,
+            plen: 64,
+            steps: 32,
+            per: 8,
         };
-        let r = best(&prompts, &|| {
-            for i in 0..steps {
-                let seqs: Vec<SeqStep<'_>> = (0..bsz)
-                    .map(|s| SeqStep {
-                        tokens: &prompt[s * 17 + i..s * 17 + i + 1],
-                        prefix_len: plen + i,
-                        pages: &pages[s * 8..s * 8 + 8],
-                        want_logits: true,
-                    })
-                    .collect();
-                runner.step(&seqs).expect("bs8 decode");
-            }
-        });
-        report("bs8_decode", (bsz * steps) as f64, r);
+        let r = best(&|| b.prefill(|s| s * 31), &|| b.decode(|s, i| s * 17 + i));
+        report("bs8_decode", (b.bsz * b.steps) as f64, r);
     }
     if only.split(',').any(|o| o == "bs16") {
         // 16 sequences of 320 prompt tokens (24 pages each), then 32 steps.
@@ -150,30 +135,17 @@ fn main() {
         let tokens: Vec<u32> = (0..(plen + steps + 16 * bsz) as u32)
             .map(|i| 200 + (i * 7919) % 40000)
             .collect();
-        let seq_pages = |s: usize| &pages[s * per..(s + 1) * per];
-        let prompts = || {
-            let seqs: Vec<SeqStep<'_>> = (0..bsz)
-                .map(|s| SeqStep {
-                    tokens: &tokens[s * 16..s * 16 + plen],
-                    prefix_len: 0,
-                    pages: seq_pages(s),
-                    want_logits: true,
-                })
-                .collect();
-            long.step(&seqs).expect("bs16 prompts");
+        let b = Batch {
+            runner: &long,
+            tokens: &tokens,
+            pages: &pages,
+            bsz,
+            plen,
+            steps,
+            per,
         };
-        let r = best(&prompts, &|| {
-            for i in 0..steps {
-                let seqs: Vec<SeqStep<'_>> = (0..bsz)
-                    .map(|s| SeqStep {
-                        tokens: &tokens[s * 16 + plen + i..s * 16 + plen + i + 1],
-                        prefix_len: plen + i,
-                        pages: seq_pages(s),
-                        want_logits: true,
-                    })
-                    .collect();
-                long.step(&seqs).expect("bs16 decode");
-            }
+        let r = best(&|| b.prefill(|s| s * 16), &|| {
+            b.decode(|s, i| s * 16 + plen + i)
         });
         report("bs16_decode", (bsz * steps) as f64, r);
     }
@@ -181,6 +153,53 @@ fn main() {
         "{{\"engine\": \"arbor\", {}, \"weight_bytes\": {bytes}}}",
         fields.join(", ")
     );
+}
+
+/// A batched decode: `bsz` sequences, sequence `s` in pages
+/// `s*per..(s+1)*per`, prefilled with `plen` tokens and then decoding
+/// `steps` tokens, one per step.
+struct Batch<'a> {
+    runner: &'a ModelRunner,
+    tokens: &'a [u32],
+    pages: &'a [u32],
+    bsz: usize,
+    plen: usize,
+    steps: usize,
+    per: usize,
+}
+
+impl Batch<'_> {
+    fn seq_pages(&self, s: usize) -> &[u32] {
+        &self.pages[s * self.per..(s + 1) * self.per]
+    }
+
+    /// One step of every prompt (sequence `s`'s starts at `tokens[prompt_at(s)]`).
+    fn prefill(&self, prompt_at: impl Fn(usize) -> usize) {
+        let seqs: Vec<SeqStep<'_>> = (0..self.bsz)
+            .map(|s| SeqStep {
+                tokens: &self.tokens[prompt_at(s)..prompt_at(s) + self.plen],
+                prefix_len: 0,
+                pages: self.seq_pages(s),
+                want_logits: true,
+            })
+            .collect();
+        self.runner.step(&seqs).expect("batch prompts");
+    }
+
+    /// `steps` decode steps (sequence `s` takes `tokens[step_at(s, i)]` at step `i`).
+    fn decode(&self, step_at: impl Fn(usize, usize) -> usize) {
+        for i in 0..self.steps {
+            let seqs: Vec<SeqStep<'_>> = (0..self.bsz)
+                .map(|s| SeqStep {
+                    tokens: &self.tokens[step_at(s, i)..step_at(s, i) + 1],
+                    prefix_len: self.plen + i,
+                    pages: self.seq_pages(s),
+                    want_logits: true,
+                })
+                .collect();
+            self.runner.step(&seqs).expect("batch decode");
+        }
+    }
 }
 
 /// CPU time of every thread of this process so far, in seconds (the first
