@@ -13,6 +13,7 @@
 //! KV page is back in the pool.
 
 mod adaptive;
+mod output;
 mod policy;
 pub mod refit;
 mod request;

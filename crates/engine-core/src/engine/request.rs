@@ -12,7 +12,8 @@
 //! others stream token ids, and the reader makes their text
 //! ([`super::stream::StreamText`]).
 
-use super::stream::{ChunkParts, ChunkSender};
+use super::output::{ChunkOut, OutputRoute, StreamHandle};
+use super::stream::ChunkSender;
 use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
@@ -83,7 +84,7 @@ pub(crate) struct Req {
     sent_text: usize,
     pending_ids: Vec<u32>,
     pending_logprobs: Vec<TokenLogprob>,
-    pub sink: ChunkSender,
+    sink: StreamHandle,
 }
 
 impl Req {
@@ -142,12 +143,15 @@ impl Req {
             sent_text: 0,
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
-            sink,
+            sink: StreamHandle::new(sink),
         })
     }
 
     /// A copy for sample `index` of an n > 1 request.
     pub fn sample_copy(&self, index: u32) -> Result<Self> {
+        let sink = self.sink.try_clone().ok_or_else(|| {
+            CoreError::Internal("a request's samples are copied after it streamed".into())
+        })?;
         let matcher = match &self.grammar {
             Some(g) => Some(g.matcher().map_err(CoreError::from)?),
             None => None,
@@ -202,7 +206,7 @@ impl Req {
             sent_text: 0,
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
-            sink: self.sink.clone(),
+            sink,
         })
     }
 
@@ -377,13 +381,25 @@ impl Req {
         safe.max(self.sent_text)
     }
 
-    /// Sends what is new since the last chunk; with `finish`, flushes everything and ends.
-    pub fn emit(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder) {
-        self.emit_at(finish, decoder, Instant::now());
+    /// Sends what is new since the last chunk (through `out`, the
+    /// scheduler's output batch); with `finish`, flushes everything and ends.
+    pub fn emit(
+        &mut self,
+        finish: Option<Finish>,
+        decoder: &dyn TokenDecoder,
+        out: &mut OutputRoute,
+    ) {
+        self.emit_at(finish, decoder, Instant::now(), out);
     }
 
     /// [`Self::emit`] with the time the chunk reports (one clock read per step).
-    pub fn emit_at(&mut self, finish: Option<Finish>, decoder: &dyn TokenDecoder, now: Instant) {
+    pub fn emit_at(
+        &mut self,
+        finish: Option<Finish>,
+        decoder: &dyn TokenDecoder,
+        now: Instant,
+        out: &mut OutputRoute,
+    ) {
         let stopped_by_string = matches!(
             finish,
             Some(Finish {
@@ -407,15 +423,18 @@ impl Req {
             return;
         }
         let meta = self.meta(now);
-        self.sink.send(ChunkParts {
-            index: self.index,
-            token_ids: &mut self.pending_ids,
-            text: self.text.get(self.sent_text..upto).unwrap_or_default(),
-            logprobs: &mut self.pending_logprobs,
-            finish,
-            meta,
-            untexted_last: std::mem::take(&mut self.untexted_last),
-        });
+        out.push(
+            &mut self.sink,
+            ChunkOut {
+                index: self.index,
+                token_ids: &mut self.pending_ids,
+                text: self.text.get(self.sent_text..upto).unwrap_or_default(),
+                logprobs: &mut self.pending_logprobs,
+                finish,
+                meta,
+                untexted_last: std::mem::take(&mut self.untexted_last),
+            },
+        );
         self.sent_text = upto;
     }
 }

@@ -8,7 +8,9 @@
 //! running decodes; otherwise every running request decodes one token, after
 //! retracting the least advanced ones if pages run out. It runs the batch,
 //! samples, checks stop conditions, streams output, and on finish inserts the
-//! sequence's KV into the prefix cache and unlocks its node.
+//! sequence's KV into the prefix cache and unlocks its node. A turn's output
+//! chunks go to the output thread in one batch at the end of the turn
+//! ([`super::output`]), which delivers them to the request streams.
 //!
 //! Page budget (tokens): free pages plus evictable cache tokens, minus, for
 //! every running request, its remaining new tokens (clipped) times
@@ -24,6 +26,7 @@
 //! live requests (idle, abort, rid uniqueness, stats).
 
 use super::adaptive::Adaptive;
+use super::output::OutputRoute;
 use super::policy;
 use super::request::Req;
 use super::{
@@ -119,6 +122,8 @@ pub(crate) struct Scheduler {
     step_time: Instant,
     /// Some request ran with a LoRA adapter (admission then counts adapters).
     lora_used: bool,
+    /// The chunks of this turn, handed to the output thread at its end.
+    out: OutputRoute,
 }
 
 /// Which adapter a request runs with, for counting (`None`: the base model).
@@ -191,6 +196,8 @@ impl Scheduler {
             hit_sums: (0, 0),
             seq_bufs: Vec::new(),
             step_time: Instant::now(),
+            out: OutputRoute::start()
+                .map_err(|e| CoreError::Internal(format!("starting the output thread: {e}")))?,
         })
     }
 
@@ -214,6 +221,7 @@ impl Scheduler {
                     tracing::error!("KV tier copies: {e}");
                 }
                 self.publish();
+                self.out.flush();
                 // Idle: republish now and then (tier threads keep counting).
                 match rx.recv_timeout(IDLE_PUBLISH) {
                     Ok(m) => {
@@ -236,6 +244,7 @@ impl Scheduler {
                 // Requests wait (a storage prefetch) but nothing ran: wait a
                 // little for a message instead of spinning.
                 Ok(false) => {
+                    self.out.flush();
                     if let Ok(m) = rx.recv_timeout(IDLE_WAIT)
                         && !self.handle(m)
                     {
@@ -248,9 +257,11 @@ impl Scheduler {
                 }
             }
             self.publish();
+            self.out.flush();
         }
         self.abort_everything("the engine is shutting down");
         self.publish();
+        self.out.flush();
     }
 
     fn handle(&mut self, m: Msg) -> bool {
@@ -293,7 +304,7 @@ impl Scheduler {
         let n = r.params.n.max(1);
         for i in 0..n {
             r.index = i as u32;
-            r.emit(Some(abort_finish(&msg)), &*self.decoder);
+            r.emit(Some(abort_finish(&msg)), &*self.decoder, &mut self.out);
         }
         self.counters.num_aborted_requests_total += 1;
     }
@@ -783,7 +794,7 @@ impl Scheduler {
         self.counters.cached_tokens_total += r.cached_tokens.unwrap_or(0) as u64;
         // Counters are current by the time the caller sees the final chunk.
         self.publish();
-        r.emit(Some(f), &*self.decoder);
+        r.emit(Some(f), &*self.decoder, &mut self.out);
     }
 
     fn record_hit(&mut self, r: &Req) {

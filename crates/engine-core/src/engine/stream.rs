@@ -1,10 +1,11 @@
-//! The channel from the scheduler to a request's [`RequestStream`](super::RequestStream).
+//! The channel from the engine to a request's [`RequestStream`](super::RequestStream)
+//! (the output thread sends into it: [`super::output`]).
 //!
 //! Unbounded and coalescing: a chunk sent while the previous one of the same
 //! sample still waits unread (and has not finished) is merged into it (token
 //! ids, text and logprobs appended, the newer meta and finish kept), so a
 //! consumer that falls behind reads fewer, larger chunks carrying the same
-//! tokens and text, and the scheduler neither allocates nor wakes anyone for
+//! tokens and text, and the sender neither allocates nor wakes anyone for
 //! them. A consumer that keeps up sees one chunk per emit, as before.
 //!
 //! The receiver sees the end (`None`) once every sender is dropped and the
@@ -77,7 +78,8 @@ pub(crate) fn channel() -> (ChunkSender, ChunkReceiver) {
     )
 }
 
-/// The scheduler's end (one per sample; clones share the channel).
+/// The sending end (one per sample; clones share the channel), held by the
+/// request, then by the output thread.
 pub(crate) struct ChunkSender {
     shared: Arc<Shared>,
 }
@@ -101,11 +103,11 @@ impl Drop for ChunkSender {
     }
 }
 
-/// The parts of one chunk; `token_ids` and `logprobs` are drained (their
-/// buffers keep their capacity when the chunk merges into a queued one).
+/// The parts of one chunk; `logprobs` is drained (its buffer keeps its
+/// capacity when the chunk merges into a queued one).
 pub(crate) struct ChunkParts<'a> {
     pub index: u32,
-    pub token_ids: &'a mut Vec<u32>,
+    pub token_ids: &'a [u32],
     pub text: &'a str,
     pub logprobs: &'a mut Vec<TokenLogprob>,
     pub finish: Option<Finish>,
@@ -128,7 +130,6 @@ impl ChunkSender {
     pub fn send(&self, p: ChunkParts<'_>) {
         let mut s = self.shared.lock();
         if !s.receiver {
-            p.token_ids.clear();
             p.logprobs.clear();
             return;
         }
@@ -137,7 +138,7 @@ impl ChunkSender {
             && last.chunk.finish.is_none()
         {
             let c = &mut last.chunk;
-            c.token_ids.append(p.token_ids);
+            c.token_ids.extend_from_slice(p.token_ids);
             if !p.text.is_empty() {
                 c.text.push_str(p.text);
             }
@@ -153,7 +154,7 @@ impl ChunkSender {
         s.queue.push_back(Received {
             chunk: OutputChunk {
                 index: p.index,
-                token_ids: std::mem::take(p.token_ids),
+                token_ids: p.token_ids.to_vec(),
                 text: p.text.to_string(),
                 logprobs: std::mem::take(p.logprobs),
                 finish: p.finish,
@@ -312,10 +313,9 @@ mod tests {
     use super::*;
 
     fn send(tx: &ChunkSender, index: u32, ids: &[u32], text: &str, finish: bool) {
-        let mut ids = ids.to_vec();
         tx.send(ChunkParts {
             index,
-            token_ids: &mut ids,
+            token_ids: ids,
             text,
             logprobs: &mut Vec::new(),
             finish: finish.then_some(Finish {
@@ -326,7 +326,6 @@ mod tests {
             meta: OutputMeta::default(),
             untexted_last: false,
         });
-        assert!(ids.is_empty());
     }
 
     #[test]

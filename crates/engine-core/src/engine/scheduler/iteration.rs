@@ -517,7 +517,7 @@ impl Scheduler {
                 }
             }
         }
-        r.emit_at(None, &*self.decoder, self.step_time);
+        r.emit_at(None, &*self.decoder, self.step_time, &mut self.out);
         true
     }
 
