@@ -67,7 +67,7 @@ pub struct SampleSpec {
 #[derive(Clone, Debug)]
 pub struct SampleContext {
     /// Prompt token ids.
-    pub prompt: Arc<Vec<u32>>,
+    pub prompt: Arc<[u32]>,
     /// Output so far.
     pub output: Vec<u32>,
 }

@@ -29,7 +29,7 @@ use std::time::Instant;
 pub(crate) struct Req {
     pub rid: String,
     pub index: u32,
-    pub prompt: Arc<Vec<u32>>,
+    pub prompt: Arc<[u32]>,
     pub output: Vec<u32>,
     pub params: Arc<SamplingParams>,
     pub rng: SeqRng,
@@ -105,7 +105,7 @@ impl Req {
         Ok(Self {
             rid,
             index: 0,
-            prompt: Arc::new(r.input_ids),
+            prompt: Arc::from(r.input_ids),
             output: Vec::new(),
             params: Arc::new(r.params),
             rng,

@@ -524,6 +524,11 @@ impl Scheduler {
         in_flight_adapters: &[AdapterKey],
     ) -> Result<Vec<PrefillEntry>> {
         let mut entries: Vec<PrefillEntry> = Vec::new();
+        // Nothing to admit: the budget (a walk over the running requests)
+        // is not needed.
+        if self.chunked.is_none() && (self.waiting.is_empty() || self.admission_held()) {
+            return Ok(entries);
+        }
         let mut budget = Budget {
             rem_chunk: if self.cfg.chunked_prefill_size > 0 {
                 self.cfg.chunked_prefill_size as usize
@@ -680,8 +685,16 @@ impl Scheduler {
     /// Makes sure every running request has a slot for one more token, retracting if needed.
     fn prepare_decode(&mut self) -> Result<()> {
         let ps = self.page_size;
-        // Pages each request still needs for its pending tokens (one, or more after jump-forward).
-        let missing = |r: &Req| r.len().div_ceil(ps).saturating_sub(r.page_count());
+        // Pages each request still needs for its pending tokens (one, or
+        // more after jump-forward); no division when the pages suffice.
+        let missing = |r: &Req| {
+            let (len, held) = (r.len(), r.page_count());
+            if len <= held * ps {
+                0
+            } else {
+                len.div_ceil(ps) - held
+            }
+        };
         let need = loop {
             let need: usize = self.running.iter().map(missing).sum();
             let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;

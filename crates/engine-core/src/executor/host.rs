@@ -32,8 +32,7 @@ impl LocalExecutor {
             .as_ref()
             .map(|c| c.output.clone())
             .unwrap_or_default();
-        let empty: Vec<u32> = Vec::new();
-        let prompt = sp.context.as_ref().map_or(&empty, |c| &*c.prompt);
+        let prompt: &[u32] = sp.context.as_ref().map_or(&[], |c| &c.prompt);
         let mut at = 0;
         loop {
             let raw = &rows[at * vocab..(at + 1) * vocab];

@@ -241,11 +241,11 @@ impl LocalExecutor {
             }
             toks
         };
-        let (empty_prompt, empty_output) = (Vec::new(), Vec::new());
-        let (prompt, output) = sp
+        let empty_output = Vec::new();
+        let (prompt, output): (&[u32], &Vec<u32>) = sp
             .context
             .as_ref()
-            .map_or((&empty_prompt, &empty_output), |c| (&*c.prompt, &c.output));
+            .map_or((&[], &empty_output), |c| (&c.prompt, &c.output));
         for j in 0..n {
             let row = first_row + j as u32;
             let drafted = if j == 0 { Vec::new() } else { path(j) };

@@ -118,7 +118,7 @@ pub fn edits_match_the_host(backend: &dyn Backend) -> Result<()> {
 /// One request of the scenario: its pages, prompt, parameters and output.
 struct Req {
     pages: Vec<u32>,
-    prompt: Arc<Vec<u32>>,
+    prompt: Arc<[u32]>,
     params: Arc<SamplingParams>,
     out: Vec<u32>,
     /// A grammar mask each step: tokens `id % 3 == step % 3`.
@@ -237,12 +237,10 @@ pub fn edited_sampling_matches_host(
         ))
     };
     let (dev, host) = (executor(true)?, executor(false)?);
-    let prompt = |seed: u32| -> Arc<Vec<u32>> {
-        Arc::new(
-            (0..14)
-                .map(|i| (i * 37 + seed * 11) % 200 + (i % 4) * 3)
-                .collect(),
-        )
+    let prompt = |seed: u32| -> Arc<[u32]> {
+        (0..14)
+            .map(|i| (i * 37 + seed * 11) % 200 + (i % 4) * 3)
+            .collect()
     };
     // The first greedy token of request 1's prompt becomes a stop id that
     // `min_new_tokens` must hold back.

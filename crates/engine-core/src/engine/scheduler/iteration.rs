@@ -525,6 +525,10 @@ impl Scheduler {
     /// slots of rejected drafts) to the pool.
     fn trim_pages(&mut self, r: &mut Req) {
         let ps = self.page_size;
+        // Usually no page is past the tokens: decided without a division.
+        if r.page_count() * ps < r.len() + ps {
+            return;
+        }
         let keep = r.len().div_ceil(ps).saturating_sub(r.tree_pages.len());
         if let Some(own) = r.own.as_mut()
             && own.len() > keep
