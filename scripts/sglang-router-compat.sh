@@ -3,7 +3,8 @@
 # two `arbor serve` workers of the tiny Llama fixture, SGLang's router in
 # front with cache_aware; the native API, the OpenAI chat API (official
 # client) and a stream through it must equal the workers' direct answers
-# (greedy), and a shared prefix must stay on one worker.
+# (greedy), a shared prefix must stay on one worker, and SGLang's
+# /get_loads must read every worker's own /get_load.
 #
 #   PYTHON=venv/bin/python ARBOR=target/debug/arbor scripts/sglang-router-compat.sh
 set -euo pipefail
@@ -74,5 +75,14 @@ assert a.choices[0].message.content == b.choices[0].message.content, (a, b)
 s = "".join(ch.choices[0].text for ch in c.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0, stream=True))
 t = direct.completions.create(model="tiny-llama", prompt="Hi", max_tokens=5, temperature=0).choices[0].text
 assert s == t, (s, t)
-print(f"SGLang's router in front of Arbor workers: native, chat, stream equal; prefix affinity {routed}")
+# SGLang's /get_loads reads each worker's /get_load (-1 when it cannot):
+# every Arbor worker must report a load, the one it reports itself.
+loads = json.loads(urllib.request.urlopen(router + "/get_loads", timeout=30).read())
+got = {w["worker"].rstrip("/"): w["load"] for w in loads["workers"]}
+own = {}
+for w in workers:
+    ranks = json.loads(urllib.request.urlopen(w + "/get_load", timeout=10).read())
+    own[w.rstrip("/")] = sum(r["num_tokens"] for r in ranks)
+assert got == own and all(v >= 0 for v in got.values()), (loads, own)
+print(f"SGLang's router in front of Arbor workers: native, chat, stream equal; prefix affinity {routed}; loads {got}")
 PY

@@ -213,6 +213,7 @@ async fn hot_prefix_loads(c: &reqwest::Client, ws: &[Server], r: &Server) -> Res
         by_url == on_workers,
         "router {router_view:?} workers {on_workers:?}"
     );
+    check_get_loads(c, ws, r, &on_workers).await?;
     for w in ws {
         resume(c, w).await?;
     }
@@ -221,6 +222,44 @@ async fn hot_prefix_loads(c: &reqwest::Client, ws: &[Server], r: &Server) -> Res
         ensure!(s == 200, "{s} {v}");
     }
     Ok(on_workers)
+}
+
+/// SGLang's load reports while the workers are paused: each worker's own
+/// `/get_load` counts the requests it holds (`held`) and their tokens, and
+/// the router's `/get_loads` passes each worker's tokens on.
+async fn check_get_loads(
+    c: &reqwest::Client,
+    ws: &[Server],
+    r: &Server,
+    held: &[u64],
+) -> Result<()> {
+    let (s, body) = get(c, &r.url("/get_loads"), None).await?;
+    ensure!(s == 200, "get_loads: {s} {body}");
+    let via_router: Value = serde_json::from_str(&body)?;
+    let listed = via_router["workers"].as_array().context("workers")?;
+    ensure!(listed.len() == ws.len(), "{via_router}");
+    for (w, &n) in ws.iter().zip(held) {
+        let (s, own) = get(c, &w.url("/get_load"), None).await?;
+        ensure!(s == 200, "get_load: {s} {own}");
+        let own: Value = serde_json::from_str(&own)?;
+        let rank = &own[0];
+        let tokens = rank["num_tokens"].as_i64().context("num_tokens")?;
+        ensure!(
+            rank["dp_rank"] == 0 && rank["num_reqs"].as_u64() == Some(n),
+            "{} holds {n}: {own}",
+            w.base
+        );
+        // Prompts of 26 words or more each, whether queued or admitted;
+        // nothing but evictable cache on a worker that holds none.
+        let least = if n == 0 { 0 } else { 20 * n as i64 };
+        ensure!(tokens >= least && (n > 0 || tokens == 0), "{own}");
+        let load = listed
+            .iter()
+            .find(|x| x["worker"] == w.base.as_str())
+            .and_then(|x| x["load"].as_i64());
+        ensure!(load == Some(tokens), "router {via_router} worker {own}");
+    }
+    Ok(())
 }
 
 #[tokio::test]

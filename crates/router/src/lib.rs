@@ -12,7 +12,8 @@
 //! `/metrics` is the router's Prometheus text ([`metrics`]); workers come
 //! and go with `POST /add_worker?url=` and `/remove_worker?url=`, and
 //! `GET /list_workers` (SGLang's `{"urls": [...]}`) and `/workers` (with
-//! load, health and circuit) list them.
+//! load, health and circuit) list them; `GET /get_loads` asks every worker
+//! for its own `/get_load` (SGLang's `{"workers": [{"worker", "load"}]}`).
 //!
 //! Background tasks: health checks every `--health-check-interval-secs`
 //! (a worker leaves after `--health-failure-threshold` failed checks and
@@ -379,6 +380,26 @@ async fn workers(State(st): State<Arc<RouterState>>) -> Response {
     axum::Json(json!({"policy": st.cfg.policy.name(), "workers": list})).into_response()
 }
 
+/// `GET /get_loads` (SGLang's router): every worker with the load its own
+/// `/get_load` reports (-1 when it did not answer); PD workers also say
+/// their role.
+async fn get_loads(State(st): State<Arc<RouterState>>) -> Response {
+    st.metrics.request("/get_loads");
+    let pd = st.cfg.pd.is_some();
+    let list: Vec<Value> = proxy::loads(&st)
+        .await
+        .into_iter()
+        .map(|(w, load)| {
+            let mut v = json!({"worker": w.url(), "load": load});
+            if pd {
+                v["worker_type"] = json!(w.role().name());
+            }
+            v
+        })
+        .collect();
+    axum::Json(json!({"workers": list})).into_response()
+}
+
 async fn not_found(uri: Uri) -> Response {
     error_response(StatusCode::NOT_FOUND, format!("no route {}", uri.path()))
 }
@@ -404,6 +425,7 @@ pub fn app(st: Arc<RouterState>) -> Router {
         .route("/remove_worker", post(remove_worker))
         .route("/list_workers", get(list_workers))
         .route("/workers", get(workers))
+        .route("/get_loads", get(get_loads))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(st)

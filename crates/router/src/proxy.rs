@@ -17,7 +17,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
-use serde_json::json;
+use serde_json::{Value, json};
 use std::sync::Arc;
 
 /// An error answered by the router itself (OpenAI-style JSON, like the
@@ -230,4 +230,55 @@ pub async fn broadcast(st: &Arc<RouterState>, out: Outgoing) -> Vec<(String, Res
         }
     });
     futures_util::future::join_all(calls).await
+}
+
+/// A worker's load as SGLang's `/get_load` reports it: the tokens of its
+/// data-parallel ranks summed (`[{"num_tokens": ..}, ..]`), or an older
+/// server's `{"load": n}`; `None` for anything else.
+pub fn parse_load(v: &Value) -> Option<i64> {
+    match v {
+        Value::Array(ranks) => ranks
+            .iter()
+            .map(|r| r.get("num_tokens").and_then(Value::as_i64))
+            .sum(),
+        Value::Object(o) => o.get("load").and_then(Value::as_i64),
+        _ => None,
+    }
+}
+
+/// Every worker's `/get_load`, asked at once (each within the health-check
+/// time limit); -1 for a worker that did not answer with a load.
+pub async fn loads(st: &Arc<RouterState>) -> Vec<(Arc<Worker>, i64)> {
+    let calls = st.workers.all().into_iter().map(|w| {
+        let st = st.clone();
+        async move {
+            let rq = st
+                .client
+                .get(format!("{}/get_load", w.url()))
+                .timeout(st.cfg.health.timeout);
+            let load = match rq.send().await {
+                Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
+                _ => None,
+            };
+            let load = load.as_ref().and_then(parse_load).unwrap_or(-1);
+            (w, load)
+        }
+    });
+    futures_util::future::join_all(calls).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_load;
+    use serde_json::json;
+
+    #[test]
+    fn loads_parse_from_both_shapes_of_get_load() {
+        let ranks = json!([{"dp_rank": 0, "num_reqs": 3, "num_tokens": 120},
+                           {"dp_rank": 1, "num_reqs": 1, "num_tokens": 30}]);
+        assert_eq!(parse_load(&ranks), Some(150));
+        assert_eq!(parse_load(&json!({"load": 7})), Some(7));
+        assert_eq!(parse_load(&json!([{"dp_rank": 0}])), None);
+        assert_eq!(parse_load(&json!("busy")), None);
+    }
 }

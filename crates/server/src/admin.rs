@@ -186,6 +186,21 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
     Json(Value::Object(info)).into_response()
 }
 
+/// `GET /get_load`: SGLang's load report, one entry per data-parallel rank
+/// (Arbor serves one): requests running and queued, those queued, and the
+/// tokens they weigh (KV held plus queued prompt tokens), which SGLang's
+/// router sums per worker for `/get_loads` and its power-of-two policy.
+pub(crate) async fn get_load(State(st): State<Arc<AppState>>) -> Response {
+    let s = st.engine.stats();
+    Json(json!([{
+        "dp_rank": 0,
+        "num_reqs": s.num_running_reqs + s.num_queue_reqs,
+        "num_waiting_reqs": s.num_queue_reqs,
+        "num_tokens": s.num_used_tokens + s.num_queue_tokens,
+    }]))
+    .into_response()
+}
+
 /// `GET /metrics` (Prometheus text format).
 pub(crate) async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     if !st.opts.enable_metrics {

@@ -219,6 +219,7 @@ impl Server {
             .route("/get_server_info", get(admin::server_info))
             .route("/server_info", get(admin::server_info))
             .route("/metrics", get(admin::metrics))
+            .route("/get_load", get(admin::get_load))
             .route(
                 "/update_weights_from_disk",
                 post(refit::update_weights_from_disk),

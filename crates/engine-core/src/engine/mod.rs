@@ -243,6 +243,9 @@ pub struct OutputChunk {
 pub struct EngineStats {
     pub num_running_reqs: usize,
     pub num_queue_reqs: usize,
+    /// Prompt tokens of the queued requests (what SGLang's `/get_load`
+    /// adds to the used tokens).
+    pub num_queue_tokens: usize,
     /// Tokens of KV that requests hold (SGLang's `num_used_tokens`): every
     /// allocated token but the cache's evictable ones. A cached prefix that a
     /// running request has locked counts as used.

@@ -833,12 +833,15 @@ impl Scheduler {
         let ps = self.page_size;
         c.num_running_reqs =
             self.running.len() + usize::from(self.chunked.is_some()) + self.lookahead.len();
-        c.num_queue_reqs = self.waiting.len()
-            + self
-                .waiting
-                .iter()
-                .map(|r| r.followers.len())
-                .sum::<usize>();
+        // Each queued sample counts (a prefix-only request's followers too).
+        let (mut queued, mut queued_tokens) = (0, 0);
+        for r in &self.waiting {
+            let samples = 1 + r.followers.len();
+            queued += samples;
+            queued_tokens += samples * r.prompt.len();
+        }
+        c.num_queue_reqs = queued;
+        c.num_queue_tokens = queued_tokens;
         // As SGLang: what requests hold, not what the cache keeps for reuse.
         c.num_used_tokens =
             (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
