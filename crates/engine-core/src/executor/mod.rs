@@ -133,61 +133,37 @@ impl LocalExecutor {
         standard && !verify_sampled && s.logprobs.is_none_or(DeviceLogprobs::fits)
     }
 
-    /// Samples the rows of the device sequences where the logits are: the
-    /// logprob statistics of the raw rows that ask for them first, then the
-    /// edits, then the draws. Returns one id per device row (in plan order)
+    /// Samples the device rows (`dev`, gathered in plan order) where the
+    /// logits are: the logprob statistics of the raw rows that ask for them
+    /// first, then the edits, then the draws. Returns one id per device row
     /// and, per device row, its logprob when its request asked (empty when
     /// no row asked).
     fn sample_device_rows(
         &self,
-        plan: &StepPlan,
         logits: &Tensor,
-        on_device: &[bool],
-        first_row: &[usize],
+        dev: &DeviceRows,
         edits: &LogitEdits,
     ) -> Result<(Vec<u32>, Vec<Option<RowLogprob>>)> {
         let backend = &**self.runner.backend();
-        // The device rows (in the logits) and how each is drawn; verify rows
-        // reach the device only when greedy, so one seed serves every row.
-        let mut rows = Vec::with_capacity(plan.seqs.len());
-        let mut draws = Vec::with_capacity(plan.seqs.len());
-        let (mut lp_rows, mut lp_at, mut top) = (Vec::new(), Vec::new(), 0);
-        let dev_seqs = plan.seqs.iter().zip(first_row).zip(on_device);
-        for ((s, &r0), _) in dev_seqs.filter(|(_, d)| **d) {
-            let Some(sp) = &s.sample else { continue };
-            let n = s.sampled_rows().len();
-            if let Some(k) = sp.logprobs {
-                top = top.max(k);
-                lp_at.extend(rows.len()..rows.len() + n);
-                lp_rows.extend((r0..r0 + n).map(|r| r as u32));
-            }
-            let draw = SampleRow::of(&sp.params, sp.seed);
-            // Pushed one by one: a decode sequence has one row, for which
-            // this is cheaper than extending from an iterator.
-            for r in r0..r0 + n {
-                rows.push(r as u32);
-                draws.push(draw);
-            }
-        }
-        if rows.is_empty() {
+        if dev.rows.is_empty() {
             return Ok((Vec::new(), Vec::new()));
         }
-        let lp = (!lp_rows.is_empty())
-            .then(|| DeviceLogprobs::start(backend, logits, &lp_rows, top))
+        let lp = (!dev.lp_rows.is_empty())
+            .then(|| DeviceLogprobs::start(backend, logits, &dev.lp_rows, dev.top))
             .transpose()?;
-        let t = select_rows(backend, logits, &rows)?;
+        let t = select_rows(backend, logits, &dev.rows)?;
         if !edits.is_empty() {
             backend.edit_logits(&t, edits)?;
         }
-        let out = backend.alloc(crate::DType::U32, &[draws.len()])?;
-        backend.sample(&t, &draws, &out)?;
+        let out = backend.alloc(crate::DType::U32, &[dev.draws.len()])?;
+        backend.sample(&t, &dev.draws, &out)?;
         let ids = backend.download_u32(&out)?;
         // Filled only when some row asked for logprobs (empty otherwise).
         let mut per_row = Vec::new();
         if let Some(lp) = lp {
             per_row.resize(ids.len(), None);
-            let toks: Vec<u32> = lp_at.iter().map(|&i| ids[i]).collect();
-            for (&i, l) in lp_at.iter().zip(lp.finish(backend, &toks)?) {
+            let toks: Vec<u32> = dev.lp_at.iter().map(|&i| ids[i]).collect();
+            for (&i, l) in dev.lp_at.iter().zip(lp.finish(backend, &toks)?) {
                 per_row[i] = Some(l);
             }
         }
@@ -298,6 +274,40 @@ impl SeqEdits<'_> {
             all.push_mask(row, m)?;
         }
         Ok(())
+    }
+}
+
+/// The rows sampled where the logits are, gathered in plan order while
+/// each sequence's path is decided (one walk over the plan).
+#[derive(Default)]
+struct DeviceRows {
+    /// Rows of the logits, and how each is drawn (verify rows reach the
+    /// device only when greedy, so one seed serves every row of a sequence).
+    rows: Vec<u32>,
+    draws: Vec<SampleRow>,
+    /// Rows of the logits whose logprobs were asked, their index in `rows`,
+    /// and the most alternatives asked.
+    lp_rows: Vec<u32>,
+    lp_at: Vec<usize>,
+    top: usize,
+}
+
+impl DeviceRows {
+    /// Adds the `n` sampled rows of a sequence, the first at `first_row` of the logits.
+    fn add(&mut self, sp: &SampleSpec, first_row: usize, n: usize) {
+        if let Some(k) = sp.logprobs {
+            self.top = self.top.max(k);
+            self.lp_at.extend(self.rows.len()..self.rows.len() + n);
+            self.lp_rows
+                .extend((first_row..first_row + n).map(|r| r as u32));
+        }
+        let draw = SampleRow::of(&sp.params, sp.seed);
+        // Pushed one by one: a decode sequence has one row, for which this
+        // is cheaper than extending from an iterator.
+        for r in first_row..first_row + n {
+            self.rows.push(r as u32);
+            self.draws.push(draw);
+        }
     }
 }
 
@@ -445,7 +455,11 @@ impl Executor for LocalExecutor {
         let standard = self.sampler.name() == "standard";
         let mut on_device = Vec::with_capacity(plan.seqs.len());
         let mut edits = LogitEdits::new(vocab);
-        let mut dev_rows_so_far = 0u32;
+        let mut dev = DeviceRows {
+            rows: Vec::with_capacity(plan.seqs.len()),
+            draws: Vec::with_capacity(plan.seqs.len()),
+            ..DeviceRows::default()
+        };
         for (i, s) in plan.seqs.iter().enumerate() {
             let Some(sp) = s.sample.as_ref() else {
                 on_device.push(true);
@@ -453,18 +467,20 @@ impl Executor for LocalExecutor {
             };
             let seq_masks = masks.and_then(|m| m.get(i)).map_or(&[][..], Vec::as_slice);
             let device = self.device_samples(sp, standard);
-            if device && self.unedited(sp, seq_masks) {
-                on_device.push(true);
-                dev_rows_so_far += s.sampled_rows().len() as u32;
-                continue;
-            }
-            let seq_edits = device
-                .then(|| self.seq_edits(s, sp, seq_masks, dev_rows_so_far, vocab))
-                .flatten();
-            on_device.push(seq_edits.is_some());
-            if let Some(e) = seq_edits {
-                e.add_to(&mut edits)?;
-                dev_rows_so_far += s.sampled_rows().len() as u32;
+            // Edits address the rows by their place among the device rows.
+            let here = dev.rows.len() as u32;
+            let sampled = device
+                && (self.unedited(sp, seq_masks)
+                    || match self.seq_edits(s, sp, seq_masks, here, vocab) {
+                        Some(e) => {
+                            e.add_to(&mut edits)?;
+                            true
+                        }
+                        None => false,
+                    });
+            on_device.push(sampled);
+            if sampled {
+                dev.add(sp, first_row[i], s.sampled_rows().len());
             }
         }
         let host_rows: Vec<u32> = plan
@@ -476,8 +492,7 @@ impl Executor for LocalExecutor {
             .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
             .collect();
         // Device ids (and logprobs) and host logits, each in the order of its rows.
-        let (dev_ids, dev_logprobs) =
-            self.sample_device_rows(plan, &out.logits, &on_device, &first_row, &edits)?;
+        let (dev_ids, dev_logprobs) = self.sample_device_rows(&out.logits, &dev, &edits)?;
         let host_logits = if host_rows.is_empty() {
             Vec::new()
         } else {
