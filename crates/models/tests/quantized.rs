@@ -174,6 +174,14 @@ fn compressed_tensors_w4a16_asymmetric_matches() -> Result<()> {
     check_format("w4a16-asym", DType::U4_S32)
 }
 
+/// llm-compressor's act-order layout (`actorder: group`): `weight_g_idx`
+/// names each input's group and the scale columns follow it. The fixture
+/// re-expresses w4a16's weights that way, so w4a16's reference applies.
+#[test]
+fn compressed_tensors_w4a16_act_order_matches() -> Result<()> {
+    check_format("w4a16-actorder", DType::U4_S32)
+}
+
 #[test]
 fn awq_matches() -> Result<()> {
     check_format("awq", DType::U4_S32)
@@ -353,6 +361,20 @@ fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
     )?;
     let e = load_error(d.path(), None);
     assert!(e.contains(s) && e.contains("f8_e4m3"), "{e}");
+
+    // An act-order index naming a group the layer does not have.
+    let g = "model.layers.1.mlp.down_proj.weight_g_idx";
+    let d = edited(
+        "w4a16-actorder",
+        |_| {},
+        |t| {
+            if let Some(x) = t.iter_mut().find(|(n, ..)| n == g) {
+                x.3[0..4].copy_from_slice(&9i32.to_le_bytes());
+            }
+        },
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(g) && e.contains("group 9"), "{e}");
 
     // A method other than the checkpoint's.
     let e = load_error(&fixtures().join("quant/fp8-block"), Some("awq"));

@@ -118,6 +118,33 @@ pub fn tensor<'a>(src: &'a dyn WeightSource, name: &str) -> Result<HostTensor<'a
     Ok(t)
 }
 
+/// The group of each of `k` inputs from an act-order index tensor (GPTQ's
+/// `g_idx`, compressed-tensors' `weight_g_idx`: I32 `[k]`, each in
+/// `0..groups`); `None` when the checkpoint has no such tensor.
+pub fn group_index(
+    src: &dyn WeightSource,
+    name: &str,
+    k: usize,
+    groups: usize,
+) -> Result<Option<Vec<usize>>> {
+    let Some(t) = src.tensor(name)? else {
+        return Ok(None);
+    };
+    t.validate(name)?;
+    if t.shape != [k] {
+        return Err(bad_shape(src, name, &t.shape, &format!("[{k}]")));
+    }
+    let v = ints(src, name, &t)?;
+    if let Some(bad) = v.iter().find(|&&x| x < 0 || x as usize >= groups) {
+        return Err(in_tensor(
+            src,
+            name,
+            CoreError::load(format!("holds group {bad}; the layer has {groups} groups")),
+        ));
+    }
+    Ok(Some(v.into_iter().map(|x| x as usize).collect()))
+}
+
 /// A shape error naming the tensor.
 pub fn bad_shape(src: &dyn WeightSource, name: &str, got: &[usize], want: &str) -> CoreError {
     CoreError::load(format!(

@@ -13,11 +13,13 @@
 //!   `group` or `channel`, and for asymmetric schemes `weight_zero_point`
 //!   I32 `[ceil(n/8), groups]` (the zero of output `r` in bits `4 (r % 8)`
 //!   of word `r / 8`, stored as `z + 8`); value = `(u − uz) × scale`, with
-//!   `uz = 8` when symmetric.
+//!   `uz = 8` when symmetric. Act-order checkpoints (`actorder: "group"`)
+//!   add `weight_g_idx` I32 `[k]`: input `c` takes the scale and zero of
+//!   group `weight_g_idx[c]` instead of `c / group_size`.
 
 use super::common::{
-    Excluded, ScaleMap, U4Weight, anchored, bad_shape, check_input_scale, floats, for_device, ints,
-    store_float, string, tensor, uint,
+    Excluded, ScaleMap, U4Weight, anchored, bad_shape, check_input_scale, floats, for_device,
+    group_index, ints, store_float, string, tensor, uint,
 };
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
@@ -256,6 +258,16 @@ impl CompressedTensors {
             Strategy::Group(g) => (g, k / g),
             _ => (k.max(1), 1),
         };
+        // Act-order checkpoints (`actorder: group`) assign inputs to groups
+        // by `weight_g_idx`; input `c` then takes the scale and zero of its
+        // group, found through the group's first input in the plain layout.
+        let gidx = match strategy {
+            Strategy::Group(_) => {
+                group_index(src, &format!("{}.weight_g_idx", spec.prefix), k, groups)?
+            }
+            _ => None,
+        };
+        let col = |c: usize| gidx.as_ref().map_or(c, |v| v[c] * zg);
         let zp: Vec<i32> = if scheme.symmetric {
             Vec::new()
         } else {
@@ -275,10 +287,10 @@ impl CompressedTensors {
             if zp.is_empty() {
                 8u8
             } else {
-                ((zp[(r / 8) * groups + c / zg] as u32 >> (4 * (r % 8))) & 0xf) as u8
+                ((zp[(r / 8) * groups + col(c) / zg] as u32 >> (4 * (r % 8))) & 0xf) as u8
             }
         };
-        let scale = |r: usize, c: usize| scales.at(r, c);
+        let scale = |r: usize, c: usize| scales.at(r, col(c));
         let w = U4Weight {
             n,
             k,

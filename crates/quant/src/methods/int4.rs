@@ -14,10 +14,10 @@
 //! default) and `z` in GPTQModel's `gptq_v2`. `group_size: -1` is one group.
 
 use super::common::{
-    Excluded, U4Weight, bad_shape, check_scales, floats, for_device, ints, store_float, string,
-    tensor,
+    Excluded, U4Weight, bad_shape, check_scales, floats, for_device, group_index, ints,
+    store_float, string, tensor,
 };
-use arbor_engine_core::quant::{in_tensor, load_unquantized};
+use arbor_engine_core::quant::load_unquantized;
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, LinearSpec, QuantInit, QuantMethod, Result,
     WeightSource,
@@ -291,26 +291,8 @@ impl QuantMethod for Gptq {
         let qw = packed(src, &format!("{p}.qweight"), [k / 8, n])?;
         let qz = packed(src, &format!("{p}.qzeros"), [groups, nw])?;
         let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
-        let gname = format!("{p}.g_idx");
-        let gidx: Vec<usize> = match src.tensor(&gname)? {
-            None => (0..k).map(|c| c / g).collect(),
-            Some(t) => {
-                if t.shape != [k] {
-                    return Err(bad_shape(src, &gname, &t.shape, &format!("[{k}]")));
-                }
-                let v = ints(src, &gname, &t)?;
-                if let Some(bad) = v.iter().find(|&&x| x < 0 || x as usize >= groups) {
-                    return Err(in_tensor(
-                        src,
-                        &gname,
-                        CoreError::load(format!(
-                            "holds group {bad}; the layer has {groups} groups"
-                        )),
-                    ));
-                }
-                v.into_iter().map(|x| x as usize).collect()
-            }
-        };
+        let gidx: Vec<usize> = group_index(src, &format!("{p}.g_idx"), k, groups)?
+            .unwrap_or_else(|| (0..k).map(|c| c / g).collect());
         let add = u8::from(self.zeros_minus_one);
         let q = |r: usize, c: usize| ((qw[(c / 8) * n + r] as u32 >> (4 * (c % 8))) & 0xf) as u8;
         let zero = |r: usize, c: usize| {

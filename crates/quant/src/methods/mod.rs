@@ -1,7 +1,8 @@
 //! Quantization methods for HF checkpoints, registered by name: `fp8`
 //! (serialized FP8 per tensor, per channel or in 128×128 blocks, and FP8
 //! quantization of float checkpoints at load), `compressed-tensors`
-//! (llm-compressor's `float-quantized` FP8 and `pack-quantized` INT4),
+//! (llm-compressor's `float-quantized` FP8 and `pack-quantized` INT4, act-order
+//! `weight_g_idx` included),
 //! `awq` (AutoAWQ GEMM), `gptq` (GPTQ and GPTQModel, act-order included)
 //! and `modelopt` (NVIDIA ModelOpt NVFP4 and FP8).
 //!
@@ -53,7 +54,7 @@ inventory::submit! {
     QuantMethodEntry { name: "fp8", about: "FP8 E4M3 weights (per tensor, per channel or 128x128 blocks); quantizes float checkpoints at load", create: fp8 }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4 (symmetric or with zero points)", create: compressed_tensors }
+    QuantMethodEntry { name: "compressed-tensors", about: "llm-compressor checkpoints: float-quantized FP8, pack-quantized INT4 (symmetric or with zero points, act-order weight_g_idx)", create: compressed_tensors }
 }
 inventory::submit! {
     QuantMethodEntry { name: "awq", about: "AutoAWQ INT4 (GEMM layout, zero points, any group size)", create: awq }
