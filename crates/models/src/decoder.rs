@@ -91,7 +91,9 @@ pub struct DecoderModel {
     tp: Option<TpRank>,
     cfg: DecoderConfig,
     backend: Arc<dyn Backend>,
-    embed: Tensor,
+    /// The input embedding table; `None` for a model loaded to run from
+    /// input embeddings only ([`DecoderArchitecture::load_from_embeds`]).
+    embed: Option<Tensor>,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
@@ -263,7 +265,7 @@ impl DecoderModel {
         src: &dyn WeightSource,
         opts: &LoadOptions,
     ) -> Result<Self> {
-        Self::load_inner(cfg, moe, flags, src, opts, None)
+        Self::load_inner(cfg, moe, flags, src, opts, None, true)
     }
 
     /// Loads rank `shard.comm.rank()`'s shard of a model of `cfg` (the
@@ -295,6 +297,7 @@ impl DecoderModel {
             &sharded,
             opts,
             Some((tp, experts)),
+            true,
         )
     }
 
@@ -305,6 +308,7 @@ impl DecoderModel {
         src: &dyn WeightSource,
         opts: &LoadOptions,
         shard: Option<(TpRank, Option<std::ops::Range<usize>>)>,
+        table: bool,
     ) -> Result<Self> {
         let (tp, owned_experts) = match shard {
             Some((tp, experts)) => (Some(tp), experts),
@@ -344,7 +348,15 @@ impl DecoderModel {
             total: 3 + total,
             bytes: 0,
         };
-        let embed = l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // A model run from input embeddings reads its table only when its
+        // LM head is that table.
+        let head_is_table = cfg.tie_word_embeddings || src.tensor("lm_head.weight")?.is_none();
+        let embed = if table || head_is_table {
+            Some(l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?)
+        } else {
+            l.tick();
+            None
+        };
         let qkv_bias = if flags.qkv_bias || cfg.attention_bias {
             Bias::Required
         } else {
@@ -406,15 +418,15 @@ impl DecoderModel {
             }
             _ => (cfg.vocab_size, 0),
         };
-        let lm_head = if cfg.tie_word_embeddings {
-            l.tick();
-            embed.narrow(head_start, head_rows)?
-        } else if src.tensor("lm_head.weight")?.is_some() {
-            l.linear("lm_head", head_rows, h, Bias::Optional)?.w
-        } else {
-            tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
-            l.tick();
-            embed.narrow(head_start, head_rows)?
+        let lm_head = match &embed {
+            Some(e) if head_is_table => {
+                if !cfg.tie_word_embeddings {
+                    tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
+                }
+                l.tick();
+                e.narrow(head_start, head_rows)?
+            }
+            _ => l.linear("lm_head", head_rows, h, Bias::Optional)?.w,
         };
         let mut freqs = cfg.inv_freq();
         // GGUF Llama 3 files carry the scaling as per-frequency divisors.
@@ -433,9 +445,10 @@ impl DecoderModel {
             }
         }
         let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
-        let weight_dtype = layers.first().map_or(embed.dtype(), |l| match &l.attn {
+        let table_dtype = embed.as_ref().map_or(lm_head.dtype(), Tensor::dtype);
+        let weight_dtype = layers.first().map_or(table_dtype, |l| match &l.attn {
             Attn::Mha(m) => m.q.w.dtype(),
-            Attn::Mla(_) => embed.dtype(),
+            Attn::Mla(_) => table_dtype,
         });
         // The KV cache's geometry: one latent "head" with latent attention.
         let (kv_heads, kv_dim) = match &cfg.mla {
@@ -600,7 +613,14 @@ impl DecoderModel {
                     "input embeddings {e:?} for {t} tokens of width {h}"
                 )));
             }
-            None => b.embedding(&self.embed, &ids, &resid)?,
+            None => match &self.embed {
+                Some(table) => b.embedding(table, &ids, &resid)?,
+                None => {
+                    return Err(CoreError::invalid(
+                        "this model was loaded to run from input embeddings (it has no embedding table)",
+                    ));
+                }
+            },
         }
         for (i, layer) in self.layers.iter().enumerate().take(run) {
             if i > 0 {
@@ -776,7 +796,7 @@ impl Model for DecoderModel {
     }
 
     fn input_embedding(&self) -> Option<Tensor> {
-        Some(self.embed.clone())
+        self.embed.clone()
     }
 
     fn lm_head(&self) -> Option<Tensor> {
@@ -818,8 +838,7 @@ impl DecoderArchitecture {
     }
 
     /// Loads a model of this architecture from a `config.json` value, as
-    /// the concrete type (for a caller that runs it from embeddings: an MTP
-    /// layer).
+    /// the concrete type.
     pub fn load_model(
         &self,
         config: &serde_json::Value,
@@ -828,6 +847,19 @@ impl DecoderArchitecture {
     ) -> Result<DecoderModel> {
         let (cfg, moe) = self.config(config)?;
         DecoderModel::load(cfg, moe.as_ref(), self.flags, weights, options)
+    }
+
+    /// [`Self::load_model`] for a caller that runs the model from input
+    /// embeddings only (an MTP layer): the embedding table is not loaded
+    /// unless the LM head is that table.
+    pub fn load_from_embeds(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+    ) -> Result<DecoderModel> {
+        let (cfg, moe) = self.config(config)?;
+        DecoderModel::load_inner(cfg, moe.as_ref(), self.flags, weights, options, None, false)
     }
 
     /// The parsed `config.json`, with its MoE keys when the architecture has

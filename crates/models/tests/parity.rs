@@ -262,3 +262,37 @@ fn half_precision_weights_load_and_stay_close() -> Result<()> {
     }
     Ok(())
 }
+
+/// A model loaded to run from input embeddings (a DeepSeek MTP layer's
+/// one-layer model) reads no embedding table: the same weights less the
+/// table's bytes, and no input embedding to share.
+#[test]
+fn a_model_run_from_embeddings_loads_no_embedding_table() -> Result<()> {
+    use arbor_models::decoder::{DEEPSEEK_V3, DecoderArchitecture};
+    use arbor_models::safetensors_source::SafetensorsSource;
+    let (full, _, backend) = load("tiny-deepseek-v3", "auto")?;
+    let table = full
+        .model
+        .input_embedding()
+        .context("the whole model has its table")?;
+    let dir = fixture("tiny-deepseek-v3");
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend,
+        quant: registry.quant_methods.get("auto")?(&Default::default())?,
+        progress: None,
+    };
+    let src = SafetensorsSource::open(&dir)?;
+    let from_embeds =
+        DecoderArchitecture::new(DEEPSEEK_V3).load_from_embeds(&config, &src, &opts)?;
+    use arbor_engine_core::Model;
+    assert!(from_embeds.input_embedding().is_none());
+    let table_bytes = table.dtype().bytes_for(table.numel())?;
+    assert_eq!(table.shape(), [512, 64]);
+    assert_eq!(
+        full.model.spec().weight_bytes - from_embeds.spec().weight_bytes,
+        table_bytes as u64
+    );
+    Ok(())
+}

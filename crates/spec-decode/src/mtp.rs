@@ -33,7 +33,9 @@
 //! with `model.layers.0.*` read from `model.layers.{L}.*`, its final norm
 //! `shared_head.norm` and its LM head `shared_head.head` (else the
 //! target's), fed `x` as its input embeddings; its KV cache is one latent
-//! layer. That model holds its own copy of the embedding table (unused).
+//! layer. That model reads no embedding table of its own (it runs from
+//! `x`); `embed` above is the head's one table (the layer's `embed_tokens`,
+//! else the target's).
 //!
 //! The decoder-layer pieces, config reading and the checks it shares with
 //! the EAGLE heads live in `head_common`.
@@ -361,7 +363,7 @@ impl MtpHead {
         };
         let ls = LayerSource { st: &src.st, layer };
         DecoderArchitecture::new(flags)
-            .load_model(&one, &ls, &opts)
+            .load_from_embeds(&one, &ls, &opts)
             // Name tensors as the checkpoint does, not as the one-layer model reads them.
             .map_err(|e| match e {
                 CoreError::ModelLoad(m) => CoreError::ModelLoad(
