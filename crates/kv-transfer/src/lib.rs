@@ -89,7 +89,6 @@ impl TcpReceiver {
     /// Listens on `addr` (port 0: any free port) and hands every transfer to `sink`.
     pub fn bind(addr: &str, sink: PageSink, limits: wire::Limits) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
@@ -107,13 +106,29 @@ impl TcpReceiver {
 
 impl Drop for TcpReceiver {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::SeqCst);
+        // The accept loop blocks in `accept`: a connection of our own wakes
+        // it to see the flag (an unspecified address is reached on loopback).
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake.ip() {
+                std::net::IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
     }
 }
 
+/// Blocks in `accept` (a transfer starts as soon as it connects) until the
+/// receiver is dropped, whose own connection wakes it.
 fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::Relaxed) {
-        match listener.accept() {
+    loop {
+        let accepted = listener.accept();
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        match accepted {
             Ok((stream, from)) => {
                 let sink = sink.clone();
                 let spawned = std::thread::Builder::new()
@@ -127,9 +142,6 @@ fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop
                     tracing::warn!("KV transfer from {from}: no thread: {e}");
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(20));
-            }
             Err(e) => {
                 tracing::warn!("KV transfer accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));
@@ -139,7 +151,6 @@ fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop
 }
 
 fn serve_one(stream: TcpStream, sink: &PageSink, limits: wire::Limits) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(60)))?;
     stream.set_write_timeout(Some(Duration::from_secs(60)))?;
     let _ = stream.set_nodelay(true);
@@ -151,4 +162,28 @@ fn serve_one(stream: TcpStream, sink: &PageSink, limits: wire::Limits) -> std::i
     let mut w = BufWriter::new(stream);
     wire::write_answer(&mut w, &answer)?;
     w.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The accept loop blocks in `accept`; dropping the receiver wakes it,
+    /// and the listening socket closes with it.
+    #[test]
+    fn a_dropped_receiver_frees_its_port() {
+        let sink: PageSink = Arc::new(|_| Err("not importing".into()));
+        let rx = TcpReceiver::bind("127.0.0.1:0", sink, wire::Limits::default()).unwrap();
+        let addr = rx.local_addr();
+        assert!(TcpListener::bind(addr).is_err(), "the port is in use");
+        drop(rx);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpListener::bind(addr).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "{addr} still bound after the drop"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
