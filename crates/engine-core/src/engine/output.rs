@@ -1,9 +1,11 @@
 //! The output thread: delivers the scheduler's chunks to the request streams.
 //!
 //! The scheduler does not lock each request's channel itself. During an
-//! iteration it fills one [`OutputBatch`] (a record per request with something
-//! new: a range of one flat token buffer, text, logprobs, finish, meta) and at
-//! the end hands the batch over with one channel send, as SGLang's scheduler
+//! iteration it fills one [`OutputBatch`]: a compact record per request with
+//! something new (ranges of one flat token buffer and one text buffer, the
+//! figures that change every step; boxed, and only when present: logprobs,
+//! the finish, and the figures of its meta that seldom change, sent when
+//! they do). At the end it hands the batch over with one channel send, as SGLang's scheduler
 //! hands a step's token ids to its detokenizer in one message. This thread
 //! then merges each record into its request's channel (lock, coalesce, wake
 //! the reader), so that cost leaves the scheduler's iteration and overlaps
