@@ -203,8 +203,14 @@ impl Scheduler {
         if prefill.is_empty() && decoding.is_empty() {
             return self.run_tier_copies();
         }
-        let base_tokens: usize = prefill.iter().map(|e| e.len).sum::<usize>()
-            + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>();
+        // The step's tokens before drafts (what the drafting budget is
+        // weighed against): a walk over every request, only when speculating.
+        let base_tokens: usize = if self.speculator.is_some() {
+            prefill.iter().map(|e| e.len).sum::<usize>()
+                + decoding.iter().map(|r| r.len() - r.computed).sum::<usize>()
+        } else {
+            0
+        };
         let drafting = Instant::now();
         let drafts = self.draft(&mut decoding, base_tokens);
         // A model drafter's forwards are part of what a draft token costs.
@@ -231,7 +237,12 @@ impl Scheduler {
         // evictions before this point recorded run first.
         plan.kv_ops = self.cache.take_kv_ops();
         plan.hidden_layers = self.planned_hidden_layers();
-        let plan_tokens: usize = plan.seqs.iter().map(|s| s.tokens.len()).sum();
+        // Tokens the forward computes, for speculation's cost model only.
+        let plan_tokens: usize = if self.speculator.is_some() {
+            plan.seqs.iter().map(|s| s.tokens.len()).sum()
+        } else {
+            0
+        };
         if self.lora_used {
             let mut seen: Vec<AdapterKey> = Vec::new();
             add_distinct(&mut seen, plan.seqs.iter().map(|s| adapter_key(&s.lora)));

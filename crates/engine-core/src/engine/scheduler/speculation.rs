@@ -139,10 +139,10 @@ impl Scheduler {
     /// The list is empty when no request drafted (read it with [`draft_of`]).
     pub(super) fn draft(&mut self, decoding: &mut [Req], base_tokens: usize) -> Vec<Draft> {
         let mut drafts: Vec<Draft> = Vec::new();
-        let tree_ok = self.executor.capabilities().tree;
         let Some(cfg) = self.cfg.speculative.clone() else {
             return drafts;
         };
+        let tree_ok = self.executor.capabilities().tree;
         let context = self.executor.model_spec().max_position_embeddings;
         let eligible: Vec<usize> = (0..decoding.len())
             .filter(|&i| self.may_draft(&decoding[i]))
