@@ -30,7 +30,7 @@
 //! [`TREE_MASK_TOKENS`] new tokens there.
 
 use crate::error::{CoreError, Result};
-use crate::kv::KvLayer;
+use crate::kv::{KvLayer, page_of, pages_for};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::sync::Arc;
@@ -82,17 +82,6 @@ pub struct BatchLayout {
     pub tree_parents: Vec<i32>,
 }
 
-/// `t / page_size`: a shift for the usual power-of-two sizes (a division
-/// costs tens of cycles, and a batch's layout takes a few per sequence).
-#[inline]
-fn page_div(t: usize, page_size: usize) -> usize {
-    if page_size.is_power_of_two() {
-        t >> page_size.trailing_zeros()
-    } else {
-        t / page_size
-    }
-}
-
 /// The error of a sequence [`BatchLayout::push_seq`] refuses (kept out of
 /// its path).
 #[cold]
@@ -132,13 +121,13 @@ impl BatchLayout {
         }
         let q_start = self.slot_mapping.len();
         let start = self.page_table.len();
-        let used_pages = page_div(kv_len + ps - 1, ps);
+        let used_pages = pages_for(kv_len, ps);
         self.page_table.extend_from_slice(&pages[..used_pages]);
         // Slots page by page: one division and one range check per page
         // (a decode token is one slot on one page).
         let mut t = prefix_len;
         while t < kv_len {
-            let page_index = page_div(t, ps);
+            let page_index = page_of(t, ps);
             let (page, offset) = (pages[page_index] as usize, t - page_index * ps);
             let n = (ps - offset).min(kv_len - t);
             let first = page * ps + offset;

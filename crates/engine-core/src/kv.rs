@@ -215,6 +215,24 @@ struct PoolState {
     total: usize,
 }
 
+/// The page holding token `t` with pages of `page_size` tokens: a shift for
+/// the usual power-of-two sizes (a division costs tens of cycles, and a
+/// decode step takes a few per request).
+#[inline]
+pub fn page_of(t: usize, page_size: usize) -> usize {
+    if page_size.is_power_of_two() {
+        t >> page_size.trailing_zeros()
+    } else {
+        t / page_size
+    }
+}
+
+/// Pages that hold `tokens` tokens (`tokens.div_ceil(page_size)`, see [`page_of`]).
+#[inline]
+pub fn pages_for(tokens: usize, page_size: usize) -> usize {
+    page_of(tokens + page_size - 1, page_size)
+}
+
 /// Hands out KV page indices. Cloning shares the same pool.
 #[derive(Clone)]
 pub struct PagePool {
@@ -384,6 +402,16 @@ impl Drop for PageSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_arithmetic_matches_division() {
+        for ps in [1, 3, 16, 24, 64, 100] {
+            for t in 0..500 {
+                assert_eq!(page_of(t, ps), t / ps, "page_of({t}, {ps})");
+                assert_eq!(pages_for(t, ps), t.div_ceil(ps), "pages_for({t}, {ps})");
+            }
+        }
+    }
 
     #[test]
     fn kv_dtype_choice_parses_auto_and_the_float_types() {

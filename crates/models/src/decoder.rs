@@ -845,8 +845,7 @@ impl DecoderArchitecture {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<DecoderModel> {
-        let (cfg, moe) = self.config(config)?;
-        DecoderModel::load(cfg, moe.as_ref(), self.flags, weights, options)
+        self.load_concrete(config, weights, options, true)
     }
 
     /// [`Self::load_model`] for a caller that runs the model from input
@@ -858,8 +857,19 @@ impl DecoderArchitecture {
         weights: &dyn WeightSource,
         options: &LoadOptions,
     ) -> Result<DecoderModel> {
+        self.load_concrete(config, weights, options, false)
+    }
+
+    /// The whole model from `config`, with its embedding table when `table`.
+    fn load_concrete(
+        &self,
+        config: &serde_json::Value,
+        weights: &dyn WeightSource,
+        options: &LoadOptions,
+        table: bool,
+    ) -> Result<DecoderModel> {
         let (cfg, moe) = self.config(config)?;
-        DecoderModel::load_inner(cfg, moe.as_ref(), self.flags, weights, options, None, false)
+        DecoderModel::load_inner(cfg, moe.as_ref(), self.flags, weights, options, None, table)
     }
 
     /// The parsed `config.json`, with its MoE keys when the architecture has

@@ -35,7 +35,7 @@ use super::{
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
 use crate::executor::Executor;
-use crate::kv::PagePool;
+use crate::kv::{PagePool, pages_for};
 use crate::prefix_cache::PrefixCache;
 use crate::runner::is_stop;
 use crate::sampling::SeqRng;
@@ -685,16 +685,8 @@ impl Scheduler {
     /// Makes sure every running request has a slot for one more token, retracting if needed.
     fn prepare_decode(&mut self) -> Result<()> {
         let ps = self.page_size;
-        // Pages each request still needs for its pending tokens (one, or
-        // more after jump-forward); no division when the pages suffice.
-        let missing = |r: &Req| {
-            let (len, held) = (r.len(), r.page_count());
-            if len <= held * ps {
-                0
-            } else {
-                len.div_ceil(ps) - held
-            }
-        };
+        // Pages each request still needs for its pending tokens (one, or more after jump-forward).
+        let missing = |r: &Req| pages_for(r.len(), ps).saturating_sub(r.page_count());
         let need = loop {
             let need: usize = self.running.iter().map(missing).sum();
             let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;

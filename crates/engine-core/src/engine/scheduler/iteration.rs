@@ -22,6 +22,7 @@ use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key, add_
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
+use crate::kv::pages_for;
 use crate::speculative::{Draft, Drafting};
 use crate::step::{
     MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepPlan,
@@ -535,12 +536,7 @@ impl Scheduler {
     /// Returns the request's own pages past those its tokens occupy (the
     /// slots of rejected drafts) to the pool.
     fn trim_pages(&mut self, r: &mut Req) {
-        let ps = self.page_size;
-        // Usually no page is past the tokens: decided without a division.
-        if r.page_count() * ps < r.len() + ps {
-            return;
-        }
-        let keep = r.len().div_ceil(ps).saturating_sub(r.tree_pages.len());
+        let keep = pages_for(r.len(), self.page_size).saturating_sub(r.tree_pages.len());
         if let Some(own) = r.own.as_mut()
             && own.len() > keep
         {
