@@ -233,7 +233,7 @@ pub struct ServeArgs {
     /// Quantization method, as `arbor info` lists them: fp8 (FP8 W8A8; quantizes a float checkpoint at load), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
     #[arg(long, help_heading = "Model")]
     pub quantization: Option<String>,
-    /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16 [default: auto].
+    /// KV cache element type: auto (fp8_e4m3 for a checkpoint with FP8 KV scales where the device stores it, else f16 on the CPU, f32 on other devices), f32, f16, bf16, fp8_e4m3 or fp8_e5m2 [default: auto].
     #[arg(long = "kv-cache-dtype", help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
     /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].

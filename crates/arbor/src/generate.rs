@@ -51,8 +51,8 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let registry = setup::registry()?;
     let backend = setup::backend(&registry, &args.model)?;
-    let kv_dtype = setup::kv_dtype(&args.model, &*backend)?.dtype;
     let loaded = setup::load(&registry, backend.clone(), &args.model)?;
+    let kv_dtype = setup::kv_dtype(&args.model, &*backend, loaded.model.spec())?.dtype;
     let tok = loaded.tokenizer.clone();
     let prompt_text = if args.chat {
         let Some(t) = &loaded.chat_template else {

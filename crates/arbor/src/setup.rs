@@ -12,8 +12,8 @@ use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
-    Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions, PrefixCacheOptions,
-    Registry, ResolvedKvDtype, SpeculatorInputs,
+    Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions, ModelSpec,
+    PrefixCacheOptions, Registry, ResolvedKvDtype, SpeculatorInputs,
 };
 use arbor_models::LoadedModel;
 use clap::Args;
@@ -102,11 +102,16 @@ pub fn backend(registry: &Registry, args: &ModelArgs) -> Result<Arc<dyn Backend>
     factory(&opts).with_context(|| format!("starting device '{}'", args.device))
 }
 
-/// The KV element type `args.kv_cache_dtype` comes to on `backend` (an
-/// unknown name is an error naming the flag).
-pub fn kv_dtype(args: &ModelArgs, backend: &dyn Backend) -> Result<ResolvedKvDtype> {
+/// The KV element type `args.kv_cache_dtype` comes to on `backend` for a
+/// model of `spec` (whose checkpoint may carry FP8 KV scales; an unknown
+/// name is an error naming the flag).
+pub fn kv_dtype(
+    args: &ModelArgs,
+    backend: &dyn Backend,
+    spec: &ModelSpec,
+) -> Result<ResolvedKvDtype> {
     let choice: KvDtypeChoice = args.kv_cache_dtype.parse().context("--kv-cache-dtype")?;
-    Ok(choice.resolve(backend))
+    Ok(choice.resolve(backend, spec.checkpoint_kv_dtype))
 }
 
 /// Loads the model with a progress bar.
@@ -347,7 +352,7 @@ pub fn build_engine(
         let model = load(registry, backend.clone(), args)?;
         (backend, model, None)
     };
-    let resolved = kv_dtype(args, &*backend)?;
+    let resolved = kv_dtype(args, &*backend, model.model.spec())?;
     let standalone = setup
         .engine
         .speculative

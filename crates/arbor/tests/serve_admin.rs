@@ -600,3 +600,56 @@ async fn default_f16_kv_keeps_the_transformers_greedy_ids() -> Result<()> {
     }
     Ok(())
 }
+
+/// A checkpoint calibrated for an FP8 KV cache (per-layer `k_scale` and
+/// `v_scale`) is served with an FP8 E4M3 cache by default, the summary says
+/// why, and every prompt's greedy continuation is the numpy reference's
+/// (tools/reference/make_kv_scales_fixture.py), concurrently sent.
+#[tokio::test]
+async fn checkpoint_kv_scales_choose_and_drive_an_fp8_cache() -> Result<()> {
+    let dir = fixture("quant/fp8-kv-scales");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/reference.json"))?)?;
+    let c = client();
+    let s = Server::start(&[
+        "--model-path",
+        &dir,
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-total-tokens",
+        "1024",
+    ])?;
+    let (_, info) = get(&c, &s.url("/get_server_info"), None).await?;
+    let info: Value = serde_json::from_str(&info)?;
+    assert_eq!(info["kv_cache_dtype"], "f8_e4m3", "{info}");
+    assert_eq!(
+        info["kv_cache_dtype_reason"], "auto: the checkpoint's KV cache scales",
+        "{info}"
+    );
+    assert!(
+        s.log_contains("f8_e4m3 (auto: the checkpoint's KV cache scales)"),
+        "{}",
+        s.logs()
+    );
+    let prompts = reference["prompts"].as_array().map_or(&[][..], |v| v);
+    ensure!(!prompts.is_empty(), "no prompts");
+    let sends = prompts.iter().map(|p| {
+        let body = json!({
+            "input_ids": p["input_ids"],
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": true},
+        });
+        let (c, url) = (c.clone(), s.url("/generate"));
+        async move { c.post(url).json(&body).send().await?.json::<Value>().await }
+    });
+    for (i, (r, p)) in futures_util::future::join_all(sends)
+        .await
+        .into_iter()
+        .zip(prompts)
+        .enumerate()
+    {
+        assert_eq!(r?["output_ids"], p["greedy_ids"], "prompt {i}");
+    }
+    Ok(())
+}

@@ -2,8 +2,9 @@
 //! draft trees, with grouped-query attention and an optional sliding window.
 //!
 //! `forward` first writes the batch's new K and V rows into their KV slots
-//! (converting to the cache dtype: f32, f16, bf16, or FP8 E4M3/E5M2 with a
-//! scale of 1, rounding to nearest even and saturating), then runs one task per (sequence, KV head,
+//! (converting to the cache dtype: f32, f16, bf16, or FP8 E4M3/E5M2 divided
+//! by the layer's `KvScales`, rounding to nearest even and saturating; FP8
+//! rows are multiplied by them when read back), then runs one task per (sequence, KV head,
 //! block of queries): it gathers that head's keys (transposed) and values
 //! from their pages into contiguous f32 scratch, stacks the block's queries
 //! of every head of the GQA group, computes all their scores over the
@@ -100,6 +101,9 @@ impl CpuAttention {
 struct KvPtr {
     ptr: SendPtr<u8>,
     dtype: DType,
+    /// The cache's scale (1 unless FP8 with checkpoint scales): rows are
+    /// stored divided by it and read back multiplied by it.
+    scale: f32,
 }
 
 impl KvPtr {
@@ -155,8 +159,9 @@ impl KvPtr {
                     } else {
                         scaled::e5m2_to_f32
                     };
+                    let scale = self.scale;
                     for (o, &b) in dst[..width].iter_mut().zip(s) {
-                        *o = decode(b);
+                        *o = decode(b) * scale;
                     }
                 }
                 _ => {
@@ -200,8 +205,9 @@ impl KvPtr {
                     } else {
                         scaled::f32_to_e5m2
                     };
+                    let scale = self.scale;
                     for (o, &v) in d.iter_mut().zip(src) {
-                        *o = encode(v);
+                        *o = encode(v / scale);
                     }
                 }
                 _ => {
@@ -268,13 +274,16 @@ impl AttentionBackend for CpuAttention {
         }
         let slots = kv.k.numel() / kw;
         layout.validate(slots)?;
+        let scales = p.kv_scales.for_cache(kv.k.dtype());
         let kc = KvPtr {
             ptr: SendPtr(self.mem.resolve(&kv.k, 4)?.ptr),
             dtype: kv.k.dtype(),
+            scale: scales.k,
         };
         let vc = KvPtr {
             ptr: SendPtr(self.mem.resolve(&kv.v, 4)?.ptr),
             dtype: kv.v.dtype(),
+            scale: scales.v,
         };
 
         // 1. Write the new K and V rows into their slots.

@@ -315,6 +315,7 @@ fn configs() -> Vec<(AttentionParams, usize, DType, usize)> {
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
         sliding_window: w,
+        kv_scales: arbor_engine_core::KvScales::ONE,
     };
     // (params, page size, KV dtype, threads)
     vec![

@@ -97,6 +97,7 @@ fn main() -> Result<()> {
                 head_dim: 64,
                 scale: 0.125,
                 sliding_window: None,
+                kv_scales: arbor_engine_core::KvScales::ONE,
             };
             attn.forward(&ab, kv.layer(0)?, &q, &k, &v, &o, &p)?;
             b.synchronize()?;

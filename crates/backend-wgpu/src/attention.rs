@@ -232,6 +232,7 @@ impl AttentionBackend for WgpuAttention {
             }
         }
 
+        let scales = p.kv_scales.for_cache(kv.k.dtype());
         // 1. New K and V into their slots.
         let kcw = b.view(&kv.k, kv.k.dtype(), Access::Write)?;
         let vcw = b.view(&kv.v, kv.v.dtype(), Access::Write)?;
@@ -244,7 +245,9 @@ impl AttentionBackend for WgpuAttention {
             .u(kcw.word_off())
             .u(vcw.word_off())
             .u(mv.word_off() + u32_of(meta.slots, "metadata offset")?)
-            .u(0);
+            .u(0)
+            .f(scales.k)
+            .f(scales.v);
         let per_token = match cdt {
             0 => kw,
             1 | 2 => kw / 2,
@@ -306,7 +309,9 @@ impl AttentionBackend for WgpuAttention {
                 })
                 .us(step)?
                 .us(d * step)?
-                .u(sv.word_off());
+                .u(sv.word_off())
+                .f(scales.k)
+                .f(scales.v);
             gpu.dispatch(
                 &attn,
                 &params,

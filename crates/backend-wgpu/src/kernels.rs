@@ -189,9 +189,9 @@ impl Kernel {
                      vc[p.vc_off + slot * p.width + e] = v[p.v_off + t * p.width + e];"
                 } else if cdt >= 3 {
                     "let i = p.k_off + t * p.width + 4u * e;\n    \
-                     kc[p.kc_off + slot * (p.width / 4u) + e] = pack4(k[i], k[i + 1u], k[i + 2u], k[i + 3u]);\n    \
+                     kc[p.kc_off + slot * (p.width / 4u) + e] = pack4(k[i], k[i + 1u], k[i + 2u], k[i + 3u], p.k_scale);\n    \
                      let j = p.v_off + t * p.width + 4u * e;\n    \
-                     vc[p.vc_off + slot * (p.width / 4u) + e] = pack4(v[j], v[j + 1u], v[j + 2u], v[j + 3u]);"
+                     vc[p.vc_off + slot * (p.width / 4u) + e] = pack4(v[j], v[j + 1u], v[j + 2u], v[j + 3u], p.v_scale);"
                 } else {
                     "let i = p.k_off + t * p.width + 2u * e;\n    \
                      kc[p.kc_off + slot * (p.width / 2u) + e] = pack(k[i], k[i + 1u]);\n    \
@@ -208,7 +208,7 @@ impl Kernel {
                 )
             }
             Kernel::Attention { cdt, hd } => {
-                let pair = |c: &str, off: &str| match cdt {
+                let pair = |c: &str, off: &str, scale: &str| match cdt {
                     0 => format!(
                         "let b = p.{off} + row + 2u * i; return vec2<f32>({c}[b], {c}[b + 1u]);"
                     ),
@@ -216,7 +216,7 @@ impl Kernel {
                     3 | 4 => format!(
                         "let w = {c}[p.{off} + (row + 2u * i) / 4u]; \
                          let sh = ((row + 2u * i) & 3u) * 8u; \
-                         return vec2<f32>(fp8_to_f32((w >> sh) & 0xffu), fp8_to_f32((w >> (sh + 8u)) & 0xffu));"
+                         return vec2<f32>(fp8_to_f32((w >> sh) & 0xffu), fp8_to_f32((w >> (sh + 8u)) & 0xffu)) * p.{scale};"
                     ),
                     _ => format!(
                         "let w = {c}[p.{off} + row / 2u + i]; \
@@ -229,8 +229,8 @@ impl Kernel {
                         ("CT", cache_type(cdt).into()),
                         ("CDT", cdt.to_string()),
                         ("HD", hd.to_string()),
-                        ("KPAIR", pair("kc", "kc_off")),
-                        ("VPAIR", pair("vc", "vc_off")),
+                        ("KPAIR", pair("kc", "kc_off", "k_scale")),
+                        ("VPAIR", pair("vc", "vc_off", "v_scale")),
                     ],
                 )
             }

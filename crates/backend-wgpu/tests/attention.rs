@@ -14,7 +14,8 @@
 mod common;
 
 use arbor_engine_core::{
-    AttentionParams, Backend, BatchLayout, DType, KvCache, KvLayer, KvSpec, TREE_MASK_TOKENS,
+    AttentionParams, Backend, BatchLayout, DType, KvCache, KvLayer, KvScales, KvSpec,
+    TREE_MASK_TOKENS,
 };
 use common::*;
 use std::sync::Arc;
@@ -107,14 +108,22 @@ fn steps() -> Vec<Step> {
 fn paged_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
     let c = cpu();
-    for (dtype, hd, window) in [
-        (DType::F32, 64, None),
-        (DType::F16, 64, None),
-        (DType::BF16, 32, None),
-        (DType::F16, 16, Some(4)),
+    let one = KvScales::ONE;
+    // Checkpoint scales: keys stored as fp8(k / 0.004) (some saturate at
+    // 448), values as fp8(v / 0.75).
+    let scaled = KvScales { k: 0.004, v: 0.75 };
+    for (dtype, hd, window, kv_scales) in [
+        (DType::F32, 64, None, one),
+        (DType::F16, 64, None, one),
+        (DType::BF16, 32, None, one),
+        (DType::F16, 16, Some(4), one),
+        // Scales apply to FP8 caches only.
+        (DType::F16, 32, None, scaled),
         // FP8 caches: the WGSL encoders must give the CPU's bytes exactly.
-        (DType::F8E4M3, 64, None),
-        (DType::F8E5M2, 16, Some(4)),
+        (DType::F8E4M3, 64, None, one),
+        (DType::F8E5M2, 16, Some(4), one),
+        (DType::F8E4M3, 32, None, scaled),
+        (DType::F8E5M2, 16, Some(4), scaled),
     ] {
         let params = AttentionParams {
             num_heads: 4,
@@ -122,18 +131,19 @@ fn paged_attention_matches_cpu() {
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             sliding_window: window,
+            kv_scales,
         };
         let (go, gc) = run(&*g, dtype, &params, &steps(), 7);
         let (co, cc) = run(&*c, dtype, &params, &steps(), 7);
         for (i, (a, b)) in go.iter().zip(&co).enumerate() {
             assert_close(
-                &format!("attention {dtype} hd {hd} window {window:?} step {i}"),
+                &format!("attention {dtype} hd {hd} window {window:?} {kv_scales:?} step {i}"),
                 a,
                 b,
                 1e-4,
             );
         }
-        assert_close(&format!("KV cache {dtype}"), &gc, &cc, 0.0);
+        assert_close(&format!("KV cache {dtype} {kv_scales:?}"), &gc, &cc, 0.0);
     }
 }
 
@@ -163,6 +173,7 @@ fn bad_layouts_are_errors() {
         head_dim: 8,
         scale: 1.0,
         sliding_window: None,
+        kv_scales: KvScales::ONE,
     };
     let err = attn
         .forward(&batch, kv.layer(0).unwrap(), &q, &k, &v, &o, &p)
@@ -276,6 +287,7 @@ fn draft_trees_match_cpu_and_their_chains() {
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             sliding_window: window,
+            kv_scales: KvScales::ONE,
         };
         let (qw, kw) = (nh * hd, nkv * hd);
         let mut rng = Rng::new(hd as u64 + nh as u64);

@@ -152,9 +152,10 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
     };
     let loaded = arbor_models::load_model(&path, &registry, &opts);
     bar.finish_and_clear();
+    let model = loaded?.model;
     Ok(Loaded {
-        model: loaded?.model,
-        kv_dtype: kv_choice.resolve(&*backend),
+        kv_dtype: kv_choice.resolve(&*backend, model.spec().checkpoint_kv_dtype),
+        model,
         backend,
     })
 }

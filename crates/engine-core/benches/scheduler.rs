@@ -83,6 +83,7 @@ fn main() {
         weight_dtype: DType::F32,
         weight_bytes: 0,
         quantization: "f32".into(),
+        checkpoint_kv_dtype: None,
     };
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
     let config: serde_json::Value = serde_json::from_str(

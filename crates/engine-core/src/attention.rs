@@ -29,6 +29,7 @@
 //! fixed [`TREE_MASK_WORDS`] words, so a tree has at most
 //! [`TREE_MASK_TOKENS`] new tokens there.
 
+use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::kv::{KvLayer, page_of, pages_for};
 use crate::tensor::Tensor;
@@ -337,6 +338,52 @@ pub struct AttentionParams {
     pub scale: f32,
     /// Attend only to the last `w` positions (Mistral), when set.
     pub sliding_window: Option<usize>,
+    /// This layer's KV cache scales (the checkpoint's `k_scale`/`v_scale`).
+    pub kv_scales: KvScales,
+}
+
+/// A layer's KV cache scales, as checkpoints calibrated for an FP8 KV cache
+/// carry them (`self_attn.k_scale` and `v_scale`): a key `x` is stored as
+/// `fp8(x / k)` and read back as `stored * k`, a value likewise with `v`.
+/// They apply to FP8 caches only; a 16- or 32-bit cache stores keys and
+/// values as they are (vLLM and SGLang read them the same way).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvScales {
+    /// Scale of the stored keys.
+    pub k: f32,
+    /// Scale of the stored values.
+    pub v: f32,
+}
+
+impl KvScales {
+    /// No scaling: what a checkpoint without scales gets.
+    pub const ONE: KvScales = KvScales { k: 1.0, v: 1.0 };
+
+    /// The scales a cache of `dtype` applies: these for FP8, one otherwise.
+    pub fn for_cache(self, dtype: DType) -> KvScales {
+        match dtype {
+            DType::F8E4M3 | DType::F8E5M2 => self,
+            _ => Self::ONE,
+        }
+    }
+
+    /// Checks that both scales are finite and positive.
+    pub fn validate(&self) -> Result<()> {
+        for (what, s) in [("k", self.k), ("v", self.v)] {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(CoreError::invalid(format!(
+                    "KV cache {what} scale {s} is not a positive finite number"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for KvScales {
+    fn default() -> Self {
+        Self::ONE
+    }
 }
 
 impl AttentionParams {
@@ -351,7 +398,7 @@ impl AttentionParams {
                 self.num_heads, self.num_kv_heads, self.head_dim
             )));
         }
-        Ok(())
+        self.kv_scales.validate()
     }
 }
 

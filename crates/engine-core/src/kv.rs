@@ -111,10 +111,14 @@ impl fmt::Display for ResolvedKvDtype {
 }
 
 impl KvDtypeChoice {
-    /// The element type on `backend`: an exact choice as it is (the cache
-    /// refuses a dtype the backend does not list when it is allocated); `auto`
-    /// is f16 on the `cpu` backend when its `kv_dtypes` list f16, else f32.
-    pub fn resolve(self, backend: &dyn Backend) -> ResolvedKvDtype {
+    /// The element type on `backend` for a model whose checkpoint's KV
+    /// scales were calibrated for `checkpoint` (`ModelSpec::checkpoint_kv_dtype`):
+    /// an exact choice as it is (the cache refuses a dtype the backend does
+    /// not list when it is allocated); `auto` is the checkpoint's type when
+    /// the backend stores it (SGLang's `auto` with `kv_cache_quant_algo`
+    /// FP8), else f16 on the `cpu` backend when its `kv_dtypes` list f16,
+    /// else f32.
+    pub fn resolve(self, backend: &dyn Backend, checkpoint: Option<DType>) -> ResolvedKvDtype {
         match self {
             Self::Exact(dtype) => ResolvedKvDtype {
                 dtype,
@@ -122,11 +126,15 @@ impl KvDtypeChoice {
             },
             Self::Auto => {
                 let device = backend.info().backend;
-                let f16 = backend.capabilities().kv_dtypes.contains(&DType::F16);
-                let (dtype, why) = match (device == "cpu", f16) {
-                    (true, true) => (DType::F16, "auto: CPU".to_string()),
-                    (true, false) => (DType::F32, "auto: this CPU backend has no f16 KV".into()),
-                    (false, _) => (DType::F32, format!("auto: f32 on {device}")),
+                let kv_dtypes = &backend.capabilities().kv_dtypes;
+                let f16 = kv_dtypes.contains(&DType::F16);
+                let (dtype, why) = match (checkpoint, device == "cpu", f16) {
+                    (Some(d), _, _) if kv_dtypes.contains(&d) => {
+                        (d, "auto: the checkpoint's KV cache scales".to_string())
+                    }
+                    (_, true, true) => (DType::F16, "auto: CPU".to_string()),
+                    (_, true, false) => (DType::F32, "auto: this CPU backend has no f16 KV".into()),
+                    (_, false, _) => (DType::F32, format!("auto: f32 on {device}")),
                 };
                 ResolvedKvDtype {
                     dtype,

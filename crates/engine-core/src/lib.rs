@@ -38,7 +38,7 @@ pub mod tp;
 
 pub use attention::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
-    SeqLayout, TREE_MASK_TOKENS, TREE_MASK_WORDS,
+    KvScales, SeqLayout, TREE_MASK_TOKENS, TREE_MASK_WORDS,
 };
 pub use backend::{
     Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, LoraRows, RopeDims,

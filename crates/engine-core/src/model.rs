@@ -45,6 +45,10 @@ pub struct ModelSpec {
     pub weight_bytes: u64,
     /// The quantization method that loaded the weights (`QuantMethod::name`).
     pub quantization: String,
+    /// The KV element type the checkpoint's KV cache scales were calibrated
+    /// for (FP8 E4M3 when it declares an FP8 KV cache and carries per-layer
+    /// `k_scale`/`v_scale`); `--kv-cache-dtype auto` then chooses it.
+    pub checkpoint_kv_dtype: Option<DType>,
 }
 
 impl ModelSpec {

@@ -97,6 +97,9 @@ pub struct DecoderConfig {
     pub dtype: Option<DType>,
     /// Multi-head latent attention (DeepSeek-V2/V3), set by those architectures.
     pub mla: Option<crate::mla::MlaConfig>,
+    /// The KV cache type `quantization_config` declares per-layer scales
+    /// for (FP8 E4M3), when it declares one ([`crate::kv_scales`]).
+    pub kv_cache_dtype: Option<DType>,
 }
 
 /// Typed reads of a `config.json`'s keys; errors name the key and the file.
@@ -290,6 +293,7 @@ impl DecoderConfig {
             partial_rotary_factor: k.f32_opt("partial_rotary_factor")?.unwrap_or(1.0),
             dtype,
             mla: None,
+            kv_cache_dtype: crate::kv_scales::declared_kv_dtype(v, file)?,
         })
     }
 

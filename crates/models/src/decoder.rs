@@ -11,6 +11,7 @@
 //! when loading, and errors name the tensor and the checkpoint.
 
 use crate::config::DecoderConfig;
+use crate::kv_scales;
 use crate::mla::{MlaAttn, MlaConfig};
 use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
@@ -19,8 +20,8 @@ use arbor_engine_core::lora::{LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
-    HostTensor, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec, Result,
-    RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
+    HostTensor, KvScales, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec,
+    Result, RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -64,6 +65,8 @@ struct Mha {
     o: Linear,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
+    /// The checkpoint's KV cache scales (one when it has none).
+    kv_scales: KvScales,
 }
 
 /// A layer's feed-forward.
@@ -394,6 +397,12 @@ impl DecoderModel {
                         } else {
                             None
                         },
+                        kv_scales: kv_scales::layer_scales(
+                            src,
+                            &format!("{p}.self_attn"),
+                            cfg.kv_cache_dtype.is_some(),
+                        )?
+                        .unwrap_or(KvScales::ONE),
                     }),
                 },
                 post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
@@ -450,6 +459,18 @@ impl DecoderModel {
             Attn::Mha(m) => m.q.w.dtype(),
             Attn::Mla(_) => table_dtype,
         });
+        // Latent attention caches one latent row per token; it reads no
+        // checkpoint KV scales.
+        let checkpoint_kv_dtype = match (&cfg.mla, cfg.kv_cache_dtype) {
+            (Some(_), Some(d)) => {
+                tracing::warn!(
+                    "{}: the checkpoint declares a {d} KV cache; its scales are not used with latent attention",
+                    src.describe()
+                );
+                None
+            }
+            (_, d) => d,
+        };
         // The KV cache's geometry: one latent "head" with latent attention.
         let (kv_heads, kv_dim) = match &cfg.mla {
             Some(m) => (1, m.kv_head_dim()),
@@ -469,6 +490,7 @@ impl DecoderModel {
             weight_dtype,
             weight_bytes: l.bytes,
             quantization: opts.quant.name().to_string(),
+            checkpoint_kv_dtype,
         };
         Ok(Self {
             spec,
@@ -565,6 +587,7 @@ impl DecoderModel {
             head_dim: hd,
             scale: 1.0 / (hd as f32).sqrt(),
             sliding_window: c.sliding_window,
+            kv_scales: KvScales::ONE,
         };
         let q_heads = q.reshape(&[t * nh, hd])?;
         let k_heads = k.reshape(&[t * nkv, hd])?;
@@ -684,7 +707,10 @@ impl DecoderModel {
                         &k,
                         &v,
                         &attn,
-                        &params,
+                        &AttentionParams {
+                            kv_scales: m.kv_scales,
+                            ..params
+                        },
                     )?;
                     self.linear(&attn, &m.o, &proj)?;
                     lora(i, LoraTarget::O, &attn, &proj)?;

@@ -11,6 +11,7 @@ pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod gguf_source;
+pub mod kv_scales;
 pub mod mla;
 pub mod moe;
 pub mod quant_methods;
@@ -62,11 +63,33 @@ impl std::fmt::Debug for LoadedModel {
     }
 }
 
+/// A folder's `config.json`. ModelOpt's older exports keep their
+/// quantization config in `hf_quant_config.json`: when config.json has no
+/// `quantization_config`, that file's object (with `quant_method:
+/// "modelopt"`) becomes it.
 fn read_config(dir: &Path) -> Result<serde_json::Value> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| CoreError::io(&path, e))?;
-    serde_json::from_str(&text)
-        .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", path.display())))
+    let mut config: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", path.display())))?;
+    let modelopt = dir.join("hf_quant_config.json");
+    if config.get("quantization_config").is_none() && modelopt.is_file() {
+        let text = std::fs::read_to_string(&modelopt)
+            .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
+        let mut v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
+        let Some(obj) = v.as_object_mut() else {
+            return Err(CoreError::load(format!(
+                "{}: expected a JSON object",
+                modelopt.display()
+            )));
+        };
+        obj.insert("quant_method".into(), "modelopt".into());
+        if let Some(c) = config.as_object_mut() {
+            c.insert("quantization_config".into(), v);
+        }
+    }
+    Ok(config)
 }
 
 /// Loads a Hugging Face model folder, or a GGUF file, with the architectures in `registry`.
@@ -170,27 +193,7 @@ fn checkpoint_quant(
     registry: &Registry,
     opts: &LoadOptions,
 ) -> Result<Arc<dyn QuantMethod>> {
-    // ModelOpt's older exports keep their config in hf_quant_config.json.
-    let modelopt = path.join("hf_quant_config.json");
-    let from_file = match config.get("quantization_config") {
-        Some(_) => None,
-        None if modelopt.is_file() => {
-            let text = std::fs::read_to_string(&modelopt)
-                .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
-            let mut v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| CoreError::load(format!("{}: {e}", modelopt.display())))?;
-            let Some(obj) = v.as_object_mut() else {
-                return Err(CoreError::load(format!(
-                    "{}: expected a JSON object",
-                    modelopt.display()
-                )));
-            };
-            obj.insert("quant_method".into(), "modelopt".into());
-            Some(v)
-        }
-        None => None,
-    };
-    let Some(qc) = config.get("quantization_config").or(from_file.as_ref()) else {
+    let Some(qc) = config.get("quantization_config") else {
         return Ok(opts.quant.clone());
     };
     let where_ = || format!("{}", path.join("config.json").display());

@@ -308,6 +308,7 @@ impl MlaAttn {
             head_dim: d,
             scale: self.scale,
             sliding_window: None,
+            kv_scales: arbor_engine_core::KvScales::ONE,
         };
         ctx.attention.forward(
             ctx.attention_batch,

@@ -130,6 +130,11 @@ impl<'a> ShardedSource<'a> {
         };
         let proj = module.rsplit('.').next().unwrap_or(module);
         let routed = module.contains(".experts.");
+        // A KV cache scale (ModelOpt keeps it on k_proj / v_proj) is one
+        // number every rank uses.
+        if matches!(kind, "k_scale" | "v_scale" | "output_scale") {
+            return Ok(Split::Whole);
+        }
         let split = match proj {
             _ if routed && self.expert_parallel => return Ok(Split::Whole),
             "q_proj" | "k_proj" | "v_proj" | "q_b_proj" | "kv_b_proj" | "gate_proj" | "up_proj"
@@ -282,6 +287,14 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(n.shape, vec![4, 4]);
+        // KV cache scales (ModelOpt keeps them on k_proj / v_proj) are whole.
+        for name in [
+            "model.layers.0.self_attn.k_proj.k_scale",
+            "model.layers.0.self_attn.v_proj.v_scale",
+            "model.layers.0.self_attn.k_proj.output_scale",
+        ] {
+            assert_eq!(s.tensor(name).unwrap().unwrap().shape, vec![4, 4], "{name}");
+        }
         let e = s
             .tensor("model.layers.0.mlp.experts.3.down_proj.weight")
             .unwrap()

@@ -413,7 +413,7 @@ fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
         ("fp8_e5m2", DType::F8E5M2, 0.2),
     ] {
         let choice: arbor_engine_core::KvDtypeChoice = name.parse()?;
-        assert_eq!(choice.resolve(backend.as_ref()).dtype, kv);
+        assert_eq!(choice.resolve(backend.as_ref(), None).dtype, kv);
         let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, kv)?;
         let pool = runner.new_page_pool();
         for (i, p) in reference["prompts"]
@@ -482,5 +482,195 @@ fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
     }
     let bytes = |d: DType| d.bytes_for(1).map(|b| b as f64);
     assert_eq!(bytes(DType::F32)? / bytes(DType::F8E4M3)?, 4.0);
+    Ok(())
+}
+
+/// Last-position logits of every reference prompt with a KV cache of `kv`.
+fn last_logits(
+    m: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    kv: DType,
+    reference: &Value,
+) -> Result<Vec<Vec<f32>>> {
+    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, kv)?;
+    let pool = runner.new_page_pool();
+    let mut out = Vec::new();
+    for p in reference["prompts"].as_array().context("prompts")? {
+        let tokens = ids(&p["input_ids"]);
+        let pages = pool.alloc(pool.pages_for(tokens.len()))?;
+        let mut got = runner.step(&[SeqStep {
+            tokens: &tokens,
+            prefix_len: 0,
+            pages: pages.pages(),
+            want_logits: true,
+        }])?;
+        out.push(got.swap_remove(0));
+    }
+    assert_eq!(pool.free_pages(), pool.total_pages(), "KV pages leaked");
+    Ok(out)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+/// A checkpoint calibrated for an FP8 KV cache (llm-compressor's
+/// `kv_cache_scheme`, per-layer `self_attn.k_scale`/`v_scale`; keys and
+/// values reach about 2000, beyond E4M3's 448): `auto` chooses FP8 E4M3,
+/// the cache stores `fp8(x / scale)` and reads `stored * scale`, and the
+/// logits match the numpy forward of that definition
+/// (tools/reference/make_kv_scales_fixture.py) with greedy tokens identical,
+/// alone and batched. Without the scales the keys saturate and the logits
+/// are far off; ModelOpt's spelling of the same scales gives the same bits.
+#[test]
+fn fp8_kv_cache_uses_the_checkpoint_scales() -> Result<()> {
+    let dir = fixtures().join("quant/fp8-kv-scales");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let prompts = reference["prompts"].as_array().context("prompts")?;
+    let (m, backend) = load(&dir, None)?;
+    assert_eq!(m.model.spec().checkpoint_kv_dtype, Some(DType::F8E4M3));
+    let auto = arbor_engine_core::KvDtypeChoice::Auto
+        .resolve(backend.as_ref(), m.model.spec().checkpoint_kv_dtype);
+    assert_eq!(auto.dtype, DType::F8E4M3);
+    assert!(auto.to_string().contains("checkpoint"), "{auto}");
+
+    // An f32 cache stores keys as they are: the model is tiny-llama's.
+    let f32_cache = last_logits(&m, &backend, DType::F32, &reference)?;
+    let fp8 = last_logits(&m, &backend, DType::F8E4M3, &reference)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let want_f32 = floats(&p["last_logits_f32"]);
+        let want = floats(&p["last_logits"]);
+        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let e32 = max_abs_diff(&f32_cache[i], &want_f32);
+        let e8 = max_abs_diff(&fp8[i], &want);
+        println!("prompt {i}: f32 cache error {e32:.2e}, FP8 cache error {e8:.2e} (of {max:.2})");
+        assert!(e32 <= 1e-4 * max, "prompt {i}: f32 cache {e32}");
+        // One E4M3 step (1/16 relative) on a key rounded differently from
+        // numpy's (a different summation order of its projection) moves a
+        // logit by far less than 1%.
+        assert!(e8 <= 1e-2 * max, "prompt {i}: FP8 cache {e8}");
+    }
+
+    // Greedy with the FP8 cache, batched, equals the reference's.
+    let runner = ModelRunner::new(
+        m.model.clone(),
+        backend.clone(),
+        None,
+        16,
+        64,
+        DType::F8E4M3,
+    )?;
+    let pool = runner.new_page_pool();
+    let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&p["input_ids"])).collect();
+    let params = vec![
+        SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(24)
+        };
+        inputs.len()
+    ];
+    let setup = SamplingSetup {
+        sampler: &StandardSampler,
+        processors: &[],
+        eos_token_ids: &[],
+    };
+    let (outs, _) = generate_static(&runner, &pool, &inputs, &params, &setup, &mut |_, _| {})?;
+    for (i, (o, p)) in outs.iter().zip(prompts).enumerate() {
+        assert_eq!(o.tokens, ids(&p["greedy_ids"]), "prompt {i}: greedy tokens");
+    }
+    assert_eq!(pool.free_pages(), pool.total_pages(), "KV pages leaked");
+
+    // Without the scales (nor the declaration) the keys saturate at 448.
+    let bare = edited(
+        "fp8-kv-scales",
+        |c| {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("quantization_config");
+            }
+        },
+        |t| t.retain(|(n, ..)| !n.ends_with("_scale")),
+    )?;
+    let (m_bare, b_bare) = load(bare.path(), None)?;
+    assert_eq!(m_bare.model.spec().checkpoint_kv_dtype, None);
+    let unscaled = last_logits(&m_bare, &b_bare, DType::F8E4M3, &reference)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let want = floats(&p["last_logits"]);
+        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let e = max_abs_diff(&unscaled[i], &want);
+        println!("prompt {i}: FP8 cache without the scales: error {e:.2} (of {max:.2})");
+        assert!(
+            e > 0.1 * max,
+            "prompt {i}: the scales made no difference ({e})"
+        );
+    }
+
+    // ModelOpt's spelling: kv_cache_quant_algo, k_proj.k_scale / v_proj.v_scale of shape [].
+    let modelopt = edited(
+        "fp8-kv-scales",
+        |c| {
+            c["quantization_config"] = serde_json::json!({
+                "quant_method": "modelopt", "quant_algo": null,
+                "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]
+            })
+        },
+        |t| {
+            for (n, _, shape, _) in t.iter_mut() {
+                if let Some(layer) = n.strip_suffix(".self_attn.k_scale") {
+                    *n = format!("{layer}.self_attn.k_proj.k_scale");
+                    shape.clear();
+                } else if let Some(layer) = n.strip_suffix(".self_attn.v_scale") {
+                    *n = format!("{layer}.self_attn.v_proj.v_scale");
+                    shape.clear();
+                }
+            }
+        },
+    )?;
+    let (m_mo, b_mo) = load(modelopt.path(), None)?;
+    assert_eq!(m_mo.model.spec().checkpoint_kv_dtype, Some(DType::F8E4M3));
+    assert_eq!(last_logits(&m_mo, &b_mo, DType::F8E4M3, &reference)?, fp8);
+    Ok(())
+}
+
+#[test]
+fn bad_kv_cache_scales_fail_naming_the_tensor_or_key() -> Result<()> {
+    let v1 = "model.layers.1.self_attn.v_scale";
+    let d = edited("fp8-kv-scales", |_| {}, |t| t.retain(|(n, ..)| n != v1))?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(v1) && e.contains("missing"), "{e}");
+
+    let d = edited(
+        "fp8-kv-scales",
+        |_| {},
+        |t| t.retain(|(n, ..)| !n.ends_with("_scale")),
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(
+        e.contains("model.layers.0.self_attn.k_scale") && e.contains("declares an FP8 KV cache"),
+        "{e}"
+    );
+
+    let k0 = "model.layers.0.self_attn.k_scale";
+    let d = edited(
+        "fp8-kv-scales",
+        |_| {},
+        |t| {
+            for (n, _, _, b) in t.iter_mut() {
+                if n == k0 {
+                    b.copy_from_slice(&0f32.to_le_bytes());
+                }
+            }
+        },
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains(k0) && e.contains("positive"), "{e}");
+
+    let d = edited(
+        "fp8-kv-scales",
+        |c| c["quantization_config"]["kv_cache_scheme"]["type"] = "int".into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains("quantization_config.kv_cache_scheme"), "{e}");
     Ok(())
 }

@@ -420,6 +420,7 @@ pub(crate) fn rope_attention(
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
         sliding_window: None,
+        kv_scales: arbor_engine_core::KvScales::ONE,
     };
     ctx.attention.forward(
         ctx.attention_batch,

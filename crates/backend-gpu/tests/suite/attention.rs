@@ -65,6 +65,7 @@ fn run_case(name: &str, c: &Case, rng: &mut Rng) {
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
         sliding_window: c.window,
+        kv_scales: arbor_engine_core::KvScales::ONE,
     };
     let run = |b: &(dyn Backend + 'static)| {
         let att = b.attention(None).unwrap();

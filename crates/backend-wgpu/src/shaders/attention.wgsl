@@ -1,7 +1,7 @@
 // Paged attention with grouped-query heads and an optional sliding window,
 // one invocation per (token, query head), online softmax over the keys the
 // token sees, read from the paged cache (CDT 0: f32, 1: f16, 2: bf16, 3: FP8
-// E4M3, 4: FP8 E5M2, four a word). HD is the head dimension (even; a
+// E4M3, 4: FP8 E5M2, four a word, multiplied by k_scale or v_scale). HD is the head dimension (even; a
 // multiple of 4 for FP8).
 //
 // lay (u32, the batch layout): per sequence 4 words at seq_off (q_start, q_len, prefix_len,
@@ -42,6 +42,8 @@ struct P {
     chunk: u32, // 0: the whole walk in one dispatch
     first: u32, // this dispatch's first walk index
     st_off: u32,
+    k_scale: f32, // FP8 only: a stored key reads as fp8 * k_scale
+    v_scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;

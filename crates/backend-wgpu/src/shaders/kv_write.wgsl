@@ -2,8 +2,9 @@
 // slots (slot_mapping in the layout words `lay`), converting to the cache type CDT
 // (0: f32, one invocation per element; 1: f16 and 2: bf16, one invocation
 // per pair of elements packed in a word, width even; 3: FP8 E4M3 and 4: FP8
-// E5M2 with a scale of 1, rounding to nearest even and saturating as the CPU
-// backend does, one invocation per four elements, width a multiple of 4).
+// E5M2 of the rows divided by the layer's k_scale and v_scale, rounding to
+// nearest even and saturating as the CPU backend does, one invocation per
+// four elements, width a multiple of 4).
 
 struct P {
     tokens: u32,
@@ -14,6 +15,8 @@ struct P {
     vc_off: u32,  // words
     slot_off: u32, // words into lay
     pad: u32,
+    k_scale: f32, // FP8 only: stored = fp8(k / k_scale)
+    v_scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -60,8 +63,8 @@ fn to_fp8(v: f32) -> u32 {
     return sign | min(code, select(0x7bu, 0x7eu, e4));
 }
 
-fn pack4(a: f32, b: f32, c: f32, d: f32) -> u32 {
-    return to_fp8(a) | (to_fp8(b) << 8u) | (to_fp8(c) << 16u) | (to_fp8(d) << 24u);
+fn pack4(a: f32, b: f32, c: f32, d: f32, s: f32) -> u32 {
+    return to_fp8(a / s) | (to_fp8(b / s) << 8u) | (to_fp8(c / s) << 16u) | (to_fp8(d / s) << 24u);
 }
 
 fn pack(a: f32, b: f32) -> u32 {

@@ -9,6 +9,9 @@
 //!   `e2m1 × (f32(weight_scale) × weight_scale_2)`, packed as `f4_s16`.
 //! - `quant_algo: "FP8"`: E4M3 `weight` with a per-tensor `weight_scale`, as
 //!   the `fp8` method stores it.
+//! - `quant_algo: null` with a `kv_cache_quant_algo` (a KV-cache-only
+//!   calibration): float weights, stored as the base method decides; the
+//!   model loader reads the KV scales.
 //!
 //! `exclude_modules` names layers left in float: `*` matches any text, and
 //! a name without one matches as a part of the layer name.
@@ -31,6 +34,8 @@ use std::sync::Arc;
 enum Algo {
     Nvfp4,
     Fp8,
+    /// Only the KV cache is calibrated; the weights are float.
+    KvOnly,
 }
 
 /// The `modelopt` method.
@@ -60,6 +65,7 @@ impl ModelOpt {
         {
             Some("NVFP4") => Algo::Nvfp4,
             Some("FP8") => Algo::Fp8,
+            None if q.get("kv_cache_quant_algo").is_some_and(|a| !a.is_null()) => Algo::KvOnly,
             other => {
                 return Err(CoreError::load(format!(
                     "quant_algo {} is not supported (supported: NVFP4, FP8)",
@@ -212,6 +218,7 @@ impl QuantMethod for ModelOpt {
             return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
         match algo {
+            Algo::KvOnly => load_unquantized(src, spec, |t| self.prepare(t, caps)),
             Algo::Nvfp4 => self.load_nvfp4(src, spec, caps),
             Algo::Fp8 => {
                 let t = fetch(src, &name, &[n, k])?;
