@@ -3,7 +3,9 @@
 // the splits with the online-softmax rescale) and prefill over a cached prefix
 // (tiles of queries against tiles of keys in shared memory, online softmax, as
 // FlashAttention), both with grouped-query attention and an optional sliding
-// window. All arithmetic is f32; K and V are read from the cache in its type.
+// window. All arithmetic is f32; K and V are read from the cache in its type
+// (f32, f16, bf16, FP8 E4M3 or E5M2) times the layer's k_scale / v_scale (1
+// unless the cache is FP8 with checkpoint scales).
 //
 // Sequence metadata `seq_info` is [seqs, 4] int: q_start (row of the first new
 // token), q_len, kv_len (tokens in the cache after this batch) and page_start
@@ -34,7 +36,7 @@ template <typename KV, int DPL, int G>
 __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, const int* seq_info,
                                   const u32* page_table, float* part_o, float* part_ml,
                                   int heads, int kv_heads, int head_dim, int page_size, int splits,
-                                  float scale, int window) {
+                                  float scale, int window, float k_scale, float v_scale) {
     __shared__ float sm_m[4][G];
     __shared__ float sm_l[4][G];
     __shared__ float sm_acc[4][G][32 * DPL];
@@ -76,8 +78,8 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
 #pragma unroll
             for (int i = 0; i < DPL; ++i) {
                 const int d = lane + 32 * i;
-                kr[i] = d < head_dim ? to_f32(kc[base + d]) : 0.0f;
-                vr[i] = d < head_dim ? to_f32(vc[base + d]) : 0.0f;
+                kr[i] = d < head_dim ? to_f32(kc[base + d]) * k_scale : 0.0f;
+                vr[i] = d < head_dim ? to_f32(vc[base + d]) * v_scale : 0.0f;
             }
 #pragma unroll
             for (int j = 0; j < G; ++j) {
@@ -135,9 +137,11 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
     extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc,                 \
                                     const int* seq_info, const u32* page_table, float* part_o,  \
                                     float* part_ml, int heads, int kv_heads, int head_dim,      \
-                                    int page_size, int splits, float scale, int window) {       \
+                                    int page_size, int splits, float scale, int window,         \
+                                    float k_scale, float v_scale) {                             \
         decode_split_impl<KV, DPL, G>(q, kc, vc, seq_info, page_table, part_o, part_ml, heads,  \
-                                      kv_heads, head_dim, page_size, splits, scale, window);    \
+                                      kv_heads, head_dim, page_size, splits, scale, window,     \
+                                      k_scale, v_scale);                                        \
     }
 
 DECODE_SPLIT(decode_split_f32_d128, float, 4, 8)
@@ -146,6 +150,10 @@ DECODE_SPLIT(decode_split_bf16_d128, bf16_t, 4, 8)
 DECODE_SPLIT(decode_split_f32_d256, float, 8, 4)
 DECODE_SPLIT(decode_split_f16_d256, f16_t, 8, 4)
 DECODE_SPLIT(decode_split_bf16_d256, bf16_t, 8, 4)
+DECODE_SPLIT(decode_split_e4m3_d128, e4m3_t, 4, 8)
+DECODE_SPLIT(decode_split_e5m2_d128, e5m2_t, 4, 8)
+DECODE_SPLIT(decode_split_e4m3_d256, e4m3_t, 8, 4)
+DECODE_SPLIT(decode_split_e5m2_d256, e5m2_t, 8, 4)
 
 // Decode, part 2. Grid (seqs, heads), 128 threads: out = sum_p w_p o_p / sum_p w_p l_p
 // with w_p = exp(m_p - max_p m_p).
@@ -193,7 +201,8 @@ extern "C" __global__ void decode_merge(const float* part_o, const float* part_m
 template <typename KV, int RI, int CJ, int DJ>
 __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const int* seq_info,
                              const u32* page_table, const u32* tree, float* out, int heads,
-                             int kv_heads, int head_dim, int page_size, float scale, int window) {
+                             int kv_heads, int head_dim, int page_size, float scale, int window,
+                             float k_scale, float v_scale) {
     constexpr int BQ = 16 * RI;
     constexpr int BK = 16 * CJ;
     extern __shared__ float smem[];
@@ -259,8 +268,8 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
             if (kp <= pos_last) {
                 const size_t at =
                     ((size_t)kv_slot(page_table, page_start, kp, page_size) * kv_heads + g) * hd + d;
-                kv = to_f32(kc[at]);
-                vv = to_f32(vc[at]);
+                kv = to_f32(kc[at]) * k_scale;
+                vv = to_f32(vc[at]) * v_scale;
             }
             Ks[c * hp + d] = kv;
             Vs[c * hd + d] = vv;
@@ -361,9 +370,11 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
     extern "C" __global__ void __launch_bounds__(256)                                         \
         NAME(const float* q, const KV* kc, const KV* vc, const int* seq_info,                  \
              const u32* page_table, const u32* tree, float* out, int heads, int kv_heads,      \
-             int head_dim, int page_size, float scale, int window) {                           \
+             int head_dim, int page_size, float scale, int window, float k_scale,              \
+             float v_scale) {                                                                  \
         prefill_impl<KV, RI, CJ, DJ>(q, kc, vc, seq_info, page_table, tree, out, heads,        \
-                                     kv_heads, head_dim, page_size, scale, window);            \
+                                     kv_heads, head_dim, page_size, scale, window, k_scale,    \
+                                     v_scale);                                                 \
     }
 
 PREFILL(prefill_f32_d128, float, 4, 4, 8)
@@ -377,3 +388,9 @@ PREFILL(prefill_bf16_d256, bf16_t, 2, 2, 16)
 PREFILL(prefill_f32_d256_small, float, 1, 1, 16)
 PREFILL(prefill_f16_d256_small, f16_t, 1, 1, 16)
 PREFILL(prefill_bf16_d256_small, bf16_t, 1, 1, 16)
+PREFILL(prefill_e4m3_d128, e4m3_t, 4, 4, 8)
+PREFILL(prefill_e5m2_d128, e5m2_t, 4, 4, 8)
+PREFILL(prefill_e4m3_d256, e4m3_t, 2, 2, 16)
+PREFILL(prefill_e5m2_d256, e5m2_t, 2, 2, 16)
+PREFILL(prefill_e4m3_d256_small, e4m3_t, 1, 1, 16)
+PREFILL(prefill_e5m2_d256_small, e5m2_t, 1, 1, 16)

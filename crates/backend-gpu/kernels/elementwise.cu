@@ -154,9 +154,12 @@ extern "C" __global__ void add_bias(float* out, const float* bias, int rows, int
 // Writes new K and V rows ([tokens, width] f32) into their KV slots
 // ([slots, width] of the cache type). A slot of 0xffffffff (padding) or past
 // the cache is skipped.
+// New K and V rows into their cache slots, divided by the layer's scales
+// (k_scale and v_scale: 1 unless the cache is FP8 with checkpoint scales).
 template <typename T>
 __device__ void kv_write_impl(const float* k, const float* v, T* kc, T* vc, const u32* slots,
-                              int tokens, int width, u32 num_slots) {
+                              int tokens, int width, u32 num_slots, float k_scale,
+                              float v_scale) {
     const int t = blockIdx.x;
     if (t >= tokens) return;
     const u32 s = slots[t];
@@ -166,23 +169,23 @@ __device__ void kv_write_impl(const float* k, const float* v, T* kc, T* vc, cons
     T* kd = kc + (size_t)s * width;
     T* vd = vc + (size_t)s * width;
     for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        kd[i] = from_f32<T>(kr[i]);
-        vd[i] = from_f32<T>(vr[i]);
+        kd[i] = from_f32<T>(kr[i] / k_scale);
+        vd[i] = from_f32<T>(vr[i] / v_scale);
     }
 }
 
-extern "C" __global__ void kv_write_f32(const float* k, const float* v, float* kc, float* vc,
-                                        const u32* slots, int tokens, int width, u32 num_slots) {
-    kv_write_impl<float>(k, v, kc, vc, slots, tokens, width, num_slots);
-}
-extern "C" __global__ void kv_write_f16(const float* k, const float* v, f16_t* kc, f16_t* vc,
-                                        const u32* slots, int tokens, int width, u32 num_slots) {
-    kv_write_impl<f16_t>(k, v, kc, vc, slots, tokens, width, num_slots);
-}
-extern "C" __global__ void kv_write_bf16(const float* k, const float* v, bf16_t* kc, bf16_t* vc,
-                                         const u32* slots, int tokens, int width, u32 num_slots) {
-    kv_write_impl<bf16_t>(k, v, kc, vc, slots, tokens, width, num_slots);
-}
+#define KV_WRITE(NAME, T)                                                                      \
+    extern "C" __global__ void NAME(const float* k, const float* v, T* kc, T* vc,              \
+                                    const u32* slots, int tokens, int width, u32 num_slots,    \
+                                    float k_scale, float v_scale) {                            \
+        kv_write_impl<T>(k, v, kc, vc, slots, tokens, width, num_slots, k_scale, v_scale);     \
+    }
+
+KV_WRITE(kv_write_f32, float)
+KV_WRITE(kv_write_f16, f16_t)
+KV_WRITE(kv_write_bf16, bf16_t)
+KV_WRITE(kv_write_e4m3, e4m3_t)
+KV_WRITE(kv_write_e5m2, e5m2_t)
 
 // Synthetic weights for benchmarks: out[i] = offset + scale * u, u uniform in
 // [-1, 1) from a hash of (seed, i).

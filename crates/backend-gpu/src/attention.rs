@@ -1,6 +1,8 @@
 //! Paged attention on the GPU (`cuda-paged`): KV writes into pages, decode as
 //! flash-decoding and prefill over a cached prefix, with draft trees
-//! (kernels/attention.cu).
+//! (kernels/attention.cu). The cache holds f32, f16, bf16 or FP8 (E4M3,
+//! E5M2: stored `fp8(x / scale)`, read `stored * scale` with the layer's
+//! `KvScales`; kernels/fp8.cuh converts as the CPU backend does).
 //!
 //! `prepare` validates the layout on the host and uploads it once per batch:
 //! `seq_info` ([seqs, 4] i32: q_start, q_len, kv_len, page_start),
@@ -32,6 +34,16 @@ use arbor_engine_core::{
 };
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
+
+/// The KV cache element types the kernels store and read (FP8 scaled by
+/// the layer's `KvScales`).
+pub const KV_DTYPES: [DType; 5] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::F8E4M3,
+    DType::F8E5M2,
+];
 
 /// Host facts about a prepared batch.
 #[derive(Clone, Copy, Debug)]
@@ -102,14 +114,27 @@ pub(crate) fn prefill_kernel(
     max_shared: u32,
 ) -> Result<(usize, K, usize)> {
     let limit = max_shared.min(PREFILL_SMEM_MAX) as usize;
-    let families: &[(usize, [K; 3])] = &[
+    // Per tile size, the kernel of each cache type: f32, f16, bf16, E4M3, E5M2.
+    let families: &[(usize, [K; 5])] = &[
         (
             64,
-            [K::PrefillF32D128, K::PrefillF16D128, K::PrefillBf16D128],
+            [
+                K::PrefillF32D128,
+                K::PrefillF16D128,
+                K::PrefillBf16D128,
+                K::PrefillE4m3D128,
+                K::PrefillE5m2D128,
+            ],
         ),
         (
             32,
-            [K::PrefillF32D256, K::PrefillF16D256, K::PrefillBf16D256],
+            [
+                K::PrefillF32D256,
+                K::PrefillF16D256,
+                K::PrefillBf16D256,
+                K::PrefillE4m3D256,
+                K::PrefillE5m2D256,
+            ],
         ),
         (
             16,
@@ -117,6 +142,8 @@ pub(crate) fn prefill_kernel(
                 K::PrefillF32D256Small,
                 K::PrefillF16D256Small,
                 K::PrefillBf16D256Small,
+                K::PrefillE4m3D256Small,
+                K::PrefillE5m2D256Small,
             ],
         ),
     ];
@@ -133,6 +160,8 @@ pub(crate) fn prefill_kernel(
     let kern = match kd {
         DType::F32 => ks[0],
         DType::F16 => ks[1],
+        DType::F8E4M3 => ks[3],
+        DType::F8E5M2 => ks[4],
         _ => ks[2],
     };
     Ok((*bq, kern, prefill_smem(*bq, hd, tree)))
@@ -308,7 +337,7 @@ impl AttentionBackend for GpuAttention {
         let kd = kv.k.dtype();
         for c in [&kv.k, &kv.v] {
             if c.dtype() != kd
-                || !matches!(kd, DType::F32 | DType::F16 | DType::BF16)
+                || !KV_DTYPES.contains(&kd)
                 || !c.numel().is_multiple_of(kw)
                 || c.row_len() != hd
                 || c.numel() != kv.k.numel()
@@ -351,8 +380,11 @@ impl AttentionBackend for GpuAttention {
         let kvk = match kd {
             DType::F32 => K::KvWriteF32,
             DType::F16 => K::KvWriteF16,
+            DType::F8E4M3 => K::KvWriteE4m3,
+            DType::F8E5M2 => K::KvWriteE5m2,
             _ => K::KvWriteBf16,
         };
+        let scales = p.kv_scales.for_cache(kd);
         let args = Args::new()
             .p(kp)
             .p(vp)
@@ -361,7 +393,9 @@ impl AttentionBackend for GpuAttention {
             .p(slp)
             .i(rows)
             .i(kw)
-            .i(slots);
+            .i(slots)
+            .f(scales.k)
+            .f(scales.v);
         dev.launch(&mut st, kvk, [rows, 1, 1], 256, 0, args)?;
         let ps = layout.page_size;
         if info.decode {
@@ -377,9 +411,13 @@ impl AttentionBackend for GpuAttention {
             let kern = match (kd, hd <= 128) {
                 (DType::F32, true) => K::DecodeF32D128,
                 (DType::F16, true) => K::DecodeF16D128,
+                (DType::F8E4M3, true) => K::DecodeE4m3D128,
+                (DType::F8E5M2, true) => K::DecodeE5m2D128,
                 (_, true) => K::DecodeBf16D128,
                 (DType::F32, false) => K::DecodeF32D256,
                 (DType::F16, false) => K::DecodeF16D256,
+                (DType::F8E4M3, false) => K::DecodeE4m3D256,
+                (DType::F8E5M2, false) => K::DecodeE5m2D256,
                 (_, false) => K::DecodeBf16D256,
             };
             let args = Args::new()
@@ -396,7 +434,9 @@ impl AttentionBackend for GpuAttention {
                 .i(ps)
                 .i(splits)
                 .f(p.scale)
-                .i(window);
+                .i(window)
+                .f(scales.k)
+                .f(scales.v);
             dev.launch(&mut st, kern, [seqs, nkv, splits], 128, 0, args)?;
             let args = Args::new().p(pop).p(pmp).p(sp).p(op).i(nh).i(hd).i(splits);
             dev.launch(&mut st, K::DecodeMerge, [seqs, nh, 1], 128, 0, args)
@@ -418,7 +458,9 @@ impl AttentionBackend for GpuAttention {
                 .i(hd)
                 .i(ps)
                 .f(p.scale)
-                .i(window);
+                .i(window)
+                .f(scales.k)
+                .f(scales.v);
             let tiles = info.max_q_len.div_ceil(bq);
             dev.launch(&mut st, kern, [tiles, nh, seqs], 256, smem as u32, args)
         }

@@ -70,7 +70,7 @@ impl GpuBackend {
                     &[DType::F8_S32, DType::U4_S32, DType::F4_S16],
                 ]
                 .concat(),
-                kv_dtypes: floats,
+                kv_dtypes: attention::KV_DTYPES.to_vec(),
                 asynchronous: true,
                 attention: vec![attention],
             }),

@@ -1,7 +1,8 @@
 //! Paged attention against the CPU backend on random layouts: decode batches
 //! (flash-decoding), prefill over cached prefixes and mixed batches (tiled
 //! prefill kernel), GQA group sizes 1 to 8, head dims 64 to 256 (80 too), page
-//! sizes 1 to 16, f32/f16/bf16 caches and a sliding window. The new K/V rows
+//! sizes 1 to 16, f32/f16/bf16 caches, FP8 (E4M3, E5M2) caches with
+//! checkpoint scales, and a sliding window. The new K/V rows
 //! must land in the same slots with the same bits, and outputs agree within
 //! 2e-4 of their scale (f32 math in another order on both sides; both read
 //! K/V rounded to the cache type the same way). Draft trees (branching,
@@ -9,7 +10,10 @@
 //! trees in a decode batch) are held to the same bound.
 
 use crate::common::*;
-use arbor_engine_core::{AttentionParams, Backend, BatchLayout, DType, KvLayer};
+use arbor_engine_core::{
+    AttentionParams, Backend, BatchLayout, DType, HostTensor, KvLayer, KvScales, Tensor,
+};
+use arbor_quant::scaled::{f32_to_e4m3, f32_to_e5m2};
 use std::sync::Arc;
 
 struct Case {
@@ -30,6 +34,26 @@ fn download_any(b: &dyn Backend, t: &arbor_engine_core::Tensor) -> Vec<u8> {
     let mut v = vec![0u8; t.byte_len().unwrap()];
     b.download(t, &mut v).unwrap();
     v
+}
+
+/// The scales an FP8 case runs with (keys stored divided by 0.02, values by
+/// 4); other caches ignore scales.
+const FP8_SCALES: KvScales = KvScales { k: 0.02, v: 4.0 };
+
+/// A cache tensor holding `v` as `dtype` (FP8 encoded as the CPU does).
+fn upload_cache(b: &dyn Backend, shape: &[usize], v: &[f32], dtype: DType) -> Tensor {
+    let encode = match dtype {
+        DType::F8E4M3 => f32_to_e4m3,
+        DType::F8E5M2 => f32_to_e5m2,
+        _ => return upload_as(b, shape, v, dtype),
+    };
+    let data: Vec<u8> = v.iter().map(|&x| encode(x)).collect();
+    b.upload(&HostTensor {
+        dtype,
+        shape: shape.to_vec(),
+        data: data.into(),
+    })
+    .unwrap()
 }
 
 fn run_case(name: &str, c: &Case, rng: &mut Rng) {
@@ -65,15 +89,18 @@ fn run_case(name: &str, c: &Case, rng: &mut Rng) {
         head_dim: hd,
         scale: 1.0 / (hd as f32).sqrt(),
         sliding_window: c.window,
-        kv_scales: arbor_engine_core::KvScales::ONE,
+        kv_scales: match c.dtype {
+            DType::F8E4M3 | DType::F8E5M2 => FP8_SCALES,
+            _ => KvScales::ONE,
+        },
     };
     let run = |b: &(dyn Backend + 'static)| {
         let att = b.attention(None).unwrap();
         assert!(att.capabilities().tree);
         let batch = att.prepare(layout.clone()).unwrap();
         let kv = KvLayer {
-            k: upload_as(b, &[slots, nkv, hd], &kc, c.dtype),
-            v: upload_as(b, &[slots, nkv, hd], &vc, c.dtype),
+            k: upload_cache(b, &[slots, nkv, hd], &kc, c.dtype),
+            v: upload_cache(b, &[slots, nkv, hd], &vc, c.dtype),
         };
         let qt = upload_f32(b, &[t, nh * hd], &q);
         let kt = upload_f32(b, &[t, nkv * hd], &k);
@@ -192,6 +219,42 @@ fn prefill_with_and_without_prefix() {
                     &c,
                     &mut rng,
                 );
+            }
+        }
+    }
+}
+
+/// FP8 caches with checkpoint scales: decode batches, prefill over
+/// prefixes, a window and draft trees; the written bytes are the CPU's.
+#[test]
+fn fp8_caches_with_checkpoint_scales() {
+    let mut rng = Rng::new(15);
+    for dtype in [DType::F8E4M3, DType::F8E5M2] {
+        for (nh, nkv, hd) in [(4, 2, 64), (32, 8, 128), (4, 1, 256)] {
+            let decode: Vec<(usize, usize)> = (0..5).map(|i| (40 * i + 3, 1)).collect();
+            let prefill = vec![(0, 150), (37, 70), (200, 1)];
+            let tree = vec![-1, 0, 0, 1, 2, 2, 5];
+            for (what, seqs, trees, window) in [
+                ("decode", decode, vec![], None),
+                ("prefill", prefill, vec![], Some(33)),
+                (
+                    "tree",
+                    vec![(20, tree.len()), (9, 1)],
+                    vec![Some(tree.clone()), None],
+                    None,
+                ),
+            ] {
+                let c = Case {
+                    heads: nh,
+                    kv_heads: nkv,
+                    head_dim: hd,
+                    page_size: 16,
+                    seqs,
+                    trees,
+                    window,
+                    dtype,
+                };
+                run_case(&format!("{what} {nh}/{nkv}x{hd} {dtype}"), &c, &mut rng);
             }
         }
     }
