@@ -377,6 +377,7 @@ pub fn build_engine(
         page_size,
         num_pages: 1,
         dtype: kv_dtype,
+        values_in_keys: spec.kv_values_in_keys,
     };
     // A draft model's KV lives in pages of its own, one per target page.
     let draft_per_token = draft.as_ref().map_or(0, |d| {

@@ -240,6 +240,7 @@ impl Att {
             page_size,
             num_pages: 4096 / page_size,
             dtype,
+            values_in_keys: false,
         };
         let kv = KvCache::allocate(&*b, spec).unwrap();
         let attn = b.attention(None).unwrap();

@@ -184,6 +184,7 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
         page_size: PAGE,
         num_pages: kv_tokens.div_ceil(PAGE),
         dtype: DType::BF16,
+        values_in_keys: false,
     };
     let kv = KvCache::allocate(&*dynb, spec)?;
     let attention = dynb.attention(None)?;

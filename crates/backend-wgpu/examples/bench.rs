@@ -138,6 +138,7 @@ fn main() -> Result<()> {
             page_size: page,
             num_pages: per_seq * 8,
             dtype: DType::F16,
+            values_in_keys: false,
         },
     )?;
     let attn = backend.attention(None)?;

@@ -77,6 +77,7 @@ fn main() -> Result<()> {
             page_size: 16,
             num_pages: 96,
             dtype: DType::F16,
+            values_in_keys: false,
         };
         let kv = KvCache::allocate(&b, spec)?;
         let attn = b.create_attention("wgpu-paged")?;

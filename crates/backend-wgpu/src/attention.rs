@@ -176,7 +176,13 @@ impl AttentionBackend for WgpuAttention {
         self.f32_input(v, tokens, kw, "v")?;
         self.f32_input(out, tokens, qw, "out")?;
         out.check_no_overlap(&[q, k, v, &kv.k, &kv.v])?;
-        kv.k.check_no_overlap(&[&kv.v, k, v])?;
+        // A latent cache's values are its keys: one buffer, written once per
+        // row with the same values through both bindings.
+        if kv.values_in_keys() {
+            kv.k.check_no_overlap(&[k, v])?;
+        } else {
+            kv.k.check_no_overlap(&[&kv.v, k, v])?;
+        }
         kv.v.check_no_overlap(&[k, v])?;
         if kv.k.dtype() != kv.v.dtype() || kv.k.numel() != kv.v.numel() {
             return Err(CoreError::invalid(format!(

@@ -39,6 +39,7 @@ fn run(
         page_size: 4,
         num_pages: 16,
         dtype,
+        values_in_keys: false,
     };
     let kv = KvCache::allocate(b, spec).unwrap();
     let attn = b.create_attention(b.capabilities().attention[0]).unwrap();
@@ -157,6 +158,7 @@ fn bad_layouts_are_errors() {
         page_size: 4,
         num_pages: 2,
         dtype: DType::F32,
+        values_in_keys: false,
     };
     let kv = KvCache::allocate(&*g, spec).unwrap();
     let attn = g.attention(None).unwrap();

@@ -128,6 +128,7 @@ fn greedy_on_device(
         page_size: 16,
         num_pages: 64,
         dtype: kv,
+        values_in_keys: false,
     };
     let cache = KvCache::allocate(&**b, spec)?;
     let attention = b.attention(None)?;
@@ -259,6 +260,13 @@ fn tiny_qwen2_matches_cpu() -> Result<()> {
 #[test]
 fn tiny_qwen3_matches_cpu() -> Result<()> {
     check_fixture("tiny-qwen3", "f32")
+}
+
+/// Latent attention over a cache whose values are its keys (one buffer
+/// bound as both), with DeepSeek-V3's routed and shared experts.
+#[test]
+fn tiny_deepseek_v3_matches_cpu() -> Result<()> {
+    check_fixture("tiny-deepseek-v3", "f32")
 }
 
 /// HF quantized checkpoints (tests/fixtures/quant): FP8 blocks, INT4 (AWQ,

@@ -84,6 +84,7 @@ fn main() {
         weight_bytes: 0,
         quantization: "f32".into(),
         checkpoint_kv_dtype: None,
+        kv_values_in_keys: false,
     };
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
     let config: serde_json::Value = serde_json::from_str(

@@ -36,12 +36,26 @@ pub struct KvSpec {
     pub num_pages: usize,
     /// Element type of stored K and V.
     pub dtype: DType,
+    /// Values are read from the keys: each layer stores one tensor, which
+    /// is both (a latent cache, where one row per token serves as key and
+    /// value: multi-head latent attention).
+    pub values_in_keys: bool,
 }
 
 impl KvSpec {
-    /// Bytes of KV one token takes across all layers (K and V).
+    /// Tensors each layer stores: K and V, or K alone when the values are
+    /// in the keys.
+    pub fn tensors_per_layer(&self) -> usize {
+        if self.values_in_keys { 1 } else { 2 }
+    }
+    /// Bytes of KV one token takes across all layers (K and V, or the one
+    /// latent row).
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.block_bytes()
+        self.tensors_per_layer()
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * self.dtype.block_bytes()
             / self.dtype.block_size()
     }
     /// Token capacity of the pool.
@@ -145,13 +159,28 @@ impl KvDtypeChoice {
     }
 }
 
-/// K and V storage of one layer.
+/// K and V storage of one layer. With [`KvSpec::values_in_keys`] `v` is
+/// `k` (one buffer), and the attention writes and reads the same rows as
+/// keys and as values.
 #[derive(Clone, Debug)]
 pub struct KvLayer {
     /// `[slots, kv_heads, head_dim]`.
     pub k: Tensor,
     /// `[slots, kv_heads, head_dim]`.
     pub v: Tensor,
+}
+
+impl KvLayer {
+    /// Whether `v` is `k` (the same buffer and offset: a latent cache).
+    pub fn values_in_keys(&self) -> bool {
+        self.v.buffer_id() == self.k.buffer_id() && self.v.offset() == self.k.offset()
+    }
+
+    /// The tensors this layer stores, each once: K and V, or K alone when
+    /// `v` is `k` (what page copies and transfers move).
+    pub fn stored(&self) -> impl Iterator<Item = &Tensor> {
+        std::iter::once(&self.k).chain((!self.values_in_keys()).then_some(&self.v))
+    }
 }
 
 /// The device storage of the paged KV cache.
@@ -180,10 +209,13 @@ impl KvCache {
         let shape = [spec.capacity_tokens(), spec.num_kv_heads, spec.head_dim];
         let mut layers = Vec::with_capacity(spec.num_layers);
         for _ in 0..spec.num_layers {
-            layers.push(KvLayer {
-                k: backend.alloc(spec.dtype, &shape)?,
-                v: backend.alloc(spec.dtype, &shape)?,
-            });
+            let k = backend.alloc(spec.dtype, &shape)?;
+            let v = if spec.values_in_keys {
+                k.clone()
+            } else {
+                backend.alloc(spec.dtype, &shape)?
+            };
+            layers.push(KvLayer { k, v });
         }
         Ok(Self { spec, layers })
     }
@@ -410,6 +442,31 @@ impl Drop for PageSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_latent_cache_stores_one_tensor_per_layer() {
+        let spec = KvSpec {
+            num_layers: 61,
+            num_kv_heads: 1,
+            head_dim: 576,
+            page_size: 64,
+            num_pages: 4,
+            dtype: DType::BF16,
+            values_in_keys: true,
+        };
+        // DeepSeek-V3's latent (512 + 64) in bf16: 61 x 576 x 2 bytes.
+        assert_eq!(spec.tensors_per_layer(), 1);
+        assert_eq!(spec.bytes_per_token(), 61 * 576 * 2);
+        let both = KvSpec {
+            values_in_keys: false,
+            ..spec
+        };
+        assert_eq!(both.bytes_per_token(), 2 * spec.bytes_per_token());
+        assert_eq!(
+            spec.pages_for_bytes(1 << 30),
+            2 * both.pages_for_bytes(1 << 30)
+        );
+    }
 
     #[test]
     fn page_arithmetic_matches_division() {

@@ -49,6 +49,10 @@ pub struct ModelSpec {
     /// for (FP8 E4M3 when it declares an FP8 KV cache and carries per-layer
     /// `k_scale`/`v_scale`); `--kv-cache-dtype auto` then chooses it.
     pub checkpoint_kv_dtype: Option<DType>,
+    /// The model reads its values from its keys: its KV cache stores one
+    /// row per token and layer (multi-head latent attention's latent), see
+    /// [`crate::KvSpec::values_in_keys`].
+    pub kv_values_in_keys: bool,
 }
 
 impl ModelSpec {

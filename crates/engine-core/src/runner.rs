@@ -81,6 +81,7 @@ impl ModelRunner {
             page_size,
             num_pages,
             dtype: kv_dtype,
+            values_in_keys: s.kv_values_in_keys,
         };
         let kv = KvCache::allocate(&*backend, spec)?;
         let attention = backend.attention(attention)?;

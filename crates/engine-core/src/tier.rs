@@ -98,6 +98,8 @@ pub struct TierIdentity {
     pub num_kv_heads: usize,
     /// Dimension of one head.
     pub head_dim: usize,
+    /// A page holds K only: the values are the keys ([`KvSpec::values_in_keys`]).
+    pub values_in_keys: bool,
 }
 
 impl TierIdentity {
@@ -110,13 +112,14 @@ impl TierIdentity {
             num_layers: spec.num_layers,
             num_kv_heads: spec.num_kv_heads,
             head_dim: spec.head_dim,
+            values_in_keys: spec.values_in_keys,
         }
     }
 
     /// Digest of the identity (stored in every entry's header).
     pub fn digest(&self) -> [u8; PAGE_KEY_BYTES] {
         use sha2::{Digest, Sha256};
-        let text = format!(
+        let mut text = format!(
             "arbor-kv-v1\u{1f}{}\u{1f}{}\u{1f}{}\u{1f}{}x{}x{}",
             self.model,
             self.kv_dtype,
@@ -125,6 +128,11 @@ impl TierIdentity {
             self.num_kv_heads,
             self.head_dim
         );
+        // Pages of K alone (a latent cache) never match pages of K and V;
+        // the digest of K-and-V pages is what it was before the flag.
+        if self.values_in_keys {
+            text.push_str("\u{1f}values-in-keys");
+        }
         Sha256::digest(text.as_bytes()).into()
     }
 
@@ -145,7 +153,9 @@ impl TierIdentity {
 
     /// Bytes of one page in the host layout.
     pub fn page_bytes(&self) -> usize {
-        2 * self.num_layers
+        let tensors = if self.values_in_keys { 1 } else { 2 };
+        tensors
+            * self.num_layers
             * self.page_size
             * self.num_kv_heads
             * self.head_dim
@@ -484,6 +494,7 @@ mod tests {
             page_size: 2,
             num_pages: 8,
             dtype: DType::F32,
+            values_in_keys: false,
         };
         let id = TierIdentity::new("m", &spec);
         let root = id.root_key(&CacheNamespace::default());

@@ -142,6 +142,7 @@ mod tests {
             page_size: 4,
             num_pages: 10,
             dtype: DType::F32,
+            values_in_keys: false,
         };
         let c = HiCacheConfig::default();
         assert_eq!(c.host_pages(&kv).ok(), Some(20));

@@ -13,6 +13,7 @@ use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, G
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{DType, KvTier, PrefixCacheOptions, SamplingParams, SeqRng};
 use arbor_kv_hicache::{HiCache, HiCacheConfig, HiCacheOptions, WritePolicy};
+use arbor_models::LoadedModel;
 use std::sync::Arc;
 use tiny::{assert_pool_empty, greedy, shared};
 
@@ -36,9 +37,28 @@ fn engine_with(
     model: &str,
     overlap_schedule: Option<bool>,
 ) -> Result<Engine> {
+    engine_for(
+        &shared().model,
+        pages,
+        hicache,
+        storage,
+        model,
+        overlap_schedule,
+    )
+}
+
+/// [`engine_with`] on a loaded model of its own.
+fn engine_for(
+    loaded: &LoadedModel,
+    pages: usize,
+    hicache: Option<HiCacheConfig>,
+    storage: Option<Arc<dyn KvTier>>,
+    model: &str,
+    overlap_schedule: Option<bool>,
+) -> Result<Engine> {
     let s = shared();
     let runner = ModelRunner::new(
-        s.model.model.clone(),
+        loaded.model.clone(),
         s.backend.clone(),
         None,
         PAGE,
@@ -64,8 +84,8 @@ fn engine_with(
         cache,
         s.registry.samplers.get("standard")?()?,
         Vec::new(),
-        s.model.tokenizer.clone(),
-        s.model.tokenizer.eos_token_ids.clone(),
+        loaded.tokenizer.clone(),
+        loaded.tokenizer.eos_token_ids.clone(),
     );
     let cfg = EngineConfig {
         disable_radix_cache: false,
@@ -167,6 +187,62 @@ fn evicted_prefixes_come_back_from_host_with_identical_output() -> Result<()> {
     Ok(())
 }
 
+/// A latent KV cache (DeepSeek-V3's multi-head latent attention: one row
+/// per token and layer, the values read from the keys) through the host
+/// tier: pages hold K alone, half the bytes of a K-and-V page of that
+/// shape, and prefixes evicted from the device come back with the output of
+/// an engine without cache.
+#[test]
+fn latent_kv_pages_come_back_from_host_with_identical_output() -> Result<()> {
+    let s = shared();
+    let opts = arbor_engine_core::LoadOptions {
+        backend: s.backend.clone(),
+        quant: s.registry.quant_methods.get("f32")?(&Default::default())?,
+        progress: None,
+    };
+    let dir = tiny::fixture().join("../tiny-deepseek-v3");
+    let m = arbor_models::load_model(&dir, &s.registry, &opts)?;
+    assert!(m.model.spec().kv_values_in_keys);
+    let prompts = documents(6, 100, 9);
+    let params = greedy(8);
+    let cold = engine_for(&m, 256, None, None, "tiny-dsv3", None)?;
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&cold, std::slice::from_ref(p), &params).map(|mut v| v.remove(0).0))
+        .collect::<Result<_>>()?;
+    assert_pool_empty(&cold);
+    let e = engine_for(
+        &m,
+        12,
+        Some(config(WritePolicy::WriteThrough)),
+        None,
+        "tiny-dsv3",
+        None,
+    )?;
+    let mut host_hits = 0;
+    for (p, w) in prompts.iter().zip(&want) {
+        let (got, [_, host, _]) = run(&e, std::slice::from_ref(p), &params)?.remove(0);
+        assert_eq!(&got, w, "output differs from an engine without cache");
+        host_hits += host;
+    }
+    let st = e.stats();
+    assert!(
+        host_hits >= 5 * 96,
+        "{host_hits} host tokens; {:?}",
+        st.tiers
+    );
+    let spec = m.model.spec();
+    let latent_page = spec.num_layers * spec.head_dim * 4 * PAGE;
+    assert_eq!(
+        st.kv_copy.bytes,
+        (st.kv_copy.pages_to_host + st.kv_copy.pages_to_device) * latent_page as u64,
+        "host pages of K alone ({latent_page} bytes): {:?}",
+        st.kv_copy
+    );
+    assert_pool_empty(&e);
+    Ok(())
+}
+
 #[test]
 fn concurrent_requests_under_pressure_match_an_uncached_engine() -> Result<()> {
     let prompts = documents(8, 70, 11);
@@ -224,6 +300,7 @@ fn open(config: &str, backend: &str, model: &str) -> Result<Arc<dyn KvTier>> {
         page_size: PAGE,
         num_pages: 1,
         dtype: DType::F32,
+        values_in_keys: false,
     };
     let sc = StorageConfig::parse(backend, Some(config))?;
     Ok(open_store(

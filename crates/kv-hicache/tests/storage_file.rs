@@ -21,6 +21,7 @@ fn identity(model: &str, dtype: DType, page_size: usize) -> TierIdentity {
         num_layers: 4,
         num_kv_heads: 4,
         head_dim: 32,
+        values_in_keys: false,
     }
 }
 

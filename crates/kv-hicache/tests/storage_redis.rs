@@ -28,6 +28,7 @@ fn identity(model: &str, head_dim: usize) -> TierIdentity {
         num_layers: 4,
         num_kv_heads: 4,
         head_dim,
+        values_in_keys: false,
     }
 }
 

@@ -68,6 +68,7 @@ impl Sim {
             page_size: ps,
             num_pages: device_pages,
             dtype: arbor_engine_core::DType::F32,
+            values_in_keys: false,
         };
         cache
             .enable_tiers(TierOptions {

@@ -491,6 +491,7 @@ impl DecoderModel {
             weight_bytes: l.bytes,
             quantization: opts.quant.name().to_string(),
             checkpoint_kv_dtype,
+            kv_values_in_keys: cfg.mla.is_some(),
         };
         Ok(Self {
             spec,

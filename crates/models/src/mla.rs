@@ -2,13 +2,17 @@
 //! with the up-projections absorbed into the query and output weights.
 //!
 //! Each token caches one "KV head" of width `D = qk_rope_head_dim +
-//! kv_lora_rank`: the key is `[k_pe (roped) | c_kv]`, the value `[0 | c_kv]`
-//! (`c_kv` the normed compressed latent), so the cache holds `2·D` values per
-//! token and layer instead of `heads·(qk_head_dim + v_head_dim)` for the
-//! expanded keys and values. The query is absorbed at load: per head
+//! kv_lora_rank`, `[k_pe (roped) | c_kv]` (`c_kv` the normed compressed
+//! latent), once: it is the key and also the value (`ModelSpec::
+//! kv_values_in_keys`), so the cache holds `D` values per token and layer
+//! instead of `heads·(qk_head_dim + v_head_dim)` for the expanded keys and
+//! values. The attention output's first `qk_rope_head_dim` columns per head
+//! then hold the weighted `k_pe`, which the absorbed output projection's zero
+//! rotary columns cancel exactly (`0 · x = 0` for finite x). The query is absorbed at load: per head
 //! `[q_pe | W_UKᵀ q_nope]`, so that `q·k = q_pe·k_pe + q_nope·(W_UK c_kv)`
 //! exactly as the expanded attention; the output projection absorbs `W_UV`
-//! (`o_proj · W_UV` per head, zero on the rotary columns). Attention is then
+//! (`o_proj · W_UV` per head, exactly zero on the rotary columns, in every
+//! storage the absorbed weights take: float casts and symmetric FP8 blocks). Attention is then
 //! the ordinary paged kernel with one KV head shared by every query head
 //! (MQA) and the softmax scale of the expanded head width.
 //!
@@ -299,8 +303,6 @@ impl MlaAttn {
         let k = f32t(&[t, d])?;
         b.copy_cols(&kpe, &k, 0)?;
         b.copy_cols(&c, &k, rope)?;
-        let v = f32t(&[t, d])?;
-        b.copy_cols(&c, &v, rope)?;
         let attn = f32t(&[t, self.heads * d])?;
         let params = AttentionParams {
             num_heads: self.heads,
@@ -315,7 +317,8 @@ impl MlaAttn {
             ctx.kv.layer(layer)?,
             &q,
             &k,
-            &v,
+            // The values are the keys (the cache stores the latent once).
+            &k,
             &attn,
             &params,
         )?;

@@ -218,6 +218,7 @@ fn check_tree(
             page_size,
             num_pages: 64,
             dtype: kv_dtype,
+            values_in_keys: false,
         },
     )?;
     let attention = backend.attention(None)?;

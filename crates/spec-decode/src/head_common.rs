@@ -120,6 +120,7 @@ pub(crate) fn kv_spec(
         page_size,
         num_pages,
         dtype,
+        values_in_keys: false,
     }
 }
 

@@ -431,6 +431,7 @@ impl MtpHead {
                     page_size,
                     num_pages,
                     dtype,
+                    values_in_keys: s.kv_values_in_keys,
                 }
             }
         }

@@ -9,8 +9,9 @@ use crate::tier::{CopyDirection, KvCopyStats, KvTierOps};
 
 impl LocalExecutor {
     /// Runs a plan's copies between device pages and host slots, in order.
-    /// A host page holds, per layer, the page's K bytes then its V bytes. On
-    /// the CPU a copy is a memcpy; it is still counted and timed.
+    /// A host page holds, per layer, the page's K bytes then its V bytes
+    /// (only K when the values are in the keys). On the CPU a copy is a
+    /// memcpy; it is still counted and timed.
     pub(super) fn copy_tier_pages(&self, ops: &KvTierOps) -> Result<KvCopyStats> {
         let mut stats = KvCopyStats::default();
         let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
@@ -20,15 +21,16 @@ impl LocalExecutor {
         let kv = self.runner.kv();
         let spec = *kv.spec();
         let backend = self.runner.backend();
-        let part = spec.bytes_per_token() * spec.page_size / (2 * spec.num_layers);
-        if host.page_bytes() != 2 * spec.num_layers * part {
+        let parts = spec.tensors_per_layer() * spec.num_layers;
+        let part = spec.bytes_per_token() * spec.page_size / parts;
+        if host.page_bytes() != parts * part {
             return Err(CoreError::invalid(format!(
                 "host KV pages of {} bytes for device pages of {}",
                 host.page_bytes(),
-                2 * spec.num_layers * part
+                parts * part
             )));
         }
-        let mut views = Vec::with_capacity(2 * spec.num_layers);
+        let mut views = Vec::with_capacity(parts);
         for c in &ops.copies {
             if c.device_page as usize >= spec.num_pages {
                 return Err(CoreError::invalid(format!(
@@ -39,9 +41,15 @@ impl LocalExecutor {
             let first = c.device_page as usize * spec.page_size;
             views.clear();
             for l in 0..spec.num_layers {
-                let layer = kv.layer(l)?;
-                views.push(layer.k.narrow(first, spec.page_size)?);
-                views.push(layer.v.narrow(first, spec.page_size)?);
+                for t in kv.layer(l)?.stored() {
+                    views.push(t.narrow(first, spec.page_size)?);
+                }
+            }
+            if views.len() != parts {
+                return Err(CoreError::Internal(format!(
+                    "the KV cache stores {} tensors for a spec of {parts}",
+                    views.len()
+                )));
             }
             let mut failed = None;
             match c.direction {
@@ -114,8 +122,7 @@ impl LocalExecutor {
             }
             let (from, to) = (slot(src)?, slot(dst)?);
             for l in 0..kv.spec().num_layers {
-                let layer = kv.layer(l)?;
-                for t in [&layer.k, &layer.v] {
+                for t in kv.layer(l)?.stored() {
                     backend.copy(&t.narrow(from, 1)?, &t.narrow(to, 1)?)?;
                 }
             }

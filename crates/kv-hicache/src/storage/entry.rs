@@ -208,6 +208,7 @@ mod tests {
             num_layers: 2,
             num_kv_heads: 1,
             head_dim: 4,
+            values_in_keys: false,
         }
     }
 
