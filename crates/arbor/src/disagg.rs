@@ -3,15 +3,17 @@
 //! the KV transfer engine.
 //!
 //! A prefill worker sends the KV of each routed prompt to the decode worker
-//! the router names; a decode worker listens for KV on
-//! `--disaggregation-transfer-port` and imports it into its prefix cache.
+//! Arbor's router names, or keeps it in the request's bootstrap room (SGLang's
+//! router) for the decode worker to pull from `--disaggregation-bootstrap-port`;
+//! a decode worker listens for KV on `--disaggregation-transfer-port`, pulls
+//! rooms, and imports the KV into its prefix cache.
 //! Both need the radix cache. The transfer backend is `tcp`
 //! (crates/kv-transfer); NIXL and Mooncake are not built in.
 
 use anyhow::{Result, bail};
 use arbor_engine_core::engine::Engine;
 use arbor_engine_core::engine::transfer::KvTransfer;
-use arbor_kv_transfer::{TcpReceiver, TcpTransfer, wire::Limits};
+use arbor_kv_transfer::{RoomConfig, TcpReceiver, TcpRooms, TcpTransfer, wire::Limits};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -31,6 +33,12 @@ pub struct DisaggregationArgs {
     /// Decode workers: the port the KV transfer engine listens on, on --host; 0 picks a free one (printed, and in /get_server_info) [default: 0].
     #[arg(long = "disaggregation-transfer-port", help_heading = "Disaggregation")]
     pub disaggregation_transfer_port: Option<u16>,
+    /// Prefill workers: the port of the bootstrap server decode workers pull bootstrap rooms from (give it to SGLang's router as `--prefill URL PORT`), on --host; 0 picks a free one (printed, and in /get_server_info; SGLang's default is 8998) [default: 0].
+    #[arg(
+        long = "disaggregation-bootstrap-port",
+        help_heading = "Disaggregation"
+    )]
+    pub disaggregation_bootstrap_port: Option<u16>,
 }
 
 /// `[disaggregation]` in the TOML file.
@@ -43,6 +51,8 @@ pub struct DisaggregationSection {
     pub disaggregation_transfer_backend: Option<String>,
     /// Decode workers' transfer port (0: any).
     pub disaggregation_transfer_port: Option<u16>,
+    /// Prefill workers' bootstrap port (0: any).
+    pub disaggregation_bootstrap_port: Option<u16>,
 }
 
 /// A worker's role.
@@ -61,6 +71,8 @@ pub struct DisaggregationSettings {
     pub role: Role,
     /// Decode: the transfer port.
     pub port: u16,
+    /// Prefill: the bootstrap port.
+    pub bootstrap_port: u16,
 }
 
 impl DisaggregationSection {
@@ -82,6 +94,11 @@ impl DisaggregationSection {
             disaggregation_transfer_port: Some(
                 a.disaggregation_transfer_port
                     .or(f.disaggregation_transfer_port)
+                    .unwrap_or(0),
+            ),
+            disaggregation_bootstrap_port: Some(
+                a.disaggregation_bootstrap_port
+                    .or(f.disaggregation_bootstrap_port)
                     .unwrap_or(0),
             ),
         }
@@ -116,22 +133,63 @@ impl DisaggregationSection {
         Ok(Some(DisaggregationSettings {
             role,
             port: self.disaggregation_transfer_port.unwrap_or(0),
+            bootstrap_port: self.disaggregation_bootstrap_port.unwrap_or(0),
         }))
     }
 }
 
 /// What a disaggregated worker runs beside its HTTP server.
 pub enum Started {
-    /// Prefill: the sender the server uses.
-    Prefill(Arc<dyn KvTransfer>),
-    /// Decode: the listening receiver (stops when dropped).
-    Decode(TcpReceiver),
+    /// Prefill: the sender and the bootstrap rooms (which stop listening
+    /// when dropped).
+    Prefill {
+        transfer: Arc<dyn KvTransfer>,
+        rooms: Arc<TcpRooms>,
+    },
+    /// Decode: the listening receiver (stops when dropped) and the sender
+    /// that pulls rooms.
+    Decode {
+        receiver: TcpReceiver,
+        transfer: Arc<dyn KvTransfer>,
+    },
 }
 
-/// Starts the transfer engine of `s` for `engine`; a decode receiver listens on `host`.
+impl Started {
+    /// What the HTTP server needs of it.
+    pub fn server_part(&self) -> arbor_server::disagg::Disagg {
+        match self {
+            Started::Prefill { transfer, rooms } => arbor_server::disagg::Disagg::Prefill {
+                transfer: transfer.clone(),
+                rooms: rooms.clone(),
+            },
+            Started::Decode { transfer, .. } => arbor_server::disagg::Disagg::Decode {
+                transfer: transfer.clone(),
+            },
+        }
+    }
+}
+
+/// Starts the transfer engine of `s` for `engine`; a decode receiver and a
+/// prefill bootstrap server listen on `host`.
 pub fn start(s: &DisaggregationSettings, engine: &Arc<Engine>, host: &str) -> Result<Started> {
+    let transfer: Arc<dyn KvTransfer> = Arc::new(TcpTransfer::default());
     Ok(match s.role {
-        Role::Prefill => Started::Prefill(Arc::new(TcpTransfer::default())),
+        Role::Prefill => {
+            let rooms = TcpRooms::bind(
+                &format!("{host}:{}", s.bootstrap_port),
+                RoomConfig::default(),
+            )
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "--disaggregation-bootstrap-port {}: listening on {host}: {e}",
+                    s.bootstrap_port
+                )
+            })?;
+            Started::Prefill {
+                transfer,
+                rooms: Arc::new(rooms),
+            }
+        }
         Role::Decode => {
             let e = engine.clone();
             let sink = Arc::new(move |p| e.import_kv(p).map_err(|e| e.to_string()));
@@ -142,7 +200,10 @@ pub fn start(s: &DisaggregationSettings, engine: &Arc<Engine>, host: &str) -> Re
                         s.port
                     )
                 })?;
-            Started::Decode(rx)
+            Started::Decode {
+                receiver: rx,
+                transfer,
+            }
         }
     })
 }

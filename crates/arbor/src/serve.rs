@@ -225,25 +225,33 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .transpose()?;
     let disagg_line = match &disaggregation {
         None => "off".to_string(),
-        Some(crate::disagg::Started::Prefill(t)) => {
+        Some(crate::disagg::Started::Prefill { transfer, rooms }) => {
             format!(
-                "prefill (sends prompts' KV to decode workers over {})",
-                t.name()
+                "prefill (sends prompts' KV to decode workers over {}; bootstrap rooms on {})",
+                transfer.name(),
+                rooms.local_addr()
             )
         }
-        Some(crate::disagg::Started::Decode(rx)) => {
-            format!("decode (receives KV over tcp on {})", rx.local_addr())
+        Some(crate::disagg::Started::Decode { receiver, .. }) => {
+            format!("decode (receives KV over tcp on {})", receiver.local_addr())
         }
     };
     if let (Some(o), Some(d)) = (opts.server_info.as_object_mut(), &disaggregation) {
-        let (mode, addr) = match d {
-            crate::disagg::Started::Prefill(_) => ("prefill", serde_json::Value::Null),
-            crate::disagg::Started::Decode(rx) => ("decode", rx.local_addr().to_string().into()),
+        let info = match d {
+            crate::disagg::Started::Prefill { rooms, .. } => serde_json::json!({
+                "mode": "prefill",
+                "transfer_backend": "tcp",
+                "kv_transfer_address": null,
+                "bootstrap_address": rooms.local_addr().to_string(),
+                "bootstrap_port": rooms.local_addr().port(),
+            }),
+            crate::disagg::Started::Decode { receiver, .. } => serde_json::json!({
+                "mode": "decode",
+                "transfer_backend": "tcp",
+                "kv_transfer_address": receiver.local_addr().to_string(),
+            }),
         };
-        o.insert(
-            "disaggregation".into(),
-            serde_json::json!({"mode": mode, "transfer_backend": "tcp", "kv_transfer_address": addr}),
-        );
+        o.insert("disaggregation".into(), info);
     }
     let mut server = Server::new(
         engine.clone(),
@@ -254,8 +262,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(g) = grammar {
         server = server.with_grammar(g);
     }
-    if let Some(crate::disagg::Started::Prefill(t)) = &disaggregation {
-        server = server.with_kv_transfer(t.clone());
+    if let Some(d) = &disaggregation {
+        server = server.with_disaggregation(d.server_part());
     }
     if let Some(l) = &lora {
         let registry = crate::lora::build(l, built.backend.clone(), &spec)?;

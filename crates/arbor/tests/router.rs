@@ -588,15 +588,20 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
         s == 200 && s2 == 200 && a["choices"][0]["message"] == b["choices"][0]["message"],
         "{a} vs {b}"
     );
-    let (_, m) = get(&c, &prefill.url("/metrics"), None).await?;
-    ensure!(
-        metric(&m, "arbor:kv_transfer_tokens_total") > Some(0.0),
-        "{m}"
-    );
-    ensure!(
-        metric(&m, "arbor:kv_transfer_failures_total") == Some(0.0),
-        "{m}"
-    );
+    // The router sent each request to both workers with a bootstrap room
+    // (the prefill worker publishes its bootstrap port): the prefill worker
+    // deposited the KV and the decode worker pulled it.
+    for w in [&prefill, &decode] {
+        let (_, m) = get(&c, &w.url("/metrics"), None).await?;
+        ensure!(
+            metric(&m, "arbor:kv_transfer_tokens_total") > Some(0.0),
+            "{m}"
+        );
+        ensure!(
+            metric(&m, "arbor:kv_transfer_failures_total") == Some(0.0),
+            "{m}"
+        );
+    }
     // Only the decode worker is asked for model information.
     let (s, body) = get(&c, &r.url("/v1/models"), None).await?;
     ensure!(s == 200, "{body}");
@@ -613,7 +618,16 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
         s == 200 && got["output_ids"] == want["output_ids"],
         "{s} {got}"
     );
-    let (_, m) = get(&c, &r.url("/metrics"), None).await?;
+    // The prefill request runs beside the decode one (bootstrap rooms): its
+    // failure is counted once its retries gave up, after the answer.
+    let mut m = String::new();
+    for _ in 0..100 {
+        m = get(&c, &r.url("/metrics"), None).await?.1;
+        if m.contains("arbor_router_request_failures_total{reason=\"prefill\"}") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     ensure!(
         m.contains("arbor_router_request_failures_total{reason=\"prefill\"} 1"),
         "{m}"
@@ -650,6 +664,24 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
     ensure!(
         status == 400 && text.contains("not a prefill worker"),
         "{status} {text}"
+    );
+    // SGLang's bootstrap fields on a whole worker are refused, naming them.
+    let mut body = generate_body("x", 1);
+    body["bootstrap_host"] = json!("127.0.0.1");
+    body["bootstrap_port"] = json!(1);
+    body["bootstrap_room"] = json!(7);
+    let (s, e) = post(&c, &single.url("/generate"), &body).await?;
+    ensure!(
+        s == 400
+            && e.to_string()
+                .contains("bootstrap_room: this worker is not disaggregated"),
+        "{s} {e}"
+    );
+    body["bootstrap_room"] = json!(-3);
+    let (s, e) = post(&c, &decode.url("/generate"), &body).await?;
+    ensure!(
+        s == 400 && e["error"]["param"] == "bootstrap_room",
+        "{s} {e}"
     );
     Ok(())
 }

@@ -3,13 +3,20 @@
 //! ([`KvPages`]) to a [`TcpReceiver`], which hands it to the decode
 //! engine's `import_kv` and answers with the tokens it now caches.
 //!
+//! [`TcpRooms`] is the other direction, for SGLang's router: a prefill
+//! worker keeps each request's KV in a bootstrap room and the decode worker
+//! pulls it ([`KvTransfer::pull`], [`rooms`]).
+//!
 //! One connection per transfer; the frame format is in [`wire`]. The
 //! sender waits for the receiver's answer, so once `send` returned `Ok` the
 //! pages are in the decode engine's prefix cache. Every failure is an error
 //! value (the decode side then computes the prefix itself); nothing here
 //! panics on what the network brings.
 
+pub mod rooms;
 pub mod wire;
+
+pub use rooms::{RoomConfig, TcpRooms};
 
 use arbor_engine_core::engine::transfer::{KvPages, KvTransfer, TransferError, TransferReport};
 use std::io::{BufReader, BufWriter, Write};
@@ -67,6 +74,28 @@ impl KvTransfer for TcpTransfer {
             seconds: start.elapsed().as_secs_f64(),
         })
     }
+
+    fn pull(&self, peer: &str, room: u64) -> Result<KvPages, TransferError> {
+        let addr = peer
+            .to_socket_addrs()
+            .map_err(|e| TransferError::BadPeer(format!("{peer}: {e}")))?
+            .next()
+            .ok_or_else(|| TransferError::BadPeer(peer.to_string()))?;
+        rooms::pull(addr, room, self.connect_timeout, self.io_timeout)
+    }
+}
+
+/// Wakes an accept loop blocked on `addr` with a connection of our own (an
+/// unspecified address is reached on loopback).
+pub(crate) fn wake(addr: SocketAddr) {
+    let mut wake = addr;
+    if wake.ip().is_unspecified() {
+        wake.set_ip(match wake.ip() {
+            std::net::IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
 }
 
 /// What the receiver does with pages that arrived: import them and say how
@@ -108,15 +137,8 @@ impl Drop for TcpReceiver {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         // The accept loop blocks in `accept`: a connection of our own wakes
-        // it to see the flag (an unspecified address is reached on loopback).
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake.ip() {
-                std::net::IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                std::net::IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        // it to see the flag.
+        wake(self.addr);
     }
 }
 

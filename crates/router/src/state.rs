@@ -50,6 +50,16 @@ impl RouterState {
         }
     }
 
+    /// A bootstrap room id, uniform in [0, 2^63) as SGLang's router draws it.
+    pub fn room(&self) -> u64 {
+        self.choice
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rng
+            .next_u64()
+            & (i64::MAX as u64)
+    }
+
     /// A uniform number in [0, 1) (retry jitter).
     pub fn unit(&self) -> f64 {
         self.choice

@@ -185,15 +185,11 @@ impl Server {
         self
     }
 
-    /// Makes this a prefill worker of a disaggregated deployment: requests
-    /// with `x-arbor-kv-peer` send their prompts' KV through `transfer`
+    /// Makes this a prefill or decode worker of a disaggregated deployment
     /// ([`disagg`]).
-    pub fn with_kv_transfer(
-        mut self,
-        transfer: Arc<dyn arbor_engine_core::engine::transfer::KvTransfer>,
-    ) -> Self {
+    pub fn with_disaggregation(mut self, d: disagg::Disagg) -> Self {
         if let Some(st) = Arc::get_mut(&mut self.state) {
-            st.kv_transfer = Some(transfer);
+            st.disagg = Some(d);
         }
         self
     }

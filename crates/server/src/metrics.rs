@@ -107,7 +107,8 @@ pub struct Metrics {
     itl: Histogram,
     e2e: Histogram,
     queue: Histogram,
-    /// Prefill/decode disaggregation: KV sent to decode workers.
+    /// Prefill/decode disaggregation: KV moved (a prefill worker's sent or
+    /// deposited in bootstrap rooms; a decode worker's pulled from rooms).
     kv_sent_tokens: AtomicU64,
     kv_sent_bytes: AtomicU64,
     kv_sent_micros: AtomicU64,
@@ -400,22 +401,22 @@ impl Metrics {
         for (name, help, v) in [
             (
                 "kv_transfer_tokens_total",
-                "Prompt tokens of KV sent to decode workers.",
+                "Prompt tokens of KV moved between prefill and decode workers (prefill: sent or deposited in bootstrap rooms; decode: pulled and imported).",
                 self.kv_sent_tokens.load(Ordering::Relaxed) as f64,
             ),
             (
                 "kv_transfer_bytes_total",
-                "Bytes of KV sent to decode workers.",
+                "Bytes of KV moved between prefill and decode workers.",
                 self.kv_sent_bytes.load(Ordering::Relaxed) as f64,
             ),
             (
                 "kv_transfer_seconds_total",
-                "Seconds spent sending KV to decode workers.",
+                "Seconds spent moving KV between prefill and decode workers.",
                 self.kv_sent_micros.load(Ordering::Relaxed) as f64 / 1e6,
             ),
             (
                 "kv_transfer_failures_total",
-                "KV transfers to decode workers that failed.",
+                "KV transfers between prefill and decode workers that failed (the decode worker computed the prompt).",
                 self.kv_send_failures.load(Ordering::Relaxed) as f64,
             ),
         ] {

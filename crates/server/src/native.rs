@@ -6,7 +6,8 @@
 //! `logprob_start_len`, `return_text_in_logprobs`, `priority`, `extra_key` (per
 //! prompt) and `cache_salt` (prefix-cache namespaces: requests with other
 //! keys never share cached KV), `lora_path` (a loaded LoRA adapter's name,
-//! or one per prompt; see `lora.rs`). Fields SGLang
+//! or one per prompt; see `lora.rs`), `bootstrap_host` / `bootstrap_port` /
+//! `bootstrap_room` (SGLang's router in PD mode; see `disagg.rs`). Fields SGLang
 //! has and Arbor does not implement yet (`lora_id`, `image_data`, ...) are
 //! accepted while they ask for nothing and refused with a 400 naming the
 //! field otherwise; unknown fields are refused.
@@ -224,12 +225,10 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         ("custom_logit_processor", "custom logit processors"),
         ("session_params", "sessions"),
         ("data_parallel_rank", "data parallelism"),
-        ("bootstrap_host", "prefill-decode disaggregation"),
-        ("bootstrap_port", "prefill-decode disaggregation"),
-        ("bootstrap_room", "prefill-decode disaggregation"),
     ] {
         f.unset_only(k, what)?;
     }
+    let bootstrap = crate::disagg::bootstrap_fields(&mut f, count)?;
     f.finish_lenient()?;
 
     let mut jobs = Vec::with_capacity(count);
@@ -266,6 +265,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         job.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
         job.constraint = constraint;
         job.lora = adapters[i].clone();
+        job.bootstrap = bootstrap[i].clone();
         jobs.push(job);
     }
     let list = batch || n.unwrap_or(1) > 1;

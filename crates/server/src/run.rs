@@ -36,6 +36,8 @@ pub(crate) struct Job {
     pub constraint: Option<ConstraintSpec>,
     /// The LoRA adapter (`None`: the base model).
     pub lora: Option<Arc<arbor_engine_core::LoraAdapter>>,
+    /// SGLang's bootstrap room of a disaggregated request ([`crate::disagg`]).
+    pub bootstrap: Option<crate::disagg::Bootstrap>,
 }
 
 impl Job {
@@ -50,6 +52,7 @@ impl Job {
             namespace: CacheNamespace::default(),
             constraint: None,
             lora: None,
+            bootstrap: None,
         }
     }
 }
@@ -109,10 +112,37 @@ pub(crate) async fn submit(
     mut jobs: Vec<Job>,
     headers: &axum::http::HeaderMap,
 ) -> Result<Run, ApiError> {
-    state.check_accepting()?;
     let export = crate::disagg::prefill_jobs(state, headers, &mut jobs)?;
+    let submitted = submit_jobs(state, jobs, export.as_ref()).await;
+    if let (Err(e), Some(x)) = (&submitted, &export) {
+        x.refuse(&e.message);
+    }
+    let (slots, samples, prompt_lens, n) = submitted?;
+    Ok(Run {
+        state: state.clone(),
+        slots,
+        samples,
+        prompt_lens,
+        n,
+        export,
+    })
+}
+
+type Submitted = (Vec<Slot>, Vec<Sample>, Vec<usize>, usize);
+
+/// [`submit`]'s enqueueing: on a decode worker each job's bootstrap room
+/// is pulled first.
+async fn submit_jobs(
+    state: &Arc<AppState>,
+    jobs: Vec<Job>,
+    export: Option<&crate::disagg::PrefillExport>,
+) -> Result<Submitted, ApiError> {
+    state.check_accepting()?;
     if jobs.is_empty() {
         return Err(ApiError::bad_request("the request holds no prompt"));
+    }
+    if export.is_none() {
+        crate::disagg::pull_rooms(state, &jobs).await;
     }
     let n = jobs.first().map_or(1, |j| j.params.n.max(1));
     let mut slots = Vec::with_capacity(jobs.len());
@@ -153,14 +183,7 @@ pub(crate) async fn submit(
             unfinished: n,
         });
     }
-    Ok(Run {
-        state: state.clone(),
-        slots,
-        samples,
-        prompt_lens,
-        n,
-        export,
-    })
+    Ok((slots, samples, prompt_lens, n))
 }
 
 impl Run {

@@ -93,9 +93,9 @@ pub(crate) struct AppState {
     pub loader: Option<Arc<dyn crate::refit::WeightLoader>>,
     /// LoRA adapters by name, when LoRA is enabled.
     pub lora: Option<Arc<arbor_lora::LoraRegistry>>,
-    /// Sends prompts' KV to decode workers (a prefill worker of a
-    /// disaggregated deployment).
-    pub kv_transfer: Option<Arc<dyn arbor_engine_core::engine::transfer::KvTransfer>>,
+    /// This worker's part in a disaggregated deployment (prefill: hands
+    /// prompts' KV on; decode: pulls it by bootstrap room).
+    pub disagg: Option<crate::disagg::Disagg>,
     /// The weights served now.
     weights: std::sync::Mutex<Weights>,
     /// Serializes weight updates and memory release/resume.
@@ -126,7 +126,7 @@ impl AppState {
             weights: std::sync::Mutex::new(weights),
             loader: None,
             lora: None,
-            kv_transfer: None,
+            disagg: None,
             refit_lock: tokio::sync::Mutex::new(()),
             metrics: Metrics::new(&opts.metrics_prefix, &opts.served_model_name),
             engine,

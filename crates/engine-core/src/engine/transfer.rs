@@ -16,7 +16,12 @@
 //!   are freed again by the insert.
 //! - [`KvTransfer`]: how pages travel from one engine to another (TCP in
 //!   crates/kv-transfer; NIXL or Mooncake's transfer engine fit the same
-//!   trait). The receiving side hands what arrives to `import_kv`.
+//!   trait). The receiving side hands what arrives to `import_kv`. Two
+//!   directions: `send` pushes pages to a decode worker's receiver (Arbor's
+//!   router, which names the receiver per request), and `pull` fetches
+//!   them from a prefill worker's [`KvRooms`] by bootstrap room (SGLang's
+//!   router, which sends the request to both workers at once with
+//!   `bootstrap_host`, `bootstrap_port` and `bootstrap_room`).
 //!
 //! Namespaces travel with the pages unversioned; each engine salts them
 //! with its own weight version, so pages never cross a weight update.
@@ -123,6 +128,21 @@ pub trait KvTransfer: Send + Sync {
         peer: &str,
         pages: &KvPages,
     ) -> std::result::Result<TransferReport, TransferError>;
+    /// Fetches the pages a prefill worker holds for bootstrap room `room`
+    /// (SGLang's `bootstrap_room`) from its bootstrap address `peer`,
+    /// waiting until they are there or the peer gives up on them.
+    fn pull(&self, peer: &str, room: u64) -> std::result::Result<KvPages, TransferError>;
+}
+
+/// A prefill worker's bootstrap rooms (SGLang's bootstrap server): each
+/// room holds one request's exported KV until the decode worker named by
+/// the router pulls it, or until it expires.
+pub trait KvRooms: Send + Sync {
+    /// The address decode workers pull from (`HOST:PORT`).
+    fn address(&self) -> String;
+    /// Deposits room `room`'s pages, or why it has none (the decode worker
+    /// then computes the prompt itself).
+    fn put(&self, room: u64, pages: std::result::Result<KvPages, String>);
 }
 
 /// Messages of this module to the scheduler thread.

@@ -203,6 +203,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             "output other than text",
         ));
     }
+    let bootstrap = crate::disagg::bootstrap_fields(&mut f, 1)?;
     f.finish_lenient()?;
 
     let Some(template) = &st.chat_template else {
@@ -237,6 +238,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.priority = priority;
     job.namespace = namespace;
     job.constraint = constraint;
+    job.bootstrap = bootstrap.into_iter().next().flatten();
     let model = st.response_model(lora.as_deref());
     job.lora = lora;
     let mut run = run::submit(&st, vec![job], &headers).await?;

@@ -109,6 +109,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     {
         return Err(ApiError::unsupported("best_of", "best_of other than n"));
     }
+    let bootstrap = crate::disagg::bootstrap_fields(&mut f, prompts.len())?;
     f.finish_lenient()?;
     params.max_new_tokens = max_tokens.unwrap_or(16);
     if rid.is_some() && prompts.len() > 1 {
@@ -120,8 +121,10 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let id = format!("cmpl-{}", rid.clone().unwrap_or_else(|| st.new_id()));
     let jobs = prompts
         .into_iter()
-        .map(|ids| {
+        .zip(bootstrap)
+        .map(|(ids, bootstrap)| {
             let mut j = Job::new(ids, params.clone());
+            j.bootstrap = bootstrap;
             j.rid = rid.clone();
             j.return_logprob = logprobs.is_some();
             j.top_logprobs_num = logprobs.unwrap_or(0) as usize;
