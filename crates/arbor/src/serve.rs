@@ -71,18 +71,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     crate::parallel::check_supported(
         model_args.parallel()?,
         &model_args.device,
-        &[
-            (
-                "LoRA (--lora-paths, --enable-lora)",
-                cfg.lora.to_settings()?.is_some(),
-            ),
-            (
-                "--disaggregation-mode",
-                cfg.disaggregation
-                    .to_settings(cfg.cache.disable_radix_cache.unwrap_or(false))?
-                    .is_some(),
-            ),
-        ],
+        &[(
+            "LoRA (--lora-paths, --enable-lora)",
+            cfg.lora.to_settings()?.is_some(),
+        )],
     )?;
     let policy: SchedulePolicy = q
         .schedule_policy

@@ -326,13 +326,10 @@ pub fn build_engine(
     crate::parallel::check_supported(
         parallel,
         &args.device,
-        &[
-            (
-                "--speculative-algorithm",
-                setup.engine.speculative.is_some(),
-            ),
-            ("--enable-hierarchical-cache", setup.hicache.is_some()),
-        ],
+        &[(
+            "--speculative-algorithm",
+            setup.engine.speculative.is_some(),
+        )],
     )?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
     let (backend, model, ranks) = if parallel.tp > 1 {
@@ -447,7 +444,14 @@ pub fn build_engine(
         Box::new(arbor_engine_core::NoPrefixCache::with_page_size(page_size)?)
     } else if let Some(h) = &setup.hicache {
         let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-        crate::hicache::build(h, runner.kv_spec(), policy, &model)?
+        // A tensor-parallel group's host pages hold every rank's heads.
+        let kv = match &ranks {
+            Some((models, _, _)) => {
+                arbor_engine_core::TpExecutor::group_kv_spec(runner.kv_spec(), models.len())
+            }
+            None => *runner.kv_spec(),
+        };
+        crate::hicache::build(h, &kv, policy, &model)?
     } else {
         let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
         registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?

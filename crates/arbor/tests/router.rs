@@ -686,6 +686,53 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
     Ok(())
 }
 
+/// A tensor-parallel prefill worker (`--tp-size 2`: its ranks hold half
+/// the KV heads each) hands its KV to a single-rank decode worker: the
+/// pages travel in the single-engine layout, so greedy output equals a
+/// whole worker's and the decode worker reports the prompt's pages cached.
+#[tokio::test]
+async fn pd_with_a_tensor_parallel_prefill_worker() -> Result<()> {
+    let single = Server::tiny(&[])?;
+    let prefill = Server::tiny(&["--disaggregation-mode", "prefill", "--tp-size", "2"])?;
+    let decode = Server::tiny(&["--disaggregation-mode", "decode", "--page-size", "16"])?;
+    let r = router(
+        &[],
+        &[
+            "--pd-disaggregation",
+            "--prefill",
+            &prefill.base,
+            "--decode",
+            &decode.base,
+        ],
+    )?;
+    let c = client();
+    for q in 0..3 {
+        let body = generate_body(&format!("{} tp prefill {q}", prefix(q)), 12);
+        let (_, want) = post(&c, &single.url("/generate"), &body).await?;
+        let (s, got) = post(&c, &r.url("/generate"), &body).await?;
+        ensure!(
+            s == 200 && got["output_ids"] == want["output_ids"],
+            "q {q}: {got} != {want}"
+        );
+        let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
+        let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
+        ensure!(
+            cached > 0 && cached + 16 >= prompt / 16 * 16,
+            "cached {cached} of {prompt}"
+        );
+    }
+    let (_, m) = get(&c, &decode.url("/metrics"), None).await?;
+    ensure!(
+        metric(&m, "arbor:kv_transfer_tokens_total") > Some(0.0)
+            && metric(&m, "arbor:kv_transfer_failures_total") == Some(0.0),
+        "{m}"
+    );
+    for w in [&prefill, &decode] {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    Ok(())
+}
+
 /// `--api-key`: the router authorizes itself at workers started with
 /// `--api-key` (a router without it gets their 401 back, untouched), in
 /// place of whatever a client sent; `--prometheus-port` serves the router's

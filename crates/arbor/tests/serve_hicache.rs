@@ -177,3 +177,80 @@ fn bad_hicache_flags_are_refused() -> Result<()> {
     }
     Ok(())
 }
+
+/// The stored pages of a tensor-parallel group are in the single-engine
+/// layout (every rank's heads interleaved per slot): a `--tp-size 2` server
+/// reads back what a single-rank server stored, and the other way round,
+/// with the answers of a server without any cache.
+#[tokio::test]
+async fn tensor_parallel_and_single_rank_servers_share_stored_pages() -> Result<()> {
+    let c = client();
+    let plain = Server::tiny(&["--disable-radix-cache"])?;
+    let mut want = Vec::new();
+    for p in prompts() {
+        want.push(ask(&c, &plain, &p).await?.0);
+    }
+    drop(plain);
+    let model = fixture("tiny-llama");
+    let args = |extra: &str, tp: &'static str| -> Vec<String> {
+        [
+            "--model-path",
+            &model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--tp-size",
+            tp,
+            "--enable-metrics",
+            "--max-total-tokens",
+            "320",
+            "--enable-hierarchical-cache",
+            "--hicache-ratio",
+            "8",
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-storage-backend-extra-config",
+            extra,
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+        ]
+        .map(str::to_string)
+        .to_vec()
+    };
+    for (writer, reader) in [("2", "1"), ("1", "2")] {
+        let dir = tempfile::tempdir()?;
+        let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
+        let a = args(&extra, writer);
+        let s = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let mut host = 0;
+        for (p, w) in prompts().iter().zip(&want) {
+            let (got, m) = ask(&c, &s, p).await?;
+            assert_eq!(&got, w, "tp {writer}: answer changed with HiCache: {m}");
+            host += m["cached_tokens_details"]["host"].as_u64().unwrap_or(0);
+        }
+        assert!(
+            host > 0,
+            "tp {writer}: no prompt came back from the host tier"
+        );
+        wait_metric(&c, &s, "arbor:hicache_storage_write_pages_total", 8.0).await?;
+        assert_no_leak(&c, &s, "arbor", None).await?;
+        drop(s);
+        let a = args(&extra, reader);
+        let s = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let mut stored = 0;
+        for (p, w) in prompts().iter().zip(&want).take(4) {
+            let (got, m) = ask(&c, &s, p).await?;
+            assert_eq!(&got, w, "tp {reader} reading tp {writer}'s store: {m}");
+            stored += m["cached_tokens_details"]["storage"].as_u64().unwrap_or(0);
+        }
+        assert!(
+            stored > 0,
+            "tp {reader} found nothing in tp {writer}'s store"
+        );
+        assert_no_leak(&c, &s, "arbor", None).await?;
+    }
+    Ok(())
+}

@@ -11,6 +11,10 @@
 //!   rank whose output differs is an error, not a silent divergence.
 //! - A rank that fails aborts the group so that no rank stays blocked in a
 //!   collective; the group is reset before the step returns its error.
+//! - A plan's KV tier copies (HiCache, PD export and import) run once for
+//!   the group, before the ranks compute: a host page holds every rank's
+//!   heads in the single-engine layout ([`crate::executor::kv_ops`]), so
+//!   the group's [`Executor::kv_spec`] is the whole model's cache shape.
 
 use crate::comm::Communicator;
 use crate::error::{CoreError, Result};
@@ -27,6 +31,10 @@ pub struct TpExecutor {
     comms: Vec<Arc<dyn Communicator>>,
     /// The whole model's shape (heads and widths of all ranks together).
     spec: ModelSpec,
+    /// The whole model's KV cache shape (see [`TpExecutor::group_kv_spec`]).
+    kv: KvSpec,
+    /// Every rank holds the whole (latent) cache.
+    kv_replicated: bool,
 }
 
 impl TpExecutor {
@@ -60,7 +68,29 @@ impl TpExecutor {
         spec.num_kv_heads *= w;
         spec.intermediate_size *= w;
         spec.weight_bytes = ranks.iter().map(|r| r.model_spec().weight_bytes).sum();
-        Ok(Self { ranks, comms, spec })
+        let kv_replicated = first.model_spec().kv_values_in_keys;
+        let kv = Self::group_kv_spec(kv, w);
+        Ok(Self {
+            ranks,
+            comms,
+            spec,
+            kv,
+            kv_replicated,
+        })
+    }
+
+    /// The cache shape of a group of `world` ranks whose caches are `rank`:
+    /// the ranks' KV heads together, or one rank's when each holds the whole
+    /// latent cache (values in the keys: latent attention replicates it).
+    pub fn group_kv_spec(rank: &KvSpec, world: usize) -> KvSpec {
+        KvSpec {
+            num_kv_heads: if rank.values_in_keys {
+                rank.num_kv_heads
+            } else {
+                rank.num_kv_heads * world
+            },
+            ..*rank
+        }
     }
 
     /// Ranks in the group.
@@ -75,7 +105,7 @@ impl Executor for TpExecutor {
     }
 
     fn kv_spec(&self) -> &KvSpec {
-        self.ranks[0].kv_spec()
+        &self.kv
     }
 
     fn capabilities(&self) -> ExecutorCapabilities {
@@ -101,6 +131,9 @@ impl Executor for TpExecutor {
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
+        let shards: Vec<&LocalExecutor> = self.ranks.iter().collect();
+        let kv_copy =
+            crate::executor::kv_ops::copy_tier_pages(&shards, self.kv_replicated, &plan.kv_ops)?;
         let mut plans = rank_plans(plan, self.ranks.len());
         let plan0 = plans.remove(0);
         let results: Vec<Result<StepOutput>> = std::thread::scope(|s| {
@@ -152,6 +185,8 @@ impl Executor for TpExecutor {
                     .unwrap_or_else(|| Err(CoreError::Internal("a rank failed".into())));
             }
         };
+        let mut first = first;
+        first.kv_copy = kv_copy;
         for (i, r) in results.enumerate() {
             let o = r?;
             if o.seqs
@@ -169,9 +204,9 @@ impl Executor for TpExecutor {
     }
 }
 
-/// One copy of `plan` per rank: grammar masks the scheduler sends late are
-/// received once here and handed to every rank (a failed fill, a closed
-/// channel, stays a closed channel for each).
+/// One copy of `plan` per rank, without its KV tier copies: grammar masks
+/// the scheduler sends late are received once here and handed to every
+/// rank (a failed fill, a closed channel, stays a closed channel for each).
 fn rank_plans(plan: &StepPlan, n: usize) -> Vec<StepPlan> {
     let masks = match &plan.masks {
         MaskInput::None => None,
@@ -190,7 +225,8 @@ fn rank_plans(plan: &StepPlan, n: usize) -> Vec<StepPlan> {
                 }
             },
             hidden_layers: plan.hidden_layers.clone(),
-            kv_ops: plan.kv_ops.clone(),
+            // The group ran them (TpExecutor::execute).
+            kv_ops: Default::default(),
         })
         .collect()
 }

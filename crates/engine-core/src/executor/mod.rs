@@ -429,7 +429,7 @@ impl Executor for LocalExecutor {
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
-        let kv_copy = self.copy_tier_pages(&plan.kv_ops)?;
+        let kv_copy = kv_ops::copy_tier_pages(&[self], false, &plan.kv_ops)?;
         if plan.seqs.is_empty() {
             return Ok(StepOutput {
                 seqs: Vec::new(),
@@ -637,4 +637,4 @@ fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
 }
 
 mod host;
-mod kv_ops;
+pub(crate) mod kv_ops;
