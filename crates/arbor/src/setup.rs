@@ -327,8 +327,14 @@ pub fn build_engine(
         parallel,
         &args.device,
         &[(
-            "--speculative-algorithm",
-            setup.engine.speculative.is_some(),
+            // NGRAM drafts from the token history alone; the others run
+            // draft weights on the target's (here sharded) device.
+            "--speculative-algorithm other than NGRAM",
+            setup
+                .engine
+                .speculative
+                .as_ref()
+                .is_some_and(|s| s.algorithm != "ngram"),
         )],
     )?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.

@@ -114,7 +114,71 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
         "--ep-size applies to mixture-of-experts models only",
     )?;
     assert_serve_refuses(
-        &["--tp-size", "2", "--speculative-algorithm", "NGRAM"],
-        "--speculative-algorithm does not run with --tp-size > 1",
+        &[
+            "--tp-size",
+            "2",
+            "--speculative-algorithm",
+            "LAYERSKIP",
+            "--speculative-draft-layers",
+            "1",
+        ],
+        "--speculative-algorithm other than NGRAM does not run with --tp-size > 1",
     )
+}
+
+/// NGRAM speculation (drafts from the token history) over two ranks: the
+/// reference completions, with drafts accepted (fewer verify steps than
+/// tokens).
+#[tokio::test]
+async fn tensor_parallel_runs_ngram_speculation_losslessly() -> Result<()> {
+    let path = fixture("tiny-qwen3");
+    let s = Server::start(&[
+        "--model-path",
+        &path,
+        "--port",
+        "0",
+        "--threads",
+        "2",
+        "--kv-cache-dtype",
+        "f32",
+        "--tp-size",
+        "2",
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--enable-metrics",
+    ])?;
+    let c = client();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{path}/reference.json"))?)?;
+    let (mut steps, mut tokens) = (0, 0);
+    for (i, p) in reference["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .enumerate()
+    {
+        let body = json!({
+            "input_ids": p["input_ids"],
+            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
+        });
+        let r: Value = c
+            .post(s.url("/generate"))
+            .json(&body)
+            .send()
+            .await?
+            .json()
+            .await?;
+        assert_eq!(r["output_ids"], p["greedy_ids"], "prompt {i}: {r}");
+        steps += r["meta_info"]["spec_verify_ct"]
+            .as_u64()
+            .context("spec_verify_ct")?;
+        tokens += 32;
+    }
+    assert!(
+        steps < tokens,
+        "no draft accepted: {steps} verify steps for {tokens} tokens"
+    );
+    assert_no_leak(&c, &s, "arbor", None).await
 }
