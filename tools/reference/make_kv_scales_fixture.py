@@ -31,6 +31,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors_np import load_file, save_file
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 SRC = FIXTURES / "tiny-llama"
@@ -38,39 +39,6 @@ OUT = FIXTURES / "quant" / "fp8-kv-scales"
 BOOST = 512.0
 E4M3_MAX = 448.0
 GREEDY = 24
-
-DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "I32": np.int32,
-          "U8": np.uint8, "I64": np.int64}
-
-
-def load_file(path: Path) -> dict:
-    raw = path.read_bytes()
-    size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8 : 8 + size])
-    data = raw[8 + size :]
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(data[a:b], DTYPES[t["dtype"]]).reshape(t["shape"]).copy()
-    return out
-
-
-def save_file(tensors: dict, path: Path) -> None:
-    names = {v: k for k, v in DTYPES.items()}
-    header, chunks, offset = {"__metadata__": {"format": "pt"}}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        blob = a.tobytes()
-        header[name] = {"dtype": names[a.dtype.type], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
-        chunks.append(blob)
-        offset += len(blob)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(chunks))
-
 
 def llama3_inv_freq(cfg: dict) -> np.ndarray:
     hd = cfg["head_dim"]

@@ -61,28 +61,27 @@ async fn wait_metric(c: &reqwest::Client, s: &Server, name: &str, at_least: f64)
     }
 }
 
-#[tokio::test]
-async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() -> Result<()> {
-    let c = client();
+/// The answers of a server without any cache, per prompt.
+async fn uncached_answers(c: &reqwest::Client) -> Result<Vec<String>> {
     let plain = Server::tiny(&["--disable-radix-cache"])?;
     let mut want = Vec::new();
     for p in prompts() {
-        want.push(ask(&c, &plain, &p).await?.0);
+        want.push(ask(c, &plain, &p).await?.0);
     }
-    drop(plain);
+    Ok(want)
+}
 
-    let dir = tempfile::tempdir()?;
-    let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
+/// `arbor serve` arguments of the tiny Llama with a 320-token device pool,
+/// HiCache and a file store configured by `store` (JSON), then `extra`.
+fn store_args(store: &str, extra: &[&str]) -> Vec<String> {
     let model = fixture("tiny-llama");
-    let args = [
+    let mut args: Vec<String> = [
         "--model-path",
         &model,
         "--host",
         "127.0.0.1",
         "--port",
         "0",
-        "--threads",
-        "1",
         "--enable-metrics",
         "--max-total-tokens",
         "320",
@@ -92,11 +91,28 @@ async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() ->
         "--hicache-storage-backend",
         "file",
         "--hicache-storage-backend-extra-config",
-        &extra,
+        store,
         "--hicache-storage-prefetch-policy",
         "wait_complete",
-    ];
-    let s = Server::start(&args)?;
+    ]
+    .map(str::to_string)
+    .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+fn start(args: &[String]) -> Result<Server> {
+    Server::start(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[tokio::test]
+async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() -> Result<()> {
+    let c = client();
+    let want = uncached_answers(&c).await?;
+    let dir = tempfile::tempdir()?;
+    let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
+    let args = store_args(&extra, &["--threads", "1"]);
+    let s = start(&args)?;
     let mut host = 0;
     for (p, w) in prompts().iter().zip(&want) {
         let (got, m) = ask(&c, &s, p).await?;
@@ -116,7 +132,7 @@ async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() ->
     drop(s);
 
     // A restart: the store still has the pages.
-    let s = Server::start(&args)?;
+    let s = start(&args)?;
     let mut stored = 0;
     for (p, w) in prompts().iter().zip(&want).take(4) {
         let (got, m) = ask(&c, &s, p).await?;
@@ -185,46 +201,12 @@ fn bad_hicache_flags_are_refused() -> Result<()> {
 #[tokio::test]
 async fn tensor_parallel_and_single_rank_servers_share_stored_pages() -> Result<()> {
     let c = client();
-    let plain = Server::tiny(&["--disable-radix-cache"])?;
-    let mut want = Vec::new();
-    for p in prompts() {
-        want.push(ask(&c, &plain, &p).await?.0);
-    }
-    drop(plain);
-    let model = fixture("tiny-llama");
-    let args = |extra: &str, tp: &'static str| -> Vec<String> {
-        [
-            "--model-path",
-            &model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--threads",
-            "2",
-            "--tp-size",
-            tp,
-            "--enable-metrics",
-            "--max-total-tokens",
-            "320",
-            "--enable-hierarchical-cache",
-            "--hicache-ratio",
-            "8",
-            "--hicache-storage-backend",
-            "file",
-            "--hicache-storage-backend-extra-config",
-            extra,
-            "--hicache-storage-prefetch-policy",
-            "wait_complete",
-        ]
-        .map(str::to_string)
-        .to_vec()
-    };
+    let want = uncached_answers(&c).await?;
+    let args = |store: &str, tp: &str| store_args(store, &["--threads", "2", "--tp-size", tp]);
     for (writer, reader) in [("2", "1"), ("1", "2")] {
         let dir = tempfile::tempdir()?;
         let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
-        let a = args(&extra, writer);
-        let s = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let s = start(&args(&extra, writer))?;
         let mut host = 0;
         for (p, w) in prompts().iter().zip(&want) {
             let (got, m) = ask(&c, &s, p).await?;
@@ -238,8 +220,7 @@ async fn tensor_parallel_and_single_rank_servers_share_stored_pages() -> Result<
         wait_metric(&c, &s, "arbor:hicache_storage_write_pages_total", 8.0).await?;
         assert_no_leak(&c, &s, "arbor", None).await?;
         drop(s);
-        let a = args(&extra, reader);
-        let s = Server::start(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let s = start(&args(&extra, reader))?;
         let mut stored = 0;
         for (p, w) in prompts().iter().zip(&want).take(4) {
             let (got, m) = ask(&c, &s, p).await?;

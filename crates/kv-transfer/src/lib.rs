@@ -123,7 +123,11 @@ impl TcpReceiver {
         let flag = stop.clone();
         std::thread::Builder::new()
             .name("arbor-kv-recv".into())
-            .spawn(move || accept_loop(listener, sink, limits, flag))?;
+            .spawn(move || {
+                accept_loop(listener, flag, "KV transfer", move |stream| {
+                    serve_one(stream, &sink, limits)
+                })
+            })?;
         Ok(Self { addr, stop })
     }
 
@@ -142,9 +146,18 @@ impl Drop for TcpReceiver {
     }
 }
 
-/// Blocks in `accept` (a transfer starts as soon as it connects) until the
-/// receiver is dropped, whose own connection wakes it.
-fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop: Arc<AtomicBool>) {
+/// Blocks in `accept` (a transfer starts as soon as it connects) until
+/// `stop` is set (the owner's drop sets it and [`wake`]s the loop), serving
+/// each connection with `serve` on a thread of its own; `what` names the
+/// service in warnings.
+pub(crate) fn accept_loop<F>(
+    listener: TcpListener,
+    stop: Arc<AtomicBool>,
+    what: &'static str,
+    serve: F,
+) where
+    F: Fn(TcpStream) -> std::io::Result<()> + Clone + Send + 'static,
+{
     loop {
         let accepted = listener.accept();
         if stop.load(Ordering::SeqCst) {
@@ -152,20 +165,20 @@ fn accept_loop(listener: TcpListener, sink: PageSink, limits: wire::Limits, stop
         }
         match accepted {
             Ok((stream, from)) => {
-                let sink = sink.clone();
+                let serve = serve.clone();
                 let spawned = std::thread::Builder::new()
                     .name("arbor-kv-conn".into())
                     .spawn(move || {
-                        if let Err(e) = serve_one(stream, &sink, limits) {
-                            tracing::warn!("KV transfer from {from}: {e}");
+                        if let Err(e) = serve(stream) {
+                            tracing::warn!("{what} from {from}: {e}");
                         }
                     });
                 if let Err(e) = spawned {
-                    tracing::warn!("KV transfer from {from}: no thread: {e}");
+                    tracing::warn!("{what} from {from}: no thread: {e}");
                 }
             }
             Err(e) => {
-                tracing::warn!("KV transfer accept: {e}");
+                tracing::warn!("{what} accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }

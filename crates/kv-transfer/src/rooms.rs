@@ -127,7 +127,11 @@ impl TcpRooms {
         let (s, flag) = (store.clone(), stop.clone());
         std::thread::Builder::new()
             .name("arbor-kv-rooms".into())
-            .spawn(move || accept_loop(listener, s, flag))?;
+            .spawn(move || {
+                crate::accept_loop(listener, flag, "KV room pull", move |stream| {
+                    serve_pull(stream, &s)
+                })
+            })?;
         Ok(Self { addr, store, stop })
     }
 
@@ -156,34 +160,6 @@ impl Drop for TcpRooms {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         crate::wake(self.addr);
-    }
-}
-
-fn accept_loop(listener: TcpListener, store: Arc<Store>, stop: Arc<AtomicBool>) {
-    loop {
-        let accepted = listener.accept();
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        match accepted {
-            Ok((stream, from)) => {
-                let store = store.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("arbor-kv-room".into())
-                    .spawn(move || {
-                        if let Err(e) = serve_pull(stream, &store) {
-                            tracing::warn!("KV room pull from {from}: {e}");
-                        }
-                    });
-                if let Err(e) = spawned {
-                    tracing::warn!("KV room pull from {from}: no thread: {e}");
-                }
-            }
-            Err(e) => {
-                tracing::warn!("KV rooms accept: {e}");
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
     }
 }
 

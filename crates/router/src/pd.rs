@@ -120,8 +120,9 @@ fn with_rooms(st: &RouterState, body: &[u8], boot: &str) -> Option<Vec<u8>> {
     let (host, port) = boot.rsplit_once(':')?;
     let port: u16 = port.parse().ok()?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
+    let n = batch_size(&v);
     let obj = v.as_object_mut()?;
-    match batch_size(&Value::Object(obj.clone())) {
+    match n {
         Some(n) => {
             obj.insert("bootstrap_host".into(), json!(vec![host; n]));
             obj.insert("bootstrap_port".into(), json!(vec![port; n]));
