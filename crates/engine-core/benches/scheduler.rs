@@ -12,7 +12,15 @@
 //! tokens per request, default 200, at most about 400 (the KV pool holds 256
 //! requests of 100 + 400 tokens); `ARBOR_BENCH_REPEAT`: runs per
 //! configuration, default 3, whose median is printed; `ARBOR_BENCH_ONLY`:
-//! `blocking` or `async`, the runs with those readers).
+//! comma-separated words a run must all match among its readers
+//! (`blocking`, `async`), running count (`64`, `256`) and decoder
+//! (`letters`, `tokenizer`), e.g. `blocking,256,letters`).
+//!
+//! Besides the wall-clock iteration (the goal's figure), each run prints the
+//! scheduler thread's own time on a CPU per iteration, from Linux's
+//! `/proc/self/task/*/schedstat` (prompts' prefill steps included): the
+//! figure that a host busy with other work (the readers, other tenants)
+//! disturbs least.
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
@@ -113,14 +121,18 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(3)
         .max(1);
-    // `ARBOR_BENCH_ONLY=async` or `blocking` keeps the runs with those readers.
-    let only = std::env::var("ARBOR_BENCH_ONLY").ok();
+    let only = std::env::var("ARBOR_BENCH_ONLY").unwrap_or_default();
     for (running, decoder_name, decoder, readers) in runs {
         let kind = match readers {
             Readers::Blocking => "blocking",
             Readers::Async => "async",
         };
-        if only.as_deref().is_some_and(|o| o != kind) {
+        let tags = [kind, decoder_name, &running.to_string()];
+        if !only
+            .split(',')
+            .filter(|w| !w.is_empty())
+            .all(|w| tags.contains(&w))
+        {
             continue;
         }
         let decoder_name = match readers {
@@ -129,7 +141,7 @@ fn main() {
         };
         let mut decode_us = Vec::with_capacity(repeat);
         for _ in 0..repeat {
-            let (iters, first, last) =
+            let (iters, first, last, on_cpu) =
                 run_once(&registry, &backend, &spec, decoder, running, steps, readers);
             let decode_iters = steps - 1;
             let us = (last - first) / decode_iters as f64 * 1e6;
@@ -139,6 +151,12 @@ fn main() {
                 last / iters as f64 * 1e6,
                 last / (iters as f64 * running as f64) * 1e6,
             );
+            if let Some(ns) = on_cpu {
+                println!(
+                    "{running} running decodes, {decoder_name}: scheduler thread on a CPU {:.0} µs per iteration",
+                    ns as f64 / iters as f64 / 1e3
+                );
+            }
             decode_us.push(us);
         }
         decode_us.sort_by(f64::total_cmp);
@@ -160,8 +178,10 @@ enum Readers {
 }
 
 /// One engine run: `running` requests of `steps` tokens each; returns the
-/// iterations and, by the scheduler's clock, when every request had its
-/// first token and when the last one ended (seconds).
+/// iterations, by the scheduler's clock when every request had its first
+/// token and when the last one ended (seconds), and the nanoseconds the
+/// scheduler thread ran on a CPU meanwhile (`None` where Linux's schedstat
+/// is not readable).
 fn run_once(
     registry: &Registry,
     backend: &Arc<dyn Backend>,
@@ -170,7 +190,7 @@ fn run_once(
     running: usize,
     steps: usize,
     readers: Readers,
-) -> (u64, f64, f64) {
+) -> (u64, f64, f64, Option<u64>) {
     let model = Arc::new(NullModel {
         spec: spec.clone(),
         backend: backend.clone(),
@@ -210,6 +230,7 @@ fn run_once(
         })
         .collect();
     let it0 = engine.stats().iterations;
+    let cpu0 = scheduler_cpu_ns();
     // Timed by the scheduler's clock (the chunks' meta), not the
     // reader's, which may lag (it makes the text of most requests).
     // Steady state: from when every request has its first token (the
@@ -254,5 +275,33 @@ fn run_once(
         first = first.max(meta.ttft.unwrap_or(0.0));
         last = last.max(meta.elapsed);
     }
-    (engine.stats().iterations - it0, first, last)
+    let on_cpu = scheduler_cpu_ns()
+        .zip(cpu0)
+        .map(|(b, a)| b.saturating_sub(a));
+    (engine.stats().iterations - it0, first, last, on_cpu)
+}
+
+/// Nanoseconds the newest `arbor-scheduler` thread of this process has run
+/// on a CPU (the first field of its `schedstat`); `None` off Linux or when
+/// schedstat is not readable.
+fn scheduler_cpu_ns() -> Option<u64> {
+    let mut newest: Option<(u64, u64)> = None;
+    for entry in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "arbor-scheduler" {
+            continue;
+        }
+        let Ok(tid) = entry.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let ran = std::fs::read_to_string(entry.path().join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok());
+        if let Some(ns) = ran
+            && newest.is_none_or(|(t, _)| tid > t)
+        {
+            newest = Some((tid, ns));
+        }
+    }
+    newest.map(|(_, ns)| ns)
 }

@@ -114,6 +114,7 @@ impl BatchLayout {
 
     /// Appends a sequence with `q_len` new tokens after `prefix_len` cached ones,
     /// stored in `pages` (which must cover `prefix_len + q_len` tokens).
+    #[inline]
     pub fn push_seq(&mut self, prefix_len: usize, q_len: usize, pages: &[u32]) -> Result<()> {
         let ps = self.page_size;
         let kv_len = prefix_len + q_len;
@@ -124,6 +125,22 @@ impl BatchLayout {
         let start = self.page_table.len();
         let used_pages = pages_for(kv_len, ps);
         self.page_table.extend_from_slice(&pages[..used_pages]);
+        if q_len == 1 {
+            // A decode token: one slot on the last page.
+            let last = used_pages - 1;
+            let slot = pages[last] as usize * ps + (prefix_len - last * ps);
+            let slot = u32::try_from(slot)
+                .map_err(|_| CoreError::invalid(format!("KV slot {slot} does not fit in u32")))?;
+            self.slot_mapping.push(slot);
+            self.seqs.push(SeqLayout {
+                q_start,
+                q_len,
+                prefix_len,
+                pages: start..start + used_pages,
+                tree: None,
+            });
+            return Ok(());
+        }
         // Slots page by page: one division and one range check per page
         // (a decode token is one slot on one page).
         let mut t = prefix_len;
@@ -440,6 +457,26 @@ pub trait AttentionBackend: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decode_token_takes_the_slot_a_chunk_would() {
+        // The one-token path against the page-by-page one: a chunk's last
+        // slot is where a decode token at that position goes.
+        for ps in [1usize, 3, 4, 16] {
+            let pages: Vec<u32> = (0..12).map(|i| (i * 5 + 2) as u32).collect();
+            for prefix in 0..pages.len() * ps {
+                let mut decode = BatchLayout::new(ps);
+                decode.push_seq(prefix, 1, &pages).unwrap();
+                let mut chunk = BatchLayout::new(ps);
+                chunk.push_seq(0, prefix + 1, &pages).unwrap();
+                assert_eq!(decode.slot_mapping, chunk.slot_mapping[prefix..]);
+                assert_eq!(decode.page_table, chunk.page_table);
+                assert_eq!(decode.seqs[0].pages, chunk.seqs[0].pages);
+            }
+            let mut l = BatchLayout::new(ps);
+            assert!(l.push_seq(pages.len() * ps, 1, &pages).is_err());
+        }
+    }
 
     #[test]
     fn layout_slots() {

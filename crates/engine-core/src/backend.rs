@@ -170,6 +170,7 @@ impl SampleRow {
 
     /// Draws this row's token from its logits on the host: the argmax for a
     /// greedy row (no scratch copy), else the standard sampler seeded by `seed`.
+    #[inline]
     pub fn draw(&self, logits: &[f32]) -> Result<u32> {
         use crate::sampling::{Sampler, SeqRng, StandardSampler};
         if self.is_greedy() {

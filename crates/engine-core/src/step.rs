@@ -118,6 +118,7 @@ impl SeqPlan {
     }
 
     /// Checks the module invariants with pages of `page_size` tokens.
+    #[inline]
     pub fn validate(&self, page_size: usize) -> Result<()> {
         if self.tokens.is_empty() {
             return Err(CoreError::invalid("a step sequence computes no token"));

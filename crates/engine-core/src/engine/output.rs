@@ -155,6 +155,18 @@ struct OutputBatch {
     closed: Vec<u64>,
 }
 
+impl OutputBatch {
+    /// An empty batch with room for what `self` holds.
+    fn empty_like(&self) -> Self {
+        Self {
+            records: Vec::with_capacity(self.records.len()),
+            tokens: Vec::with_capacity(self.tokens.len()),
+            text: String::with_capacity(self.text.len()),
+            closed: Vec::new(),
+        }
+    }
+}
+
 /// The parts of one chunk, as a request makes it (see [`ChunkParts`]).
 pub(crate) struct ChunkOut<'a> {
     pub index: u32,
@@ -203,6 +215,7 @@ impl OutputRoute {
 
     /// Adds a chunk of the request behind `handle` to this turn's batch
     /// (nothing once its final chunk was made).
+    #[inline]
     pub fn push(&mut self, handle: &mut StreamHandle, c: ChunkOut<'_>) {
         let last = c.finish.is_some();
         let figures = StaticMeta::of(&c.meta);
@@ -248,8 +261,17 @@ impl OutputRoute {
         }
         let b = &mut self.batch;
         let (t0, x0) = (b.tokens.len() as u32, b.text.len() as u32);
-        b.tokens.append(c.token_ids);
-        b.text.push_str(c.text);
+        // A decode step's one token is pushed (cheaper than an append).
+        match c.token_ids.as_slice() {
+            &[t] => {
+                b.tokens.push(t);
+                c.token_ids.clear();
+            }
+            _ => b.tokens.append(c.token_ids),
+        }
+        if !c.text.is_empty() {
+            b.text.push_str(c.text);
+        }
         b.records.push(Record {
             id,
             elapsed: c.meta.elapsed,
@@ -269,7 +291,12 @@ impl OutputRoute {
         if self.batch.records.is_empty() && self.batch.closed.is_empty() {
             return;
         }
-        let next = self.recycled.try_recv().unwrap_or_default();
+        // A new batch (when none came back yet) starts as large as this one,
+        // so it does not grow record by record.
+        let next = self
+            .recycled
+            .try_recv()
+            .unwrap_or_else(|_| self.batch.empty_like());
         let full = std::mem::replace(&mut self.batch, next);
         if let Err(mpsc::SendError(Delivery::Batch(b))) = self.tx.send(Delivery::Batch(full)) {
             // The thread is gone (it panicked): its senders went with it,

@@ -25,6 +25,21 @@ use crate::sampling::{SamplingParams, SeqRng};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Seconds from a process-wide epoch to `t` (negative before it): the
+/// scheduler's per-request times as f64, so that a step's figures are one
+/// subtraction per request, not [`Instant`] arithmetic.
+pub(crate) fn clock_secs(t: Instant) -> f64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    match t.checked_duration_since(epoch) {
+        Some(d) => d.as_secs_f64(),
+        None => -epoch.duration_since(t).as_secs_f64(),
+    }
+}
+
+/// The most output tokens reserved for at a request's first token (4 KiB).
+const MAX_OUTPUT_RESERVE: usize = 1024;
+
 /// A request as the scheduler tracks it.
 pub(crate) struct Req {
     pub rid: String,
@@ -71,9 +86,12 @@ pub(crate) struct Req {
     pub cached_tiers: (usize, usize),
     pub retractions: u32,
     pub arrival: Instant,
+    /// `arrival` in [`clock_secs`] (per-step figures are plain f64 arithmetic).
+    pub arrival_secs: f64,
     /// Seconds from arrival to the first admission (set once).
     pub queue_time: Option<f64>,
-    pub first_token: Option<Instant>,
+    /// When the first token came, in [`clock_secs`].
+    pub first_token: Option<f64>,
     /// Seconds from arrival to the first token (set with `first_token`).
     ttft: Option<f64>,
     // Output text.
@@ -134,6 +152,7 @@ impl Req {
             cached_tiers: (0, 0),
             retractions: 0,
             arrival,
+            arrival_secs: clock_secs(arrival),
             queue_time: None,
             first_token: None,
             ttft: None,
@@ -199,6 +218,7 @@ impl Req {
             cached_tiers: (0, 0),
             retractions: 0,
             arrival: self.arrival,
+            arrival_secs: self.arrival_secs,
             queue_time: None,
             first_token: None,
             ttft: None,
@@ -281,7 +301,8 @@ impl Req {
         self.params.max_new_tokens.saturating_sub(self.output.len())
     }
 
-    fn meta(&self, now: Instant) -> OutputMeta {
+    #[inline]
+    fn meta(&self, now: f64) -> OutputMeta {
         // `now` may be the step's time, read before this request's first token.
         let now = self.first_token.map_or(now, |f| now.max(f));
         OutputMeta {
@@ -293,7 +314,7 @@ impl Req {
             retractions: self.retractions,
             queue_time: self.queue_time.unwrap_or(0.0),
             ttft: self.ttft,
-            elapsed: now.duration_since(self.arrival).as_secs_f64(),
+            elapsed: now - self.arrival_secs,
             spec_verify_ct: self.spec_verify_ct,
             spec_accepted_tokens: self.spec_accepted,
         }
@@ -301,6 +322,7 @@ impl Req {
 
     /// Records a sampled token and, when `with_text`, its text; returns a
     /// stop-string finish if one matched.
+    #[inline]
     pub fn push_token(
         &mut self,
         token: u32,
@@ -309,9 +331,14 @@ impl Req {
         with_text: bool,
     ) -> Option<Finish> {
         if self.first_token.is_none() {
-            let now = Instant::now();
+            let now = clock_secs(Instant::now());
             self.first_token = Some(now);
-            self.ttft = Some(now.duration_since(self.arrival).as_secs_f64());
+            self.ttft = Some(now - self.arrival_secs);
+            // Room for the expected output (bounded), so decoding does not
+            // grow the buffer step after step.
+            let expected = self.params.max_new_tokens.min(MAX_OUTPUT_RESERVE);
+            self.output
+                .reserve(expected.saturating_sub(self.output.len()));
         }
         self.output.push(token);
         self.pending_ids.push(token);
@@ -389,15 +416,17 @@ impl Req {
         decoder: &dyn TokenDecoder,
         out: &mut OutputRoute,
     ) {
-        self.emit_at(finish, decoder, Instant::now(), out);
+        self.emit_at(finish, decoder, clock_secs(Instant::now()), out);
     }
 
-    /// [`Self::emit`] with the time the chunk reports (one clock read per step).
+    /// [`Self::emit`] with the time the chunk reports, in [`clock_secs`]
+    /// (one clock read per step).
+    #[inline]
     pub fn emit_at(
         &mut self,
         finish: Option<Finish>,
         decoder: &dyn TokenDecoder,
-        now: Instant,
+        now: f64,
         out: &mut OutputRoute,
     ) {
         let stopped_by_string = matches!(
@@ -436,5 +465,24 @@ impl Req {
             },
         );
         self.sent_text = upto;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clock_secs;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn clock_seconds_keep_the_instants_apart() {
+        let now = Instant::now();
+        let t = clock_secs(now);
+        let later = clock_secs(now + Duration::from_millis(1500));
+        assert!((later - t - 1.5).abs() < 1e-6, "{later} - {t}");
+        // An instant before the epoch (a request that arrived before the
+        // first reading) is negative, not clamped.
+        if let Some(before) = now.checked_sub(Duration::from_secs(3)) {
+            assert!((t - clock_secs(before) - 3.0).abs() < 1e-6);
+        }
     }
 }

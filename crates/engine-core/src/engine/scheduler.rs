@@ -118,8 +118,9 @@ pub(crate) struct Scheduler {
     hit_sums: (usize, usize),
     /// The last step's sequence plans, refilled by the next (their buffers reused).
     seq_bufs: Vec<crate::step::SeqPlan>,
-    /// When the last forward's results came back (the time its chunks report).
-    step_time: Instant,
+    /// When the last forward's results came back (the time its chunks
+    /// report), in seconds from `request::clock_secs`'s epoch.
+    step_time: f64,
     /// Some request ran with a LoRA adapter (admission then counts adapters).
     lora_used: bool,
     /// The chunks of this turn, handed to the output thread at its end.
@@ -195,7 +196,7 @@ impl Scheduler {
             refit: Default::default(),
             hit_sums: (0, 0),
             seq_bufs: Vec::new(),
-            step_time: Instant::now(),
+            step_time: 0.0,
             out: OutputRoute::start()
                 .map_err(|e| CoreError::Internal(format!("starting the output thread: {e}")))?,
         })
@@ -744,6 +745,7 @@ impl Scheduler {
     }
 
     /// Appends one token (sampled or forced) to `r`: grammar, text, stop checks.
+    #[inline]
     fn append(&mut self, r: &mut Req, tok: u32, logprob: Option<TokenLogprob>) -> Option<Finish> {
         if let Some(m) = r.matcher.as_mut() {
             self.counters.constrained_tokens_total += 1;

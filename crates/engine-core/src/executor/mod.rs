@@ -460,7 +460,10 @@ impl Executor for LocalExecutor {
             draws: Vec::with_capacity(plan.seqs.len()),
             ..DeviceRows::default()
         };
+        // Counted in the same walk, so later walks run only when needed.
+        let (mut host_seqs, mut any_tree) = (0usize, false);
         for (i, s) in plan.seqs.iter().enumerate() {
+            any_tree |= s.tree.is_some();
             let Some(sp) = s.sample.as_ref() else {
                 on_device.push(true);
                 continue;
@@ -481,16 +484,21 @@ impl Executor for LocalExecutor {
             on_device.push(sampled);
             if sampled {
                 dev.add(sp, first_row[i], s.sampled_rows().len());
+            } else {
+                host_seqs += 1;
             }
         }
-        let host_rows: Vec<u32> = plan
-            .seqs
-            .iter()
-            .zip(&first_row)
-            .zip(&on_device)
-            .filter(|(_, d)| !**d)
-            .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
-            .collect();
+        let host_rows: Vec<u32> = if host_seqs == 0 {
+            Vec::new()
+        } else {
+            plan.seqs
+                .iter()
+                .zip(&first_row)
+                .zip(&on_device)
+                .filter(|(_, d)| !**d)
+                .flat_map(|((s, &r0), _)| (r0..r0 + s.sampled_rows().len()).map(|r| r as u32))
+                .collect()
+        };
         // Device ids (and logprobs) and host logits, each in the order of its rows.
         let (dev_ids, dev_logprobs) = self.sample_device_rows(&out.logits, &dev, &edits)?;
         let host_logits = if host_rows.is_empty() {
@@ -502,11 +510,20 @@ impl Executor for LocalExecutor {
         let (mut di, mut hi) = (0usize, 0usize);
         let mut seqs: Vec<SeqOutput> = Vec::with_capacity(plan.seqs.len());
         for (i, s) in plan.seqs.iter().enumerate() {
-            let n = if s.sample.is_some() {
-                s.sampled_rows().len()
-            } else {
-                0
+            let Some(sp) = s.sample.as_ref() else {
+                seqs.push(SeqOutput::default());
+                continue;
             };
+            let n = s.sampled_rows().len();
+            if on_device[i] && n == 1 && sp.logprobs.is_none() {
+                // One token, nothing to verify (a decode step).
+                seqs.push(SeqOutput {
+                    tokens: smallvec::smallvec![dev_ids[di]],
+                    ..SeqOutput::default()
+                });
+                di += 1;
+                continue;
+            }
             if on_device[i] {
                 let mut o = verify_ids(s, &dev_ids[di..di + n]);
                 if let Some(k) = s.sample.as_ref().and_then(|sp| sp.logprobs) {
@@ -524,7 +541,7 @@ impl Executor for LocalExecutor {
                     .unwrap_or_else(|e| SeqOutput::failed(e.to_string())),
             );
         }
-        for (seq, out) in plan.seqs.iter().zip(&seqs) {
+        for (seq, out) in plan.seqs.iter().zip(&seqs).filter(|_| any_tree) {
             if seq.tree.is_some() && !out.accepted_path().is_empty() {
                 self.compact_accepted(seq, out.accepted_path())?;
             }

@@ -89,13 +89,16 @@ impl Scheduler {
     /// Sets how `r` samples this step into `slot` (a buffer reused across
     /// steps, usually holding the same request's spec of the last step).
     fn set_sample(&self, r: &mut Req, rows: SampleRows, slot: &mut Option<SampleSpec>) {
-        let context = self
-            .executor
-            .needs_context(&r.params)
-            .then(|| SampleContext {
-                prompt: r.prompt.clone(),
-                output: r.output.clone(),
-            });
+        // Whether processors act depends on the parameters alone: a slot
+        // holding the same parameters answers without asking the executor.
+        let needs_context = match slot {
+            Some(sp) if Arc::ptr_eq(&sp.params, &r.params) => sp.context.is_some(),
+            _ => self.executor.needs_context(&r.params),
+        };
+        let context = needs_context.then(|| SampleContext {
+            prompt: r.prompt.clone(),
+            output: r.output.clone(),
+        });
         let seed = r.rng.next_u64();
         let logprobs = r.return_logprob.then_some(r.top_logprobs_num);
         match slot {
@@ -143,7 +146,11 @@ impl Scheduler {
     /// Fills `s` (a buffer reused across steps) with the plan of a decoding request.
     fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan) {
         s.tokens.clear();
-        r.extend_tail(r.computed, usize::MAX, &mut s.tokens);
+        match r.output.last() {
+            // The common case: one pending token, the last sampled one.
+            Some(&t) if r.computed + 1 == r.len() => s.tokens.push(t),
+            _ => r.extend_tail(r.computed, usize::MAX, &mut s.tokens),
+        }
         s.tokens.extend_from_slice(&draft.tokens);
         let rows = if draft.is_empty() {
             SampleRows::Last
@@ -231,7 +238,10 @@ impl Scheduler {
         for (e, s) in prefill.iter_mut().zip(pre_seqs) {
             self.prefill_plan(e, s);
         }
+        // Whether any request samples under a grammar (found in the same walk).
+        let mut any_grammar = prefill.iter().any(|e| e.req.matcher.is_some());
         for (i, (r, s)) in decoding.iter_mut().zip(dec_seqs).enumerate() {
+            any_grammar |= r.matcher.is_some();
             self.decode_plan(r, draft_of(&drafts, i), s);
         }
         // Copies between device and host tiers that the admissions and
@@ -283,19 +293,23 @@ impl Scheduler {
         // The requests that sample after this forward under a grammar, with
         // their plan index and drafts.
         let no_drafts: &[u32] = &[];
-        let mut constrained: Vec<(usize, &mut Req, &[u32])> = prefill
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
-            .map(|(i, e)| (i, &mut e.req, no_drafts))
-            .chain(
-                decoding
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, r)| (npre + i, r, draft_of(&drafts, i).tokens.as_slice())),
-            )
-            .filter(|(_, r, _)| r.matcher.is_some())
-            .collect();
+        let mut constrained: Vec<(usize, &mut Req, &[u32])> = if !any_grammar {
+            Vec::new()
+        } else {
+            prefill
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
+                .map(|(i, e)| (i, &mut e.req, no_drafts))
+                .chain(
+                    decoding
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(i, r)| (npre + i, r, draft_of(&drafts, i).tokens.as_slice())),
+                )
+                .filter(|(_, r, _)| r.matcher.is_some())
+                .collect()
+        };
         // An admission error during the forward is reported after this
         // batch's results are delivered.
         let mut deferred: Option<CoreError> = None;
@@ -411,7 +425,7 @@ impl Scheduler {
         drafts: &[Draft],
         outputs: Vec<SeqOutput>,
     ) -> Result<()> {
-        self.step_time = Instant::now();
+        self.step_time = crate::engine::request::clock_secs(Instant::now());
         if !decoding.is_empty() {
             self.new_token_ratio = (self.new_token_ratio - self.decay).max(self.min_ratio);
         }
@@ -449,13 +463,17 @@ impl Scheduler {
         // Decoding requests advance in place (a request is large: moving
         // each one out and back every step costs more than the rest).
         let speculating = self.speculator.is_some();
+        let mut finished = 0usize;
         for (i, r) in decoding.iter_mut().enumerate() {
             let d = draft_of(drafts, i);
             let out = outputs.next().unwrap_or_default();
             r.computed = r.len();
             r.finished = !self.advance(r, out, speculating.then_some(d.len()));
+            finished += usize::from(r.finished);
         }
-        decoding.retain(|r| !r.finished);
+        if finished > 0 {
+            decoding.retain(|r| !r.finished);
+        }
         if self.running.is_empty() {
             std::mem::swap(&mut self.running, &mut decoding);
         } else {
