@@ -37,6 +37,13 @@ pub(crate) fn clock_secs(t: Instant) -> f64 {
     }
 }
 
+/// A page-list stamp never handed out before (see [`Req::pages_stamp`]; 0
+/// is never one).
+fn next_pages_stamp() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The most output tokens reserved for at a request's first token (4 KiB).
 const MAX_OUTPUT_RESERVE: usize = 1024;
 
@@ -75,8 +82,12 @@ pub(crate) struct Req {
     // KV state.
     pub node: Option<NodeId>,
     pub node_len: usize,
-    pub tree_pages: Vec<u32>,
-    pub own: Option<PageSet>,
+    /// The cache's pages and the request's own (private: every change
+    /// goes through a method that renews `pages_stamp`).
+    tree_pages: Vec<u32>,
+    own: Option<PageSet>,
+    /// Identifies the current page list process-wide (see [`Req::pages_stamp`]).
+    pages_stamp: u64,
     pub computed: usize,
     /// Finished during this step (the scheduler drops it after the step).
     pub finished: bool,
@@ -146,6 +157,7 @@ impl Req {
             node_len: 0,
             tree_pages: Vec::new(),
             own: None,
+            pages_stamp: next_pages_stamp(),
             computed: 0,
             finished: false,
             cached_tokens: None,
@@ -212,6 +224,7 @@ impl Req {
             node_len: 0,
             tree_pages: Vec::new(),
             own: None,
+            pages_stamp: next_pages_stamp(),
             computed: 0,
             finished: false,
             cached_tokens: None,
@@ -283,6 +296,56 @@ impl Req {
         out.extend_from_slice(&self.tree_pages);
         if let Some(o) = &self.own {
             out.extend_from_slice(o.pages());
+        }
+    }
+
+    /// A value that changes whenever the page list does and that no other
+    /// request's page list ever had: a copy of the list tagged with it is
+    /// current exactly while the stamps are equal.
+    pub fn pages_stamp(&self) -> u64 {
+        self.pages_stamp
+    }
+
+    /// The pages the prefix cache holds for this request.
+    pub fn tree_pages(&self) -> &[u32] {
+        &self.tree_pages
+    }
+
+    /// Sets the cache's pages and the request's own.
+    pub fn set_pages(&mut self, tree: Vec<u32>, own: Option<PageSet>) {
+        self.tree_pages = tree;
+        self.own = own;
+        self.pages_stamp = next_pages_stamp();
+    }
+
+    /// Takes the request's own pages (the cache's stay).
+    pub fn take_own(&mut self) -> Option<PageSet> {
+        self.pages_stamp = next_pages_stamp();
+        self.own.take()
+    }
+
+    /// Forgets the cache's pages (after unlocking them).
+    pub fn clear_tree_pages(&mut self) {
+        self.tree_pages.clear();
+        self.pages_stamp = next_pages_stamp();
+    }
+
+    /// Appends `pages` to the request's own (nothing when it has none).
+    pub fn append_own(&mut self, pages: PageSet) -> crate::error::Result<()> {
+        if let Some(own) = self.own.as_mut() {
+            own.append(pages)?;
+            self.pages_stamp = next_pages_stamp();
+        }
+        Ok(())
+    }
+
+    /// Returns the request's own pages past the first `keep` to the pool.
+    pub fn trim_own(&mut self, keep: usize) {
+        if let Some(own) = self.own.as_mut()
+            && own.len() > keep
+        {
+            drop(own.split_off(keep));
+            self.pages_stamp = next_pages_stamp();
         }
     }
 
@@ -470,8 +533,49 @@ impl Req {
 
 #[cfg(test)]
 mod tests {
-    use super::clock_secs;
+    use super::{Req, clock_secs};
+    use crate::engine::GenerateRequest;
+    use crate::kv::PagePool;
+    use crate::sampling::SamplingParams;
     use std::time::{Duration, Instant};
+
+    #[test]
+    fn every_page_change_renews_the_stamp() {
+        let pool = PagePool::new(16, 4);
+        let new_req = || {
+            let (sink, _rx) = crate::engine::stream::channel();
+            let r = GenerateRequest::new(vec![1, 2, 3], SamplingParams::greedy(4));
+            Req::new("r".into(), r, sink, Instant::now()).unwrap()
+        };
+        let (mut a, b) = (new_req(), new_req());
+        assert_ne!(a.pages_stamp(), b.pages_stamp());
+        let mut seen = vec![a.pages_stamp(), b.pages_stamp()];
+        let mut renewed = |r: &Req| {
+            assert!(!seen.contains(&r.pages_stamp()), "a stamp came back");
+            seen.push(r.pages_stamp());
+        };
+        a.set_pages(vec![7, 8], Some(pool.alloc(2).unwrap()));
+        renewed(&a);
+        a.append_own(pool.alloc(1).unwrap()).unwrap();
+        renewed(&a);
+        assert_eq!(a.page_count(), 5);
+        // Trimming to what is held changes nothing.
+        let before = a.pages_stamp();
+        a.trim_own(3);
+        assert_eq!(a.pages_stamp(), before);
+        a.trim_own(1);
+        renewed(&a);
+        // Same count as before the trim and the append, other pages: a
+        // count cannot tell them apart, the stamp does.
+        a.append_own(pool.alloc(2).unwrap()).unwrap();
+        renewed(&a);
+        drop(a.take_own());
+        renewed(&a);
+        a.clear_tree_pages();
+        renewed(&a);
+        assert_eq!(a.page_count(), 0);
+        assert_eq!(pool.free_pages(), 16);
+    }
 
     #[test]
     fn clock_seconds_keep_the_instants_apart() {

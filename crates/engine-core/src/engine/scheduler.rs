@@ -118,6 +118,9 @@ pub(crate) struct Scheduler {
     hit_sums: (usize, usize),
     /// The last step's sequence plans, refilled by the next (their buffers reused).
     seq_bufs: Vec<crate::step::SeqPlan>,
+    /// Per buffer of `seq_bufs`, the page-list stamp ([`Req::pages_stamp`])
+    /// its `pages` were copied at (0: not a decoding request's copy).
+    seq_stamps: Vec<u64>,
     /// When the last forward's results came back (the time its chunks
     /// report), in seconds from `request::clock_secs`'s epoch.
     step_time: f64,
@@ -196,6 +199,7 @@ impl Scheduler {
             refit: Default::default(),
             hit_sums: (0, 0),
             seq_bufs: Vec::new(),
+            seq_stamps: Vec::new(),
             step_time: 0.0,
             out: OutputRoute::start()
                 .map_err(|e| CoreError::Internal(format!("starting the output thread: {e}")))?,
@@ -425,9 +429,8 @@ impl Scheduler {
         self.cache.lock(m.node)?;
         r.node = Some(m.node);
         r.node_len = m.matched_tokens;
-        r.tree_pages = m.pages;
+        r.set_pages(m.pages, Some(self.pool.empty_set()));
         r.computed = m.matched_tokens;
-        r.own = Some(self.pool.empty_set());
         if r.cached_tokens.is_none() {
             r.cached_tokens = Some(m.matched_tokens.min(r.prompt.len()));
             r.cached_tiers = (m.host_tokens, m.storage_tokens);
@@ -438,10 +441,10 @@ impl Scheduler {
     /// Gives the request's KV back: its computed part to the cache (when `keep`), the rest to the pool.
     fn release_kv(&mut self, r: &mut Req, keep: bool) {
         let Some(node) = r.node.take() else {
-            r.own = None;
+            drop(r.take_own());
             return;
         };
-        let mut own = r.own.take().unwrap_or_else(|| self.pool.empty_set());
+        let mut own = r.take_own().unwrap_or_else(|| self.pool.empty_set());
         if keep && !self.cfg.disable_radix_cache && r.computed > r.node_len {
             let covered = (r.computed - r.node_len).div_ceil(self.page_size);
             drop(own.split_off(covered));
@@ -461,7 +464,7 @@ impl Scheduler {
         if let Err(e) = self.cache.unlock(node) {
             tracing::error!("unlocking the prefix of {}: {e}", r.rid);
         }
-        r.tree_pages.clear();
+        r.clear_tree_pages();
         r.node_len = 0;
         r.computed = 0;
     }
@@ -472,7 +475,7 @@ impl Scheduler {
             return Ok(());
         }
         let toks = r.tokens();
-        let own = r.own.take().unwrap_or_else(|| self.pool.empty_set());
+        let own = r.take_own().unwrap_or_else(|| self.pool.empty_set());
         let old = r.node.take();
         self.cache
             .insert_with_prefix(&r.ns, &toks[..r.computed], r.node_len, own, r.priority)?;
@@ -489,8 +492,7 @@ impl Scheduler {
         }
         r.node = Some(m.node);
         r.node_len = m.matched_tokens;
-        r.tree_pages = m.pages;
-        r.own = Some(self.pool.empty_set());
+        r.set_pages(m.pages, Some(self.pool.empty_set()));
         Ok(())
     }
 
@@ -665,9 +667,7 @@ impl Scheduler {
             }
             return Ok(Err(r));
         };
-        if let Some(own) = r.own.as_mut() {
-            own.append(pages)?;
-        }
+        r.append_own(pages)?;
         if r.queue_time.is_none() {
             r.queue_time = Some(r.arrival.elapsed().as_secs_f64());
         }
@@ -704,9 +704,7 @@ impl Scheduler {
             if n > 0 {
                 match self.alloc_pages(n) {
                     Some(p) => {
-                        if let Some(own) = self.running[i].own.as_mut() {
-                            own.append(p)?;
-                        }
+                        self.running[i].append_own(p)?;
                     }
                     None => {
                         return Err(CoreError::OutOfMemory(

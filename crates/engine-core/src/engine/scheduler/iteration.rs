@@ -143,8 +143,11 @@ impl Scheduler {
         s.lora.clone_from(&e.req.lora);
     }
 
-    /// Fills `s` (a buffer reused across steps) with the plan of a decoding request.
-    fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan) {
+    /// Fills `s` (a buffer reused across steps) with the plan of a decoding
+    /// request. `stamp` is the page-list stamp `s.pages` was copied at: the
+    /// copy is kept while it equals the request's (a decode step's pages
+    /// usually did not change since the last step).
+    fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan, stamp: &mut u64) {
         s.tokens.clear();
         match r.output.last() {
             // The common case: one pending token, the last sampled one.
@@ -164,7 +167,10 @@ impl Scheduler {
             .layout_parents()
             .filter(|p| !draft.is_empty() && p.len() == s.tokens.len());
         s.prefix_len = r.computed;
-        r.page_table_into(&mut s.pages);
+        if *stamp != r.pages_stamp() {
+            r.page_table_into(&mut s.pages);
+            *stamp = r.pages_stamp();
+        }
         self.set_sample(r, rows, &mut s.sample);
         if draft.probs.len() == draft.len()
             && let Some(sp) = s.sample.as_mut()
@@ -228,21 +234,31 @@ impl Scheduler {
         };
         // The sequence buffers of the last step are refilled (no allocation
         // per request once they have grown).
+        // Their page-list stamps travel with them (taken and given back together).
         let mut plan = StepPlan {
             seqs: std::mem::take(&mut self.seq_bufs),
             ..StepPlan::default()
         };
-        plan.seqs
-            .resize_with(prefill.len() + decoding.len(), SeqPlan::default);
+        let mut stamps = std::mem::take(&mut self.seq_stamps);
+        let n_plan = prefill.len() + decoding.len();
+        plan.seqs.resize_with(n_plan, SeqPlan::default);
+        stamps.resize(n_plan, 0);
         let (pre_seqs, dec_seqs) = plan.seqs.split_at_mut(prefill.len());
-        for (e, s) in prefill.iter_mut().zip(pre_seqs) {
+        let (pre_stamps, dec_stamps) = stamps.split_at_mut(prefill.len());
+        for ((e, s), stamp) in prefill.iter_mut().zip(pre_seqs).zip(pre_stamps) {
             self.prefill_plan(e, s);
+            *stamp = 0;
         }
         // Whether any request samples under a grammar (found in the same walk).
         let mut any_grammar = prefill.iter().any(|e| e.req.matcher.is_some());
-        for (i, (r, s)) in decoding.iter_mut().zip(dec_seqs).enumerate() {
+        for (i, ((r, s), stamp)) in decoding
+            .iter_mut()
+            .zip(dec_seqs)
+            .zip(dec_stamps)
+            .enumerate()
+        {
             any_grammar |= r.matcher.is_some();
-            self.decode_plan(r, draft_of(&drafts, i), s);
+            self.decode_plan(r, draft_of(&drafts, i), s, stamp);
         }
         // Copies between device and host tiers that the admissions and
         // evictions before this point recorded run first.
@@ -370,6 +386,7 @@ impl Scheduler {
         }
         let kv_ops_ran = !plan.kv_ops.is_empty();
         self.seq_bufs = std::mem::take(&mut plan.seqs);
+        self.seq_stamps = stamps;
         let outputs = match result {
             Ok(o) if o.seqs.len() == n_seqs => o.seqs,
             other => {
@@ -513,13 +530,11 @@ impl Scheduler {
             self.adaptive.observe(&mut r.spec_rate, d, accepted);
         }
         r.computed += out.accepted;
-        let mut logprobs = out
-            .extra
-            .map(|e| e.logprobs)
-            .unwrap_or_default()
-            .into_iter();
-        for tok in out.tokens {
-            if let Some(f) = self.append(r, tok, logprobs.next()) {
+        // Logprobs come with some outputs only (nothing is built otherwise).
+        let mut logprobs = out.extra.map(|e| e.logprobs.into_iter());
+        for &tok in out.tokens.iter() {
+            let logprob = logprobs.as_mut().and_then(Iterator::next);
+            if let Some(f) = self.append(r, tok, logprob) {
                 r.computed = r.computed.min(r.len());
                 self.trim_pages(r);
                 self.finish_mut(r, f);
@@ -554,11 +569,7 @@ impl Scheduler {
     /// Returns the request's own pages past those its tokens occupy (the
     /// slots of rejected drafts) to the pool.
     fn trim_pages(&mut self, r: &mut Req) {
-        let keep = pages_for(r.len(), self.page_size).saturating_sub(r.tree_pages.len());
-        if let Some(own) = r.own.as_mut()
-            && own.len() > keep
-        {
-            drop(own.split_off(keep));
-        }
+        let keep = pages_for(r.len(), self.page_size).saturating_sub(r.tree_pages().len());
+        r.trim_own(keep);
     }
 }

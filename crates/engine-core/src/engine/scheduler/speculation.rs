@@ -303,9 +303,7 @@ impl Scheduler {
             };
             match got {
                 Some(p) => {
-                    if let Some(own) = r.own.as_mut()
-                        && own.append(p).is_err()
-                    {
+                    if r.append_own(p).is_err() {
                         *len = 0;
                     }
                 }
