@@ -340,6 +340,7 @@ impl Req {
     }
 
     /// Returns the request's own pages past the first `keep` to the pool.
+    #[inline]
     pub fn trim_own(&mut self, keep: usize) {
         if let Some(own) = self.own.as_mut()
             && own.len() > keep

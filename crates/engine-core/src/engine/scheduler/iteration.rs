@@ -172,7 +172,8 @@ impl Scheduler {
             *stamp = r.pages_stamp();
         }
         self.set_sample(r, rows, &mut s.sample);
-        if draft.probs.len() == draft.len()
+        if !draft.is_empty()
+            && draft.probs.len() == draft.len()
             && let Some(sp) = s.sample.as_mut()
         {
             sp.draft_probs.clone_from(&draft.probs);
