@@ -180,20 +180,32 @@ fn parse_adapter(spec: &str) -> Result<(String, PathBuf)> {
 /// The registry with the start-up adapters loaded. Without `--max-lora-rank`
 /// the largest start-up adapter's rank bounds adapters loaded later (as
 /// SGLang sizes its pool); with no start-up adapter any rank is accepted.
+///
+/// With tensor parallelism `rank_backends` holds every rank's device and
+/// `spec` is rank 0's shard: adapters are loaded as one shard per rank,
+/// against the whole model's shape.
 pub fn build(
     s: &LoraSettings,
     backend: Arc<dyn Backend>,
+    rank_backends: &[Arc<dyn Backend>],
     spec: &ModelSpec,
 ) -> Result<Arc<LoraRegistry>> {
-    let mut registry = LoraRegistry::new(
-        backend,
-        spec.clone(),
-        LoraLimits {
-            max_rank: s.max_rank,
-            targets: s.targets.clone(),
-        },
-        s.max_loaded,
-    );
+    let limits = LoraLimits {
+        max_rank: s.max_rank,
+        targets: s.targets.clone(),
+    };
+    let mut registry = if rank_backends.len() > 1 {
+        let world = rank_backends.len();
+        let whole = ModelSpec {
+            num_heads: spec.num_heads * world,
+            num_kv_heads: spec.num_kv_heads * world,
+            intermediate_size: spec.intermediate_size * world,
+            ..spec.clone()
+        };
+        LoraRegistry::sharded(rank_backends.to_vec(), whole, limits, s.max_loaded)
+    } else {
+        LoraRegistry::new(backend, spec.clone(), limits, s.max_loaded)
+    };
     let mut largest = 0;
     for (name, path) in &s.adapters {
         largest = largest.max(registry.load(name, path).context("--lora-paths")?.rank());

@@ -8,10 +8,11 @@
 //! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
 //! every step on all of them. `ep_size` equal to `tp_size` partitions the
 //! routed experts of a MoE model over the ranks instead of splitting each
-//! expert's width. HiCache, PD disaggregation and NGRAM speculation run
-//! with it (the group's tier pages are in the single-engine layout). Other
-//! devices (NCCL between GPUs), draft-model speculation and LoRA do not run
-//! with tp_size > 1 yet and are refused at start-up.
+//! expert's width. HiCache, PD disaggregation, NGRAM speculation and LoRA
+//! adapters run with it (the group's tier pages are in the single-engine
+//! layout; each rank applies its slices of an adapter's factors). Other
+//! devices (NCCL between GPUs) and draft-model speculation do not run with
+//! tp_size > 1 yet and are refused at start-up.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};

@@ -68,14 +68,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tp_size: cfg.parallel.tp_size.unwrap_or(1),
         ep_size: cfg.parallel.ep_size.unwrap_or(1),
     };
-    crate::parallel::check_supported(
-        model_args.parallel()?,
-        &model_args.device,
-        &[(
-            "LoRA (--lora-paths, --enable-lora)",
-            cfg.lora.to_settings()?.is_some(),
-        )],
-    )?;
     let policy: SchedulePolicy = q
         .schedule_policy
         .as_deref()
@@ -258,7 +250,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         server = server.with_disaggregation(d.server_part());
     }
     if let Some(l) = &lora {
-        let registry = crate::lora::build(l, built.backend.clone(), &spec)?;
+        let registry = crate::lora::build(l, built.backend.clone(), &built.rank_backends, &spec)?;
         for (name, loaded) in registry.list() {
             eprintln!(
                 "LoRA adapter '{name}': rank {}, {:.2} MiB on {:?}, from {}",

@@ -202,6 +202,9 @@ pub struct BuiltEngine {
     pub model: LoadedModel,
     /// The device the weights live on (new weights load there too).
     pub backend: Arc<dyn Backend>,
+    /// With tensor parallelism, every rank's device in rank order (`backend`
+    /// is the first); empty on one device.
+    pub rank_backends: Vec<Arc<dyn Backend>>,
     /// KV capacity in tokens.
     pub kv_tokens: usize,
     /// KV cache bytes.
@@ -483,7 +486,9 @@ pub fn build_engine(
         model.tokenizer.clone(),
         model.tokenizer.eos_token_ids.clone(),
     );
+    let mut rank_backends = Vec::new();
     if let Some((models, backends, comms)) = ranks {
+        rank_backends = backends.clone();
         let mut executors = Vec::with_capacity(models.len());
         for (rank, (m, b)) in models.into_iter().zip(backends).enumerate() {
             let r = if rank == 0 {
@@ -528,6 +533,7 @@ pub fn build_engine(
         engine,
         model,
         backend,
+        rank_backends,
     })
 }
 

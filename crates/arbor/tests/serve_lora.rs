@@ -322,3 +322,49 @@ async fn lora_fields_without_lora_and_bad_flags() -> Result<()> {
     )?;
     Ok(())
 }
+
+/// `--tp-size 2`: each rank applies its slices of an adapter's factors
+/// (output rows of q/k/v/gate/up, input columns of o/down, before the
+/// all-reduce). One batch mixing the base model and two start-up adapters,
+/// and an adapter loaded at run time, give the peft references.
+#[tokio::test]
+async fn tensor_parallel_ranks_apply_their_slices_of_each_adapter() -> Result<()> {
+    let s = lora_server(&["--tp-size", "2", "--max-lora-rank", "16"])?;
+    ensure!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
+    let c = client();
+    let attn = reference("tiny-llama-attn")?;
+    let all = reference("tiny-llama-all")?;
+    let mut cases: Vec<(Value, Vec<u64>)> = Vec::new();
+    for ((p_attn, want_attn, want_base), (p_all, want_all, _)) in attn.iter().zip(&all) {
+        cases.push((
+            greedy_body(&json!(p_attn), json!("attn")),
+            want_attn.clone(),
+        ));
+        cases.push((greedy_body(&json!(p_all), json!("all")), want_all.clone()));
+        cases.push((greedy_body(&json!(p_attn), Value::Null), want_base.clone()));
+    }
+    let url = s.url("/generate");
+    let answers =
+        futures_util::future::join_all(cases.iter().map(|(b, _)| post_ok(&c, &url, b))).await;
+    for (i, (a, (body, want))) in answers.into_iter().zip(&cases).enumerate() {
+        let v = a?;
+        ensure!(output_ids(&v) == *want, "case {i} {body}: {v}");
+    }
+    let v = post_ok(
+        &c,
+        &s.url("/load_lora_adapter"),
+        &json!({"lora_name": "mlp", "lora_path": adapter_dir("tiny-llama-mlp")}),
+    )
+    .await?;
+    ensure!(v["success"] == true, "{v}");
+    for (input, want, _) in reference("tiny-llama-mlp")? {
+        let v = post_ok(
+            &c,
+            &s.url("/generate"),
+            &greedy_body(&json!(input), json!("mlp")),
+        )
+        .await?;
+        ensure!(output_ids(&v) == want, "mlp: {v}");
+    }
+    assert_no_leak(&c, &s, "arbor", None).await
+}

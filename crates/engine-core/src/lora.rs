@@ -133,6 +133,9 @@ pub struct LoraAdapter {
     rank: usize,
     layers: Vec<LoraLayer>,
     bytes: u64,
+    /// With tensor parallelism: rank `r`'s slices of the factors (then
+    /// `layers` is empty; see [`LoraAdapter::sharded`]).
+    shards: Vec<Arc<LoraAdapter>>,
 }
 
 impl std::fmt::Debug for LoraAdapter {
@@ -179,7 +182,50 @@ impl LoraAdapter {
             rank,
             layers,
             bytes,
+            shards: Vec::new(),
         })
+    }
+
+    /// An adapter split over the ranks of a tensor-parallel group:
+    /// `shards[r]` holds rank `r`'s slices, on its device (the output rows
+    /// of column-parallel targets, the input columns of row-parallel ones;
+    /// see `arbor_models::shard`). Requests hold this adapter; each rank's
+    /// model applies its own shard ([`LoraAdapter::shard`]).
+    pub fn sharded(name: &str, digest: &str, shards: Vec<LoraAdapter>) -> Result<Self> {
+        if shards.len() < 2 || shards.iter().any(|s| !s.shards.is_empty()) {
+            return Err(CoreError::invalid(format!(
+                "LoRA adapter '{name}': a sharded adapter needs two or more unsharded shards"
+            )));
+        }
+        let layers = shards[0].layers.len();
+        if shards.iter().any(|s| s.layers.len() != layers) {
+            return Err(CoreError::invalid(format!(
+                "LoRA adapter '{name}': shards of different layer counts"
+            )));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            digest: digest.to_string(),
+            rank: shards.iter().map(|s| s.rank).max().unwrap_or(0),
+            layers: Vec::new(),
+            bytes: shards.iter().map(|s| s.bytes).sum(),
+            shards: shards.into_iter().map(Arc::new).collect(),
+        })
+    }
+
+    /// What rank `rank` of a group of `world` applies: the adapter itself
+    /// on one device, its shard in a group it was split for; an error
+    /// otherwise (an adapter loaded for another group size).
+    pub fn shard(self: &Arc<Self>, rank: usize, world: usize) -> Result<Arc<LoraAdapter>> {
+        match self.shards.len() {
+            0 if world == 1 => Ok(self.clone()),
+            n if n == world && rank < n => Ok(self.shards[rank].clone()),
+            n => Err(CoreError::invalid(format!(
+                "LoRA adapter '{}' was loaded for {} rank(s); the model runs on {world}",
+                self.name,
+                n.max(1)
+            ))),
+        }
     }
 
     /// The name requests use.
@@ -201,7 +247,9 @@ impl LoraAdapter {
 
     /// Decoder layers the adapter was built for.
     pub fn num_layers(&self) -> usize {
-        self.layers.len()
+        self.shards
+            .first()
+            .map_or(self.layers.len(), |s| s.num_layers())
     }
 
     /// Device bytes of the factors.
@@ -211,13 +259,17 @@ impl LoraAdapter {
 
     /// Targets with factors in at least one layer.
     pub fn targets(&self) -> Vec<LoraTarget> {
+        if let Some(s) = self.shards.first() {
+            return s.targets();
+        }
         LoraTarget::ALL
             .into_iter()
             .filter(|t| self.layers.iter().any(|l| l.get(*t).is_some()))
             .collect()
     }
 
-    /// The factors of `target` in `layer`.
+    /// The factors of `target` in `layer` (none on a sharded adapter: its
+    /// ranks read their [`LoraAdapter::shard`]).
     pub fn pair(&self, layer: usize, target: LoraTarget) -> Option<&LoraPair> {
         self.layers.get(layer).and_then(|l| l.get(target))
     }

@@ -14,6 +14,6 @@ pub mod peft;
 pub mod registry;
 
 pub use error::{LoraError, Result};
-pub use load::{LoraLimits, load_adapter, target_shape};
+pub use load::{LoraLimits, load_adapter, load_adapter_on, target_shape};
 pub use peft::{PeftConfig, TargetModules};
 pub use registry::{LoadedLora, LoraRegistry};

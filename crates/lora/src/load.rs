@@ -92,6 +92,76 @@ pub fn load_adapter(
     backend: &(dyn Backend + 'static),
     limits: &LoraLimits,
 ) -> Result<LoraAdapter> {
+    load_adapter_on(name, dir, spec, &[backend], limits)
+}
+
+/// Whether a target's linear is column-parallel (its output rows are split
+/// over tensor-parallel ranks) rather than row-parallel (its input columns).
+fn column_parallel(target: LoraTarget) -> bool {
+    !matches!(target, LoraTarget::O | LoraTarget::Down)
+}
+
+/// One rank's factors of a linear (`a` `[r, inp]`, scaled `b` `[out, r]`
+/// of the whole model) as that rank's `LoraPair` on `backend`: rows
+/// `[rank·out/w, (rank+1)·out/w)` of `b` for a column-parallel target,
+/// columns `[rank·inp/w, (rank+1)·inp/w)` of `a` for a row-parallel one (the
+/// slices `arbor_models::shard` gives the linears).
+fn rank_pair(
+    backend: &(dyn Backend + 'static),
+    (a, b): (&[f32], &[f32]),
+    (r, inp, out): (usize, usize, usize),
+    (rank, world, column): (usize, usize, bool),
+) -> arbor_engine_core::Result<LoraPair> {
+    let (a, inp): (Vec<f32>, usize) = if column || world == 1 {
+        (a.to_vec(), inp)
+    } else {
+        let w = inp / world;
+        let cols = rank * w..(rank + 1) * w;
+        (
+            a.chunks_exact(inp)
+                .flat_map(|row| &row[cols.clone()])
+                .copied()
+                .collect(),
+            w,
+        )
+    };
+    let (b, out): (&[f32], usize) = if column && world > 1 {
+        let n = out / world;
+        (&b[rank * n * r..(rank + 1) * n * r], n)
+    } else {
+        (b, out)
+    };
+    let mut bt = vec![0f32; b.len()];
+    for (j, row) in b.chunks_exact(r).enumerate() {
+        for (k, v) in row.iter().enumerate() {
+            bt[k * out + j] = *v;
+        }
+    }
+    Ok(LoraPair {
+        a: backend.upload_f32(&[r, inp], &a)?,
+        b: backend.upload_f32(&[out, r], b)?,
+        bt: backend.upload_f32(&[r, out], &bt)?,
+    })
+}
+
+/// Loads the adapter in `dir` under `name` for a model of `spec` (the
+/// whole model's shape) split over the ranks of a tensor-parallel group,
+/// `backends[r]` rank `r`'s device: each rank gets its slices of the
+/// factors ([`LoraAdapter::sharded`]); one backend loads it whole.
+pub fn load_adapter_on(
+    name: &str,
+    dir: &Path,
+    spec: &ModelSpec,
+    backends: &[&(dyn Backend + 'static)],
+    limits: &LoraLimits,
+) -> Result<LoraAdapter> {
+    if backends.is_empty() {
+        return Err(LoraError::Invalid {
+            name: name.to_string(),
+            msg: "no device to load it on".into(),
+        });
+    }
+    let world = backends.len();
     let invalid = |msg: String| LoraError::Invalid {
         name: name.to_string(),
         msg,
@@ -157,7 +227,7 @@ pub fn load_adapter(
             weights_path.display()
         )));
     }
-    let mut layers: Vec<LoraLayer> = vec![LoraLayer::default(); spec.num_layers];
+    let mut layers: Vec<Vec<LoraLayer>> = vec![vec![LoraLayer::default(); spec.num_layers]; world];
     let mut max_rank = 0;
     for ((layer, target), [a, b]) in factors {
         let module = format!("model.layers.{layer}.{}", target.path());
@@ -211,22 +281,36 @@ pub fn load_adapter(
             name: name.to_string(),
             source: e,
         };
-        let mut bt_vals = vec![0f32; b_vals.len()];
-        for (j, row) in b_vals.chunks_exact(r).enumerate() {
-            for (k, v) in row.iter().enumerate() {
-                bt_vals[k * out + j] = *v;
-            }
+        let column = column_parallel(target);
+        let split = if column { out } else { inp };
+        if !split.is_multiple_of(world) {
+            return Err(invalid(format!(
+                "{module}: its {split} {} do not split over {world} tensor-parallel ranks",
+                if column { "outputs" } else { "inputs" }
+            )));
         }
-        let pair = LoraPair {
-            a: backend.upload_f32(&[r, inp], &a_vals).map_err(device)?,
-            b: backend.upload_f32(&[out, r], &b_vals).map_err(device)?,
-            bt: backend.upload_f32(&[r, out], &bt_vals).map_err(device)?,
-        };
-        layers[layer].set(target, pair);
+        for (rank, (backend, rank_layers)) in backends.iter().zip(&mut layers).enumerate() {
+            let pair = rank_pair(
+                *backend,
+                (&a_vals, &b_vals),
+                (r, inp, out),
+                (rank, world, column),
+            )
+            .map_err(device)?;
+            rank_layers[layer].set(target, pair);
+        }
     }
     let d = digest(&config_bytes, &weights);
-    LoraAdapter::new(name, &d, max_rank, layers).map_err(|e| LoraError::Device {
+    let device = |e| LoraError::Device {
         name: name.to_string(),
         source: e,
-    })
+    };
+    let mut adapters = layers
+        .into_iter()
+        .map(|l| LoraAdapter::new(name, &d, max_rank, l).map_err(device))
+        .collect::<Result<Vec<_>>>()?;
+    if adapters.len() == 1 {
+        return Ok(adapters.remove(0));
+    }
+    LoraAdapter::sharded(name, &d, adapters).map_err(device)
 }

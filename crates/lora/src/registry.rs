@@ -7,7 +7,7 @@
 //! are freed when the last of them ends.
 
 use crate::error::{LoraError, Result};
-use crate::load::{LoraLimits, load_adapter};
+use crate::load::{LoraLimits, load_adapter_on};
 use arbor_engine_core::{Backend, LoraAdapter, ModelSpec};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +24,8 @@ pub struct LoadedLora {
 
 /// Adapters by name (see the module doc).
 pub struct LoraRegistry {
-    backend: Arc<dyn Backend>,
+    /// One device per tensor-parallel rank (one without parallelism).
+    backends: Vec<Arc<dyn Backend>>,
     spec: ModelSpec,
     limits: LoraLimits,
     max_loaded: Option<usize>,
@@ -41,7 +42,25 @@ impl LoraRegistry {
         max_loaded: Option<usize>,
     ) -> Self {
         Self {
-            backend,
+            backends: vec![backend],
+            spec,
+            limits,
+            max_loaded,
+            adapters: RwLock::new(BTreeMap::new()),
+        }
+    }
+
+    /// An empty registry for a model of `spec` (the whole model's shape)
+    /// split over tensor-parallel ranks, `backends[r]` rank `r`'s device:
+    /// each adapter is loaded as one shard per rank.
+    pub fn sharded(
+        backends: Vec<Arc<dyn Backend>>,
+        spec: ModelSpec,
+        limits: LoraLimits,
+        max_loaded: Option<usize>,
+    ) -> Self {
+        Self {
+            backends,
             spec,
             limits,
             max_loaded,
@@ -66,11 +85,12 @@ impl LoraRegistry {
         if self.read().contains_key(name) {
             return Err(LoraError::AlreadyLoaded(name.to_string()));
         }
-        let adapter = Arc::new(load_adapter(
+        let backends: Vec<&(dyn Backend + 'static)> = self.backends.iter().map(|b| &**b).collect();
+        let adapter = Arc::new(load_adapter_on(
             name,
             dir,
             &self.spec,
-            &*self.backend,
+            &backends,
             &self.limits,
         )?);
         let mut map = self.adapters.write().unwrap_or_else(|e| e.into_inner());

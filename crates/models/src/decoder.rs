@@ -16,7 +16,7 @@ use crate::mla::{MlaAttn, MlaConfig};
 use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
 use arbor_engine_core::comm::Communicator;
-use arbor_engine_core::lora::{LoraTarget, apply_lora};
+use arbor_engine_core::lora::{LoraSegment, LoraTarget, apply_lora};
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
@@ -529,11 +529,25 @@ impl DecoderModel {
         embeds: Option<&Tensor>,
     ) -> Result<ForwardOutput> {
         batch.validate(self.spec.vocab_size)?;
-        if self.tp.is_some() && !batch.lora.is_empty() {
-            return Err(CoreError::unsupported(
-                "LoRA adapters with tensor parallelism",
-            ));
-        }
+        // A tensor-parallel rank applies its shard of each adapter.
+        let rank_lora: Vec<LoraSegment>;
+        let lora_segments: &[LoraSegment] = match &self.tp {
+            Some(t) if !batch.lora.is_empty() => {
+                let (rank, world) = (t.comm.rank(), t.comm.world_size());
+                rank_lora = batch
+                    .lora
+                    .iter()
+                    .map(|s| {
+                        Ok(LoraSegment {
+                            adapter: s.adapter.shard(rank, world)?,
+                            rows: s.rows.clone(),
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                &rank_lora
+            }
+            _ => &batch.lora,
+        };
         let n_layers = self.layers.len();
         if let Some(bad) = batch.hidden_layers.iter().find(|&&l| l > n_layers) {
             return Err(CoreError::invalid(format!(
@@ -627,7 +641,7 @@ impl DecoderModel {
         };
         // Adds the batch's LoRA deltas of one linear (nothing without adapters).
         let lora = |layer: usize, target: LoraTarget, x: &Tensor, out: &Tensor| {
-            apply_lora(b, &batch.lora, layer, target, x, out)
+            apply_lora(b, lora_segments, layer, target, x, out)
         };
         let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
         match embeds {
@@ -717,7 +731,7 @@ impl DecoderModel {
                     lora(i, LoraTarget::O, &attn, &proj)?;
                 }
                 Attn::Mla(a) => {
-                    if let Some(s) = batch.lora.iter().find(|s| {
+                    if let Some(s) = lora_segments.iter().find(|s| {
                         [LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O]
                             .iter()
                             .any(|&t| s.adapter.pair(i, t).is_some())
@@ -764,7 +778,7 @@ impl DecoderModel {
                     lora(i, LoraTarget::Down, &act, &proj)?;
                 }
                 Ffn::Moe(block) => {
-                    if let Some(s) = batch.lora.iter().find(|s| {
+                    if let Some(s) = lora_segments.iter().find(|s| {
                         [LoraTarget::Gate, LoraTarget::Up, LoraTarget::Down]
                             .iter()
                             .any(|&t| s.adapter.pair(i, t).is_some())
