@@ -8,11 +8,13 @@
 //! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
 //! every step on all of them. `ep_size` equal to `tp_size` partitions the
 //! routed experts of a MoE model over the ranks instead of splitting each
-//! expert's width. HiCache, PD disaggregation, NGRAM speculation and LoRA
-//! adapters run with it (the group's tier pages are in the single-engine
-//! layout; each rank applies its slices of an adapter's factors). Other
-//! devices (NCCL between GPUs) and draft-model speculation do not run with
-//! tp_size > 1 yet and are refused at start-up.
+//! expert's width. HiCache, PD disaggregation, NGRAM and STANDALONE
+//! speculation and LoRA adapters run with it (the group's tier pages are in
+//! the single-engine layout; a STANDALONE draft model runs whole on rank
+//! 0's device; each rank applies its slices of an adapter's factors). Other
+//! devices (NCCL between GPUs) and the drafters that run the target's
+//! sharded layers (LAYERSKIP, EAGLE, EAGLE3, NEXTN) do not run with tp_size
+//! > 1 yet and are refused at start-up.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};

@@ -330,14 +330,16 @@ pub fn build_engine(
         parallel,
         &args.device,
         &[(
-            // NGRAM drafts from the token history alone; the others run
-            // draft weights on the target's (here sharded) device.
-            "--speculative-algorithm other than NGRAM",
+            // NGRAM drafts from the token history alone and STANDALONE
+            // with a whole draft model of its own (on rank 0's device); the
+            // others run the target's (here sharded) layers, embedding or
+            // LM head, whose collectives need every rank.
+            "--speculative-algorithm other than NGRAM and STANDALONE",
             setup
                 .engine
                 .speculative
                 .as_ref()
-                .is_some_and(|s| s.algorithm != "ngram"),
+                .is_some_and(|s| !matches!(s.algorithm.as_str(), "ngram" | "standalone")),
         )],
     )?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.

@@ -122,7 +122,7 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
             "--speculative-draft-layers",
             "1",
         ],
-        "--speculative-algorithm other than NGRAM does not run with --tp-size > 1",
+        "--speculative-algorithm other than NGRAM and STANDALONE does not run with --tp-size > 1",
     )
 }
 
@@ -181,4 +181,81 @@ async fn tensor_parallel_runs_ngram_speculation_losslessly() -> Result<()> {
         "no draft accepted: {steps} verify steps for {tokens} tokens"
     );
     assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// STANDALONE speculation over two ranks: the draft model runs whole on
+/// rank 0's device and the group verifies. The draft is tiny-llama itself,
+/// unsharded (so most drafts are accepted and verification keeps several
+/// tokens a step), then tiny-mistral (the same tokenizer, other weights:
+/// most drafts rejected); the greedy answers equal transformers' for
+/// tiny-llama either way.
+#[tokio::test]
+async fn tensor_parallel_runs_a_standalone_draft_model_losslessly() -> Result<()> {
+    let steps = standalone_under_tp("tiny-llama").await?;
+    assert!(
+        steps * 2 < 96,
+        "{steps} verify steps: drafts of the same weights were rejected"
+    );
+    let steps = standalone_under_tp("tiny-mistral").await?;
+    assert!(steps <= 96, "{steps} verify steps");
+    Ok(())
+}
+
+/// Serves tiny-llama's reference prompts at `--tp-size 2` with `draft` as
+/// the STANDALONE draft model; checks the answers and the pool, and
+/// returns the verify steps of the 96 tokens.
+async fn standalone_under_tp(draft: &str) -> Result<u64> {
+    let path = fixture("tiny-llama");
+    let draft = fixture(draft);
+    let s = Server::start(&[
+        "--model-path",
+        &path,
+        "--port",
+        "0",
+        "--threads",
+        "2",
+        "--kv-cache-dtype",
+        "f32",
+        "--tp-size",
+        "2",
+        "--speculative-algorithm",
+        "STANDALONE",
+        "--speculative-draft-model-path",
+        &draft,
+        "--speculative-num-steps",
+        "3",
+        "--enable-metrics",
+    ])?;
+    assert!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
+    let c = client();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{path}/reference.json"))?)?;
+    let (mut steps, mut tokens) = (0, 0);
+    for (i, p) in reference["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .enumerate()
+    {
+        let n = p["greedy_ids"].as_array().context("greedy_ids")?.len();
+        let body = json!({
+            "input_ids": p["input_ids"],
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": true},
+        });
+        let r: Value = c
+            .post(s.url("/generate"))
+            .json(&body)
+            .send()
+            .await?
+            .json()
+            .await?;
+        assert_eq!(r["output_ids"], p["greedy_ids"], "prompt {i}: {r}");
+        steps += r["meta_info"]["spec_verify_ct"]
+            .as_u64()
+            .context("spec_verify_ct")?;
+        tokens += n as u64;
+    }
+    eprintln!("STANDALONE {draft} at --tp-size 2: {steps} verify steps for {tokens} tokens");
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    Ok(steps)
 }
