@@ -131,56 +131,16 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
 /// tokens).
 #[tokio::test]
 async fn tensor_parallel_runs_ngram_speculation_losslessly() -> Result<()> {
-    let path = fixture("tiny-qwen3");
-    let s = Server::start(&[
-        "--model-path",
-        &path,
-        "--port",
-        "0",
-        "--threads",
-        "2",
-        "--kv-cache-dtype",
-        "f32",
-        "--tp-size",
-        "2",
-        "--speculative-algorithm",
-        "NGRAM",
-        "--speculative-num-draft-tokens",
-        "4",
-        "--enable-metrics",
-    ])?;
-    let c = client();
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{path}/reference.json"))?)?;
-    let (mut steps, mut tokens) = (0, 0);
-    for (i, p) in reference["prompts"]
-        .as_array()
-        .context("prompts")?
-        .iter()
-        .enumerate()
-    {
-        let body = json!({
-            "input_ids": p["input_ids"],
-            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
-        });
-        let r: Value = c
-            .post(s.url("/generate"))
-            .json(&body)
-            .send()
-            .await?
-            .json()
-            .await?;
-        assert_eq!(r["output_ids"], p["greedy_ids"], "prompt {i}: {r}");
-        steps += r["meta_info"]["spec_verify_ct"]
-            .as_u64()
-            .context("spec_verify_ct")?;
-        tokens += 32;
-    }
+    let (steps, tokens) = speculate_under_tp2(
+        "tiny-qwen3",
+        &["NGRAM", "--speculative-num-draft-tokens", "4"],
+    )
+    .await?;
     assert!(
         steps < tokens,
         "no draft accepted: {steps} verify steps for {tokens} tokens"
     );
-    assert_no_leak(&c, &s, "arbor", None).await
+    Ok(())
 }
 
 /// STANDALONE speculation over two ranks: the draft model runs whole on
@@ -191,23 +151,32 @@ async fn tensor_parallel_runs_ngram_speculation_losslessly() -> Result<()> {
 /// tiny-llama either way.
 #[tokio::test]
 async fn tensor_parallel_runs_a_standalone_draft_model_losslessly() -> Result<()> {
-    let steps = standalone_under_tp("tiny-llama").await?;
-    assert!(
-        steps * 2 < 96,
-        "{steps} verify steps: drafts of the same weights were rejected"
-    );
-    let steps = standalone_under_tp("tiny-mistral").await?;
-    assert!(steps <= 96, "{steps} verify steps");
+    for (draft, most_steps) in [("tiny-llama", 47), ("tiny-mistral", 96)] {
+        let draft = fixture(draft);
+        let args = [
+            "STANDALONE",
+            "--speculative-draft-model-path",
+            &draft,
+            "--speculative-num-steps",
+            "3",
+        ];
+        let (steps, tokens) = speculate_under_tp2("tiny-llama", &args).await?;
+        assert_eq!(tokens, 96);
+        assert!(
+            steps <= most_steps,
+            "{draft}: {steps} verify steps for {tokens} tokens"
+        );
+    }
     Ok(())
 }
 
-/// Serves tiny-llama's reference prompts at `--tp-size 2` with `draft` as
-/// the STANDALONE draft model; checks the answers and the pool, and
-/// returns the verify steps of the 96 tokens.
-async fn standalone_under_tp(draft: &str) -> Result<u64> {
-    let path = fixture("tiny-llama");
-    let draft = fixture(draft);
-    let s = Server::start(&[
+/// Serves `model`'s reference prompts (greedy, as many tokens as the
+/// reference) at `--tp-size 2` with `--speculative-algorithm` and then
+/// `algorithm`; checks the answers against transformers' and that the pool
+/// is empty after; returns the verify steps and the tokens.
+async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u64)> {
+    let path = fixture(model);
+    let mut args = vec![
         "--model-path",
         &path,
         "--port",
@@ -218,14 +187,11 @@ async fn standalone_under_tp(draft: &str) -> Result<u64> {
         "f32",
         "--tp-size",
         "2",
-        "--speculative-algorithm",
-        "STANDALONE",
-        "--speculative-draft-model-path",
-        &draft,
-        "--speculative-num-steps",
-        "3",
         "--enable-metrics",
-    ])?;
+        "--speculative-algorithm",
+    ];
+    args.extend_from_slice(algorithm);
+    let s = Server::start(&args)?;
     assert!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
     let c = client();
     let reference: Value =
@@ -249,13 +215,16 @@ async fn standalone_under_tp(draft: &str) -> Result<u64> {
             .await?
             .json()
             .await?;
-        assert_eq!(r["output_ids"], p["greedy_ids"], "prompt {i}: {r}");
+        assert_eq!(
+            r["output_ids"], p["greedy_ids"],
+            "{model} {algorithm:?} prompt {i}: {r}"
+        );
         steps += r["meta_info"]["spec_verify_ct"]
             .as_u64()
             .context("spec_verify_ct")?;
         tokens += n as u64;
     }
-    eprintln!("STANDALONE {draft} at --tp-size 2: {steps} verify steps for {tokens} tokens");
+    eprintln!("{model} {algorithm:?} at --tp-size 2: {steps} verify steps for {tokens} tokens");
     assert_no_leak(&c, &s, "arbor", None).await?;
-    Ok(steps)
+    Ok((steps, tokens))
 }

@@ -132,33 +132,25 @@ impl BatchLayout {
             let slot = u32::try_from(slot)
                 .map_err(|_| CoreError::invalid(format!("KV slot {slot} does not fit in u32")))?;
             self.slot_mapping.push(slot);
-            self.seqs.push(SeqLayout {
-                q_start,
-                q_len,
-                prefix_len,
-                pages: start..start + used_pages,
-                tree: None,
-            });
-            return Ok(());
-        }
-        // Slots page by page: one division and one range check per page
-        // (a decode token is one slot on one page).
-        let mut t = prefix_len;
-        while t < kv_len {
-            let page_index = page_of(t, ps);
-            let (page, offset) = (pages[page_index] as usize, t - page_index * ps);
-            let n = (ps - offset).min(kv_len - t);
-            let first = page * ps + offset;
-            let slots = u32::try_from(first)
-                .ok()
-                .zip(u32::try_from(first + n).ok())
-                .ok_or_else(|| {
-                    CoreError::invalid(format!("KV slot {} does not fit in u32", first + n - 1))
-                })?;
-            for slot in slots.0..slots.1 {
-                self.slot_mapping.push(slot);
+        } else {
+            // Slots page by page: one division and one range check per page.
+            let mut t = prefix_len;
+            while t < kv_len {
+                let page_index = page_of(t, ps);
+                let (page, offset) = (pages[page_index] as usize, t - page_index * ps);
+                let n = (ps - offset).min(kv_len - t);
+                let first = page * ps + offset;
+                let slots = u32::try_from(first)
+                    .ok()
+                    .zip(u32::try_from(first + n).ok())
+                    .ok_or_else(|| {
+                        CoreError::invalid(format!("KV slot {} does not fit in u32", first + n - 1))
+                    })?;
+                for slot in slots.0..slots.1 {
+                    self.slot_mapping.push(slot);
+                }
+                t += n;
             }
-            t += n;
         }
         self.seqs.push(SeqLayout {
             q_start,
