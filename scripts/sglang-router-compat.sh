@@ -21,16 +21,24 @@ for i in 0 1; do
     --max-total-tokens 8192 --enable-metrics >"$tmp/w$i.log" 2>&1 &
   pids+=($!)
 done
-for i in 0 1; do
-  for _ in $(seq 300); do grep -q '^listening on ' "$tmp/w$i.log" && break; sleep 0.1; done
-  urls+=("$(grep '^listening on ' "$tmp/w$i.log" | sed 's/^listening on //')")
-done
+# The address a server printed in its log (`listening on URL`), waiting for it.
+server_url() {
+  for _ in $(seq 300); do grep -q '^listening on ' "$1" && break; sleep 0.1; done
+  grep '^listening on ' "$1" | sed 's/^listening on //'
+}
+# Waits up to two minutes for URL/health to answer.
+wait_health() {
+  for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done
+  echo "$2 did not come up" >&2; return 1
+}
+for i in 0 1; do urls+=("$(server_url "$tmp/w$i.log")"); done
 free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 port=$(free_port)
 prom=$(free_port)
 "$py" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
   --policy cache_aware --prometheus-port "$prom" >"$tmp/router.log" 2>&1 &
 pids+=($!)
+wait_health "http://127.0.0.1:$port" "SGLang's router" || { tail -20 "$tmp/router.log"; exit 1; }
 "$py" - "http://127.0.0.1:$port" "${urls[@]}" <<'PY' || { tail -20 "$tmp/router.log"; exit 1; }
 import json, sys, time, urllib.request
 router, workers = sys.argv[1], sys.argv[2:]
@@ -44,15 +52,6 @@ def served():
         text = urllib.request.urlopen(w + "/metrics", timeout=10).read().decode()
         out.append(sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("arbor:num_requests_total")))
     return out
-deadline = time.time() + 120
-while True:
-    try:
-        urllib.request.urlopen(router + "/health", timeout=5)
-        break
-    except Exception:
-        if time.time() > deadline:
-            sys.exit("SGLang's router did not come up")
-        time.sleep(0.5)
 prefix = "oak elm ash fir yew bay " * 6
 before = served()
 for q in range(4):
@@ -99,11 +98,8 @@ pids+=($!)
 "$arbor" serve --model-path tests/fixtures/tiny-llama --port 0 --threads 1 --max-total-tokens 8192 \
   --enable-metrics --disaggregation-mode decode >"$tmp/d.log" 2>&1 &
 pids+=($!)
-for w in p d; do
-  for _ in $(seq 300); do grep -q '^listening on ' "$tmp/$w.log" && break; sleep 0.1; done
-done
-purl=$(grep '^listening on ' "$tmp/p.log" | sed 's/^listening on //')
-durl=$(grep '^listening on ' "$tmp/d.log" | sed 's/^listening on //')
+purl=$(server_url "$tmp/p.log")
+durl=$(server_url "$tmp/d.log")
 bport=$("$py" -c 'import json,sys,urllib.request; print(json.load(urllib.request.urlopen(sys.argv[1] + "/get_server_info"))["disaggregation"]["bootstrap_port"])' "$purl")
 pdport=$(free_port)
 pdprom=$(free_port)
@@ -111,6 +107,7 @@ pdprom=$(free_port)
   --prefill "$purl" "$bport" --decode "$durl" --policy round_robin --prometheus-port "$pdprom" \
   >"$tmp/pd-router.log" 2>&1 &
 pids+=($!)
+wait_health "http://127.0.0.1:$pdport" "SGLang's PD router" || { tail -20 "$tmp/pd-router.log"; exit 1; }
 "$py" - "http://127.0.0.1:$pdport" "$durl" "$purl" "${urls[0]}" <<'PY' || { tail -20 "$tmp/pd-router.log"; tail -20 "$tmp/d.log"; tail -20 "$tmp/p.log"; exit 1; }
 import json, sys, time, urllib.request
 router, decode, prefill, whole = sys.argv[1:]
@@ -121,15 +118,6 @@ def post(url, body):
 def metric(url, name):
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("arbor:" + name))
-deadline = time.time() + 120
-while True:
-    try:
-        urllib.request.urlopen(router + "/health", timeout=5)
-        break
-    except Exception:
-        if time.time() > deadline:
-            sys.exit("SGLang's PD router did not come up")
-        time.sleep(0.5)
 pulled = metric(decode, "kv_transfer_tokens_total")
 for q in range(3):
     prompt = "birch maple cedar " * (8 + 5 * q) + f"question {q}"

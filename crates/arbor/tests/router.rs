@@ -24,6 +24,19 @@ fn router(workers: &[&Server], extra: &[&str]) -> Result<Server> {
     Server::start_command("router", &refs)
 }
 
+/// `arbor router --pd-disaggregation` over one prefill and one decode worker, then `extra`.
+fn pd_router(prefill: &Server, decode: &Server, extra: &[&str]) -> Result<Server> {
+    let mut args = vec![
+        "--pd-disaggregation",
+        "--prefill",
+        &prefill.base,
+        "--decode",
+        &decode.base,
+    ];
+    args.extend_from_slice(extra);
+    router(&[], &args)
+}
+
 fn workers(n: usize) -> Result<Vec<Server>> {
     (0..n).map(|_| Server::tiny(&[])).collect()
 }
@@ -536,18 +549,7 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
         "{}",
         decode.logs()
     );
-    let r = router(
-        &[],
-        &[
-            "--pd-disaggregation",
-            "--prefill",
-            &prefill.base,
-            "--decode",
-            &decode.base,
-            "--health-check-interval-secs",
-            "1",
-        ],
-    )?;
+    let r = pd_router(&prefill, &decode, &["--health-check-interval-secs", "1"])?;
     let c = client();
     for q in 0..4 {
         let text = format!("{} pd {q}", prefix(q % 2));
@@ -695,16 +697,7 @@ async fn pd_with_a_tensor_parallel_prefill_worker() -> Result<()> {
     let single = Server::tiny(&[])?;
     let prefill = Server::tiny(&["--disaggregation-mode", "prefill", "--tp-size", "2"])?;
     let decode = Server::tiny(&["--disaggregation-mode", "decode", "--page-size", "16"])?;
-    let r = router(
-        &[],
-        &[
-            "--pd-disaggregation",
-            "--prefill",
-            &prefill.base,
-            "--decode",
-            &decode.base,
-        ],
-    )?;
+    let r = pd_router(&prefill, &decode, &[])?;
     let c = client();
     for q in 0..3 {
         let body = generate_body(&format!("{} tp prefill {q}", prefix(q)), 12);

@@ -584,17 +584,7 @@ async fn default_f16_kv_keeps_the_transformers_greedy_ids() -> Result<()> {
         let prompts = reference["prompts"].as_array().map_or(&[][..], |v| v);
         ensure!(!prompts.is_empty(), "{name}: no prompts");
         for (i, p) in prompts.iter().enumerate() {
-            let body = json!({
-                "input_ids": p["input_ids"],
-                "sampling_params": {"max_new_tokens": reference["max_new_tokens"], "temperature": 0, "ignore_eos": true},
-            });
-            let r: Value = c
-                .post(s.url("/generate"))
-                .json(&body)
-                .send()
-                .await?
-                .json()
-                .await?;
+            let r = generate_greedy(&c, &s, &p["input_ids"], &reference["max_new_tokens"]).await?;
             assert_eq!(r["output_ids"], p["greedy_ids"], "{name} prompt {i}");
         }
     }

@@ -71,6 +71,18 @@ async fn uncached_answers(c: &reqwest::Client) -> Result<Vec<String>> {
     Ok(want)
 }
 
+/// Asks the first four prompts, checks each answer against `want` (`what`
+/// names the case), and returns the tokens that came from the storage tier.
+async fn storage_hits(c: &reqwest::Client, s: &Server, want: &[String], what: &str) -> Result<u64> {
+    let mut stored = 0;
+    for (p, w) in prompts().iter().zip(want).take(4) {
+        let (got, m) = ask(c, s, p).await?;
+        assert_eq!(&got, w, "{what}: {m}");
+        stored += m["cached_tokens_details"]["storage"].as_u64().unwrap_or(0);
+    }
+    Ok(stored)
+}
+
 /// `arbor serve` arguments of the tiny Llama with a 320-token device pool,
 /// HiCache and a file store configured by `store` (JSON), then `extra`.
 fn store_args(store: &str, extra: &[&str]) -> Vec<String> {
@@ -133,12 +145,7 @@ async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() ->
 
     // A restart: the store still has the pages.
     let s = start(&args)?;
-    let mut stored = 0;
-    for (p, w) in prompts().iter().zip(&want).take(4) {
-        let (got, m) = ask(&c, &s, p).await?;
-        assert_eq!(&got, w, "answer changed after a restart: {m}");
-        stored += m["cached_tokens_details"]["storage"].as_u64().unwrap_or(0);
-    }
+    let stored = storage_hits(&c, &s, &want, "answer changed after a restart").await?;
     assert!(
         stored > 0,
         "nothing came from the store after a restart ({written} pages written)"
@@ -221,12 +228,8 @@ async fn tensor_parallel_and_single_rank_servers_share_stored_pages() -> Result<
         assert_no_leak(&c, &s, "arbor", None).await?;
         drop(s);
         let s = start(&args(&extra, reader))?;
-        let mut stored = 0;
-        for (p, w) in prompts().iter().zip(&want).take(4) {
-            let (got, m) = ask(&c, &s, p).await?;
-            assert_eq!(&got, w, "tp {reader} reading tp {writer}'s store: {m}");
-            stored += m["cached_tokens_details"]["storage"].as_u64().unwrap_or(0);
-        }
+        let what = format!("tp {reader} reading tp {writer}'s store");
+        let stored = storage_hits(&c, &s, &want, &what).await?;
         assert!(
             stored > 0,
             "tp {reader} found nothing in tp {writer}'s store"

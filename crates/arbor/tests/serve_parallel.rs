@@ -42,27 +42,18 @@ async fn check(model: &str, extra: &[&str]) -> Result<()> {
         .json()
         .await?;
     assert_eq!(info["tp_size"], 2);
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{path}/reference.json"))?)?;
+    let reference = reference_json(&path)?;
     let prompts = reference["prompts"].as_array().context("prompts")?;
-    let bodies: Vec<Value> = prompts
-        .iter()
-        .map(|p| {
-            json!({
-                "input_ids": p["input_ids"],
-                "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
-            })
-        })
-        .collect();
     // All prompts at once: one batch over both ranks.
+    let tokens = json!(32);
     let answers = futures_util::future::join_all(
-        bodies
+        prompts
             .iter()
-            .map(|b| c.post(s.url("/generate")).json(b).send()),
+            .map(|p| generate_greedy(&c, &s, &p["input_ids"], &tokens)),
     )
     .await;
     for (i, (a, p)) in answers.into_iter().zip(prompts).enumerate() {
-        let r: Value = a?.json().await?;
+        let r = a?;
         assert_eq!(
             r["output_ids"], p["greedy_ids"],
             "{model} {extra:?} prompt {i}"
@@ -194,8 +185,7 @@ async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u6
     let s = Server::start(&args)?;
     assert!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
     let c = client();
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(format!("{path}/reference.json"))?)?;
+    let reference = reference_json(&path)?;
     let (mut steps, mut tokens) = (0, 0);
     for (i, p) in reference["prompts"]
         .as_array()
@@ -204,17 +194,7 @@ async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u6
         .enumerate()
     {
         let n = p["greedy_ids"].as_array().context("greedy_ids")?.len();
-        let body = json!({
-            "input_ids": p["input_ids"],
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": true},
-        });
-        let r: Value = c
-            .post(s.url("/generate"))
-            .json(&body)
-            .send()
-            .await?
-            .json()
-            .await?;
+        let r = generate_greedy(&c, &s, &p["input_ids"], &json!(n)).await?;
         assert_eq!(
             r["output_ids"], p["greedy_ids"],
             "{model} {algorithm:?} prompt {i}: {r}"

@@ -40,17 +40,7 @@ async fn check_greedy(
     let prompts = reference["prompts"].as_array().map_or(&[][..], |v| v);
     ensure!(!prompts.is_empty(), "{name}: no prompts");
     for (i, p) in prompts.iter().enumerate() {
-        let body = json!({
-            "input_ids": p["input_ids"],
-            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
-        });
-        let r: Value = c
-            .post(s.url("/generate"))
-            .json(&body)
-            .send()
-            .await?
-            .json()
-            .await?;
+        let r = generate_greedy(c, s, &p["input_ids"], &json!(32)).await?;
         let got = r["output_ids"].as_array().context("output_ids")?;
         let want = p["greedy_ids"].as_array().context("greedy_ids")?;
         let margins = p["margins"].as_array().context("margins")?;

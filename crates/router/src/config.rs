@@ -477,22 +477,41 @@ impl RouterConfig {
     }
 }
 
+/// Test helpers: configurations parsed from a command line as `arbor
+/// router` parses it, and a router state of the default one.
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
     use super::*;
     use clap::Parser;
 
+    /// The router's flags alone, as a command line.
     #[derive(Parser)]
-    struct Cli {
+    pub(crate) struct Cli {
         #[command(flatten)]
-        args: RouterArgs,
+        pub args: RouterArgs,
     }
 
-    fn parse(extra: &[&str]) -> Result<RouterConfig, RouterError> {
+    /// The configuration of `router` followed by `extra`.
+    pub(crate) fn parse(extra: &[&str]) -> Result<RouterConfig, RouterError> {
         let mut argv = vec!["router"];
         argv.extend_from_slice(extra);
         RouterConfig::from_args(Cli::parse_from(argv).args)
     }
+
+    /// The state of a router of the default configuration (with the TLS
+    /// provider that `run` installs before building its client).
+    pub(crate) fn default_state() -> crate::RouterState {
+        let cfg = parse(&[]).expect("config");
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        crate::RouterState::new(cfg, reqwest::Client::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::{Cli, parse};
+    use super::*;
+    use clap::Parser;
 
     #[test]
     fn sglang_defaults() {

@@ -206,20 +206,7 @@ pub async fn generate(st: &Arc<RouterState>, text: &[char], out: Outgoing) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{RouterArgs, RouterConfig};
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: RouterArgs,
-    }
-
-    fn state() -> RouterState {
-        let cfg = RouterConfig::from_args(Cli::parse_from(["router"]).args).expect("config");
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        RouterState::new(cfg, reqwest::Client::new())
-    }
+    use crate::config::testing::default_state as state;
 
     #[test]
     fn rooms_are_added_per_prompt_as_sglang_adds_them() {

@@ -270,23 +270,13 @@ pub async fn loads(st: &Arc<RouterState>) -> Vec<(Arc<Worker>, i64)> {
 #[cfg(test)]
 mod tests {
     use super::{loads, parse_load};
-    use crate::{RouterArgs, RouterConfig, RouterState};
-    use clap::Parser;
+    use crate::config::testing::default_state;
     use serde_json::json;
     use std::sync::Arc;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: RouterArgs,
-    }
-
     #[tokio::test]
     async fn a_worker_that_does_not_answer_has_load_minus_one() {
-        let cfg = RouterConfig::from_args(Cli::parse_from(["router"]).args).expect("config");
-        // As `run` does before building its client.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let st = Arc::new(RouterState::new(cfg, reqwest::Client::new()));
+        let st = Arc::new(default_state());
         // A port nothing listens on any more.
         let dead = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())

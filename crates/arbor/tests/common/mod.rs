@@ -372,6 +372,33 @@ pub fn assert_serve_refuses(args: &[&str], needle: &str) -> Result<()> {
     Ok(())
 }
 
+/// A fixture's `reference.json` (prompts with transformers' greedy ids).
+pub fn reference_json(dir: &str) -> Result<Value> {
+    let path = format!("{dir}/reference.json");
+    let text = std::fs::read_to_string(&path).with_context(|| path.clone())?;
+    serde_json::from_str(&text).with_context(|| path)
+}
+
+/// `/generate` of `input_ids`, greedy and ignoring EOS, for `max_new_tokens`
+/// tokens: the response.
+pub async fn generate_greedy(
+    c: &reqwest::Client,
+    s: &Server,
+    input_ids: &Value,
+    max_new_tokens: &Value,
+) -> Result<Value> {
+    let body = serde_json::json!({
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": true},
+    });
+    Ok(c.post(s.url("/generate"))
+        .json(&body)
+        .send()
+        .await?
+        .json()
+        .await?)
+}
+
 pub fn meta(v: &Value) -> &Value {
     &v["meta_info"]
 }
