@@ -20,7 +20,8 @@
 #   5. runs the benchmark (decode tok/s at batch 1, 8, 64, 256 and prefill of
 #      2,048 tokens on a Llama-3.1-8B-shaped model with random bf16 weights
 #      made on the GPU) and prints its table, with the share of the HBM
-#      roofline reached at batch 1.
+#      roofline reached at batch 1; then 8 of its layers with FP8 weights
+#      (`--quant fp8`, quantized at load) beside the same 8 in bf16.
 #
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run
@@ -264,6 +265,15 @@ run_checks() {
   timeout "${BENCH_TIMEOUT:-300}" "$bench" ${BENCH_ARGS:-} >"$logs/gpu-check-bench.txt" 2>&1 || rc=$?
   cat "$logs/gpu-check-bench.txt"
   [ "$rc" = 0 ] || { echo "benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
+  step "benchmark: FP8 weights (quantized at load, a dequantizing GEMM) against bf16, 8 layers"
+  rc=0
+  : >"$logs/gpu-check-bench-quant.txt"
+  for q in fp8 auto; do
+    timeout "${BENCH_TIMEOUT:-300}" "$bench" --layers 8 --batches 1,64 --steps 16 --prefill 2048 \
+      --quant "$q" >>"$logs/gpu-check-bench-quant.txt" 2>&1 || rc=$?
+  done
+  sed -n '/== arbor CUDA benchmark ==/,/^prefill/p' "$logs/gpu-check-bench-quant.txt"
+  [ "$rc" = 0 ] || { echo "quantized benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
   step "summary"
   grep -E "^(test result|---.*FAILED)|panicked" "$logs/gpu-check-tests.txt" "$logs/gpu-check-nvrtc.txt" || true
   sed -n '/== arbor CUDA benchmark ==/,$p' "$logs/gpu-check-bench.txt"

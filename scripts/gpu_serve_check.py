@@ -125,8 +125,8 @@ def main():
           f"{len(PROMPTS)}")
     bench = subprocess.run(
         [arbor, "bench", "serving", "--backend", "arbor", "--base-url", gpu.base,
-         "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "128",
-         "--random-output-len", "64", "--random-range-ratio", "1", "--num-prompts", "256",
+         "--tokenizer", model, "--dataset-name", "random", "--random-input-len", "64",
+         "--random-output-len", "32", "--random-range-ratio", "1", "--num-prompts", "256",
          "--max-concurrency", "64", "--seed", "1"],
         capture_output=True, text=True, timeout=300)
     print(bench.stdout[-3000:])

@@ -10,8 +10,14 @@
 //! (4.8 TB/s divided by the weight bytes). Prefill: one prompt of `--prefill`
 //! tokens, one warm-up and three timed runs.
 //!
+//! `--quant NAME` loads the weights through that quantization method (`fp8`
+//! quantizes the bf16 matrices at load, on the host, so the matrices are
+//! zeros rather than random: a speed figure only). `--batches none` and
+//! `--prefill 0` leave a phase out (for a profiler).
+//!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
-//! [--batches 1,8,64,256] [--context 512] [--steps 32] [--prefill 2048]`
+//! [--batches 1,8,64,256|none] [--context 512] [--steps 32] [--prefill 2048]
+//! [--quant auto|fp8]`
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result, bail};
@@ -23,6 +29,8 @@ use arbor_engine_core::{
 };
 use arbor_models::config::DecoderConfig;
 use arbor_models::decoder::{ArchFlags, DecoderModel};
+// Registers the quantization methods (`--quant fp8`).
+use arbor_quant as _;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,6 +48,7 @@ struct Args {
     context: usize,
     steps: usize,
     prefill: usize,
+    quant: String,
 }
 
 fn args() -> Result<Args> {
@@ -49,16 +58,23 @@ fn args() -> Result<Args> {
         context: 512,
         steps: 32,
         prefill: 2048,
+        quant: "auto".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
         match k.as_str() {
             "--layers" => a.layers = v()?.parse()?,
-            "--batches" => a.batches = v()?.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--batches" => {
+                a.batches = match v()? {
+                    none if none == "none" => Vec::new(),
+                    list => list.split(',').map(str::parse).collect::<Result<_, _>>()?,
+                }
+            }
             "--context" => a.context = v()?.parse()?,
             "--steps" => a.steps = v()?.parse()?,
             "--prefill" => a.prefill = v()?.parse()?,
+            "--quant" => a.quant = v()?,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -153,7 +169,7 @@ struct Setup {
     pool: PagePool,
 }
 
-fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
+fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize, quant: &str) -> Result<Setup> {
     let backend = Arc::new(arbor_backend_cuda::open(&BackendOptions {
         disable_cuda_graph: !graphs,
         cuda_graph_max_bs: Some(256),
@@ -163,7 +179,7 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize) -> Result<Setup> {
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: dynb.clone(),
-        quant: registry.quant_methods.get("auto")?(&Default::default())?,
+        quant: registry.quant_methods.get(quant)?(&Default::default())?,
         progress: None,
     };
     let flags = ArchFlags {
@@ -288,13 +304,14 @@ fn main() -> Result<()> {
     let per_seq = (a.context + WARM + a.steps + 1).div_ceil(PAGE) * PAGE;
     let kv_tokens = (max_bs * per_seq).max(a.prefill.div_ceil(PAGE) * PAGE) + PAGE;
     let t0 = Instant::now();
-    let s = setup(true, &cfg, kv_tokens)?;
+    let s = setup(true, &cfg, kv_tokens, &a.quant)?;
     let weight_bytes = s.model.spec().weight_bytes as f64;
     let info = s.backend.info();
     println!(
-        "loaded {:.2} GB of random bf16 weights ({} layers) on {} in {:.1} s; kernels for {}",
+        "loaded {:.2} GB of weights ({} layers, quantization {}) on {} in {:.1} s; kernels for {}",
         weight_bytes / 1e9,
         a.layers,
+        a.quant,
         info.name,
         t0.elapsed().as_secs_f64(),
         s.backend.kernel_target()
@@ -304,9 +321,10 @@ fn main() -> Result<()> {
         (
             "model".into(),
             format!(
-                "Llama-3.1-8B shape, {} layers, {:.2} GB bf16 weights, bf16 KV",
+                "Llama-3.1-8B shape, {} layers, {:.2} GB weights (quantization {}), bf16 KV",
                 a.layers,
-                weight_bytes / 1e9
+                weight_bytes / 1e9,
+                a.quant
             ),
         ),
     ];
@@ -328,12 +346,14 @@ fn main() -> Result<()> {
             ));
         }
     }
-    let pf = prefill(&s, a.prefill)?;
-    println!("prefill {}: {pf:.0} tok/s", a.prefill);
-    rows.push((
-        format!("prefill {} tokens", a.prefill),
-        format!("{pf:.0} tok/s"),
-    ));
+    if a.prefill > 0 {
+        let pf = prefill(&s, a.prefill)?;
+        println!("prefill {}: {pf:.0} tok/s", a.prefill);
+        rows.push((
+            format!("prefill {} tokens", a.prefill),
+            format!("{pf:.0} tok/s"),
+        ));
+    }
     let st = s.backend.graph_stats();
     rows.push((
         "CUDA graphs".into(),
@@ -344,7 +364,7 @@ fn main() -> Result<()> {
     ));
     drop(s);
     if a.batches.contains(&1) {
-        let e = setup(false, &cfg, kv_tokens)?;
+        let e = setup(false, &cfg, kv_tokens, &a.quant)?;
         let (tps, ms) = decode(&e, 1, a.context, a.steps)?;
         println!("decode bs=1 without graphs: {tps:.1} tok/s ({ms:.2} ms/step)");
         rows.push((
