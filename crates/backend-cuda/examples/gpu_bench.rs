@@ -8,7 +8,8 @@
 //! capture the CUDA graph of the bucket), then `--steps` timed steps. Batch 1
 //! is also run with CUDA graphs off, and compared with the HBM roofline
 //! (4.8 TB/s divided by the weight bytes). Prefill: one prompt of `--prefill`
-//! tokens, one warm-up and three timed runs.
+//! tokens, one warm-up and three timed runs, then again with the attention
+//! on the f32 kernels instead of the tensor-core one (where that applies).
 //!
 //! `--quant NAME` loads the weights through that quantization method (`fp8`
 //! quantizes the bf16 matrices at load, on the host, so the matrices are
@@ -352,6 +353,16 @@ fn main() -> Result<()> {
         rows.push((
             format!("prefill {} tokens", a.prefill),
             format!("{pf:.0} tok/s"),
+        ));
+        // The same prefill with attention on the f32 kernels (no tensor cores).
+        s.backend.set_tensor_core_prefill(false);
+        let simt = prefill(&s, a.prefill);
+        s.backend.set_tensor_core_prefill(true);
+        let simt = simt?;
+        println!("prefill {} with f32 attention: {simt:.0} tok/s", a.prefill);
+        rows.push((
+            format!("prefill {} tokens, f32 attention kernel", a.prefill),
+            format!("{simt:.0} tok/s ({:.2}x slower)", pf / simt),
         ));
     }
     let st = s.backend.graph_stats();

@@ -26,17 +26,62 @@ __device__ __forceinline__ u32 kv_slot(const u32* page_table, int page_start, in
 }
 
 // ---------------------------------------------------------------------------
+// Vector loads of KV elements: N consecutive elements (N * sizeof(KV) a
+// multiple of 4 bytes, the address aligned to that size) as f32 times `s`.
+template <int W> struct alignas(4 * W) Words { u32 w[W]; };
+
+template <typename KV> __device__ __forceinline__ float kv_elem(const u32* w, int i);
+template <> __device__ __forceinline__ float kv_elem<float>(const u32* w, int i) {
+    return __uint_as_float(w[i]);
+}
+template <> __device__ __forceinline__ float kv_elem<bf16_t>(const u32* w, int i) {
+    bf16_t v;
+    v.x = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+    return to_f32(v);
+}
+template <> __device__ __forceinline__ float kv_elem<f16_t>(const u32* w, int i) {
+    f16_t v;
+    v.x = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
+    return to_f32(v);
+}
+template <> __device__ __forceinline__ float kv_elem<e4m3_t>(const u32* w, int i) {
+    e4m3_t v;
+    v.x = (unsigned char)(w[i >> 2] >> (8 * (i & 3)));
+    return to_f32(v);
+}
+template <> __device__ __forceinline__ float kv_elem<e5m2_t>(const u32* w, int i) {
+    e5m2_t v;
+    v.x = (unsigned char)(w[i >> 2] >> (8 * (i & 3)));
+    return to_f32(v);
+}
+
+template <typename KV, int N>
+__device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
+    constexpr int W = (N * (int)sizeof(KV)) / 4;
+    const Words<W> r = *reinterpret_cast<const Words<W>*>(p);
+#pragma unroll
+    for (int i = 0; i < N; ++i) f[i] = kv_elem<KV>(r.w, i) * s;
+}
+
+// ---------------------------------------------------------------------------
 // Decode, part 1. Grid (seqs, kv_heads, splits), 128 threads (4 warps).
 // Block (s, g, p) handles the pages of split p of sequence s for the query
-// heads of KV head g, in chunks of G heads; each warp takes every 4th token.
-// Lane l holds head dims l, l + 32, ... (DPL of them, head_dim <= 32 * DPL).
-// Writes unnormalized partial outputs part_o [seqs, heads, splits, head_dim]
-// and (max, sum) pairs part_ml [seqs, heads, splits, 2].
+// heads of KV head g, in chunks of G heads (their scaled queries in shared
+// memory). Each warp takes every 4th tile of 32 consecutive tokens: lane t
+// computes the scores of token t of the tile against the G queries from its
+// whole K row; the tile's softmax update is one warp max per head; then the
+// tile's V rows are accumulated token by token, lane l holding head dims
+// DPL * l .. DPL * l + DPL - 1 (head_dim <= 32 * DPL), each token's weight
+// broadcast from its lane. Rows are read with vector loads when head_dim is
+// a multiple of 8 (every element's address then aligned), else element by
+// element. Writes unnormalized partial outputs part_o [seqs, heads, splits,
+// head_dim] and (max, sum) pairs part_ml [seqs, heads, splits, 2].
 template <typename KV, int DPL, int G>
 __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, const int* seq_info,
                                   const u32* page_table, float* part_o, float* part_ml,
                                   int heads, int kv_heads, int head_dim, int page_size, int splits,
                                   float scale, int window, float k_scale, float v_scale) {
+    __shared__ float sm_q[G][32 * DPL];
     __shared__ float sm_m[4][G];
     __shared__ float sm_l[4][G];
     __shared__ float sm_acc[4][G][32 * DPL];
@@ -53,71 +98,123 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
     int t1 = min(kv_len, (p + 1) * per * page_size);
     if (window > 0) t0 = max(t0, kv_len - window);
     const int qw = heads * head_dim;
+    const bool vec = (head_dim & 7) == 0;
+    const int d0 = DPL * lane;
     for (int g0 = 0; g0 < group; g0 += G) {
         const int gn = min(G, group - g0);
-        float qv[G][DPL];
+        __syncthreads();
+        for (int e = threadIdx.x; e < G * head_dim; e += blockDim.x) {
+            const int j = e / head_dim, d = e - j * head_dim;
+            sm_q[j][d] = j < gn ? q[(size_t)q_row * qw + (g * group + g0 + j) * head_dim + d] * scale
+                                : 0.0f;
+        }
+        __syncthreads();
         float acc[G][DPL];
-        float m[G], l[G];
+        float m[G], lsum[G];
 #pragma unroll
         for (int j = 0; j < G; ++j) {
             m[j] = -INFINITY;
-            l[j] = 0.0f;
+            lsum[j] = 0.0f;
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                const int d = lane + 32 * i;
-                const int h = g * group + g0 + j;
-                qv[j][i] = (j < gn && d < head_dim) ? q[(size_t)q_row * qw + h * head_dim + d] * scale
-                                                    : 0.0f;
-                acc[j][i] = 0.0f;
-            }
+            for (int i = 0; i < DPL; ++i) acc[j][i] = 0.0f;
         }
-        for (int t = t0 + warp; t < t1; t += 4) {
-            const size_t base =
-                ((size_t)kv_slot(page_table, page_start, t, page_size) * kv_heads + g) * head_dim;
-            float kr[DPL], vr[DPL];
+        for (int tt = t0 + 32 * warp; tt < t1; tt += 128) {
+            const int t = tt + lane;
+            const bool valid = t < t1;
+            const u32 slot = valid ? kv_slot(page_table, page_start, t, page_size) : 0u;
+            // Scores of this lane's token.
+            float sc[G];
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) {
-                const int d = lane + 32 * i;
-                kr[i] = d < head_dim ? to_f32(kc[base + d]) * k_scale : 0.0f;
-                vr[i] = d < head_dim ? to_f32(vc[base + d]) * v_scale : 0.0f;
+            for (int j = 0; j < G; ++j) sc[j] = 0.0f;
+            if (valid) {
+                const KV* krow = kc + ((size_t)slot * kv_heads + g) * head_dim;
+                if (vec) {
+                    for (int d = 0; d < head_dim; d += 8) {
+                        float kf[8];
+                        load_kv<KV, 8>(krow + d, k_scale, kf);
+#pragma unroll
+                        for (int j = 0; j < G; ++j) {
+                            if (j < gn) {
+                                float a = sc[j];
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) a += sm_q[j][d + e] * kf[e];
+                                sc[j] = a;
+                            }
+                        }
+                    }
+                } else {
+                    for (int d = 0; d < head_dim; ++d) {
+                        const float kf = to_f32(krow[d]) * k_scale;
+#pragma unroll
+                        for (int j = 0; j < G; ++j) sc[j] += sm_q[j][d] * kf;
+                    }
+                }
             }
+            // The tile's softmax update; pr[j] is this lane's token's weight.
+            float pr[G];
 #pragma unroll
             for (int j = 0; j < G; ++j) {
+                pr[j] = 0.0f;
                 if (j < gn) {
-                    float sc = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i) sc += qv[j][i] * kr[i];
-                    sc = warp_sum(sc);
-                    const float mn = fmaxf(m[j], sc);
+                    const float sj = valid ? sc[j] : -INFINITY;
+                    const float mn = fmaxf(m[j], warp_max(sj));
                     const float corr = expf(m[j] - mn);
-                    const float pr = expf(sc - mn);
-                    l[j] = l[j] * corr + pr;
+                    pr[j] = valid ? expf(sj - mn) : 0.0f;
+                    lsum[j] = lsum[j] * corr + pr[j];
                     m[j] = mn;
 #pragma unroll
-                    for (int i = 0; i < DPL; ++i) acc[j][i] = acc[j][i] * corr + pr * vr[i];
+                    for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
+                }
+            }
+            // The tile's V rows, token by token.
+            const int n = min(32, t1 - tt);
+            for (int u = 0; u < n; ++u) {
+                const u32 su = SHFL(slot, u);
+                const KV* vrow = vc + ((size_t)su * kv_heads + g) * head_dim;
+                float vr[DPL];
+                if (vec) {
+                    if (d0 < head_dim) {
+                        load_kv<KV, DPL>(vrow + d0, v_scale, vr);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) vr[i] = 0.0f;
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < DPL; ++i)
+                        vr[i] = d0 + i < head_dim ? to_f32(vrow[d0 + i]) * v_scale : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < G; ++j) {
+                    if (j < gn) {
+                        const float w = SHFL(pr[j], u);
+#pragma unroll
+                        for (int i = 0; i < DPL; ++i) acc[j][i] += w * vr[i];
+                    }
                 }
             }
         }
         // Combine the four warps.
 #pragma unroll
         for (int j = 0; j < G; ++j) {
+            const float l = warp_sum(lsum[j]);
             if (lane == 0) {
                 sm_m[warp][j] = m[j];
-                sm_l[warp][j] = l[j];
+                sm_l[warp][j] = l;
             }
 #pragma unroll
-            for (int i = 0; i < DPL; ++i) sm_acc[warp][j][lane + 32 * i] = acc[j][i];
+            for (int i = 0; i < DPL; ++i) sm_acc[warp][j][d0 + i] = acc[j][i];
         }
         __syncthreads();
         for (int e = threadIdx.x; e < gn * head_dim; e += blockDim.x) {
             const int j = e / head_dim, d = e - j * head_dim;
             float mx = -INFINITY;
             for (int w = 0; w < 4; ++w) mx = fmaxf(mx, sm_m[w][j]);
-            float lsum = 0.0f, o = 0.0f;
+            float lsum_all = 0.0f, o = 0.0f;
             if (mx != -INFINITY) {
                 for (int w = 0; w < 4; ++w) {
                     const float f = expf(sm_m[w][j] - mx);
-                    lsum += sm_l[w][j] * f;
+                    lsum_all += sm_l[w][j] * f;
                     o += sm_acc[w][j][d] * f;
                 }
             }
@@ -126,19 +223,18 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
             part_o[at * head_dim + d] = o;
             if (d == 0) {
                 part_ml[2 * at] = mx;
-                part_ml[2 * at + 1] = lsum;
+                part_ml[2 * at + 1] = lsum_all;
             }
         }
-        __syncthreads();
     }
 }
 
 #define DECODE_SPLIT(NAME, KV, DPL, G)                                                          \
-    extern "C" __global__ void NAME(const float* q, const KV* kc, const KV* vc,                 \
-                                    const int* seq_info, const u32* page_table, float* part_o,  \
-                                    float* part_ml, int heads, int kv_heads, int head_dim,      \
-                                    int page_size, int splits, float scale, int window,         \
-                                    float k_scale, float v_scale) {                             \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        NAME(const float* q, const KV* kc, const KV* vc, const int* seq_info,                  \
+             const u32* page_table, float* part_o, float* part_ml, int heads, int kv_heads,    \
+             int head_dim, int page_size, int splits, float scale, int window, float k_scale,  \
+             float v_scale) {                                                                  \
         decode_split_impl<KV, DPL, G>(q, kc, vc, seq_info, page_table, part_o, part_ml, heads,  \
                                       kv_heads, head_dim, page_size, splits, scale, window,     \
                                       k_scale, v_scale);                                        \
@@ -394,3 +490,287 @@ PREFILL(prefill_e4m3_d256, e4m3_t, 2, 2, 16)
 PREFILL(prefill_e5m2_d256, e5m2_t, 2, 2, 16)
 PREFILL(prefill_e4m3_d256_small, e4m3_t, 1, 1, 16)
 PREFILL(prefill_e5m2_d256_small, e5m2_t, 1, 1, 16)
+
+// ---------------------------------------------------------------------------
+// Prefill on tensor cores (NVIDIA sm_80+, bf16 caches, head_dim 64 or 128, no
+// draft trees; the launcher picks it, else the kernels above). Grid (query
+// tiles of 64, heads, seqs), 128 threads: warp w owns query rows 16 w ..
+// 16 w + 15 of the tile, as FlashAttention-2. Per key tile of 64: S = Q Kᵀ and
+// O += P V with `mma.m16n8k16` bf16 products accumulated in f32. K and V are
+// the cache's bf16 values exactly; Q (f32, times `scale`) and P (f32) are
+// each split into a bf16 high part and a bf16 remainder, both multiplied, so
+// a product carries about 16 bits of the f32 operand (near the f32 kernels;
+// checked against the CPU within the same tolerance). The online softmax is
+// per row in f32: a row's 64 scores sit in the 4 lanes of a quad, reduced by
+// two shuffles. Masking (causal, sliding window, padding rows) is the f32
+// kernels'. Shared memory (bf16 bits): Qh, Ql, K [64][hd + 8], V transposed
+// [hd][64 + 8] (padded so fragment loads hit distinct banks), the tile's
+// slots [64].
+//
+// `mma_bf16` is the PTX instruction on NVIDIA; hiprtc gets the same product
+// computed lane by lane from the fragment layout (the launcher never picks
+// this kernel on AMD GPUs; it is compiled so every backend has one table).
+
+__device__ __forceinline__ float bf16_bits_f32(u32 bits) { return __uint_as_float(bits << 16); }
+
+#ifndef ARBOR_HIP
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#else
+// m16n8k16 by its fragment layout: lane (g = lane / 4, t = lane % 4) holds
+// A[g][2t..2t+1] (a0), A[g+8][2t..] (a1), A[g][2t+8..] (a2), A[g+8][2t+8..]
+// (a3), B[2t..2t+1][g] (b0), B[2t+8..][g] (b1), and C[g][2t], C[g][2t+1],
+// C[g+8][2t], C[g+8][2t+1].
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int k = 0; k < 16; ++k) {
+        const int src = (k & 7) >> 1, sh = 16 * (k & 1);
+        const u32 x0 = SHFL(k < 8 ? a[0] : a[2], g * 4 + src);
+        const u32 x1 = SHFL(k < 8 ? a[1] : a[3], g * 4 + src);
+        const u32 y0 = SHFL(k < 8 ? b0 : b1, 8 * t + src);
+        const u32 y1 = SHFL(k < 8 ? b0 : b1, 8 * t + 4 + src);
+        const float f0 = bf16_bits_f32((x0 >> sh) & 0xffffu);
+        const float f1 = bf16_bits_f32((x1 >> sh) & 0xffffu);
+        const float e0 = bf16_bits_f32((y0 >> sh) & 0xffffu);
+        const float e1 = bf16_bits_f32((y1 >> sh) & 0xffffu);
+        c[0] += f0 * e0;
+        c[1] += f0 * e1;
+        c[2] += f1 * e0;
+        c[3] += f1 * e1;
+    }
+}
+#endif
+
+__device__ __forceinline__ u32 bf16_round_bits(float v) { return (u32)from_f32<bf16_t>(v).x; }
+
+// x = hi + lo in bf16; returns hi's bits, lo's through `lo`.
+__device__ __forceinline__ u32 bf16_split(float x, u32* lo) {
+    const u32 hi = bf16_round_bits(x);
+    *lo = bf16_round_bits(x - bf16_bits_f32(hi));
+    return hi;
+}
+
+// Packs two f32 (x at the lower index) as bf16 pairs: high parts and remainders.
+__device__ __forceinline__ void bf16_split_pack(float x, float y, u32* hi, u32* lo) {
+    u32 xl, yl;
+    const u32 xh = bf16_split(x, &xl), yh = bf16_split(y, &yl);
+    *hi = xh | (yh << 16);
+    *lo = xl | (yl << 16);
+}
+
+__device__ __forceinline__ u32 ld_pair(const unsigned short* p) {
+    return *reinterpret_cast<const u32*>(p);
+}
+
+template <int HD>
+__device__ void prefill_mma_impl(const float* q, const bf16_t* kc, const bf16_t* vc,
+                                 const int* seq_info, const u32* page_table, float* out,
+                                 int heads, int kv_heads, int page_size, float scale, int window,
+                                 float k_scale, float v_scale) {
+    constexpr int BQ = 64, BK = 64;
+    constexpr int QS = HD + 8;
+    constexpr int VS = BK + 8;
+    extern __shared__ float smem[];
+    unsigned short* Qh = reinterpret_cast<unsigned short*>(smem);
+    unsigned short* Ql = Qh + BQ * QS;
+    unsigned short* Ks = Ql + BQ * QS;
+    unsigned short* Vt = Ks + BK * QS;
+    u32* slots = reinterpret_cast<u32*>(Vt + HD * VS);
+    const int s = blockIdx.z, h = blockIdx.y;
+    const int q_start = seq_info[4 * s + 0];
+    const int q_len = seq_info[4 * s + 1];
+    const int kv_len = seq_info[4 * s + 2];
+    const int page_start = seq_info[4 * s + 3];
+    const int qi0 = blockIdx.x * BQ;
+    if (qi0 >= q_len) return;
+    const int prefix = kv_len - q_len;
+    const int gkv = h / (heads / kv_heads);
+    const int qw = heads * HD;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int gr = lane >> 2, tq = lane & 3;
+    const int n_rows = min(BQ, q_len - qi0);
+    const int pos_first = prefix + qi0;
+    const int pos_last = prefix + qi0 + n_rows - 1;
+    const int lo = window > 0 ? max(0, pos_first - window + 1) : 0;
+
+    for (int e = tid; e < BQ * HD; e += 128) {
+        const int r = e / HD, d = e - r * HD;
+        const float x = r < n_rows ? q[(size_t)(q_start + qi0 + r) * qw + h * HD + d] * scale : 0.0f;
+        u32 l;
+        Qh[r * QS + d] = (unsigned short)bf16_split(x, &l);
+        Ql[r * QS + d] = (unsigned short)l;
+    }
+
+    const int r0 = warp * 16 + gr, r1 = r0 + 8;
+    const int qpos0 = pos_first + r0, qpos1 = pos_first + r1;
+    const int qlo0 = window > 0 ? qpos0 - window + 1 : 0;
+    const int qlo1 = window > 0 ? qpos1 - window + 1 : 0;
+    const bool live0 = r0 < n_rows, live1 = r1 < n_rows;
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+
+    for (int k0 = lo; k0 <= pos_last; k0 += BK) {
+        __syncthreads();
+        if (tid < BK) {
+            const int kp = k0 + tid;
+            slots[tid] = kp <= pos_last ? kv_slot(page_table, page_start, kp, page_size) : 0xffffffffu;
+        }
+        __syncthreads();
+        // K rows and V columns of the tile, 8 dims (16 bytes) per item; a
+        // warp's lanes take consecutive keys.
+        for (int e = tid; e < BK * (HD / 8); e += 128) {
+            const int key = e % BK, c = e / BK;
+            const u32 sl = slots[key];
+            Words<4> kr, vr;
+            if (sl != 0xffffffffu) {
+                const size_t at = ((size_t)sl * kv_heads + gkv) * HD + 8 * c;
+                kr = *reinterpret_cast<const Words<4>*>(kc + at);
+                vr = *reinterpret_cast<const Words<4>*>(vc + at);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) kr.w[i] = vr.w[i] = 0u;
+            }
+            *reinterpret_cast<Words<4>*>(Ks + key * QS + 8 * c) = kr;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                Vt[(8 * c + i) * VS + key] = (unsigned short)(vr.w[i >> 1] >> (16 * (i & 1)));
+        }
+        __syncthreads();
+
+        // S = Q Kᵀ for this warp's 16 rows and the tile's 64 keys.
+        float sc[BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < HD / 16; ++kd) {
+            const int col = kd * 16 + 2 * tq;
+            u32 ah[4], al[4];
+            ah[0] = ld_pair(Qh + r0 * QS + col);
+            ah[1] = ld_pair(Qh + r1 * QS + col);
+            ah[2] = ld_pair(Qh + r0 * QS + col + 8);
+            ah[3] = ld_pair(Qh + r1 * QS + col + 8);
+            al[0] = ld_pair(Ql + r0 * QS + col);
+            al[1] = ld_pair(Ql + r1 * QS + col);
+            al[2] = ld_pair(Ql + r0 * QS + col + 8);
+            al[3] = ld_pair(Ql + r1 * QS + col + 8);
+#pragma unroll
+            for (int n = 0; n < BK / 8; ++n) {
+                const unsigned short* kr = Ks + (n * 8 + gr) * QS + col;
+                const u32 b0 = ld_pair(kr), b1 = ld_pair(kr + 8);
+                mma_bf16(sc[n], ah, b0, b1);
+                mma_bf16(sc[n], al, b0, b1);
+            }
+        }
+
+        // Mask, then the online softmax of rows r0 (elements 0, 1) and r1 (2, 3).
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kp = k0 + n * 8 + 2 * tq + e;
+                const bool ok0 = live0 && kp <= qpos0 && kp >= qlo0;
+                const bool ok1 = live1 && kp <= qpos1 && kp >= qlo1;
+                sc[n][e] = ok0 ? sc[n][e] * k_scale : -INFINITY;
+                sc[n][2 + e] = ok1 ? sc[n][2 + e] * k_scale : -INFINITY;
+                mx0 = fmaxf(mx0, sc[n][e]);
+                mx1 = fmaxf(mx1, sc[n][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, SHFL_XOR(mx0, 1));
+        mx0 = fmaxf(mx0, SHFL_XOR(mx0, 2));
+        mx1 = fmaxf(mx1, SHFL_XOR(mx1, 1));
+        mx1 = fmaxf(mx1, SHFL_XOR(mx1, 2));
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        // A row that has seen no visible key yet keeps zero weights.
+        const float c0 = mn0 == -INFINITY ? 1.0f : expf(m0 - mn0);
+        const float c1 = mn1 == -INFINITY ? 1.0f : expf(m1 - mn1);
+        float ps0 = 0.0f, ps1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const float p0 = mn0 == -INFINITY ? 0.0f : expf(sc[n][e] - mn0);
+                const float p1 = mn1 == -INFINITY ? 0.0f : expf(sc[n][2 + e] - mn1);
+                sc[n][e] = p0;
+                sc[n][2 + e] = p1;
+                ps0 += p0;
+                ps1 += p1;
+            }
+        }
+        l0 = l0 * c0 + ps0;
+        l1 = l1 * c1 + ps1;
+        m0 = mn0;
+        m1 = mn1;
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            o[dn][0] *= c0;
+            o[dn][1] *= c0;
+            o[dn][2] *= c1;
+            o[dn][3] *= c1;
+        }
+
+        // O += P V: the accumulator of key chunks 2kk and 2kk + 1 is the A
+        // fragment of keys 16kk .. 16kk + 15.
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            u32 ph[4], pl[4];
+            bf16_split_pack(sc[2 * kk][0], sc[2 * kk][1], &ph[0], &pl[0]);
+            bf16_split_pack(sc[2 * kk][2], sc[2 * kk][3], &ph[1], &pl[1]);
+            bf16_split_pack(sc[2 * kk + 1][0], sc[2 * kk + 1][1], &ph[2], &pl[2]);
+            bf16_split_pack(sc[2 * kk + 1][2], sc[2 * kk + 1][3], &ph[3], &pl[3]);
+#pragma unroll
+            for (int dn = 0; dn < HD / 8; ++dn) {
+                const unsigned short* vr = Vt + (dn * 8 + gr) * VS + kk * 16 + 2 * tq;
+                const u32 b0 = ld_pair(vr), b1 = ld_pair(vr + 8);
+                mma_bf16(o[dn], ph, b0, b1);
+                mma_bf16(o[dn], pl, b0, b1);
+            }
+        }
+    }
+
+    l0 += SHFL_XOR(l0, 1);
+    l0 += SHFL_XOR(l0, 2);
+    l1 += SHFL_XOR(l1, 1);
+    l1 += SHFL_XOR(l1, 2);
+    const float inv0 = l0 > 0.0f ? v_scale / l0 : 0.0f;
+    const float inv1 = l1 > 0.0f ? v_scale / l1 : 0.0f;
+    if (live0) {
+        float* orow = out + (size_t)(q_start + qi0 + r0) * qw + h * HD;
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            orow[dn * 8 + 2 * tq] = o[dn][0] * inv0;
+            orow[dn * 8 + 2 * tq + 1] = o[dn][1] * inv0;
+        }
+    }
+    if (live1) {
+        float* orow = out + (size_t)(q_start + qi0 + r1) * qw + h * HD;
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; ++dn) {
+            orow[dn * 8 + 2 * tq] = o[dn][2] * inv1;
+            orow[dn * 8 + 2 * tq + 1] = o[dn][3] * inv1;
+        }
+    }
+}
+
+// Same parameters as the f32 prefill kernels (head_dim is the template's;
+// the tree pointer must be null).
+#define PREFILL_MMA(NAME, HD)                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                         \
+        NAME(const float* q, const bf16_t* kc, const bf16_t* vc, const int* seq_info,          \
+             const u32* page_table, const u32* tree, float* out, int heads, int kv_heads,      \
+             int head_dim, int page_size, float scale, int window, float k_scale,              \
+             float v_scale) {                                                                  \
+        prefill_mma_impl<HD>(q, kc, vc, seq_info, page_table, out, heads, kv_heads, page_size, \
+                             scale, window, k_scale, v_scale);                                 \
+    }
+
+PREFILL_MMA(prefill_mma_bf16_d64, 64)
+PREFILL_MMA(prefill_mma_bf16_d128, 128)

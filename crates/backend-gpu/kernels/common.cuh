@@ -9,7 +9,7 @@
 // Portability: the kernels are written for warps of 32 lanes (`lane =
 // threadIdx.x & 31`, `warp = threadIdx.x >> 5`, shuffles across offsets up to
 // 16). On AMD GPUs with 64-wide wavefronts (CDNA: gfx9xx) a wavefront holds
-// two such warps: `SHFL_XOR` and `SHFL_UP` pass width 32, so they exchange
+// two such warps: `SHFL_XOR`, `SHFL_UP` and `SHFL` pass width 32, so they exchange
 // only inside each 32-lane half, so every reduction computes exactly what it
 // does on a 32-wide warp; 32-wide wavefronts (RDNA) are one warp. The only
 // other differences are the f16 conversions (PTX `cvt` on NVIDIA, clang's
@@ -19,9 +19,11 @@
 #define ARBOR_HIP 1
 #define SHFL_XOR(v, o) __shfl_xor((v), (o), 32)
 #define SHFL_UP(v, o) __shfl_up((v), (o), 32)
+#define SHFL(v, src) __shfl((v), (src), 32)
 #else
 #define SHFL_XOR(v, o) __shfl_xor_sync(0xffffffffu, (v), (o))
 #define SHFL_UP(v, o) __shfl_up_sync(0xffffffffu, (v), (o))
+#define SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
 #endif
 
 #ifndef INFINITY

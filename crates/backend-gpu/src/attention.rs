@@ -33,6 +33,7 @@ use arbor_engine_core::{
     BufferId, CoreError, DType, KvLayer, Result, Tensor,
 };
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 /// The KV cache element types the kernels store and read (FP8 scaled by
@@ -100,6 +101,40 @@ pub(crate) fn decode_splits(
 /// for a batch with a draft tree T [bq][4] words (the tile's masks).
 pub(crate) fn prefill_smem(bq: usize, hd: usize, tree: bool) -> usize {
     4 * (2 * bq * (hd + 1) + bq * hd + bq * (bq + 1) + if tree { 4 * bq } else { 0 })
+}
+
+/// Shared memory bytes of the tensor-core prefill kernel: Q high parts, Q
+/// remainders and K as bf16 [64][hd + 8], V transposed [hd][72], slots [64].
+pub(crate) fn prefill_mma_smem(hd: usize) -> usize {
+    2 * (3 * 64 * (hd + 8) + hd * (64 + 8)) + 4 * 64
+}
+
+/// The tensor-core prefill kernel (64-row tiles, 128 threads) and its shared
+/// memory bytes where it applies: an NVIDIA target of sm_80 or newer (`arch`
+/// as `sm_90` or `compute_90`), a bf16 cache, head_dim 64 or 128 and no
+/// draft tree in the batch.
+pub(crate) fn prefill_mma_kernel(
+    kd: DType,
+    hd: usize,
+    tree: bool,
+    arch: &str,
+    max_shared: u32,
+) -> Option<(K, usize)> {
+    let sm: u32 = arch
+        .strip_prefix("sm_")
+        .or_else(|| arch.strip_prefix("compute_"))?
+        .parse()
+        .ok()?;
+    if sm < 80 || tree || kd != DType::BF16 {
+        return None;
+    }
+    let kern = match hd {
+        64 => K::PrefillMmaBf16D64,
+        128 => K::PrefillMmaBf16D128,
+        _ => return None,
+    };
+    let smem = prefill_mma_smem(hd);
+    (smem <= max_shared.min(PREFILL_SMEM_MAX) as usize).then_some((kern, smem))
 }
 
 /// The prefill kernel for KV dtype `kd` and head dim `hd` with the largest
@@ -442,7 +477,18 @@ impl AttentionBackend for GpuAttention {
             dev.launch(&mut st, K::DecodeMerge, [seqs, nh, 1], 128, 0, args)
         } else {
             let max_shared = dev.props().max_shared_per_block;
-            let (bq, kern, smem) = prefill_kernel(kd, hd, tree_t.is_some(), max_shared)?;
+            let mma = if b.tensor_core_prefill.load(Ordering::Relaxed) {
+                prefill_mma_kernel(kd, hd, tree_t.is_some(), &dev.props().arch, max_shared)
+            } else {
+                None
+            };
+            let (bq, kern, smem, threads) = match mma {
+                Some((kern, smem)) => (64, kern, smem, 128),
+                None => {
+                    let (bq, kern, smem) = prefill_kernel(kd, hd, tree_t.is_some(), max_shared)?;
+                    (bq, kern, smem, 256)
+                }
+            };
             // Null without a tree: the kernels mask causally.
             let treep = tree_t.map(|t| b.p(&st, t)).transpose()?.unwrap_or(0);
             let args = Args::new()
@@ -462,7 +508,7 @@ impl AttentionBackend for GpuAttention {
                 .f(scales.k)
                 .f(scales.v);
             let tiles = info.max_q_len.div_ceil(bq);
-            dev.launch(&mut st, kern, [tiles, nh, seqs], 256, smem as u32, args)
+            dev.launch(&mut st, kern, [tiles, nh, seqs], threads, smem as u32, args)
         }
     }
 }
@@ -477,6 +523,29 @@ mod tests {
         assert_eq!(decode_splits(8, 8, 132, None), 5);
         assert_eq!(decode_splits(256, 8, 132, None), 1);
         assert_eq!(decode_splits(1, 8, 132, Some(100)), 2);
+    }
+
+    #[test]
+    fn tensor_core_prefill_where_it_applies() {
+        let pick = |kd, hd, tree, arch: &str| {
+            prefill_mma_kernel(kd, hd, tree, arch, 227 * 1024).map(|(k, _)| k)
+        };
+        assert_eq!(
+            pick(DType::BF16, 128, false, "sm_90"),
+            Some(K::PrefillMmaBf16D128)
+        );
+        assert_eq!(
+            pick(DType::BF16, 64, false, "compute_80"),
+            Some(K::PrefillMmaBf16D64)
+        );
+        assert_eq!(pick(DType::BF16, 128, false, "sm_75"), None);
+        assert_eq!(pick(DType::BF16, 128, false, "gfx90a"), None);
+        assert_eq!(pick(DType::BF16, 128, true, "sm_90"), None);
+        assert_eq!(pick(DType::F16, 128, false, "sm_90"), None);
+        assert_eq!(pick(DType::BF16, 80, false, "sm_90"), None);
+        // 69 KiB at head_dim 128: over a 48 KiB block, under the opt-in limit.
+        assert_eq!(prefill_mma_smem(128), 70_912);
+        assert_eq!(prefill_mma_kernel(DType::BF16, 128, false, "sm_90", 48 * 1024), None);
     }
 
     #[test]

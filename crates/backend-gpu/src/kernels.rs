@@ -78,6 +78,8 @@ kernels! {
     PrefillE5m2D256 = "prefill_e5m2_d256": "pppppppiiiififf",
     PrefillE4m3D256Small = "prefill_e4m3_d256_small": "pppppppiiiififf",
     PrefillE5m2D256Small = "prefill_e5m2_d256_small": "pppppppiiiififf",
+    PrefillMmaBf16D64 = "prefill_mma_bf16_d64": "pppppppiiiififf",
+    PrefillMmaBf16D128 = "prefill_mma_bf16_d128": "pppppppiiiififf",
     SampleRows = "sample_rows": "pppii",
     EditTokens = "edit_tokens": "ppii",
     MaskRows = "mask_rows": "pppiii",

@@ -37,7 +37,7 @@ use arbor_engine_core::{
 use device::{Device, GraphConfig};
 use exec::{Args, Op, State};
 use kernels::K;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Largest decode batch captured as a graph when the options do not say.
@@ -50,6 +50,8 @@ pub struct GpuBackend {
     caps: Arc<BackendCapabilities>,
     synthetic: Arc<Mutex<Option<u64>>>,
     uploads: Arc<AtomicU64>,
+    /// Prefill attention may use the tensor-core kernel where it applies.
+    pub(crate) tensor_core_prefill: Arc<AtomicBool>,
 }
 
 impl GpuBackend {
@@ -76,6 +78,7 @@ impl GpuBackend {
             }),
             synthetic: Arc::new(Mutex::new(None)),
             uploads: Arc::new(AtomicU64::new(0)),
+            tensor_core_prefill: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -101,6 +104,12 @@ impl GpuBackend {
     /// The target the kernels were built for (`sm_90`, `compute_90` PTX, `gfx90a`).
     pub fn kernel_target(&self) -> &str {
         &self.dev.props().arch
+    }
+
+    /// For benchmarks: `false` runs every prefill on the f32 attention
+    /// kernels, also where the tensor-core kernel applies (on by default).
+    pub fn set_tensor_core_prefill(&self, on: bool) {
+        self.tensor_core_prefill.store(on, Ordering::Relaxed);
     }
 
     /// For benchmarks: while `Some(seed)`, uploads of 2-D f16/bf16 tensors

@@ -276,6 +276,21 @@ fn sliding_window() {
         };
         run_case("sliding window 17", &c, &mut rng);
     }
+    // bf16 caches with head_dim 64 and 128 (the tensor-core prefill kernel on
+    // NVIDIA GPUs): windows shorter and longer than its 64-key tiles.
+    for (hd, window) in [(128, 17), (64, 100), (128, 150)] {
+        let c = Case {
+            heads: 8,
+            kv_heads: 2,
+            head_dim: hd,
+            page_size: 16,
+            seqs: vec![(0, 200), (70, 90), (300, 1)],
+            trees: vec![],
+            window: Some(window),
+            dtype: DType::BF16,
+        };
+        run_case(&format!("sliding window {window} x{hd} bf16"), &c, &mut rng);
+    }
 }
 
 /// A random draft tree of `n` tokens: each token's parent is any earlier one.
