@@ -72,7 +72,8 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
 // whole K row; the tile's softmax update is one warp max per head; then the
 // tile's V rows are accumulated token by token, lane l holding head dims
 // DPL * l .. DPL * l + DPL - 1 (head_dim <= 32 * DPL), each token's weight
-// broadcast from its lane. Rows are read with vector loads when head_dim is
+// broadcast from its lane. Loads are batched (four K chunks, eight V rows)
+// so that each warp keeps several in flight. Rows are read with vector loads when head_dim is
 // a multiple of 8 (every element's address then aligned), else element by
 // element. Writes unnormalized partial outputs part_o [seqs, heads, splits,
 // head_dim] and (max, sum) pairs part_ml [seqs, heads, splits, 2].
@@ -103,10 +104,12 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
     for (int g0 = 0; g0 < group; g0 += G) {
         const int gn = min(G, group - g0);
         __syncthreads();
-        for (int e = threadIdx.x; e < G * head_dim; e += blockDim.x) {
-            const int j = e / head_dim, d = e - j * head_dim;
-            sm_q[j][d] = j < gn ? q[(size_t)q_row * qw + (g * group + g0 + j) * head_dim + d] * scale
-                                : 0.0f;
+        // Zero past head_dim, so the score loop may run whole chunks.
+        for (int e = threadIdx.x; e < G * 32 * DPL; e += blockDim.x) {
+            const int j = e / (32 * DPL), d = e - j * (32 * DPL);
+            sm_q[j][d] = j < gn && d < head_dim
+                             ? q[(size_t)q_row * qw + (g * group + g0 + j) * head_dim + d] * scale
+                             : 0.0f;
         }
         __syncthreads();
         float acc[G][DPL];
@@ -129,15 +132,29 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
             if (valid) {
                 const KV* krow = kc + ((size_t)slot * kv_heads + g) * head_dim;
                 if (vec) {
-                    for (int d = 0; d < head_dim; d += 8) {
-                        float kf[8];
-                        load_kv<KV, 8>(krow + d, k_scale, kf);
+                    // Four 8-element loads in flight, then their products
+                    // (d is a multiple of 32 below 32 * DPL, so d + 31 is
+                    // inside sm_q, zero past head_dim).
+                    for (int d = 0; d < head_dim; d += 32) {
+                        float kf[4][8];
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            if (d + 8 * c < head_dim) {
+                                load_kv<KV, 8>(krow + d + 8 * c, k_scale, kf[c]);
+                            } else {
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) kf[c][e] = 0.0f;
+                            }
+                        }
 #pragma unroll
                         for (int j = 0; j < G; ++j) {
                             if (j < gn) {
                                 float a = sc[j];
 #pragma unroll
-                                for (int e = 0; e < 8; ++e) a += sm_q[j][d + e] * kf[e];
+                                for (int c = 0; c < 4; ++c)
+#pragma unroll
+                                    for (int e = 0; e < 8; ++e)
+                                        a += sm_q[j][d + 8 * c + e] * kf[c][e];
                                 sc[j] = a;
                             }
                         }
@@ -166,30 +183,39 @@ __device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, co
                     for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
                 }
             }
-            // The tile's V rows, token by token.
+            // The tile's V rows, eight tokens' loads in flight at a time
+            // (tokens past the tile's end have weight 0 and read nothing).
             const int n = min(32, t1 - tt);
-            for (int u = 0; u < n; ++u) {
-                const u32 su = SHFL(slot, u);
-                const KV* vrow = vc + ((size_t)su * kv_heads + g) * head_dim;
-                float vr[DPL];
-                if (vec) {
-                    if (d0 < head_dim) {
-                        load_kv<KV, DPL>(vrow + d0, v_scale, vr);
+            for (int u0 = 0; u0 < n; u0 += 8) {
+                float vr[8][DPL];
+#pragma unroll
+                for (int uu = 0; uu < 8; ++uu) {
+                    const int u = u0 + uu;
+                    const u32 su = SHFL(slot, u);
+                    const KV* vrow = vc + ((size_t)su * kv_heads + g) * head_dim;
+                    if (u < n && d0 < head_dim) {
+                        if (vec) {
+                            load_kv<KV, DPL>(vrow + d0, v_scale, vr[uu]);
+                        } else {
+#pragma unroll
+                            for (int i = 0; i < DPL; ++i)
+                                vr[uu][i] =
+                                    d0 + i < head_dim ? to_f32(vrow[d0 + i]) * v_scale : 0.0f;
+                        }
                     } else {
 #pragma unroll
-                        for (int i = 0; i < DPL; ++i) vr[i] = 0.0f;
+                        for (int i = 0; i < DPL; ++i) vr[uu][i] = 0.0f;
                     }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < DPL; ++i)
-                        vr[i] = d0 + i < head_dim ? to_f32(vrow[d0 + i]) * v_scale : 0.0f;
                 }
 #pragma unroll
                 for (int j = 0; j < G; ++j) {
                     if (j < gn) {
-                        const float w = SHFL(pr[j], u);
 #pragma unroll
-                        for (int i = 0; i < DPL; ++i) acc[j][i] += w * vr[i];
+                        for (int uu = 0; uu < 8; ++uu) {
+                            const float w = SHFL(pr[j], u0 + uu);
+#pragma unroll
+                            for (int i = 0; i < DPL; ++i) acc[j][i] += w * vr[uu][i];
+                        }
                     }
                 }
             }
