@@ -20,6 +20,11 @@
 //! the largest slot) is kept in a small table keyed by the batch's first
 //! device buffer.
 //!
+//! Prefill picks the tensor-core kernel ([`prefill_mma_kernel`]: NVIDIA
+//! sm_80+, bf16 cache, head_dim 64 or 128, no draft tree) unless the backend
+//! was told not to (`GpuBackend::set_tensor_core_prefill`), else the f32
+//! kernel with the largest tile that fits shared memory ([`prefill_kernel`]).
+//!
 //! Decode splits each sequence's pages into `splits` ranges (more when the
 //! batch is small, so every SM has work); a graph step chooses the count from
 //! the bucket alone, since lengths change from step to step.
@@ -545,7 +550,10 @@ mod tests {
         assert_eq!(pick(DType::BF16, 80, false, "sm_90"), None);
         // 69 KiB at head_dim 128: over a 48 KiB block, under the opt-in limit.
         assert_eq!(prefill_mma_smem(128), 70_912);
-        assert_eq!(prefill_mma_kernel(DType::BF16, 128, false, "sm_90", 48 * 1024), None);
+        assert_eq!(
+            prefill_mma_kernel(DType::BF16, 128, false, "sm_90", 48 * 1024),
+            None
+        );
     }
 
     #[test]
