@@ -77,11 +77,14 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
 // a multiple of 8 (every element's address then aligned), else element by
 // element. Writes unnormalized partial outputs part_o [seqs, heads, splits,
 // head_dim] and (max, sum) pairs part_ml [seqs, heads, splits, 2].
+// Inlined into each kernel, so that each owns exactly its own shared arrays
+// (hiprtc otherwise counted the shared memory of every FP8 instantiation
+// against each: 82,688 bytes of a 65,536-byte limit).
 template <typename KV, int DPL, int G>
-__device__ void decode_split_impl(const float* q, const KV* kc, const KV* vc, const int* seq_info,
-                                  const u32* page_table, float* part_o, float* part_ml,
-                                  int heads, int kv_heads, int head_dim, int page_size, int splits,
-                                  float scale, int window, float k_scale, float v_scale) {
+__device__ __forceinline__ void decode_split_impl(
+    const float* q, const KV* kc, const KV* vc, const int* seq_info, const u32* page_table,
+    float* part_o, float* part_ml, int heads, int kv_heads, int head_dim, int page_size,
+    int splits, float scale, int window, float k_scale, float v_scale) {
     __shared__ float sm_q[G][32 * DPL];
     __shared__ float sm_m[4][G];
     __shared__ float sm_l[4][G];
