@@ -2,7 +2,9 @@
 //! tools/reference/make_quant_fixtures.py): each format's checkpoint loads
 //! through its `quantization_config`, packs into the expected stored dtype,
 //! and matches transformers run on the weights dequantized in numpy with the
-//! format's published formula: last-position logits within 1e-4 × max|logit|
+//! format's published formula (8-bit GPTQ, from make_gptq8_fixture.py: a
+//! float64 numpy forward of the same dequantized weights instead of
+//! transformers): last-position logits within 1e-4 × max|logit|
 //! and the greedy continuation identical up to the first near-tie (a step
 //! whose top-2 margin is under 1e-3). Bad checkpoints fail with errors that
 //! name the tensor or the config key. Every run returns its KV pages.
@@ -223,6 +225,14 @@ fn modelopt_config_in_hf_quant_config_json_loads() -> Result<()> {
     check_against("nvfp4 (hf_quant_config.json)", &m, &backend, &reference)
 }
 
+/// 8-bit GPTQ, symmetric (zero point 128) and with zero points: the exact
+/// f32 dequantization.
+#[test]
+fn gptq_8bit_matches() -> Result<()> {
+    check_format("gptq8", DType::F32)?;
+    check_format("gptq8-asym", DType::F32)
+}
+
 /// Act-order groups mix within 32 inputs: the exact f32 dequantization.
 #[test]
 fn gptq_act_order_matches_through_the_f32_fallback() -> Result<()> {
@@ -318,7 +328,25 @@ fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
         |_| {},
     )?;
     let e = load_error(d.path(), None);
-    assert!(e.contains("bits must be 4"), "{e}");
+    assert!(e.contains("bits must be 4, got 3"), "{e}");
+    let d = edited(
+        "gptq8",
+        |c| c["quantization_config"]["bits"] = 3.into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(e.contains("bits must be 4 or 8, got 3"), "{e}");
+    // An 8-bit checkpoint labelled 4-bit: qweight's shape names the layer.
+    let d = edited(
+        "gptq8",
+        |c| c["quantization_config"]["bits"] = 4.into(),
+        |_| {},
+    )?;
+    let e = load_error(d.path(), None);
+    assert!(
+        e.contains("model.layers.0.self_attn.q_proj.qweight") && e.contains("shape"),
+        "{e}"
+    );
 
     // Scales of the wrong shape.
     let s = "model.layers.0.self_attn.k_proj.scales";

@@ -257,6 +257,40 @@ impl U4Weight<'_> {
     }
 }
 
+/// Unsigned 8-bit values of a weight `[n, k]` with per-element zero points
+/// and scales (8-bit GPTQ). Stored as the exact f32 dequantization: GGUF's
+/// `q8_0` would hold symmetric weights exactly, but its kernels quantize the
+/// activations too (llama.cpp's numerics, not GPTQ's W8A16).
+pub struct U8Weight<'f> {
+    pub n: usize,
+    pub k: usize,
+    /// Value of element `(r, c)`, 0..256.
+    pub q: &'f dyn Fn(usize, usize) -> u8,
+    /// Zero point of element `(r, c)` (up to 256: GPTQ's stored zero plus one).
+    pub zero: &'f dyn Fn(usize, usize) -> u16,
+    /// Scale of element `(r, c)` as f32.
+    pub scale: &'f dyn Fn(usize, usize) -> f32,
+}
+
+impl U8Weight<'_> {
+    /// The f32 dequantization `(q − zero) × scale`, `[n, k]`.
+    pub fn to_f32(&self) -> HostTensor<'static> {
+        let mut v = Vec::with_capacity(self.n * self.k * 4);
+        for r in 0..self.n {
+            for c in 0..self.k {
+                let x =
+                    ((self.q)(r, c) as i32 - (self.zero)(r, c) as i32) as f32 * (self.scale)(r, c);
+                v.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        HostTensor {
+            dtype: DType::F32,
+            shape: vec![self.n, self.k],
+            data: Cow::Owned(v),
+        }
+    }
+}
+
 /// A packed weight as the device takes it: as is when the device multiplies
 /// its dtype, else dequantized to f32 (exact).
 pub fn for_device(

@@ -1,5 +1,5 @@
-//! `awq` and `gptq`: 4-bit integer weights with a scale and a zero point per
-//! group of inputs.
+//! `awq` and `gptq`: 4-bit (and for GPTQ 8-bit) integer weights with a scale
+//! and a zero point per group of inputs.
 //!
 //! AutoAWQ GEMM (`version: "gemm"`, `zero_point: true`): `qweight` I32
 //! `[k, n/8]` and `qzeros` I32 `[k/g, n/8]` hold eight outputs per word in
@@ -12,9 +12,14 @@
 //! checkpoints permute it); value = `(q − z) × s[g_idx]`, where the stored
 //! zero is `z − 1` in the original format (`checkpoint_format: "gptq"`, the
 //! default) and `z` in GPTQModel's `gptq_v2`. `group_size: -1` is one group.
+//!
+//! 8-bit GPTQ (`bits: 8`): `qweight` `[k/4, n]` holds four inputs per word
+//! (input `4j + i` in bits `8i`), `qzeros` `[k/g, n/4]` four outputs per
+//! word; the rest as above. Stored as their exact f32 dequantization (a
+//! packed 8-bit format with its kernels is not built yet).
 
 use super::common::{
-    Excluded, U4Weight, bad_shape, check_scales, floats, for_device, group_index, ints,
+    Excluded, U4Weight, U8Weight, bad_shape, check_scales, floats, for_device, group_index, ints,
     store_float, string, tensor,
 };
 use arbor_engine_core::quant::load_unquantized;
@@ -38,15 +43,21 @@ pub(super) fn unconfigured(method: &str, src: &dyn WeightSource) -> CoreError {
     ))
 }
 
-fn bits4(qc: &serde_json::Value) -> Result<()> {
+/// `bits` (`w_bit` in old AWQ configs), checked to be one of `allowed`.
+fn bits(qc: &serde_json::Value, allowed: &[u64]) -> Result<u64> {
     match qc
         .get("bits")
         .or_else(|| qc.get("w_bit"))
         .and_then(|v| v.as_u64())
     {
-        Some(4) => Ok(()),
+        Some(b) if allowed.contains(&b) => Ok(b),
         other => Err(CoreError::load(format!(
-            "bits must be 4, got {}",
+            "bits must be {}, got {}",
+            allowed
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(" or "),
             other.map_or("nothing".to_string(), |b| b.to_string())
         ))),
     }
@@ -97,12 +108,20 @@ fn group_scales(src: &dyn WeightSource, name: &str, groups: usize, n: usize) -> 
     Ok(s)
 }
 
-fn outputs_by_8(src: &dyn WeightSource, prefix: &str, n: usize) -> Result<()> {
-    if n.is_multiple_of(8) {
+/// Checks that a layer's `what` (outputs, inputs) fill whole packed words of
+/// `per` values.
+fn whole_words(
+    src: &dyn WeightSource,
+    prefix: &str,
+    what: &str,
+    len: usize,
+    per: usize,
+) -> Result<()> {
+    if len.is_multiple_of(per) {
         Ok(())
     } else {
         Err(CoreError::load(format!(
-            "{}: layer '{prefix}': {n} outputs are not a multiple of 8 (eight per packed word)",
+            "{}: layer '{prefix}': {len} {what} are not a multiple of {per} ({per} per packed word)",
             src.describe()
         )))
     }
@@ -142,7 +161,7 @@ impl Awq {
                 excluded: Excluded::default(),
             });
         };
-        bits4(qc)?;
+        bits(qc, &[4])?;
         let version = string(Some(qc), "version")
             .unwrap_or("gemm")
             .to_ascii_lowercase();
@@ -191,7 +210,7 @@ impl QuantMethod for Awq {
         if left_in_float(&self.excluded, src, p)? {
             return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
-        outputs_by_8(src, p, n)?;
+        whole_words(src, p, "outputs", n, 8)?;
         let g = layer_group(src, p, self.group, k)?;
         let (groups, nw) = (k / g, n / 8);
         let qw = packed(src, &format!("{p}.qweight"), [k, nw])?;
@@ -220,6 +239,8 @@ pub struct Gptq {
     configured: bool,
     base: Option<Arc<dyn QuantMethod>>,
     group: Option<usize>,
+    /// 4 or 8.
+    bits: u64,
     /// Stored zeros are `z − 1` (the original GPTQ format).
     zeros_minus_one: bool,
     excluded: Excluded,
@@ -232,11 +253,12 @@ impl Gptq {
                 configured: false,
                 base: init.base.clone(),
                 group: None,
+                bits: 4,
                 zeros_minus_one: true,
                 excluded: Excluded::default(),
             });
         };
-        bits4(qc)?;
+        let bits = bits(qc, &[4, 8])?;
         let fmt = string(Some(qc), "checkpoint_format").unwrap_or("gptq");
         let zeros_minus_one = match fmt {
             "gptq" => true,
@@ -251,6 +273,7 @@ impl Gptq {
             configured: true,
             base: init.base.clone(),
             group: group_size(qc)?,
+            bits,
             zeros_minus_one,
             excluded: Excluded::parts_of(Some(qc), &["modules_to_not_convert"]),
         })
@@ -279,20 +302,32 @@ impl QuantMethod for Gptq {
         if left_in_float(&self.excluded, src, p)? {
             return load_unquantized(src, spec, |t| self.prepare(t, caps));
         }
-        outputs_by_8(src, p, n)?;
-        if !k.is_multiple_of(8) {
-            return Err(CoreError::load(format!(
-                "{}: layer '{p}': {k} inputs are not a multiple of 8 (eight per packed word)",
-                src.describe()
-            )));
-        }
+        // Values per 32-bit word.
+        let per = (32 / self.bits) as usize;
+        whole_words(src, p, "outputs", n, per)?;
+        whole_words(src, p, "inputs", k, per)?;
         let g = layer_group(src, p, self.group, k)?;
-        let (groups, nw) = (k / g, n / 8);
-        let qw = packed(src, &format!("{p}.qweight"), [k / 8, n])?;
+        let (groups, nw) = (k / g, n / per);
+        let qw = packed(src, &format!("{p}.qweight"), [k / per, n])?;
         let qz = packed(src, &format!("{p}.qzeros"), [groups, nw])?;
         let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
         let gidx: Vec<usize> = group_index(src, &format!("{p}.g_idx"), k, groups)?
             .unwrap_or_else(|| (0..k).map(|c| c / g).collect());
+        if self.bits == 8 {
+            let add = u16::from(self.zeros_minus_one);
+            let byte = |word: i32, i: usize| ((word as u32 >> (8 * i)) & 0xff) as u8;
+            let q = |r: usize, c: usize| byte(qw[(c / 4) * n + r], c % 4);
+            let zero = |r: usize, c: usize| byte(qz[gidx[c] * nw + r / 4], r % 4) as u16 + add;
+            let scale = |r: usize, c: usize| s[gidx[c] * n + r];
+            let w = U8Weight {
+                n,
+                k,
+                q: &q,
+                zero: &zero,
+                scale: &scale,
+            };
+            return Ok(w.to_f32());
+        }
         let add = u8::from(self.zeros_minus_one);
         let q = |r: usize, c: usize| ((qw[(c / 8) * n + r] as u32 >> (4 * (c % 8))) & 0xf) as u8;
         let zero = |r: usize, c: usize| {

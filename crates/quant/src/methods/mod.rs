@@ -63,5 +63,5 @@ inventory::submit! {
     QuantMethodEntry { name: "modelopt", about: "NVIDIA ModelOpt checkpoints: NVFP4 (E2M1, E4M3 scales per 16, global scale), FP8", create: modelopt }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 (v1 and v2 zero points, act-order g_idx)", create: gptq }
+    QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 and INT8 (v1 and v2 zero points, act-order g_idx)", create: gptq }
 }
