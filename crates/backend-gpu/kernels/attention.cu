@@ -25,34 +25,35 @@ __device__ __forceinline__ u32 kv_slot(const u32* page_table, int page_start, in
     return page_table[page_start + pos / page_size] * (u32)page_size + (u32)(pos % page_size);
 }
 
+// Row s of `seq_info`.
+struct SeqInfo {
+    int q_start, q_len, kv_len, page_start;
+};
+__device__ __forceinline__ SeqInfo seq_at(const int* seq_info, int s) {
+    SeqInfo r;
+    r.q_start = seq_info[4 * s + 0];
+    r.q_len = seq_info[4 * s + 1];
+    r.kv_len = seq_info[4 * s + 2];
+    r.page_start = seq_info[4 * s + 3];
+    return r;
+}
+
 // ---------------------------------------------------------------------------
 // Vector loads of KV elements: N consecutive elements (N * sizeof(KV) a
 // multiple of 4 bytes, the address aligned to that size) as f32 times `s`.
 template <int W> struct alignas(4 * W) Words { u32 w[W]; };
 
-template <typename KV> __device__ __forceinline__ float kv_elem(const u32* w, int i);
+// Element i of packed words: the storage types of 1 and 2 bytes (`x` holds
+// the bits), and f32.
+template <typename KV> __device__ __forceinline__ float kv_elem(const u32* w, int i) {
+    constexpr int BITS = 8 * (int)sizeof(KV);
+    constexpr int PER = 32 / BITS;
+    KV v;
+    v.x = (decltype(v.x))(w[i / PER] >> (BITS * (i % PER)));
+    return to_f32(v);
+}
 template <> __device__ __forceinline__ float kv_elem<float>(const u32* w, int i) {
     return __uint_as_float(w[i]);
-}
-template <> __device__ __forceinline__ float kv_elem<bf16_t>(const u32* w, int i) {
-    bf16_t v;
-    v.x = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
-    return to_f32(v);
-}
-template <> __device__ __forceinline__ float kv_elem<f16_t>(const u32* w, int i) {
-    f16_t v;
-    v.x = (unsigned short)(w[i >> 1] >> (16 * (i & 1)));
-    return to_f32(v);
-}
-template <> __device__ __forceinline__ float kv_elem<e4m3_t>(const u32* w, int i) {
-    e4m3_t v;
-    v.x = (unsigned char)(w[i >> 2] >> (8 * (i & 3)));
-    return to_f32(v);
-}
-template <> __device__ __forceinline__ float kv_elem<e5m2_t>(const u32* w, int i) {
-    e5m2_t v;
-    v.x = (unsigned char)(w[i >> 2] >> (8 * (i & 3)));
-    return to_f32(v);
 }
 
 template <typename KV, int N>
@@ -332,10 +333,9 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
     constexpr int BK = 16 * CJ;
     extern __shared__ float smem[];
     const int s = blockIdx.z, h = blockIdx.y;
-    const int q_start = seq_info[4 * s + 0];
-    const int q_len = seq_info[4 * s + 1];
-    const int kv_len = seq_info[4 * s + 2];
-    const int page_start = seq_info[4 * s + 3];
+    const SeqInfo si = seq_at(seq_info, s);
+    const int q_start = si.q_start, q_len = si.q_len, kv_len = si.kv_len;
+    const int page_start = si.page_start;
     const int qi0 = blockIdx.x * BQ;
     if (qi0 >= q_len) return;
     const int prefix = kv_len - q_len;
@@ -611,10 +611,9 @@ __device__ void prefill_mma_impl(const float* q, const bf16_t* kc, const bf16_t*
     unsigned short* Vt = Ks + BK * QS;
     u32* slots = reinterpret_cast<u32*>(Vt + HD * VS);
     const int s = blockIdx.z, h = blockIdx.y;
-    const int q_start = seq_info[4 * s + 0];
-    const int q_len = seq_info[4 * s + 1];
-    const int kv_len = seq_info[4 * s + 2];
-    const int page_start = seq_info[4 * s + 3];
+    const SeqInfo si = seq_at(seq_info, s);
+    const int q_start = si.q_start, q_len = si.q_len, kv_len = si.kv_len;
+    const int page_start = si.page_start;
     const int qi0 = blockIdx.x * BQ;
     if (qi0 >= q_len) return;
     const int prefix = kv_len - q_len;

@@ -190,6 +190,21 @@ pub fn pack_f8(
     })
 }
 
+/// The f32 tensor `[n, k]` of `value(r, c)`.
+pub fn dequantized(n: usize, k: usize, value: impl Fn(usize, usize) -> f32) -> HostTensor<'static> {
+    let mut v = Vec::with_capacity(n * k * 4);
+    for r in 0..n {
+        for c in 0..k {
+            v.extend_from_slice(&value(r, c).to_le_bytes());
+        }
+    }
+    HostTensor {
+        dtype: DType::F32,
+        shape: vec![n, k],
+        data: Cow::Owned(v),
+    }
+}
+
 /// Unsigned 4-bit values of a weight `[n, k]` with per-element zero points
 /// and scales given by group of 32 (`zero(r, b)`, `scale(r, b)` for block `b`).
 pub struct U4Weight<'f> {
@@ -206,19 +221,9 @@ pub struct U4Weight<'f> {
 impl U4Weight<'_> {
     /// The f32 dequantization `(q − zero) × scale`, `[n, k]`.
     pub fn to_f32(&self) -> HostTensor<'static> {
-        let mut v = Vec::with_capacity(self.n * self.k * 4);
-        for r in 0..self.n {
-            for c in 0..self.k {
-                let x =
-                    ((self.q)(r, c) as i32 - (self.zero)(r, c) as i32) as f32 * (self.scale)(r, c);
-                v.extend_from_slice(&x.to_le_bytes());
-            }
-        }
-        HostTensor {
-            dtype: DType::F32,
-            shape: vec![self.n, self.k],
-            data: Cow::Owned(v),
-        }
+        dequantized(self.n, self.k, |r, c| {
+            ((self.q)(r, c) as i32 - (self.zero)(r, c) as i32) as f32 * (self.scale)(r, c)
+        })
     }
 
     /// Packs into `u4_s32` when every run of 32 inputs shares one scale and
@@ -254,40 +259,6 @@ impl U4Weight<'_> {
             shape: vec![self.n, self.k],
             data: Cow::Owned(out),
         })
-    }
-}
-
-/// Unsigned 8-bit values of a weight `[n, k]` with per-element zero points
-/// and scales (8-bit GPTQ). Stored as the exact f32 dequantization: GGUF's
-/// `q8_0` would hold symmetric weights exactly, but its kernels quantize the
-/// activations too (llama.cpp's numerics, not GPTQ's W8A16).
-pub struct U8Weight<'f> {
-    pub n: usize,
-    pub k: usize,
-    /// Value of element `(r, c)`, 0..256.
-    pub q: &'f dyn Fn(usize, usize) -> u8,
-    /// Zero point of element `(r, c)` (up to 256: GPTQ's stored zero plus one).
-    pub zero: &'f dyn Fn(usize, usize) -> u16,
-    /// Scale of element `(r, c)` as f32.
-    pub scale: &'f dyn Fn(usize, usize) -> f32,
-}
-
-impl U8Weight<'_> {
-    /// The f32 dequantization `(q − zero) × scale`, `[n, k]`.
-    pub fn to_f32(&self) -> HostTensor<'static> {
-        let mut v = Vec::with_capacity(self.n * self.k * 4);
-        for r in 0..self.n {
-            for c in 0..self.k {
-                let x =
-                    ((self.q)(r, c) as i32 - (self.zero)(r, c) as i32) as f32 * (self.scale)(r, c);
-                v.extend_from_slice(&x.to_le_bytes());
-            }
-        }
-        HostTensor {
-            dtype: DType::F32,
-            shape: vec![self.n, self.k],
-            data: Cow::Owned(v),
-        }
     }
 }
 

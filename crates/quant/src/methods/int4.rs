@@ -19,8 +19,8 @@
 //! packed 8-bit format with its kernels is not built yet).
 
 use super::common::{
-    Excluded, U4Weight, U8Weight, bad_shape, check_scales, floats, for_device, group_index, ints,
-    store_float, string, tensor,
+    Excluded, U4Weight, bad_shape, check_scales, dequantized, floats, for_device, group_index,
+    ints, store_float, string, tensor,
 };
 use arbor_engine_core::quant::load_unquantized;
 use arbor_engine_core::{
@@ -318,15 +318,12 @@ impl QuantMethod for Gptq {
             let byte = |word: i32, i: usize| ((word as u32 >> (8 * i)) & 0xff) as u8;
             let q = |r: usize, c: usize| byte(qw[(c / 4) * n + r], c % 4);
             let zero = |r: usize, c: usize| byte(qz[gidx[c] * nw + r / 4], r % 4) as u16 + add;
-            let scale = |r: usize, c: usize| s[gidx[c] * n + r];
-            let w = U8Weight {
-                n,
-                k,
-                q: &q,
-                zero: &zero,
-                scale: &scale,
-            };
-            return Ok(w.to_f32());
+            // Exact in f32. GGUF's q8_0 would hold symmetric weights exactly,
+            // but its kernels quantize the activations too (llama.cpp's
+            // numerics, not GPTQ's W8A16).
+            return Ok(dequantized(n, k, |r, c| {
+                (q(r, c) as i32 - zero(r, c) as i32) as f32 * s[gidx[c] * n + r]
+            }));
         }
         let add = u8::from(self.zeros_minus_one);
         let q = |r: usize, c: usize| ((qw[(c / 8) * n + r] as u32 >> (4 * (c % 8))) & 0xf) as u8;
