@@ -5,7 +5,8 @@
 //! as one batch (page size 1, decode through device graphs). bf16 weights with a
 //! bf16 KV cache stay within 5% of the f32 reference logits. The quantized
 //! fixtures (FP8 blocks, AWQ, NVFP4) pass the same checks, their weights
-//! packed on the device.
+//! packed on the device. A row's logits are the same bits alone, chunked and
+//! inside a batch of 16 (batch invariance).
 
 use crate::common::*;
 use anyhow::{Context, Result};
@@ -197,5 +198,101 @@ fn bf16_weights_and_kv_stay_close() -> Result<()> {
     let (e, s) = max_err(&got, &want);
     println!("bf16 weights + bf16 KV: max abs error {e:.3e} of {s:.3}");
     assert!(e <= 0.05 * s, "bf16: error {e}");
+    Ok(())
+}
+
+/// Asserts `got` has the bits of `want`, naming the largest difference.
+fn same_bits(what: &str, got: &[f32], want: &[f32]) {
+    let (e, s) = max_err(got, want);
+    let same = got.len() == want.len()
+        && got
+            .iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(
+        same,
+        "{what}: logits differ (max abs difference {e:.3e} of {s:.3})"
+    );
+}
+
+fn step_of<'a>(tokens: &'a [u32], prefix_len: usize, pages: &'a [u32]) -> SeqStep<'a> {
+    SeqStep {
+        tokens,
+        prefix_len,
+        pages,
+        want_logits: true,
+    }
+}
+
+/// Batch invariance, which lossless speculation, caching and chunking need:
+/// a sequence's logits are the same bits computed alone, in two chunks, and
+/// inside a batch with 15 other sequences (as a prefill among prefills of
+/// other lengths, and as a decode among decodes). tiny-llama with f32
+/// weights and KV, and with bf16 weights and KV.
+#[test]
+fn a_rows_logits_do_not_depend_on_the_batch() -> Result<()> {
+    let Some(g) = gpu() else { return Ok(()) };
+    let g: Arc<dyn Backend> = g;
+    for (dtype, kv) in [("f32", DType::F32), ("bf16", DType::BF16)] {
+        let (m, r) = load(&g, "tiny-llama", dtype)?;
+        let prompts: Vec<Vec<u32>> = r["prompts"]
+            .as_array()
+            .context("prompts")?
+            .iter()
+            .map(|p| ids(&p["input_ids"]))
+            .collect();
+        let corpus: Vec<u32> = prompts.concat();
+        let take = |from: usize, len: usize| -> Vec<u32> {
+            (0..len)
+                .map(|i| corpus[(from + i) % corpus.len()])
+                .collect()
+        };
+        let runner = ModelRunner::new(m.model.clone(), g.clone(), None, 16, 64, kv)?;
+        let pool = runner.new_page_pool();
+        let ours = take(0, 40);
+        let next = take(40, 1);
+        let mine = pool.alloc(pool.pages_for(41))?;
+        let seq = |tokens, prefix| step_of(tokens, prefix, mine.pages());
+        let what = |case: &str| format!("{} {dtype}: {case}", crate::vendor::NAME);
+        // Alone: one prefill, then one decode.
+        let alone = runner.step(&[seq(&ours, 0)])?.remove(0);
+        let decode_alone = runner.step(&[seq(&next, 40)])?.remove(0);
+        // Two chunks.
+        runner.step(&[seq(&ours[..13], 0)])?;
+        let chunked = runner.step(&[seq(&ours[13..], 13)])?.remove(0);
+        same_bits(&what("after a cached prefix of 13"), &chunked, &alone);
+        // Among 15 other prefills of 1..=40 tokens, ours at row 6.
+        let others: Vec<Vec<u32>> = (0..15)
+            .map(|i| take(7 * i + 3, 1 + (11 * i) % 40))
+            .collect();
+        let pages: Vec<_> = (0..15)
+            .map(|_| pool.alloc(pool.pages_for(42)))
+            .collect::<arbor_engine_core::Result<_>>()?;
+        let mut steps: Vec<SeqStep<'_>> = others
+            .iter()
+            .zip(&pages)
+            .map(|(o, p)| step_of(o, 0, p.pages()))
+            .collect();
+        steps.insert(6, seq(&ours, 0));
+        let batched = runner.step(&steps)?;
+        same_bits(&what("a prefill in a batch of 16"), &batched[6], &alone);
+        // Ours a decode among 15 other decodes.
+        let nexts: Vec<Vec<u32>> = (0..15).map(|i| take(5 * i + 1, 1)).collect();
+        let mut steps: Vec<SeqStep<'_>> = nexts
+            .iter()
+            .zip(&pages)
+            .zip(&others)
+            .map(|((t, p), o)| step_of(t, o.len(), p.pages()))
+            .collect();
+        steps.insert(6, seq(&next, 40));
+        let batched = runner.step(&steps)?;
+        same_bits(
+            &what("a decode in a batch of 16"),
+            &batched[6],
+            &decode_alone,
+        );
+        drop((mine, pages));
+        assert_eq!(pool.free_pages(), pool.total_pages(), "pages leaked");
+    }
     Ok(())
 }
