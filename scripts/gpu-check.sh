@@ -35,6 +35,9 @@
 #                                          suite shared with CUDA and wgpu (tests/gpu)
 #   scripts/gpu-check.sh --prebuilt DIR    run executables from DIR (a machine
 #                                          without cargo or crates.io)
+#   scripts/gpu-check.sh --env             print the `export LD_LIBRARY_PATH=...`
+#                                          line that finds the CUDA libraries
+#                                          (for scripts/gpu-profile.sh)
 # Environment: CARGO_TARGET_DIR (default target-cuda), ARBOR_CUDA_LIB_DIRS
 # (extra folders holding libcublas.so.12 / libnvrtc.so.12, or the .so.13 of
 # CUDA 13), BENCH_ARGS (extra arguments for the benchmark, such as
@@ -50,6 +53,7 @@ case "${1:-}" in
   --build-only) MODE=build-only; DIR="${2:?--build-only needs a folder}" ;;
   --prebuilt) MODE=prebuilt; DIR="${2:?--prebuilt needs a folder}" ;;
   --rocm) MODE=rocm ;;
+  --env) MODE=env ;;
   -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
   *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
 esac
@@ -281,6 +285,12 @@ run_checks() {
   [ "$failed" = 0 ] || die "$failed check(s) failed (logs in $logs)"
   echo "gpu-check: OK in $(( $(date +%s) - START )) s"
 }
+
+if [ "$MODE" = env ]; then
+  find_cuda_libs >&2
+  echo "export LD_LIBRARY_PATH='$LD_LIBRARY_PATH'"
+  exit 0
+fi
 
 versions
 case "$MODE" in
