@@ -14,8 +14,9 @@
 #
 # Usage: scripts/gpu-profile.sh DIR   DIR holds gpu_bench, as
 #                                     `scripts/gpu-check.sh --build-only DIR`
-#                                     leaves it; tables and ncu reports are
-#                                     written to OUT_DIR (default DIR).
+#                                     leaves it; the three kernel-time CSVs
+#                                     and two ncu reports are written to
+#                                     OUT_DIR (default DIR).
 # Environment: NCU (default: ncu on PATH, else /usr/local/cuda/bin/ncu),
 # ARBOR_CUDA_LIB_DIRS (as for gpu-check.sh), OUT_DIR.
 set -euo pipefail
@@ -28,7 +29,10 @@ BENCH="$DIR/gpu_bench"
 NCU="${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}"
 [ -x "$NCU" ] || { echo "gpu-profile: ncu not found (set NCU)" >&2; exit 1; }
 eval "$(bash "$ROOT/scripts/gpu-check.sh" --env)"
-export ARBOR_CUDA_CACHE="${ARBOR_CUDA_CACHE:-$OUT_DIR/cuda-kernel-cache}"
+# The kernel cache and gpu_bench's own output stay out of OUT_DIR, which
+# receives five reports (a device machine returns at most 8 files).
+TMP="${TMPDIR:-/tmp}"
+export ARBOR_CUDA_CACHE="${ARBOR_CUDA_CACHE:-$TMP/arbor-cuda-kernel-cache}"
 mkdir -p "$OUT_DIR"
 
 # Kernel shares of one phase: raw CSV (one row per launch) to a table.
@@ -57,7 +61,7 @@ for phase in "prefill:--batches none --prefill 2048" "decode-bs1:--batches 1 --s
   echo "== $name (gpu_bench --layers 2 $args)"
   # shellcheck disable=SC2086
   "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --page raw \
-    --log-file "$OUT_DIR/ncu-$name.csv" "$BENCH" --layers 2 $args >"$OUT_DIR/ncu-$name.log" 2>&1
+    --log-file "$OUT_DIR/ncu-$name.csv" "$BENCH" --layers 2 $args >"$TMP/gpu-profile-$name.log" 2>&1
   shares "$OUT_DIR/ncu-$name.csv"
 done
 
