@@ -51,6 +51,16 @@ fn ids(v: &Value) -> Vec<u32> {
         .unwrap_or_default()
 }
 
+/// The token ids under `key` of every prompt of a reference.
+fn per_prompt(r: &Value, key: &str) -> Result<Vec<Vec<u32>>> {
+    Ok(r["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .map(|p| ids(&p[key]))
+        .collect())
+}
+
 fn greedy(
     m: &LoadedModel,
     b: &Arc<dyn Backend>,
@@ -108,18 +118,8 @@ fn check(name: &str) -> Result<()> {
     let (mg, r) = load(&g, name, "f32")
         .with_context(|| format!("loading {name} on {}", crate::vendor::NAME))?;
     let (mc, _) = load(&c, name, "f32")?;
-    let prompts: Vec<Vec<u32>> = r["prompts"]
-        .as_array()
-        .context("prompts")?
-        .iter()
-        .map(|p| ids(&p["input_ids"]))
-        .collect();
-    let want: Vec<Vec<u32>> = r["prompts"]
-        .as_array()
-        .context("prompts")?
-        .iter()
-        .map(|p| ids(&p["greedy_ids"]))
-        .collect();
+    let prompts = per_prompt(&r, "input_ids")?;
+    let want = per_prompt(&r, "greedy_ids")?;
     for (i, p) in prompts.iter().enumerate() {
         let lg = last_logits(&mg, &g, p, DType::F32)?;
         let lc = last_logits(&mc, &c, p, DType::F32)?;
@@ -235,12 +235,7 @@ fn a_rows_logits_do_not_depend_on_the_batch() -> Result<()> {
     let g: Arc<dyn Backend> = g;
     for (dtype, kv) in [("f32", DType::F32), ("bf16", DType::BF16)] {
         let (m, r) = load(&g, "tiny-llama", dtype)?;
-        let prompts: Vec<Vec<u32>> = r["prompts"]
-            .as_array()
-            .context("prompts")?
-            .iter()
-            .map(|p| ids(&p["input_ids"]))
-            .collect();
+        let prompts = per_prompt(&r, "input_ids")?;
         let corpus: Vec<u32> = prompts.concat();
         let take = |from: usize, len: usize| -> Vec<u32> {
             (0..len)
