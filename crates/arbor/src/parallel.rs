@@ -8,17 +8,23 @@
 //! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
 //! every step on all of them. `ep_size` equal to `tp_size` partitions the
 //! routed experts of a MoE model over the ranks instead of splitting each
-//! expert's width. HiCache, PD disaggregation, NGRAM and STANDALONE
-//! speculation and LoRA adapters run with it (the group's tier pages are in
-//! the single-engine layout; a STANDALONE draft model runs whole on rank
-//! 0's device; each rank applies its slices of an adapter's factors). Other
-//! devices (NCCL between GPUs) and the drafters that run the target's
-//! sharded layers (LAYERSKIP, EAGLE, EAGLE3, NEXTN) do not run with tp_size
-//! > 1 yet and are refused at start-up.
+//! expert's width; `moe_a2a_backend` says how the ranks then exchange
+//! tokens (`none`: every rank routes every token and the experts' shares
+//! are all-reduced; `all-to-all`: each rank routes its block of the tokens
+//! and dispatches the rows to the experts' ranks, `moe::all_to_all`).
+//! HiCache, PD disaggregation, NGRAM, STANDALONE and LAYERSKIP speculation
+//! and LoRA adapters run with it (the group's tier
+//! pages are in the single-engine layout; a STANDALONE draft model runs
+//! whole on rank 0's device; LAYERSKIP's draft forwards run on every rank,
+//! `TpRunners`; each rank applies its slices of an adapter's factors).
+//! Other devices (NCCL between GPUs) and the draft heads that read the
+//! target's sharded embedding and LM head (EAGLE, EAGLE3, NEXTN) do not run
+//! with tp_size > 1 yet and are refused at start-up.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::comm::{Communicator, LocalGroup};
+use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::{Backend, BackendOptions, Registry, ShardSpec};
 use arbor_models::LoadedModel;
 use clap::Args;
@@ -42,6 +48,12 @@ pub struct ParallelArgs {
         help_heading = "Parallelism"
     )]
     pub ep_size: Option<usize>,
+    /// How expert-parallel ranks exchange tokens: none (each rank routes
+    /// every token; the experts' shares are all-reduced) or all-to-all
+    /// (each rank routes its block of the tokens and dispatches them to the
+    /// experts' ranks) [default: none].
+    #[arg(long = "moe-a2a-backend", help_heading = "Parallelism")]
+    pub moe_a2a_backend: Option<String>,
 }
 
 /// `[parallel]` in the TOML file.
@@ -50,6 +62,7 @@ pub struct ParallelArgs {
 pub struct ParallelSection {
     pub tp_size: Option<usize>,
     pub ep_size: Option<usize>,
+    pub moe_a2a_backend: Option<String>,
 }
 
 /// Checked parallelism.
@@ -57,15 +70,15 @@ pub struct ParallelSection {
 pub struct Parallel {
     /// Tensor-parallel ranks.
     pub tp: usize,
-    /// Routed experts are partitioned over the ranks.
-    pub expert_parallel: bool,
+    /// How the ranks share the routed experts.
+    pub experts: ExpertSharding,
 }
 
 impl Default for Parallel {
     fn default() -> Self {
         Self {
             tp: 1,
-            expert_parallel: false,
+            experts: ExpertSharding::Split,
         }
     }
 }
@@ -76,6 +89,7 @@ impl ParallelSection {
         Self {
             tp_size: Some(a.tp_size.or(f.tp_size).unwrap_or(1)),
             ep_size: Some(a.ep_size.or(f.ep_size).unwrap_or(1)),
+            moe_a2a_backend: a.moe_a2a_backend.clone().or(f.moe_a2a_backend),
         }
     }
 
@@ -89,10 +103,25 @@ impl ParallelSection {
         if ep != 1 && ep != tp {
             bail!("[parallel] ep_size / --ep-size must be 1 or equal tp_size ({tp}), got {ep}");
         }
-        Ok(Parallel {
-            tp,
-            expert_parallel: ep > 1,
-        })
+        let a2a = match self.moe_a2a_backend.as_deref().unwrap_or("none") {
+            "none" => false,
+            "all-to-all" => true,
+            other => bail!(
+                "[parallel] moe_a2a_backend / --moe-a2a-backend: unknown backend '{other}' \
+                 (none: the experts' shares are all-reduced; all-to-all: tokens are \
+                 dispatched to the experts' ranks and combined)"
+            ),
+        };
+        let experts = match (ep > 1, a2a) {
+            (false, false) => ExpertSharding::Split,
+            (true, false) => ExpertSharding::PartitionedAllReduce,
+            (true, true) => ExpertSharding::PartitionedAllToAll,
+            (false, true) => bail!(
+                "[parallel] moe_a2a_backend / --moe-a2a-backend all-to-all needs \
+                 ep_size / --ep-size > 1 (experts partitioned over the ranks)"
+            ),
+        };
+        Ok(Parallel { tp, experts })
     }
 }
 
@@ -159,7 +188,7 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
         };
         let shard = ShardSpec {
             comm: c.clone(),
-            expert_parallel: p.expert_parallel,
+            experts: p.experts,
         };
         models.push(
             arbor_models::load_model_shard(&path, registry, &opts, &shard).with_context(|| {
@@ -183,11 +212,13 @@ mod tests {
         let a = ParallelArgs {
             tp_size: Some(2),
             ep_size: None,
+            moe_a2a_backend: None,
         };
-        let s = ParallelSection::resolve(
+        let mut s = ParallelSection::resolve(
             ParallelSection {
                 tp_size: Some(4),
                 ep_size: Some(2),
+                moe_a2a_backend: None,
             },
             &a,
         );
@@ -195,23 +226,43 @@ mod tests {
             s.to_settings().unwrap(),
             Parallel {
                 tp: 2,
-                expert_parallel: true
+                experts: ExpertSharding::PartitionedAllReduce
             }
+        );
+        s.moe_a2a_backend = Some("all-to-all".into());
+        assert_eq!(
+            s.to_settings().unwrap().experts,
+            ExpertSharding::PartitionedAllToAll
+        );
+        s.moe_a2a_backend = Some("deepep".into());
+        let e = s.to_settings().unwrap_err().to_string();
+        assert!(
+            e.contains("--moe-a2a-backend") && e.contains("'deepep'"),
+            "{e}"
+        );
+        s.moe_a2a_backend = Some("all-to-all".into());
+        s.ep_size = Some(1);
+        let e = s.to_settings().unwrap_err().to_string();
+        assert!(
+            e.contains("--moe-a2a-backend") && e.contains("--ep-size"),
+            "{e}"
         );
         let bad = ParallelSection {
             tp_size: Some(2),
             ep_size: Some(3),
+            moe_a2a_backend: None,
         };
         let e = bad.to_settings().unwrap_err().to_string();
         assert!(e.contains("ep_size") && e.contains("--ep-size"), "{e}");
         let zero = ParallelSection {
             tp_size: Some(0),
             ep_size: None,
+            moe_a2a_backend: None,
         };
         assert!(zero.to_settings().is_err());
         let p = Parallel {
             tp: 2,
-            expert_parallel: false,
+            experts: ExpertSharding::Split,
         };
         assert!(check_supported(p, "wgpu", &[]).is_err());
         let e = check_supported(p, "cpu", &[("--speculative-algorithm", true)])

@@ -40,6 +40,14 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
         // SGLang's top-level names.
         o.insert("tp_size".into(), cfg.parallel.tp_size.unwrap_or(1).into());
         o.insert("ep_size".into(), cfg.parallel.ep_size.unwrap_or(1).into());
+        o.insert(
+            "moe_a2a_backend".into(),
+            cfg.parallel
+                .moe_a2a_backend
+                .clone()
+                .unwrap_or_else(|| "none".into())
+                .into(),
+        );
     }
     info
 }
@@ -67,6 +75,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         cuda_graph_max_bs: args.cuda_graph_max_bs.or(q.max_running_requests),
         tp_size: cfg.parallel.tp_size.unwrap_or(1),
         ep_size: cfg.parallel.ep_size.unwrap_or(1),
+        moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),
     };
     let policy: SchedulePolicy = q
         .schedule_policy
@@ -359,8 +368,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         if tp > 1 {
             println!(
                 "  parallel:   tensor-parallel {tp} ranks (in-process, the threads split between them), \
-                 expert-parallel {}",
-                cfg.parallel.ep_size.unwrap_or(1)
+                 expert-parallel {} (moe-a2a-backend {})",
+                cfg.parallel.ep_size.unwrap_or(1),
+                cfg.parallel.moe_a2a_backend.as_deref().unwrap_or("none")
             );
         }
         println!("listening on http://{addr}");

@@ -71,14 +71,18 @@ pub struct ModelArgs {
         default_value_t = 1
     )]
     pub ep_size: usize,
+    /// How expert-parallel ranks exchange tokens: none or all-to-all [default: none].
+    #[arg(long = "moe-a2a-backend")]
+    pub moe_a2a_backend: Option<String>,
 }
 
 impl ModelArgs {
-    /// The checked parallelism of `--tp-size` and `--ep-size`.
+    /// The checked parallelism of `--tp-size`, `--ep-size` and `--moe-a2a-backend`.
     pub fn parallel(&self) -> Result<crate::parallel::Parallel> {
         crate::parallel::ParallelSection {
             tp_size: Some(self.tp_size),
             ep_size: Some(self.ep_size),
+            moe_a2a_backend: self.moe_a2a_backend.clone(),
         }
         .to_settings()
     }
@@ -330,16 +334,15 @@ pub fn build_engine(
         parallel,
         &args.device,
         &[(
-            // NGRAM drafts from the token history alone and STANDALONE
-            // with a whole draft model of its own (on rank 0's device); the
-            // others run the target's (here sharded) layers, embedding or
-            // LM head, whose collectives need every rank.
-            "--speculative-algorithm other than NGRAM and STANDALONE",
-            setup
-                .engine
-                .speculative
-                .as_ref()
-                .is_some_and(|s| !matches!(s.algorithm.as_str(), "ngram" | "standalone")),
+            // NGRAM drafts from the token history alone, STANDALONE with a
+            // whole draft model of its own (on rank 0's device) and
+            // LAYERSKIP with the target's first layers run on every rank;
+            // the draft heads (EAGLE, EAGLE3, NEXTN) read the target's
+            // sharded embedding and LM head on one rank.
+            "--speculative-algorithm other than NGRAM, STANDALONE and LAYERSKIP",
+            setup.engine.speculative.as_ref().is_some_and(|s| {
+                !matches!(s.algorithm.as_str(), "ngram" | "standalone" | "layerskip")
+            }),
         )],
     )?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
@@ -489,9 +492,11 @@ pub fn build_engine(
         model.tokenizer.eos_token_ids.clone(),
     );
     let mut rank_backends = Vec::new();
+    let mut target_group = None;
     if let Some((models, backends, comms)) = ranks {
         rank_backends = backends.clone();
         let mut executors = Vec::with_capacity(models.len());
+        let mut runners = Vec::with_capacity(models.len());
         for (rank, (m, b)) in models.into_iter().zip(backends).enumerate() {
             let r = if rank == 0 {
                 runner.clone()
@@ -501,6 +506,7 @@ pub fn build_engine(
                         .with_context(|| format!("allocating rank {rank}'s KV cache"))?,
                 )
             };
+            runners.push(r.clone());
             executors.push(arbor_engine_core::LocalExecutor::new(
                 r,
                 registry.samplers.get(&setup.sampler)?()?,
@@ -508,6 +514,10 @@ pub fn build_engine(
                 model.tokenizer.eos_token_ids.clone(),
             ));
         }
+        target_group = Some(Arc::new(arbor_engine_core::TpRunners::new(
+            runners,
+            comms.clone(),
+        )?));
         parts.executor = Box::new(arbor_engine_core::TpExecutor::new(executors, comms)?);
     }
     if let Some(sc) = &setup.engine.speculative {
@@ -517,6 +527,7 @@ pub fn build_engine(
             .context("--speculative-algorithm")?;
         let inputs = SpeculatorInputs {
             target: runner,
+            target_group,
             draft_model: draft.map(|d| d.model),
             // NEXTN's layers live in the target's checkpoint by default.
             draft_path: setup

@@ -1,5 +1,6 @@
 //! End to end: `arbor serve --tp-size 2` (and `--ep-size 2` for a
-//! mixture-of-experts model) on the tiny fixtures serves the greedy
+//! mixture-of-experts model, with the experts' shares all-reduced and with
+//! `--moe-a2a-backend all-to-all`) on the tiny fixtures serves the greedy
 //! completions transformers computed (reference.json) over HTTP, reports
 //! the parallelism in /get_server_info and the start-up summary, counts the
 //! tokens routed to each expert in /metrics, returns
@@ -42,6 +43,12 @@ async fn check(model: &str, extra: &[&str]) -> Result<()> {
         .json()
         .await?;
     assert_eq!(info["tp_size"], 2);
+    let a2a = if extra.contains(&"all-to-all") {
+        "all-to-all"
+    } else {
+        "none"
+    };
+    assert_eq!(info["moe_a2a_backend"], a2a, "{info}");
     let reference = reference_json(&path)?;
     let prompts = reference["prompts"].as_array().context("prompts")?;
     // All prompts at once: one batch over both ranks.
@@ -90,7 +97,19 @@ async fn check(model: &str, extra: &[&str]) -> Result<()> {
 #[tokio::test]
 async fn tensor_parallel_serves_the_reference_completions() -> Result<()> {
     check("tiny-qwen3", &["--tp-size", "2"]).await?;
-    check("tiny-qwen3-moe", &["--tp-size", "2", "--ep-size", "2"]).await
+    check("tiny-qwen3-moe", &["--tp-size", "2", "--ep-size", "2"]).await?;
+    check(
+        "tiny-qwen3-moe",
+        &[
+            "--tp-size",
+            "2",
+            "--ep-size",
+            "2",
+            "--moe-a2a-backend",
+            "all-to-all",
+        ],
+    )
+    .await
 }
 
 #[test]
@@ -105,15 +124,23 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
         "--ep-size applies to mixture-of-experts models only",
     )?;
     assert_serve_refuses(
+        &["--tp-size", "2", "--moe-a2a-backend", "all-to-all"],
+        "--moe-a2a-backend all-to-all needs ep_size / --ep-size > 1",
+    )?;
+    assert_serve_refuses(
         &[
             "--tp-size",
             "2",
-            "--speculative-algorithm",
-            "LAYERSKIP",
-            "--speculative-draft-layers",
-            "1",
+            "--ep-size",
+            "2",
+            "--moe-a2a-backend",
+            "deepep",
         ],
-        "--speculative-algorithm other than NGRAM and STANDALONE does not run with --tp-size > 1",
+        "unknown backend 'deepep'",
+    )?;
+    assert_serve_refuses(
+        &["--tp-size", "2", "--speculative-algorithm", "NEXTN"],
+        "--speculative-algorithm other than NGRAM, STANDALONE and LAYERSKIP does not run with --tp-size > 1",
     )
 }
 
@@ -161,12 +188,41 @@ async fn tensor_parallel_runs_a_standalone_draft_model_losslessly() -> Result<()
     Ok(())
 }
 
+/// LAYERSKIP over two ranks: the draft forwards run the target's first two
+/// of three layers on both ranks (each over its heads and KV shard). The
+/// reference completions, with drafts accepted as on one rank (how many
+/// depends on the draft lengths the scheduler's cost model picks from
+/// measured step times, so the counts are printed, not compared). The draft
+/// logits themselves are compared with one rank's in arbor-models'
+/// `tensor_parallel` tests.
+#[tokio::test]
+async fn tensor_parallel_runs_layerskip_over_every_rank() -> Result<()> {
+    let args = [
+        "LAYERSKIP",
+        "--speculative-draft-layers",
+        "2",
+        "--speculative-num-steps",
+        "3",
+    ];
+    let (one, tokens) = speculate("tiny-llama", 1, &args).await?;
+    let (two, _) = speculate("tiny-llama", 2, &args).await?;
+    assert!(one < tokens, "no LAYERSKIP draft accepted on one rank");
+    assert!(two < tokens, "no LAYERSKIP draft accepted at --tp-size 2");
+    Ok(())
+}
+
+/// [`speculate`] at `--tp-size 2`.
+async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u64)> {
+    speculate(model, 2, algorithm).await
+}
+
 /// Serves `model`'s reference prompts (greedy, as many tokens as the
-/// reference) at `--tp-size 2` with `--speculative-algorithm` and then
+/// reference) at `--tp-size tp` with `--speculative-algorithm` and then
 /// `algorithm`; checks the answers against transformers' and that the pool
 /// is empty after; returns the verify steps and the tokens.
-async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u64)> {
+async fn speculate(model: &str, tp: usize, algorithm: &[&str]) -> Result<(u64, u64)> {
     let path = fixture(model);
+    let tp_arg = tp.to_string();
     let mut args = vec![
         "--model-path",
         &path,
@@ -177,13 +233,19 @@ async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u6
         "--kv-cache-dtype",
         "f32",
         "--tp-size",
-        "2",
+        &tp_arg,
         "--enable-metrics",
         "--speculative-algorithm",
     ];
     args.extend_from_slice(algorithm);
     let s = Server::start(&args)?;
-    assert!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
+    if tp > 1 {
+        assert!(
+            s.log_contains(&format!("tensor-parallel {tp} ranks")),
+            "{}",
+            s.logs()
+        );
+    }
     let c = client();
     let reference = reference_json(&path)?;
     let (mut steps, mut tokens) = (0, 0);
@@ -204,7 +266,7 @@ async fn speculate_under_tp2(model: &str, algorithm: &[&str]) -> Result<(u64, u6
             .context("spec_verify_ct")?;
         tokens += n as u64;
     }
-    eprintln!("{model} {algorithm:?} at --tp-size 2: {steps} verify steps for {tokens} tokens");
+    eprintln!("{model} {algorithm:?} at --tp-size {tp}: {steps} verify steps for {tokens} tokens");
     assert_no_leak(&c, &s, "arbor", None).await?;
     Ok((steps, tokens))
 }

@@ -78,6 +78,7 @@ impl CpuBackend {
             DType::Q6_K,
             DType::F8_S32,
             DType::U4_S32,
+            DType::U8_S32,
             DType::F4_S16,
         ];
         Ok(Self {

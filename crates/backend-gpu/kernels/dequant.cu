@@ -46,6 +46,20 @@ extern "C" __global__ void dequant_u4_s32(const unsigned char* w, float* out, u6
     }
 }
 
+// u8_s32: 32 bytes of values, an f16 scale and a u16 zero point (8-bit
+// GPTQ's zeros reach 256) per 36-byte block.
+extern "C" __global__ void dequant_u8_s32(const unsigned char* w, float* out, u64 n) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const unsigned char* b = w + (i / 32) * 36;
+        u32 q = b[i % 32];
+        f16_t s;
+        s.x = (unsigned short)((u32)b[32] | ((u32)b[33] << 8));
+        int z = (int)((u32)b[34] | ((u32)b[35] << 8));
+        out[i] = (float)((int)q - z) * to_f32(s);
+    }
+}
+
 // f4_s16: 8 bytes of E2M1 nibbles (element j < 8 low, 8 + j high) and an f32
 // scale per 12-byte block.
 extern "C" __global__ void dequant_f4_s16(const unsigned char* w, float* out, u64 n) {

@@ -86,6 +86,7 @@ kernels! {
     LogprobStats = "logprob_stats": "ppppiii",
     DequantF8S32 = "dequant_f8_s32": "ppl",
     DequantU4S32 = "dequant_u4_s32": "ppl",
+    DequantU8S32 = "dequant_u8_s32": "ppl",
     DequantF4S16 = "dequant_f4_s16": "ppl",
 }
 

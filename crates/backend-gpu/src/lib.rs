@@ -69,7 +69,7 @@ impl GpuBackend {
             caps: Arc::new(BackendCapabilities {
                 weight_dtypes: [
                     floats.as_slice(),
-                    &[DType::F8_S32, DType::U4_S32, DType::F4_S16],
+                    &[DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16],
                 ]
                 .concat(),
                 kv_dtypes: attention::KV_DTYPES.to_vec(),

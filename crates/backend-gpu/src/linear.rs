@@ -7,7 +7,7 @@
 //! cores with f32 accumulation and an f32 output; this is the precision of a
 //! PyTorch bf16/f16 model, whose activations are already in that type. Biases
 //! are added in f32 by a separate kernel. The scaled blocks of HF quantized
-//! checkpoints (`f8_s32`, `u4_s32`, `f4_s16`) stay packed in device memory
+//! checkpoints (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`) stay packed in device memory
 //! and are dequantized to an f32 scratch before each GEMM (exactly the CPU's
 //! values), then multiplied as f32 weights: a dequantizing GEMM, until FP8
 //! and FP4 tensor-core paths exist. [`GpuBackend::op_linear_many`]
@@ -25,6 +25,7 @@ fn dequant_kernel(dtype: DType) -> Option<K> {
     match dtype {
         DType::F8_S32 => Some(K::DequantF8S32),
         DType::U4_S32 => Some(K::DequantU4S32),
+        DType::U8_S32 => Some(K::DequantU8S32),
         DType::F4_S16 => Some(K::DequantF4S16),
         _ => None,
     }

@@ -265,6 +265,7 @@ pub fn weight_code(dtype: DType) -> Result<u32> {
         DType::F8_S32 => 6,
         DType::U4_S32 => 7,
         DType::F4_S16 => 8,
+        DType::U8_S32 => 9,
         other => {
             return Err(CoreError::unsupported(format!(
                 "{other} weights on the wgpu backend"

@@ -158,6 +158,7 @@ impl WgpuBackend {
                     DType::Q4_1,
                     DType::F8_S32,
                     DType::U4_S32,
+                    DType::U8_S32,
                     DType::F4_S16,
                 ],
                 kv_dtypes: vec![

@@ -2,7 +2,7 @@
 //! dtype the backend lists.
 //!
 //! Float weights (f32, f16, bf16) and the scaled blocks of HF quantized
-//! checkpoints (`f8_s32`, `u4_s32`, `f4_s16`, dequantized element by element
+//! checkpoints (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`, dequantized element by element
 //! with the CPU's formulas) are multiplied with f32 activations and f32
 //! accumulation (`matmul_f.wgsl`). Block-quantized weights (Q8_0, Q4_0, Q4_1)
 //! are multiplied as ggml and the CPU backend do: the activations are first

@@ -251,7 +251,7 @@ fn quantized_linear_matches_cpu() {
 fn scaled_linear_matches_cpu() {
     let Some(g) = gpu() else { return };
     let c = cpu();
-    for dt in [DType::F8_S32, DType::U4_S32, DType::F4_S16] {
+    for dt in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
         for (i, (m, n, k)) in [(1, 70, 64), (2, 33, 96), (8, 128, 576), (9, 65, 160)]
             .into_iter()
             .enumerate()

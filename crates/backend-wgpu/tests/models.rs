@@ -270,11 +270,17 @@ fn tiny_deepseek_v3_matches_cpu() -> Result<()> {
 }
 
 /// HF quantized checkpoints (tests/fixtures/quant): FP8 blocks, INT4 (AWQ,
-/// compressed-tensors W4A16) and NVFP4, packed as on the CPU and multiplied
-/// by `matmul_f.wgsl`.
+/// compressed-tensors W4A16), 8-bit GPTQ and NVFP4, packed as on the CPU
+/// and multiplied by `matmul_f.wgsl`.
 #[test]
 fn quantized_checkpoints_match_cpu() -> Result<()> {
-    for name in ["quant/fp8-block", "quant/awq", "quant/w4a16", "quant/nvfp4"] {
+    for name in [
+        "quant/fp8-block",
+        "quant/awq",
+        "quant/w4a16",
+        "quant/gptq8-asym",
+        "quant/nvfp4",
+    ] {
         check_fixture(name, "f32")?;
     }
     Ok(())

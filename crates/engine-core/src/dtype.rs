@@ -15,7 +15,9 @@
 //! 20 bytes; value = (q − zero) × scale) and `f4_s16` (16 E2M1 values,
 //! element `i < 8` in the low nibble of byte `i` and element `8 + i` in its
 //! high nibble, then an f32 scale, 12 bytes; value = e2m1 × scale, the scale
-//! being NVFP4's E4M3 block scale times its global scale).
+//! being NVFP4's E4M3 block scale times its global scale) and `u8_s32` (32
+//! unsigned 8-bit values, then an f16 scale and a u16 zero point, 36 bytes;
+//! value = (q − zero) × scale: 8-bit GPTQ, whose zero points reach 256).
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
@@ -50,11 +52,12 @@ pub enum DType {
     F8_S32,
     U4_S32,
     F4_S16,
+    U8_S32,
 }
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 23] = [
+    pub const ALL: [DType; 24] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -78,6 +81,7 @@ impl DType {
         DType::F8_S32,
         DType::U4_S32,
         DType::F4_S16,
+        DType::U8_S32,
     ];
 
     /// Logical elements per storage block (1 for plain types).
@@ -98,7 +102,8 @@ impl DType {
             | DType::Q8_0
             | DType::Q8_1
             | DType::F8_S32
-            | DType::U4_S32 => 32,
+            | DType::U4_S32
+            | DType::U8_S32 => 32,
             DType::F4_S16 => 16,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::Q8_K => {
                 256
@@ -127,6 +132,7 @@ impl DType {
             DType::F8_S32 => 36,
             DType::U4_S32 => 20,
             DType::F4_S16 => 12,
+            DType::U8_S32 => 36,
         }
     }
 
@@ -177,6 +183,7 @@ impl DType {
             DType::F8_S32 => "f8_s32",
             DType::U4_S32 => "u4_s32",
             DType::F4_S16 => "f4_s16",
+            DType::U8_S32 => "u8_s32",
         }
     }
 }

@@ -75,7 +75,7 @@ pub use tier::{
     CopyDirection, HostKvPool, HostPages, HostSlotRef, KvCopyStats, KvTier, KvTierOps, PageCopy,
     PageKey, TierError, TierIdentity, page_keys,
 };
-pub use tp::TpExecutor;
+pub use tp::{TpExecutor, TpRunners};
 
 /// Re-exported so that implementation crates register with the same `inventory`.
 pub use inventory;

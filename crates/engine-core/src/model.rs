@@ -269,19 +269,18 @@ pub struct ShardSpec {
     /// This rank's end of the group; the model reduces its partial sums
     /// through it.
     pub comm: Arc<dyn crate::comm::Communicator>,
-    /// Routed experts are partitioned over the ranks (expert parallelism,
-    /// `--ep-size` equal to `--tp-size`) instead of split along their width.
-    pub expert_parallel: bool,
+    /// How the ranks share the routed experts of a MoE model.
+    pub experts: crate::moe::ExpertSharding,
 }
 
 impl std::fmt::Debug for ShardSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ShardSpec(rank {} of {}, expert_parallel: {})",
+            "ShardSpec(rank {} of {}, experts: {:?})",
             self.comm.rank(),
             self.comm.world_size(),
-            self.expert_parallel
+            self.experts
         )
     }
 }

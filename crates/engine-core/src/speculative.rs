@@ -99,8 +99,13 @@ pub enum Drafting {
 /// What a speculator may be built over besides its settings.
 #[derive(Clone)]
 pub struct SpeculatorInputs {
-    /// The target model's runner (its device, weights and KV cache).
+    /// The target model's runner (its device, weights and KV cache; rank
+    /// 0's with tensor parallelism).
     pub target: Arc<ModelRunner>,
+    /// With tensor parallelism, every rank's runner of the target: a
+    /// drafter that runs the target's layers (LAYERSKIP) runs them on all
+    /// ranks through it. `None` on one device.
+    pub target_group: Option<Arc<crate::tp::TpRunners>>,
     /// A separate draft model loaded on the target's device (STANDALONE).
     pub draft_model: Option<Arc<dyn Model>>,
     /// A draft checkpoint that the speculator loads itself (an EAGLE3 head's folder).

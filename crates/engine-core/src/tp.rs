@@ -11,6 +11,8 @@
 //!   rank whose output differs is an error, not a silent divergence.
 //! - A rank that fails aborts the group so that no rank stays blocked in a
 //!   collective; the group is reset before the step returns its error.
+//! - [`TpRunners`] runs a forward outside a plan (a LAYERSKIP drafter's) on
+//!   every rank the same way.
 //! - A plan's KV tier copies (HiCache, PD export and import) run once for
 //!   the group, before the ranks compute: a host page holds every rank's
 //!   heads in the single-engine layout ([`crate::executor::kv_ops`]), so
@@ -20,7 +22,8 @@ use crate::comm::Communicator;
 use crate::error::{CoreError, Result};
 use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor};
 use crate::kv::KvSpec;
-use crate::model::ModelSpec;
+use crate::model::{ForwardBatch, ForwardOutput, ModelSpec};
+use crate::runner::ModelRunner;
 use crate::sampling::SamplingParams;
 use crate::step::{MaskInput, StepOutput, StepPlan};
 use std::sync::Arc;
@@ -43,16 +46,7 @@ impl TpExecutor {
         let first = ranks
             .first()
             .ok_or_else(|| CoreError::invalid("a tensor-parallel executor of no ranks"))?;
-        if comms.len() != ranks.len()
-            || comms
-                .iter()
-                .enumerate()
-                .any(|(i, c)| c.rank() != i || c.world_size() != ranks.len())
-        {
-            return Err(CoreError::invalid(
-                "each rank needs the communicator of its own rank in a group of all of them",
-            ));
-        }
+        check_group(&comms, ranks.len())?;
         let kv = first.kv_spec();
         if ranks.iter().any(|r| {
             let k = r.kv_spec();
@@ -124,71 +118,34 @@ impl Executor for TpExecutor {
         self.ranks[0].needs_context(params)
     }
 
-    /// Every rank routes every token (the router is replicated), so rank 0's
-    /// counts are the group's.
+    /// Each rank counts the tokens its experts (or their slices) computed:
+    /// every token on every rank when experts are split, each expert's
+    /// tokens on its own rank only when they are partitioned; the largest
+    /// count is the group's either way.
     fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
-        self.ranks[0].expert_load()
+        let mut merged = self.ranks[0].expert_load();
+        for r in &self.ranks[1..] {
+            for (m, l) in merged.iter_mut().zip(r.expert_load()) {
+                for (a, b) in m.tokens.iter_mut().zip(l.tokens) {
+                    *a = (*a).max(b);
+                }
+            }
+        }
+        merged
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
         let shards: Vec<&LocalExecutor> = self.ranks.iter().collect();
         let kv_copy =
             crate::executor::kv_ops::copy_tier_pages(&shards, self.kv_replicated, &plan.kv_ops)?;
-        let mut plans = rank_plans(plan, self.ranks.len());
-        let plan0 = plans.remove(0);
-        let results: Vec<Result<StepOutput>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .ranks
-                .iter()
-                .zip(&self.comms)
-                .skip(1)
-                .zip(plans)
-                .map(|((r, c), plan)| {
-                    s.spawn(move || {
-                        let out = r.execute(&plan);
-                        if out.is_err() {
-                            c.abort();
-                        }
-                        out
-                    })
-                })
-                .collect();
-            let first = self.ranks[0].execute(&plan0);
-            if first.is_err() {
-                self.comms[0].abort();
-            }
-            let mut all = vec![first];
-            for h in handles {
-                all.push(h.join().unwrap_or_else(|_| {
-                    Err(CoreError::Internal(
-                        "a tensor-parallel rank panicked".into(),
-                    ))
-                }));
-            }
-            all
-        });
-        let failed = results.iter().position(Result::is_err);
-        if failed.is_some() {
-            self.comms[0].reset()?;
-        }
-        let mut results = results.into_iter();
-        let first = results
+        let plans = rank_plans(plan, self.ranks.len());
+        let results = on_every_rank(&self.comms, plans, |i, plan| self.ranks[i].execute(&plan));
+        let mut results = settle(&self.comms, results)?.into_iter();
+        let mut first = results
             .next()
             .ok_or_else(|| CoreError::Internal("no rank ran the step".into()))?;
-        // The first failure is the cause; the others were aborted by it.
-        let first = match (first, failed) {
-            (Ok(o), None) => o,
-            (Err(e), _) => return Err(e),
-            (Ok(_), Some(i)) => {
-                return results
-                    .nth(i - 1)
-                    .unwrap_or_else(|| Err(CoreError::Internal("a rank failed".into())));
-            }
-        };
-        let mut first = first;
         first.kv_copy = kv_copy;
-        for (i, r) in results.enumerate() {
-            let o = r?;
+        for (i, o) in results.enumerate() {
             if o.seqs
                 .iter()
                 .map(|s| &s.tokens)
@@ -201,6 +158,119 @@ impl Executor for TpExecutor {
             }
         }
         Ok(first)
+    }
+}
+
+/// Checks that `comms[i]` is rank `i` of a group of exactly `ranks` ranks.
+fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
+    if comms.len() != ranks
+        || comms
+            .iter()
+            .enumerate()
+            .any(|(i, c)| c.rank() != i || c.world_size() != ranks)
+    {
+        return Err(CoreError::invalid(
+            "each rank needs the communicator of its own rank in a group of all of them",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `f(rank, input)` on every rank at once (rank 0 on this thread, the
+/// others on scoped threads), each with its own input; a rank that fails
+/// aborts the group so that no other rank stays blocked in a collective.
+fn on_every_rank<I: Send, T: Send>(
+    comms: &[Arc<dyn Communicator>],
+    inputs: Vec<I>,
+    f: impl Fn(usize, I) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let mut inputs = inputs.into_iter();
+        let first_input = inputs.next();
+        let handles: Vec<_> = comms
+            .iter()
+            .skip(1)
+            .zip(inputs)
+            .enumerate()
+            .map(|(i, (c, input))| {
+                s.spawn(move || {
+                    let out = f(i + 1, input);
+                    if out.is_err() {
+                        c.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        let first = match first_input {
+            Some(input) => f(0, input),
+            None => Err(CoreError::Internal("no rank to run".into())),
+        };
+        if first.is_err()
+            && let Some(c) = comms.first()
+        {
+            c.abort();
+        }
+        let mut all = vec![first];
+        for h in handles {
+            all.push(h.join().unwrap_or_else(|_| {
+                Err(CoreError::Internal(
+                    "a tensor-parallel rank panicked".into(),
+                ))
+            }));
+        }
+        all
+    })
+}
+
+/// Every rank's output, or the first failure (the cause: the others were
+/// aborted by it) after resetting the group for the next collective.
+fn settle<T>(comms: &[Arc<dyn Communicator>], results: Vec<Result<T>>) -> Result<Vec<T>> {
+    if results.iter().any(Result::is_err) {
+        if let Some(c) = comms.first() {
+            c.reset()?;
+        }
+        let cause = results.into_iter().find_map(Result::err);
+        return Err(cause.unwrap_or_else(|| CoreError::Internal("a rank failed".into())));
+    }
+    results.into_iter().collect()
+}
+
+/// A tensor-parallel group's model forward outside a step plan, for a
+/// drafter that runs the target's own (sharded) layers (LAYERSKIP): every
+/// rank runs the same batch on its shard and its KV cache, meeting in the
+/// layers' collectives; rank 0's output is the group's (the logits are
+/// gathered, so every rank holds the same).
+pub struct TpRunners {
+    runners: Vec<Arc<ModelRunner>>,
+    comms: Vec<Arc<dyn Communicator>>,
+}
+
+impl TpRunners {
+    /// Rank `i`'s runner `runners[i]`, communicating through `comms[i]`
+    /// (the runners the group's [`TpExecutor`] executes with).
+    pub fn new(runners: Vec<Arc<ModelRunner>>, comms: Vec<Arc<dyn Communicator>>) -> Result<Self> {
+        if runners.is_empty() {
+            return Err(CoreError::invalid("a tensor-parallel group of no ranks"));
+        }
+        check_group(&comms, runners.len())?;
+        Ok(Self { runners, comms })
+    }
+
+    /// Rank 0's runner (its device holds the gathered logits).
+    pub fn first(&self) -> &Arc<ModelRunner> {
+        &self.runners[0]
+    }
+
+    /// Runs `batch` on every rank; rank 0's output.
+    pub fn forward(&self, batch: &ForwardBatch) -> Result<ForwardOutput> {
+        let inputs = vec![(); self.runners.len()];
+        let results = on_every_rank(&self.comms, inputs, |i, ()| self.runners[i].forward(batch));
+        settle(&self.comms, results)?
+            .into_iter()
+            .next()
+            .ok_or_else(|| CoreError::Internal("no rank ran the forward".into()))
     }
 }
 

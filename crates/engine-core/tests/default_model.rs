@@ -90,6 +90,7 @@ fn engine_with_draft(
     if let Some(sc) = &cfg.speculative {
         let inputs = arbor_engine_core::SpeculatorInputs {
             target: runner,
+            target_group: None,
             draft_model: draft,
             draft_path: None,
         };

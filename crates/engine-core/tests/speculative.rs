@@ -254,6 +254,7 @@ fn engine(mut cfg: EngineConfig, num_pages: usize, spec: &Spec) -> Result<Engine
     )?);
     let mut inputs = SpeculatorInputs {
         target: runner.clone(),
+        target_group: None,
         draft_model: None,
         draft_path: None,
     };
@@ -815,6 +816,7 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
     let standalone = s.registry.speculators.get("standalone")?;
     let inputs = SpeculatorInputs {
         target: runner.clone(),
+        target_group: None,
         draft_model: None,
         draft_path: None,
     };

@@ -150,7 +150,7 @@ fn main() {
             };
             let shard = ShardSpec {
                 comm,
-                expert_parallel: false,
+                experts: Default::default(),
             };
             let m = DecoderModel::load_shard(cfg.clone(), None, FLAGS, &src, &opts, &shard)
                 .expect("shard");

@@ -13,10 +13,11 @@
 use crate::config::DecoderConfig;
 use crate::kv_scales;
 use crate::mla::{MlaAttn, MlaConfig};
-use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
+use crate::moe::{MoeBlock, MoeConfig, MoeParallel, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
 use arbor_engine_core::comm::Communicator;
 use arbor_engine_core::lora::{LoraSegment, LoraTarget, apply_lora};
+use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
@@ -84,6 +85,8 @@ enum Ffn {
 /// This rank's place in a tensor-parallel group.
 struct TpRank {
     comm: Arc<dyn Communicator>,
+    /// How the ranks share the routed experts.
+    experts: ExpertSharding,
     /// The LM head holds this rank's rows of the vocabulary; logits are gathered.
     vocab_parallel: bool,
 }
@@ -282,24 +285,22 @@ impl DecoderModel {
         shard: &ShardSpec,
     ) -> Result<Self> {
         let (rank, world) = (shard.comm.rank(), shard.comm.world_size());
-        let (local, local_moe) = shard_config(&cfg, moe, world, shard.expert_parallel)?;
+        let partitioned = shard.experts.partitioned();
+        let (local, local_moe) = shard_config(&cfg, moe, world, partitioned)?;
         let vocab_parallel = cfg.vocab_size.is_multiple_of(world);
-        let sharded = ShardedSource::new(src, rank, world, vocab_parallel, shard.expert_parallel);
+        let sharded = ShardedSource::new(src, rank, world, vocab_parallel, partitioned);
         let tp = TpRank {
             comm: shard.comm.clone(),
+            experts: shard.experts,
             vocab_parallel,
         };
-        let experts = shard.expert_parallel.then(|| {
-            let per = local_moe.as_ref().map_or(0, |m| m.num_experts / world);
-            rank * per..(rank + 1) * per
-        });
         Self::load_inner(
             local,
             local_moe.as_ref(),
             flags,
             &sharded,
             opts,
-            Some((tp, experts)),
+            Some(tp),
             true,
         )
     }
@@ -310,13 +311,13 @@ impl DecoderModel {
         flags: ArchFlags,
         src: &dyn WeightSource,
         opts: &LoadOptions,
-        shard: Option<(TpRank, Option<std::ops::Range<usize>>)>,
+        tp: Option<TpRank>,
         table: bool,
     ) -> Result<Self> {
-        let (tp, owned_experts) = match shard {
-            Some((tp, experts)) => (Some(tp), experts),
-            None => (None, None),
-        };
+        let moe_parallel = tp.as_ref().map(|t| MoeParallel {
+            comm: t.comm.clone(),
+            sharding: t.experts,
+        });
         let h = cfg.hidden_size;
         let (nh, nkv, hd) = (
             cfg.num_attention_heads,
@@ -408,7 +409,7 @@ impl DecoderModel {
                 post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
                 ffn: match moe {
                     Some(m) if m.is_sparse(i) => {
-                        Ffn::Moe(MoeBlock::load(&mut l, m, i, h, owned_experts.clone())?)
+                        Ffn::Moe(MoeBlock::load(&mut l, m, i, h, moe_parallel.clone())?)
                     }
                     _ => Ffn::Dense {
                         gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
@@ -776,6 +777,7 @@ impl DecoderModel {
                     b.silu_mul(&gate, &up, &act)?;
                     self.linear(&act, down_w, &proj)?;
                     lora(i, LoraTarget::Down, &act, &proj)?;
+                    self.reduce(&proj)?;
                 }
                 Ffn::Moe(block) => {
                     if let Some(s) = lora_segments.iter().find(|s| {
@@ -788,10 +790,10 @@ impl DecoderModel {
                             s.adapter.name()
                         )));
                     }
+                    // The whole output on every rank (the block reduces).
                     block.forward(b, &x, &proj)?;
                 }
             }
-            self.reduce(&proj)?;
         }
         b.add_rms_norm(&resid, &proj, &self.norm, c.rms_norm_eps, &x)?;
         // After the final add, `resid` is the stream after the last layer.

@@ -11,9 +11,14 @@
 
 use crate::config::Keys;
 use crate::decoder::Loader;
-use arbor_engine_core::moe::{ExpertCounter, ExpertWeights, RouterScoring, route, run_experts};
+use arbor_engine_core::comm::Communicator;
+use arbor_engine_core::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
+use arbor_engine_core::moe::{
+    ExpertCounter, ExpertSharding, ExpertWeights, MoeRouting, RouterScoring, route, run_experts,
+};
 use arbor_engine_core::{Backend, DType, Result, Tensor};
 use serde_json::Value;
+use std::sync::Arc;
 
 /// How an architecture names its MoE tensors and scores its router.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -235,6 +240,15 @@ struct SharedExpert {
     gate: Option<Tensor>,
 }
 
+/// A rank's part in the MoE layers of a tensor-parallel group.
+#[derive(Clone)]
+pub(crate) struct MoeParallel {
+    /// The group.
+    pub comm: Arc<dyn Communicator>,
+    /// How the ranks share the routed experts.
+    pub sharding: ExpertSharding,
+}
+
 /// One sparse feed-forward block.
 pub struct MoeBlock {
     /// `[num_experts, hidden]` f32.
@@ -243,20 +257,30 @@ pub struct MoeBlock {
     top_k: usize,
     scoring: RouterScoring,
     shared: Option<SharedExpert>,
-    /// Tokens routed to each expert so far.
+    /// Tokens this block's experts computed so far.
     load: ExpertCounter,
+    /// This rank's group, with tensor or expert parallelism.
+    parallel: Option<MoeParallel>,
 }
 
 impl MoeBlock {
-    /// Loads layer `layer`'s block; with `owned`, only those experts (the
-    /// others are another rank's).
+    /// Loads layer `layer`'s block (as rank `parallel.comm.rank()`: with
+    /// partitioned experts, only that rank's).
     pub(crate) fn load(
         l: &mut Loader<'_>,
         cfg: &MoeConfig,
         layer: usize,
         hidden: usize,
-        owned: Option<std::ops::Range<usize>>,
+        parallel: Option<MoeParallel>,
     ) -> Result<Self> {
+        let owned = parallel
+            .as_ref()
+            .filter(|p| p.sharding.partitioned())
+            .map(|p| {
+                let (rank, world) = (p.comm.rank(), p.comm.world_size());
+                let per = cfg.num_experts / world.max(1);
+                rank * per..(rank + 1) * per
+            });
         let (prefix, names) = match cfg.style {
             MoeStyle::Mixtral => (
                 format!("model.layers.{layer}.block_sparse_moe"),
@@ -340,6 +364,7 @@ impl MoeBlock {
             scoring,
             shared,
             load: ExpertCounter::new(cfg.num_experts),
+            parallel,
         })
     }
 
@@ -348,37 +373,98 @@ impl MoeBlock {
         self.load.snapshot()
     }
 
-    /// `out = moe(x)` for `x` `[tokens, hidden]` f32; overwrites `out`.
+    /// `out = moe(x)` for `x` `[tokens, hidden]` f32 (the same on every
+    /// rank of a group), the whole output on every rank; overwrites `out`.
     pub fn forward(&self, b: &dyn Backend, x: &Tensor, out: &Tensor) -> Result<()> {
-        let t = x.rows();
-        let n_exp = self.experts.len();
-        let logits = b.alloc(DType::F32, &[t, n_exp])?;
-        b.linear(x, &self.router, None, &logits)?;
-        let routing = route(&b.download_f32(&logits)?, n_exp, self.top_k, &self.scoring)?;
-        self.load.record(&routing);
-        run_experts(b, x, &routing, &self.experts, out)?;
+        // With all-to-all dispatch the routed output is already whole on
+        // every rank; otherwise (split widths or the experts' shares) it is
+        // a partial sum.
+        let a2a = self
+            .parallel
+            .as_ref()
+            .filter(|p| p.sharding == ExpertSharding::PartitionedAllToAll);
+        match a2a {
+            Some(p) => self.routed_all_to_all(b, p.comm.as_ref(), x, out)?,
+            None => {
+                let routing = self.route(b, x)?;
+                self.load.record(&routing);
+                run_experts(b, x, &routing, &self.experts, out)?;
+            }
+        }
         if let Some(s) = &self.shared {
-            let y = b.alloc(DType::F32, &[t, x.row_len()])?;
-            let all = arbor_engine_core::moe::MoeRouting {
-                num_experts: 1,
-                top_k: 1,
-                experts: vec![0; t],
-                weights: match &s.gate {
-                    None => vec![1.0; t],
-                    Some(g) => {
-                        let gl = b.alloc(DType::F32, &[t, 1])?;
-                        b.linear(x, g, None, &gl)?;
-                        b.download_f32(&gl)?
-                            .iter()
-                            .map(|&v| 1.0 / (1.0 + (-v).exp()))
-                            .collect()
-                    }
-                },
-            };
-            run_experts(b, x, &all, &s.mlp, &y)?;
+            let y = b.alloc(DType::F32, &[x.rows(), x.row_len()])?;
+            s.forward(b, x, &y)?;
+            if let Some(p) = a2a {
+                // The shared expert's width is split: its partial sums are
+                // reduced on their own.
+                p.comm.all_reduce(&y)?;
+            }
             b.add_assign(out, &y)?;
         }
-        Ok(())
+        match (&self.parallel, a2a) {
+            (Some(p), None) => p.comm.all_reduce(out),
+            _ => Ok(()),
+        }
+    }
+
+    /// Routes each row of `x`.
+    fn route(&self, b: &dyn Backend, x: &Tensor) -> Result<MoeRouting> {
+        let n_exp = self.experts.len();
+        let logits = b.alloc(DType::F32, &[x.rows(), n_exp])?;
+        if x.rows() > 0 {
+            b.linear(x, &self.router, None, &logits)?;
+        }
+        route(&b.download_f32(&logits)?, n_exp, self.top_k, &self.scoring)
+    }
+
+    /// The routed experts' output of the whole batch with all-to-all
+    /// dispatch and combine: this rank routes its block of the tokens.
+    fn routed_all_to_all(
+        &self,
+        b: &dyn Backend,
+        comm: &dyn Communicator,
+        x: &Tensor,
+        out: &Tensor,
+    ) -> Result<()> {
+        let mine = token_block(x.rows(), comm.rank(), comm.world_size());
+        let xo = x.narrow(mine.start, mine.len())?;
+        let routing = self.route(b, &xo)?;
+        let own = b.alloc(DType::F32, &[mine.len(), x.row_len()])?;
+        run_experts_all_to_all(
+            b,
+            comm,
+            &xo,
+            &routing,
+            &self.experts,
+            Some(&self.load),
+            &own,
+        )?;
+        all_gather_rows(b, comm, &own, out)
+    }
+}
+
+impl SharedExpert {
+    /// `out = expert(x)`, scaled by the gate where there is one.
+    fn forward(&self, b: &dyn Backend, x: &Tensor, out: &Tensor) -> Result<()> {
+        let s = self;
+        let t = x.rows();
+        let all = MoeRouting {
+            num_experts: 1,
+            top_k: 1,
+            experts: vec![0; t],
+            weights: match &s.gate {
+                None => vec![1.0; t],
+                Some(g) => {
+                    let gl = b.alloc(DType::F32, &[t, 1])?;
+                    b.linear(x, g, None, &gl)?;
+                    b.download_f32(&gl)?
+                        .iter()
+                        .map(|&v| 1.0 / (1.0 + (-v).exp()))
+                        .collect()
+                }
+            },
+        };
+        run_experts(b, x, &all, &s.mlp, out)
     }
 }
 

@@ -225,12 +225,12 @@ fn modelopt_config_in_hf_quant_config_json_loads() -> Result<()> {
     check_against("nvfp4 (hf_quant_config.json)", &m, &backend, &reference)
 }
 
-/// 8-bit GPTQ, symmetric (zero point 128) and with zero points: the exact
-/// f32 dequantization.
+/// 8-bit GPTQ, symmetric (zero point 128) and with zero points (up to
+/// 256 in the original format): packed as `u8_s32`.
 #[test]
 fn gptq_8bit_matches() -> Result<()> {
-    check_format("gptq8", DType::F32)?;
-    check_format("gptq8-asym", DType::F32)
+    check_format("gptq8", DType::U8_S32)?;
+    check_format("gptq8-asym", DType::U8_S32)
 }
 
 /// Act-order groups mix within 32 inputs: the exact f32 dequantization.

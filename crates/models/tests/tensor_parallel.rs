@@ -4,22 +4,26 @@
 //! latent KV replicated) served by an engine over a `TpExecutor` of two ranks — each rank
 //! a CPU backend holding only its shard (heads, MLP and expert widths split,
 //! a vocab-parallel LM head), the MoE ones also with their experts
-//! partitioned (`--ep-size 2`) — continues the reference prompts greedily
+//! partitioned (`--ep-size 2`, with the experts' shares all-reduced and
+//! with all-to-all dispatch and combine) — continues the reference prompts greedily
 //! exactly as transformers did (the fixtures' reference.json), as one batch
 //! with chunked prefill and again from the radix cache, and ends with the
 //! KV pool empty. Shapes the group size does not divide are clear errors.
 
 use anyhow::{Context, Result};
 use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::attention::BatchLayout;
 use arbor_engine_core::comm::{Communicator, LocalGroup};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
+use arbor_engine_core::model::ForwardBatch;
+use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
     Backend, DType, Executor, LoadOptions, LocalExecutor, PrefixCacheOptions, Registry,
-    SamplingParams, ShardSpec, TpExecutor,
+    SamplingParams, ShardSpec, TpExecutor, TpRunners,
 };
 use arbor_kv_radix as _;
-use arbor_models::{LoadedModel, load_model_shard};
+use arbor_models::{LoadedModel, load_model, load_model_shard};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -49,7 +53,12 @@ type Shards = (
 );
 
 /// The ranks' shards of `name`, each on its own one-thread CPU backend.
-fn shards(registry: &Registry, name: &str, world: usize, expert_parallel: bool) -> Result<Shards> {
+fn shards(
+    registry: &Registry,
+    name: &str,
+    world: usize,
+    experts: ExpertSharding,
+) -> Result<Shards> {
     let backends: Vec<Arc<dyn Backend>> = (0..world)
         .map(|_| Ok(Arc::new(CpuBackend::new(1)?) as Arc<dyn Backend>))
         .collect::<Result<_>>()?;
@@ -68,14 +77,14 @@ fn shards(registry: &Registry, name: &str, world: usize, expert_parallel: bool) 
         };
         let shard = ShardSpec {
             comm: c.clone(),
-            expert_parallel,
+            experts,
         };
         models.push(load_model_shard(&fixture(name), registry, &opts, &shard)?);
     }
     Ok((models, backends, comms))
 }
 
-fn engine(registry: &Registry, name: &str, world: usize, ep: bool) -> Result<Engine> {
+fn engine(registry: &Registry, name: &str, world: usize, ep: ExpertSharding) -> Result<Engine> {
     let (models, backends, comms) = shards(registry, name, world, ep)?;
     let ranks = models
         .iter()
@@ -162,7 +171,7 @@ fn assert_pool_empty(e: &Engine) {
     panic!("KV pages still in use: {:?}", e.stats());
 }
 
-fn check(name: &str, ep: bool) -> Result<()> {
+fn check(name: &str, ep: ExpertSharding) -> Result<()> {
     let registry = Registry::builtin()?;
     let text = std::fs::read_to_string(fixture(name).join("reference.json"))?;
     let r: Value = serde_json::from_str(&text)?;
@@ -178,17 +187,17 @@ fn check(name: &str, ep: bool) -> Result<()> {
         .iter()
         .map(|p| ids(&p["greedy_ids"]))
         .collect();
-    let e = engine(&registry, name, 2, ep).with_context(|| format!("{name}: tp 2, ep {ep}"))?;
+    let e = engine(&registry, name, 2, ep).with_context(|| format!("{name}: tp 2, {ep:?}"))?;
     assert_eq!(
         run(&e, &prompts)?,
         want,
-        "{name} (tp 2, ep {ep}): batched greedy"
+        "{name} (tp 2, {ep:?}): batched greedy"
     );
     // Again, the prompts now cached.
     assert_eq!(
         run(&e, &prompts)?,
         want,
-        "{name} (tp 2, ep {ep}): from the cache"
+        "{name} (tp 2, {ep:?}): from the cache"
     );
     assert!(
         e.stats().cached_tokens_total > 0,
@@ -201,7 +210,7 @@ fn check(name: &str, ep: bool) -> Result<()> {
 #[test]
 fn dense_models_under_tp2_continue_as_transformers() -> Result<()> {
     for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"] {
-        check(name, false)?;
+        check(name, ExpertSharding::Split)?;
     }
     Ok(())
 }
@@ -215,8 +224,9 @@ fn moe_models_under_tp2_and_ep2_continue_as_transformers() -> Result<()> {
         "tiny-deepseek-v2",
         "tiny-deepseek-v3",
     ] {
-        check(name, false)?;
-        check(name, true)?;
+        check(name, ExpertSharding::Split)?;
+        check(name, ExpertSharding::PartitionedAllReduce)?;
+        check(name, ExpertSharding::PartitionedAllToAll)?;
     }
     Ok(())
 }
@@ -224,26 +234,100 @@ fn moe_models_under_tp2_and_ep2_continue_as_transformers() -> Result<()> {
 #[test]
 fn group_sizes_that_do_not_divide_are_named_errors() -> Result<()> {
     let registry = Registry::builtin()?;
-    let err = |name: &str, world: usize, ep: bool| -> String {
+    let err = |name: &str, world: usize, ep: ExpertSharding| -> String {
         match shards(&registry, name, world, ep) {
             Ok(_) => format!("{name} loaded on {world} ranks"),
             Err(e) => format!("{e:#}"),
         }
     };
     // tiny-mistral has one KV head.
-    let e = err("tiny-mistral", 2, false);
+    let e = err("tiny-mistral", 2, ExpertSharding::Split);
     assert!(
         e.contains("--tp-size 2 does not divide num_key_value_heads (1)"),
         "{e}"
     );
     // tiny-mixtral has 4 experts; 8 heads would be needed for 8 ranks anyway,
     // so take 3 ranks: heads (4) first.
-    let e = err("tiny-mixtral", 3, true);
+    let e = err("tiny-mixtral", 3, ExpertSharding::PartitionedAllToAll);
     assert!(e.contains("does not divide num_attention_heads (4)"), "{e}");
-    let e = err("tiny-llama", 2, true);
+    let e = err("tiny-llama", 2, ExpertSharding::PartitionedAllReduce);
     assert!(
         e.contains("--ep-size applies to mixture-of-experts models only"),
         "{e}"
     );
+    Ok(())
+}
+
+/// A LAYERSKIP draft forward (`exit_after`: the first layers, then the
+/// final norm and LM head) run on both ranks through `TpRunners` gives the
+/// logits one rank gives for the whole model, for a prompt and then for a
+/// token that reads the prompt's KV (so every rank wrote its shard of the
+/// draft KV); a dense model and a MoE one with experts partitioned.
+#[test]
+fn draft_forwards_run_on_every_rank() -> Result<()> {
+    let registry = Registry::builtin()?;
+    for (name, experts) in [
+        ("tiny-llama", ExpertSharding::Split),
+        ("tiny-qwen3-moe", ExpertSharding::PartitionedAllToAll),
+    ] {
+        let (models, backends, comms) = shards(&registry, name, 2, experts)?;
+        let runners = models
+            .iter()
+            .zip(&backends)
+            .map(|(m, b)| {
+                Ok(Arc::new(ModelRunner::new(
+                    m.model.clone(),
+                    b.clone(),
+                    None,
+                    4,
+                    16,
+                    DType::F32,
+                )?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let group = TpRunners::new(runners, comms)?;
+        let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(1)?);
+        let opts = LoadOptions {
+            backend: cpu.clone(),
+            quant: registry.quant_methods.get("f32")?(&Default::default())?,
+            progress: None,
+        };
+        let whole = load_model(&fixture(name), &registry, &opts)?;
+        let one = ModelRunner::new(whole.model.clone(), cpu.clone(), None, 4, 16, DType::F32)?;
+        let prompt: Vec<u32> = (0..10).map(|i| 3 + 7 * i).collect();
+        let pages: Vec<u32> = vec![5, 2, 9];
+        let batch = |prefix: usize, ids: &[u32]| -> Result<ForwardBatch> {
+            let mut layout = BatchLayout::new(4);
+            layout.push_seq(prefix, ids.len(), &pages)?;
+            Ok(ForwardBatch {
+                input_ids: ids.to_vec(),
+                positions: (prefix..prefix + ids.len()).map(|p| p as u32).collect(),
+                layout: Arc::new(layout),
+                logits_rows: vec![(ids.len() - 1) as u32],
+                hidden_layers: Vec::new(),
+                lora: Vec::new(),
+                exit_after: Some(1),
+                hidden_at_every_row: false,
+            })
+        };
+        for (prefix, ids) in [(0, &prompt[..]), (prompt.len(), &[42u32][..])] {
+            let b = batch(prefix, ids)?;
+            let got = group
+                .first()
+                .backend()
+                .download_f32(&group.forward(&b)?.logits)?;
+            let want = cpu.download_f32(&one.forward(&b)?.logits)?;
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            eprintln!("{name} draft logits at {prefix}: max abs error {err:.3e} of {scale:.3}");
+            assert!(
+                got.len() == want.len() && err <= 1e-4 * scale,
+                "{name}: draft logits after {prefix} tokens differ by {err} (scale {scale})"
+            );
+        }
+    }
     Ok(())
 }

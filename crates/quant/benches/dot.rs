@@ -102,7 +102,7 @@ fn config() -> Criterion<ThreadCpu> {
     Criterion::default().with_measurement(ThreadCpu)
 }
 
-const FORMATS: [DType; 16] = [
+const FORMATS: [DType; 17] = [
     DType::Q4_1,
     DType::Q8_0,
     DType::Q4_0,
@@ -118,6 +118,7 @@ const FORMATS: [DType; 16] = [
     DType::BF16,
     DType::F8_S32,
     DType::U4_S32,
+    DType::U8_S32,
     DType::F4_S16,
 ];
 
@@ -132,7 +133,12 @@ fn lcg(s: &mut u64) -> u64 {
 /// with the K reference quantizers would take too long for a benchmark).
 fn weights(dtype: DType, n_rows: usize, k: usize) -> Vec<u8> {
     let mut s = 1u64;
-    if dtype.is_float() || matches!(dtype, DType::F8_S32 | DType::U4_S32 | DType::F4_S16) {
+    if dtype.is_float()
+        || matches!(
+            dtype,
+            DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16
+        )
+    {
         let x: Vec<f32> = (0..n_rows * k)
             .map(|_| (lcg(&mut s) % 2000) as f32 / 1000.0 - 1.0)
             .collect();

@@ -50,9 +50,13 @@ pub struct PreparedActs {
 /// (its `vec_dot_type`), or an error for dtypes that cannot be weights.
 pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
     Ok(match weight {
-        DType::F32 | DType::F16 | DType::BF16 | DType::F8_S32 | DType::U4_S32 | DType::F4_S16 => {
-            DType::F32
-        }
+        DType::F32
+        | DType::F16
+        | DType::BF16
+        | DType::F8_S32
+        | DType::U4_S32
+        | DType::U8_S32
+        | DType::F4_S16 => DType::F32,
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
         DType::Q4_1 | DType::Q5_1 => DType::Q8_1,
         DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => DType::Q8_K,

@@ -159,9 +159,12 @@ fn dequantize_scalar(dtype: DType, src: &[u8], dst: &mut [f32]) {
     let bs = dtype.block_size();
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => formats::float::dequantize(dtype, src, dst),
-        DType::F8E4M3 | DType::F8E5M2 | DType::F8_S32 | DType::U4_S32 | DType::F4_S16 => {
-            formats::scaled::dequantize(dtype, src, dst)
-        }
+        DType::F8E4M3
+        | DType::F8E5M2
+        | DType::F8_S32
+        | DType::U4_S32
+        | DType::U8_S32
+        | DType::F4_S16 => formats::scaled::dequantize(dtype, src, dst),
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
             for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(bs)) {
                 formats::legacy::dequantize_block(dtype, b, y);
@@ -192,9 +195,12 @@ pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantEr
     let bs = dtype.block_size();
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => formats::float::quantize(dtype, src, dst),
-        DType::F8E4M3 | DType::F8E5M2 | DType::F8_S32 | DType::U4_S32 | DType::F4_S16 => {
-            formats::scaled::quantize(dtype, src, dst)
-        }
+        DType::F8E4M3
+        | DType::F8E5M2
+        | DType::F8_S32
+        | DType::U4_S32
+        | DType::U8_S32
+        | DType::F4_S16 => formats::scaled::quantize(dtype, src, dst),
         DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q8_1 => {
             for (x, y) in src.chunks_exact(bs).zip(dst.chunks_exact_mut(bb)) {
                 formats::legacy::quantize_block(dtype, x, y);
@@ -529,7 +535,8 @@ unsafe fn dot_rows_x86(
     out: OutMat,
 ) -> bool {
     match weight {
-        DType::F32 | DType::F16 | DType::BF16 | DType::F8_S32 | DType::U4_S32 | DType::F4_S16 => {
+        // Float and scaled weights: f32 activations.
+        _ if matches!(act_dtype_for(weight), Ok(DType::F32)) => {
             // SAFETY: per this function's contract.
             unsafe { x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out) };
             true
@@ -560,7 +567,7 @@ unsafe fn dot_rows_scalar(
                 DType::F32 | DType::F16 | DType::BF16 => {
                     formats::float::dot_row(weight, wr, &acts.f[i * k..(i + 1) * k])
                 }
-                DType::F8_S32 | DType::U4_S32 | DType::F4_S16 => {
+                DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16 => {
                     formats::scaled::dot_row(weight, wr, &acts.f[i * k..(i + 1) * k])
                 }
                 DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {

@@ -7,7 +7,7 @@
 
 use arbor_quant::{DType, SimdLevel, dot_rows_with, prepare_acts, quantize, row_bytes};
 
-const DOT: [DType; 16] = [
+const DOT: [DType; 17] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -23,6 +23,7 @@ const DOT: [DType; 16] = [
     DType::Q6_K,
     DType::F8_S32,
     DType::U4_S32,
+    DType::U8_S32,
     DType::F4_S16,
 ];
 
@@ -128,6 +129,31 @@ fn rows_are_bit_identical_for_every_batch_shape() {
                         single[r]
                     );
                 }
+            }
+        }
+    }
+}
+
+/// The scaled block formats dequantize in registers to exactly their
+/// scalar dequantization, so their products equal the f32 kernel's on the
+/// dequantized weights bit for bit, at every level and every `m` (a
+/// checkpoint stored packed computes what its f32 dequantization would).
+#[test]
+fn scaled_blocks_multiply_as_their_f32_dequantization() {
+    let mut rng = Rng(7);
+    for dtype in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
+        let (n, k) = (45, 32 * 12);
+        let w = weights(&mut rng, dtype, n, k);
+        let mut wf = vec![0.0f32; n * k];
+        arbor_quant::dequantize(dtype, &w, &mut wf).unwrap();
+        let wb: Vec<u8> = wf.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for level in SimdLevel::available() {
+            for m in [1usize, 2, 5, 8, 13, 40] {
+                let x = rng.normals(m * k);
+                let packed = product(level, dtype, &w, n, k, &x, m, &[n / 3]);
+                let float = product(level, DType::F32, &wb, n, k, &x, m, &[]);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&packed), bits(&float), "{dtype} {level:?}: m={m}");
             }
         }
     }

@@ -9,7 +9,7 @@ use arbor_quant::{
 };
 
 /// Formats `dot_rows` accepts.
-const DOT: [DType; 16] = [
+const DOT: [DType; 17] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -25,6 +25,7 @@ const DOT: [DType; 16] = [
     DType::Q6_K,
     DType::F8_S32,
     DType::U4_S32,
+    DType::U8_S32,
     DType::F4_S16,
 ];
 
@@ -165,6 +166,16 @@ fn random_weights(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize) -> Vec<u
                 blk[16..18].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
                 blk[18] &= 0x0f;
                 blk[19] = 0;
+            }
+            return w;
+        }
+        DType::U8_S32 => {
+            for blk in w.chunks_exact_mut(bb) {
+                let s = (rng.unit() + 0.1) * 0.002;
+                blk[32..34].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
+                // Zero points 0..=256 (GPTQ's original format reaches 256).
+                let z = (u16::from(blk[34]) + u16::from(blk[35] & 1)).min(256);
+                blk[34..36].copy_from_slice(&z.to_le_bytes());
             }
             return w;
         }

@@ -17,6 +17,9 @@
 //!   every committed position of its first N layers (exactly what it would
 //!   have written itself) and writes only at the pending and draft
 //!   positions, which the verification forward overwrites. Nothing to track.
+//!   With tensor parallelism its forwards run on every rank
+//!   ([`TpRunners`]): each rank's first N layers over its heads and KV
+//!   shard, the LM head's logits gathered, as the target's steps run.
 //! - **standalone** owns a second KV cache with the target's page size and
 //!   page count, addressed by the *target's* page table: its pages come from
 //!   the same pool accounting and are freed with the request, and pages the
@@ -32,7 +35,9 @@ use arbor_engine_core::error::{CoreError, Result};
 use arbor_engine_core::model::{ForwardBatch, Model};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::speculative::{Drafting, SpeculativeConfig, SpeculatorInputs};
-use arbor_engine_core::{Draft, DraftDist, DraftRequest, SamplingParams, SeqRng, Speculator};
+use arbor_engine_core::{
+    Draft, DraftDist, DraftRequest, SamplingParams, SeqRng, Speculator, TpRunners,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -79,6 +84,9 @@ pub struct ModelDrafter {
     /// Runs the draft forwards: the target's runner (layerskip) or the
     /// draft model's own (standalone).
     runner: Arc<ModelRunner>,
+    /// A tensor-parallel target's runners on every rank (layerskip under
+    /// TP): the draft forwards run on all of them, `runner` being rank 0's.
+    group: Option<Arc<TpRunners>>,
     /// Layers run per draft forward (layerskip); `None` runs the draft model whole.
     exit_after: Option<usize>,
     kv: DraftKv,
@@ -103,13 +111,15 @@ impl ModelDrafter {
                 layers - 1
             )));
         }
-        Ok(Self::new(
+        let mut drafter = Self::new(
             "layerskip",
             inputs.target.clone(),
             Some(n),
             DraftKv::Target,
             cfg,
-        ))
+        );
+        drafter.group = inputs.target_group.clone();
+        Ok(drafter)
     }
 
     /// `standalone`: `inputs.draft_model` drafts, with a KV cache of its own
@@ -159,6 +169,7 @@ impl ModelDrafter {
         Self {
             name,
             runner,
+            group: None,
             exit_after,
             kv,
             max_steps: cfg.num_steps.min(cfg.num_draft_tokens),
@@ -283,7 +294,10 @@ impl ModelDrafter {
                 exit_after: self.exit_after,
                 hidden_at_every_row: false,
             };
-            let logits = self.runner.forward(&batch)?.logits;
+            let logits = match &self.group {
+                Some(g) => g.forward(&batch)?.logits,
+                None => self.runner.forward(&batch)?.logits,
+            };
             let backend = self.runner.backend().clone();
             let mut sampling: Vec<Option<(&SamplingParams, &mut SeqRng)>> = rngs
                 .iter_mut()

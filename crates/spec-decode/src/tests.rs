@@ -478,6 +478,7 @@ fn tiny_inputs(r: &Registry) -> arbor_engine_core::SpeculatorInputs {
     let runner = ModelRunner::new(m.model, backend, None, 16, 8, DType::F32).unwrap();
     arbor_engine_core::SpeculatorInputs {
         target: std::sync::Arc::new(runner),
+        target_group: None,
         draft_model: None,
         draft_path: None,
     }

@@ -169,6 +169,7 @@ fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
     for (name, stored) in [
         ("quant/fp8-block", DType::F8_S32),
         ("quant/awq", DType::U4_S32),
+        ("quant/gptq8-asym", DType::U8_S32),
         ("quant/nvfp4", DType::F4_S16),
     ] {
         if let Some(g) = gpu() {

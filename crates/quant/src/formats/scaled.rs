@@ -1,13 +1,14 @@
 //! The scaled weight formats of HF quantized checkpoints, in Arbor's in-band
 //! block layouts (see `arbor_engine_core::dtype`): the E4M3 element
 //! (`f8_e4m3`), 32 E4M3 values with an f32 scale (`f8_s32`) and 32 unsigned
-//! 4-bit values with an f16 scale and a u8 zero point (`u4_s32`).
+//! 4-bit values with an f16 scale and a u8 zero point (`u4_s32`), and 32
+//! unsigned 8-bit values with an f16 scale and a u16 zero point (`u8_s32`).
 //!
 //! Numerics: an E4M3 byte is decoded as the f16 with the same sign, exponent
 //! and mantissa bits (exact, E4M3 ⊂ f16 up to a factor 2^8) times 256, and an
 //! `f8_s32` element as that f16 times `scale * 256` (one rounding, the same
 //! as `f32(e4m3) * scale`); the SIMD kernels use exactly these operations, so
-//! every level dequantizes bit for bit alike. A `u4_s32` element is
+//! every level dequantizes bit for bit alike. A `u4_s32` or `u8_s32` element is
 //! `f32(q - zero) * f32(scale)` (one rounding), an `f4_s16` element
 //! `e2m1 * scale` (one rounding). The NaN codes `0x7f`/`0xff`
 //! decode as ±480; loaders reject weights that hold them.
@@ -25,6 +26,8 @@ pub const F8_BLOCK: usize = 36;
 pub const U4_BLOCK: usize = 20;
 /// Bytes of an `f4_s16` block.
 pub const F4_BLOCK: usize = 12;
+/// Bytes of a `u8_s32` block.
+pub const U8_BLOCK: usize = 36;
 
 /// The E2M1 values by code (bit 3 the sign).
 pub const E2M1: [f32; 16] = [
@@ -194,6 +197,54 @@ pub fn dequantize_u4_block(b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// Dequantizes one block of `u8_s32` (36 bytes) into 32 values.
+pub fn dequantize_u8_block(b: &[u8], y: &mut [f32]) {
+    let s = super::rd_f16(b, 32);
+    let z = u16::from_le_bytes([b[34], b[35]]) as i32;
+    for (o, &q) in y.iter_mut().zip(&b[..32]) {
+        *o = (q as i32 - z) as f32 * s;
+    }
+}
+
+/// Writes a `u8_s32` block of `q` (32 values, element order) with the f16
+/// `scale` bits and `zero` (GPTQ's original format reaches 256).
+pub fn write_u8_block(q: &[u8], scale_f16: u16, zero: u16, y: &mut [u8]) {
+    y[..32].copy_from_slice(&q[..32]);
+    y[32..34].copy_from_slice(&scale_f16.to_le_bytes());
+    y[34..36].copy_from_slice(&zero.to_le_bytes());
+}
+
+/// Reference quantizer of one `u8_s32` block, GPTQ's asymmetric min/max
+/// rule: `scale = max(max − min, 1e-5) / 255` (rounded to f16), `zero =
+/// round(−min / scale)` in 0..=255, `q = clamp(round(x / scale) + zero, 0, 255)`.
+pub fn quantize_u8_block(x: &[f32], y: &mut [u8]) {
+    let (q, scale, zero) = quantize_asymmetric(x, 255.0);
+    write_u8_block(&q, scale.to_bits(), zero as u16, y);
+}
+
+/// The asymmetric min/max rule of AutoAWQ and GPTQ over 32 values with
+/// `top + 1` levels: `scale = max(max − min, 1e-5) / top` (rounded to f16),
+/// `zero = round(−min / scale)` in `0..=top`, `q = clamp(round(x / scale) +
+/// zero, 0, top)`; non-finite values count as 0.
+fn quantize_asymmetric(x: &[f32], top: f32) -> ([u8; 32], half::f16, f32) {
+    let (mut lo, mut hi) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.is_finite() {
+            lo = lo.min(v);
+            hi = hi.max(v);
+        }
+    }
+    let scale = half::f16::from_f32((hi - lo).max(1e-5) / top);
+    let s = scale.to_f32().max(f32::MIN_POSITIVE);
+    let zero = (-lo / s).round_ties_even().clamp(0.0, top);
+    let mut q = [0u8; 32];
+    for (o, &v) in q.iter_mut().zip(x) {
+        let v = if v.is_finite() { v } else { 0.0 };
+        *o = ((v / s).round_ties_even() + zero).clamp(0.0, top) as u8;
+    }
+    (q, scale, zero)
+}
+
 /// Writes an `f8_s32` block of `codes` (32 E4M3 bytes) with `scale`.
 pub fn write_f8_block(codes: &[u8], scale: f32, y: &mut [u8]) {
     y[..32].copy_from_slice(&codes[..32]);
@@ -231,26 +282,12 @@ pub fn quantize_f8_block(x: &[f32], y: &mut [u8]) {
 /// `scale = max(max − min, 1e-5) / 15` (rounded to f16), `zero =
 /// round(−min / scale)` in 0..=15, `q = clamp(round(x / scale) + zero, 0, 15)`.
 pub fn quantize_u4_block(x: &[f32], y: &mut [u8]) {
-    let (mut lo, mut hi) = (0.0f32, 0.0f32);
-    for &v in x {
-        if v.is_finite() {
-            lo = lo.min(v);
-            hi = hi.max(v);
-        }
-    }
-    let scale = half::f16::from_f32((hi - lo).max(1e-5) / 15.0);
-    let s = scale.to_f32().max(f32::MIN_POSITIVE);
-    let zero = (-lo / s).round_ties_even().clamp(0.0, 15.0);
-    let mut q = [0u8; 32];
-    for (o, &v) in q.iter_mut().zip(x) {
-        let v = if v.is_finite() { v } else { 0.0 };
-        *o = ((v / s).round_ties_even() + zero).clamp(0.0, 15.0) as u8;
-    }
+    let (q, scale, zero) = quantize_asymmetric(x, 15.0);
     write_u4_block(&q, scale.to_bits(), zero as u8, y);
 }
 
 /// Dequantizes whole blocks of `dtype` (`f8_e4m3`, `f8_e5m2`, `f8_s32`,
-/// `u4_s32` or `f4_s16`).
+/// `u4_s32`, `u8_s32` or `f4_s16`).
 pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
     match dtype {
         crate::DType::F8E4M3 => {
@@ -271,6 +308,11 @@ pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
         crate::DType::F4_S16 => {
             for (b, y) in src.chunks_exact(F4_BLOCK).zip(dst.chunks_exact_mut(16)) {
                 dequantize_f4_block(b, y);
+            }
+        }
+        crate::DType::U8_S32 => {
+            for (b, y) in src.chunks_exact(U8_BLOCK).zip(dst.chunks_exact_mut(32)) {
+                dequantize_u8_block(b, y);
             }
         }
         _ => {
@@ -304,6 +346,11 @@ pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
                 quantize_f4_block(x, y);
             }
         }
+        crate::DType::U8_S32 => {
+            for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(U8_BLOCK)) {
+                quantize_u8_block(x, y);
+            }
+        }
         _ => {
             for (x, y) in src.chunks_exact(32).zip(dst.chunks_exact_mut(U4_BLOCK)) {
                 quantize_u4_block(x, y);
@@ -312,13 +359,14 @@ pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
     }
 }
 
-/// Scalar dot of a row of `f8_s32`, `u4_s32` or `f4_s16` weights with f32
+/// Scalar dot of a row of `f8_s32`, `u4_s32`, `u8_s32` or `f4_s16` weights with f32
 /// activations: the weights are dequantized block by block and accumulated
 /// in eight f32 lanes, as `float::dot_row` does.
 pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
     let (bb, bs) = match dtype {
         crate::DType::F8_S32 => (F8_BLOCK, 32),
         crate::DType::F4_S16 => (F4_BLOCK, 16),
+        crate::DType::U8_S32 => (U8_BLOCK, 32),
         _ => (U4_BLOCK, 32),
     };
     let mut acc = [0.0f32; 8];
@@ -327,6 +375,7 @@ pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
         match dtype {
             crate::DType::F8_S32 => dequantize_f8_block(b, &mut buf),
             crate::DType::F4_S16 => dequantize_f4_block(b, &mut buf),
+            crate::DType::U8_S32 => dequantize_u8_block(b, &mut buf),
             _ => dequantize_u4_block(b, &mut buf),
         }
         for (wv, xv) in buf[..bs].chunks_exact(8).zip(xs.chunks_exact(8)) {

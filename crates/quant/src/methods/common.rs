@@ -7,7 +7,7 @@
 //! can be packed that way, and callers fall back to f32 otherwise.
 
 use crate::DType;
-use crate::formats::scaled::{e4m3_is_nan, write_f8_block, write_u4_block};
+use crate::formats::scaled::{e4m3_is_nan, write_f8_block, write_u4_block, write_u8_block};
 use arbor_engine_core::quant::{cast_float_weight, in_tensor};
 use arbor_engine_core::{
     BackendCapabilities, CoreError, HostTensor, QuantMethod, Result, WeightSource,
@@ -205,20 +205,23 @@ pub fn dequantized(n: usize, k: usize, value: impl Fn(usize, usize) -> f32) -> H
     }
 }
 
-/// Unsigned 4-bit values of a weight `[n, k]` with per-element zero points
-/// and scales given by group of 32 (`zero(r, b)`, `scale(r, b)` for block `b`).
-pub struct U4Weight<'f> {
+/// Unsigned 4- or 8-bit values of a weight `[n, k]` with per-element zero
+/// points and scales given by group of 32 (`zero(r, c)`, `scale(r, c)`).
+pub struct IntWeight<'f> {
     pub n: usize,
     pub k: usize,
-    /// Value of element `(r, c)`, 0..16.
+    /// Bits per value: 4 (`u4_s32`) or 8 (`u8_s32`).
+    pub bits: u32,
+    /// Value of element `(r, c)`, below `2^bits`.
     pub q: &'f dyn Fn(usize, usize) -> u8,
-    /// Zero point of element `(r, c)`.
-    pub zero: &'f dyn Fn(usize, usize) -> u8,
+    /// Zero point of element `(r, c)` (GPTQ's original format adds one, so
+    /// it reaches `2^bits`).
+    pub zero: &'f dyn Fn(usize, usize) -> u16,
     /// Scale of element `(r, c)` as f32 (from the checkpoint's f16/bf16/f32).
     pub scale: &'f dyn Fn(usize, usize) -> f32,
 }
 
-impl U4Weight<'_> {
+impl IntWeight<'_> {
     /// The f32 dequantization `(q − zero) × scale`, `[n, k]`.
     pub fn to_f32(&self) -> HostTensor<'static> {
         dequantized(self.n, self.k, |r, c| {
@@ -226,14 +229,20 @@ impl U4Weight<'_> {
         })
     }
 
-    /// Packs into `u4_s32` when every run of 32 inputs shares one scale and
-    /// zero and the scales are exact in f16; `None` otherwise.
+    /// Packs into `u4_s32` or `u8_s32` when every run of 32 inputs shares
+    /// one scale and zero, the zeros fit the block and the scales are exact
+    /// in f16; `None` otherwise.
     pub fn pack(&self) -> Option<HostTensor<'static>> {
-        if !self.k.is_multiple_of(32) {
+        if !self.k.is_multiple_of(32) || !matches!(self.bits, 4 | 8) {
             return None;
         }
+        let (dtype, bb) = if self.bits == 4 {
+            (DType::U4_S32, 20)
+        } else {
+            (DType::U8_S32, 36)
+        };
         let nb = self.k / 32;
-        let mut out = vec![0u8; self.n * nb * 20];
+        let mut out = vec![0u8; self.n * nb * bb];
         let mut q = [0u8; 32];
         for r in 0..self.n {
             for b in 0..nb {
@@ -250,15 +259,29 @@ impl U4Weight<'_> {
                     }
                     *o = (self.q)(r, c);
                 }
-                let o = (r * nb + b) * 20;
-                write_u4_block(&q, h.to_bits(), z, &mut out[o..o + 20]);
+                let o = (r * nb + b) * bb;
+                let block = &mut out[o..o + bb];
+                if self.bits == 4 {
+                    write_u4_block(&q, h.to_bits(), u8::try_from(z).ok()?, block);
+                } else {
+                    write_u8_block(&q, h.to_bits(), z, block);
+                }
             }
         }
         Some(HostTensor {
-            dtype: DType::U4_S32,
+            dtype,
             shape: vec![self.n, self.k],
             data: Cow::Owned(out),
         })
+    }
+
+    /// Packed for a device that multiplies the packed dtype; dequantized to
+    /// f32 (exact) when the packing does not apply or the device lacks it.
+    pub fn store(&self, caps: &BackendCapabilities) -> Result<HostTensor<'static>> {
+        match self.pack() {
+            Some(p) => for_device(p, caps),
+            None => Ok(self.to_f32()),
+        }
     }
 }
 
@@ -392,5 +415,64 @@ pub fn check_input_scale(src: &dyn WeightSource, prefix: &str) -> Result<()> {
             )),
         )),
         None => Err(bad_shape(src, &name, &t.shape, "[] or [1]")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Packing keeps every value: the packed blocks dequantize to exactly
+    /// `to_f32`, for 4 and 8 bits, with 8-bit zero points up to 256; groups
+    /// that differ within 32 inputs do not pack.
+    #[test]
+    fn packed_blocks_dequantize_to_the_f32_values() {
+        let (n, k) = (3, 64);
+        for bits in [4u32, 8] {
+            let top = (1u32 << bits) - 1;
+            let q = |r: usize, c: usize| ((r * 37 + c * 11) as u32 % (top + 1)) as u8;
+            let zeros = [0, top as u16 + 1, 1, top as u16 / 2];
+            let zero = |r: usize, c: usize| zeros[(r + c / 32) % 4];
+            let scale = |r: usize, c: usize| 0.0625 * (1 + r + c / 32) as f32;
+            let w = IntWeight {
+                n,
+                k,
+                bits,
+                q: &q,
+                zero: &zero,
+                scale: &scale,
+            };
+            let want = w.to_f32();
+            if bits == 4 {
+                // A 4-bit zero of 16 (GPTQ's original format) still fits u8.
+                assert!((0..n).any(|r| (0..k).any(|c| zero(r, c) == 16)));
+            } else {
+                assert!((0..n).any(|r| (0..k).any(|c| zero(r, c) == 256)));
+            }
+            let packed = w.pack().expect("uniform groups of 32 pack");
+            assert_eq!(
+                packed.dtype,
+                if bits == 4 {
+                    DType::U4_S32
+                } else {
+                    DType::U8_S32
+                }
+            );
+            let mut got = vec![0.0f32; n * k];
+            crate::dequantize(packed.dtype, &packed.data, &mut got).expect("dequantize");
+            let want: Vec<f32> = want
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert_eq!(got, want, "{bits} bits");
+            // A scale change inside a block of 32 leaves the f32 path.
+            let ragged = |r: usize, c: usize| scale(r, c) * if c == 5 { 2.0 } else { 1.0 };
+            let w = IntWeight {
+                scale: &ragged,
+                ..w
+            };
+            assert!(w.pack().is_none());
+        }
     }
 }

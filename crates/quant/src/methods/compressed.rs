@@ -18,8 +18,8 @@
 //!   group `weight_g_idx[c]` instead of `c / group_size`.
 
 use super::common::{
-    Excluded, ScaleMap, U4Weight, anchored, bad_shape, check_input_scale, floats, for_device,
-    group_index, ints, store_float, string, tensor, uint,
+    Excluded, IntWeight, ScaleMap, anchored, bad_shape, check_input_scale, floats, group_index,
+    ints, store_float, string, tensor, uint,
 };
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
@@ -285,23 +285,21 @@ impl CompressedTensors {
         };
         let zero = |r: usize, c: usize| {
             if zp.is_empty() {
-                8u8
+                8u16
             } else {
-                ((zp[(r / 8) * groups + col(c) / zg] as u32 >> (4 * (r % 8))) & 0xf) as u8
+                ((zp[(r / 8) * groups + col(c) / zg] as u32 >> (4 * (r % 8))) & 0xf) as u16
             }
         };
         let scale = |r: usize, c: usize| scales.at(r, col(c));
-        let w = U4Weight {
+        IntWeight {
             n,
             k,
+            bits: 4,
             q: &q,
             zero: &zero,
             scale: &scale,
-        };
-        match w.pack() {
-            Some(p) => for_device(p, caps),
-            None => Ok(w.to_f32()),
         }
+        .store(caps)
     }
 }
 

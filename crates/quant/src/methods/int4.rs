@@ -15,12 +15,18 @@
 //!
 //! 8-bit GPTQ (`bits: 8`): `qweight` `[k/4, n]` holds four inputs per word
 //! (input `4j + i` in bits `8i`), `qzeros` `[k/g, n/4]` four outputs per
-//! word; the rest as above. Stored as their exact f32 dequantization (a
-//! packed 8-bit format with its kernels is not built yet).
+//! word; the rest as above.
+//!
+//! Storage: where each run of 32 inputs shares one scale (exact in f16) and
+//! zero, 4-bit weights are packed as `u4_s32` and 8-bit ones as `u8_s32`
+//! (a u16 zero: the original format's zeros reach 256), whose kernels
+//! dequantize in registers to the same f32 values; otherwise (act-order
+//! mixing groups within 32 inputs, f32 scales) the exact f32
+//! dequantization. A device without the packed dtype gets the f32 values.
 
 use super::common::{
-    Excluded, U4Weight, bad_shape, check_scales, dequantized, floats, for_device, group_index,
-    ints, store_float, string, tensor,
+    Excluded, IntWeight, bad_shape, check_scales, floats, group_index, ints, store_float, string,
+    tensor,
 };
 use arbor_engine_core::quant::load_unquantized;
 use arbor_engine_core::{
@@ -135,13 +141,6 @@ fn left_in_float(excluded: &Excluded, src: &dyn WeightSource, p: &str) -> Result
             && src.tensor(&format!("{p}.weight"))?.is_some())
 }
 
-fn store(w: &U4Weight<'_>, caps: &BackendCapabilities) -> Result<HostTensor<'static>> {
-    match w.pack() {
-        Some(p) => for_device(p, caps),
-        None => Ok(w.to_f32()),
-    }
-}
-
 /// The `awq` method.
 pub struct Awq {
     /// False when built without a checkpoint config (every load fails).
@@ -218,18 +217,17 @@ impl QuantMethod for Awq {
         let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
         let nib = |word: i32, r: usize| ((word as u32 >> (4 * AWQ_NIBBLE[r % 8])) & 0xf) as u8;
         let q = |r: usize, c: usize| nib(qw[c * nw + r / 8], r);
-        let zero = |r: usize, c: usize| nib(qz[(c / g) * nw + r / 8], r);
+        let zero = |r: usize, c: usize| u16::from(nib(qz[(c / g) * nw + r / 8], r));
         let scale = |r: usize, c: usize| s[(c / g) * n + r];
-        store(
-            &U4Weight {
-                n,
-                k,
-                q: &q,
-                zero: &zero,
-                scale: &scale,
-            },
-            caps,
-        )
+        IntWeight {
+            n,
+            k,
+            bits: 4,
+            q: &q,
+            zero: &zero,
+            scale: &scale,
+        }
+        .store(caps)
     }
 }
 
@@ -313,33 +311,22 @@ impl QuantMethod for Gptq {
         let s = group_scales(src, &format!("{p}.scales"), groups, n)?;
         let gidx: Vec<usize> = group_index(src, &format!("{p}.g_idx"), k, groups)?
             .unwrap_or_else(|| (0..k).map(|c| c / g).collect());
-        if self.bits == 8 {
-            let add = u16::from(self.zeros_minus_one);
-            let byte = |word: i32, i: usize| ((word as u32 >> (8 * i)) & 0xff) as u8;
-            let q = |r: usize, c: usize| byte(qw[(c / 4) * n + r], c % 4);
-            let zero = |r: usize, c: usize| byte(qz[gidx[c] * nw + r / 4], r % 4) as u16 + add;
-            // Exact in f32. GGUF's q8_0 would hold symmetric weights exactly,
-            // but its kernels quantize the activations too (llama.cpp's
-            // numerics, not GPTQ's W8A16).
-            return Ok(dequantized(n, k, |r, c| {
-                (q(r, c) as i32 - zero(r, c) as i32) as f32 * s[gidx[c] * n + r]
-            }));
-        }
-        let add = u8::from(self.zeros_minus_one);
-        let q = |r: usize, c: usize| ((qw[(c / 8) * n + r] as u32 >> (4 * (c % 8))) & 0xf) as u8;
-        let zero = |r: usize, c: usize| {
-            (((qz[gidx[c] * nw + r / 8] as u32) >> (4 * (r % 8))) & 0xf) as u8 + add
-        };
+        let add = u16::from(self.zeros_minus_one);
+        // 4 or 8 (checked when the config was read).
+        let bits = self.bits as u32;
+        let mask = (1u32 << bits) - 1;
+        let at = |word: i32, i: usize| ((word as u32 >> (bits * i as u32)) & mask) as u8;
+        let q = |r: usize, c: usize| at(qw[(c / per) * n + r], c % per);
+        let zero = |r: usize, c: usize| u16::from(at(qz[gidx[c] * nw + r / per], r % per)) + add;
         let scale = |r: usize, c: usize| s[gidx[c] * n + r];
-        store(
-            &U4Weight {
-                n,
-                k,
-                q: &q,
-                zero: &zero,
-                scale: &scale,
-            },
-            caps,
-        )
+        IntWeight {
+            n,
+            k,
+            bits,
+            q: &q,
+            zero: &zero,
+            scale: &scale,
+        }
+        .store(caps)
     }
 }

@@ -1,5 +1,5 @@
 //! AVX2 and AVX-512 dot products of float weights (F32, F16, BF16) and of
-//! the scaled weight blocks (`f8_s32`, `u4_s32`) with f32 activations, for
+//! the scaled weight blocks (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`) with f32 activations, for
 //! any number of activation rows, batch-invariant.
 //!
 //! Numerics (the contract that makes an output independent of `m`, of the
@@ -46,6 +46,7 @@ const BF16: u8 = 2;
 const F8S: u8 = 3;
 const U4S: u8 = 4;
 const F4S: u8 = 5;
+const U8S: u8 = 6;
 
 /// Weight rows per block of the driver (the block is re-read from L2 for
 /// every tile of activation rows).
@@ -58,6 +59,7 @@ fn code(dtype: DType) -> u8 {
         DType::F8_S32 => F8S,
         DType::U4_S32 => U4S,
         DType::F4_S16 => F4S,
+        DType::U8_S32 => U8S,
         _ => F32,
     }
 }
@@ -72,6 +74,7 @@ const fn row_bytes(dt: u8, k: usize) -> usize {
     match dt {
         F8S => k / 32 * 36,
         U4S => k / 32 * 20,
+        U8S => k / 32 * 36,
         F4S => k / 16 * 12,
         _ => k * esize(dt),
     }
@@ -109,6 +112,43 @@ unsafe fn f16_at(p: *const u8) -> f32 {
     }
 }
 
+/// The scale and zero point of the `u4_s32` or `u8_s32` block at `b`.
+#[inline(always)]
+unsafe fn int_block_params<const DT: u8>(b: *const u8) -> (f32, i32) {
+    // SAFETY: the caller guarantees the block at `b` is readable.
+    unsafe {
+        if DT == U4S {
+            (f16_at(b.add(16)), *b.add(18) as i32)
+        } else {
+            let z = (b.add(34) as *const u16).read_unaligned();
+            (f16_at(b.add(32)), z as i32)
+        }
+    }
+}
+
+/// Elements `jj..jj + 8` (`jj` a multiple of 8 below 32) of the `u4_s32` or
+/// `u8_s32` block at `b`, with its scale `s` and zero `z` broadcast:
+/// `f32(q - z) * s`.
+#[inline(always)]
+unsafe fn int_block_vec8<const DT: u8>(b: *const u8, jj: usize, s: __m256, z: __m256i) -> __m256 {
+    // SAFETY: the caller guarantees the block at `b` is readable and AVX2
+    // is enabled.
+    unsafe {
+        let q = if DT == U4S {
+            let raw = _mm_loadl_epi64(b.add(jj % 16) as *const __m128i);
+            if jj < 16 {
+                _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+            } else {
+                _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
+            }
+        } else {
+            _mm_loadl_epi64(b.add(jj) as *const __m128i)
+        };
+        let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(q), z);
+        _mm256_mul_ps(_mm256_cvtepi32_ps(q), s)
+    }
+}
+
 /// Elements `j..j + 16` of the row at `row` (`j` a multiple of 16) as f32.
 #[inline(always)]
 unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
@@ -116,6 +156,13 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
     // and AVX-512 F/BW/VL + F16C are enabled.
     unsafe {
         match DT {
+            U8S => {
+                let b = row.add(j / 32 * 36);
+                let (s, z) = int_block_params::<U8S>(b);
+                let raw = _mm_loadu_si128(b.add(j % 32) as *const __m128i);
+                let q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(raw), _mm512_set1_epi32(z));
+                _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s))
+            }
             F8S => {
                 let b = row.add(j / 32 * 36);
                 let s = _mm512_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
@@ -151,13 +198,15 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
 }
 
 /// Elements `j..j + 32` (one whole block, `j` a multiple of 32) of an
-/// `f8_s32` or `u4_s32` row, as [`wload16`] computes them.
+/// `f8_s32`, `u4_s32` or `u8_s32` row, as [`wload16`] computes them.
 #[inline(always)]
 unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
     // SAFETY: the caller guarantees the row holds the block and AVX-512
     // F/BW/VL + F16C are enabled.
     unsafe {
-        if DT == F8S {
+        if DT == U8S {
+            [wload16::<DT>(row, j), wload16::<DT>(row, j + 16)]
+        } else if DT == F8S {
             let b = row.add(j / 32 * 36);
             let s = _mm512_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
             let q0 = _mm256_cvtepu8_epi16(_mm_loadu_si128(b as *const __m128i));
@@ -190,25 +239,16 @@ unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
     // and AVX2 + F16C are enabled.
     unsafe {
         match DT {
+            U4S | U8S => {
+                let b = row.add(j / 32 * row_bytes(DT, 32));
+                let (s, z) = int_block_params::<DT>(b);
+                int_block_vec8::<DT>(b, j % 32, _mm256_set1_ps(s), _mm256_set1_epi32(z))
+            }
             F8S => {
                 let b = row.add(j / 32 * 36);
                 let s = _mm256_set1_ps((b.add(32) as *const f32).read_unaligned() * 256.0);
                 let q = _mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(j % 32) as *const __m128i));
                 _mm256_mul_ps(_mm256_cvtph_ps(e4m3_f16_128(q)), s)
-            }
-            U4S => {
-                let b = row.add(j / 32 * 20);
-                let s = f16_at(b.add(16));
-                let z = _mm256_set1_epi32(*b.add(18) as i32);
-                let jj = j % 32;
-                let raw = _mm_loadl_epi64(b.add(jj % 16) as *const __m128i);
-                let nib = if jj < 16 {
-                    _mm_and_si128(raw, _mm_set1_epi8(0x0f))
-                } else {
-                    _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
-                };
-                let q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(nib), z);
-                _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(s))
             }
             F4S => {
                 let b = row.add(j / 16 * 12);
@@ -296,7 +336,7 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); NR]; MR];
         let mut j = 0;
-        if DT == F8S || DT == U4S {
+        if DT == F8S || DT == U4S || DT == U8S {
             // Whole 32-element blocks, their scale (and zero) loaded once;
             // each accumulator takes the two halves in order, as below.
             while j + 32 <= k {
@@ -412,6 +452,33 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
     unsafe {
         let mut acc = [[_mm256_setzero_ps(); NR]; MR];
         let mut j = 0;
+        if DT == U4S || DT == U8S {
+            // Whole 32-element blocks: each row's scale and zero point are
+            // loaded once per block, then its four vectors dequantize as
+            // `wload8` does and take their turns in order, as below.
+            let bb = row_bytes(DT, 32);
+            while j + 32 <= k {
+                next.lines((j >> 3) * per_step, 4 * per_step);
+                let mut params = [(_mm256_setzero_ps(), _mm256_setzero_si256()); NR];
+                for (p, &wr) in params.iter_mut().zip(&w) {
+                    let (s, z) = int_block_params::<DT>(wr.add(j / 32 * bb));
+                    *p = (_mm256_set1_ps(s), _mm256_set1_epi32(z));
+                }
+                for part in 0..4 {
+                    let mut wv = [_mm256_setzero_ps(); NR];
+                    for ((v, &wr), &(s, z)) in wv.iter_mut().zip(&w).zip(&params) {
+                        *v = int_block_vec8::<DT>(wr.add(j / 32 * bb), 8 * part, s, z);
+                    }
+                    for (a, &xr) in acc.iter_mut().zip(&x) {
+                        let xv = _mm256_loadu_ps(xr.add(j + 8 * part));
+                        for (ar, &wr) in a.iter_mut().zip(&wv) {
+                            *ar = _mm256_fmadd_ps(wr, xv, *ar);
+                        }
+                    }
+                }
+                j += 32;
+            }
+        }
         while j + 8 <= k {
             next.lines((j >> 3) * per_step, per_step);
             let mut wv = [_mm256_setzero_ps(); NR];
@@ -550,7 +617,7 @@ unsafe fn run256<const DT: u8>(
 
 /// True for the scaled block codes, which dequantize in registers.
 const fn scaled(dt: u8) -> bool {
-    matches!(dt, F8S | U4S | F4S)
+    matches!(dt, F8S | U4S | U8S | F4S)
 }
 
 thread_local! {
@@ -671,6 +738,7 @@ pub unsafe fn dot_rows(
             match dt {
                 F8S => run_panels::<F8S>(avx512, w, n_rows, k, x, m, out),
                 U4S => run_panels::<U4S>(avx512, w, n_rows, k, x, m, out),
+                U8S => run_panels::<U8S>(avx512, w, n_rows, k, x, m, out),
                 _ => run_panels::<F4S>(avx512, w, n_rows, k, x, m, out),
             }
         }
@@ -683,12 +751,14 @@ pub unsafe fn dot_rows(
             (true, F16) => run512::<F16>(w, n_rows, k, x, m, out),
             (true, F8S) => run512::<F8S>(w, n_rows, k, x, m, out),
             (true, U4S) => run512::<U4S>(w, n_rows, k, x, m, out),
+            (true, U8S) => run512::<U8S>(w, n_rows, k, x, m, out),
             (true, F4S) => run512::<F4S>(w, n_rows, k, x, m, out),
             (true, _) => run512::<BF16>(w, n_rows, k, x, m, out),
             (false, F32) => run256::<F32>(w, n_rows, k, x, m, out),
             (false, F16) => run256::<F16>(w, n_rows, k, x, m, out),
             (false, F8S) => run256::<F8S>(w, n_rows, k, x, m, out),
             (false, U4S) => run256::<U4S>(w, n_rows, k, x, m, out),
+            (false, U8S) => run256::<U8S>(w, n_rows, k, x, m, out),
             (false, F4S) => run256::<F4S>(w, n_rows, k, x, m, out),
             (false, _) => run256::<BF16>(w, n_rows, k, x, m, out),
         }

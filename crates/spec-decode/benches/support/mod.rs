@@ -71,6 +71,7 @@ pub fn engine(
     if let Some(sc) = &spec {
         let inputs = SpeculatorInputs {
             target: runner,
+            target_group: None,
             draft_model: draft,
             draft_path: None,
         };

@@ -409,6 +409,7 @@ pub fn edited_copy(
 pub fn speculator_inputs(draft_path: Option<PathBuf>) -> R<SpeculatorInputs> {
     Ok(SpeculatorInputs {
         target: Arc::new(target_runner()?),
+        target_group: None,
         draft_model: None,
         draft_path,
     })

@@ -17,6 +17,8 @@
 //!   row's input and routing only (batch-invariant when the backend's linear
 //!   is).
 
+pub mod all_to_all;
+
 use crate::backend::{Backend, LinearRef};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
@@ -64,6 +66,34 @@ pub enum RouterScoring {
     },
 }
 
+/// How the ranks of a tensor-parallel group share a MoE layer's routed
+/// experts (SGLang's `--ep-size` and `--moe-a2a-backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertSharding {
+    /// Each rank holds a slice of every expert's width (tensor
+    /// parallelism); every rank routes every token and the partial outputs
+    /// are all-reduced.
+    #[default]
+    Split,
+    /// Rank `r` of `w` holds experts `[r·E/w, (r+1)·E/w)` whole (expert
+    /// parallelism); every rank routes every token, computes its experts'
+    /// share, and the shares are all-reduced (`--moe-a2a-backend none`).
+    PartitionedAllReduce,
+    /// Experts partitioned as above; each rank routes only its block of the
+    /// tokens and sends each (token, expert) row to the expert's rank and
+    /// the result back (all-to-all dispatch and combine,
+    /// `--moe-a2a-backend all-to-all`); the tokens' outputs are then
+    /// gathered on every rank.
+    PartitionedAllToAll,
+}
+
+impl ExpertSharding {
+    /// True when each rank holds whole experts (a partition of them).
+    pub fn partitioned(self) -> bool {
+        self != Self::Split
+    }
+}
+
 /// The experts each token of a batch was routed to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeRouting {
@@ -106,7 +136,12 @@ impl ExpertCounter {
 
     /// Adds a batch's routing.
     pub fn record(&self, routing: &MoeRouting) {
-        for (c, n) in self.counts.iter().zip(routing.load()) {
+        self.add(&routing.load());
+    }
+
+    /// Adds per-expert token counts.
+    pub fn add(&self, tokens: &[u64]) {
+        for (c, &n) in self.counts.iter().zip(tokens) {
             c.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
         }
     }
@@ -153,6 +188,19 @@ impl MoeRouting {
         }
         by_expert.retain(|g| !g.rows.is_empty());
         by_expert
+    }
+
+    /// Checks that it routes the rows of `x` (`[tokens, hidden]`) and that
+    /// `out` has `x`'s shape.
+    pub fn check_batch(&self, x: &Tensor, out: &Tensor) -> Result<()> {
+        let t = x.rows();
+        if self.tokens() != t || out.rows() != t || out.row_len() != x.row_len() {
+            return Err(CoreError::invalid(format!(
+                "experts of {x:?} into {out:?} with a routing of {} tokens",
+                self.tokens()
+            )));
+        }
+        Ok(())
     }
 
     /// Tokens routed to each expert (`[num_experts]`), for load statistics.
@@ -343,6 +391,33 @@ impl ExpertWeights {
     pub fn intermediate(&self) -> usize {
         self.gate.rows()
     }
+
+    /// `y = down(silu(gate(x)) * up(x))` for every row of `x` (`[n,
+    /// hidden]` f32) into `y` (`[n, hidden]`): one GEMM per projection
+    /// over all the rows.
+    pub fn forward(&self, b: &dyn Backend, x: &Tensor, y: &Tensor) -> Result<()> {
+        let (n, inter) = (x.rows(), self.intermediate());
+        let gate = b.alloc(DType::F32, &[n, inter])?;
+        let up = b.alloc(DType::F32, &[n, inter])?;
+        b.linear_many(
+            x,
+            &[
+                LinearRef {
+                    w: &self.gate,
+                    bias: None,
+                    out: &gate,
+                },
+                LinearRef {
+                    w: &self.up,
+                    bias: None,
+                    out: &up,
+                },
+            ],
+        )?;
+        let act = b.alloc(DType::F32, &[n, inter])?;
+        b.silu_mul(&gate, &up, &act)?;
+        b.linear(&act, &self.down, None, y)
+    }
 }
 
 /// `out = Σ_k weight_k · expert_k(x)` for every row of `x` (`[tokens,
@@ -361,14 +436,8 @@ pub fn run_experts(
     experts: &[Option<ExpertWeights>],
     out: &Tensor,
 ) -> Result<()> {
-    let t = x.rows();
-    let h = x.row_len();
-    if routing.tokens() != t || out.rows() != t || out.row_len() != h {
-        return Err(CoreError::invalid(format!(
-            "experts of {x:?} into {out:?} with a routing of {} tokens",
-            routing.tokens()
-        )));
-    }
+    let (t, h) = (x.rows(), x.row_len());
+    routing.check_batch(x, out)?;
     if experts.len() != routing.num_experts {
         return Err(CoreError::invalid(format!(
             "{} expert slots for a routing over {} experts",
@@ -382,7 +451,6 @@ pub fn run_experts(
             continue;
         };
         let n = g.rows.len();
-        let inter = e.intermediate();
         let xs = if n == t && g.rows.iter().enumerate().all(|(i, &r)| r as usize == i) {
             x.clone()
         } else {
@@ -391,27 +459,8 @@ pub fn run_experts(
             b.gather_rows(x, &rows, &xs)?;
             xs
         };
-        let gate = b.alloc(DType::F32, &[n, inter])?;
-        let up = b.alloc(DType::F32, &[n, inter])?;
-        b.linear_many(
-            &xs,
-            &[
-                LinearRef {
-                    w: &e.gate,
-                    bias: None,
-                    out: &gate,
-                },
-                LinearRef {
-                    w: &e.up,
-                    bias: None,
-                    out: &up,
-                },
-            ],
-        )?;
-        let act = b.alloc(DType::F32, &[n, inter])?;
-        b.silu_mul(&gate, &up, &act)?;
         let y = b.alloc(DType::F32, &[n, h])?;
-        b.linear(&act, &e.down, None, &y)?;
+        e.forward(b, &xs, &y)?;
         let rows = b.upload_u32(&[n], &g.rows)?;
         let scales = b.upload_f32(&[n], &g.weights)?;
         b.scatter_add_rows(&acc, &rows, &scales, &y)?;
