@@ -12,14 +12,14 @@
 //! tokens (`none`: every rank routes every token and the experts' shares
 //! are all-reduced; `all-to-all`: each rank routes its block of the tokens
 //! and dispatches the rows to the experts' ranks, `moe::all_to_all`).
-//! HiCache, PD disaggregation, NGRAM, STANDALONE and LAYERSKIP speculation
-//! and LoRA adapters run with it (the group's tier
-//! pages are in the single-engine layout; a STANDALONE draft model runs
-//! whole on rank 0's device; LAYERSKIP's draft forwards run on every rank,
-//! `TpRunners`; each rank applies its slices of an adapter's factors).
-//! Other devices (NCCL between GPUs) and the draft heads that read the
-//! target's sharded embedding and LM head (EAGLE, EAGLE3, NEXTN) do not run
-//! with tp_size > 1 yet and are refused at start-up.
+//! HiCache, PD disaggregation, every speculative algorithm and LoRA
+//! adapters run with it (the group's tier pages are in the single-engine
+//! layout; a STANDALONE draft model runs whole on rank 0's device;
+//! LAYERSKIP's draft forwards run on every rank, `TpRunners`; an EAGLE,
+//! EAGLE3 or NEXTN head runs whole on rank 0's device with the target's
+//! LM head gathered there over the whole vocabulary; each rank applies its
+//! slices of an adapter's factors). Other devices (NCCL between GPUs) do
+//! not run with tp_size > 1 yet and are refused at start-up.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -125,8 +125,8 @@ impl ParallelSection {
     }
 }
 
-/// Refuses what does not run with tensor parallelism yet, naming it.
-pub fn check_supported(p: Parallel, device: &str, others: &[(&str, bool)]) -> Result<()> {
+/// Refuses a device that tensor parallelism does not run on yet.
+pub fn check_supported(p: Parallel, device: &str) -> Result<()> {
     if p.tp == 1 {
         return Ok(());
     }
@@ -136,9 +136,6 @@ pub fn check_supported(p: Parallel, device: &str, others: &[(&str, bool)]) -> Re
              NCCL between GPUs is not built",
             p.tp
         );
-    }
-    if let Some((what, _)) = others.iter().find(|(_, on)| *on) {
-        bail!("{what} does not run with --tp-size > 1 yet");
     }
     Ok(())
 }
@@ -264,11 +261,8 @@ mod tests {
             tp: 2,
             experts: ExpertSharding::Split,
         };
-        assert!(check_supported(p, "wgpu", &[]).is_err());
-        let e = check_supported(p, "cpu", &[("--speculative-algorithm", true)])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("--speculative-algorithm"), "{e}");
-        assert!(check_supported(p, "cpu", &[("--lora-paths", false)]).is_ok());
+        let e = check_supported(p, "wgpu").unwrap_err().to_string();
+        assert!(e.contains("--device cpu only"), "{e}");
+        assert!(check_supported(p, "cpu").is_ok());
     }
 }

@@ -330,21 +330,7 @@ pub fn build_engine(
 ) -> Result<BuiltEngine> {
     let available = mem_available();
     let parallel = args.parallel()?;
-    crate::parallel::check_supported(
-        parallel,
-        &args.device,
-        &[(
-            // NGRAM drafts from the token history alone, STANDALONE with a
-            // whole draft model of its own (on rank 0's device) and
-            // LAYERSKIP with the target's first layers run on every rank;
-            // the draft heads (EAGLE, EAGLE3, NEXTN) read the target's
-            // sharded embedding and LM head on one rank.
-            "--speculative-algorithm other than NGRAM, STANDALONE and LAYERSKIP",
-            setup.engine.speculative.as_ref().is_some_and(|s| {
-                !matches!(s.algorithm.as_str(), "ngram" | "standalone" | "layerskip")
-            }),
-        )],
-    )?;
+    crate::parallel::check_supported(parallel, &args.device)?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
     let (backend, model, ranks) = if parallel.tp > 1 {
         let r = crate::parallel::load_ranks(registry, args, parallel)?;

@@ -275,46 +275,57 @@ fn bad_speculative_flags_are_refused() -> Result<()> {
 }
 
 /// NEXTN on a DeepSeek-V3 checkpoint (latent attention, experts, its MTP
-/// layer a whole DeepSeek decoder layer): the served greedy continuations are
-/// transformers' for the target (tiny-deepseek-v3's reference.json, the same
-/// weights), the drafts are verified, and no KV page leaks.
+/// layer a whole DeepSeek decoder layer), on one device and over two
+/// tensor-parallel ranks (the latent cache replicated, the experts split,
+/// the MTP layer whole on rank 0 with the LM head gathered there): the
+/// served greedy continuations are transformers' for the target
+/// (tiny-deepseek-v3's reference.json, the same weights), the drafts are
+/// verified, and no KV page leaks.
 #[tokio::test]
 async fn deepseek_nextn_keeps_the_reference_continuations() -> Result<()> {
     let model = fixture("tiny-deepseek-v3-mtp");
-    let s = Server::start(&[
-        "--model-path",
-        &model,
-        "--port",
-        "0",
-        "--threads",
-        "2",
-        "--max-total-tokens",
-        "2048",
-        "--kv-cache-dtype",
-        "f32",
-        "--enable-metrics",
-        "--speculative-algorithm",
-        "NEXTN",
-    ])?;
-    let c = client();
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(fixture(
-        "tiny-deepseek-v3/reference.json",
-    ))?)?;
-    for (i, p) in reference["prompts"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .enumerate()
-    {
-        let v = post_ok(
-            &c,
-            &s.url("/generate"),
-            &json!({"input_ids": p["input_ids"], "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true}}),
-        )
-        .await?;
-        assert_eq!(v["output_ids"], p["greedy_ids"], "prompt {i} under NEXTN");
+    for tp in ["1", "2"] {
+        let s = Server::start(&[
+            "--model-path",
+            &model,
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--tp-size",
+            tp,
+            "--max-total-tokens",
+            "2048",
+            "--kv-cache-dtype",
+            "f32",
+            "--enable-metrics",
+            "--speculative-algorithm",
+            "NEXTN",
+        ])?;
+        let c = client();
+        let reference: Value = serde_json::from_str(&std::fs::read_to_string(fixture(
+            "tiny-deepseek-v3/reference.json",
+        ))?)?;
+        for (i, p) in reference["prompts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let v = post_ok(
+                &c,
+                &s.url("/generate"),
+                &json!({"input_ids": p["input_ids"], "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true}}),
+            )
+            .await?;
+            assert_eq!(
+                v["output_ids"], p["greedy_ids"],
+                "prompt {i} under NEXTN at --tp-size {tp}"
+            );
+        }
+        let (_, metrics) = get(&c, &s.url("/metrics"), None).await?;
+        assert!(metric(&metrics, "arbor:spec_draft_tokens_total").unwrap_or(0.0) > 0.0);
+        assert_no_leak(&c, &s, "arbor", None).await?;
     }
-    let (_, metrics) = get(&c, &s.url("/metrics"), None).await?;
-    assert!(metric(&metrics, "arbor:spec_draft_tokens_total").unwrap_or(0.0) > 0.0);
-    assert_no_leak(&c, &s, "arbor", None).await
+    Ok(())
 }

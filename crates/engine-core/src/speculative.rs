@@ -104,7 +104,9 @@ pub struct SpeculatorInputs {
     pub target: Arc<ModelRunner>,
     /// With tensor parallelism, every rank's runner of the target: a
     /// drafter that runs the target's layers (LAYERSKIP) runs them on all
-    /// ranks through it. `None` on one device.
+    /// ranks through it; a draft head on rank 0 (EAGLE, EAGLE3, NEXTN)
+    /// reads the whole model's shape and LM head from it. `None` on one
+    /// device.
     pub target_group: Option<Arc<crate::tp::TpRunners>>,
     /// A separate draft model loaded on the target's device (STANDALONE).
     pub draft_model: Option<Arc<dyn Model>>,

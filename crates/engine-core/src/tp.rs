@@ -26,6 +26,7 @@ use crate::model::{ForwardBatch, ForwardOutput, ModelSpec};
 use crate::runner::ModelRunner;
 use crate::sampling::SamplingParams;
 use crate::step::{MaskInput, StepOutput, StepPlan};
+use crate::tensor::{HostTensor, Tensor};
 use std::sync::Arc;
 
 /// Runs each plan on every rank of a tensor-parallel group.
@@ -57,11 +58,11 @@ impl TpExecutor {
             ));
         }
         let w = ranks.len();
-        let mut spec = first.model_spec().clone();
-        spec.num_heads *= w;
-        spec.num_kv_heads *= w;
-        spec.intermediate_size *= w;
-        spec.weight_bytes = ranks.iter().map(|r| r.model_spec().weight_bytes).sum();
+        let spec = group_spec(
+            first.model_spec(),
+            w,
+            ranks.iter().map(|r| r.model_spec().weight_bytes).sum(),
+        );
         let kv_replicated = first.model_spec().kv_values_in_keys;
         let kv = Self::group_kv_spec(kv, w);
         Ok(Self {
@@ -161,6 +162,18 @@ impl Executor for TpExecutor {
     }
 }
 
+/// The whole model's shape from rank 0's `rank` in a group of `world`:
+/// the ranks' heads and MLP widths together, `weight_bytes` the sum of
+/// their weights (the hidden size and the vocabulary are every rank's).
+fn group_spec(rank: &ModelSpec, world: usize, weight_bytes: u64) -> ModelSpec {
+    let mut spec = rank.clone();
+    spec.num_heads *= world;
+    spec.num_kv_heads *= world;
+    spec.intermediate_size *= world;
+    spec.weight_bytes = weight_bytes;
+    spec
+}
+
 /// Checks that `comms[i]` is rank `i` of a group of exactly `ranks` ranks.
 fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
     if comms.len() != ranks
@@ -237,14 +250,18 @@ fn settle<T>(comms: &[Arc<dyn Communicator>], results: Vec<Result<T>>) -> Result
     results.into_iter().collect()
 }
 
-/// A tensor-parallel group's model forward outside a step plan, for a
-/// drafter that runs the target's own (sharded) layers (LAYERSKIP): every
-/// rank runs the same batch on its shard and its KV cache, meeting in the
-/// layers' collectives; rank 0's output is the group's (the logits are
-/// gathered, so every rank holds the same).
+/// A tensor-parallel group's runners, for drafters: a model forward outside
+/// a step plan for one that runs the target's own (sharded) layers
+/// (LAYERSKIP): every rank runs the same batch on its shard and its KV
+/// cache, meeting in the layers' collectives; rank 0's output is the
+/// group's (the logits are gathered, so every rank holds the same). And,
+/// for a draft head that runs whole on rank 0 (EAGLE, EAGLE3, NEXTN), the
+/// whole model's shape and its LM head over the whole vocabulary there.
 pub struct TpRunners {
     runners: Vec<Arc<ModelRunner>>,
     comms: Vec<Arc<dyn Communicator>>,
+    /// The whole model's shape (as [`TpExecutor`]'s).
+    spec: ModelSpec,
 }
 
 impl TpRunners {
@@ -255,7 +272,65 @@ impl TpRunners {
             return Err(CoreError::invalid("a tensor-parallel group of no ranks"));
         }
         check_group(&comms, runners.len())?;
-        Ok(Self { runners, comms })
+        let spec = group_spec(
+            runners[0].spec(),
+            runners.len(),
+            runners.iter().map(|r| r.spec().weight_bytes).sum(),
+        );
+        Ok(Self {
+            runners,
+            comms,
+            spec,
+        })
+    }
+
+    /// The whole model's shape (heads and widths of every rank together).
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The LM head over the whole vocabulary on rank 0's device, `None`
+    /// when the model exposes none: rank 0's own when it holds every row,
+    /// the input embedding when the head is a view of that table (tied
+    /// weights; the table is replicated), else a copy of every rank's rows
+    /// (vocab-parallel) in rank order. Rows of every weight format are
+    /// contiguous, so the copy is the ranks' bytes one after the other.
+    pub fn whole_lm_head(&self) -> Result<Option<Tensor>> {
+        let first = self.runners[0].model();
+        let Some(head) = first.lm_head() else {
+            return Ok(None);
+        };
+        let vocab = self.spec.vocab_size;
+        if head.rows() == vocab {
+            return Ok(Some(head));
+        }
+        if let Some(table) = first.input_embedding()
+            && table.buffer_id() == head.buffer_id()
+            && table.rows() == vocab
+        {
+            return Ok(Some(table));
+        }
+        let mut bytes = Vec::with_capacity(head.byte_len()? * self.runners.len());
+        for (rank, r) in self.runners.iter().enumerate() {
+            let part = r.model().lm_head().ok_or_else(|| {
+                CoreError::invalid(format!("tensor-parallel rank {rank} has no LM head"))
+            })?;
+            if part.dtype() != head.dtype() || part.row_len() != head.row_len() {
+                return Err(CoreError::invalid(format!(
+                    "tensor-parallel rank {rank}'s LM head {part:?} is not rank 0's kind {head:?}"
+                )));
+            }
+            let at = bytes.len();
+            bytes.resize(at + part.byte_len()?, 0);
+            r.backend().download(&part, &mut bytes[at..])?;
+        }
+        let host = HostTensor {
+            dtype: head.dtype(),
+            shape: vec![vocab, head.row_len()],
+            data: std::borrow::Cow::Owned(bytes),
+        };
+        host.validate("the gathered LM head")?;
+        self.runners[0].backend().upload(&host).map(Some)
     }
 
     /// Rank 0's runner (its device holds the gathered logits).

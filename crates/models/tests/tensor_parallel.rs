@@ -59,6 +59,17 @@ fn shards(
     world: usize,
     experts: ExpertSharding,
 ) -> Result<Shards> {
+    shards_as(registry, name, world, experts, "f32")
+}
+
+/// [`shards`] loaded by the quantization method `method`.
+fn shards_as(
+    registry: &Registry,
+    name: &str,
+    world: usize,
+    experts: ExpertSharding,
+    method: &str,
+) -> Result<Shards> {
     let backends: Vec<Arc<dyn Backend>> = (0..world)
         .map(|_| Ok(Arc::new(CpuBackend::new(1)?) as Arc<dyn Backend>))
         .collect::<Result<_>>()?;
@@ -72,7 +83,7 @@ fn shards(
     for (b, c) in backends.iter().zip(&comms) {
         let opts = LoadOptions {
             backend: b.clone(),
-            quant: registry.quant_methods.get("f32")?(&Default::default())?,
+            quant: registry.quant_methods.get(method)?(&Default::default())?,
             progress: None,
         };
         let shard = ShardSpec {
@@ -328,6 +339,76 @@ fn draft_forwards_run_on_every_rank() -> Result<()> {
                 "{name}: draft logits after {prefix} tokens differ by {err} (scale {scale})"
             );
         }
+    }
+    Ok(())
+}
+
+/// A draft head on rank 0 (EAGLE, EAGLE3, NEXTN) reads the whole model's
+/// shape and the LM head over the whole vocabulary from `TpRunners`: for a
+/// vocab-parallel head (tiny-llama, untied) the ranks' rows gathered in
+/// order, byte for byte one device's head in f32 and bf16; for tied weights
+/// (tiny-qwen3) the replicated table itself, not a copy.
+#[test]
+fn the_whole_lm_head_is_gathered_on_rank_zero() -> Result<()> {
+    let registry = Registry::builtin()?;
+    for (name, method, tied) in [
+        ("tiny-llama", "f32", false),
+        ("tiny-llama", "bf16", false),
+        ("tiny-qwen3", "f32", true),
+    ] {
+        let world = 2;
+        let (models, backends, comms) =
+            shards_as(&registry, name, world, ExpertSharding::Split, method)?;
+        let runners = models
+            .iter()
+            .zip(&backends)
+            .map(|(m, b)| {
+                let r = ModelRunner::new(m.model.clone(), b.clone(), None, 4, 8, DType::F32)?;
+                Ok(Arc::new(r))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let group = TpRunners::new(runners, comms)?;
+        let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(1)?);
+        let opts = LoadOptions {
+            backend: cpu.clone(),
+            quant: registry.quant_methods.get(method)?(&Default::default())?,
+            progress: None,
+        };
+        let whole = load_model(&fixture(name), &registry, &opts)?;
+        let spec = whole.model.spec();
+        let g = group.spec();
+        assert_eq!(
+            (
+                g.num_heads,
+                g.num_kv_heads,
+                g.intermediate_size,
+                g.vocab_size
+            ),
+            (
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.intermediate_size,
+                spec.vocab_size
+            ),
+            "{name}: the group's shape"
+        );
+        let rank_rows = group.first().model().lm_head().context("rank head")?.rows();
+        assert_eq!(rank_rows, spec.vocab_size / world, "{name}: vocab-parallel");
+        let got = group.whole_lm_head()?.context("gathered head")?;
+        let want = whole.model.lm_head().context("whole head")?;
+        assert_eq!((got.dtype(), got.shape()), (want.dtype(), want.shape()));
+        let bytes = |b: &Arc<dyn Backend>, t: &arbor_engine_core::Tensor| -> Result<Vec<u8>> {
+            let mut v = vec![0u8; t.byte_len()?];
+            b.download(t, &mut v)?;
+            Ok(v)
+        };
+        assert!(
+            bytes(group.first().backend(), &got)? == bytes(&cpu, &want)?,
+            "{name} {method}: the gathered LM head differs from one device's"
+        );
+        let table = group.first().model().input_embedding();
+        let is_table = table.is_some_and(|t| t.buffer_id() == got.buffer_id());
+        assert_eq!(is_table, tied, "{name}: the tied table is used in place");
     }
     Ok(())
 }

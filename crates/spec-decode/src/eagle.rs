@@ -158,9 +158,28 @@ impl EagleHead {
     /// checkpoint's `embed_tokens.weight` only when the target exposes no
     /// embedding).
     pub fn load(dir: &Path, target: &dyn Model, backend: Arc<dyn Backend>) -> Result<Self> {
+        Self::load_sharing(
+            dir,
+            target.spec(),
+            target.input_embedding(),
+            target.lm_head(),
+            backend,
+        )
+    }
+
+    /// As [`load`](Self::load) for a target of shape `spec` whose input
+    /// embedding and LM head (over the whole vocabulary, on `backend`'s
+    /// device) are `target_embed` and `target_head`: a tensor-parallel
+    /// target's, gathered on rank 0 (`TpRunners::whole_lm_head`).
+    pub fn load_sharing(
+        dir: &Path,
+        spec: &ModelSpec,
+        target_embed: Option<Tensor>,
+        target_head: Option<Tensor>,
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self> {
         let (v, file) = read_config(dir)?;
         let cfg = EagleConfig::from_json(&v, &file)?;
-        let spec = target.spec();
         cfg.check_target(spec, &file)?;
 
         let map = HeadMap::open(dir)?;
@@ -188,7 +207,7 @@ impl EagleHead {
         // The target's embedding when it exposes one (EAGLE's `load_emb`,
         // SGLang's `set_embed_and_head`), else the checkpoint's copy.
         let own_embed = src.view_shaped("embed_tokens.weight", &[vocab, h])?;
-        let embed = match (target.input_embedding(), own_embed) {
+        let embed = match (target_embed, own_embed) {
             (Some(e), _) => from_target("input embedding", Some(e))?,
             (None, Some(t)) => src.upload(b, "embed_tokens.weight", &t)?,
             (None, None) => from_target(
@@ -196,7 +215,7 @@ impl EagleHead {
                 None,
             )?,
         };
-        let lm_head = from_target("LM head", target.lm_head())?;
+        let lm_head = from_target("LM head", target_head)?;
         let fc = src.split(b, "fc.weight", h, h)?;
         let fc_bias = if cfg.fc_bias {
             Some(src.vector(b, "fc.bias", h)?)

@@ -22,6 +22,11 @@
 //!   temperature > 0 draws from the head's filtered distribution, returned
 //!   with the draft for speculative sampling.
 //!
+//! Under tensor parallelism the head runs whole on rank 0's device (as a
+//! STANDALONE draft model does), reading the target's replicated input
+//! embedding and its LM head over the whole vocabulary gathered there once
+//! at load ([`TargetTables`]); the group verifies.
+//!
 //! Where its KV lives: a one-layer cache of its own with the target's page
 //! size and page count, addressed by the target's page table, so its pages
 //! come from the target's pool accounting and are freed with the request.
@@ -44,10 +49,39 @@ use arbor_engine_core::speculative::{
     ComputedStates, Drafting, SpeculativeConfig, SpeculatorInputs,
 };
 use arbor_engine_core::{
-    Backend, Draft, DraftDist, DraftRequest, SamplingParams, SeqRng, Speculator, Tensor,
+    Backend, Draft, DraftDist, DraftRequest, ModelSpec, SamplingParams, SeqRng, Speculator, Tensor,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
+
+/// What a head reads of its target, on the device the head runs on (the
+/// target's; rank 0's of a tensor-parallel group).
+struct TargetTables {
+    /// The whole model's shape (every rank's heads together).
+    spec: ModelSpec,
+    /// The input embedding (replicated on every rank).
+    embed: Option<Tensor>,
+    /// The LM head over the whole vocabulary.
+    lm_head: Option<Tensor>,
+}
+
+impl TargetTables {
+    fn of(inputs: &SpeculatorInputs) -> Result<Self> {
+        let model = inputs.target.model();
+        Ok(match &inputs.target_group {
+            Some(group) => Self {
+                spec: group.spec().clone(),
+                embed: model.input_embedding(),
+                lm_head: group.whole_lm_head()?,
+            },
+            None => Self {
+                spec: inputs.target.spec().clone(),
+                embed: model.input_embedding(),
+                lm_head: model.lm_head(),
+            },
+        })
+    }
+}
 
 /// A request's next draft start, from its last extend.
 struct Pending {
@@ -90,9 +124,8 @@ impl HeadDrafter {
                     .into(),
             )
         })?;
-        let target = &inputs.target;
-        let embed = target.model().input_embedding();
-        let head = Eagle3Head::load(dir, target.spec(), embed, target.backend().clone())?;
+        let t = TargetTables::of(inputs)?;
+        let head = Eagle3Head::load(dir, &t.spec, t.embed, inputs.target.backend().clone())?;
         Self::new(Box::new(head), cfg, inputs)
     }
 
@@ -106,14 +139,13 @@ impl HeadDrafter {
                     .into(),
             )
         })?;
-        let target = &inputs.target;
-        let model = target.model();
+        let t = TargetTables::of(inputs)?;
         let head = MtpHead::load_sharing(
             dir,
-            target.spec(),
-            model.input_embedding(),
-            model.lm_head(),
-            target.backend().clone(),
+            &t.spec,
+            t.embed,
+            t.lm_head,
+            inputs.target.backend().clone(),
         )?;
         Self::new(Box::new(head), cfg, inputs)
     }
@@ -127,8 +159,14 @@ impl HeadDrafter {
                     .into(),
             )
         })?;
-        let target = &inputs.target;
-        let head = EagleHead::load(dir, &*target.model(), target.backend().clone())?;
+        let t = TargetTables::of(inputs)?;
+        let head = EagleHead::load_sharing(
+            dir,
+            &t.spec,
+            t.embed,
+            t.lm_head,
+            inputs.target.backend().clone(),
+        )?;
         Self::new(Box::new(head), cfg, inputs)
     }
 
