@@ -11,8 +11,10 @@
 #      parity with the CPU backend on the tiny fixtures (identical greedy
 #      tokens), every op and the attention kernels against the CPU on random
 #      inputs within their stated tolerances, CUDA graphs against eager
-#      decoding, device sampling, verification, tier copies and LoRA, and the
-#      NVRTC compile test;
+#      decoding, device sampling, verification, tier copies, LoRA, tensor
+#      parallelism (two ranks on the one device, host-staged collectives: the
+#      check that would let `--tp-size` run on cuda), and the NVRTC compile
+#      test;
 #   4. serves tiny-llama with `arbor serve --device cuda` and with the CPU,
 #      checks that 16 concurrent greedy completions are identical, and runs
 #      `arbor bench serving` at 64 concurrent requests against the GPU server

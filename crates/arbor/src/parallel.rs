@@ -3,8 +3,10 @@
 //! rank.
 //!
 //! With `tp_size` N > 1 the model is split over N ranks of an in-process
-//! group (engine-core `comm::LocalGroup`): each rank is a CPU backend with
-//! its share of the threads, holding only its slices of the weights
+//! group (engine-core `comm::LocalGroup`, collectives through host memory):
+//! each rank is a CPU backend with its share of the threads, or a wgpu
+//! device at `base_gpu_id + rank * gpu_id_step` (SGLang's placement; the
+//! devices the device suite validated, `TP_DEVICES`), holding only its slices of the weights
 //! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
 //! every step on all of them. `ep_size` equal to `tp_size` partitions the
 //! routed experts of a MoE model over the ranks instead of splitting each
@@ -18,8 +20,8 @@
 //! LAYERSKIP's draft forwards run on every rank, `TpRunners`; an EAGLE,
 //! EAGLE3 or NEXTN head runs whole on rank 0's device with the target's
 //! LM head gathered there over the whole vocabulary; each rank applies its
-//! slices of an adapter's factors). Other devices (NCCL between GPUs) do
-//! not run with tp_size > 1 yet and are refused at start-up.
+//! slices of an adapter's factors). CUDA and ROCm ranks (and NCCL between
+//! GPUs) are refused at start-up until validated.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
@@ -54,6 +56,13 @@ pub struct ParallelArgs {
     /// experts' ranks) [default: none].
     #[arg(long = "moe-a2a-backend", help_heading = "Parallelism")]
     pub moe_a2a_backend: Option<String>,
+    /// The device index of rank 0 (of the one device without tensor parallelism) [default: 0].
+    #[arg(long = "base-gpu-id", help_heading = "Parallelism")]
+    pub base_gpu_id: Option<usize>,
+    /// Rank r runs on device base-gpu-id + r * gpu-id-step; 0 puts every
+    /// rank on the same device [default: 1].
+    #[arg(long = "gpu-id-step", help_heading = "Parallelism")]
+    pub gpu_id_step: Option<usize>,
 }
 
 /// `[parallel]` in the TOML file.
@@ -63,6 +72,8 @@ pub struct ParallelSection {
     pub tp_size: Option<usize>,
     pub ep_size: Option<usize>,
     pub moe_a2a_backend: Option<String>,
+    pub base_gpu_id: Option<usize>,
+    pub gpu_id_step: Option<usize>,
 }
 
 /// Checked parallelism.
@@ -72,6 +83,18 @@ pub struct Parallel {
     pub tp: usize,
     /// How the ranks share the routed experts.
     pub experts: ExpertSharding,
+    /// The device index of rank 0.
+    pub base_gpu_id: usize,
+    /// Device indices between consecutive ranks (0: all on one device).
+    pub gpu_id_step: usize,
+}
+
+impl Parallel {
+    /// The device index rank `rank` runs on (SGLang's placement:
+    /// `base_gpu_id + rank * gpu_id_step`).
+    pub fn device_index(&self, rank: usize) -> usize {
+        self.base_gpu_id + rank * self.gpu_id_step
+    }
 }
 
 impl Default for Parallel {
@@ -79,6 +102,8 @@ impl Default for Parallel {
         Self {
             tp: 1,
             experts: ExpertSharding::Split,
+            base_gpu_id: 0,
+            gpu_id_step: 1,
         }
     }
 }
@@ -90,6 +115,8 @@ impl ParallelSection {
             tp_size: Some(a.tp_size.or(f.tp_size).unwrap_or(1)),
             ep_size: Some(a.ep_size.or(f.ep_size).unwrap_or(1)),
             moe_a2a_backend: a.moe_a2a_backend.clone().or(f.moe_a2a_backend),
+            base_gpu_id: Some(a.base_gpu_id.or(f.base_gpu_id).unwrap_or(0)),
+            gpu_id_step: Some(a.gpu_id_step.or(f.gpu_id_step).unwrap_or(1)),
         }
     }
 
@@ -121,19 +148,30 @@ impl ParallelSection {
                  ep_size / --ep-size > 1 (experts partitioned over the ranks)"
             ),
         };
-        Ok(Parallel { tp, experts })
+        Ok(Parallel {
+            tp,
+            experts,
+            base_gpu_id: self.base_gpu_id.unwrap_or(0),
+            gpu_id_step: self.gpu_id_step.unwrap_or(1),
+        })
     }
 }
+
+/// Devices whose ranks are validated with the in-process group's
+/// host-staged collectives (the device suite's tensor-parallel tests ran on
+/// them: the CPU, and wgpu on lavapipe).
+const TP_DEVICES: [&str; 2] = ["cpu", "wgpu"];
 
 /// Refuses a device that tensor parallelism does not run on yet.
 pub fn check_supported(p: Parallel, device: &str) -> Result<()> {
     if p.tp == 1 {
         return Ok(());
     }
-    if device != "cpu" {
+    if !TP_DEVICES.contains(&device) {
         bail!(
-            "--tp-size {} runs on --device cpu only in this build (in-process ranks); \
-             NCCL between GPUs is not built",
+            "--tp-size {} runs on --device cpu or wgpu in this build (ranks in one process, \
+             collectives through host memory); on '{device}' that is not validated yet and \
+             NCCL is not built",
             p.tp
         );
     }
@@ -147,7 +185,8 @@ pub struct Ranks {
     pub comms: Vec<Arc<dyn Communicator>>,
 }
 
-/// Starts `p.tp` CPU backends (the threads split between them) and loads
+/// Starts `p.tp` backends (on the CPU the threads split between them;
+/// elsewhere rank r on device [`Parallel::device_index`]`(r)`) and loads
 /// each rank's shard of the model.
 pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<Ranks> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -160,12 +199,18 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
     let factory = registry.backends.get(&args.device)?;
     let backends: Vec<Arc<dyn Backend>> = (0..p.tp)
         .map(|rank| {
+            let index = p.device_index(rank);
             factory(&BackendOptions {
                 threads: per_rank,
-                device_index: rank,
-                ..Default::default()
+                device_index: index,
+                ..crate::setup::backend_options(args)
             })
-            .with_context(|| format!("starting device '{}' for rank {rank}", args.device))
+            .with_context(|| {
+                format!(
+                    "starting device '{}' {index} for rank {rank} (--base-gpu-id {}, --gpu-id-step {})",
+                    args.device, p.base_gpu_id, p.gpu_id_step
+                )
+            })
         })
         .collect::<Result<_>>()?;
     let group = LocalGroup::new(p.tp)?;
@@ -208,24 +253,36 @@ mod tests {
     fn settings_and_errors() {
         let a = ParallelArgs {
             tp_size: Some(2),
-            ep_size: None,
-            moe_a2a_backend: None,
+            gpu_id_step: Some(0),
+            ..Default::default()
         };
         let mut s = ParallelSection::resolve(
             ParallelSection {
                 tp_size: Some(4),
                 ep_size: Some(2),
-                moe_a2a_backend: None,
+                base_gpu_id: Some(3),
+                gpu_id_step: Some(2),
+                ..Default::default()
             },
             &a,
         );
+        let p = s.to_settings().unwrap();
         assert_eq!(
-            s.to_settings().unwrap(),
+            p,
             Parallel {
                 tp: 2,
-                experts: ExpertSharding::PartitionedAllReduce
+                experts: ExpertSharding::PartitionedAllReduce,
+                base_gpu_id: 3,
+                gpu_id_step: 0,
             }
         );
+        assert_eq!((p.device_index(0), p.device_index(1)), (3, 3));
+        let spread = Parallel {
+            gpu_id_step: 2,
+            ..p
+        };
+        assert_eq!((spread.device_index(0), spread.device_index(1)), (3, 5));
+        assert_eq!(Parallel::default().device_index(1), 1);
         s.moe_a2a_backend = Some("all-to-all".into());
         assert_eq!(
             s.to_settings().unwrap().experts,
@@ -247,22 +304,27 @@ mod tests {
         let bad = ParallelSection {
             tp_size: Some(2),
             ep_size: Some(3),
-            moe_a2a_backend: None,
+            ..Default::default()
         };
         let e = bad.to_settings().unwrap_err().to_string();
         assert!(e.contains("ep_size") && e.contains("--ep-size"), "{e}");
         let zero = ParallelSection {
             tp_size: Some(0),
-            ep_size: None,
-            moe_a2a_backend: None,
+            ..Default::default()
         };
         assert!(zero.to_settings().is_err());
         let p = Parallel {
             tp: 2,
-            experts: ExpertSharding::Split,
+            ..Default::default()
         };
-        let e = check_supported(p, "wgpu").unwrap_err().to_string();
-        assert!(e.contains("--device cpu only"), "{e}");
+        for device in ["cuda", "rocm"] {
+            let e = check_supported(p, device).unwrap_err().to_string();
+            assert!(
+                e.contains("--device cpu or wgpu") && e.contains(device),
+                "{e}"
+            );
+        }
         assert!(check_supported(p, "cpu").is_ok());
+        assert!(check_supported(p, "wgpu").is_ok());
     }
 }

@@ -41,6 +41,14 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
         o.insert("tp_size".into(), cfg.parallel.tp_size.unwrap_or(1).into());
         o.insert("ep_size".into(), cfg.parallel.ep_size.unwrap_or(1).into());
         o.insert(
+            "base_gpu_id".into(),
+            cfg.parallel.base_gpu_id.unwrap_or(0).into(),
+        );
+        o.insert(
+            "gpu_id_step".into(),
+            cfg.parallel.gpu_id_step.unwrap_or(1).into(),
+        );
+        o.insert(
             "moe_a2a_backend".into(),
             cfg.parallel
                 .moe_a2a_backend
@@ -76,6 +84,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tp_size: cfg.parallel.tp_size.unwrap_or(1),
         ep_size: cfg.parallel.ep_size.unwrap_or(1),
         moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),
+        base_gpu_id: cfg.parallel.base_gpu_id.unwrap_or(0),
+        gpu_id_step: cfg.parallel.gpu_id_step.unwrap_or(1),
     };
     let policy: SchedulePolicy = q
         .schedule_policy
@@ -366,8 +376,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
         let tp = cfg.parallel.tp_size.unwrap_or(1);
         if tp > 1 {
+            let device = cfg.model.device.as_deref().unwrap_or("cpu");
+            let placement = if device == "cpu" {
+                "the threads split between them".to_string()
+            } else {
+                let (base, step) = (
+                    cfg.parallel.base_gpu_id.unwrap_or(0),
+                    cfg.parallel.gpu_id_step.unwrap_or(1),
+                );
+                let ids: Vec<String> = (0..tp).map(|r| (base + r * step).to_string()).collect();
+                format!("{device} devices {}, collectives through host memory", ids.join(", "))
+            };
             println!(
-                "  parallel:   tensor-parallel {tp} ranks (in-process, the threads split between them), \
+                "  parallel:   tensor-parallel {tp} ranks (in-process, {placement}), \
                  expert-parallel {} (moe-a2a-backend {})",
                 cfg.parallel.ep_size.unwrap_or(1),
                 cfg.parallel.moe_a2a_backend.as_deref().unwrap_or("none")

@@ -74,6 +74,12 @@ pub struct ModelArgs {
     /// How expert-parallel ranks exchange tokens: none or all-to-all [default: none].
     #[arg(long = "moe-a2a-backend")]
     pub moe_a2a_backend: Option<String>,
+    /// The device index of rank 0 (of the one device without tensor parallelism).
+    #[arg(long = "base-gpu-id", default_value_t = 0)]
+    pub base_gpu_id: usize,
+    /// Rank r runs on device base-gpu-id + r * gpu-id-step (0: all on one device).
+    #[arg(long = "gpu-id-step", default_value_t = 1)]
+    pub gpu_id_step: usize,
 }
 
 impl ModelArgs {
@@ -83,6 +89,8 @@ impl ModelArgs {
             tp_size: Some(self.tp_size),
             ep_size: Some(self.ep_size),
             moe_a2a_backend: self.moe_a2a_backend.clone(),
+            base_gpu_id: Some(self.base_gpu_id),
+            gpu_id_step: Some(self.gpu_id_step),
         }
         .to_settings()
     }
@@ -96,14 +104,23 @@ pub fn registry() -> Result<Registry> {
 /// Creates the device.
 pub fn backend(registry: &Registry, args: &ModelArgs) -> Result<Arc<dyn Backend>> {
     let factory = registry.backends.get(&args.device)?;
-    let opts = BackendOptions {
+    factory(&backend_options(args)).with_context(|| {
+        format!(
+            "starting device '{}' {} (--base-gpu-id)",
+            args.device, args.base_gpu_id
+        )
+    })
+}
+
+/// The device options `args` give (one device: `--base-gpu-id`'s).
+pub fn backend_options(args: &ModelArgs) -> BackendOptions {
+    BackendOptions {
         threads: args.threads,
+        device_index: args.base_gpu_id,
         adapter: args.wgpu_adapter.clone(),
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args.cuda_graph_max_bs,
-        ..Default::default()
-    };
-    factory(&opts).with_context(|| format!("starting device '{}'", args.device))
+    }
 }
 
 /// The KV element type `args.kv_cache_dtype` comes to on `backend` for a

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// tests/fixtures, or `ARBOR_FIXTURES` (for test binaries run from another checkout).
-fn fixture(name: &str) -> PathBuf {
+pub(crate) fn fixture(name: &str) -> PathBuf {
     std::env::var_os("ARBOR_FIXTURES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
@@ -40,7 +40,7 @@ fn load(backend: &Arc<dyn Backend>, name: &str, dtype: &str) -> Result<(LoadedMo
     Ok((m, serde_json::from_str(&text)?))
 }
 
-fn ids(v: &Value) -> Vec<u32> {
+pub(crate) fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .map(|a| {
             a.iter()

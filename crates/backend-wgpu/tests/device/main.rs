@@ -38,5 +38,7 @@ mod ops;
 mod parity;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
+#[path = "../../../backend-gpu/tests/suite/tensor_parallel.rs"]
+mod tensor_parallel;
 #[path = "../../../backend-gpu/tests/suite/verify.rs"]
 mod verify;
