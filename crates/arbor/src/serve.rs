@@ -374,17 +374,14 @@ pub fn run(args: ServeArgs) -> Result<()> {
         if disaggregation.is_some() {
             println!("  disaggregation: {disagg_line}");
         }
-        let tp = cfg.parallel.tp_size.unwrap_or(1);
+        let parallel = model_args.parallel()?;
+        let tp = parallel.tp;
         if tp > 1 {
-            let device = cfg.model.device.as_deref().unwrap_or("cpu");
+            let device = &model_args.device;
             let placement = if device == "cpu" {
                 "the threads split between them".to_string()
             } else {
-                let (base, step) = (
-                    cfg.parallel.base_gpu_id.unwrap_or(0),
-                    cfg.parallel.gpu_id_step.unwrap_or(1),
-                );
-                let ids: Vec<String> = (0..tp).map(|r| (base + r * step).to_string()).collect();
+                let ids: Vec<String> = (0..tp).map(|r| parallel.device_index(r).to_string()).collect();
                 format!("{device} devices {}, collectives through host memory", ids.join(", "))
             };
             println!(

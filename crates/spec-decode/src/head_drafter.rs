@@ -68,17 +68,14 @@ struct TargetTables {
 impl TargetTables {
     fn of(inputs: &SpeculatorInputs) -> Result<Self> {
         let model = inputs.target.model();
-        Ok(match &inputs.target_group {
-            Some(group) => Self {
-                spec: group.spec().clone(),
-                embed: model.input_embedding(),
-                lm_head: group.whole_lm_head()?,
-            },
-            None => Self {
-                spec: inputs.target.spec().clone(),
-                embed: model.input_embedding(),
-                lm_head: model.lm_head(),
-            },
+        let (spec, lm_head) = match &inputs.target_group {
+            Some(group) => (group.spec().clone(), group.whole_lm_head()?),
+            None => (inputs.target.spec().clone(), model.lm_head()),
+        };
+        Ok(Self {
+            spec,
+            embed: model.input_embedding(),
+            lm_head,
         })
     }
 }

@@ -292,6 +292,22 @@ fn softmax(row: &[f32]) -> Vec<f32> {
     exp.iter().map(|&e| e / sum).collect()
 }
 
+/// `values` with every expert outside the `kept` groups (of `per_group`
+/// experts each) set to `fill`.
+fn keep_groups(values: &[f32], per_group: usize, kept: &[usize], fill: f32) -> Vec<f32> {
+    values
+        .iter()
+        .enumerate()
+        .map(|(e, &v)| {
+            if kept.contains(&(e / per_group)) {
+                v
+            } else {
+                fill
+            }
+        })
+        .collect()
+}
+
 fn route_row(row: &[f32], top_k: usize, scoring: &RouterScoring) -> (Vec<usize>, Vec<f32>) {
     match scoring {
         RouterScoring::SoftmaxGroupLimited {
@@ -306,17 +322,7 @@ fn route_row(row: &[f32], top_k: usize, scoring: &RouterScoring) -> (Vec<usize>,
                 .map(|g| g.iter().copied().fold(f32::NEG_INFINITY, f32::max))
                 .collect();
             let kept = top_k_indices(&best, *topk_groups);
-            let masked: Vec<f32> = probs
-                .iter()
-                .enumerate()
-                .map(|(e, &p)| {
-                    if kept.contains(&(e / per_group)) {
-                        p
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
+            let masked = keep_groups(&probs, per_group, &kept, 0.0);
             let chosen = top_k_indices(&masked, top_k);
             let w = chosen.iter().map(|&e| masked[e] * scale).collect();
             (chosen, w)
@@ -351,17 +357,7 @@ fn route_row(row: &[f32], top_k: usize, scoring: &RouterScoring) -> (Vec<usize>,
                 })
                 .collect();
             let kept = top_k_indices(&group_score, *topk_groups);
-            let masked: Vec<f32> = biased
-                .iter()
-                .enumerate()
-                .map(|(e, &b)| {
-                    if kept.contains(&(e / per_group)) {
-                        b
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-                .collect();
+            let masked = keep_groups(&biased, per_group, &kept, f32::NEG_INFINITY);
             let chosen = top_k_indices(&masked, top_k);
             let mut w: Vec<f32> = chosen.iter().map(|&e| scores[e]).collect();
             if *renormalize {
