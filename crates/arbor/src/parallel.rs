@@ -1,6 +1,14 @@
-//! `[parallel]`: tensor and expert parallelism (SGLang's `--tp-size` and
-//! `--ep-size`), the flags, their checks, and loading one model shard per
-//! rank.
+//! `[parallel]`: tensor, expert and data parallelism (SGLang's `--tp-size`,
+//! `--ep-size` and `--dp-size`), the flags, their checks, and loading one
+//! model shard per rank.
+//!
+//! With `dp_size` D > 1 the engine runs D replicas of the whole model (each
+//! its own tensor-parallel group when `tp_size` > 1), each with its own
+//! scheduler, KV cache and prefix cache, on its share of the CPU threads
+//! or on devices from `base_gpu_id + d * tp_size * gpu_id_step`
+//! ([`replica_args`]); `load_balance_method` spreads the requests
+//! (engine-core `engine::data_parallel`). Weight updates, LoRA adapters and
+//! PD disaggregation are refused with more than one replica.
 //!
 //! With `tp_size` N > 1 the model is split over N ranks of an in-process
 //! group (engine-core `comm::LocalGroup`, collectives through host memory):
@@ -26,6 +34,7 @@
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::comm::{Communicator, LocalGroup};
+use arbor_engine_core::engine::LoadBalance;
 use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::{Backend, BackendOptions, Registry, ShardSpec};
 use arbor_models::LoadedModel;
@@ -63,6 +72,19 @@ pub struct ParallelArgs {
     /// rank on the same device [default: 1].
     #[arg(long = "gpu-id-step", help_heading = "Parallelism")]
     pub gpu_id_step: Option<usize>,
+    /// Data-parallel replicas of the model, each with its own scheduler and
+    /// KV cache (CPU: on split cores) [default: 1].
+    #[arg(
+        long = "dp-size",
+        visible_alias = "data-parallel-size",
+        help_heading = "Parallelism"
+    )]
+    pub dp_size: Option<usize>,
+    /// How requests are spread over the data-parallel replicas: round_robin,
+    /// shortest_queue (fewest requests in flight) or minimum_tokens (fewest
+    /// tokens in flight) [default: round_robin].
+    #[arg(long = "load-balance-method", help_heading = "Parallelism")]
+    pub load_balance_method: Option<String>,
 }
 
 /// `[parallel]` in the TOML file.
@@ -74,6 +96,8 @@ pub struct ParallelSection {
     pub moe_a2a_backend: Option<String>,
     pub base_gpu_id: Option<usize>,
     pub gpu_id_step: Option<usize>,
+    pub dp_size: Option<usize>,
+    pub load_balance_method: Option<String>,
 }
 
 /// Checked parallelism.
@@ -87,6 +111,10 @@ pub struct Parallel {
     pub base_gpu_id: usize,
     /// Device indices between consecutive ranks (0: all on one device).
     pub gpu_id_step: usize,
+    /// Data-parallel replicas.
+    pub dp: usize,
+    /// How requests are spread over the replicas.
+    pub balance: LoadBalance,
 }
 
 impl Parallel {
@@ -104,6 +132,8 @@ impl Default for Parallel {
             experts: ExpertSharding::Split,
             base_gpu_id: 0,
             gpu_id_step: 1,
+            dp: 1,
+            balance: LoadBalance::RoundRobin,
         }
     }
 }
@@ -117,6 +147,13 @@ impl ParallelSection {
             moe_a2a_backend: a.moe_a2a_backend.clone().or(f.moe_a2a_backend),
             base_gpu_id: Some(a.base_gpu_id.or(f.base_gpu_id).unwrap_or(0)),
             gpu_id_step: Some(a.gpu_id_step.or(f.gpu_id_step).unwrap_or(1)),
+            dp_size: Some(a.dp_size.or(f.dp_size).unwrap_or(1)),
+            load_balance_method: Some(
+                a.load_balance_method
+                    .clone()
+                    .or(f.load_balance_method)
+                    .unwrap_or_else(|| "round_robin".into()),
+            ),
         }
     }
 
@@ -148,11 +185,25 @@ impl ParallelSection {
                  ep_size / --ep-size > 1 (experts partitioned over the ranks)"
             ),
         };
+        let dp = self.dp_size.unwrap_or(1);
+        if dp == 0 {
+            bail!("[parallel] dp_size / --dp-size must be at least 1");
+        }
+        let balance = self
+            .load_balance_method
+            .as_deref()
+            .unwrap_or("round_robin")
+            .parse::<LoadBalance>()
+            .map_err(|e| {
+                anyhow::anyhow!("[parallel] load_balance_method / --load-balance-method: {e}")
+            })?;
         Ok(Parallel {
             tp,
             experts,
             base_gpu_id: self.base_gpu_id.unwrap_or(0),
             gpu_id_step: self.gpu_id_step.unwrap_or(1),
+            dp,
+            balance,
         })
     }
 }
@@ -176,6 +227,26 @@ pub fn check_supported(p: Parallel, device: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The model arguments of data-parallel replica `d` of `p.dp`: one
+/// replica (`--dp-size 1`), its first rank on device
+/// [`Parallel::device_index`]`(d * p.tp)`, and on the CPU its share of the
+/// threads (all of them with one replica).
+pub fn replica_args(args: &ModelArgs, p: Parallel, d: usize) -> ModelArgs {
+    let mut a = args.clone();
+    a.dp_size = 1;
+    if p.dp > 1 {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let total = if args.threads == 0 {
+            cores
+        } else {
+            args.threads
+        };
+        a.threads = (total / p.dp).max(1);
+        a.base_gpu_id = p.device_index(d * p.tp);
+    }
+    a
 }
 
 /// One rank's device, model shard and communicator, for every rank.
@@ -274,6 +345,8 @@ mod tests {
                 experts: ExpertSharding::PartitionedAllReduce,
                 base_gpu_id: 3,
                 gpu_id_step: 0,
+                dp: 1,
+                balance: LoadBalance::RoundRobin,
             }
         );
         assert_eq!((p.device_index(0), p.device_index(1)), (3, 3));
@@ -326,5 +399,46 @@ mod tests {
         }
         assert!(check_supported(p, "cpu").is_ok());
         assert!(check_supported(p, "wgpu").is_ok());
+
+        // Data parallelism: the replica count, the method, and their errors.
+        let dp = ParallelSection {
+            dp_size: Some(2),
+            load_balance_method: Some("shortest_queue".into()),
+            ..Default::default()
+        }
+        .to_settings()
+        .unwrap();
+        assert_eq!((dp.dp, dp.balance), (2, LoadBalance::ShortestQueue));
+        for (bad, key) in [
+            (
+                ParallelSection {
+                    dp_size: Some(0),
+                    ..Default::default()
+                },
+                "--dp-size",
+            ),
+            (
+                ParallelSection {
+                    load_balance_method: Some("cache_aware".into()),
+                    ..Default::default()
+                },
+                "--load-balance-method",
+            ),
+        ] {
+            let e = format!("{:#}", bad.to_settings().unwrap_err());
+            assert!(e.contains(key), "{e}");
+        }
+        assert!(
+            format!(
+                "{:#}",
+                ParallelSection {
+                    load_balance_method: Some("cache_aware".into()),
+                    ..Default::default()
+                }
+                .to_settings()
+                .unwrap_err()
+            )
+            .contains("round_robin, shortest_queue, minimum_tokens")
+        );
     }
 }

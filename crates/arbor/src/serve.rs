@@ -9,7 +9,7 @@
 
 use crate::config::{ServeArgs, ServeConfig};
 use crate::setup::{self, EngineSetup, KvBudget, ModelArgs};
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{EngineConfig, SchedulePolicy};
 use arbor_server::{Server, ServerOptions};
 use std::sync::Arc;
@@ -47,6 +47,15 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
         o.insert(
             "gpu_id_step".into(),
             cfg.parallel.gpu_id_step.unwrap_or(1).into(),
+        );
+        o.insert("dp_size".into(), cfg.parallel.dp_size.unwrap_or(1).into());
+        o.insert(
+            "load_balance_method".into(),
+            cfg.parallel
+                .load_balance_method
+                .clone()
+                .unwrap_or_else(|| "round_robin".into())
+                .into(),
         );
         o.insert(
             "moe_a2a_backend".into(),
@@ -86,7 +95,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),
         base_gpu_id: cfg.parallel.base_gpu_id.unwrap_or(0),
         gpu_id_step: cfg.parallel.gpu_id_step.unwrap_or(1),
+        dp_size: cfg.parallel.dp_size.unwrap_or(1),
+        load_balance_method: cfg.parallel.load_balance_method.clone(),
     };
+    let dp = model_args.parallel()?.dp;
     let policy: SchedulePolicy = q
         .schedule_policy
         .as_deref()
@@ -118,6 +130,22 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..defaults
     };
     let lora = cfg.lora.to_settings()?;
+    if dp > 1 {
+        if lora.is_some() {
+            bail!(
+                "--lora-paths with --dp-size {dp}: LoRA adapters run on one replica only in this build"
+            );
+        }
+        if cfg
+            .disaggregation
+            .to_settings(engine_cfg.disable_radix_cache)?
+            .is_some()
+        {
+            bail!(
+                "--disaggregation-mode with --dp-size {dp}: PD disaggregation runs on one replica only in this build"
+            );
+        }
+    }
     let kv = match (c.max_total_tokens, c.kv_cache_gb) {
         (Some(t), _) => KvBudget::Tokens(t),
         (None, Some(g)) => KvBudget::Bytes((g * (1u64 << 30) as f64) as u64),
@@ -389,6 +417,23 @@ pub fn run(args: ServeArgs) -> Result<()> {
                  expert-parallel {} (moe-a2a-backend {})",
                 cfg.parallel.ep_size.unwrap_or(1),
                 cfg.parallel.moe_a2a_backend.as_deref().unwrap_or("none")
+            );
+        }
+        if parallel.dp > 1 {
+            let placement = if model_args.device == "cpu" {
+                "the threads split between them".to_string()
+            } else {
+                let ids: Vec<String> = (0..parallel.dp)
+                    .map(|d| parallel.device_index(d * tp).to_string())
+                    .collect();
+                format!("first devices {}", ids.join(", "))
+            };
+            println!(
+                "  data-parallel: {} replicas ({placement}), each with its own scheduler and \
+                 KV cache of {} tokens, load balance {}",
+                parallel.dp,
+                built.kv_tokens / parallel.dp,
+                parallel.balance
             );
         }
         println!("listening on http://{addr}");

@@ -80,10 +80,23 @@ pub struct ModelArgs {
     /// Rank r runs on device base-gpu-id + r * gpu-id-step (0: all on one device).
     #[arg(long = "gpu-id-step", default_value_t = 1)]
     pub gpu_id_step: usize,
+    /// Data-parallel replicas, each with its own scheduler and KV cache
+    /// (CPU: on split cores).
+    #[arg(
+        long = "dp-size",
+        visible_alias = "data-parallel-size",
+        default_value_t = 1
+    )]
+    pub dp_size: usize,
+    /// How requests are spread over data-parallel replicas: round_robin,
+    /// shortest_queue or minimum_tokens [default: round_robin].
+    #[arg(long = "load-balance-method")]
+    pub load_balance_method: Option<String>,
 }
 
 impl ModelArgs {
-    /// The checked parallelism of `--tp-size`, `--ep-size` and `--moe-a2a-backend`.
+    /// The checked parallelism of `--tp-size`, `--ep-size`, `--moe-a2a-backend`,
+    /// the device placement and `--dp-size`.
     pub fn parallel(&self) -> Result<crate::parallel::Parallel> {
         crate::parallel::ParallelSection {
             tp_size: Some(self.tp_size),
@@ -91,6 +104,8 @@ impl ModelArgs {
             moe_a2a_backend: self.moe_a2a_backend.clone(),
             base_gpu_id: Some(self.base_gpu_id),
             gpu_id_step: Some(self.gpu_id_step),
+            dp_size: Some(self.dp_size),
+            load_balance_method: self.load_balance_method.clone(),
         }
         .to_settings()
     }
@@ -339,15 +354,70 @@ impl KvAuto {
 
 /// Builds the whole engine: registry → backend → model → KV cache and model
 /// runner → prefix cache and eviction policy → sampler and logits processors
-/// → [`Engine`].
+/// → [`Engine`]; with `--dp-size` N > 1, N such replicas (each on its share
+/// of the threads or its own devices, with its own share of the memory)
+/// behind one engine.
 pub fn build_engine(
     registry: &Registry,
     args: &ModelArgs,
     setup: &EngineSetup,
 ) -> Result<BuiltEngine> {
-    let available = mem_available();
     let parallel = args.parallel()?;
     crate::parallel::check_supported(parallel, &args.device)?;
+    // Each data-parallel replica sizes its KV from its share of the memory.
+    let available = mem_available().map(|a| a / parallel.dp as u64);
+    let mut replicas = Vec::with_capacity(parallel.dp);
+    for d in 0..parallel.dp {
+        let rargs = crate::parallel::replica_args(args, parallel, d);
+        let r = build_replica(registry, &rargs, setup, available);
+        replicas.push(if parallel.dp > 1 {
+            r.with_context(|| format!("data-parallel rank {d} of {}", parallel.dp))?
+        } else {
+            r?
+        });
+    }
+    let mut replicas = replicas.into_iter();
+    let first = replicas.next().context("no data-parallel replica")?;
+    let per_token = first.per_token;
+    let parts: Vec<EngineParts> = std::iter::once(first.parts)
+        .chain(replicas.map(|r| r.parts))
+        .collect();
+    let engine = Engine::data_parallel(setup.engine.clone(), parts, parallel.balance)
+        .context("starting the engine")?;
+    Ok(BuiltEngine {
+        kv_tokens: engine.capacity_tokens(),
+        kv_bytes: per_token * engine.capacity_tokens() as u64,
+        kv_note: first.kv_note,
+        kv_dtype: first.kv_dtype,
+        engine,
+        model: first.model,
+        backend: first.backend,
+        rank_backends: first.rank_backends,
+    })
+}
+
+/// One replica's engine parts and what the start-up summary reports of it.
+struct Replica {
+    parts: EngineParts,
+    model: LoadedModel,
+    backend: Arc<dyn Backend>,
+    rank_backends: Vec<Arc<dyn Backend>>,
+    /// KV bytes per token (the draft model's included).
+    per_token: u64,
+    kv_dtype: ResolvedKvDtype,
+    kv_note: String,
+}
+
+/// Builds one replica: its device (or tensor-parallel ranks), model, KV
+/// cache sized from `available` bytes, prefix cache, sampler, processors and
+/// speculator.
+fn build_replica(
+    registry: &Registry,
+    args: &ModelArgs,
+    setup: &EngineSetup,
+    available: Option<u64>,
+) -> Result<Replica> {
+    let parallel = args.parallel()?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
     let (backend, model, ranks) = if parallel.tp > 1 {
         let r = crate::parallel::load_ranks(registry, args, parallel)?;
@@ -540,16 +610,14 @@ pub fn build_engine(
         };
         parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
     }
-    let engine = Engine::new(setup.engine.clone(), parts).context("starting the engine")?;
-    Ok(BuiltEngine {
-        kv_tokens: engine.capacity_tokens(),
-        kv_bytes: per_token * engine.capacity_tokens() as u64,
-        kv_note: note,
-        kv_dtype: resolved,
-        engine,
+    Ok(Replica {
+        parts,
         model,
         backend,
         rank_backends,
+        per_token,
+        kv_dtype: resolved,
+        kv_note: note,
     })
 }
 

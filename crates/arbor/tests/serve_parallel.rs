@@ -7,8 +7,11 @@
 //! every KV page, runs every speculative algorithm over the ranks with the
 //! reference answers (NGRAM, STANDALONE, LAYERSKIP, and the EAGLE, EAGLE3
 //! and NEXTN heads on rank 0; DeepSeek's NEXTN at `--tp-size 2` is in
-//! serve_speculative), and refuses what does not run with it (a tp
-//! size that does not divide the heads, an ep size other than 1 or tp).
+//! serve_speculative), serves them from `--dp-size 2` replicas (alone and
+//! as two tensor-parallel groups), and refuses what does not run with it
+//! (a tp size that does not divide the heads, an ep size other than 1 or
+//! tp, a dp size of 0, an unknown load-balance method, LoRA adapters with
+//! several replicas).
 
 mod common;
 
@@ -115,6 +118,96 @@ async fn tensor_parallel_serves_the_reference_completions() -> Result<()> {
     .await
 }
 
+/// `--dp-size 2`: two replicas of the model behind one server (each its own
+/// scheduler and KV cache; the second case is two tensor-parallel groups
+/// of two ranks, four ranks in all) serve the reference completions, every
+/// replica takes requests (`/get_load` has one entry per replica), and every
+/// replica's KV pages come back.
+#[tokio::test]
+async fn data_parallel_replicas_serve_the_reference_completions() -> Result<()> {
+    for (model, extra) in [
+        ("tiny-qwen3", &["--dp-size", "2"][..]),
+        (
+            "tiny-qwen3-moe",
+            &[
+                "--dp-size",
+                "2",
+                "--load-balance-method",
+                "shortest_queue",
+                "--tp-size",
+                "2",
+                "--ep-size",
+                "2",
+            ][..],
+        ),
+    ] {
+        let path = fixture(model);
+        let mut args = vec![
+            "--model-path",
+            &path,
+            "--port",
+            "0",
+            "--threads",
+            "2",
+            "--max-total-tokens",
+            "1024",
+            "--kv-cache-dtype",
+            "f32",
+            "--enable-metrics",
+        ];
+        args.extend_from_slice(extra);
+        let s = Server::start(&args)?;
+        assert!(s.log_contains("data-parallel: 2 replicas"), "{}", s.logs());
+        let c = client();
+        let info: Value = c
+            .get(s.url("/get_server_info"))
+            .send()
+            .await?
+            .json()
+            .await?;
+        assert_eq!(info["dp_size"], 2, "{info}");
+        // Each replica holds --max-total-tokens.
+        assert_eq!(info["max_total_num_tokens"], 2048, "{info}");
+        assert_eq!(info["internal_states"].as_array().map(Vec::len), Some(2));
+        let reference = reference_json(&path)?;
+        let prompts = reference["prompts"].as_array().context("prompts")?;
+        let tokens = json!(32);
+        let answers = futures_util::future::join_all(
+            prompts
+                .iter()
+                .map(|p| generate_greedy(&c, &s, &p["input_ids"], &tokens)),
+        )
+        .await;
+        for (i, (a, p)) in answers.into_iter().zip(prompts).enumerate() {
+            assert_eq!(a?["output_ids"], p["greedy_ids"], "{model} prompt {i}");
+        }
+        let load: Value = c.get(s.url("/get_load")).send().await?.json().await?;
+        let ranks = load.as_array().context("get_load")?;
+        assert_eq!(ranks.len(), 2, "{load}");
+        let served: Vec<u64> = ranks
+            .iter()
+            .map(|r| r["num_requests_total"].as_u64().unwrap_or(0))
+            .collect();
+        assert_eq!(served.iter().sum::<u64>(), prompts.len() as u64, "{load}");
+        assert!(served.iter().all(|&n| n > 0), "{model}: {load}");
+        // A weight update is refused with several replicas, and the server
+        // goes on serving.
+        let r = c
+            .post(s.url("/update_weights_from_disk"))
+            .json(&json!({"model_path": path}))
+            .send()
+            .await?;
+        let status = r.status();
+        let body = r.text().await?;
+        assert_eq!(status, 400, "{body}");
+        assert!(body.contains("2 data-parallel ranks"), "{body}");
+        let again = generate_greedy(&c, &s, &prompts[0]["input_ids"], &tokens).await?;
+        assert_eq!(again["output_ids"], prompts[0]["greedy_ids"]);
+        assert_no_leak(&c, &s, "arbor", None).await?;
+    }
+    Ok(())
+}
+
 #[test]
 fn unsupported_parallel_settings_are_refused() -> Result<()> {
     assert_serve_refuses(&["--tp-size", "3"], "--tp-size 3 does not divide")?;
@@ -140,6 +233,19 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
             "deepep",
         ],
         "unknown backend 'deepep'",
+    )?;
+    assert_serve_refuses(
+        &["--dp-size", "0"],
+        "dp_size / --dp-size must be at least 1",
+    )?;
+    assert_serve_refuses(
+        &["--dp-size", "2", "--load-balance-method", "cache_aware"],
+        "unknown load balance method 'cache_aware'",
+    )?;
+    let adapter = fixture("lora/tiny-llama-attn");
+    assert_serve_refuses(
+        &["--dp-size", "2", "--lora-paths", &format!("a={adapter}")],
+        "--lora-paths with --dp-size 2",
     )
 }
 

@@ -7,8 +7,8 @@
 
 use anyhow::Result;
 use arbor_engine_core::engine::{
-    Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest, Matched, OutputChunk,
-    SchedulePolicy,
+    Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest, LoadBalance, Matched,
+    OutputChunk, SchedulePolicy,
 };
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{DType, PrefixCacheOptions, SamplingParams};
@@ -51,6 +51,18 @@ fn engine_with_eos(
         overlap_schedule: cfg.overlap_schedule.or(OVERLAP.with(|o| o.get())),
         ..cfg
     };
+    let parts = parts(&cfg, num_pages, page_size, eos_token_ids)?;
+    Ok(Engine::new(cfg, parts)?)
+}
+
+/// One scheduler's parts: its own KV cache of `num_pages` and prefix cache
+/// over the shared tiny model.
+fn parts(
+    cfg: &EngineConfig,
+    num_pages: usize,
+    page_size: usize,
+    eos_token_ids: Vec<u32>,
+) -> Result<EngineParts> {
     let s = shared();
     let runner = ModelRunner::new(
         s.model.model.clone(),
@@ -78,7 +90,7 @@ fn engine_with_eos(
         s.model.tokenizer.clone(),
         eos_token_ids,
     );
-    Ok(Engine::new(cfg, parts)?)
+    Ok(parts)
 }
 
 fn tokens_of(chunks: &[OutputChunk]) -> Vec<u32> {
@@ -221,6 +233,81 @@ fn abort_frees_pages_and_drop_aborts() -> Result<()> {
     assert_eq!(e.stats().num_running_reqs, 0);
     assert!(e.stats().num_aborted_requests_total >= 2);
     assert_pool_empty(&e);
+    Ok(())
+}
+
+/// Two data-parallel ranks (each its own scheduler, KV cache and prefix
+/// cache): the same greedy tokens as one engine, requests spread by each
+/// load-balance method, aborts reach the rank that holds the request, a
+/// request must fit one rank's cache, and every rank's pages come back.
+#[test]
+fn data_parallel_ranks_agree_and_spread_the_load() -> Result<()> {
+    let ps = prompts(8, 23);
+    let want = reference(&ps, 12)?;
+    let eos = || shared().model.tokenizer.eos_token_ids.clone();
+    for balance in [
+        LoadBalance::RoundRobin,
+        LoadBalance::ShortestQueue,
+        LoadBalance::MinimumTokens,
+    ] {
+        let cfg = EngineConfig::default();
+        let ranks = vec![parts(&cfg, 12, 16, eos())?, parts(&cfg, 12, 16, eos())?];
+        let e = Engine::data_parallel(cfg, ranks, balance)?;
+        assert_eq!(e.dp_size(), 2);
+        assert_eq!(e.capacity_tokens(), 2 * 12 * 16);
+        assert_eq!(run_all(&e, &ps, &greedy(12))?, want, "{balance}");
+        let per_rank: Vec<u64> = e
+            .rank_stats()
+            .iter()
+            .map(|s| s.num_requests_total)
+            .collect();
+        assert_eq!(per_rank.iter().sum::<u64>(), 8, "{balance}: {per_rank:?}");
+        // Submitted together, the 8 requests are spread evenly in turn and
+        // by queue length; by tokens, to both ranks.
+        if balance == LoadBalance::MinimumTokens {
+            assert!(per_rank.iter().all(|&n| n > 0), "{per_rank:?}");
+        } else {
+            assert_eq!(per_rank, [4, 4], "{balance}");
+        }
+        assert_eq!(e.stats().num_requests_total, 8);
+        assert_pool_empty(&e);
+        for s in e.rank_stats() {
+            assert_eq!((s.num_used_tokens, s.evictable_tokens), (0, 0));
+        }
+
+        // A request is aborted on whichever rank runs it (one on each, in turn).
+        for (i, p) in ps.iter().take(2).enumerate() {
+            let rid = format!("victim-{i}");
+            let mut s = e.submit(GenerateRequest {
+                rid: Some(rid.clone()),
+                ..GenerateRequest::new(p.clone(), greedy(120))
+            })?;
+            let c = s.blocking_next().expect("a chunk");
+            assert!(c.finish.is_none(), "{c:?}");
+            e.abort(&rid);
+            let f = s.collect_blocking().last().and_then(|c| c.finish.clone());
+            assert_eq!(f.expect("finish").kind, FinishKind::Abort);
+        }
+        if balance == LoadBalance::RoundRobin {
+            let aborted: Vec<u64> = e
+                .rank_stats()
+                .iter()
+                .map(|s| s.num_aborted_requests_total)
+                .collect();
+            assert_eq!(aborted, [1, 1]);
+        }
+        // Within the context and the ranks' pages together, but more than
+        // one rank holds.
+        let err = e
+            .submit(GenerateRequest::new(vec![5u32; 200], greedy(10)))
+            .err()
+            .expect("refused");
+        assert!(
+            err.to_string().contains("KV cache capacity of 192"),
+            "{err}"
+        );
+        assert_pool_empty(&e);
+    }
     Ok(())
 }
 

@@ -166,39 +166,54 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
     info.insert("version".into(), json!(env!("CARGO_PKG_VERSION")));
     info.insert("uptime_s".into(), json!(st.started.elapsed().as_secs_f64()));
     info.insert("draining".into(), json!(st.draining.load(Ordering::SeqCst)));
-    // bench_serving reads internal_states[0].avg_spec_accept_length.
-    info.insert(
-        "internal_states".into(),
-        json!([{
-            "avg_spec_accept_length": Value::Null,
-            "last_gen_throughput": s.gen_throughput,
-            "num_running_reqs": s.num_running_reqs,
-            "num_queue_reqs": s.num_queue_reqs,
-            "num_used_tokens": s.num_used_tokens,
-            "token_usage": s.token_usage,
-            "evictable_tokens": s.evictable_tokens,
-            "cache_tokens": s.cache_tokens,
-            "cache_hit_rate": s.cache_hit_rate,
-            "new_token_ratio": s.new_token_ratio,
-            "iterations": s.iterations,
-        }]),
-    );
+    // bench_serving reads internal_states[0].avg_spec_accept_length; one
+    // entry per data-parallel rank, as SGLang's.
+    let states: Vec<Value> = st
+        .engine
+        .rank_stats()
+        .iter()
+        .map(|s| {
+            json!({
+                "avg_spec_accept_length": Value::Null,
+                "last_gen_throughput": s.gen_throughput,
+                "num_running_reqs": s.num_running_reqs,
+                "num_queue_reqs": s.num_queue_reqs,
+                "num_used_tokens": s.num_used_tokens,
+                "token_usage": s.token_usage,
+                "evictable_tokens": s.evictable_tokens,
+                "cache_tokens": s.cache_tokens,
+                "cache_hit_rate": s.cache_hit_rate,
+                "new_token_ratio": s.new_token_ratio,
+                "iterations": s.iterations,
+            })
+        })
+        .collect();
+    info.insert("internal_states".into(), Value::Array(states));
     Json(Value::Object(info)).into_response()
 }
 
 /// `GET /get_load`: SGLang's load report, one entry per data-parallel rank
-/// (Arbor serves one): requests running and queued, those queued, and the
-/// tokens they weigh (KV held plus queued prompt tokens), which SGLang's
-/// router sums per worker for `/get_loads` and its power-of-two policy.
+/// (`--dp-size`): requests running and queued, those queued, and the
+/// tokens they weigh (KV held plus queued prompt tokens), plus the requests
+/// the rank has received since start-up; SGLang's router sums the entries
+/// per worker for `/get_loads` and its power-of-two policy.
 pub(crate) async fn get_load(State(st): State<Arc<AppState>>) -> Response {
-    let s = st.engine.stats();
-    Json(json!([{
-        "dp_rank": 0,
-        "num_reqs": s.num_running_reqs + s.num_queue_reqs,
-        "num_waiting_reqs": s.num_queue_reqs,
-        "num_tokens": s.num_used_tokens + s.num_queue_tokens,
-    }]))
-    .into_response()
+    let ranks: Vec<Value> = st
+        .engine
+        .rank_stats()
+        .iter()
+        .enumerate()
+        .map(|(rank, s)| {
+            json!({
+                "dp_rank": rank,
+                "num_reqs": s.num_running_reqs + s.num_queue_reqs,
+                "num_waiting_reqs": s.num_queue_reqs,
+                "num_tokens": s.num_used_tokens + s.num_queue_tokens,
+                "num_requests_total": s.num_requests_total,
+            })
+        })
+        .collect();
+    Json(Value::Array(ranks)).into_response()
 }
 
 /// `GET /metrics` (Prometheus text format).

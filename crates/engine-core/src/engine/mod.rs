@@ -1,4 +1,5 @@
-//! The serving engine: an embedding API over one scheduler thread.
+//! The serving engine: an embedding API over one scheduler thread (or one
+//! per data-parallel rank, [`Engine::data_parallel`]).
 //!
 //! [`Engine::new`] starts the scheduler thread, which owns the waiting queue,
 //! the running batch, the page pool and the prefix cache (see
@@ -7,12 +8,15 @@
 //! the request finished aborts it (a client disconnect frees its pages within
 //! one iteration). [`Engine::abort`], [`Engine::flush_cache`] and
 //! [`Engine::stats`] complete the interface; [`refit`] adds weight updates,
-//! pauses and memory release (RL training loops).
+//! pauses and memory release (RL training loops). With several ranks
+//! ([`data_parallel`]) each request goes to one rank's scheduler, picked by
+//! a [`LoadBalance`]; aborts, flushes and pauses go to every rank.
 //!
 //! Invariant: once every request has finished and the cache is flushed, every
 //! KV page is back in the pool.
 
 mod adaptive;
+pub mod data_parallel;
 mod output;
 mod policy;
 pub mod refit;
@@ -21,6 +25,7 @@ mod scheduler;
 mod stream;
 pub mod transfer;
 
+pub use data_parallel::LoadBalance;
 pub use policy::SchedulePolicy;
 
 use crate::detok::TokenDecoder;
@@ -368,6 +373,8 @@ pub struct RequestStream {
     remaining: usize,
     /// Makes the text of chunks that carry ids only (no stop strings).
     text: Option<stream::StreamText>,
+    /// The request's share of its rank's in-flight load.
+    _load: data_parallel::LoadGuard,
 }
 
 impl RequestStream {
@@ -436,13 +443,21 @@ impl Drop for RequestStream {
     }
 }
 
-/// A running engine.
-pub struct Engine {
+/// One scheduler thread and what the engine keeps of it.
+struct SchedulerRank {
     tx: mpsc::Sender<Msg>,
-    /// For the text of streams whose chunks carry ids only.
-    decoder: Arc<dyn TokenDecoder>,
     stats: Arc<Mutex<EngineStats>>,
     thread: Option<JoinHandle<()>>,
+    load: Arc<data_parallel::RankLoad>,
+}
+
+/// A running engine.
+pub struct Engine {
+    /// One per data-parallel rank (one without data parallelism).
+    ranks: Vec<SchedulerRank>,
+    dispatcher: data_parallel::Dispatcher,
+    /// For the text of streams whose chunks carry ids only.
+    decoder: Arc<dyn TokenDecoder>,
     next_id: AtomicU64,
     limits: Limits,
 }
@@ -458,11 +473,83 @@ struct Limits {
 impl Engine {
     /// Starts the scheduler thread.
     pub fn new(config: EngineConfig, parts: EngineParts) -> Result<Self> {
-        let spec = parts.executor.model_spec().clone();
-        let kv = *parts.executor.kv_spec();
+        Self::data_parallel(config, vec![parts], LoadBalance::RoundRobin)
+    }
+
+    /// Starts one scheduler thread per data-parallel rank, each with its
+    /// own parts (executor, prefix cache, speculator); new requests are
+    /// spread over them by `balance`. The ranks must serve the same model
+    /// (vocabulary, context length and layers); a request must fit the
+    /// smallest rank's KV cache.
+    pub fn data_parallel(
+        config: EngineConfig,
+        parts: Vec<EngineParts>,
+        balance: LoadBalance,
+    ) -> Result<Self> {
+        Self::check_config(&config, &parts)?;
+        let first = parts
+            .first()
+            .ok_or_else(|| CoreError::Config("an engine of no data-parallel ranks".into()))?;
+        let spec = first.executor.model_spec().clone();
+        let decoder = first.decoder.clone();
+        let mut limits = Limits {
+            vocab_size: spec.vocab_size,
+            context: spec.max_position_embeddings,
+            capacity_tokens: usize::MAX,
+            num_layers: spec.num_layers,
+        };
+        for (rank, p) in parts.iter().enumerate() {
+            let s = p.executor.model_spec();
+            if (s.vocab_size, s.max_position_embeddings, s.num_layers)
+                != (limits.vocab_size, limits.context, limits.num_layers)
+            {
+                return Err(CoreError::Config(format!(
+                    "data-parallel rank {rank} serves a different model than rank 0"
+                )));
+            }
+            limits.capacity_tokens = limits
+                .capacity_tokens
+                .min(p.executor.kv_spec().capacity_tokens());
+        }
+        let world = parts.len();
+        let mut ranks = Vec::with_capacity(world);
+        for (rank, parts) in parts.into_iter().enumerate() {
+            let stats = Arc::new(Mutex::new(EngineStats {
+                max_total_tokens: parts.executor.kv_spec().capacity_tokens(),
+                ..Default::default()
+            }));
+            let (tx, rx) = mpsc::channel();
+            let sched = scheduler::Scheduler::new(config.clone(), parts, stats.clone())?;
+            let name = if world == 1 {
+                "arbor-scheduler".to_string()
+            } else {
+                format!("arbor-scheduler-dp{rank}")
+            };
+            let thread = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || sched.run(rx))
+                .map_err(|e| CoreError::Internal(format!("starting the scheduler: {e}")))?;
+            ranks.push(SchedulerRank {
+                tx,
+                stats,
+                thread: Some(thread),
+                load: Arc::default(),
+            });
+        }
+        Ok(Self {
+            ranks,
+            dispatcher: data_parallel::Dispatcher::new(balance),
+            decoder,
+            next_id: AtomicU64::new(1),
+            limits,
+        })
+    }
+
+    /// Checks the settings (and that speculation has its speculators).
+    fn check_config(config: &EngineConfig, parts: &[EngineParts]) -> Result<()> {
         if let Some(sc) = &config.speculative {
             sc.validate()?;
-            if parts.speculator.is_none() {
+            if parts.iter().any(|p| p.speculator.is_none()) {
                 return Err(CoreError::Config(format!(
                     "speculative decoding ({}) is configured but no speculator was given",
                     sc.algorithm
@@ -489,31 +576,25 @@ impl Engine {
                 "schedule_conservativeness must be positive".into(),
             ));
         }
-        let limits = Limits {
-            vocab_size: spec.vocab_size,
-            context: spec.max_position_embeddings,
-            capacity_tokens: kv.capacity_tokens(),
-            num_layers: spec.num_layers,
-        };
-        let stats = Arc::new(Mutex::new(EngineStats {
-            max_total_tokens: kv.capacity_tokens(),
-            ..Default::default()
-        }));
-        let (tx, rx) = mpsc::channel();
-        let decoder = parts.decoder.clone();
-        let sched = scheduler::Scheduler::new(config, parts, stats.clone())?;
-        let thread = std::thread::Builder::new()
-            .name("arbor-scheduler".into())
-            .spawn(move || sched.run(rx))
-            .map_err(|e| CoreError::Internal(format!("starting the scheduler: {e}")))?;
-        Ok(Self {
-            tx,
-            decoder,
-            stats,
-            thread: Some(thread),
-            next_id: AtomicU64::new(1),
-            limits,
-        })
+        Ok(())
+    }
+
+    /// Data-parallel ranks (scheduler threads).
+    pub fn dp_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Sends `msg()` to every rank's scheduler; errors if one had stopped
+    /// (after sending to the others).
+    fn broadcast(&self, msg: impl Fn() -> Msg) -> Result<()> {
+        let mut stopped = false;
+        for r in &self.ranks {
+            stopped |= r.tx.send(msg()).is_err();
+        }
+        if stopped {
+            return Err(CoreError::Internal("the scheduler has stopped".into()));
+        }
+        Ok(())
     }
 
     /// Validates and enqueues a request.
@@ -574,27 +655,33 @@ impl Engine {
                 req.params.skip_special_tokens,
             )
         });
+        let tokens = total * n.max(1);
+        let loads: Vec<&data_parallel::RankLoad> = self.ranks.iter().map(|r| &*r.load).collect();
+        let rank = &self.ranks[self.dispatcher.pick(&loads)];
+        let load = rank.load.take(tokens);
         let r = request::Req::new(rid.clone(), req, otx, Instant::now())?;
-        self.tx
+        rank.tx
             .send(Msg::Submit(Box::new(r)))
             .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
         Ok(RequestStream {
             rid,
             rx: orx,
-            tx: self.tx.clone(),
+            tx: rank.tx.clone(),
             remaining: n,
             text,
+            _load: load,
         })
     }
 
     /// Aborts every sample of the request `rid` (no-op if unknown).
     pub fn abort(&self, rid: &str) {
-        let _ = self.tx.send(Msg::Abort(rid.to_string()));
+        // A rank that does not know the id ignores it.
+        let _ = self.broadcast(|| Msg::Abort(rid.to_string()));
     }
 
     /// Aborts every request.
     pub fn abort_all(&self) {
-        let _ = self.tx.send(Msg::AbortAll);
+        let _ = self.broadcast(|| Msg::AbortAll);
     }
 
     /// Empties the prefix cache (device and host tiers) if no request is
@@ -607,29 +694,52 @@ impl Engine {
     /// the storage tier (in the background).
     pub fn flush_cache_tiers(&self, storage: bool) -> Result<bool> {
         let (tx, rx) = mpsc::channel();
-        self.tx
-            .send(Msg::Flush { reply: tx, storage })
-            .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
-        rx.recv_timeout(Duration::from_secs(60))
-            .map_err(|_| CoreError::Internal("the scheduler did not answer".into()))
+        self.broadcast(|| Msg::Flush {
+            reply: tx.clone(),
+            storage,
+        })?;
+        drop(tx);
+        let mut flushed = true;
+        for _ in &self.ranks {
+            flushed &= rx
+                .recv_timeout(Duration::from_secs(60))
+                .map_err(|_| CoreError::Internal("the scheduler did not answer".into()))?;
+        }
+        Ok(flushed)
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters (every rank's together).
     pub fn stats(&self) -> EngineStats {
-        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        data_parallel::merged_stats(&self.rank_stats())
     }
 
-    /// KV capacity in tokens.
+    /// A snapshot of each data-parallel rank's counters.
+    pub fn rank_stats(&self) -> Vec<EngineStats> {
+        self.ranks
+            .iter()
+            .map(|r| r.stats.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .collect()
+    }
+
+    /// KV capacity in tokens (of every rank together).
     pub fn capacity_tokens(&self) -> usize {
+        self.limits.capacity_tokens * self.ranks.len()
+    }
+
+    /// The most tokens (prompt plus new) one request can hold: the KV
+    /// capacity of the smallest rank.
+    pub fn request_capacity_tokens(&self) -> usize {
         self.limits.capacity_tokens
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        let _ = self.tx.send(Msg::Shutdown);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let _ = self.broadcast(|| Msg::Shutdown);
+        for r in &mut self.ranks {
+            if let Some(t) = r.thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }

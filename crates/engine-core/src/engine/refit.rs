@@ -100,41 +100,84 @@ pub(crate) enum Control {
 }
 
 impl Engine {
-    fn control<T>(&self, make: impl FnOnce(mpsc::Sender<Result<T>>) -> Control) -> Result<T> {
+    /// Runs `make`'s control on every rank, in rank order; the first error
+    /// wins (after every rank answered).
+    fn control<T>(&self, make: impl Fn(mpsc::Sender<Result<T>>) -> Control) -> Result<Vec<T>> {
         let (tx, rx) = mpsc::channel();
-        self.tx
-            .send(Msg::Control(make(tx)))
-            .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
-        rx.recv()
-            .map_err(|_| CoreError::Internal("the scheduler stopped before answering".into()))?
+        self.broadcast(|| Msg::Control(make(tx.clone())))?;
+        drop(tx);
+        let answers: Vec<Result<T>> = self
+            .ranks
+            .iter()
+            .map(|_| {
+                rx.recv().map_err(|_| {
+                    CoreError::Internal("the scheduler stopped before answering".into())
+                })?
+            })
+            .collect();
+        answers.into_iter().collect()
+    }
+
+    /// Refuses installing one model on several data-parallel ranks (each
+    /// rank's executor holds weights on its own devices).
+    fn check_one_rank(&self, what: &str) -> Result<()> {
+        if self.dp_size() > 1 {
+            return Err(CoreError::unsupported(format!(
+                "{what} with {} data-parallel ranks (--dp-size > 1)",
+                self.dp_size()
+            )));
+        }
+        Ok(())
     }
 
     /// Replaces the weights by `model`'s (see the module doc). Blocks until
-    /// the swap happened (after the drain, with `opts.drain`).
+    /// the swap happened (after the drain, with `opts.drain`). One
+    /// data-parallel rank only.
     pub fn update_weights(&self, model: Arc<dyn Model>, opts: RefitOptions) -> Result<RefitReport> {
-        self.control(|reply| Control::UpdateWeights { model, opts, reply })
+        self.check_one_rank("updating the weights")?;
+        let mut reports = self.control(|reply| Control::UpdateWeights {
+            model: model.clone(),
+            opts,
+            reply,
+        })?;
+        reports
+            .pop()
+            .ok_or_else(|| CoreError::Internal("no rank answered the weight update".into()))
     }
 
     /// Pauses generation; returns the requests left paused (running, or
-    /// queued by retraction).
+    /// queued by retraction) on every rank.
     pub fn pause_generation(&self, mode: PauseMode) -> Result<usize> {
-        self.control(|reply| Control::Pause { mode, reply })
+        Ok(self
+            .control(|reply| Control::Pause { mode, reply })?
+            .into_iter()
+            .sum())
     }
 
     /// Resumes generation after a pause (not after a release: resume memory).
     pub fn continue_generation(&self) -> Result<()> {
-        self.control(|reply| Control::Continue { reply })
+        self.control(|reply| Control::Continue { reply })?;
+        Ok(())
     }
 
     /// Frees the KV cache (`kv`) and/or the weights (`weights`); refused while
     /// requests run.
     pub fn release_memory(&self, kv: bool, weights: bool) -> Result<()> {
-        self.control(|reply| Control::Release { kv, weights, reply })
+        self.control(|reply| Control::Release { kv, weights, reply })?;
+        Ok(())
     }
 
     /// Allocates the KV cache again and installs `model` (required when the
-    /// weights were released), then resumes generation.
+    /// weights were released; one data-parallel rank only), then resumes
+    /// generation.
     pub fn resume_memory(&self, model: Option<Arc<dyn Model>>) -> Result<()> {
-        self.control(|reply| Control::Resume { model, reply })
+        if model.is_some() {
+            self.check_one_rank("reinstalling released weights")?;
+        }
+        self.control(|reply| Control::Resume {
+            model: model.clone(),
+            reply,
+        })?;
+        Ok(())
     }
 }

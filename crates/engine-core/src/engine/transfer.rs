@@ -171,9 +171,17 @@ pub(crate) fn request_namespace(
 }
 
 impl Engine {
+    /// Runs a transfer on the scheduler (one data-parallel rank only: which
+    /// rank's cache a page set belongs to is not decided yet).
     fn transfer<T>(&self, make: impl FnOnce(mpsc::Sender<Result<T>>) -> TransferOp) -> Result<T> {
+        let [rank] = &self.ranks[..] else {
+            return Err(CoreError::unsupported(format!(
+                "KV transfer (disaggregation) with {} data-parallel ranks (--dp-size > 1)",
+                self.ranks.len()
+            )));
+        };
         let (tx, rx) = mpsc::channel();
-        self.tx
+        rank.tx
             .send(Msg::Transfer(make(tx)))
             .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
         rx.recv()
