@@ -36,7 +36,7 @@ use anyhow::{Context, Result, bail};
 use arbor_engine_core::comm::{Communicator, LocalGroup};
 use arbor_engine_core::engine::LoadBalance;
 use arbor_engine_core::moe::ExpertSharding;
-use arbor_engine_core::{Backend, BackendOptions, Registry, ShardSpec};
+use arbor_engine_core::{AttentionSharding, Backend, BackendOptions, Registry, ShardSpec};
 use arbor_models::LoadedModel;
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -85,6 +85,11 @@ pub struct ParallelArgs {
     /// tokens in flight) [default: round_robin].
     #[arg(long = "load-balance-method", help_heading = "Parallelism")]
     pub load_balance_method: Option<String>,
+    /// Data-parallel attention (with --dp-size equal to --tp-size > 1): each
+    /// rank runs attention whole for its own requests with a KV cache of its
+    /// own; the feed-forward layers stay split over the ranks.
+    #[arg(long = "enable-dp-attention", help_heading = "Parallelism")]
+    pub enable_dp_attention: bool,
 }
 
 /// `[parallel]` in the TOML file.
@@ -98,6 +103,7 @@ pub struct ParallelSection {
     pub gpu_id_step: Option<usize>,
     pub dp_size: Option<usize>,
     pub load_balance_method: Option<String>,
+    pub enable_dp_attention: Option<bool>,
 }
 
 /// Checked parallelism.
@@ -115,9 +121,21 @@ pub struct Parallel {
     pub dp: usize,
     /// How requests are spread over the replicas.
     pub balance: LoadBalance,
+    /// How the ranks of a group share attention (data-parallel attention:
+    /// `dp` equals `tp` and the ranks are one group, not `dp` replicas).
+    pub attention: AttentionSharding,
 }
 
 impl Parallel {
+    /// Data-parallel replicas to build: `dp`, or one group of `tp` ranks
+    /// with data-parallel attention.
+    pub fn replicas(&self) -> usize {
+        match self.attention {
+            AttentionSharding::DataParallel => 1,
+            AttentionSharding::Heads => self.dp,
+        }
+    }
+
     /// The device index rank `rank` runs on (SGLang's placement:
     /// `base_gpu_id + rank * gpu_id_step`).
     pub fn device_index(&self, rank: usize) -> usize {
@@ -134,6 +152,7 @@ impl Default for Parallel {
             gpu_id_step: 1,
             dp: 1,
             balance: LoadBalance::RoundRobin,
+            attention: AttentionSharding::Heads,
         }
     }
 }
@@ -153,6 +172,9 @@ impl ParallelSection {
                     .clone()
                     .or(f.load_balance_method)
                     .unwrap_or_else(|| "round_robin".into()),
+            ),
+            enable_dp_attention: Some(
+                a.enable_dp_attention || f.enable_dp_attention.unwrap_or(false),
             ),
         }
     }
@@ -197,6 +219,17 @@ impl ParallelSection {
             .map_err(|e| {
                 anyhow::anyhow!("[parallel] load_balance_method / --load-balance-method: {e}")
             })?;
+        let attention = if self.enable_dp_attention.unwrap_or(false) {
+            if tp < 2 || dp != tp {
+                bail!(
+                    "[parallel] enable_dp_attention / --enable-dp-attention needs dp_size / \
+                     --dp-size equal to tp_size / --tp-size, both above 1 (got dp {dp}, tp {tp})"
+                );
+            }
+            AttentionSharding::DataParallel
+        } else {
+            AttentionSharding::Heads
+        };
         Ok(Parallel {
             tp,
             experts,
@@ -204,6 +237,7 @@ impl ParallelSection {
             gpu_id_step: self.gpu_id_step.unwrap_or(1),
             dp,
             balance,
+            attention,
         })
     }
 }
@@ -235,8 +269,8 @@ pub fn check_supported(p: Parallel, device: &str) -> Result<()> {
 /// threads (all of them with one replica).
 pub fn replica_args(args: &ModelArgs, p: Parallel, d: usize) -> ModelArgs {
     let mut a = args.clone();
-    a.dp_size = 1;
-    if p.dp > 1 {
+    if p.replicas() > 1 {
+        a.dp_size = 1;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let total = if args.threads == 0 {
             cores
@@ -302,6 +336,7 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
         let shard = ShardSpec {
             comm: c.clone(),
             experts: p.experts,
+            attention: p.attention,
         };
         models.push(
             arbor_models::load_model_shard(&path, registry, &opts, &shard).with_context(|| {
@@ -347,6 +382,7 @@ mod tests {
                 gpu_id_step: 0,
                 dp: 1,
                 balance: LoadBalance::RoundRobin,
+                attention: AttentionSharding::Heads,
             }
         );
         assert_eq!((p.device_index(0), p.device_index(1)), (3, 3));
@@ -409,6 +445,31 @@ mod tests {
         .to_settings()
         .unwrap();
         assert_eq!((dp.dp, dp.balance), (2, LoadBalance::ShortestQueue));
+        assert_eq!(dp.replicas(), 2);
+        let dpa = ParallelSection {
+            dp_size: Some(2),
+            tp_size: Some(2),
+            enable_dp_attention: Some(true),
+            ..Default::default()
+        }
+        .to_settings()
+        .unwrap();
+        assert_eq!(
+            (dpa.attention, dpa.replicas()),
+            (AttentionSharding::DataParallel, 1)
+        );
+        for (dp, tp) in [(1, 1), (2, 1), (1, 2), (2, 4)] {
+            let e = ParallelSection {
+                dp_size: Some(dp),
+                tp_size: Some(tp),
+                enable_dp_attention: Some(true),
+                ..Default::default()
+            }
+            .to_settings()
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains("--enable-dp-attention needs"), "{e}");
+        }
         for (bad, key) in [
             (
                 ParallelSection {

@@ -50,6 +50,10 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
         );
         o.insert("dp_size".into(), cfg.parallel.dp_size.unwrap_or(1).into());
         o.insert(
+            "enable_dp_attention".into(),
+            cfg.parallel.enable_dp_attention.unwrap_or(false).into(),
+        );
+        o.insert(
             "load_balance_method".into(),
             cfg.parallel
                 .load_balance_method
@@ -97,6 +101,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         gpu_id_step: cfg.parallel.gpu_id_step.unwrap_or(1),
         dp_size: cfg.parallel.dp_size.unwrap_or(1),
         load_balance_method: cfg.parallel.load_balance_method.clone(),
+        enable_dp_attention: cfg.parallel.enable_dp_attention.unwrap_or(false),
     };
     let dp = model_args.parallel()?.dp;
     let policy: SchedulePolicy = q
@@ -419,7 +424,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 cfg.parallel.moe_a2a_backend.as_deref().unwrap_or("none")
             );
         }
-        if parallel.dp > 1 {
+        if parallel.attention == arbor_engine_core::AttentionSharding::DataParallel {
+            println!(
+                "  data-parallel attention: {} ranks, each running attention whole for its own \
+                 requests with its own scheduler and KV cache of {} tokens (feed-forward split \
+                 over the ranks), load balance {}",
+                parallel.dp,
+                built.kv_tokens / parallel.dp,
+                parallel.balance
+            );
+        } else if parallel.dp > 1 {
             let placement = if model_args.device == "cpu" {
                 "the threads split between them".to_string()
             } else {

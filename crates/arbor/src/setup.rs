@@ -12,8 +12,8 @@ use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{
-    Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions, ModelSpec,
-    PrefixCacheOptions, Registry, ResolvedKvDtype, SpeculatorInputs,
+    AttentionSharding, Backend, BackendOptions, DType, KvDtypeChoice, KvSpec, LoadOptions,
+    ModelSpec, PrefixCacheOptions, Registry, ResolvedKvDtype, SpeculatorInputs,
 };
 use arbor_models::LoadedModel;
 use clap::Args;
@@ -92,6 +92,9 @@ pub struct ModelArgs {
     /// shortest_queue or minimum_tokens [default: round_robin].
     #[arg(long = "load-balance-method")]
     pub load_balance_method: Option<String>,
+    /// Data-parallel attention (--dp-size equal to --tp-size > 1).
+    #[arg(long = "enable-dp-attention")]
+    pub enable_dp_attention: bool,
 }
 
 impl ModelArgs {
@@ -106,6 +109,7 @@ impl ModelArgs {
             gpu_id_step: Some(self.gpu_id_step),
             dp_size: Some(self.dp_size),
             load_balance_method: self.load_balance_method.clone(),
+            enable_dp_attention: Some(self.enable_dp_attention),
         }
         .to_settings()
     }
@@ -365,12 +369,13 @@ pub fn build_engine(
     let parallel = args.parallel()?;
     crate::parallel::check_supported(parallel, &args.device)?;
     // Each data-parallel replica sizes its KV from its share of the memory.
-    let available = mem_available().map(|a| a / parallel.dp as u64);
-    let mut replicas = Vec::with_capacity(parallel.dp);
-    for d in 0..parallel.dp {
+    let n = parallel.replicas();
+    let available = mem_available().map(|a| a / n as u64);
+    let mut replicas = Vec::with_capacity(n);
+    for d in 0..n {
         let rargs = crate::parallel::replica_args(args, parallel, d);
         let r = build_replica(registry, &rargs, setup, available);
-        replicas.push(if parallel.dp > 1 {
+        replicas.push(if n > 1 {
             r.with_context(|| format!("data-parallel rank {d} of {}", parallel.dp))?
         } else {
             r?
@@ -379,8 +384,10 @@ pub fn build_engine(
     let mut replicas = replicas.into_iter();
     let first = replicas.next().context("no data-parallel replica")?;
     let per_token = first.per_token;
-    let parts: Vec<EngineParts> = std::iter::once(first.parts)
-        .chain(replicas.map(|r| r.parts))
+    let parts: Vec<EngineParts> = first
+        .parts
+        .into_iter()
+        .chain(replicas.flat_map(|r| r.parts))
         .collect();
     let engine = Engine::data_parallel(setup.engine.clone(), parts, parallel.balance)
         .context("starting the engine")?;
@@ -396,9 +403,10 @@ pub fn build_engine(
     })
 }
 
-/// One replica's engine parts and what the start-up summary reports of it.
+/// One replica's engine parts (one per rank with data-parallel attention)
+/// and what the start-up summary reports of it.
 struct Replica {
-    parts: EngineParts,
+    parts: Vec<EngineParts>,
     model: LoadedModel,
     backend: Arc<dyn Backend>,
     rank_backends: Vec<Arc<dyn Backend>>,
@@ -446,10 +454,14 @@ fn build_replica(
         Some(p) if standalone => Some(load_draft(registry, backend.clone(), args, p, &model)?),
         _ => None,
     };
+    let dp_attention = parallel.attention == AttentionSharding::DataParallel;
     let mut spec = model.model.spec().clone();
     if let Some((models, _, _)) = &ranks {
-        // The KV and weights of all the ranks together.
-        spec.num_kv_heads *= models.len();
+        // The KV and weights of all the ranks together (with data-parallel
+        // attention each rank's cache holds every head of its own tokens).
+        if !dp_attention {
+            spec.num_kv_heads *= models.len();
+        }
         spec.weight_bytes = models.iter().map(|m| m.spec().weight_bytes).sum();
     }
     let page_size = args.page_size.max(1);
@@ -503,6 +515,15 @@ fn build_replica(
             .tokens()
         }
     };
+    // With data-parallel attention every rank has a cache of its own: the
+    // memory rule's tokens are shared among them.
+    let (tokens, note) = match (&setup.kv, &ranks) {
+        (KvBudget::Fraction(_), Some((models, _, _))) if dp_attention => (
+            tokens / models.len() / page_size * page_size,
+            format!("{note}; split over {} ranks", models.len()),
+        ),
+        _ => (tokens, note),
+    };
     let min_tokens = spec.max_position_embeddings.min(1024);
     if matches!(setup.kv, KvBudget::Fraction(_)) && tokens < min_tokens {
         bail!(
@@ -527,22 +548,26 @@ fn build_replica(
     } else {
         "radix"
     };
-    let prefix_cache: Box<dyn arbor_engine_core::PrefixCache> = if cache_name == "none" {
-        Box::new(arbor_engine_core::NoPrefixCache::with_page_size(page_size)?)
-    } else if let Some(h) = &setup.hicache {
-        let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-        // A tensor-parallel group's host pages hold every rank's heads.
-        let kv = match &ranks {
-            Some((models, _, _)) => {
-                arbor_engine_core::TpExecutor::group_kv_spec(runner.kv_spec(), models.len())
-            }
-            None => *runner.kv_spec(),
-        };
-        crate::hicache::build(h, &kv, policy, &model)?
-    } else {
-        let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-        registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?
+    // A tensor-parallel group's host pages hold every rank's heads (a
+    // data-parallel attention rank's, its own tokens' heads).
+    let tier_kv = match &ranks {
+        Some((models, _, _)) if !dp_attention => {
+            arbor_engine_core::TpExecutor::group_kv_spec(runner.kv_spec(), models.len())
+        }
+        _ => *runner.kv_spec(),
     };
+    let new_prefix_cache = || -> Result<Box<dyn arbor_engine_core::PrefixCache>> {
+        Ok(if cache_name == "none" {
+            Box::new(arbor_engine_core::NoPrefixCache::with_page_size(page_size)?)
+        } else if let Some(h) = &setup.hicache {
+            let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
+            crate::hicache::build(h, &tier_kv, policy, &model)?
+        } else {
+            let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
+            registry.prefix_caches.get(cache_name)?(&PrefixCacheOptions { page_size, policy })?
+        })
+    };
+    let prefix_cache = new_prefix_cache()?;
     let processors = || -> Result<Vec<_>> {
         setup
             .processors
@@ -587,6 +612,35 @@ fn build_replica(
                 model.tokenizer.eos_token_ids.clone(),
             ));
         }
+        if dp_attention {
+            // One scheduler per rank, each with its own prefix cache.
+            if setup.engine.speculative.is_some() {
+                bail!("speculative decoding with --enable-dp-attention is not supported yet");
+            }
+            let group = arbor_engine_core::DpAttentionGroup::new(executors, comms)?;
+            let mut ranks = group.executors().into_iter();
+            let first = ranks.next().context("rank 0")?;
+            parts.executor = Box::new(first);
+            let mut all = vec![parts];
+            for r in ranks {
+                all.push(EngineParts {
+                    executor: Box::new(r),
+                    prefix_cache: new_prefix_cache()?,
+                    decoder: model.tokenizer.clone(),
+                    eos_token_ids: model.tokenizer.eos_token_ids.clone(),
+                    speculator: None,
+                });
+            }
+            return Ok(Replica {
+                parts: all,
+                model,
+                backend,
+                rank_backends,
+                per_token,
+                kv_dtype: resolved,
+                kv_note: note,
+            });
+        }
         target_group = Some(Arc::new(arbor_engine_core::TpRunners::new(
             runners,
             comms.clone(),
@@ -611,7 +665,7 @@ fn build_replica(
         parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
     }
     Ok(Replica {
-        parts,
+        parts: vec![parts],
         model,
         backend,
         rank_backends,

@@ -8,7 +8,8 @@
 //! reference answers (NGRAM, STANDALONE, LAYERSKIP, and the EAGLE, EAGLE3
 //! and NEXTN heads on rank 0; DeepSeek's NEXTN at `--tp-size 2` is in
 //! serve_speculative), serves them from `--dp-size 2` replicas (alone and
-//! as two tensor-parallel groups), and refuses what does not run with it
+//! as two tensor-parallel groups) and with `--enable-dp-attention` on the
+//! DeepSeek (MLA) fixtures, and refuses what does not run with it
 //! (a tp size that does not divide the heads, an ep size other than 1 or
 //! tp, a dp size of 0, an unknown load-balance method, LoRA adapters with
 //! several replicas).
@@ -125,87 +126,124 @@ async fn tensor_parallel_serves_the_reference_completions() -> Result<()> {
 /// replica's KV pages come back.
 #[tokio::test]
 async fn data_parallel_replicas_serve_the_reference_completions() -> Result<()> {
-    for (model, extra) in [
-        ("tiny-qwen3", &["--dp-size", "2"][..]),
-        (
-            "tiny-qwen3-moe",
-            &[
-                "--dp-size",
-                "2",
-                "--load-balance-method",
-                "shortest_queue",
-                "--tp-size",
-                "2",
-                "--ep-size",
-                "2",
-            ][..],
-        ),
-    ] {
-        let path = fixture(model);
-        let mut args = vec![
-            "--model-path",
-            &path,
-            "--port",
-            "0",
-            "--threads",
+    check_data_parallel(
+        "tiny-qwen3",
+        &["--dp-size", "2"],
+        "data-parallel: 2 replicas",
+    )
+    .await?;
+    check_data_parallel(
+        "tiny-qwen3-moe",
+        &[
+            "--dp-size",
             "2",
-            "--max-total-tokens",
-            "1024",
-            "--kv-cache-dtype",
-            "f32",
-            "--enable-metrics",
-        ];
-        args.extend_from_slice(extra);
-        let s = Server::start(&args)?;
-        assert!(s.log_contains("data-parallel: 2 replicas"), "{}", s.logs());
-        let c = client();
-        let info: Value = c
-            .get(s.url("/get_server_info"))
-            .send()
-            .await?
-            .json()
-            .await?;
-        assert_eq!(info["dp_size"], 2, "{info}");
-        // Each replica holds --max-total-tokens.
-        assert_eq!(info["max_total_num_tokens"], 2048, "{info}");
-        assert_eq!(info["internal_states"].as_array().map(Vec::len), Some(2));
-        let reference = reference_json(&path)?;
-        let prompts = reference["prompts"].as_array().context("prompts")?;
-        let tokens = json!(32);
-        let answers = futures_util::future::join_all(
-            prompts
-                .iter()
-                .map(|p| generate_greedy(&c, &s, &p["input_ids"], &tokens)),
-        )
-        .await;
-        for (i, (a, p)) in answers.into_iter().zip(prompts).enumerate() {
-            assert_eq!(a?["output_ids"], p["greedy_ids"], "{model} prompt {i}");
-        }
-        let load: Value = c.get(s.url("/get_load")).send().await?.json().await?;
-        let ranks = load.as_array().context("get_load")?;
-        assert_eq!(ranks.len(), 2, "{load}");
-        let served: Vec<u64> = ranks
+            "--load-balance-method",
+            "shortest_queue",
+            "--tp-size",
+            "2",
+            "--ep-size",
+            "2",
+        ],
+        "data-parallel: 2 replicas",
+    )
+    .await
+}
+
+/// `--enable-dp-attention` on the latent-attention (MLA) models: two ranks,
+/// each running attention whole for its own requests with its own latent
+/// KV cache, the feed-forward (dense layers, shared and routed experts)
+/// split over both and run on both ranks' tokens, serve the reference
+/// completions, whether both ranks have requests in a step or one of them
+/// only joins the feed-forward with no tokens of its own.
+#[tokio::test]
+async fn data_parallel_attention_serves_the_reference_completions() -> Result<()> {
+    let line = "data-parallel attention: 2 ranks";
+    let dpa = ["--dp-size", "2", "--tp-size", "2", "--enable-dp-attention"];
+    check_data_parallel("tiny-deepseek-v2", &dpa, line).await?;
+    let mut ep = dpa.to_vec();
+    ep.extend(["--ep-size", "2", "--load-balance-method", "minimum_tokens"]);
+    check_data_parallel("tiny-deepseek-v3", &ep, line).await
+}
+
+/// Serves `model` with `extra` (two data-parallel ranks), checks the start-up
+/// line, the reference completions all at once and one at a time, that both
+/// ranks served, that a weight update is refused, and that no page leaks.
+async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<()> {
+    let path = fixture(model);
+    let mut args = vec![
+        "--model-path",
+        &path,
+        "--port",
+        "0",
+        "--threads",
+        "2",
+        "--max-total-tokens",
+        "1024",
+        "--kv-cache-dtype",
+        "f32",
+        "--enable-metrics",
+    ];
+    args.extend_from_slice(extra);
+    let s = Server::start(&args)?;
+    assert!(s.log_contains(line), "{}", s.logs());
+    let c = client();
+    let info: Value = c
+        .get(s.url("/get_server_info"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    assert_eq!(info["dp_size"], 2, "{info}");
+    // Each rank holds --max-total-tokens.
+    assert_eq!(info["max_total_num_tokens"], 2048, "{info}");
+    assert_eq!(info["internal_states"].as_array().map(Vec::len), Some(2));
+    let reference = reference_json(&path)?;
+    let prompts = reference["prompts"].as_array().context("prompts")?;
+    let tokens = json!(32);
+    let answers = futures_util::future::join_all(
+        prompts
             .iter()
-            .map(|r| r["num_requests_total"].as_u64().unwrap_or(0))
-            .collect();
-        assert_eq!(served.iter().sum::<u64>(), prompts.len() as u64, "{load}");
-        assert!(served.iter().all(|&n| n > 0), "{model}: {load}");
-        // A weight update is refused with several replicas, and the server
-        // goes on serving.
-        let r = c
-            .post(s.url("/update_weights_from_disk"))
-            .json(&json!({"model_path": path}))
-            .send()
-            .await?;
-        let status = r.status();
-        let body = r.text().await?;
-        assert_eq!(status, 400, "{body}");
-        assert!(body.contains("2 data-parallel ranks"), "{body}");
-        let again = generate_greedy(&c, &s, &prompts[0]["input_ids"], &tokens).await?;
-        assert_eq!(again["output_ids"], prompts[0]["greedy_ids"]);
-        assert_no_leak(&c, &s, "arbor", None).await?;
+            .map(|p| generate_greedy(&c, &s, &p["input_ids"], &tokens)),
+    )
+    .await;
+    for (i, (a, p)) in answers.into_iter().zip(prompts).enumerate() {
+        assert_eq!(a?["output_ids"], p["greedy_ids"], "{model} prompt {i}");
     }
-    Ok(())
+    // One at a time: the other rank is idle (or holds only a cached prefix).
+    for (i, p) in prompts.iter().enumerate() {
+        let r = generate_greedy(&c, &s, &p["input_ids"], &tokens).await?;
+        assert_eq!(
+            r["output_ids"], p["greedy_ids"],
+            "{model} alone, prompt {i}"
+        );
+    }
+    let load: Value = c.get(s.url("/get_load")).send().await?.json().await?;
+    let ranks = load.as_array().context("get_load")?;
+    assert_eq!(ranks.len(), 2, "{load}");
+    let served: Vec<u64> = ranks
+        .iter()
+        .map(|r| r["num_requests_total"].as_u64().unwrap_or(0))
+        .collect();
+    assert_eq!(
+        served.iter().sum::<u64>(),
+        2 * prompts.len() as u64,
+        "{load}"
+    );
+    assert!(served.iter().all(|&n| n > 0), "{model}: {load}");
+    // A weight update is refused with several ranks, and the server goes
+    // on serving.
+    let r = c
+        .post(s.url("/update_weights_from_disk"))
+        .json(&json!({"model_path": path}))
+        .send()
+        .await?;
+    let status = r.status();
+    let body = r.text().await?;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("2 data-parallel ranks"), "{body}");
+    let again = generate_greedy(&c, &s, &prompts[0]["input_ids"], &tokens).await?;
+    assert_eq!(again["output_ids"], prompts[0]["greedy_ids"]);
+    assert_no_leak(&c, &s, "arbor", None).await
 }
 
 #[test]
@@ -246,6 +284,22 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
     assert_serve_refuses(
         &["--dp-size", "2", "--lora-paths", &format!("a={adapter}")],
         "--lora-paths with --dp-size 2",
+    )?;
+    assert_serve_refuses(
+        &["--dp-size", "2", "--enable-dp-attention"],
+        "--enable-dp-attention needs dp_size / --dp-size equal to tp_size",
+    )?;
+    assert_serve_refuses(
+        &[
+            "--dp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "--enable-dp-attention",
+            "--speculative-algorithm",
+            "NGRAM",
+        ],
+        "speculative decoding with --enable-dp-attention",
     )
 }
 

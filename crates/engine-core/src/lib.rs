@@ -12,6 +12,7 @@ pub mod attention;
 pub mod backend;
 pub mod comm;
 pub mod detok;
+pub mod dp_attention;
 pub mod dtype;
 pub mod engine;
 pub mod error;
@@ -45,6 +46,7 @@ pub use backend::{
     RopeStyle,
 };
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
+pub use dp_attention::{DpAttentionGroup, DpAttentionRank};
 pub use dtype::DType;
 pub use error::{CoreError, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
@@ -52,8 +54,8 @@ pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, Resolve
 pub use logit_edits::{LogitEdits, RowEdits, TokenEdit};
 pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};
 pub use model::{
-    ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model, ModelArchitecture, ModelSpec,
-    ShardSpec, WeightSource,
+    AttentionSharding, ForwardBatch, ForwardContext, ForwardOutput, LoadOptions, Model,
+    ModelArchitecture, ModelSpec, ShardSpec, WeightSource,
 };
 pub use no_prefix_cache::NoPrefixCache;
 pub use prefix_cache::{

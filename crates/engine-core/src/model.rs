@@ -271,16 +271,35 @@ pub struct ShardSpec {
     pub comm: Arc<dyn crate::comm::Communicator>,
     /// How the ranks share the routed experts of a MoE model.
     pub experts: crate::moe::ExpertSharding,
+    /// How the ranks share attention.
+    pub attention: AttentionSharding,
+}
+
+/// How the ranks of a group share attention.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionSharding {
+    /// Heads split over the ranks; every rank sees every token (tensor
+    /// parallelism).
+    #[default]
+    Heads,
+    /// Data-parallel attention (SGLang's `--enable-dp-attention`): each rank
+    /// holds the whole attention, embeddings and LM head and runs its own
+    /// requests' tokens with a KV cache of its own; the feed-forward layers
+    /// stay sharded and run on every rank's tokens, gathered before and
+    /// handed back after each one. A rank with no tokens still joins every
+    /// layer's collectives.
+    DataParallel,
 }
 
 impl std::fmt::Debug for ShardSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "ShardSpec(rank {} of {}, experts: {:?})",
+            "ShardSpec(rank {} of {}, experts: {:?}, attention: {:?})",
             self.comm.rank(),
             self.comm.world_size(),
-            self.experts
+            self.experts,
+            self.attention
         )
     }
 }

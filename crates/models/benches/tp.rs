@@ -151,6 +151,7 @@ fn main() {
             let shard = ShardSpec {
                 comm,
                 experts: Default::default(),
+                attention: Default::default(),
             };
             let m = DecoderModel::load_shard(cfg.clone(), None, FLAGS, &src, &opts, &shard)
                 .expect("shard");

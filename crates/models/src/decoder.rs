@@ -11,6 +11,7 @@
 //! when loading, and errors name the tensor and the checkpoint.
 
 use crate::config::DecoderConfig;
+use crate::dp_attention::feed_forward_over_ranks;
 use crate::kv_scales;
 use crate::mla::{MlaAttn, MlaConfig};
 use crate::moe::{MoeBlock, MoeConfig, MoeParallel, MoeStyle};
@@ -20,9 +21,9 @@ use arbor_engine_core::lora::{LoraSegment, LoraTarget, apply_lora};
 use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
-    HostTensor, KvScales, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec,
-    Result, RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
+    AttentionParams, AttentionSharding, Backend, CoreError, DType, ForwardBatch, ForwardContext,
+    ForwardOutput, HostTensor, KvScales, LinearRef, LinearSpec, LoadOptions, Model,
+    ModelArchitecture, ModelSpec, Result, RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -89,6 +90,9 @@ struct TpRank {
     experts: ExpertSharding,
     /// The LM head holds this rank's rows of the vocabulary; logits are gathered.
     vocab_parallel: bool,
+    /// Data-parallel attention: the attention is whole and runs this rank's
+    /// tokens only; each feed-forward runs on every rank's tokens.
+    dp_attention: bool,
 }
 
 /// A loaded Llama-family decoder (or one tensor-parallel rank's shard of it).
@@ -286,13 +290,16 @@ impl DecoderModel {
     ) -> Result<Self> {
         let (rank, world) = (shard.comm.rank(), shard.comm.world_size());
         let partitioned = shard.experts.partitioned();
-        let (local, local_moe) = shard_config(&cfg, moe, world, partitioned)?;
-        let vocab_parallel = cfg.vocab_size.is_multiple_of(world);
-        let sharded = ShardedSource::new(src, rank, world, vocab_parallel, partitioned);
+        let dp_attention = shard.attention == AttentionSharding::DataParallel;
+        let (local, local_moe) = shard_config(&cfg, moe, world, partitioned, dp_attention)?;
+        let vocab_parallel = !dp_attention && cfg.vocab_size.is_multiple_of(world);
+        let sharded = ShardedSource::new(src, rank, world, vocab_parallel, partitioned)
+            .with_whole_attention(dp_attention);
         let tp = TpRank {
             comm: shard.comm.clone(),
             experts: shard.experts,
             vocab_parallel,
+            dp_attention,
         };
         Self::load_inner(
             local,
@@ -529,7 +536,20 @@ impl DecoderModel {
         ctx: &ForwardContext<'_>,
         embeds: Option<&Tensor>,
     ) -> Result<ForwardOutput> {
+        let dp_rank = self.tp.as_ref().filter(|t| t.dp_attention);
+        if let Some(dp) = dp_rank
+            && batch.input_ids.is_empty()
+            && batch.exit_after.is_none()
+        {
+            // A rank without tokens this step (the only valid empty batch).
+            return self.idle_forward(dp, self.layers.len());
+        }
         batch.validate(self.spec.vocab_size)?;
+        if dp_rank.is_some() && !batch.lora.is_empty() {
+            return Err(CoreError::unsupported(
+                "LoRA adapters with data-parallel attention",
+            ));
+        }
         // A tensor-parallel rank applies its shard of each adapter.
         let rank_lora: Vec<LoraSegment>;
         let lora_segments: &[LoraSegment] = match &self.tp {
@@ -749,6 +769,16 @@ impl DecoderModel {
                     a.forward(b, &x, rope, i, ctx, &proj)?;
                 }
             }
+            if let Some(dp) = dp_rank {
+                // The attention was whole: `proj` is already this rank's
+                // rows of the output; the feed-forward runs over every
+                // rank's rows.
+                b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
+                feed_forward_over_ranks(b, &*dp.comm, &x, &proj, |i, o| {
+                    self.whole_feed_forward(&layer.ffn, i, o)
+                })?;
+                continue;
+            }
             self.reduce(&proj)?;
             b.add_rms_norm(&resid, &proj, &layer.post_norm, c.rms_norm_eps, &x)?;
             match &layer.ffn {
@@ -822,6 +852,56 @@ impl DecoderModel {
             _ => b.linear(&sel, &self.lm_head, None, &logits)?,
         }
         Ok(ForwardOutput { logits, hidden })
+    }
+
+    /// A data-parallel-attention rank's forward of no tokens: it joins each
+    /// of the first `run` layers' feed-forward over the other ranks' rows.
+    fn idle_forward(&self, dp: &TpRank, run: usize) -> Result<ForwardOutput> {
+        let b = &*self.backend;
+        let h = self.cfg.hidden_size;
+        let none = b.alloc(DType::F32, &[0, h])?;
+        for layer in self.layers.iter().take(run) {
+            feed_forward_over_ranks(b, &*dp.comm, &none, &none, |i, o| {
+                self.whole_feed_forward(&layer.ffn, i, o)
+            })?;
+        }
+        Ok(ForwardOutput {
+            logits: b.alloc(DType::F32, &[0, self.cfg.vocab_size])?,
+            hidden: Vec::new(),
+        })
+    }
+
+    /// A layer's feed-forward of `x` into `out`, reduced over the ranks
+    /// (the whole output on every rank).
+    fn whole_feed_forward(&self, ffn: &Ffn, x: &Tensor, out: &Tensor) -> Result<()> {
+        let b = &*self.backend;
+        match ffn {
+            Ffn::Dense { gate, up, down } => {
+                let shape = [x.rows(), self.cfg.intermediate_size];
+                let g = b.alloc(DType::F32, &shape)?;
+                let u = b.alloc(DType::F32, &shape)?;
+                b.linear_many(
+                    x,
+                    &[
+                        LinearRef {
+                            w: &gate.w,
+                            bias: gate.b.as_ref(),
+                            out: &g,
+                        },
+                        LinearRef {
+                            w: &up.w,
+                            bias: up.b.as_ref(),
+                            out: &u,
+                        },
+                    ],
+                )?;
+                let act = b.alloc(DType::F32, &shape)?;
+                b.silu_mul(&g, &u, &act)?;
+                self.linear(&act, down, out)?;
+                self.reduce(out)
+            }
+            Ffn::Moe(block) => block.forward(b, x, out),
+        }
     }
 
     /// Sums a row-parallel output over the ranks (nothing on one device).

@@ -10,6 +10,7 @@
 pub mod chat;
 pub mod config;
 pub mod decoder;
+mod dp_attention;
 pub mod gguf_source;
 pub mod kv_scales;
 pub mod mla;

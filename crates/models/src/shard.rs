@@ -14,6 +14,11 @@
 //!   gate, and, with expert parallelism, the routed experts (each rank loads
 //!   only its own).
 //!
+//! With data-parallel attention ([`ShardedSource::with_whole_attention`],
+//! `AttentionSharding::DataParallel`) every rank holds the whole attention
+//! (`self_attn` tensors), embeddings and LM head, and only the feed-forward
+//! layers are split as above.
+//!
 //! Invariants: a rank's slice of a column split is rows `[r·n/w, (r+1)·n/w)`,
 //! of a row split columns `[r·k/w, (r+1)·k/w)`; quantized rows are cut only
 //! at block boundaries; a checkpoint tensor this layout does not know under a
@@ -38,13 +43,15 @@ enum Split {
     Whole,
 }
 
-/// The rank's shapes: heads, MLP and expert widths divided by `world`.
-/// Errors name the key that `world` does not divide.
+/// The rank's shapes: heads (unless `whole_attention`), MLP and expert
+/// widths divided by `world`. Errors name the key that `world` does not
+/// divide.
 pub fn shard_config(
     cfg: &DecoderConfig,
     moe: Option<&MoeConfig>,
     world: usize,
     expert_parallel: bool,
+    whole_attention: bool,
 ) -> Result<(DecoderConfig, Option<MoeConfig>)> {
     let check = |key: &str, n: usize| -> Result<usize> {
         if world == 0 || !n.is_multiple_of(world) {
@@ -55,8 +62,10 @@ pub fn shard_config(
         Ok(n / world)
     };
     let mut c = cfg.clone();
-    c.num_attention_heads = check("num_attention_heads", cfg.num_attention_heads)?;
-    c.num_key_value_heads = check("num_key_value_heads", cfg.num_key_value_heads)?;
+    if !whole_attention {
+        c.num_attention_heads = check("num_attention_heads", cfg.num_attention_heads)?;
+        c.num_key_value_heads = check("num_key_value_heads", cfg.num_key_value_heads)?;
+    }
     c.intermediate_size = check("intermediate_size", cfg.intermediate_size)?;
     let moe = match moe {
         None if expert_parallel => {
@@ -97,6 +106,8 @@ pub struct ShardedSource<'a> {
     vocab_parallel: bool,
     /// Routed experts are whole (expert parallelism).
     expert_parallel: bool,
+    /// Attention tensors are whole (data-parallel attention).
+    whole_attention: bool,
 }
 
 impl<'a> ShardedSource<'a> {
@@ -114,6 +125,15 @@ impl<'a> ShardedSource<'a> {
             world,
             vocab_parallel,
             expert_parallel,
+            whole_attention: false,
+        }
+    }
+
+    /// Every rank holds the whole attention (data-parallel attention).
+    pub fn with_whole_attention(self, whole: bool) -> Self {
+        Self {
+            whole_attention: whole,
+            ..self
         }
     }
 
@@ -130,6 +150,9 @@ impl<'a> ShardedSource<'a> {
         };
         let proj = module.rsplit('.').next().unwrap_or(module);
         let routed = module.contains(".experts.");
+        if self.whole_attention && module.contains(".self_attn") {
+            return Ok(Split::Whole);
+        }
         // A KV cache scale (ModelOpt keeps it on k_proj / v_proj) is one
         // number every rank uses.
         if matches!(kind, "k_scale" | "v_scale" | "output_scale") {
@@ -312,6 +335,24 @@ mod tests {
             vec![4, 4]
         );
         assert!(s.tensor("model.layers.0.self_attn.q_proj.qweight").is_err());
+        // Data-parallel attention: attention whole, the MLP still split.
+        let dp = ShardedSource::new(&src, 1, 2, false, false).with_whole_attention(true);
+        for name in [
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.self_attn.kv_b_proj.weight",
+        ] {
+            assert_eq!(
+                dp.tensor(name).unwrap().unwrap().shape,
+                vec![4, 4],
+                "{name}"
+            );
+        }
+        let down = dp
+            .tensor("model.layers.0.mlp.down_proj.weight")
+            .unwrap()
+            .unwrap();
+        assert_eq!(down.shape, vec![4, 2]);
     }
 
     #[test]

@@ -89,6 +89,7 @@ fn shards_as(
         let shard = ShardSpec {
             comm: c.clone(),
             experts,
+            attention: Default::default(),
         };
         models.push(load_model_shard(&fixture(name), registry, &opts, &shard)?);
     }

@@ -51,6 +51,7 @@ fn group(name: &str) -> Result<Option<TpRunners>> {
         let shard = ShardSpec {
             comm: c.clone(),
             experts: ExpertSharding::Split,
+            attention: Default::default(),
         };
         let m = load_model_shard(&fixture(name), &registry, &opts, &shard)
             .with_context(|| format!("loading a shard of {name} on {}", crate::vendor::NAME))?;
