@@ -14,9 +14,11 @@
 //! layer's collectives.
 //!
 //! Invariants: a step's members are fixed when it starts; no rank joins a
-//! running step; a rank whose forward fails aborts the group, so that no
-//! other rank stays blocked in a collective, and the leader resets the
-//! group before the next step starts.
+//! running step; a rank whose forward fails (or panics) aborts the group,
+//! so that no other rank stays blocked in a collective, and the leader
+//! resets the group before the next step starts; every member counts itself
+//! finished and the leader closes the step on every path, unwinding
+//! included.
 
 use crate::attention::BatchLayout;
 use crate::comm::Communicator;
@@ -118,13 +120,16 @@ impl DpAttentionGroup {
         g.waiting[rank] = true;
         let next = g.started + 1;
         if g.forming {
-            // Another rank leads this step: wait for it to start.
+            // Another rank leads this step and may be waiting for this one:
+            // tell it, then wait for the step to start.
+            self.changed.notify_all();
             while g.started < next {
                 g = self.wait(g);
             }
             drop(g);
+            let done = Finished::new(self, rank);
             let out = self.run_member(rank, plan);
-            self.finish(out.is_err());
+            done.with(out.is_err());
             return out;
         }
         g.forming = true;
@@ -149,9 +154,17 @@ impl DpAttentionGroup {
         g.started = next;
         drop(g);
         self.changed.notify_all();
+        let close = CloseStep(Some(self));
+        let done = Finished::new(self, rank);
         let out = self.lead(rank, plan, &members);
-        self.finish(out.is_err());
-        // The step closes once every member has finished.
+        done.with(out.is_err());
+        close.close()?;
+        out
+    }
+
+    /// Closes the running step once every member has finished: resets the
+    /// group's collectives when one failed, then lets the next step form.
+    fn close_step(&self) -> Result<()> {
         let mut g = self.lock();
         while g.running.is_some_and(|left| left > 0) {
             g = self.wait(g);
@@ -164,8 +177,7 @@ impl DpAttentionGroup {
         g.running = None;
         drop(g);
         self.changed.notify_all();
-        reset?;
-        out
+        reset
     }
 
     /// The leader's part: its own plan here, and a forward of no tokens for
@@ -236,6 +248,62 @@ impl DpAttentionGroup {
         }
         drop(g);
         self.changed.notify_all();
+    }
+}
+
+/// Counts a member of the running step as finished when dropped: with
+/// [`Finished::with`] after its part ran, or, if its part panicked, as
+/// failed, with the group's collectives aborted so that no other rank stays
+/// blocked and the leader does not wait for it forever.
+struct Finished<'a> {
+    group: &'a DpAttentionGroup,
+    rank: usize,
+    failed: bool,
+}
+
+impl<'a> Finished<'a> {
+    fn new(group: &'a DpAttentionGroup, rank: usize) -> Self {
+        Self {
+            group,
+            rank,
+            failed: true,
+        }
+    }
+
+    /// Finishes with the part's outcome.
+    fn with(mut self, failed: bool) {
+        self.failed = failed;
+    }
+}
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.group.comms[self.rank].abort();
+        }
+        self.group.finish(self.failed);
+    }
+}
+
+/// The leader's duty to close its step, done by [`CloseStep::close`] or,
+/// if the leader's part panicked, when dropped.
+struct CloseStep<'a>(Option<&'a DpAttentionGroup>);
+
+impl CloseStep<'_> {
+    fn close(mut self) -> Result<()> {
+        match self.0.take() {
+            Some(g) => g.close_step(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for CloseStep<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.0.take() {
+            // Unwinding: the step still closes so that no rank waits forever.
+            let _ = g.close_step();
+        }
     }
 }
 
