@@ -141,6 +141,12 @@ impl Parallel {
     pub fn device_index(&self, rank: usize) -> usize {
         self.base_gpu_id + rank * self.gpu_id_step
     }
+
+    /// The device index data-parallel replica `d`'s first rank runs on (the
+    /// replicas' ranks in turn: `d * tp`).
+    pub fn replica_device_index(&self, d: usize) -> usize {
+        self.device_index(d * self.tp)
+    }
 }
 
 impl Default for Parallel {
@@ -278,7 +284,7 @@ pub fn replica_args(args: &ModelArgs, p: Parallel, d: usize) -> ModelArgs {
             args.threads
         };
         a.threads = (total / p.dp).max(1);
-        a.base_gpu_id = p.device_index(d * p.tp);
+        a.base_gpu_id = p.replica_device_index(d);
     }
     a
 }

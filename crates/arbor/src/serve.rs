@@ -438,7 +438,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 "the threads split between them".to_string()
             } else {
                 let ids: Vec<String> = (0..parallel.dp)
-                    .map(|d| parallel.device_index(d * tp).to_string())
+                    .map(|d| parallel.replica_device_index(d).to_string())
                     .collect();
                 format!("first devices {}", ids.join(", "))
             };

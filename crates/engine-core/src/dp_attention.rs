@@ -68,16 +68,7 @@ impl DpAttentionGroup {
                 "a data-parallel attention group of no ranks",
             ));
         }
-        if comms.len() != n
-            || comms
-                .iter()
-                .enumerate()
-                .any(|(i, c)| c.rank() != i || c.world_size() != n)
-        {
-            return Err(CoreError::invalid(
-                "each rank needs the communicator of its own rank in a group of all of them",
-            ));
-        }
+        crate::tp::check_group(&comms, n)?;
         Ok(Arc::new(Self {
             ranks,
             comms,
@@ -356,14 +347,6 @@ impl Executor for DpAttentionRank {
         if self.rank != 0 {
             return Vec::new();
         }
-        let mut merged = self.group.ranks[0].expert_load();
-        for r in &self.group.ranks[1..] {
-            for (m, l) in merged.iter_mut().zip(r.expert_load()) {
-                for (a, b) in m.tokens.iter_mut().zip(l.tokens) {
-                    *a = (*a).max(b);
-                }
-            }
-        }
-        merged
+        crate::tp::group_expert_load(&self.group.ranks)
     }
 }

@@ -124,15 +124,7 @@ impl Executor for TpExecutor {
     /// tokens on its own rank only when they are partitioned; the largest
     /// count is the group's either way.
     fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
-        let mut merged = self.ranks[0].expert_load();
-        for r in &self.ranks[1..] {
-            for (m, l) in merged.iter_mut().zip(r.expert_load()) {
-                for (a, b) in m.tokens.iter_mut().zip(l.tokens) {
-                    *a = (*a).max(b);
-                }
-            }
-        }
-        merged
+        group_expert_load(&self.ranks)
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
@@ -174,8 +166,25 @@ fn group_spec(rank: &ModelSpec, world: usize, weight_bytes: u64) -> ModelSpec {
     spec
 }
 
+/// A group's expert load from its ranks' counts: per layer and expert, the
+/// largest count (see [`TpExecutor`]'s `expert_load`).
+pub(crate) fn group_expert_load(ranks: &[LocalExecutor]) -> Vec<crate::moe::ExpertLoad> {
+    let Some((first, rest)) = ranks.split_first() else {
+        return Vec::new();
+    };
+    let mut merged = first.expert_load();
+    for r in rest {
+        for (m, l) in merged.iter_mut().zip(r.expert_load()) {
+            for (a, b) in m.tokens.iter_mut().zip(l.tokens) {
+                *a = (*a).max(b);
+            }
+        }
+    }
+    merged
+}
+
 /// Checks that `comms[i]` is rank `i` of a group of exactly `ranks` ranks.
-fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
+pub(crate) fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
     if comms.len() != ranks
         || comms
             .iter()

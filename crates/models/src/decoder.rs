@@ -542,7 +542,7 @@ impl DecoderModel {
             && batch.exit_after.is_none()
         {
             // A rank without tokens this step (the only valid empty batch).
-            return self.idle_forward(dp, self.layers.len());
+            return self.idle_forward(dp);
         }
         batch.validate(self.spec.vocab_size)?;
         if dp_rank.is_some() && !batch.lora.is_empty() {
@@ -854,13 +854,13 @@ impl DecoderModel {
         Ok(ForwardOutput { logits, hidden })
     }
 
-    /// A data-parallel-attention rank's forward of no tokens: it joins each
-    /// of the first `run` layers' feed-forward over the other ranks' rows.
-    fn idle_forward(&self, dp: &TpRank, run: usize) -> Result<ForwardOutput> {
+    /// A data-parallel-attention rank's forward of no tokens: it joins every
+    /// layer's feed-forward over the other ranks' rows.
+    fn idle_forward(&self, dp: &TpRank) -> Result<ForwardOutput> {
         let b = &*self.backend;
         let h = self.cfg.hidden_size;
         let none = b.alloc(DType::F32, &[0, h])?;
-        for layer in self.layers.iter().take(run) {
+        for layer in &self.layers {
             feed_forward_over_ranks(b, &*dp.comm, &none, &none, |i, o| {
                 self.whole_feed_forward(&layer.ffn, i, o)
             })?;
