@@ -321,7 +321,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
         registry: Arc::new(registry),
-        backend: built.backend.clone(),
+        backends: built.dp_backends.clone(),
+        tp_size: model_args.tp_size,
         dtype: model_args.dtype.clone(),
         quantization: model_args.quantization.clone(),
     }));

@@ -245,6 +245,10 @@ pub struct BuiltEngine {
     /// With tensor parallelism, every rank's device in rank order (`backend`
     /// is the first); empty on one device.
     pub rank_backends: Vec<Arc<dyn Backend>>,
+    /// The device of each of the engine's data-parallel ranks, in rank
+    /// order (a tensor-parallel replica's first rank): where a weight update
+    /// loads each rank's copy.
+    pub dp_backends: Vec<Arc<dyn Backend>>,
     /// KV capacity in tokens.
     pub kv_tokens: usize,
     /// KV cache bytes.
@@ -381,6 +385,17 @@ pub fn build_engine(
             r?
         });
     }
+    let dp_backends: Vec<Arc<dyn Backend>> = replicas
+        .iter()
+        .flat_map(|r| {
+            if r.parts.len() > 1 {
+                // Data-parallel attention: one engine rank per device.
+                r.rank_backends.clone()
+            } else {
+                vec![r.backend.clone()]
+            }
+        })
+        .collect();
     let mut replicas = replicas.into_iter();
     let first = replicas.next().context("no data-parallel replica")?;
     let per_token = first.per_token;
@@ -400,6 +415,7 @@ pub fn build_engine(
         model: first.model,
         backend: first.backend,
         rank_backends: first.rank_backends,
+        dp_backends,
     })
 }
 
@@ -709,10 +725,15 @@ fn load_draft(
 }
 
 /// Loads new weights for a running server (`/update_weights_from_disk`,
-/// `/resume_memory_occupation`) onto its device, with its dtype.
+/// `/resume_memory_occupation`) with its dtype: one copy per data-parallel
+/// rank, each on that rank's device.
 pub struct DiskWeightLoader {
     pub registry: Arc<Registry>,
-    pub backend: Arc<dyn Backend>,
+    /// Each data-parallel rank's device ([`BuiltEngine::dp_backends`]).
+    pub backends: Vec<Arc<dyn Backend>>,
+    /// `--tp-size`: ranks holding shards cannot take whole models (refused
+    /// before anything loads).
+    pub tp_size: usize,
     pub dtype: String,
     pub quantization: Option<String>,
 }
@@ -721,20 +742,32 @@ impl arbor_server::refit::WeightLoader for DiskWeightLoader {
     fn load(
         &self,
         path: &std::path::Path,
-    ) -> std::result::Result<Arc<dyn arbor_engine_core::Model>, String> {
+    ) -> std::result::Result<Vec<Arc<dyn arbor_engine_core::Model>>, String> {
+        if self.tp_size > 1 {
+            return Err(format!(
+                "weight updates with --tp-size {}: each rank holds a shard of the weights, \
+                 and refit loads whole models (not supported yet)",
+                self.tp_size
+            ));
+        }
         if !path.exists() {
             return Err(format!("{}: no such file or folder", path.display()));
         }
         let quant = quant_method(&self.registry, &self.dtype, self.quantization.as_deref())
             .map_err(|e| format!("{e:#}"))?;
-        let opts = LoadOptions {
-            backend: self.backend.clone(),
-            quant,
-            progress: None,
-        };
-        arbor_models::load_model(path, &self.registry, &opts)
-            .map(|m| m.model)
-            .map_err(|e| e.to_string())
+        self.backends
+            .iter()
+            .map(|backend| {
+                let opts = LoadOptions {
+                    backend: backend.clone(),
+                    quant: quant.clone(),
+                    progress: None,
+                };
+                arbor_models::load_model(path, &self.registry, &opts)
+                    .map(|m| m.model)
+                    .map_err(|e| e.to_string())
+            })
+            .collect()
     }
 }
 

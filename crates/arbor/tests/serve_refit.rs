@@ -1,5 +1,6 @@
 //! End-to-end tests of RL weight refit on `arbor serve`:
-//! `/update_weights_from_disk` under traffic (no request fails; afterwards
+//! `/update_weights_from_disk` under traffic, on one replica and on two
+//! data-parallel replicas (no request fails; afterwards
 //! greedy outputs equal a fresh server's on the new weights), bad folders
 //! refused with a 400 naming the problem while the old weights keep serving,
 //! pause/continue, and release/resume of memory (the process's RSS drops and
@@ -183,11 +184,25 @@ async fn model_info(c: &reqwest::Client, s: &Server) -> Result<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn refit_under_traffic_then_outputs_equal_a_fresh_server() -> Result<()> {
+    refit_under_traffic(&[]).await
+}
+
+/// Two data-parallel replicas: each loads its own copy and swaps after its
+/// own drain; afterwards both answer as a fresh one-replica server does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn data_parallel_replicas_refit_under_traffic() -> Result<()> {
+    refit_under_traffic(&["--dp-size", "2"]).await
+}
+
+/// Three weight updates on a server started with `server_args`, under
+/// traffic of four clients: no request fails, and afterwards the greedy
+/// outputs equal a fresh (one-replica) server's on the last weights.
+async fn refit_under_traffic(server_args: &[&str]) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let (a, b) = (dir.path().join("step-a"), dir.path().join("step-b"));
     write_model(&a, TINY, 1)?;
     write_model(&b, TINY, 2)?;
-    let s = serve(&a, &[])?;
+    let s = serve(&a, server_args)?;
     let c = client();
     let on_a = outputs(&c, &s).await?;
     assert_eq!(model_info(&c, &s).await?["weight_version"], "default");

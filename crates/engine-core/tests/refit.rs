@@ -31,6 +31,11 @@ fn load(path: &std::path::Path, quant: &str) -> Result<Arc<dyn Model>> {
 }
 
 fn engine(model: Arc<dyn Model>) -> Result<Engine> {
+    Ok(Engine::new(EngineConfig::default(), parts(model)?)?)
+}
+
+/// One rank's parts: its runner over `model`, a radix cache, no processors.
+fn parts(model: Arc<dyn Model>) -> Result<EngineParts> {
     let s = shared();
     let runner = ModelRunner::new(model, s.backend.clone(), None, 16, 64, DType::F32)?;
     let policy = s.registry.eviction_policies.get("lru")?()?;
@@ -46,7 +51,7 @@ fn engine(model: Arc<dyn Model>) -> Result<Engine> {
         s.model.tokenizer.clone(),
         s.model.tokenizer.eos_token_ids.clone(),
     );
-    Ok(Engine::new(EngineConfig::default(), parts)?)
+    Ok(parts)
 }
 
 /// Greedy outputs of `ps`, one request at a time (each a prefix-cache hit
@@ -84,7 +89,7 @@ fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {
             assert!(s.blocking_next().is_some_and(|c| c.finish.is_none()));
         }
         let report = e.update_weights(
-            new.clone(),
+            vec![new.clone()],
             RefitOptions {
                 drain,
                 keep_pause: false,
@@ -111,13 +116,46 @@ fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {
 }
 
 #[test]
+fn data_parallel_ranks_each_install_their_own_copy() -> Result<()> {
+    let ps = prompts(6, 13);
+    let old = shared().model.model.clone();
+    let want_new = outputs(&engine(load(&tiny::fixture(), "bf16")?)?, &ps)?;
+    let e = Engine::data_parallel(
+        EngineConfig::default(),
+        vec![parts(old.clone())?, parts(load(&tiny::fixture(), "auto")?)?],
+        arbor_engine_core::engine::LoadBalance::RoundRobin,
+    )?;
+    assert_ne!(outputs(&e, &ps)?, want_new);
+    // One model for two ranks is refused, and nothing changes.
+    let new = || load(&tiny::fixture(), "bf16");
+    let err = e
+        .update_weights(vec![new()?], RefitOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("1 models for 2 data-parallel ranks"), "{err}");
+    let report = e.update_weights(vec![new()?, new()?], RefitOptions::default())?;
+    assert_eq!(report.version, 1, "every rank is at version 1");
+    // Round robin puts every other request on each rank: both serve the
+    // new weights.
+    assert_eq!(outputs(&e, &ps)?, want_new);
+    assert!(e.rank_stats().iter().all(|r| r.num_requests_total > 0));
+    // Released weights come back the same way.
+    e.release_memory(true, true)?;
+    assert!(e.resume_memory(Some(vec![new()?])).is_err());
+    e.resume_memory(Some(vec![new()?, new()?]))?;
+    assert_eq!(outputs(&e, &ps)?, want_new);
+    assert_pool_empty(&e);
+    Ok(())
+}
+
+#[test]
 fn another_architecture_is_refused_and_the_old_weights_kept() -> Result<()> {
     let ps = prompts(3, 5);
     let e = engine(shared().model.model.clone())?;
     let before = outputs(&e, &ps)?;
     let qwen = tiny::fixture().join("../tiny-qwen2");
     let err = e
-        .update_weights(load(&qwen, "auto")?, RefitOptions::default())
+        .update_weights(vec![load(&qwen, "auto")?], RefitOptions::default())
         .unwrap_err()
         .to_string();
     assert!(err.contains("architecture"), "{err}");
@@ -154,7 +192,7 @@ fn pause_release_and_resume() -> Result<()> {
     );
     assert!(e.resume_memory(None).is_err(), "the weights were released");
     let waiting = e.submit(GenerateRequest::new(ps[1].clone(), greedy(12)))?;
-    e.resume_memory(Some(model))?;
+    e.resume_memory(Some(vec![model]))?;
     let got: Vec<u32> = waiting
         .collect_blocking()
         .iter()

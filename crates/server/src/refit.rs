@@ -31,9 +31,10 @@ use std::time::Instant;
 /// Loads weights for a weight update or a resume (the binary knows how:
 /// registry, device, dtype).
 pub trait WeightLoader: Send + Sync {
-    /// The model at `path` (a Hugging Face folder or a GGUF file); the
-    /// error says what is wrong with it.
-    fn load(&self, path: &Path) -> Result<Arc<dyn Model>, String>;
+    /// The model at `path` (a Hugging Face folder or a GGUF file), loaded
+    /// once per data-parallel rank of the engine, in rank order, each on
+    /// that rank's devices; the error says what is wrong with it.
+    fn load(&self, path: &Path) -> Result<Vec<Arc<dyn Model>>, String>;
 }
 
 /// SGLang's failure shape: `{"success": false, "message": ...}`.
@@ -71,7 +72,7 @@ async fn blocking<T: Send + 'static>(
     })
 }
 
-async fn load(st: &Arc<AppState>, path: PathBuf) -> Result<Arc<dyn Model>, Response> {
+async fn load(st: &Arc<AppState>, path: PathBuf) -> Result<Vec<Arc<dyn Model>>, Response> {
     let Some(loader) = st.loader.clone() else {
         return Err(bad(
             "this server cannot load weights (no weight loader configured)",

@@ -587,9 +587,14 @@ impl Engine {
     /// Sends `msg()` to every rank's scheduler; errors if one had stopped
     /// (after sending to the others).
     fn broadcast(&self, msg: impl Fn() -> Msg) -> Result<()> {
+        self.send_each(|_| msg())
+    }
+
+    /// Sends `msg(rank)` to every rank's scheduler.
+    fn send_each(&self, msg: impl Fn(usize) -> Msg) -> Result<()> {
         let mut stopped = false;
-        for r in &self.ranks {
-            stopped |= r.tx.send(msg()).is_err();
+        for (rank, r) in self.ranks.iter().enumerate() {
+            stopped |= r.tx.send(msg(rank)).is_err();
         }
         if stopped {
             return Err(CoreError::Internal("the scheduler has stopped".into()));

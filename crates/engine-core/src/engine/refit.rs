@@ -5,7 +5,8 @@
 //! Every operation is a message the scheduler thread handles between steps,
 //! so a step runs entirely on the old weights or entirely on the new ones.
 //!
-//! - [`Engine::update_weights`]: the new model must have the served model's
+//! - [`Engine::update_weights`]: one new model per data-parallel rank (on
+//!   that rank's devices), each with the served model's
 //!   shape ([`crate::ModelSpec::same_shape`]); otherwise it is refused and
 //!   the old weights stay. With `drain`, no waiting request is admitted
 //!   until the running ones finished; then the weights swap. Without it (or
@@ -100,11 +101,14 @@ pub(crate) enum Control {
 }
 
 impl Engine {
-    /// Runs `make`'s control on every rank, in rank order; the first error
-    /// wins (after every rank answered).
-    fn control<T>(&self, make: impl Fn(mpsc::Sender<Result<T>>) -> Control) -> Result<Vec<T>> {
+    /// Runs `make`'s control on every rank (`make` gets the rank), in rank
+    /// order; the first error wins (after every rank answered).
+    fn control<T>(
+        &self,
+        make: impl Fn(usize, mpsc::Sender<Result<T>>) -> Control,
+    ) -> Result<Vec<T>> {
         let (tx, rx) = mpsc::channel();
-        self.broadcast(|| Msg::Control(make(tx.clone())))?;
+        self.send_each(|rank| Msg::Control(make(rank, tx.clone())))?;
         drop(tx);
         let answers: Vec<Result<T>> = self
             .ranks
@@ -118,30 +122,45 @@ impl Engine {
         answers.into_iter().collect()
     }
 
-    /// Refuses installing one model on several data-parallel ranks (each
-    /// rank's executor holds weights on its own devices).
-    fn check_one_rank(&self, what: &str) -> Result<()> {
-        if self.dp_size() > 1 {
-            return Err(CoreError::unsupported(format!(
-                "{what} with {} data-parallel ranks (--dp-size > 1)",
+    /// Checks that `models` holds one model per data-parallel rank (each
+    /// rank's executor holds weights on its own devices), all of one shape;
+    /// each rank then checks its model against the served one.
+    fn check_rank_models(&self, models: &[Arc<dyn Model>], what: &str) -> Result<()> {
+        if models.len() != self.dp_size() {
+            return Err(CoreError::invalid(format!(
+                "{what}: {} models for {} data-parallel ranks (one per rank)",
+                models.len(),
                 self.dp_size()
             )));
+        }
+        for m in &models[1..] {
+            models[0].spec().same_shape(m.spec())?;
         }
         Ok(())
     }
 
-    /// Replaces the weights by `model`'s (see the module doc). Blocks until
-    /// the swap happened (after the drain, with `opts.drain`). One
-    /// data-parallel rank only.
-    pub fn update_weights(&self, model: Arc<dyn Model>, opts: RefitOptions) -> Result<RefitReport> {
-        self.check_one_rank("updating the weights")?;
-        let mut reports = self.control(|reply| Control::UpdateWeights {
-            model: model.clone(),
+    /// Replaces the weights by `models`' (one per data-parallel rank, in
+    /// rank order; see the module doc). Blocks until every rank swapped
+    /// (after its drain, with `opts.drain`). The report gives the requests
+    /// running at the swaps on all ranks and the longest wait.
+    pub fn update_weights(
+        &self,
+        models: Vec<Arc<dyn Model>>,
+        opts: RefitOptions,
+    ) -> Result<RefitReport> {
+        self.check_rank_models(&models, "updating the weights")?;
+        let reports = self.control(|rank, reply| Control::UpdateWeights {
+            model: models[rank].clone(),
             opts,
             reply,
         })?;
         reports
-            .pop()
+            .into_iter()
+            .reduce(|a, b| RefitReport {
+                version: a.version.max(b.version),
+                running_at_swap: a.running_at_swap + b.running_at_swap,
+                waited: a.waited.max(b.waited),
+            })
             .ok_or_else(|| CoreError::Internal("no rank answered the weight update".into()))
     }
 
@@ -149,33 +168,33 @@ impl Engine {
     /// queued by retraction) on every rank.
     pub fn pause_generation(&self, mode: PauseMode) -> Result<usize> {
         Ok(self
-            .control(|reply| Control::Pause { mode, reply })?
+            .control(|_, reply| Control::Pause { mode, reply })?
             .into_iter()
             .sum())
     }
 
     /// Resumes generation after a pause (not after a release: resume memory).
     pub fn continue_generation(&self) -> Result<()> {
-        self.control(|reply| Control::Continue { reply })?;
+        self.control(|_, reply| Control::Continue { reply })?;
         Ok(())
     }
 
     /// Frees the KV cache (`kv`) and/or the weights (`weights`); refused while
     /// requests run.
     pub fn release_memory(&self, kv: bool, weights: bool) -> Result<()> {
-        self.control(|reply| Control::Release { kv, weights, reply })?;
+        self.control(|_, reply| Control::Release { kv, weights, reply })?;
         Ok(())
     }
 
-    /// Allocates the KV cache again and installs `model` (required when the
-    /// weights were released; one data-parallel rank only), then resumes
+    /// Allocates the KV cache again and installs `models` (one per
+    /// data-parallel rank; required when the weights were released), then resumes
     /// generation.
-    pub fn resume_memory(&self, model: Option<Arc<dyn Model>>) -> Result<()> {
-        if model.is_some() {
-            self.check_one_rank("reinstalling released weights")?;
+    pub fn resume_memory(&self, models: Option<Vec<Arc<dyn Model>>>) -> Result<()> {
+        if let Some(m) = &models {
+            self.check_rank_models(m, "reinstalling released weights")?;
         }
-        self.control(|reply| Control::Resume {
-            model: model.clone(),
+        self.control(|rank, reply| Control::Resume {
+            model: models.as_ref().map(|m| m[rank].clone()),
             reply,
         })?;
         Ok(())
