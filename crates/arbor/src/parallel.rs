@@ -295,6 +295,8 @@ pub struct Ranks {
     pub models: Vec<LoadedModel>,
     pub backends: Vec<Arc<dyn Backend>>,
     pub comms: Vec<Arc<dyn Communicator>>,
+    /// Each rank's share of the model (what a weight update loads again).
+    pub shards: Vec<ShardSpec>,
 }
 
 /// Starts `p.tp` backends (on the CPU the threads split between them;
@@ -334,6 +336,7 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
     let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
     let quant = crate::setup::quant_method(registry, &args.dtype, args.quantization.as_deref())?;
     let mut models = Vec::with_capacity(p.tp);
+    let mut shards = Vec::with_capacity(p.tp);
     for (rank, (b, c)) in backends.iter().zip(&comms).enumerate() {
         let opts = arbor_engine_core::LoadOptions {
             backend: b.clone(),
@@ -350,11 +353,13 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
                 format!("loading rank {rank} of {} of {}", p.tp, path.display())
             })?,
         );
+        shards.push(shard);
     }
     Ok(Ranks {
         models,
         backends,
         comms,
+        shards,
     })
 }
 

@@ -321,8 +321,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
         registry: Arc::new(registry),
-        backends: built.dp_backends.clone(),
-        tp_size: model_args.tp_size,
+        ranks: built.rank_devices.clone(),
+        dp_attention: model_args.enable_dp_attention,
         dtype: model_args.dtype.clone(),
         quantization: model_args.quantization.clone(),
     }));

@@ -245,10 +245,10 @@ pub struct BuiltEngine {
     /// With tensor parallelism, every rank's device in rank order (`backend`
     /// is the first); empty on one device.
     pub rank_backends: Vec<Arc<dyn Backend>>,
-    /// The device of each of the engine's data-parallel ranks, in rank
-    /// order (a tensor-parallel replica's first rank): where a weight update
-    /// loads each rank's copy.
-    pub dp_backends: Vec<Arc<dyn Backend>>,
+    /// Each of the engine's data-parallel ranks' devices, in rank order (a
+    /// tensor-parallel replica's ranks in turn): where a weight update loads
+    /// each rank's copy or shard.
+    pub rank_devices: Vec<Vec<ShardDevice>>,
     /// KV capacity in tokens.
     pub kv_tokens: usize,
     /// KV cache bytes.
@@ -385,14 +385,14 @@ pub fn build_engine(
             r?
         });
     }
-    let dp_backends: Vec<Arc<dyn Backend>> = replicas
+    let rank_devices: Vec<Vec<ShardDevice>> = replicas
         .iter()
         .flat_map(|r| {
             if r.parts.len() > 1 {
                 // Data-parallel attention: one engine rank per device.
-                r.rank_backends.clone()
+                r.devices.iter().map(|d| vec![d.clone()]).collect()
             } else {
-                vec![r.backend.clone()]
+                vec![r.devices.clone()]
             }
         })
         .collect();
@@ -415,8 +415,16 @@ pub fn build_engine(
         model: first.model,
         backend: first.backend,
         rank_backends: first.rank_backends,
-        dp_backends,
+        rank_devices,
     })
+}
+
+/// Where one rank's weights load: its device, and its share of the model
+/// (`None`: the whole model).
+#[derive(Clone)]
+pub struct ShardDevice {
+    pub backend: Arc<dyn Backend>,
+    pub shard: Option<arbor_engine_core::ShardSpec>,
 }
 
 /// One replica's engine parts (one per rank with data-parallel attention)
@@ -426,6 +434,8 @@ struct Replica {
     model: LoadedModel,
     backend: Arc<dyn Backend>,
     rank_backends: Vec<Arc<dyn Backend>>,
+    /// Each rank's device and shard.
+    devices: Vec<ShardDevice>,
     /// KV bytes per token (the draft model's included).
     per_token: u64,
     kv_dtype: ResolvedKvDtype,
@@ -443,8 +453,17 @@ fn build_replica(
 ) -> Result<Replica> {
     let parallel = args.parallel()?;
     // With tensor parallelism: rank 0's device and shard here, the others in `ranks`.
-    let (backend, model, ranks) = if parallel.tp > 1 {
+    let (backend, model, ranks, devices) = if parallel.tp > 1 {
         let r = crate::parallel::load_ranks(registry, args, parallel)?;
+        let devices = r
+            .backends
+            .iter()
+            .zip(&r.shards)
+            .map(|(b, s)| ShardDevice {
+                backend: b.clone(),
+                shard: Some(s.clone()),
+            })
+            .collect();
         let mut models = r.models.into_iter();
         let first = models.next().context("rank 0")?;
         let all: Vec<_> = std::iter::once(first.model.clone())
@@ -454,11 +473,16 @@ fn build_replica(
             r.backends[0].clone(),
             first,
             Some((all, r.backends, r.comms)),
+            devices,
         )
     } else {
         let backend = self::backend(registry, args)?;
         let model = load(registry, backend.clone(), args)?;
-        (backend, model, None)
+        let device = ShardDevice {
+            backend: backend.clone(),
+            shard: None,
+        };
+        (backend, model, None, vec![device])
     };
     let resolved = kv_dtype(args, &*backend, model.model.spec())?;
     let standalone = setup
@@ -652,6 +676,7 @@ fn build_replica(
                 model,
                 backend,
                 rank_backends,
+                devices,
                 per_token,
                 kv_dtype: resolved,
                 kv_note: note,
@@ -685,6 +710,7 @@ fn build_replica(
         model,
         backend,
         rank_backends,
+        devices,
         per_token,
         kv_dtype: resolved,
         kv_note: note,
@@ -729,11 +755,11 @@ fn load_draft(
 /// rank, each on that rank's device.
 pub struct DiskWeightLoader {
     pub registry: Arc<Registry>,
-    /// Each data-parallel rank's device ([`BuiltEngine::dp_backends`]).
-    pub backends: Vec<Arc<dyn Backend>>,
-    /// `--tp-size`: ranks holding shards cannot take whole models (refused
+    /// Each data-parallel rank's devices ([`BuiltEngine::rank_devices`]).
+    pub ranks: Vec<Vec<ShardDevice>>,
+    /// Data-parallel attention ranks refuse weight updates (refused here,
     /// before anything loads).
-    pub tp_size: usize,
+    pub dp_attention: bool,
     pub dtype: String,
     pub quantization: Option<String>,
 }
@@ -742,31 +768,35 @@ impl arbor_server::refit::WeightLoader for DiskWeightLoader {
     fn load(
         &self,
         path: &std::path::Path,
-    ) -> std::result::Result<Vec<Arc<dyn arbor_engine_core::Model>>, String> {
-        if self.tp_size > 1 {
-            return Err(format!(
-                "weight updates with --tp-size {}: each rank holds a shard of the weights, \
-                 and refit loads whole models (not supported yet)",
-                self.tp_size
-            ));
+    ) -> std::result::Result<Vec<arbor_engine_core::RankWeights>, String> {
+        if self.dp_attention {
+            return Err(
+                "weight updates with --enable-dp-attention are not supported yet \
+                 (the ranks would swap at different steps of the shared feed-forward)"
+                    .into(),
+            );
         }
         if !path.exists() {
             return Err(format!("{}: no such file or folder", path.display()));
         }
         let quant = quant_method(&self.registry, &self.dtype, self.quantization.as_deref())
             .map_err(|e| format!("{e:#}"))?;
-        self.backends
+        let load = |d: &ShardDevice| {
+            let opts = LoadOptions {
+                backend: d.backend.clone(),
+                quant: quant.clone(),
+                progress: None,
+            };
+            match &d.shard {
+                Some(s) => arbor_models::load_model_shard(path, &self.registry, &opts, s),
+                None => arbor_models::load_model(path, &self.registry, &opts),
+            }
+            .map(|m| m.model)
+            .map_err(|e| e.to_string())
+        };
+        self.ranks
             .iter()
-            .map(|backend| {
-                let opts = LoadOptions {
-                    backend: backend.clone(),
-                    quant: quant.clone(),
-                    progress: None,
-                };
-                arbor_models::load_model(path, &self.registry, &opts)
-                    .map(|m| m.model)
-                    .map_err(|e| e.to_string())
-            })
+            .map(|devices| devices.iter().map(load).collect())
             .collect()
     }
 }

@@ -167,8 +167,8 @@ async fn data_parallel_attention_serves_the_reference_completions() -> Result<()
 
 /// Serves `model` with `extra` (two data-parallel ranks), checks the start-up
 /// line, the reference completions all at once and one at a time, that both
-/// ranks served, a weight update (refused by tensor-parallel ranks), and that
-/// no page leaks.
+/// ranks served, a weight update (refused with data-parallel attention), and
+/// that no page leaks.
 async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<()> {
     let path = fixture(model);
     let mut args = vec![
@@ -231,9 +231,10 @@ async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<
         "{load}"
     );
     assert!(served.iter().all(|&n| n > 0), "{model}: {load}");
-    // A weight update: replicas of one rank each load their own copy (the
-    // same weights here); tensor-parallel replicas and data-parallel
-    // attention ranks refuse it. Either way the server goes on serving.
+    // A weight update (the same weights again): every replica loads its own
+    // copy, a tensor-parallel replica a shard per rank (experts partitioned
+    // as at start-up); data-parallel attention ranks refuse it. Either way
+    // the server goes on serving the reference completions.
     let r = c
         .post(s.url("/update_weights_from_disk"))
         .json(&json!({"model_path": path}))
@@ -241,9 +242,12 @@ async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<
         .await?;
     let status = r.status();
     let body = r.text().await?;
-    if extra.contains(&"--tp-size") {
+    if extra.contains(&"--enable-dp-attention") {
         assert_eq!(status, 400, "{body}");
-        assert!(body.contains("weight updates with --tp-size 2"), "{body}");
+        assert!(
+            body.contains("weight updates with --enable-dp-attention"),
+            "{body}"
+        );
     } else {
         assert_eq!(status, 200, "{body}");
     }

@@ -1,6 +1,7 @@
 //! End-to-end tests of RL weight refit on `arbor serve`:
-//! `/update_weights_from_disk` under traffic, on one replica and on two
-//! data-parallel replicas (no request fails; afterwards
+//! `/update_weights_from_disk` under traffic, on one replica, on two
+//! data-parallel replicas and on two tensor-parallel ranks (no request
+//! fails; afterwards
 //! greedy outputs equal a fresh server's on the new weights), bad folders
 //! refused with a 400 naming the problem while the old weights keep serving,
 //! pause/continue, and release/resume of memory (the process's RSS drops and
@@ -192,6 +193,13 @@ async fn refit_under_traffic_then_outputs_equal_a_fresh_server() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn data_parallel_replicas_refit_under_traffic() -> Result<()> {
     refit_under_traffic(&["--dp-size", "2"]).await
+}
+
+/// Two tensor-parallel ranks: each loads its own shard of the new weights,
+/// and the group swaps all of them between two steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tensor_parallel_ranks_refit_under_traffic() -> Result<()> {
+    refit_under_traffic(&["--tp-size", "2"]).await
 }
 
 /// Three weight updates on a server started with `server_args`, under
@@ -392,6 +400,19 @@ fn rss_bytes(pid: u32) -> Result<u64> {
 
 #[tokio::test]
 async fn pause_continue_release_and_resume() -> Result<()> {
+    pause_release_resume(&[]).await
+}
+
+/// The same on two tensor-parallel ranks: every rank frees its shard and
+/// loads it again.
+#[tokio::test]
+async fn tensor_parallel_ranks_release_and_resume() -> Result<()> {
+    pause_release_resume(&["--tp-size", "2"]).await
+}
+
+/// Pause (in place and abort), continue, release and resume on a server
+/// started with `server_args`.
+async fn pause_release_resume(server_args: &[&str]) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let m = dir.path().join("big");
     // Three MLP matrices of 34 MiB each: allocations the C allocator maps
@@ -405,7 +426,7 @@ async fn pause_continue_release_and_resume() -> Result<()> {
         head_dim: 64,
     };
     write_model(&m, big, 7)?;
-    let s = serve(&m, &[])?;
+    let s = serve(&m, server_args)?;
     let c = client();
     let before = outputs(&c, &s).await?;
 

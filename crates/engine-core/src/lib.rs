@@ -49,7 +49,7 @@ pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dp_attention::{DpAttentionGroup, DpAttentionRank};
 pub use dtype::DType;
 pub use error::{CoreError, Result};
-pub use executor::{Executor, ExecutorCapabilities, LocalExecutor};
+pub use executor::{Executor, ExecutorCapabilities, LocalExecutor, RankWeights};
 pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, ResolvedKvDtype};
 pub use logit_edits::{LogitEdits, RowEdits, TokenEdit};
 pub use lora::{LoraAdapter, LoraLayer, LoraPair, LoraSegment, LoraTarget};

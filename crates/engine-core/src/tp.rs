@@ -17,10 +17,13 @@
 //!   the group, before the ranks compute: a host page holds every rank's
 //!   heads in the single-engine layout ([`crate::executor::kv_ops`]), so
 //!   the group's [`Executor::kv_spec`] is the whole model's cache shape.
+//! - Weight refit and memory release ([`MemoryOp`]) apply to every rank;
+//!   new weights are a shard per rank, checked on every rank before any
+//!   rank changes, so the group never runs mixed weights.
 
 use crate::comm::Communicator;
 use crate::error::{CoreError, Result};
-use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor};
+use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor, MemoryOp, RankWeights};
 use crate::kv::KvSpec;
 use crate::model::{ForwardBatch, ForwardOutput, ModelSpec};
 use crate::runner::ModelRunner;
@@ -127,6 +130,41 @@ impl Executor for TpExecutor {
         group_expert_load(&self.ranks)
     }
 
+    /// Every rank's part of the operation, in rank order; new weights (one
+    /// shard per rank, loaded with the rank's communicator) are checked on
+    /// every rank before any rank changes.
+    fn memory(&self, op: MemoryOp) -> Result<()> {
+        match op {
+            MemoryOp::Check(w) => self.check_shards(&w),
+            MemoryOp::SwapModel(w) => {
+                self.check_shards(&w)?;
+                for (r, m) in self.ranks.iter().zip(w) {
+                    r.memory(MemoryOp::SwapModel(vec![m]))?;
+                }
+                Ok(())
+            }
+            MemoryOp::Release { kv, weights } => {
+                for r in &self.ranks {
+                    r.memory(MemoryOp::Release { kv, weights })?;
+                }
+                Ok(())
+            }
+            MemoryOp::Resume(None) => {
+                for r in &self.ranks {
+                    r.memory(MemoryOp::Resume(None))?;
+                }
+                Ok(())
+            }
+            MemoryOp::Resume(Some(w)) => {
+                self.check_shards(&w)?;
+                for (r, m) in self.ranks.iter().zip(w) {
+                    r.memory(MemoryOp::Resume(Some(vec![m])))?;
+                }
+                Ok(())
+            }
+        }
+    }
+
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
         let shards: Vec<&LocalExecutor> = self.ranks.iter().collect();
         let kv_copy =
@@ -151,6 +189,23 @@ impl Executor for TpExecutor {
             }
         }
         Ok(first)
+    }
+}
+
+impl TpExecutor {
+    /// One shard per rank, each of its rank's shape.
+    fn check_shards(&self, w: &RankWeights) -> Result<()> {
+        if w.len() != self.ranks.len() {
+            return Err(CoreError::invalid(format!(
+                "{} models for {} tensor-parallel ranks (one shard per rank)",
+                w.len(),
+                self.ranks.len()
+            )));
+        }
+        for (r, m) in self.ranks.iter().zip(w) {
+            r.memory(MemoryOp::Check(vec![m.clone()]))?;
+        }
+        Ok(())
     }
 }
 

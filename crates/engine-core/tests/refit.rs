@@ -89,7 +89,7 @@ fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {
             assert!(s.blocking_next().is_some_and(|c| c.finish.is_none()));
         }
         let report = e.update_weights(
-            vec![new.clone()],
+            vec![vec![new.clone()]],
             RefitOptions {
                 drain,
                 keep_pause: false,
@@ -129,11 +129,23 @@ fn data_parallel_ranks_each_install_their_own_copy() -> Result<()> {
     // One model for two ranks is refused, and nothing changes.
     let new = || load(&tiny::fixture(), "bf16");
     let err = e
-        .update_weights(vec![new()?], RefitOptions::default())
+        .update_weights(vec![vec![new()?]], RefitOptions::default())
         .unwrap_err()
         .to_string();
     assert!(err.contains("1 models for 2 data-parallel ranks"), "{err}");
-    let report = e.update_weights(vec![new()?, new()?], RefitOptions::default())?;
+    // Two models for a rank of one device is refused by its executor.
+    let err = e
+        .update_weights(
+            vec![vec![new()?, new()?], vec![new()?, new()?]],
+            RefitOptions::default(),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("2 models for an executor of one rank"),
+        "{err}"
+    );
+    let report = e.update_weights(vec![vec![new()?], vec![new()?]], RefitOptions::default())?;
     assert_eq!(report.version, 1, "every rank is at version 1");
     // Round robin puts every other request on each rank: both serve the
     // new weights.
@@ -141,8 +153,8 @@ fn data_parallel_ranks_each_install_their_own_copy() -> Result<()> {
     assert!(e.rank_stats().iter().all(|r| r.num_requests_total > 0));
     // Released weights come back the same way.
     e.release_memory(true, true)?;
-    assert!(e.resume_memory(Some(vec![new()?])).is_err());
-    e.resume_memory(Some(vec![new()?, new()?]))?;
+    assert!(e.resume_memory(Some(vec![vec![new()?]])).is_err());
+    e.resume_memory(Some(vec![vec![new()?], vec![new()?]]))?;
     assert_eq!(outputs(&e, &ps)?, want_new);
     assert_pool_empty(&e);
     Ok(())
@@ -155,7 +167,7 @@ fn another_architecture_is_refused_and_the_old_weights_kept() -> Result<()> {
     let before = outputs(&e, &ps)?;
     let qwen = tiny::fixture().join("../tiny-qwen2");
     let err = e
-        .update_weights(vec![load(&qwen, "auto")?], RefitOptions::default())
+        .update_weights(vec![vec![load(&qwen, "auto")?]], RefitOptions::default())
         .unwrap_err()
         .to_string();
     assert!(err.contains("architecture"), "{err}");
@@ -192,7 +204,7 @@ fn pause_release_and_resume() -> Result<()> {
     );
     assert!(e.resume_memory(None).is_err(), "the weights were released");
     let waiting = e.submit(GenerateRequest::new(ps[1].clone(), greedy(12)))?;
-    e.resume_memory(Some(vec![model]))?;
+    e.resume_memory(Some(vec![vec![model]]))?;
     let got: Vec<u32> = waiting
         .collect_blocking()
         .iter()

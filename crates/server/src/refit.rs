@@ -16,7 +16,7 @@
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
 use crate::state::AppState;
-use arbor_engine_core::Model;
+use arbor_engine_core::RankWeights;
 use arbor_engine_core::engine::refit::{PauseMode, RefitOptions};
 use axum::Json;
 use axum::body::Body;
@@ -32,9 +32,10 @@ use std::time::Instant;
 /// registry, device, dtype).
 pub trait WeightLoader: Send + Sync {
     /// The model at `path` (a Hugging Face folder or a GGUF file), loaded
-    /// once per data-parallel rank of the engine, in rank order, each on
-    /// that rank's devices; the error says what is wrong with it.
-    fn load(&self, path: &Path) -> Result<Vec<Arc<dyn Model>>, String>;
+    /// for each data-parallel rank of the engine, in rank order, on that
+    /// rank's devices (a shard per tensor-parallel rank); the error says
+    /// what is wrong with it.
+    fn load(&self, path: &Path) -> Result<Vec<RankWeights>, String>;
 }
 
 /// SGLang's failure shape: `{"success": false, "message": ...}`.
@@ -72,7 +73,7 @@ async fn blocking<T: Send + 'static>(
     })
 }
 
-async fn load(st: &Arc<AppState>, path: PathBuf) -> Result<Vec<Arc<dyn Model>>, Response> {
+async fn load(st: &Arc<AppState>, path: PathBuf) -> Result<Vec<RankWeights>, Response> {
     let Some(loader) = st.loader.clone() else {
         return Err(bad(
             "this server cannot load weights (no weight loader configured)",

@@ -5,8 +5,9 @@
 //! Every operation is a message the scheduler thread handles between steps,
 //! so a step runs entirely on the old weights or entirely on the new ones.
 //!
-//! - [`Engine::update_weights`]: one new model per data-parallel rank (on
-//!   that rank's devices), each with the served model's
+//! - [`Engine::update_weights`]: new weights for each data-parallel rank
+//!   (on that rank's devices; a shard per rank of a tensor-parallel
+//!   executor), each with the served model's
 //!   shape ([`crate::ModelSpec::same_shape`]); otherwise it is refused and
 //!   the old weights stay. With `drain`, no waiting request is admitted
 //!   until the running ones finished; then the weights swap. Without it (or
@@ -24,8 +25,7 @@
 
 use super::{Engine, Msg};
 use crate::error::{CoreError, Result};
-use crate::model::Model;
-use std::sync::Arc;
+use crate::executor::RankWeights;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -78,7 +78,7 @@ pub struct RefitReport {
 /// Messages of this module to the scheduler thread.
 pub(crate) enum Control {
     UpdateWeights {
-        model: Arc<dyn Model>,
+        weights: RankWeights,
         opts: RefitOptions,
         reply: mpsc::Sender<Result<RefitReport>>,
     },
@@ -95,7 +95,7 @@ pub(crate) enum Control {
         reply: mpsc::Sender<Result<()>>,
     },
     Resume {
-        model: Option<Arc<dyn Model>>,
+        weights: Option<RankWeights>,
         reply: mpsc::Sender<Result<()>>,
     },
 }
@@ -122,35 +122,45 @@ impl Engine {
         answers.into_iter().collect()
     }
 
-    /// Checks that `models` holds one model per data-parallel rank (each
-    /// rank's executor holds weights on its own devices), all of one shape;
-    /// each rank then checks its model against the served one.
-    fn check_rank_models(&self, models: &[Arc<dyn Model>], what: &str) -> Result<()> {
-        if models.len() != self.dp_size() {
+    /// Checks that `weights` holds the weights of each data-parallel rank
+    /// (each rank's executor holds them on its own devices), the ranks'
+    /// alike in shape; each rank then checks its own against the served
+    /// model before any rank changes.
+    fn check_rank_weights(&self, weights: &[RankWeights], what: &str) -> Result<()> {
+        if weights.len() != self.dp_size() {
             return Err(CoreError::invalid(format!(
                 "{what}: {} models for {} data-parallel ranks (one per rank)",
-                models.len(),
+                weights.len(),
                 self.dp_size()
             )));
         }
-        for m in &models[1..] {
-            models[0].spec().same_shape(m.spec())?;
+        let first = &weights[0];
+        for w in &weights[1..] {
+            if w.len() != first.len() {
+                return Err(CoreError::invalid(format!(
+                    "{what}: the data-parallel ranks' weights differ in shards"
+                )));
+            }
+            for (a, b) in first.iter().zip(w) {
+                a.spec().same_shape(b.spec())?;
+            }
         }
         Ok(())
     }
 
-    /// Replaces the weights by `models`' (one per data-parallel rank, in
-    /// rank order; see the module doc). Blocks until every rank swapped
+    /// Replaces the weights by `weights` (each data-parallel rank's, in rank
+    /// order: a model per tensor-parallel rank of its executor; see the
+    /// module doc). Blocks until every rank swapped
     /// (after its drain, with `opts.drain`). The report gives the requests
     /// running at the swaps on all ranks and the longest wait.
     pub fn update_weights(
         &self,
-        models: Vec<Arc<dyn Model>>,
+        weights: Vec<RankWeights>,
         opts: RefitOptions,
     ) -> Result<RefitReport> {
-        self.check_rank_models(&models, "updating the weights")?;
+        self.check_rank_weights(&weights, "updating the weights")?;
         let reports = self.control(|rank, reply| Control::UpdateWeights {
-            model: models[rank].clone(),
+            weights: weights[rank].clone(),
             opts,
             reply,
         })?;
@@ -186,15 +196,16 @@ impl Engine {
         Ok(())
     }
 
-    /// Allocates the KV cache again and installs `models` (one per
-    /// data-parallel rank; required when the weights were released), then resumes
+    /// Allocates the KV cache again and installs `weights` (each
+    /// data-parallel rank's, as for [`Engine::update_weights`]; required
+    /// when the weights were released), then resumes
     /// generation.
-    pub fn resume_memory(&self, models: Option<Vec<Arc<dyn Model>>>) -> Result<()> {
-        if let Some(m) = &models {
-            self.check_rank_models(m, "reinstalling released weights")?;
+    pub fn resume_memory(&self, weights: Option<Vec<RankWeights>>) -> Result<()> {
+        if let Some(w) = &weights {
+            self.check_rank_weights(w, "reinstalling released weights")?;
         }
         self.control(|rank, reply| Control::Resume {
-            model: models.as_ref().map(|m| m[rank].clone()),
+            weights: weights.as_ref().map(|w| w[rank].clone()),
             reply,
         })?;
         Ok(())

@@ -85,14 +85,33 @@ pub trait Executor: Send + Sync {
     }
 }
 
+/// One executor's weights: a model per tensor-parallel rank, in rank order
+/// (one model without tensor parallelism), each on its rank's devices.
+pub type RankWeights = Vec<Arc<dyn crate::model::Model>>;
+
 /// What [`Executor::memory`] does.
 pub enum MemoryOp {
-    /// Run on these weights from the next step (same shape).
-    SwapModel(Arc<dyn crate::model::Model>),
+    /// Fails unless [`MemoryOp::SwapModel`] would accept these weights (one
+    /// model per rank, each of its rank's shape); changes nothing.
+    Check(RankWeights),
+    /// Run on these weights from the next step (checked first: on an error
+    /// no rank changed).
+    SwapModel(RankWeights),
     /// Free the KV cache's memory and/or the weights.
     Release { kv: bool, weights: bool },
     /// Allocate the KV cache again, and install these weights when given.
-    Resume(Option<Arc<dyn crate::model::Model>>),
+    Resume(Option<RankWeights>),
+}
+
+/// The one model of a single-rank executor's weights.
+fn single(w: RankWeights) -> Result<Arc<dyn crate::model::Model>> {
+    let n = w.len();
+    match w.into_iter().next() {
+        Some(m) if n == 1 => Ok(m),
+        _ => Err(crate::error::CoreError::invalid(format!(
+            "{n} models for an executor of one rank"
+        ))),
+    }
 }
 
 /// The single-device executor.
@@ -419,12 +438,13 @@ impl Executor for LocalExecutor {
 
     fn memory(&self, op: MemoryOp) -> Result<()> {
         match op {
-            MemoryOp::SwapModel(m) => self.runner.swap_model(m).map(drop),
+            MemoryOp::Check(w) => self.runner.spec().same_shape(single(w)?.spec()),
+            MemoryOp::SwapModel(w) => self.runner.swap_model(single(w)?).map(drop),
             MemoryOp::Release { kv, weights } => {
                 self.runner.release_memory(kv, weights);
                 Ok(())
             }
-            MemoryOp::Resume(m) => self.runner.resume_memory(m),
+            MemoryOp::Resume(w) => self.runner.resume_memory(w.map(single).transpose()?),
         }
     }
 

@@ -13,9 +13,8 @@ use super::Scheduler;
 use crate::engine::refit::{Control, PauseMode, RefitOptions, RefitReport};
 use crate::error::{CoreError, Result};
 use crate::executor::MemoryOp;
-use crate::model::Model;
+use crate::executor::RankWeights;
 use crate::prefix_cache::CacheNamespace;
-use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -23,7 +22,7 @@ use std::time::Instant;
 const VERSION_MARK: &str = "\u{1e}w";
 
 struct PendingRefit {
-    model: Arc<dyn Model>,
+    weights: RankWeights,
     opts: RefitOptions,
     since: Instant,
     reply: mpsc::Sender<Result<RefitReport>>,
@@ -86,9 +85,13 @@ impl Scheduler {
 
     pub(super) fn control(&mut self, c: Control) {
         match c {
-            Control::UpdateWeights { model, opts, reply } => {
+            Control::UpdateWeights {
+                weights,
+                opts,
+                reply,
+            } => {
                 let p = PendingRefit {
-                    model,
+                    weights,
                     opts,
                     since: Instant::now(),
                     reply,
@@ -118,8 +121,8 @@ impl Scheduler {
             Control::Release { kv, weights, reply } => {
                 let _ = reply.send(self.release(kv, weights));
             }
-            Control::Resume { model, reply } => {
-                let _ = reply.send(self.resume(model));
+            Control::Resume { weights, reply } => {
+                let _ = reply.send(self.resume(weights));
             }
         }
         self.publish();
@@ -134,13 +137,13 @@ impl Scheduler {
                 "the weights are released: resume memory occupation first",
             ));
         }
-        self.executor.model_spec().same_shape(p.model.spec())
+        self.executor.memory(MemoryOp::Check(p.weights.clone()))
     }
 
     fn apply_refit(&mut self, p: PendingRefit) {
         let running_at_swap =
             self.running.len() + usize::from(self.chunked.is_some()) + self.lookahead.len();
-        if let Err(e) = self.executor.memory(MemoryOp::SwapModel(p.model)) {
+        if let Err(e) = self.executor.memory(MemoryOp::SwapModel(p.weights)) {
             let _ = p.reply.send(Err(e));
             return;
         }
@@ -210,19 +213,19 @@ impl Scheduler {
         Ok(())
     }
 
-    fn resume(&mut self, model: Option<Arc<dyn Model>>) -> Result<()> {
+    fn resume(&mut self, weights: Option<RankWeights>) -> Result<()> {
         if !self.refit.released {
             return Err(CoreError::invalid("memory is not released"));
         }
-        if self.refit.weights_released && model.is_none() {
+        if self.refit.weights_released && weights.is_none() {
             return Err(CoreError::invalid(
                 "the weights were released: resume needs weights",
             ));
         }
-        if let Some(m) = &model {
-            self.executor.model_spec().same_shape(m.spec())?;
+        if let Some(w) = &weights {
+            self.executor.memory(MemoryOp::Check(w.clone()))?;
         }
-        self.executor.memory(MemoryOp::Resume(model))?;
+        self.executor.memory(MemoryOp::Resume(weights))?;
         self.refit.released = false;
         self.refit.weights_released = false;
         self.refit.paused = false;
