@@ -186,26 +186,22 @@ fn parse_adapter(spec: &str) -> Result<(String, PathBuf)> {
 /// against the whole model's shape.
 pub fn build(
     s: &LoraSettings,
-    backend: Arc<dyn Backend>,
-    rank_backends: &[Arc<dyn Backend>],
+    replicas: Vec<Vec<Arc<dyn Backend>>>,
     spec: &ModelSpec,
 ) -> Result<Arc<LoraRegistry>> {
     let limits = LoraLimits {
         max_rank: s.max_rank,
         targets: s.targets.clone(),
     };
-    let mut registry = if rank_backends.len() > 1 {
-        let world = rank_backends.len();
-        let whole = ModelSpec {
-            num_heads: spec.num_heads * world,
-            num_kv_heads: spec.num_kv_heads * world,
-            intermediate_size: spec.intermediate_size * world,
-            ..spec.clone()
-        };
-        LoraRegistry::sharded(rank_backends.to_vec(), whole, limits, s.max_loaded)
-    } else {
-        LoraRegistry::new(backend, spec.clone(), limits, s.max_loaded)
+    // `spec` is one rank's shard: the adapters are checked against the whole model.
+    let world = replicas.first().map_or(1, Vec::len);
+    let whole = ModelSpec {
+        num_heads: spec.num_heads * world,
+        num_kv_heads: spec.num_kv_heads * world,
+        intermediate_size: spec.intermediate_size * world,
+        ..spec.clone()
     };
+    let mut registry = LoraRegistry::replicated(replicas, whole, limits, s.max_loaded);
     let mut largest = 0;
     for (name, path) in &s.adapters {
         largest = largest.max(registry.load(name, path).context("--lora-paths")?.rank());

@@ -8,8 +8,9 @@
 //! or on devices from `base_gpu_id + d * tp_size * gpu_id_step`
 //! ([`replica_args`]); `load_balance_method` spreads the requests
 //! (engine-core `engine::data_parallel`). A weight update loads one copy
-//! per replica (`setup::DiskWeightLoader`); LoRA adapters and PD
-//! disaggregation are refused with more than one replica.
+//! per replica (`setup::DiskWeightLoader`), and so does every LoRA adapter
+//! (`arbor_lora::LoraRegistry::replicated`); PD disaggregation is refused
+//! with more than one replica.
 //!
 //! With `tp_size` N > 1 the model is split over N ranks of an in-process
 //! group (engine-core `comm::LocalGroup`, collectives through host memory):

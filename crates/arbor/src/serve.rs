@@ -136,9 +136,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let lora = cfg.lora.to_settings()?;
     if dp > 1 {
-        if lora.is_some() {
+        if lora.is_some() && model_args.enable_dp_attention {
             bail!(
-                "--lora-paths with --dp-size {dp}: LoRA adapters run on one replica only in this build"
+                "--lora-paths with --enable-dp-attention: LoRA adapters are not supported with data-parallel attention"
             );
         }
         if cfg
@@ -302,7 +302,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         server = server.with_disaggregation(d.server_part());
     }
     if let Some(l) = &lora {
-        let registry = crate::lora::build(l, built.backend.clone(), &built.rank_backends, &spec)?;
+        let replicas = built
+            .rank_devices
+            .iter()
+            .map(|devices| devices.iter().map(|d| d.backend.clone()).collect())
+            .collect();
+        let registry = crate::lora::build(l, replicas, &spec)?;
         for (name, loaded) in registry.list() {
             eprintln!(
                 "LoRA adapter '{name}': rank {}, {:.2} MiB on {:?}, from {}",

@@ -240,11 +240,6 @@ pub struct EngineSetup {
 pub struct BuiltEngine {
     pub engine: Engine,
     pub model: LoadedModel,
-    /// The device the weights live on (new weights load there too).
-    pub backend: Arc<dyn Backend>,
-    /// With tensor parallelism, every rank's device in rank order (`backend`
-    /// is the first); empty on one device.
-    pub rank_backends: Vec<Arc<dyn Backend>>,
     /// Each of the engine's data-parallel ranks' devices, in rank order (a
     /// tensor-parallel replica's ranks in turn): where a weight update loads
     /// each rank's copy or shard.
@@ -413,8 +408,6 @@ pub fn build_engine(
         kv_dtype: first.kv_dtype,
         engine,
         model: first.model,
-        backend: first.backend,
-        rank_backends: first.rank_backends,
         rank_devices,
     })
 }
@@ -432,8 +425,6 @@ pub struct ShardDevice {
 struct Replica {
     parts: Vec<EngineParts>,
     model: LoadedModel,
-    backend: Arc<dyn Backend>,
-    rank_backends: Vec<Arc<dyn Backend>>,
     /// Each rank's device and shard.
     devices: Vec<ShardDevice>,
     /// KV bytes per token (the draft model's included).
@@ -629,10 +620,8 @@ fn build_replica(
         model.tokenizer.clone(),
         model.tokenizer.eos_token_ids.clone(),
     );
-    let mut rank_backends = Vec::new();
     let mut target_group = None;
     if let Some((models, backends, comms)) = ranks {
-        rank_backends = backends.clone();
         let mut executors = Vec::with_capacity(models.len());
         let mut runners = Vec::with_capacity(models.len());
         for (rank, (m, b)) in models.into_iter().zip(backends).enumerate() {
@@ -674,8 +663,6 @@ fn build_replica(
             return Ok(Replica {
                 parts: all,
                 model,
-                backend,
-                rank_backends,
                 devices,
                 per_token,
                 kv_dtype: resolved,
@@ -708,8 +695,6 @@ fn build_replica(
     Ok(Replica {
         parts: vec![parts],
         model,
-        backend,
-        rank_backends,
         devices,
         per_token,
         kv_dtype: resolved,

@@ -320,6 +320,17 @@ async fn lora_fields_without_lora_and_bad_flags() -> Result<()> {
         &["--enable-lora", "--max-loras-per-batch", "0"],
         "--max-loras-per-batch",
     )?;
+    assert_serve_refuses(
+        &[
+            "--enable-lora",
+            "--dp-size",
+            "2",
+            "--tp-size",
+            "2",
+            "--enable-dp-attention",
+        ],
+        "--lora-paths with --enable-dp-attention",
+    )?;
     Ok(())
 }
 
@@ -331,6 +342,24 @@ async fn lora_fields_without_lora_and_bad_flags() -> Result<()> {
 async fn tensor_parallel_ranks_apply_their_slices_of_each_adapter() -> Result<()> {
     let s = lora_server(&["--tp-size", "2", "--max-lora-rank", "16"])?;
     ensure!(s.log_contains("tensor-parallel 2 ranks"), "{}", s.logs());
+    mixed_batch_then_a_loaded_adapter(&s).await
+}
+
+/// `--dp-size 2`: each replica holds its own copy of every adapter (on its
+/// devices; with `--tp-size 2` each copy is sliced over the replica's
+/// ranks) and applies it to the requests it serves.
+#[tokio::test]
+async fn data_parallel_replicas_apply_the_adapters() -> Result<()> {
+    let s = lora_server(&["--dp-size", "2", "--max-lora-rank", "16"])?;
+    ensure!(s.log_contains("data-parallel: 2 replicas"), "{}", s.logs());
+    mixed_batch_then_a_loaded_adapter(&s).await?;
+    let s = lora_server(&["--dp-size", "2", "--tp-size", "2", "--max-lora-rank", "16"])?;
+    mixed_batch_then_a_loaded_adapter(&s).await
+}
+
+/// One batch mixing the base model and the two start-up adapters, then the
+/// `mlp` adapter loaded at run time: every answer is the peft reference.
+async fn mixed_batch_then_a_loaded_adapter(s: &Server) -> Result<()> {
     let c = client();
     let attn = reference("tiny-llama-attn")?;
     let all = reference("tiny-llama-all")?;
@@ -366,5 +395,5 @@ async fn tensor_parallel_ranks_apply_their_slices_of_each_adapter() -> Result<()
         .await?;
         ensure!(output_ids(&v) == want, "mlp: {v}");
     }
-    assert_no_leak(&c, &s, "arbor", None).await
+    assert_no_leak(&c, s, "arbor", None).await
 }

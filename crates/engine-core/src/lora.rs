@@ -136,6 +136,9 @@ pub struct LoraAdapter {
     /// With tensor parallelism: rank `r`'s slices of the factors (then
     /// `layers` is empty; see [`LoraAdapter::sharded`]).
     shards: Vec<Arc<LoraAdapter>>,
+    /// With data parallelism: one copy per replica, on its devices (then
+    /// `layers` and `shards` are empty; see [`LoraAdapter::replicated`]).
+    replicas: Vec<Arc<LoraAdapter>>,
 }
 
 impl std::fmt::Debug for LoraAdapter {
@@ -183,6 +186,7 @@ impl LoraAdapter {
             layers,
             bytes,
             shards: Vec::new(),
+            replicas: Vec::new(),
         })
     }
 
@@ -192,7 +196,11 @@ impl LoraAdapter {
     /// see `arbor_models::shard`). Requests hold this adapter; each rank's
     /// model applies its own shard ([`LoraAdapter::shard`]).
     pub fn sharded(name: &str, digest: &str, shards: Vec<LoraAdapter>) -> Result<Self> {
-        if shards.len() < 2 || shards.iter().any(|s| !s.shards.is_empty()) {
+        if shards.len() < 2
+            || shards
+                .iter()
+                .any(|s| !s.shards.is_empty() || !s.replicas.is_empty())
+        {
             return Err(CoreError::invalid(format!(
                 "LoRA adapter '{name}': a sharded adapter needs two or more unsharded shards"
             )));
@@ -210,7 +218,82 @@ impl LoraAdapter {
             layers: Vec::new(),
             bytes: shards.iter().map(|s| s.bytes).sum(),
             shards: shards.into_iter().map(Arc::new).collect(),
+            replicas: Vec::new(),
         })
+    }
+
+    /// An adapter held once per data-parallel replica: `copies[d]` on
+    /// replica `d`'s devices (each unsharded, or sharded over the replica's
+    /// tensor-parallel ranks). Requests hold this adapter; each rank's model
+    /// applies the copy on its own device ([`LoraAdapter::for_rank`]).
+    pub fn replicated(name: &str, digest: &str, copies: Vec<LoraAdapter>) -> Result<Self> {
+        if copies.len() < 2 || copies.iter().any(|c| !c.replicas.is_empty()) {
+            return Err(CoreError::invalid(format!(
+                "LoRA adapter '{name}': a replicated adapter needs two or more copies"
+            )));
+        }
+        let layers = copies[0].num_layers();
+        if copies
+            .iter()
+            .any(|c| c.num_layers() != layers || c.shards.len() != copies[0].shards.len())
+        {
+            return Err(CoreError::invalid(format!(
+                "LoRA adapter '{name}': copies of different shapes"
+            )));
+        }
+        Ok(Self {
+            name: name.to_string(),
+            digest: digest.to_string(),
+            rank: copies.iter().map(|c| c.rank).max().unwrap_or(0),
+            layers: Vec::new(),
+            bytes: copies.iter().map(|c| c.bytes).sum(),
+            shards: Vec::new(),
+            replicas: copies.into_iter().map(Arc::new).collect(),
+        })
+    }
+
+    /// The devices (backend tags, [`crate::tensor::BufferId::device`]) the
+    /// factors of this adapter, its shards or its copies live on.
+    fn devices(&self) -> Vec<u32> {
+        let own = self
+            .layers
+            .iter()
+            .flat_map(|l| l.pairs.iter().flatten())
+            .map(|p| p.a.buffer_id().device)
+            .take(1);
+        own.chain(
+            self.shards
+                .iter()
+                .chain(&self.replicas)
+                .flat_map(|s| s.devices()),
+        )
+        .collect()
+    }
+
+    /// What the model rank on `device` (a backend tag), rank `rank` of a
+    /// tensor-parallel group of `world`, applies: the replica copy with
+    /// factors on `device` when the adapter is replicated, then that copy's
+    /// shard for the rank ([`LoraAdapter::shard`]).
+    pub fn for_rank(
+        self: &Arc<Self>,
+        device: u32,
+        rank: usize,
+        world: usize,
+    ) -> Result<Arc<LoraAdapter>> {
+        if self.replicas.is_empty() {
+            return self.shard(rank, world);
+        }
+        let copy = self
+            .replicas
+            .iter()
+            .find(|c| c.devices().contains(&device))
+            .ok_or_else(|| {
+                CoreError::invalid(format!(
+                    "LoRA adapter '{}' has no copy on this rank's device",
+                    self.name
+                ))
+            })?;
+        copy.shard(rank, world)
     }
 
     /// What rank `rank` of a group of `world` applies: the adapter itself
@@ -249,6 +332,7 @@ impl LoraAdapter {
     pub fn num_layers(&self) -> usize {
         self.shards
             .first()
+            .or(self.replicas.first())
             .map_or(self.layers.len(), |s| s.num_layers())
     }
 
@@ -259,7 +343,7 @@ impl LoraAdapter {
 
     /// Targets with factors in at least one layer.
     pub fn targets(&self) -> Vec<LoraTarget> {
-        if let Some(s) = self.shards.first() {
+        if let Some(s) = self.shards.first().or(self.replicas.first()) {
             return s.targets();
         }
         LoraTarget::ALL

@@ -24,8 +24,9 @@ pub struct LoadedLora {
 
 /// Adapters by name (see the module doc).
 pub struct LoraRegistry {
-    /// One device per tensor-parallel rank (one without parallelism).
-    backends: Vec<Arc<dyn Backend>>,
+    /// Per data-parallel replica, one device per tensor-parallel rank (one
+    /// replica of one device without parallelism).
+    replicas: Vec<Vec<Arc<dyn Backend>>>,
     spec: ModelSpec,
     limits: LoraLimits,
     max_loaded: Option<usize>,
@@ -41,8 +42,22 @@ impl LoraRegistry {
         limits: LoraLimits,
         max_loaded: Option<usize>,
     ) -> Self {
+        Self::replicated(vec![vec![backend]], spec, limits, max_loaded)
+    }
+
+    /// An empty registry for a model of `spec` (the whole model's shape)
+    /// served by several data-parallel replicas, `replicas[d]` replica
+    /// `d`'s devices (one per tensor-parallel rank): each adapter is loaded
+    /// once per replica ([`LoraAdapter::replicated`]), sharded over its
+    /// ranks as [`LoraRegistry::sharded`] does.
+    pub fn replicated(
+        replicas: Vec<Vec<Arc<dyn Backend>>>,
+        spec: ModelSpec,
+        limits: LoraLimits,
+        max_loaded: Option<usize>,
+    ) -> Self {
         Self {
-            backends: vec![backend],
+            replicas,
             spec,
             limits,
             max_loaded,
@@ -59,13 +74,7 @@ impl LoraRegistry {
         limits: LoraLimits,
         max_loaded: Option<usize>,
     ) -> Self {
-        Self {
-            backends,
-            spec,
-            limits,
-            max_loaded,
-            adapters: RwLock::new(BTreeMap::new()),
-        }
+        Self::replicated(vec![backends], spec, limits, max_loaded)
     }
 
     /// The limits adapters are checked against.
@@ -85,14 +94,24 @@ impl LoraRegistry {
         if self.read().contains_key(name) {
             return Err(LoraError::AlreadyLoaded(name.to_string()));
         }
-        let backends: Vec<&(dyn Backend + 'static)> = self.backends.iter().map(|b| &**b).collect();
-        let adapter = Arc::new(load_adapter_on(
-            name,
-            dir,
-            &self.spec,
-            &backends,
-            &self.limits,
-        )?);
+        let mut copies = self
+            .replicas
+            .iter()
+            .map(|devices| {
+                let backends: Vec<&(dyn Backend + 'static)> =
+                    devices.iter().map(|b| &**b).collect();
+                load_adapter_on(name, dir, &self.spec, &backends, &self.limits)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let adapter = Arc::new(if copies.len() == 1 {
+            copies.remove(0)
+        } else {
+            let digest = copies[0].digest().to_string();
+            LoraAdapter::replicated(name, &digest, copies).map_err(|e| LoraError::Device {
+                name: name.to_string(),
+                source: e,
+            })?
+        });
         let mut map = self.adapters.write().unwrap_or_else(|e| e.into_inner());
         if map.contains_key(name) {
             return Err(LoraError::AlreadyLoaded(name.to_string()));

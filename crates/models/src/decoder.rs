@@ -550,24 +550,29 @@ impl DecoderModel {
                 "LoRA adapters with data-parallel attention",
             ));
         }
-        // A tensor-parallel rank applies its shard of each adapter.
+        // A tensor-parallel rank applies its shard of each adapter, a
+        // data-parallel replica the copy on its own device.
         let rank_lora: Vec<LoraSegment>;
-        let lora_segments: &[LoraSegment] = match &self.tp {
-            Some(t) if !batch.lora.is_empty() => {
-                let (rank, world) = (t.comm.rank(), t.comm.world_size());
-                rank_lora = batch
-                    .lora
-                    .iter()
-                    .map(|s| {
-                        Ok(LoraSegment {
-                            adapter: s.adapter.shard(rank, world)?,
-                            rows: s.rows.clone(),
-                        })
+        let lora_segments: &[LoraSegment] = if batch.lora.is_empty() {
+            &batch.lora
+        } else {
+            let (rank, world) = self
+                .tp
+                .as_ref()
+                .map_or((0, 1), |t| (t.comm.rank(), t.comm.world_size()));
+            // The device this rank's weights (and its adapters' factors) are on.
+            let device = self.norm.buffer_id().device;
+            rank_lora = batch
+                .lora
+                .iter()
+                .map(|s| {
+                    Ok(LoraSegment {
+                        adapter: s.adapter.for_rank(device, rank, world)?,
+                        rows: s.rows.clone(),
                     })
-                    .collect::<Result<_>>()?;
-                &rank_lora
-            }
-            _ => &batch.lora,
+                })
+                .collect::<Result<_>>()?;
+            &rank_lora
         };
         let n_layers = self.layers.len();
         if let Some(bad) = batch.hidden_layers.iter().find(|&&l| l > n_layers) {
