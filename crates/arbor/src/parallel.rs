@@ -9,8 +9,9 @@
 //! ([`replica_args`]); `load_balance_method` spreads the requests
 //! (engine-core `engine::data_parallel`). A weight update loads one copy
 //! per replica (`setup::DiskWeightLoader`), and so does every LoRA adapter
-//! (`arbor_lora::LoraRegistry::replicated`); PD disaggregation is refused
-//! with more than one replica.
+//! (`arbor_lora::LoraRegistry::replicated`); a PD decode worker sends each
+//! request to the replica that imported its prefix (engine-core
+//! `engine::transfer`).
 //!
 //! With `tp_size` N > 1 the model is split over N ranks of an in-process
 //! group (engine-core `comm::LocalGroup`, collectives through host memory):

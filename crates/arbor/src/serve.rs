@@ -103,7 +103,6 @@ pub fn run(args: ServeArgs) -> Result<()> {
         load_balance_method: cfg.parallel.load_balance_method.clone(),
         enable_dp_attention: cfg.parallel.enable_dp_attention.unwrap_or(false),
     };
-    let dp = model_args.parallel()?.dp;
     let policy: SchedulePolicy = q
         .schedule_policy
         .as_deref()
@@ -135,8 +134,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..defaults
     };
     let lora = cfg.lora.to_settings()?;
-    if dp > 1 {
-        if lora.is_some() && model_args.enable_dp_attention {
+    if model_args.enable_dp_attention {
+        if lora.is_some() {
             bail!(
                 "--lora-paths with --enable-dp-attention: LoRA adapters are not supported with data-parallel attention"
             );
@@ -147,7 +146,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .is_some()
         {
             bail!(
-                "--disaggregation-mode with --dp-size {dp}: PD disaggregation runs on one replica only in this build"
+                "--disaggregation-mode with --enable-dp-attention: PD disaggregation is not supported with data-parallel attention"
             );
         }
     }

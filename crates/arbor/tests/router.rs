@@ -537,6 +537,60 @@ async fn workers_come_and_go_and_bad_input_gets_clear_errors() -> Result<()> {
     Ok(())
 }
 
+/// Both PD workers with two data-parallel replicas: the prefill worker
+/// exports each prompt's KV from the replica that computed it, the decode
+/// worker imports it into one of its replicas and runs the request there,
+/// so the output equals one worker's and the prompt's whole pages count as
+/// cached.
+#[tokio::test]
+async fn pd_disaggregation_with_data_parallel_workers() -> Result<()> {
+    let single = Server::tiny(&[])?;
+    let prefill = Server::tiny(&["--disaggregation-mode", "prefill", "--dp-size", "2"])?;
+    let decode = Server::tiny(&[
+        "--disaggregation-mode",
+        "decode",
+        "--page-size",
+        "16",
+        "--dp-size",
+        "2",
+    ])?;
+    let r = pd_router(&prefill, &decode, &[])?;
+    let c = client();
+    for q in 0..6 {
+        let body = generate_body(&format!("{} pd dp {q}", prefix(q % 3)), 12);
+        let (s, want) = post(&c, &single.url("/generate"), &body).await?;
+        ensure!(s == 200, "{want}");
+        let (s, got) = post(&c, &r.url("/generate"), &body).await?;
+        ensure!(s == 200, "{got}");
+        ensure!(
+            got["output_ids"] == want["output_ids"],
+            "q {q}: {got} != {want}"
+        );
+        let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
+        let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
+        ensure!(
+            prompt > 16 && cached >= prompt / 16 * 16 - 16 && cached > 0,
+            "q {q}: cached {cached} of {prompt}"
+        );
+    }
+    let (_, load) = get(&c, &decode.url("/get_load"), None).await?;
+    let load: Value = serde_json::from_str(&load)?;
+    let served: Vec<u64> = load
+        .as_array()
+        .context("get_load")?
+        .iter()
+        .map(|r| r["num_requests_total"].as_u64().unwrap_or(0))
+        .collect();
+    ensure!(
+        served.len() == 2 && served.iter().all(|&n| n > 0),
+        "both decode replicas serve: {load}"
+    );
+    for w in [&single, &prefill, &decode] {
+        assert_no_leak(&c, w, "arbor", None).await?;
+    }
+    Ok(())
+}
+
 #[tokio::test]
 async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> Result<()> {
     let single = Server::tiny(&[])?;

@@ -290,11 +290,6 @@ fn unsupported_parallel_settings_are_refused() -> Result<()> {
         &["--dp-size", "2", "--load-balance-method", "cache_aware"],
         "unknown load balance method 'cache_aware'",
     )?;
-    let adapter = fixture("lora/tiny-llama-attn");
-    assert_serve_refuses(
-        &["--dp-size", "2", "--lora-paths", &format!("a={adapter}")],
-        "--lora-paths with --dp-size 2",
-    )?;
     assert_serve_refuses(
         &["--dp-size", "2", "--enable-dp-attention"],
         "--enable-dp-attention needs dp_size / --dp-size equal to tp_size",

@@ -2,15 +2,15 @@
 //! over a real TCP transfer: the prefill engine computes each prompt, its
 //! KV pages travel to the decode engine, and the decode engine's greedy
 //! output equals that of an engine that computed everything itself, with
-//! the transferred prefix counted as cached. Both pools are empty after a
-//! flush.
+//! the transferred prefix counted as cached, also between engines of two
+//! data-parallel ranks. The pools are empty after a flush.
 
 #[path = "../../engine-core/tests/support/tiny.rs"]
 mod tiny;
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::engine::transfer::{KvTransfer, TransferError};
-use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest};
+use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest, LoadBalance};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{CacheNamespace, DType, PrefixCacheOptions, SamplingParams};
 use arbor_kv_radix as _;
@@ -20,6 +20,27 @@ use std::sync::Arc;
 use tiny::{assert_pool_empty, greedy, prompts, shared};
 
 fn engine(page: usize, dtype: DType) -> Result<Engine> {
+    Ok(Engine::new(config(), parts(page, dtype)?)?)
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        disable_radix_cache: false,
+        ..EngineConfig::default()
+    }
+}
+
+/// An engine of two data-parallel ranks, requests spread in turn.
+fn two_rank_engine(page: usize) -> Result<Engine> {
+    Ok(Engine::data_parallel(
+        config(),
+        vec![parts(page, DType::F32)?, parts(page, DType::F32)?],
+        LoadBalance::RoundRobin,
+    )?)
+}
+
+/// One rank's parts: its runner, a radix cache, no processors.
+fn parts(page: usize, dtype: DType) -> Result<EngineParts> {
     let s = shared();
     let runner = ModelRunner::new(
         s.model.model.clone(),
@@ -42,13 +63,7 @@ fn engine(page: usize, dtype: DType) -> Result<Engine> {
         s.model.tokenizer.clone(),
         s.model.tokenizer.eos_token_ids.clone(),
     );
-    Ok(Engine::new(
-        EngineConfig {
-            disable_radix_cache: false,
-            ..EngineConfig::default()
-        },
-        parts,
-    )?)
+    Ok(parts)
 }
 
 fn generate(e: &Engine, prompt: &[u32], p: &SamplingParams) -> Result<(Vec<u32>, usize)> {
@@ -110,6 +125,46 @@ fn decode_after_a_transfer_equals_computing_everything() -> Result<()> {
         assert_pool_empty(&prefill);
         assert_pool_empty(&decode);
     }
+    Ok(())
+}
+
+/// Two data-parallel ranks on both sides: the prefill engine exports from
+/// whichever rank served the prompt, the decode engine imports into the
+/// rank its load balance picks (in turn), and the request of that prompt
+/// follows its KV there. Without that, every other request would land on
+/// the other rank and compute its whole prompt.
+#[test]
+fn data_parallel_ranks_export_and_follow_the_imported_kv() -> Result<()> {
+    let page = 16;
+    let reference = engine(page, DType::F32)?;
+    let prefill = two_rank_engine(page)?;
+    let decode = Arc::new(two_rank_engine(page)?);
+    let rx = receiver(&decode)?;
+    let peer = rx.local_addr().to_string();
+    let tcp = TcpTransfer::default();
+    let prompts: Vec<Vec<u32>> = prompts(10, 29)
+        .into_iter()
+        .filter(|p| p.len() > page)
+        .collect();
+    ensure!(prompts.len() >= 4, "{} prompts", prompts.len());
+    for prompt in &prompts {
+        let (want, _) = generate(&reference, prompt, &greedy(12))?;
+        generate(&prefill, prompt, &greedy(1))?;
+        let pages = prefill.export_kv(prompt, &CacheNamespace::default(), None)?;
+        let whole = (prompt.len() / page) * page;
+        ensure!(pages.tokens.len() == whole, "{pages:?}");
+        tcp.send(&peer, &pages)?;
+        let (got, cached) = generate(&decode, prompt, &greedy(12))?;
+        ensure!(got == want, "{got:?} != {want:?}");
+        ensure!(
+            cached == whole.min(prompt.len() - 1) / page * page,
+            "cached {cached} of {}: the request missed the rank holding its KV",
+            prompt.len()
+        );
+    }
+    assert_pool_empty(&reference);
+    assert_pool_empty(&prefill);
+    assert_pool_empty(&decode);
     Ok(())
 }
 

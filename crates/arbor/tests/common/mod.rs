@@ -354,7 +354,7 @@ pub async fn assert_no_leak(
 /// `arbor serve` on the tiny Llama with `args` must exit with an error that contains `needle`.
 pub fn assert_serve_refuses(args: &[&str], needle: &str) -> Result<()> {
     let model = fixture("tiny-llama");
-    let out = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args([
             "serve",
             "--model-path",
@@ -365,7 +365,24 @@ pub fn assert_serve_refuses(args: &[&str], needle: &str) -> Result<()> {
             "1024",
         ])
         .args(args)
-        .output()?;
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    // A refusal comes at start-up; a server still running is an acceptance
+    // (stopped here rather than left serving for ever).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait()?.is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output()?;
+            anyhow::bail!(
+                "{args:?} was accepted (still serving after 120 s): {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output()?;
     let err = String::from_utf8_lossy(&out.stderr);
     ensure!(!out.status.success(), "{args:?} was accepted");
     ensure!(err.contains(needle), "{args:?}: {err}");

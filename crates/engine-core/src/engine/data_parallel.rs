@@ -10,18 +10,27 @@
 //!   the schedulers to publish their queues.
 //! - [`merged_stats`] sums the ranks' counters into one [`EngineStats`]
 //!   (rates and ratios are recomputed or averaged, never summed).
+//! - [`ImportAffinity`] remembers which rank imported the KV of which token
+//!   prefix (prefill/decode disaggregation): a request whose prompt starts
+//!   with an imported prefix goes to that rank, whatever the load balance
+//!   says, so it matches the prefix instead of computing it again.
 //!
 //! Invariants: a rank's load counters equal the streams it was given that
-//! are still alive; with one rank every function here is the identity.
+//! are still alive; with one rank every function here is the identity. A
+//! wrong affinity (a hash collision, an evicted prefix) costs compute,
+//! never output: the request computes what its rank does not hold.
 
 use super::EngineStats;
 use crate::error::{CoreError, Result};
 use crate::moe::ExpertLoad;
-use crate::prefix_cache::TierStats;
+use crate::prefix_cache::{CacheNamespace, TierStats};
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// How requests are spread over data-parallel ranks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -117,6 +126,7 @@ impl Drop for LoadGuard {
 pub(super) struct Dispatcher {
     balance: LoadBalance,
     next: AtomicUsize,
+    imports: Mutex<ImportAffinity>,
 }
 
 impl Dispatcher {
@@ -124,7 +134,31 @@ impl Dispatcher {
         Self {
             balance,
             next: AtomicUsize::new(0),
+            imports: Mutex::default(),
         }
+    }
+
+    fn imports(&self) -> std::sync::MutexGuard<'_, ImportAffinity> {
+        self.imports.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The rank for a request of `prompt` in namespace `ns`: the rank that
+    /// imported the longest prefix of it, else [`Dispatcher::pick`]'s.
+    pub(super) fn pick_for(
+        &self,
+        loads: &[&RankLoad],
+        ns: &CacheNamespace,
+        prompt: &[u32],
+    ) -> usize {
+        match self.imports().rank_for(ns, prompt) {
+            Some(r) if r < loads.len() => r,
+            _ => self.pick(loads),
+        }
+    }
+
+    /// Notes that `rank` imported the KV of `tokens` in `ns`.
+    pub(super) fn imported(&self, ns: &CacheNamespace, tokens: &[u32], rank: usize) {
+        self.imports().record(ns, tokens, rank);
     }
 
     /// The rank for the next request, of `loads` (one per rank, never empty).
@@ -142,6 +176,80 @@ impl Dispatcher {
             .map(|i| (start + i) % n)
             .min_by_key(|&r| key(r))
             .unwrap_or(0)
+    }
+}
+
+/// Entries [`ImportAffinity`] keeps (the oldest go first).
+const AFFINITY_ENTRIES: usize = 4096;
+
+/// Which rank imported the KV of which token prefix (see the module doc).
+#[derive(Debug, Default)]
+pub(super) struct ImportAffinity {
+    /// (hash of the namespace and the prefix, prefix length) → rank.
+    ranks: HashMap<(u64, usize), usize>,
+    /// Keys in insertion order, for the bound.
+    order: VecDeque<(u64, usize)>,
+    /// The prefix lengths present, with their entry counts.
+    lengths: BTreeMap<usize, usize>,
+}
+
+impl ImportAffinity {
+    fn hasher(ns: &CacheNamespace) -> DefaultHasher {
+        let mut h = DefaultHasher::new();
+        ns.hash(&mut h);
+        h
+    }
+
+    /// Notes that `rank` holds the KV of `tokens` in `ns` (a later import
+    /// of the same prefix moves it).
+    pub(super) fn record(&mut self, ns: &CacheNamespace, tokens: &[u32], rank: usize) {
+        if tokens.is_empty() {
+            return;
+        }
+        let mut h = Self::hasher(ns);
+        for &t in tokens {
+            h.write_u32(t);
+        }
+        let key = (h.finish(), tokens.len());
+        if self.ranks.insert(key, rank).is_none() {
+            self.order.push_back(key);
+            *self.lengths.entry(key.1).or_default() += 1;
+        }
+        while self.order.len() > AFFINITY_ENTRIES {
+            let Some(old) = self.order.pop_front() else {
+                break;
+            };
+            self.ranks.remove(&old);
+            if let Some(n) = self.lengths.get_mut(&old.1) {
+                *n -= 1;
+                if *n == 0 {
+                    self.lengths.remove(&old.1);
+                }
+            }
+        }
+    }
+
+    /// The rank holding the longest recorded prefix of `prompt` in `ns`:
+    /// one pass over the prompt, a lookup at each recorded length.
+    pub(super) fn rank_for(&self, ns: &CacheNamespace, prompt: &[u32]) -> Option<usize> {
+        if self.ranks.is_empty() {
+            return None;
+        }
+        let mut h = Self::hasher(ns);
+        let (mut hashed, mut best) = (0, None);
+        for &len in self.lengths.keys() {
+            let Some(more) = prompt.get(hashed..len) else {
+                break;
+            };
+            for &t in more {
+                h.write_u32(t);
+            }
+            hashed = len;
+            if let Some(&r) = self.ranks.get(&(h.clone().finish(), len)) {
+                best = Some(r);
+            }
+        }
+        best
     }
 }
 
@@ -240,6 +348,37 @@ pub(super) fn merged_stats(ranks: &[EngineStats]) -> EngineStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_imported_prefix_picks_the_rank() {
+        let mut a = ImportAffinity::default();
+        let ns = CacheNamespace::default();
+        let salted = CacheNamespace::new(None, Some("tenant"));
+        let prompt: Vec<u32> = (0..40).collect();
+        assert_eq!(a.rank_for(&ns, &prompt), None);
+        a.record(&ns, &prompt[..16], 1);
+        a.record(&ns, &prompt[..32], 0);
+        a.record(&ns, &[7, 7, 7], 1);
+        assert_eq!(a.rank_for(&ns, &prompt), Some(0), "the 32-token prefix");
+        assert_eq!(a.rank_for(&ns, &prompt[..20]), Some(1), "the 16-token one");
+        assert_eq!(a.rank_for(&ns, &prompt[..10]), None, "shorter than any");
+        assert_eq!(a.rank_for(&salted, &prompt), None, "another namespace");
+        let mut other = prompt.clone();
+        other[3] = 999;
+        assert_eq!(a.rank_for(&ns, &other), None, "another prefix");
+        // A later import of the same prefix moves it.
+        a.record(&ns, &prompt[..32], 1);
+        assert_eq!(a.rank_for(&ns, &prompt), Some(1));
+        // The oldest entries go first.
+        for i in 0..AFFINITY_ENTRIES as u32 {
+            a.record(&ns, &[100_000 + i, 5], 0);
+        }
+        assert_eq!(a.rank_for(&ns, &prompt), None);
+        assert_eq!(a.ranks.len(), AFFINITY_ENTRIES);
+        assert_eq!(a.order.len(), AFFINITY_ENTRIES);
+        assert_eq!(a.lengths.values().sum::<usize>(), AFFINITY_ENTRIES);
+        assert_eq!(a.rank_for(&ns, &[100_000 + 17, 5, 9]), Some(0));
+    }
 
     #[test]
     fn names_round_trip_and_unknown_ones_are_refused() {

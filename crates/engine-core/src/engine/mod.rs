@@ -661,8 +661,14 @@ impl Engine {
             )
         });
         let tokens = total * n.max(1);
-        let loads: Vec<&data_parallel::RankLoad> = self.ranks.iter().map(|r| &*r.load).collect();
-        let rank = &self.ranks[self.dispatcher.pick(&loads)];
+        let rank = if self.ranks.len() > 1 {
+            let loads: Vec<&data_parallel::RankLoad> =
+                self.ranks.iter().map(|r| &*r.load).collect();
+            let ns = transfer::request_namespace(&req.namespace, req.lora.as_ref());
+            &self.ranks[self.dispatcher.pick_for(&loads, &ns, &req.input_ids)]
+        } else {
+            &self.ranks[0]
+        };
         let load = rank.load.take(tokens);
         let r = request::Req::new(rid.clone(), req, otx, Instant::now())?;
         rank.tx

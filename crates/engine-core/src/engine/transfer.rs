@@ -25,8 +25,13 @@
 //!
 //! Namespaces travel with the pages unversioned; each engine salts them
 //! with its own weight version, so pages never cross a weight update.
+//!
+//! With data parallelism an export asks every rank and takes the longest
+//! match (any rank may have served the prompt); an import goes to the rank
+//! the load balance picks, and later requests of that prefix follow it
+//! there (the dispatcher's import affinity), so they match it.
 
-use super::{Engine, Msg};
+use super::{Engine, Msg, data_parallel};
 use crate::error::{CoreError, Result};
 use crate::lora::LoraAdapter;
 use crate::prefix_cache::CacheNamespace;
@@ -171,17 +176,15 @@ pub(crate) fn request_namespace(
 }
 
 impl Engine {
-    /// Runs a transfer on the scheduler (one data-parallel rank only: which
-    /// rank's cache a page set belongs to is not decided yet).
-    fn transfer<T>(&self, make: impl FnOnce(mpsc::Sender<Result<T>>) -> TransferOp) -> Result<T> {
-        let [rank] = &self.ranks[..] else {
-            return Err(CoreError::unsupported(format!(
-                "KV transfer (disaggregation) with {} data-parallel ranks (--dp-size > 1)",
-                self.ranks.len()
-            )));
-        };
+    /// Runs a transfer on rank `rank`'s scheduler.
+    fn transfer<T>(
+        &self,
+        rank: usize,
+        make: impl FnOnce(mpsc::Sender<Result<T>>) -> TransferOp,
+    ) -> Result<T> {
         let (tx, rx) = mpsc::channel();
-        rank.tx
+        self.ranks[rank]
+            .tx
             .send(Msg::Transfer(make(tx)))
             .map_err(|_| CoreError::Internal("the scheduler has stopped".into()))?;
         rx.recv()
@@ -197,18 +200,43 @@ impl Engine {
         lora: Option<&Arc<LoraAdapter>>,
     ) -> Result<KvPages> {
         let namespace = request_namespace(namespace, lora);
-        let tokens = tokens.to_vec();
-        self.transfer(|reply| TransferOp::Export {
-            namespace,
-            tokens,
-            reply,
-        })
+        // With data parallelism any rank may have served the prompt: the
+        // longest match wins (an error only when every rank failed).
+        let mut best: Option<Result<KvPages>> = None;
+        for rank in 0..self.ranks.len() {
+            let r = self.transfer(rank, |reply| TransferOp::Export {
+                namespace: namespace.clone(),
+                tokens: tokens.to_vec(),
+                reply,
+            });
+            best = match (best, r) {
+                (Some(Ok(b)), Ok(p)) if p.tokens.len() <= b.tokens.len() => Some(Ok(b)),
+                (Some(Ok(b)), Err(_)) => Some(Ok(b)),
+                (Some(Err(e)), Err(_)) => Some(Err(e)),
+                (_, r) => Some(r),
+            };
+        }
+        best.unwrap_or_else(|| Err(CoreError::Internal("an engine of no ranks".into())))
     }
 
     /// Caches `pages` (see the module doc); returns the tokens now cached
     /// from them.
+    ///
+    /// With data parallelism the pages go to the rank the load balance
+    /// picks, and requests whose prompt starts with their tokens go to that
+    /// rank from then on (`ImportAffinity` in `engine::data_parallel`).
     pub fn import_kv(&self, pages: KvPages) -> Result<usize> {
         pages.check()?;
-        self.transfer(|reply| TransferOp::Import { pages, reply })
+        if self.ranks.len() == 1 {
+            return self.transfer(0, |reply| TransferOp::Import { pages, reply });
+        }
+        let loads: Vec<&data_parallel::RankLoad> = self.ranks.iter().map(|r| &*r.load).collect();
+        let rank = self.dispatcher.pick(&loads);
+        let (namespace, tokens) = (pages.namespace.clone(), pages.tokens.clone());
+        let cached = self.transfer(rank, |reply| TransferOp::Import { pages, reply })?;
+        if cached > 0 {
+            self.dispatcher.imported(&namespace, &tokens, rank);
+        }
+        Ok(cached)
     }
 }
