@@ -537,6 +537,34 @@ async fn workers_come_and_go_and_bad_input_gets_clear_errors() -> Result<()> {
     Ok(())
 }
 
+/// Sends request `q` (`body`) to one worker and through the PD `router`:
+/// the same output ids, and the decode worker matched the transferred
+/// prompt (all its whole pages, 16 tokens each, came from the prefill
+/// worker).
+async fn pd_equals_one_worker(
+    c: &reqwest::Client,
+    single: &Server,
+    router: &Server,
+    body: &Value,
+    q: usize,
+) -> Result<()> {
+    let (s, want) = post(c, &single.url("/generate"), body).await?;
+    ensure!(s == 200, "{want}");
+    let (s, got) = post(c, &router.url("/generate"), body).await?;
+    ensure!(s == 200, "{got}");
+    ensure!(
+        got["output_ids"] == want["output_ids"],
+        "q {q}: {got} != {want}"
+    );
+    let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
+    ensure!(
+        prompt > 16 && cached >= prompt / 16 * 16 - 16 && cached > 0,
+        "q {q}: cached {cached} of {prompt}"
+    );
+    Ok(())
+}
+
 /// Both PD workers with two data-parallel replicas: the prefill worker
 /// exports each prompt's KV from the replica that computed it, the decode
 /// worker imports it into one of its replicas and runs the request there,
@@ -558,20 +586,7 @@ async fn pd_disaggregation_with_data_parallel_workers() -> Result<()> {
     let c = client();
     for q in 0..6 {
         let body = generate_body(&format!("{} pd dp {q}", prefix(q % 3)), 12);
-        let (s, want) = post(&c, &single.url("/generate"), &body).await?;
-        ensure!(s == 200, "{want}");
-        let (s, got) = post(&c, &r.url("/generate"), &body).await?;
-        ensure!(s == 200, "{got}");
-        ensure!(
-            got["output_ids"] == want["output_ids"],
-            "q {q}: {got} != {want}"
-        );
-        let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
-        let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
-        ensure!(
-            prompt > 16 && cached >= prompt / 16 * 16 - 16 && cached > 0,
-            "q {q}: cached {cached} of {prompt}"
-        );
+        pd_equals_one_worker(&c, &single, &r, &body, q).await?;
     }
     let (_, load) = get(&c, &decode.url("/get_load"), None).await?;
     let load: Value = serde_json::from_str(&load)?;
@@ -606,24 +621,8 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
     let r = pd_router(&prefill, &decode, &["--health-check-interval-secs", "1"])?;
     let c = client();
     for q in 0..4 {
-        let text = format!("{} pd {q}", prefix(q % 2));
-        let body = generate_body(&text, 16);
-        let (s, want) = post(&c, &single.url("/generate"), &body).await?;
-        ensure!(s == 200, "{want}");
-        let (s, got) = post(&c, &r.url("/generate"), &body).await?;
-        ensure!(s == 200, "{got}");
-        ensure!(
-            got["output_ids"] == want["output_ids"],
-            "q {q}: {got} != {want}"
-        );
-        // The decode worker matched the transferred prompt: all its whole
-        // pages (16 tokens each) came from the prefill worker.
-        let prompt = got["meta_info"]["prompt_tokens"].as_u64().unwrap_or(0);
-        let cached = got["meta_info"]["cached_tokens"].as_u64().unwrap_or(0);
-        ensure!(
-            prompt > 16 && cached >= prompt / 16 * 16 - 16 && cached > 0,
-            "cached {cached} of {prompt}"
-        );
+        let body = generate_body(&format!("{} pd {q}", prefix(q % 2)), 16);
+        pd_equals_one_worker(&c, &single, &r, &body, q).await?;
     }
     // Streams and the OpenAI APIs go through the same path.
     let body = json!({"text": format!("{} pd stream", prefix(3)), "stream": true, "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": true}});

@@ -139,6 +139,9 @@ pub struct LoraAdapter {
     /// With data parallelism: one copy per replica, on its devices (then
     /// `layers` and `shards` are empty; see [`LoraAdapter::replicated`]).
     replicas: Vec<Arc<LoraAdapter>>,
+    /// The device (backend tag, [`crate::tensor::BufferId::device`]) the
+    /// factors in `layers` live on; `None` when `layers` holds none.
+    device: Option<u32>,
 }
 
 impl std::fmt::Debug for LoraAdapter {
@@ -179,6 +182,11 @@ impl LoraAdapter {
                 bytes += (p.a.byte_len()? + p.b.byte_len()? + p.bt.byte_len()?) as u64;
             }
         }
+        let device = layers
+            .iter()
+            .flat_map(|l| l.pairs.iter().flatten())
+            .map(|p| p.a.buffer_id().device)
+            .next();
         Ok(Self {
             name: name.to_string(),
             digest: digest.to_string(),
@@ -187,6 +195,7 @@ impl LoraAdapter {
             bytes,
             shards: Vec::new(),
             replicas: Vec::new(),
+            device,
         })
     }
 
@@ -219,6 +228,7 @@ impl LoraAdapter {
             bytes: shards.iter().map(|s| s.bytes).sum(),
             shards: shards.into_iter().map(Arc::new).collect(),
             replicas: Vec::new(),
+            device: None,
         })
     }
 
@@ -249,25 +259,14 @@ impl LoraAdapter {
             bytes: copies.iter().map(|c| c.bytes).sum(),
             shards: Vec::new(),
             replicas: copies.into_iter().map(Arc::new).collect(),
+            device: None,
         })
     }
 
-    /// The devices (backend tags, [`crate::tensor::BufferId::device`]) the
-    /// factors of this adapter, its shards or its copies live on.
-    fn devices(&self) -> Vec<u32> {
-        let own = self
-            .layers
-            .iter()
-            .flat_map(|l| l.pairs.iter().flatten())
-            .map(|p| p.a.buffer_id().device)
-            .take(1);
-        own.chain(
-            self.shards
-                .iter()
-                .chain(&self.replicas)
-                .flat_map(|s| s.devices()),
-        )
-        .collect()
+    /// Whether factors of this adapter (or of one of its shards) live on
+    /// `device`.
+    fn is_on(&self, device: u32) -> bool {
+        self.device == Some(device) || self.shards.iter().any(|s| s.is_on(device))
     }
 
     /// What the model rank on `device` (a backend tag), rank `rank` of a
@@ -286,7 +285,7 @@ impl LoraAdapter {
         let copy = self
             .replicas
             .iter()
-            .find(|c| c.devices().contains(&device))
+            .find(|c| c.is_on(device))
             .ok_or_else(|| {
                 CoreError::invalid(format!(
                     "LoRA adapter '{}' has no copy on this rank's device",

@@ -142,15 +142,24 @@ impl Dispatcher {
         self.imports.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The rank for a request of `prompt` in namespace `ns`: the rank that
-    /// imported the longest prefix of it, else [`Dispatcher::pick`]'s.
+    /// The rank for a request of `prompt` in the namespace `ns` gives
+    /// (asked only once some prefix was imported): the rank that imported
+    /// the longest prefix of it, else [`Dispatcher::pick`]'s.
     pub(super) fn pick_for(
         &self,
         loads: &[&RankLoad],
-        ns: &CacheNamespace,
+        ns: impl FnOnce() -> CacheNamespace,
         prompt: &[u32],
     ) -> usize {
-        match self.imports().rank_for(ns, prompt) {
+        let affinity = {
+            let imports = self.imports();
+            if imports.ranks.is_empty() {
+                None
+            } else {
+                imports.rank_for(&ns(), prompt)
+            }
+        };
+        match affinity {
             Some(r) if r < loads.len() => r,
             _ => self.pick(loads),
         }

@@ -664,8 +664,8 @@ impl Engine {
         let rank = if self.ranks.len() > 1 {
             let loads: Vec<&data_parallel::RankLoad> =
                 self.ranks.iter().map(|r| &*r.load).collect();
-            let ns = transfer::request_namespace(&req.namespace, req.lora.as_ref());
-            &self.ranks[self.dispatcher.pick_for(&loads, &ns, &req.input_ids)]
+            let ns = || transfer::request_namespace(&req.namespace, req.lora.as_ref());
+            &self.ranks[self.dispatcher.pick_for(&loads, ns, &req.input_ids)]
         } else {
             &self.ranks[0]
         };
