@@ -149,6 +149,12 @@ find_cuda_libs() {
   done
   add_lib_dir "$shim"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  # NCCL (the nccl tests of the GPU binary): optional, named by its soname.
+  if [ -z "${ARBOR_NCCL_LIB:-}" ]; then
+    dir="$(find_lib libnccl.so.2)" || true
+    if [ -n "$dir" ]; then export ARBOR_NCCL_LIB="$dir"; fi
+  fi
+  echo "ARBOR_NCCL_LIB=${ARBOR_NCCL_LIB:-(not found: the nccl tests will report a skip)}"
 }
 
 versions() {

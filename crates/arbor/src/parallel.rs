@@ -13,11 +13,9 @@
 //! request to the replica that imported its prefix (engine-core
 //! `engine::transfer`).
 //!
-//! With `tp_size` N > 1 the model is split over N ranks of an in-process
-//! group (engine-core `comm::LocalGroup`, collectives through host memory):
-//! each rank is a CPU backend with its share of the threads, or a wgpu
-//! device at `base_gpu_id + rank * gpu_id_step` (SGLang's placement; the
-//! devices the device suite validated, `TP_DEVICES`), holding only its slices of the weights
+//! With `tp_size` N > 1 the model is split over N ranks in one process:
+//! each rank is a CPU backend with its share of the threads, or a device at
+//! `base_gpu_id + rank * gpu_id_step` (SGLang's placement), holding only its slices of the weights
 //! (`arbor_models::shard`) and a KV cache of its heads; a `TpExecutor` runs
 //! every step on all of them. `ep_size` equal to `tp_size` partitions the
 //! routed experts of a MoE model over the ranks instead of splitting each
@@ -31,12 +29,16 @@
 //! LAYERSKIP's draft forwards run on every rank, `TpRunners`; an EAGLE,
 //! EAGLE3 or NEXTN head runs whole on rank 0's device with the target's
 //! LM head gathered there over the whole vocabulary; each rank applies its
-//! slices of an adapter's factors). CUDA and ROCm ranks (and NCCL between
-//! GPUs) are refused at start-up until validated.
+//! slices of an adapter's factors). The ranks meet in the registry's device
+//! group of their backend where it has one (`cuda`: NCCL between distinct
+//! GPUs, `arbor_backend_cuda::nccl`), else in engine-core's
+//! `comm::LocalGroup` (collectives through host memory), which the device
+//! suite validated on the CPU and on wgpu (`TP_DEVICES`); ROCm ranks are
+//! refused at start-up until validated.
 
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
-use arbor_engine_core::comm::{Communicator, LocalGroup};
+use arbor_engine_core::comm::{Communicator, DeviceGroup};
 use arbor_engine_core::engine::LoadBalance;
 use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::{AttentionSharding, Backend, BackendOptions, Registry, ShardSpec};
@@ -256,20 +258,22 @@ impl ParallelSection {
 /// them: the CPU, and wgpu on lavapipe).
 const TP_DEVICES: [&str; 2] = ["cpu", "wgpu"];
 
-/// Refuses a device that tensor parallelism does not run on yet.
-pub fn check_supported(p: Parallel, device: &str) -> Result<()> {
-    if p.tp == 1 {
+/// Refuses a device that tensor parallelism does not run on: one of
+/// [`TP_DEVICES`], or a backend with a device group of its own in the
+/// registry (`cuda`: NCCL).
+pub fn check_supported(registry: &Registry, p: Parallel, device: &str) -> Result<()> {
+    if p.tp == 1 || TP_DEVICES.contains(&device) || registry.device_groups.get(device).is_ok() {
         return Ok(());
     }
-    if !TP_DEVICES.contains(&device) {
-        bail!(
-            "--tp-size {} runs on --device cpu or wgpu in this build (ranks in one process, \
-             collectives through host memory); on '{device}' that is not validated yet and \
-             NCCL is not built",
-            p.tp
-        );
-    }
-    Ok(())
+    bail!(
+        "--tp-size {} runs on --device cpu or wgpu (ranks in one process, collectives \
+         through host memory){}; on '{device}' it is not validated yet",
+        p.tp,
+        match registry.device_groups.names() {
+            n if n.is_empty() => String::new(),
+            n => format!(" and on {} (its own collectives)", n.join(", ")),
+        }
+    )
 }
 
 /// The model arguments of data-parallel replica `d` of `p.dp`: one
@@ -312,29 +316,35 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
         args.threads
     };
     let per_rank = (total / p.tp).max(1);
-    let factory = registry.backends.get(&args.device)?;
-    let backends: Vec<Arc<dyn Backend>> = (0..p.tp)
-        .map(|rank| {
-            let index = p.device_index(rank);
-            factory(&BackendOptions {
-                threads: per_rank,
-                device_index: index,
-                ..crate::setup::backend_options(args)
-            })
-            .with_context(|| {
-                format!(
-                    "starting device '{}' {index} for rank {rank} (--base-gpu-id {}, --gpu-id-step {})",
-                    args.device, p.base_gpu_id, p.gpu_id_step
-                )
-            })
+    let options: Vec<BackendOptions> = (0..p.tp)
+        .map(|rank| BackendOptions {
+            threads: per_rank,
+            device_index: p.device_index(rank),
+            ..crate::setup::backend_options(args)
         })
-        .collect::<Result<_>>()?;
-    let group = LocalGroup::new(p.tp)?;
-    let comms: Vec<Arc<dyn Communicator>> = group
-        .ranks(&backends)?
-        .into_iter()
-        .map(|c| c as Arc<dyn Communicator>)
         .collect();
+    let placement = || {
+        format!(
+            "starting {} ranks on device '{}' {:?} (--base-gpu-id {}, --gpu-id-step {})",
+            p.tp,
+            args.device,
+            options.iter().map(|o| o.device_index).collect::<Vec<_>>(),
+            p.base_gpu_id,
+            p.gpu_id_step
+        )
+    };
+    let DeviceGroup { backends, comms } = match registry.device_groups.get(&args.device) {
+        Ok(open) => open(&options).with_context(placement)?,
+        Err(_) => {
+            let factory = registry.backends.get(&args.device)?;
+            let backends = options
+                .iter()
+                .map(|o| factory(o))
+                .collect::<arbor_engine_core::Result<Vec<_>>>()
+                .with_context(placement)?;
+            DeviceGroup::local(backends)?
+        }
+    };
     let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
     let quant = crate::setup::quant_method(registry, &args.dtype, args.quantization.as_deref())?;
     let mut models = Vec::with_capacity(p.tp);
@@ -440,15 +450,24 @@ mod tests {
             tp: 2,
             ..Default::default()
         };
+        let registry = Registry::builtin().unwrap();
+        // A GPU backend with its own device group (cuda with --features
+        // cuda) runs tensor parallelism; the others are refused.
         for device in ["cuda", "rocm"] {
-            let e = check_supported(p, device).unwrap_err().to_string();
+            if registry.device_groups.get(device).is_ok() {
+                assert!(check_supported(&registry, p, device).is_ok());
+                continue;
+            }
+            let e = check_supported(&registry, p, device)
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.contains("--device cpu or wgpu") && e.contains(device),
                 "{e}"
             );
         }
-        assert!(check_supported(p, "cpu").is_ok());
-        assert!(check_supported(p, "wgpu").is_ok());
+        assert!(check_supported(&registry, p, "cpu").is_ok());
+        assert!(check_supported(&registry, p, "wgpu").is_ok());
 
         // Data parallelism: the replica count, the method, and their errors.
         let dp = ParallelSection {

@@ -366,7 +366,7 @@ pub fn build_engine(
     setup: &EngineSetup,
 ) -> Result<BuiltEngine> {
     let parallel = args.parallel()?;
-    crate::parallel::check_supported(parallel, &args.device)?;
+    crate::parallel::check_supported(registry, parallel, &args.device)?;
     // Each data-parallel replica sizes its KV from its share of the memory.
     let n = parallel.replicas();
     let available = mem_available().map(|a| a / n as u64);

@@ -412,6 +412,10 @@ impl Driver for CudaDriver {
             .map_err(dev_err("cuStreamSynchronize"))
     }
 
+    fn native_stream(&self) -> u64 {
+        self.stream.cu_stream() as u64
+    }
+
     fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Box<dyn Graph>> {
         let s = self.stream.cu_stream();
         // SAFETY: a live stream of the bound context, not already capturing.

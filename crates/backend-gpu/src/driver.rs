@@ -140,6 +140,11 @@ pub trait Driver: Send + Sync + 'static {
     /// Waits until everything queued has run.
     fn sync(&self) -> Result<()>;
 
+    /// The runtime's handle of the one stream (a `CUstream`, a
+    /// `hipStream_t`), for vendor libraries that queue their own work on it
+    /// (NCCL's collectives), so that it runs in order with everything else.
+    fn native_stream(&self) -> u64;
+
     /// Captures what `record` queues into a graph (nothing runs during the
     /// capture). The capture is ended whatever `record` returns.
     fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Box<dyn Graph>>;

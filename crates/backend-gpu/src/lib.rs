@@ -120,6 +120,30 @@ impl GpuBackend {
         *self.synthetic.lock().unwrap_or_else(|e| e.into_inner()) = seed;
     }
 
+    /// Runs `queue` with the device addresses of `tensors` (in their order)
+    /// and the driver's native stream, once everything queued before it is
+    /// on the stream: for vendor libraries that queue their own work there
+    /// (NCCL's collectives). A decode step being recorded ends here and runs
+    /// without a graph. `queue` must touch the tensors' bytes only through
+    /// work on that stream, which keeps it ordered with every other use of
+    /// the memory (the pool reuses freed blocks in stream order).
+    pub fn enqueue_native<R>(
+        &self,
+        tensors: &[&Tensor],
+        queue: impl FnOnce(&[u64], u64) -> Result<R>,
+    ) -> Result<R> {
+        let mut st = self.dev.lock()?;
+        if st.step.is_some() {
+            st.no_graph("a collective queued by a vendor library");
+        }
+        self.dev.flush(&mut st)?;
+        let ptrs = tensors
+            .iter()
+            .map(|t| self.dev.ptr(&st, t, 1))
+            .collect::<Result<Vec<_>>>()?;
+        queue(&ptrs, self.dev.drv.native_stream())
+    }
+
     fn new_tensor(
         &self,
         st: &mut State,

@@ -385,6 +385,10 @@ impl Driver for HipDriver {
         )
     }
 
+    fn native_stream(&self) -> u64 {
+        self.stream as u64
+    }
+
     fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Box<dyn Graph>> {
         let h = self.hip;
         // SAFETY: a live stream, not already capturing.

@@ -1,7 +1,9 @@
 //! Collective communication between the ranks of a tensor- or
-//! expert-parallel group: the [`Communicator`] trait and its in-process
+//! expert-parallel group: the [`Communicator`] trait, its in-process
 //! implementation ([`LocalGroup`]: ranks are threads of one process, data
-//! moves through host memory).
+//! moves through host memory), and [`DeviceGroup`], a group's backends with
+//! their communicators (a backend's own, such as NCCL in `backend-cuda`,
+//! comes from the registry's device groups).
 //!
 //! Invariants:
 //! - Every rank calls the same collectives in the same order; a call returns
@@ -50,6 +52,41 @@ pub trait Communicator: Send + Sync {
     fn abort(&self);
     /// Makes the group usable again once no rank is inside a collective.
     fn reset(&self) -> Result<()>;
+}
+
+/// The ranks of a tensor-parallel group: rank `i` computes on `backends[i]`
+/// and communicates through `comms[i]`.
+pub struct DeviceGroup {
+    pub backends: Vec<Arc<dyn Backend>>,
+    pub comms: Vec<Arc<dyn Communicator>>,
+}
+
+impl DeviceGroup {
+    /// `backends` meeting in a host-staged [`LocalGroup`].
+    pub fn local(backends: Vec<Arc<dyn Backend>>) -> Result<Self> {
+        let comms = LocalGroup::new(backends.len())?
+            .ranks(&backends)?
+            .into_iter()
+            .map(|c| c as Arc<dyn Communicator>)
+            .collect();
+        Ok(Self { backends, comms })
+    }
+}
+
+/// The common width of `blocks`, one per rank of a group of `world`: the
+/// checks of [`Communicator::all_to_all`]'s arguments.
+pub fn all_to_all_width(blocks: &[Tensor], world: usize) -> Result<usize> {
+    if blocks.len() != world {
+        return Err(CoreError::invalid(format!(
+            "all_to_all with {} blocks in a group of {world}",
+            blocks.len()
+        )));
+    }
+    let d = blocks[0].row_len();
+    if blocks.iter().any(|b| b.row_len() != d) {
+        return Err(CoreError::invalid("all_to_all blocks of different widths"));
+    }
+    Ok(d)
 }
 
 /// What each rank contributed to one collective: per-destination payloads.
@@ -269,16 +306,7 @@ impl Communicator for LocalComm {
 
     fn all_to_all(&self, blocks: &[Tensor]) -> Result<Vec<Tensor>> {
         let w = self.group.world;
-        if blocks.len() != w {
-            return Err(CoreError::invalid(format!(
-                "all_to_all with {} blocks in a group of {w}",
-                blocks.len()
-            )));
-        }
-        let d = blocks[0].row_len();
-        if blocks.iter().any(|b| b.row_len() != d) {
-            return Err(CoreError::invalid("all_to_all blocks of different widths"));
-        }
+        let d = all_to_all_width(blocks, w)?;
         let mut payload = blocks
             .iter()
             .map(|b| self.host(b))

@@ -10,6 +10,7 @@
 //! (`use arbor_kv_radix as _;`) or the linker drops its entries.
 
 use crate::backend::{Backend, BackendOptions};
+use crate::comm::DeviceGroup;
 use crate::error::{CoreError, Result};
 use crate::grammar::{GrammarBackend, GrammarBackendConfig};
 use crate::model::ModelArchitecture;
@@ -97,6 +98,9 @@ impl<F> Kind<F> {
 
 /// Creates a backend.
 pub type BackendFactory = Arc<dyn Fn(&BackendOptions) -> Result<Arc<dyn Backend>> + Send + Sync>;
+/// Opens one rank per options (each its device) of a backend whose devices
+/// communicate directly, with their communicators (NCCL between CUDA devices).
+pub type DeviceGroupFactory = Arc<dyn Fn(&[BackendOptions]) -> Result<DeviceGroup> + Send + Sync>;
 /// Creates a model architecture.
 pub type ArchitectureFactory = Arc<dyn Fn() -> Box<dyn ModelArchitecture> + Send + Sync>;
 /// Creates a sampler.
@@ -138,6 +142,12 @@ entry!(
     /// A built-in backend (`inventory::submit!`).
     BackendEntry,
     fn(&BackendOptions) -> Result<Arc<dyn Backend>>
+);
+entry!(
+    /// A built-in device group, named after the backend whose devices it
+    /// connects (`cuda`): how that backend's tensor-parallel ranks meet.
+    DeviceGroupEntry,
+    fn(&[BackendOptions]) -> Result<DeviceGroup>
 );
 entry!(
     /// A built-in model architecture, named as in HF `config.json` `architectures`.
@@ -184,6 +194,10 @@ entry!(
 pub struct Registry {
     /// Compute devices.
     pub backends: Kind<BackendFactory>,
+    /// Device groups by backend name: tensor-parallel ranks of that backend
+    /// with a communicator of their own (others meet in the host-staged
+    /// `comm::LocalGroup`).
+    pub device_groups: Kind<DeviceGroupFactory>,
     /// Model architectures.
     pub architectures: Kind<ArchitectureFactory>,
     /// Samplers.
@@ -207,6 +221,7 @@ impl Registry {
     pub fn empty() -> Self {
         Self {
             backends: Kind::new("backend"),
+            device_groups: Kind::new("device group"),
             architectures: Kind::new("model architecture"),
             samplers: Kind::new("sampler"),
             logits_processors: Kind::new("logits processor"),
@@ -225,6 +240,11 @@ impl Registry {
         for e in inventory::iter::<BackendEntry> {
             let f = e.create;
             r.backends.add(e.name, e.about, b.clone(), Arc::new(f))?;
+        }
+        for e in inventory::iter::<DeviceGroupEntry> {
+            let f = e.create;
+            r.device_groups
+                .add(e.name, e.about, b.clone(), Arc::new(f))?;
         }
         for e in inventory::iter::<ArchitectureEntry> {
             let f = e.create;
@@ -278,6 +298,7 @@ impl Registry {
             };
         }
         list!(self.backends);
+        list!(self.device_groups);
         list!(self.architectures);
         list!(self.samplers);
         list!(self.logits_processors);

@@ -27,6 +27,8 @@ mod device;
 mod graphs;
 #[path = "../../../backend-gpu/tests/suite/logit_edits.rs"]
 mod logit_edits;
+/// CUDA's own: NCCL between ranks.
+mod nccl;
 #[path = "../../../backend-gpu/tests/suite/ops.rs"]
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
