@@ -26,19 +26,35 @@ server_url() {
   for _ in $(seq 300); do grep -q '^listening on ' "$1" && break; sleep 0.1; done
   grep '^listening on ' "$1" | sed 's/^listening on //'
 }
-# Waits up to two minutes for URL/health to answer.
-wait_health() {
-  for _ in $(seq 240); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.5; done
-  echo "$2 did not come up" >&2; return 1
-}
 for i in 0 1; do urls+=("$(server_url "$tmp/w$i.log")"); done
 free_port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-port=$(free_port)
-prom=$(free_port)
-"$py" -m sglang_router.launch_router --host 127.0.0.1 --port "$port" --worker-urls "${urls[@]}" \
-  --policy cache_aware --prometheus-port "$prom" >"$tmp/router.log" 2>&1 &
-pids+=($!)
-wait_health "http://127.0.0.1:$port" "SGLang's router" || { tail -20 "$tmp/router.log"; exit 1; }
+# Starts SGLang's router (NAME, LOG, then its arguments) on two free ports
+# (its own and Prometheus') and waits for it; sets $router_port. A port
+# picked free can be taken again (by an outgoing connection's ephemeral
+# port) before the router binds it: then it tries again with new ports.
+start_router() {
+  local name="$1" log="$2" pid try
+  shift 2
+  for try in 1 2 3; do
+    router_port=$(free_port)
+    "$py" -m sglang_router.launch_router --host 127.0.0.1 --port "$router_port" \
+      --prometheus-port "$(free_port)" "$@" >"$log" 2>&1 &
+    pid=$!
+    pids+=("$pid")
+    for _ in $(seq 240); do
+      curl -sf "http://127.0.0.1:$router_port/health" >/dev/null && return 0
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.5
+    done
+    if kill -0 "$pid" 2>/dev/null || ! grep -q "Address already in use" "$log"; then break; fi
+    echo "$name: a port was taken before it bound it (try $try); trying new ports"
+  done
+  echo "$name did not come up" >&2
+  tail -20 "$log"
+  return 1
+}
+start_router "SGLang's router" "$tmp/router.log" --worker-urls "${urls[@]}" --policy cache_aware || exit 1
+port=$router_port
 "$py" - "http://127.0.0.1:$port" "${urls[@]}" <<'PY' || { tail -20 "$tmp/router.log"; exit 1; }
 import json, sys, time, urllib.request
 router, workers = sys.argv[1], sys.argv[2:]
@@ -101,13 +117,9 @@ pids+=($!)
 purl=$(server_url "$tmp/p.log")
 durl=$(server_url "$tmp/d.log")
 bport=$("$py" -c 'import json,sys,urllib.request; print(json.load(urllib.request.urlopen(sys.argv[1] + "/get_server_info"))["disaggregation"]["bootstrap_port"])' "$purl")
-pdport=$(free_port)
-pdprom=$(free_port)
-"$py" -m sglang_router.launch_router --host 127.0.0.1 --port "$pdport" --pd-disaggregation \
-  --prefill "$purl" "$bport" --decode "$durl" --policy round_robin --prometheus-port "$pdprom" \
-  >"$tmp/pd-router.log" 2>&1 &
-pids+=($!)
-wait_health "http://127.0.0.1:$pdport" "SGLang's PD router" || { tail -20 "$tmp/pd-router.log"; exit 1; }
+start_router "SGLang's PD router" "$tmp/pd-router.log" --pd-disaggregation \
+  --prefill "$purl" "$bport" --decode "$durl" --policy round_robin || exit 1
+pdport=$router_port
 "$py" - "http://127.0.0.1:$pdport" "$durl" "$purl" "${urls[0]}" <<'PY' || { tail -20 "$tmp/pd-router.log"; tail -20 "$tmp/d.log"; tail -20 "$tmp/p.log"; exit 1; }
 import json, sys, time, urllib.request
 router, decode, prefill, whole = sys.argv[1:]
