@@ -296,6 +296,27 @@ pub fn replica_args(args: &ModelArgs, p: Parallel, d: usize) -> ModelArgs {
     a
 }
 
+/// `f(i, item)` for every item, each on a thread of its own (one item runs
+/// on the caller's), the results in the items' order: loads of weights for
+/// several devices or replicas overlap. A panic in `f` is resumed here.
+pub fn on_threads<T: Sync, R: Send>(items: &[T], f: impl Fn(usize, &T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.iter().enumerate().map(|(i, t)| f(i, t)).collect();
+    }
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = items
+            .iter()
+            .enumerate()
+            .map(|(i, t)| s.spawn(move || f(i, t)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
 /// One rank's device, model shard and communicator, for every rank.
 pub struct Ranks {
     pub models: Vec<LoadedModel>,
@@ -347,26 +368,28 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
     };
     let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
     let quant = crate::setup::quant_method(registry, &args.dtype, args.quantization.as_deref())?;
-    let mut models = Vec::with_capacity(p.tp);
-    let mut shards = Vec::with_capacity(p.tp);
-    for (rank, (b, c)) in backends.iter().zip(&comms).enumerate() {
-        let opts = arbor_engine_core::LoadOptions {
-            backend: b.clone(),
-            quant: quant.clone(),
-            progress: None,
-        };
-        let shard = ShardSpec {
+    let shards: Vec<ShardSpec> = comms
+        .iter()
+        .map(|c| ShardSpec {
             comm: c.clone(),
             experts: p.experts,
             attention: p.attention,
+        })
+        .collect();
+    let ranks: Vec<(&Arc<dyn Backend>, &ShardSpec)> = backends.iter().zip(&shards).collect();
+    // The ranks load their shards at once (each on its own device, or its
+    // share of the CPU threads).
+    let models = on_threads(&ranks, |rank, (b, shard)| {
+        let opts = arbor_engine_core::LoadOptions {
+            backend: (*b).clone(),
+            quant: quant.clone(),
+            progress: None,
         };
-        models.push(
-            arbor_models::load_model_shard(&path, registry, &opts, &shard).with_context(|| {
-                format!("loading rank {rank} of {} of {}", p.tp, path.display())
-            })?,
-        );
-        shards.push(shard);
-    }
+        arbor_models::load_model_shard(&path, registry, &opts, shard)
+            .with_context(|| format!("loading rank {rank} of {} of {}", p.tp, path.display()))
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
     Ok(Ranks {
         models,
         backends,

@@ -370,16 +370,21 @@ pub fn build_engine(
     // Each data-parallel replica sizes its KV from its share of the memory.
     let n = parallel.replicas();
     let available = mem_available().map(|a| a / n as u64);
-    let mut replicas = Vec::with_capacity(n);
-    for d in 0..n {
-        let rargs = crate::parallel::replica_args(args, parallel, d);
-        let r = build_replica(registry, &rargs, setup, available);
-        replicas.push(if n > 1 {
-            r.with_context(|| format!("data-parallel rank {d} of {}", parallel.dp))?
+    // The replicas (each on its own devices or share of the threads) load
+    // at once.
+    let rargs: Vec<ModelArgs> = (0..n)
+        .map(|d| crate::parallel::replica_args(args, parallel, d))
+        .collect();
+    let replicas = crate::parallel::on_threads(&rargs, |d, a| {
+        let r = build_replica(registry, a, setup, available);
+        if n > 1 {
+            r.with_context(|| format!("data-parallel rank {d} of {}", parallel.dp))
         } else {
-            r?
-        });
-    }
+            r
+        }
+    })
+    .into_iter()
+    .collect::<Result<Vec<_>>>()?;
     let rank_devices: Vec<Vec<ShardDevice>> = replicas
         .iter()
         .flat_map(|r| {
@@ -779,9 +784,12 @@ impl arbor_server::refit::WeightLoader for DiskWeightLoader {
             .map(|m| m.model)
             .map_err(|e| e.to_string())
         };
+        // Every device of every replica loads its copy at once.
+        let devices: Vec<&ShardDevice> = self.ranks.iter().flatten().collect();
+        let mut models = crate::parallel::on_threads(&devices, |_, d| load(d)).into_iter();
         self.ranks
             .iter()
-            .map(|devices| devices.iter().map(load).collect())
+            .map(|r| models.by_ref().take(r.len()).collect())
             .collect()
     }
 }

@@ -231,6 +231,7 @@ async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<
         "{load}"
     );
     assert!(served.iter().all(|&n| n > 0), "{model}: {load}");
+    check_pinned_requests(&c, &s, &prompts[0]).await?;
     // A weight update (the same weights again): every replica loads its own
     // copy, a tensor-parallel replica a shard per rank (experts partitioned
     // as at start-up); data-parallel attention ranks refuse it. Either way
@@ -254,6 +255,71 @@ async fn check_data_parallel(model: &str, extra: &[&str], line: &str) -> Result<
     let again = generate_greedy(&c, &s, &prompts[0]["input_ids"], &tokens).await?;
     assert_eq!(again["output_ids"], prompts[0]["greedy_ids"]);
     assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// Requests received by each data-parallel rank so far (`/get_load`).
+async fn served_by_rank(c: &reqwest::Client, s: &Server) -> Result<Vec<u64>> {
+    let load: Value = c.get(s.url("/get_load")).send().await?.json().await?;
+    Ok(load
+        .as_array()
+        .context("get_load")?
+        .iter()
+        .map(|r| r["num_requests_total"].as_u64().unwrap_or(0))
+        .collect())
+}
+
+/// SGLang's `data_parallel_rank` pins a request to a replica, on the native
+/// and the OpenAI APIs, with the reference output; a rank the server does
+/// not have is a 400 that names it.
+async fn check_pinned_requests(c: &reqwest::Client, s: &Server, prompt: &Value) -> Result<()> {
+    let before = served_by_rank(c, s).await?;
+    let mut body = json!({
+        "input_ids": prompt["input_ids"],
+        "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
+        "data_parallel_rank": 1,
+    });
+    for _ in 0..3 {
+        let r: Value = c
+            .post(s.url("/generate"))
+            .json(&body)
+            .send()
+            .await?
+            .json()
+            .await?;
+        assert_eq!(r["output_ids"], prompt["greedy_ids"], "{r}");
+    }
+    let text = "The capital of France is";
+    for (path, input) in [
+        ("/v1/completions", json!({"prompt": text})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": text}]}),
+        ),
+    ] {
+        let mut req = json!({"max_tokens": 4, "temperature": 0, "data_parallel_rank": 0});
+        req.as_object_mut()
+            .context("an object")?
+            .extend(input.as_object().cloned().unwrap_or_default());
+        let r = c.post(s.url(path)).json(&req).send().await?;
+        assert_eq!(r.status(), 200, "{path}: {}", r.text().await?);
+    }
+    let after = served_by_rank(c, s).await?;
+    assert_eq!(after[0] - before[0], 2, "{before:?} -> {after:?}");
+    assert_eq!(after[1] - before[1], 3, "{before:?} -> {after:?}");
+    body["data_parallel_rank"] = json!(2);
+    let r = c.post(s.url("/generate")).json(&body).send().await?;
+    assert_eq!(r.status(), 400);
+    let text = r.text().await?;
+    assert!(
+        text.contains(
+            "data_parallel_rank 2 is out of range: this engine has 2 data-parallel ranks"
+        ),
+        "{text}"
+    );
+    body["data_parallel_rank"] = json!(-1);
+    let r = c.post(s.url("/generate")).json(&body).send().await?;
+    assert_eq!(r.status(), 400, "{}", r.text().await?);
+    Ok(())
 }
 
 #[test]

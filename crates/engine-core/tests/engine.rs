@@ -311,6 +311,75 @@ fn data_parallel_ranks_agree_and_spread_the_load() -> Result<()> {
     Ok(())
 }
 
+/// SGLang's `data_parallel_rank`: a request pinned to a replica runs there
+/// whatever the load balance, with the same greedy tokens; a rank the engine
+/// does not have is refused before anything is queued.
+#[test]
+fn a_request_pinned_to_a_replica_runs_there() -> Result<()> {
+    let ps = prompts(4, 19);
+    let want = reference(&ps, 8)?;
+    let eos = || shared().model.tokenizer.eos_token_ids.clone();
+    let cfg = EngineConfig::default();
+    let ranks = vec![parts(&cfg, 12, 16, eos())?, parts(&cfg, 12, 16, eos())?];
+    let e = Engine::data_parallel(cfg, ranks, LoadBalance::RoundRobin)?;
+    let streams = ps
+        .iter()
+        .map(|p| {
+            e.submit(GenerateRequest {
+                data_parallel_rank: Some(1),
+                ..GenerateRequest::new(p.clone(), greedy(8))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| tokens_of(&s.collect_blocking()))
+        .collect();
+    assert_eq!(got, want);
+    let per_rank: Vec<u64> = e
+        .rank_stats()
+        .iter()
+        .map(|s| s.num_requests_total)
+        .collect();
+    assert_eq!(per_rank, [0, 4]);
+    let err = e
+        .submit(GenerateRequest {
+            data_parallel_rank: Some(2),
+            ..GenerateRequest::new(ps[0].clone(), greedy(8))
+        })
+        .err()
+        .expect("refused");
+    assert!(
+        err.to_string().contains(
+            "data_parallel_rank 2 is out of range: this engine has 2 data-parallel ranks"
+        ),
+        "{err}"
+    );
+    assert_pool_empty(&e);
+
+    // One replica: rank 0 is the engine itself, rank 1 does not exist.
+    let one = engine(EngineConfig::default(), 12, 16)?;
+    let s = one.submit(GenerateRequest {
+        data_parallel_rank: Some(0),
+        ..GenerateRequest::new(ps[0].clone(), greedy(8))
+    })?;
+    let tokens = tokens_of(&s.collect_blocking());
+    assert_eq!(tokens, want[0]);
+    let err = one
+        .submit(GenerateRequest {
+            data_parallel_rank: Some(1),
+            ..GenerateRequest::new(ps[0].clone(), greedy(8))
+        })
+        .err()
+        .expect("refused");
+    assert!(
+        err.to_string().contains("has 1 data-parallel rank"),
+        "{err}"
+    );
+    assert_pool_empty(&one);
+    Ok(())
+}
+
 #[test]
 fn impossible_requests_are_refused() -> Result<()> {
     let e = engine(EngineConfig::default(), 4, 16)?;

@@ -162,6 +162,51 @@ fn data_parallel_ranks_export_and_follow_the_imported_kv() -> Result<()> {
             prompt.len()
         );
     }
+    // A request pinned to a replica (SGLang's data_parallel_rank) has its
+    // KV imported there, and runs there on it; a rank the engine does not
+    // have refuses the import.
+    let prompt: Vec<u32> = prompts[0].iter().map(|t| t + 1).collect();
+    let (want, _) = generate(&reference, &prompt, &greedy(12))?;
+    generate(&prefill, &prompt, &greedy(1))?;
+    let pages = prefill.export_kv(&prompt, &CacheNamespace::default(), None)?;
+    let whole = pages.tokens.len();
+    ensure!(whole > 0);
+    let e = decode
+        .import_kv_on(pages.clone(), Some(2))
+        .err()
+        .context("an import into rank 2 of 2")?;
+    ensure!(
+        e.to_string()
+            .contains("data_parallel_rank 2 is out of range"),
+        "{e}"
+    );
+    for rank in [1, 0] {
+        ensure!(decode.import_kv_on(pages.clone(), Some(rank))? == whole);
+        let before: Vec<u64> = decode
+            .rank_stats()
+            .iter()
+            .map(|s| s.num_requests_total)
+            .collect();
+        let chunks = decode
+            .submit(GenerateRequest {
+                data_parallel_rank: Some(rank),
+                ..GenerateRequest::new(prompt.clone(), greedy(12))
+            })?
+            .collect_blocking();
+        let got: Vec<u32> = chunks.iter().flat_map(|c| c.token_ids.clone()).collect();
+        let cached = chunks.last().context("a chunk")?.meta.cached_tokens;
+        ensure!(got == want, "{got:?} != {want:?}");
+        ensure!(
+            cached == whole.min(prompt.len() - 1) / page * page,
+            "cached {cached}"
+        );
+        let after: Vec<u64> = decode
+            .rank_stats()
+            .iter()
+            .map(|s| s.num_requests_total)
+            .collect();
+        ensure!(after[rank] == before[rank] + 1, "{before:?} -> {after:?}");
+    }
     assert_pool_empty(&reference);
     assert_pool_empty(&prefill);
     assert_pool_empty(&decode);

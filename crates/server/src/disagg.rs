@@ -301,10 +301,10 @@ pub(crate) async fn pull_rooms(st: &Arc<AppState>, jobs: &[Job]) {
     let Some(Disagg::Decode { transfer }) = st.disagg.clone() else {
         return;
     };
-    let pulls: Vec<(String, u64)> = jobs
+    let pulls: Vec<(String, u64, Option<usize>)> = jobs
         .iter()
-        .filter_map(|j| j.bootstrap.as_ref())
-        .filter_map(|b| b.port.map(|p| (format!("{}:{p}", b.host), b.room)))
+        .filter_map(|j| j.bootstrap.as_ref().map(|b| (b, j.data_parallel_rank)))
+        .filter_map(|(b, rank)| b.port.map(|p| (format!("{}:{p}", b.host), b.room, rank)))
         .collect();
     if pulls.is_empty() {
         return;
@@ -313,11 +313,14 @@ pub(crate) async fn pull_rooms(st: &Arc<AppState>, jobs: &[Job]) {
     let work = tokio::task::spawn_blocking(move || {
         pulls
             .iter()
-            .map(|(peer, room)| {
+            .map(|(peer, room, rank)| {
                 let start = std::time::Instant::now();
                 let pages = transfer.pull(peer, *room).map_err(|e| e.to_string())?;
                 let bytes = pages.bytes();
-                let tokens = engine.import_kv(pages).map_err(|e| e.to_string())?;
+                // A pinned request runs where its KV goes.
+                let tokens = engine
+                    .import_kv_on(pages, *rank)
+                    .map_err(|e| e.to_string())?;
                 Ok(TransferReport {
                     tokens,
                     bytes,

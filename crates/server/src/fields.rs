@@ -59,6 +59,14 @@ pub(crate) struct Fields {
 }
 
 /// True for values that ask for nothing: null, false, 0, "", [], {}.
+/// SGLang's `data_parallel_rank` (a request of the native or the OpenAI
+/// API): the replica to run on, checked against the engine's replicas when
+/// the request is submitted.
+pub(crate) fn data_parallel_rank(f: &mut Fields) -> Result<Option<usize>, ApiError> {
+    Ok(f.int("data_parallel_rank", 0, i64::from(u32::MAX))?
+        .map(|r| r as usize))
+}
+
 pub(crate) fn is_unset(v: &Value) -> bool {
     match v {
         Value::Null => true,

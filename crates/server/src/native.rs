@@ -210,6 +210,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
     let stream = f.bool("stream")?.unwrap_or(false);
     let text_in_logprobs = f.bool("return_text_in_logprobs")?.unwrap_or(false);
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
+    let dp_rank = crate::fields::data_parallel_rank(&mut f)?;
     f.ignore("log_metrics");
     f.ignore("stream_interval");
     for (k, what) in [
@@ -224,7 +225,6 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         ("return_hidden_states", "returning hidden states"),
         ("custom_logit_processor", "custom logit processors"),
         ("session_params", "sessions"),
-        ("data_parallel_rank", "data parallelism"),
     ] {
         f.unset_only(k, what)?;
     }
@@ -266,6 +266,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         job.constraint = constraint;
         job.lora = adapters[i].clone();
         job.bootstrap = bootstrap[i].clone();
+        job.data_parallel_rank = dp_rank;
         jobs.push(job);
     }
     let list = batch || n.unwrap_or(1) > 1;

@@ -38,6 +38,8 @@ pub(crate) struct Job {
     pub lora: Option<Arc<arbor_engine_core::LoraAdapter>>,
     /// SGLang's bootstrap room of a disaggregated request ([`crate::disagg`]).
     pub bootstrap: Option<crate::disagg::Bootstrap>,
+    /// SGLang's `data_parallel_rank`: the replica to run on.
+    pub data_parallel_rank: Option<usize>,
 }
 
 impl Job {
@@ -53,6 +55,7 @@ impl Job {
             constraint: None,
             lora: None,
             bootstrap: None,
+            data_parallel_rank: None,
         }
     }
 }
@@ -169,6 +172,7 @@ async fn submit_jobs(
         req.top_logprobs_num = job.top_logprobs_num;
         req.grammar = grammar;
         req.lora = job.lora;
+        req.data_parallel_rank = job.data_parallel_rank;
         let stream = state.engine.submit(req)?;
         for _ in 0..n {
             samples.push(Sample {

@@ -125,6 +125,9 @@ pub struct GenerateRequest {
     pub grammar: Option<Arc<dyn crate::grammar::CompiledGrammar>>,
     /// Run with this LoRA adapter (`None`: the base model).
     pub lora: Option<Arc<crate::lora::LoraAdapter>>,
+    /// Run on this data-parallel rank (SGLang's `data_parallel_rank`),
+    /// bypassing the load balance; `None`: the load balance picks.
+    pub data_parallel_rank: Option<usize>,
 }
 
 impl std::fmt::Debug for GenerateRequest {
@@ -135,6 +138,7 @@ impl std::fmt::Debug for GenerateRequest {
             .field("params", &self.params)
             .field("grammar", &self.grammar.is_some())
             .field("lora", &self.lora.as_ref().map(|a| a.name()))
+            .field("data_parallel_rank", &self.data_parallel_rank)
             .finish()
     }
 }
@@ -152,6 +156,7 @@ impl GenerateRequest {
             top_logprobs_num: 0,
             grammar: None,
             lora: None,
+            data_parallel_rank: None,
         }
     }
 }
@@ -579,6 +584,19 @@ impl Engine {
         Ok(())
     }
 
+    /// `Ok` when `r` names one of the engine's data-parallel ranks (a
+    /// request's `data_parallel_rank`).
+    pub fn check_dp_rank(&self, r: usize) -> Result<()> {
+        let n = self.ranks.len();
+        if r >= n {
+            return Err(CoreError::invalid(format!(
+                "data_parallel_rank {r} is out of range: this engine has {n} data-parallel rank{}",
+                if n == 1 { "" } else { "s" }
+            )));
+        }
+        Ok(())
+    }
+
     /// Data-parallel ranks (scheduler threads).
     pub fn dp_size(&self) -> usize {
         self.ranks.len()
@@ -635,6 +653,9 @@ impl Engine {
         if req.top_logprobs_num > 20 {
             return Err(CoreError::invalid("top_logprobs_num must be at most 20"));
         }
+        if let Some(r) = req.data_parallel_rank {
+            self.check_dp_rank(r)?;
+        }
         if let Some(a) = &req.lora
             && a.num_layers() != l.num_layers
         {
@@ -661,7 +682,9 @@ impl Engine {
             )
         });
         let tokens = total * n.max(1);
-        let rank = if self.ranks.len() > 1 {
+        let rank = if let Some(r) = req.data_parallel_rank {
+            &self.ranks[r]
+        } else if self.ranks.len() > 1 {
             let loads: Vec<&data_parallel::RankLoad> =
                 self.ranks.iter().map(|r| &*r.load).collect();
             let ns = || transfer::request_namespace(&req.namespace, req.lora.as_ref());

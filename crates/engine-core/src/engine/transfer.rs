@@ -226,12 +226,25 @@ impl Engine {
     /// picks, and requests whose prompt starts with their tokens go to that
     /// rank from then on (`ImportAffinity` in `engine::data_parallel`).
     pub fn import_kv(&self, pages: KvPages) -> Result<usize> {
+        self.import_kv_on(pages, None)
+    }
+
+    /// [`Engine::import_kv`] on data-parallel rank `rank` (the
+    /// `data_parallel_rank` of the request the pages are for, which will
+    /// run there); `None`: the load balance picks.
+    pub fn import_kv_on(&self, pages: KvPages, rank: Option<usize>) -> Result<usize> {
         pages.check()?;
+        if let Some(r) = rank {
+            self.check_dp_rank(r)?;
+        }
         if self.ranks.len() == 1 {
             return self.transfer(0, |reply| TransferOp::Import { pages, reply });
         }
-        let loads: Vec<&data_parallel::RankLoad> = self.ranks.iter().map(|r| &*r.load).collect();
-        let rank = self.dispatcher.pick(&loads);
+        let rank = rank.unwrap_or_else(|| {
+            let loads: Vec<&data_parallel::RankLoad> =
+                self.ranks.iter().map(|r| &*r.load).collect();
+            self.dispatcher.pick(&loads)
+        });
         let (namespace, tokens) = (pages.namespace.clone(), pages.tokens.clone());
         let cached = self.transfer(rank, |reply| TransferOp::Import { pages, reply })?;
         if cached > 0 {

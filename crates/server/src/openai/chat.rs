@@ -141,6 +141,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         rid,
         priority,
         namespace,
+        data_parallel_rank,
     } = common(&mut f, &["max_completion_tokens", "max_tokens"])?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
@@ -237,6 +238,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     job.top_logprobs_num = top_logprobs;
     job.priority = priority;
     job.namespace = namespace;
+    job.data_parallel_rank = data_parallel_rank;
     job.constraint = constraint;
     job.bootstrap = bootstrap.into_iter().next().flatten();
     let model = st.response_model(lora.as_deref());

@@ -99,6 +99,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         rid,
         priority,
         namespace,
+        data_parallel_rank,
     } = common(&mut f, &["max_tokens"])?;
     let logprobs = f.int("logprobs", 0, 20)?;
     f.unset_only("echo", "echoing the prompt")?;
@@ -130,6 +131,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             j.top_logprobs_num = logprobs.unwrap_or(0) as usize;
             j.priority = priority;
             j.namespace = namespace.clone();
+            j.data_parallel_rank = data_parallel_rank;
             j.constraint = constraint.clone();
             j.lora = lora.clone();
             j

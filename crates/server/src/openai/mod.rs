@@ -44,6 +44,8 @@ pub(crate) struct Common {
     pub priority: i64,
     /// Prefix-cache namespace from `extra_key` and `cache_salt`.
     pub namespace: CacheNamespace,
+    /// SGLang's `data_parallel_rank`: the replica to run on.
+    pub data_parallel_rank: Option<usize>,
 }
 
 /// Checks the `model` field against the served name and the loaded LoRA
@@ -182,6 +184,7 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
     }
     let rid = f.string("rid")?;
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
+    let data_parallel_rank = crate::fields::data_parallel_rank(f)?;
     // Requests with other keys never share cached prefixes (tenants, adapters).
     let extra_key = f.string("extra_key")?;
     let cache_salt = f.string("cache_salt")?;
@@ -207,6 +210,7 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
         rid,
         priority,
         namespace,
+        data_parallel_rank,
     })
 }
 
