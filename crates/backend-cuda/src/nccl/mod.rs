@@ -39,6 +39,14 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+/// No device appears twice (NCCL takes one rank per device).
+fn all_distinct(devices: &[usize]) -> bool {
+    let mut seen = devices.to_vec();
+    seen.sort_unstable();
+    seen.dedup();
+    seen.len() == devices.len()
+}
+
 const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
 const SUM: sys::ncclRedOp_t = sys::ncclRedOp_t::ncclSum;
 
@@ -64,10 +72,7 @@ impl NcclGroup {
     /// different), in that order.
     pub fn new(devices: &[usize]) -> Result<Arc<Self>> {
         let nccl = library().map_err(CoreError::Device)?;
-        let mut seen = devices.to_vec();
-        seen.sort_unstable();
-        seen.dedup();
-        if devices.is_empty() || seen.len() != devices.len() {
+        if devices.is_empty() || !all_distinct(devices) {
             return Err(CoreError::invalid(format!(
                 "an NCCL group needs one distinct device per rank, got devices {devices:?}"
             )));
@@ -255,12 +260,11 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, t: &Tensor) -> Result<()> {
+        let n = t.numel();
         if self.world_size() != 2 {
-            let n = t.numel();
             let g = self.gathered(t)?;
             return self.ordered_sum(&t.reshape(&[1, n])?, |s| g.narrow(s, 1));
         }
-        let n = t.numel();
         self.enqueue(&[t], |nccl, comm, p, s| {
             // SAFETY: in place over `n` f32 of a live buffer, in stream order.
             let rc = unsafe { (nccl.all_reduce)(buf(p[0]), buf(p[0]), n, F32, SUM, comm, s) };
@@ -423,10 +427,7 @@ pub fn open_group(options: &[BackendOptions]) -> Result<DeviceGroup> {
         .map(|b| Arc::new(b.clone()) as Arc<dyn Backend>)
         .collect();
     let devices: Vec<usize> = options.iter().map(|o| o.device_index).collect();
-    let mut distinct = devices.clone();
-    distinct.sort_unstable();
-    distinct.dedup();
-    if distinct.len() != devices.len() {
+    if !all_distinct(&devices) {
         tracing::info!(
             "tensor-parallel ranks on CUDA devices {devices:?} share a device: their \
              collectives go through host memory (NCCL takes one rank per device)"

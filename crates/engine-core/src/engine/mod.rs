@@ -586,7 +586,7 @@ impl Engine {
 
     /// `Ok` when `r` names one of the engine's data-parallel ranks (a
     /// request's `data_parallel_rank`).
-    pub fn check_dp_rank(&self, r: usize) -> Result<()> {
+    pub(crate) fn check_dp_rank(&self, r: usize) -> Result<()> {
         let n = self.ranks.len();
         if r >= n {
             return Err(CoreError::invalid(format!(
