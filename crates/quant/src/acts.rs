@@ -1,8 +1,13 @@
 //! Activations prepared for dot products ([`PreparedActs`]).
 //!
 //! Owns the quantization of f32 activation rows into the "vec_dot type" that
-//! ggml pairs with each weight format: f32 for float weights, Q8_0 for
-//! Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1 and Q8_K for the K-quants. The values
+//! ggml pairs with each weight format: f32 for f32/f16 and the scaled
+//! blocks, bf16 for bf16 weights, Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
+//! Q4_1/Q5_1 and Q8_K for the K-quants. Activations prepared as bf16 keep
+//! their f32 rows too: only the `Amx` level multiplies the rounded
+//! values (AMX tiles, from `hp`, when `k` is a multiple of 32; else
+//! `vdpbf16ps`, from `h`); the lower levels use the f32 rows, as for f16
+//! weights. The values
 //! are bit-identical to what ggml's x86 `quantize_row_q8_0/q8_1` (scale
 //! `127/amax`, round half to even, scale stored as f16) and
 //! `quantize_row_q8_K_ref` produce, but they are stored as a structure of
@@ -11,7 +16,8 @@
 //!
 //! Invariants (established by [`PreparedActs::prepare_into`], relied upon by
 //! the unsafe kernels): `k` is a whole number of blocks of `dtype`;
-//! `f.len() == m*k` for F32, otherwise `qs.len() == m*k` (and
+//! `f.len() == m*k` for F32 and BF16, `h.len() == m*k` for BF16 (each the
+//! round-to-nearest-even bf16 of its `f`), otherwise `qs.len() == m*k` (and
 //! `qs_pair.len()` is `m*k` or 0 for Q8_0/Q8_1), `d.len() == m*nb`,
 //! `s.len() == isum.len() == m*nb` for Q8_0/Q8_1 and `bsums.len() == m*nb*16`
 //! for Q8_K, where `nb = k / block_size`. Quant values lie in -127..=127.
@@ -24,8 +30,13 @@ pub struct PreparedActs {
     pub(crate) dtype: Option<DType>,
     pub(crate) m: usize,
     pub(crate) k: usize,
-    /// F32 activations, `m*k`.
+    /// F32 (and BF16) activations, `m*k`.
     pub(crate) f: Vec<f32>,
+    /// BF16: the bits of `f` rounded to bf16 (nearest even), `m*k`.
+    pub(crate) h: Vec<u16>,
+    /// BF16 on a CPU with the `Amx` level and `k % 32 == 0`: `h` packed in
+    /// AMX's pair layout (`x86::amx::pack_acts`); empty otherwise.
+    pub(crate) hp: Vec<u16>,
     /// Quantized values, `m*k`.
     pub(crate) qs: Vec<i8>,
     /// Q8_0/Q8_1: unused by [`crate::dot_rows`] (empty; the forced row
@@ -50,13 +61,10 @@ pub struct PreparedActs {
 /// (its `vec_dot_type`), or an error for dtypes that cannot be weights.
 pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
     Ok(match weight {
-        DType::F32
-        | DType::F16
-        | DType::BF16
-        | DType::F8_S32
-        | DType::U4_S32
-        | DType::U8_S32
-        | DType::F4_S16 => DType::F32,
+        DType::BF16 => DType::BF16,
+        DType::F32 | DType::F16 | DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16 => {
+            DType::F32
+        }
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
         DType::Q4_1 | DType::Q5_1 => DType::Q8_1,
         DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => DType::Q8_K,
@@ -122,6 +130,8 @@ impl PreparedActs {
         self.m = m;
         self.k = k;
         self.f.clear();
+        self.h.clear();
+        self.hp.clear();
         self.qs.clear();
         self.qs_pair.clear();
         self.d.clear();
@@ -130,6 +140,19 @@ impl PreparedActs {
         self.bsums.clear();
         match dtype {
             DType::F32 => self.f.extend_from_slice(x),
+            DType::BF16 => {
+                self.f.extend_from_slice(x);
+                self.h
+                    .extend(x.iter().map(|&v| half::bf16::from_f32(v).to_bits()));
+                // Packed whatever `level` is, so that the kernel a dot takes
+                // depends only on the CPU and `k`.
+                #[cfg(target_arch = "x86_64")]
+                if crate::detected_level() >= SimdLevel::Amx
+                    && k.is_multiple_of(crate::x86::amx::K_STEP)
+                {
+                    crate::x86::amx::pack_acts(&self.h, m, k, &mut self.hp);
+                }
+            }
             DType::Q8_0 | DType::Q8_1 => {
                 let nb = total / 32;
                 self.qs.resize(total, 0);
@@ -166,7 +189,7 @@ impl PreparedActs {
         Ok(())
     }
 
-    /// The activation dtype (F32, Q8_0, Q8_1 or Q8_K); `None` before preparation.
+    /// The activation dtype (F32, BF16, Q8_0, Q8_1 or Q8_K); `None` before preparation.
     pub fn dtype(&self) -> Option<DType> {
         self.dtype
     }
@@ -182,12 +205,18 @@ impl PreparedActs {
     }
 
     /// The activations in ggml's block layout (`block_q8_0`, `block_q8_1`,
-    /// `block_q8_K`; little-endian f32 for F32), rows one after another.
+    /// `block_q8_K`; little-endian f32 for F32, bf16 for BF16), rows one
+    /// after another.
     pub fn to_ggml_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         match self.dtype {
             Some(DType::F32) => {
                 for v in &self.f {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            Some(DType::BF16) => {
+                for v in &self.h {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }

@@ -511,7 +511,7 @@ unsafe fn dot_unchecked(
             return;
         }
         // SAFETY: as above.
-        if unsafe { dot_rows_x86(avx512, weight, w, n_rows, k, acts, out) } {
+        if unsafe { dot_rows_x86(level, weight, w, n_rows, k, acts, out) } {
             return;
         }
     }
@@ -523,10 +523,10 @@ unsafe fn dot_unchecked(
 /// Runs the SIMD row kernel for `weight` if there is one; false otherwise.
 ///
 /// # Safety
-/// As [`dot_unchecked`], plus the CPU features of `avx512` (or AVX2).
+/// As [`dot_unchecked`], with `Avx2 <= level <= detected_level()`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn dot_rows_x86(
-    avx512: bool,
+    level: SimdLevel,
     weight: DType,
     w: &[u8],
     n_rows: usize,
@@ -534,9 +534,24 @@ unsafe fn dot_rows_x86(
     acts: &PreparedActs,
     out: OutMat,
 ) -> bool {
+    let avx512 = level >= SimdLevel::Avx512;
     match weight {
-        // Float and scaled weights: f32 activations.
-        _ if matches!(act_dtype_for(weight), Ok(DType::F32)) => {
+        // bf16 weights times the bf16-rounded activations.
+        DType::BF16 if level >= SimdLevel::Amx => {
+            // SAFETY: per this function's contract (the CPU has AVX-512 BF16
+            // and AMX, with the tile permission); `hp` holds the packed rows
+            // whenever `k` is a multiple of 32.
+            unsafe {
+                if acts.hp.is_empty() {
+                    x86::float::dot_rows_bf16(w, n_rows, k, &acts.h, acts.m, out)
+                } else {
+                    x86::amx::dot_rows(w, n_rows, k, &acts.hp, acts.m, out)
+                }
+            };
+            true
+        }
+        // Float and scaled weights below that level: f32 activations.
+        _ if matches!(act_dtype_for(weight), Ok(DType::F32 | DType::BF16)) => {
             // SAFETY: per this function's contract.
             unsafe { x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out) };
             true

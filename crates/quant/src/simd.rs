@@ -18,11 +18,22 @@ pub enum SimdLevel {
     /// x86-64 AVX-512 F/BW/VL/DQ + VNNI (512-bit float, `vpdpbusd` integer dots),
     /// on top of everything in [`SimdLevel::Avx2`].
     Avx512,
+    /// [`SimdLevel::Avx512`] plus AVX-512 BF16 and AMX (tiles and bf16,
+    /// with the OS permission for the tile state): bf16 weights meet
+    /// bf16-rounded activations in AMX tiles (`tdpbf16ps`; `vdpbf16ps`
+    /// where `k` is not a multiple of 32). That is ggml's pairing for bf16
+    /// weights; the lower levels keep f32 activations for them.
+    Amx,
 }
 
 impl SimdLevel {
     /// All levels, lowest first.
-    pub const ALL: [SimdLevel; 3] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512];
+    pub const ALL: [SimdLevel; 4] = [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512,
+        SimdLevel::Amx,
+    ];
 
     /// Levels usable on this CPU, lowest first.
     pub fn available() -> Vec<SimdLevel> {
@@ -30,12 +41,13 @@ impl SimdLevel {
         Self::ALL.iter().copied().filter(|l| *l <= top).collect()
     }
 
-    /// Short lowercase name ("scalar", "avx2", "avx512").
+    /// Short lowercase name ("scalar", "avx2", "avx512", "amx").
     pub const fn name(self) -> &'static str {
         match self {
             SimdLevel::Scalar => "scalar",
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
+            SimdLevel::Amx => "amx",
         }
     }
 }
@@ -48,11 +60,13 @@ fn encode(l: SimdLevel) -> u8 {
         SimdLevel::Scalar => 0,
         SimdLevel::Avx2 => 1,
         SimdLevel::Avx512 => 2,
+        SimdLevel::Amx => 3,
     }
 }
 
 fn decode(v: u8) -> SimdLevel {
     match v {
+        3 => SimdLevel::Amx,
         2 => SimdLevel::Avx512,
         1 => SimdLevel::Avx2,
         _ => SimdLevel::Scalar,
@@ -70,13 +84,25 @@ fn detect() -> SimdLevel {
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512dq")
         && is_x86_feature_detected!("avx512vnni");
-    if avx512 {
+    if avx512 && is_x86_feature_detected!("avx512bf16") && amx_bf16() {
+        SimdLevel::Amx
+    } else if avx512 {
         SimdLevel::Avx512
     } else if avx2 {
         SimdLevel::Avx2
     } else {
         SimdLevel::Scalar
     }
+}
+
+/// AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22), and the OS
+/// grants the tile state to this process.
+#[cfg(target_arch = "x86_64")]
+fn amx_bf16() -> bool {
+    // CPUID leaf 7 exists on every CPU with AVX-512 (checked first).
+    let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+    let cpu = edx & (1 << 24) != 0 && edx & (1 << 22) != 0;
+    cpu && crate::x86::amx::request_tile_permission()
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -86,8 +112,8 @@ fn detect() -> SimdLevel {
 
 /// The best level this CPU supports (cached after the first call).
 ///
-/// The environment variable `ARBOR_QUANT_SIMD` (`scalar`, `avx2`, `avx512`)
-/// lowers it, which is useful to compare paths end to end.
+/// The environment variable `ARBOR_QUANT_SIMD` (`scalar`, `avx2`, `avx512`,
+/// `amx`) lowers it, which is useful to compare paths end to end.
 pub fn detected_level() -> SimdLevel {
     let v = DETECTED.load(Ordering::Relaxed);
     if v != UNKNOWN {
@@ -99,6 +125,7 @@ pub fn detected_level() -> SimdLevel {
             "scalar" => Some(SimdLevel::Scalar),
             "avx2" => Some(SimdLevel::Avx2),
             "avx512" => Some(SimdLevel::Avx512),
+            "amx" => Some(SimdLevel::Amx),
             _ => None,
         };
         if let Some(w) = want {

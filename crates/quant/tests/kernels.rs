@@ -226,8 +226,22 @@ fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
     let x: Vec<f32> = rng.normals(m * k);
     let acts = prepare_acts(dtype, &x, m, k).unwrap();
     let wf = dequantized(dtype, &w);
+    // What the kernels multiply: for bf16 weights the bf16-rounded
+    // activations at the AVX-512 BF16 level, the f32 ones below it.
     let af = acts_f32(&acts);
-    let absd = abs_dots(&wf, &af, n_rows, m, k);
+    let bf16_level = |l: SimdLevel| dtype == DType::BF16 && l >= SimdLevel::Amx;
+    let af_below = if dtype == DType::BF16 {
+        assert_eq!(acts.dtype(), Some(DType::BF16));
+        x.clone()
+    } else {
+        af.clone()
+    };
+    let exact = |a: &[f32], i: usize, j: usize| -> f64 {
+        (0..k)
+            .map(|e| wf[j * k + e] as f64 * a[i * k + e] as f64)
+            .sum()
+    };
+    let absd = abs_dots(&wf, &af_below, n_rows, m, k);
     // Leave a gap between rows to check the stride.
     let stride = n_rows + 3;
     let mut base = vec![f32::NAN; (m - 1) * stride + n_rows];
@@ -250,9 +264,7 @@ fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
     };
     for i in 0..m {
         for j in 0..n_rows {
-            let exact: f64 = (0..k)
-                .map(|e| wf[j * k + e] as f64 * af[i * k + e] as f64)
-                .sum();
+            let exact = exact(&af_below, i, j);
             let got = base[i * stride + j] as f64;
             let tol = rel_tol * absd[i * n_rows + j] + 1e-6;
             assert!(
@@ -273,6 +285,16 @@ fn dot_case(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize, m: usize) {
         for i in 0..m {
             for j in 0..n_rows {
                 let (a, b) = (out[i * stride + j], base[i * stride + j]);
+                if bf16_level(level) {
+                    // `vdpbf16ps`: exact products of the rounded values.
+                    let want = exact(&af, i, j);
+                    let tol = 1e-5 * absd[i * n_rows + j] + 1e-6;
+                    assert!(
+                        (a as f64 - want).abs() <= tol,
+                        "{dtype} {level:?} k={k} m={m} i={i} r={j}: {a} vs exact {want} (tol {tol})"
+                    );
+                    continue;
+                }
                 let tol = 2e-6 * absd[i * n_rows + j] as f32 + 1e-6;
                 assert!(
                     (a - b).abs() <= tol,

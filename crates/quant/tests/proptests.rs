@@ -89,7 +89,16 @@ proptest! {
                     .map(|r| (0..k).map(|e| (wf[r * k + e] * x[i * k + e]).abs()).sum::<f32>())
                     .fold(0.0, f32::max);
                 for r in 0..n_rows {
-                    let (a, b) = (out[i * n_rows + r], base[i * n_rows + r]);
+                    let (a, mut b) = (out[i * n_rows + r], base[i * n_rows + r]);
+                    if dtype == DType::BF16 && level >= SimdLevel::Amx {
+                        // `vdpbf16ps` multiplies the bf16-rounded activations.
+                        b = (0..k)
+                            .map(|e| {
+                                let xe = half::bf16::from_f32(x[i * k + e]).to_f32();
+                                wf[r * k + e] as f64 * xe as f64
+                            })
+                            .sum::<f64>() as f32;
+                    }
                     prop_assert!(
                         (a - b).abs() <= 1e-5 * absd + 1e-6,
                         "{} {:?} m={} k={} i={} r={}: {} vs {}", dtype, level, m, k, i, r, a, b

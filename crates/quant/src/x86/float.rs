@@ -18,6 +18,12 @@
 //! E2M1 by table lookup times the scale), so each weight vector equals
 //! the scalar dequantization bit for bit; their rows are whole blocks (of
 //! 32, or 16 for `f4_s16`), so they never take the partial-vector path.
+//! At the `Amx` level bf16 weights whose `k` is not a multiple of 32 (AMX
+//! tiles take the others, `x86::amx`) instead meet bf16-rounded
+//! activations in `vdpbf16ps` ([`dot_rows_bf16`]): one accumulator per
+//! element, 32 elements (16 lane pairs) per step, each lane adding its pair's
+//! two exact products, the same fixed reduction; again one instruction
+//! sequence per element whatever the tile.
 //!
 //! Tiling (speed only): tiles of `MR` activation rows by `NR` weight rows
 //! keep `MR * NR` accumulators in registers, so each loaded weight vector is
@@ -516,6 +522,70 @@ unsafe fn tile256<const DT: u8, const MR: usize, const NR: usize>(
     }
 }
 
+// ---------------------------------------------------------------- AVX-512 BF16
+
+/// The bits of a vector as 32 bf16 values.
+#[inline(always)]
+unsafe fn as_bf16x32(v: __m512i) -> __m512bh {
+    // SAFETY: both types are 512 bits of plain data.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+}
+
+/// One `MR x NR` tile of bf16 weight rows with bf16 activation rows: per 32
+/// elements one `vdpbf16ps` per (activation row, weight row), which adds
+/// the two exact products of each lane's pair to its f32 accumulator; a
+/// partial last vector is loaded with the missing elements zeroed; then
+/// `hsum512`. The same sequence for every element whatever the tile.
+#[inline(always)]
+unsafe fn tile_dpbf16<const DT: u8, const MR: usize, const NR: usize>(
+    w: [*const u8; NR],
+    x: [*const u16; MR],
+    k: usize,
+    next: Prefetch,
+) -> [[f32; NR]; MR] {
+    let per_step = next.per_step(k / 32);
+    // SAFETY: every row holds k elements (caller); loads stay below k (the
+    // partial vector's masked-off elements are not accessed).
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MR];
+        let mut j = 0;
+        while j + 32 <= k {
+            next.lines((j >> 5) * per_step, per_step);
+            let mut wv = [_mm512_setzero_si512(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = _mm512_loadu_si512(wr.add(2 * j) as *const __m512i);
+            }
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = as_bf16x32(_mm512_loadu_si512(xr.add(j) as *const __m512i));
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm512_dpbf16_ps(*ar, as_bf16x32(wr), xv);
+                }
+            }
+            j += 32;
+        }
+        if j < k {
+            let mask: u32 = (1u32 << (k - j)) - 1;
+            let mut wv = [_mm512_setzero_si512(); NR];
+            for (v, &wr) in wv.iter_mut().zip(&w) {
+                *v = _mm512_maskz_loadu_epi16(mask, wr.add(2 * j) as *const i16);
+            }
+            for (a, &xr) in acc.iter_mut().zip(&x) {
+                let xv = as_bf16x32(_mm512_maskz_loadu_epi16(mask, xr.add(j) as *const i16));
+                for (ar, &wr) in a.iter_mut().zip(&wv) {
+                    *ar = _mm512_dpbf16_ps(*ar, as_bf16x32(wr), xv);
+                }
+            }
+        }
+        let mut res = [[0.0f32; NR]; MR];
+        for (ri, ai) in res.iter_mut().zip(&acc) {
+            for (o, a) in ri.iter_mut().zip(ai) {
+                *o = hsum512(*a);
+            }
+        }
+        res
+    }
+}
+
 // ---------------------------------------------------------------- driver
 
 /// Runs the tiles of one level over the whole output: blocks of [`NB`]
@@ -527,7 +597,7 @@ macro_rules! drive {
         let (n_rows, k, m, out) = ($n_rows, $k, $m, $out);
         let rb = row_bytes(DT, k);
         let wp: *const u8 = $w.as_ptr();
-        let xp: *const f32 = $x.as_ptr();
+        let xp = $x.as_ptr();
         let mut b0 = 0;
         while b0 < n_rows {
             let b1 = (b0 + NB).min(n_rows);
@@ -613,6 +683,35 @@ unsafe fn run256<const DT: u8>(
     out: OutMat,
 ) {
     drive!(w, n_rows, k, x, m, out, tile256, MR256, NR256, [1, 2, 3, 4]);
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,avx512bf16")]
+unsafe fn run_dpbf16(w: &[u8], n_rows: usize, k: usize, x: &[u16], m: usize, out: OutMat) {
+    const DT: u8 = BF16;
+    drive!(
+        w,
+        n_rows,
+        k,
+        x,
+        m,
+        out,
+        tile_dpbf16,
+        MR512,
+        NR512,
+        [1, 2, 3, 4, 5, 6]
+    );
+}
+
+/// Dot products of bf16 weights with bf16 activations (`x`: `m` rows of
+/// `k` bf16 bit patterns), every `m`, batch-invariant (see
+/// [`tile_dpbf16`]).
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW/VL/DQ and BF16; lengths must satisfy
+/// the module preconditions (with `x` of `m * k` elements).
+pub unsafe fn dot_rows_bf16(w: &[u8], n_rows: usize, k: usize, x: &[u16], m: usize, out: OutMat) {
+    // SAFETY: per this function's contract.
+    unsafe { run_dpbf16(w, n_rows, k, x, m, out) }
 }
 
 /// True for the scaled block codes, which dequantize in registers.

@@ -1,4 +1,4 @@
-//! x86-64 SIMD kernels (AVX2 and AVX-512), selected at run time.
+//! x86-64 SIMD kernels (AVX2, AVX-512 and AMX), selected at run time.
 //!
 //! Every function here is `unsafe` only because it requires CPU features:
 //! callers in `lib.rs` check the level against [`crate::detected_level`] and
@@ -6,6 +6,7 @@
 //! [`Prefetch`] is the weight prefetch the GEMV and float kernels share.
 
 pub mod acts;
+pub(crate) mod amx;
 pub mod dequant;
 pub mod float;
 pub mod gemm;

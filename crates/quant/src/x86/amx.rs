@@ -1,0 +1,262 @@
+//! AMX (Advanced Matrix Extensions) products of bf16 weights with
+//! bf16-rounded activations, for the `Amx` level: `tdpbf16ps` multiplies a
+//! 16 x 32 tile of weights (16 weight rows, 32 elements of `k`) by a tile of
+//! 16 activation rows packed in AMX's pair layout, into 16 x 16 f32
+//! accumulators.
+//!
+//! Owns: the OS permission request for the tile data state
+//! ([`request_tile_permission`], once per process, at level detection), the
+//! packing of activations ([`pack_acts`]) and the GEMM ([`dot_rows`]).
+//!
+//! Numerics (batch invariance): an output element `(i, r)` is the
+//! accumulator tile element of weight row `r` and activation row `i`, which
+//! starts at zero and takes the `k / 32` steps in order; each step depends
+//! only on that weight row and that activation row. Nothing else (the
+//! number of rows, the tile an element falls in, padding rows and columns,
+//! which are zero or duplicates) touches it, so every `m` and every split of
+//! the weight rows gives the same bits. Requires `k % 32 == 0`.
+//!
+//! Tile state: [`dot_rows`] loads its configuration on entry and releases
+//! the tiles before it returns; no tile register is live between calls.
+
+use super::Prefetch;
+use crate::gemm::OutMat;
+use std::arch::asm;
+
+/// Elements of `k` per tile step (64 bytes of bf16).
+pub(crate) const K_STEP: usize = 32;
+/// Rows (weight rows, activation rows) per tile.
+const T: usize = 16;
+
+/// Asks Linux for the AMX tile data state (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`); true if granted. Without it the first tile
+/// instruction would kill the process.
+#[cfg(target_os = "linux")]
+pub(crate) fn request_tile_permission() -> bool {
+    const SYS_ARCH_PRCTL: usize = 158;
+    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
+    const XFEATURE_XTILEDATA: usize = 18;
+    let ret: isize;
+    // SAFETY: the arch_prctl system call reads only its two integer
+    // arguments; `syscall` clobbers rcx and r11, declared below.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL as isize => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+/// Other systems: no tile state is requested, so the level is not used.
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn request_tile_permission() -> bool {
+    false
+}
+
+/// Bytes of packed activations for `m` rows of `k` (`k % 32 == 0`): whole
+/// groups of 16 rows.
+pub(crate) fn packed_len(m: usize, k: usize) -> usize {
+    m.div_ceil(T) * T * k
+}
+
+/// Packs `m` rows of `k` bf16 activations (`x`, row-major) into `dst`
+/// (`packed_len(m, k)` elements): for each group of 16 rows and each step
+/// of 32 elements, a 16 x 16 tile of pairs whose row `p`, column `c` holds
+/// elements `2p, 2p + 1` of the step for activation row `c`; rows past `m`
+/// are zero.
+pub(crate) fn pack_acts(x: &[u16], m: usize, k: usize, dst: &mut Vec<u16>) {
+    dst.clear();
+    dst.resize(packed_len(m, k), 0);
+    let steps = k / K_STEP;
+    for g in 0..m.div_ceil(T) {
+        for c in 0..T.min(m - g * T) {
+            let row = &x[(g * T + c) * k..(g * T + c + 1) * k];
+            for s in 0..steps {
+                let tile = &mut dst[(g * steps + s) * T * 2 * T..][..2 * T * T];
+                for p in 0..T {
+                    let e = s * K_STEP + 2 * p;
+                    tile[p * 2 * T + 2 * c] = row[e];
+                    tile[p * 2 * T + 2 * c + 1] = row[e + 1];
+                }
+            }
+        }
+    }
+}
+
+/// The 64-byte tile configuration (palette 1): tiles 0-3 accumulators,
+/// 4-5 weights, 6-7 activations, each 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// `tileloadd tmm$n, [p + stride]`.
+macro_rules! tile_load {
+    ($n:literal, $p:expr, $stride:expr) => {
+        asm!(concat!("tileloadd tmm", $n, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $stride, options(nostack, readonly))
+    };
+}
+
+/// `tilestored [p + stride], tmm$n`.
+macro_rules! tile_store {
+    ($n:literal, $p:expr, $stride:expr) => {
+        asm!(concat!("tilestored [{p} + {s}*1], tmm", $n), p = in(reg) $p, s = in(reg) $stride, options(nostack))
+    };
+}
+
+/// `tdpbf16ps tmm$c, tmm$a, tmm$b`.
+macro_rules! tile_dp {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(
+            concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b),
+            options(nostack, nomem)
+        )
+    };
+}
+
+/// First weight row of each 16-row group: whole groups, the last one moved
+/// back to end at `n_rows` (its rows overlap the previous group's and get the
+/// same values), and an even count (the last group repeated) so that groups
+/// go in pairs. `n_rows >= 16`.
+fn row_groups(n_rows: usize) -> Vec<usize> {
+    let mut g: Vec<usize> = (0..n_rows.div_ceil(T))
+        .map(|i| (i * T).min(n_rows - T))
+        .collect();
+    if g.len() % 2 == 1 {
+        g.push(n_rows - T);
+    }
+    g
+}
+
+/// `out[i][r] = dot(w row r, x row i)` through AMX tiles: `w` holds
+/// `n_rows` rows of `k` bf16 (`k % 32 == 0`), `packed` the activations
+/// from [`pack_acts`] for `m` rows.
+///
+/// # Safety
+/// The CPU supports AMX-TILE and AMX-BF16 and the process holds the tile
+/// permission ([`request_tile_permission`] returned true); lengths as
+/// described; `out` holds every `(i, r)` for `i < m`, `r < n_rows`, and no
+/// other thread writes those elements.
+pub(crate) unsafe fn dot_rows(
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    packed: &[u16],
+    m: usize,
+    out: OutMat,
+) {
+    if n_rows < T {
+        // Too few rows for a tile: pad a copy with zero rows.
+        let mut padded = vec![0u8; T * k * 2];
+        padded[..w.len()].copy_from_slice(w);
+        let mut res = vec![0.0f32; m * T];
+        let view = OutMat {
+            ptr: res.as_mut_ptr(),
+            stride: T,
+        };
+        // SAFETY: 16 rows now; `res` holds m rows of 16.
+        unsafe { dot_rows(&padded, T, k, packed, m, view) };
+        for i in 0..m {
+            for r in 0..n_rows {
+                // SAFETY: (i, r) is inside the caller's output.
+                unsafe { out.set(i, r, res[i * T + r]) };
+            }
+        }
+        return;
+    }
+    let rb = 2 * k;
+    let steps = k / K_STEP;
+    let groups = row_groups(n_rows);
+    let m_groups = m.div_ceil(T);
+    let tile_elems = 2 * T * T;
+    let mut acc = [0.0f32; 4 * T * T];
+    let wp = w.as_ptr();
+    // SAFETY: tile instructions per the contract; every tile load reads 16
+    // rows of 64 bytes inside `w` (groups end at or before `n_rows`, steps
+    // before `k`) or inside `packed` (`m_groups` groups of `steps` tiles);
+    // stores go to `acc`.
+    unsafe {
+        asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+        for pair in groups.chunks_exact(2) {
+            let (a0, a1) = (wp.add(pair[0] * rb), wp.add(pair[1] * rb));
+            // Decode reads each weight once: fetch this pair's next steps.
+            let next = Prefetch {
+                base: a0,
+                len: if m_groups <= 2 { rb * T } else { 0 },
+            };
+            let mut mg = 0;
+            while mg < m_groups {
+                let two = mg + 1 < m_groups;
+                let b0 = packed.as_ptr().add(mg * steps * tile_elems);
+                let b1 = packed
+                    .as_ptr()
+                    .add((mg + two as usize) * steps * tile_elems);
+                asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+                for s in 0..steps {
+                    if next.len > 0 {
+                        for r in 0..T {
+                            next.lines(r * rb + (s + 4) * 64, 1);
+                            Prefetch { base: a1, ..next }.lines(r * rb + (s + 4) * 64, 1);
+                        }
+                    }
+                    tile_load!("4", a0.add(s * 64), rb);
+                    tile_load!("5", a1.add(s * 64), rb);
+                    tile_load!("6", b0.add(s * tile_elems), 64usize);
+                    tile_dp!("0", "4", "6");
+                    tile_dp!("1", "5", "6");
+                    if two {
+                        tile_load!("7", b1.add(s * tile_elems), 64usize);
+                        tile_dp!("2", "4", "7");
+                        tile_dp!("3", "5", "7");
+                    }
+                }
+                let ap = acc.as_mut_ptr();
+                tile_store!("0", ap, 64usize);
+                tile_store!("1", ap.add(T * T), 64usize);
+                tile_store!("2", ap.add(2 * T * T), 64usize);
+                tile_store!("3", ap.add(3 * T * T), 64usize);
+                // Tiles 0-3: (weight group, activation group) pairs.
+                let tiles = [
+                    (pair[0], mg),
+                    (pair[1], mg),
+                    (pair[0], mg + 1),
+                    (pair[1], mg + 1),
+                ];
+                for (t, &(r0, g)) in tiles.iter().enumerate().take(if two { 4 } else { 2 }) {
+                    let tile = &acc[t * T * T..(t + 1) * T * T];
+                    for c in 0..T.min(m - g * T) {
+                        for r in 0..T {
+                            out.set(g * T + c, r0 + r, tile[r * T + c]);
+                        }
+                    }
+                }
+                mg += 2;
+            }
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+}
