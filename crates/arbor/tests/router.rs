@@ -409,11 +409,15 @@ async fn a_killed_worker_loses_no_request_that_had_not_started() -> Result<()> {
     }
     // A request that had started streaming gets a clear error when its
     // worker dies: pause the worker mid-stream, then kill it.
-    let body = json!({"text": "stream me", "stream": true, "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": true}});
+    // Both live workers are paused as soon as the first token arrives, so
+    // that a fast machine cannot finish the stream before the busy worker
+    // is found.
+    let body = json!({"text": "stream me", "stream": true, "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": true}});
     let resp = c.post(r.url("/generate")).json(&body).send().await?;
     let mut reader = SseReader::new(resp)?;
     let first = reader.next().await?.context("no first event")?;
     ensure!(first.get("text").is_some(), "{first}");
+    tokio::try_join!(pause(&c, &ws[0]), pause(&c, &ws[2]))?;
     let l = loads(&c, &r).await?;
     let busy = l
         .iter()
@@ -425,7 +429,6 @@ async fn a_killed_worker_loses_no_request_that_had_not_started() -> Result<()> {
         .iter()
         .position(|w| w.base == busy)
         .context("busy worker")?;
-    pause(&c, &ws[victim]).await?;
     ws[victim].child.kill()?;
     ws[victim].child.wait()?;
     let (rest, done) = reader.rest().await?;
@@ -444,6 +447,7 @@ async fn a_killed_worker_loses_no_request_that_had_not_started() -> Result<()> {
     let survivor = (0..3)
         .find(|&i| i != 1 && i != victim)
         .context("survivor")?;
+    resume(&c, &ws[survivor]).await?;
     assert_no_leak(&c, &ws[survivor], "arbor", None).await
 }
 
