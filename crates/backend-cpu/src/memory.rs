@@ -9,7 +9,11 @@
 //! device, that its byte range lies inside its buffer and that it is aligned
 //! for its element type. The allocation stays alive during the operation
 //! because the tensor holds the buffer handle, and a slot is freed only by the
-//! handle's `Drop`.
+//! handle's `Drop`. A released map of at most [`SPARE_ONE`] bytes is kept
+//! (up to [`SPARE_MAX`] in all) and handed, zeroed again, to the next
+//! allocation of exactly its size: a step's large temporaries (logits, MLP
+//! activations) then reuse warm pages instead of faulting in fresh zero
+//! pages every step.
 
 use arbor_engine_core::{BufferId, BufferOwner, CoreError, DeviceBuffer, Result, Tensor};
 use std::alloc::{Layout, alloc_zeroed, dealloc};
@@ -22,22 +26,33 @@ const ALIGN: usize = 64;
 /// Allocations of at least this many bytes are anonymous maps (page-aligned).
 pub const MAP_MIN: usize = 1 << 20;
 
+/// Largest released map kept for reuse.
+pub const SPARE_ONE: usize = 16 << 20;
+/// Most bytes of released maps kept for reuse.
+pub const SPARE_MAX: usize = 64 << 20;
+
+/// A zeroed heap block, freed on drop.
+struct HeapBlock {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
 enum Allocation {
-    Heap { ptr: NonNull<u8>, layout: Layout },
+    Heap(HeapBlock),
     Mapped(memmap2::MmapMut),
 }
 
 impl Allocation {
     fn ptr(&self) -> *mut u8 {
         match self {
-            Allocation::Heap { ptr, .. } => ptr.as_ptr(),
+            Allocation::Heap(h) => h.ptr.as_ptr(),
             Allocation::Mapped(m) => m.as_ptr() as *mut u8,
         }
     }
 
     fn size(&self) -> usize {
         match self {
-            Allocation::Heap { layout, .. } => layout.size(),
+            Allocation::Heap(h) => h.layout.size(),
             Allocation::Mapped(m) => m.len(),
         }
     }
@@ -47,12 +62,10 @@ impl Allocation {
 // the operations' responsibility (disjoint writes per thread).
 unsafe impl Send for Allocation {}
 
-impl Drop for Allocation {
+impl Drop for HeapBlock {
     fn drop(&mut self) {
-        if let Allocation::Heap { ptr, layout } = self {
-            // SAFETY: allocated in `HostMemory::allocate` with this layout.
-            unsafe { dealloc(ptr.as_ptr(), *layout) }
-        }
+        // SAFETY: allocated in `HostMemory::allocate` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
 
@@ -60,6 +73,19 @@ impl Drop for Allocation {
 struct Slab {
     slots: Vec<Option<Allocation>>,
     free: Vec<usize>,
+    /// Released maps kept for reuse, `spare_bytes` in all.
+    spare: Vec<memmap2::MmapMut>,
+    spare_bytes: usize,
+}
+
+impl Slab {
+    /// A kept map of exactly `bytes`, if there is one.
+    fn take_spare(&mut self, bytes: usize) -> Option<memmap2::MmapMut> {
+        let i = self.spare.iter().position(|m| m.len() == bytes)?;
+        let m = self.spare.swap_remove(i);
+        self.spare_bytes -= bytes;
+        Some(m)
+    }
 }
 
 /// The buffers of one CPU backend instance.
@@ -110,9 +136,20 @@ impl HostMemory {
     /// Allocates `bytes` zeroed bytes and returns the owning handle.
     pub fn allocate(self: &Arc<Self>, bytes: usize) -> Result<Arc<DeviceBuffer>> {
         let a = if bytes >= MAP_MIN {
-            let m = memmap2::MmapMut::map_anon(bytes).map_err(|e| {
-                CoreError::OutOfMemory(format!("host allocation of {bytes} bytes: {e}"))
-            })?;
+            let spare = self
+                .slab
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take_spare(bytes);
+            let m = match spare {
+                Some(mut m) => {
+                    m.fill(0);
+                    m
+                }
+                None => memmap2::MmapMut::map_anon(bytes).map_err(|e| {
+                    CoreError::OutOfMemory(format!("host allocation of {bytes} bytes: {e}"))
+                })?,
+            };
             Allocation::Mapped(m)
         } else {
             let layout = Layout::from_size_align(bytes.max(1), ALIGN)
@@ -122,7 +159,7 @@ impl HostMemory {
             let ptr = NonNull::new(ptr).ok_or_else(|| {
                 CoreError::OutOfMemory(format!("host allocation of {bytes} bytes"))
             })?;
-            Allocation::Heap { ptr, layout }
+            Allocation::Heap(HeapBlock { ptr, layout })
         };
         let size = a.size();
         let mut slab = self.slab.lock().unwrap_or_else(|e| e.into_inner());
@@ -189,6 +226,53 @@ impl BufferOwner for HostMemory {
         {
             self.allocated.fetch_sub(a.size() as u64, Ordering::Relaxed);
             slab.free.push(id.slot as usize);
+            if let Allocation::Mapped(m) = a
+                && m.len() <= SPARE_ONE
+                && slab.spare_bytes + m.len() <= SPARE_MAX
+            {
+                slab.spare_bytes += m.len();
+                slab.spare.push(m);
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use arbor_engine_core::DType;
+
+    fn bytes_of(mem: &HostMemory, t: &Tensor) -> &'static mut [u8] {
+        let v = mem.resolve(t, 1).expect("resolves");
+        // SAFETY: the view covers the tensor's bytes, alive while `t` is.
+        unsafe { std::slice::from_raw_parts_mut(v.ptr, v.bytes) }
+    }
+
+    #[test]
+    fn a_released_map_comes_back_zeroed_to_the_same_size_only() {
+        let mem = Arc::new(HostMemory::new(u32::MAX - 7));
+        let n = MAP_MIN / 4 + 100;
+        let first = Tensor::new(mem.allocate(n * 4).unwrap(), DType::F32, &[n]).unwrap();
+        let ptr = bytes_of(&mem, &first).as_ptr();
+        bytes_of(&mem, &first).fill(0xAB);
+        drop(first);
+        assert_eq!(mem.allocated_bytes(), 0);
+        // Another size maps anew; the same size takes the kept map, zeroed.
+        let other = Tensor::new(mem.allocate(n * 4 + 64).unwrap(), DType::F32, &[n + 16]).unwrap();
+        assert_ne!(bytes_of(&mem, &other).as_ptr(), ptr);
+        let again = Tensor::new(mem.allocate(n * 4).unwrap(), DType::F32, &[n]).unwrap();
+        assert_eq!(bytes_of(&mem, &again).as_ptr(), ptr);
+        assert!(bytes_of(&mem, &again).iter().all(|&b| b == 0));
+        drop((other, again));
+        assert_eq!(mem.allocated_bytes(), 0);
+        // Kept maps never exceed the cap.
+        let big: Vec<_> = (0..6).map(|_| mem.allocate(SPARE_ONE).unwrap()).collect();
+        drop(big);
+        let slab = mem.slab.lock().unwrap();
+        assert!(slab.spare_bytes <= SPARE_MAX);
+        assert_eq!(
+            slab.spare_bytes,
+            slab.spare.iter().map(|m| m.len()).sum::<usize>()
+        );
     }
 }
