@@ -132,18 +132,12 @@ macro_rules! tile_dp {
     };
 }
 
-/// First weight row of each 16-row group: whole groups, the last one moved
+/// First weight row of 16-row group `g`: whole groups, the last one moved
 /// back to end at `n_rows` (its rows overlap the previous group's and get the
-/// same values), and an even count (the last group repeated) so that groups
-/// go in pairs. `n_rows >= 16`.
-fn row_groups(n_rows: usize) -> Vec<usize> {
-    let mut g: Vec<usize> = (0..n_rows.div_ceil(T))
-        .map(|i| (i * T).min(n_rows - T))
-        .collect();
-    if g.len() % 2 == 1 {
-        g.push(n_rows - T);
-    }
-    g
+/// same values); `g` past the last group repeats it, so that groups can go in
+/// pairs. `n_rows >= 16`.
+fn group_start(g: usize, n_rows: usize) -> usize {
+    (g.min(n_rows.div_ceil(T) - 1) * T).min(n_rows - T)
 }
 
 /// `out[i][r] = dot(w row r, x row i)` through AMX tiles: `w` holds
@@ -184,7 +178,6 @@ pub(crate) unsafe fn dot_rows(
     }
     let rb = 2 * k;
     let steps = k / K_STEP;
-    let groups = row_groups(n_rows);
     let m_groups = m.div_ceil(T);
     let tile_elems = 2 * T * T;
     let mut acc = [0.0f32; 4 * T * T];
@@ -195,7 +188,8 @@ pub(crate) unsafe fn dot_rows(
     // stores go to `acc`.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
-        for pair in groups.chunks_exact(2) {
+        for p in 0..n_rows.div_ceil(T).div_ceil(2) {
+            let pair = [group_start(2 * p, n_rows), group_start(2 * p + 1, n_rows)];
             let (a0, a1) = (wp.add(pair[0] * rb), wp.add(pair[1] * rb));
             // Decode reads each weight once: fetch this pair's next steps.
             let next = Prefetch {
