@@ -140,7 +140,7 @@ fn gemm_matches_scalar_on_ragged_shapes() {
     // (a full chunk plus a partial or full second one).
     let ks = [32, 64, 224, 576, 768, 800, 1536];
     let ns = [1, 5, 16, 17, 31, 32, 33, 70];
-    let ms = [1, 2, 3, 4, 5, 7, 8, 9, 13];
+    let ms = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 21];
     for dtype in FORMATS {
         for (ci, &k) in ks.iter().enumerate() {
             for (cj, &n) in ns.iter().enumerate() {

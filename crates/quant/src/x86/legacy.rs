@@ -129,6 +129,23 @@ pub(super) unsafe fn decode<const F: u8, const VNNI: bool>(p: *const u8) -> __m2
     }
 }
 
+/// The 16 bytes at `off` of `pa` and of `pb` in one vector. A function, not a
+/// closure inside [`decode_pair`]: closures are compiled without their
+/// caller's target features, so their intrinsics could become calls.
+///
+/// # Safety
+/// AVX2 is enabled in the caller; both ranges are readable.
+#[inline(always)]
+unsafe fn pair_at(pa: *const u8, pb: *const u8, off: usize) -> __m256i {
+    // SAFETY: per the contract.
+    unsafe {
+        _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(pa.add(off) as *const __m128i)),
+            _mm_loadu_si128(pb.add(off) as *const __m128i),
+        )
+    }
+}
+
 /// Blocks at `pa` and `pb` unpacked as two vectors: `lo` holds the first 16
 /// quants of each (`[a 0..16 | b 0..16]`), `hi` the last 16, in the same
 /// encoding as [`decode`].
@@ -139,14 +156,8 @@ unsafe fn decode_pair<const F: u8, const VNNI: bool>(
 ) -> (__m256i, __m256i) {
     // SAFETY: the caller guarantees both whole blocks are readable.
     unsafe {
-        let both = |off: usize| {
-            _mm256_inserti128_si256::<1>(
-                _mm256_castsi128_si256(_mm_loadu_si128(pa.add(off) as *const __m128i)),
-                _mm_loadu_si128(pb.add(off) as *const __m128i),
-            )
-        };
         if F == Q8_0 {
-            let (lo, hi) = (both(2), both(18));
+            let (lo, hi) = (pair_at(pa, pb, 2), pair_at(pa, pb, 18));
             if VNNI {
                 let x = _mm256_set1_epi8(-128);
                 (_mm256_xor_si256(lo, x), _mm256_xor_si256(hi, x))
@@ -160,7 +171,7 @@ unsafe fn decode_pair<const F: u8, const VNNI: bool>(
                 Q5_0 => 6,
                 _ => 8,
             };
-            let v = both(qoff);
+            let v = pair_at(pa, pb, qoff);
             let m = _mm256_set1_epi8(0x0F);
             let mut lo = _mm256_and_si256(v, m);
             let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
