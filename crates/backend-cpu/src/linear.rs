@@ -6,15 +6,17 @@
 //! weights, as ggml does; copied as f32 for float weights; layers sharing an
 //! input and a type share the preparation), and the weight rows of all the
 //! layers form one range split across the pool, so a whole Q/K/V projection
-//! is one parallel region. Each piece calls `arbor_quant::dot_rows_raw` on
+//! is one parallel region. From [`PAR_PREP_BLOCKS`] blocks on (a batch of
+//! decodes, a prefill) the quantization itself is one more region, split
+//! into whole blocks (`arbor_quant::SplitPrep`). Each piece calls `arbor_quant::dot_rows_raw` on
 //! its weight rows, which writes its output columns in place (the tiled GEMM
 //! for the 32-element formats, whose shares are whole 32-row panels; row
 //! kernels for the K-quants; tiled dot kernels for float weights).
 //!
 //! Batch invariance: `dot_rows_raw` computes each output element with one
 //! fixed sequence of operations whatever `m`, the other rows and the weight
-//! rows a piece holds (see `arbor_quant`), activation rows are prepared one
-//! by one and the bias is added per element, so row `i` of the output is
+//! rows a piece holds (see `arbor_quant`), activation blocks are quantized
+//! one by one whatever thread takes them, and the bias is added per element, so row `i` of the output is
 //! bit-identical for any batch it is computed in and any thread split.
 
 use crate::CpuBackend;
@@ -28,6 +30,11 @@ use std::sync::Mutex;
 const ROW_ALIGN: usize = 16;
 /// Row alignment of piece shares when a layer takes the tiled GEMM (its panel height).
 const GEMM_ALIGN: usize = 32;
+/// Blocks of activations from which their quantization runs on every
+/// thread: a prefill chunk's (512 rows of `k = 576` are 9216 blocks; +8%
+/// prefill on the default model), not a batch of 16 decodes' (288 to 768
+/// blocks, where the extra parallel region costs what it saves).
+const PAR_PREP_BLOCKS: usize = 1024;
 
 thread_local! {
     /// Per-thread prepared activations (one per activation type of a call),
@@ -172,9 +179,16 @@ fn row_kernels_with(
                 if pool.len() <= types.len() {
                     pool.push(PreparedActs::new());
                 }
-                pool[types.len()]
-                    .prepare_into(j.dtype, xs, m, k)
+                let prep = pool[types.len()]
+                    .prepare_split(j.dtype, xs, m, k)
                     .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+                // Quantize on every thread when there is enough of it; the
+                // parts left over (all of them below the threshold) run
+                // here when `prep` is dropped.
+                if prep.blocks() >= PAR_PREP_BLOCKS {
+                    b.parallel(&|t, pieces| prep.run(t, pieces))?;
+                }
+                drop(prep);
                 types.push(ad);
                 types.len() - 1
             }

@@ -13,6 +13,8 @@
 //! `quantize_row_q8_K_ref` produce, but they are stored as a structure of
 //! arrays (all quants of a row contiguous, scales and sums in their own
 //! arrays) so that SIMD kernels can load them without shuffling.
+//! [`PreparedActs::prepare_split`] leaves the quantization to a
+//! [`SplitPrep`] whose parts (whole blocks) can run on several threads.
 //!
 //! Invariants (established by [`PreparedActs::prepare_into`], relied upon by
 //! the unsafe kernels): `k` is a whole number of blocks of `dtype`;
@@ -23,6 +25,99 @@
 //! for Q8_K, where `nb = k / block_size`. Quant values lie in -127..=127.
 
 use crate::{DType, QuantError, SimdLevel, formats::f16_round};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Parts a [`SplitPrep`] is cut into (whole blocks each).
+const SPLIT_PARTS: usize = 16;
+
+/// The quantization of one [`PreparedActs::prepare_split`], in
+/// [`SPLIT_PARTS`] parts of whole blocks that may run concurrently; it
+/// borrows the activations and the buffers it fills. Each part runs once:
+/// it is claimed before it runs, and dropping the value runs the parts
+/// nobody claimed, so the activations are complete when the borrow ends.
+pub struct SplitPrep<'a> {
+    level: SimdLevel,
+    dtype: DType,
+    x: &'a [f32],
+    /// Blocks to quantize (0 for F32 and BF16, prepared already).
+    nb: usize,
+    qs: *mut i8,
+    d: *mut f32,
+    s: *mut f32,
+    isum: *mut i32,
+    bsums: *mut i16,
+    claimed: [AtomicBool; SPLIT_PARTS],
+    _acts: PhantomData<&'a mut PreparedActs>,
+}
+
+// SAFETY: the pointers are the buffers of the `PreparedActs` this value
+// borrows mutably, sized for `nb` blocks; each part writes only its own
+// block range, and a part runs at most once (claimed atomically), so
+// concurrent `run` calls never write the same element.
+unsafe impl Sync for SplitPrep<'_> {}
+unsafe impl Send for SplitPrep<'_> {}
+
+impl SplitPrep<'_> {
+    /// Blocks left to quantize (a caller's measure of whether splitting
+    /// pays).
+    pub fn blocks(&self) -> usize {
+        self.nb
+    }
+
+    /// Runs the parts `piece, piece + pieces, ...` not yet claimed (call it
+    /// once per piece `0..pieces` on any threads).
+    pub fn run(&self, piece: usize, pieces: usize) {
+        for p in (piece..SPLIT_PARTS).step_by(pieces.max(1)) {
+            self.part(p);
+        }
+    }
+
+    /// Quantizes part `p` unless it was claimed already.
+    fn part(&self, p: usize) {
+        if self.claimed[p].swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (b0, b1) = (p * self.nb / SPLIT_PARTS, (p + 1) * self.nb / SPLIT_PARTS);
+        if b0 == b1 {
+            return;
+        }
+        let n = b1 - b0;
+        // SAFETY: blocks b0..b1 lie inside the buffers (sized for nb
+        // blocks by `prepare_split_with`), no other part touches them, and
+        // this part runs once (see the `Sync` impl).
+        unsafe {
+            use std::slice::from_raw_parts_mut as part;
+            if self.dtype == DType::Q8_K {
+                quantize_q8k_blocks(
+                    self.level,
+                    &self.x[b0 * 256..b1 * 256],
+                    part(self.qs.add(b0 * 256), n * 256),
+                    part(self.d.add(b0), n),
+                    part(self.bsums.add(b0 * 16), n * 16),
+                );
+            } else {
+                quantize_q8_blocks(
+                    self.level,
+                    &self.x[b0 * 32..b1 * 32],
+                    part(self.qs.add(b0 * 32), n * 32),
+                    part(self.d.add(b0), n),
+                    part(self.s.add(b0), n),
+                    part(self.isum.add(b0), n),
+                    self.dtype == DType::Q8_1,
+                );
+            }
+        }
+    }
+}
+
+impl Drop for SplitPrep<'_> {
+    fn drop(&mut self) {
+        for p in 0..SPLIT_PARTS {
+            self.part(p);
+        }
+    }
+}
 
 /// Activations prepared for dot products with weights of one dtype.
 #[derive(Clone, Debug, Default)]
@@ -105,6 +200,34 @@ impl PreparedActs {
         m: usize,
         k: usize,
     ) -> Result<(), QuantError> {
+        // Dropping the split preparation quantizes every block here.
+        self.prepare_split_with(level, weight, x, m, k).map(drop)
+    }
+
+    /// [`PreparedActs::prepare_into`] whose quantization (the 8-bit
+    /// formats) is left to the returned [`SplitPrep`]: its parts can run on
+    /// several threads at once ([`SplitPrep::run`]), and whatever part has
+    /// not run when it is dropped runs then. The values are the same bits
+    /// as `prepare_into`'s (every block is quantized on its own).
+    pub fn prepare_split<'a>(
+        &'a mut self,
+        weight: DType,
+        x: &'a [f32],
+        m: usize,
+        k: usize,
+    ) -> Result<SplitPrep<'a>, QuantError> {
+        self.prepare_split_with(crate::detected_level(), weight, x, m, k)
+    }
+
+    /// [`PreparedActs::prepare_split`] at an explicit SIMD level.
+    fn prepare_split_with<'a>(
+        &'a mut self,
+        level: SimdLevel,
+        weight: DType,
+        x: &'a [f32],
+        m: usize,
+        k: usize,
+    ) -> Result<SplitPrep<'a>, QuantError> {
         if level > crate::detected_level() {
             return Err(QuantError::LevelUnavailable(level));
         }
@@ -138,8 +261,11 @@ impl PreparedActs {
         self.s.clear();
         self.isum.clear();
         self.bsums.clear();
-        match dtype {
-            DType::F32 => self.f.extend_from_slice(x),
+        let block = match dtype {
+            DType::F32 => {
+                self.f.extend_from_slice(x);
+                0
+            }
             DType::BF16 => {
                 self.f.extend_from_slice(x);
                 self.h
@@ -152,32 +278,22 @@ impl PreparedActs {
                 {
                     crate::x86::amx::pack_acts(&self.h, m, k, &mut self.hp);
                 }
+                0
             }
             DType::Q8_0 | DType::Q8_1 => {
                 let nb = total / 32;
                 self.qs.resize(total, 0);
-                self.d.reserve(nb);
-                self.s.reserve(nb);
-                self.isum.reserve(nb);
                 self.d.resize(nb, 0.0);
                 self.s.resize(nb, 0.0);
                 self.isum.resize(nb, 0);
-                quantize_q8_blocks(
-                    level,
-                    x,
-                    &mut self.qs,
-                    &mut self.d,
-                    &mut self.s,
-                    &mut self.isum,
-                    dtype == DType::Q8_1,
-                );
+                32
             }
             DType::Q8_K => {
                 let nb = total / 256;
                 self.qs.resize(total, 0);
                 self.d.resize(nb, 0.0);
                 self.bsums.resize(nb * 16, 0);
-                quantize_q8k_blocks(level, x, &mut self.qs, &mut self.d, &mut self.bsums);
+                256
             }
             _ => {
                 return Err(QuantError::Unsupported {
@@ -185,8 +301,20 @@ impl PreparedActs {
                     dtype,
                 });
             }
-        }
-        Ok(())
+        };
+        Ok(SplitPrep {
+            level,
+            dtype,
+            x,
+            nb: total.checked_div(block).unwrap_or(0),
+            qs: self.qs.as_mut_ptr(),
+            d: self.d.as_mut_ptr(),
+            s: self.s.as_mut_ptr(),
+            isum: self.isum.as_mut_ptr(),
+            bsums: self.bsums.as_mut_ptr(),
+            claimed: std::array::from_fn(|_| AtomicBool::new(false)),
+            _acts: PhantomData,
+        })
     }
 
     /// The activation dtype (F32, BF16, Q8_0, Q8_1 or Q8_K); `None` before preparation.

@@ -55,7 +55,7 @@ mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use acts::{PreparedActs, act_dtype_for, prepare_acts};
+pub use acts::{PreparedActs, SplitPrep, act_dtype_for, prepare_acts};
 pub use arbor_engine_core::DType;
 pub use error::QuantError;
 /// The E4M3 element and the in-band scaled weight blocks (`f8_s32`, `u4_s32`).

@@ -536,3 +536,51 @@ fn quantize_extreme_values_never_panics() {
         }
     }
 }
+
+/// A split preparation gives the same bits as `prepare_into`, whether its
+/// parts run on two threads with any piece count, partly (the rest runs
+/// when it is dropped) or not at all; a dot with it matches too.
+#[test]
+fn split_preparation_matches_the_serial_one() {
+    let mut rng = Rng(21);
+    for (dtype, m, k) in [
+        (DType::Q4_1, 16, 576),
+        (DType::Q4_0, 3, 1536),
+        (DType::Q8_0, 1, 32),
+        (DType::Q4_K, 5, 512),
+        (DType::F32, 2, 64),
+    ] {
+        let x = rng.normals(m * k);
+        let n = 33;
+        let w = random_weights(&mut rng, dtype, n, k);
+        let base = prepare_acts(dtype, &x, m, k).unwrap();
+        let mut want = vec![0.0f32; m * n];
+        dot_rows(dtype, &w, n, k, &base, &mut want, n).unwrap();
+        for pieces in [0usize, 1, 2, 3, 8, 40] {
+            let mut a = PreparedActs::new();
+            let prep = a.prepare_split(dtype, &x, m, k).unwrap();
+            match pieces {
+                // None run: dropping quantizes everything.
+                0 => {}
+                // Only the first of three pieces runs.
+                3 => prep.run(0, 3),
+                _ => std::thread::scope(|s| {
+                    let prep = &prep;
+                    let half = pieces / 2;
+                    s.spawn(move || (0..half).for_each(|t| prep.run(t, pieces)));
+                    (half..pieces).for_each(|t| prep.run(t, pieces));
+                }),
+            }
+            drop(prep);
+            assert_eq!(
+                a.to_ggml_bytes(),
+                base.to_ggml_bytes(),
+                "{dtype} pieces={pieces}"
+            );
+            let mut got = vec![0.0f32; m * n];
+            dot_rows(dtype, &w, n, k, &a, &mut got, n).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{dtype} pieces={pieces}");
+        }
+    }
+}
