@@ -449,6 +449,12 @@ const EXP_P: [f32; 6] = [
 /// whether it is computed here, in a vector, or in a vector's tail.
 #[inline]
 pub fn exp(x: f32) -> f32 {
+    exp_ops(x)
+}
+
+/// [`exp`]'s operations, inlined into [`exp`] and [`exp_fma`].
+#[inline(always)]
+fn exp_ops(x: f32) -> f32 {
     if x.is_nan() {
         return x;
     }
@@ -469,9 +475,33 @@ pub fn exp(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// [`exp`] compiled with AVX2 and FMA, so that its `mul_add`s are
+/// instructions instead of calls to libm's `fmaf` (the same exactly rounded
+/// result): the vector kernels' scalar tails use it.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_fma(x: f32) -> f32 {
+    exp_ops(x)
+}
+
+/// [`exp`] through [`exp_fma`] at the levels with FMA.
+#[inline]
+fn exp_at(level: Level, x: f32) -> f32 {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: both vector levels imply AVX2 and FMA.
+        Level::Avx512 | Level::Avx2 => unsafe { exp_fma(x) },
+        Level::Portable => exp(x),
+    }
+}
+
 /// `x[i] = exp(x[i])` for every element.
 pub fn exp_slice(x: &mut [f32]) {
-    let done = match level() {
+    let level = level();
+    let done = match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports AVX-512F; the kernel stays inside `x`.
         Level::Avx512 => unsafe { exp_slice_avx512(x) },
@@ -481,7 +511,7 @@ pub fn exp_slice(x: &mut [f32]) {
         Level::Portable => 0,
     };
     for v in &mut x[done..] {
-        *v = exp(*v);
+        *v = exp_at(level, *v);
     }
 }
 
@@ -525,7 +555,8 @@ pub fn max(x: &[f32]) -> f32 {
 /// [`exp`]'s arithmetic in every lane.
 pub fn silu_mul(g: &[f32], u: &[f32], o: &mut [f32]) {
     let n = g.len().min(u.len()).min(o.len());
-    let done = match level() {
+    let level = level();
+    let done = match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports AVX-512F; the kernel stays below n.
         Level::Avx512 => unsafe { silu_mul_avx512(&g[..n], &u[..n], &mut o[..n]) },
@@ -535,7 +566,7 @@ pub fn silu_mul(g: &[f32], u: &[f32], o: &mut [f32]) {
         Level::Portable => 0,
     };
     for i in done..n {
-        o[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
+        o[i] = g[i] / (1.0 + exp_at(level, -g[i])) * u[i];
     }
 }
 
