@@ -154,15 +154,8 @@ impl KvPtr {
                 }
                 DType::F8E4M3 | DType::F8E5M2 => {
                     let s = std::slice::from_raw_parts(self.ptr.get().add(row * width), width);
-                    let decode = if self.dtype == DType::F8E4M3 {
-                        scaled::e4m3_to_f32
-                    } else {
-                        scaled::e5m2_to_f32
-                    };
-                    let scale = self.scale;
-                    for (o, &b) in dst[..width].iter_mut().zip(s) {
-                        *o = decode(b) * scale;
-                    }
+                    let e4m3 = self.dtype == DType::F8E4M3;
+                    crate::convert::fp8_to_f32(s, e4m3, self.scale, &mut dst[..width]);
                 }
                 _ => {
                     let s = std::slice::from_raw_parts(
