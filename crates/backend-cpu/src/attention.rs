@@ -38,7 +38,6 @@ use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
     CoreError, DType, KvLayer, Result, Tensor,
 };
-use arbor_quant::scaled;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -193,15 +192,8 @@ impl KvPtr {
                 }
                 DType::F8E4M3 | DType::F8E5M2 => {
                     let d = std::slice::from_raw_parts_mut(self.ptr.get().add(row * width), width);
-                    let encode = if self.dtype == DType::F8E4M3 {
-                        scaled::f32_to_e4m3
-                    } else {
-                        scaled::f32_to_e5m2
-                    };
-                    let scale = self.scale;
-                    for (o, &v) in d.iter_mut().zip(src) {
-                        *o = encode(v / scale);
-                    }
+                    let e4m3 = self.dtype == DType::F8E4M3;
+                    crate::convert::f32_to_fp8(src, e4m3, self.scale, d);
                 }
                 _ => {
                     std::ptr::copy_nonoverlapping(
