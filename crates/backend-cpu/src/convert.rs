@@ -1,10 +1,12 @@
-//! Rows of half-precision values (f16, bf16) and FP8 bytes (E4M3, E5M2)
-//! widened to f32, as the attention reads the KV cache: one call per row,
-//! the CPU's F16C / AVX2 instructions inline over the whole row where the
-//! CPU has them (detected once), the `half` crate's conversion and
-//! `arbor_quant::scaled`'s decoders elsewhere. Widening is exact and the
-//! FP8 scale is one multiplication after it, so every path gives the same
-//! bits.
+//! Rows of KV cache elements converted as the attention reads and writes
+//! them: half-precision values (f16, bf16) and FP8 bytes (E4M3, E5M2)
+//! widened to f32, and f32 rows encoded to FP8. One call per row; the
+//! CPU's F16C / AVX2 instructions inline over the whole row where the CPU
+//! has them (detected once), the `half` crate's conversion and
+//! `arbor_quant::scaled`'s scalar codecs elsewhere and for the tails.
+//! Widening is exact and the FP8 scale is one operation after it (or before
+//! the encoding), and the vector encoder applies the scalar encoder's
+//! operations lane by lane, so every path gives the same bits.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
