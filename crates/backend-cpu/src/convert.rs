@@ -167,7 +167,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX2; `src` and `dst` of equal length.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2")]
     pub(super) unsafe fn fp8_encode_rows(
         src: &[f32],
         e4m3: bool,

@@ -6,18 +6,20 @@
 //! weights, as ggml does; copied as f32 for float weights; layers sharing an
 //! input and a type share the preparation), and the weight rows of all the
 //! layers form one range split across the pool, so a whole Q/K/V projection
-//! is one parallel region. From [`PAR_PREP_BLOCKS`] blocks on (a batch of
-//! decodes, a prefill) the quantization itself is one more region, split
-//! into whole blocks (`arbor_quant::SplitPrep`). Each piece calls `arbor_quant::dot_rows_raw` on
-//! its weight rows, which writes its output columns in place (the tiled GEMM
-//! for the 32-element formats, whose shares are whole 32-row panels; row
-//! kernels for the K-quants; tiled dot kernels for float weights).
+//! is one parallel region. From [`PAR_PREP_BLOCKS`] blocks on (a prefill
+//! chunk) the quantization itself is one more region, split into whole
+//! blocks (`arbor_quant::SplitPrep`). Each piece calls
+//! `arbor_quant::dot_rows_raw` on its weight rows, which writes its output
+//! columns in place (the tiled GEMM for the 32-element formats, whose
+//! shares are whole 32-row panels; row kernels for the K-quants; tiled dot
+//! kernels for float weights).
 //!
 //! Batch invariance: `dot_rows_raw` computes each output element with one
 //! fixed sequence of operations whatever `m`, the other rows and the weight
 //! rows a piece holds (see `arbor_quant`), activation blocks are quantized
-//! one by one whatever thread takes them, and the bias is added per element, so row `i` of the output is
-//! bit-identical for any batch it is computed in and any thread split.
+//! one by one whatever thread takes them, and the bias is added per
+//! element, so row `i` of the output is bit-identical for any batch it is
+//! computed in and any thread split.
 
 use crate::CpuBackend;
 use crate::memory::SendPtr;

@@ -11,12 +11,13 @@
 //! because the tensor holds the buffer handle, and a slot is freed only by the
 //! handle's `Drop`. A released map of at most [`SPARE_ONE`] bytes is kept
 //! (up to [`SPARE_MAX`] in all, the oldest dropped first) and handed,
-//! zeroed again, to the next allocation of exactly its size: a step's large temporaries (logits, MLP
-//! activations) then reuse warm pages instead of faulting in fresh zero
-//! pages every step.
+//! zeroed again, to the next allocation of exactly its size: a step's
+//! large temporaries (logits, MLP activations) then reuse warm pages
+//! instead of faulting in fresh zero pages every step.
 
 use arbor_engine_core::{BufferId, BufferOwner, CoreError, DeviceBuffer, Result, Tensor};
 use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::collections::VecDeque;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -78,8 +79,8 @@ impl Drop for HeapBlock {
 struct Slab {
     slots: Vec<Option<Allocation>>,
     free: Vec<usize>,
-    /// Released maps kept for reuse, `spare_bytes` in all.
-    spare: Vec<memmap2::MmapMut>,
+    /// Released maps kept for reuse, oldest first, `spare_bytes` in all.
+    spare: VecDeque<memmap2::MmapMut>,
     spare_bytes: usize,
 }
 
@@ -87,7 +88,7 @@ impl Slab {
     /// A kept map of exactly `bytes`, if there is one.
     fn take_spare(&mut self, bytes: usize) -> Option<memmap2::MmapMut> {
         let i = self.spare.iter().position(|m| m.len() == bytes)?;
-        let m = self.spare.remove(i);
+        let m = self.spare.remove(i)?;
         self.spare_bytes -= bytes;
         Some(m)
     }
@@ -99,12 +100,14 @@ impl Slab {
         if m.len() > SPARE_ONE {
             return;
         }
-        while self.spare_bytes + m.len() > SPARE_MAX && !self.spare.is_empty() {
-            let old = self.spare.remove(0);
+        while self.spare_bytes + m.len() > SPARE_MAX {
+            let Some(old) = self.spare.pop_front() else {
+                break;
+            };
             self.spare_bytes -= old.len();
         }
         self.spare_bytes += m.len();
-        self.spare.push(m);
+        self.spare.push_back(m);
     }
 }
 
