@@ -105,9 +105,10 @@ PY
 # Prefill/decode disaggregation behind SGLang's router (--pd-disaggregation):
 # it sends each request to an Arbor prefill worker and an Arbor decode worker
 # at once with bootstrap_host/port/room; the decode worker pulls the room's
-# KV from the prefill worker's bootstrap port. Greedy output must equal a
-# whole worker's, the decode worker must report the prompt's pages as
-# cached and count the pulled tokens, and both pools must drain.
+# KV and first token from the prefill worker's bootstrap port. Greedy output
+# must equal a whole worker's, the decode worker must report the prompt's
+# pages as cached, count the pulled tokens and start every request from the
+# prefill's first token, and both pools must drain.
 "$arbor" serve --model-path tests/fixtures/tiny-llama --port 0 --threads 1 --max-total-tokens 8192 \
   --enable-metrics --disaggregation-mode prefill --disaggregation-bootstrap-port 0 >"$tmp/p.log" 2>&1 &
 pids+=($!)
@@ -151,6 +152,9 @@ assert a.choices[0].message.content == b.choices[0].message.content, (a, b)
 moved = metric(decode, "kv_transfer_tokens_total") - pulled
 failed = metric(decode, "kv_transfer_failures_total")
 assert moved > 0 and failed == 0, (moved, failed)
+# Each of the 4 requests started from the first token its prefill sampled.
+given = metric(decode, "given_first_tokens_total")
+assert given == 4, given
 for w in (prefill, decode):
     urllib.request.urlopen(urllib.request.Request(w + "/flush_cache", b"", method="POST"), timeout=30).read()
     for _ in range(100):
@@ -160,5 +164,5 @@ for w in (prefill, decode):
         time.sleep(0.05)
     else:
         sys.exit(f"{w}: KV still held after a flush: {load}")
-print(f"SGLang's PD router over an Arbor prefill and decode worker: greedy equal, {moved:.0f} KV tokens pulled by bootstrap room")
+print(f"SGLang's PD router over an Arbor prefill and decode worker: greedy equal, {moved:.0f} KV tokens pulled by bootstrap room, {given:.0f} requests started from the prefill's first token")
 PY

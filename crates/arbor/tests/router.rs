@@ -647,9 +647,24 @@ async fn pd_disaggregation_matches_one_worker_and_survives_a_dead_prefill() -> R
         s == 200 && s2 == 200 && a["choices"][0]["message"] == b["choices"][0]["message"],
         "{a} vs {b}"
     );
+    // Seeded sampling too: the decode worker starts from the prefill's
+    // sampled first token and skips its draw.
+    let body = json!({"text": format!("{} pd sampled", prefix(2)), "sampling_params": {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "sampling_seed": 11, "ignore_eos": true}});
+    let (_, want) = post(&c, &single.url("/generate"), &body).await?;
+    let (s, got) = post(&c, &r.url("/generate"), &body).await?;
+    ensure!(
+        s == 200 && got["output_ids"] == want["output_ids"],
+        "{s} {got} vs {want}"
+    );
     // The router sent each request to both workers with a bootstrap room
     // (the prefill worker publishes its bootstrap port): the prefill worker
-    // deposited the KV and the decode worker pulled it.
+    // deposited the KV and its first token, and the decode worker pulled
+    // them and started each of the 7 requests from that token.
+    let (_, m) = get(&c, &decode.url("/metrics"), None).await?;
+    ensure!(
+        metric(&m, "arbor:given_first_tokens_total") == Some(7.0),
+        "{m}"
+    );
     for w in [&prefill, &decode] {
         let (_, m) = get(&c, &w.url("/metrics"), None).await?;
         ensure!(

@@ -18,7 +18,9 @@ pub mod wire;
 
 pub use rooms::{RoomConfig, TcpRooms};
 
-use arbor_engine_core::engine::transfer::{KvPages, KvTransfer, TransferError, TransferReport};
+use arbor_engine_core::engine::transfer::{
+    KvPages, KvTransfer, Prefilled, TransferError, TransferReport,
+};
 use std::io::{BufReader, BufWriter, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
@@ -75,7 +77,7 @@ impl KvTransfer for TcpTransfer {
         })
     }
 
-    fn pull(&self, peer: &str, room: u64) -> Result<KvPages, TransferError> {
+    fn pull(&self, peer: &str, room: u64) -> Result<Prefilled, TransferError> {
         let addr = peer
             .to_socket_addrs()
             .map_err(|e| TransferError::BadPeer(format!("{peer}: {e}")))?

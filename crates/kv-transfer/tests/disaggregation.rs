@@ -3,19 +3,27 @@
 //! KV pages travel to the decode engine, and the decode engine's greedy
 //! output equals that of an engine that computed everything itself, with
 //! the transferred prefix counted as cached, also between engines of two
-//! data-parallel ranks. The pools are empty after a flush.
+//! data-parallel ranks; a decode request that starts from the prefill's
+//! first token (pulled from a bootstrap room) gives the same output, greedy
+//! and seeded, with one forward pass fewer. The pools are empty after a
+//! flush.
 
 #[path = "../../engine-core/tests/support/tiny.rs"]
 mod tiny;
 
 use anyhow::{Context, Result, ensure};
-use arbor_engine_core::engine::transfer::{KvTransfer, TransferError};
-use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, GenerateRequest, LoadBalance};
+use arbor_engine_core::engine::refit::PauseMode;
+use arbor_engine_core::engine::transfer::{
+    FirstToken, KvRooms, KvTransfer, Prefilled, TransferError,
+};
+use arbor_engine_core::engine::{
+    Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest, LoadBalance,
+};
 use arbor_engine_core::runner::ModelRunner;
 use arbor_engine_core::{CacheNamespace, DType, PrefixCacheOptions, SamplingParams};
 use arbor_kv_radix as _;
 use arbor_kv_transfer::wire::Limits;
-use arbor_kv_transfer::{TcpReceiver, TcpTransfer};
+use arbor_kv_transfer::{RoomConfig, TcpReceiver, TcpRooms, TcpTransfer};
 use std::sync::Arc;
 use tiny::{assert_pool_empty, greedy, prompts, shared};
 
@@ -244,5 +252,161 @@ fn mismatched_or_unreachable_peers_fail_cleanly() -> Result<()> {
     ensure!(salted.pages.is_empty());
     assert_pool_empty(&prefill);
     assert_pool_empty(&decode);
+    Ok(())
+}
+
+/// SGLang's flow: the prefill engine's room holds the pages and the first
+/// token it sampled; the decode engine imports the pages and starts the
+/// request from that token. Greedy and seeded sampled output equal an
+/// engine that computed everything (the seeded sampler skips the draw the
+/// token took), the token is streamed before any step (even while the
+/// engine is paused), and the decode
+/// engine runs one forward pass fewer per request than tokens it returns.
+#[test]
+fn starting_from_the_prefills_first_token_equals_computing_everything() -> Result<()> {
+    let sampled = |max_new| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(1234),
+        ..greedy(max_new)
+    };
+    let rooms = TcpRooms::bind("127.0.0.1:0", RoomConfig::default())?;
+    let tcp = TcpTransfer::default();
+    let mut room = 0;
+    for page in [1, 16] {
+        let reference = engine(page, DType::F32)?;
+        let prefill = engine(page, DType::F32)?;
+        let decode = engine(page, DType::F32)?;
+        for prompt in prompts(5, 17) {
+            for params in [greedy(10), sampled(10)] {
+                let (want, _) = generate(&reference, &prompt, &params)?;
+                let one = SamplingParams {
+                    max_new_tokens: 1,
+                    ..params.clone()
+                };
+                let (first, _) = generate(&prefill, &prompt, &one)?;
+                ensure!(first[..] == want[..1], "{first:?} vs {want:?}");
+                let pages = prefill.export_kv(&prompt, &CacheNamespace::default(), None)?;
+                let prompt_tail = prompt[pages.tokens.len()..].to_vec();
+                room += 1;
+                rooms.put(
+                    room,
+                    Ok(Prefilled {
+                        pages,
+                        first: Some(FirstToken {
+                            prompt_tail,
+                            token: first[0],
+                        }),
+                    }),
+                );
+                let got = tcp.pull(&rooms.address(), room)?;
+                let token = got.first_token_for(&prompt);
+                ensure!(token == Some(first[0]), "{token:?}");
+                decode.import_kv(got.pages)?;
+                let before = decode.stats();
+                // Paused, the engine runs no step: the token arrives anyway.
+                decode.pause_generation(PauseMode::InPlace)?;
+                let mut stream = decode.submit(GenerateRequest {
+                    first_token: token,
+                    ..GenerateRequest::new(prompt.clone(), params.clone())
+                })?;
+                let head = stream.blocking_next().context("the first chunk")?;
+                ensure!(head.token_ids == first, "{:?}", head.token_ids);
+                decode.continue_generation()?;
+                let mut out = head.token_ids;
+                out.extend(
+                    stream
+                        .collect_blocking()
+                        .iter()
+                        .flat_map(|c| c.token_ids.clone()),
+                );
+                ensure!(out == want, "page {page}: {out:?} != {want:?}");
+                let after = decode.stats();
+                ensure!(
+                    after.iterations - before.iterations == want.len() as u64 - 1,
+                    "{} forward passes for {} tokens",
+                    after.iterations - before.iterations,
+                    want.len()
+                );
+                ensure!(after.given_first_tokens_total == before.given_first_tokens_total + 1);
+            }
+        }
+        assert_pool_empty(&reference);
+        assert_pool_empty(&prefill);
+        assert_pool_empty(&decode);
+    }
+    Ok(())
+}
+
+/// A given first token that ends the request (EOS, or a length of one)
+/// finishes it without a step; one the request cannot take is refused.
+#[test]
+fn a_given_first_token_can_end_the_request_and_bad_ones_are_refused() -> Result<()> {
+    let e = engine(16, DType::F32)?;
+    let eos = *shared()
+        .model
+        .tokenizer
+        .eos_token_ids
+        .first()
+        .context("an EOS id")?;
+    let prompt: Vec<u32> = (5..30).collect();
+    let before = e.stats().iterations;
+    for (params, token, kind) in [
+        (SamplingParams::greedy(8), eos, FinishKind::Stop),
+        (greedy(1), 77, FinishKind::Length),
+    ] {
+        let chunks = e
+            .submit(GenerateRequest {
+                first_token: Some(token),
+                ..GenerateRequest::new(prompt.clone(), params)
+            })?
+            .collect_blocking();
+        let last = chunks.last().context("a chunk")?;
+        let out: Vec<u32> = chunks.iter().flat_map(|c| c.token_ids.clone()).collect();
+        ensure!(out == [token], "{out:?}");
+        ensure!(
+            last.finish.as_ref().map(|f| f.kind) == Some(kind),
+            "{:?}",
+            last.finish
+        );
+        ensure!(last.meta.completion_tokens == 1);
+    }
+    ensure!(e.stats().iterations == before, "a step ran");
+    let vocab = shared().model.model.spec().vocab_size as u32;
+    for (req, why) in [
+        (
+            GenerateRequest {
+                first_token: Some(vocab),
+                ..GenerateRequest::new(prompt.clone(), greedy(4))
+            },
+            "outside the vocabulary",
+        ),
+        (
+            GenerateRequest {
+                first_token: Some(3),
+                ..GenerateRequest::new(prompt.clone(), SamplingParams { n: 2, ..greedy(4) })
+            },
+            "first_token needs n = 1",
+        ),
+        (
+            GenerateRequest {
+                first_token: Some(3),
+                return_logprob: true,
+                ..GenerateRequest::new(prompt.clone(), greedy(4))
+            },
+            "first_token needs n = 1",
+        ),
+        (
+            GenerateRequest {
+                first_token: Some(3),
+                ..GenerateRequest::new(prompt.clone(), greedy(0))
+            },
+            "max_new_tokens > 0",
+        ),
+    ] {
+        let err = e.submit(req).err().context("refused")?;
+        ensure!(err.to_string().contains(why), "{err}");
+    }
+    assert_pool_empty(&e);
     Ok(())
 }

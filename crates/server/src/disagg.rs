@@ -12,7 +12,10 @@
 //!   prompt). The prefill worker computes the prompts (one token each) and
 //!   deposits each prompt's KV in its room ([`KvRooms`]); the decode worker
 //!   first pulls each room from `bootstrap_host:bootstrap_port` and imports
-//!   it, then runs the request, which matches the imported prefix.
+//!   it, then runs the request, which matches the imported prefix. The room
+//!   also carries the first token the prefill sampled: the decode request
+//!   starts from it (streamed at once) and computes that token's position,
+//!   not the prompt's last one again.
 //!
 //! A transfer that fails costs time, never the request: the decode worker
 //! computes whatever did not arrive. A prefill whose request is refused
@@ -24,7 +27,9 @@ use crate::fields::Fields;
 use crate::run::Job;
 use crate::state::AppState;
 use arbor_engine_core::CacheNamespace;
-use arbor_engine_core::engine::transfer::{KvRooms, KvTransfer, TransferReport};
+use arbor_engine_core::engine::transfer::{
+    FirstToken, KvPages, KvRooms, KvTransfer, Prefilled, TransferReport,
+};
 use arbor_engine_core::lora::LoraAdapter;
 use axum::http::HeaderMap;
 use serde_json::Value;
@@ -229,9 +234,15 @@ impl PrefillExport {
         }
     }
 
-    /// Exports every prompt's KV and hands it on; one report per prompt (an
-    /// error text for a prompt whose transfer failed).
-    pub(crate) async fn send(self, st: Arc<AppState>) -> Vec<Result<TransferReport, String>> {
+    /// Exports every prompt's KV and hands it on, with the first token each
+    /// prompt's run sampled (`first_tokens`, one per prompt; `None` for a run
+    /// that ended without one) for the decode worker to start from; one
+    /// report per prompt (an error text for a prompt whose transfer failed).
+    pub(crate) async fn send(
+        self,
+        st: Arc<AppState>,
+        first_tokens: Vec<Option<u32>>,
+    ) -> Vec<Result<TransferReport, String>> {
         let Some(Disagg::Prefill { transfer, .. }) = st.disagg.clone() else {
             return Vec::new();
         };
@@ -239,7 +250,8 @@ impl PrefillExport {
         let work = tokio::task::spawn_blocking(move || {
             self.prompts
                 .iter()
-                .map(|p| {
+                .enumerate()
+                .map(|(i, p)| {
                     let pages = engine
                         .export_kv(&p.ids, &p.namespace, p.lora.as_ref())
                         .map_err(|e| e.to_string());
@@ -253,7 +265,8 @@ impl PrefillExport {
                                 }),
                                 Err(e) => Err(e.clone()),
                             };
-                            rooms.put(room, pages);
+                            let token = first_tokens.get(i).copied().flatten();
+                            rooms.put(room, pages.map(|k| prefilled(k, &p.ids, token)));
                             report
                         }
                         (Destination::Rooms(_), None) => {
@@ -276,6 +289,19 @@ impl PrefillExport {
     }
 }
 
+/// A room's content: `pages` (a cached prefix of `prompt`) and the first
+/// token the prefill sampled after `prompt`.
+fn prefilled(pages: KvPages, prompt: &[u32], token: Option<u32>) -> Prefilled {
+    let first = token.map(|token| FirstToken {
+        prompt_tail: prompt
+            .get(pages.tokens.len()..)
+            .unwrap_or_default()
+            .to_vec(),
+        token,
+    });
+    Prefilled { pages, first }
+}
+
 fn record(st: &AppState, r: &Result<TransferReport, String>, fallback: &str) {
     match r {
         Ok(t) => {
@@ -294,47 +320,83 @@ fn record(st: &AppState, r: &Result<TransferReport, String>, fallback: &str) {
     }
 }
 
+/// A room pull of one job.
+struct Pull {
+    job: usize,
+    peer: String,
+    room: u64,
+    rank: Option<usize>,
+    /// Whether the job may start from the prefill's first token (one
+    /// sample, at least one new token, no log-probabilities: the token
+    /// carries none).
+    takes_first: bool,
+}
+
 /// On a decode worker, pulls the KV of every job that names a bootstrap
-/// room with a port, and imports it, before the jobs are submitted. A pull
-/// that fails is logged and counted; the job then computes its prompt.
-pub(crate) async fn pull_rooms(st: &Arc<AppState>, jobs: &[Job]) {
+/// room with a port, and imports it, before the jobs are submitted; returns
+/// per job the prefill's first token to start from, where the room has one
+/// for exactly that job's prompt. A pull that fails is logged and counted;
+/// the job then computes its prompt.
+pub(crate) async fn pull_rooms(st: &Arc<AppState>, jobs: &[Job]) -> Vec<Option<u32>> {
+    let mut first_tokens = vec![None; jobs.len()];
     let Some(Disagg::Decode { transfer }) = st.disagg.clone() else {
-        return;
+        return first_tokens;
     };
-    let pulls: Vec<(String, u64, Option<usize>)> = jobs
+    let pulls: Vec<(Pull, Vec<u32>)> = jobs
         .iter()
-        .filter_map(|j| j.bootstrap.as_ref().map(|b| (b, j.data_parallel_rank)))
-        .filter_map(|(b, rank)| b.port.map(|p| (format!("{}:{p}", b.host), b.room, rank)))
+        .enumerate()
+        .filter_map(|(i, j)| {
+            let b = j.bootstrap.as_ref()?;
+            let pull = Pull {
+                job: i,
+                peer: format!("{}:{}", b.host, b.port?),
+                room: b.room,
+                rank: j.data_parallel_rank,
+                takes_first: j.params.n <= 1 && !j.return_logprob && j.params.max_new_tokens > 0,
+            };
+            Some((pull, j.input_ids.clone()))
+        })
         .collect();
     if pulls.is_empty() {
-        return;
+        return first_tokens;
     }
     let engine = st.engine.clone();
     let work = tokio::task::spawn_blocking(move || {
         pulls
             .iter()
-            .map(|(peer, room, rank)| {
+            .map(|(p, prompt)| {
                 let start = std::time::Instant::now();
-                let pages = transfer.pull(peer, *room).map_err(|e| e.to_string())?;
-                let bytes = pages.bytes();
-                // A pinned request runs where its KV goes.
-                let tokens = engine
-                    .import_kv_on(pages, *rank)
-                    .map_err(|e| e.to_string())?;
-                Ok(TransferReport {
-                    tokens,
+                let got = transfer.pull(&p.peer, p.room).map_err(|e| e.to_string())?;
+                let first = got.first_token_for(prompt).filter(|_| p.takes_first);
+                let bytes = got.pages.bytes();
+                // A pinned request runs where its KV goes. A failed import
+                // leaves the token usable: the prompt is computed here.
+                let imported = engine.import_kv_on(got.pages, p.rank);
+                Ok((
+                    p.job,
+                    first,
+                    imported.map_err(|e| e.to_string()),
                     bytes,
-                    seconds: start.elapsed().as_secs_f64(),
-                })
+                    start,
+                ))
             })
-            .collect::<Vec<_>>()
+            .collect::<Vec<Result<_, String>>>()
     });
-    let reports = work
+    let results = work
         .await
         .unwrap_or_else(|e| vec![Err(format!("KV pull task failed: {e}"))]);
-    for r in &reports {
-        record(st, r, "this worker computes the prompt itself");
+    for r in results {
+        let report = r.and_then(|(job, first, imported, bytes, start)| {
+            first_tokens[job] = first;
+            Ok(TransferReport {
+                tokens: imported?,
+                bytes,
+                seconds: start.elapsed().as_secs_f64(),
+            })
+        });
+        record(st, &report, "this worker computes the prompt itself");
     }
+    first_tokens
 }
 
 #[cfg(test)]

@@ -271,6 +271,12 @@ impl Metrics {
             s.jump_forward_tokens_total as f64,
         );
         one(
+            "given_first_tokens_total",
+            "counter",
+            "Requests that started from a first token a disaggregated prefill worker sampled.",
+            s.given_first_tokens_total as f64,
+        );
+        one(
             "spec_accept_length",
             "gauge",
             "The average number of tokens per verify step of speculative decoding (accepted drafts + 1).",

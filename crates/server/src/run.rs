@@ -144,9 +144,11 @@ async fn submit_jobs(
     if jobs.is_empty() {
         return Err(ApiError::bad_request("the request holds no prompt"));
     }
-    if export.is_none() {
-        crate::disagg::pull_rooms(state, &jobs).await;
-    }
+    let first_tokens = if export.is_none() {
+        crate::disagg::pull_rooms(state, &jobs).await
+    } else {
+        Vec::new()
+    };
     let n = jobs.first().map_or(1, |j| j.params.n.max(1));
     let mut slots = Vec::with_capacity(jobs.len());
     let mut samples = Vec::with_capacity(jobs.len() * n);
@@ -173,6 +175,7 @@ async fn submit_jobs(
         req.grammar = grammar;
         req.lora = job.lora;
         req.data_parallel_rank = job.data_parallel_rank;
+        req.first_token = first_tokens.get(i).copied().flatten();
         let stream = state.engine.submit(req)?;
         for _ in 0..n {
             samples.push(Sample {
@@ -205,7 +208,16 @@ impl Run {
             if futs.is_empty() {
                 drop(futs);
                 if let Some(x) = self.export.take() {
-                    x.send(self.state.clone()).await;
+                    // One sample per prompt on a prefill worker.
+                    let first_tokens = self
+                        .samples
+                        .iter()
+                        .map(|s| match &s.finish {
+                            Some(f) if f.kind != FinishKind::Abort => s.ids.first().copied(),
+                            _ => None,
+                        })
+                        .collect();
+                    x.send(self.state.clone(), first_tokens).await;
                 }
                 return None;
             }

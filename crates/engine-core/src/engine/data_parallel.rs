@@ -328,6 +328,7 @@ pub(super) fn merged_stats(ranks: &[EngineStats]) -> EngineStats {
         m.new_token_ratio += s.new_token_ratio;
         m.iterations += s.iterations;
         m.jump_forward_tokens_total += s.jump_forward_tokens_total;
+        m.given_first_tokens_total += s.given_first_tokens_total;
         m.overlap_admitted_total += s.overlap_admitted_total;
         m.constrained_tokens_total += s.constrained_tokens_total;
         m.spec_verify_ct_total += s.spec_verify_ct_total;

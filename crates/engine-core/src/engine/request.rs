@@ -75,6 +75,9 @@ pub(crate) struct Req {
     pub matcher: Option<Box<dyn GrammarMatcher>>,
     /// The matcher's error (or panic) while filling this step's masks.
     pub mask_error: Option<String>,
+    /// A first token sampled elsewhere, taken when the scheduler accepts
+    /// the request ([`crate::engine::GenerateRequest::first_token`]).
+    pub given_first: Option<u32>,
     /// Internal request that only fills the cache with the prompt (for n > 1).
     pub prefix_only: bool,
     /// Samples that wait for this prefix-only request.
@@ -151,6 +154,7 @@ impl Req {
             grammar: r.grammar,
             matcher,
             mask_error: None,
+            given_first: r.first_token,
             prefix_only: false,
             followers: Vec::new(),
             node: None,
@@ -218,6 +222,7 @@ impl Req {
             grammar: self.grammar.clone(),
             matcher,
             mask_error: None,
+            given_first: None,
             prefix_only: false,
             followers: Vec::new(),
             node: None,

@@ -35,6 +35,7 @@ use super::{
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
 use crate::executor::Executor;
+use crate::grammar::TokenBitmask;
 use crate::kv::{PagePool, pages_for};
 use crate::prefix_cache::PrefixCache;
 use crate::runner::is_stop;
@@ -326,6 +327,11 @@ impl Scheduler {
         if self.waiting.len() >= self.cfg.max_queued_requests {
             return self.reject(r, "the request queue is full".into());
         }
+        if let Some(tok) = r.given_first.take()
+            && let Some(f) = self.start_from(&mut r, tok)
+        {
+            return self.finish(r, f);
+        }
         if !self.cfg.disable_radix_cache {
             self.cache.prefetch(r.key, &r.ns, &r.prompt);
         }
@@ -356,6 +362,33 @@ impl Scheduler {
             r.followers = copies;
             self.waiting.push_back(r);
         }
+    }
+
+    /// Starts `r` from `tok`, its first output token sampled elsewhere (a
+    /// disaggregated prefill worker): the token is appended as if a step
+    /// had sampled it and streamed at once, and the seeded sampler skips
+    /// the draw it took. A grammar that does not allow it leaves `r` to
+    /// sample its own. Returns the finish when the token ends `r`.
+    fn start_from(&mut self, r: &mut Req, tok: u32) -> Option<Finish> {
+        if let Some(m) = r.matcher.as_mut() {
+            let mut mask = TokenBitmask::new(self.executor.model_spec().vocab_size);
+            if m.fill_mask(&mut mask).is_err() || !mask.is_allowed(tok) {
+                tracing::warn!(
+                    "{}: the grammar does not allow the given first token {tok}; sampling one",
+                    r.rid
+                );
+                return None;
+            }
+        }
+        r.rng.next_u64();
+        self.counters.given_first_tokens_total += 1;
+        let finish = self.append(r, tok, None);
+        if finish.is_none() {
+            // Delivered now, not with the request's first step.
+            r.emit(None, &*self.decoder, &mut self.out);
+            self.out.flush();
+        }
+        finish
     }
 
     fn abort(&mut self, pred: impl Fn(&Req) -> bool, msg: &str) {

@@ -21,7 +21,9 @@
 //!   router, which names the receiver per request), and `pull` fetches
 //!   them from a prefill worker's [`KvRooms`] by bootstrap room (SGLang's
 //!   router, which sends the request to both workers at once with
-//!   `bootstrap_host`, `bootstrap_port` and `bootstrap_room`).
+//!   `bootstrap_host`, `bootstrap_port` and `bootstrap_room`). A room
+//!   holds a [`Prefilled`]: the pages and the prefill's first output token,
+//!   which the decode worker's request starts from.
 //!
 //! Namespaces travel with the pages unversioned; each engine salts them
 //! with its own weight version, so pages never cross a weight update.
@@ -94,6 +96,48 @@ impl KvPages {
     }
 }
 
+/// What a prefill worker hands a decode worker for one prompt through a
+/// bootstrap room: the KV of the prompt's cached whole-page prefix and,
+/// when the prefill sampled one, the first output token, so the decode
+/// worker starts from that token instead of recomputing the prompt's last
+/// position ([`crate::engine::GenerateRequest::first_token`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prefilled {
+    /// The KV of the prompt's cached whole-page prefix.
+    pub pages: KvPages,
+    /// The first output token and the rest of the prompt it followed.
+    pub first: Option<FirstToken>,
+}
+
+/// The token a prefill sampled after a prompt of which [`KvPages::tokens`]
+/// is the cached prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FirstToken {
+    /// The prompt's tokens after the pages' tokens (its partial last page,
+    /// or more when part of it was not cached).
+    pub prompt_tail: Vec<u32>,
+    /// The sampled token.
+    pub token: u32,
+}
+
+impl Prefilled {
+    /// Pages alone, without a first token.
+    pub fn pages(pages: KvPages) -> Self {
+        Self { pages, first: None }
+    }
+
+    /// The first token if it followed exactly `prompt` (a decode worker
+    /// uses it only for the prompt the prefill ran).
+    pub fn first_token_for(&self, prompt: &[u32]) -> Option<u32> {
+        let first = self.first.as_ref()?;
+        let head = self.pages.tokens.len();
+        (prompt.len() == head + first.prompt_tail.len()
+            && prompt[..head] == self.pages.tokens[..]
+            && prompt[head..] == first.prompt_tail[..])
+            .then_some(first.token)
+    }
+}
+
 /// What one transfer moved.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct TransferReport {
@@ -136,7 +180,7 @@ pub trait KvTransfer: Send + Sync {
     /// Fetches the pages a prefill worker holds for bootstrap room `room`
     /// (SGLang's `bootstrap_room`) from its bootstrap address `peer`,
     /// waiting until they are there or the peer gives up on them.
-    fn pull(&self, peer: &str, room: u64) -> std::result::Result<KvPages, TransferError>;
+    fn pull(&self, peer: &str, room: u64) -> std::result::Result<Prefilled, TransferError>;
 }
 
 /// A prefill worker's bootstrap rooms (SGLang's bootstrap server): each
@@ -145,9 +189,9 @@ pub trait KvTransfer: Send + Sync {
 pub trait KvRooms: Send + Sync {
     /// The address decode workers pull from (`HOST:PORT`).
     fn address(&self) -> String;
-    /// Deposits room `room`'s pages, or why it has none (the decode worker
-    /// then computes the prompt itself).
-    fn put(&self, room: u64, pages: std::result::Result<KvPages, String>);
+    /// Deposits room `room`'s prefill, or why it has none (the decode
+    /// worker then computes the prompt itself).
+    fn put(&self, room: u64, prefilled: std::result::Result<Prefilled, String>);
 }
 
 /// Messages of this module to the scheduler thread.
