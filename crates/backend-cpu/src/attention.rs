@@ -128,6 +128,32 @@ impl KvPtr {
         let _ = (row, width);
     }
 
+    /// Reads the element rows `slots[..8]` (of `width` values) widened and
+    /// transposed into `dst` (`dst[d * stride + l]` = value `d` of row `l`)
+    /// in one pass, for a half-precision cache where the CPU can; returns
+    /// false, writing nothing, otherwise.
+    ///
+    /// # Safety
+    /// The rows must be inside the cache tensor this pointer was resolved from.
+    #[inline(always)]
+    unsafe fn read8_transposed(
+        &self,
+        slots: &[usize],
+        width: usize,
+        dst: &mut [f32],
+        stride: usize,
+    ) -> bool {
+        let brain = match self.dtype {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => return false,
+        };
+        let base = self.ptr.get() as *const u16;
+        let rows: [*const u16; 8] = std::array::from_fn(|l| base.wrapping_add(slots[l] * width));
+        // SAFETY: the rows are in bounds (the caller's contract).
+        unsafe { crate::convert::half_rows_transposed(&rows, brain, width, dst, stride) }
+    }
+
     /// Reads element row `row` (of `width` values) into `dst` as f32.
     ///
     /// # Safety
@@ -391,14 +417,25 @@ impl AttentionBackend for CpuAttention {
                         }
                         for l in 0..n {
                             let o = o0 + l;
-                            let slot = slots[o];
                             // SAFETY: the slot is inside the cache (validated page table).
-                            unsafe {
-                                kc.read(slot, hd, &mut row[l * hd..(l + 1) * hd]);
-                                vc.read(slot, hd, &mut vbuf[o * hd..(o + 1) * hd]);
-                            }
+                            unsafe { vc.read(slots[o], hd, &mut vbuf[o * hd..(o + 1) * hd]) };
                         }
-                        crate::simd::transpose8(row, hd, &mut kbuf[o0..], sp);
+                        // Half-precision keys: widened and transposed in one
+                        // pass where the CPU can (the same values).
+                        // SAFETY: the slots are inside the cache (validated page table).
+                        let fused = n == 8
+                            && unsafe {
+                                kc.read8_transposed(&slots[o0..o0 + 8], hd, &mut kbuf[o0..], sp)
+                            };
+                        if !fused {
+                            for l in 0..n {
+                                // SAFETY: the slot is inside the cache (validated page table).
+                                unsafe {
+                                    kc.read(slots[o0 + l], hd, &mut row[l * hd..(l + 1) * hd])
+                                };
+                            }
+                            crate::simd::transpose8(row, hd, &mut kbuf[o0..], sp);
+                        }
                         o0 += 8;
                     }
                     // Queries of the block, every head of the group stacked: row (j, h).

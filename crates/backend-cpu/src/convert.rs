@@ -1,9 +1,11 @@
 //! Rows of KV cache elements converted as the attention reads and writes
 //! them: half-precision values (f16, bf16) and FP8 bytes (E4M3, E5M2)
-//! widened to f32, and f32 rows encoded to FP8. One call per row; the
-//! CPU's F16C / AVX2 instructions inline over the whole row where the CPU
-//! has them (detected once), the `half` crate's conversion and
-//! `arbor_quant::scaled`'s scalar codecs elsewhere and for the tails.
+//! widened to f32, and f32 rows encoded to FP8. One call per row, or per 8
+//! key rows widened and transposed at once for the attention's key gather
+//! ([`half_rows_transposed`]); the CPU's F16C / AVX2 instructions inline
+//! over the whole row where the CPU has them (detected once), the `half`
+//! crate's conversion and `arbor_quant::scaled`'s scalar codecs elsewhere
+//! and for the tails.
 //! Widening is exact and the FP8 scale is one operation after it (or before
 //! the encoding), and the vector encoder applies the scalar encoder's
 //! operations lane by lane, so every path gives the same bits.
@@ -34,6 +36,36 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
         return;
     }
     src.convert_to_f32_slice(dst);
+}
+
+/// Eight cache rows of `hd` half-precision values (f16, or bf16 when
+/// `brain`), widened and transposed in one pass: `dst[d * stride + l] =
+/// f32(rows[l][d])` for `d < hd`, `l < 8`: the attention's key gather
+/// without a round trip through an f32 row buffer. The values are the
+/// row-by-row conversions' (widening is exact). Returns false, writing
+/// nothing, where the CPU lacks AVX2 and F16C: the caller then converts
+/// row by row.
+///
+/// # Safety
+/// Each `rows[l]` points to `hd` readable values of the named type.
+#[inline]
+pub unsafe fn half_rows_transposed(
+    rows: &[*const u16; 8],
+    brain: bool,
+    hd: usize,
+    dst: &mut [f32],
+    stride: usize,
+) -> bool {
+    assert!(hd == 0 || dst.len() >= (hd - 1) * stride + 8);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_f16c() {
+        // SAFETY: the CPU has AVX2 and F16C (checked above); the rows are
+        // readable (the caller's contract) and dst is long enough (checked).
+        unsafe { x86::half_rows_transposed(rows, brain, hd, dst, stride) };
+        return true;
+    }
+    let _ = (rows, brain, stride);
+    false
 }
 
 /// `dst[i] = src[i]` widened, for the shorter of the two lengths.
@@ -247,6 +279,64 @@ mod x86 {
         i
     }
 
+    /// Eight f16 (or bf16, `brain`) values at `p`, widened.
+    ///
+    /// # Safety
+    /// AVX2 and F16C; 8 readable values at `p`.
+    #[inline(always)]
+    unsafe fn widen8(p: *const u16, brain: bool) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            if brain {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(h)
+            }
+        }
+    }
+
+    /// See [`super::half_rows_transposed`].
+    ///
+    /// # Safety
+    /// AVX2 and F16C; each row holds `hd` values; `dst` holds rows `d < hd`
+    /// of 8 values at `stride`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn half_rows_transposed(
+        rows: &[*const u16; 8],
+        brain: bool,
+        hd: usize,
+        dst: &mut [f32],
+        stride: usize,
+    ) {
+        let mut d0 = 0;
+        // SAFETY: d0 + 8 <= hd, so every load is inside its row and every
+        // store inside dst (the caller's contract).
+        unsafe {
+            while d0 + 8 <= hd {
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (l, x) in r.iter_mut().enumerate() {
+                    *x = widen8(rows[l].add(d0), brain);
+                }
+                let c = crate::simd::transpose8x8(r);
+                for (i, v) in c.iter().enumerate() {
+                    _mm256_storeu_ps(dst.as_mut_ptr().add((d0 + i) * stride), *v);
+                }
+                d0 += 8;
+            }
+            for d in d0..hd {
+                for (l, &row) in rows.iter().enumerate() {
+                    let bits = *row.add(d);
+                    dst[d * stride + l] = if brain {
+                        bf16::from_bits(bits).to_f32()
+                    } else {
+                        f16::from_bits(bits).to_f32()
+                    };
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2; `src` and `dst` of equal length.
     #[target_feature(enable = "avx2")]
@@ -278,6 +368,46 @@ mod tests {
                 g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
                 "{what} {bits:#06x}"
             );
+        }
+    }
+
+    /// The fused key gather gives the row-by-row widening's values,
+    /// transposed: every f16 and bf16 bit pattern (NaNs, infinities,
+    /// subnormals) passes through, for head sizes with and without a tail
+    /// of fewer than 8 values, into a padded stride.
+    #[test]
+    fn transposed_half_rows_match_the_row_conversions() {
+        for hd in [64usize, 12, 3] {
+            let stride = 24;
+            for brain in [false, true] {
+                for start in (0..=u16::MAX as usize).step_by(8 * hd) {
+                    let bits: Vec<u16> = (0..8 * hd).map(|i| (start + i) as u16).collect();
+                    let rows: [*const u16; 8] = std::array::from_fn(|l| bits[l * hd..].as_ptr());
+                    let mut dst = vec![f32::NAN; (hd - 1) * stride + 8];
+                    // SAFETY: each row holds hd values.
+                    if !unsafe { half_rows_transposed(&rows, brain, hd, &mut dst, stride) } {
+                        eprintln!("skipped: no AVX2 + F16C here");
+                        return;
+                    }
+                    for l in 0..8 {
+                        let row = &bits[l * hd..(l + 1) * hd];
+                        let mut want = vec![0.0f32; hd];
+                        if brain {
+                            let h: Vec<bf16> = row.iter().map(|&b| bf16::from_bits(b)).collect();
+                            bf16_to_f32(&h, &mut want);
+                        } else {
+                            let h: Vec<f16> = row.iter().map(|&b| f16::from_bits(b)).collect();
+                            f16_to_f32(&h, &mut want);
+                        }
+                        let got: Vec<f32> = (0..hd).map(|d| dst[d * stride + l]).collect();
+                        assert_same(
+                            &got,
+                            row.iter().copied().zip(want),
+                            &format!("hd {hd} brain {brain} lane {l}"),
+                        );
+                    }
+                }
+            }
         }
     }
 
