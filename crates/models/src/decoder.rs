@@ -13,6 +13,7 @@
 use crate::config::DecoderConfig;
 use crate::dp_attention::feed_forward_over_ranks;
 use crate::kv_scales;
+pub(crate) use crate::loader::Loader;
 use crate::mla::{MlaAttn, MlaConfig};
 use crate::moe::{MoeBlock, MoeConfig, MoeParallel, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
@@ -22,8 +23,8 @@ use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
     AttentionParams, AttentionSharding, Backend, CoreError, DType, ForwardBatch, ForwardContext,
-    ForwardOutput, HostTensor, KvScales, LinearRef, LinearSpec, LoadOptions, Model,
-    ModelArchitecture, ModelSpec, Result, RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
+    ForwardOutput, KvScales, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture,
+    ModelSpec, Result, RopeStyle, ShardSpec, Tensor, WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -110,138 +111,7 @@ pub struct DecoderModel {
     inv_freq: Tensor,
 }
 
-/// Reads, checks and uploads a checkpoint's tensors, counting progress.
-pub(crate) struct Loader<'a> {
-    src: &'a dyn WeightSource,
-    opts: &'a LoadOptions,
-    loaded: usize,
-    total: usize,
-    bytes: u64,
-}
-
-impl<'a> Loader<'a> {
-    fn fetch(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor<'a>>> {
-        let src: &'a dyn WeightSource = self.src;
-        let Some(t) = src.tensor(name)? else {
-            return Ok(None);
-        };
-        if t.shape != shape {
-            return Err(CoreError::load(format!(
-                "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
-                self.src.describe(),
-                t.shape
-            )));
-        }
-        t.validate(name)?;
-        Ok(Some(t))
-    }
-
-    fn missing(&self, name: &str) -> CoreError {
-        CoreError::load(format!(
-            "{}: tensor '{name}' is missing",
-            self.src.describe()
-        ))
-    }
-
-    /// The checkpoint being read.
-    pub(crate) fn source(&self) -> &'a dyn WeightSource {
-        self.src
-    }
-
-    /// A weight computed at load (an absorbed MLA projection) from f32
-    /// values, stored in `dtype` then as the quantization method decides.
-    pub(crate) fn absorbed(
-        &mut self,
-        what: &str,
-        shape: &[usize],
-        values: &[f32],
-        dtype: DType,
-    ) -> Result<Tensor> {
-        let t = HostTensor::from_f32(shape, values).cast(dtype)?;
-        let caps = self.opts.backend.capabilities().clone();
-        let t = self
-            .opts
-            .quant
-            .prepare(t, &caps)
-            .map_err(|e| CoreError::load(format!("{}: {what}: {e}", self.src.describe())))?;
-        let d = self.opts.backend.upload(&t)?;
-        self.bytes += d.byte_len()? as u64;
-        Ok(d)
-    }
-
-    /// Downloads a small f32 tensor loaded here (a router bias).
-    pub(crate) fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
-        self.opts.backend.download_f32(t)
-    }
-
-    /// Counts `n` tensors another rank loads.
-    pub(crate) fn skip(&mut self, n: usize) {
-        for _ in 0..n {
-            self.tick();
-        }
-    }
-
-    fn tick(&mut self) {
-        self.loaded += 1;
-        if let Some(p) = &self.opts.progress {
-            p(self.loaded, self.total);
-        }
-    }
-
-    fn upload(&mut self, t: HostTensor<'_>) -> Result<Tensor> {
-        let d = self.opts.backend.upload(&t)?;
-        self.bytes += d.byte_len()? as u64;
-        self.tick();
-        Ok(d)
-    }
-
-    /// A weight matrix, stored as the quantization method decides.
-    fn weight(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.fetch(name, shape)?.ok_or_else(|| self.missing(name))?;
-        let caps = self.opts.backend.capabilities().clone();
-        let t = self.opts.quant.prepare(t, &caps).map_err(|e| {
-            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
-        })?;
-        self.upload(t)
-    }
-
-    /// A vector kept in f32 (norm weights, biases).
-    fn vector(&mut self, name: &str, len: usize) -> Result<Option<Tensor>> {
-        let Some(t) = self.fetch(name, &[len])? else {
-            return Ok(None);
-        };
-        let t = t.cast(DType::F32).map_err(|e| {
-            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
-        })?;
-        self.upload(t).map(Some)
-    }
-
-    fn vector_req(&mut self, name: &str, len: usize) -> Result<Tensor> {
-        self.vector(name, len)?.ok_or_else(|| self.missing(name))
-    }
-
-    /// A matrix kept in f32 whatever the quantization (MoE router weights).
-    pub(crate) fn f32_matrix(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let t = self.fetch(name, shape)?.ok_or_else(|| self.missing(name))?;
-        let t = t.cast(DType::F32).map_err(|e| {
-            CoreError::load(format!("{}: tensor '{name}': {e}", self.src.describe()))
-        })?;
-        self.upload(t)
-    }
-
-    /// The weight of a linear without bias (`{prefix}.weight`, or its
-    /// quantized tensors), stored as the quantization method decides.
-    pub(crate) fn matrix(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
-        let caps = self.opts.backend.capabilities().clone();
-        let spec = LinearSpec {
-            prefix,
-            out_features: out,
-            in_features: inp,
-        };
-        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
-        self.upload(t)
-    }
-
+impl Loader<'_> {
     fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
         let caps = self.opts.backend.capabilities().clone();
         let spec = LinearSpec {
@@ -352,13 +222,7 @@ impl DecoderModel {
                     }
             })
             .sum::<usize>();
-        let mut l = Loader {
-            src,
-            opts,
-            loaded: 0,
-            total: 3 + total,
-            bytes: 0,
-        };
+        let mut l = Loader::new(src, opts, 3 + total);
         // A model run from input embeddings reads its table only when its
         // LM head is that table.
         let head_is_table = cfg.tie_word_embeddings || src.tensor("lm_head.weight")?.is_none();

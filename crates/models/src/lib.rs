@@ -13,6 +13,7 @@ pub mod decoder;
 mod dp_attention;
 pub mod gguf_source;
 pub mod kv_scales;
+mod loader;
 pub mod mla;
 pub mod moe;
 pub mod quant_methods;
