@@ -4,9 +4,13 @@
 //! `forward` first writes the batch's new K and V rows into their KV slots
 //! (converting to the cache dtype: f32, f16, bf16, or FP8 E4M3/E5M2 divided
 //! by the layer's `KvScales`, rounding to nearest even and saturating; FP8
-//! rows are multiplied by them when read back), then runs one task per (sequence, KV head,
-//! block of queries): it gathers that head's keys (transposed) and values
-//! from their pages into contiguous f32 scratch, stacks the block's queries
+//! rows are multiplied by them when read back), then runs one task per
+//! (sequence, block of queries, KV heads): every KV head of a block of at
+//! most `SHORT_BLOCK` queries when there are at least two blocks per thread
+//! (a slot's heads are adjacent in the cache, so the task streams whole
+//! slot records), else one head. It
+//! gathers each of its heads' keys (transposed) and values from their pages
+//! into contiguous f32 scratch, stacks the block's queries
 //! of every head of the GQA group, computes all their scores over the
 //! block's key span, and then, query by query, the softmax over exactly the
 //! keys it sees and the weighted sum of their values. Tasks are handed out
@@ -47,6 +51,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// compute scores over the whole block span, so a larger block wastes up to
 /// `Q_BLOCK` scores per row and balances worse across threads).
 const Q_BLOCK: usize = 64;
+
+/// Query blocks of at most this many tokens take all their KV heads in one
+/// task (see `forward`).
+const SHORT_BLOCK: usize = 16;
 
 /// Per-thread scratch of one attention task, reused across calls.
 #[derive(Default)]
@@ -106,16 +114,18 @@ struct KvPtr {
 }
 
 impl KvPtr {
-    /// Asks for element row `row` (of `width` values) to be brought into the
-    /// cache ahead of its [`Self::read`]: the gather walks rows scattered
-    /// over pages, which the hardware prefetchers do not follow.
+    /// Asks for the `count` elements from element `first` to be brought into
+    /// the cache ahead of their [`Self::read`]: the gather walks records
+    /// scattered over pages, which the hardware prefetchers do not follow
+    /// from one page to the next.
     #[inline(always)]
-    fn prefetch(&self, row: usize, width: usize) {
+    fn prefetch(&self, first: usize, count: usize) {
         #[cfg(target_arch = "x86_64")]
         {
             use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-            let bytes = width * self.dtype.block_bytes();
-            let start = self.ptr.get().wrapping_add(row * bytes);
+            let elem = self.dtype.block_bytes();
+            let bytes = count * elem;
+            let start = self.ptr.get().wrapping_add(first * elem);
             let mut off = 0;
             while off < bytes {
                 // SAFETY: a prefetch never faults, whatever the address
@@ -125,7 +135,7 @@ impl KvPtr {
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (row, width);
+        let _ = (first, count);
     }
 
     /// Reads the element rows `slots[..8]` (of `width` values) widened and
@@ -318,8 +328,8 @@ impl AttentionBackend for CpuAttention {
             return Err(CoreError::Internal("KV write panicked".into()));
         }
 
-        // 2. Attention, one task per (sequence, KV head, query block).
-        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        // 2. Attention, one task per (sequence, query block, KV heads).
+        let mut blocks: Vec<(usize, usize)> = Vec::new();
         // Depth of every new token of a tree sequence (empty for chains).
         let mut depths: Vec<Vec<usize>> = Vec::with_capacity(layout.seqs.len());
         for (si, s) in layout.seqs.iter().enumerate() {
@@ -334,14 +344,30 @@ impl AttentionBackend for CpuAttention {
                 }
                 None => Vec::new(),
             });
-            for g in 0..nkv {
-                let mut j = 0;
-                while j < s.q_len {
-                    tasks.push((si, g, j));
-                    j += Q_BLOCK;
-                }
+            let mut j = 0;
+            while j < s.q_len {
+                blocks.push((si, j));
+                j += Q_BLOCK;
             }
         }
+        // Every KV head of a short block (a decode, a few draft or chunk
+        // tokens) in one task when the blocks alone keep the threads busy:
+        // the task then reads each slot's K and V records whole (the heads
+        // of a slot are adjacent), one stream the hardware prefetchers
+        // follow. Otherwise a task per head: to spread the work, and for
+        // long blocks, whose scores and scratch per head fill the cache.
+        let all_heads = blocks.len() >= 2 * self.pool.threads();
+        let heads_of = |si: usize, j: usize| {
+            if all_heads && layout.seqs[si].q_len - j <= SHORT_BLOCK {
+                nkv
+            } else {
+                1
+            }
+        };
+        let tasks: Vec<(usize, usize, usize)> = blocks
+            .iter()
+            .flat_map(|&(si, j)| (0..nkv).step_by(heads_of(si, j)).map(move |g| (si, g, j)))
+            .collect();
         let next = AtomicUsize::new(0);
         let group = nh / nkv;
         let ps = layout.page_size;
@@ -352,9 +378,11 @@ impl AttentionBackend for CpuAttention {
                 let mut sc = cell.borrow_mut();
                 loop {
                     let ti = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(si, g, j0)) = tasks.get(ti) else {
+                    let Some(&(si, g0, j0)) = tasks.get(ti) else {
                         break;
                     };
+                    // This task's KV heads.
+                    let nht = heads_of(si, j0).min(nkv - g0);
                     let s = &layout.seqs[si];
                     let parents = layout.parents(s);
                     let depth = &depths[si];
@@ -386,8 +414,8 @@ impl AttentionBackend for CpuAttention {
                         ev,
                         slots,
                     } = &mut *sc;
-                    kbuf.resize(hd * sp, 0.0);
-                    vbuf.resize(span * hd, 0.0);
+                    kbuf.resize(nht * hd * sp, 0.0);
+                    vbuf.resize(nht * span * hd, 0.0);
                     qbuf.resize(nq * hd, 0.0);
                     scores.resize(nq * sp, 0.0);
                     row.resize(8 * hd, 0.0);
@@ -399,127 +427,136 @@ impl AttentionBackend for CpuAttention {
                     while slots.len() < span {
                         let base = pages[page] as usize * ps;
                         let n = (ps - off).min(span - slots.len());
-                        slots.extend((base + off..base + off + n).map(|slot| slot * nkv + g));
+                        slots.extend((base + off..base + off + n).map(|slot| slot * nkv + g0));
                         page += 1;
                         off = 0;
                     }
-                    // Gather this KV head's keys (transposed, 8 at a time) and
-                    // values, in f32. Lanes past the span hold stale values
-                    // whose scores are never read.
+                    // Gather the task's heads' keys (transposed, 8 at a time)
+                    // and values, in f32: head `hi`'s keys at `hi * hd * sp`,
+                    // its values at `hi * span * hd`. Lanes past the span
+                    // hold stale values whose scores are never read.
                     let mut o0 = 0;
                     while o0 < span {
                         let n = (span - o0).min(8);
-                        // The rows of the group after next, so that their
+                        // The records of the group after next, so that their
                         // loads overlap this group's conversion.
-                        for &slot in slots.iter().take(o0 + 24).skip(o0 + 16) {
-                            kc.prefetch(slot, hd);
-                            vc.prefetch(slot, hd);
+                        for &row in slots.iter().take(o0 + 24).skip(o0 + 16) {
+                            kc.prefetch(row * hd, nht * hd);
+                            vc.prefetch(row * hd, nht * hd);
                         }
-                        for l in 0..n {
-                            let o = o0 + l;
-                            // SAFETY: the slot is inside the cache (validated page table).
-                            unsafe { vc.read(slots[o], hd, &mut vbuf[o * hd..(o + 1) * hd]) };
-                        }
-                        // Half-precision keys: widened and transposed in one
-                        // pass where the CPU can (the same values).
-                        // SAFETY: the slots are inside the cache (validated page table).
-                        let fused = n == 8
-                            && unsafe {
-                                kc.read8_transposed(&slots[o0..o0 + 8], hd, &mut kbuf[o0..], sp)
-                            };
-                        if !fused {
+                        for hi in 0..nht {
+                            let (kh, vh) = (&mut kbuf[hi * hd * sp..], &mut vbuf[hi * span * hd..]);
                             for l in 0..n {
+                                let o = o0 + l;
                                 // SAFETY: the slot is inside the cache (validated page table).
                                 unsafe {
-                                    kc.read(slots[o0 + l], hd, &mut row[l * hd..(l + 1) * hd])
+                                    vc.read(slots[o] + hi, hd, &mut vh[o * hd..(o + 1) * hd])
                                 };
                             }
-                            crate::simd::transpose8(row, hd, &mut kbuf[o0..], sp);
+                            // Half-precision keys: widened and transposed in
+                            // one pass where the CPU can (the same values).
+                            let rows: [usize; 8] =
+                                std::array::from_fn(|l| slots[o0 + l.min(n - 1)] + hi);
+                            // SAFETY: the slots are inside the cache (validated page table).
+                            let fused = n == 8
+                                && unsafe { kc.read8_transposed(&rows, hd, &mut kh[o0..], sp) };
+                            if !fused {
+                                for (l, &r) in rows.iter().enumerate().take(n) {
+                                    // SAFETY: the slot is inside the cache (validated page table).
+                                    unsafe { kc.read(r, hd, &mut row[l * hd..(l + 1) * hd]) };
+                                }
+                                crate::simd::transpose8(row, hd, &mut kh[o0..], sp);
+                            }
                         }
                         o0 += 8;
                     }
-                    // Queries of the block, every head of the group stacked: row (j, h).
-                    for j in j0..j1 {
-                        let qrow = s.q_start + j;
-                        for (hi, h) in (g * group..(g + 1) * group).enumerate() {
-                            let r = (j - j0) * group + hi;
-                            // SAFETY: row `qrow`, head h of q is inside its view.
-                            let qh = unsafe {
-                                std::slice::from_raw_parts(qp.get().add(qrow * qw + h * hd), hd)
-                            };
-                            qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
+                    for hi in 0..nht {
+                        let g = g0 + hi;
+                        let kh = &kbuf[hi * hd * sp..(hi + 1) * hd * sp];
+                        let vh = &vbuf[hi * span * hd..(hi + 1) * span * hd];
+                        // Queries of the block, every head of the group stacked: row (j, h).
+                        for j in j0..j1 {
+                            let qrow = s.q_start + j;
+                            for (hi, h) in (g * group..(g + 1) * group).enumerate() {
+                                let r = (j - j0) * group + hi;
+                                // SAFETY: row `qrow`, head h of q is inside its view.
+                                let qh = unsafe {
+                                    std::slice::from_raw_parts(qp.get().add(qrow * qw + h * hd), hd)
+                                };
+                                qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
+                            }
                         }
-                    }
-                    crate::simd::scores(qbuf, kbuf, nq, hd, sp, scale, scores);
-                    for j in j0..j1 {
-                        let lo = lo_of(j);
-                        // The keys query j sees, as span offsets in position order.
-                        extra.clear();
-                        let range = match parents {
-                            None => lo - t0..pre + j + 1 - t0,
-                            Some(par) => {
-                                let mut a = j as i32;
-                                while a >= 0 {
-                                    if pos(a as usize) >= lo {
-                                        extra.push((pre + a as usize - t0) as u32);
+                        crate::simd::scores(qbuf, kh, nq, hd, sp, scale, scores);
+                        for j in j0..j1 {
+                            let lo = lo_of(j);
+                            // The keys query j sees, as span offsets in position order.
+                            extra.clear();
+                            let range = match parents {
+                                None => lo - t0..pre + j + 1 - t0,
+                                Some(par) => {
+                                    let mut a = j as i32;
+                                    while a >= 0 {
+                                        if pos(a as usize) >= lo {
+                                            extra.push((pre + a as usize - t0) as u32);
+                                        }
+                                        a = par[a as usize];
                                     }
-                                    a = par[a as usize];
+                                    extra.reverse();
+                                    lo.min(pre) - t0..pre - t0
                                 }
-                                extra.reverse();
-                                lo.min(pre) - t0..pre - t0
-                            }
-                        };
-                        let vis = crate::simd::Visible {
-                            start: range.start,
-                            end: range.end,
-                            extra,
-                        };
-                        let r0 = (j - j0) * group;
-                        for (hi, iv) in inv.iter_mut().enumerate() {
-                            let sr = &mut scores[(r0 + hi) * sp..(r0 + hi) * sp + span];
-                            let run = range.clone();
-                            let max = extra
-                                .iter()
-                                .fold(crate::simd::max(&sr[run.clone()]), |m, &t| {
-                                    m.max(sr[t as usize])
-                                });
-                            for x in &mut sr[run.clone()] {
-                                *x -= max;
-                            }
-                            crate::simd::exp_slice(&mut sr[run.clone()]);
-                            for &t in extra.iter() {
-                                sr[t as usize] = crate::simd::exp(sr[t as usize] - max);
-                            }
-                            // The sum over the visible keys as one sequence.
-                            let sum = if extra.is_empty() {
-                                crate::simd::sum(&sr[run])
-                            } else {
-                                ev.clear();
-                                ev.extend_from_slice(&sr[run]);
-                                ev.extend(extra.iter().map(|&t| sr[t as usize]));
-                                crate::simd::sum(ev)
                             };
-                            *iv = 1.0 / sum;
+                            let vis = crate::simd::Visible {
+                                start: range.start,
+                                end: range.end,
+                                extra,
+                            };
+                            let r0 = (j - j0) * group;
+                            for (hi, iv) in inv.iter_mut().enumerate() {
+                                let sr = &mut scores[(r0 + hi) * sp..(r0 + hi) * sp + span];
+                                let run = range.clone();
+                                let max = extra
+                                    .iter()
+                                    .fold(crate::simd::max(&sr[run.clone()]), |m, &t| {
+                                        m.max(sr[t as usize])
+                                    });
+                                for x in &mut sr[run.clone()] {
+                                    *x -= max;
+                                }
+                                crate::simd::exp_slice(&mut sr[run.clone()]);
+                                for &t in extra.iter() {
+                                    sr[t as usize] = crate::simd::exp(sr[t as usize] - max);
+                                }
+                                // The sum over the visible keys as one sequence.
+                                let sum = if extra.is_empty() {
+                                    crate::simd::sum(&sr[run])
+                                } else {
+                                    ev.clear();
+                                    ev.extend_from_slice(&sr[run]);
+                                    ev.extend(extra.iter().map(|&t| sr[t as usize]));
+                                    crate::simd::sum(ev)
+                                };
+                                *iv = 1.0 / sum;
+                            }
+                            let qrow = s.q_start + j;
+                            // SAFETY: this task is the only writer of out[qrow, heads of group g],
+                            // which are contiguous.
+                            let oh = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    op.get().add(qrow * qw + g * group * hd),
+                                    group * hd,
+                                )
+                            };
+                            crate::simd::weighted_sum(
+                                &scores[r0 * sp..],
+                                sp,
+                                group,
+                                vh,
+                                hd,
+                                vis,
+                                inv,
+                                oh,
+                            );
                         }
-                        let qrow = s.q_start + j;
-                        // SAFETY: this task is the only writer of out[qrow, heads of group g],
-                        // which are contiguous.
-                        let oh = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                op.get().add(qrow * qw + g * group * hd),
-                                group * hd,
-                            )
-                        };
-                        crate::simd::weighted_sum(
-                            &scores[r0 * sp..],
-                            sp,
-                            group,
-                            vbuf,
-                            hd,
-                            vis,
-                            inv,
-                            oh,
-                        );
                     }
                 }
             });
