@@ -40,7 +40,7 @@ use crate::memory::{HostMemory, SendPtr};
 use crate::pool::{ThreadPool, share};
 use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
-    CoreError, DType, KvLayer, Result, Tensor,
+    CoreError, DType, KvLayer, Result, SeqLayout, Tensor,
 };
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -329,235 +329,31 @@ impl AttentionBackend for CpuAttention {
         }
 
         // 2. Attention, one task per (sequence, query block, KV heads).
-        let mut blocks: Vec<(usize, usize)> = Vec::new();
-        // Depth of every new token of a tree sequence (empty for chains).
-        let mut depths: Vec<Vec<usize>> = Vec::with_capacity(layout.seqs.len());
-        for (si, s) in layout.seqs.iter().enumerate() {
-            depths.push(match layout.parents(s) {
-                Some(par) => {
-                    let mut d = vec![0usize; par.len()];
-                    for j in 1..par.len() {
-                        // Validated: parents come before their children.
-                        d[j] = d[par[j] as usize] + 1;
-                    }
-                    d
-                }
-                None => Vec::new(),
-            });
-            let mut j = 0;
-            while j < s.q_len {
-                blocks.push((si, j));
-                j += Q_BLOCK;
-            }
-        }
-        // Every KV head of a short block (a decode, a few draft or chunk
-        // tokens) in one task when the blocks alone keep the threads busy:
-        // the task then reads each slot's K and V records whole (the heads
-        // of a slot are adjacent), one stream the hardware prefetchers
-        // follow. Otherwise a task per head: to spread the work, and for
-        // long blocks, whose scores and scratch per head fill the cache.
-        let all_heads = blocks.len() >= 2 * self.pool.threads();
-        let heads_of = |si: usize, j: usize| {
-            if all_heads && layout.seqs[si].q_len - j <= SHORT_BLOCK {
-                nkv
-            } else {
-                1
-            }
+        let step = Step {
+            layout,
+            depths: layout
+                .seqs
+                .iter()
+                .map(|s| tree_depths(layout.parents(s)))
+                .collect(),
+            kc,
+            vc,
+            q: qp,
+            out: op,
+            hd,
+            nkv,
+            group: nh / nkv,
+            scale: p.scale,
+            window: p.sliding_window,
+            all_heads: false,
         };
-        let tasks: Vec<(usize, usize, usize)> = blocks
-            .iter()
-            .flat_map(|&(si, j)| (0..nkv).step_by(heads_of(si, j)).map(move |g| (si, g, j)))
-            .collect();
+        let (step, tasks) = step.plan(self.pool.threads());
         let next = AtomicUsize::new(0);
-        let group = nh / nkv;
-        let ps = layout.page_size;
-        let scale = p.scale;
-        let window = p.sliding_window;
         let ok = self.pool.run(&|_, _| {
             SCRATCH.with(|cell| {
                 let mut sc = cell.borrow_mut();
-                loop {
-                    let ti = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(si, g0, j0)) = tasks.get(ti) else {
-                        break;
-                    };
-                    // This task's KV heads.
-                    let nht = heads_of(si, j0).min(nkv - g0);
-                    let s = &layout.seqs[si];
-                    let parents = layout.parents(s);
-                    let depth = &depths[si];
-                    let pages = &layout.page_table[s.pages.clone()];
-                    let j1 = (j0 + Q_BLOCK).min(s.q_len);
-                    let pre = s.prefix_len;
-                    // Position of new token j, and the first visible position.
-                    let pos = |j: usize| pre + if parents.is_some() { depth[j] } else { j };
-                    let lo_of = |j: usize| window.map_or(0, |w| (pos(j) + 1).saturating_sub(w));
-                    // Key span of the block: slots t0..t1.
-                    let lo_min = (j0..j1).map(lo_of).min().unwrap_or(0);
-                    let t0 = if parents.is_some() {
-                        lo_min.min(pre)
-                    } else {
-                        lo_min
-                    };
-                    let t1 = pre + j1;
-                    let span = t1 - t0;
-                    let sp = span.div_ceil(16) * 16;
-                    let nq = (j1 - j0) * group;
-                    let Scratch {
-                        k: kbuf,
-                        v: vbuf,
-                        q: qbuf,
-                        s: scores,
-                        o: row,
-                        extra,
-                        inv,
-                        ev,
-                        slots,
-                    } = &mut *sc;
-                    kbuf.resize(nht * hd * sp, 0.0);
-                    vbuf.resize(nht * span * hd, 0.0);
-                    qbuf.resize(nq * hd, 0.0);
-                    scores.resize(nq * sp, 0.0);
-                    row.resize(8 * hd, 0.0);
-                    inv.resize(group, 0.0);
-                    // The cache row of each span position, walking the
-                    // pages (no division per key).
-                    slots.clear();
-                    let (mut page, mut off) = (t0 / ps, t0 % ps);
-                    while slots.len() < span {
-                        let base = pages[page] as usize * ps;
-                        let n = (ps - off).min(span - slots.len());
-                        slots.extend((base + off..base + off + n).map(|slot| slot * nkv + g0));
-                        page += 1;
-                        off = 0;
-                    }
-                    // Gather the task's heads' keys (transposed, 8 at a time)
-                    // and values, in f32: head `hi`'s keys at `hi * hd * sp`,
-                    // its values at `hi * span * hd`. Lanes past the span
-                    // hold stale values whose scores are never read.
-                    let mut o0 = 0;
-                    while o0 < span {
-                        let n = (span - o0).min(8);
-                        // The records of the group after next, so that their
-                        // loads overlap this group's conversion.
-                        for &row in slots.iter().take(o0 + 24).skip(o0 + 16) {
-                            kc.prefetch(row * hd, nht * hd);
-                            vc.prefetch(row * hd, nht * hd);
-                        }
-                        for hi in 0..nht {
-                            let (kh, vh) = (&mut kbuf[hi * hd * sp..], &mut vbuf[hi * span * hd..]);
-                            for l in 0..n {
-                                let o = o0 + l;
-                                // SAFETY: the slot is inside the cache (validated page table).
-                                unsafe {
-                                    vc.read(slots[o] + hi, hd, &mut vh[o * hd..(o + 1) * hd])
-                                };
-                            }
-                            // Half-precision keys: widened and transposed in
-                            // one pass where the CPU can (the same values).
-                            let rows: [usize; 8] =
-                                std::array::from_fn(|l| slots[o0 + l.min(n - 1)] + hi);
-                            // SAFETY: the slots are inside the cache (validated page table).
-                            let fused = n == 8
-                                && unsafe { kc.read8_transposed(&rows, hd, &mut kh[o0..], sp) };
-                            if !fused {
-                                for (l, &r) in rows.iter().enumerate().take(n) {
-                                    // SAFETY: the slot is inside the cache (validated page table).
-                                    unsafe { kc.read(r, hd, &mut row[l * hd..(l + 1) * hd]) };
-                                }
-                                crate::simd::transpose8(row, hd, &mut kh[o0..], sp);
-                            }
-                        }
-                        o0 += 8;
-                    }
-                    for hi in 0..nht {
-                        let g = g0 + hi;
-                        let kh = &kbuf[hi * hd * sp..(hi + 1) * hd * sp];
-                        let vh = &vbuf[hi * span * hd..(hi + 1) * span * hd];
-                        // Queries of the block, every head of the group stacked: row (j, h).
-                        for j in j0..j1 {
-                            let qrow = s.q_start + j;
-                            for (hi, h) in (g * group..(g + 1) * group).enumerate() {
-                                let r = (j - j0) * group + hi;
-                                // SAFETY: row `qrow`, head h of q is inside its view.
-                                let qh = unsafe {
-                                    std::slice::from_raw_parts(qp.get().add(qrow * qw + h * hd), hd)
-                                };
-                                qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
-                            }
-                        }
-                        crate::simd::scores(qbuf, kh, nq, hd, sp, scale, scores);
-                        for j in j0..j1 {
-                            let lo = lo_of(j);
-                            // The keys query j sees, as span offsets in position order.
-                            extra.clear();
-                            let range = match parents {
-                                None => lo - t0..pre + j + 1 - t0,
-                                Some(par) => {
-                                    let mut a = j as i32;
-                                    while a >= 0 {
-                                        if pos(a as usize) >= lo {
-                                            extra.push((pre + a as usize - t0) as u32);
-                                        }
-                                        a = par[a as usize];
-                                    }
-                                    extra.reverse();
-                                    lo.min(pre) - t0..pre - t0
-                                }
-                            };
-                            let vis = crate::simd::Visible {
-                                start: range.start,
-                                end: range.end,
-                                extra,
-                            };
-                            let r0 = (j - j0) * group;
-                            for (hi, iv) in inv.iter_mut().enumerate() {
-                                let sr = &mut scores[(r0 + hi) * sp..(r0 + hi) * sp + span];
-                                let run = range.clone();
-                                let max = extra
-                                    .iter()
-                                    .fold(crate::simd::max(&sr[run.clone()]), |m, &t| {
-                                        m.max(sr[t as usize])
-                                    });
-                                for x in &mut sr[run.clone()] {
-                                    *x -= max;
-                                }
-                                crate::simd::exp_slice(&mut sr[run.clone()]);
-                                for &t in extra.iter() {
-                                    sr[t as usize] = crate::simd::exp(sr[t as usize] - max);
-                                }
-                                // The sum over the visible keys as one sequence.
-                                let sum = if extra.is_empty() {
-                                    crate::simd::sum(&sr[run])
-                                } else {
-                                    ev.clear();
-                                    ev.extend_from_slice(&sr[run]);
-                                    ev.extend(extra.iter().map(|&t| sr[t as usize]));
-                                    crate::simd::sum(ev)
-                                };
-                                *iv = 1.0 / sum;
-                            }
-                            let qrow = s.q_start + j;
-                            // SAFETY: this task is the only writer of out[qrow, heads of group g],
-                            // which are contiguous.
-                            let oh = unsafe {
-                                std::slice::from_raw_parts_mut(
-                                    op.get().add(qrow * qw + g * group * hd),
-                                    group * hd,
-                                )
-                            };
-                            crate::simd::weighted_sum(
-                                &scores[r0 * sp..],
-                                sp,
-                                group,
-                                vh,
-                                hd,
-                                vis,
-                                inv,
-                                oh,
-                            );
-                        }
-                    }
+                while let Some(&task) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    step.run_task(&mut sc, task);
                 }
             });
         });
@@ -565,5 +361,319 @@ impl AttentionBackend for CpuAttention {
             return Err(CoreError::Internal("attention kernel panicked".into()));
         }
         Ok(())
+    }
+}
+
+/// Depth of every new token of a tree sequence (`parents` validated:
+/// parents come before their children); empty for a chain.
+fn tree_depths(parents: Option<&[i32]>) -> Vec<usize> {
+    let Some(par) = parents else {
+        return Vec::new();
+    };
+    let mut d = vec![0usize; par.len()];
+    for j in 1..par.len() {
+        d[j] = d[par[j] as usize] + 1;
+    }
+    d
+}
+
+/// One `forward`'s attention, shared read-only by its tasks. A task is
+/// (sequence, KV head `g0`, first query `j0`): the block of up to `Q_BLOCK`
+/// queries from `j0`, for [`Step::heads_of`] KV heads from `g0`.
+struct Step<'a> {
+    layout: &'a BatchLayout,
+    /// Depth of every new token of a tree sequence (empty for chains).
+    depths: Vec<Vec<usize>>,
+    kc: KvPtr,
+    vc: KvPtr,
+    /// The queries, `[tokens, heads * hd]`.
+    q: SendPtr<f32>,
+    /// The output, `[tokens, heads * hd]`.
+    out: SendPtr<f32>,
+    hd: usize,
+    nkv: usize,
+    /// Query heads per KV head.
+    group: usize,
+    scale: f32,
+    window: Option<usize>,
+    /// Whether short blocks take all their KV heads in one task.
+    all_heads: bool,
+}
+
+/// A task's query block and the key span it reads.
+struct Block<'a> {
+    seq: &'a SeqLayout,
+    parents: Option<&'a [i32]>,
+    depth: &'a [usize],
+    /// The block's queries: new tokens `j0..j1`.
+    j0: usize,
+    j1: usize,
+    /// The first KV heads and how many.
+    g0: usize,
+    heads: usize,
+    /// The key span: positions `t0..t0 + span`, `sp` rounded up to 16.
+    t0: usize,
+    span: usize,
+    sp: usize,
+}
+
+impl Block<'_> {
+    /// Position of new token `j`.
+    fn pos(&self, j: usize) -> usize {
+        self.seq.prefix_len
+            + if self.parents.is_some() {
+                self.depth[j]
+            } else {
+                j
+            }
+    }
+
+    /// The first position new token `j` sees.
+    fn lo(&self, j: usize, window: Option<usize>) -> usize {
+        window.map_or(0, |w| (self.pos(j) + 1).saturating_sub(w))
+    }
+}
+
+impl<'a> Step<'a> {
+    /// The tasks, and whether short blocks take all their KV heads: every
+    /// KV head of a short block (a decode, a few draft or chunk tokens) in
+    /// one task when the blocks alone keep the threads busy. The task then
+    /// reads each slot's K and V records whole (the heads of a slot are
+    /// adjacent), one stream the hardware prefetchers follow. Otherwise a
+    /// task per head: to spread the work, and for long blocks, whose scores
+    /// and scratch per head fill the cache.
+    fn plan(mut self, threads: usize) -> (Self, Vec<(usize, usize, usize)>) {
+        let blocks: Vec<(usize, usize)> = (self.layout.seqs.iter().enumerate())
+            .flat_map(|(si, s)| (0..s.q_len).step_by(Q_BLOCK).map(move |j| (si, j)))
+            .collect();
+        self.all_heads = blocks.len() >= 2 * threads;
+        let tasks = blocks
+            .iter()
+            .flat_map(|&(si, j)| {
+                (0..self.nkv)
+                    .step_by(self.heads_of(si, j))
+                    .map(move |g| (si, g, j))
+            })
+            .collect();
+        (self, tasks)
+    }
+
+    /// KV heads per task for the block of sequence `si` from query `j`.
+    fn heads_of(&self, si: usize, j: usize) -> usize {
+        if self.all_heads && self.layout.seqs[si].q_len - j <= SHORT_BLOCK {
+            self.nkv
+        } else {
+            1
+        }
+    }
+
+    /// The block and key span of task `(si, g0, j0)`.
+    fn block(&self, (si, g0, j0): (usize, usize, usize)) -> Block<'_> {
+        let seq = &self.layout.seqs[si];
+        let mut b = Block {
+            seq,
+            parents: self.layout.parents(seq),
+            depth: &self.depths[si],
+            j0,
+            j1: (j0 + Q_BLOCK).min(seq.q_len),
+            g0,
+            heads: self.heads_of(si, j0).min(self.nkv - g0),
+            t0: 0,
+            span: 0,
+            sp: 0,
+        };
+        let lo_min = (b.j0..b.j1)
+            .map(|j| b.lo(j, self.window))
+            .min()
+            .unwrap_or(0);
+        let pre = seq.prefix_len;
+        b.t0 = if b.parents.is_some() {
+            lo_min.min(pre)
+        } else {
+            lo_min
+        };
+        b.span = pre + b.j1 - b.t0;
+        b.sp = b.span.div_ceil(16) * 16;
+        b
+    }
+
+    /// Runs one task: gathers its heads' keys and values, then attends
+    /// each of its heads' query groups.
+    fn run_task(&self, sc: &mut Scratch, task: (usize, usize, usize)) {
+        let b = self.block(task);
+        let hd = self.hd;
+        let nq = (b.j1 - b.j0) * self.group;
+        sc.k.resize(b.heads * hd * b.sp, 0.0);
+        sc.v.resize(b.heads * b.span * hd, 0.0);
+        sc.q.resize(nq * hd, 0.0);
+        sc.s.resize(nq * b.sp, 0.0);
+        sc.o.resize(8 * hd, 0.0);
+        sc.inv.resize(self.group, 0.0);
+        self.gather(sc, &b);
+        for hi in 0..b.heads {
+            self.attend(sc, &b, hi);
+        }
+    }
+
+    /// Gathers the task's heads' keys (transposed, 8 at a time) and values
+    /// in f32 into the scratch: head `hi`'s keys at `hi * hd * sp`, its
+    /// values at `hi * span * hd`. Lanes past the span hold stale values
+    /// whose scores are never read.
+    fn gather(&self, sc: &mut Scratch, b: &Block<'_>) {
+        let (hd, nkv, ps) = (self.hd, self.nkv, self.layout.page_size);
+        let (span, sp, heads) = (b.span, b.sp, b.heads);
+        let pages = &self.layout.page_table[b.seq.pages.clone()];
+        // The cache row of head g0 at each span position, walking the
+        // pages (no division per key).
+        let slots = &mut sc.slots;
+        slots.clear();
+        let (mut page, mut off) = (b.t0 / ps, b.t0 % ps);
+        while slots.len() < span {
+            let base = pages[page] as usize * ps;
+            let n = (ps - off).min(span - slots.len());
+            slots.extend((base + off..base + off + n).map(|slot| slot * nkv + b.g0));
+            page += 1;
+            off = 0;
+        }
+        let (kc, vc) = (&self.kc, &self.vc);
+        let mut o0 = 0;
+        while o0 < span {
+            let n = (span - o0).min(8);
+            // The records of the group after next, so that their loads
+            // overlap this group's conversion.
+            for &row in slots.iter().take(o0 + 24).skip(o0 + 16) {
+                kc.prefetch(row * hd, heads * hd);
+                vc.prefetch(row * hd, heads * hd);
+            }
+            for hi in 0..heads {
+                let (kh, vh) = (&mut sc.k[hi * hd * sp..], &mut sc.v[hi * span * hd..]);
+                for o in o0..o0 + n {
+                    // SAFETY: the slot is inside the cache (validated page table).
+                    unsafe { vc.read(slots[o] + hi, hd, &mut vh[o * hd..(o + 1) * hd]) };
+                }
+                // Half-precision keys: widened and transposed in one pass
+                // where the CPU can (the same values).
+                let rows: [usize; 8] = std::array::from_fn(|l| slots[o0 + l.min(n - 1)] + hi);
+                // SAFETY: the slots are inside the cache (validated page table).
+                let fused = n == 8 && unsafe { kc.read8_transposed(&rows, hd, &mut kh[o0..], sp) };
+                if !fused {
+                    let row = &mut sc.o;
+                    for (l, &r) in rows.iter().enumerate().take(n) {
+                        // SAFETY: the slot is inside the cache (validated page table).
+                        unsafe { kc.read(r, hd, &mut row[l * hd..(l + 1) * hd]) };
+                    }
+                    crate::simd::transpose8(row, hd, &mut kh[o0..], sp);
+                }
+            }
+            o0 += 8;
+        }
+    }
+
+    /// Attends the query group of the task's head `hi` (KV head `g0 + hi`)
+    /// over the gathered keys and values, writing its outputs.
+    fn attend(&self, sc: &mut Scratch, b: &Block<'_>, hi: usize) {
+        let (hd, group, sp, span) = (self.hd, self.group, b.sp, b.span);
+        let g = b.g0 + hi;
+        let qw = self.num_heads() * hd;
+        let Scratch {
+            k,
+            v,
+            q: qbuf,
+            s: scores,
+            extra,
+            inv,
+            ev,
+            ..
+        } = sc;
+        let kh = &k[hi * hd * sp..(hi + 1) * hd * sp];
+        let vh = &v[hi * span * hd..(hi + 1) * span * hd];
+        // Queries of the block, every head of the group stacked: row (j, h).
+        for j in b.j0..b.j1 {
+            let qrow = b.seq.q_start + j;
+            for (r, h) in ((j - b.j0) * group..).zip(g * group..(g + 1) * group) {
+                // SAFETY: row `qrow`, head h of q is inside its view.
+                let qh =
+                    unsafe { std::slice::from_raw_parts(self.q.get().add(qrow * qw + h * hd), hd) };
+                qbuf[r * hd..(r + 1) * hd].copy_from_slice(qh);
+            }
+        }
+        let nq = (b.j1 - b.j0) * group;
+        crate::simd::scores(qbuf, kh, nq, hd, sp, self.scale, scores);
+        let (pre, t0) = (b.seq.prefix_len, b.t0);
+        for j in b.j0..b.j1 {
+            let lo = b.lo(j, self.window);
+            // The keys query j sees, as span offsets in position order.
+            extra.clear();
+            let range = match b.parents {
+                None => lo - t0..pre + j + 1 - t0,
+                Some(par) => {
+                    let mut a = j as i32;
+                    while a >= 0 {
+                        if b.pos(a as usize) >= lo {
+                            extra.push((pre + a as usize - t0) as u32);
+                        }
+                        a = par[a as usize];
+                    }
+                    extra.reverse();
+                    lo.min(pre) - t0..pre - t0
+                }
+            };
+            let r0 = (j - b.j0) * group;
+            for (qh, iv) in inv.iter_mut().enumerate() {
+                let sr = &mut scores[(r0 + qh) * sp..(r0 + qh) * sp + span];
+                *iv = 1.0 / softmax_numerators(sr, range.clone(), extra, ev);
+            }
+            let vis = crate::simd::Visible {
+                start: range.start,
+                end: range.end,
+                extra,
+            };
+            let qrow = b.seq.q_start + j;
+            // SAFETY: this task is the only writer of out[qrow, heads of
+            // group g], which are contiguous.
+            let oh = unsafe {
+                std::slice::from_raw_parts_mut(
+                    self.out.get().add(qrow * qw + g * group * hd),
+                    group * hd,
+                )
+            };
+            crate::simd::weighted_sum(&scores[r0 * sp..], sp, group, vh, hd, vis, inv, oh);
+        }
+    }
+
+    /// Query heads.
+    fn num_heads(&self) -> usize {
+        self.nkv * self.group
+    }
+}
+
+/// Turns the visible scores of one query row (`run` and the tree offsets
+/// `extra`) into `exp(score - max)` in place and returns their sum, taken
+/// as one sequence in position order (`ev` is scratch for a tree's).
+fn softmax_numerators(
+    sr: &mut [f32],
+    run: std::ops::Range<usize>,
+    extra: &[u32],
+    ev: &mut Vec<f32>,
+) -> f32 {
+    let max = extra
+        .iter()
+        .fold(crate::simd::max(&sr[run.clone()]), |m, &t| {
+            m.max(sr[t as usize])
+        });
+    for x in &mut sr[run.clone()] {
+        *x -= max;
+    }
+    crate::simd::exp_slice(&mut sr[run.clone()]);
+    for &t in extra {
+        sr[t as usize] = crate::simd::exp(sr[t as usize] - max);
+    }
+    if extra.is_empty() {
+        crate::simd::sum(&sr[run])
+    } else {
+        ev.clear();
+        ev.extend_from_slice(&sr[run]);
+        ev.extend(extra.iter().map(|&t| sr[t as usize]));
+        crate::simd::sum(ev)
     }
 }
