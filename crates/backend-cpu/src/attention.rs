@@ -36,6 +36,7 @@
 //! position order (`simd::weighted_sum`), scaled by `1 / sum`. Keys computed
 //! for other queries of the block are never read.
 
+use crate::convert::Narrow;
 use crate::memory::{HostMemory, SendPtr};
 use crate::pool::{ThreadPool, share};
 use arbor_engine_core::{
@@ -140,8 +141,8 @@ impl KvPtr {
 
     /// Reads the element rows `slots[..8]` (of `width` values) widened and
     /// transposed into `dst` (`dst[d * stride + l]` = value `d` of row `l`)
-    /// in one pass, for a half-precision cache where the CPU can; returns
-    /// false, writing nothing, otherwise.
+    /// in one pass, for a half-precision or FP8 cache where the CPU can;
+    /// returns false, writing nothing, otherwise.
     ///
     /// # Safety
     /// The rows must be inside the cache tensor this pointer was resolved from.
@@ -153,15 +154,20 @@ impl KvPtr {
         dst: &mut [f32],
         stride: usize,
     ) -> bool {
-        let brain = match self.dtype {
-            DType::F16 => false,
-            DType::BF16 => true,
+        let format = match self.dtype {
+            DType::F16 => Narrow::F16,
+            DType::BF16 => Narrow::BF16,
+            DType::F8E4M3 | DType::F8E5M2 => Narrow::Fp8 {
+                e4m3: self.dtype == DType::F8E4M3,
+                scale: self.scale,
+            },
             _ => return false,
         };
-        let base = self.ptr.get() as *const u16;
-        let rows: [*const u16; 8] = std::array::from_fn(|l| base.wrapping_add(slots[l] * width));
+        let bytes = width * format.bytes();
+        let base = self.ptr.get() as *const u8;
+        let rows: [*const u8; 8] = std::array::from_fn(|l| base.wrapping_add(slots[l] * bytes));
         // SAFETY: the rows are in bounds (the caller's contract).
-        unsafe { crate::convert::half_rows_transposed(&rows, brain, width, dst, stride) }
+        unsafe { crate::convert::rows_transposed(&rows, format, width, dst, stride) }
     }
 
     /// Reads element row `row` (of `width` values) into `dst` as f32.
@@ -551,8 +557,8 @@ impl<'a> Step<'a> {
                     // SAFETY: the slot is inside the cache (validated page table).
                     unsafe { vc.read(slots[o] + hi, hd, &mut vh[o * hd..(o + 1) * hd]) };
                 }
-                // Half-precision keys: widened and transposed in one pass
-                // where the CPU can (the same values).
+                // Half-precision and FP8 keys: widened and transposed in
+                // one pass where the CPU can (the same values).
                 let rows: [usize; 8] = std::array::from_fn(|l| slots[o0 + l.min(n - 1)] + hi);
                 // SAFETY: the slots are inside the cache (validated page table).
                 let fused = n == 8 && unsafe { kc.read8_transposed(&rows, hd, &mut kh[o0..], sp) };

@@ -2,7 +2,7 @@
 //! them: half-precision values (f16, bf16) and FP8 bytes (E4M3, E5M2)
 //! widened to f32, and f32 rows encoded to FP8. One call per row, or per 8
 //! key rows widened and transposed at once for the attention's key gather
-//! ([`half_rows_transposed`]); the CPU's F16C / AVX2 instructions inline
+//! ([`rows_transposed`], FP8 included); the CPU's F16C / AVX2 instructions inline
 //! over the whole row where the CPU has them (detected once), the `half`
 //! crate's conversion and `arbor_quant::scaled`'s scalar codecs elsewhere
 //! and for the tails.
@@ -38,20 +38,42 @@ pub fn f16_to_f32(src: &[f16], dst: &mut [f32]) {
     src.convert_to_f32_slice(dst);
 }
 
-/// Eight cache rows of `hd` half-precision values (f16, or bf16 when
-/// `brain`), widened and transposed in one pass: `dst[d * stride + l] =
-/// f32(rows[l][d])` for `d < hd`, `l < 8`: the attention's key gather
-/// without a round trip through an f32 row buffer. The values are the
-/// row-by-row conversions' (widening is exact). Returns false, writing
-/// nothing, where the CPU lacks AVX2 and F16C: the caller then converts
-/// row by row.
+/// A narrow KV cache element format, as [`rows_transposed`] widens it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Narrow {
+    F16,
+    BF16,
+    /// FP8 (E4M3 when `e4m3`, else E5M2) times the cache's `scale`.
+    Fp8 {
+        e4m3: bool,
+        scale: f32,
+    },
+}
+
+impl Narrow {
+    /// Bytes per element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Narrow::F16 | Narrow::BF16 => 2,
+            Narrow::Fp8 { .. } => 1,
+        }
+    }
+}
+
+/// Eight cache rows of `hd` values in `format`, widened and transposed in
+/// one pass: `dst[d * stride + l] = f32(rows[l][d])` for `d < hd`, `l < 8`:
+/// the attention's key gather without a round trip through an f32 row
+/// buffer. The values are the row conversions' ([`f16_to_f32`],
+/// [`bf16_to_f32`], [`fp8_to_f32`]: the same operations lane by lane).
+/// Returns false, writing nothing, where the CPU lacks AVX2 and F16C: the
+/// caller then converts row by row.
 ///
 /// # Safety
-/// Each `rows[l]` points to `hd` readable values of the named type.
+/// Each `rows[l]` points to `hd` readable elements of `format`.
 #[inline]
-pub unsafe fn half_rows_transposed(
-    rows: &[*const u16; 8],
-    brain: bool,
+pub unsafe fn rows_transposed(
+    rows: &[*const u8; 8],
+    format: Narrow,
     hd: usize,
     dst: &mut [f32],
     stride: usize,
@@ -61,11 +83,28 @@ pub unsafe fn half_rows_transposed(
     if has_avx2_f16c() {
         // SAFETY: the CPU has AVX2 and F16C (checked above); the rows are
         // readable (the caller's contract) and dst is long enough (checked).
-        unsafe { x86::half_rows_transposed(rows, brain, hd, dst, stride) };
+        unsafe { x86::rows_transposed(rows, format, hd, dst, stride) };
         return true;
     }
-    let _ = (rows, brain, stride);
+    let _ = (rows, format, stride);
     false
+}
+
+/// One element of `format` at `p`, widened (the scalar conversions).
+///
+/// # Safety
+/// `p` points to a readable element of `format`.
+#[inline(always)]
+unsafe fn widen_one(p: *const u8, format: Narrow) -> f32 {
+    // SAFETY: the caller's contract; unaligned reads.
+    unsafe {
+        match format {
+            Narrow::F16 => f16::from_bits((p as *const u16).read_unaligned()).to_f32(),
+            Narrow::BF16 => bf16::from_bits((p as *const u16).read_unaligned()).to_f32(),
+            Narrow::Fp8 { e4m3: true, scale } => arbor_quant::scaled::e4m3_to_f32(*p) * scale,
+            Narrow::Fp8 { e4m3: false, scale } => arbor_quant::scaled::e5m2_to_f32(*p) * scale,
+        }
+    }
 }
 
 /// `dst[i] = src[i]` widened, for the shorter of the two lengths.
@@ -131,6 +170,7 @@ pub fn f32_to_fp8(src: &[f32], e4m3: bool, scale: f32, dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::Narrow;
     use half::slice::HalfFloatSliceExt;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -279,36 +319,53 @@ mod x86 {
         i
     }
 
-    /// Eight f16 (or bf16, `brain`) values at `p`, widened.
+    /// Eight elements of `format` at `p`, widened with the row
+    /// conversions' operations.
     ///
     /// # Safety
-    /// AVX2 and F16C; 8 readable values at `p`.
+    /// AVX2 and F16C; 8 readable elements at `p`.
     #[inline(always)]
-    unsafe fn widen8(p: *const u16, brain: bool) -> __m256 {
+    unsafe fn widen8(p: *const u8, format: Narrow) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            if brain {
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-            } else {
-                _mm256_cvtph_ps(h)
+            match format {
+                Narrow::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                Narrow::BF16 => {
+                    let h = _mm_loadu_si128(p as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                }
+                Narrow::Fp8 { e4m3, scale } => {
+                    let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+                    let v = if e4m3 {
+                        let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
+                        let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
+                        _mm256_mul_ps(
+                            _mm256_cvtph_ps(_mm_or_si128(sign, mag)),
+                            _mm256_set1_ps(256.0),
+                        )
+                    } else {
+                        _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
+                    };
+                    _mm256_mul_ps(v, _mm256_set1_ps(scale))
+                }
             }
         }
     }
 
-    /// See [`super::half_rows_transposed`].
+    /// See [`super::rows_transposed`].
     ///
     /// # Safety
-    /// AVX2 and F16C; each row holds `hd` values; `dst` holds rows `d < hd`
-    /// of 8 values at `stride`.
+    /// AVX2 and F16C; each row holds `hd` elements; `dst` holds rows
+    /// `d < hd` of 8 values at `stride`.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn half_rows_transposed(
-        rows: &[*const u16; 8],
-        brain: bool,
+    pub(super) unsafe fn rows_transposed(
+        rows: &[*const u8; 8],
+        format: Narrow,
         hd: usize,
         dst: &mut [f32],
         stride: usize,
     ) {
+        let width = format.bytes();
         let mut d0 = 0;
         // SAFETY: d0 + 8 <= hd, so every load is inside its row and every
         // store inside dst (the caller's contract).
@@ -316,7 +373,7 @@ mod x86 {
             while d0 + 8 <= hd {
                 let mut r = [_mm256_setzero_ps(); 8];
                 for (l, x) in r.iter_mut().enumerate() {
-                    *x = widen8(rows[l].add(d0), brain);
+                    *x = widen8(rows[l].add(d0 * width), format);
                 }
                 let c = crate::simd::transpose8x8(r);
                 for (i, v) in c.iter().enumerate() {
@@ -326,12 +383,7 @@ mod x86 {
             }
             for d in d0..hd {
                 for (l, &row) in rows.iter().enumerate() {
-                    let bits = *row.add(d);
-                    dst[d * stride + l] = if brain {
-                        bf16::from_bits(bits).to_f32()
-                    } else {
-                        f16::from_bits(bits).to_f32()
-                    };
+                    dst[d * stride + l] = super::widen_one(row.add(d * width), format);
                 }
             }
         }
@@ -371,39 +423,82 @@ mod tests {
         }
     }
 
-    /// The fused key gather gives the row-by-row widening's values,
-    /// transposed: every f16 and bf16 bit pattern (NaNs, infinities,
-    /// subnormals) passes through, for head sizes with and without a tail
-    /// of fewer than 8 values, into a padded stride.
+    /// The fused key gather gives the row conversions' values, transposed:
+    /// every f16 and bf16 bit pattern and every FP8 byte (NaNs, infinities,
+    /// subnormals; FP8 at two scales) passes through, for head sizes with
+    /// and without a tail of fewer than 8 values, into a padded stride.
     #[test]
-    fn transposed_half_rows_match_the_row_conversions() {
-        for hd in [64usize, 12, 3] {
-            let stride = 24;
-            for brain in [false, true] {
-                for start in (0..=u16::MAX as usize).step_by(8 * hd) {
-                    let bits: Vec<u16> = (0..8 * hd).map(|i| (start + i) as u16).collect();
-                    let rows: [*const u16; 8] = std::array::from_fn(|l| bits[l * hd..].as_ptr());
+    fn transposed_rows_match_the_row_conversions() {
+        let formats = [
+            Narrow::F16,
+            Narrow::BF16,
+            Narrow::Fp8 {
+                e4m3: true,
+                scale: 1.0,
+            },
+            Narrow::Fp8 {
+                e4m3: true,
+                scale: 0.0173,
+            },
+            Narrow::Fp8 {
+                e4m3: false,
+                scale: 1.0,
+            },
+            Narrow::Fp8 {
+                e4m3: false,
+                scale: 0.0173,
+            },
+        ];
+        for format in formats {
+            let codes = if format.bytes() == 2 {
+                1usize << 16
+            } else {
+                256
+            };
+            for hd in [64usize, 12, 3] {
+                let stride = 24;
+                for start in (0..codes).step_by(8 * hd) {
+                    // Row l holds codes start + l * hd .. (wrapping).
+                    let code = |i: usize| ((start + i) % codes) as u16;
+                    let bytes: Vec<u8> = (0..8 * hd)
+                        .flat_map(|i| match format.bytes() {
+                            2 => code(i).to_le_bytes().to_vec(),
+                            _ => vec![code(i) as u8],
+                        })
+                        .collect();
+                    let w = format.bytes();
+                    let rows: [*const u8; 8] =
+                        std::array::from_fn(|l| bytes[l * hd * w..].as_ptr());
                     let mut dst = vec![f32::NAN; (hd - 1) * stride + 8];
-                    // SAFETY: each row holds hd values.
-                    if !unsafe { half_rows_transposed(&rows, brain, hd, &mut dst, stride) } {
+                    // SAFETY: each row holds hd elements.
+                    if !unsafe { rows_transposed(&rows, format, hd, &mut dst, stride) } {
                         eprintln!("skipped: no AVX2 + F16C here");
                         return;
                     }
                     for l in 0..8 {
-                        let row = &bits[l * hd..(l + 1) * hd];
+                        let codes_l: Vec<u16> = (0..hd).map(|d| code(l * hd + d)).collect();
                         let mut want = vec![0.0f32; hd];
-                        if brain {
-                            let h: Vec<bf16> = row.iter().map(|&b| bf16::from_bits(b)).collect();
-                            bf16_to_f32(&h, &mut want);
-                        } else {
-                            let h: Vec<f16> = row.iter().map(|&b| f16::from_bits(b)).collect();
-                            f16_to_f32(&h, &mut want);
+                        match format {
+                            Narrow::F16 => {
+                                let h: Vec<f16> =
+                                    codes_l.iter().map(|&b| f16::from_bits(b)).collect();
+                                f16_to_f32(&h, &mut want);
+                            }
+                            Narrow::BF16 => {
+                                let h: Vec<bf16> =
+                                    codes_l.iter().map(|&b| bf16::from_bits(b)).collect();
+                                bf16_to_f32(&h, &mut want);
+                            }
+                            Narrow::Fp8 { e4m3, scale } => {
+                                let b: Vec<u8> = codes_l.iter().map(|&c| c as u8).collect();
+                                fp8_to_f32(&b, e4m3, scale, &mut want);
+                            }
                         }
                         let got: Vec<f32> = (0..hd).map(|d| dst[d * stride + l]).collect();
                         assert_same(
                             &got,
-                            row.iter().copied().zip(want),
-                            &format!("hd {hd} brain {brain} lane {l}"),
+                            codes_l.iter().copied().zip(want),
+                            &format!("{format:?} hd {hd} lane {l}"),
                         );
                     }
                 }
