@@ -13,7 +13,10 @@
 //! into contiguous f32 scratch, stacks the block's queries
 //! of every head of the GQA group, computes all their scores over the
 //! block's key span, and then, query by query, the softmax over exactly the
-//! keys it sees and the weighted sum of their values. Tasks are handed out
+//! keys it sees and the weighted sum of their values. A single-query block
+//! (a decode) over an f16 cache skips gathering the values: its weighted
+//! sum reads them from the cache in place, widened as they are read (the
+//! same values, so the same bits). Tasks are handed out
 //! through an atomic counter, so long and short sequences balance across
 //! threads. Each task writes only its own (token, head) slices of the output.
 //!
@@ -78,6 +81,8 @@ struct Scratch {
     ev: Vec<f32>,
     /// The cache row (slot times KV heads, plus the head) of each span position.
     slots: Vec<usize>,
+    /// The value rows of one head read in place (f16 caches).
+    vrows: Vec<usize>,
 }
 
 thread_local! {
@@ -352,6 +357,7 @@ impl AttentionBackend for CpuAttention {
             scale: p.scale,
             window: p.sliding_window,
             all_heads: false,
+            v_f16: vc.dtype == DType::F16 && crate::simd::reads_f16_values(hd),
         };
         let (step, tasks) = step.plan(self.pool.threads());
         let next = AtomicUsize::new(0);
@@ -404,6 +410,10 @@ struct Step<'a> {
     window: Option<usize>,
     /// Whether short blocks take all their KV heads in one task.
     all_heads: bool,
+    /// Whether the cache's values can be read in place (f16, and a CPU
+    /// path for it): single-query blocks then skip gathering them (see
+    /// [`Step::values_in_place`]).
+    v_f16: bool,
 }
 
 /// A task's query block and the key span it reads.
@@ -503,6 +513,15 @@ impl<'a> Step<'a> {
         b
     }
 
+    /// Whether block `b`'s weighted sums read the values from the cache in
+    /// place (widened as they are read) instead of gathering them into f32
+    /// scratch first: for a single query (a decode), which reads each value
+    /// once either way. A longer block's queries each read every value, so
+    /// they read them widened once.
+    fn values_in_place(&self, b: &Block<'_>) -> bool {
+        self.v_f16 && b.j1 - b.j0 == 1
+    }
+
     /// Runs one task: gathers its heads' keys and values, then attends
     /// each of its heads' query groups.
     fn run_task(&self, sc: &mut Scratch, task: (usize, usize, usize)) {
@@ -542,6 +561,7 @@ impl<'a> Step<'a> {
             off = 0;
         }
         let (kc, vc) = (&self.kc, &self.vc);
+        let in_place = self.values_in_place(b);
         let mut o0 = 0;
         while o0 < span {
             let n = (span - o0).min(8);
@@ -553,7 +573,7 @@ impl<'a> Step<'a> {
             }
             for hi in 0..heads {
                 let (kh, vh) = (&mut sc.k[hi * hd * sp..], &mut sc.v[hi * span * hd..]);
-                for o in o0..o0 + n {
+                for o in (o0..o0 + n).filter(|_| !in_place) {
                     // SAFETY: the slot is inside the cache (validated page table).
                     unsafe { vc.read(slots[o] + hi, hd, &mut vh[o * hd..(o + 1) * hd]) };
                 }
@@ -589,10 +609,17 @@ impl<'a> Step<'a> {
             extra,
             inv,
             ev,
+            slots,
+            vrows,
             ..
         } = sc;
         let kh = &k[hi * hd * sp..(hi + 1) * hd * sp];
         let vh = &v[hi * span * hd..(hi + 1) * span * hd];
+        let in_place = self.values_in_place(b);
+        if in_place {
+            vrows.clear();
+            vrows.extend(slots.iter().map(|&r| r + hi));
+        }
         // Queries of the block, every head of the group stacked: row (j, h).
         for j in b.j0..b.j1 {
             let qrow = b.seq.q_start + j;
@@ -643,7 +670,18 @@ impl<'a> Step<'a> {
                     group * hd,
                 )
             };
-            crate::simd::weighted_sum(&scores[r0 * sp..], sp, group, vh, hd, vis, inv, oh);
+            let e = &scores[r0 * sp..];
+            if in_place {
+                let vbase = self.vc.ptr.get() as *const u16;
+                // SAFETY: every row is a cache row of this head (validated
+                // page table).
+                let ran = unsafe {
+                    crate::simd::weighted_sum_f16(e, sp, group, vbase, vrows, hd, vis, inv, oh)
+                };
+                debug_assert!(ran, "reads_f16_values said the path runs");
+            } else {
+                crate::simd::weighted_sum(e, sp, group, vh, hd, vis, inv, oh);
+            }
         }
     }
 

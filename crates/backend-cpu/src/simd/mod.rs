@@ -7,7 +7,8 @@
 //! element is one chain of fused multiply-adds in a fixed order (`mul_add`
 //! in the portable code, `vfmadd` in the SIMD code), so every level gives
 //! the same bits, and an element's value never depends on the tile or the
-//! vector lane it is computed in. The softmax and SiLU kernels (`exp`,
+//! vector lane it is computed in; [`weighted_sum_f16`] is [`weighted_sum`]
+//! over f16 rows read in place, with the same bits. The softmax and SiLU kernels (`exp`,
 //! `sum`, `max`, `silu_mul`) are in `softmax`, re-exported here.
 
 mod softmax;
@@ -334,6 +335,73 @@ pub fn weighted_sum(
     }
 }
 
+/// [`weighted_sum`] over f16 value rows read in place (offset `t` is the
+/// `hd` values at element `vrows[t] * hd` of `vh`: a KV cache's rows),
+/// widened as they are read: the same bits as [`weighted_sum`] over the
+/// widened rows (widening is exact), without writing them out first.
+/// Returns false, computing nothing, where the CPU has no vector path for
+/// it (AVX-512F, or AVX2 with FMA and F16C) or `hd` does not fit one: the
+/// caller then widens the rows and calls [`weighted_sum`].
+///
+/// # Safety
+/// For every visible offset `t`, `vh + vrows[t] * hd` points to `hd`
+/// readable values.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn weighted_sum_f16(
+    e: &[f32],
+    es: usize,
+    rows: usize,
+    vh: *const u16,
+    vrows: &[usize],
+    hd: usize,
+    vis: Visible<'_>,
+    inv: &[f32],
+    o: &mut [f32],
+) -> bool {
+    let end = vis.end.max(vis.extra.last().map_or(0, |&t| t as usize + 1));
+    assert!(vis.start <= vis.end && end <= es);
+    assert!(rows == 0 || e.len() >= (rows - 1) * es + end);
+    assert!(vrows.len() >= end && o.len() >= rows * hd && inv.len() >= rows);
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX-512F; every offset read is checked
+        // above or is the caller's contract.
+        Level::Avx512 if hd.is_multiple_of(16) => unsafe {
+            wsum_avx512_h(e, es, rows, vh, vrows, hd, vis, inv, o);
+            true
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked); as above.
+        Level::Avx2 | Level::Avx512 if reads_f16_values(hd) => unsafe {
+            wsum_avx2_h(e, es, rows, vh, vrows, hd, vis, inv, o);
+            true
+        },
+        _ => {
+            let _ = (vh, vrows);
+            false
+        }
+    }
+}
+
+/// Whether [`weighted_sum_f16`] runs (rather than returning false) for
+/// rows of `hd` values on this CPU.
+pub fn reads_f16_values(hd: usize) -> bool {
+    match level() {
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512 if hd.is_multiple_of(16) => true,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 | Level::Avx512 => hd.is_multiple_of(8) && has_f16c(),
+        _ => false,
+    }
+}
+
+/// Whether the CPU has F16C (detected once).
+#[cfg(target_arch = "x86_64")]
+fn has_f16c() -> bool {
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("f16c"))
+}
+
 /// Reference [`weighted_sum`].
 #[allow(clippy::too_many_arguments)]
 pub fn weighted_sum_portable(
@@ -555,17 +623,22 @@ scores_level!(
 /// Defines the SIMD [`weighted_sum`] of one level: tiles of `R <= 4` rows
 /// by `N <= $maxn` vectors of `$lanes` floats, starting at element `d0`
 /// (`$maxn` keeps the `R * N` accumulators in registers: 16 of AVX2's 16
-/// would spill).
+/// would spill). `$driver` reads f32 value rows, `$driver_h` f16 rows in
+/// place (`HALF`: row `t` at element `vrows[t] * hd` of `vh`), widened by
+/// `$loadh` as they are read; the arithmetic is the same.
 macro_rules! wsum_level {
-    ($tile:ident, $driver:ident, $feat:literal, $vt:ty, $zero:ident, $set1:ident, $load:ident,
-     $fma:ident, $mul:ident, $store:ident, $lanes:expr, $maxn:expr) => {
+    ($tile:ident, $body:ident, $driver:ident, $driver_h:ident, $feat:literal, $feat_h:literal,
+     $vt:ty, $zero:ident, $set1:ident, $load:ident, $loadh:ident, $fma:ident, $mul:ident,
+     $store:ident, $lanes:expr, $maxn:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $tile<const R: usize, const N: usize>(
+        unsafe fn $tile<const R: usize, const N: usize, const HALF: bool>(
             e: *const f32,
             es: usize,
             v: *const f32,
+            vh: *const u16,
+            vrows: *const usize,
             hd: usize,
             d0: usize,
             vis: Visible<'_>,
@@ -573,15 +646,22 @@ macro_rules! wsum_level {
             o: *mut f32,
         ) {
             // SAFETY: rows r < R of e (stride es) hold every visible offset,
-            // v holds their rows, and d0 + N * lanes <= hd (checked by
-            // `weighted_sum` and the driver).
+            // v (or vh at vrows) holds their rows, and d0 + N * lanes <= hd
+            // (checked by the callers and the driver).
             unsafe {
                 let mut acc: [[$vt; N]; R] = [[$zero(); N]; R];
                 for t in vis.iter() {
-                    let vp = v.add(t * hd + d0);
                     let mut vv: [$vt; N] = [$zero(); N];
-                    for (c, x) in vv.iter_mut().enumerate() {
-                        *x = $load(vp.add($lanes * c));
+                    if HALF {
+                        let vp = vh.add(*vrows.add(t) * hd + d0);
+                        for (c, x) in vv.iter_mut().enumerate() {
+                            *x = $loadh(vp.add($lanes * c));
+                        }
+                    } else {
+                        let vp = v.add(t * hd + d0);
+                        for (c, x) in vv.iter_mut().enumerate() {
+                            *x = $load(vp.add($lanes * c));
+                        }
                     }
                     for (r, a) in acc.iter_mut().enumerate() {
                         let et = $set1(*e.add(r * es + t));
@@ -600,13 +680,15 @@ macro_rules! wsum_level {
         }
 
         #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat)]
+        #[inline(always)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $driver(
+        unsafe fn $body<const HALF: bool>(
             e: &[f32],
             es: usize,
             rows: usize,
-            v: &[f32],
+            v: *const f32,
+            vh: *const u16,
+            vrows: *const usize,
             hd: usize,
             vis: Visible<'_>,
             inv: &[f32],
@@ -626,10 +708,18 @@ macro_rules! wsum_level {
                         macro_rules! go {
                             ($r:literal) => {
                                 match n {
-                                    4 => $tile::<$r, 4>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
-                                    3 => $tile::<$r, 3>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
-                                    2 => $tile::<$r, 2>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
-                                    _ => $tile::<$r, 1>(ep, es, v.as_ptr(), hd, d0, vis, ip, op),
+                                    4 => $tile::<$r, 4, HALF>(
+                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    ),
+                                    3 => $tile::<$r, 3, HALF>(
+                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    ),
+                                    2 => $tile::<$r, 2, HALF>(
+                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    ),
+                                    _ => $tile::<$r, 1, HALF>(
+                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    ),
                                 }
                             };
                         }
@@ -645,17 +735,100 @@ macro_rules! wsum_level {
                 r0 += rr;
             }
         }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $driver(
+            e: &[f32],
+            es: usize,
+            rows: usize,
+            v: &[f32],
+            hd: usize,
+            vis: Visible<'_>,
+            inv: &[f32],
+            o: &mut [f32],
+        ) {
+            let none = std::ptr::null();
+            // SAFETY: the caller's checks; `HALF` is off, so vh is not read.
+            unsafe {
+                $body::<false>(
+                    e,
+                    es,
+                    rows,
+                    v.as_ptr(),
+                    none,
+                    std::ptr::null(),
+                    hd,
+                    vis,
+                    inv,
+                    o,
+                )
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feat_h)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $driver_h(
+            e: &[f32],
+            es: usize,
+            rows: usize,
+            vh: *const u16,
+            vrows: &[usize],
+            hd: usize,
+            vis: Visible<'_>,
+            inv: &[f32],
+            o: &mut [f32],
+        ) {
+            // SAFETY: the caller's contract and checks; `HALF` is on, so v
+            // is not read.
+            unsafe {
+                $body::<true>(
+                    e,
+                    es,
+                    rows,
+                    std::ptr::null(),
+                    vh,
+                    vrows.as_ptr(),
+                    hd,
+                    vis,
+                    inv,
+                    o,
+                )
+            }
+        }
     };
+}
+
+/// Eight f16 values at `p`, widened (AVX + F16C callers).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load_h8(p: *const u16) -> __m256 {
+    // SAFETY: the caller's contract: 8 readable values.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+/// Sixteen f16 values at `p`, widened (AVX-512F callers).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load_h16(p: *const u16) -> __m512 {
+    // SAFETY: the caller's contract: 16 readable values.
+    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
 }
 
 wsum_level!(
     wsum_tile512,
+    wsum_body512,
     wsum_avx512,
+    wsum_avx512_h,
+    "avx512f",
     "avx512f",
     __m512,
     _mm512_setzero_ps,
     _mm512_set1_ps,
     _mm512_loadu_ps,
+    load_h16,
     _mm512_fmadd_ps,
     _mm512_mul_ps,
     _mm512_storeu_ps,
@@ -664,12 +837,16 @@ wsum_level!(
 );
 wsum_level!(
     wsum_tile256,
+    wsum_body256,
     wsum_avx2,
+    wsum_avx2_h,
     "avx2,fma",
+    "avx2,fma,f16c",
     __m256,
     _mm256_setzero_ps,
     _mm256_set1_ps,
     _mm256_loadu_ps,
+    load_h8,
     _mm256_fmadd_ps,
     _mm256_mul_ps,
     _mm256_storeu_ps,
@@ -749,6 +926,30 @@ mod tests {
             weighted_sum(&e, sp, rows, &v, hd, vis, &inv, &mut o1);
             weighted_sum_portable(&e, sp, rows, &v, hd, vis, &inv, &mut o2);
             assert!(o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()));
+            // f16 rows read in place, scattered over a larger cache, give
+            // the bits of the f32 path over the same rows widened.
+            let cache: Vec<half::f16> = vals(3 * sp * hd, 0.19)
+                .iter()
+                .map(|&x| half::f16::from_f32(x * 4.0))
+                .collect();
+            let vrows: Vec<usize> = (0..sp).map(|t| (t * 7 + 2) % (3 * sp)).collect();
+            let widened: Vec<f32> = vrows
+                .iter()
+                .flat_map(|&r| cache[r * hd..(r + 1) * hd].iter().map(|h| h.to_f32()))
+                .collect();
+            let mut o3 = vec![0.0; rows * hd];
+            let mut o4 = vec![0.0; rows * hd];
+            weighted_sum_portable(&e, sp, rows, &widened, hd, vis, &inv, &mut o3);
+            let vh = cache.as_ptr() as *const u16;
+            // SAFETY: every row index is inside the cache.
+            let ran = unsafe { weighted_sum_f16(&e, sp, rows, vh, &vrows, hd, vis, &inv, &mut o4) };
+            assert_eq!(ran, reads_f16_values(hd), "hd {hd}");
+            if ran {
+                assert!(
+                    o3.iter().zip(&o4).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "hd {hd}"
+                );
+            }
         }
     }
 }
