@@ -81,116 +81,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let m = &cfg.model;
-    let q = &cfg.scheduler;
-    let c = &cfg.cache;
-    let model_args = ModelArgs {
-        model_path: m.model_path.clone(),
-        device: m.device.clone().unwrap_or_else(|| "cpu".into()),
-        threads: m.threads.unwrap_or(0),
-        dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
-        quantization: m.quantization.clone(),
-        kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "auto".into()),
-        page_size: cfg.page_size(),
-        wgpu_adapter: m.wgpu_adapter.clone(),
-        disable_cuda_graph: args.disable_cuda_graph,
-        cuda_graph_max_bs: args.cuda_graph_max_bs.or(q.max_running_requests),
-        tp_size: cfg.parallel.tp_size.unwrap_or(1),
-        ep_size: cfg.parallel.ep_size.unwrap_or(1),
-        moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),
-        base_gpu_id: cfg.parallel.base_gpu_id.unwrap_or(0),
-        gpu_id_step: cfg.parallel.gpu_id_step.unwrap_or(1),
-        dp_size: cfg.parallel.dp_size.unwrap_or(1),
-        load_balance_method: cfg.parallel.load_balance_method.clone(),
-        enable_dp_attention: cfg.parallel.enable_dp_attention.unwrap_or(false),
-    };
-    let policy: SchedulePolicy = q
-        .schedule_policy
-        .as_deref()
-        .unwrap_or("lpm")
-        .parse()
-        .context("[scheduler] schedule_policy / --schedule-policy")?;
-    let defaults = EngineConfig::default();
-    let engine_cfg = EngineConfig {
-        max_running_requests: q
-            .max_running_requests
-            .unwrap_or(defaults.max_running_requests),
-        max_prefill_tokens: q.max_prefill_tokens.unwrap_or(defaults.max_prefill_tokens),
-        chunked_prefill_size: q
-            .chunked_prefill_size
-            .unwrap_or(defaults.chunked_prefill_size),
-        schedule_policy: policy,
-        schedule_conservativeness: q
-            .schedule_conservativeness
-            .unwrap_or(defaults.schedule_conservativeness),
-        enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
-        overlap_schedule: q.overlap_schedule,
-        disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
-        max_queued_requests: q
-            .max_queued_requests
-            .unwrap_or(defaults.max_queued_requests),
-        enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
-        speculative: cfg.speculative.to_engine()?,
-        max_loras_per_batch: cfg.lora.max_loras_per_batch.unwrap_or(8),
-        ..defaults
-    };
+    let model_args = model_args(&cfg, &args);
+    let engine_cfg = engine_config(&cfg)?;
     let lora = cfg.lora.to_settings()?;
     if model_args.enable_dp_attention {
-        if lora.is_some() {
-            bail!(
-                "--lora-paths with --enable-dp-attention: LoRA adapters are not supported with data-parallel attention"
-            );
-        }
-        if cfg
-            .disaggregation
-            .to_settings(engine_cfg.disable_radix_cache)?
-            .is_some()
-        {
-            bail!(
-                "--disaggregation-mode with --enable-dp-attention: PD disaggregation is not supported with data-parallel attention"
-            );
-        }
+        check_dp_attention(&cfg, &engine_cfg, lora.is_some())?;
     }
-    let kv = match (c.max_total_tokens, c.kv_cache_gb) {
-        (Some(t), _) => KvBudget::Tokens(t),
-        (None, Some(g)) => KvBudget::Bytes((g * (1u64 << 30) as f64) as u64),
-        (None, None) => KvBudget::Fraction(cfg.mem_fraction_static()),
-    };
-    let eviction_policy = c
+    let eviction_policy = cfg
+        .cache
         .radix_eviction_policy
         .clone()
         .unwrap_or_else(|| "lru".into());
     let mut registry = setup::registry()?;
-    let mut processors: Vec<(String, serde_json::Value)> = cfg
-        .sampling
-        .logits_processors
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .map(|n| (n, serde_json::Value::Null))
-        .collect();
-    for p in &cfg.plugins {
-        let config = match &p.config {
-            Some(t) => serde_json::to_value(t)?,
-            None => serde_json::Value::Null,
-        };
-        let info = arbor_engine_core::plugin::load_plugin(&p.path, &config, &mut registry)
-            .with_context(|| format!("[[plugins]] {}", p.path.display()))?;
-        eprintln!(
-            "loaded plugin {} {} from {}: eviction policies {:?}, logits processors {:?}, samplers {:?}",
-            info.name,
-            info.version,
-            p.path.display(),
-            info.eviction_policies,
-            info.logits_processors,
-            info.samplers
-        );
-        // A loaded plugin's logits processors apply to every request.
-        processors.extend(
-            info.logits_processors
-                .iter()
-                .map(|n| (n.clone(), config.clone())),
-        );
-    }
+    let processors = load_plugins(&cfg, &mut registry)?;
     let sampler = cfg
         .sampling
         .sampler
@@ -212,7 +115,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         &model_args,
         &EngineSetup {
             engine: engine_cfg.clone(),
-            kv,
+            kv: kv_budget(&cfg),
             eviction_policy: eviction_policy.clone(),
             sampler,
             processors,
@@ -235,8 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| "127.0.0.1".into());
     let port = cfg.server.port.unwrap_or(30000);
-    let metrics_prefix = cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into());
-    let opts = ServerOptions {
+    let mut opts = ServerOptions {
         served_model_name: served.clone(),
         model_path: model_path.clone(),
         context_length: spec.max_position_embeddings,
@@ -244,7 +146,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_request_bytes: cfg.server.max_request_bytes.unwrap_or(32 << 20),
         shutdown_timeout: Duration::from_secs_f64(cfg.server.shutdown_timeout.unwrap_or(30.0)),
         enable_metrics: cfg.metrics.enable_metrics.unwrap_or(false),
-        metrics_prefix: metrics_prefix.clone(),
+        metrics_prefix: cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into()),
         enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
         server_info: server_info(&cfg, &built),
         reasoning_parser: cfg.reasoning_parser()?,
@@ -252,42 +154,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
-    let mut opts = opts;
     let disaggregation = cfg
         .disaggregation
         .to_settings(engine_cfg.disable_radix_cache)?
         .map(|d| crate::disagg::start(&d, &engine, &host))
         .transpose()?;
-    let disagg_line = match &disaggregation {
-        None => "off".to_string(),
-        Some(crate::disagg::Started::Prefill { transfer, rooms }) => {
-            format!(
-                "prefill (sends prompts' KV to decode workers over {}; bootstrap rooms on {})",
-                transfer.name(),
-                rooms.local_addr()
-            )
+    let disagg_line = disaggregation.as_ref().map(|d| {
+        let (line, info) = describe_disaggregation(d);
+        if let Some(o) = opts.server_info.as_object_mut() {
+            o.insert("disaggregation".into(), info);
         }
-        Some(crate::disagg::Started::Decode { receiver, .. }) => {
-            format!("decode (receives KV over tcp on {})", receiver.local_addr())
-        }
-    };
-    if let (Some(o), Some(d)) = (opts.server_info.as_object_mut(), &disaggregation) {
-        let info = match d {
-            crate::disagg::Started::Prefill { rooms, .. } => serde_json::json!({
-                "mode": "prefill",
-                "transfer_backend": "tcp",
-                "kv_transfer_address": null,
-                "bootstrap_address": rooms.local_addr().to_string(),
-                "bootstrap_port": rooms.local_addr().port(),
-            }),
-            crate::disagg::Started::Decode { receiver, .. } => serde_json::json!({
-                "mode": "decode",
-                "transfer_backend": "tcp",
-                "kv_transfer_address": receiver.local_addr().to_string(),
-            }),
-        };
-        o.insert("disaggregation".into(), info);
-    }
+        line
+    });
     let mut server = Server::new(
         engine.clone(),
         built.model.tokenizer.clone(),
@@ -301,27 +179,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         server = server.with_disaggregation(d.server_part());
     }
     if let Some(l) = &lora {
-        let replicas = built
-            .rank_devices
-            .iter()
-            .map(|devices| devices.iter().map(|d| d.backend.clone()).collect())
-            .collect();
-        let registry = crate::lora::build(l, replicas, &spec)?;
-        for (name, loaded) in registry.list() {
-            eprintln!(
-                "LoRA adapter '{name}': rank {}, {:.2} MiB on {:?}, from {}",
-                loaded.adapter.rank(),
-                loaded.adapter.bytes() as f64 / (1u64 << 20) as f64,
-                loaded
-                    .adapter
-                    .targets()
-                    .iter()
-                    .map(|t| t.module())
-                    .collect::<Vec<_>>(),
-                loaded.path.display()
-            );
-        }
-        server = server.with_lora(registry);
+        server = server.with_lora(load_lora(l, &built.rank_devices, &spec)?);
     }
     server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {
         registry: Arc::new(registry),
@@ -332,6 +190,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }));
     // Only the engine holds the weights from here on (released memory is freed).
     drop(built.model);
+    let summary = Summary {
+        cfg: &cfg,
+        model: &model_args,
+        spec: &spec,
+        model_path: &model_path,
+        served: &served,
+        kv: (built.kv_tokens, built.kv_bytes),
+        kv_dtype: built.kv_dtype.to_string(),
+        kv_note: &built.kv_note,
+        engine: &engine_cfg,
+        opts: &opts,
+        eviction_policy: &eviction_policy,
+        disaggregation: disagg_line.as_deref(),
+    };
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
@@ -344,10 +216,242 @@ pub fn run(args: ServeArgs) -> Result<()> {
             .await
             .with_context(|| format!("listening on {host}:{port}"))?;
         let addr = listener.local_addr()?;
+        summary.print()?;
+        println!("listening on http://{addr}");
+        server
+            .serve(listener, arbor_server::shutdown_signal())
+            .await
+            .context("serving")?;
+        Ok(())
+    });
+    rt.shutdown_timeout(Duration::from_secs(2));
+    // The last handle stops the scheduler thread.
+    drop(engine);
+    result?;
+    println!("arbor serve: stopped");
+    Ok(())
+}
+
+/// The model settings of `[model]`, `[scheduler]` and `[parallel]`.
+fn model_args(cfg: &ServeConfig, args: &ServeArgs) -> ModelArgs {
+    let m = &cfg.model;
+    ModelArgs {
+        model_path: m.model_path.clone(),
+        device: m.device.clone().unwrap_or_else(|| "cpu".into()),
+        threads: m.threads.unwrap_or(0),
+        dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
+        quantization: m.quantization.clone(),
+        kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "auto".into()),
+        page_size: cfg.page_size(),
+        wgpu_adapter: m.wgpu_adapter.clone(),
+        disable_cuda_graph: args.disable_cuda_graph,
+        cuda_graph_max_bs: args
+            .cuda_graph_max_bs
+            .or(cfg.scheduler.max_running_requests),
+        tp_size: cfg.parallel.tp_size.unwrap_or(1),
+        ep_size: cfg.parallel.ep_size.unwrap_or(1),
+        moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),
+        base_gpu_id: cfg.parallel.base_gpu_id.unwrap_or(0),
+        gpu_id_step: cfg.parallel.gpu_id_step.unwrap_or(1),
+        dp_size: cfg.parallel.dp_size.unwrap_or(1),
+        load_balance_method: cfg.parallel.load_balance_method.clone(),
+        enable_dp_attention: cfg.parallel.enable_dp_attention.unwrap_or(false),
+    }
+}
+
+/// The engine settings of `[scheduler]`, `[cache]`, `[grammar]`,
+/// `[speculative]` and `[lora]`, SGLang's defaults elsewhere.
+fn engine_config(cfg: &ServeConfig) -> Result<EngineConfig> {
+    let (q, c) = (&cfg.scheduler, &cfg.cache);
+    let policy: SchedulePolicy = q
+        .schedule_policy
+        .as_deref()
+        .unwrap_or("lpm")
+        .parse()
+        .context("[scheduler] schedule_policy / --schedule-policy")?;
+    let defaults = EngineConfig::default();
+    Ok(EngineConfig {
+        max_running_requests: q
+            .max_running_requests
+            .unwrap_or(defaults.max_running_requests),
+        max_prefill_tokens: q.max_prefill_tokens.unwrap_or(defaults.max_prefill_tokens),
+        chunked_prefill_size: q
+            .chunked_prefill_size
+            .unwrap_or(defaults.chunked_prefill_size),
+        schedule_policy: policy,
+        schedule_conservativeness: q
+            .schedule_conservativeness
+            .unwrap_or(defaults.schedule_conservativeness),
+        enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
+        overlap_schedule: q.overlap_schedule,
+        disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
+        max_queued_requests: q
+            .max_queued_requests
+            .unwrap_or(defaults.max_queued_requests),
+        enable_jump_forward: cfg.grammar.jump_forward.unwrap_or(true),
+        speculative: cfg.speculative.to_engine()?,
+        max_loras_per_batch: cfg.lora.max_loras_per_batch.unwrap_or(8),
+        ..defaults
+    })
+}
+
+/// What data-parallel attention cannot run with.
+fn check_dp_attention(cfg: &ServeConfig, engine: &EngineConfig, lora: bool) -> Result<()> {
+    if lora {
+        bail!(
+            "--lora-paths with --enable-dp-attention: LoRA adapters are not supported with data-parallel attention"
+        );
+    }
+    if cfg
+        .disaggregation
+        .to_settings(engine.disable_radix_cache)?
+        .is_some()
+    {
+        bail!(
+            "--disaggregation-mode with --enable-dp-attention: PD disaggregation is not supported with data-parallel attention"
+        );
+    }
+    Ok(())
+}
+
+/// The KV cache budget: `max_total_tokens`, else `kv_cache_gb`, else the
+/// memory fraction.
+fn kv_budget(cfg: &ServeConfig) -> KvBudget {
+    let c = &cfg.cache;
+    match (c.max_total_tokens, c.kv_cache_gb) {
+        (Some(t), _) => KvBudget::Tokens(t),
+        (None, Some(g)) => KvBudget::Bytes((g * (1u64 << 30) as f64) as u64),
+        (None, None) => KvBudget::Fraction(cfg.mem_fraction_static()),
+    }
+}
+
+/// Loads the `[[plugins]]` into `registry`; returns the logits processors
+/// every request runs: `[sampling] logits_processors` and the plugins'.
+fn load_plugins(
+    cfg: &ServeConfig,
+    registry: &mut arbor_engine_core::Registry,
+) -> Result<Vec<(String, serde_json::Value)>> {
+    let mut processors: Vec<(String, serde_json::Value)> = cfg
+        .sampling
+        .logits_processors
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|n| (n, serde_json::Value::Null))
+        .collect();
+    for p in &cfg.plugins {
+        let config = match &p.config {
+            Some(t) => serde_json::to_value(t)?,
+            None => serde_json::Value::Null,
+        };
+        let info = arbor_engine_core::plugin::load_plugin(&p.path, &config, registry)
+            .with_context(|| format!("[[plugins]] {}", p.path.display()))?;
+        eprintln!(
+            "loaded plugin {} {} from {}: eviction policies {:?}, logits processors {:?}, samplers {:?}",
+            info.name,
+            info.version,
+            p.path.display(),
+            info.eviction_policies,
+            info.logits_processors,
+            info.samplers
+        );
+        // A loaded plugin's logits processors apply to every request.
+        processors.extend(
+            info.logits_processors
+                .iter()
+                .map(|n| (n.clone(), config.clone())),
+        );
+    }
+    Ok(processors)
+}
+
+/// The summary line of a started disaggregation role, and its
+/// `/get_server_info` entry.
+fn describe_disaggregation(d: &crate::disagg::Started) -> (String, serde_json::Value) {
+    match d {
+        crate::disagg::Started::Prefill { transfer, rooms } => (
+            format!(
+                "prefill (sends prompts' KV to decode workers over {}; bootstrap rooms on {})",
+                transfer.name(),
+                rooms.local_addr()
+            ),
+            serde_json::json!({
+                "mode": "prefill",
+                "transfer_backend": "tcp",
+                "kv_transfer_address": null,
+                "bootstrap_address": rooms.local_addr().to_string(),
+                "bootstrap_port": rooms.local_addr().port(),
+            }),
+        ),
+        crate::disagg::Started::Decode { receiver, .. } => (
+            format!("decode (receives KV over tcp on {})", receiver.local_addr()),
+            serde_json::json!({
+                "mode": "decode",
+                "transfer_backend": "tcp",
+                "kv_transfer_address": receiver.local_addr().to_string(),
+            }),
+        ),
+    }
+}
+
+/// Loads the `[lora]` adapters onto every replica's devices, printing each.
+fn load_lora(
+    l: &crate::lora::LoraSettings,
+    rank_devices: &[Vec<setup::ShardDevice>],
+    spec: &arbor_engine_core::ModelSpec,
+) -> Result<Arc<arbor_lora::LoraRegistry>> {
+    let replicas = rank_devices
+        .iter()
+        .map(|devices| devices.iter().map(|d| d.backend.clone()).collect())
+        .collect();
+    let registry = crate::lora::build(l, replicas, spec)?;
+    for (name, loaded) in registry.list() {
+        eprintln!(
+            "LoRA adapter '{name}': rank {}, {:.2} MiB on {:?}, from {}",
+            loaded.adapter.rank(),
+            loaded.adapter.bytes() as f64 / (1u64 << 20) as f64,
+            loaded
+                .adapter
+                .targets()
+                .iter()
+                .map(|t| t.module())
+                .collect::<Vec<_>>(),
+            loaded.path.display()
+        );
+    }
+    Ok(registry)
+}
+
+/// What the start-up summary reports.
+struct Summary<'a> {
+    cfg: &'a ServeConfig,
+    model: &'a ModelArgs,
+    spec: &'a arbor_engine_core::ModelSpec,
+    model_path: &'a str,
+    served: &'a str,
+    /// KV capacity in tokens and bytes.
+    kv: (usize, u64),
+    kv_dtype: String,
+    kv_note: &'a str,
+    engine: &'a EngineConfig,
+    opts: &'a ServerOptions,
+    eviction_policy: &'a str,
+    disaggregation: Option<&'a str>,
+}
+
+impl Summary<'_> {
+    /// Prints the summary on stdout (before the `listening on` line).
+    fn print(&self) -> Result<()> {
+        let (spec, model_args, engine_cfg, opts) = (self.spec, self.model, self.engine, self.opts);
+        let (kv_tokens, kv_bytes) = self.kv;
         println!("arbor serve");
         println!(
-            "  model:      {model_path} ({}, {} layers, context {}) served as '{served}'",
-            spec.architecture, spec.num_layers, spec.max_position_embeddings
+            "  model:      {} ({}, {} layers, context {}) served as '{}'",
+            self.model_path,
+            spec.architecture,
+            spec.num_layers,
+            spec.max_position_embeddings,
+            self.served
         );
         println!(
             "  weights:    {} ({}), {} on {} ({} threads)",
@@ -355,16 +459,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
             spec.quantization,
             mib(spec.weight_bytes),
             model_args.device,
-            if model_args.threads == 0 { "all".to_string() } else { model_args.threads.to_string() }
+            if model_args.threads == 0 {
+                "all".to_string()
+            } else {
+                model_args.threads.to_string()
+            }
         );
         println!(
             "  KV cache:   {} tokens ({} pages of {}), {}, {} [{}]",
-            built.kv_tokens,
-            built.kv_tokens / model_args.page_size.max(1),
+            kv_tokens,
+            kv_tokens / model_args.page_size.max(1),
             model_args.page_size,
-            built.kv_dtype,
-            mib(built.kv_bytes),
-            built.kv_note
+            self.kv_dtype,
+            mib(kv_bytes),
+            self.kv_note
         );
         println!(
             "  scheduler:  max_running_requests {}, max_prefill_tokens {}, chunked_prefill_size {}, policy {}, mixed chunk {}, overlap schedule {}",
@@ -379,39 +487,59 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 None => "auto (on for asynchronous devices)",
             }
         );
-        println!(
-            "  cache:      {}",
-            if engine_cfg.disable_radix_cache {
-                "prefix reuse off".to_string()
-            } else {
-                let tiers = match cfg.hicache.to_settings(false).ok().flatten() {
-                    None => String::new(),
-                    Some(h) => format!(
-                        "; HiCache host tier {}, {}, storage {} (prefetch {})",
-                        if h.size_gb > 0.0 {
-                            format!("{} GB", h.size_gb)
-                        } else {
-                            format!("{}x the device pool", h.ratio)
-                        },
-                        h.write_policy,
-                        h.storage.as_ref().map_or("none", |(b, _)| b.as_str()),
-                        h.prefetch_policy
-                    ),
-                };
-                format!("radix, eviction {eviction_policy}{tiers}")
-            }
-        );
+        println!("  cache:      {}", self.cache_line());
         println!(
             "  limits:     request body {}, shutdown timeout {} s, API key {}, metrics {}, cache report {}",
             mib(opts.max_request_bytes as u64),
             opts.shutdown_timeout.as_secs_f64(),
-            if opts.api_key.is_some() { "required" } else { "off" },
-            if opts.enable_metrics { format!("on ({metrics_prefix}:)") } else { "off".into() },
-            if opts.enable_cache_report { "on" } else { "off" }
+            if opts.api_key.is_some() {
+                "required"
+            } else {
+                "off"
+            },
+            if opts.enable_metrics {
+                format!("on ({}:)", opts.metrics_prefix)
+            } else {
+                "off".into()
+            },
+            if opts.enable_cache_report {
+                "on"
+            } else {
+                "off"
+            }
         );
-        if disaggregation.is_some() {
-            println!("  disaggregation: {disagg_line}");
+        if let Some(line) = self.disaggregation {
+            println!("  disaggregation: {line}");
         }
+        self.print_parallel()
+    }
+
+    /// The prefix cache and its tiers.
+    fn cache_line(&self) -> String {
+        if self.engine.disable_radix_cache {
+            return "prefix reuse off".to_string();
+        }
+        let tiers = match self.cfg.hicache.to_settings(false).ok().flatten() {
+            None => String::new(),
+            Some(h) => format!(
+                "; HiCache host tier {}, {}, storage {} (prefetch {})",
+                if h.size_gb > 0.0 {
+                    format!("{} GB", h.size_gb)
+                } else {
+                    format!("{}x the device pool", h.ratio)
+                },
+                h.write_policy,
+                h.storage.as_ref().map_or("none", |(b, _)| b.as_str()),
+                h.prefetch_policy
+            ),
+        };
+        format!("radix, eviction {}{tiers}", self.eviction_policy)
+    }
+
+    /// Tensor, expert and data parallelism, where there is any.
+    fn print_parallel(&self) -> Result<()> {
+        let (model_args, cfg) = (self.model, self.cfg);
+        let kv_tokens = self.kv.0;
         let parallel = model_args.parallel()?;
         let tp = parallel.tp;
         if tp > 1 {
@@ -419,8 +547,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
             let placement = if device == "cpu" {
                 "the threads split between them".to_string()
             } else {
-                let ids: Vec<String> = (0..tp).map(|r| parallel.device_index(r).to_string()).collect();
-                format!("{device} devices {}, collectives through host memory", ids.join(", "))
+                let ids: Vec<String> = (0..tp)
+                    .map(|r| parallel.device_index(r).to_string())
+                    .collect();
+                format!(
+                    "{device} devices {}, collectives through host memory",
+                    ids.join(", ")
+                )
             };
             println!(
                 "  parallel:   tensor-parallel {tp} ranks (in-process, {placement}), \
@@ -435,7 +568,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
                  requests with its own scheduler and KV cache of {} tokens (feed-forward split \
                  over the ranks), load balance {}",
                 parallel.dp,
-                built.kv_tokens / parallel.dp,
+                kv_tokens / parallel.dp,
                 parallel.balance
             );
         } else if parallel.dp > 1 {
@@ -451,23 +584,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 "  data-parallel: {} replicas ({placement}), each with its own scheduler and \
                  KV cache of {} tokens, load balance {}",
                 parallel.dp,
-                built.kv_tokens / parallel.dp,
+                kv_tokens / parallel.dp,
                 parallel.balance
             );
         }
-        println!("listening on http://{addr}");
-        server
-            .serve(listener, arbor_server::shutdown_signal())
-            .await
-            .context("serving")?;
         Ok(())
-    });
-    rt.shutdown_timeout(Duration::from_secs(2));
-    // The last handle stops the scheduler thread.
-    drop(engine);
-    result?;
-    println!("arbor serve: stopped");
-    Ok(())
+    }
 }
 
 /// The grammar backend for the served model's tokenizer, behind a compile cache
