@@ -14,9 +14,9 @@
 //! of every head of the GQA group, computes all their scores over the
 //! block's key span, and then, query by query, the softmax over exactly the
 //! keys it sees and the weighted sum of their values. A single-query block
-//! (a decode) over an f16 cache skips gathering the values: its weighted
-//! sum reads them from the cache in place, widened as they are read (the
-//! same values, so the same bits). Tasks are handed out
+//! (a decode) over an f16, bf16 or FP8 cache skips gathering the values:
+//! its weighted sum reads them from the cache in place, widened as they are
+//! read (the same values, so the same bits). Tasks are handed out
 //! through an atomic counter, so long and short sequences balance across
 //! threads. Each task writes only its own (token, head) slices of the output.
 //!
@@ -144,6 +144,20 @@ impl KvPtr {
         let _ = (first, count);
     }
 
+    /// The cache's element format, for a half-precision or FP8 cache.
+    #[inline(always)]
+    fn narrow(&self) -> Option<Narrow> {
+        match self.dtype {
+            DType::F16 => Some(Narrow::F16),
+            DType::BF16 => Some(Narrow::BF16),
+            DType::F8E4M3 | DType::F8E5M2 => Some(Narrow::Fp8 {
+                e4m3: self.dtype == DType::F8E4M3,
+                scale: self.scale,
+            }),
+            _ => None,
+        }
+    }
+
     /// Reads the element rows `slots[..8]` (of `width` values) widened and
     /// transposed into `dst` (`dst[d * stride + l]` = value `d` of row `l`)
     /// in one pass, for a half-precision or FP8 cache where the CPU can;
@@ -159,14 +173,8 @@ impl KvPtr {
         dst: &mut [f32],
         stride: usize,
     ) -> bool {
-        let format = match self.dtype {
-            DType::F16 => Narrow::F16,
-            DType::BF16 => Narrow::BF16,
-            DType::F8E4M3 | DType::F8E5M2 => Narrow::Fp8 {
-                e4m3: self.dtype == DType::F8E4M3,
-                scale: self.scale,
-            },
-            _ => return false,
+        let Some(format) = self.narrow() else {
+            return false;
         };
         let bytes = width * format.bytes();
         let base = self.ptr.get() as *const u8;
@@ -357,7 +365,7 @@ impl AttentionBackend for CpuAttention {
             scale: p.scale,
             window: p.sliding_window,
             all_heads: false,
-            v_f16: vc.dtype == DType::F16 && crate::simd::reads_f16_values(hd),
+            v_narrow: vc.narrow().filter(|_| crate::simd::reads_narrow_values(hd)),
         };
         let (step, tasks) = step.plan(self.pool.threads());
         let next = AtomicUsize::new(0);
@@ -410,10 +418,10 @@ struct Step<'a> {
     window: Option<usize>,
     /// Whether short blocks take all their KV heads in one task.
     all_heads: bool,
-    /// Whether the cache's values can be read in place (f16, and a CPU
-    /// path for it): single-query blocks then skip gathering them (see
-    /// [`Step::values_in_place`]).
-    v_f16: bool,
+    /// The cache's value format where it can be read in place (a narrow
+    /// format, and a CPU path for it): single-query blocks then skip
+    /// gathering the values (see [`Step::values_in_place`]).
+    v_narrow: Option<Narrow>,
 }
 
 /// A task's query block and the key span it reads.
@@ -519,7 +527,7 @@ impl<'a> Step<'a> {
     /// once either way. A longer block's queries each read every value, so
     /// they read them widened once.
     fn values_in_place(&self, b: &Block<'_>) -> bool {
-        self.v_f16 && b.j1 - b.j0 == 1
+        self.v_narrow.is_some() && b.j1 - b.j0 == 1
     }
 
     /// Runs one task: gathers its heads' keys and values, then attends
@@ -671,14 +679,16 @@ impl<'a> Step<'a> {
                 )
             };
             let e = &scores[r0 * sp..];
-            if in_place {
-                let vbase = self.vc.ptr.get() as *const u16;
+            if let (true, Some(format)) = (in_place, self.v_narrow) {
+                let vbase = self.vc.ptr.get() as *const u8;
                 // SAFETY: every row is a cache row of this head (validated
                 // page table).
                 let ran = unsafe {
-                    crate::simd::weighted_sum_f16(e, sp, group, vbase, vrows, hd, vis, inv, oh)
+                    crate::simd::weighted_sum_narrow(
+                        e, sp, group, vbase, format, vrows, hd, vis, inv, oh,
+                    )
                 };
-                debug_assert!(ran, "reads_f16_values said the path runs");
+                debug_assert!(ran, "reads_narrow_values said the path runs");
             } else {
                 crate::simd::weighted_sum(e, sp, group, vh, hd, vis, inv, oh);
             }

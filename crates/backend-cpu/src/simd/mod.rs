@@ -7,11 +7,14 @@
 //! element is one chain of fused multiply-adds in a fixed order (`mul_add`
 //! in the portable code, `vfmadd` in the SIMD code), so every level gives
 //! the same bits, and an element's value never depends on the tile or the
-//! vector lane it is computed in; [`weighted_sum_f16`] is [`weighted_sum`]
-//! over f16 rows read in place, with the same bits. The softmax and SiLU kernels (`exp`,
+//! vector lane it is computed in; [`weighted_sum_narrow`] is
+//! [`weighted_sum`] over f16, bf16 or FP8 rows read in place, with the
+//! same bits. The softmax and SiLU kernels (`exp`,
 //! `sum`, `max`, `silu_mul`) are in `softmax`, re-exported here.
 
 mod softmax;
+
+use crate::convert::Narrow;
 
 pub use softmax::{exp, exp_slice, max, silu_mul, sum};
 #[cfg(target_arch = "x86_64")]
@@ -335,23 +338,24 @@ pub fn weighted_sum(
     }
 }
 
-/// [`weighted_sum`] over f16 value rows read in place (offset `t` is the
-/// `hd` values at element `vrows[t] * hd` of `vh`: a KV cache's rows),
-/// widened as they are read: the same bits as [`weighted_sum`] over the
-/// widened rows (widening is exact), without writing them out first.
-/// Returns false, computing nothing, where the CPU has no vector path for
-/// it (AVX-512F, or AVX2 with FMA and F16C) or `hd` does not fit one: the
-/// caller then widens the rows and calls [`weighted_sum`].
+/// [`weighted_sum`] over narrow value rows read in place (offset `t` is
+/// the `hd` elements of `format` at element `vrows[t] * hd` of `vn`: a KV
+/// cache's rows), widened as they are read with the row conversions'
+/// operations (`crate::convert`; FP8 times its scale): the same bits as
+/// [`weighted_sum`] over the widened rows, without writing them out first.
+/// Returns false, computing nothing, where [`reads_narrow_values`] is
+/// false: the caller then widens the rows and calls [`weighted_sum`].
 ///
 /// # Safety
-/// For every visible offset `t`, `vh + vrows[t] * hd` points to `hd`
-/// readable values.
+/// For every visible offset `t`, `vn + vrows[t] * hd * format.bytes()`
+/// points to `hd` readable elements.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn weighted_sum_f16(
+pub unsafe fn weighted_sum_narrow(
     e: &[f32],
     es: usize,
     rows: usize,
-    vh: *const u16,
+    vn: *const u8,
+    format: Narrow,
     vrows: &[usize],
     hd: usize,
     vis: Visible<'_>,
@@ -362,33 +366,29 @@ pub unsafe fn weighted_sum_f16(
     assert!(vis.start <= vis.end && end <= es);
     assert!(rows == 0 || e.len() >= (rows - 1) * es + end);
     assert!(vrows.len() >= end && o.len() >= rows * hd && inv.len() >= rows);
+    if !reads_narrow_values(hd) {
+        return false;
+    }
     match level() {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU supports AVX-512F; every offset read is checked
-        // above or is the caller's contract.
+        // SAFETY: the CPU supports AVX-512F, AVX2 and F16C (checked); every
+        // offset read is checked above or is the caller's contract.
         Level::Avx512 if hd.is_multiple_of(16) => unsafe {
-            wsum_avx512_h(e, es, rows, vh, vrows, hd, vis, inv, o);
-            true
+            wsum_avx512_n(e, es, rows, vn, format, vrows, hd, vis, inv, o);
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU supports AVX2, FMA and F16C (checked); as above.
-        Level::Avx2 | Level::Avx512 if reads_f16_values(hd) => unsafe {
-            wsum_avx2_h(e, es, rows, vh, vrows, hd, vis, inv, o);
-            true
-        },
-        _ => {
-            let _ = (vh, vrows);
-            false
-        }
+        _ => unsafe { wsum_avx2_n(e, es, rows, vn, format, vrows, hd, vis, inv, o) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("reads_narrow_values is false off x86"),
     }
+    true
 }
 
-/// Whether [`weighted_sum_f16`] runs (rather than returning false) for
-/// rows of `hd` values on this CPU.
-pub fn reads_f16_values(hd: usize) -> bool {
+/// Whether [`weighted_sum_narrow`] runs (rather than returning false) for
+/// rows of `hd` values on this CPU: AVX-512F or AVX2 with FMA and F16C.
+pub fn reads_narrow_values(hd: usize) -> bool {
     match level() {
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 if hd.is_multiple_of(16) => true,
         #[cfg(target_arch = "x86_64")]
         Level::Avx2 | Level::Avx512 => hd.is_multiple_of(8) && has_f16c(),
         _ => false,
@@ -623,22 +623,24 @@ scores_level!(
 /// Defines the SIMD [`weighted_sum`] of one level: tiles of `R <= 4` rows
 /// by `N <= $maxn` vectors of `$lanes` floats, starting at element `d0`
 /// (`$maxn` keeps the `R * N` accumulators in registers: 16 of AVX2's 16
-/// would spill). `$driver` reads f32 value rows, `$driver_h` f16 rows in
-/// place (`HALF`: row `t` at element `vrows[t] * hd` of `vh`), widened by
-/// `$loadh` as they are read; the arithmetic is the same.
+/// would spill). `$driver` reads f32 value rows, `$driver_n` narrow rows in
+/// place (`FMT` > 0, a [`narrow_code`]: row `t` at element `vrows[t] * hd`
+/// of `vn`), widened by `$loadn` as they are read; the arithmetic is the
+/// same.
 macro_rules! wsum_level {
-    ($tile:ident, $body:ident, $driver:ident, $driver_h:ident, $feat:literal, $feat_h:literal,
-     $vt:ty, $zero:ident, $set1:ident, $load:ident, $loadh:ident, $fma:ident, $mul:ident,
+    ($tile:ident, $body:ident, $driver:ident, $driver_n:ident, $feat:literal, $feat_n:literal,
+     $vt:ty, $zero:ident, $set1:ident, $load:ident, $loadn:ident, $fma:ident, $mul:ident,
      $store:ident, $lanes:expr, $maxn:expr) => {
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $tile<const R: usize, const N: usize, const HALF: bool>(
+        unsafe fn $tile<const R: usize, const N: usize, const FMT: u8>(
             e: *const f32,
             es: usize,
             v: *const f32,
-            vh: *const u16,
+            vn: *const u8,
             vrows: *const usize,
+            scale: f32,
             hd: usize,
             d0: usize,
             vis: Visible<'_>,
@@ -646,16 +648,17 @@ macro_rules! wsum_level {
             o: *mut f32,
         ) {
             // SAFETY: rows r < R of e (stride es) hold every visible offset,
-            // v (or vh at vrows) holds their rows, and d0 + N * lanes <= hd
+            // v (or vn at vrows) holds their rows, and d0 + N * lanes <= hd
             // (checked by the callers and the driver).
             unsafe {
                 let mut acc: [[$vt; N]; R] = [[$zero(); N]; R];
+                let width = narrow_bytes(FMT);
                 for t in vis.iter() {
                     let mut vv: [$vt; N] = [$zero(); N];
-                    if HALF {
-                        let vp = vh.add(*vrows.add(t) * hd + d0);
+                    if FMT > 0 {
+                        let vp = vn.add((*vrows.add(t) * hd + d0) * width);
                         for (c, x) in vv.iter_mut().enumerate() {
-                            *x = $loadh(vp.add($lanes * c));
+                            *x = $loadn::<FMT>(vp.add($lanes * c * width), scale);
                         }
                     } else {
                         let vp = v.add(t * hd + d0);
@@ -682,13 +685,14 @@ macro_rules! wsum_level {
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $body<const HALF: bool>(
+        unsafe fn $body<const FMT: u8>(
             e: &[f32],
             es: usize,
             rows: usize,
             v: *const f32,
-            vh: *const u16,
+            vn: *const u8,
             vrows: *const usize,
+            scale: f32,
             hd: usize,
             vis: Visible<'_>,
             inv: &[f32],
@@ -708,17 +712,17 @@ macro_rules! wsum_level {
                         macro_rules! go {
                             ($r:literal) => {
                                 match n {
-                                    4 => $tile::<$r, 4, HALF>(
-                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    4 => $tile::<$r, 4, FMT>(
+                                        ep, es, v, vn, vrows, scale, hd, d0, vis, ip, op,
                                     ),
-                                    3 => $tile::<$r, 3, HALF>(
-                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    3 => $tile::<$r, 3, FMT>(
+                                        ep, es, v, vn, vrows, scale, hd, d0, vis, ip, op,
                                     ),
-                                    2 => $tile::<$r, 2, HALF>(
-                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    2 => $tile::<$r, 2, FMT>(
+                                        ep, es, v, vn, vrows, scale, hd, d0, vis, ip, op,
                                     ),
-                                    _ => $tile::<$r, 1, HALF>(
-                                        ep, es, v, vh, vrows, hd, d0, vis, ip, op,
+                                    _ => $tile::<$r, 1, FMT>(
+                                        ep, es, v, vn, vrows, scale, hd, d0, vis, ip, op,
                                     ),
                                 }
                             };
@@ -749,86 +753,141 @@ macro_rules! wsum_level {
             inv: &[f32],
             o: &mut [f32],
         ) {
-            let none = std::ptr::null();
-            // SAFETY: the caller's checks; `HALF` is off, so vh is not read.
-            unsafe {
-                $body::<false>(
-                    e,
-                    es,
-                    rows,
-                    v.as_ptr(),
-                    none,
-                    std::ptr::null(),
-                    hd,
-                    vis,
-                    inv,
-                    o,
-                )
-            }
+            let (vn, vrows) = (std::ptr::null(), std::ptr::null());
+            // SAFETY: the caller's checks; `FMT` 0 reads v, not vn.
+            unsafe { $body::<0>(e, es, rows, v.as_ptr(), vn, vrows, 1.0, hd, vis, inv, o) }
         }
 
         #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $feat_h)]
+        #[target_feature(enable = $feat_n)]
         #[allow(clippy::too_many_arguments)]
-        unsafe fn $driver_h(
+        unsafe fn $driver_n(
             e: &[f32],
             es: usize,
             rows: usize,
-            vh: *const u16,
+            vn: *const u8,
+            format: Narrow,
             vrows: &[usize],
             hd: usize,
             vis: Visible<'_>,
             inv: &[f32],
             o: &mut [f32],
         ) {
-            // SAFETY: the caller's contract and checks; `HALF` is on, so v
-            // is not read.
+            let (v, vr) = (std::ptr::null(), vrows.as_ptr());
+            let scale = match format {
+                Narrow::Fp8 { scale, .. } => scale,
+                _ => 1.0,
+            };
+            // SAFETY: the caller's contract and checks; a narrow `FMT`
+            // reads vn, not v.
             unsafe {
-                $body::<true>(
-                    e,
-                    es,
-                    rows,
-                    std::ptr::null(),
-                    vh,
-                    vrows.as_ptr(),
-                    hd,
-                    vis,
-                    inv,
-                    o,
-                )
+                match narrow_code(format) {
+                    1 => $body::<1>(e, es, rows, v, vn, vr, scale, hd, vis, inv, o),
+                    2 => $body::<2>(e, es, rows, v, vn, vr, scale, hd, vis, inv, o),
+                    3 => $body::<3>(e, es, rows, v, vn, vr, scale, hd, vis, inv, o),
+                    _ => $body::<4>(e, es, rows, v, vn, vr, scale, hd, vis, inv, o),
+                }
             }
         }
     };
 }
 
-/// Eight f16 values at `p`, widened (AVX + F16C callers).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn load_h8(p: *const u16) -> __m256 {
-    // SAFETY: the caller's contract: 8 readable values.
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+/// A narrow format's code for the kernels' `FMT`: 1 f16, 2 bf16, 3 E4M3,
+/// 4 E5M2 (0 is f32).
+fn narrow_code(format: Narrow) -> u8 {
+    match format {
+        Narrow::F16 => 1,
+        Narrow::BF16 => 2,
+        Narrow::Fp8 { e4m3: true, .. } => 3,
+        Narrow::Fp8 { e4m3: false, .. } => 4,
+    }
 }
 
-/// Sixteen f16 values at `p`, widened (AVX-512F callers).
+/// Bytes per element of format code `fmt`.
+#[inline(always)]
+const fn narrow_bytes(fmt: u8) -> usize {
+    if fmt <= 2 { 2 } else { 1 }
+}
+
+/// Eight elements of format code `FMT` at `p`, widened with the row
+/// conversions' operations (`crate::convert`: FP8 times `scale`).
+///
+/// # Safety
+/// AVX2 and F16C; 8 readable elements at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn load_h16(p: *const u16) -> __m512 {
-    // SAFETY: the caller's contract: 16 readable values.
-    unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+unsafe fn load_n8<const FMT: u8>(p: *const u8, scale: f32) -> __m256 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match FMT {
+            1 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+            2 => {
+                let h = _mm_loadu_si128(p as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+            _ => {
+                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
+                let v = if FMT == 3 {
+                    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
+                    let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
+                    _mm256_mul_ps(
+                        _mm256_cvtph_ps(_mm_or_si128(sign, mag)),
+                        _mm256_set1_ps(256.0),
+                    )
+                } else {
+                    _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
+                };
+                _mm256_mul_ps(v, _mm256_set1_ps(scale))
+            }
+        }
+    }
+}
+
+/// Sixteen elements of format code `FMT` at `p`, widened as [`load_n8`].
+///
+/// # Safety
+/// AVX-512F; 16 readable elements at `p`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load_n16<const FMT: u8>(p: *const u8, scale: f32) -> __m512 {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match FMT {
+            1 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+            2 => {
+                let h = _mm256_loadu_si256(p as *const __m256i);
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            }
+            _ => {
+                let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+                let v = if FMT == 3 {
+                    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
+                    let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)));
+                    _mm512_mul_ps(
+                        _mm512_cvtph_ps(_mm256_or_si256(sign, mag)),
+                        _mm512_set1_ps(256.0),
+                    )
+                } else {
+                    _mm512_cvtph_ps(_mm256_slli_epi16::<8>(b))
+                };
+                _mm512_mul_ps(v, _mm512_set1_ps(scale))
+            }
+        }
+    }
 }
 
 wsum_level!(
     wsum_tile512,
     wsum_body512,
     wsum_avx512,
-    wsum_avx512_h,
+    wsum_avx512_n,
     "avx512f",
-    "avx512f",
+    "avx512f,avx2,f16c",
     __m512,
     _mm512_setzero_ps,
     _mm512_set1_ps,
     _mm512_loadu_ps,
-    load_h16,
+    load_n16,
     _mm512_fmadd_ps,
     _mm512_mul_ps,
     _mm512_storeu_ps,
@@ -839,14 +898,14 @@ wsum_level!(
     wsum_tile256,
     wsum_body256,
     wsum_avx2,
-    wsum_avx2_h,
+    wsum_avx2_n,
     "avx2,fma",
     "avx2,fma,f16c",
     __m256,
     _mm256_setzero_ps,
     _mm256_set1_ps,
     _mm256_loadu_ps,
-    load_h8,
+    load_n8,
     _mm256_fmadd_ps,
     _mm256_mul_ps,
     _mm256_storeu_ps,
@@ -926,29 +985,79 @@ mod tests {
             weighted_sum(&e, sp, rows, &v, hd, vis, &inv, &mut o1);
             weighted_sum_portable(&e, sp, rows, &v, hd, vis, &inv, &mut o2);
             assert!(o1.iter().zip(&o2).all(|(x, y)| x.to_bits() == y.to_bits()));
-            // f16 rows read in place, scattered over a larger cache, give
-            // the bits of the f32 path over the same rows widened.
-            let cache: Vec<half::f16> = vals(3 * sp * hd, 0.19)
-                .iter()
-                .map(|&x| half::f16::from_f32(x * 4.0))
-                .collect();
-            let vrows: Vec<usize> = (0..sp).map(|t| (t * 7 + 2) % (3 * sp)).collect();
-            let widened: Vec<f32> = vrows
-                .iter()
-                .flat_map(|&r| cache[r * hd..(r + 1) * hd].iter().map(|h| h.to_f32()))
-                .collect();
-            let mut o3 = vec![0.0; rows * hd];
-            let mut o4 = vec![0.0; rows * hd];
-            weighted_sum_portable(&e, sp, rows, &widened, hd, vis, &inv, &mut o3);
-            let vh = cache.as_ptr() as *const u16;
-            // SAFETY: every row index is inside the cache.
-            let ran = unsafe { weighted_sum_f16(&e, sp, rows, vh, &vrows, hd, vis, &inv, &mut o4) };
-            assert_eq!(ran, reads_f16_values(hd), "hd {hd}");
-            if ran {
-                assert!(
-                    o3.iter().zip(&o4).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "hd {hd}"
-                );
+            // Narrow rows read in place, scattered over a larger cache, give
+            // the bits of the f32 path over the same rows widened: f16 and
+            // bf16 codes, and every FP8 byte (37 is odd, so i * 37 mod 256
+            // takes every value), at two scales.
+            let formats = [
+                Narrow::F16,
+                Narrow::BF16,
+                Narrow::Fp8 {
+                    e4m3: true,
+                    scale: 1.0,
+                },
+                Narrow::Fp8 {
+                    e4m3: false,
+                    scale: 0.0173,
+                },
+            ];
+            for format in formats {
+                let w = format.bytes();
+                let n_rows = 3 * sp;
+                let cache: Vec<u8> = (0..n_rows * hd * w).map(|i| (i * 37 % 256) as u8).collect();
+                let vrows: Vec<usize> = (0..sp).map(|t| (t * 7 + 2) % n_rows).collect();
+                let mut widened = vec![0.0f32; sp * hd];
+                for (t, &r) in vrows.iter().enumerate() {
+                    let row = &cache[r * hd * w..(r + 1) * hd * w];
+                    let out = &mut widened[t * hd..(t + 1) * hd];
+                    match format {
+                        Narrow::F16 => {
+                            let h: Vec<half::f16> = row
+                                .chunks_exact(2)
+                                .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            crate::convert::f16_to_f32(&h, out);
+                        }
+                        Narrow::BF16 => {
+                            let h: Vec<half::bf16> = row
+                                .chunks_exact(2)
+                                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]))
+                                .collect();
+                            crate::convert::bf16_to_f32(&h, out);
+                        }
+                        Narrow::Fp8 { e4m3, scale } => {
+                            crate::convert::fp8_to_f32(row, e4m3, scale, out)
+                        }
+                    }
+                }
+                // NaN codes in the rows give NaN outputs on both paths.
+                let mut o3 = vec![0.0; rows * hd];
+                let mut o4 = vec![0.0; rows * hd];
+                weighted_sum_portable(&e, sp, rows, &widened, hd, vis, &inv, &mut o3);
+                // SAFETY: every row index is inside the cache.
+                let ran = unsafe {
+                    weighted_sum_narrow(
+                        &e,
+                        sp,
+                        rows,
+                        cache.as_ptr(),
+                        format,
+                        &vrows,
+                        hd,
+                        vis,
+                        &inv,
+                        &mut o4,
+                    )
+                };
+                assert_eq!(ran, reads_narrow_values(hd), "hd {hd}");
+                if ran {
+                    assert!(
+                        o3.iter()
+                            .zip(&o4)
+                            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan())),
+                        "{format:?} hd {hd}"
+                    );
+                }
             }
         }
     }
