@@ -13,9 +13,11 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+/// Whether the CPU has AVX2 and F16C (detected once; false with
+/// `ARBOR_CPU_PORTABLE`).
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn has_avx2_f16c() -> bool {
+pub(crate) fn has_avx2_f16c() -> bool {
     static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HAS.get_or_init(|| {
         std::env::var_os("ARBOR_CPU_PORTABLE").is_none()
@@ -169,7 +171,7 @@ pub fn f32_to_fp8(src: &[f32], e4m3: bool, scale: f32, dst: &mut [u8]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::Narrow;
     use half::slice::HalfFloatSliceExt;
     use half::{bf16, f16};
@@ -209,20 +211,11 @@ mod x86 {
     pub(super) unsafe fn fp8_rows(src: &[u8], e4m3: bool, scale: f32, dst: &mut [f32]) -> usize {
         let n = src.len();
         let mut i = 0;
-        let sc = _mm256_set1_ps(scale);
-        let k256 = _mm256_set1_ps(256.0);
+        let format = Narrow::Fp8 { e4m3, scale };
         // SAFETY: i + 8 <= n for both slices.
         unsafe {
             while i + 8 <= n {
-                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(src.as_ptr().add(i) as *const __m128i));
-                let v = if e4m3 {
-                    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
-                    let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
-                    _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, mag)), k256)
-                } else {
-                    _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
-                };
-                _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_mul_ps(v, sc));
+                _mm256_storeu_ps(dst.as_mut_ptr().add(i), widen8(src.as_ptr().add(i), format));
                 i += 8;
             }
         }
@@ -320,12 +313,15 @@ mod x86 {
     }
 
     /// Eight elements of `format` at `p`, widened with the row
-    /// conversions' operations.
+    /// conversions' operations (FP8: the byte as f16 bits, `vcvtph2ps`,
+    /// × 256 for E4M3, then × scale), for every 8-lane reader of a narrow
+    /// cache: [`fp8_rows`], [`rows_transposed`] and the attention's
+    /// in-place weighted sum.
     ///
     /// # Safety
     /// AVX2 and F16C; 8 readable elements at `p`.
     #[inline(always)]
-    unsafe fn widen8(p: *const u8, format: Narrow) -> __m256 {
+    pub(crate) unsafe fn widen8(p: *const u8, format: Narrow) -> __m256 {
         // SAFETY: the caller's contract.
         unsafe {
             match format {

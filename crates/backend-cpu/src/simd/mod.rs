@@ -390,16 +390,9 @@ pub unsafe fn weighted_sum_narrow(
 pub fn reads_narrow_values(hd: usize) -> bool {
     match level() {
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 | Level::Avx512 => hd.is_multiple_of(8) && has_f16c(),
+        Level::Avx2 | Level::Avx512 => hd.is_multiple_of(8) && crate::convert::has_avx2_f16c(),
         _ => false,
     }
-}
-
-/// Whether the CPU has F16C (detected once).
-#[cfg(target_arch = "x86_64")]
-fn has_f16c() -> bool {
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("f16c"))
 }
 
 /// Reference [`weighted_sum`].
@@ -652,7 +645,7 @@ macro_rules! wsum_level {
             // (checked by the callers and the driver).
             unsafe {
                 let mut acc: [[$vt; N]; R] = [[$zero(); N]; R];
-                let width = narrow_bytes(FMT);
+                let width = narrow_of(FMT, 1.0).bytes();
                 for t in vis.iter() {
                     let mut vv: [$vt; N] = [$zero(); N];
                     if FMT > 0 {
@@ -803,14 +796,19 @@ fn narrow_code(format: Narrow) -> u8 {
     }
 }
 
-/// Bytes per element of format code `fmt`.
+/// The format of code `fmt` (> 0) with FP8 scale `scale`.
 #[inline(always)]
-const fn narrow_bytes(fmt: u8) -> usize {
-    if fmt <= 2 { 2 } else { 1 }
+const fn narrow_of(fmt: u8, scale: f32) -> Narrow {
+    match fmt {
+        1 => Narrow::F16,
+        2 => Narrow::BF16,
+        3 => Narrow::Fp8 { e4m3: true, scale },
+        _ => Narrow::Fp8 { e4m3: false, scale },
+    }
 }
 
-/// Eight elements of format code `FMT` at `p`, widened with the row
-/// conversions' operations (`crate::convert`: FP8 times `scale`).
+/// Eight elements of format code `FMT` at `p`, widened by the row
+/// conversions' `convert::x86::widen8`.
 ///
 /// # Safety
 /// AVX2 and F16C; 8 readable elements at `p`.
@@ -818,32 +816,11 @@ const fn narrow_bytes(fmt: u8) -> usize {
 #[inline(always)]
 unsafe fn load_n8<const FMT: u8>(p: *const u8, scale: f32) -> __m256 {
     // SAFETY: the caller's contract.
-    unsafe {
-        match FMT {
-            1 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
-            2 => {
-                let h = _mm_loadu_si128(p as *const __m128i);
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-            }
-            _ => {
-                let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
-                let v = if FMT == 3 {
-                    let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
-                    let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
-                    _mm256_mul_ps(
-                        _mm256_cvtph_ps(_mm_or_si128(sign, mag)),
-                        _mm256_set1_ps(256.0),
-                    )
-                } else {
-                    _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
-                };
-                _mm256_mul_ps(v, _mm256_set1_ps(scale))
-            }
-        }
-    }
+    unsafe { crate::convert::x86::widen8(p, narrow_of(FMT, scale)) }
 }
 
-/// Sixteen elements of format code `FMT` at `p`, widened as [`load_n8`].
+/// Sixteen elements of format code `FMT` at `p`, widened with the
+/// operations of [`load_n8`] (the same per-lane steps at 512-bit width).
 ///
 /// # Safety
 /// AVX-512F; 16 readable elements at `p`.
