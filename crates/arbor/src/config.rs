@@ -452,163 +452,13 @@ impl ServeConfig {
             config: None,
         }));
         let cfg = ServeConfig {
-            model: ModelSection {
-                model_path: a.model_path.clone().or(m.model_path),
-                served_model_name: a.served_model_name.clone().or(m.served_model_name),
-                device: Some(
-                    a.device
-                        .clone()
-                        .or(m.device)
-                        .unwrap_or_else(|| "cpu".into()),
-                ),
-                threads: Some(a.threads.or(m.threads).unwrap_or(0)),
-                dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
-                quantization: a.quantization.clone().or(m.quantization),
-                kv_cache_dtype: Some(
-                    a.kv_cache_dtype
-                        .clone()
-                        .or(m.kv_cache_dtype)
-                        .unwrap_or_else(|| "auto".into()),
-                ),
-                wgpu_adapter: a
-                    .wgpu_adapter
-                    .clone()
-                    .or(m.wgpu_adapter)
-                    .or_else(|| std::env::var("ARBOR_WGPU_ADAPTER").ok()),
-            },
-            server: ServerSection {
-                host: Some(
-                    a.host
-                        .clone()
-                        .or(s.host)
-                        .unwrap_or_else(|| "127.0.0.1".into()),
-                ),
-                port: Some(a.port.or(s.port).unwrap_or(30000)),
-                api_key: a.api_key.clone().or(s.api_key),
-                max_request_bytes: Some(
-                    a.max_request_bytes
-                        .or(s.max_request_bytes)
-                        .unwrap_or(32 * 1024 * 1024),
-                ),
-                shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
-                reasoning_parser: a.reasoning_parser.clone().or(s.reasoning_parser),
-            },
-            scheduler: SchedulerSection {
-                max_running_requests: Some(
-                    a.max_running_requests
-                        .or(q.max_running_requests)
-                        .unwrap_or(64),
-                ),
-                max_queued_requests: Some(
-                    a.max_queued_requests
-                        .or(q.max_queued_requests)
-                        .unwrap_or(4096),
-                ),
-                max_prefill_tokens: Some(
-                    a.max_prefill_tokens
-                        .or(q.max_prefill_tokens)
-                        .unwrap_or(8192),
-                ),
-                chunked_prefill_size: Some(
-                    a.chunked_prefill_size
-                        .or(q.chunked_prefill_size)
-                        .unwrap_or(2048),
-                ),
-                schedule_policy: Some(
-                    a.schedule_policy
-                        .clone()
-                        .or(q.schedule_policy)
-                        .unwrap_or_else(|| "lpm".into()),
-                ),
-                schedule_conservativeness: Some(
-                    a.schedule_conservativeness
-                        .or(q.schedule_conservativeness)
-                        .unwrap_or(1.0),
-                ),
-                enable_mixed_chunk: Some(
-                    flag(a.enable_mixed_chunk)
-                        .or(q.enable_mixed_chunk)
-                        .unwrap_or(false),
-                ),
-                page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
-                overlap_schedule: if a.disable_overlap_schedule {
-                    Some(false)
-                } else {
-                    flag(a.enable_overlap_schedule).or(q.overlap_schedule)
-                },
-            },
-            sampling: SamplingSection {
-                sampler: Some(
-                    a.sampler
-                        .clone()
-                        .or(sp.sampler)
-                        .unwrap_or_else(|| "standard".into()),
-                ),
-                logits_processors: Some(
-                    sp.logits_processors
-                        .unwrap_or_else(|| vec!["penalties".into(), "logit_bias".into()]),
-                ),
-            },
-            grammar: GrammarSection {
-                grammar_backend: Some(
-                    a.grammar_backend
-                        .clone()
-                        .or(g.grammar_backend)
-                        .unwrap_or_else(|| DEFAULT_GRAMMAR_BACKEND.into()),
-                ),
-                json_whitespace: Some(
-                    if a.constrained_json_any_whitespace {
-                        Some("flexible".to_string())
-                    } else {
-                        g.json_whitespace
-                    }
-                    .unwrap_or_else(|| "compact".into()),
-                ),
-                json_whitespace_pattern: a
-                    .constrained_json_whitespace_pattern
-                    .clone()
-                    .or(g.json_whitespace_pattern),
-                json_lenient: Some(g.json_lenient.unwrap_or(false)),
-                json_strict_one_of: Some(g.json_strict_one_of.unwrap_or(false)),
-                jump_forward: Some(!a.disable_jump_forward && g.jump_forward.unwrap_or(true)),
-                cache_size: Some(g.cache_size.unwrap_or(1024)),
-                max_grammar_bytes: Some(g.max_grammar_bytes.unwrap_or(4 << 20)),
-                compile_timeout: Some(g.compile_timeout.unwrap_or(10.0)),
-            },
-            cache: CacheSection {
-                disable_radix_cache: Some(
-                    flag(a.disable_radix_cache)
-                        .or(c.disable_radix_cache)
-                        .unwrap_or(!cfg!(feature = "kv-radix")),
-                ),
-                radix_eviction_policy: Some(
-                    a.radix_eviction_policy
-                        .clone()
-                        .or(c.radix_eviction_policy)
-                        .unwrap_or_else(|| "lru".into()),
-                ),
-                max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
-                kv_cache_gb: a.kv_cache_gb.or(c.kv_cache_gb),
-                mem_fraction_static: Some(
-                    a.mem_fraction_static
-                        .or(c.mem_fraction_static)
-                        .unwrap_or(0.8),
-                ),
-            },
-            metrics: MetricsSection {
-                enable_metrics: Some(flag(a.enable_metrics).or(x.enable_metrics).unwrap_or(false)),
-                prefix: Some(
-                    a.metrics_prefix
-                        .clone()
-                        .or(x.prefix)
-                        .unwrap_or_else(|| "arbor".into()),
-                ),
-                enable_cache_report: Some(
-                    flag(a.enable_cache_report)
-                        .or(x.enable_cache_report)
-                        .unwrap_or(false),
-                ),
-            },
+            model: ModelSection::resolve(m, a),
+            server: ServerSection::resolve(s, a),
+            scheduler: SchedulerSection::resolve(q, a),
+            sampling: SamplingSection::resolve(sp, a),
+            grammar: GrammarSection::resolve(g, a),
+            cache: CacheSection::resolve(c, a),
+            metrics: MetricsSection::resolve(x, a),
             speculative: SpeculativeSection::resolve(spec, &a.speculative),
             hicache: HiCacheSection::resolve(hicache, &a.hicache),
             lora: LoraSection::resolve(lora, &a.lora),
@@ -722,6 +572,212 @@ impl ServeConfig {
             c.server.api_key = Some("<redacted>".into());
         }
         serde_json::to_value(&c).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+impl ModelSection {
+    /// The `[model]` section of the model and device: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(m: ModelSection, a: &ServeArgs) -> Self {
+        ModelSection {
+            model_path: a.model_path.clone().or(m.model_path),
+            served_model_name: a.served_model_name.clone().or(m.served_model_name),
+            device: Some(
+                a.device
+                    .clone()
+                    .or(m.device)
+                    .unwrap_or_else(|| "cpu".into()),
+            ),
+            threads: Some(a.threads.or(m.threads).unwrap_or(0)),
+            dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
+            quantization: a.quantization.clone().or(m.quantization),
+            kv_cache_dtype: Some(
+                a.kv_cache_dtype
+                    .clone()
+                    .or(m.kv_cache_dtype)
+                    .unwrap_or_else(|| "auto".into()),
+            ),
+            wgpu_adapter: a
+                .wgpu_adapter
+                .clone()
+                .or(m.wgpu_adapter)
+                .or_else(|| std::env::var("ARBOR_WGPU_ADAPTER").ok()),
+        }
+    }
+}
+
+impl ServerSection {
+    /// The `[server]` section of the HTTP server: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(s: ServerSection, a: &ServeArgs) -> Self {
+        ServerSection {
+            host: Some(
+                a.host
+                    .clone()
+                    .or(s.host)
+                    .unwrap_or_else(|| "127.0.0.1".into()),
+            ),
+            port: Some(a.port.or(s.port).unwrap_or(30000)),
+            api_key: a.api_key.clone().or(s.api_key),
+            max_request_bytes: Some(
+                a.max_request_bytes
+                    .or(s.max_request_bytes)
+                    .unwrap_or(32 * 1024 * 1024),
+            ),
+            shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
+            reasoning_parser: a.reasoning_parser.clone().or(s.reasoning_parser),
+        }
+    }
+}
+
+impl SchedulerSection {
+    /// The `[scheduler]` section of the scheduler: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(q: SchedulerSection, a: &ServeArgs) -> Self {
+        SchedulerSection {
+            max_running_requests: Some(
+                a.max_running_requests
+                    .or(q.max_running_requests)
+                    .unwrap_or(64),
+            ),
+            max_queued_requests: Some(
+                a.max_queued_requests
+                    .or(q.max_queued_requests)
+                    .unwrap_or(4096),
+            ),
+            max_prefill_tokens: Some(
+                a.max_prefill_tokens
+                    .or(q.max_prefill_tokens)
+                    .unwrap_or(8192),
+            ),
+            chunked_prefill_size: Some(
+                a.chunked_prefill_size
+                    .or(q.chunked_prefill_size)
+                    .unwrap_or(2048),
+            ),
+            schedule_policy: Some(
+                a.schedule_policy
+                    .clone()
+                    .or(q.schedule_policy)
+                    .unwrap_or_else(|| "lpm".into()),
+            ),
+            schedule_conservativeness: Some(
+                a.schedule_conservativeness
+                    .or(q.schedule_conservativeness)
+                    .unwrap_or(1.0),
+            ),
+            enable_mixed_chunk: Some(
+                flag(a.enable_mixed_chunk)
+                    .or(q.enable_mixed_chunk)
+                    .unwrap_or(false),
+            ),
+            page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
+            overlap_schedule: if a.disable_overlap_schedule {
+                Some(false)
+            } else {
+                flag(a.enable_overlap_schedule).or(q.overlap_schedule)
+            },
+        }
+    }
+}
+
+impl SamplingSection {
+    /// The `[sampling]` section of sampling: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(sp: SamplingSection, a: &ServeArgs) -> Self {
+        SamplingSection {
+            sampler: Some(
+                a.sampler
+                    .clone()
+                    .or(sp.sampler)
+                    .unwrap_or_else(|| "standard".into()),
+            ),
+            logits_processors: Some(
+                sp.logits_processors
+                    .unwrap_or_else(|| vec!["penalties".into(), "logit_bias".into()]),
+            ),
+        }
+    }
+}
+
+impl GrammarSection {
+    /// The `[grammar]` section of structured output: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(g: GrammarSection, a: &ServeArgs) -> Self {
+        GrammarSection {
+            grammar_backend: Some(
+                a.grammar_backend
+                    .clone()
+                    .or(g.grammar_backend)
+                    .unwrap_or_else(|| DEFAULT_GRAMMAR_BACKEND.into()),
+            ),
+            json_whitespace: Some(
+                if a.constrained_json_any_whitespace {
+                    Some("flexible".to_string())
+                } else {
+                    g.json_whitespace
+                }
+                .unwrap_or_else(|| "compact".into()),
+            ),
+            json_whitespace_pattern: a
+                .constrained_json_whitespace_pattern
+                .clone()
+                .or(g.json_whitespace_pattern),
+            json_lenient: Some(g.json_lenient.unwrap_or(false)),
+            json_strict_one_of: Some(g.json_strict_one_of.unwrap_or(false)),
+            jump_forward: Some(!a.disable_jump_forward && g.jump_forward.unwrap_or(true)),
+            cache_size: Some(g.cache_size.unwrap_or(1024)),
+            max_grammar_bytes: Some(g.max_grammar_bytes.unwrap_or(4 << 20)),
+            compile_timeout: Some(g.compile_timeout.unwrap_or(10.0)),
+        }
+    }
+}
+
+impl CacheSection {
+    /// The `[cache]` section of the KV and prefix cache: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(c: CacheSection, a: &ServeArgs) -> Self {
+        CacheSection {
+            disable_radix_cache: Some(
+                flag(a.disable_radix_cache)
+                    .or(c.disable_radix_cache)
+                    .unwrap_or(!cfg!(feature = "kv-radix")),
+            ),
+            radix_eviction_policy: Some(
+                a.radix_eviction_policy
+                    .clone()
+                    .or(c.radix_eviction_policy)
+                    .unwrap_or_else(|| "lru".into()),
+            ),
+            max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
+            kv_cache_gb: a.kv_cache_gb.or(c.kv_cache_gb),
+            mem_fraction_static: Some(
+                a.mem_fraction_static
+                    .or(c.mem_fraction_static)
+                    .unwrap_or(0.8),
+            ),
+        }
+    }
+}
+
+impl MetricsSection {
+    /// The `[metrics]` section of metrics: each key from its flag where it
+    /// has one, else the file, else its default.
+    fn resolve(x: MetricsSection, a: &ServeArgs) -> Self {
+        MetricsSection {
+            enable_metrics: Some(flag(a.enable_metrics).or(x.enable_metrics).unwrap_or(false)),
+            prefix: Some(
+                a.metrics_prefix
+                    .clone()
+                    .or(x.prefix)
+                    .unwrap_or_else(|| "arbor".into()),
+            ),
+            enable_cache_report: Some(
+                flag(a.enable_cache_report)
+                    .or(x.enable_cache_report)
+                    .unwrap_or(false),
+            ),
+        }
     }
 }
 

@@ -12,6 +12,7 @@ mod hicache;
 mod info;
 mod lora;
 mod parallel;
+mod replica;
 mod serve;
 mod setup;
 mod speculative;

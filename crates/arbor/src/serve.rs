@@ -138,20 +138,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .clone()
         .unwrap_or_else(|| "127.0.0.1".into());
     let port = cfg.server.port.unwrap_or(30000);
-    let mut opts = ServerOptions {
-        served_model_name: served.clone(),
-        model_path: model_path.clone(),
-        context_length: spec.max_position_embeddings,
-        api_key: cfg.server.api_key.clone(),
-        max_request_bytes: cfg.server.max_request_bytes.unwrap_or(32 << 20),
-        shutdown_timeout: Duration::from_secs_f64(cfg.server.shutdown_timeout.unwrap_or(30.0)),
-        enable_metrics: cfg.metrics.enable_metrics.unwrap_or(false),
-        metrics_prefix: cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into()),
-        enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
-        server_info: server_info(&cfg, &built),
-        reasoning_parser: cfg.reasoning_parser()?,
-        ..Default::default()
-    };
+    let mut opts = server_options(&cfg, &built, &served, &model_path)?;
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
     let disaggregation = cfg
@@ -204,6 +191,41 @@ pub fn run(args: ServeArgs) -> Result<()> {
         eviction_policy: &eviction_policy,
         disaggregation: disagg_line.as_deref(),
     };
+    let result = serve_until_stopped(server, &host, port, &summary);
+    // The last handle stops the scheduler thread.
+    drop(engine);
+    result?;
+    println!("arbor serve: stopped");
+    Ok(())
+}
+
+/// The HTTP server's options from the `[server]` and `[metrics]` sections
+/// and the built engine.
+fn server_options(
+    cfg: &ServeConfig,
+    built: &setup::BuiltEngine,
+    served: &str,
+    model_path: &str,
+) -> Result<ServerOptions> {
+    Ok(ServerOptions {
+        served_model_name: served.to_string(),
+        model_path: model_path.to_string(),
+        context_length: built.model.model.spec().max_position_embeddings,
+        api_key: cfg.server.api_key.clone(),
+        max_request_bytes: cfg.server.max_request_bytes.unwrap_or(32 << 20),
+        shutdown_timeout: Duration::from_secs_f64(cfg.server.shutdown_timeout.unwrap_or(30.0)),
+        enable_metrics: cfg.metrics.enable_metrics.unwrap_or(false),
+        metrics_prefix: cfg.metrics.prefix.clone().unwrap_or_else(|| "arbor".into()),
+        enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
+        server_info: server_info(cfg, built),
+        reasoning_parser: cfg.reasoning_parser()?,
+        ..Default::default()
+    })
+}
+
+/// Listens on `host:port`, prints the start-up summary and serves until a
+/// shutdown signal; the runtime then gets two seconds to finish.
+fn serve_until_stopped(server: Server, host: &str, port: u16, summary: &Summary) -> Result<()> {
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 4));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(workers)
@@ -212,7 +234,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     let result: Result<()> = rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind((host.as_str(), port))
+        let listener = tokio::net::TcpListener::bind((host, port))
             .await
             .with_context(|| format!("listening on {host}:{port}"))?;
         let addr = listener.local_addr()?;
@@ -225,11 +247,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         Ok(())
     });
     rt.shutdown_timeout(Duration::from_secs(2));
-    // The last handle stops the scheduler thread.
-    drop(engine);
-    result?;
-    println!("arbor serve: stopped");
-    Ok(())
+    result
 }
 
 /// The model settings of `[model]`, `[scheduler]` and `[parallel]`.

@@ -142,6 +142,35 @@ pub(crate) fn prefill_mma_kernel(
     (smem <= max_shared.min(PREFILL_SMEM_MAX) as usize).then_some((kern, smem))
 }
 
+/// The kernel that writes new K and V rows into a cache of `kd` (bf16 for
+/// any other type, which `forward` refuses before).
+fn kv_write_kernel(kd: DType) -> K {
+    match kd {
+        DType::F32 => K::KvWriteF32,
+        DType::F16 => K::KvWriteF16,
+        DType::F8E4M3 => K::KvWriteE4m3,
+        DType::F8E5M2 => K::KvWriteE5m2,
+        _ => K::KvWriteBf16,
+    }
+}
+
+/// The flash-decoding kernel for a cache of `kd` and head_dim `hd`: the
+/// 128-wide variant up to 128, else the 256-wide one.
+fn decode_kernel(kd: DType, hd: usize) -> K {
+    match (kd, hd <= 128) {
+        (DType::F32, true) => K::DecodeF32D128,
+        (DType::F16, true) => K::DecodeF16D128,
+        (DType::F8E4M3, true) => K::DecodeE4m3D128,
+        (DType::F8E5M2, true) => K::DecodeE5m2D128,
+        (_, true) => K::DecodeBf16D128,
+        (DType::F32, false) => K::DecodeF32D256,
+        (DType::F16, false) => K::DecodeF16D256,
+        (DType::F8E4M3, false) => K::DecodeE4m3D256,
+        (DType::F8E5M2, false) => K::DecodeE5m2D256,
+        (_, false) => K::DecodeBf16D256,
+    }
+}
+
 /// The prefill kernel for KV dtype `kd` and head dim `hd` with the largest
 /// tile whose shared memory (with tree masks when `tree`) fits `max_shared`
 /// bytes per block: 64-row tiles (head dims up to 128), 32-row tiles (up to
@@ -417,13 +446,7 @@ impl AttentionBackend for GpuAttention {
         let (qp, kp, vp, op) = (b.p(&st, q)?, b.p(&st, k)?, b.p(&st, v)?, b.p(&st, out)?);
         let (kc, vc) = (b.p(&st, &kv.k)?, b.p(&st, &kv.v)?);
         let (sp, ptp, slp) = (b.p(&st, seq_t)?, b.p(&st, pt_t)?, b.p(&st, slot_t)?);
-        let kvk = match kd {
-            DType::F32 => K::KvWriteF32,
-            DType::F16 => K::KvWriteF16,
-            DType::F8E4M3 => K::KvWriteE4m3,
-            DType::F8E5M2 => K::KvWriteE5m2,
-            _ => K::KvWriteBf16,
-        };
+        let kvk = kv_write_kernel(kd);
         let scales = p.kv_scales.for_cache(kd);
         let args = Args::new()
             .p(kp)
@@ -448,18 +471,7 @@ impl AttentionBackend for GpuAttention {
             let part_o = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * hd], false)?;
             let part_ml = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * 2], false)?;
             let (pop, pmp) = (b.p(&st, &part_o)?, b.p(&st, &part_ml)?);
-            let kern = match (kd, hd <= 128) {
-                (DType::F32, true) => K::DecodeF32D128,
-                (DType::F16, true) => K::DecodeF16D128,
-                (DType::F8E4M3, true) => K::DecodeE4m3D128,
-                (DType::F8E5M2, true) => K::DecodeE5m2D128,
-                (_, true) => K::DecodeBf16D128,
-                (DType::F32, false) => K::DecodeF32D256,
-                (DType::F16, false) => K::DecodeF16D256,
-                (DType::F8E4M3, false) => K::DecodeE4m3D256,
-                (DType::F8E5M2, false) => K::DecodeE5m2D256,
-                (_, false) => K::DecodeBf16D256,
-            };
+            let kern = decode_kernel(kd, hd);
             let args = Args::new()
                 .p(qp)
                 .p(kc)

@@ -30,12 +30,12 @@
 //! cache, sequences packed in order, trees well formed and of at most
 //! [`arbor_engine_core::TREE_MASK_TOKENS`] tokens) before any kernel reads it.
 
-use crate::context::{Access, Params};
+use crate::context::{Access, Params, View};
 use crate::kernels::{self, Kernel, grid_threads};
 use crate::{WgpuBackend, u32_of};
 use arbor_engine_core::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
-    CoreError, DType, KvLayer, Result, TREE_MASK_WORDS, Tensor,
+    CoreError, DType, KvLayer, KvScales, Result, TREE_MASK_WORDS, Tensor,
 };
 use std::sync::Arc;
 
@@ -84,6 +84,76 @@ impl Meta {
     }
 }
 
+/// One attention call's views and cache format, shared by its KV write
+/// and its attention dispatches.
+struct Call {
+    meta: Meta,
+    /// The batch metadata, q, the new K and V rows, and the output.
+    mv: View,
+    qv: View,
+    kv_in: View,
+    vv_in: View,
+    ov: View,
+    /// The cache's element code ([`kernels::cache_code`]).
+    cdt: u32,
+    scales: KvScales,
+}
+
+/// Checks the KV cache against the step's K and V (no overlap; K and V
+/// caches alike; whole heads of `head_dim` per row, which must be even) and
+/// returns its element code.
+fn check_cache(kv: &KvLayer, k: &Tensor, v: &Tensor, p: &AttentionParams) -> Result<u32> {
+    let (hd, nkv) = (p.head_dim, p.num_kv_heads);
+    let kw = nkv * hd;
+    // A latent cache's values are its keys: one buffer, written once per
+    // row with the same values through both bindings.
+    if kv.values_in_keys() {
+        kv.k.check_no_overlap(&[k, v])?;
+    } else {
+        kv.k.check_no_overlap(&[&kv.v, k, v])?;
+    }
+    kv.v.check_no_overlap(&[k, v])?;
+    if kv.k.dtype() != kv.v.dtype() || kv.k.numel() != kv.v.numel() {
+        return Err(CoreError::invalid(format!(
+            "KV cache tensors {:?} and {:?} differ",
+            kv.k, kv.v
+        )));
+    }
+    for c in [&kv.k, &kv.v] {
+        if !c.numel().is_multiple_of(kw) || c.row_len() != hd {
+            return Err(CoreError::invalid(format!(
+                "KV cache tensor {c:?} for {nkv} heads of {hd}"
+            )));
+        }
+    }
+    let cdt = kernels::cache_code(kv.k.dtype())?;
+    if !hd.is_multiple_of(2) {
+        return Err(CoreError::unsupported(format!(
+            "attention with an odd head_dim {hd} on the wgpu backend"
+        )));
+    }
+    Ok(cdt)
+}
+
+/// The kernels read the cache by 32-bit words: an FP8 cache needs a
+/// head_dim that is a multiple of 4, and every cache a word-aligned start
+/// and row.
+fn check_cache_alignment(kv: &KvLayer, kw: usize, hd: usize, cdt: u32) -> Result<()> {
+    if cdt >= 3 && !hd.is_multiple_of(4) {
+        return Err(CoreError::unsupported(format!(
+            "an FP8 KV cache with head_dim {hd} (not a multiple of 4) on the wgpu backend"
+        )));
+    }
+    for c in [&kv.k, &kv.v] {
+        if !c.offset().is_multiple_of(4) || !(kw * c.dtype().block_bytes()).is_multiple_of(4) {
+            return Err(CoreError::invalid(format!(
+                "KV cache {c:?} is not word-aligned"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl WgpuAttention {
     pub(crate) fn new(backend: WgpuBackend) -> Self {
         Self {
@@ -105,6 +175,115 @@ impl WgpuAttention {
         let fixed = 2 * hd + 256;
         let chunk = (budget.saturating_sub(fixed) / per_key).max(1);
         (fixed + longest_walk * per_key > budget).then_some(chunk)
+    }
+
+    /// Writes the step's new K and V rows into their cache slots (converted
+    /// to the cache's element type, times its scales).
+    fn write_kv(&self, c: &Call, kv: &KvLayer, tokens: usize, kw: usize) -> Result<()> {
+        let b = &self.backend;
+        let gpu = b.gpu();
+        let maxg = gpu.limits.max_compute_workgroups_per_dimension;
+        let kcw = b.view(&kv.k, kv.k.dtype(), Access::Write)?;
+        let vcw = b.view(&kv.v, kv.v.dtype(), Access::Write)?;
+        let write = gpu.kernel(&Kernel::KvWrite { cdt: c.cdt })?;
+        let params = Params::new()
+            .us(tokens)?
+            .us(kw)?
+            .u(c.kv_in.word_off())
+            .u(c.vv_in.word_off())
+            .u(kcw.word_off())
+            .u(vcw.word_off())
+            .u(c.mv.word_off() + u32_of(c.meta.slots, "metadata offset")?)
+            .u(0)
+            .f(c.scales.k)
+            .f(c.scales.v);
+        let per_token = match c.cdt {
+            0 => kw,
+            1 | 2 => kw / 2,
+            _ => kw / 4,
+        };
+        gpu.dispatch(
+            &write,
+            &params,
+            &[&c.kv_in, &c.vv_in, &c.mv, &kcw, &vcw],
+            grid_threads(tokens * per_token, maxg)?,
+        )
+    }
+
+    /// Attention over the paged keys and values: one dispatch, or one per
+    /// chunk of keys when the longest walk would pass the device's loop
+    /// budget (the chunks carry their state in a scratch buffer).
+    fn attend(
+        &self,
+        c: &Call,
+        kv: &KvLayer,
+        layout: &BatchLayout,
+        p: &AttentionParams,
+    ) -> Result<()> {
+        let b = &self.backend;
+        let gpu = b.gpu();
+        let maxg = gpu.limits.max_compute_workgroups_per_dimension;
+        let (tokens, hd, nh) = (layout.num_tokens(), p.head_dim, p.num_heads);
+        let kcr = b.view(&kv.k, kv.k.dtype(), Access::Read)?;
+        let vcr = b.view(&kv.v, kv.v.dtype(), Access::Read)?;
+        let attn = gpu.kernel(&Kernel::Attention { cdt: c.cdt, hd })?;
+        let off = |s: usize| -> Result<u32> { Ok(c.mv.word_off() + u32_of(s, "metadata offset")?) };
+        // Positions a token walks: at most its sequence's length.
+        let longest = layout
+            .seqs
+            .iter()
+            .map(|s| s.prefix_len + s.q_len)
+            .max()
+            .unwrap_or(0);
+        let chunk = self.chunk_keys(hd, longest);
+        let state = match chunk {
+            Some(_) => b.alloc_uninit(DType::U32, &[tokens * nh * 4])?,
+            None => match self.no_state.get() {
+                Some(t) => t.clone(),
+                None => {
+                    let t = b.alloc_uninit(DType::U32, &[4])?;
+                    self.no_state.get_or_init(|| t).clone()
+                }
+            },
+        };
+        let sv = b.view(&state, DType::U32, Access::Write)?;
+        let (step, dispatches) = match chunk {
+            Some(c) => (c, longest.div_ceil(c)),
+            None => (0, 1),
+        };
+        let meta = c.meta;
+        for d in 0..dispatches {
+            let params = Params::new()
+                .us(tokens)?
+                .us(nh)?
+                .us(p.num_kv_heads)?
+                .us(layout.page_size)?
+                .u(c.qv.word_off())
+                .u(c.ov.word_off())
+                .u(kcr.word_off())
+                .u(vcr.word_off())
+                .u(off(meta.seqs)?)
+                .u(off(meta.page_table)?)
+                .u(off(meta.token_seq)?)
+                .us(p.sliding_window.unwrap_or(0))?
+                .f(p.scale)
+                .u(match meta.tree {
+                    Some(t) => off(t)?,
+                    None => NO_TREE,
+                })
+                .us(step)?
+                .us(d * step)?
+                .u(sv.word_off())
+                .f(c.scales.k)
+                .f(c.scales.v);
+            gpu.dispatch(
+                &attn,
+                &params,
+                &[&c.qv, &c.mv, &kcr, &vcr, &c.ov, &sv],
+                grid_threads(tokens * nh, maxg)?,
+            )?;
+        }
+        Ok(())
     }
 
     fn f32_input(&self, t: &Tensor, rows: usize, width: usize, what: &str) -> Result<()> {
@@ -176,33 +355,7 @@ impl AttentionBackend for WgpuAttention {
         self.f32_input(v, tokens, kw, "v")?;
         self.f32_input(out, tokens, qw, "out")?;
         out.check_no_overlap(&[q, k, v, &kv.k, &kv.v])?;
-        // A latent cache's values are its keys: one buffer, written once per
-        // row with the same values through both bindings.
-        if kv.values_in_keys() {
-            kv.k.check_no_overlap(&[k, v])?;
-        } else {
-            kv.k.check_no_overlap(&[&kv.v, k, v])?;
-        }
-        kv.v.check_no_overlap(&[k, v])?;
-        if kv.k.dtype() != kv.v.dtype() || kv.k.numel() != kv.v.numel() {
-            return Err(CoreError::invalid(format!(
-                "KV cache tensors {:?} and {:?} differ",
-                kv.k, kv.v
-            )));
-        }
-        for c in [&kv.k, &kv.v] {
-            if !c.numel().is_multiple_of(kw) || c.row_len() != hd {
-                return Err(CoreError::invalid(format!(
-                    "KV cache tensor {c:?} for {nkv} heads of {hd}"
-                )));
-            }
-        }
-        let cdt = kernels::cache_code(kv.k.dtype())?;
-        if !hd.is_multiple_of(2) {
-            return Err(CoreError::unsupported(format!(
-                "attention with an odd head_dim {hd} on the wgpu backend"
-            )));
-        }
+        let cdt = check_cache(kv, k, v, p)?;
         let slots = kv.k.numel() / kw;
         layout.validate(slots)?;
         if tokens == 0 {
@@ -218,113 +371,18 @@ impl AttentionBackend for WgpuAttention {
                 "attention batch metadata {meta_t:?} does not match its layout"
             )));
         }
-        let gpu = b.gpu();
-        let maxg = gpu.limits.max_compute_workgroups_per_dimension;
-        let mv = b.view(meta_t, DType::U32, Access::Read)?;
-        let qv = b.view(q, DType::F32, Access::Read)?;
-        let kv_in = b.view(k, DType::F32, Access::Read)?;
-        let vv_in = b.view(v, DType::F32, Access::Read)?;
-        let ov = b.view(out, DType::F32, Access::Write)?;
-        if cdt >= 3 && !hd.is_multiple_of(4) {
-            return Err(CoreError::unsupported(format!(
-                "an FP8 KV cache with head_dim {hd} (not a multiple of 4) on the wgpu backend"
-            )));
-        }
-        for c in [&kv.k, &kv.v] {
-            if !c.offset().is_multiple_of(4) || !(kw * c.dtype().block_bytes()).is_multiple_of(4) {
-                return Err(CoreError::invalid(format!(
-                    "KV cache {c:?} is not word-aligned"
-                )));
-            }
-        }
-
-        let scales = p.kv_scales.for_cache(kv.k.dtype());
-        // 1. New K and V into their slots.
-        let kcw = b.view(&kv.k, kv.k.dtype(), Access::Write)?;
-        let vcw = b.view(&kv.v, kv.v.dtype(), Access::Write)?;
-        let write = gpu.kernel(&Kernel::KvWrite { cdt })?;
-        let params = Params::new()
-            .us(tokens)?
-            .us(kw)?
-            .u(kv_in.word_off())
-            .u(vv_in.word_off())
-            .u(kcw.word_off())
-            .u(vcw.word_off())
-            .u(mv.word_off() + u32_of(meta.slots, "metadata offset")?)
-            .u(0)
-            .f(scales.k)
-            .f(scales.v);
-        let per_token = match cdt {
-            0 => kw,
-            1 | 2 => kw / 2,
-            _ => kw / 4,
+        let call = Call {
+            meta,
+            mv: b.view(meta_t, DType::U32, Access::Read)?,
+            qv: b.view(q, DType::F32, Access::Read)?,
+            kv_in: b.view(k, DType::F32, Access::Read)?,
+            vv_in: b.view(v, DType::F32, Access::Read)?,
+            ov: b.view(out, DType::F32, Access::Write)?,
+            cdt,
+            scales: p.kv_scales.for_cache(kv.k.dtype()),
         };
-        gpu.dispatch(
-            &write,
-            &params,
-            &[&kv_in, &vv_in, &mv, &kcw, &vcw],
-            grid_threads(tokens * per_token, maxg)?,
-        )?;
-
-        // 2. Attention over the paged keys and values.
-        let kcr = b.view(&kv.k, kv.k.dtype(), Access::Read)?;
-        let vcr = b.view(&kv.v, kv.v.dtype(), Access::Read)?;
-        let attn = gpu.kernel(&Kernel::Attention { cdt, hd })?;
-        let off = |s: usize| -> Result<u32> { Ok(mv.word_off() + u32_of(s, "metadata offset")?) };
-        // Positions a token walks: at most its sequence's length.
-        let longest = layout
-            .seqs
-            .iter()
-            .map(|s| s.prefix_len + s.q_len)
-            .max()
-            .unwrap_or(0);
-        let chunk = self.chunk_keys(hd, longest);
-        let state = match chunk {
-            Some(_) => b.alloc_uninit(DType::U32, &[tokens * nh * 4])?,
-            None => match self.no_state.get() {
-                Some(t) => t.clone(),
-                None => {
-                    let t = b.alloc_uninit(DType::U32, &[4])?;
-                    self.no_state.get_or_init(|| t).clone()
-                }
-            },
-        };
-        let sv = b.view(&state, DType::U32, Access::Write)?;
-        let (step, dispatches) = match chunk {
-            Some(c) => (c, longest.div_ceil(c)),
-            None => (0, 1),
-        };
-        for d in 0..dispatches {
-            let params = Params::new()
-                .us(tokens)?
-                .us(nh)?
-                .us(nkv)?
-                .us(layout.page_size)?
-                .u(qv.word_off())
-                .u(ov.word_off())
-                .u(kcr.word_off())
-                .u(vcr.word_off())
-                .u(off(meta.seqs)?)
-                .u(off(meta.page_table)?)
-                .u(off(meta.token_seq)?)
-                .us(p.sliding_window.unwrap_or(0))?
-                .f(p.scale)
-                .u(match meta.tree {
-                    Some(t) => off(t)?,
-                    None => NO_TREE,
-                })
-                .us(step)?
-                .us(d * step)?
-                .u(sv.word_off())
-                .f(scales.k)
-                .f(scales.v);
-            gpu.dispatch(
-                &attn,
-                &params,
-                &[&qv, &mv, &kcr, &vcr, &ov, &sv],
-                grid_threads(tokens * nh, maxg)?,
-            )?;
-        }
-        Ok(())
+        check_cache_alignment(kv, kw, hd, cdt)?;
+        self.write_kv(&call, kv, tokens, kw)?;
+        self.attend(&call, kv, layout, p)
     }
 }

@@ -622,19 +622,7 @@ pub fn run_serving(args: ServingArgs) -> Result<ServingReport> {
         .enable_all()
         .build()
         .map_err(|e| BenchError::Server(format!("starting the async runtime: {e}")))?;
-    let served = match &args.model {
-        Some(_) => None,
-        None => runtime.block_on(model_name(&client, &base_url, auth.as_deref())),
-    };
-    let model = match (&args.model, &served) {
-        (Some(m), _) | (None, Some(m)) => m.clone(),
-        (None, None) if args.backend.is_native() => "default".into(),
-        (None, None) => {
-            return Err(BenchError::Server(format!(
-                "could not read the model name from {base_url}/v1/models; pass --model or check --host/--port"
-            )));
-        }
-    };
+    let model = served_model(&args, &runtime, &client, &base_url, auth.as_deref())?;
     // Like SGLang, the model name doubles as the tokenizer when it is a local
     // model; the server's own tokenizer path is the next guess.
     let info_paths = if args.tokenizer.is_none() && !PromptTokenizer::usable(Path::new(&model)) {
@@ -662,35 +650,7 @@ pub fn run_serving(args: ServingArgs) -> Result<ServingReport> {
         "#Output tokens: {}",
         rows.iter().map(|r| r.output_len).sum::<usize>()
     );
-    let use_trace = !rows.is_empty()
-        && args.trace_speed.is_finite()
-        && rows.iter().all(|r| r.timestamp_s.is_some());
-    let times = if use_trace {
-        rows.sort_by(|a, b| {
-            a.timestamp_s
-                .unwrap_or(0.0)
-                .total_cmp(&b.timestamp_s.unwrap_or(0.0))
-        });
-        eprintln!(
-            "Using trace timestamps for request generation with speed-up {}.",
-            args.trace_speed
-        );
-        let ts: Vec<f64> = rows.iter().filter_map(|r| r.timestamp_s).collect();
-        let t = trace_times(&ts, args.trace_speed);
-        let last = t.last().copied().unwrap_or(0.0);
-        if last > 1e7 {
-            return Err(BenchError::invalid(format!(
-                "replaying the trace would take {last:.0} s; raise --trace-speed (or inf to ignore timestamps)"
-            )));
-        }
-        t
-    } else {
-        arrival_times(
-            rows.len(),
-            args.request_rate,
-            &mut Rng::derived(args.seed, 0xA11),
-        )
-    };
+    let (times, use_trace) = arrival_schedule(&args, &mut rows)?;
     let cfg = ClientConfig {
         backend: args.backend,
         api_url: format!("{base_url}{}", args.backend.path()),
@@ -753,6 +713,76 @@ pub fn run_serving(args: ServingArgs) -> Result<ServingReport> {
     };
     let block = metrics::render_block(&header, &metrics);
     println!("\n{block}");
+    warn_failures(&metrics, &outputs);
+    write_files(&args, &header, &metrics, &outputs)?;
+    Ok(ServingReport {
+        header,
+        metrics,
+        block,
+        outputs,
+    })
+}
+
+/// The model name the requests carry: `--model`, else the one the server
+/// lists at `/v1/models` (the native API needs none).
+fn served_model(
+    args: &ServingArgs,
+    runtime: &tokio::runtime::Runtime,
+    client: &reqwest::Client,
+    base_url: &str,
+    auth: Option<&str>,
+) -> Result<String> {
+    let served = match &args.model {
+        Some(_) => None,
+        None => runtime.block_on(model_name(client, base_url, auth)),
+    };
+    match (&args.model, &served) {
+        (Some(m), _) | (None, Some(m)) => Ok(m.clone()),
+        (None, None) if args.backend.is_native() => Ok("default".into()),
+        (None, None) => Err(BenchError::Server(format!(
+            "could not read the model name from {base_url}/v1/models; pass --model or check --host/--port"
+        ))),
+    }
+}
+
+/// When each request is sent, in seconds from the start: the rows' trace
+/// timestamps (sorted, sped up by `--trace-speed`) when every row has one,
+/// else arrivals at `--request-rate`; and whether the trace set them.
+fn arrival_schedule(args: &ServingArgs, rows: &mut [DatasetRow]) -> Result<(Vec<f64>, bool)> {
+    let use_trace = !rows.is_empty()
+        && args.trace_speed.is_finite()
+        && rows.iter().all(|r| r.timestamp_s.is_some());
+    let times = if use_trace {
+        rows.sort_by(|a, b| {
+            a.timestamp_s
+                .unwrap_or(0.0)
+                .total_cmp(&b.timestamp_s.unwrap_or(0.0))
+        });
+        eprintln!(
+            "Using trace timestamps for request generation with speed-up {}.",
+            args.trace_speed
+        );
+        let ts: Vec<f64> = rows.iter().filter_map(|r| r.timestamp_s).collect();
+        let t = trace_times(&ts, args.trace_speed);
+        let last = t.last().copied().unwrap_or(0.0);
+        if last > 1e7 {
+            return Err(BenchError::invalid(format!(
+                "replaying the trace would take {last:.0} s; raise --trace-speed (or inf to ignore timestamps)"
+            )));
+        }
+        t
+    } else {
+        arrival_times(
+            rows.len(),
+            args.request_rate,
+            &mut Rng::derived(args.seed, 0xA11),
+        )
+    };
+    Ok((times, use_trace))
+}
+
+/// Warns with the first error when some requests failed.
+fn warn_failures(metrics: &Metrics, outputs: &[RequestOutput]) {
     if metrics.failed > 0 {
         let first = outputs
             .iter()
@@ -765,8 +795,18 @@ pub fn run_serving(args: ServingArgs) -> Result<ServingReport> {
             outputs.len()
         );
     }
+}
+
+/// Writes `--output-file` (every request's output) and appends the summary
+/// record to `--output-summary`, when asked.
+fn write_files(
+    args: &ServingArgs,
+    header: &BlockHeader,
+    metrics: &Metrics,
+    outputs: &[RequestOutput],
+) -> Result<()> {
     if let Some(p) = &args.output_file {
-        write_outputs(p, &outputs)?;
+        write_outputs(p, outputs)?;
     }
     if let Some(p) = &args.output_summary {
         let mut f = std::fs::OpenOptions::new()
@@ -774,15 +814,10 @@ pub fn run_serving(args: ServingArgs) -> Result<ServingReport> {
             .append(true)
             .open(p)
             .map_err(|e| BenchError::io(p, e))?;
-        writeln!(f, "{}", summary_record(&args, &header, &metrics))
+        writeln!(f, "{}", summary_record(args, header, metrics))
             .map_err(|e| BenchError::io(p, e))?;
     }
-    Ok(ServingReport {
-        header,
-        metrics,
-        block,
-        outputs,
-    })
+    Ok(())
 }
 
 #[cfg(test)]

@@ -174,59 +174,7 @@ pub fn load_adapter_on(
     let weights = read(name, &weights_path)?;
     let st = SafeTensors::deserialize(&weights)
         .map_err(|e| invalid(format!("{}: {e}", weights_path.display())))?;
-    // (layer, target) -> [A, B] host values.
-    let mut factors: BTreeMap<(usize, LoraTarget), [Option<HostTensor<'_>>; 2]> = BTreeMap::new();
-    for (tname, view) in st.tensors() {
-        let (layer, target, factor) = parse_name(&tname).ok_or_else(|| {
-            invalid(format!(
-                "tensor '{tname}' is not a LoRA factor of q/k/v/o/gate/up/down_proj in a decoder layer"
-            ))
-        })?;
-        if layer >= spec.num_layers {
-            return Err(invalid(format!(
-                "tensor '{tname}': layer {layer} of a model with {} layers",
-                spec.num_layers
-            )));
-        }
-        if let TargetModules::Listed(t) = &config.targets
-            && !t.contains(&target)
-        {
-            return Err(invalid(format!(
-                "tensor '{tname}': {} is not in the config's target_modules",
-                target.module()
-            )));
-        }
-        if let Some(l) = &config.layers
-            && !l.contains(&layer)
-        {
-            return Err(invalid(format!(
-                "tensor '{tname}': layer {layer} is not in layers_to_transform {l:?}"
-            )));
-        }
-        let dtype = match view.dtype() {
-            Dtype::F32 => DType::F32,
-            Dtype::F16 => DType::F16,
-            Dtype::BF16 => DType::BF16,
-            other => {
-                return Err(invalid(format!(
-                    "tensor '{tname}' has dtype {other:?}; supported: F32, F16, BF16"
-                )));
-            }
-        };
-        let host = HostTensor {
-            dtype,
-            shape: view.shape().to_vec(),
-            data: Cow::Borrowed(view.data()),
-        };
-        let slot = &mut factors.entry((layer, target)).or_default()[factor as usize];
-        *slot = Some(host);
-    }
-    if factors.is_empty() {
-        return Err(invalid(format!(
-            "{} holds no LoRA factors",
-            weights_path.display()
-        )));
-    }
+    let factors = collect_factors(name, &st, &weights_path, spec, &config)?;
     let mut layers: Vec<Vec<LoraLayer>> = vec![vec![LoraLayer::default(); spec.num_layers]; world];
     let mut max_rank = 0;
     for ((layer, target), [a, b]) in factors {
@@ -313,4 +261,76 @@ pub fn load_adapter_on(
         return Ok(adapters.remove(0));
     }
     LoraAdapter::sharded(name, &d, adapters).map_err(device)
+}
+
+/// A LoRA factor pair's host values by (layer, target): `[lora_A, lora_B]`.
+type Factors<'a> = BTreeMap<(usize, LoraTarget), [Option<HostTensor<'a>>; 2]>;
+
+/// The adapter's factors, each checked to be a LoRA factor of a decoder
+/// layer of the model, within the config's target modules and layers, in a
+/// float dtype; an adapter with none is an error.
+fn collect_factors<'a>(
+    name: &str,
+    st: &SafeTensors<'a>,
+    weights_path: &Path,
+    spec: &ModelSpec,
+    config: &PeftConfig,
+) -> Result<Factors<'a>> {
+    let invalid = |msg: String| LoraError::Invalid {
+        name: name.to_string(),
+        msg,
+    };
+    let mut factors = Factors::new();
+    for (tname, view) in st.tensors() {
+        let (layer, target, factor) = parse_name(&tname).ok_or_else(|| {
+            invalid(format!(
+                "tensor '{tname}' is not a LoRA factor of q/k/v/o/gate/up/down_proj in a decoder layer"
+            ))
+        })?;
+        if layer >= spec.num_layers {
+            return Err(invalid(format!(
+                "tensor '{tname}': layer {layer} of a model with {} layers",
+                spec.num_layers
+            )));
+        }
+        if let TargetModules::Listed(t) = &config.targets
+            && !t.contains(&target)
+        {
+            return Err(invalid(format!(
+                "tensor '{tname}': {} is not in the config's target_modules",
+                target.module()
+            )));
+        }
+        if let Some(l) = &config.layers
+            && !l.contains(&layer)
+        {
+            return Err(invalid(format!(
+                "tensor '{tname}': layer {layer} is not in layers_to_transform {l:?}"
+            )));
+        }
+        let dtype = match view.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::F16 => DType::F16,
+            Dtype::BF16 => DType::BF16,
+            other => {
+                return Err(invalid(format!(
+                    "tensor '{tname}' has dtype {other:?}; supported: F32, F16, BF16"
+                )));
+            }
+        };
+        let host = HostTensor {
+            dtype,
+            shape: view.shape().to_vec(),
+            data: Cow::Borrowed(view.data()),
+        };
+        let slot = &mut factors.entry((layer, target)).or_default()[factor as usize];
+        *slot = Some(host);
+    }
+    if factors.is_empty() {
+        return Err(invalid(format!(
+            "{} holds no LoRA factors",
+            weights_path.display()
+        )));
+    }
+    Ok(factors)
 }

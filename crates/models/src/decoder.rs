@@ -11,21 +11,21 @@
 //! when loading, and errors name the tensor and the checkpoint.
 
 mod forward;
+mod load;
 
 use crate::config::DecoderConfig;
 use crate::dp_attention::feed_forward_over_ranks;
-use crate::kv_scales;
 pub(crate) use crate::loader::Loader;
 use crate::mla::{MlaAttn, MlaConfig};
-use crate::moe::{MoeBlock, MoeConfig, MoeParallel, MoeStyle};
+use crate::moe::{MoeBlock, MoeConfig, MoeStyle};
 use crate::shard::{ShardedSource, shard_config};
 use arbor_engine_core::comm::Communicator;
 use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::registry::ArchitectureEntry;
 use arbor_engine_core::{
-    AttentionSharding, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
-    KvScales, LinearRef, LinearSpec, LoadOptions, Model, ModelArchitecture, ModelSpec, Result,
-    ShardSpec, Tensor, WeightSource, inventory,
+    AttentionSharding, Backend, DType, ForwardBatch, ForwardContext, ForwardOutput, KvScales,
+    LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, ShardSpec, Tensor,
+    WeightSource, inventory,
 };
 use std::sync::Arc;
 
@@ -112,31 +112,6 @@ pub struct DecoderModel {
     inv_freq: Tensor,
 }
 
-impl Loader<'_> {
-    fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
-        let caps = self.opts.backend.capabilities().clone();
-        let spec = LinearSpec {
-            prefix: name,
-            out_features: out,
-            in_features: inp,
-        };
-        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
-        let w = self.upload(t)?;
-        let bname = format!("{name}.bias");
-        let b = match bias {
-            Bias::Required => Some(self.vector_req(&bname, out)?),
-            Bias::Optional => self.vector(&bname, out)?,
-        };
-        Ok(Linear { w, b })
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Bias {
-    Required,
-    Optional,
-}
-
 impl DecoderModel {
     /// Loads a model of `cfg` from `src`.
     pub fn load(
@@ -181,202 +156,6 @@ impl DecoderModel {
             Some(tp),
             true,
         )
-    }
-
-    fn load_inner(
-        cfg: DecoderConfig,
-        moe: Option<&MoeConfig>,
-        flags: ArchFlags,
-        src: &dyn WeightSource,
-        opts: &LoadOptions,
-        tp: Option<TpRank>,
-        table: bool,
-    ) -> Result<Self> {
-        let moe_parallel = tp.as_ref().map(|t| MoeParallel {
-            comm: t.comm.clone(),
-            sharding: t.experts,
-        });
-        let h = cfg.hidden_size;
-        let (nh, nkv, hd) = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        );
-        let inter = cfg.intermediate_size;
-        let attn_tensors = match &cfg.mla {
-            Some(m) => m.tensors_per_layer() + 2,
-            None => 6 + if flags.qk_norm { 2 } else { 0 },
-        };
-        if cfg.mla.is_none() && cfg.rope_scaling.attention_factor() != 1.0 {
-            return Err(CoreError::unsupported(format!(
-                "{}: YaRN with an attention factor of {} outside latent attention",
-                src.describe(),
-                cfg.rope_scaling.attention_factor()
-            )));
-        }
-        let total = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                attn_tensors
-                    + match moe {
-                        Some(m) if m.is_sparse(i) => m.tensors_per_layer(),
-                        _ => 3,
-                    }
-            })
-            .sum::<usize>();
-        let mut l = Loader::new(src, opts, 3 + total);
-        // A model run from input embeddings reads its table only when its
-        // LM head is that table.
-        let head_is_table = cfg.tie_word_embeddings || src.tensor("lm_head.weight")?.is_none();
-        let embed = if table || head_is_table {
-            Some(l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?)
-        } else {
-            l.tick();
-            None
-        };
-        let qkv_bias = if flags.qkv_bias || cfg.attention_bias {
-            Bias::Required
-        } else {
-            Bias::Optional
-        };
-        let o_bias = if cfg.attention_bias {
-            Bias::Required
-        } else {
-            Bias::Optional
-        };
-        let mlp_bias = if cfg.mlp_bias {
-            Bias::Required
-        } else {
-            Bias::Optional
-        };
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            layers.push(Layer {
-                input_norm: l.vector_req(&format!("{p}.input_layernorm.weight"), h)?,
-                attn: match &cfg.mla {
-                    Some(m) => Attn::Mla(MlaAttn::load(&mut l, &cfg, m, i, nh)?),
-                    None => Attn::Mha(Mha {
-                        q: l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv_bias)?,
-                        k: l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv_bias)?,
-                        v: l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv_bias)?,
-                        o: l.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, o_bias)?,
-                        q_norm: if flags.qk_norm {
-                            Some(l.vector_req(&format!("{p}.self_attn.q_norm.weight"), hd)?)
-                        } else {
-                            None
-                        },
-                        k_norm: if flags.qk_norm {
-                            Some(l.vector_req(&format!("{p}.self_attn.k_norm.weight"), hd)?)
-                        } else {
-                            None
-                        },
-                        kv_scales: kv_scales::layer_scales(
-                            src,
-                            &format!("{p}.self_attn"),
-                            cfg.kv_cache_dtype.is_some(),
-                        )?
-                        .unwrap_or(KvScales::ONE),
-                    }),
-                },
-                post_norm: l.vector_req(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                ffn: match moe {
-                    Some(m) if m.is_sparse(i) => {
-                        Ffn::Moe(MoeBlock::load(&mut l, m, i, h, moe_parallel.clone())?)
-                    }
-                    _ => Ffn::Dense {
-                        gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, mlp_bias)?,
-                        up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, mlp_bias)?,
-                        down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, mlp_bias)?,
-                    },
-                },
-            });
-        }
-        let norm = l.vector_req("model.norm.weight", h)?;
-        // A vocab-parallel rank's LM head holds its rows of the vocabulary.
-        let (head_rows, head_start) = match &tp {
-            Some(t) if t.vocab_parallel => {
-                let per = cfg.vocab_size / t.comm.world_size();
-                (per, t.comm.rank() * per)
-            }
-            _ => (cfg.vocab_size, 0),
-        };
-        let lm_head = match &embed {
-            Some(e) if head_is_table => {
-                if !cfg.tie_word_embeddings {
-                    tracing::warn!("lm_head.weight is absent: using the tied input embeddings");
-                }
-                l.tick();
-                e.narrow(head_start, head_rows)?
-            }
-            _ => l.linear("lm_head", head_rows, h, Bias::Optional)?.w,
-        };
-        let mut freqs = cfg.inv_freq();
-        // GGUF Llama 3 files carry the scaling as per-frequency divisors.
-        if let Some(f) = src.tensor("rope_freqs.weight")? {
-            let factors = f.to_f32_vec()?;
-            if factors.len() != freqs.len() {
-                return Err(CoreError::load(format!(
-                    "{}: rope_freqs has {} values for {} frequencies",
-                    src.describe(),
-                    factors.len(),
-                    freqs.len()
-                )));
-            }
-            for (x, d) in freqs.iter_mut().zip(factors) {
-                *x /= d;
-            }
-        }
-        let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
-        let table_dtype = embed.as_ref().map_or(lm_head.dtype(), Tensor::dtype);
-        let weight_dtype = layers.first().map_or(table_dtype, |l| match &l.attn {
-            Attn::Mha(m) => m.q.w.dtype(),
-            Attn::Mla(_) => table_dtype,
-        });
-        // Latent attention caches one latent row per token; it reads no
-        // checkpoint KV scales.
-        let checkpoint_kv_dtype = match (&cfg.mla, cfg.kv_cache_dtype) {
-            (Some(_), Some(d)) => {
-                tracing::warn!(
-                    "{}: the checkpoint declares a {d} KV cache; its scales are not used with latent attention",
-                    src.describe()
-                );
-                None
-            }
-            (_, d) => d,
-        };
-        // The KV cache's geometry: one latent "head" with latent attention.
-        let (kv_heads, kv_dim) = match &cfg.mla {
-            Some(m) => (1, m.kv_head_dim()),
-            None => (nkv, hd),
-        };
-        let spec = ModelSpec {
-            architecture: cfg.architecture.clone(),
-            num_layers: cfg.num_hidden_layers,
-            num_heads: nh,
-            num_kv_heads: kv_heads,
-            head_dim: kv_dim,
-            hidden_size: h,
-            intermediate_size: inter,
-            vocab_size: cfg.vocab_size,
-            max_position_embeddings: cfg.max_position_embeddings,
-            sliding_window: cfg.sliding_window,
-            weight_dtype,
-            weight_bytes: l.bytes,
-            quantization: opts.quant.name().to_string(),
-            checkpoint_kv_dtype,
-            kv_values_in_keys: cfg.mla.is_some(),
-        };
-        Ok(Self {
-            spec,
-            tp,
-            cfg,
-            backend: opts.backend.clone(),
-            embed,
-            layers,
-            norm,
-            lm_head,
-            inv_freq,
-        })
     }
 
     fn linear(&self, x: &Tensor, l: &Linear, out: &Tensor) -> Result<()> {

@@ -327,192 +327,222 @@ impl<'a> Unpickler<'a> {
     fn run(mut self) -> R<Value> {
         loop {
             let op = self.u8()?;
-            match op {
+            let handled = match op {
+                b'.' => return self.pop(),
+                // PROTO and FRAME: a version byte and a frame length, skipped.
                 0x80 => {
                     self.u8()?;
+                    true
                 }
                 0x95 => {
                     self.len_u64()?;
-                }
-                b'.' => return self.pop(),
-                b'(' => self.marks.push(self.stack.len()),
-                b'}' => self.stack.push(Value::Dict(Vec::new())),
-                b']' => self.stack.push(Value::List(Vec::new())),
-                b')' => self.stack.push(Value::Tuple(Vec::new())),
-                b't' => {
-                    let v = self.pop_mark()?;
-                    self.stack.push(Value::Tuple(v));
-                }
-                0x85..=0x87 => {
-                    let n = (op - 0x84) as usize;
-                    if self.stack.len() < n {
-                        return Err("stack underflow".into());
-                    }
-                    let v = self.stack.split_off(self.stack.len() - n);
-                    self.stack.push(Value::Tuple(v));
-                }
-                b'l' => {
-                    let v = self.pop_mark()?;
-                    self.stack.push(Value::List(v));
-                }
-                b'd' => {
-                    let v = self.pop_mark()?;
-                    let d = pairs(v)?;
-                    self.stack.push(Value::Dict(d));
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    match self.top()? {
-                        Value::List(l) => l.push(v),
-                        _ => return Err("APPEND to a non-list".into()),
-                    }
-                }
-                b'e' => {
-                    let v = self.pop_mark()?;
-                    match self.top()? {
-                        Value::List(l) => l.extend(v),
-                        _ => return Err("APPENDS to a non-list".into()),
-                    }
-                }
-                b's' => {
-                    let v = self.pop()?;
-                    let k = self.pop()?;
-                    match self.top()? {
-                        Value::Dict(d) => d.push((k, v)),
-                        _ => return Err("SETITEM on a non-dict".into()),
-                    }
-                }
-                b'u' => {
-                    let v = pairs(self.pop_mark()?)?;
-                    match self.top()? {
-                        Value::Dict(d) => d.extend(v),
-                        _ => return Err("SETITEMS on a non-dict".into()),
-                    }
-                }
-                b'X' => {
-                    let n = self.u32()? as usize;
-                    let s = self.str(n)?;
-                    self.stack.push(s);
-                }
-                0x8c => {
-                    let n = self.u8()? as usize;
-                    let s = self.str(n)?;
-                    self.stack.push(s);
-                }
-                0x8d => {
-                    let n = self.len_u64()?;
-                    let s = self.str(n)?;
-                    self.stack.push(s);
-                }
-                b'T' | b'B' => {
-                    let n = self.u32()? as usize;
-                    let b = self.take(n)?.to_vec();
-                    self.stack.push(if op == b'T' {
-                        Value::Str(String::from_utf8_lossy(&b).into_owned())
-                    } else {
-                        Value::Scalar
-                    });
-                }
-                b'U' | b'C' => {
-                    let n = self.u8()? as usize;
-                    let b = self.take(n)?.to_vec();
-                    self.stack.push(if op == b'U' {
-                        Value::Str(String::from_utf8_lossy(&b).into_owned())
-                    } else {
-                        Value::Scalar
-                    });
-                }
-                b'K' => {
-                    let v = self.u8()?;
-                    self.stack.push(Value::Int(i64::from(v)));
-                }
-                b'M' => {
-                    let b = self.take(2)?;
-                    self.stack
-                        .push(Value::Int(i64::from(u16::from_le_bytes([b[0], b[1]]))));
-                }
-                b'J' => {
-                    let v = self.u32()? as i32;
-                    self.stack.push(Value::Int(i64::from(v)));
-                }
-                0x8a => {
-                    let n = self.u8()? as usize;
-                    let b = self.take(n)?;
-                    if n > 8 {
-                        return Err("an integer past 64 bits".into());
-                    }
-                    let mut a = [if b.last().is_some_and(|&x| x & 0x80 != 0) {
-                        0xff
-                    } else {
-                        0
-                    }; 8];
-                    a[..n].copy_from_slice(b);
-                    self.stack.push(Value::Int(i64::from_le_bytes(a)));
-                }
-                b'G' => {
-                    self.take(8)?;
-                    self.stack.push(Value::Scalar);
-                }
-                b'N' => self.stack.push(Value::None),
-                0x88 | 0x89 => self.stack.push(Value::Scalar),
-                b'q' => {
-                    let k = u32::from(self.u8()?);
-                    let v = self.top()?.clone();
-                    self.memo.insert(k, v);
-                }
-                b'r' => {
-                    let k = self.u32()?;
-                    let v = self.top()?.clone();
-                    self.memo.insert(k, v);
-                }
-                0x94 => {
-                    let k = self.memo.len() as u32;
-                    let v = self.top()?.clone();
-                    self.memo.insert(k, v);
-                }
-                b'h' | b'j' => {
-                    let k = if op == b'h' {
-                        u32::from(self.u8()?)
-                    } else {
-                        self.u32()?
-                    };
-                    let v = self.memo.get(&k).cloned().ok_or("a GET of an unset memo")?;
-                    self.stack.push(v);
-                }
-                b'c' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    self.global(&module, &name)?;
-                }
-                0x93 => {
-                    let (Value::Str(name), Value::Str(module)) = (self.pop()?, self.pop()?) else {
-                        return Err("STACK_GLOBAL of non-strings".into());
-                    };
-                    self.global(&module, &name)?;
-                }
-                b'R' | 0x81 => {
-                    let args = self.pop()?;
-                    let f = self.pop()?;
-                    let v = call(f, args)?;
-                    self.stack.push(v);
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    let v = persistent(pid)?;
-                    self.stack.push(v);
-                }
-                // BUILD: an object's state (an OrderedDict's `_metadata`): not weights.
-                b'b' => {
-                    self.pop()?;
+                    true
                 }
                 _ => {
-                    return Err(format!(
-                        "unsupported pickle opcode 0x{op:02x} at byte {}",
-                        self.pos - 1
-                    ));
+                    self.container_op(op)? || self.literal_op(op)? || self.memo_or_object_op(op)?
                 }
+            };
+            if !handled {
+                return Err(format!(
+                    "unsupported pickle opcode 0x{op:02x} at byte {}",
+                    self.pos - 1
+                ));
             }
         }
+    }
+
+    /// Marks, tuples, lists and dicts, built and extended; false when `op` is not one of them.
+    fn container_op(&mut self, op: u8) -> R<bool> {
+        match op {
+            b'(' => self.marks.push(self.stack.len()),
+            b'}' => self.stack.push(Value::Dict(Vec::new())),
+            b']' => self.stack.push(Value::List(Vec::new())),
+            b')' => self.stack.push(Value::Tuple(Vec::new())),
+            b't' => {
+                let v = self.pop_mark()?;
+                self.stack.push(Value::Tuple(v));
+            }
+            0x85..=0x87 => {
+                let n = (op - 0x84) as usize;
+                if self.stack.len() < n {
+                    return Err("stack underflow".into());
+                }
+                let v = self.stack.split_off(self.stack.len() - n);
+                self.stack.push(Value::Tuple(v));
+            }
+            b'l' => {
+                let v = self.pop_mark()?;
+                self.stack.push(Value::List(v));
+            }
+            b'd' => {
+                let v = self.pop_mark()?;
+                let d = pairs(v)?;
+                self.stack.push(Value::Dict(d));
+            }
+            b'a' => {
+                let v = self.pop()?;
+                match self.top()? {
+                    Value::List(l) => l.push(v),
+                    _ => return Err("APPEND to a non-list".into()),
+                }
+            }
+            b'e' => {
+                let v = self.pop_mark()?;
+                match self.top()? {
+                    Value::List(l) => l.extend(v),
+                    _ => return Err("APPENDS to a non-list".into()),
+                }
+            }
+            b's' => {
+                let v = self.pop()?;
+                let k = self.pop()?;
+                match self.top()? {
+                    Value::Dict(d) => d.push((k, v)),
+                    _ => return Err("SETITEM on a non-dict".into()),
+                }
+            }
+            b'u' => {
+                let v = pairs(self.pop_mark()?)?;
+                match self.top()? {
+                    Value::Dict(d) => d.extend(v),
+                    _ => return Err("SETITEMS on a non-dict".into()),
+                }
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Strings, bytes, integers, floats, booleans and None; false when `op` is not one of them.
+    fn literal_op(&mut self, op: u8) -> R<bool> {
+        match op {
+            b'X' => {
+                let n = self.u32()? as usize;
+                let s = self.str(n)?;
+                self.stack.push(s);
+            }
+            0x8c => {
+                let n = self.u8()? as usize;
+                let s = self.str(n)?;
+                self.stack.push(s);
+            }
+            0x8d => {
+                let n = self.len_u64()?;
+                let s = self.str(n)?;
+                self.stack.push(s);
+            }
+            b'T' | b'B' => {
+                let n = self.u32()? as usize;
+                let b = self.take(n)?.to_vec();
+                self.stack.push(if op == b'T' {
+                    Value::Str(String::from_utf8_lossy(&b).into_owned())
+                } else {
+                    Value::Scalar
+                });
+            }
+            b'U' | b'C' => {
+                let n = self.u8()? as usize;
+                let b = self.take(n)?.to_vec();
+                self.stack.push(if op == b'U' {
+                    Value::Str(String::from_utf8_lossy(&b).into_owned())
+                } else {
+                    Value::Scalar
+                });
+            }
+            b'K' => {
+                let v = self.u8()?;
+                self.stack.push(Value::Int(i64::from(v)));
+            }
+            b'M' => {
+                let b = self.take(2)?;
+                self.stack
+                    .push(Value::Int(i64::from(u16::from_le_bytes([b[0], b[1]]))));
+            }
+            b'J' => {
+                let v = self.u32()? as i32;
+                self.stack.push(Value::Int(i64::from(v)));
+            }
+            0x8a => {
+                let n = self.u8()? as usize;
+                let b = self.take(n)?;
+                if n > 8 {
+                    return Err("an integer past 64 bits".into());
+                }
+                let mut a = [if b.last().is_some_and(|&x| x & 0x80 != 0) {
+                    0xff
+                } else {
+                    0
+                }; 8];
+                a[..n].copy_from_slice(b);
+                self.stack.push(Value::Int(i64::from_le_bytes(a)));
+            }
+            b'G' => {
+                self.take(8)?;
+                self.stack.push(Value::Scalar);
+            }
+            b'N' => self.stack.push(Value::None),
+            0x88 | 0x89 => self.stack.push(Value::Scalar),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The memo (PUT and GET) and objects: globals, calls, persistent ids and BUILD; false when `op` is not one of them.
+    fn memo_or_object_op(&mut self, op: u8) -> R<bool> {
+        match op {
+            b'q' => {
+                let k = u32::from(self.u8()?);
+                let v = self.top()?.clone();
+                self.memo.insert(k, v);
+            }
+            b'r' => {
+                let k = self.u32()?;
+                let v = self.top()?.clone();
+                self.memo.insert(k, v);
+            }
+            0x94 => {
+                let k = self.memo.len() as u32;
+                let v = self.top()?.clone();
+                self.memo.insert(k, v);
+            }
+            b'h' | b'j' => {
+                let k = if op == b'h' {
+                    u32::from(self.u8()?)
+                } else {
+                    self.u32()?
+                };
+                let v = self.memo.get(&k).cloned().ok_or("a GET of an unset memo")?;
+                self.stack.push(v);
+            }
+            b'c' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                self.global(&module, &name)?;
+            }
+            0x93 => {
+                let (Value::Str(name), Value::Str(module)) = (self.pop()?, self.pop()?) else {
+                    return Err("STACK_GLOBAL of non-strings".into());
+                };
+                self.global(&module, &name)?;
+            }
+            b'R' | 0x81 => {
+                let args = self.pop()?;
+                let f = self.pop()?;
+                let v = call(f, args)?;
+                self.stack.push(v);
+            }
+            b'Q' => {
+                let pid = self.pop()?;
+                let v = persistent(pid)?;
+                self.stack.push(v);
+            }
+            // BUILD: an object's state (an OrderedDict's `_metadata`): not weights.
+            b'b' => {
+                self.pop()?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 }
 

@@ -25,8 +25,8 @@
 //! cache of [`Eagle3Head::kv_spec`], so it runs on every backend.
 
 use crate::head_common::{
-    HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden, check_kv,
-    check_plain_llama, check_vocab, kv_spec, lin, lm_logits, read_bool, read_config,
+    HeadFile, HeadMap, Mlp, SplitLinear, cfg_err, check_architecture, check_batch, check_hidden,
+    check_kv, check_plain_llama, check_vocab, kv_spec, lin, lm_logits, read_bool, read_config,
     rope_attention, select_rows, upload_inv_freq,
 };
 use arbor_engine_core::{
@@ -337,65 +337,7 @@ impl Eagle3Head {
             weight("lm_head.weight", &[dv, h])?
         };
 
-        let d2t = match src.view("d2t")? {
-            Some(t) => {
-                if t.dtype() != Dtype::I64 || t.shape() != [dv] {
-                    return Err(src.err(
-                        "d2t",
-                        format!(
-                            "is {:?} {:?}, expected I64 [{dv}] (draft_vocab_size)",
-                            t.dtype(),
-                            t.shape()
-                        ),
-                    ));
-                }
-                let mut ids = Vec::with_capacity(dv);
-                for (d, off) in read_i64(&t).into_iter().enumerate() {
-                    let id = (d as i64)
-                        .checked_add(off)
-                        .filter(|&id| id >= 0 && (id as usize) < vocab)
-                        .ok_or_else(|| {
-                            src.err(
-                                "d2t",
-                                format!(
-                                    "maps draft id {d} to {d} + {off}, outside the vocabulary of {vocab}"
-                                ),
-                            )
-                        })?;
-                    ids.push(id as u32);
-                }
-                ids
-            }
-            None if dv == vocab => (0..vocab as u32).collect(),
-            None => {
-                return Err(src.err(
-                    "d2t",
-                    format!(
-                        "is missing (needed to map the {dv} draft ids into the target's vocabulary of {vocab})"
-                    ),
-                ));
-            }
-        };
-        if let Some(t) = src.view("t2d")? {
-            if t.dtype() != Dtype::BOOL || t.shape() != [vocab] {
-                return Err(src.err(
-                    "t2d",
-                    format!(
-                        "is {:?} {:?}, expected BOOL [{vocab}] (vocab_size)",
-                        t.dtype(),
-                        t.shape()
-                    ),
-                ));
-            }
-            let marked = t.data().iter().filter(|&&x| x != 0).count();
-            let agree = d2t.iter().all(|&id| t.data()[id as usize] != 0);
-            if marked != dv || !agree {
-                return Err(src.err(
-                    "t2d",
-                    format!("marks {marked} target ids, which are not the {dv} ids d2t maps to"),
-                ));
-            }
-        }
+        let d2t = draft_to_target(&src, dv, vocab)?;
 
         let inv_freq = upload_inv_freq(b, c)?;
         Ok(Self {
@@ -561,4 +503,70 @@ impl Eagle3Head {
         let logits = lm_logits(b, &normed, &self.lm_head, self.cfg.draft_vocab_size)?;
         Ok(Eagle3Output { logits, aux })
     }
+}
+
+/// The draft vocabulary's target ids: `d2t` holds each draft id's offset
+/// (absent: the vocabularies are the same); `t2d`, when present, must mark
+/// exactly the target ids `d2t` maps to.
+fn draft_to_target(src: &HeadFile<'_>, dv: usize, vocab: usize) -> Result<Vec<u32>> {
+    let d2t = match src.view("d2t")? {
+        Some(t) => {
+            if t.dtype() != Dtype::I64 || t.shape() != [dv] {
+                return Err(src.err(
+                    "d2t",
+                    format!(
+                        "is {:?} {:?}, expected I64 [{dv}] (draft_vocab_size)",
+                        t.dtype(),
+                        t.shape()
+                    ),
+                ));
+            }
+            let mut ids = Vec::with_capacity(dv);
+            for (d, off) in read_i64(&t).into_iter().enumerate() {
+                let id = (d as i64)
+                    .checked_add(off)
+                    .filter(|&id| id >= 0 && (id as usize) < vocab)
+                    .ok_or_else(|| {
+                        src.err(
+                            "d2t",
+                            format!(
+                                "maps draft id {d} to {d} + {off}, outside the vocabulary of {vocab}"
+                            ),
+                        )
+                    })?;
+                ids.push(id as u32);
+            }
+            ids
+        }
+        None if dv == vocab => (0..vocab as u32).collect(),
+        None => {
+            return Err(src.err(
+                "d2t",
+                format!(
+                    "is missing (needed to map the {dv} draft ids into the target's vocabulary of {vocab})"
+                ),
+            ));
+        }
+    };
+    if let Some(t) = src.view("t2d")? {
+        if t.dtype() != Dtype::BOOL || t.shape() != [vocab] {
+            return Err(src.err(
+                "t2d",
+                format!(
+                    "is {:?} {:?}, expected BOOL [{vocab}] (vocab_size)",
+                    t.dtype(),
+                    t.shape()
+                ),
+            ));
+        }
+        let marked = t.data().iter().filter(|&&x| x != 0).count();
+        let agree = d2t.iter().all(|&id| t.data()[id as usize] != 0);
+        if marked != dv || !agree {
+            return Err(src.err(
+                "t2d",
+                format!("marks {marked} target ids, which are not the {dv} ids d2t maps to"),
+            ));
+        }
+    }
+    Ok(d2t)
 }

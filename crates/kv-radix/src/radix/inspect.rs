@@ -226,8 +226,23 @@ impl RadixCache {
 
     /// Checks every structural invariant (O(nodes)); returns the first violation.
     pub fn check_invariants(&self) -> Result<(), String> {
-        let ps = self.page_size;
-        let len = self.nodes.len();
+        self.check_roots()?;
+        let mut recount = Recount::new(self.nodes.len());
+        for (i, n) in self.nodes.iter().enumerate() {
+            let id = i as u32;
+            if !n.live || n.is_root() {
+                if n.in_candidates || n.in_host_candidates {
+                    return Err(format!("#{id} is a candidate but a root or free"));
+                }
+                continue;
+            }
+            self.check_node(id, n, &mut recount)?;
+        }
+        self.check_totals(&recount)
+    }
+
+    /// The global root, the free list, and the namespace roots and maps.
+    fn check_roots(&self) -> Result<(), String> {
         let root = self.nodes.first().ok_or("no global root")?;
         if !root.live || !root.is_root() {
             return Err("the global root is not a live root".into());
@@ -270,131 +285,135 @@ impl RadixCache {
                 self.namespaces.len()
             ));
         }
+        Ok(())
+    }
 
-        let mut children = vec![0u32; len];
-        let mut device_children = vec![0u32; len];
-        let mut host_slots = HashSet::new();
-        let (mut host_tokens, mut want_host) = (0usize, 0usize);
-        let mut lock_sum = vec![0u64; len];
-        let (mut evictable, mut protected, mut live) = (0usize, 0usize, 0usize);
-        let mut want_candidates = 0usize;
-        let mut pages = HashSet::new();
-        for (i, n) in self.nodes.iter().enumerate() {
-            let id = i as u32;
-            if !n.live || n.is_root() {
-                if n.in_candidates || n.in_host_candidates {
-                    return Err(format!("#{id} is a candidate but a root or free"));
-                }
-                continue;
+    /// One live non-root node: its pages on each tier, its parent, its place
+    /// under its parent's edges and in the candidate sets; adds it to `r`.
+    fn check_node(&self, id: u32, n: &Node, r: &mut Recount) -> Result<(), String> {
+        let ps = self.page_size;
+        let t = n.tokens.len();
+        let host_pages = n.host.as_ref().map_or(0, |h| h.len());
+        let device_ok = !n.on_device() || n.page_ids().len() * ps == t;
+        let host_ok = n.host.is_none() || host_pages * ps == t;
+        if t == 0
+            || !t.is_multiple_of(ps)
+            || !device_ok
+            || !host_ok
+            || n.pages.is_none() && n.host.is_none()
+        {
+            return Err(format!(
+                "#{id} has {t} tokens, {} device and {host_pages} host pages (page size {ps})",
+                n.page_ids().len()
+            ));
+        }
+        if let Some(h) = &n.host {
+            if self.tiers.is_none() {
+                return Err(format!("#{id} has host pages without tiers"));
             }
-            let t = n.tokens.len();
-            let host_pages = n.host.as_ref().map_or(0, |h| h.len());
-            let device_ok = !n.on_device() || n.page_ids().len() * ps == t;
-            let host_ok = n.host.is_none() || host_pages * ps == t;
-            if t == 0
-                || t % ps != 0
-                || !device_ok
-                || !host_ok
-                || n.pages.is_none() && n.host.is_none()
-            {
-                return Err(format!(
-                    "#{id} has {t} tokens, {} device and {host_pages} host pages (page size {ps})",
-                    n.page_ids().len()
-                ));
-            }
-            if let Some(h) = &n.host {
-                if self.tiers.is_none() {
-                    return Err(format!("#{id} has host pages without tiers"));
-                }
-                for s in h.slots() {
-                    if !host_slots.insert(s.slot) {
-                        return Err(format!("host slot {} is owned twice", s.slot));
-                    }
-                }
-                host_tokens += t;
-            }
-            for &p in n.page_ids() {
-                if !pages.insert(p) {
-                    return Err(format!("page {p} is owned twice (again by #{id})"));
+            for s in h.slots() {
+                if !r.host_slots.insert(s.slot) {
+                    return Err(format!("host slot {} is owned twice", s.slot));
                 }
             }
-            let parent = self.nodes.get(n.parent as usize).filter(|p| p.live);
-            if parent.is_none() {
-                return Err(format!("#{id} has a dead parent #{}", n.parent));
-            }
-            children[n.parent as usize] += 1;
-            lock_sum[n.parent as usize] += u64::from(n.lock_ref);
-            let dt = n.device_tokens();
-            if n.on_device() {
-                device_children[n.parent as usize] += 1;
-                let p = &self.nodes[n.parent as usize];
-                if !p.is_root() && !p.on_device() {
-                    return Err(format!("#{id} is on the device but its parent is not"));
-                }
-            }
-            if n.lock_ref == 0 {
-                evictable += dt;
-            } else {
-                protected += dt;
-            }
-            live += 1;
-            if self.edges.find(&self.nodes, n.parent, &n.tokens[..ps]) != Some(id) {
-                return Err(format!("#{id} is not found under its first page"));
-            }
-            let leaf_unlocked = n.lock_ref == 0 && n.device_children == 0 && n.on_device();
-            let host_leaf = n.lock_ref == 0 && n.children == 0 && !n.on_device();
-            if leaf_unlocked != n.in_candidates || host_leaf != n.in_host_candidates {
-                return Err(format!(
-                    "#{id}: unlocked device leaf {leaf_unlocked} / host leaf {host_leaf} but \
-                     candidate {} / {}",
-                    n.in_candidates, n.in_host_candidates
-                ));
-            }
-            if host_leaf {
-                want_host += 1;
-                let c = super::node::Candidate { key: n.key, id };
-                let key = self.policy.key(&n.meta());
-                if key.total_cmp(&n.key).is_ne() || !self.host_candidates.contains(&c) {
-                    return Err(format!("#{id} is missing from the host candidates"));
-                }
-            }
-            if leaf_unlocked {
-                want_candidates += 1;
-                let key = self.policy.key(&n.meta());
-                let c = super::node::Candidate { key: n.key, id };
-                if key.total_cmp(&n.key).is_ne() || !self.candidates.contains(&c) {
-                    return Err(format!(
-                        "#{id} is missing from the candidates or has a stale key"
-                    ));
-                }
-            }
-            // The parent chain reaches a root.
-            let (mut x, mut steps) = (n.parent, 0);
-            while !self.nodes[x as usize].is_root() {
-                x = self.nodes[x as usize].parent;
-                steps += 1;
-                if steps > len {
-                    return Err(format!("#{id} is on a cycle"));
-                }
+            r.host_tokens += t;
+        }
+        for &p in n.page_ids() {
+            if !r.pages.insert(p) {
+                return Err(format!("page {p} is owned twice (again by #{id})"));
             }
         }
+        let parent = self.nodes.get(n.parent as usize).filter(|p| p.live);
+        let Some(parent) = parent else {
+            return Err(format!("#{id} has a dead parent #{}", n.parent));
+        };
+        r.children[n.parent as usize] += 1;
+        r.lock_sum[n.parent as usize] += u64::from(n.lock_ref);
+        let dt = n.device_tokens();
+        if n.on_device() {
+            r.device_children[n.parent as usize] += 1;
+            if !parent.is_root() && !parent.on_device() {
+                return Err(format!("#{id} is on the device but its parent is not"));
+            }
+        }
+        if n.lock_ref == 0 {
+            r.evictable += dt;
+        } else {
+            r.protected += dt;
+        }
+        r.live += 1;
+        if self.edges.find(&self.nodes, n.parent, &n.tokens[..ps]) != Some(id) {
+            return Err(format!("#{id} is not found under its first page"));
+        }
+        self.check_candidacy(id, n, r)?;
+        // The parent chain reaches a root.
+        let (mut x, mut steps) = (n.parent, 0);
+        while !self.nodes[x as usize].is_root() {
+            x = self.nodes[x as usize].parent;
+            steps += 1;
+            if steps > self.nodes.len() {
+                return Err(format!("#{id} is on a cycle"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A node is a device candidate exactly when it is an unlocked device
+    /// leaf, a host candidate exactly when it is an unlocked host-only leaf,
+    /// each under its current policy key.
+    fn check_candidacy(&self, id: u32, n: &Node, r: &mut Recount) -> Result<(), String> {
+        let leaf_unlocked = n.lock_ref == 0 && n.device_children == 0 && n.on_device();
+        let host_leaf = n.lock_ref == 0 && n.children == 0 && !n.on_device();
+        if leaf_unlocked != n.in_candidates || host_leaf != n.in_host_candidates {
+            return Err(format!(
+                "#{id}: unlocked device leaf {leaf_unlocked} / host leaf {host_leaf} but \
+                 candidate {} / {}",
+                n.in_candidates, n.in_host_candidates
+            ));
+        }
+        if host_leaf {
+            r.want_host += 1;
+            let c = super::node::Candidate { key: n.key, id };
+            let key = self.policy.key(&n.meta());
+            if key.total_cmp(&n.key).is_ne() || !self.host_candidates.contains(&c) {
+                return Err(format!("#{id} is missing from the host candidates"));
+            }
+        }
+        if leaf_unlocked {
+            r.want_candidates += 1;
+            let key = self.policy.key(&n.meta());
+            let c = super::node::Candidate { key: n.key, id };
+            if key.total_cmp(&n.key).is_ne() || !self.candidates.contains(&c) {
+                return Err(format!(
+                    "#{id} is missing from the candidates or has a stale key"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The recount against the nodes' child counts and locks, the edge and
+    /// candidate sets, and the cache's counters.
+    fn check_totals(&self, r: &Recount) -> Result<(), String> {
         for (i, n) in self.nodes.iter().enumerate().filter(|(_, n)| n.live) {
-            if n.children != children[i] || n.device_children != device_children[i] {
+            if n.children != r.children[i] || n.device_children != r.device_children[i] {
                 return Err(format!(
                     "#{i} counts {} children ({} on the device), has {} ({})",
-                    n.children, n.device_children, children[i], device_children[i]
+                    n.children, n.device_children, r.children[i], r.device_children[i]
                 ));
             }
-            if u64::from(n.lock_ref) < lock_sum[i] {
+            if u64::from(n.lock_ref) < r.lock_sum[i] {
                 return Err(format!(
                     "#{i} has lock_ref {} below its children's {}",
-                    n.lock_ref, lock_sum[i]
+                    n.lock_ref, r.lock_sum[i]
                 ));
             }
         }
+        let live = r.live;
         if self.edges.len() != live {
             return Err(format!("{} edges for {live} nodes", self.edges.len()));
         }
+        let want_candidates = r.want_candidates;
         if self.candidates.len() != want_candidates {
             return Err(format!(
                 "{} candidates, {want_candidates} unlocked leaves",
@@ -405,6 +424,7 @@ impl RadixCache {
         if seen.len() != self.candidates.len() {
             return Err("a node is a candidate twice".into());
         }
+        let want_host = r.want_host;
         if self.host_candidates.len() != want_host {
             return Err(format!(
                 "{} host candidates, {want_host} unlocked host-only leaves",
@@ -412,11 +432,13 @@ impl RadixCache {
             ));
         }
         let counted_host = self.tiers.as_ref().map_or(0, |t| t.host_tokens);
+        let host_tokens = r.host_tokens;
         if host_tokens != counted_host {
             return Err(format!(
                 "host tokens: recount {host_tokens}, counter {counted_host}"
             ));
         }
+        let (evictable, protected) = (r.evictable, r.protected);
         if (evictable, protected, live) != (self.evictable, self.protected, self.live_nodes) {
             return Err(format!(
                 "recount: evictable {evictable}, protected {protected}, nodes {live}; \
@@ -425,5 +447,45 @@ impl RadixCache {
             ));
         }
         Ok(())
+    }
+}
+
+/// What [`RadixCache::check_invariants`] recounts from the nodes, to compare
+/// with the cache's counters and each node's own counts.
+struct Recount {
+    /// Per slot: live children, children on the device, and the sum of the
+    /// children's locks.
+    children: Vec<u32>,
+    device_children: Vec<u32>,
+    lock_sum: Vec<u64>,
+    /// Device pages and host slots seen (each owned once).
+    pages: HashSet<u32>,
+    host_slots: HashSet<u32>,
+    host_tokens: usize,
+    /// Device tokens of unlocked and of locked nodes.
+    evictable: usize,
+    protected: usize,
+    /// Live non-root nodes.
+    live: usize,
+    /// Unlocked device leaves and unlocked host-only leaves.
+    want_candidates: usize,
+    want_host: usize,
+}
+
+impl Recount {
+    fn new(slots: usize) -> Self {
+        Recount {
+            children: vec![0; slots],
+            device_children: vec![0; slots],
+            lock_sum: vec![0; slots],
+            pages: HashSet::new(),
+            host_slots: HashSet::new(),
+            host_tokens: 0,
+            evictable: 0,
+            protected: 0,
+            live: 0,
+            want_candidates: 0,
+            want_host: 0,
+        }
     }
 }

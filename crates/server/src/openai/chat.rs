@@ -146,87 +146,15 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
-    // Tools: required/named choices force a call through a grammar; auto parses
-    // `<tool_call>` blocks afterwards; none ignores them.
-    let raw_tools = f.raw("tools").filter(|t| !crate::fields::is_unset(t));
-    let raw_choice = f.raw("tool_choice");
-    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
-    let tool_mode = match &raw_tools {
-        Some(t) => {
-            let list = tools::parse_tools(t)?;
-            let choice = tools::parse_choice(raw_choice.as_ref(), &list)?;
-            if let Some(schema) = tools::forcing_schema(&list, &choice, parallel) {
-                constraint::set(
-                    &mut constraint,
-                    ConstraintSpec::new("tools", Constraint::Tools(schema)),
-                )?;
-            }
-            Some(choice)
-        }
-        None => {
-            if let Some(c) = &raw_choice
-                && c.as_str() != Some("none")
-                && c.as_str() != Some("auto")
-                && !c.is_null()
-            {
-                return Err(ApiError::bad_param(
-                    "tool_choice",
-                    "'tool_choice' needs 'tools'",
-                ));
-            }
-            None
-        }
-    };
-    let template_tools = match (&tool_mode, &raw_tools) {
-        (Some(ToolChoice::None), _) | (None, _) => None,
-        (Some(_), t) => t.clone(),
-    };
+    let (tool_mode, template_tools) = tool_mode(&mut f, &mut constraint)?;
     // SGLang's switches of the reasoning parser (both on by default).
     let separate_reasoning = f.bool("separate_reasoning")?.unwrap_or(true);
     let stream_reasoning = f.bool("stream_reasoning")?.unwrap_or(true);
-    f.ignore("reasoning_effort");
-    for (k, what) in [
-        ("continue_final_message", "continuing the final message"),
-        ("chat_template_kwargs", "chat template arguments"),
-        ("functions", "function calling"),
-        ("function_call", "function calling"),
-        ("audio", "audio output"),
-        ("prediction", "predicted outputs"),
-        ("web_search_options", "web search"),
-    ] {
-        f.unset_only(k, what)?;
-    }
-    if let Some(m) = f.raw("modalities")
-        && m != json!(["text"])
-    {
-        return Err(ApiError::unsupported(
-            "modalities",
-            "output other than text",
-        ));
-    }
+    refuse_unsupported(&mut f)?;
     let bootstrap = crate::disagg::bootstrap_fields(&mut f, 1)?;
     f.finish_lenient()?;
 
-    let Some(template) = &st.chat_template else {
-        return Err(ApiError::bad_request(
-            "the model has no chat template; use /v1/completions or /generate",
-        ));
-    };
-    let tok = &st.tokenizer;
-    let text = template.render(
-        &msgs,
-        add_generation_prompt,
-        tok.bos_token.as_deref(),
-        tok.eos_token.as_deref(),
-        template_tools.as_ref(),
-    )?;
-    let ids = tok.encode(&text, false)?;
-    if ids.is_empty() {
-        return Err(ApiError::bad_param(
-            "messages",
-            "the prompt is empty after applying the chat template",
-        ));
-    }
+    let ids = prompt_ids(&st, &msgs, add_generation_prompt, template_tools.as_ref())?;
     params.max_new_tokens = match max_tokens {
         Some(m) => m,
         None => st.max_sequence_tokens().saturating_sub(ids.len()).max(1),
@@ -288,6 +216,106 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         "usage": usage(&st, &run),
     }))
     .into_response())
+}
+
+/// The tool mode of a request and the tools its chat template is given:
+/// required and named choices force a call through a grammar (added to
+/// `constraint`); auto parses `<tool_call>` blocks afterwards; none ignores
+/// them. A `tool_choice` other than none or auto needs `tools`.
+fn tool_mode(
+    f: &mut Fields,
+    constraint: &mut Option<ConstraintSpec>,
+) -> Result<(Option<ToolChoice>, Option<Value>), ApiError> {
+    let raw_tools = f.raw("tools").filter(|t| !crate::fields::is_unset(t));
+    let raw_choice = f.raw("tool_choice");
+    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    let tool_mode = match &raw_tools {
+        Some(t) => {
+            let list = tools::parse_tools(t)?;
+            let choice = tools::parse_choice(raw_choice.as_ref(), &list)?;
+            if let Some(schema) = tools::forcing_schema(&list, &choice, parallel) {
+                constraint::set(
+                    constraint,
+                    ConstraintSpec::new("tools", Constraint::Tools(schema)),
+                )?;
+            }
+            Some(choice)
+        }
+        None => {
+            if let Some(c) = &raw_choice
+                && c.as_str() != Some("none")
+                && c.as_str() != Some("auto")
+                && !c.is_null()
+            {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "'tool_choice' needs 'tools'",
+                ));
+            }
+            None
+        }
+    };
+    let template_tools = match (&tool_mode, &raw_tools) {
+        (Some(ToolChoice::None), _) | (None, _) => None,
+        (Some(_), t) => t.clone(),
+    };
+    Ok((tool_mode, template_tools))
+}
+
+/// Ignores `reasoning_effort`; refuses the OpenAI fields Arbor does not
+/// implement when they are set, and output modalities other than text.
+fn refuse_unsupported(f: &mut Fields) -> Result<(), ApiError> {
+    f.ignore("reasoning_effort");
+    for (k, what) in [
+        ("continue_final_message", "continuing the final message"),
+        ("chat_template_kwargs", "chat template arguments"),
+        ("functions", "function calling"),
+        ("function_call", "function calling"),
+        ("audio", "audio output"),
+        ("prediction", "predicted outputs"),
+        ("web_search_options", "web search"),
+    ] {
+        f.unset_only(k, what)?;
+    }
+    if let Some(m) = f.raw("modalities")
+        && m != json!(["text"])
+    {
+        return Err(ApiError::unsupported(
+            "modalities",
+            "output other than text",
+        ));
+    }
+    Ok(())
+}
+
+/// The prompt's token ids: the messages through the model's chat template.
+fn prompt_ids(
+    st: &AppState,
+    msgs: &[ChatMessage],
+    add_generation_prompt: bool,
+    tools: Option<&Value>,
+) -> Result<Vec<u32>, ApiError> {
+    let Some(template) = &st.chat_template else {
+        return Err(ApiError::bad_request(
+            "the model has no chat template; use /v1/completions or /generate",
+        ));
+    };
+    let tok = &st.tokenizer;
+    let text = template.render(
+        msgs,
+        add_generation_prompt,
+        tok.bos_token.as_deref(),
+        tok.eos_token.as_deref(),
+        tools,
+    )?;
+    let ids = tok.encode(&text, false)?;
+    if ids.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "the prompt is empty after applying the chat template",
+        ));
+    }
+    Ok(ids)
 }
 
 struct ChatFormat {

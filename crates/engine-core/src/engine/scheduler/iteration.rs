@@ -25,7 +25,8 @@ use crate::grammar::TokenBitmask;
 use crate::kv::pages_for;
 use crate::speculative::{Draft, Drafting};
 use crate::step::{
-    MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepPlan,
+    MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput,
+    StepPlan,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -83,6 +84,40 @@ fn fill_all(constrained: &mut [(usize, &mut Req, &[u32])], seqs: usize, vocab: u
         }
     }
     masks
+}
+
+/// The requests that stay running after a forward during which the next
+/// batch is admitted: how many, the tokens they are expected to add, and
+/// their adapters.
+struct InFlight {
+    requests: usize,
+    reserve: f64,
+    adapters: Vec<AdapterKey>,
+}
+
+/// The requests that sample after this forward under a grammar, with their
+/// plan index and drafts: a prefill entry only on its prompt's last chunk
+/// (and not a prefix-only one or one with no new tokens).
+fn constrained_rows<'a>(
+    prefill: &'a mut [PrefillEntry],
+    decoding: &'a mut [Req],
+    drafts: &'a [Draft],
+) -> Vec<(usize, &'a mut Req, &'a [u32])> {
+    let npre = prefill.len();
+    let no_drafts: &[u32] = &[];
+    prefill
+        .iter_mut()
+        .enumerate()
+        .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
+        .map(|(i, e)| (i, &mut e.req, no_drafts))
+        .chain(
+            decoding
+                .iter_mut()
+                .enumerate()
+                .map(|(i, r)| (npre + i, r, draft_of(drafts, i).tokens.as_slice())),
+        )
+        .filter(|(_, r, _)| r.matcher.is_some())
+        .collect()
 }
 
 impl Scheduler {
@@ -233,149 +268,31 @@ impl Scheduler {
             Some(Drafting::Model { .. }) => drafting.elapsed().as_secs_f64(),
             _ => 0.0,
         };
-        // The sequence buffers of the last step are refilled (no allocation
-        // per request once they have grown).
-        // Their page-list stamps travel with them (taken and given back together).
-        let mut plan = StepPlan {
-            seqs: std::mem::take(&mut self.seq_bufs),
-            ..StepPlan::default()
-        };
-        let mut stamps = std::mem::take(&mut self.seq_stamps);
-        let n_plan = prefill.len() + decoding.len();
-        plan.seqs.resize_with(n_plan, SeqPlan::default);
-        stamps.resize(n_plan, 0);
-        let (pre_seqs, dec_seqs) = plan.seqs.split_at_mut(prefill.len());
-        let (pre_stamps, dec_stamps) = stamps.split_at_mut(prefill.len());
-        for ((e, s), stamp) in prefill.iter_mut().zip(pre_seqs).zip(pre_stamps) {
-            self.prefill_plan(e, s);
-            *stamp = 0;
-        }
-        // Whether any request samples under a grammar (found in the same walk).
-        let mut any_grammar = prefill.iter().any(|e| e.req.matcher.is_some());
-        for (i, ((r, s), stamp)) in decoding
-            .iter_mut()
-            .zip(dec_seqs)
-            .zip(dec_stamps)
-            .enumerate()
-        {
-            any_grammar |= r.matcher.is_some();
-            self.decode_plan(r, draft_of(&drafts, i), s, stamp);
-        }
-        // Copies between device and host tiers that the admissions and
-        // evictions before this point recorded run first.
-        plan.kv_ops = self.cache.take_kv_ops();
-        plan.hidden_layers = self.planned_hidden_layers();
+        let (mut plan, stamps, any_grammar) = self.plan_step(&mut prefill, &mut decoding, &drafts);
         // Tokens the forward computes, for speculation's cost model only.
         let plan_tokens: usize = if self.speculator.is_some() {
             plan.seqs.iter().map(|s| s.tokens.len()).sum()
         } else {
             0
         };
-        if self.lora_used {
-            let mut seen: Vec<AdapterKey> = Vec::new();
-            add_distinct(&mut seen, plan.seqs.iter().map(|s| adapter_key(&s.lora)));
-            let c = &mut self.counters.lora_max_step_adapters;
-            *c = (*c).max(seen.len());
-        }
-        let vocab = self.executor.model_spec().vocab_size;
         let n_seqs = plan.seqs.len();
-        let npre = prefill.len();
         // Admit the next batch's prefills during this forward, unless a
         // chunked prompt is mid-way (its next chunk must come first).
-        let lookahead = self.overlap
+        let lookahead = (self.overlap
             && self.lookahead.is_empty()
             && self.chunked.is_none()
             && !self.waiting.is_empty()
-            && prefill.iter().all(|e| e.last);
-        let (in_flight, in_flight_reserve, in_flight_adapters) = if lookahead {
-            // A request whose next token is its last (max_new_tokens)
-            // leaves after this forward; the others keep running. Their
-            // pages stay counted as used until they are released.
-            let staying: Vec<&Req> = prefill
-                .iter()
-                .map(|e| &e.req)
-                .filter(|r| !r.prefix_only)
-                .chain(decoding.iter())
-                .filter(|r| r.remaining_new() > 1)
-                .collect();
-            let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
-            let mut adapters: Vec<AdapterKey> = Vec::new();
-            if self.lora_used {
-                add_distinct(&mut adapters, staying.iter().map(|r| adapter_key(&r.lora)));
-            }
-            (staying.len(), reserve, adapters)
+            && prefill.iter().all(|e| e.last))
+        .then(|| self.in_flight(&prefill, &decoding));
+        let constrained = if any_grammar {
+            constrained_rows(&mut prefill, &mut decoding, &drafts)
         } else {
-            (0, 0.0, Vec::new())
-        };
-        // The requests that sample after this forward under a grammar, with
-        // their plan index and drafts.
-        let no_drafts: &[u32] = &[];
-        let mut constrained: Vec<(usize, &mut Req, &[u32])> = if !any_grammar {
             Vec::new()
-        } else {
-            prefill
-                .iter_mut()
-                .enumerate()
-                .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
-                .map(|(i, e)| (i, &mut e.req, no_drafts))
-                .chain(
-                    decoding
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(i, r)| (npre + i, r, draft_of(&drafts, i).tokens.as_slice())),
-                )
-                .filter(|(_, r, _)| r.matcher.is_some())
-                .collect()
         };
+        let started = Instant::now();
         // An admission error during the forward is reported after this
         // batch's results are delivered.
-        let mut deferred: Option<CoreError> = None;
-        let started = Instant::now();
-        let result = if !self.overlap || (constrained.is_empty() && !lookahead) {
-            if !constrained.is_empty() {
-                plan.masks = MaskInput::Ready(fill_all(&mut constrained, n_seqs, vocab));
-            }
-            drop(constrained);
-            self.executor.execute(&plan)
-        } else {
-            let (tx, rx) = std::sync::mpsc::channel();
-            if !constrained.is_empty() {
-                plan.masks = MaskInput::Late(rx);
-            }
-            // The forward stays on this thread (device contexts and CUDA
-            // graphs are bound to it); the bookkeeping runs beside it.
-            let executor = Arc::clone(&self.executor);
-            let sched = &mut *self;
-            let (result, admitted) = std::thread::scope(|s| {
-                let side = s.spawn(move || {
-                    if !constrained.is_empty() {
-                        let _ = tx.send(fill_all(&mut constrained, n_seqs, vocab));
-                    }
-                    drop(tx);
-                    if lookahead {
-                        sched.admit(in_flight, in_flight_reserve, &in_flight_adapters)
-                    } else {
-                        Ok(Vec::new())
-                    }
-                });
-                let result = executor.execute(&plan);
-                let admitted = side.join().unwrap_or_else(|p| {
-                    Err(CoreError::Internal(format!(
-                        "scheduling during the forward panicked: {}",
-                        crate::grammar::panic_message(&*p)
-                    )))
-                });
-                (result, admitted)
-            });
-            match admitted {
-                Ok(entries) => {
-                    self.counters.overlap_admitted_total += entries.len() as u64;
-                    self.lookahead = entries;
-                }
-                Err(e) => deferred = Some(e),
-            }
-            result
-        };
+        let (result, deferred) = self.forward(&mut plan, constrained, lookahead);
         if self.speculator.is_some() {
             self.adaptive
                 .cost
@@ -405,6 +322,136 @@ impl Scheduler {
         self.report_states(&prefill, &decoding, &outputs);
         self.apply_outputs(prefill, decoding, &drafts, outputs)?;
         deferred.map_or(Ok(true), Err)
+    }
+
+    /// The step's plan: the prefill entries' chunks, then the decoding
+    /// requests' pending tokens and drafts, in the sequence buffers of the
+    /// last step (refilled: no allocation per request once they have grown)
+    /// with their page-list stamps (taken and given back together); and
+    /// whether any request samples under a grammar.
+    fn plan_step(
+        &mut self,
+        prefill: &mut [PrefillEntry],
+        decoding: &mut [Req],
+        drafts: &[Draft],
+    ) -> (StepPlan, Vec<u64>, bool) {
+        let mut plan = StepPlan {
+            seqs: std::mem::take(&mut self.seq_bufs),
+            ..StepPlan::default()
+        };
+        let mut stamps = std::mem::take(&mut self.seq_stamps);
+        let n_plan = prefill.len() + decoding.len();
+        plan.seqs.resize_with(n_plan, SeqPlan::default);
+        stamps.resize(n_plan, 0);
+        let (pre_seqs, dec_seqs) = plan.seqs.split_at_mut(prefill.len());
+        let (pre_stamps, dec_stamps) = stamps.split_at_mut(prefill.len());
+        for ((e, s), stamp) in prefill.iter_mut().zip(pre_seqs).zip(pre_stamps) {
+            self.prefill_plan(e, s);
+            *stamp = 0;
+        }
+        // Whether any request samples under a grammar (found in the same walk).
+        let mut any_grammar = prefill.iter().any(|e| e.req.matcher.is_some());
+        for (i, ((r, s), stamp)) in decoding
+            .iter_mut()
+            .zip(dec_seqs)
+            .zip(dec_stamps)
+            .enumerate()
+        {
+            any_grammar |= r.matcher.is_some();
+            self.decode_plan(r, draft_of(drafts, i), s, stamp);
+        }
+        // Copies between device and host tiers that the admissions and
+        // evictions before this point recorded run first.
+        plan.kv_ops = self.cache.take_kv_ops();
+        plan.hidden_layers = self.planned_hidden_layers();
+        if self.lora_used {
+            let mut seen: Vec<AdapterKey> = Vec::new();
+            add_distinct(&mut seen, plan.seqs.iter().map(|s| adapter_key(&s.lora)));
+            let c = &mut self.counters.lora_max_step_adapters;
+            *c = (*c).max(seen.len());
+        }
+        (plan, stamps, any_grammar)
+    }
+
+    /// What admission during this forward counts as running on top of
+    /// `self.running`: a request whose next token is its last
+    /// (max_new_tokens) leaves after this forward; the others keep running,
+    /// and their pages stay counted as used until they are released.
+    fn in_flight(&self, prefill: &[PrefillEntry], decoding: &[Req]) -> InFlight {
+        let staying: Vec<&Req> = prefill
+            .iter()
+            .map(|e| &e.req)
+            .filter(|r| !r.prefix_only)
+            .chain(decoding.iter())
+            .filter(|r| r.remaining_new() > 1)
+            .collect();
+        let reserve: f64 = staying.iter().map(|r| self.expected_new(r)).sum();
+        let mut adapters: Vec<AdapterKey> = Vec::new();
+        if self.lora_used {
+            add_distinct(&mut adapters, staying.iter().map(|r| adapter_key(&r.lora)));
+        }
+        InFlight {
+            requests: staying.len(),
+            reserve,
+            adapters,
+        }
+    }
+
+    /// Executes `plan` with the grammar masks of `constrained`; under overlap
+    /// scheduling the masks fill and the next batch (when `lookahead` says
+    /// what stays in flight) is admitted beside the forward. Returns the
+    /// forward's result and an admission error to report after it.
+    fn forward(
+        &mut self,
+        plan: &mut StepPlan,
+        mut constrained: Vec<(usize, &mut Req, &[u32])>,
+        lookahead: Option<InFlight>,
+    ) -> (Result<StepOutput>, Option<CoreError>) {
+        let (n_seqs, vocab) = (plan.seqs.len(), self.executor.model_spec().vocab_size);
+        if !self.overlap || (constrained.is_empty() && lookahead.is_none()) {
+            if !constrained.is_empty() {
+                plan.masks = MaskInput::Ready(fill_all(&mut constrained, n_seqs, vocab));
+            }
+            drop(constrained);
+            return (self.executor.execute(plan), None);
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        if !constrained.is_empty() {
+            plan.masks = MaskInput::Late(rx);
+        }
+        // The forward stays on this thread (device contexts and CUDA
+        // graphs are bound to it); the bookkeeping runs beside it.
+        let executor = Arc::clone(&self.executor);
+        let sched = &mut *self;
+        let plan = &*plan;
+        let (result, admitted) = std::thread::scope(|s| {
+            let side = s.spawn(move || {
+                if !constrained.is_empty() {
+                    let _ = tx.send(fill_all(&mut constrained, n_seqs, vocab));
+                }
+                drop(tx);
+                match &lookahead {
+                    Some(f) => sched.admit(f.requests, f.reserve, &f.adapters),
+                    None => Ok(Vec::new()),
+                }
+            });
+            let result = executor.execute(plan);
+            let admitted = side.join().unwrap_or_else(|p| {
+                Err(CoreError::Internal(format!(
+                    "scheduling during the forward panicked: {}",
+                    crate::grammar::panic_message(&*p)
+                )))
+            });
+            (result, admitted)
+        });
+        match admitted {
+            Ok(entries) => {
+                self.counters.overlap_admitted_total += entries.len() as u64;
+                self.lookahead = entries;
+                (result, None)
+            }
+            Err(e) => (result, Some(e)),
+        }
     }
 
     /// Ends every request of a step whose forward failed (`msg` says why);

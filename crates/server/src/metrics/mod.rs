@@ -15,6 +15,12 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+mod series;
+
+/// One series of the exposition: name (after the prefix), Prometheus type,
+/// help line and value.
+type Series = (&'static str, &'static str, &'static str, f64);
+
 const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     15.0, 20.0, 25.0, 30.0, 40.0, 60.0, 120.0,
@@ -204,6 +210,36 @@ impl Metrics {
         }
     }
 
+    /// The PD transfer counters.
+    fn kv_transfer_series(&self) -> Vec<Series> {
+        vec![
+            (
+                "kv_transfer_tokens_total",
+                "counter",
+                "Prompt tokens of KV moved between prefill and decode workers (prefill: sent or deposited in bootstrap rooms; decode: pulled and imported).",
+                self.kv_sent_tokens.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kv_transfer_bytes_total",
+                "counter",
+                "Bytes of KV moved between prefill and decode workers.",
+                self.kv_sent_bytes.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kv_transfer_seconds_total",
+                "counter",
+                "Seconds spent moving KV between prefill and decode workers.",
+                self.kv_sent_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            ),
+            (
+                "kv_transfer_failures_total",
+                "counter",
+                "KV transfers between prefill and decode workers that failed (the decode worker computed the prompt).",
+                self.kv_send_failures.load(Ordering::Relaxed) as f64,
+            ),
+        ]
+    }
+
     /// Finished samples observed so far.
     pub fn finished_samples(&self) -> u64 {
         self.e2e.count()
@@ -220,213 +256,18 @@ impl Metrics {
         let mut out = String::with_capacity(8192);
         let p = &self.prefix;
         let l = &self.labels;
-        let mut one = |name: &str, kind: &str, help: &str, v: f64| {
+        let series = [
+            series::queue(s, grammar_queue, grammar_cache),
+            series::speculative(s),
+            series::hicache(s),
+            series::pool(s),
+            self.kv_transfer_series(),
+        ];
+        for (name, kind, help, v) in series.into_iter().flatten() {
             let _ = writeln!(
                 out,
                 "# HELP {p}:{name} {help}\n# TYPE {p}:{name} {kind}\n{p}:{name}{{{l}}} {v}"
             );
-        };
-        one(
-            "num_running_reqs",
-            "gauge",
-            "The number of running requests.",
-            s.num_running_reqs as f64,
-        );
-        one(
-            "num_queue_reqs",
-            "gauge",
-            "The number of requests in the waiting queue.",
-            s.num_queue_reqs as f64,
-        );
-        one(
-            "num_grammar_queue_reqs",
-            "gauge",
-            "The number of requests waiting for their grammar to compile.",
-            grammar_queue as f64,
-        );
-        if let Some(g) = grammar_cache {
-            one(
-                "grammar_cache_hits_total",
-                "counter",
-                "Grammar lookups answered by a compiled (or compiling) cache entry.",
-                g.hits as f64,
-            );
-            one(
-                "grammar_cache_misses_total",
-                "counter",
-                "Grammar lookups that started a compilation.",
-                g.misses as f64,
-            );
-            one(
-                "grammar_compile_errors_total",
-                "counter",
-                "Grammar compilations that failed.",
-                g.compile_errors as f64,
-            );
-        }
-        one(
-            "jump_forward_tokens_total",
-            "counter",
-            "Number of tokens a grammar forced without a forward pass of their own.",
-            s.jump_forward_tokens_total as f64,
-        );
-        one(
-            "given_first_tokens_total",
-            "counter",
-            "Requests that started from a first token a disaggregated prefill worker sampled.",
-            s.given_first_tokens_total as f64,
-        );
-        one(
-            "spec_accept_length",
-            "gauge",
-            "The average number of tokens per verify step of speculative decoding (accepted drafts + 1).",
-            s.spec_accept_length,
-        );
-        let rate = if s.spec_draft_tokens_total > 0 {
-            s.spec_accepted_tokens_total as f64 / s.spec_draft_tokens_total as f64
-        } else {
-            0.0
-        };
-        one(
-            "spec_accept_rate",
-            "gauge",
-            "The share of draft tokens the target accepted, since start.",
-            rate,
-        );
-        one(
-            "spec_verify_ct_total",
-            "counter",
-            "Decode steps of requests under speculative decoding.",
-            s.spec_verify_ct_total as f64,
-        );
-        one(
-            "spec_draft_tokens_total",
-            "counter",
-            "Draft tokens proposed and verified.",
-            s.spec_draft_tokens_total as f64,
-        );
-        one(
-            "spec_accepted_tokens_total",
-            "counter",
-            "Draft tokens accepted.",
-            s.spec_accepted_tokens_total as f64,
-        );
-        one(
-            "spec_draft_tokens_skipped_total",
-            "counter",
-            "Draft tokens the adaptive controller did not verify because they would not pay.",
-            s.spec_draft_tokens_skipped_total as f64,
-        );
-        one(
-            "spec_draft_budget",
-            "gauge",
-            "Draft tokens per decoding request in the last step (after the adaptive controller).",
-            s.spec_draft_budget,
-        );
-        for (name, kind, help, v) in hicache_lines(s) {
-            one(name, kind, help, v);
-        }
-        one(
-            "num_used_tokens",
-            "gauge",
-            "The number of KV cache tokens that requests hold (evictable cached tokens excluded).",
-            s.num_used_tokens as f64,
-        );
-        one(
-            "evictable_tokens",
-            "gauge",
-            "The number of KV cache tokens the prefix cache keeps for reuse that no request holds (freed on demand).",
-            s.evictable_tokens as f64,
-        );
-        one(
-            "cache_tokens",
-            "gauge",
-            "The number of KV cache tokens the prefix cache holds (evictable and locked by requests).",
-            s.cache_tokens as f64,
-        );
-        one(
-            "max_total_num_tokens",
-            "gauge",
-            "The KV cache capacity in tokens.",
-            s.max_total_tokens as f64,
-        );
-        one(
-            "token_usage",
-            "gauge",
-            "The fraction of KV cache tokens that requests hold (num_used_tokens / max_total_num_tokens).",
-            s.token_usage,
-        );
-        one(
-            "cache_hit_rate",
-            "gauge",
-            "The prefix cache hit rate over recent prefills.",
-            s.cache_hit_rate,
-        );
-        one(
-            "gen_throughput",
-            "gauge",
-            "The generation throughput (token/s).",
-            s.gen_throughput,
-        );
-        one(
-            "num_retracted_reqs",
-            "gauge",
-            "The number of retractions since start.",
-            s.num_retracted_reqs_total as f64,
-        );
-        one(
-            "prompt_tokens_total",
-            "counter",
-            "Number of prefill tokens processed.",
-            s.prompt_tokens_total as f64,
-        );
-        one(
-            "generation_tokens_total",
-            "counter",
-            "Number of generation tokens processed.",
-            s.generation_tokens_total as f64,
-        );
-        one(
-            "cached_tokens_total",
-            "counter",
-            "Number of prompt tokens served from the prefix cache.",
-            s.cached_tokens_total as f64,
-        );
-        one(
-            "num_requests_total",
-            "counter",
-            "Number of requests processed.",
-            s.num_requests_total as f64,
-        );
-        one(
-            "num_aborted_requests_total",
-            "counter",
-            "Number of requests aborted.",
-            s.num_aborted_requests_total as f64,
-        );
-        for (name, help, v) in [
-            (
-                "kv_transfer_tokens_total",
-                "Prompt tokens of KV moved between prefill and decode workers (prefill: sent or deposited in bootstrap rooms; decode: pulled and imported).",
-                self.kv_sent_tokens.load(Ordering::Relaxed) as f64,
-            ),
-            (
-                "kv_transfer_bytes_total",
-                "Bytes of KV moved between prefill and decode workers.",
-                self.kv_sent_bytes.load(Ordering::Relaxed) as f64,
-            ),
-            (
-                "kv_transfer_seconds_total",
-                "Seconds spent moving KV between prefill and decode workers.",
-                self.kv_sent_micros.load(Ordering::Relaxed) as f64 / 1e6,
-            ),
-            (
-                "kv_transfer_failures_total",
-                "KV transfers between prefill and decode workers that failed (the decode worker computed the prompt).",
-                self.kv_send_failures.load(Ordering::Relaxed) as f64,
-            ),
-        ] {
-            one(name, "counter", help, v);
         }
         if !s.expert_load.is_empty() {
             let name = format!("{p}:moe_expert_tokens_total");
@@ -449,119 +290,6 @@ impl Metrics {
         }
         out
     }
-}
-
-/// The HiCache series (none when the tiers are off): name, type, help, value.
-fn hicache_lines(s: &EngineStats) -> Vec<(&'static str, &'static str, &'static str, f64)> {
-    let t = &s.tiers;
-    if t.host_capacity_tokens == 0 {
-        return Vec::new();
-    }
-    let c = &s.kv_copy;
-    vec![
-        (
-            "hicache_host_tokens",
-            "gauge",
-            "Tokens whose KV the host tier holds.",
-            t.host_tokens as f64,
-        ),
-        (
-            "hicache_host_capacity_tokens",
-            "gauge",
-            "Token capacity of the host tier.",
-            t.host_capacity_tokens as f64,
-        ),
-        (
-            "hicache_host_hit_tokens_total",
-            "counter",
-            "Prompt tokens loaded back from the host tier instead of recomputed.",
-            t.host_hit_tokens as f64,
-        ),
-        (
-            "hicache_storage_hit_tokens_total",
-            "counter",
-            "Of those, tokens that had come from the storage tier.",
-            t.storage_hit_tokens as f64,
-        ),
-        (
-            "hicache_demoted_tokens_total",
-            "counter",
-            "Tokens moved from the device to the host tier on eviction.",
-            t.demoted_tokens as f64,
-        ),
-        (
-            "hicache_pages_to_host_total",
-            "counter",
-            "KV pages copied from the device to the host.",
-            c.pages_to_host as f64,
-        ),
-        (
-            "hicache_pages_to_device_total",
-            "counter",
-            "KV pages copied from the host to the device.",
-            c.pages_to_device as f64,
-        ),
-        (
-            "hicache_copy_bytes_total",
-            "counter",
-            "Bytes copied between the device and the host.",
-            c.bytes as f64,
-        ),
-        (
-            "hicache_copy_seconds_total",
-            "counter",
-            "Seconds spent copying KV between the device and the host.",
-            c.seconds,
-        ),
-        (
-            "hicache_storage_read_pages_total",
-            "counter",
-            "KV pages read from the storage tier.",
-            t.storage_read_pages as f64,
-        ),
-        (
-            "hicache_storage_read_bytes_total",
-            "counter",
-            "Bytes read from the storage tier.",
-            t.storage_read_bytes as f64,
-        ),
-        (
-            "hicache_storage_read_seconds_total",
-            "counter",
-            "Seconds spent reading the storage tier (off the scheduler thread).",
-            t.storage_read_seconds,
-        ),
-        (
-            "hicache_storage_write_pages_total",
-            "counter",
-            "KV pages written to the storage tier.",
-            t.storage_write_pages as f64,
-        ),
-        (
-            "hicache_storage_write_bytes_total",
-            "counter",
-            "Bytes written to the storage tier.",
-            t.storage_write_bytes as f64,
-        ),
-        (
-            "hicache_storage_write_seconds_total",
-            "counter",
-            "Seconds spent writing the storage tier (off the scheduler thread).",
-            t.storage_write_seconds,
-        ),
-        (
-            "hicache_storage_errors_total",
-            "counter",
-            "Storage operations that failed (the requests recomputed).",
-            t.storage_errors as f64,
-        ),
-        (
-            "hicache_storage_corrupt_total",
-            "counter",
-            "Stored entries found corrupt, skipped and removed.",
-            t.storage_corrupt as f64,
-        ),
-    ]
 }
 
 #[cfg(test)]
