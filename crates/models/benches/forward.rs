@@ -1,7 +1,8 @@
 //! Forward-pass throughput on a SmolLM2-135M-shaped Llama with random weights
 //! (issue 2's measurement): prefill tok/s for a 512-token prompt, decode tok/s
-//! at batch 1 and 8, for f32 and bf16 weights, and batch-1 decode against the
-//! memory-bandwidth roofline measured in the same run.
+//! at batch 1 and 8, for f32, bf16 and f16 weights and for FP8 (the bf16
+//! weights quantized at load, one scale per output channel), and batch-1
+//! decode against the memory-bandwidth roofline measured in the same run.
 //!
 //! Run: `cargo bench -p arbor-models --bench forward` (ARBOR_BENCH_THREADS, default 2).
 
@@ -37,7 +38,12 @@ fn main() {
         "| weights | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s | bs1 roofline | bs1 / roofline |"
     );
     println!("|---|---|---|---|---|---|");
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    for (label, dtype, method) in [
+        ("f32", DType::F32, "auto"),
+        ("bf16", DType::BF16, "auto"),
+        ("f16", DType::F16, "auto"),
+        ("fp8", DType::BF16, "fp8"),
+    ] {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
         let src = RandomWeights::new(
             &cfg,
@@ -53,7 +59,7 @@ fn main() {
         .expect("weights");
         let opts = LoadOptions {
             backend: backend.clone(),
-            quant: registry.quant_methods.get("auto").expect("auto")(&Default::default())
+            quant: registry.quant_methods.get(method).expect("method")(&Default::default())
                 .expect("quant"),
             progress: None,
         };
@@ -121,7 +127,7 @@ fn main() {
         let d8 = decode(8);
         let roof = bw * 1e9 / bytes as f64;
         println!(
-            "| {dtype} ({:.0} MB) | {:.0} | {d1:.1} | {d8:.1} | {roof:.1} | {:.0}% |",
+            "| {label} ({:.0} MB) | {:.0} | {d1:.1} | {d8:.1} | {roof:.1} | {:.0}% |",
             bytes as f64 / 1e6,
             512.0 / prefill,
             100.0 * d1 / roof
