@@ -108,6 +108,19 @@ const CONFIG: TileConfig = TileConfig {
     rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
 };
 
+/// [`CONFIG`] for `m` activation rows: below 16, the accumulator and
+/// activation tiles hold only `m` columns (`4m` bytes a row), which costs the
+/// TMUL less (on Sapphire Rapids a `tdpbf16ps` with one column takes about
+/// half the time of a full one); each element's arithmetic is the same.
+fn config_for(m: usize) -> TileConfig {
+    let n = if m < T { (4 * m) as u16 } else { 64 };
+    let mut colsb = CONFIG.colsb;
+    for t in [0, 1, 2, 3, 6, 7] {
+        colsb[t] = n;
+    }
+    TileConfig { colsb, ..CONFIG }
+}
+
 /// `tileloadd tmm$n, [p + stride]`.
 macro_rules! tile_load {
     ($n:literal, $p:expr, $stride:expr) => {
@@ -187,7 +200,8 @@ pub(crate) unsafe fn dot_rows(
     // before `k`) or inside `packed` (`m_groups` groups of `steps` tiles);
     // stores go to `acc`.
     unsafe {
-        asm!("ldtilecfg [{}]", in(reg) &CONFIG as *const TileConfig, options(nostack, readonly));
+        let config = config_for(m);
+        asm!("ldtilecfg [{}]", in(reg) &config as *const TileConfig, options(nostack, readonly));
         for p in 0..n_rows.div_ceil(T).div_ceil(2) {
             let pair = [group_start(2 * p, n_rows), group_start(2 * p + 1, n_rows)];
             let (a0, a1) = (wp.add(pair[0] * rb), wp.add(pair[1] * rb));
