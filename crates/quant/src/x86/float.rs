@@ -202,10 +202,11 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
             F4S => {
                 let b = row.add(j / 16 * 12);
                 let s = _mm512_set1_ps((b.add(8) as *const f32).read_unaligned());
+                // The permutation reads only an index's low 4 bits: the
+                // code, in either half, without masking.
                 let raw = _mm_loadl_epi64(b as *const __m128i);
-                let lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f));
-                let codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+                let hi = _mm_srli_epi16::<4>(raw);
+                let codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(raw, hi));
                 let table = _mm512_loadu_ps(E2M1.as_ptr());
                 _mm512_mul_ps(_mm512_permutexvar_ps(codes, table), s)
             }
@@ -233,17 +234,22 @@ unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
                 _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)), s),
             ]
         } else {
+            // The block's 16 possible values, `f32(q - z) * s` for q in
+            // 0..16 (the operations of the per-element form, so the same
+            // bits), then each element looked up by its nibble: the
+            // permutation reads only an index's low 4 bits, so neither half
+            // needs masking.
             let b = row.add(j / 32 * 20);
             let s = _mm512_set1_ps(f16_at(b.add(16)));
             let z = _mm512_set1_epi32(*b.add(18) as i32);
+            let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            let table = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, z)), s);
             let raw = _mm_loadu_si128(b as *const __m128i);
-            let lo = _mm_and_si128(raw, _mm_set1_epi8(0x0f));
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f));
-            let q0 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(lo), z);
-            let q1 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(hi), z);
+            let lo = _mm512_cvtepu8_epi32(raw);
+            let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(raw));
             [
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q0), s),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(q1), s),
+                _mm512_permutexvar_ps(lo, table),
+                _mm512_permutexvar_ps(hi, table),
             ]
         }
     }
@@ -270,14 +276,17 @@ unsafe fn wload8<const DT: u8>(row: *const u8, j: usize) -> __m256 {
             F4S => {
                 let b = row.add(j / 16 * 12);
                 let s = _mm256_set1_ps((b.add(8) as *const f32).read_unaligned());
+                // The code is each lane's low 4 bits (the bits above are
+                // the neighbouring code's, read by neither step below).
                 let raw = _mm_loadl_epi64(b as *const __m128i);
                 let nib = if j.is_multiple_of(16) {
-                    _mm_and_si128(raw, _mm_set1_epi8(0x0f))
+                    raw
                 } else {
-                    _mm_and_si128(_mm_srli_epi16::<4>(raw), _mm_set1_epi8(0x0f))
+                    _mm_srli_epi16::<4>(raw)
                 };
                 let codes = _mm256_cvtepu8_epi32(nib);
-                // Magnitude from the 8-entry table, then the sign bit (code bit 3).
+                // Magnitude from the 8-entry table (the low 3 bits), then the
+                // sign bit (code bit 3).
                 let mag = _mm256_permutevar8x32_ps(_mm256_loadu_ps(E2M1.as_ptr()), codes);
                 let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(codes, _mm256_set1_epi32(8)));
                 _mm256_mul_ps(_mm256_xor_ps(mag, _mm256_castsi256_ps(sign)), s)
