@@ -469,6 +469,10 @@ mod tests {
             ..Default::default()
         };
         assert!(zero.to_settings().is_err());
+    }
+
+    #[test]
+    fn tensor_parallelism_is_refused_without_a_device_group() {
         let p = Parallel {
             tp: 2,
             ..Default::default()
@@ -491,8 +495,11 @@ mod tests {
         }
         assert!(check_supported(&registry, p, "cpu").is_ok());
         assert!(check_supported(&registry, p, "wgpu").is_ok());
+    }
 
-        // Data parallelism: the replica count, the method, and their errors.
+    /// Data parallelism: the replica count, the method, and their errors.
+    #[test]
+    fn data_parallel_settings_and_errors() {
         let dp = ParallelSection {
             dp_size: Some(2),
             load_balance_method: Some("shortest_queue".into()),

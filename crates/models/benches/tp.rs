@@ -13,7 +13,9 @@
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::comm::{Communicator, LocalGroup};
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
-use arbor_engine_core::{Backend, DType, LoadOptions, Registry, Result, ShardSpec, Tensor};
+use arbor_engine_core::{
+    Backend, DType, LoadOptions, QuantMethod, Registry, Result, ShardSpec, Tensor,
+};
 use arbor_models::DecoderConfig;
 use arbor_models::decoder::{ArchFlags, DecoderModel};
 use arbor_models::random::RandomWeights;
@@ -100,6 +102,51 @@ fn step(ranks: &[ModelRunner], seqs: &[SeqStep<'_>]) {
     });
 }
 
+/// TP 2: two ranks with half the threads each; rank 0's collectives add
+/// their time to `nanos`.
+fn tp2_ranks(
+    cfg: &DecoderConfig,
+    src: &RandomWeights,
+    quant: &Arc<dyn QuantMethod>,
+    threads: usize,
+    pages: usize,
+    nanos: &Arc<AtomicU64>,
+) -> Vec<ModelRunner> {
+    let backends: Vec<Arc<dyn Backend>> = (0..2)
+        .map(|_| Arc::new(CpuBackend::new((threads / 2).max(1)).expect("cpu")) as Arc<dyn Backend>)
+        .collect();
+    let group = LocalGroup::new(2).expect("group");
+    let comms = group.ranks(&backends).expect("ranks");
+    backends
+        .iter()
+        .zip(comms)
+        .enumerate()
+        .map(|(rank, (b, c))| {
+            let comm: Arc<dyn Communicator> = if rank == 0 {
+                Arc::new(Timed {
+                    inner: c,
+                    nanos: nanos.clone(),
+                })
+            } else {
+                c
+            };
+            let opts = LoadOptions {
+                backend: b.clone(),
+                quant: quant.clone(),
+                progress: None,
+            };
+            let shard = ShardSpec {
+                comm,
+                experts: Default::default(),
+                attention: Default::default(),
+            };
+            let m = DecoderModel::load_shard(cfg.clone(), None, FLAGS, src, &opts, &shard)
+                .expect("shard");
+            ModelRunner::new(Arc::new(m), b.clone(), None, 16, pages, DType::F32).expect("r")
+        })
+        .collect()
+}
+
 fn main() {
     let env = |k: &str, d: usize| {
         std::env::var(k)
@@ -123,41 +170,8 @@ fn main() {
     };
     let model = DecoderModel::load(cfg.clone(), None, FLAGS, &src, &opts).expect("model");
     let tp1 = vec![ModelRunner::new(Arc::new(model), one, None, 16, pages, DType::F32).expect("r")];
-    // TP 2: two ranks with half the threads each.
-    let backends: Vec<Arc<dyn Backend>> = (0..2)
-        .map(|_| Arc::new(CpuBackend::new((threads / 2).max(1)).expect("cpu")) as Arc<dyn Backend>)
-        .collect();
-    let group = LocalGroup::new(2).expect("group");
     let nanos = Arc::new(AtomicU64::new(0));
-    let comms = group.ranks(&backends).expect("ranks");
-    let tp2: Vec<ModelRunner> = backends
-        .iter()
-        .zip(comms)
-        .enumerate()
-        .map(|(rank, (b, c))| {
-            let comm: Arc<dyn Communicator> = if rank == 0 {
-                Arc::new(Timed {
-                    inner: c,
-                    nanos: nanos.clone(),
-                })
-            } else {
-                c
-            };
-            let opts = LoadOptions {
-                backend: b.clone(),
-                quant: quant.clone(),
-                progress: None,
-            };
-            let shard = ShardSpec {
-                comm,
-                experts: Default::default(),
-                attention: Default::default(),
-            };
-            let m = DecoderModel::load_shard(cfg.clone(), None, FLAGS, &src, &opts, &shard)
-                .expect("shard");
-            ModelRunner::new(Arc::new(m), b.clone(), None, 16, pages, DType::F32).expect("r")
-        })
-        .collect();
+    let tp2 = tp2_ranks(&cfg, &src, &quant, threads, pages, &nanos);
     let page_ids: Vec<u32> = (0..pages as u32).collect();
     let prompt: Vec<u32> = (0..256u32).map(|i| (i * 7919) % 32000).collect();
     // Each returns tok/s and the seconds rank 0 spent in collectives per timed step.

@@ -118,6 +118,51 @@ fn permute(data: &[u8], rows: usize, heads: usize) -> Vec<u8> {
 /// One routed expert's tensor: its index, shape and f32 bytes.
 type Expert = (usize, Vec<usize>, Vec<u8>);
 
+/// The tokenizer of the fixture at `dir` as llama.cpp's arrays: the
+/// vocabulary in id order, the token types (1 normal, 3 control, 4 user
+/// defined) and the merges.
+fn tokenizer_arrays(dir: &Path) -> Result<(Vec<String>, Vec<i32>, Vec<String>)> {
+    let tj = json(&dir.join("tokenizer.json"))?;
+    let vocab = tj["model"]["vocab"].as_object().context("vocab")?;
+    let added = tj["added_tokens"].as_array().context("added_tokens")?;
+    let n = vocab
+        .values()
+        .chain(added.iter().map(|a| &a["id"]))
+        .filter_map(Value::as_u64)
+        .max()
+        .context("empty vocabulary")? as usize
+        + 1;
+    let mut tokens = vec![String::new(); n];
+    let mut types = vec![1i32; n];
+    for (t, id) in vocab {
+        tokens[id.as_u64().context("id")? as usize] = t.clone();
+    }
+    for a in added {
+        let id = a["id"].as_u64().context("id")? as usize;
+        tokens[id] = a["content"].as_str().context("content")?.to_string();
+        types[id] = if a["special"].as_bool() == Some(true) {
+            3
+        } else {
+            4
+        };
+    }
+    let merges: Vec<String> = tj["model"]["merges"]
+        .as_array()
+        .context("merges")?
+        .iter()
+        .map(|m| match m {
+            Value::String(s) => s.clone(),
+            Value::Array(p) => p
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join(" "),
+            _ => String::new(),
+        })
+        .collect();
+    Ok((tokens, types, merges))
+}
+
 /// The GGUF file of a tiny HF fixture, as llama.cpp's converter writes it.
 fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
     let dir = fixture(name);
@@ -161,45 +206,7 @@ fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
             cfg["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         );
 
-    // The tokenizer: vocabulary in id order, merges, control tokens.
-    let tj = json(&dir.join("tokenizer.json"))?;
-    let vocab = tj["model"]["vocab"].as_object().context("vocab")?;
-    let added = tj["added_tokens"].as_array().context("added_tokens")?;
-    let n = vocab
-        .values()
-        .chain(added.iter().map(|a| &a["id"]))
-        .filter_map(Value::as_u64)
-        .max()
-        .context("empty vocabulary")? as usize
-        + 1;
-    let mut tokens = vec![String::new(); n];
-    let mut types = vec![1i32; n];
-    for (t, id) in vocab {
-        tokens[id.as_u64().context("id")? as usize] = t.clone();
-    }
-    for a in added {
-        let id = a["id"].as_u64().context("id")? as usize;
-        tokens[id] = a["content"].as_str().context("content")?.to_string();
-        types[id] = if a["special"].as_bool() == Some(true) {
-            3
-        } else {
-            4
-        };
-    }
-    let merges: Vec<String> = tj["model"]["merges"]
-        .as_array()
-        .context("merges")?
-        .iter()
-        .map(|m| match m {
-            Value::String(s) => s.clone(),
-            Value::Array(p) => p
-                .iter()
-                .filter_map(Value::as_str)
-                .collect::<Vec<_>>()
-                .join(" "),
-            _ => String::new(),
-        })
-        .collect();
+    let (tokens, types, merges) = tokenizer_arrays(&dir)?;
     if let Some(n) = cfg["num_experts"]
         .as_u64()
         .or(cfg["num_local_experts"].as_u64())

@@ -311,93 +311,105 @@ fn positive(flag: &str, v: u64) -> Result<Duration, RouterError> {
     Ok(Duration::from_secs(v))
 }
 
+/// The numeric and textual checks of `a` that stand alone.
+fn check_limits(a: &RouterArgs) -> Result<(), RouterError> {
+    if !(0.0..=1.0).contains(&a.cache_threshold) {
+        return Err(bad(
+            "--cache-threshold",
+            format!("{} is not in 0..=1", a.cache_threshold),
+        ));
+    }
+    if !(a.balance_rel_threshold.is_finite() && a.balance_rel_threshold >= 1.0) {
+        return Err(bad(
+            "--balance-rel-threshold",
+            format!("{} is not a finite number >= 1", a.balance_rel_threshold),
+        ));
+    }
+    if let Some(f) = a.max_load_factor
+        && !(f.is_finite() && f > 1.0)
+    {
+        return Err(bad(
+            "--max-load-factor",
+            format!("{f} is not a finite number > 1"),
+        ));
+    }
+    if a.health_failure_threshold == 0 {
+        return Err(bad("--health-failure-threshold", "must be at least 1"));
+    }
+    if a.health_success_threshold == 0 {
+        return Err(bad("--health-success-threshold", "must be at least 1"));
+    }
+    if !a.health_check_endpoint.starts_with('/') {
+        return Err(bad(
+            "--health-check-endpoint",
+            format!("{:?} does not start with /", a.health_check_endpoint),
+        ));
+    }
+    if !(a.retry_backoff_multiplier.is_finite() && a.retry_backoff_multiplier >= 1.0) {
+        return Err(bad(
+            "--retry-backoff-multiplier",
+            "must be a finite number >= 1",
+        ));
+    }
+    if !(0.0..=1.0).contains(&a.retry_jitter_factor) {
+        return Err(bad("--retry-jitter-factor", "must be in 0..=1"));
+    }
+    if a.cb_failure_threshold == 0 {
+        return Err(bad("--cb-failure-threshold", "must be at least 1"));
+    }
+    if a.cb_success_threshold == 0 {
+        return Err(bad("--cb-success-threshold", "must be at least 1"));
+    }
+    if a.max_payload_size == 0 {
+        return Err(bad("--max-payload-size", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// The PD pair of `a` with `--pd-disaggregation`; without it, an error for
+/// any PD-only flag that is set.
+fn pd_config(a: &RouterArgs) -> Result<Option<PdConfig>, RouterError> {
+    Ok(if a.pd_disaggregation {
+        if !a.worker_urls.is_empty() {
+            return Err(bad(
+                "--worker-urls",
+                "with --pd-disaggregation, name workers with --prefill and --decode",
+            ));
+        }
+        if !a.service_discovery && (a.prefill.is_empty() || a.decode.is_empty()) {
+            return Err(bad(
+                "--pd-disaggregation",
+                "needs at least one --prefill and one --decode worker",
+            ));
+        }
+        Some(PdConfig {
+            prefill: a.prefill.clone(),
+            decode: a.decode.clone(),
+            prefill_policy: a.prefill_policy.unwrap_or(a.policy),
+            decode_policy: a.decode_policy.unwrap_or(a.policy),
+        })
+    } else {
+        for (flag, set) in [
+            ("--prefill", !a.prefill.is_empty()),
+            ("--decode", !a.decode.is_empty()),
+            ("--prefill-policy", a.prefill_policy.is_some()),
+            ("--decode-policy", a.decode_policy.is_some()),
+            ("--prefill-selector", !a.prefill_selector.is_empty()),
+            ("--decode-selector", !a.decode_selector.is_empty()),
+        ] {
+            if set {
+                return Err(bad(flag, "needs --pd-disaggregation"));
+            }
+        }
+        None
+    })
+}
+
 impl RouterConfig {
     /// Checks `a` (see the module doc).
     pub fn from_args(a: RouterArgs) -> Result<Self, RouterError> {
-        if !(0.0..=1.0).contains(&a.cache_threshold) {
-            return Err(bad(
-                "--cache-threshold",
-                format!("{} is not in 0..=1", a.cache_threshold),
-            ));
-        }
-        if !(a.balance_rel_threshold.is_finite() && a.balance_rel_threshold >= 1.0) {
-            return Err(bad(
-                "--balance-rel-threshold",
-                format!("{} is not a finite number >= 1", a.balance_rel_threshold),
-            ));
-        }
-        if let Some(f) = a.max_load_factor
-            && !(f.is_finite() && f > 1.0)
-        {
-            return Err(bad(
-                "--max-load-factor",
-                format!("{f} is not a finite number > 1"),
-            ));
-        }
-        if a.health_failure_threshold == 0 {
-            return Err(bad("--health-failure-threshold", "must be at least 1"));
-        }
-        if a.health_success_threshold == 0 {
-            return Err(bad("--health-success-threshold", "must be at least 1"));
-        }
-        if !a.health_check_endpoint.starts_with('/') {
-            return Err(bad(
-                "--health-check-endpoint",
-                format!("{:?} does not start with /", a.health_check_endpoint),
-            ));
-        }
-        if !(a.retry_backoff_multiplier.is_finite() && a.retry_backoff_multiplier >= 1.0) {
-            return Err(bad(
-                "--retry-backoff-multiplier",
-                "must be a finite number >= 1",
-            ));
-        }
-        if !(0.0..=1.0).contains(&a.retry_jitter_factor) {
-            return Err(bad("--retry-jitter-factor", "must be in 0..=1"));
-        }
-        if a.cb_failure_threshold == 0 {
-            return Err(bad("--cb-failure-threshold", "must be at least 1"));
-        }
-        if a.cb_success_threshold == 0 {
-            return Err(bad("--cb-success-threshold", "must be at least 1"));
-        }
-        if a.max_payload_size == 0 {
-            return Err(bad("--max-payload-size", "must be at least 1"));
-        }
-        let pd = if a.pd_disaggregation {
-            if !a.worker_urls.is_empty() {
-                return Err(bad(
-                    "--worker-urls",
-                    "with --pd-disaggregation, name workers with --prefill and --decode",
-                ));
-            }
-            if !a.service_discovery && (a.prefill.is_empty() || a.decode.is_empty()) {
-                return Err(bad(
-                    "--pd-disaggregation",
-                    "needs at least one --prefill and one --decode worker",
-                ));
-            }
-            Some(PdConfig {
-                prefill: a.prefill.clone(),
-                decode: a.decode.clone(),
-                prefill_policy: a.prefill_policy.unwrap_or(a.policy),
-                decode_policy: a.decode_policy.unwrap_or(a.policy),
-            })
-        } else {
-            for (flag, set) in [
-                ("--prefill", !a.prefill.is_empty()),
-                ("--decode", !a.decode.is_empty()),
-                ("--prefill-policy", a.prefill_policy.is_some()),
-                ("--decode-policy", a.decode_policy.is_some()),
-                ("--prefill-selector", !a.prefill_selector.is_empty()),
-                ("--decode-selector", !a.decode_selector.is_empty()),
-            ] {
-                if set {
-                    return Err(bad(flag, "needs --pd-disaggregation"));
-                }
-            }
-            None
-        };
+        check_limits(&a)?;
+        let pd = pd_config(&a)?;
         let discovery = discovery(&a)?;
         Ok(Self {
             discovery,

@@ -25,8 +25,11 @@
 use arbor_engine_core::SamplingParams;
 use arbor_engine_core::engine::Engine;
 use arbor_engine_core::speculative::SpeculativeConfig;
+use arbor_engine_core::{Backend, Registry};
 use arbor_kv_radix as _;
+use arbor_models::LoadedModel;
 use arbor_spec_decode as _;
+use std::sync::Arc;
 
 #[path = "../../engine-core/tests/support/chat.rs"]
 mod chat;
@@ -44,6 +47,30 @@ fn main() {
     let Some((m, backend, registry)) = default_model(threads) else {
         return;
     };
+    let engines = drafter_engines(&m, &backend, &registry);
+    let free: Vec<Vec<u32>> = sharegpt(16)
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
+    let mut prompts: Vec<Vec<u32>> = copy_prompts()
+        .iter()
+        .map(|p| chat(&m, p).expect("chat prompt"))
+        .collect();
+    prompts.extend(free.iter().take(2).cloned());
+    greedy_batch1(&engines, &prompts, rounds, threads);
+    sampled_batch1(&engines, &prompts, rounds);
+    if free.len() == 16 {
+        concurrent(&engines, &free, rounds);
+    }
+}
+
+/// Plain, n-gram, LAYERSKIP at each `ARBOR_BENCH_LAYERS` depth, adaptive
+/// LAYERSKIP 8 and STANDALONE with the model as its own draft.
+fn drafter_engines(
+    m: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    registry: &Registry,
+) -> Vec<(String, Engine)> {
     let spec = |algorithm: &str, draft_layers: Option<usize>| SpeculativeConfig {
         algorithm: algorithm.into(),
         adaptive: false,
@@ -51,10 +78,10 @@ fn main() {
         ..SpeculativeConfig::default()
     };
     let mut engines: Vec<(String, Engine)> = vec![
-        ("plain".into(), engine(&m, &backend, &registry, None, None)),
+        ("plain".into(), engine(m, backend, registry, None, None)),
         (
             "ngram".into(),
-            engine(&m, &backend, &registry, Some(spec("ngram", None)), None),
+            engine(m, backend, registry, Some(spec("ngram", None)), None),
         ),
     ];
     let layers: Vec<usize> = std::env::var("ARBOR_BENCH_LAYERS")
@@ -65,22 +92,16 @@ fn main() {
     for n in layers {
         engines.push((
             format!("layerskip {n}"),
-            engine(
-                &m,
-                &backend,
-                &registry,
-                Some(spec("layerskip", Some(n))),
-                None,
-            ),
+            engine(m, backend, registry, Some(spec("layerskip", Some(n))), None),
         ));
     }
     // What the adaptive controller makes of the weakest drafter.
     engines.push((
         "layerskip 8 adaptive".into(),
         engine(
-            &m,
-            &backend,
-            &registry,
+            m,
+            backend,
+            registry,
             Some(SpeculativeConfig {
                 adaptive: true,
                 ..spec("layerskip", Some(8))
@@ -91,22 +112,23 @@ fn main() {
     engines.push((
         "standalone (self)".into(),
         engine(
-            &m,
-            &backend,
-            &registry,
+            m,
+            backend,
+            registry,
             Some(spec("standalone", None)),
             Some(m.model.clone()),
         ),
     ));
-    let free: Vec<Vec<u32>> = sharegpt(16)
-        .iter()
-        .map(|p| chat(&m, p).expect("chat prompt"))
-        .collect();
-    let mut prompts: Vec<Vec<u32>> = copy_prompts()
-        .iter()
-        .map(|p| chat(&m, p).expect("chat prompt"))
-        .collect();
-    prompts.extend(free.iter().take(2).cloned());
+    engines
+}
+
+/// Section 1: batch 1, greedy, every engine on every prompt.
+fn greedy_batch1(
+    engines: &[(String, Engine)],
+    prompts: &[Vec<u32>],
+    rounds: usize,
+    threads: usize,
+) {
     let steps = SpeculativeConfig::default().num_steps;
     println!(
         "== batch 1, greedy, {} prompts (3 copy-heavy, 2 free-form), 96 new tokens, {threads} threads, model drafters {steps} steps",
@@ -117,7 +139,7 @@ fn main() {
     let mut accept = vec![0.0f64; n];
     let mut same = true;
     for round in 0..rounds {
-        for p in &prompts {
+        for p in prompts {
             let mut outs = Vec::new();
             for (i, (_, e)) in engines.iter().enumerate() {
                 let _ = e.flush_cache();
@@ -139,6 +161,11 @@ fn main() {
         );
     }
     println!("outputs identical: {same}");
+}
+
+/// Section 2: batch 1, sampled, for the drafters that draw from a distribution.
+fn sampled_batch1(engines: &[(String, Engine)], prompts: &[Vec<u32>], rounds: usize) {
+    let n = engines.len();
     // Sampled requests: model drafters draw from their own distribution and
     // verification runs rejection sampling on the host (n-gram drafts are
     // point masses there).
@@ -178,9 +205,11 @@ fn main() {
             accept[i],
         );
     }
-    if free.len() < 16 {
-        return;
-    }
+}
+
+/// Section 3: 1, 4 and 16 concurrent free-form prompts against plain.
+fn concurrent(engines: &[(String, Engine)], free: &[Vec<u32>], rounds: usize) {
+    let n = engines.len();
     println!(
         "== concurrent free-form prompts (ShareGPT), 48 new tokens: output tok/s against plain"
     );

@@ -353,12 +353,25 @@ pub fn edited_sampling_matches_host(
         plain != *outs[0],
         "penalties and bias changed nothing: {plain:?}"
     );
-    // Greedy verification under penalties: from the penalized request's
-    // first token, drafts of its own continuation (then one with a wrong
-    // third draft) are checked row by row with the history each row's path
-    // implies (token 5, a draft, must count against row 2 onwards), the same
-    // on both sides, and accept exactly the continuation.
-    let cont = outs[0].clone();
+    let vocab = m.model.spec().vocab_size as u32;
+    verify_under_penalties(&dev, &host, &mut reqs[0], vocab)
+}
+
+/// Greedy verification of the penalized request `pair` (its device and host
+/// copies) after its decode: drafts of its own continuation, then with a
+/// wrong third draft, then as a tree whose first branch is wrong.
+fn verify_under_penalties(
+    dev: &LocalExecutor,
+    host: &LocalExecutor,
+    pair: &mut [Req; 2],
+    vocab: u32,
+) -> Result<()> {
+    // From the penalized request's first token, drafts of its own
+    // continuation (then one with a wrong third draft) are checked row by
+    // row with the history each row's path implies (token 5, a draft, must
+    // count against row 2 onwards), the same on both sides, and accept
+    // exactly the continuation.
+    let cont = pair[0].out.clone();
     ensure!(
         cont[1..5].contains(&5),
         "token 5 among the drafts: {cont:?}"
@@ -366,11 +379,11 @@ pub fn edited_sampling_matches_host(
     for wrong in [false, true] {
         let mut drafts = cont[1..5].to_vec();
         if wrong {
-            drafts[2] = (drafts[2] + 1) % m.model.spec().vocab_size as u32;
+            drafts[2] = (drafts[2] + 1) % vocab;
         }
         let mut got = Vec::new();
-        for (k, ex) in [&dev, &host].into_iter().enumerate() {
-            let r = &mut reqs[0][k];
+        for (k, ex) in [dev, host].into_iter().enumerate() {
+            let r = &mut pair[k];
             r.out.truncate(1);
             let o = run(ex, std::slice::from_ref(r), 12, &[drafts.clone()])?;
             let o = o.seqs.into_iter().next().context("one sequence")?;
@@ -388,11 +401,11 @@ pub fn edited_sampling_matches_host(
     // The same as a draft tree whose first branch is wrong: the rows of the
     // right branch see only their own ancestors.
     if dev.capabilities().tree {
-        let wrong = (cont[1] + 1) % m.model.spec().vocab_size as u32;
+        let wrong = (cont[1] + 1) % vocab;
         let drafts = [wrong, cont[1], cont[2], cont[3], cont[4]];
         let mut got = Vec::new();
-        for (k, ex) in [&dev, &host].into_iter().enumerate() {
-            let r = &mut reqs[0][k];
+        for (k, ex) in [dev, host].into_iter().enumerate() {
+            let r = &mut pair[k];
             r.out.truncate(1);
             let mut seq = r.plan(12, &drafts);
             seq.tree = Some(vec![-1, 0, 0, 2, 3, 4]);
