@@ -1,7 +1,8 @@
 //! GEMV throughput of `dot_rows` in GB/s of weight bytes, single thread, at
 //! m = 1 and m = 8, on SmolLM2-135M shapes: 576 rows x k=1536 (ffn_down) and
 //! 49152 rows x k=576 (the tied embedding / LM head; k=512 for the K formats,
-//! whose rows must be multiples of 256).
+//! whose rows must be multiples of 256); `u4_s32-g128` is `u4_s32` with the
+//! scale and zero point of an AWQ/GPTQ group of 128 inputs (4 blocks).
 //!
 //! The `gemm` group compares the tiled GEMM with the row kernels at m = 1..512
 //! on the default model's shapes, in multiply-accumulates per second.
@@ -165,15 +166,34 @@ fn weights(dtype: DType, n_rows: usize, k: usize) -> Vec<u8> {
     w
 }
 
+/// `w` with each run of 4 `u4_s32` blocks given its first block's scale and
+/// zero point: AWQ and GPTQ checkpoints with groups of 128 inputs.
+fn grouped_u4(mut w: Vec<u8>) -> Vec<u8> {
+    for run in w.chunks_mut(4 * 20) {
+        let (first, rest) = run.split_at_mut(20);
+        for block in rest.chunks_exact_mut(20) {
+            block[16..19].copy_from_slice(&first[16..19]);
+        }
+    }
+    w
+}
+
 fn bench(c: &mut Criterion<ThreadCpu>) {
     let mut g = c.benchmark_group("dot_rows");
     g.sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    for dtype in FORMATS {
+    let cases = FORMATS
+        .iter()
+        .map(|&d| (d, d.to_string()))
+        .chain([(DType::U4_S32, "u4_s32-g128".to_string())]);
+    for (dtype, name) in cases {
         let big_k = if dtype.block_size() == 256 { 512 } else { 576 };
         for (n_rows, k) in [(576usize, 1536usize), (49152, big_k)] {
-            let w = weights(dtype, n_rows, k);
+            let mut w = weights(dtype, n_rows, k);
+            if name.ends_with("-g128") {
+                w = grouped_u4(w);
+            }
             for m in [1usize, 8] {
                 let x: Vec<f32> = (0..m * k)
                     .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
@@ -181,7 +201,7 @@ fn bench(c: &mut Criterion<ThreadCpu>) {
                 let acts = prepare_acts(dtype, &x, m, k).unwrap();
                 let mut out = vec![0.0f32; m * n_rows];
                 g.throughput(Throughput::Bytes(w.len() as u64));
-                g.bench_function(format!("{dtype}/{n_rows}x{k}/m{m}"), |b| {
+                g.bench_function(format!("{name}/{n_rows}x{k}/m{m}"), |b| {
                     b.iter(|| dot_rows(dtype, &w, n_rows, k, &acts, &mut out, n_rows).unwrap())
                 });
             }

@@ -142,16 +142,44 @@ fn rows_keep_their_bits(rng: &mut Rng, dtype: DType, k: usize) {
     }
 }
 
+/// Gives each run of `group` consecutive `u4_s32` blocks the bytes `params`
+/// of its first block: 16..19 its scale and zero point, as a checkpoint's
+/// groups of 64 or 128 inputs do (the kernels then reuse the first block's
+/// value table); 16..18 the scale only, 18..19 the zero only (blocks whose
+/// table must still be rebuilt).
+fn share_u4_params(w: &mut [u8], group: usize, params: std::ops::Range<usize>) {
+    for run in w.chunks_mut(20 * group) {
+        let (first, rest) = run.split_at_mut(20);
+        for block in rest.chunks_exact_mut(20) {
+            block[params.clone()].copy_from_slice(&first[params.clone()]);
+        }
+    }
+}
+
 /// The scaled block formats dequantize in registers to exactly their
 /// scalar dequantization, so their products equal the f32 kernel's on the
 /// dequantized weights bit for bit, at every level and every `m` (a
 /// checkpoint stored packed computes what its f32 dequantization would).
+/// `u4_s32` also runs with parameters shared by 2 and 4 consecutive blocks,
+/// and with only the scale or only the zero point shared.
 #[test]
 fn scaled_blocks_multiply_as_their_f32_dequantization() {
     let mut rng = Rng(7);
-    for dtype in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
+    for (dtype, group, params) in [
+        (DType::F8_S32, 1, 0..0),
+        (DType::U4_S32, 1, 0..0),
+        (DType::U4_S32, 2, 16..19),
+        (DType::U4_S32, 4, 16..19),
+        (DType::U4_S32, 4, 16..18),
+        (DType::U4_S32, 4, 18..19),
+        (DType::U8_S32, 1, 0..0),
+        (DType::F4_S16, 1, 0..0),
+    ] {
         let (n, k) = (45, 32 * 12);
-        let w = weights(&mut rng, dtype, n, k);
+        let mut w = weights(&mut rng, dtype, n, k);
+        if group > 1 {
+            share_u4_params(&mut w, group, params.clone());
+        }
         let mut wf = vec![0.0f32; n * k];
         arbor_quant::dequantize(dtype, &w, &mut wf).unwrap();
         let wb: Vec<u8> = wf.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -161,7 +189,11 @@ fn scaled_blocks_multiply_as_their_f32_dequantization() {
                 let packed = product(level, dtype, &w, n, k, &x, m, &[n / 3]);
                 let float = product(level, DType::F32, &wb, n, k, &x, m, &[]);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&packed), bits(&float), "{dtype} {level:?}: m={m}");
+                assert_eq!(
+                    bits(&packed),
+                    bits(&float),
+                    "{dtype} (bytes {params:?} shared by {group} blocks) {level:?}: m={m}"
+                );
             }
         }
     }

@@ -234,24 +234,61 @@ unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
                 _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)), s),
             ]
         } else {
-            // The block's 16 possible values, `f32(q - z) * s` for q in
-            // 0..16 (the operations of the per-element form, so the same
-            // bits), then each element looked up by its nibble: the
-            // permutation reads only an index's low 4 bits, so neither half
-            // needs masking.
-            let b = row.add(j / 32 * 20);
+            let mut t = U4Table::empty();
+            u4_block(row.add(j / 32 * 20), &mut t)
+        }
+    }
+}
+
+/// The 16 values a `u4_s32` block can hold, `f32(q - z) * s` for q in
+/// 0..16 (the operations of the per-element form, so the same bits), and
+/// the block parameters they were built from: a group of 64 or 128 inputs
+/// (AWQ, GPTQ) spans 2 or 4 blocks of one row with the same scale and zero,
+/// which then build the table once.
+#[derive(Clone, Copy)]
+struct U4Table {
+    /// The block's scale bits and zero point (`u32::MAX`: none yet).
+    key: u32,
+    values: __m512,
+}
+
+impl U4Table {
+    /// A table that no block's parameters match (the zero byte above a
+    /// block's 24 parameter bits never equals u32::MAX's).
+    #[inline(always)]
+    fn empty() -> Self {
+        Self {
+            key: u32::MAX,
+            // SAFETY: AVX-512 F is enabled wherever the kernels run (callers).
+            values: unsafe { _mm512_setzero_ps() },
+        }
+    }
+}
+
+/// The 32 elements of the `u4_s32` block at `b`, each looked up by its
+/// nibble in `t` (rebuilt when the block's scale or zero differs from the
+/// one `t` holds): the permutation reads only an index's low 4 bits, so
+/// neither half needs masking.
+#[inline(always)]
+unsafe fn u4_block(b: *const u8, t: &mut U4Table) -> [__m512; 2] {
+    // SAFETY: the caller guarantees the 20-byte block at `b` is readable
+    // and AVX-512 F/BW/VL + F16C are enabled.
+    unsafe {
+        let key = (b.add(16) as *const u32).read_unaligned() & 0x00ff_ffff;
+        if key != t.key {
             let s = _mm512_set1_ps(f16_at(b.add(16)));
             let z = _mm512_set1_epi32(*b.add(18) as i32);
             let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            let table = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, z)), s);
-            let raw = _mm_loadu_si128(b as *const __m128i);
-            let lo = _mm512_cvtepu8_epi32(raw);
-            let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(raw));
-            [
-                _mm512_permutexvar_ps(lo, table),
-                _mm512_permutexvar_ps(hi, table),
-            ]
+            t.values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, z)), s);
+            t.key = key;
         }
+        let raw = _mm_loadu_si128(b as *const __m128i);
+        let lo = _mm512_cvtepu8_epi32(raw);
+        let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(raw));
+        [
+            _mm512_permutexvar_ps(lo, t.values),
+            _mm512_permutexvar_ps(hi, t.values),
+        ]
     }
 }
 
@@ -365,11 +402,18 @@ unsafe fn tile512<const DT: u8, const MR: usize, const NR: usize>(
         if DT == F8S || DT == U4S || DT == U8S {
             // Whole 32-element blocks, their scale (and zero) loaded once;
             // each accumulator takes the two halves in order, as below.
+            let mut u4_tables = [U4Table::empty(); NR];
             while j + 32 <= k {
                 next.lines((j >> 4) * per_step, 2 * per_step);
                 let mut wv = [[_mm512_setzero_ps(); 2]; NR];
-                for (v, &wr) in wv.iter_mut().zip(&w) {
-                    *v = wload32::<DT>(wr, j);
+                if DT == U4S {
+                    for ((v, &wr), t) in wv.iter_mut().zip(&w).zip(&mut u4_tables) {
+                        *v = u4_block(wr.add(j / 32 * 20), t);
+                    }
+                } else {
+                    for (v, &wr) in wv.iter_mut().zip(&w) {
+                        *v = wload32::<DT>(wr, j);
+                    }
                 }
                 for (a, &xr) in acc.iter_mut().zip(&x) {
                     let x0 = _mm512_loadu_ps(xr.add(j));
