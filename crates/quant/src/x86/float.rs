@@ -14,7 +14,9 @@
 //! through `vcvtph2ps`, bf16 by a 16-bit shift), so converting in registers
 //! or ahead of time would not change a bit. The scaled blocks are
 //! dequantized in registers with the operations of `formats::scaled` (E4M3
-//! through its f16 bit pattern times `scale * 256`; `(q - zero) * scale`;
+//! through its f16 bit pattern times `scale * 256`; `(q - zero) * scale`,
+//! which AVX-512 computes once for each of the 16 nibble values of a block
+//! (or of a run of blocks with the same scale and zero) and looks up;
 //! E2M1 by table lookup times the scale), so each weight vector equals
 //! the scalar dequantization bit for bit; their rows are whole blocks (of
 //! 32, or 16 for `f4_s16`), so they never take the partial-vector path.
