@@ -348,6 +348,41 @@ pub(crate) mod x86 {
         }
     }
 
+    /// Sixteen elements of `format` at `p`: [`widen8`]'s operations at
+    /// 512-bit width, for the 16-lane in-place weighted sum.
+    ///
+    /// # Safety
+    /// AVX-512F and F16C; 16 readable elements at `p`.
+    #[inline(always)]
+    pub(crate) unsafe fn widen16(p: *const u8, format: Narrow) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match format {
+                Narrow::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
+                Narrow::BF16 => {
+                    let h = _mm256_loadu_si256(p as *const __m256i);
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                }
+                Narrow::Fp8 { e4m3, scale } => {
+                    let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
+                    let v = if e4m3 {
+                        let sign =
+                            _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
+                        let mag =
+                            _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)));
+                        _mm512_mul_ps(
+                            _mm512_cvtph_ps(_mm256_or_si256(sign, mag)),
+                            _mm512_set1_ps(256.0),
+                        )
+                    } else {
+                        _mm512_cvtph_ps(_mm256_slli_epi16::<8>(b))
+                    };
+                    _mm512_mul_ps(v, _mm512_set1_ps(scale))
+                }
+            }
+        }
+    }
+
     /// See [`super::rows_transposed`].
     ///
     /// # Safety

@@ -819,38 +819,15 @@ unsafe fn load_n8<const FMT: u8>(p: *const u8, scale: f32) -> __m256 {
     unsafe { crate::convert::x86::widen8(p, narrow_of(FMT, scale)) }
 }
 
-/// Sixteen elements of format code `FMT` at `p`, widened with the
-/// operations of [`load_n8`] (the same per-lane steps at 512-bit width).
+/// Sixteen elements of format code `FMT` at `p`: `convert::x86::widen16`.
 ///
 /// # Safety
-/// AVX-512F; 16 readable elements at `p`.
+/// AVX-512F and F16C; 16 readable elements at `p`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn load_n16<const FMT: u8>(p: *const u8, scale: f32) -> __m512 {
     // SAFETY: the caller's contract.
-    unsafe {
-        match FMT {
-            1 => _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)),
-            2 => {
-                let h = _mm256_loadu_si256(p as *const __m256i);
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-            }
-            _ => {
-                let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
-                let v = if FMT == 3 {
-                    let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
-                    let mag = _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)));
-                    _mm512_mul_ps(
-                        _mm512_cvtph_ps(_mm256_or_si256(sign, mag)),
-                        _mm512_set1_ps(256.0),
-                    )
-                } else {
-                    _mm512_cvtph_ps(_mm256_slli_epi16::<8>(b))
-                };
-                _mm512_mul_ps(v, _mm512_set1_ps(scale))
-            }
-        }
-    }
+    unsafe { crate::convert::x86::widen16(p, narrow_of(FMT, scale)) }
 }
 
 wsum_level!(
