@@ -6,6 +6,8 @@
 #
 #   scripts/bench-quant.sh [QUANT_DIR] [ROUNDS]
 #
+# MATMULS="f32 amx-bf16" runs each HF-quantized format under each --cpu-quant-matmul (labelled
+# format/matmul; default f32 only); BATCH=8 measures decode at that batch size (default 1).
 # Prints one line per run and a median summary per format (tokens/s).
 set -euo pipefail
 dir=${1:-/tmp/arbor-quant}
@@ -13,21 +15,31 @@ rounds=${2:-2}
 arbor=${ARBOR_BIN:-target/release/arbor}
 gguf=${ARBOR_DEFAULT_GGUF:-$HOME/.cache/arbor/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 threads=${THREADS:-2}
+batch=${BATCH:-1}
+read -r -a matmuls <<<"${MATMULS:-f32}"
 formats=(bf16 fp8-block fp8-dynamic awq gptq w4a16 nvfp4 gguf-q4_1)
 out=$(mktemp)
 for r in $(seq "$rounds"); do
   for f in "${formats[@]}"; do
     if [ "$f" = gguf-q4_1 ]; then path=$gguf; else path=$dir/$f; fi
     [ -e "$path" ] || { echo "skip $f: $path is absent"; continue; }
-    log=$("$arbor" bench one-batch --model-path "$path" --threads "$threads" --batch-size 1 \
-      --input-len 512 --output-len 65 --kv-cache-dtype auto 2>&1)
-    pre=$(grep '^Prefill' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
-    dec=$(grep '^Decode\.  median' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
-    echo "round $r $f prefill512 $pre tok/s decode-b1 $dec tok/s"
-    echo "$f $pre $dec" >>"$out"
+    # bf16 and GGUF weights multiply the same way under every --cpu-quant-matmul.
+    runs=("${matmuls[@]}")
+    case $f in bf16 | gguf-q4_1) runs=(f32) ;; esac
+    for mm in "${runs[@]}"; do
+      label=$f
+      [ ${#runs[@]} -gt 1 ] && label=$f/$mm
+      log=$("$arbor" bench one-batch --model-path "$path" --threads "$threads" \
+        --batch-size "$batch" --input-len 512 --output-len 65 --kv-cache-dtype auto \
+        --cpu-quant-matmul "$mm" 2>&1)
+      pre=$(grep '^Prefill' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
+      dec=$(grep '^Decode\.  median' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
+      echo "round $r $label prefill512 $pre tok/s decode-b$batch $dec tok/s"
+      echo "$label $pre $dec" >>"$out"
+    done
   done
 done
-echo "median over $rounds rounds (tok/s): format prefill512 decode-b1"
+echo "median over $rounds rounds (tok/s): format prefill512 decode-b$batch"
 python3 - "$out" <<'EOF'
 import statistics, sys
 rows = {}

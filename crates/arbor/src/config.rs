@@ -33,6 +33,8 @@ pub struct ModelSection {
     pub quantization: Option<String>,
     pub kv_cache_dtype: Option<String>,
     pub wgpu_adapter: Option<String>,
+    /// CPU: how HF-quantized weights are multiplied, f32 or amx-bf16.
+    pub cpu_quant_matmul: Option<String>,
 }
 
 /// `[server]`: the HTTP listener.
@@ -239,6 +241,9 @@ pub struct ServeArgs {
     /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
     #[arg(long = "wgpu-adapter", help_heading = "Model")]
     pub wgpu_adapter: Option<String>,
+    /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about half the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected [default: f32].
+    #[arg(long = "cpu-quant-matmul", help_heading = "Model")]
+    pub cpu_quant_matmul: Option<String>,
     /// Run decode batches without CUDA graphs (`--device cuda`).
     #[arg(long = "disable-cuda-graph", help_heading = "Model")]
     pub disable_cuda_graph: bool,
@@ -484,6 +489,10 @@ impl ServeConfig {
             d.parse::<arbor_engine_core::KvDtypeChoice>()
                 .context("[model] kv_cache_dtype / --kv-cache-dtype")?;
         }
+        if let Some(q) = self.model.cpu_quant_matmul.as_deref() {
+            q.parse::<arbor_engine_core::QuantMatmul>()
+                .context("[model] cpu_quant_matmul / --cpu-quant-matmul")?;
+        }
         if let Some(w) = self.grammar.json_whitespace.as_deref()
             && !matches!(w, "compact" | "flexible")
         {
@@ -602,6 +611,12 @@ impl ModelSection {
                 .clone()
                 .or(m.wgpu_adapter)
                 .or_else(|| std::env::var("ARBOR_WGPU_ADAPTER").ok()),
+            cpu_quant_matmul: Some(
+                a.cpu_quant_matmul
+                    .clone()
+                    .or(m.cpu_quant_matmul)
+                    .unwrap_or_else(|| "f32".into()),
+            ),
         }
     }
 }
@@ -872,6 +887,34 @@ mod tests {
         let m = format!("{e:#}");
         assert!(
             m.contains("[model] kv_cache_dtype / --kv-cache-dtype") && m.contains("int3"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn cpu_quant_matmul_defaults_to_f32_and_bad_values_name_the_key() {
+        let c = ServeConfig::resolve(FileConfig::default(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.model.cpu_quant_matmul.as_deref(), Some("f32"));
+        let f = FileConfig::parse("[model]\ncpu_quant_matmul = \"amx-bf16\"\n").unwrap();
+        let c = ServeConfig::resolve(f.clone(), &ServeArgs::default()).unwrap();
+        assert_eq!(c.model.cpu_quant_matmul.as_deref(), Some("amx-bf16"));
+        let flag = ServeArgs {
+            cpu_quant_matmul: Some("f32".into()),
+            ..Default::default()
+        };
+        let c = ServeConfig::resolve(f, &flag).unwrap();
+        assert_eq!(
+            c.model.cpu_quant_matmul.as_deref(),
+            Some("f32"),
+            "flag beats file"
+        );
+        let bad = FileConfig::parse("[model]\ncpu_quant_matmul = \"fp4\"\n").unwrap();
+        let m = format!(
+            "{:#}",
+            ServeConfig::resolve(bad, &ServeArgs::default()).unwrap_err()
+        );
+        assert!(
+            m.contains("[model] cpu_quant_matmul / --cpu-quant-matmul") && m.contains("fp4"),
             "{m}"
         );
     }

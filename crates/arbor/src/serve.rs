@@ -262,6 +262,12 @@ fn model_args(cfg: &ServeConfig, args: &ServeArgs) -> ModelArgs {
         kv_cache_dtype: m.kv_cache_dtype.clone().unwrap_or_else(|| "auto".into()),
         page_size: cfg.page_size(),
         wgpu_adapter: m.wgpu_adapter.clone(),
+        // Checked by `ServeConfig::validate`.
+        cpu_quant_matmul: m
+            .cpu_quant_matmul
+            .as_deref()
+            .and_then(|q| q.parse().ok())
+            .unwrap_or_default(),
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args
             .cuda_graph_max_bs
@@ -458,6 +464,25 @@ struct Summary<'a> {
 }
 
 impl Summary<'_> {
+    /// `, quant matmul ...` for scaled block weights on the CPU (with why
+    /// amx-bf16 was not taken, if asked for), else nothing.
+    fn quant_matmul_note(&self) -> String {
+        let args = self.model;
+        if args.device != "cpu" || !self.spec.weight_dtype.is_scaled_block() {
+            return String::new();
+        }
+        let runs = crate::setup::cpu_quant_matmul(args);
+        if runs == args.cpu_quant_matmul {
+            format!(", quant matmul {}", runs.name())
+        } else {
+            format!(
+                ", quant matmul {} ({} needs AMX-BF16, which this CPU lacks)",
+                runs.name(),
+                args.cpu_quant_matmul.name()
+            )
+        }
+    }
+
     /// Prints the summary on stdout (before the `listening on` line).
     fn print(&self) -> Result<()> {
         let (spec, model_args, engine_cfg, opts) = (self.spec, self.model, self.engine, self.opts);
@@ -472,7 +497,7 @@ impl Summary<'_> {
             self.served
         );
         println!(
-            "  weights:    {} ({}), {} on {} ({} threads)",
+            "  weights:    {} ({}), {} on {} ({} threads{})",
             spec.weight_dtype,
             spec.quantization,
             mib(spec.weight_bytes),
@@ -481,7 +506,8 @@ impl Summary<'_> {
                 "all".to_string()
             } else {
                 model_args.threads.to_string()
-            }
+            },
+            self.quant_matmul_note()
         );
         println!(
             "  KV cache:   {} tokens ({} pages of {}), {}, {} [{}]",

@@ -11,7 +11,7 @@
 use anyhow::{Context, Result};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::{
-    Backend, BackendOptions, DType, KvDtypeChoice, LoadOptions, ModelSpec, Registry,
+    Backend, BackendOptions, DType, KvDtypeChoice, LoadOptions, ModelSpec, QuantMatmul, Registry,
     ResolvedKvDtype,
 };
 use arbor_models::LoadedModel;
@@ -50,6 +50,11 @@ pub struct ModelArgs {
     /// wgpu adapter: a case-insensitive part of its name (`arbor info` lists them).
     #[arg(long = "wgpu-adapter", env = "ARBOR_WGPU_ADAPTER")]
     pub wgpu_adapter: Option<String>,
+    /// CPU: how HF-quantized weights are multiplied, f32 or amx-bf16 (bf16
+    /// in AMX tiles: faster for batches and prefill, slower for one
+    /// sequence; f32 without AMX).
+    #[arg(long = "cpu-quant-matmul", default_value = "f32")]
+    pub cpu_quant_matmul: QuantMatmul,
     /// Run decode batches without CUDA graphs.
     #[arg(long = "disable-cuda-graph")]
     pub disable_cuda_graph: bool,
@@ -138,6 +143,18 @@ pub fn backend_options(args: &ModelArgs) -> BackendOptions {
         adapter: args.wgpu_adapter.clone(),
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args.cuda_graph_max_bs,
+        cpu_quant_matmul: args.cpu_quant_matmul,
+    }
+}
+
+/// The `--cpu-quant-matmul` a CPU device runs: amx-bf16 needs AMX-BF16, and
+/// is f32 without it.
+pub fn cpu_quant_matmul(args: &ModelArgs) -> QuantMatmul {
+    let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
+    if amx {
+        args.cpu_quant_matmul
+    } else {
+        QuantMatmul::F32
     }
 }
 

@@ -100,3 +100,63 @@ fn conflicting_or_unknown_quantization_is_refused() -> Result<()> {
     }
     Ok(())
 }
+
+/// `--cpu-quant-matmul amx-bf16` (or `[model] cpu_quant_matmul`): the
+/// summary says which matmul runs (with the reason on a CPU without AMX,
+/// where it is f32), each prompt's greedy completion is the same alone and
+/// with all the prompts sent at once (the mode is fixed for the server, so
+/// batching changes no bit), completions follow the transformers reference
+/// up to its first step with a margin under 0.3 (the bf16 tolerance of
+/// arbor-models' `amx_bf16_matmul_stays_close_to_each_formats_reference`),
+/// no KV page leaks, and a bad value is refused naming the flag and key.
+#[tokio::test]
+async fn amx_bf16_matmul_serves_the_same_tokens_alone_and_batched() -> Result<()> {
+    let c = client();
+    let model = fixture("quant/awq");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{model}/reference.json"))?)?;
+    let dir = tempfile::tempdir()?;
+    let toml = dir.path().join("arbor.toml");
+    std::fs::write(&toml, "[model]\ncpu_quant_matmul = \"amx-bf16\"\n")?;
+    let toml = toml.display().to_string();
+    for extra in [
+        &["--cpu-quant-matmul", "amx-bf16"][..],
+        &["--config", &toml][..],
+    ] {
+        let s = start(&model, extra)?;
+        assert!(
+            s.log_contains(", quant matmul amx-bf16)")
+                || s.log_contains(", quant matmul f32 (amx-bf16 needs AMX-BF16"),
+            "{extra:?}: {}",
+            s.logs()
+        );
+        let prompts = reference["prompts"].as_array().context("prompts")?;
+        let len = json!(24);
+        let mut alone = Vec::new();
+        for p in prompts {
+            let r = generate_greedy(&c, &s, &p["input_ids"], &len).await?;
+            alone.push(r["output_ids"].clone());
+        }
+        let together = futures_util::future::try_join_all(
+            prompts
+                .iter()
+                .map(|p| generate_greedy(&c, &s, &p["input_ids"], &len)),
+        )
+        .await?;
+        for (i, (r, p)) in together.iter().zip(prompts).enumerate() {
+            assert_eq!(r["output_ids"], alone[i], "prompt {i}: batched vs alone");
+            let want = p["greedy_ids"].as_array().context("greedy_ids")?;
+            let margins = p["margins"].as_array().context("margins")?;
+            let sure = margins
+                .iter()
+                .position(|m| m.as_f64().unwrap_or(0.0) < 0.3)
+                .unwrap_or(want.len())
+                .min(24);
+            let got = r["output_ids"].as_array().context("output_ids")?;
+            assert_eq!(got[..sure], want[..sure], "prompt {i} (up to step {sure})");
+        }
+        assert_no_leak(&c, &s, "arbor", None).await?;
+    }
+    assert_serve_refuses(&["--cpu-quant-matmul", "fast"], "--cpu-quant-matmul")?;
+    assert_serve_refuses(&["--cpu-quant-matmul", "fast"], "must be f32 or amx-bf16")
+}

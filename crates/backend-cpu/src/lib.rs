@@ -5,7 +5,9 @@
 //! ([`pool::ThreadPool`]). Linear layers use the quant crate's `dot_rows`
 //! kernels for every weight dtype and batch size (the tiled GEMM for the
 //! 32-element formats, row kernels for the K-quants, tiled dot kernels for
-//! float weights). [`attention::CpuAttention`] is the paged attention, with
+//! float weights; the scaled block formats of HF-quantized checkpoints with
+//! f32 activations, or bf16 ones in AMX tiles under
+//! [`QuantMatmul::AmxBf16`], chosen when the backend is created). [`attention::CpuAttention`] is the paged attention, with
 //! draft-tree masks.
 //!
 //! Batch invariance: every kernel computes a row's result with a sequence of
@@ -37,7 +39,7 @@ pub mod simd;
 use arbor_engine_core::registry::BackendEntry;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendCapabilities, BackendOptions, CoreError, DType, DeviceInfo,
-    HostTensor, LinearRef, Result, RopeStyle, Tensor, tensor::next_device_tag,
+    HostTensor, LinearRef, QuantMatmul, Result, RopeStyle, Tensor, tensor::next_device_tag,
 };
 use memory::{HostMemory, RawView};
 use pool::ThreadPool;
@@ -48,6 +50,9 @@ pub struct CpuBackend {
     mem: Arc<HostMemory>,
     pool: Arc<ThreadPool>,
     caps: BackendCapabilities,
+    /// How linear layers multiply the scaled block formats (fixed for the
+    /// backend's life, so no batch changes a row's arithmetic).
+    quant_matmul: QuantMatmul,
 }
 
 impl CpuBackend {
@@ -96,7 +101,24 @@ impl CpuBackend {
                 asynchronous: false,
                 attention: vec!["cpu-paged"],
             },
+            quant_matmul: QuantMatmul::F32,
         })
+    }
+
+    /// This backend multiplying the scaled block formats as `matmul` says
+    /// where the CPU can ([`QuantMatmul::AmxBf16`] needs AMX-BF16; without
+    /// it the backend keeps [`QuantMatmul::F32`], which
+    /// [`CpuBackend::quant_matmul`] then reports). Set it before loading a
+    /// model: it is not meant to change while one runs.
+    pub fn with_quant_matmul(mut self, matmul: QuantMatmul) -> Self {
+        let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
+        self.quant_matmul = if amx { matmul } else { QuantMatmul::F32 };
+        self
+    }
+
+    /// How linear layers multiply the scaled block formats.
+    pub fn quant_matmul(&self) -> QuantMatmul {
+        self.quant_matmul
     }
 
     /// Threads per operation.
@@ -317,7 +339,10 @@ inventory::submit! {
     BackendEntry {
         name: "cpu",
         about: "multi-threaded CPU kernels (AVX-512/AVX2 with a portable fallback)",
-        create: |opts: &BackendOptions| Ok(Arc::new(CpuBackend::new(opts.threads)?) as Arc<dyn Backend>),
+        create: |opts: &BackendOptions| {
+            let cpu = CpuBackend::new(opts.threads)?.with_quant_matmul(opts.cpu_quant_matmul);
+            Ok(Arc::new(cpu) as Arc<dyn Backend>)
+        },
     }
 }
 

@@ -6,7 +6,10 @@
 //! weights, as ggml does; copied as f32 for float weights; layers sharing an
 //! input and a type share the preparation), and the weight rows of all the
 //! layers form one range split across the pool, so a whole Q/K/V projection
-//! is one parallel region. From [`PAR_PREP_BLOCKS`] blocks on (a prefill
+//! is one parallel region. The scaled block formats meet f32 activations,
+//! or bf16 ones under the backend's `QuantMatmul::AmxBf16` (packed for AMX
+//! tiles; a bf16 weight and a scaled one then share the preparation). From
+//! [`PAR_PREP_BLOCKS`] blocks on (a prefill
 //! chunk) the quantization itself is one more region, split into whole
 //! blocks (`arbor_quant::SplitPrep`). Each piece calls
 //! `arbor_quant::dot_rows_raw` on its weight rows, which writes its output
@@ -173,7 +176,7 @@ fn row_kernels_with(
     let mut types: Vec<DType> = Vec::new();
     let mut which = Vec::with_capacity(jobs.len());
     for j in jobs {
-        let ad = arbor_quant::act_dtype_for(j.dtype)
+        let ad = arbor_quant::act_dtype_with(j.dtype, b.quant_matmul())
             .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
         let idx = match types.iter().position(|d| *d == ad) {
             Some(i) => i,
@@ -182,7 +185,7 @@ fn row_kernels_with(
                     pool.push(PreparedActs::new());
                 }
                 let prep = pool[types.len()]
-                    .prepare_split(j.dtype, xs, m, k)
+                    .prepare_split_as(j.dtype, b.quant_matmul(), xs, m, k)
                     .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
                 // Quantize on every thread when there is enough of it; the
                 // parts left over (all of them below the threshold) run

@@ -586,3 +586,113 @@ fn lora_rows_are_batch_invariant() {
         );
     }
 }
+
+/// `bf16(v)` as `vcvtne2ps2bf16` rounds (to nearest even; the weights here
+/// have no f32 subnormals), as the bytes of a bf16 weight.
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes())
+        .collect()
+}
+
+/// A backend created with `--cpu-quant-matmul amx-bf16` multiplies the
+/// scaled block formats exactly as bf16 weights holding their bf16-rounded
+/// dequantization (row for row, bit for bit, at every `m` and thread
+/// count, alone or in a `linear_many` that shares the bf16 activations with
+/// a bf16 layer), which is not what the default f32 products give. Without
+/// AMX the backend reports and runs `QuantMatmul::F32`.
+#[test]
+fn amx_bf16_linear_equals_the_linear_of_bf16_rounded_weights() {
+    use arbor_engine_core::QuantMatmul;
+    let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
+    let make = |threads: usize| {
+        let b = CpuBackend::new(threads)
+            .unwrap()
+            .with_quant_matmul(QuantMatmul::AmxBf16);
+        let want = if amx {
+            QuantMatmul::AmxBf16
+        } else {
+            QuantMatmul::F32
+        };
+        assert_eq!(b.quant_matmul(), want);
+        Arc::new(b) as Arc<dyn Backend>
+    };
+    if !amx {
+        println!("no AMX-BF16 on this CPU: amx-bf16 falls back to f32 (checked)");
+        return;
+    }
+    let (exact, amx2, amx3) = (backend(2), make(2), make(3));
+    let mut rng = Rng(21);
+    let (n, k) = (70, 32 * 12);
+    for dtype in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
+        let vals = rng.normals(n * k);
+        let mut data = vec![0u8; arbor_quant::row_bytes(dtype, n * k).unwrap()];
+        arbor_quant::quantize(dtype, &vals, &mut data).unwrap();
+        let mut deq = vec![0.0f32; n * k];
+        arbor_quant::dequantize(dtype, &data, &mut deq).unwrap();
+        let host = |dtype, data: &[u8]| HostTensor {
+            dtype,
+            shape: vec![n, k],
+            data: Cow::Owned(data.to_vec()),
+        };
+        let rounded = bf16_bytes(&deq);
+        for m in [1usize, 9, 33] {
+            let x = rng.normals(m * k);
+            let mut outs = Vec::new();
+            for b in [&amx2, &amx3] {
+                let w = b.upload(&host(dtype, &data)).unwrap();
+                let wb = b.upload(&host(DType::BF16, &rounded)).unwrap();
+                let got = linear(&**b, &x, m, k, &w, None);
+                assert_eq!(
+                    bits(&got),
+                    bits(&linear(&**b, &x, m, k, &wb, None)),
+                    "{dtype} m={m}"
+                );
+                // Both layers in one call share the bf16 activations.
+                let xt = b.upload_f32(&[m, k], &x).unwrap();
+                let (o1, o2) = (
+                    b.alloc(DType::F32, &[m, n]).unwrap(),
+                    b.alloc(DType::F32, &[m, n]).unwrap(),
+                );
+                b.linear_many(
+                    &xt,
+                    &[
+                        LinearRef {
+                            w: &wb,
+                            bias: None,
+                            out: &o1,
+                        },
+                        LinearRef {
+                            w: &w,
+                            bias: None,
+                            out: &o2,
+                        },
+                    ],
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&b.download_f32(&o2).unwrap()),
+                    bits(&got),
+                    "{dtype} m={m} many"
+                );
+                assert_eq!(
+                    bits(&b.download_f32(&o1).unwrap()),
+                    bits(&got),
+                    "{dtype} m={m} bf16"
+                );
+                outs.push(got);
+            }
+            assert_eq!(
+                bits(&outs[0]),
+                bits(&outs[1]),
+                "{dtype} m={m}: 2 and 3 threads"
+            );
+            let w = exact.upload(&host(dtype, &data)).unwrap();
+            assert_ne!(
+                bits(&linear(&*exact, &x, m, k, &w, None)),
+                bits(&outs[0]),
+                "{dtype} m={m}: amx-bf16 computed the f32 products"
+            );
+        }
+    }
+}

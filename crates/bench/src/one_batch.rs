@@ -16,7 +16,9 @@ use crate::error::{BenchError, Result};
 use crate::rng::Rng;
 use crate::stats;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
-use arbor_engine_core::{BackendOptions, KvDtypeChoice, LoadOptions, Registry, ResolvedKvDtype};
+use arbor_engine_core::{
+    BackendOptions, KvDtypeChoice, LoadOptions, QuantMatmul, Registry, ResolvedKvDtype,
+};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -50,6 +52,9 @@ pub struct OneBatchArgs {
     /// Tokens per KV page.
     #[arg(long = "page-size", default_value_t = 16)]
     pub page_size: usize,
+    /// CPU: how HF-quantized weights are multiplied, f32 or amx-bf16 (as `arbor serve`'s).
+    #[arg(long = "cpu-quant-matmul", default_value = "f32")]
+    pub cpu_quant_matmul: QuantMatmul,
     /// Batch sizes to sweep.
     #[arg(long = "batch-size", num_args = 1.., default_values_t = [1])]
     pub batch_size: Vec<usize>,
@@ -115,6 +120,7 @@ fn load(args: &OneBatchArgs) -> Result<Loaded> {
     let factory = registry.backends.get(&args.device)?;
     let backend = factory(&BackendOptions {
         threads: args.threads,
+        cpu_quant_matmul: args.cpu_quant_matmul,
         ..Default::default()
     })?;
     let mut quant = registry.quant_methods.get(&args.dtype)?(&Default::default())?;

@@ -212,6 +212,51 @@ pub struct BackendOptions {
     /// Largest decode batch run as a CUDA graph; `None` lets the backend
     /// choose (`--cuda-graph-max-bs`).
     pub cuda_graph_max_bs: Option<usize>,
+    /// How a CPU backend multiplies HF-quantized weights (`--cpu-quant-matmul`).
+    pub cpu_quant_matmul: QuantMatmul,
+}
+
+/// How a CPU backend multiplies weights in the scaled block formats
+/// ([`DType::F8_S32`], [`DType::U4_S32`], [`DType::U8_S32`],
+/// [`DType::F4_S16`]: FP8, AWQ/GPTQ/W4A16 INT4, W8A16 INT8 and NVFP4
+/// checkpoints). It is chosen once, when the backend is created, for every
+/// layer and every batch, so a position's logits never depend on the batch
+/// it shares a step with; GGUF formats keep their integer dots either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum QuantMatmul {
+    /// f32 activations times the weights dequantized exactly to f32 (FMA):
+    /// the fastest single-sequence decode.
+    #[default]
+    F32,
+    /// On CPUs with AMX: the weights dequantized to bf16 (64 rows at a time,
+    /// in cache) meet bf16-rounded activations in AMX tiles, as bf16 weights
+    /// do: several times faster for batches and prefill, slower for one
+    /// sequence. Without AMX it is [`QuantMatmul::F32`].
+    AmxBf16,
+}
+
+impl QuantMatmul {
+    /// Every value, in the order the flag's help lists them.
+    pub const ALL: [QuantMatmul; 2] = [QuantMatmul::F32, QuantMatmul::AmxBf16];
+
+    /// The flag's spelling ("f32", "amx-bf16").
+    pub const fn name(self) -> &'static str {
+        match self {
+            QuantMatmul::F32 => "f32",
+            QuantMatmul::AmxBf16 => "amx-bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for QuantMatmul {
+    type Err = CoreError;
+    /// The value [`QuantMatmul::name`] spells `s` (any case).
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|q| q.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| CoreError::Config(format!("must be f32 or amx-bf16, got '{s}'")))
+    }
 }
 
 /// A compute device: memory and the operations models call.

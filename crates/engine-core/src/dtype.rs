@@ -141,6 +141,16 @@ impl DType {
         self.block_size() > 1
     }
 
+    /// True for the scaled block formats of HF-quantized checkpoints
+    /// (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`: values with an in-band
+    /// scale, and a zero point for the integer ones).
+    pub const fn is_scaled_block(self) -> bool {
+        matches!(
+            self,
+            DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16
+        )
+    }
+
     /// True for floating-point types usable as activations or KV.
     pub const fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)

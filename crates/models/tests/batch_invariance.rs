@@ -5,7 +5,8 @@
 //! and a draft-tree token's logits equal the same token's in a chain of only
 //! its ancestors. Checked on the tiny fixture models (tests/fixtures, the
 //! mixture-of-experts ones included: routing is per token) with
-//! f32, bf16, Q4_1 and Q8_0 weights, and on the default model
+//! f32, bf16, Q4_1 and Q8_0 weights (and FP8, INT4 and NVFP4 under
+//! `QuantMatmul::AmxBf16`), and on the default model
 //! (SmolLM2-135M-Instruct Q4_1 GGUF; skipped with a message when absent),
 //! where 16 concurrent greedy requests also give the tokens each gives alone.
 
@@ -14,7 +15,7 @@ use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
 use arbor_engine_core::{
     Backend, BackendCapabilities, BatchLayout, DType, ForwardBatch, ForwardContext, HostTensor,
-    KvCache, KvSpec, LoadOptions, Model, QuantMethod, Registry,
+    KvCache, KvSpec, LoadOptions, Model, QuantMatmul, QuantMethod, Registry,
 };
 use arbor_models::load_model;
 use std::borrow::Cow;
@@ -71,11 +72,24 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn load_fixture(name: &str, quant: &str) -> Result<(Arc<dyn Model>, Arc<dyn Backend>)> {
+    load_fixture_as(name, quant, QuantMatmul::F32)
+}
+
+/// [`load_fixture`] on a CPU backend multiplying the scaled formats as
+/// `matmul` says; `quant` may also name a scaled format (`u4_s32`,
+/// `f4_s16`), which every linear weight is quantized to at load.
+fn load_fixture_as(
+    name: &str,
+    quant: &str,
+    matmul: QuantMatmul,
+) -> Result<(Arc<dyn Model>, Arc<dyn Backend>)> {
     let registry = Registry::builtin()?;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?.with_quant_matmul(matmul));
     let quant: Arc<dyn QuantMethod> = match quant {
         "q4_1" => Arc::new(Quantize(DType::Q4_1)),
         "q8_0" => Arc::new(Quantize(DType::Q8_0)),
+        "u4_s32" => Arc::new(Quantize(DType::U4_S32)),
+        "f4_s16" => Arc::new(Quantize(DType::F4_S16)),
         other => registry.quant_methods.get(other)?(&Default::default())?,
     };
     let opts = LoadOptions {
@@ -321,6 +335,31 @@ fn tiny_models_are_batch_invariant() -> Result<()> {
         for prefix in [0, 9] {
             check_tree(&what, &model, &backend, kv, prefix, 200 + i as u64)?;
         }
+        println!("{what}: bit-identical");
+    }
+    Ok(())
+}
+
+/// `QuantMatmul::AmxBf16` (bf16 panels in AMX tiles) keeps every
+/// position's logits bit-identical whatever the batch, like the f32
+/// products: FP8 (per channel, at load), INT4 and NVFP4 weights, dense and
+/// MoE. Without AMX the backend runs them as f32 (the same checks).
+#[test]
+fn amx_bf16_quantized_models_are_batch_invariant() -> Result<()> {
+    if arbor_quant::detected_level() < arbor_quant::SimdLevel::Amx {
+        println!("no AMX-BF16 on this CPU: amx-bf16 runs as f32 here");
+    }
+    let cases = [
+        ("tiny-llama", "fp8", DType::F16),
+        ("tiny-qwen3", "u4_s32", DType::F32),
+        ("tiny-mixtral", "f4_s16", DType::BF16),
+    ];
+    for (i, (name, quant, kv)) in cases.into_iter().enumerate() {
+        let what = format!("{name} ({quant} weights, amx-bf16, {kv} KV)");
+        let (model, backend) =
+            load_fixture_as(name, quant, QuantMatmul::AmxBf16).with_context(|| what.clone())?;
+        check_chains(&what, &model, &backend, kv, 40, 300 + i as u64)?;
+        check_tree(&what, &model, &backend, kv, 9, 400 + i as u64)?;
         println!("{what}: bit-identical");
     }
     Ok(())

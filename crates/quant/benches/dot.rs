@@ -5,7 +5,9 @@
 //! scale and zero point of an AWQ/GPTQ group of 128 inputs (4 blocks).
 //!
 //! The `gemm` group compares the tiled GEMM with the row kernels at m = 1..512
-//! on the default model's shapes, in multiply-accumulates per second.
+//! on the default model's shapes, in multiply-accumulates per second; the
+//! `scaled_matmul` group compares the scaled block formats' two
+//! `QuantMatmul` paths (f32 FMA, AMX bf16) at m = 1..512 (AMX CPUs only).
 //!
 //! Time is the benchmark thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`), not
 //! wall-clock time, so figures stay comparable on a busy shared machine.
@@ -16,8 +18,8 @@
 #![allow(unsafe_code)]
 
 use arbor_quant::{
-    DType, SimdLevel, detected_level, dot_rows, dot_rows_gemv_with, gemm_with, prepare_acts,
-    row_bytes,
+    DType, PreparedActs, QuantMatmul, SimdLevel, detected_level, dot_rows, dot_rows_gemv_with,
+    gemm_with, prepare_acts, row_bytes,
 };
 use criterion::measurement::{Measurement, ValueFormatter};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -262,9 +264,52 @@ fn bench_gemm(c: &mut Criterion<ThreadCpu>) {
     g.finish();
 }
 
+/// The scaled block formats under each `QuantMatmul` (single thread), in
+/// GMAC/s: `f32` (FMA with f32 activations) against `amx-bf16` (bf16
+/// panels through AMX tiles), from one decode row to a prefill chunk.
+fn bench_scaled_matmul(c: &mut Criterion<ThreadCpu>) {
+    if detected_level() < SimdLevel::Amx {
+        println!("scaled_matmul: skipped, this CPU has no AMX-BF16 (amx-bf16 would be f32)");
+        return;
+    }
+    let mut g = c.benchmark_group("scaled_matmul");
+    g.sample_size(10)
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2));
+    let formats = [
+        (DType::F8_S32, "f8_s32"),
+        (DType::U4_S32, "u4_s32-g128"),
+        (DType::F4_S16, "f4_s16"),
+    ];
+    for (dtype, name) in formats {
+        for (shape, n_rows, k) in [("down", 576usize, 1536usize), ("up", 1536, 576)] {
+            let mut w = weights(dtype, n_rows, k);
+            if name.ends_with("-g128") {
+                w = grouped_u4(w);
+            }
+            for m in [1usize, 4, 8, 32, 128, 512] {
+                let x: Vec<f32> = (0..m * k)
+                    .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                    .collect();
+                let mut out = vec![0.0f32; m * n_rows];
+                g.throughput(Throughput::Elements((m * n_rows * k) as u64));
+                for matmul in QuantMatmul::ALL {
+                    let mut acts = PreparedActs::new();
+                    drop(acts.prepare_split_as(dtype, matmul, &x, m, k).unwrap());
+                    let id = format!("{name}/{shape}/m{m}/{}", matmul.name());
+                    g.bench_function(id, |b| {
+                        b.iter(|| dot_rows(dtype, &w, n_rows, k, &acts, &mut out, n_rows).unwrap())
+                    });
+                }
+            }
+        }
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = config();
-    targets = bench, bench_gemm
+    targets = bench, bench_gemm, bench_scaled_matmul
 }
 criterion_main!(benches);

@@ -24,7 +24,7 @@
 //! `s.len() == isum.len() == m*nb` for Q8_0/Q8_1 and `bsums.len() == m*nb*16`
 //! for Q8_K, where `nb = k / block_size`. Quant values lie in -127..=127.
 
-use crate::{DType, QuantError, SimdLevel, formats::f16_round};
+use crate::{DType, QuantError, QuantMatmul, SimdLevel, formats::f16_round};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -172,6 +172,18 @@ pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
     })
 }
 
+/// The activation dtype weights of dtype `weight` meet under `matmul`:
+/// bf16 for the scaled block formats under [`QuantMatmul::AmxBf16`]
+/// (multiplied in AMX tiles at the `Amx` level, from the f32 rows below
+/// it or where `k` is not a multiple of 32), else [`act_dtype_for`]'s.
+pub fn act_dtype_with(weight: DType, matmul: QuantMatmul) -> Result<DType, QuantError> {
+    if matmul == QuantMatmul::AmxBf16 && weight.is_scaled_block() {
+        Ok(DType::BF16)
+    } else {
+        act_dtype_for(weight)
+    }
+}
+
 impl PreparedActs {
     /// An empty value, to be filled by [`PreparedActs::prepare_into`].
     pub fn new() -> Self {
@@ -201,7 +213,9 @@ impl PreparedActs {
         k: usize,
     ) -> Result<(), QuantError> {
         // Dropping the split preparation quantizes every block here.
-        self.prepare_split_with(level, weight, x, m, k).map(drop)
+        let dtype = act_dtype_for(weight)?;
+        self.prepare_split_with(level, weight, dtype, x, m, k)
+            .map(drop)
     }
 
     /// [`PreparedActs::prepare_into`] whose quantization (the 8-bit
@@ -216,14 +230,29 @@ impl PreparedActs {
         m: usize,
         k: usize,
     ) -> Result<SplitPrep<'a>, QuantError> {
-        self.prepare_split_with(crate::detected_level(), weight, x, m, k)
+        self.prepare_split_as(weight, QuantMatmul::F32, x, m, k)
     }
 
-    /// [`PreparedActs::prepare_split`] at an explicit SIMD level.
+    /// [`PreparedActs::prepare_split`] for the activation dtype that
+    /// `weight` meets under `matmul` ([`act_dtype_with`]).
+    pub fn prepare_split_as<'a>(
+        &'a mut self,
+        weight: DType,
+        matmul: QuantMatmul,
+        x: &'a [f32],
+        m: usize,
+        k: usize,
+    ) -> Result<SplitPrep<'a>, QuantError> {
+        let dtype = act_dtype_with(weight, matmul)?;
+        self.prepare_split_with(crate::detected_level(), weight, dtype, x, m, k)
+    }
+
+    /// [`PreparedActs::prepare_split`] at an explicit SIMD level, as `dtype`.
     fn prepare_split_with<'a>(
         &'a mut self,
         level: SimdLevel,
         weight: DType,
+        dtype: DType,
         x: &'a [f32],
         m: usize,
         k: usize,
@@ -231,7 +260,6 @@ impl PreparedActs {
         if level > crate::detected_level() {
             return Err(QuantError::LevelUnavailable(level));
         }
-        let dtype = act_dtype_for(weight)?;
         let wb = weight.block_size();
         if !k.is_multiple_of(wb) {
             return Err(QuantError::NotBlockMultiple {

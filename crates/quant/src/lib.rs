@@ -20,7 +20,11 @@
 //! per-element arithmetic, see `x86::gemv`), the K-quant row kernels and
 //! the float kernels use one accumulator layout per element for every tile
 //! shape, the scalar level computes each element on its own, and each
-//! activation row is prepared on its own.
+//! activation row is prepared on its own. The scaled block formats take
+//! f32 activations, or bf16 ones prepared for [`QuantMatmul::AmxBf16`]
+//! ([`PreparedActs::prepare_split_as`]), which the `Amx` level multiplies
+//! in AMX tiles against bf16 panels of the dequantized weights: a second
+//! path chosen by the caller once, not by `m`.
 //!
 //! Invariants: every public function validates dtypes and buffer lengths
 //! before any kernel runs and returns [`QuantError`] on bad input (it never
@@ -55,8 +59,8 @@ mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use acts::{PreparedActs, SplitPrep, act_dtype_for, prepare_acts};
-pub use arbor_engine_core::DType;
+pub use acts::{PreparedActs, SplitPrep, act_dtype_for, act_dtype_with, prepare_acts};
+pub use arbor_engine_core::{DType, QuantMatmul};
 pub use error::QuantError;
 /// The E4M3 element and the in-band scaled weight blocks (`f8_s32`, `u4_s32`).
 pub use formats::scaled;
@@ -432,7 +436,8 @@ fn check_dot(
 ) -> Result<bool, QuantError> {
     check_level(level)?;
     let ad = act_dtype_for(weight)?;
-    if acts.dtype != Some(ad) {
+    let bf16_scaled = weight.is_scaled_block() && acts.dtype == Some(DType::BF16);
+    if acts.dtype != Some(ad) && !bf16_scaled {
         return Err(QuantError::ActsMismatch(format!(
             "weights of type {weight} need activations prepared as {ad}, got {}",
             acts.dtype.map_or("nothing".to_string(), |d| d.to_string())
@@ -550,7 +555,19 @@ unsafe fn dot_rows_x86(
             };
             true
         }
-        // Float and scaled weights below that level: f32 activations.
+        // Scaled weights with activations prepared as bf16
+        // (`QuantMatmul::AmxBf16`): bf16 panels through AMX tiles.
+        DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16
+            if level >= SimdLevel::Amx && !acts.hp.is_empty() =>
+        {
+            // SAFETY: per this function's contract (AMX with the tile
+            // permission); `hp` is non-empty only for bf16 activations with
+            // `k % 32 == 0`.
+            unsafe { x86::bf16_panel::dot_rows(weight, w, n_rows, k, &acts.hp, acts.m, out) };
+            true
+        }
+        // Float and scaled weights below that level (or with f32
+        // activations, or a `k` AMX does not tile): f32 activations.
         _ if matches!(act_dtype_for(weight), Ok(DType::F32 | DType::BF16)) => {
             // SAFETY: per this function's contract.
             unsafe { x86::float::dot_rows(avx512, weight, w, n_rows, k, &acts.f, acts.m, out) };

@@ -5,7 +5,9 @@
 //! threads split them).
 #![allow(clippy::unwrap_used)]
 
-use arbor_quant::{DType, SimdLevel, dot_rows_with, prepare_acts, quantize, row_bytes};
+use arbor_quant::{
+    DType, PreparedActs, QuantMatmul, SimdLevel, dot_rows_with, quantize, row_bytes,
+};
 
 const DOT: [DType; 17] = [
     DType::F32,
@@ -68,7 +70,24 @@ fn product(
     m: usize,
     cuts: &[usize],
 ) -> Vec<f32> {
-    let acts = prepare_acts(dtype, x, m, k).unwrap();
+    product_as(QuantMatmul::F32, level, dtype, w, n, k, x, m, cuts)
+}
+
+/// [`product`] with the activations prepared for `matmul`.
+#[allow(clippy::too_many_arguments)]
+fn product_as(
+    matmul: QuantMatmul,
+    level: SimdLevel,
+    dtype: DType,
+    w: &[u8],
+    n: usize,
+    k: usize,
+    x: &[f32],
+    m: usize,
+    cuts: &[usize],
+) -> Vec<f32> {
+    let mut acts = PreparedActs::new();
+    drop(acts.prepare_split_as(dtype, matmul, x, m, k).unwrap());
     let rb = row_bytes(dtype, k).unwrap();
     let mut out = vec![f32::NAN; m * n];
     let mut bounds = vec![0];
@@ -111,29 +130,32 @@ fn rows_are_bit_identical_for_every_batch_shape() {
             _ => &[256 * 3],
         };
         for &k in ks {
-            rows_keep_their_bits(&mut rng, dtype, k);
+            rows_keep_their_bits(&mut rng, QuantMatmul::F32, dtype, k);
+            if dtype.is_scaled_block() {
+                rows_keep_their_bits(&mut rng, QuantMatmul::AmxBf16, dtype, k);
+            }
         }
     }
 }
 
 /// One case of [`rows_are_bit_identical_for_every_batch_shape`].
-fn rows_keep_their_bits(rng: &mut Rng, dtype: DType, k: usize) {
+fn rows_keep_their_bits(rng: &mut Rng, matmul: QuantMatmul, dtype: DType, k: usize) {
     let n = 77;
     let w = weights(rng, dtype, n, k);
     let probe = rng.normals(k);
     for level in SimdLevel::available() {
-        let single = product(level, dtype, &w, n, k, &probe, 1, &[]);
+        let single = product_as(matmul, level, dtype, &w, n, k, &probe, 1, &[]);
         for m in [1usize, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33, 100] {
             let mut x = rng.normals(m * k);
             let at = rng.below(m);
             x[at * k..(at + 1) * k].copy_from_slice(&probe);
             let cuts = [rng.below(n / 2), n / 2 + rng.below(n / 2)];
-            let got = product(level, dtype, &w, n, k, &x, m, &cuts);
+            let got = product_as(matmul, level, dtype, &w, n, k, &x, m, &cuts);
             for r in 0..n {
                 assert_eq!(
                     got[at * n + r].to_bits(),
                     single[r].to_bits(),
-                    "{dtype} {level:?}: m={m}, row {at}, column {r}: {} vs m=1 {}",
+                    "{dtype} {matmul:?} {level:?}: m={m}, row {at}, column {r}: {} vs m=1 {}",
                     got[at * n + r],
                     single[r]
                 );
@@ -196,5 +218,97 @@ fn scaled_blocks_multiply_as_their_f32_dequantization() {
                 );
             }
         }
+    }
+}
+
+/// `bf16(v)` as `vcvtne2ps2bf16` rounds: to nearest even, an f32
+/// subnormal to a signed zero (the weights here have none).
+fn bf16_bits(v: f32) -> u16 {
+    if v.is_subnormal() {
+        ((v.to_bits() >> 16) & 0x8000) as u16
+    } else {
+        half::bf16::from_f32(v).to_bits()
+    }
+}
+
+/// Under `QuantMatmul::AmxBf16` the scaled block formats compute, at the
+/// `Amx` level, exactly what bf16 weights holding their bf16-rounded f32
+/// dequantization compute (the same AMX kernel, the same packed
+/// activations), for every `m` and every split of the weight rows; below
+/// that level they compute what `QuantMatmul::F32` does. The row counts
+/// leave a last panel of a few rows (77, 150) and of fewer than one tile (9).
+#[test]
+fn amx_bf16_scaled_blocks_multiply_as_their_bf16_dequantization() {
+    if !SimdLevel::available().contains(&SimdLevel::Amx) {
+        println!("skipped at the Amx level: this CPU (or OS) does not offer AMX-BF16");
+    }
+    let mut rng = Rng(11);
+    for (dtype, group) in [
+        (DType::F8_S32, 1),
+        (DType::U4_S32, 1),
+        (DType::U4_S32, 4),
+        (DType::U8_S32, 1),
+        (DType::F4_S16, 1),
+    ] {
+        for n in [9, 77, 150] {
+            let k = 32 * 12;
+            let mut w = weights(&mut rng, dtype, n, k);
+            if group > 1 {
+                share_u4_params(&mut w, group, 16..19);
+            }
+            let mut wf = vec![0.0f32; n * k];
+            arbor_quant::dequantize(dtype, &w, &mut wf).unwrap();
+            let wb: Vec<u8> = wf
+                .iter()
+                .flat_map(|v| bf16_bits(*v).to_le_bytes())
+                .collect();
+            for level in SimdLevel::available() {
+                for m in [1usize, 3, 16, 17, 40] {
+                    let x = rng.normals(m * k);
+                    let cuts = [n / 3];
+                    let got =
+                        product_as(QuantMatmul::AmxBf16, level, dtype, &w, n, k, &x, m, &cuts);
+                    let want = if level == SimdLevel::Amx {
+                        product(level, DType::BF16, &wb, n, k, &x, m, &[])
+                    } else {
+                        product(level, dtype, &w, n, k, &x, m, &[])
+                    };
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{dtype} (groups of {group}) {level:?}: n={n} m={m}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Activations prepared as bf16 are accepted only by bf16 and the scaled
+/// block weights; other weights name the type they need.
+#[test]
+fn bf16_activations_are_refused_by_weights_that_do_not_take_them() {
+    let (n, k, m) = (4, 64, 2);
+    let x = vec![0.5f32; m * k];
+    let mut acts = PreparedActs::new();
+    drop(
+        acts.prepare_split_as(DType::F8_S32, QuantMatmul::AmxBf16, &x, m, k)
+            .unwrap(),
+    );
+    assert_eq!(acts.dtype(), Some(DType::BF16));
+    for dtype in [DType::F32, DType::F16, DType::Q4_0, DType::Q4_K] {
+        assert_eq!(
+            arbor_quant::act_dtype_with(dtype, QuantMatmul::AmxBf16).unwrap(),
+            arbor_quant::act_dtype_for(dtype).unwrap()
+        );
+        let kk = if dtype == DType::Q4_K { 256 } else { k };
+        let w = vec![0u8; row_bytes(dtype, n * kk).unwrap()];
+        let mut out = vec![0.0f32; m * n];
+        let err = arbor_quant::dot_rows(dtype, &w, n, kk, &acts, &mut out, n).unwrap_err();
+        assert!(
+            matches!(err, arbor_quant::QuantError::ActsMismatch(_)),
+            "{dtype}: {err}"
+        );
     }
 }

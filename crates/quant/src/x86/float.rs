@@ -51,16 +51,16 @@ use std::arch::x86_64::*;
 const F32: u8 = 0;
 const F16: u8 = 1;
 const BF16: u8 = 2;
-const F8S: u8 = 3;
-const U4S: u8 = 4;
-const F4S: u8 = 5;
-const U8S: u8 = 6;
+pub(super) const F8S: u8 = 3;
+pub(super) const U4S: u8 = 4;
+pub(super) const F4S: u8 = 5;
+pub(super) const U8S: u8 = 6;
 
 /// Weight rows per block of the driver (the block is re-read from L2 for
 /// every tile of activation rows).
 const NB: usize = 64;
 
-fn code(dtype: DType) -> u8 {
+pub(super) fn code(dtype: DType) -> u8 {
     match dtype {
         DType::F16 => F16,
         DType::BF16 => BF16,
@@ -78,7 +78,7 @@ const fn esize(dt: u8) -> usize {
 }
 
 /// Bytes of a row of `k` elements for a dtype code.
-const fn row_bytes(dt: u8, k: usize) -> usize {
+pub(super) const fn row_bytes(dt: u8, k: usize) -> usize {
     match dt {
         F8S => k / 32 * 36,
         U4S => k / 32 * 20,
@@ -170,7 +170,7 @@ unsafe fn int_block_vec8<const DT: u8>(b: *const u8, jj: usize, s: __m256, z: __
 
 /// Elements `j..j + 16` of the row at `row` (`j` a multiple of 16) as f32.
 #[inline(always)]
-unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
+pub(super) unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
     // SAFETY: the caller guarantees the row holds more than j + 15 elements
     // and AVX-512 F/BW/VL + F16C are enabled.
     unsafe {
@@ -220,7 +220,7 @@ unsafe fn wload16<const DT: u8>(row: *const u8, j: usize) -> __m512 {
 /// Elements `j..j + 32` (one whole block, `j` a multiple of 32) of an
 /// `f8_s32`, `u4_s32` or `u8_s32` row, as [`wload16`] computes them.
 #[inline(always)]
-unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
+pub(super) unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
     // SAFETY: the caller guarantees the row holds the block and AVX-512
     // F/BW/VL + F16C are enabled.
     unsafe {
@@ -248,7 +248,7 @@ unsafe fn wload32<const DT: u8>(row: *const u8, j: usize) -> [__m512; 2] {
 /// (AWQ, GPTQ) spans 2 or 4 blocks of one row with the same scale and zero,
 /// which then build the table once.
 #[derive(Clone, Copy)]
-struct U4Table {
+pub(super) struct U4Table {
     /// The block's scale bits and zero point (`u32::MAX`: none yet).
     key: u32,
     values: __m512,
@@ -258,12 +258,41 @@ impl U4Table {
     /// A table that no block's parameters match (the zero byte above a
     /// block's 24 parameter bits never equals u32::MAX's).
     #[inline(always)]
-    fn empty() -> Self {
+    pub(super) fn empty() -> Self {
         Self {
             key: u32::MAX,
             // SAFETY: AVX-512 F is enabled wherever the kernels run (callers).
             values: unsafe { _mm512_setzero_ps() },
         }
+    }
+
+    /// Makes the table hold the values of the `u4_s32` block at `b`;
+    /// true if it had to be rebuilt (the block's scale or zero point
+    /// differs from the ones it held).
+    ///
+    /// # Safety
+    /// The 20-byte block at `b` is readable and AVX-512 F + F16C are enabled.
+    #[inline(always)]
+    pub(super) unsafe fn update(&mut self, b: *const u8) -> bool {
+        // SAFETY: per this function's contract.
+        unsafe {
+            let key = (b.add(16) as *const u32).read_unaligned() & 0x00ff_ffff;
+            if key == self.key {
+                return false;
+            }
+            let s = _mm512_set1_ps(f16_at(b.add(16)));
+            let z = _mm512_set1_epi32(*b.add(18) as i32);
+            let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            self.values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, z)), s);
+            self.key = key;
+            true
+        }
+    }
+
+    /// The 16 values.
+    #[inline(always)]
+    pub(super) fn values(&self) -> __m512 {
+        self.values
     }
 }
 
@@ -272,18 +301,11 @@ impl U4Table {
 /// one `t` holds): the permutation reads only an index's low 4 bits, so
 /// neither half needs masking.
 #[inline(always)]
-unsafe fn u4_block(b: *const u8, t: &mut U4Table) -> [__m512; 2] {
+pub(super) unsafe fn u4_block(b: *const u8, t: &mut U4Table) -> [__m512; 2] {
     // SAFETY: the caller guarantees the 20-byte block at `b` is readable
     // and AVX-512 F/BW/VL + F16C are enabled.
     unsafe {
-        let key = (b.add(16) as *const u32).read_unaligned() & 0x00ff_ffff;
-        if key != t.key {
-            let s = _mm512_set1_ps(f16_at(b.add(16)));
-            let z = _mm512_set1_epi32(*b.add(18) as i32);
-            let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            t.values = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(iota, z)), s);
-            t.key = key;
-        }
+        t.update(b);
         let raw = _mm_loadu_si128(b as *const __m128i);
         let lo = _mm512_cvtepu8_epi32(raw);
         let hi = _mm512_cvtepu8_epi32(_mm_srli_epi16::<4>(raw));
@@ -781,7 +803,7 @@ pub unsafe fn dot_rows_bf16(w: &[u8], n_rows: usize, k: usize, x: &[u16], m: usi
 }
 
 /// True for the scaled block codes, which dequantize in registers.
-const fn scaled(dt: u8) -> bool {
+pub(super) const fn scaled(dt: u8) -> bool {
     matches!(dt, F8S | U4S | U8S | F4S)
 }
 

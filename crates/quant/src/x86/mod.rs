@@ -7,6 +7,7 @@
 
 pub mod acts;
 pub(crate) mod amx;
+pub(crate) mod bf16_panel;
 pub mod dequant;
 pub mod float;
 pub mod gemm;
