@@ -173,6 +173,7 @@ pub fn f32_to_fp8(src: &[f32], e4m3: bool, scale: f32, dst: &mut [u8]) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     use super::Narrow;
+    use arbor_quant::scaled::x86::{e4m3_f16_128, e4m3_f16_256};
     use half::slice::HalfFloatSliceExt;
     use half::{bf16, f16};
     use std::arch::x86_64::*;
@@ -313,8 +314,9 @@ pub(crate) mod x86 {
     }
 
     /// Eight elements of `format` at `p`, widened with the row
-    /// conversions' operations (FP8: the byte as f16 bits, `vcvtph2ps`,
-    /// × 256 for E4M3, then × scale), for every 8-lane reader of a narrow
+    /// conversions' operations (FP8: the byte as f16 bits, for E4M3 in
+    /// `arbor_quant::scaled::x86`'s three operations, `vcvtph2ps`, × 256 for
+    /// E4M3, then × scale), for every 8-lane reader of a narrow
     /// cache: [`fp8_rows`], [`rows_transposed`] and the attention's
     /// in-place weighted sum.
     ///
@@ -333,12 +335,7 @@ pub(crate) mod x86 {
                 Narrow::Fp8 { e4m3, scale } => {
                     let b = _mm_cvtepu8_epi16(_mm_loadl_epi64(p as *const __m128i));
                     let v = if e4m3 {
-                        let sign = _mm_slli_epi16::<8>(_mm_and_si128(b, _mm_set1_epi16(0x80)));
-                        let mag = _mm_slli_epi16::<7>(_mm_and_si128(b, _mm_set1_epi16(0x7f)));
-                        _mm256_mul_ps(
-                            _mm256_cvtph_ps(_mm_or_si128(sign, mag)),
-                            _mm256_set1_ps(256.0),
-                        )
+                        _mm256_mul_ps(_mm256_cvtph_ps(e4m3_f16_128(b)), _mm256_set1_ps(256.0))
                     } else {
                         _mm256_cvtph_ps(_mm_slli_epi16::<8>(b))
                     };
@@ -366,14 +363,7 @@ pub(crate) mod x86 {
                 Narrow::Fp8 { e4m3, scale } => {
                     let b = _mm256_cvtepu8_epi16(_mm_loadu_si128(p as *const __m128i));
                     let v = if e4m3 {
-                        let sign =
-                            _mm256_slli_epi16::<8>(_mm256_and_si256(b, _mm256_set1_epi16(0x80)));
-                        let mag =
-                            _mm256_slli_epi16::<7>(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)));
-                        _mm512_mul_ps(
-                            _mm512_cvtph_ps(_mm256_or_si256(sign, mag)),
-                            _mm512_set1_ps(256.0),
-                        )
+                        _mm512_mul_ps(_mm512_cvtph_ps(e4m3_f16_256(b)), _mm512_set1_ps(256.0))
                     } else {
                         _mm512_cvtph_ps(_mm256_slli_epi16::<8>(b))
                     };

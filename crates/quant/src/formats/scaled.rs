@@ -17,6 +17,15 @@
 //! checkpoints at load: E4M3 rounds to nearest even and saturates at ±448,
 //! E2M1 rounds to nearest (ties to the even code) and saturates at ±6.
 
+/// The E4M3 decoding's bit step on x86-64 vectors of 16-bit lanes (one
+/// byte per lane): the f16 bits of `e4m3_to_f32(b) / 256`, in three
+/// operations; `vcvtph2ps` and `× 256` finish the decoding exactly, as the
+/// `f8_s32` kernels and the CPU backend's FP8 KV reads do.
+#[cfg(target_arch = "x86_64")]
+pub mod x86 {
+    pub use crate::x86::float::{e4m3_f16_128, e4m3_f16_256, e4m3_f16_512};
+}
+
 /// Largest finite E4M3 magnitude.
 pub const E4M3_MAX: f32 = 448.0;
 

@@ -92,8 +92,11 @@ pub(super) const fn row_bytes(dt: u8, k: usize) -> usize {
 /// shifted left by 7 puts the exponent and mantissa in place and the sign
 /// at bit 14, and adding that bit to itself carries it to bit 15 (the
 /// bits of `(b & 0x80) << 8 | (b & 0x7f) << 7`, in three operations).
+///
+/// # Safety
+/// The caller enables AVX-512 BW (a `target_feature` function).
 #[inline(always)]
-unsafe fn e4m3_f16_512(v: __m512i) -> __m512i {
+pub unsafe fn e4m3_f16_512(v: __m512i) -> __m512i {
     // SAFETY: AVX-512 BW is enabled in every caller.
     unsafe {
         let t = _mm512_slli_epi16::<7>(v);
@@ -102,8 +105,11 @@ unsafe fn e4m3_f16_512(v: __m512i) -> __m512i {
 }
 
 /// [`e4m3_f16_512`] on 16 lanes.
+///
+/// # Safety
+/// The caller enables AVX2.
 #[inline(always)]
-unsafe fn e4m3_f16_256(v: __m256i) -> __m256i {
+pub unsafe fn e4m3_f16_256(v: __m256i) -> __m256i {
     // SAFETY: AVX2 is enabled in every caller.
     unsafe {
         let t = _mm256_slli_epi16::<7>(v);
@@ -112,8 +118,11 @@ unsafe fn e4m3_f16_256(v: __m256i) -> __m256i {
 }
 
 /// [`e4m3_f16_512`] on 8 lanes.
+///
+/// # Safety
+/// The caller runs on x86-64 (SSE2).
 #[inline(always)]
-unsafe fn e4m3_f16_128(v: __m128i) -> __m128i {
+pub unsafe fn e4m3_f16_128(v: __m128i) -> __m128i {
     // SAFETY: SSE2 is enabled in every caller.
     unsafe {
         let t = _mm_slli_epi16::<7>(v);
