@@ -242,28 +242,159 @@ pub(crate) unsafe fn dot_rows(
                         tile_dp!("3", "5", "7");
                     }
                 }
-                let ap = acc.as_mut_ptr();
-                tile_store!("0", ap, 64usize);
-                tile_store!("1", ap.add(T * T), 64usize);
-                tile_store!("2", ap.add(2 * T * T), 64usize);
-                tile_store!("3", ap.add(3 * T * T), 64usize);
-                // Tiles 0-3: (weight group, activation group) pairs.
-                let tiles = [
-                    (pair[0], mg),
-                    (pair[1], mg),
-                    (pair[0], mg + 1),
-                    (pair[1], mg + 1),
-                ];
-                for (t, &(r0, g)) in tiles.iter().enumerate().take(if two { 4 } else { 2 }) {
-                    let tile = &acc[t * T * T..(t + 1) * T * T];
-                    for c in 0..T.min(m - g * T) {
-                        for r in 0..T {
-                            out.set(g * T + c, r0 + r, tile[r * T + c]);
-                        }
-                    }
-                }
+                store_tiles(&mut acc, pair, mg, two, m, out);
                 mg += 2;
             }
+        }
+        asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+/// Stores accumulator tiles 0-3 to `acc` and writes the elements they hold
+/// to `out`: tile `t` is (weight group `pair[t % 2]`, activation group `mg
+/// + t / 2`), tiles 2-3 only when `two`.
+///
+/// # Safety
+/// Inside a tile configuration with tiles 0-3 live; `out` holds the
+/// elements of those groups (as [`dot_rows`]'s contract).
+#[inline(always)]
+unsafe fn store_tiles(
+    acc: &mut [f32; 4 * T * T],
+    pair: [usize; 2],
+    mg: usize,
+    two: bool,
+    m: usize,
+    out: OutMat,
+) {
+    // SAFETY: per this function's contract; each store writes 16 rows of
+    // 64 bytes inside `acc`.
+    unsafe {
+        let ap = acc.as_mut_ptr();
+        tile_store!("0", ap, 64usize);
+        tile_store!("1", ap.add(T * T), 64usize);
+        tile_store!("2", ap.add(2 * T * T), 64usize);
+        tile_store!("3", ap.add(3 * T * T), 64usize);
+        let tiles = [
+            (pair[0], mg),
+            (pair[1], mg),
+            (pair[0], mg + 1),
+            (pair[1], mg + 1),
+        ];
+        for (t, &(r0, g)) in tiles.iter().enumerate().take(if two { 4 } else { 2 }) {
+            let tile = &acc[t * T * T..(t + 1) * T * T];
+            for c in 0..T.min(m - g * T) {
+                for r in 0..T {
+                    out.set(g * T + c, r0 + r, tile[r * T + c]);
+                }
+            }
+        }
+    }
+}
+
+/// Writes bf16 weight tiles for [`dot_rows_fused`].
+pub(crate) trait TileSource {
+    /// Writes elements `32 s..32 s + 32` of weight rows `r0..r0 + 16` as
+    /// bf16 to `dst`, 64 bytes a row; `slot` (0 or 1) says which group of
+    /// the pair the rows are, so a source may keep state per row of each.
+    ///
+    /// # Safety
+    /// Rows `r0..r0 + 16` and step `s` exist; `dst` holds 16 x 32 values.
+    unsafe fn fill(&mut self, r0: usize, s: usize, slot: usize, dst: *mut u16);
+
+    /// The bytes of weight rows `r0..r1` (adjacent in memory), to prefetch
+    /// while the rows before them are multiplied.
+    fn rows(&self, r0: usize, r1: usize) -> Prefetch;
+}
+
+/// 16 x 32 bf16 values, aligned for the tile loads.
+#[repr(C, align(64))]
+struct TileBuf([u16; 2 * T * T]);
+
+/// [`dot_rows`] for weights that `src` produces a tile at a time, for up to
+/// 32 activation rows: each step's two weight tiles are written to an L1
+/// buffer just before their loads (alternating buffers, so the writes of
+/// one step overlap the products of the previous one), never to a panel.
+/// The source rows of the next pair of groups are prefetched, spread over
+/// the steps (the 32 rows a step reads are 32 short interleaved streams,
+/// which the hardware prefetchers follow poorly). Each element's arithmetic
+/// is [`dot_rows`]'s on the weights `src` writes: the same bits.
+///
+/// # Safety
+/// As [`dot_rows`], with `16 <= n_rows` and `m <= 32`; the caller enables
+/// the features `src` needs (this inlines into it).
+#[inline(always)]
+pub(crate) unsafe fn dot_rows_fused<S: TileSource>(
+    n_rows: usize,
+    k: usize,
+    packed: &[u16],
+    m: usize,
+    out: OutMat,
+    src: &mut S,
+) {
+    debug_assert!(n_rows >= T && m <= 2 * T);
+    let steps = k / K_STEP;
+    let tile_elems = 2 * T * T;
+    let two = m > T;
+    let mut acc = [0.0f32; 4 * T * T];
+    let mut bufs = [
+        TileBuf([0; 2 * T * T]),
+        TileBuf([0; 2 * T * T]),
+        TileBuf([0; 2 * T * T]),
+        TileBuf([0; 2 * T * T]),
+    ];
+    // SAFETY: tile instructions per the contract; weight tiles load from
+    // `bufs` (16 rows of 64 bytes each), activation tiles from `packed`
+    // (one or two groups of `steps` tiles); `src` writes rows and steps
+    // that exist (groups end at or before `n_rows`, steps before `k`).
+    unsafe {
+        let config = config_for(m);
+        asm!("ldtilecfg [{}]", in(reg) &config as *const TileConfig, options(nostack, readonly));
+        let b0 = packed.as_ptr();
+        let b1 = packed
+            .as_ptr()
+            .add(if two { steps * tile_elems } else { 0 });
+        let pairs = n_rows.div_ceil(T).div_ceil(2);
+        for p in 0..pairs {
+            let pair = [group_start(2 * p, n_rows), group_start(2 * p + 1, n_rows)];
+            let next = if p + 1 < pairs {
+                let r0 = group_start(2 * p + 2, n_rows);
+                src.rows(r0, (r0 + 2 * T).min(n_rows))
+            } else {
+                Prefetch {
+                    base: std::ptr::null(),
+                    len: 0,
+                }
+            };
+            let per_step = next.per_step(steps);
+            asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            for s in 0..steps {
+                next.lines(s * per_step, per_step);
+                let (w0, w1) = bufs.split_at_mut(2);
+                let (d0, d1) = if s % 2 == 0 {
+                    (w0[0].0.as_mut_ptr(), w0[1].0.as_mut_ptr())
+                } else {
+                    (w1[0].0.as_mut_ptr(), w1[1].0.as_mut_ptr())
+                };
+                src.fill(pair[0], s, 0, d0);
+                src.fill(pair[1], s, 1, d1);
+                tile_load!("4", d0, 64usize);
+                tile_load!("5", d1, 64usize);
+                tile_load!("6", b0.add(s * tile_elems), 64usize);
+                tile_dp!("0", "4", "6");
+                tile_dp!("1", "5", "6");
+                if two {
+                    tile_load!("7", b1.add(s * tile_elems), 64usize);
+                    tile_dp!("2", "4", "7");
+                    tile_dp!("3", "5", "7");
+                }
+            }
+            store_tiles(&mut acc, pair, 0, two, m, out);
         }
         asm!("tilerelease", options(nostack, nomem));
     }

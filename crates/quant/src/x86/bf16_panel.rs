@@ -1,26 +1,32 @@
 //! The `amx-bf16` matmul of the scaled weight blocks (`f8_s32`, `u4_s32`,
-//! `u8_s32`, `f4_s16`; [`arbor_engine_core::QuantMatmul::AmxBf16`]): blocks
-//! of [`NB`] weight rows are dequantized into a bf16 panel (kept in L2), and
-//! the panel meets the packed bf16 activations in AMX tiles
-//! (`x86::amx::dot_rows`, the kernel of bf16 weights).
+//! `u8_s32`, `f4_s16`; [`arbor_engine_core::QuantMatmul::AmxBf16`]): the
+//! weights are dequantized to bf16 and meet the packed bf16 activations in
+//! AMX tiles (the kernel of bf16 weights). Up to 32 activation rows, each
+//! 16 x 32 weight tile is converted into an L1 buffer right before the AMX
+//! loads it (`x86::amx::dot_rows_fused`: the conversion of one step
+//! overlaps the products of the previous one); beyond that, blocks of
+//! [`NB`] weight rows are converted once into a bf16 panel (kept in L2) that
+//! every activation tile reuses (`x86::amx::dot_rows`).
 //!
-//! Owns: the per-thread panel buffer and the dequantization into it.
+//! Owns: the per-thread panel buffer, the per-row value tables and the
+//! dequantization into bf16 ([`block_bf16`], used by both paths).
 //!
-//! Numerics: each panel element is the weight's f32 dequantization (the
-//! operations of `x86::float`, so the bits of `formats::scaled`) rounded to
-//! bf16 by `vcvtne2ps2bf16` (round to nearest even; an f32 subnormal, far
-//! below any weight a scale can produce, becomes a signed zero); `u4_s32`
-//! rounds its block's 16 possible values once (`vcvtneps2bf16`, the same
-//! rounding) and looks each element up with `vpermw`. An output
-//! element is then exactly what the bf16 AMX path computes for weights
-//! holding those bf16 values: it depends only on its weight row and its
-//! activation row, never on `m`, the other rows or the panel it falls in.
+//! Numerics: each weight is its f32 dequantization (the operations of
+//! `x86::float`, so the bits of `formats::scaled`) rounded to bf16 by
+//! `vcvtne2ps2bf16` (round to nearest even; an f32 subnormal, far below any
+//! weight a scale can produce, becomes a signed zero); `u4_s32` rounds its
+//! block's 16 possible values once (`vcvtneps2bf16`, the same rounding) and
+//! looks each element up with `vpermw`. An output element is then exactly
+//! what the bf16 AMX path computes for weights holding those bf16 values,
+//! on either path (the same tile products in the same order): it depends
+//! only on its weight row and its activation row, never on `m`, the other
+//! rows or the panel it falls in.
 //!
 //! Invariants: `k` is a multiple of 32 (the activations are packed only
-//! then) and the panel is written before it is read.
+//! then) and every buffer is written before it is read.
 
-use super::amx;
 use super::float::{self, F4S, F8S, U4S, U4Table, U8S};
+use super::{Prefetch, amx};
 use crate::DType;
 use crate::gemm::OutMat;
 use std::arch::x86_64::*;
@@ -30,10 +36,58 @@ const NB: usize = 64;
 /// Rows of an AMX weight tile: a panel holds at least this many whenever
 /// the call does (fewer would be padded by a copy).
 const TILE_ROWS: usize = 16;
+/// Most activation rows of the fused path (two activation tiles, so every
+/// weight tile is converted once); more rows take the panels, which
+/// convert each weight once for all of them.
+const FUSED_ROWS: usize = 32;
 
 thread_local! {
     /// Dequantized bf16 weight rows, reused across calls.
     static PANEL: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A row's `u4_s32` value table, as f32 and as [`u4_bf16_table`] (unused
+/// by the other formats).
+#[derive(Clone, Copy)]
+struct RowTable {
+    f32: U4Table,
+    bf16: __m512i,
+}
+
+impl RowTable {
+    #[inline(always)]
+    fn empty() -> Self {
+        Self {
+            f32: U4Table::empty(),
+            // SAFETY: AVX-512 F is enabled wherever the kernels run (callers).
+            bf16: unsafe { _mm512_setzero_si512() },
+        }
+    }
+}
+
+/// Elements `j..j + 32` (`j` a multiple of 32) of the row at `row` (scaled
+/// code `DT`), dequantized and rounded to bf16; `u4_s32` rows look them up
+/// in `t`, rebuilt when the block's scale or zero point changes.
+#[inline(always)]
+unsafe fn block_bf16<const DT: u8>(row: *const u8, j: usize, t: &mut RowTable) -> __m512i {
+    // SAFETY: the caller guarantees the row holds elements j..j+32 and
+    // enables AVX-512 F/BW/VL/DQ/BF16 and F16C.
+    unsafe {
+        match DT {
+            U4S => {
+                let b = row.add(j / 32 * 20);
+                if t.f32.update(b) {
+                    t.bf16 = u4_bf16_table(&t.f32);
+                }
+                u4_block_bf16(b, t.bf16)
+            }
+            F4S => bf16x32([
+                float::wload16::<DT>(row, j),
+                float::wload16::<DT>(row, j + 16),
+            ]),
+            _ => bf16x32(float::wload32::<DT>(row, j)),
+        }
+    }
 }
 
 /// Writes rows `r0..r0 + rows` of `w` (scaled code `DT`), dequantized and
@@ -48,29 +102,68 @@ unsafe fn panel<const DT: u8>(w: &[u8], r0: usize, rows: usize, k: usize, dst: &
         for r in 0..rows {
             let row = w.as_ptr().add((r0 + r) * rb);
             let out = dst.as_mut_ptr().add(r * k);
-            let mut table = U4Table::empty();
-            let mut bf16_table = _mm512_setzero_si512();
+            let mut table = RowTable::empty();
             let mut j = 0;
             while j < k {
-                let h = match DT {
-                    U4S => {
-                        let b = row.add(j / 32 * 20);
-                        if table.update(b) {
-                            bf16_table = u4_bf16_table(&table);
-                        }
-                        u4_block_bf16(b, bf16_table)
-                    }
-                    F4S => bf16x32([
-                        float::wload16::<DT>(row, j),
-                        float::wload16::<DT>(row, j + 16),
-                    ]),
-                    _ => bf16x32(float::wload32::<DT>(row, j)),
-                };
+                let h = block_bf16::<DT>(row, j, &mut table);
                 _mm512_storeu_si512(out.add(j) as *mut __m512i, h);
                 j += 32;
             }
         }
     }
+}
+
+/// The weight tiles of [`fused`]: rows of `w` (scaled code `DT`) converted
+/// by [`block_bf16`], one value table per row of each group of a pair.
+struct Tiles<const DT: u8> {
+    w: *const u8,
+    row_bytes: usize,
+    tables: [RowTable; 2 * TILE_ROWS],
+}
+
+impl<const DT: u8> amx::TileSource for Tiles<DT> {
+    #[inline(always)]
+    unsafe fn fill(&mut self, r0: usize, s: usize, slot: usize, dst: *mut u16) {
+        // SAFETY: rows r0..r0+16 and step s exist (the trait's contract);
+        // the features are enabled by `fused`, which this inlines into.
+        unsafe {
+            for r in 0..TILE_ROWS {
+                let row = self.w.add((r0 + r) * self.row_bytes);
+                let h = block_bf16::<DT>(row, s * 32, &mut self.tables[slot * TILE_ROWS + r]);
+                _mm512_store_si512(dst.add(r * 32) as *mut __m512i, h);
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn rows(&self, r0: usize, r1: usize) -> Prefetch {
+        Prefetch {
+            base: self.w.wrapping_add(r0 * self.row_bytes),
+            len: (r1 - r0) * self.row_bytes,
+        }
+    }
+}
+
+/// The product for up to 32 activation rows: each weight tile is converted
+/// right before the AMX loads it ([`amx::dot_rows_fused`]), the same
+/// values as the panels hold, so the same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
+unsafe fn fused<const DT: u8>(
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    packed: &[u16],
+    m: usize,
+    out: OutMat,
+) {
+    let mut tiles = Tiles::<DT> {
+        w: w.as_ptr(),
+        row_bytes: float::row_bytes(DT, k),
+        tables: [RowTable::empty(); 2 * TILE_ROWS],
+    };
+    // SAFETY: per `dot_rows`'s contract, with n_rows >= 16 and m <= 32
+    // (checked by the caller).
+    unsafe { amx::dot_rows_fused(n_rows, k, packed, m, out, &mut tiles) };
 }
 
 /// 32 f32 values rounded to bf16, in order.
@@ -144,6 +237,18 @@ pub(crate) unsafe fn dot_rows(
 ) {
     let dt = float::code(dtype);
     debug_assert!(float::scaled(dt) && k.is_multiple_of(32));
+    if n_rows >= TILE_ROWS && m <= FUSED_ROWS {
+        // SAFETY: per this function's contract.
+        unsafe {
+            match dt {
+                F8S => fused::<F8S>(w, n_rows, k, packed, m, out),
+                U4S => fused::<U4S>(w, n_rows, k, packed, m, out),
+                U8S => fused::<U8S>(w, n_rows, k, packed, m, out),
+                _ => fused::<F4S>(w, n_rows, k, packed, m, out),
+            }
+        }
+        return;
+    }
     PANEL.with(|p| {
         let mut buf = p.borrow_mut();
         let mut b0 = 0;

@@ -22,7 +22,7 @@ use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
 /// Weight bytes to prefetch while a kernel works on the rows before them
 /// (the next tile or row group: weight rows are adjacent); `len` 0 for none.
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(crate) struct Prefetch {
     base: *const u8,
     len: usize,
 }
