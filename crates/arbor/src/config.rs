@@ -241,7 +241,7 @@ pub struct ServeArgs {
     /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
     #[arg(long = "wgpu-adapter", help_heading = "Model")]
     pub wgpu_adapter: Option<String>,
-    /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about half the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected [default: f32].
+    /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about 0.7x the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected [default: f32].
     #[arg(long = "cpu-quant-matmul", help_heading = "Model")]
     pub cpu_quant_matmul: Option<String>,
     /// Run decode batches without CUDA graphs (`--device cuda`).

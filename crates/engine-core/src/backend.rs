@@ -228,10 +228,11 @@ pub enum QuantMatmul {
     /// the fastest single-sequence decode.
     #[default]
     F32,
-    /// On CPUs with AMX: the weights dequantized to bf16 (64 rows at a time,
-    /// in cache) meet bf16-rounded activations in AMX tiles, as bf16 weights
-    /// do: several times faster for batches and prefill, slower for one
-    /// sequence. Without AMX it is [`QuantMatmul::F32`].
+    /// On CPUs with AMX: the weights dequantized to bf16 (tile by tile or
+    /// 64 rows at a time, in cache) meet bf16-rounded activations in AMX
+    /// tiles, as bf16 weights do: several times faster for batches and
+    /// prefill, slower for one sequence. Without AMX it is
+    /// [`QuantMatmul::F32`].
     AmxBf16,
 }
 
