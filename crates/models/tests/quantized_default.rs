@@ -6,15 +6,16 @@
 //! every position is compared with the f32 forward of the bf16 weights; the
 //! agreement is printed per format and must reach 90% for FP8 and 50% for
 //! the 4-bit formats (round-to-nearest INT4 in groups of 64 on a 135M model
-//! whose weights were already 4-bit: it lands near 65%). The f32 weights
-//! then run with f16, bf16 and FP8 KV caches (80% at least).
+//! whose weights were already 4-bit: it lands near 65%). On CPUs with AMX
+//! each quantized format runs again under `QuantMatmul::AmxBf16` (bf16
+//! weights and activations), with the same floors. The f32 weights then run
+//! with f16, bf16 and FP8 KV caches (80% at least).
 
 use anyhow::{Context, Result};
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
-use arbor_engine_core::{Backend, DType, LoadOptions, Registry};
+use arbor_engine_core::{Backend, DType, LoadOptions, QuantMatmul, Registry};
 use arbor_models::load_model;
-use arbor_quant as _;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -26,9 +27,10 @@ fn teacher_forced(
     dtype: &str,
     tokens: Option<&[u32]>,
     kv: DType,
+    matmul: QuantMatmul,
 ) -> Result<(Vec<u32>, Vec<u32>, String)> {
     let registry = Registry::builtin()?;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(0)?);
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(0)?.with_quant_matmul(matmul));
     let opts = LoadOptions {
         backend: backend.clone(),
         quant: registry.quant_methods.get(dtype)?(&Default::default())?,
@@ -81,7 +83,13 @@ fn quantized_default_model_agrees_with_its_f32_forward() -> Result<()> {
         return Ok(());
     };
     let root = Path::new(&root);
-    let (tokens, reference, _) = teacher_forced(&root.join("bf16"), "f32", None, DType::F32)?;
+    let (tokens, reference, _) = teacher_forced(
+        &root.join("bf16"),
+        "f32",
+        None,
+        DType::F32,
+        QuantMatmul::F32,
+    )?;
     let hits = |top: &[u32]| top.iter().zip(&reference).filter(|(a, b)| a == b).count();
     let next = |top: &[u32]| top.iter().zip(&tokens[1..]).filter(|(a, b)| a == b).count();
     let n = reference.len() as f64;
@@ -96,24 +104,48 @@ fn quantized_default_model_agrees_with_its_f32_forward() -> Result<()> {
         .collect();
     formats.sort();
     formats.insert(0, "bf16".into());
+    let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
+    let matmuls: &[QuantMatmul] = if amx {
+        &QuantMatmul::ALL
+    } else {
+        println!("no AMX-BF16 on this CPU: the amx-bf16 runs are skipped");
+        &[QuantMatmul::F32]
+    };
     for f in &formats {
-        let (_, top, stored) = teacher_forced(&root.join(f), "auto", Some(&tokens), DType::F32)?;
-        let agree = hits(&top) as f64 / n;
-        println!(
-            "{f:12} {stored:28} top-1 agreement with f32 {:.1}%, next-token top-1 {:.1}%",
-            100.0 * agree,
-            100.0 * next(&top) as f64 / n
-        );
-        let floor = if f.starts_with("fp8") || f == "bf16" {
-            0.9
-        } else {
-            0.5
-        };
-        assert!(agree >= floor, "{f}: agreement {agree:.3} < {floor}");
+        for &mm in matmuls {
+            if mm == QuantMatmul::AmxBf16 && f == "bf16" {
+                continue;
+            }
+            let dir = root.join(f);
+            let (_, top, stored) = teacher_forced(&dir, "auto", Some(&tokens), DType::F32, mm)?;
+            let agree = hits(&top) as f64 / n;
+            println!(
+                "{f:12} {stored:28} {:8} top-1 agreement with f32 {:.1}%, next-token top-1 {:.1}%",
+                mm.name(),
+                100.0 * agree,
+                100.0 * next(&top) as f64 / n
+            );
+            let floor = if f.starts_with("fp8") || f == "bf16" {
+                0.9
+            } else {
+                0.5
+            };
+            assert!(
+                agree >= floor,
+                "{f} {}: agreement {agree:.3} < {floor}",
+                mm.name()
+            );
+        }
     }
     // KV caches: the bf16 weights with each KV dtype.
     for kv in [DType::F16, DType::BF16, DType::F8E4M3, DType::F8E5M2] {
-        let (_, top, _) = teacher_forced(&root.join("bf16"), "f32", Some(&tokens), kv)?;
+        let (_, top, _) = teacher_forced(
+            &root.join("bf16"),
+            "f32",
+            Some(&tokens),
+            kv,
+            QuantMatmul::F32,
+        )?;
         let agree = hits(&top) as f64 / n;
         println!(
             "f32 weights, {kv} KV: top-1 agreement with f32 KV {:.1}%",
