@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 const SPLIT_PARTS: usize = 16;
 
 /// The quantization of one [`PreparedActs::prepare_split`], in
-/// [`SPLIT_PARTS`] parts of whole blocks that may run concurrently; it
+/// `SPLIT_PARTS` (16) parts of whole blocks that may run concurrently; it
 /// borrows the activations and the buffers it fills. Each part runs once:
 /// it is claimed before it runs, and dropping the value runs the parts
 /// nobody claimed, so the activations are complete when the borrow ends.
