@@ -150,12 +150,7 @@ pub fn backend_options(args: &ModelArgs) -> BackendOptions {
 /// The `--cpu-quant-matmul` a CPU device runs: amx-bf16 needs AMX-BF16, and
 /// is f32 without it.
 pub fn cpu_quant_matmul(args: &ModelArgs) -> QuantMatmul {
-    let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
-    if amx {
-        args.cpu_quant_matmul
-    } else {
-        QuantMatmul::F32
-    }
+    arbor_quant::quant_matmul_here(args.cpu_quant_matmul)
 }
 
 /// The KV element type `args.kv_cache_dtype` comes to on `backend` for a

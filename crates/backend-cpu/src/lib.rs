@@ -111,8 +111,7 @@ impl CpuBackend {
     /// [`CpuBackend::quant_matmul`] then reports). Set it before loading a
     /// model: it is not meant to change while one runs.
     pub fn with_quant_matmul(mut self, matmul: QuantMatmul) -> Self {
-        let amx = arbor_quant::detected_level() >= arbor_quant::SimdLevel::Amx;
-        self.quant_matmul = if amx { matmul } else { QuantMatmul::F32 };
+        self.quant_matmul = arbor_quant::quant_matmul_here(matmul);
         self
     }
 

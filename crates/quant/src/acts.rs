@@ -184,6 +184,17 @@ pub fn act_dtype_with(weight: DType, matmul: QuantMatmul) -> Result<DType, Quant
     }
 }
 
+/// The [`QuantMatmul`] this CPU runs when `requested` is asked for:
+/// [`QuantMatmul::AmxBf16`] needs the `Amx` level ([`crate::detected_level`])
+/// and is [`QuantMatmul::F32`] below it.
+pub fn quant_matmul_here(requested: QuantMatmul) -> QuantMatmul {
+    if crate::detected_level() >= SimdLevel::Amx {
+        requested
+    } else {
+        QuantMatmul::F32
+    }
+}
+
 impl PreparedActs {
     /// An empty value, to be filled by [`PreparedActs::prepare_into`].
     pub fn new() -> Self {

@@ -59,7 +59,9 @@ mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use acts::{PreparedActs, SplitPrep, act_dtype_for, act_dtype_with, prepare_acts};
+pub use acts::{
+    PreparedActs, SplitPrep, act_dtype_for, act_dtype_with, prepare_acts, quant_matmul_here,
+};
 pub use arbor_engine_core::{DType, QuantMatmul};
 pub use error::QuantError;
 /// The E4M3 element and the in-band scaled weight blocks (`f8_s32`, `u4_s32`).

@@ -217,13 +217,7 @@ pub(crate) unsafe fn dot_rows(
                 let b1 = packed
                     .as_ptr()
                     .add((mg + two as usize) * steps * tile_elems);
-                asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem)
-                );
+                zero_accumulators();
                 for s in 0..steps {
                     if next.len > 0 {
                         for r in 0..T {
@@ -231,22 +225,60 @@ pub(crate) unsafe fn dot_rows(
                             Prefetch { base: a1, ..next }.lines(r * rb + (s + 4) * 64, 1);
                         }
                     }
-                    tile_load!("4", a0.add(s * 64), rb);
-                    tile_load!("5", a1.add(s * 64), rb);
-                    tile_load!("6", b0.add(s * tile_elems), 64usize);
-                    tile_dp!("0", "4", "6");
-                    tile_dp!("1", "5", "6");
-                    if two {
-                        tile_load!("7", b1.add(s * tile_elems), 64usize);
-                        tile_dp!("2", "4", "7");
-                        tile_dp!("3", "5", "7");
-                    }
+                    step(
+                        [a0.add(s * 64), a1.add(s * 64)],
+                        rb,
+                        [b0.add(s * tile_elems), b1.add(s * tile_elems)],
+                        two,
+                    );
                 }
                 store_tiles(&mut acc, pair, mg, two, m, out);
                 mg += 2;
             }
         }
         asm!("tilerelease", options(nostack, nomem));
+    }
+}
+
+/// Zeroes accumulator tiles 0-3.
+///
+/// # Safety
+/// Inside a tile configuration.
+#[inline(always)]
+unsafe fn zero_accumulators() {
+    // SAFETY: per this function's contract.
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+    }
+}
+
+/// One step of `k`: weight tiles 4-5 from `weights` (16 rows `stride`
+/// bytes apart), activation tile 6 from `acts[0]` into accumulators 0-1,
+/// and when `two` activation tile 7 from `acts[1]` into accumulators 2-3.
+///
+/// # Safety
+/// Inside a tile configuration; each pointer starts 16 rows of 64
+/// readable bytes (the weights' `stride` apart, the activations' 64).
+#[inline(always)]
+unsafe fn step(weights: [*const u8; 2], stride: usize, acts: [*const u16; 2], two: bool) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        tile_load!("4", weights[0], stride);
+        tile_load!("5", weights[1], stride);
+        tile_load!("6", acts[0], 64usize);
+        tile_dp!("0", "4", "6");
+        tile_dp!("1", "5", "6");
+        if two {
+            tile_load!("7", acts[1], 64usize);
+            tile_dp!("2", "4", "7");
+            tile_dp!("3", "5", "7");
+        }
     }
 }
 
@@ -366,13 +398,7 @@ pub(crate) unsafe fn dot_rows_fused<S: TileSource>(
                 }
             };
             let per_step = next.per_step(steps);
-            asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            zero_accumulators();
             for s in 0..steps {
                 next.lines(s * per_step, per_step);
                 let (w0, w1) = bufs.split_at_mut(2);
@@ -383,16 +409,12 @@ pub(crate) unsafe fn dot_rows_fused<S: TileSource>(
                 };
                 src.fill(pair[0], s, 0, d0);
                 src.fill(pair[1], s, 1, d1);
-                tile_load!("4", d0, 64usize);
-                tile_load!("5", d1, 64usize);
-                tile_load!("6", b0.add(s * tile_elems), 64usize);
-                tile_dp!("0", "4", "6");
-                tile_dp!("1", "5", "6");
-                if two {
-                    tile_load!("7", b1.add(s * tile_elems), 64usize);
-                    tile_dp!("2", "4", "7");
-                    tile_dp!("3", "5", "7");
-                }
+                step(
+                    [d0 as *const u8, d1 as *const u8],
+                    64,
+                    [b0.add(s * tile_elems), b1.add(s * tile_elems)],
+                    two,
+                );
             }
             store_tiles(&mut acc, pair, 0, two, m, out);
         }

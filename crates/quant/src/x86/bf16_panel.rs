@@ -237,16 +237,33 @@ pub(crate) unsafe fn dot_rows(
 ) {
     let dt = float::code(dtype);
     debug_assert!(float::scaled(dt) && k.is_multiple_of(32));
-    if n_rows >= TILE_ROWS && m <= FUSED_ROWS {
-        // SAFETY: per this function's contract.
-        unsafe {
-            match dt {
-                F8S => fused::<F8S>(w, n_rows, k, packed, m, out),
-                U4S => fused::<U4S>(w, n_rows, k, packed, m, out),
-                U8S => fused::<U8S>(w, n_rows, k, packed, m, out),
-                _ => fused::<F4S>(w, n_rows, k, packed, m, out),
-            }
+    // SAFETY: per this function's contract.
+    unsafe {
+        match dt {
+            F8S => product::<F8S>(w, n_rows, k, packed, m, out),
+            U4S => product::<U4S>(w, n_rows, k, packed, m, out),
+            U8S => product::<U8S>(w, n_rows, k, packed, m, out),
+            _ => product::<F4S>(w, n_rows, k, packed, m, out),
         }
+    }
+}
+
+/// [`dot_rows`] for the scaled code `DT`: the fused path up to
+/// [`FUSED_ROWS`] activation rows, else panels of [`NB`] rows.
+///
+/// # Safety
+/// As [`dot_rows`].
+unsafe fn product<const DT: u8>(
+    w: &[u8],
+    n_rows: usize,
+    k: usize,
+    packed: &[u16],
+    m: usize,
+    out: OutMat,
+) {
+    if n_rows >= TILE_ROWS && m <= FUSED_ROWS {
+        // SAFETY: per this function's contract, with the fused path's bounds.
+        unsafe { fused::<DT>(w, n_rows, k, packed, m, out) };
         return;
     }
     PANEL.with(|p| {
@@ -256,14 +273,7 @@ pub(crate) unsafe fn dot_rows(
             let rows = panel_rows(n_rows, b0);
             buf.resize(rows * k, 0);
             // SAFETY: the features per the contract; rows b0..b0+rows exist.
-            unsafe {
-                match dt {
-                    F8S => panel::<F8S>(w, b0, rows, k, &mut buf),
-                    U4S => panel::<U4S>(w, b0, rows, k, &mut buf),
-                    U8S => panel::<U8S>(w, b0, rows, k, &mut buf),
-                    _ => panel::<F4S>(w, b0, rows, k, &mut buf),
-                }
-            }
+            unsafe { panel::<DT>(w, b0, rows, k, &mut buf) };
             // SAFETY: the panel holds `rows` rows of k bf16 values.
             let bytes =
                 unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, rows * k * 2) };
