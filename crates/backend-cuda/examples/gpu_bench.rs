@@ -13,7 +13,10 @@
 //!
 //! `--quant NAME` loads the weights through that quantization method (`fp8`
 //! quantizes the bf16 matrices at load, on the host, so the matrices are
-//! zeros rather than random: a speed figure only). `--batches none` and
+//! zeros rather than random: a speed figure only); with scaled-block weights
+//! (FP8, INT4, NVFP4) the prefill and the graph-less batch-1 decode are also
+//! timed with the weights dequantized before each GEMM instead of the
+//! tensor-core GEMM (decode alternated, best of two each). `--batches none` and
 //! `--prefill 0` leave a phase out (for a profiler).
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
@@ -330,6 +333,9 @@ fn main() -> Result<()> {
         ),
     ];
     let roofline = HBM_BYTES_PER_S / weight_bytes;
+    // Scaled-block weights (FP8, INT4, NVFP4): also timed through the
+    // dequantizing GEMM, to compare with the tensor-core GEMM.
+    let scaled = s.model.spec().weight_dtype.is_scaled_block();
     for &bs in &a.batches {
         let (tps, ms) = decode(&s, bs, a.context, a.steps)?;
         println!("decode bs={bs}: {tps:.1} tok/s ({ms:.2} ms/step)");
@@ -364,6 +370,21 @@ fn main() -> Result<()> {
             format!("prefill {} tokens, f32 attention kernel", a.prefill),
             format!("{simt:.0} tok/s ({:.2}x slower)", pf / simt),
         ));
+        if scaled {
+            // The same prefill with the weights dequantized before each GEMM.
+            s.backend.set_tensor_core_linear(false);
+            let dq = prefill(&s, a.prefill);
+            s.backend.set_tensor_core_linear(true);
+            let dq = dq?;
+            println!(
+                "prefill {} with the dequantizing GEMM: {dq:.0} tok/s",
+                a.prefill
+            );
+            rows.push((
+                format!("prefill {} tokens, dequantizing GEMM", a.prefill),
+                format!("{dq:.0} tok/s (tensor-core GEMM {:.2}x)", pf / dq),
+            ));
+        }
     }
     let st = s.backend.graph_stats();
     rows.push((
@@ -382,6 +403,30 @@ fn main() -> Result<()> {
             "decode bs=1, CUDA graphs off".into(),
             format!("{tps:.1} tok/s, {ms:.2} ms/step"),
         ));
+        if scaled {
+            // Alternated: dequantizing GEMM, tensor cores, dequantizing, tensor cores.
+            let mut best = [0f64; 2];
+            for round in 0..4 {
+                let tc = round % 2 == 1;
+                e.backend.set_tensor_core_linear(tc);
+                let (tps, _) = decode(&e, 1, a.context, a.steps)?;
+                best[tc as usize] = best[tc as usize].max(tps);
+            }
+            e.backend.set_tensor_core_linear(true);
+            println!(
+                "decode bs=1 without graphs, best of 2 alternated: dequantizing GEMM {:.1}, tensor-core GEMM {:.1} tok/s",
+                best[0], best[1]
+            );
+            rows.push((
+                "decode bs=1, graphs off, dequantizing vs tensor-core GEMM".into(),
+                format!(
+                    "{:.1} vs {:.1} tok/s ({:.2}x)",
+                    best[0],
+                    best[1],
+                    best[1] / best[0]
+                ),
+            ));
+        }
     }
     let w = rows.iter().map(|r| r.0.len()).max().unwrap_or(10);
     println!("\n== arbor CUDA benchmark ==");

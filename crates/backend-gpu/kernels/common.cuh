@@ -13,9 +13,11 @@
 // only inside each 32-lane half, so every reduction computes exactly what it
 // does on a 32-wide warp; 32-wide wavefronts (RDNA) are one warp. The only
 // other differences are the f16 conversions (PTX `cvt` on NVIDIA, clang's
-// `_Float16` on AMD; both round to nearest even).
+// `_Float16` on AMD; both round to nearest even). The host emulator of the
+// backend's tests (tests/host/simt.h, `ARBOR_HOST_SIMT`) takes the AMD path,
+// with its own shuffles.
 
-#if defined(__HIPCC_RTC__) || defined(__HIP__)
+#if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(ARBOR_HOST_SIMT)
 #define ARBOR_HIP 1
 #define SHFL_XOR(v, o) __shfl_xor((v), (o), 32)
 #define SHFL_UP(v, o) __shfl_up((v), (o), 32)

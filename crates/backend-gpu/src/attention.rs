@@ -125,12 +125,7 @@ pub(crate) fn prefill_mma_kernel(
     arch: &str,
     max_shared: u32,
 ) -> Option<(K, usize)> {
-    let sm: u32 = arch
-        .strip_prefix("sm_")
-        .or_else(|| arch.strip_prefix("compute_"))?
-        .parse()
-        .ok()?;
-    if sm < 80 || tree || kd != DType::BF16 {
+    if crate::kernels::nvidia_sm(arch)? < 80 || tree || kd != DType::BF16 {
         return None;
     }
     let kern = match hd {

@@ -88,6 +88,14 @@ kernels! {
     DequantU4S32 = "dequant_u4_s32": "ppl",
     DequantU8S32 = "dequant_u8_s32": "ppl",
     DequantF4S16 = "dequant_f4_s16": "ppl",
+    GemmF8S32M16 = "gemm_f8_s32_m16": "pppiii",
+    GemmF8S32M64 = "gemm_f8_s32_m64": "pppiii",
+    GemmU4S32M16 = "gemm_u4_s32_m16": "pppiii",
+    GemmU4S32M64 = "gemm_u4_s32_m64": "pppiii",
+    GemmU8S32M16 = "gemm_u8_s32_m16": "pppiii",
+    GemmU8S32M64 = "gemm_u8_s32_m64": "pppiii",
+    GemmF4S16M16 = "gemm_f4_s16_m16": "pppiii",
+    GemmF4S16M64 = "gemm_f4_s16_m64": "pppiii",
 }
 
 impl K {
@@ -101,15 +109,27 @@ impl K {
     }
 }
 
+/// The NVIDIA architecture of a kernel target (`sm_90` or `compute_90` gives
+/// 90); `None` for other vendors' targets (`gfx90a`).
+pub fn nvidia_sm(target: &str) -> Option<u32> {
+    target
+        .strip_prefix("sm_")
+        .or_else(|| target.strip_prefix("compute_"))?
+        .parse()
+        .ok()
+}
+
 /// The CUDA C source of every kernel, as one translation unit.
 pub fn source() -> String {
     [
         include_str!("../kernels/common.cuh"),
         include_str!("../kernels/fp8.cuh"),
+        include_str!("../kernels/mma.cuh"),
         include_str!("../kernels/elementwise.cu"),
         include_str!("../kernels/attention.cu"),
         include_str!("../kernels/sampling.cu"),
         include_str!("../kernels/dequant.cu"),
+        include_str!("../kernels/gemm.cu"),
     ]
     .join("\n")
 }

@@ -52,6 +52,8 @@ pub struct GpuBackend {
     uploads: Arc<AtomicU64>,
     /// Prefill attention may use the tensor-core kernel where it applies.
     pub(crate) tensor_core_prefill: Arc<AtomicBool>,
+    /// Scaled-block linears may use the tensor-core GEMM where it applies.
+    pub(crate) tensor_core_linear: Arc<AtomicBool>,
 }
 
 impl GpuBackend {
@@ -79,6 +81,7 @@ impl GpuBackend {
             synthetic: Arc::new(Mutex::new(None)),
             uploads: Arc::new(AtomicU64::new(0)),
             tensor_core_prefill: Arc::new(AtomicBool::new(true)),
+            tensor_core_linear: Arc::new(AtomicBool::new(true)),
         }
     }
 
@@ -110,6 +113,13 @@ impl GpuBackend {
     /// kernels, also where the tensor-core kernel applies (on by default).
     pub fn set_tensor_core_prefill(&self, on: bool) {
         self.tensor_core_prefill.store(on, Ordering::Relaxed);
+    }
+
+    /// For benchmarks and tests: `false` multiplies scaled-block weights
+    /// (FP8, INT4, NVFP4) by dequantizing them to f32 before each GEMM, also
+    /// where the tensor-core GEMM applies (on by default).
+    pub fn set_tensor_core_linear(&self, on: bool) {
+        self.tensor_core_linear.store(on, Ordering::Relaxed);
     }
 
     /// For benchmarks: while `Some(seed)`, uploads of 2-D f16/bf16 tensors

@@ -7,18 +7,24 @@
 //! cores with f32 accumulation and an f32 output; this is the precision of a
 //! PyTorch bf16/f16 model, whose activations are already in that type. Biases
 //! are added in f32 by a separate kernel. The scaled blocks of HF quantized
-//! checkpoints (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`) stay packed in device memory
-//! and are dequantized to an f32 scratch before each GEMM (exactly the CPU's
-//! values), then multiplied as f32 weights: a dequantizing GEMM, until FP8
-//! and FP4 tensor-core paths exist. [`GpuBackend::op_linear_many`]
-//! rounds the shared input once for all its layers (Q/K/V, gate/up).
+//! checkpoints (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`) stay packed in device
+//! memory. On NVIDIA sm_80+ they are multiplied where they lie by the
+//! tensor-core GEMM of kernels/gemm.cu ([`scaled_gemm_kernel`]: each block's
+//! codes exact in bf16, the f32 input split into a bf16 high part and
+//! remainder, a block's sum times its scale accumulated in f32; about 16 bits
+//! of each input, and a row's outputs do not depend on the batch); elsewhere
+//! (AMD, older NVIDIA, or when told not to) they are dequantized to an f32
+//! scratch before each GEMM (exactly the CPU's values) and multiplied as f32
+//! weights. [`GpuBackend::op_linear_many`] rounds the shared input once for
+//! all its layers (Q/K/V, gate/up).
 
 use crate::GpuBackend;
 use crate::driver::Gemm;
-use crate::exec::{Args, Op};
-use crate::kernels::K;
+use crate::exec::{Args, Op, State};
+use crate::kernels::{K, nvidia_sm};
 use crate::ops::stride_grid;
 use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
+use std::sync::atomic::Ordering;
 
 /// The kernel that dequantizes a scaled weight dtype to f32, if it is one.
 fn dequant_kernel(dtype: DType) -> Option<K> {
@@ -29,6 +35,32 @@ fn dequant_kernel(dtype: DType) -> Option<K> {
         DType::F4_S16 => Some(K::DequantF4S16),
         _ => None,
     }
+}
+
+/// Rows at most this many take the GEMM's 16 x 32 tiles, more its 64 x 64.
+const SCALED_GEMM_SMALL_ROWS: usize = 16;
+
+/// The tensor-core GEMM of a scaled weight dtype for `rows` input rows and
+/// its tile (rows, columns), where it applies: an NVIDIA target of sm_80 or
+/// newer (`arch` as `sm_90` or `compute_90`). 128 threads, static shared
+/// memory only.
+pub(crate) fn scaled_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<(K, [usize; 2])> {
+    if nvidia_sm(arch)? < 80 {
+        return None;
+    }
+    let small = rows <= SCALED_GEMM_SMALL_ROWS;
+    let kernel = match (dtype, small) {
+        (DType::F8_S32, true) => K::GemmF8S32M16,
+        (DType::F8_S32, false) => K::GemmF8S32M64,
+        (DType::U4_S32, true) => K::GemmU4S32M16,
+        (DType::U4_S32, false) => K::GemmU4S32M64,
+        (DType::U8_S32, true) => K::GemmU8S32M16,
+        (DType::U8_S32, false) => K::GemmU8S32M64,
+        (DType::F4_S16, true) => K::GemmF4S16M16,
+        (DType::F4_S16, false) => K::GemmF4S16M64,
+        _ => return None,
+    };
+    Some((kernel, if small { [16, 32] } else { [64, 64] }))
 }
 
 impl GpuBackend {
@@ -88,6 +120,22 @@ impl GpuBackend {
         let mut half_in: Option<(DType, u64, Tensor)> = None;
         for l in layers {
             let n = l.w.shape()[0];
+            let out = self.p(&st, l.out)?;
+            let tensor_cores = self.tensor_core_linear.load(Ordering::Relaxed);
+            let gemm = scaled_gemm_kernel(l.w.dtype(), rows, self.kernel_target());
+            if let (true, Some((kernel, [bm, bn]))) = (tensor_cores, gemm) {
+                let args = Args::new()
+                    .p(xp)
+                    .p(self.p(&st, l.w)?)
+                    .p(out)
+                    .i(rows)
+                    .i(n)
+                    .i(k);
+                let grid = [n.div_ceil(bn), rows.div_ceil(bm), 1];
+                self.dev.launch(&mut st, kernel, grid, 128, 0, args)?;
+                self.add_bias(&mut st, l, rows, n)?;
+                continue;
+            }
             // Scaled blocks: dequantized to an f32 scratch (exact), then the f32 GEMM.
             let mut wd = l.w.dtype();
             let mut wp = self.p(&st, l.w)?;
@@ -135,25 +183,42 @@ impl GpuBackend {
                 k,
                 w: wp,
                 x: xin,
-                out: self.p(&st, l.out)?,
+                out,
             });
             self.dev.submit(&mut st, op)?;
-            if let Some(b) = l.bias {
-                let args = Args::new()
-                    .p(self.p(&st, l.out)?)
-                    .p(self.p(&st, b)?)
-                    .i(rows)
-                    .i(n);
-                self.dev.launch(
-                    &mut st,
-                    K::AddBias,
-                    [stride_grid(self, rows * n), 1, 1],
-                    256,
-                    0,
-                    args,
-                )?;
-            }
+            self.add_bias(&mut st, l, rows, n)?;
         }
         Ok(())
+    }
+
+    /// Adds `l`'s bias (if any) to its `rows` x `n` output.
+    fn add_bias(&self, st: &mut State, l: &LinearRef<'_>, rows: usize, n: usize) -> Result<()> {
+        let Some(b) = l.bias else { return Ok(()) };
+        let args = Args::new()
+            .p(self.p(st, l.out)?)
+            .p(self.p(st, b)?)
+            .i(rows)
+            .i(n);
+        let grid = [stride_grid(self, rows * n), 1, 1];
+        self.dev.launch(st, K::AddBias, grid, 256, 0, args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tensor_core_gemm_applies_to_scaled_blocks_on_sm80_and_newer() {
+        let small = scaled_gemm_kernel(DType::F8_S32, 16, "sm_90");
+        assert_eq!(small, Some((K::GemmF8S32M16, [16, 32])));
+        let large = scaled_gemm_kernel(DType::F4_S16, 17, "compute_80");
+        assert_eq!(large, Some((K::GemmF4S16M64, [64, 64])));
+        assert!(scaled_gemm_kernel(DType::U4_S32, 1, "sm_86").is_some());
+        assert!(scaled_gemm_kernel(DType::U8_S32, 1, "sm_75").is_none());
+        assert!(scaled_gemm_kernel(DType::F8_S32, 1, "gfx90a").is_none());
+        for float in [DType::F32, DType::F16, DType::BF16] {
+            assert!(scaled_gemm_kernel(float, 1, "sm_90").is_none());
+        }
     }
 }

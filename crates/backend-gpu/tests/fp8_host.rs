@@ -10,6 +10,8 @@
 //! Skips, printing why, when no C++ compiler (`$CXX`, else `c++`) runs;
 //! `ARBOR_REQUIRE_CXX=1` turns that into a failure.
 
+mod host;
+
 use anyhow::{Context, Result, bail};
 use arbor_quant::scaled::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2};
 use std::process::Command;
@@ -93,28 +95,17 @@ fn inputs() -> Vec<f32> {
 
 #[test]
 fn gpu_fp8_conversions_match_the_cpu() -> Result<()> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let require = std::env::var("ARBOR_REQUIRE_CXX").is_ok_and(|v| v == "1");
-    if Command::new(&cxx).arg("--version").output().is_err() {
-        if require {
-            bail!("ARBOR_REQUIRE_CXX=1 but the C++ compiler '{cxx}' does not run");
-        }
-        println!("skipped: no C++ compiler ('{cxx}') to build kernels/fp8.cuh for the host");
+    let Some(cxx) = host::compiler("kernels/fp8.cuh")? else {
         return Ok(());
-    }
+    };
     let dir = tempfile::tempdir()?;
-    let src = dir.path().join("fp8_host.cpp");
-    let bin = dir.path().join("fp8_host");
     let fp8 = include_str!("../kernels/fp8.cuh");
-    std::fs::write(&src, format!("{HARNESS}\n{fp8}\n{MAIN}"))?;
-    let out = Command::new(&cxx)
-        .args(["-O2", "-std=c++17", "-o"])
-        .arg(&bin)
-        .arg(&src)
-        .output()?;
-    if !out.status.success() {
-        bail!("{cxx} fp8.cuh: {}", String::from_utf8_lossy(&out.stderr));
-    }
+    let bin = host::build(
+        &cxx,
+        dir.path(),
+        "fp8_host",
+        &format!("{HARNESS}\n{fp8}\n{MAIN}"),
+    )?;
     let xs = inputs();
     let stdin: String = xs
         .iter()

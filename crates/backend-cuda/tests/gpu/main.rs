@@ -35,6 +35,8 @@ mod ops;
 mod parity;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
+/// CUDA's own: the tensor-core GEMM of scaled-block weights.
+mod scaled_gemm;
 #[path = "../../../backend-gpu/tests/suite/tensor_parallel.rs"]
 mod tensor_parallel;
 #[path = "../../../backend-gpu/tests/suite/verify.rs"]

@@ -163,7 +163,8 @@ fn tiny_mistral() -> Result<()> {
 }
 
 /// HF quantized checkpoints (tests/fixtures/quant): the weights stay packed
-/// on the device and go through the dequantizing GEMM.
+/// on the device and go through the tensor-core GEMM (CUDA sm_80+) or the
+/// dequantizing GEMM.
 #[test]
 fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
     for (name, stored) in [

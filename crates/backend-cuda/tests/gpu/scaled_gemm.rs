@@ -1,0 +1,90 @@
+//! The tensor-core GEMM of scaled-block weights (`kernels/gemm.cu`: FP8
+//! E4M3, 4-bit and 8-bit integers with zero points, NVFP4's E2M1; sm_80+)
+//! against the CPU backend's linear layer (exact dequantization, f32 dots)
+//! and the dequantizing GEMM it replaces: 1, 5, 16, 17 and 70 rows, inputs
+//! past one 64-wide chunk and partial column tiles, with a bias; within 1e-4
+//! of the output scale (the bf16 split keeps about 16 bits of each input).
+//! A row's outputs are the same bits alone as in its batch (the 16 x 32 and
+//! 64 x 64 tiles), which batch invariance needs. The host emulator test
+//! (`backend-gpu/tests/gemm_host.rs`) checks the same kernels' indexing
+//! without a GPU; this checks them on the device's tensor cores.
+
+use crate::common::*;
+use arbor_backend_cuda::kernels;
+use arbor_engine_core::{Backend, DType, HostTensor, LinearRef, Tensor};
+
+fn upload_scaled(b: &dyn Backend, dtype: DType, n: usize, k: usize, w: &[f32]) -> Tensor {
+    let mut data = vec![0u8; arbor_quant::row_bytes(dtype, k).unwrap() * n];
+    arbor_quant::quantize(dtype, w, &mut data).unwrap();
+    b.upload(&HostTensor {
+        dtype,
+        shape: vec![n, k],
+        data: data.into(),
+    })
+    .unwrap()
+}
+
+fn linear(b: &dyn Backend, x: &[f32], m: usize, w: &Tensor, bias: &[f32]) -> Vec<f32> {
+    let (n, k) = (w.shape()[0], w.shape()[1]);
+    let xt = upload_f32(b, &[m, k], x);
+    let bt = upload_f32(b, &[n], bias);
+    let out = b.alloc(DType::F32, &[m, n]).unwrap();
+    b.linear_many(
+        &xt,
+        &[LinearRef {
+            w,
+            bias: Some(&bt),
+            out: &out,
+        }],
+    )
+    .unwrap();
+    download_f32(b, &out)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn scaled_block_gemm_matches_the_cpu_and_the_dequantizing_gemm() {
+    let Some(g) = gpu() else { return };
+    let target = g.kernel_target().to_string();
+    if kernels::nvidia_sm(&target).is_none_or(|v| v < 80) {
+        println!("skipped: the tensor-core GEMM needs sm_80 or newer, this is {target}");
+        return;
+    }
+    let c = cpu();
+    let mut rng = Rng::new(11);
+    for dtype in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
+        for (m, k, n) in [
+            (1, 256, 384),
+            (5, 224, 96),
+            (16, 512, 200),
+            (17, 160, 72),
+            (70, 512, 1000),
+        ] {
+            let x = rng.vec(m * k, 1.0);
+            let wf = rng.vec(n * k, 0.05);
+            let bias = rng.vec(n, 0.5);
+            let (wg, wc) = (
+                upload_scaled(&*g, dtype, n, k, &wf),
+                upload_scaled(&*c, dtype, n, k, &wf),
+            );
+            let want = linear(&*c, &x, m, &wc, &bias);
+            g.set_tensor_core_linear(false);
+            let dequant = linear(&*g, &x, m, &wg, &bias);
+            g.set_tensor_core_linear(true);
+            let got = linear(&*g, &x, m, &wg, &bias);
+            let what = format!("{dtype} {m}x{k}x{n}");
+            assert_close(&format!("{what} tensor cores"), &got, &want, 1e-4);
+            assert_close(&format!("{what} dequantizing GEMM"), &dequant, &want, 1e-4);
+            for r in [0, m / 2, m - 1] {
+                let alone = linear(&*g, &x[r * k..(r + 1) * k], 1, &wg, &bias);
+                assert!(
+                    same_bits(&alone, &got[r * n..(r + 1) * n]),
+                    "{what}: row {r} alone differs from the batch"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+// A host emulator of the CUDA execution model, so tests can run the backend's
+// kernels (kernels/*.cu, compiled by the system's C++ compiler) on a machine
+// without a GPU.
+//
+// Every thread of a block is a fiber (ucontext) of one OS thread; the blocks
+// of a grid run one after another, so `__shared__` arrays are function
+// statics. A fiber runs until it reaches a barrier (`__syncthreads`, a warp's
+// shuffle, `__syncwarp`, a warp's `mma`), then the next fiber runs: the
+// interleaving is deterministic for a seed, and the seed permutes the order
+// the threads take turns in, so a kernel that reads shared memory before the
+// barrier that orders the write gets different data under different seeds.
+// A thread that returns while others of its block (or warp) wait at a
+// barrier, or a barrier no thread can complete, aborts with a message.
+//
+// `mma.sync.m16n8k16` with bf16 inputs and f32 accumulation is computed here
+// from the PTX ISA's fragment layout (lane = 4 g + t: A[g][2t..2t+1] in a0,
+// A[g+8][2t..] in a1, A[g][2t+8..] in a2, A[g+8][2t+8..] in a3, B[2t..2t+1][g]
+// in b0, B[2t+8..][g] in b1, C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]),
+// each product exact and the 16 products summed in f64 then added to C in
+// f32; the kernels' sources call it through `ARBOR_HOST_SIMT`.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <functional>
+#include <vector>
+
+#define ARBOR_HOST_SIMT 1
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__ __restrict
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+
+namespace simt {
+
+[[noreturn]] inline void fail(const char* what) {
+    fprintf(stderr, "simt: %s (block %u,%u,%u thread %u,%u,%u)\n", what, blockIdx.x, blockIdx.y,
+            blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z);
+    exit(3);
+}
+
+struct Barrier {
+    int size = 0;
+    int arrived = 0;
+    unsigned gen = 0;
+};
+
+// One warp's exchange area: a shuffle's values, an mma's fragments.
+struct WarpArea {
+    Barrier bar;
+    int live = 32;
+    uint64_t slot[32];
+    uint32_t a[32][4], b[32][2];
+    float c[32][4];
+};
+
+struct Fiber {
+    ucontext_t ctx;
+    dim3 tid;
+    bool done = false;
+    std::vector<char> stack;
+};
+
+struct Block {
+    std::vector<Fiber> fibers;
+    int cur = 0;
+    int live = 0;
+    ucontext_t main;
+    Barrier bar;
+    std::vector<WarpArea> warps;
+    std::function<void()> body;
+};
+
+inline Block* blk = nullptr;
+
+inline int linear_tid() {
+    return (int)(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
+}
+
+// The next fiber after `from` that has not returned, or -1.
+inline int next_live(int from) {
+    const int n = (int)blk->fibers.size();
+    for (int i = 1; i <= n; ++i) {
+        const int j = (from + i) % n;
+        if (!blk->fibers[j].done) return j;
+    }
+    return -1;
+}
+
+inline WarpArea& warp();
+inline int live_of(const Barrier& bar);
+
+inline void yield() {
+    Block& b = *blk;
+    const int prev = b.cur, next = next_live(prev);
+    if (next < 0 || next == prev) fail("deadlock: no other thread can reach the barrier");
+    b.cur = next;
+    threadIdx = b.fibers[next].tid;
+    swapcontext(&b.fibers[prev].ctx, &b.fibers[next].ctx);
+}
+
+// Waits at `bar` until its `size` threads arrived; `live` threads of its
+// scope have not returned (fewer than `size` can never complete it).
+inline void wait(Barrier& bar, int live) {
+    if (live < bar.size) fail("a barrier waits for a thread that returned");
+    const unsigned gen = bar.gen;
+    if (++bar.arrived == bar.size) {
+        bar.arrived = 0;
+        bar.gen++;
+        return;
+    }
+    while (bar.gen == gen) {
+        yield();
+        if (bar.gen == gen && live_of(bar) < bar.size) fail("a barrier waits for a thread that returned");
+    }
+}
+
+inline WarpArea& warp() { return blk->warps[linear_tid() >> 5]; }
+
+// Threads not yet returned in the scope of `bar` (the block, or a warp).
+inline int live_of(const Barrier& bar) {
+    if (&bar == &blk->bar) return blk->live;
+    for (const WarpArea& w : blk->warps) {
+        if (&w.bar == &bar) return w.live;
+    }
+    fail("unknown barrier");
+}
+
+inline void fiber_entry() {
+    Block& b = *blk;
+    b.body();
+    b.fibers[b.cur].done = true;
+    b.live--;
+    warp().live--;
+    if (b.bar.arrived > 0) fail("a thread returned while others wait at __syncthreads");
+    if (warp().bar.arrived > 0) fail("a thread returned while its warp waits at a barrier");
+    const int next = next_live(b.cur);
+    if (next < 0) {
+        setcontext(&b.main);
+    }
+    b.cur = next;
+    threadIdx = b.fibers[next].tid;
+    setcontext(&b.fibers[next].ctx);
+}
+
+// Runs `body` as every thread of a `grid` of `block`s; `seed` permutes the
+// order the threads of a block take turns in.
+inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> body) {
+    const int n = (int)(block.x * block.y * block.z);
+    if (n % 32 != 0) fail("blocks must be whole warps");
+    std::vector<int> order(n);
+    for (int i = 0; i < n; ++i) order[i] = i;
+    uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (int i = n - 1; i > 0 && seed != 0; --i) {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        std::swap(order[i], order[(int)(s % (uint64_t)(i + 1))]);
+    }
+    gridDim = grid;
+    blockDim = block;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                Block b;
+                blk = &b;
+                blockIdx = dim3{bx, by, bz};
+                b.body = body;
+                b.fibers.resize(n);
+                b.live = n;
+                b.bar.size = n;
+                b.warps.resize(n / 32);
+                for (WarpArea& w : b.warps) w.bar.size = 32;
+                for (int i = 0; i < n; ++i) {
+                    Fiber& f = b.fibers[i];
+                    const unsigned t = (unsigned)order[i];
+                    f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                    f.stack.resize(256 * 1024);
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = f.stack.data();
+                    f.ctx.uc_stack.ss_size = f.stack.size();
+                    f.ctx.uc_link = nullptr;
+                    makecontext(&f.ctx, fiber_entry, 0);
+                }
+                b.cur = 0;
+                threadIdx = b.fibers[0].tid;
+                swapcontext(&b.main, &b.fibers[0].ctx);
+                if (b.live != 0) fail("a block ended with live threads");
+                blk = nullptr;
+            }
+}
+
+inline float bf16_value(uint32_t bits16) { return __uint_as_float((bits16 & 0xffffu) << 16); }
+
+}  // namespace simt
+
+inline void __syncthreads() { simt::wait(simt::blk->bar, simt::blk->live); }
+inline void __syncwarp(unsigned = 0xffffffffu) { simt::wait(simt::warp().bar, simt::warp().live); }
+
+template <typename T>
+inline T simt_shfl_from(T v, int src) {
+    simt::WarpArea& w = simt::warp();
+    const int lane = simt::linear_tid() & 31;
+    static_assert(sizeof(T) <= 8, "shuffled values fit 8 bytes");
+    memcpy(&w.slot[lane], &v, sizeof(T));
+    simt::wait(w.bar, w.live);
+    T r;
+    memcpy(&r, &w.slot[src], sizeof(T));
+    simt::wait(w.bar, w.live);
+    return r;
+}
+
+template <typename T>
+inline T __shfl(T v, int src, int width = 32) {
+    const int lane = simt::linear_tid() & 31, base = lane & ~(width - 1);
+    return simt_shfl_from(v, base + (src & (width - 1)));
+}
+template <typename T>
+inline T __shfl_xor(T v, int mask, int width = 32) {
+    const int lane = simt::linear_tid() & 31, base = lane & ~(width - 1);
+    const int src = lane ^ mask;
+    return simt_shfl_from(v, src >= base + width ? lane : src);
+}
+template <typename T>
+inline T __shfl_up(T v, int delta, int width = 32) {
+    const int lane = simt::linear_tid() & 31, base = lane & ~(width - 1);
+    return simt_shfl_from(v, lane - delta < base ? lane : lane - delta);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the calling warp.
+inline void simt_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    simt::WarpArea& w = simt::warp();
+    const int lane = simt::linear_tid() & 31;
+    memcpy(w.a[lane], a, 16);
+    w.b[lane][0] = b0;
+    w.b[lane][1] = b1;
+    memcpy(w.c[lane], c, 16);
+    simt::wait(w.bar, w.live);
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = simt::bf16_value(w.a[l][0] >> (16 * h));
+            A[g + 8][2 * t + h] = simt::bf16_value(w.a[l][1] >> (16 * h));
+            A[g][2 * t + 8 + h] = simt::bf16_value(w.a[l][2] >> (16 * h));
+            A[g + 8][2 * t + 8 + h] = simt::bf16_value(w.a[l][3] >> (16 * h));
+            B[2 * t + h][g] = simt::bf16_value(w.b[l][0] >> (16 * h));
+            B[2 * t + 8 + h][g] = simt::bf16_value(w.b[l][1] >> (16 * h));
+        }
+    }
+    const int g = lane >> 2, t = lane & 3;
+    for (int r = 0; r < 4; ++r) {
+        const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
+        double s = 0.0;
+        for (int k = 0; k < 16; ++k) s += (double)A[row][k] * (double)B[k][col];
+        c[r] = (float)((double)w.c[lane][r] + s);
+    }
+    simt::wait(w.bar, w.live);
+}
