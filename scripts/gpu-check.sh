@@ -12,7 +12,7 @@
 #      tokens), every op and the attention kernels against the CPU on random
 #      inputs within their stated tolerances, CUDA graphs against eager
 #      decoding, device sampling, verification, tier copies, LoRA, the
-#      tensor-core GEMM of FP8/INT4/NVFP4 weights against the CPU, tensor
+#      tensor-core GEMMs of FP8/INT4/NVFP4 weights (and W8A8) against the CPU, tensor
 #      parallelism (two ranks on the one device, host-staged collectives: the
 #      check that would let `--tp-size` run on cuda), and the NVRTC compile
 #      test;
@@ -26,7 +26,8 @@
 #      roofline reached at batch 1; then 8 of its layers with FP8 weights
 #      (`--quant fp8`, quantized at load) beside the same 8 in bf16, the FP8
 #      run also timing its linears through the dequantizing GEMM against the
-#      tensor-core GEMM (prefill, and decode at batch 1 alternated).
+#      tensor-core GEMM (prefill, and decode at batch 1 alternated) and its
+#      prefill with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+).
 #
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run

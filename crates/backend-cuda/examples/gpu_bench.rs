@@ -16,8 +16,9 @@
 //! zeros rather than random: a speed figure only); with scaled-block weights
 //! (FP8, INT4, NVFP4) the prefill and the graph-less batch-1 decode are also
 //! timed with the weights dequantized before each GEMM instead of the
-//! tensor-core GEMM (decode alternated, best of two each). `--batches none` and
-//! `--prefill 0` leave a phase out (for a profiler).
+//! tensor-core GEMM (decode alternated, best of two each), and FP8 weights'
+//! prefill also with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+).
+//! `--batches none` and `--prefill 0` leave a phase out (for a profiler).
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
 //! [--batches 1,8,64,256|none] [--context 512] [--steps 32] [--prefill 2048]
@@ -384,6 +385,18 @@ fn main() -> Result<()> {
                 format!("prefill {} tokens, dequantizing GEMM", a.prefill),
                 format!("{dq:.0} tok/s (tensor-core GEMM {:.2}x)", pf / dq),
             ));
+            // W8A8: FP8 weights times E4M3 inputs (sm_89+; elsewhere the same path).
+            if s.model.spec().weight_dtype == DType::F8_S32 {
+                s.backend.set_fp8_activations(true);
+                let w8 = prefill(&s, a.prefill);
+                s.backend.set_fp8_activations(false);
+                let w8 = w8?;
+                println!("prefill {} with W8A8 FP8: {w8:.0} tok/s", a.prefill);
+                rows.push((
+                    format!("prefill {} tokens, W8A8 FP8 (E4M3 inputs)", a.prefill),
+                    format!("{w8:.0} tok/s ({:.2}x the bf16-split GEMM)", w8 / pf),
+                ));
+            }
         }
     }
     let st = s.backend.graph_stats();

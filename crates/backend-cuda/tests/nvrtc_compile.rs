@@ -1,6 +1,7 @@
 //! Every kernel compiles with NVRTC for sm_80 (A100) and sm_90 (H100/H200),
 //! both to PTX (checked against the launch signatures of `KERNELS`) and to a
-//! CUBIN (which also runs ptxas: register and shared-memory limits), the four
+//! CUBIN (which also runs ptxas: register and shared-memory limits; the FP8
+//! `mma.m16n8k32` only in sm_90's, older targets trap there), the four
 //! compilations on threads of their own. No GPU is
 //! needed. Without NVRTC the test skips with the reason, unless
 //! `ARBOR_REQUIRE_NVRTC=1`, when it fails.
@@ -43,6 +44,13 @@ fn kernels_compile_for_sm80_and_sm90() {
         for (arch, ptx, cubin) in jobs {
             let text = ptx.join().unwrap();
             nvrtc::check_ptx(&text).unwrap_or_else(|e| panic!("compute_{arch}: {e}"));
+            // The W8A8 GEMM's FP8 tensor-core instruction exists from sm_89.
+            let fp8_mma = text.contains("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32");
+            assert_eq!(
+                fp8_mma,
+                arch == "90",
+                "compute_{arch}: FP8 mma present: {fp8_mma}"
+            );
             let (cubin, log) = cubin.join().unwrap();
             // ptxas reports registers, spills and shared memory per kernel.
             for line in log

@@ -56,6 +56,20 @@ template <int DT> __device__ __forceinline__ float block_scale(const unsigned ch
     return f32_at(b + 8);
 }
 
+// Writes a warp's accumulators, the m16n8 tiles j of rows row0.. and
+// columns col0 + 8 j.., where they fall inside the m x n output.
+template <int NT>
+__device__ __forceinline__ void store_tile(const float (&acc)[NT][4], float* out, int m, int n,
+                                           int row0, int col0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < NT; ++j)
+        for (int r = 0; r < 4; ++r) {
+            const int row = row0 + g + 8 * (r >> 1);
+            const int c = col0 + 8 * j + 2 * t + (r & 1);
+            if (row < m && c < n) out[(u64)row * n + c] = acc[j][r];
+        }
+}
+
 template <int DT, int WM, int NT>
 __device__ void gemm_scaled_impl(const float* x, const unsigned char* w, float* out, int m, int n,
                                  int k) {
@@ -129,12 +143,7 @@ __device__ void gemm_scaled_impl(const float* x, const unsigned char* w, float* 
         }
         __syncthreads();
     }
-    for (int j = 0; j < NT; ++j)
-        for (int r = 0; r < 4; ++r) {
-            const int row = m0 + wm * 16 + g + 8 * (r >> 1);
-            const int c = n0 + wn * 8 * NT + 8 * j + 2 * t + (r & 1);
-            if (row < m && c < n) out[(u64)row * n + c] = acc[j][r];
-        }
+    store_tile<NT>(acc, out, m, n, m0 + wm * 16, n0 + wn * 8 * NT);
 }
 
 #define GEMM_SCALED(name, DT, WM, NT)                                                          \
@@ -150,3 +159,101 @@ GEMM_SCALED(gemm_u8_s32_m16, 2, 1, 1)
 GEMM_SCALED(gemm_u8_s32_m64, 2, 4, 8)
 GEMM_SCALED(gemm_f4_s16_m16, 3, 1, 1)
 GEMM_SCALED(gemm_f4_s16_m64, 3, 4, 8)
+
+// ---------------------------------------------------------------------------
+// W8A8 FP8 (NVIDIA sm_89+, f8_s32 weights; chosen by
+// GpuBackend::set_fp8_activations): the input is quantized to E4M3 per row
+// and 32-input block (scale = the block's max |x| / 448, codes of x * 448 /
+// max rounded to nearest even, saturating: fp8.cuh's encoder), then each
+// 32-input block of the product is one `mma.m16n8k32` of E4M3 codes, its sum
+// times the input block's scale times the weight block's scale joining the
+// f32 accumulator (one fmaf), blocks in order. Both operands' codes go to
+// the tensor cores unconverted, one instruction per 32 inputs where the bf16
+// split takes four; the price is the input's 3-bit mantissa. A row's outputs
+// depend only on its own input row, so they do not change with the batch.
+
+// One warp per (row, 32-input block): codes `q` [m][k] and scales `s` [m][k / 32].
+extern "C" __global__ void quant_act_e4m3(const float* x, unsigned char* q, float* s, int m,
+                                          int k) {
+    const int lane = threadIdx.x & 31;
+    const u64 blocks = (u64)m * (u64)(k / 32);
+    for (u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < blocks;
+         b += ((u64)gridDim.x * blockDim.x) >> 5) {
+        const float v = x[b * 32 + lane];
+        const float amax = warp_max(fabsf(v));
+        const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+        q[b * 32 + lane] = from_f32<e4m3_t>(v * inv).x;
+        if (lane == 0) s[b] = amax / 448.0f;
+    }
+}
+
+template <int WM, int NT>
+__device__ void gemm_w8a8_impl(const unsigned char* xq, const float* xs, const unsigned char* w,
+                               float* out, int m, int n, int k) {
+    enum { BM = 16 * WM, WN = 4 / WM, BN = 8 * NT * WN, RS = GEMM_KC + 16, SC = GEMM_KC / 32 };
+    __shared__ unsigned char aq[BM * RS], wq[BN * RS];
+    __shared__ float xsc[BM * SC], wsc[BN * SC];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = warp / WN, wn = warp % WN;
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+    const int blocks = k / 32;
+    float acc[NT][4];
+    for (int j = 0; j < NT; ++j)
+        for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
+
+    for (int k0 = 0; k0 < k; k0 += GEMM_KC) {
+        for (int e = tid; e < BM * GEMM_KC; e += 128) {
+            const int r = e / GEMM_KC, c = e % GEMM_KC;
+            const bool in = m0 + r < m && k0 + c < k;
+            aq[r * RS + c] = in ? xq[(u64)(m0 + r) * k + k0 + c] : (unsigned char)0;
+        }
+        for (int e = tid; e < BN * GEMM_KC; e += 128) {
+            const int r = e / GEMM_KC, c = e % GEMM_KC, kk = k0 + c;
+            const bool in = n0 + r < n && kk < k;
+            wq[r * RS + c] = in ? w[((u64)(n0 + r) * blocks + kk / 32) * 36 + kk % 32]
+                                : (unsigned char)0;
+        }
+        for (int e = tid; e < (BM + BN) * SC; e += 128) {
+            const int b = e % SC, kb = k0 / 32 + b;
+            if (e < BM * SC) {
+                const int r = e / SC;
+                xsc[e] = (m0 + r < m && kb < blocks) ? xs[(u64)(m0 + r) * blocks + kb] : 0.0f;
+            } else {
+                const int r = (e - BM * SC) / SC;
+                wsc[e - BM * SC] =
+                    (n0 + r < n && kb < blocks) ? f32_at(w + ((u64)(n0 + r) * blocks + kb) * 36 + 32)
+                                                : 0.0f;
+            }
+        }
+        __syncthreads();
+        for (int b = 0; b < SC; ++b) {
+            const int col = b * 32 + 4 * t;
+            const int ra = wm * 16 + g;
+            const u32 a[4] = {ld_quad(aq + ra * RS + col), ld_quad(aq + (ra + 8) * RS + col),
+                              ld_quad(aq + ra * RS + col + 16),
+                              ld_quad(aq + (ra + 8) * RS + col + 16)};
+            const float sa0 = xsc[ra * SC + b], sa1 = xsc[(ra + 8) * SC + b];
+            for (int j = 0; j < NT; ++j) {
+                const int cn = wn * 8 * NT + 8 * j;
+                const unsigned char* wr = wq + (cn + g) * RS + col;
+                float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                mma_e4m3(part, a, ld_quad(wr), ld_quad(wr + 16));
+                for (int r = 0; r < 4; ++r) {
+                    const float sw = wsc[(cn + 2 * t + (r & 1)) * SC + b];
+                    acc[j][r] = fmaf(part[r], (r < 2 ? sa0 : sa1) * sw, acc[j][r]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    store_tile<NT>(acc, out, m, n, m0 + wm * 16, n0 + wn * 8 * NT);
+}
+
+#define GEMM_W8A8(name, WM, NT)                                                              \
+    extern "C" __global__ void name(const unsigned char* xq, const float* xs,                \
+                                    const unsigned char* w, float* out, int m, int n, int k) { \
+        gemm_w8a8_impl<WM, NT>(xq, xs, w, out, m, n, k);                                     \
+    }
+GEMM_W8A8(gemm_f8_s32_w8a8_m16, 1, 1)
+GEMM_W8A8(gemm_f8_s32_w8a8_m64, 4, 8)

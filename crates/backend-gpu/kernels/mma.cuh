@@ -60,6 +60,36 @@ __device__ __forceinline__ u32 bf16_split(float x, u32* lo) {
     return hi;
 }
 
+__device__ __forceinline__ u32 ld_quad(const unsigned char* p) {
+    return *reinterpret_cast<const u32*>(p);
+}
+
+// `mma.sync.m16n8k32` with E4M3 inputs and f32 accumulation (NVIDIA sm_89+;
+// the launcher picks its kernels only there: on older targets and on AMD
+// GPUs, where no such instruction exists, it traps). Lane (g, t) holds
+// A[g][4t..4t+3] (a0, a byte each), A[g+8][4t..] (a1), A[g][16+4t..] (a2),
+// A[g+8][16+4t..] (a3), B[4t..4t+3][g] (b0), B[16+4t..][g] (b1); C as
+// m16n8k16.
+#if defined(ARBOR_HOST_SIMT)
+__device__ __forceinline__ void mma_e4m3(float* c, const u32* a, u32 b0, u32 b1) {
+    simt_mma_e4m3(c, a, b0, b1);
+}
+#elif defined(ARBOR_HIP)
+__device__ __forceinline__ void mma_e4m3(float*, const u32*, u32, u32) { __builtin_trap(); }
+#else
+__device__ __forceinline__ void mma_e4m3(float* c, const u32* a, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+#endif
+
 // Packs two f32 (x at the lower index) as bf16 pairs: high parts and remainders.
 __device__ __forceinline__ void bf16_split_pack(float x, float y, u32* hi, u32* lo) {
     u32 xl, yl;

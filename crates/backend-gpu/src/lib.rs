@@ -54,6 +54,8 @@ pub struct GpuBackend {
     pub(crate) tensor_core_prefill: Arc<AtomicBool>,
     /// Scaled-block linears may use the tensor-core GEMM where it applies.
     pub(crate) tensor_core_linear: Arc<AtomicBool>,
+    /// FP8 linears quantize their input to E4M3 (W8A8) where that applies.
+    pub(crate) fp8_activations: Arc<AtomicBool>,
 }
 
 impl GpuBackend {
@@ -82,6 +84,7 @@ impl GpuBackend {
             uploads: Arc::new(AtomicU64::new(0)),
             tensor_core_prefill: Arc::new(AtomicBool::new(true)),
             tensor_core_linear: Arc::new(AtomicBool::new(true)),
+            fp8_activations: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -120,6 +123,16 @@ impl GpuBackend {
     /// where the tensor-core GEMM applies (on by default).
     pub fn set_tensor_core_linear(&self, on: bool) {
         self.tensor_core_linear.store(on, Ordering::Relaxed);
+    }
+
+    /// W8A8 FP8 (off by default): `true` quantizes the input of every
+    /// linear with FP8 (`f8_s32`) weights to E4M3 per row and 32-input block
+    /// and multiplies the codes on FP8 tensor cores (NVIDIA sm_89+; elsewhere
+    /// nothing changes). Faster products for the input's 3-bit mantissa; a
+    /// row's outputs still do not depend on the batch. For benchmarks and
+    /// tests until it has run on a GPU.
+    pub fn set_fp8_activations(&self, on: bool) {
+        self.fp8_activations.store(on, Ordering::Relaxed);
     }
 
     /// For benchmarks: while `Some(seed)`, uploads of 2-D f16/bf16 tensors

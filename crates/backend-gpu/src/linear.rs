@@ -15,8 +15,11 @@
 //! of each input, and a row's outputs do not depend on the batch); elsewhere
 //! (AMD, older NVIDIA, or when told not to) they are dequantized to an f32
 //! scratch before each GEMM (exactly the CPU's values) and multiplied as f32
-//! weights. [`GpuBackend::op_linear_many`] rounds the shared input once for
-//! all its layers (Q/K/V, gate/up).
+//! weights. With [`GpuBackend::set_fp8_activations`] on, FP8 (`f8_s32`)
+//! weights on sm_89+ instead multiply the input quantized to E4M3 per row
+//! and 32-input block on FP8 tensor cores ([`w8a8_gemm_kernel`], W8A8).
+//! [`GpuBackend::op_linear_many`] rounds or quantizes the shared input once
+//! for all its layers (Q/K/V, gate/up).
 
 use crate::GpuBackend;
 use crate::driver::Gemm;
@@ -61,6 +64,20 @@ pub(crate) fn scaled_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Optio
         _ => return None,
     };
     Some((kernel, if small { [16, 32] } else { [64, 64] }))
+}
+
+/// The W8A8 FP8 GEMM (E4M3 inputs quantized per 32, kernels/gemm.cu) of
+/// `f8_s32` weights for `rows` rows and its tile, where it applies: an
+/// NVIDIA target of sm_89 or newer.
+pub(crate) fn w8a8_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<(K, [usize; 2])> {
+    if dtype != DType::F8_S32 || nvidia_sm(arch)? < 89 {
+        return None;
+    }
+    Some(if rows <= SCALED_GEMM_SMALL_ROWS {
+        (K::GemmF8S32W8a8M16, [16, 32])
+    } else {
+        (K::GemmF8S32W8a8M64, [64, 64])
+    })
 }
 
 impl GpuBackend {
@@ -118,19 +135,31 @@ impl GpuBackend {
         let xp = self.p(&st, x)?;
         // The rounded input, when some weight is 16-bit (one rounding per type).
         let mut half_in: Option<(DType, u64, Tensor)> = None;
+        // The E4M3 input codes and scales, when some layer runs W8A8.
+        let mut fp8_in: Option<([u64; 2], [Tensor; 2])> = None;
+        let fp8_acts = self.fp8_activations.load(Ordering::Relaxed);
         for l in layers {
             let n = l.w.shape()[0];
             let out = self.p(&st, l.out)?;
+            // Packed blocks multiplied where they lie: W8A8 FP8, else the bf16 split.
+            let target = self.kernel_target();
             let tensor_cores = self.tensor_core_linear.load(Ordering::Relaxed);
-            let gemm = scaled_gemm_kernel(l.w.dtype(), rows, self.kernel_target());
-            if let (true, Some((kernel, [bm, bn]))) = (tensor_cores, gemm) {
-                let args = Args::new()
-                    .p(xp)
-                    .p(self.p(&st, l.w)?)
-                    .p(out)
-                    .i(rows)
-                    .i(n)
-                    .i(k);
+            let w8a8 = w8a8_gemm_kernel(l.w.dtype(), rows, target).filter(|_| fp8_acts);
+            let split = scaled_gemm_kernel(l.w.dtype(), rows, target).filter(|_| tensor_cores);
+            let packed = match (w8a8, split) {
+                (Some(kernel), _) => {
+                    if fp8_in.is_none() {
+                        fp8_in = Some(self.quantize_input_e4m3(&mut st, xp, rows, k)?);
+                    }
+                    let inputs = fp8_in.as_ref().map(|q| q.0.to_vec()).unwrap_or_default();
+                    Some((kernel, inputs))
+                }
+                (None, Some(kernel)) => Some((kernel, vec![xp])),
+                (None, None) => None,
+            };
+            if let Some(((kernel, [bm, bn]), inputs)) = packed {
+                let args = inputs.into_iter().fold(Args::new(), Args::p);
+                let args = args.p(self.p(&st, l.w)?).p(out).i(rows).i(n).i(k);
                 let grid = [n.div_ceil(bn), rows.div_ceil(bm), 1];
                 self.dev.launch(&mut st, kernel, grid, 128, 0, args)?;
                 self.add_bias(&mut st, l, rows, n)?;
@@ -191,6 +220,25 @@ impl GpuBackend {
         Ok(())
     }
 
+    /// `x` (at `xp`, `rows` x `k`) quantized to E4M3 per 32 inputs by
+    /// `quant_act_e4m3`: the codes' and scales' addresses, and their scratch
+    /// tensors (alive while the addresses are used).
+    fn quantize_input_e4m3(
+        &self,
+        st: &mut State,
+        xp: u64,
+        rows: usize,
+        k: usize,
+    ) -> Result<([u64; 2], [Tensor; 2])> {
+        let q = self.alloc_in(st, DType::F8E4M3, &[rows * k], false)?;
+        let s = self.alloc_in(st, DType::F32, &[rows * k / 32], false)?;
+        let p = [self.p(st, &q)?, self.p(st, &s)?];
+        let args = Args::new().p(xp).p(p[0]).p(p[1]).i(rows).i(k);
+        let grid = [stride_grid(self, rows * k), 1, 1];
+        self.dev.launch(st, K::QuantActE4m3, grid, 256, 0, args)?;
+        Ok((p, [q, s]))
+    }
+
     /// Adds `l`'s bias (if any) to its `rows` x `n` output.
     fn add_bias(&self, st: &mut State, l: &LinearRef<'_>, rows: usize, n: usize) -> Result<()> {
         let Some(b) = l.bias else { return Ok(()) };
@@ -220,5 +268,16 @@ mod tests {
         for float in [DType::F32, DType::F16, DType::BF16] {
             assert!(scaled_gemm_kernel(float, 1, "sm_90").is_none());
         }
+    }
+
+    #[test]
+    fn w8a8_applies_to_fp8_blocks_on_sm89_and_newer() {
+        let small = w8a8_gemm_kernel(DType::F8_S32, 16, "sm_89");
+        assert_eq!(small, Some((K::GemmF8S32W8a8M16, [16, 32])));
+        let large = w8a8_gemm_kernel(DType::F8_S32, 17, "compute_90");
+        assert_eq!(large, Some((K::GemmF8S32W8a8M64, [64, 64])));
+        assert!(w8a8_gemm_kernel(DType::F8_S32, 1, "sm_86").is_none());
+        assert!(w8a8_gemm_kernel(DType::F8_S32, 1, "gfx942").is_none());
+        assert!(w8a8_gemm_kernel(DType::U4_S32, 1, "sm_90").is_none());
     }
 }

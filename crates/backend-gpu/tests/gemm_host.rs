@@ -9,7 +9,12 @@
 //!   bits of each input);
 //! - both tile shapes give the same bits, and a row's outputs are the same
 //!   bits alone as in a batch (batch invariance);
-//! - under two thread orders (a shared-memory race would change them).
+//! - under two thread orders (a shared-memory race would change them);
+//! - W8A8 FP8 (`quant_act_e4m3`, then `mma.m16n8k32` of E4M3 codes): the
+//!   input's codes and scales equal the CPU's
+//!   (`arbor_quant::scaled::quantize_input_e4m3`) bit for bit, the outputs
+//!   the f64 product of the codes times both scales within 1e-5, the same
+//!   checks of tiles and rows, and the error against the f32 input printed.
 //!
 //! The device suite runs the same kernels on a GPU; this checks their
 //! indexing where none is. Skips without a C++ compiler (`host::compiler`).
@@ -18,6 +23,7 @@ mod host;
 
 use anyhow::{Result, bail, ensure};
 use arbor_quant::DType;
+use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
 use std::io::Write;
 use std::process::Command;
 
@@ -27,30 +33,49 @@ typedef void (*Kernel)(const float*, const unsigned char*, float*, int, int, int
 static const Kernel KERNELS[4][2] = {
     {gemm_f8_s32_m16, gemm_f8_s32_m64}, {gemm_u4_s32_m16, gemm_u4_s32_m64},
     {gemm_u8_s32_m16, gemm_u8_s32_m64}, {gemm_f4_s16_m16, gemm_f4_s16_m64}};
+typedef void (*W8a8)(const unsigned char*, const float*, const unsigned char*, float*, int, int,
+                     int);
+static const W8a8 W8A8[2] = {gemm_f8_s32_w8a8_m16, gemm_f8_s32_w8a8_m64};
 static const int ELEMS[4] = {32, 32, 32, 16}, BYTES[4] = {36, 20, 36, 12};
 
-// argv[1]: records of 6 int32 (dtype 0..3, m, n, k, tile 0 = m16 / 1 = m64,
-// seed), then x (m k f32) and the weights; argv[2]: each record's m n f32.
+// argv[1]: records of 7 int32 (kind 0 = the bf16-split GEMM, 1 = W8A8 FP8;
+// dtype 0..3, m, n, k, tile 0 = m16 / 1 = m64, seed), then x (m k f32) and
+// the weights; argv[2]: each record's m n f32 outputs, and for W8A8 the
+// input's m k E4M3 codes and m k / 32 f32 scales.
 int main(int argc, char** argv) {
     if (argc != 3) return 2;
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");
     if (!in || !out) return 2;
-    int h[6];
-    while (fread(h, 4, 6, in) == 6) {
-        const int dt = h[0], m = h[1], n = h[2], k = h[3], big = h[4];
-        std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN);
-        std::vector<unsigned char> w((size_t)n * (k / ELEMS[dt]) * BYTES[dt]);
+    int h[7];
+    while (fread(h, 4, 7, in) == 7) {
+        const int kind = h[0], dt = h[1], m = h[2], n = h[3], k = h[4], big = h[5];
+        const uint64_t seed = (uint64_t)h[6];
+        std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), s((size_t)m * k / 32, NAN);
+        std::vector<unsigned char> w((size_t)n * (k / ELEMS[dt]) * BYTES[dt]), q((size_t)m * k);
         if (fread(x.data(), 4, x.size(), in) != x.size()) return 2;
         if (fread(w.data(), 1, w.size(), in) != w.size()) return 2;
         const unsigned bm = big ? 64 : 16, bn = big ? 64 : 32;
-        const Kernel kern = KERNELS[dt][big];
+        const dim3 grid{(n + bn - 1) / bn, (m + bm - 1) / bm, 1};
         const float* xp = x.data();
         const unsigned char* wp = w.data();
-        float* yp = y.data();
-        simt::launch(dim3{(n + bn - 1) / bn, (m + bm - 1) / bm, 1}, dim3{128, 1, 1},
-                     (uint64_t)h[5], [=] { kern(xp, wp, yp, m, n, k); });
+        float *yp = y.data(), *sp = s.data();
+        unsigned char* qp = q.data();
+        if (kind == 0) {
+            const Kernel kern = KERNELS[dt][big];
+            simt::launch(grid, dim3{128, 1, 1}, seed, [=] { kern(xp, wp, yp, m, n, k); });
+        } else {
+            const unsigned warps = (unsigned)((size_t)m * k / 32);
+            simt::launch(dim3{(warps + 7) / 8, 1, 1}, dim3{256, 1, 1}, seed,
+                         [=] { quant_act_e4m3(xp, qp, sp, m, k); });
+            const W8a8 kern = W8A8[big];
+            simt::launch(grid, dim3{128, 1, 1}, seed, [=] { kern(qp, sp, wp, yp, m, n, k); });
+        }
         fwrite(y.data(), 4, y.size(), out);
+        if (kind == 1) {
+            fwrite(q.data(), 1, q.size(), out);
+            fwrite(s.data(), 4, s.size(), out);
+        }
     }
     fclose(out);
     return 0;
@@ -118,16 +143,10 @@ impl Case {
         }
     }
 
-    fn record(&self, big: bool, seed: i32, out: &mut Vec<u8>) {
+    fn record(&self, job: &Job, out: &mut Vec<u8>) {
         let dt = FORMATS.iter().position(|&d| d == self.dtype).unwrap_or(0) as i32;
-        let head = [
-            dt,
-            self.m as i32,
-            self.n as i32,
-            self.k as i32,
-            big as i32,
-            seed,
-        ];
+        let (m, n, k) = (self.m as i32, self.n as i32, self.k as i32);
+        let head = [job.w8a8 as i32, dt, m, n, k, job.big as i32, job.seed];
         for v in head {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -156,13 +175,40 @@ impl Case {
     }
 }
 
-/// Runs each (case, tile, seed) through the emulated kernel.
-fn run(bin: &std::path::Path, jobs: &[(&Case, bool, i32)]) -> Result<Vec<Vec<f32>>> {
+/// One run of the emulated kernels.
+struct Job<'a> {
+    case: &'a Case,
+    /// W8A8 FP8 (the input quantized to E4M3) instead of the bf16 split.
+    w8a8: bool,
+    /// The 64 x 64 tiles instead of 16 x 32.
+    big: bool,
+    /// Permutes the order threads take turns in.
+    seed: i32,
+}
+
+/// A job's outputs; for W8A8 also the input's E4M3 codes and scales.
+struct Outputs {
+    y: Vec<f32>,
+    q: Vec<u8>,
+    s: Vec<f32>,
+}
+
+fn job(case: &Case, w8a8: bool, big: bool, seed: i32) -> Job<'_> {
+    Job {
+        case,
+        w8a8,
+        big,
+        seed,
+    }
+}
+
+/// Runs each job through the emulated kernels.
+fn run(bin: &std::path::Path, jobs: &[Job]) -> Result<Vec<Outputs>> {
     let dir = tempfile::tempdir()?;
     let (inp, outp) = (dir.path().join("in.bin"), dir.path().join("out.bin"));
     let mut bytes = Vec::new();
-    for (case, big, seed) in jobs {
-        case.record(*big, *seed, &mut bytes);
+    for j in jobs {
+        j.case.record(j, &mut bytes);
     }
     std::fs::File::create(&inp)?.write_all(&bytes)?;
     let st = Command::new(bin).arg(&inp).arg(&outp).output()?;
@@ -170,20 +216,51 @@ fn run(bin: &std::path::Path, jobs: &[(&Case, bool, i32)]) -> Result<Vec<Vec<f32
         bail!("emulated gemm: {}", String::from_utf8_lossy(&st.stderr));
     }
     let raw = std::fs::read(&outp)?;
-    let mut floats = raw
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    jobs.iter()
-        .map(|(c, _, _)| {
-            let v: Vec<f32> = floats.by_ref().take(c.m * c.n).collect();
-            ensure!(v.len() == c.m * c.n, "short output");
-            Ok(v)
-        })
-        .collect()
+    let mut at = 0;
+    let mut take = |len: usize| -> Result<&[u8]> {
+        let s = raw
+            .get(at..at + len)
+            .ok_or_else(|| anyhow::anyhow!("short output"))?;
+        at += len;
+        Ok(s)
+    };
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let mut outs = Vec::new();
+    for j in jobs {
+        let (m, n, k) = (j.case.m, j.case.n, j.case.k);
+        let y = floats(take(4 * m * n)?);
+        let (q, s) = if j.w8a8 {
+            (take(m * k)?.to_vec(), floats(take(4 * m * k / 32)?))
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        outs.push(Outputs { y, q, s });
+    }
+    ensure!(at == raw.len(), "extra output");
+    Ok(outs)
 }
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// The emulator, the GEMM kernels and [`MAIN`] as one host executable.
+fn build_kernels(cxx: &str, dir: &std::path::Path) -> Result<std::path::PathBuf> {
+    let source = [
+        include_str!("host/simt.h"),
+        include_str!("../kernels/common.cuh"),
+        include_str!("../kernels/fp8.cuh"),
+        include_str!("../kernels/mma.cuh"),
+        include_str!("../kernels/dequant.cu"),
+        include_str!("../kernels/gemm.cu"),
+        MAIN,
+    ]
+    .join("\n");
+    host::build(cxx, dir, "gemm_host", &source)
 }
 
 #[test]
@@ -192,16 +269,7 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
         return Ok(());
     };
     let dir = tempfile::tempdir()?;
-    let source = [
-        include_str!("host/simt.h"),
-        include_str!("../kernels/common.cuh"),
-        include_str!("../kernels/mma.cuh"),
-        include_str!("../kernels/dequant.cu"),
-        include_str!("../kernels/gemm.cu"),
-        MAIN,
-    ]
-    .join("\n");
-    let bin = host::build(&cxx, dir.path(), "gemm_host", &source)?;
+    let bin = build_kernels(&cxx, dir.path())?;
     let mut checked = 0;
     for (i, dtype) in FORMATS.into_iter().enumerate() {
         // Partial tiles in every direction; k past one chunk of 64.
@@ -212,13 +280,14 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
         let outs = run(
             &bin,
             &[
-                (&case, false, 0),
-                (&case, true, 0),
-                (&case, true, 5),
-                (&alone, false, 1),
-                (&tail, true, 2),
+                job(&case, false, false, 0),
+                job(&case, false, true, 0),
+                job(&case, false, true, 5),
+                job(&alone, false, false, 1),
+                job(&tail, false, true, 2),
             ],
         )?;
+        let outs: Vec<Vec<f32>> = outs.into_iter().map(|o| o.y).collect();
         let got = &outs[0];
         for (j, (&g, (&w, &s))) in got.iter().zip(want.iter().zip(&mag)).enumerate() {
             let err = (g as f64 - w).abs();
@@ -248,6 +317,81 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
         checked += got.len();
     }
     println!("{checked} outputs of 4 formats checked on the host emulator");
+    Ok(())
+}
+
+#[test]
+fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<()> {
+    let Some(cxx) = host::compiler("kernels/gemm.cu")? else {
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    let bin = build_kernels(&cxx, dir.path())?;
+    let mut case = Case::new(DType::F8_S32, 21, 72, 160, 3)?;
+    // An all-zero input block (scale 0) and one of a single large value.
+    case.x[32..64].fill(0.0);
+    case.x[5 * 160 + 64] = 3.0e4;
+    let (m, n, k) = (case.m, case.n, case.k);
+    let outs = run(
+        &bin,
+        &[
+            job(&case, true, false, 0),
+            job(&case, true, true, 4),
+            job(&case.rows(3..4), true, false, 1),
+            job(&case.rows(17..21), true, true, 2),
+        ],
+    )?;
+    let (q, s) = quantize_input_e4m3(&case.x);
+    ensure!(outs[0].q == q, "E4M3 codes differ from the CPU's");
+    ensure!(
+        same_bits(&outs[0].s, &s),
+        "input scales differ from the CPU's"
+    );
+    // The product of the codes, scaled per block, in f64.
+    let (blocks, got) = (k / 32, &outs[0].y);
+    let (exact, exact_mag) = case.reference()?;
+    let mut worst = 0f64;
+    for r in 0..m {
+        for c in 0..n {
+            let (mut want, mut mag) = (0f64, 0f64);
+            for b in 0..blocks {
+                let wb = &case.w[(c * blocks + b) * 36..][..36];
+                let sw = f32::from_le_bytes([wb[32], wb[33], wb[34], wb[35]]) as f64;
+                let sx = s[r * blocks + b] as f64;
+                for i in 0..32 {
+                    let p = e4m3_to_f32(q[r * k + b * 32 + i]) as f64
+                        * e4m3_to_f32(wb[i]) as f64
+                        * sx
+                        * sw;
+                    want += p;
+                    mag += p.abs();
+                }
+            }
+            let g = got[r * n + c] as f64;
+            ensure!(
+                (g - want).abs() <= 1e-5 * mag + 1e-30,
+                "out[{r}][{c}] = {g}, quantized reference {want} (sum |xw| {mag})"
+            );
+            worst = worst.max((g - exact[r * n + c]).abs() / exact_mag[r * n + c]);
+        }
+    }
+    ensure!(
+        same_bits(got, &outs[1].y),
+        "the 16x32 and 64x64 tiles differ"
+    );
+    ensure!(
+        same_bits(&got[3 * n..4 * n], &outs[2].y),
+        "row 3 alone differs"
+    );
+    ensure!(
+        same_bits(&got[17 * n..], &outs[3].y),
+        "rows 17..21 alone differ"
+    );
+    println!(
+        "W8A8: {} outputs equal the E4M3 product; against the f32 input, max error {:.2}% of sum |xw|",
+        got.len(),
+        100.0 * worst
+    );
     Ok(())
 }
 

@@ -8,10 +8,17 @@
 //! 64 x 64 tiles), which batch invariance needs. The host emulator test
 //! (`backend-gpu/tests/gemm_host.rs`) checks the same kernels' indexing
 //! without a GPU; this checks them on the device's tensor cores.
+//!
+//! W8A8 FP8 (`GpuBackend::set_fp8_activations`, sm_89+): FP8 weights times
+//! the input quantized to E4M3 per 32 inputs on the host
+//! (`arbor_quant::scaled::quantize_input_e4m3`, the GPU's codes and scales),
+//! against the CPU's linear of the dequantized input (code times scale),
+//! within 1e-4; rows alone equal rows in the batch.
 
 use crate::common::*;
 use arbor_backend_cuda::kernels;
 use arbor_engine_core::{Backend, DType, HostTensor, LinearRef, Tensor};
+use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
 
 fn upload_scaled(b: &dyn Backend, dtype: DType, n: usize, k: usize, w: &[f32]) -> Tensor {
     let mut data = vec![0u8; arbor_quant::row_bytes(dtype, k).unwrap() * n];
@@ -85,6 +92,54 @@ fn scaled_block_gemm_matches_the_cpu_and_the_dequantizing_gemm() {
                     "{what}: row {r} alone differs from the batch"
                 );
             }
+        }
+    }
+}
+
+#[test]
+fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
+    let Some(g) = gpu() else { return };
+    let target = g.kernel_target().to_string();
+    if kernels::nvidia_sm(&target).is_none_or(|v| v < 89) {
+        println!("skipped: FP8 tensor cores need sm_89 or newer, this is {target}");
+        return;
+    }
+    let c = cpu();
+    let mut rng = Rng::new(12);
+    for (m, k, n) in [
+        (1, 256, 384),
+        (16, 512, 200),
+        (17, 160, 72),
+        (70, 512, 1000),
+    ] {
+        let x = rng.vec(m * k, 1.0);
+        let wf = rng.vec(n * k, 0.05);
+        let bias = rng.vec(n, 0.5);
+        let (wg, wc) = (
+            upload_scaled(&*g, DType::F8_S32, n, k, &wf),
+            upload_scaled(&*c, DType::F8_S32, n, k, &wf),
+        );
+        let (codes, scales) = quantize_input_e4m3(&x);
+        let xq: Vec<f32> = codes
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| e4m3_to_f32(q) * scales[i / 32])
+            .collect();
+        let want = linear(&*c, &xq, m, &wc, &bias);
+        g.set_fp8_activations(true);
+        let got = linear(&*g, &x, m, &wg, &bias);
+        let rows: Vec<Vec<f32>> = [0, m / 2, m - 1]
+            .iter()
+            .map(|&r| linear(&*g, &x[r * k..(r + 1) * k], 1, &wg, &bias))
+            .collect();
+        g.set_fp8_activations(false);
+        let what = format!("w8a8 {m}x{k}x{n}");
+        assert_close(&what, &got, &want, 1e-4);
+        for (r, alone) in [0, m / 2, m - 1].iter().zip(&rows) {
+            assert!(
+                same_bits(alone, &got[r * n..(r + 1) * n]),
+                "{what}: row {r} alone differs from the batch"
+            );
         }
     }
 }

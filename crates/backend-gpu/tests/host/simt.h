@@ -17,7 +17,8 @@
 // A[g+8][2t..] in a1, A[g][2t+8..] in a2, A[g+8][2t+8..] in a3, B[2t..2t+1][g]
 // in b0, B[2t+8..][g] in b1, C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]),
 // each product exact and the 16 products summed in f64 then added to C in
-// f32; the kernels' sources call it through `ARBOR_HOST_SIMT`.
+// f32; likewise `mma.sync.m16n8k32` with E4M3 inputs (`simt_mma_e4m3`). The
+// kernels' sources call them through `ARBOR_HOST_SIMT`.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -253,8 +254,13 @@ inline T __shfl_up(T v, int delta, int width = 32) {
     return simt_shfl_from(v, lane - delta < base ? lane : lane - delta);
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the calling warp.
-inline void simt_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+// One warp-wide m16n8kK product: every lane's fragments are staged, then
+// `unpack(l, a, b0, b1, A, B)` places lane l's inputs in A[16][K] and B[K][8],
+// and each lane adds its four outputs (C layout of m16n8kK: lane (g, t) holds
+// C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]), the products exact and
+// summed in f64, then rounded once to f32.
+template <int K, typename Unpack>
+inline void simt_mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1, Unpack unpack) {
     simt::WarpArea& w = simt::warp();
     const int lane = simt::linear_tid() & 31;
     memcpy(w.a[lane], a, 16);
@@ -262,24 +268,58 @@ inline void simt_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1)
     w.b[lane][1] = b1;
     memcpy(w.c[lane], c, 16);
     simt::wait(w.bar, w.live);
-    float A[16][16], B[16][8];
-    for (int l = 0; l < 32; ++l) {
-        const int g = l >> 2, t = l & 3;
-        for (int h = 0; h < 2; ++h) {
-            A[g][2 * t + h] = simt::bf16_value(w.a[l][0] >> (16 * h));
-            A[g + 8][2 * t + h] = simt::bf16_value(w.a[l][1] >> (16 * h));
-            A[g][2 * t + 8 + h] = simt::bf16_value(w.a[l][2] >> (16 * h));
-            A[g + 8][2 * t + 8 + h] = simt::bf16_value(w.a[l][3] >> (16 * h));
-            B[2 * t + h][g] = simt::bf16_value(w.b[l][0] >> (16 * h));
-            B[2 * t + 8 + h][g] = simt::bf16_value(w.b[l][1] >> (16 * h));
-        }
-    }
+    float A[16][K], B[K][8];
+    for (int l = 0; l < 32; ++l) unpack(l, w.a[l], w.b[l][0], w.b[l][1], A, B);
     const int g = lane >> 2, t = lane & 3;
     for (int r = 0; r < 4; ++r) {
         const int row = g + 8 * (r >> 1), col = 2 * t + (r & 1);
         double s = 0.0;
-        for (int k = 0; k < 16; ++k) s += (double)A[row][k] * (double)B[k][col];
+        for (int k = 0; k < K; ++k) s += (double)A[row][k] * (double)B[k][col];
         c[r] = (float)((double)w.c[lane][r] + s);
     }
     simt::wait(w.bar, w.live);
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the calling warp.
+inline void simt_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    simt_mma<16>(c, a, b0, b1, [](int l, const uint32_t* a, uint32_t b0, uint32_t b1,
+                                  float (*A)[16], float (*B)[8]) {
+        const int g = l >> 2, t = l & 3;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = simt::bf16_value(a[0] >> (16 * h));
+            A[g + 8][2 * t + h] = simt::bf16_value(a[1] >> (16 * h));
+            A[g][2 * t + 8 + h] = simt::bf16_value(a[2] >> (16 * h));
+            A[g + 8][2 * t + 8 + h] = simt::bf16_value(a[3] >> (16 * h));
+            B[2 * t + h][g] = simt::bf16_value(b0 >> (16 * h));
+            B[2 * t + 8 + h][g] = simt::bf16_value(b1 >> (16 * h));
+        }
+    });
+}
+
+// An E4M3 code's value (OCP "fn": no infinities, S.1111.111 NaN).
+inline float simt_e4m3_value(uint32_t c) {
+    const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+    if (e == 15u && m == 7u) return NAN;
+    const float v = e == 0u ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, (int)e - 7);
+    return (c & 0x80u) ? -v : v;
+}
+
+// mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 for the calling warp:
+// lane (g, t) holds A[g][4t..4t+3] (a0, one byte each, lowest first),
+// A[g+8][4t..] (a1), A[g][16+4t..] (a2), A[g+8][16+4t..] (a3),
+// B[4t..4t+3][g] (b0), B[16+4t..][g] (b1).
+inline void simt_mma_e4m3(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    simt_mma<32>(c, a, b0, b1, [](int l, const uint32_t* a, uint32_t b0, uint32_t b1,
+                                  float (*A)[32], float (*B)[8]) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) {
+            const int sh = 8 * i;
+            A[g][4 * t + i] = simt_e4m3_value((a[0] >> sh) & 0xffu);
+            A[g + 8][4 * t + i] = simt_e4m3_value((a[1] >> sh) & 0xffu);
+            A[g][16 + 4 * t + i] = simt_e4m3_value((a[2] >> sh) & 0xffu);
+            A[g + 8][16 + 4 * t + i] = simt_e4m3_value((a[3] >> sh) & 0xffu);
+            B[4 * t + i][g] = simt_e4m3_value((b0 >> sh) & 0xffu);
+            B[16 + 4 * t + i][g] = simt_e4m3_value((b1 >> sh) & 0xffu);
+        }
+    });
 }

@@ -147,6 +147,23 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
     sign | code.min(0x7e)
 }
 
+/// W8A8 input quantization: each run of 32 values of `x` becomes the E4M3
+/// codes of `v * (448 / max |v|)` (as [`f32_to_e4m3`]) and the scale
+/// `max |v| / 448` (a run of zeros: codes 0, scale 0), so a value is about
+/// its code times its scale. The GPU's `quant_act_e4m3` computes the same
+/// bytes and scales. A tail of fewer than 32 values is ignored.
+pub fn quantize_input_e4m3(x: &[f32]) -> (Vec<u8>, Vec<f32>) {
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len() / 32);
+    for run in x.chunks_exact(32) {
+        let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
+        codes.extend(run.iter().map(|&v| f32_to_e4m3(v * inv)));
+        scales.push(amax / 448.0);
+    }
+    (codes, scales)
+}
+
 /// Decodes one E5M2 byte (exact: the top byte of an f16).
 #[inline(always)]
 pub fn e5m2_to_f32(b: u8) -> f32 {
@@ -401,6 +418,30 @@ pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn input_quantization_scales_each_run_of_32_to_448() {
+        let mut x: Vec<f32> = (0..96).map(|i| (i as f32 - 40.0) * 0.25).collect();
+        x[32..64].fill(0.0);
+        x.push(1.0); // a tail shorter than 32: ignored
+        let (codes, scales) = quantize_input_e4m3(&x);
+        assert_eq!((codes.len(), scales.len()), (96, 3));
+        // Run 0: max |x| = 10 (x[0] = -10) is the code of -448.
+        assert_eq!(scales[0], 10.0 / 448.0);
+        assert_eq!(codes[0], 0x80 | 0x7e);
+        assert_eq!(
+            (scales[1], codes[32..64].iter().all(|&c| c == 0)),
+            (0.0, true)
+        );
+        for (i, &c) in codes.iter().enumerate() {
+            let back = e4m3_to_f32(c) * scales[i / 32];
+            assert!(
+                (back - x[i]).abs() <= x[i].abs() / 16.0 + 1e-6,
+                "{i}: {back} vs {}",
+                x[i]
+            );
+        }
+    }
 
     #[test]
     fn e4m3_round_trips_every_finite_code() {
