@@ -331,7 +331,7 @@ __device__ void prefill_impl(const float* q, const KV* kc, const KV* vc, const i
                              float k_scale, float v_scale) {
     constexpr int BQ = 16 * RI;
     constexpr int BK = 16 * CJ;
-    extern __shared__ float smem[];
+    DYNAMIC_SMEM(float, smem);
     const int s = blockIdx.z, h = blockIdx.y;
     const SeqInfo si = seq_at(seq_info, s);
     const int q_start = si.q_start, q_len = si.q_len, kv_len = si.kv_len;
@@ -546,7 +546,7 @@ __device__ void prefill_mma_impl(const float* q, const bf16_t* kc, const bf16_t*
     constexpr int BQ = 64, BK = 64;
     constexpr int QS = HD + 8;
     constexpr int VS = BK + 8;
-    extern __shared__ float smem[];
+    DYNAMIC_SMEM(float, smem);
     unsigned short* Qh = reinterpret_cast<unsigned short*>(smem);
     unsigned short* Ql = Qh + BQ * QS;
     unsigned short* Ks = Ql + BQ * QS;

@@ -28,6 +28,11 @@
 #define SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
 #endif
 
+// The block's dynamic shared memory (the launch's byte count) as `T name[]`.
+#ifndef ARBOR_HOST_SIMT
+#define DYNAMIC_SMEM(T, name) extern __shared__ T name[]
+#endif
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif

@@ -104,13 +104,13 @@ pub(crate) fn decode_splits(
 /// Shared memory bytes of the prefill kernel with `bq` x `bq` tiles:
 /// Q [bq][hd + 1], K [bq][hd + 1], V [bq][hd], P [bq][bq + 1] floats, and
 /// for a batch with a draft tree T [bq][4] words (the tile's masks).
-pub(crate) fn prefill_smem(bq: usize, hd: usize, tree: bool) -> usize {
+pub fn prefill_smem(bq: usize, hd: usize, tree: bool) -> usize {
     4 * (2 * bq * (hd + 1) + bq * hd + bq * (bq + 1) + if tree { 4 * bq } else { 0 })
 }
 
 /// Shared memory bytes of the tensor-core prefill kernel: Q high parts, Q
 /// remainders and K as bf16 [64][hd + 8], V transposed [hd][72], slots [64].
-pub(crate) fn prefill_mma_smem(hd: usize) -> usize {
+pub fn prefill_mma_smem(hd: usize) -> usize {
     2 * (3 * 64 * (hd + 8) + hd * (64 + 8)) + 4 * 64
 }
 
@@ -118,7 +118,7 @@ pub(crate) fn prefill_mma_smem(hd: usize) -> usize {
 /// memory bytes where it applies: an NVIDIA target of sm_80 or newer (`arch`
 /// as `sm_90` or `compute_90`), a bf16 cache, head_dim 64 or 128 and no
 /// draft tree in the batch.
-pub(crate) fn prefill_mma_kernel(
+pub fn prefill_mma_kernel(
     kd: DType,
     hd: usize,
     tree: bool,
@@ -151,7 +151,7 @@ fn kv_write_kernel(kd: DType) -> K {
 
 /// The flash-decoding kernel for a cache of `kd` and head_dim `hd`: the
 /// 128-wide variant up to 128, else the 256-wide one.
-fn decode_kernel(kd: DType, hd: usize) -> K {
+pub fn decode_kernel(kd: DType, hd: usize) -> K {
     match (kd, hd <= 128) {
         (DType::F32, true) => K::DecodeF32D128,
         (DType::F16, true) => K::DecodeF16D128,
@@ -171,7 +171,7 @@ fn decode_kernel(kd: DType, hd: usize) -> K {
 /// bytes per block: 64-row tiles (head dims up to 128), 32-row tiles (up to
 /// 256), then 16-row tiles (for the 64 KiB of LDS of AMD GPUs). Returns the
 /// tile's rows, the kernel and its shared memory bytes.
-pub(crate) fn prefill_kernel(
+pub fn prefill_kernel(
     kd: DType,
     hd: usize,
     tree: bool,

@@ -21,10 +21,9 @@
 
 mod host;
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Result, ensure};
 use arbor_quant::DType;
 use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
-use std::io::Write;
 use std::process::Command;
 
 const MAIN: &str = r#"
@@ -84,18 +83,6 @@ int main(int argc, char** argv) {
 
 const FORMATS: [DType; 4] = [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16];
 
-/// A seeded uniform generator in [-1, 1).
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
-
 struct Case {
     dtype: DType,
     m: usize,
@@ -107,7 +94,7 @@ struct Case {
 
 impl Case {
     fn new(dtype: DType, m: usize, n: usize, k: usize, seed: u64) -> Result<Self> {
-        let mut rng = Lcg(seed);
+        let mut rng = host::Lcg(seed);
         // Inputs over several binades, weights with a per-row magnitude.
         let x: Vec<f32> = (0..m * k)
             .map(|i| rng.next() * [1.0, 0.01, 30.0][i % 3])
@@ -204,18 +191,11 @@ fn job(case: &Case, w8a8: bool, big: bool, seed: i32) -> Job<'_> {
 
 /// Runs each job through the emulated kernels.
 fn run(bin: &std::path::Path, jobs: &[Job]) -> Result<Vec<Outputs>> {
-    let dir = tempfile::tempdir()?;
-    let (inp, outp) = (dir.path().join("in.bin"), dir.path().join("out.bin"));
     let mut bytes = Vec::new();
     for j in jobs {
         j.case.record(j, &mut bytes);
     }
-    std::fs::File::create(&inp)?.write_all(&bytes)?;
-    let st = Command::new(bin).arg(&inp).arg(&outp).output()?;
-    if !st.status.success() {
-        bail!("emulated gemm: {}", String::from_utf8_lossy(&st.stderr));
-    }
-    let raw = std::fs::read(&outp)?;
+    let raw = host::run_records(bin, &bytes)?;
     let mut at = 0;
     let mut take = |len: usize| -> Result<&[u8]> {
         let s = raw
@@ -224,17 +204,12 @@ fn run(bin: &std::path::Path, jobs: &[Job]) -> Result<Vec<Outputs>> {
         at += len;
         Ok(s)
     };
-    let floats = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    };
     let mut outs = Vec::new();
     for j in jobs {
         let (m, n, k) = (j.case.m, j.case.n, j.case.k);
-        let y = floats(take(4 * m * n)?);
+        let y = host::floats(take(4 * m * n)?);
         let (q, s) = if j.w8a8 {
-            (take(m * k)?.to_vec(), floats(take(4 * m * k / 32)?))
+            (take(m * k)?.to_vec(), host::floats(take(4 * m * k / 32)?))
         } else {
             (Vec::new(), Vec::new())
         };
@@ -250,17 +225,14 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 
 /// The emulator, the GEMM kernels and [`MAIN`] as one host executable.
 fn build_kernels(cxx: &str, dir: &std::path::Path) -> Result<std::path::PathBuf> {
-    let source = [
-        include_str!("host/simt.h"),
+    let kernels = [
         include_str!("../kernels/common.cuh"),
         include_str!("../kernels/fp8.cuh"),
         include_str!("../kernels/mma.cuh"),
         include_str!("../kernels/dequant.cu"),
         include_str!("../kernels/gemm.cu"),
-        MAIN,
-    ]
-    .join("\n");
-    host::build(cxx, dir, "gemm_host", &source)
+    ];
+    host::build_on_emulator(cxx, dir, "gemm_host", &kernels, MAIN)
 }
 
 #[test]

@@ -1,11 +1,13 @@
 //! Building the GPU kernels' sources for the host with the system's C++
-//! compiler (`$CXX`, else `c++`), for tests on machines without a GPU.
+//! compiler (`$CXX`, else `c++`), for tests on machines without a GPU, and
+//! running them on the emulator (`simt.h`) over records in a file.
 //! [`compiler`] says whether one runs: a test skips, printing why, when none
 //! does, unless `ARBOR_REQUIRE_CXX=1` makes that a failure.
 
 #![allow(dead_code)]
 
 use anyhow::{Result, bail};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -36,4 +38,53 @@ pub fn build(cxx: &str, dir: &Path, name: &str, source: &str) -> Result<PathBuf>
         bail!("{cxx} {name}: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(bin)
+}
+
+/// Compiles the emulator, the kernel sources `kernels` (their text, in
+/// order) and a `main` into the executable `dir/name`.
+pub fn build_on_emulator(
+    cxx: &str,
+    dir: &Path,
+    name: &str,
+    kernels: &[&str],
+    main: &str,
+) -> Result<PathBuf> {
+    let mut source = vec![include_str!("simt.h")];
+    source.extend_from_slice(kernels);
+    source.push(main);
+    build(cxx, dir, name, &source.join("\n"))
+}
+
+/// Runs `bin` with a file of `records` and the path of its output file;
+/// returns the output bytes.
+pub fn run_records(bin: &Path, records: &[u8]) -> Result<Vec<u8>> {
+    let dir = tempfile::tempdir()?;
+    let (inp, outp) = (dir.path().join("in.bin"), dir.path().join("out.bin"));
+    std::fs::File::create(&inp)?.write_all(records)?;
+    let st = Command::new(bin).arg(&inp).arg(&outp).output()?;
+    if !st.status.success() {
+        bail!("{}: {}", bin.display(), String::from_utf8_lossy(&st.stderr));
+    }
+    Ok(std::fs::read(&outp)?)
+}
+
+/// Little-endian f32s of `bytes`.
+pub fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// A seeded uniform generator in [-1, 1).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
 }

@@ -27,8 +27,12 @@
 #include <string.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <functional>
 #include <vector>
+
+using std::max;
+using std::min;
 
 #define ARBOR_HOST_SIMT 1
 #define __device__
@@ -36,6 +40,8 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(simt::blk->dynamic_smem.data())
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -96,6 +102,9 @@ struct Block {
     Barrier bar;
     std::vector<WarpArea> warps;
     std::function<void()> body;
+    // Dynamic shared memory, filled with NaN bytes (0xff) before each block:
+    // a read of what no thread wrote shows.
+    std::vector<unsigned char> dynamic_smem;
 };
 
 inline Block* blk = nullptr;
@@ -170,9 +179,11 @@ inline void fiber_entry() {
     setcontext(&b.fibers[next].ctx);
 }
 
-// Runs `body` as every thread of a `grid` of `block`s; `seed` permutes the
-// order the threads of a block take turns in.
-inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> body) {
+// Runs `body` as every thread of a `grid` of `block`s with `smem_bytes` of
+// dynamic shared memory; `seed` permutes the order the threads of a block
+// take turns in.
+inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> body,
+                   size_t smem_bytes = 0) {
     const int n = (int)(block.x * block.y * block.z);
     if (n % 32 != 0) fail("blocks must be whole warps");
     std::vector<int> order(n);
@@ -197,6 +208,7 @@ inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> b
                 b.live = n;
                 b.bar.size = n;
                 b.warps.resize(n / 32);
+                b.dynamic_smem.assign(smem_bytes, 0xff);
                 for (WarpArea& w : b.warps) w.bar.size = 32;
                 for (int i = 0; i < n; ++i) {
                     Fiber& f = b.fibers[i];
