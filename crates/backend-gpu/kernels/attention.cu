@@ -64,6 +64,10 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
     for (int i = 0; i < N; ++i) f[i] = kv_elem<KV>(r.w, i) * s;
 }
 
+// Decode split sizes (attention.rs mirrors them in `decode_splits`).
+#define DECODE_SPLIT_MIN_TOKENS 64
+#define DECODE_MAX_SPLITS 16
+
 // ---------------------------------------------------------------------------
 // Decode, part 1. Grid (seqs, kv_heads, splits), 128 threads (4 warps).
 // Block (s, g, p) handles the pages of split p of sequence s for the query
@@ -78,6 +82,14 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
 // a multiple of 8 (every element's address then aligned), else element by
 // element. Writes unnormalized partial outputs part_o [seqs, heads, splits,
 // head_dim] and (max, sum) pairs part_ml [seqs, heads, splits, 2].
+//
+// A sequence's splits depend on its own length alone (each covers at least
+// DECODE_SPLIT_MIN_TOKENS tokens, whole pages, and a sequence has at most
+// DECODE_MAX_SPLITS), never on `splits` (the grid, at least the most any
+// sequence of the batch needs): so its partial sums and its output are the
+// same bits alone, in any batch and in any graph bucket. Blocks past a
+// sequence's splits write empty partials (max -inf, sums 0), which the merge
+// adds as exact zeros.
 // Inlined into each kernel, so that each owns exactly its own shared arrays
 // (hiprtc otherwise counted the shared memory of every FP8 instantiation
 // against each: 82,688 bytes of a 65,536-byte limit).
@@ -98,7 +110,9 @@ __device__ __forceinline__ void decode_split_impl(
     const int group = heads / kv_heads;
     // Split p covers whole pages [p * per, (p + 1) * per) of the sequence.
     const int pages = (kv_len + page_size - 1) / page_size;
-    const int per = (pages + splits - 1) / splits;
+    const int min_pages = (DECODE_SPLIT_MIN_TOKENS + page_size - 1) / page_size;
+    int per = max(min_pages, (pages + DECODE_MAX_SPLITS - 1) / DECODE_MAX_SPLITS);
+    per = max(per, (pages + splits - 1) / splits);  // a short grid never drops tokens
     int t0 = p * per * page_size;
     int t1 = min(kv_len, (p + 1) * per * page_size);
     if (window > 0) t0 = max(t0, kv_len - window);

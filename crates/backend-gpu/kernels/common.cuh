@@ -14,7 +14,7 @@
 // does on a 32-wide warp; 32-wide wavefronts (RDNA) are one warp. The only
 // other differences are the f16 conversions (PTX `cvt` on NVIDIA, clang's
 // `_Float16` on AMD; both round to nearest even). The host emulator of the
-// backend's tests (tests/host/simt.h, `ARBOR_HOST_SIMT`) takes the AMD path,
+// backend's tests (kernels/host/simt.h, `ARBOR_HOST_SIMT`) takes the AMD path,
 // with its own shuffles.
 
 #if defined(__HIPCC_RTC__) || defined(__HIP__) || defined(ARBOR_HOST_SIMT)

@@ -13,7 +13,7 @@
 __device__ __forceinline__ float bf16_bits_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
 #if defined(ARBOR_HOST_SIMT)
-// The host emulator of the backend's tests (tests/host/simt.h) computes it
+// The host emulator of the backend's tests (kernels/host/simt.h) computes it
 // from the fragment layout with exact products.
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     simt_mma_bf16(c, a, b0, b1);

@@ -25,9 +25,11 @@
 //! was told not to (`GpuBackend::set_tensor_core_prefill`), else the f32
 //! kernel with the largest tile that fits shared memory ([`prefill_kernel`]).
 //!
-//! Decode splits each sequence's pages into `splits` ranges (more when the
-//! batch is small, so every SM has work); a graph step chooses the count from
-//! the bucket alone, since lengths change from step to step.
+//! Decode splits each sequence's pages into ranges of at least 64 tokens, at
+//! most 16 per sequence, sized from that sequence's length alone, so a row's
+//! attention is the same bits alone, in any batch and in any graph bucket
+//! (batch invariance); the grid has as many splits as the longest sequence
+//! needs when lengths are known, else (a graph step) 16.
 
 use crate::GpuBackend;
 use crate::device::PREFILL_SMEM_MAX;
@@ -85,20 +87,24 @@ impl GpuAttention {
     }
 }
 
-/// Decode splits per sequence: enough blocks for every SM when the batch is
-/// small, at least 64 tokens per split when the longest sequence is known.
-pub(crate) fn decode_splits(
-    seqs: usize,
-    kv_heads: usize,
-    sm_count: usize,
-    max_len: Option<usize>,
-) -> usize {
-    let blocks = (seqs * kv_heads).max(1);
-    let mut s = (2 * sm_count).div_ceil(blocks).clamp(1, 32);
-    if let Some(len) = max_len {
-        s = s.min(len.div_ceil(64).max(1));
-    }
-    s
+/// Tokens a decode split covers at least, and splits a sequence has at most
+/// (kernels/attention.cu's `DECODE_SPLIT_MIN_TOKENS`, `DECODE_MAX_SPLITS`).
+const DECODE_SPLIT_MIN_TOKENS: usize = 64;
+const DECODE_MAX_SPLITS: usize = 16;
+
+/// The decode grid's splits: at least as many as any sequence of the batch
+/// has (the kernel sizes a sequence's splits from its own length, so that
+/// they do not depend on the batch), from the longest length when it is
+/// known, else (a graph step, whose lengths change) the most a sequence can
+/// have.
+pub(crate) fn decode_splits(page_size: usize, max_len: Option<usize>) -> usize {
+    let Some(len) = max_len else {
+        return DECODE_MAX_SPLITS;
+    };
+    let min_pages = DECODE_SPLIT_MIN_TOKENS.div_ceil(page_size.max(1));
+    len.div_ceil(page_size.max(1))
+        .div_ceil(min_pages)
+        .clamp(1, DECODE_MAX_SPLITS)
 }
 
 /// Shared memory bytes of the prefill kernel with `bq` x `bq` tiles:
@@ -462,7 +468,7 @@ impl AttentionBackend for GpuAttention {
             } else {
                 Some(info.max_kv_len)
             };
-            let splits = decode_splits(seqs, nkv, dev.props().compute_units as usize, known_len);
+            let splits = decode_splits(ps, known_len);
             let part_o = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * hd], false)?;
             let part_ml = b.alloc_in(&mut st, DType::F32, &[seqs * nh * splits * 2], false)?;
             let (pop, pmp) = (b.p(&st, &part_o)?, b.p(&st, &part_ml)?);
@@ -531,10 +537,13 @@ mod tests {
 
     #[test]
     fn splits() {
-        assert_eq!(decode_splits(1, 8, 132, None), 32);
-        assert_eq!(decode_splits(8, 8, 132, None), 5);
-        assert_eq!(decode_splits(256, 8, 132, None), 1);
-        assert_eq!(decode_splits(1, 8, 132, Some(100)), 2);
+        // Graph steps: the most a sequence can have.
+        assert_eq!(decode_splits(16, None), 16);
+        // Known lengths: enough for the longest (64 tokens each, whole pages).
+        assert_eq!(decode_splits(16, Some(1)), 1);
+        assert_eq!(decode_splits(16, Some(100)), 2);
+        assert_eq!(decode_splits(1, Some(100)), 2);
+        assert_eq!(decode_splits(16, Some(100_000)), 16);
     }
 
     #[test]

@@ -122,6 +122,11 @@ pub fn nvidia_sm(target: &str) -> Option<u32> {
         .ok()
 }
 
+/// The host emulator of the CUDA execution model (C++17, for the system's
+/// compiler): put before [`source`], it runs the kernels on the CPU
+/// (`arbor-backend-simt`, and the kernel tests of this crate).
+pub const SIMT_HEADER: &str = include_str!("../kernels/host/simt.h");
+
 /// The CUDA C source of every kernel, as one translation unit.
 pub fn source() -> String {
     [

@@ -1,5 +1,5 @@
 //! The paged attention kernels (`kernels/attention.cu`) on the host emulator
-//! of the CUDA execution model (`tests/host/simt.h`), against an f64
+//! of the CUDA execution model (`kernels/host/simt.h`), against an f64
 //! attention written here from the layout the launcher uploads (`seq_info`
 //! rows of q_start, q_len, kv_len, page_start; a page table; caches of
 //! [slot][kv_head][head_dim]):
@@ -10,7 +10,8 @@
 //!   bf16 parts), over cached prefixes, partial tiles, grouped-query heads,
 //!   pages in shuffled order, with and without a sliding window;
 //! - flash-decoding (`decode_split_*` over 1 and 3 splits, then
-//!   `decode_merge`) of f32 and bf16 caches.
+//!   `decode_merge`) of f32 and bf16 caches, and a decode row the same bits
+//!   with any sufficient grid and beside other sequences (batch invariance).
 //!
 //! Within 1e-5 of the largest output (the f32 kernels) and 3e-5 (the bf16
 //! split of the tensor-core kernel), and the same bits under two thread
@@ -434,5 +435,42 @@ fn decode_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
             }
         }
     }
+    Ok(())
+}
+
+/// A decode row is the same bits whatever the grid's split count (at least
+/// what the batch needs) and whatever else is in the batch: a sequence of
+/// 300 tokens (19 pages of 16 in splits of 4 pages: 5) alone with 5 and 16
+/// splits, and beside two short sequences with 16.
+#[test]
+fn decode_rows_do_not_depend_on_the_grid_or_the_batch() -> Result<()> {
+    let Some(cxx) = host::compiler("kernels/attention.cu")? else {
+        return Ok(());
+    };
+    let dir = tempfile::tempdir()?;
+    let bin = build(&cxx, dir.path())?;
+    let kernel = decode_kernel(DType::F32, 128);
+    let alone = Batch::new(DType::F32, 128, 0, &[(1, 300)], 21);
+    let mut batched = Batch::new(DType::F32, 128, 0, &[(1, 37), (1, 300), (1, 5)], 22);
+    // The long sequence's query and pages hold the same values as alone.
+    let row = alone.heads * alone.hd;
+    batched.q[row..2 * row].copy_from_slice(&alone.q);
+    for pos in 0..300 {
+        let (from, to) = (alone.slot(0, pos), batched.slot(1, pos));
+        let w = alone.kv_heads * alone.hd;
+        batched.k[to * w..(to + 1) * w].copy_from_slice(&alone.k[from * w..(from + 1) * w]);
+        batched.v[to * w..(to + 1) * w].copy_from_slice(&alone.v[from * w..(from + 1) * w]);
+    }
+    let mut records = Vec::new();
+    alone.record(kernel, [0, 128, 5, 0], 0, &mut records);
+    alone.record(kernel, [0, 128, 16, 0], 0, &mut records);
+    batched.record(kernel, [0, 128, 16, 0], 0, &mut records);
+    let outs = run(&bin, &records, &[row, row, 3 * row])?;
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    ensure!(same(&outs[0], &outs[1]), "5 and 16 splits differ");
+    ensure!(
+        same(&outs[0], &outs[2][row..2 * row]),
+        "the row differs in a batch"
+    );
     Ok(())
 }

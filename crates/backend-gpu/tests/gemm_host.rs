@@ -1,5 +1,5 @@
 //! The tensor-core GEMM of the scaled-block weights (`kernels/gemm.cu`), run
-//! on the host emulator of the CUDA execution model (`tests/host/simt.h`:
+//! on the host emulator of the CUDA execution model (`kernels/host/simt.h`:
 //! every thread a fiber, shared memory, barriers, shuffles, and
 //! `mma.m16n8k16` computed from the PTX fragment layout), against an f64
 //! product of the CPU's dequantization (`arbor_quant::dequantize`):
@@ -369,13 +369,13 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
 
 #[test]
 fn the_emulator_refuses_a_barrier_a_returned_thread_cannot_reach() -> Result<()> {
-    let Some(cxx) = host::compiler("tests/host/simt.h")? else {
+    let Some(cxx) = host::compiler("kernels/host/simt.h")? else {
         return Ok(());
     };
     let dir = tempfile::tempdir()?;
     let source = format!(
         "{}\n{}",
-        include_str!("host/simt.h"),
+        arbor_backend_gpu::kernels::SIMT_HEADER,
         r#"
 __global__ void early_return(int* out) {
     if (threadIdx.x == 5) return;

@@ -1,6 +1,6 @@
 //! Building the GPU kernels' sources for the host with the system's C++
 //! compiler (`$CXX`, else `c++`), for tests on machines without a GPU, and
-//! running them on the emulator (`simt.h`) over records in a file.
+//! running them on the emulator (`kernels/host/simt.h`) over records in a file.
 //! [`compiler`] says whether one runs: a test skips, printing why, when none
 //! does, unless `ARBOR_REQUIRE_CXX=1` makes that a failure.
 
@@ -49,7 +49,7 @@ pub fn build_on_emulator(
     kernels: &[&str],
     main: &str,
 ) -> Result<PathBuf> {
-    let mut source = vec![include_str!("simt.h")];
+    let mut source = vec![arbor_backend_gpu::kernels::SIMT_HEADER];
     source.extend_from_slice(kernels);
     source.push(main);
     build(cxx, dir, name, &source.join("\n"))

@@ -106,6 +106,11 @@ fn filters_and_seeds() {
 #[test]
 fn frequencies_follow_the_softmax() {
     let Some(g) = gpu() else { return };
+    if crate::vendor::NAME == "simt" {
+        // filters_and_seeds covers the same kernel; 4,000 emulated blocks take minutes.
+        println!("skipped on the CUDA host emulator: 4,000 draws take minutes there");
+        return;
+    }
     let logits = [1.0f32, 2.0, 0.5, 3.0, -1.0, 2.5];
     let vocab = logits.len();
     let n = 4000;

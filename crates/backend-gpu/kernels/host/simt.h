@@ -2,7 +2,8 @@
 // kernels (kernels/*.cu, compiled by the system's C++ compiler) on a machine
 // without a GPU.
 //
-// Every thread of a block is a fiber (ucontext) of one OS thread; the blocks
+// Every thread of a block is a fiber of one OS thread (switched by a few
+// instructions on x86-64, by ucontext elsewhere); the blocks
 // of a grid run one after another, so `__shared__` arrays are function
 // statics. A fiber runs until it reaches a barrier (`__syncthreads`, a warp's
 // shuffle, `__syncwarp`, a warp's `mma`), then the next fiber runs: the
@@ -64,6 +65,29 @@ static inline float __int_as_float(int i) {
     return f;
 }
 
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+[[noreturn]] static inline void __trap() { abort(); }
+
+// Atomics: the fibers of a block take turns on one OS thread, so a plain
+// read-modify-write is atomic.
+template <typename T> inline T atomicMax(T* p, T v) {
+    const T old = *p;
+    if (v > old) *p = v;
+    return old;
+}
+template <typename T> inline T atomicMin(T* p, T v) {
+    const T old = *p;
+    if (v < old) *p = v;
+    return old;
+}
+template <typename T> inline T atomicAdd(T* p, T v) {
+    const T old = *p;
+    *p = old + v;
+    return old;
+}
+
 namespace simt {
 
 [[noreturn]] inline void fail(const char* what) {
@@ -87,18 +111,82 @@ struct WarpArea {
     float c[32][4];
 };
 
+// Fiber contexts: on x86-64 a saved stack pointer (simt_switch pushes the
+// callee-saved registers, swaps stacks and pops them: no system calls);
+// elsewhere a ucontext.
+#if defined(__x86_64__)
+extern "C" void simt_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl simt_switch
+    .hidden simt_switch
+    .type simt_switch, @function
+simt_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size simt_switch, .-simt_switch
+)");
+struct Context {
+    void* sp = nullptr;
+};
+inline void context_switch(Context* save, Context* load) { simt_switch(&save->sp, load->sp); }
+// A context that starts `entry` on the stack [base, base + bytes).
+inline void context_make(Context* c, char* base, size_t bytes, void (*entry)()) {
+    uintptr_t top = ((uintptr_t)(base + bytes)) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;                   // entry's return address (never used)
+    *--sp = (void*)entry;              // where simt_switch's ret goes
+    for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12..r15
+    c->sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline void context_switch(Context* save, Context* load) { swapcontext(&save->uc, &load->uc); }
+inline void context_make(Context* c, char* base, size_t bytes, void (*entry)()) {
+    getcontext(&c->uc);
+    c->uc.uc_stack.ss_sp = base;
+    c->uc.uc_stack.ss_size = bytes;
+    c->uc.uc_link = nullptr;
+    makecontext(&c->uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     dim3 tid;
     bool done = false;
-    std::vector<char> stack;
 };
+
+// Bytes of a fiber's stack.
+constexpr size_t STACK_BYTES = 64 * 1024;
+
+// Stacks for `n` fibers, kept for the OS thread's later launches.
+inline char* stacks(size_t n) {
+    static thread_local std::vector<char> pool;
+    if (pool.size() < n * STACK_BYTES) pool.resize(n * STACK_BYTES);
+    return pool.data();
+}
 
 struct Block {
     std::vector<Fiber> fibers;
     int cur = 0;
     int live = 0;
-    ucontext_t main;
+    Context main;
     Barrier bar;
     std::vector<WarpArea> warps;
     std::function<void()> body;
@@ -132,7 +220,7 @@ inline void yield() {
     if (next < 0 || next == prev) fail("deadlock: no other thread can reach the barrier");
     b.cur = next;
     threadIdx = b.fibers[next].tid;
-    swapcontext(&b.fibers[prev].ctx, &b.fibers[next].ctx);
+    context_switch(&b.fibers[prev].ctx, &b.fibers[next].ctx);
 }
 
 // Waits at `bar` until its `size` threads arrived; `live` threads of its
@@ -172,11 +260,13 @@ inline void fiber_entry() {
     if (warp().bar.arrived > 0) fail("a thread returned while its warp waits at a barrier");
     const int next = next_live(b.cur);
     if (next < 0) {
-        setcontext(&b.main);
+        Context done;
+        context_switch(&done, &b.main);
     }
     b.cur = next;
     threadIdx = b.fibers[next].tid;
-    setcontext(&b.fibers[next].ctx);
+    Context done;
+    context_switch(&done, &b.fibers[next].ctx);
 }
 
 // Runs `body` as every thread of a `grid` of `block`s with `smem_bytes` of
@@ -197,6 +287,7 @@ inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> b
     }
     gridDim = grid;
     blockDim = block;
+    char* const stack = stacks((size_t)n);
     for (unsigned bz = 0; bz < grid.z; ++bz)
         for (unsigned by = 0; by < grid.y; ++by)
             for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -214,16 +305,12 @@ inline void launch(dim3 grid, dim3 block, uint64_t seed, std::function<void()> b
                     Fiber& f = b.fibers[i];
                     const unsigned t = (unsigned)order[i];
                     f.tid = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                    f.stack.resize(256 * 1024);
-                    getcontext(&f.ctx);
-                    f.ctx.uc_stack.ss_sp = f.stack.data();
-                    f.ctx.uc_stack.ss_size = f.stack.size();
-                    f.ctx.uc_link = nullptr;
-                    makecontext(&f.ctx, fiber_entry, 0);
+                    context_make(&f.ctx, stack + (size_t)i * STACK_BYTES, STACK_BYTES,
+                                 fiber_entry);
                 }
                 b.cur = 0;
                 threadIdx = b.fibers[0].tid;
-                swapcontext(&b.main, &b.fibers[0].ctx);
+                context_switch(&b.main, &b.fibers[0].ctx);
                 if (b.live != 0) fail("a block ended with live threads");
                 blk = nullptr;
             }

@@ -1,0 +1,338 @@
+//! [`SimtDriver`]: the GPU backend's `Driver` over host memory and the
+//! emulated kernels of [`crate::library`].
+//!
+//! "Device" memory is host memory (256-byte aligned, zeroed), so a device
+//! address is a host pointer. Every queued operation runs at once, in call
+//! order, which is the one stream's order; `sync` has nothing to wait for.
+//! The GEMM is an f32 product over f32, f16 or bf16 operands (as cuBLAS with
+//! f32 accumulation), each output summed in input order. A capture records
+//! the operations with their argument values (as a CUDA graph copies kernel
+//! parameters) and a replay runs them again; nothing runs during a capture.
+
+#![allow(unsafe_code)]
+
+use crate::library::Library;
+use arbor_backend_gpu::driver::{DeviceProps, Driver, Gemm, Graph};
+use arbor_backend_gpu::kernels::K;
+use arbor_engine_core::{CoreError, DType, Result};
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Alignment of every allocation (cudaMalloc gives at least 256).
+const ALIGN: usize = 256;
+
+/// An operation as queued.
+#[derive(Clone, Debug)]
+enum Op {
+    Launch {
+        k: K,
+        grid: [u32; 3],
+        block: u32,
+        smem: u32,
+        args: Vec<u64>,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    Memset {
+        dst: u64,
+        bytes: usize,
+    },
+    Gemm(Gemm),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The state shared with the graphs a driver captured.
+#[derive(Debug)]
+struct Inner {
+    lib: Library,
+    /// Operations recorded by a capture in progress.
+    capture: Mutex<Option<Vec<Op>>>,
+}
+
+impl Inner {
+    /// Runs `op` now.
+    fn run(&self, op: &Op) -> Result<()> {
+        match op {
+            Op::Launch {
+                k,
+                grid,
+                block,
+                smem,
+                args,
+            } => {
+                let mut vals = args.clone();
+                let mut ptrs: Vec<*mut c_void> = vals
+                    .iter_mut()
+                    .map(|v| v as *mut u64 as *mut c_void)
+                    .collect();
+                // SAFETY: the backend checked the arguments against the
+                // kernel's signature and the addresses against its buffers
+                // (Driver::launch's contract); `ptrs` point into `vals`.
+                unsafe { self.lib.launch(k.name(), *grid, *block, *smem, &mut ptrs) }
+                    .map_err(|e| CoreError::Device(format!("simt launch of {}: {e}", k.name())))
+            }
+            Op::Copy { dst, src, bytes } => {
+                // SAFETY: both ranges lie in live allocations (the Driver
+                // methods' contracts); they may overlap only as memmove allows.
+                unsafe { std::ptr::copy(*src as *const u8, *dst as *mut u8, *bytes) };
+                Ok(())
+            }
+            Op::Memset { dst, bytes } => {
+                // SAFETY: the range lies in a live allocation.
+                unsafe { std::ptr::write_bytes(*dst as *mut u8, 0, *bytes) };
+                Ok(())
+            }
+            Op::Gemm(g) => {
+                // SAFETY: the addresses cover the operands (Driver::gemm's contract).
+                unsafe { gemm(g) }
+            }
+        }
+    }
+
+    /// Records `op` during a capture, else runs it.
+    fn queue(&self, op: Op) -> Result<()> {
+        if let Some(ops) = lock(&self.capture).as_mut() {
+            ops.push(op);
+            return Ok(());
+        }
+        self.run(&op)
+    }
+}
+
+/// Reads element `i` of a `dtype` operand as f32.
+///
+/// # Safety
+/// `base` holds at least `i + 1` elements of `dtype`.
+unsafe fn element(dtype: DType, base: u64, i: usize) -> f32 {
+    // SAFETY: per the contract.
+    unsafe {
+        match dtype {
+            DType::F16 => half::f16::from_bits(*(base as *const u16).add(i)).to_f32(),
+            DType::BF16 => half::bf16::from_bits(*(base as *const u16).add(i)).to_f32(),
+            _ => *(base as *const f32).add(i),
+        }
+    }
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` in f32.
+///
+/// # Safety
+/// As [`Driver::gemm`].
+unsafe fn gemm(g: &Gemm) -> Result<()> {
+    if !matches!(g.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(CoreError::unsupported(format!("simt GEMM of {}", g.dtype)));
+    }
+    for r in 0..g.m {
+        for c in 0..g.n {
+            let mut acc = 0f32;
+            for i in 0..g.k {
+                // SAFETY: r < m, c < n, i < k index inside the operands.
+                let (x, w) = unsafe {
+                    (
+                        element(g.dtype, g.x, r * g.k + i),
+                        element(g.dtype, g.w, c * g.k + i),
+                    )
+                };
+                acc += x * w;
+            }
+            // SAFETY: out holds m x n f32.
+            unsafe { *(g.out as *mut f32).add(r * g.n + c) = acc };
+        }
+    }
+    Ok(())
+}
+
+/// A captured sequence of operations.
+struct SimtGraph {
+    inner: Arc<Inner>,
+    ops: Vec<Op>,
+}
+
+impl Graph for SimtGraph {
+    fn launch(&self) -> Result<()> {
+        self.ops
+            .iter()
+            .try_for_each(|op| self.inner.queue(op.clone()))
+    }
+}
+
+/// The emulated device (see the module doc).
+#[derive(Debug)]
+pub struct SimtDriver {
+    inner: Arc<Inner>,
+    props: DeviceProps,
+    /// Live allocations and their layouts.
+    allocs: Mutex<HashMap<u64, Layout>>,
+}
+
+impl SimtDriver {
+    /// Builds (or loads) the kernel library. The device reports itself as
+    /// `sm_90`, so the backend picks the tensor-core kernels, whose `mma`
+    /// the emulator computes.
+    pub fn open() -> std::result::Result<Self, String> {
+        let lib = Library::open()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                lib,
+                capture: Mutex::new(None),
+            }),
+            props: DeviceProps {
+                name: "CUDA host emulator".into(),
+                arch: "sm_90".into(),
+                compute_units: 4,
+                max_shared_per_block: 227 * 1024,
+                total_memory: 4 << 30,
+            },
+            allocs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn alloc(&self, bytes: usize) -> Option<u64> {
+        let layout = Layout::from_size_align(bytes.max(1), ALIGN).ok()?;
+        // SAFETY: the layout's size is non-zero.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return None;
+        }
+        lock(&self.allocs).insert(p as u64, layout);
+        Some(p as u64)
+    }
+
+    /// # Safety
+    /// `ptr` came from `alloc` and is freed once.
+    unsafe fn dealloc(&self, ptr: u64) {
+        if let Some(layout) = lock(&self.allocs).remove(&ptr) {
+            // SAFETY: allocated by `alloc` with this layout.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+    }
+}
+
+impl Drop for SimtDriver {
+    fn drop(&mut self) {
+        for (ptr, layout) in lock(&self.allocs).drain() {
+            // SAFETY: each was allocated by `alloc` with its layout, and the
+            // backend no longer uses the driver.
+            unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+        }
+    }
+}
+
+impl Driver for SimtDriver {
+    fn backend_name(&self) -> &'static str {
+        crate::NAME
+    }
+
+    fn props(&self) -> &DeviceProps {
+        &self.props
+    }
+
+    fn bind(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn mem_info(&self) -> Option<(u64, u64)> {
+        None
+    }
+
+    fn malloc(&self, bytes: usize) -> Option<u64> {
+        self.alloc(bytes)
+    }
+
+    unsafe fn free(&self, ptr: u64) {
+        // SAFETY: per the trait's contract.
+        unsafe { self.dealloc(ptr) }
+    }
+
+    fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
+        self.alloc(bytes)
+            .map(|p| p as *mut u8)
+            .ok_or_else(|| CoreError::Device(format!("simt: no {bytes} bytes of host memory")))
+    }
+
+    unsafe fn free_host(&self, ptr: *mut u8) {
+        // SAFETY: per the trait's contract.
+        unsafe { self.dealloc(ptr as u64) }
+    }
+
+    unsafe fn launch(
+        &self,
+        k: K,
+        grid: [u32; 3],
+        block: u32,
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: each argument points at an 8-byte slot (the trait's contract).
+        let args = args
+            .iter()
+            .map(|&p| unsafe { *(p as *const u64) })
+            .collect();
+        self.inner.queue(Op::Launch {
+            k,
+            grid,
+            block,
+            smem,
+            args,
+        })
+    }
+
+    unsafe fn htod(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()> {
+        if lock(&self.inner.capture).is_none() {
+            // Pageable memory may change once this returns: copy it now.
+            // SAFETY: `src` holds `bytes` bytes and `dst` covers them.
+            unsafe { std::ptr::copy(src, dst as *mut u8, bytes) };
+            return Ok(());
+        }
+        self.inner.queue(Op::Copy {
+            dst,
+            src: src as u64,
+            bytes,
+        })
+    }
+
+    unsafe fn dtoh(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: `src` covers `dst.len()` bytes.
+        unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    unsafe fn dtod(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.inner.queue(Op::Copy { dst, src, bytes })
+    }
+
+    unsafe fn memset(&self, dst: u64, bytes: usize) -> Result<()> {
+        self.inner.queue(Op::Memset { dst, bytes })
+    }
+
+    unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
+        self.inner.queue(Op::Gemm(*g))
+    }
+
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn native_stream(&self) -> u64 {
+        0
+    }
+
+    fn capture(&self, record: &mut dyn FnMut() -> Result<()>) -> Result<Box<dyn Graph>> {
+        *lock(&self.inner.capture) = Some(Vec::new());
+        let recorded = record();
+        let ops = lock(&self.inner.capture).take().unwrap_or_default();
+        recorded?;
+        Ok(Box::new(SimtGraph {
+            inner: self.inner.clone(),
+            ops,
+        }))
+    }
+}
