@@ -8,7 +8,7 @@
 
 /// What the shared suite needs of its vendor.
 mod vendor {
-    pub use arbor_backend_cuda::{GpuBackend, open, probe};
+    pub use arbor_backend_cuda::{GpuBackend, kernels, open, probe};
     /// The backend's registry name (and `BackendInfo::backend`).
     pub const NAME: &str = "cuda";
     /// How the error of a machine without a device starts.

@@ -7,7 +7,8 @@
 //! A row's outputs are the same bits alone as in its batch (the 16 x 32 and
 //! 64 x 64 tiles), which batch invariance needs. The host emulator test
 //! (`backend-gpu/tests/gemm_host.rs`) checks the same kernels' indexing
-//! without a GPU; this checks them on the device's tensor cores.
+//! without a GPU; this checks them on the device's tensor cores, and through
+//! the backend's launcher on the emulated device (`arbor-backend-simt`).
 //!
 //! W8A8 FP8 (`GpuBackend::set_fp8_activations`, sm_89+): FP8 weights times
 //! the input quantized to E4M3 per 32 inputs on the host
@@ -16,7 +17,7 @@
 //! within 1e-4; rows alone equal rows in the batch.
 
 use crate::common::*;
-use arbor_backend_cuda::kernels;
+use crate::vendor::kernels;
 use arbor_engine_core::{Backend, DType, HostTensor, LinearRef, Tensor};
 use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
 

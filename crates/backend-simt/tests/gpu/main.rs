@@ -8,7 +8,7 @@
 
 /// What the shared suite needs of its vendor.
 mod vendor {
-    pub use arbor_backend_simt::{GpuBackend, open};
+    pub use arbor_backend_simt::{GpuBackend, kernels, open};
     /// The backend's name (and `BackendInfo::backend`).
     pub const NAME: &str = "simt";
     /// Set to 1, a missing C++ compiler fails the tests instead of skipping them.
@@ -29,5 +29,8 @@ mod ops;
 mod parity;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
+/// CUDA's own: the tensor-core GEMMs of scaled-block weights (and W8A8).
+#[path = "../../../backend-cuda/tests/gpu/scaled_gemm.rs"]
+mod scaled_gemm;
 #[path = "../../../backend-gpu/tests/suite/verify.rs"]
 mod verify;
