@@ -164,6 +164,17 @@ impl Graph for SimtGraph {
     }
 }
 
+/// What the emulated device reports, and so which kernels the backend picks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Profile {
+    /// `sm_90` with 227 KiB of shared memory per block: the tensor-core
+    /// prefill, the tensor-core GEMMs of scaled blocks, W8A8 when asked.
+    Hopper,
+    /// `gfx90a` (an AMD MI200) with 64 KiB of LDS per block: the f32-math
+    /// prefill in the tiles that fit, the dequantizing GEMM.
+    Cdna,
+}
+
 /// The emulated device (see the module doc).
 #[derive(Debug)]
 pub struct SimtDriver {
@@ -174,21 +185,24 @@ pub struct SimtDriver {
 }
 
 impl SimtDriver {
-    /// Builds (or loads) the kernel library. The device reports itself as
-    /// `sm_90`, so the backend picks the tensor-core kernels, whose `mma`
-    /// the emulator computes.
-    pub fn open() -> std::result::Result<Self, String> {
+    /// Builds (or loads) the kernel library; the device reports itself as
+    /// `profile` says, which decides the kernels the backend picks.
+    pub fn open(profile: Profile) -> std::result::Result<Self, String> {
         let lib = Library::open()?;
+        let (name, arch, max_shared) = match profile {
+            Profile::Hopper => ("CUDA host emulator (as sm_90)", "sm_90", 227 * 1024),
+            Profile::Cdna => ("CUDA host emulator (as gfx90a)", "gfx90a", 64 * 1024),
+        };
         Ok(Self {
             inner: Arc::new(Inner {
                 lib,
                 capture: Mutex::new(None),
             }),
             props: DeviceProps {
-                name: "CUDA host emulator".into(),
-                arch: "sm_90".into(),
+                name: name.into(),
+                arch: arch.into(),
                 compute_units: 4,
-                max_shared_per_block: 227 * 1024,
+                max_shared_per_block: max_shared,
                 total_memory: 4 << 30,
             },
             allocs: Mutex::new(HashMap::new()),

@@ -9,8 +9,10 @@
 //! CUDA backend's own code: op recording, the memory pool and step arenas,
 //! CUDA-graph capture and replay per decode bucket, kernel selection (as on
 //! an sm_90 device: the tensor-core kernels), argument checks and launch
-//! geometry. Its test binary runs the device suite shared with CUDA, ROCm and
-//! wgpu (`crates/backend-gpu/tests/suite`) on it.
+//! geometry. Its test binaries run the device suite shared with CUDA, ROCm
+//! and wgpu (`crates/backend-gpu/tests/suite`) on it as an sm_90 GPU (`gpu`:
+//! the tensor-core kernels) and as an AMD gfx90a (`gpu_cdna`: the f32-math
+//! prefill in 64 KiB of LDS, the dequantizing GEMM) ([`Profile`]).
 //!
 //! It is slow (a few thousand emulated threads per millisecond) and is not
 //! registered as a device: it exists for tests.
@@ -19,7 +21,7 @@ mod driver;
 mod library;
 
 pub use arbor_backend_gpu::{GpuBackend, kernels};
-pub use driver::SimtDriver;
+pub use driver::{Profile, SimtDriver};
 
 use arbor_engine_core::{BackendOptions, CoreError, Result};
 
@@ -34,8 +36,14 @@ pub fn probe() -> std::result::Result<(), String> {
     library::compiler().map(|_| ())
 }
 
-/// Opens the emulated device as a backend (graphs as `opts` says).
+/// Opens the emulated device as an sm_90 GPU (graphs as `opts` says).
 pub fn open(opts: &BackendOptions) -> Result<GpuBackend> {
-    let drv = SimtDriver::open().map_err(|e| CoreError::Device(format!("no simt device: {e}")))?;
+    open_as(Profile::Hopper, opts)
+}
+
+/// Opens the emulated device as `profile` describes.
+pub fn open_as(profile: Profile, opts: &BackendOptions) -> Result<GpuBackend> {
+    let drv =
+        SimtDriver::open(profile).map_err(|e| CoreError::Device(format!("no simt device: {e}")))?;
     Ok(GpuBackend::new(Box::new(drv), opts, ATTENTION))
 }
