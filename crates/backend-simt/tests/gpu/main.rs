@@ -32,5 +32,7 @@ mod sampling;
 /// CUDA's own: the tensor-core GEMMs of scaled-block weights (and W8A8).
 #[path = "../../../backend-cuda/tests/gpu/scaled_gemm.rs"]
 mod scaled_gemm;
+#[path = "../../../backend-gpu/tests/suite/tensor_parallel.rs"]
+mod tensor_parallel;
 #[path = "../../../backend-gpu/tests/suite/verify.rs"]
 mod verify;
