@@ -7,8 +7,9 @@
 // E2M1 value, each exact in bf16 (an 8-bit zero point up to 256, as every
 // GPTQ checkpoint's). x (f32) is split into a bf16 high part and a bf16
 // remainder (mma.cuh), both multiplied, so a product carries about 16 bits
-// of the f32 input: `mma.m16n8k16` sums a block's products in f32 (two per
-// 32-input block, one per 16-input f4_s16 block), and the block's sum times
+// of the f32 input: `mma.m16n8k16` sums a block's products in f32 (per
+// 16 inputs one for the high parts and one for the remainders: four per
+// 32-input block, two per 16-input f4_s16 block), and the block's sum times
 // its scale (one fmaf) joins the output's f32 accumulator, blocks in order.
 // An output depends only on its input row and weight row, in the same order
 // for every tile shape, so rows do not change with the batch (checked on the
