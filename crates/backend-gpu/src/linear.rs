@@ -40,8 +40,17 @@ fn dequant_kernel(dtype: DType) -> Option<K> {
     }
 }
 
-/// Rows at most this many take the GEMM's 16 x 32 tiles, more its 64 x 64.
+/// Rows at most this many take the GEMMs' 16 x 32 tiles, more their 64 x 64.
 const SCALED_GEMM_SMALL_ROWS: usize = 16;
+
+/// Whether `rows` take the small tiles, and the tile (rows, columns).
+fn scaled_tile(rows: usize) -> (bool, [usize; 2]) {
+    if rows <= SCALED_GEMM_SMALL_ROWS {
+        (true, [16, 32])
+    } else {
+        (false, [64, 64])
+    }
+}
 
 /// The tensor-core GEMM of a scaled weight dtype for `rows` input rows and
 /// its tile (rows, columns), where it applies: an NVIDIA target of sm_80 or
@@ -51,7 +60,7 @@ pub(crate) fn scaled_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Optio
     if nvidia_sm(arch)? < 80 {
         return None;
     }
-    let small = rows <= SCALED_GEMM_SMALL_ROWS;
+    let (small, tile) = scaled_tile(rows);
     let kernel = match (dtype, small) {
         (DType::F8_S32, true) => K::GemmF8S32M16,
         (DType::F8_S32, false) => K::GemmF8S32M64,
@@ -63,7 +72,7 @@ pub(crate) fn scaled_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Optio
         (DType::F4_S16, false) => K::GemmF4S16M64,
         _ => return None,
     };
-    Some((kernel, if small { [16, 32] } else { [64, 64] }))
+    Some((kernel, tile))
 }
 
 /// The W8A8 FP8 GEMM (E4M3 inputs quantized per 32, kernels/gemm.cu) of
@@ -73,11 +82,13 @@ pub(crate) fn w8a8_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<
     if dtype != DType::F8_S32 || nvidia_sm(arch)? < 89 {
         return None;
     }
-    Some(if rows <= SCALED_GEMM_SMALL_ROWS {
-        (K::GemmF8S32W8a8M16, [16, 32])
+    let (small, tile) = scaled_tile(rows);
+    let kernel = if small {
+        K::GemmF8S32W8a8M16
     } else {
-        (K::GemmF8S32W8a8M64, [64, 64])
-    })
+        K::GemmF8S32W8a8M64
+    };
+    Some((kernel, tile))
 }
 
 impl GpuBackend {

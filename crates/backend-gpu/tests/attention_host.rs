@@ -353,31 +353,31 @@ fn check(
     );
     println!("{what}: max error {:.2e} of {scale:.3}", err);
     ensure!(err <= tol * scale, "{what}: error {err} > {tol} x {scale}");
-    let same = outs[0]
-        .iter()
-        .zip(&outs[1])
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    ensure!(same, "{what}: another thread order changed the output");
+    ensure!(
+        host::same_bits(&outs[0], &outs[1]),
+        "{what}: another thread order changed the output"
+    );
     Ok(())
 }
 
-fn build(cxx: &str, dir: &std::path::Path) -> Result<std::path::PathBuf> {
+/// The emulator, the attention kernels and [`MAIN`] as one executable, or
+/// `None` without a C++ compiler.
+fn build() -> Result<Option<host::Emulated>> {
     let kernels = [
         include_str!("../kernels/common.cuh"),
         include_str!("../kernels/fp8.cuh"),
         include_str!("../kernels/mma.cuh"),
         include_str!("../kernels/attention.cu"),
     ];
-    host::build_on_emulator(cxx, dir, "attention_host", &kernels, MAIN)
+    host::build_on_emulator("attention_host", &kernels, MAIN)
 }
 
 #[test]
 fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/attention.cu")? else {
+    let Some(emulated) = build()? else {
         return Ok(());
     };
-    let dir = tempfile::tempdir()?;
-    let bin = build(&cxx, dir.path())?;
+    let bin = &emulated.bin;
     // A prefill over a cached prefix of 25, a fresh one past one 64-row
     // tile, and a short one.
     let seqs = [(20, 45), (70, 70), (5, 9)];
@@ -392,7 +392,7 @@ fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
             let batch = Batch::new(kv, 128, window, &seqs, 3 + window as u64);
             let (bq, kernel, smem) = prefill_kernel(kv, 128, false, max_shared)?;
             check(
-                &bin,
+                bin,
                 &batch,
                 kernel,
                 [70usize.div_ceil(bq), 256, 0, smem],
@@ -407,7 +407,7 @@ fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
                 bail!("no tensor-core prefill for head_dim {hd}");
             };
             check(
-                &bin,
+                bin,
                 &batch,
                 kernel,
                 [70usize.div_ceil(64), 128, 0, smem],
@@ -420,18 +420,17 @@ fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
 
 #[test]
 fn decode_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/attention.cu")? else {
+    let Some(emulated) = build()? else {
         return Ok(());
     };
-    let dir = tempfile::tempdir()?;
-    let bin = build(&cxx, dir.path())?;
+    let bin = &emulated.bin;
     let seqs = [(1, 37), (1, 1), (1, 80)];
     for window in [0, 30] {
         for kv in [DType::F32, DType::BF16] {
             for splits in [1, 3] {
                 let batch = Batch::new(kv, 128, window, &seqs, 11 + splits as u64);
                 let kernel = decode_kernel(kv, 128);
-                check(&bin, &batch, kernel, [0, 128, splits, 0], 1e-5)?;
+                check(bin, &batch, kernel, [0, 128, splits, 0], 1e-5)?;
             }
         }
     }
@@ -444,11 +443,10 @@ fn decode_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
 /// splits, and beside two short sequences with 16.
 #[test]
 fn decode_rows_do_not_depend_on_the_grid_or_the_batch() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/attention.cu")? else {
+    let Some(emulated) = build()? else {
         return Ok(());
     };
-    let dir = tempfile::tempdir()?;
-    let bin = build(&cxx, dir.path())?;
+    let bin = &emulated.bin;
     let kernel = decode_kernel(DType::F32, 128);
     let alone = Batch::new(DType::F32, 128, 0, &[(1, 300)], 21);
     let mut batched = Batch::new(DType::F32, 128, 0, &[(1, 37), (1, 300), (1, 5)], 22);
@@ -465,11 +463,13 @@ fn decode_rows_do_not_depend_on_the_grid_or_the_batch() -> Result<()> {
     alone.record(kernel, [0, 128, 5, 0], 0, &mut records);
     alone.record(kernel, [0, 128, 16, 0], 0, &mut records);
     batched.record(kernel, [0, 128, 16, 0], 0, &mut records);
-    let outs = run(&bin, &records, &[row, row, 3 * row])?;
-    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    ensure!(same(&outs[0], &outs[1]), "5 and 16 splits differ");
+    let outs = run(bin, &records, &[row, row, 3 * row])?;
     ensure!(
-        same(&outs[0], &outs[2][row..2 * row]),
+        host::same_bits(&outs[0], &outs[1]),
+        "5 and 16 splits differ"
+    );
+    ensure!(
+        host::same_bits(&outs[0], &outs[2][row..2 * row]),
         "the row differs in a batch"
     );
     Ok(())

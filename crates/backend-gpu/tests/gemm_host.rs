@@ -219,12 +219,9 @@ fn run(bin: &std::path::Path, jobs: &[Job]) -> Result<Vec<Outputs>> {
     Ok(outs)
 }
 
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-/// The emulator, the GEMM kernels and [`MAIN`] as one host executable.
-fn build_kernels(cxx: &str, dir: &std::path::Path) -> Result<std::path::PathBuf> {
+/// The emulator, the GEMM kernels and [`MAIN`] as one host executable, or
+/// `None` without a C++ compiler.
+fn build_kernels() -> Result<Option<host::Emulated>> {
     let kernels = [
         include_str!("../kernels/common.cuh"),
         include_str!("../kernels/fp8.cuh"),
@@ -232,16 +229,15 @@ fn build_kernels(cxx: &str, dir: &std::path::Path) -> Result<std::path::PathBuf>
         include_str!("../kernels/dequant.cu"),
         include_str!("../kernels/gemm.cu"),
     ];
-    host::build_on_emulator(cxx, dir, "gemm_host", &kernels, MAIN)
+    host::build_on_emulator("gemm_host", &kernels, MAIN)
 }
 
 #[test]
 fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/gemm.cu")? else {
+    let Some(emulated) = build_kernels()? else {
         return Ok(());
     };
-    let dir = tempfile::tempdir()?;
-    let bin = build_kernels(&cxx, dir.path())?;
+    let bin = &emulated.bin;
     let mut checked = 0;
     for (i, dtype) in FORMATS.into_iter().enumerate() {
         // Partial tiles in every direction; k past one chunk of 64.
@@ -250,7 +246,7 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
         let alone = case.rows(3..4);
         let tail = case.rows(17..21);
         let outs = run(
-            &bin,
+            bin,
             &[
                 job(&case, false, false, 0),
                 job(&case, false, true, 0),
@@ -271,19 +267,19 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
             );
         }
         ensure!(
-            same_bits(got, &outs[1]),
+            host::same_bits(got, &outs[1]),
             "{dtype}: the 16x32 and 64x64 tiles differ"
         );
         ensure!(
-            same_bits(&outs[1], &outs[2]),
+            host::same_bits(&outs[1], &outs[2]),
             "{dtype}: another thread order changed the output"
         );
         ensure!(
-            same_bits(&got[3 * case.n..4 * case.n], &outs[3]),
+            host::same_bits(&got[3 * case.n..4 * case.n], &outs[3]),
             "{dtype}: row 3 alone differs from row 3 in the batch"
         );
         ensure!(
-            same_bits(&got[17 * case.n..], &outs[4]),
+            host::same_bits(&got[17 * case.n..], &outs[4]),
             "{dtype}: rows 17..21 alone differ from the batch"
         );
         checked += got.len();
@@ -294,18 +290,17 @@ fn scaled_block_gemm_on_the_host_emulator_matches_the_cpu_dequantization() -> Re
 
 #[test]
 fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/gemm.cu")? else {
+    let Some(emulated) = build_kernels()? else {
         return Ok(());
     };
-    let dir = tempfile::tempdir()?;
-    let bin = build_kernels(&cxx, dir.path())?;
+    let bin = &emulated.bin;
     let mut case = Case::new(DType::F8_S32, 21, 72, 160, 3)?;
     // An all-zero input block (scale 0) and one of a single large value.
     case.x[32..64].fill(0.0);
     case.x[5 * 160 + 64] = 3.0e4;
     let (m, n, k) = (case.m, case.n, case.k);
     let outs = run(
-        &bin,
+        bin,
         &[
             job(&case, true, false, 0),
             job(&case, true, true, 4),
@@ -316,7 +311,7 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
     let (q, s) = quantize_input_e4m3(&case.x);
     ensure!(outs[0].q == q, "E4M3 codes differ from the CPU's");
     ensure!(
-        same_bits(&outs[0].s, &s),
+        host::same_bits(&outs[0].s, &s),
         "input scales differ from the CPU's"
     );
     // The product of the codes, scaled per block, in f64.
@@ -348,15 +343,15 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
         }
     }
     ensure!(
-        same_bits(got, &outs[1].y),
+        host::same_bits(got, &outs[1].y),
         "the 16x32 and 64x64 tiles differ"
     );
     ensure!(
-        same_bits(&got[3 * n..4 * n], &outs[2].y),
+        host::same_bits(&got[3 * n..4 * n], &outs[2].y),
         "row 3 alone differs"
     );
     ensure!(
-        same_bits(&got[17 * n..], &outs[3].y),
+        host::same_bits(&got[17 * n..], &outs[3].y),
         "rows 17..21 alone differ"
     );
     println!(
@@ -369,14 +364,7 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
 
 #[test]
 fn the_emulator_refuses_a_barrier_a_returned_thread_cannot_reach() -> Result<()> {
-    let Some(cxx) = host::compiler("kernels/host/simt.h")? else {
-        return Ok(());
-    };
-    let dir = tempfile::tempdir()?;
-    let source = format!(
-        "{}\n{}",
-        arbor_backend_gpu::kernels::SIMT_HEADER,
-        r#"
+    let main = r#"
 __global__ void early_return(int* out) {
     if (threadIdx.x == 5) return;
     __syncthreads();
@@ -387,10 +375,11 @@ int main() {
     simt::launch(dim3{1, 1, 1}, dim3{128, 1, 1}, 0, [] { early_return(out); });
     return 0;
 }
-"#
-    );
-    let bin = host::build(&cxx, dir.path(), "early_return", &source)?;
-    let out = Command::new(&bin).output()?;
+"#;
+    let Some(emulated) = host::build_on_emulator("early_return", &[], main)? else {
+        return Ok(());
+    };
+    let out = Command::new(&emulated.bin).output()?;
     let err = String::from_utf8_lossy(&out.stderr);
     ensure!(!out.status.success(), "the emulator ran a broken barrier");
     ensure!(err.contains("returned"), "unexpected message: {err}");

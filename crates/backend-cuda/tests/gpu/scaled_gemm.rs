@@ -17,7 +17,7 @@
 //! within 1e-4; rows alone equal rows in the batch.
 
 use crate::common::*;
-use crate::vendor::kernels;
+use crate::vendor::{GpuBackend, kernels};
 use arbor_engine_core::{Backend, DType, HostTensor, LinearRef, Tensor};
 use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
 
@@ -53,12 +53,35 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
+/// Whether `g` is an NVIDIA target of at least `sm`; prints the skip when not.
+fn has_sm(g: &GpuBackend, sm: u32, what: &str) -> bool {
+    let target = g.kernel_target();
+    let ok = kernels::nvidia_sm(target).is_some_and(|v| v >= sm);
+    if !ok {
+        println!("skipped: {what} needs sm_{sm} or newer, this is {target}");
+    }
+    ok
+}
+
+/// Asserts rows 0, m / 2 and m - 1 of `got` (m x n) have the same bits
+/// computed alone.
+fn assert_rows_alone(g: &GpuBackend, what: &str, x: &[f32], got: &[f32], w: &Tensor, bias: &[f32]) {
+    let (n, k) = (w.shape()[0], w.shape()[1]);
+    let m = x.len() / k;
+    for r in [0, m / 2, m - 1] {
+        let alone = linear(g, &x[r * k..(r + 1) * k], 1, w, bias);
+        assert!(
+            same_bits(&alone, &got[r * n..(r + 1) * n]),
+            "{what}: row {r} alone differs from the batch"
+        );
+    }
+}
+
 #[test]
 fn scaled_block_gemm_matches_the_cpu_and_the_dequantizing_gemm() {
-    let Some(g) = gpu() else { return };
-    let target = g.kernel_target().to_string();
-    if kernels::nvidia_sm(&target).is_none_or(|v| v < 80) {
-        println!("skipped: the tensor-core GEMM needs sm_80 or newer, this is {target}");
+    // An instance of its own: the switches below must not reach other tests.
+    let Some(g) = gpu_with(false) else { return };
+    if !has_sm(&g, 80, "the tensor-core GEMM") {
         return;
     }
     let c = cpu();
@@ -86,23 +109,16 @@ fn scaled_block_gemm_matches_the_cpu_and_the_dequantizing_gemm() {
             let what = format!("{dtype} {m}x{k}x{n}");
             assert_close(&format!("{what} tensor cores"), &got, &want, 1e-4);
             assert_close(&format!("{what} dequantizing GEMM"), &dequant, &want, 1e-4);
-            for r in [0, m / 2, m - 1] {
-                let alone = linear(&*g, &x[r * k..(r + 1) * k], 1, &wg, &bias);
-                assert!(
-                    same_bits(&alone, &got[r * n..(r + 1) * n]),
-                    "{what}: row {r} alone differs from the batch"
-                );
-            }
+            assert_rows_alone(&g, &what, &x, &got, &wg, &bias);
         }
     }
 }
 
 #[test]
 fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
-    let Some(g) = gpu() else { return };
-    let target = g.kernel_target().to_string();
-    if kernels::nvidia_sm(&target).is_none_or(|v| v < 89) {
-        println!("skipped: FP8 tensor cores need sm_89 or newer, this is {target}");
+    // An instance of its own: the switches below must not reach other tests.
+    let Some(g) = gpu_with(false) else { return };
+    if !has_sm(&g, 89, "FP8 tensor cores") {
         return;
     }
     let c = cpu();
@@ -129,18 +145,9 @@ fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
         let want = linear(&*c, &xq, m, &wc, &bias);
         g.set_fp8_activations(true);
         let got = linear(&*g, &x, m, &wg, &bias);
-        let rows: Vec<Vec<f32>> = [0, m / 2, m - 1]
-            .iter()
-            .map(|&r| linear(&*g, &x[r * k..(r + 1) * k], 1, &wg, &bias))
-            .collect();
-        g.set_fp8_activations(false);
         let what = format!("w8a8 {m}x{k}x{n}");
+        assert_rows_alone(&g, &what, &x, &got, &wg, &bias);
+        g.set_fp8_activations(false);
         assert_close(&what, &got, &want, 1e-4);
-        for (r, alone) in [0, m / 2, m - 1].iter().zip(&rows) {
-            assert!(
-                same_bits(alone, &got[r * n..(r + 1) * n]),
-                "{what}: row {r} alone differs from the batch"
-            );
-        }
     }
 }

@@ -40,19 +40,30 @@ pub fn build(cxx: &str, dir: &Path, name: &str, source: &str) -> Result<PathBuf>
     Ok(bin)
 }
 
-/// Compiles the emulator, the kernel sources `kernels` (their text, in
-/// order) and a `main` into the executable `dir/name`.
-pub fn build_on_emulator(
-    cxx: &str,
-    dir: &Path,
-    name: &str,
-    kernels: &[&str],
-    main: &str,
-) -> Result<PathBuf> {
+/// An executable built for the emulator, in a folder removed on drop.
+pub struct Emulated {
+    _dir: tempfile::TempDir,
+    pub bin: PathBuf,
+}
+
+/// The emulator, the kernel sources `kernels` (their text, in order) and a
+/// `main` compiled into the executable `name`; `None` (the reason printed)
+/// without a C++ compiler, as [`compiler`] says.
+pub fn build_on_emulator(name: &str, kernels: &[&str], main: &str) -> Result<Option<Emulated>> {
+    let Some(cxx) = compiler(name)? else {
+        return Ok(None);
+    };
+    let dir = tempfile::tempdir()?;
     let mut source = vec![arbor_backend_gpu::kernels::SIMT_HEADER];
     source.extend_from_slice(kernels);
     source.push(main);
-    build(cxx, dir, name, &source.join("\n"))
+    let bin = build(&cxx, dir.path(), name, &source.join("\n"))?;
+    Ok(Some(Emulated { _dir: dir, bin }))
+}
+
+/// Whether `a` and `b` hold the same f32 bits.
+pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// Runs `bin` with a file of `records` and the path of its output file;
