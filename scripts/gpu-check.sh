@@ -11,7 +11,8 @@
 #      parity with the CPU backend on the tiny fixtures (identical greedy
 #      tokens), every op and the attention kernels against the CPU on random
 #      inputs within their stated tolerances, CUDA graphs against eager
-#      decoding, device sampling, verification, tier copies, LoRA, the
+#      decoding, device sampling, verification, tier copies and a load-back
+#      read by the forward that loads it, LoRA, the
 #      tensor-core GEMMs of FP8/INT4/NVFP4 weights (and W8A8) against the CPU, tensor
 #      parallelism (two ranks on the one device, host-staged collectives: the
 #      check that would let `--tp-size` run on cuda), and the NVRTC compile
@@ -27,7 +28,10 @@
 #      (`--quant fp8`, quantized at load) beside the same 8 in bf16, the FP8
 #      run also timing its linears through the dequantizing GEMM against the
 #      tensor-core GEMM (prefill, and decode at batch 1 alternated) and its
-#      prefill with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+).
+#      prefill with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+); and a
+#      HiCache load-back (4,096 tokens of KV from host memory, 128 computed
+#      on them) with the loads on the copy stream, layer by layer, against
+#      the loads written before the forward (alternated).
 #
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run

@@ -18,11 +18,17 @@
 //! timed with the weights dequantized before each GEMM instead of the
 //! tensor-core GEMM (decode alternated, best of two each), and FP8 weights'
 //! prefill also with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+).
-//! `--batches none` and `--prefill 0` leave a phase out (for a profiler).
+//! HiCache load-back: a step that loads `--load-back` tokens of prefix KV from
+//! host memory and computes 128 more tokens on it, with the loads written one
+//! layer tensor at a time on the copy stream (`Backend::write_async`, what
+//! the executor does: layer `l` waits for its own pages only) against the
+//! same loads written on the main stream before the forward (alternated,
+//! best of two each).
+//! `--batches none`, `--prefill 0` and `--load-back 0` leave a phase out (for a profiler).
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
 //! [--batches 1,8,64,256|none] [--context 512] [--steps 32] [--prefill 2048]
-//! [--quant auto|fp8]`
+//! [--load-back 4096] [--quant auto|fp8]`
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result, bail};
@@ -53,6 +59,7 @@ struct Args {
     context: usize,
     steps: usize,
     prefill: usize,
+    load_back: usize,
     quant: String,
 }
 
@@ -63,6 +70,7 @@ fn args() -> Result<Args> {
         context: 512,
         steps: 32,
         prefill: 2048,
+        load_back: 4096,
         quant: "auto".into(),
     };
     let mut it = std::env::args().skip(1);
@@ -79,6 +87,7 @@ fn args() -> Result<Args> {
             "--context" => a.context = v()?.parse()?,
             "--steps" => a.steps = v()?.parse()?,
             "--prefill" => a.prefill = v()?.parse()?,
+            "--load-back" => a.load_back = v()?.parse()?,
             "--quant" => a.quant = v()?,
             other => bail!("unknown argument {other}"),
         }
@@ -301,13 +310,61 @@ fn prefill(s: &Setup, n: usize) -> Result<f64> {
     Ok(3.0 * n as f64 / t0.elapsed().as_secs_f64())
 }
 
+/// Tokens computed on a loaded prefix.
+const LOAD_BACK_SUFFIX: usize = 128;
+
+/// Milliseconds of a step that loads `prefix` tokens of KV from host memory
+/// and computes [`LOAD_BACK_SUFFIX`] tokens on them: the loads one layer
+/// tensor at a time with `write_async` (`overlap`) or with `write` before the
+/// forward. Best of 3.
+fn load_back(s: &Setup, prefix: usize, overlap: bool) -> Result<f64> {
+    let b: &dyn Backend = &*s.backend;
+    let pages = s.pool.alloc(s.pool.pages_for(prefix + LOAD_BACK_SUFFIX))?;
+    let prefix_pages = &pages.pages()[..prefix / PAGE];
+    let spec = *s.kv.spec();
+    let page_bytes = spec
+        .dtype
+        .bytes_for(PAGE * spec.num_kv_heads * spec.head_dim)?;
+    let host: Vec<u8> = (0..page_bytes * prefix_pages.len())
+        .map(|i| (i * 131 % 251) as u8 & 0x3f)
+        .collect();
+    let toks: Vec<u32> = (0..LOAD_BACK_SUFFIX)
+        .map(|i| (i * 17 % 1000) as u32)
+        .collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        s.backend.synchronize()?;
+        let t0 = Instant::now();
+        for l in 0..spec.num_layers {
+            for t in s.kv.layer(l)?.stored() {
+                let views = prefix_pages
+                    .iter()
+                    .map(|&p| t.narrow(p as usize * PAGE, PAGE))
+                    .collect::<arbor_engine_core::Result<Vec<_>>>()?;
+                let writes: Vec<_> = views.iter().zip(host.chunks_exact(page_bytes)).collect();
+                if overlap {
+                    b.write_async(&writes)?;
+                } else {
+                    writes.iter().try_for_each(|(v, d)| b.write(v, d))?;
+                }
+            }
+        }
+        step(s, &[(prefix, toks.clone())], std::slice::from_ref(&pages))?;
+        best = best.min(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok(best)
+}
+
 fn main() -> Result<()> {
     let a = args()?;
     let cfg = llama_8b(a.layers)?;
     let max_bs = a.batches.iter().copied().max().unwrap_or(1);
     // Every decode sequence holds its context, the warm-up and timed steps.
     let per_seq = (a.context + WARM + a.steps + 1).div_ceil(PAGE) * PAGE;
-    let kv_tokens = (max_bs * per_seq).max(a.prefill.div_ceil(PAGE) * PAGE) + PAGE;
+    let kv_tokens = (max_bs * per_seq)
+        .max(a.prefill.div_ceil(PAGE) * PAGE)
+        .max((a.load_back / PAGE + LOAD_BACK_SUFFIX.div_ceil(PAGE)) * PAGE)
+        + PAGE;
     let t0 = Instant::now();
     let s = setup(true, &cfg, kv_tokens, &a.quant)?;
     let weight_bytes = s.model.spec().weight_bytes as f64;
@@ -398,6 +455,30 @@ fn main() -> Result<()> {
                 ));
             }
         }
+    }
+    if a.load_back >= PAGE {
+        let prefix = a.load_back / PAGE * PAGE;
+        // Alternated: loaded first, overlapped, loaded first, overlapped.
+        let mut best = [f64::MAX; 2];
+        for round in 0..4 {
+            let overlap = round % 2 == 1;
+            best[overlap as usize] = best[overlap as usize].min(load_back(&s, prefix, overlap)?);
+        }
+        let ls = s.backend.load_stats();
+        println!(
+            "load-back of {prefix} tokens + {LOAD_BACK_SUFFIX} computed: loaded first {:.2} ms, \
+             overlapped per layer {:.2} ms ({} batches on the copy stream, {} fallbacks)",
+            best[0], best[1], ls.batches, ls.fallbacks
+        );
+        rows.push((
+            format!("HiCache load-back of {prefix} tokens + prefill {LOAD_BACK_SUFFIX}"),
+            format!(
+                "loaded first {:.2} ms, overlapped per layer {:.2} ms ({:.2}x)",
+                best[0],
+                best[1],
+                best[0] / best[1]
+            ),
+        ));
     }
     let st = s.backend.graph_stats();
     rows.push((

@@ -9,12 +9,15 @@
 //! starts with "no CUDA device".
 //!
 //! Invariants: one context, one stream, one cuBLAS handle bound to that
-//! stream with its own workspace (so GEMMs can be captured into graphs); the
+//! stream with its own workspace (so GEMMs can be captured into graphs), a
+//! second stream for the copies that may overlap it, ordered against it by
+//! events only (`copies_after_main`, fences); the
 //! kernels of `arbor_backend_gpu::kernels` are loaded once, as one module.
 
 #![allow(unsafe_code)]
 
 use crate::nvrtc;
+use arbor_backend_gpu::driver::Fence;
 use arbor_backend_gpu::kernels::{self, K, KERNELS};
 use arbor_backend_gpu::{DeviceProps, Driver, Gemm, Graph};
 use arbor_engine_core::{CoreError, DType, Result};
@@ -108,7 +111,82 @@ pub struct CudaDriver {
     funcs: Vec<CudaFunction>,
     _module: Arc<CudaModule>,
     stream: Arc<CudaStream>,
+    /// The copy stream, and the event that orders it after the main stream.
+    copy_stream: Arc<CudaStream>,
+    main_mark: Event,
     ctx: Arc<CudaContext>,
+}
+
+/// A CUDA event without timing, destroyed on drop with its context bound.
+struct Event {
+    event: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+impl Event {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let event = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(dev_err("cuEventCreate"))?;
+        Ok(Self {
+            event,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Records the event on `record_on`; `waiter` waits for it.
+    fn order(&self, record_on: sys::CUstream, waiter: Option<sys::CUstream>) -> Result<()> {
+        // SAFETY: a live event and streams of the bound context.
+        unsafe { drv::event::record(self.event, record_on) }.map_err(dev_err("cuEventRecord"))?;
+        match waiter {
+            Some(w) => self.wait_on(w),
+            None => Ok(()),
+        }
+    }
+
+    fn wait_on(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: as above; the wait uses the event's state at this call.
+        unsafe {
+            drv::stream::wait_event(
+                stream,
+                self.event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(dev_err("cuStreamWaitEvent"))
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `Event::new`, destroyed once; CUDA releases a
+        // recorded event only after the waits on it ran.
+        if self.ctx.bind_to_thread().is_ok() {
+            let _ = unsafe { drv::event::destroy(self.event) };
+        }
+    }
+}
+
+// SAFETY: an event handle is used under the backend's lock with its context bound.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+/// A fence: an event recorded on the copy stream, and the main stream.
+struct CudaFence {
+    event: Event,
+    main: sys::CUstream,
+}
+
+// SAFETY: as for Event; the stream handle outlives the fences (the backend
+// drops them before its driver).
+unsafe impl Send for CudaFence {}
+// SAFETY: as above.
+unsafe impl Sync for CudaFence {}
+
+impl Fence for CudaFence {
+    fn main_waits(&self) -> Result<()> {
+        self.event.wait_on(self.main)
+    }
 }
 
 // SAFETY: the cuBLAS handle and every CUDA object are used only under the
@@ -154,6 +232,8 @@ impl CudaDriver {
         let smem_optin =
             attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
         let stream = ctx.new_stream().map_err(dev_err("cuStreamCreate"))?;
+        let copy_stream = ctx.new_stream().map_err(dev_err("cuStreamCreate"))?;
+        let main_mark = Event::new(&ctx)?;
         let blas = Blas::new(&stream)?;
         let (module, kernel_target) = load_kernels(&ctx, arch)?;
         let mut funcs = Vec::with_capacity(KERNELS.len());
@@ -198,6 +278,8 @@ impl CudaDriver {
             funcs,
             _module: module,
             stream,
+            copy_stream,
+            main_mark,
             ctx,
         })
     }
@@ -404,6 +486,29 @@ impl Driver for CudaDriver {
             .result()
         }
         .map_err(|e| CoreError::Device(format!("cublasGemmEx {m}x{n}x{k}: {e}")))
+    }
+
+    fn copies_after_main(&self) -> Result<()> {
+        self.main_mark
+            .order(self.stream.cu_stream(), Some(self.copy_stream.cu_stream()))
+    }
+
+    unsafe fn htod_on_copy_stream(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract (pinned source, live destination).
+        unsafe {
+            let data = std::slice::from_raw_parts(src, bytes);
+            drv::memcpy_htod_async(dst, data, self.copy_stream.cu_stream())
+        }
+        .map_err(dev_err("cuMemcpyHtoDAsync"))
+    }
+
+    fn copy_fence(&self) -> Result<Box<dyn Fence>> {
+        let event = Event::new(&self.ctx)?;
+        event.order(self.copy_stream.cu_stream(), None)?;
+        Ok(Box::new(CudaFence {
+            event,
+            main: self.stream.cu_stream(),
+        }))
     }
 
     fn sync(&self) -> Result<()> {

@@ -5,13 +5,20 @@
 //! Invariants: every operation binds the driver's context to the calling
 //! thread before any other driver call ([`Device::lock`]); all work goes to
 //! the driver's one stream, in call order (deferred steps keep that order, see
-//! [`crate::exec`]); the state lock is never held while a tensor is dropped,
+//! [`crate::exec`]), except the writes of `write_async` on the copy stream,
+//! which main-stream work on their buffers waits for ([`crate::loads`]: the
+//! wait is queued when the buffer's address is resolved, before the work
+//! that uses it; a sync waits for them all; a buffer is released to the
+//! pool only after the main stream waited for its copies); the loads lock is
+//! taken only under the state lock; the state lock is never held while a tensor is dropped,
 //! because buffer releases only push ids onto `releases`, which the next
 //! locked operation drains.
 
 use crate::driver::{DeviceProps, Driver};
 use crate::exec::State;
+use crate::loads::Loads;
 use arbor_engine_core::{BufferId, BufferOwner, Result};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// How decode steps use graphs.
@@ -51,6 +58,10 @@ pub(crate) struct Device {
     pub drv: Box<dyn Driver>,
     state: Mutex<State>,
     releases: Mutex<Vec<BufferId>>,
+    /// Writes on the copy stream (taken under the state lock only).
+    loads: Mutex<Loads>,
+    /// Some buffer waits for a copy (so resolving addresses must check).
+    loads_pending: AtomicBool,
 }
 
 /// Largest dynamic shared memory the prefill kernels request (see attention.rs).
@@ -64,7 +75,43 @@ impl Device {
             drv,
             state: Mutex::new(State::default()),
             releases: Mutex::new(Vec::new()),
+            loads: Mutex::new(Loads::default()),
+            loads_pending: AtomicBool::new(false),
         }
+    }
+
+    /// The copy stream's writes (lock only while holding the state lock).
+    pub fn loads(&self) -> MutexGuard<'_, Loads> {
+        self.loads.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records whether `loads` still has pending copies.
+    pub fn note_loads(&self, loads: &Loads) {
+        self.loads_pending
+            .store(loads.any_pending(), Ordering::Release);
+    }
+
+    /// Makes the main stream wait for the copies into buffer `slot`, if any
+    /// are pending (call under the state lock, before queuing work on it).
+    pub fn await_load(&self, slot: u64) -> Result<()> {
+        if !self.loads_pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut loads = self.loads();
+        loads.await_buffer(slot)?;
+        self.note_loads(&loads);
+        Ok(())
+    }
+
+    /// Makes the main stream wait for every pending copy (under the state lock).
+    pub fn settle_loads(&self) -> Result<()> {
+        if !self.loads_pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut loads = self.loads();
+        loads.settle()?;
+        self.note_loads(&loads);
+        Ok(())
     }
 
     pub fn props(&self) -> &DeviceProps {
@@ -78,6 +125,8 @@ impl Device {
         let released =
             std::mem::take(&mut *self.releases.lock().unwrap_or_else(|e| e.into_inner()));
         for id in released {
+            // The pool hands the block out again in main-stream order.
+            self.await_load(id.slot)?;
             st.mem.release(id.slot);
         }
         Ok(st)
@@ -100,7 +149,10 @@ impl Drop for Device {
         if self.drv.bind().is_err() {
             return;
         }
+        let loads = self.loads.get_mut().unwrap_or_else(|e| e.into_inner());
+        let _ = loads.settle();
         let _ = self.drv.sync();
+        loads.teardown(self.drv.as_ref());
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
         st.teardown(self.drv.as_ref());
     }

@@ -9,10 +9,18 @@
 //! decode bucket, the memory pool, argument checks, kernel selection) is
 //! written once, in this crate.
 //!
-//! Invariants a driver keeps: every queued operation goes to one stream, in
-//! call order; `bind` makes the driver's context current on the calling
-//! thread and is called (under the backend's lock) before any other method;
-//! a [`Graph`] replays exactly the operations queued during its capture.
+//! Beside that main stream, a copy stream takes host-to-device copies that
+//! may overlap the main stream's work (HiCache's load-back, layer by layer):
+//! [`Driver::copies_after_main`] orders it after the main stream's queued
+//! work, [`Driver::copy_fence`] marks a point in it and
+//! [`Fence::main_waits`] makes the main stream's later work wait for that
+//! point.
+//!
+//! Invariants a driver keeps: every operation except the copy stream's goes
+//! to one stream, in call order; `bind` makes the driver's context current
+//! on the calling thread and is called (under the backend's lock) before
+//! any other method; a [`Graph`] replays exactly the operations queued
+//! during its capture (nothing is queued on the copy stream during one).
 
 #![allow(unsafe_code)]
 
@@ -52,6 +60,15 @@ pub struct Gemm {
 pub trait Graph: Send {
     /// Queues one replay on the driver's stream.
     fn launch(&self) -> Result<()>;
+}
+
+/// A point in the copy stream: the copies queued on it before the fence.
+/// Dropping it frees the driver's event (the runtime keeps it alive until
+/// the waits queued on it have run).
+pub trait Fence: Send + Sync {
+    /// Makes work queued on the main stream after this call wait until the
+    /// copies before the fence are done (the host does not wait).
+    fn main_waits(&self) -> Result<()>;
 }
 
 /// A GPU runtime bound to one device and one stream.
@@ -137,7 +154,25 @@ pub trait Driver: Send + Sync + 'static {
     /// `out [m, n]` (f32).
     unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
 
-    /// Waits until everything queued has run.
+    /// Makes the copy stream's later copies start after everything queued
+    /// on the main stream so far (the host does not wait).
+    fn copies_after_main(&self) -> Result<()>;
+
+    /// Queues a copy of `bytes` bytes from pinned host `src` to device
+    /// `dst` on the copy stream.
+    ///
+    /// # Safety
+    /// `dst` covers `bytes`; `src` is memory from [`Driver::malloc_host`]
+    /// holding `bytes` bytes that stay unchanged until the copy ran (a
+    /// fence after it was waited for by the main stream and the main stream
+    /// synchronized); nothing else touches `dst` meanwhile except work
+    /// ordered after such a fence.
+    unsafe fn htod_on_copy_stream(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()>;
+
+    /// A fence after the copies queued on the copy stream so far.
+    fn copy_fence(&self) -> Result<Box<dyn Fence>>;
+
+    /// Waits until everything queued on the main stream has run.
     fn sync(&self) -> Result<()>;
 
     /// The runtime's handle of the one stream (a `CUstream`, a

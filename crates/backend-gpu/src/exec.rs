@@ -230,6 +230,7 @@ impl Device {
             .mem
             .block(id.slot)
             .ok_or_else(|| CoreError::Internal(format!("buffer {id:?} is not allocated")))?;
+        self.await_load(id.slot)?;
         let p = b.ptr + t.offset() as u64;
         if !p.is_multiple_of(align.max(1) as u64) {
             return Err(CoreError::invalid(format!(
@@ -475,11 +476,14 @@ impl Device {
         }
     }
 
-    /// Flushes and waits for the stream to drain.
+    /// Flushes and waits for the stream to drain, and for every copy on
+    /// the copy stream.
     pub fn sync(&self, st: &mut State) -> Result<()> {
         self.flush(st)?;
+        self.settle_loads()?;
         self.drv.sync()?;
         st.staging_busy = false;
+        self.loads().drained(self.drv.as_ref());
         Ok(())
     }
 

@@ -21,12 +21,14 @@ pub mod driver;
 pub mod exec;
 pub mod kernels;
 mod linear;
+mod loads;
 pub mod memory;
 mod ops;
 mod sample;
 
 pub use driver::{DeviceProps, Driver, Gemm, Graph};
 pub use exec::GraphStats;
+pub use loads::LoadStats;
 
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
@@ -96,6 +98,14 @@ impl GpuBackend {
     /// Graph use so far.
     pub fn graph_stats(&self) -> GraphStats {
         self.dev.lock().map(|st| st.stats).unwrap_or_default()
+    }
+
+    /// Asynchronous writes (`write_async`) so far.
+    pub fn load_stats(&self) -> LoadStats {
+        self.dev
+            .lock()
+            .map(|_st| self.dev.loads().stats)
+            .unwrap_or_default()
     }
 
     /// The decode batch sizes captured as graphs (empty when disabled).
@@ -230,6 +240,18 @@ impl GpuBackend {
     }
 }
 
+/// The byte length of `dst`, which a write of `data` must match.
+fn write_len(dst: &Tensor, data: &[u8]) -> Result<usize> {
+    let len = dst.byte_len()?;
+    if len != data.len() {
+        return Err(CoreError::invalid(format!(
+            "write of {} bytes into {dst:?} of {len} bytes",
+            data.len()
+        )));
+    }
+    Ok(len)
+}
+
 impl Backend for GpuBackend {
     fn info(&self) -> DeviceInfo {
         let props = self.dev.props();
@@ -286,17 +308,41 @@ impl Backend for GpuBackend {
     }
 
     fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()> {
-        let len = dst.byte_len()?;
-        if len != data.len() {
-            return Err(CoreError::invalid(format!(
-                "write of {} bytes into {dst:?} of {len} bytes",
-                data.len()
-            )));
-        }
+        let len = write_len(dst, data)?;
         let mut st = self.dev.lock()?;
         let p = self.dev.ptr(&st, dst, 1)?;
         let bytes = Self::transfer_bytes(&mut st, dst, len);
         self.dev.upload_to(&mut st, p, data, bytes)
+    }
+
+    fn write_async(&self, writes: &[(&Tensor, &[u8])]) -> Result<()> {
+        for (dst, data) in writes {
+            write_len(dst, data)?;
+        }
+        let mut st = self.dev.lock()?;
+        if st.step.is_none() {
+            let mut batch = Vec::with_capacity(writes.len());
+            for (dst, data) in writes {
+                batch.push(loads::LoadWrite {
+                    slot: dst.buffer_id().slot,
+                    dst: self.dev.ptr(&st, dst, 1)?,
+                    data,
+                });
+            }
+            let mut loads = self.dev.loads();
+            let queued = loads.queue(self.dev.drv.as_ref(), &batch)?;
+            self.dev.note_loads(&loads);
+            if queued {
+                return Ok(());
+            }
+        }
+        // In a recorded decode step (or without room in staging): on the main stream.
+        for (dst, data) in writes {
+            let p = self.dev.ptr(&st, dst, 1)?;
+            let bytes = Self::transfer_bytes(&mut st, dst, data.len());
+            self.dev.upload_to(&mut st, p, data, bytes)?;
+        }
+        Ok(())
     }
 
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {

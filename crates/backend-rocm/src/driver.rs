@@ -6,7 +6,8 @@
 //! [`HipDriver::open`] errors with "no ROCm device: ..." in every such case.
 //!
 //! Invariants: one device (made current by `bind` on every locked call), one
-//! non-blocking stream, one rocBLAS handle bound to it with a workspace this
+//! non-blocking stream (and a second for the copies that may overlap it,
+//! ordered against it by events only), one rocBLAS handle bound to it with a workspace this
 //! driver owns (so GEMMs never allocate inside a graph capture); the kernels
 //! are one module compiled for the device's `gcnArchName`. Dynamic shared
 //! memory needs no opt-in on AMD: launches pass it, up to the device's LDS
@@ -15,9 +16,10 @@
 
 #![allow(unsafe_code)]
 
-use crate::hip::{self, Function, GraphExec, GraphT, Hip, Module, PROPS_BUFFER, Stream};
+use crate::hip::{self, Event, Function, GraphExec, GraphT, Hip, Module, PROPS_BUFFER, Stream};
 use crate::hiprtc::{self, Hiprtc};
 use crate::rocblas::{self, Blas, RocBlas};
+use arbor_backend_gpu::driver::Fence;
 use arbor_backend_gpu::kernels::{self, K, KERNELS};
 use arbor_backend_gpu::{DeviceProps, Driver, Gemm, Graph};
 use arbor_engine_core::{CoreError, Result};
@@ -54,6 +56,9 @@ pub struct HipDriver {
     ordinal: c_int,
     props: DeviceProps,
     stream: Stream,
+    /// The copy stream, and the event that orders it after the main stream.
+    copy_stream: Stream,
+    main_mark: Event,
     blas: Option<Blas>,
     workspace: *mut c_void,
     module: Module,
@@ -91,6 +96,8 @@ impl HipDriver {
             ordinal,
             props,
             stream: std::ptr::null_mut(),
+            copy_stream: std::ptr::null_mut(),
+            main_mark: std::ptr::null_mut(),
             blas: None,
             workspace: std::ptr::null_mut(),
             module: std::ptr::null_mut(),
@@ -101,6 +108,14 @@ impl HipDriver {
             hip.check(
                 (hip.stream_create_with_flags)(&mut d.stream, hip::STREAM_NON_BLOCKING),
                 "hipStreamCreateWithFlags",
+            )?;
+            hip.check(
+                (hip.stream_create_with_flags)(&mut d.copy_stream, hip::STREAM_NON_BLOCKING),
+                "hipStreamCreateWithFlags",
+            )?;
+            hip.check(
+                (hip.event_create_with_flags)(&mut d.main_mark, hip::EVENT_DISABLE_TIMING),
+                "hipEventCreateWithFlags",
             )?;
             hip.check(
                 (hip.malloc)(&mut d.workspace, BLAS_WORKSPACE),
@@ -215,6 +230,48 @@ impl Drop for HipDriver {
             if !self.stream.is_null() {
                 (h.stream_destroy)(self.stream);
             }
+            if !self.copy_stream.is_null() {
+                (h.stream_synchronize)(self.copy_stream);
+                (h.stream_destroy)(self.copy_stream);
+            }
+            if !self.main_mark.is_null() {
+                (h.event_destroy)(self.main_mark);
+            }
+        }
+    }
+}
+
+/// A fence: an event recorded on the copy stream, and the main stream.
+struct HipFence {
+    hip: &'static Hip,
+    ordinal: c_int,
+    event: Event,
+    main: Stream,
+}
+
+// SAFETY: used only under the backend's state lock; the streams outlive
+// the fences (the backend drops them before its driver).
+unsafe impl Send for HipFence {}
+// SAFETY: as above.
+unsafe impl Sync for HipFence {}
+
+impl Fence for HipFence {
+    fn main_waits(&self) -> Result<()> {
+        // SAFETY: a live event and stream of this device.
+        self.hip.check(
+            unsafe { (self.hip.stream_wait_event)(self.main, self.event, 0) },
+            "hipStreamWaitEvent",
+        )
+    }
+}
+
+impl Drop for HipFence {
+    fn drop(&mut self) {
+        // SAFETY: created by `copy_fence`, destroyed once; HIP releases a
+        // recorded event only after the waits on it ran.
+        unsafe {
+            (self.hip.set_device)(self.ordinal);
+            (self.hip.event_destroy)(self.event);
         }
     }
 }
@@ -375,6 +432,57 @@ impl Driver for HipDriver {
             .ok_or_else(|| CoreError::Internal("rocBLAS handle missing".into()))?;
         // SAFETY: the caller's contract.
         unsafe { blas.gemm(ty, dim(g.m)?, dim(g.n)?, dim(g.k)?, g.w, g.x, g.out) }
+    }
+
+    fn copies_after_main(&self) -> Result<()> {
+        let h = self.hip;
+        // SAFETY: a live event and streams of this device.
+        unsafe {
+            h.check(
+                (h.event_record)(self.main_mark, self.stream),
+                "hipEventRecord",
+            )?;
+            h.check(
+                (h.stream_wait_event)(self.copy_stream, self.main_mark, 0),
+                "hipStreamWaitEvent",
+            )
+        }
+    }
+
+    unsafe fn htod_on_copy_stream(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract (pinned source, live destination).
+        let e = unsafe {
+            (self.hip.memcpy_htod_async)(
+                dst as *mut c_void,
+                src as *mut c_void,
+                bytes,
+                self.copy_stream,
+            )
+        };
+        self.hip.check(e, "hipMemcpyHtoDAsync")
+    }
+
+    fn copy_fence(&self) -> Result<Box<dyn Fence>> {
+        let h = self.hip;
+        let mut event: Event = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the event is destroyed by the fence,
+        // or here when recording fails.
+        unsafe {
+            h.check(
+                (h.event_create_with_flags)(&mut event, hip::EVENT_DISABLE_TIMING),
+                "hipEventCreateWithFlags",
+            )?;
+            if let Err(e) = h.check((h.event_record)(event, self.copy_stream), "hipEventRecord") {
+                (h.event_destroy)(event);
+                return Err(e);
+            }
+        }
+        Ok(Box::new(HipFence {
+            hip: h,
+            ordinal: self.ordinal,
+            event,
+            main: self.stream,
+        }))
     }
 
     fn sync(&self) -> Result<()> {

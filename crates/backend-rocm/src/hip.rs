@@ -27,6 +27,8 @@ pub const HIP_ERROR_NO_DEVICE: HipError = 100;
 
 /// `hipStreamNonBlocking`.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// `hipEventDisableTiming`.
+pub const EVENT_DISABLE_TIMING: c_uint = 2;
 /// `hipStreamCaptureModeThreadLocal`.
 pub const CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 /// `hipDeviceAttributeMultiprocessorCount` (same value in ROCm 5 and 6).
@@ -37,6 +39,7 @@ pub const ATTR_MAX_SHARED_MEMORY_PER_BLOCK: c_int = 74;
 pub const ATTR_WARP_SIZE: c_int = 87;
 
 pub type Stream = *mut c_void;
+pub type Event = *mut c_void;
 pub type Module = *mut c_void;
 pub type Function = *mut c_void;
 pub type GraphT = *mut c_void;
@@ -106,6 +109,10 @@ hip_api! {
     stream_create_with_flags = "hipStreamCreateWithFlags": fn(*mut Stream, c_uint) -> HipError;
     stream_destroy = "hipStreamDestroy": fn(Stream) -> HipError;
     stream_synchronize = "hipStreamSynchronize": fn(Stream) -> HipError;
+    event_create_with_flags = "hipEventCreateWithFlags": fn(*mut Event, c_uint) -> HipError;
+    event_record = "hipEventRecord": fn(Event, Stream) -> HipError;
+    event_destroy = "hipEventDestroy": fn(Event) -> HipError;
+    stream_wait_event = "hipStreamWaitEvent": fn(Stream, Event, c_uint) -> HipError;
     memcpy_htod_async = "hipMemcpyHtoDAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;
     memcpy_dtoh_async = "hipMemcpyDtoHAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;
     memcpy_dtod_async = "hipMemcpyDtoDAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;

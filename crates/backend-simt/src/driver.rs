@@ -2,8 +2,14 @@
 //! emulated kernels of [`crate::library`].
 //!
 //! "Device" memory is host memory (256-byte aligned, zeroed), so a device
-//! address is a host pointer. Every queued operation runs at once, in call
-//! order, which is the one stream's order; `sync` has nothing to wait for.
+//! address is a host pointer. Every operation queued on the main stream runs
+//! at once, in call order, which is the stream's order; `sync` has nothing to
+//! wait for. The copy stream is a thread of its own ([`CopyStream`]) that
+//! runs its copies in order, after an optional delay each
+//! ([`SimtDriver::with_copy_delay`]), so work that reads a buffer before
+//! waiting for its fence reads stale bytes; a fence's `main_waits` blocks
+//! until its copies ran (the main stream is the calling thread) and is
+//! logged ([`CopyLog`]) for tests that check what waited for what.
 //! The GEMM is an f32 product over f32, f16 or bf16 operands (as cuBLAS with
 //! f32 accumulation), each output summed in input order. A capture records
 //! the operations with their argument values (as a CUDA graph copies kernel
@@ -12,13 +18,17 @@
 #![allow(unsafe_code)]
 
 use crate::library::Library;
-use arbor_backend_gpu::driver::{DeviceProps, Driver, Gemm, Graph};
+use arbor_backend_gpu::driver::{DeviceProps, Driver, Fence, Gemm, Graph};
 use arbor_backend_gpu::kernels::K;
 use arbor_engine_core::{CoreError, DType, Result};
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 /// Alignment of every allocation (cudaMalloc gives at least 256).
 const ALIGN: usize = 256;
@@ -55,6 +65,8 @@ struct Inner {
     lib: Library,
     /// Operations recorded by a capture in progress.
     capture: Mutex<Option<Vec<Op>>>,
+    /// Counts kernel launches for the copy stream's log.
+    log: Arc<CopyLog>,
 }
 
 impl Inner {
@@ -76,6 +88,7 @@ impl Inner {
                 // SAFETY: the backend checked the arguments against the
                 // kernel's signature and the addresses against its buffers
                 // (Driver::launch's contract); `ptrs` point into `vals`.
+                self.log.launches.fetch_add(1, Ordering::Relaxed);
                 unsafe { self.lib.launch(k.name(), *grid, *block, *smem, &mut ptrs) }
                     .map_err(|e| CoreError::Device(format!("simt launch of {}: {e}", k.name())))
             }
@@ -164,6 +177,132 @@ impl Graph for SimtGraph {
     }
 }
 
+/// One fence's wait on the main stream, as logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FenceWait {
+    /// The fence (numbered from 1 in the order they were made).
+    pub fence: u64,
+    /// Fences passed by the copy stream when the wait returned.
+    pub passed: u64,
+    /// Kernels the main stream had run when the wait returned.
+    pub launches: u64,
+}
+
+/// What the copy stream did: fences passed, and the main stream's waits.
+#[derive(Debug, Default)]
+pub struct CopyLog {
+    state: Mutex<(u64, Vec<FenceWait>)>,
+    passed: Condvar,
+    launches: AtomicU64,
+}
+
+impl CopyLog {
+    /// Fences the copy stream has passed.
+    pub fn fences_passed(&self) -> u64 {
+        lock(&self.state).0
+    }
+
+    /// The main stream's waits, in order.
+    pub fn waits(&self) -> Vec<FenceWait> {
+        lock(&self.state).1.clone()
+    }
+
+    fn pass(&self, fence: u64) {
+        lock(&self.state).0 = fence;
+        self.passed.notify_all();
+    }
+
+    fn wait(&self, fence: u64) {
+        let mut st = lock(&self.state);
+        while st.0 < fence {
+            st = match self.passed.wait(st) {
+                Ok(g) => g,
+                Err(e) => e.into_inner(),
+            };
+        }
+        let passed = st.0;
+        let launches = self.launches.load(Ordering::Relaxed);
+        st.1.push(FenceWait {
+            fence,
+            passed,
+            launches,
+        });
+    }
+}
+
+enum CopyJob {
+    Copy { dst: u64, src: u64, bytes: usize },
+    Fence(u64),
+}
+
+/// The copy stream: a thread running its copies in order.
+#[derive(Debug, Default)]
+struct CopyStream {
+    tx: Mutex<Option<Sender<CopyJob>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    fences: AtomicU64,
+    delay: Duration,
+    log: Arc<CopyLog>,
+}
+
+impl CopyStream {
+    fn send(&self, job: CopyJob) -> Result<()> {
+        let mut tx = lock(&self.tx);
+        if tx.is_none() {
+            let (send, recv) = channel::<CopyJob>();
+            let (delay, log) = (self.delay, self.log.clone());
+            let thread = std::thread::Builder::new()
+                .name("simt-copy-stream".into())
+                .spawn(move || {
+                    for job in recv {
+                        match job {
+                            CopyJob::Copy { dst, src, bytes } => {
+                                std::thread::sleep(delay);
+                                // SAFETY: Driver::htod_on_copy_stream's
+                                // contract: live pinned source and device
+                                // destination, nothing else touching it.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        src as *const u8,
+                                        dst as *mut u8,
+                                        bytes,
+                                    )
+                                };
+                            }
+                            CopyJob::Fence(n) => log.pass(n),
+                        }
+                    }
+                })
+                .map_err(|e| CoreError::Device(format!("simt copy stream: {e}")))?;
+            *lock(&self.thread) = Some(thread);
+            *tx = Some(send);
+        }
+        tx.as_ref()
+            .and_then(|t| t.send(job).ok())
+            .ok_or_else(|| CoreError::Device("simt copy stream ended".into()))
+    }
+
+    /// Ends the thread once its queued copies ran.
+    fn join(&self) {
+        lock(&self.tx).take();
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct SimtFence {
+    fence: u64,
+    log: Arc<CopyLog>,
+}
+
+impl Fence for SimtFence {
+    fn main_waits(&self) -> Result<()> {
+        self.log.wait(self.fence);
+        Ok(())
+    }
+}
+
 /// What the emulated device reports, and so which kernels the backend picks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Profile {
@@ -182,6 +321,7 @@ pub struct SimtDriver {
     props: DeviceProps,
     /// Live allocations and their layouts.
     allocs: Mutex<HashMap<u64, Layout>>,
+    copies: CopyStream,
 }
 
 impl SimtDriver {
@@ -189,6 +329,7 @@ impl SimtDriver {
     /// `profile` says, which decides the kernels the backend picks.
     pub fn open(profile: Profile) -> std::result::Result<Self, String> {
         let lib = Library::open()?;
+        let log = Arc::new(CopyLog::default());
         let (name, arch, max_shared) = match profile {
             Profile::Hopper => ("CUDA host emulator (as sm_90)", "sm_90", 227 * 1024),
             Profile::Cdna => ("CUDA host emulator (as gfx90a)", "gfx90a", 64 * 1024),
@@ -197,6 +338,7 @@ impl SimtDriver {
             inner: Arc::new(Inner {
                 lib,
                 capture: Mutex::new(None),
+                log: log.clone(),
             }),
             props: DeviceProps {
                 name: name.into(),
@@ -206,7 +348,23 @@ impl SimtDriver {
                 total_memory: 4 << 30,
             },
             allocs: Mutex::new(HashMap::new()),
+            copies: CopyStream {
+                log,
+                ..Default::default()
+            },
         })
+    }
+
+    /// The copy stream sleeps `delay` before each copy (for tests of what
+    /// waits for it).
+    pub fn with_copy_delay(mut self, delay: Duration) -> Self {
+        self.copies.delay = delay;
+        self
+    }
+
+    /// The copy stream's log.
+    pub fn copy_log(&self) -> Arc<CopyLog> {
+        self.copies.log.clone()
     }
 
     fn alloc(&self, bytes: usize) -> Option<u64> {
@@ -232,6 +390,7 @@ impl SimtDriver {
 
 impl Drop for SimtDriver {
     fn drop(&mut self) {
+        self.copies.join();
         for (ptr, layout) in lock(&self.allocs).drain() {
             // SAFETY: each was allocated by `alloc` with its layout, and the
             // backend no longer uses the driver.
@@ -329,6 +488,28 @@ impl Driver for SimtDriver {
 
     unsafe fn gemm(&self, g: &Gemm) -> Result<()> {
         self.inner.queue(Op::Gemm(*g))
+    }
+
+    fn copies_after_main(&self) -> Result<()> {
+        // The main stream's work has run by the time it is queued.
+        Ok(())
+    }
+
+    unsafe fn htod_on_copy_stream(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()> {
+        self.copies.send(CopyJob::Copy {
+            dst,
+            src: src as u64,
+            bytes,
+        })
+    }
+
+    fn copy_fence(&self) -> Result<Box<dyn Fence>> {
+        let fence = self.copies.fences.fetch_add(1, Ordering::Relaxed) + 1;
+        self.copies.send(CopyJob::Fence(fence))?;
+        Ok(Box::new(SimtFence {
+            fence,
+            log: self.copies.log.clone(),
+        }))
     }
 
     fn sync(&self) -> Result<()> {

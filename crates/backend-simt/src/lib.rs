@@ -21,7 +21,7 @@ mod driver;
 mod library;
 
 pub use arbor_backend_gpu::{GpuBackend, kernels};
-pub use driver::{Profile, SimtDriver};
+pub use driver::{CopyLog, FenceWait, Profile, SimtDriver};
 
 use arbor_engine_core::{BackendOptions, CoreError, Result};
 

@@ -273,6 +273,17 @@ pub trait Backend: Send + Sync {
     fn upload(&self, host: &HostTensor<'_>) -> Result<Tensor>;
     /// Overwrites the whole view `dst` with `data` (exactly its byte length).
     fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()>;
+    /// [`write`](Self::write)s `data` into each view, where an asynchronous
+    /// device may run the copies beside later work: only work that touches
+    /// one of the destinations' buffers waits for them (the host data may be
+    /// reused once this returns). HiCache's load-back writes each layer's
+    /// pages with one call, so layer `l`'s attention waits only for layer
+    /// `l`'s copies while later layers still load.
+    fn write_async(&self, writes: &[(&Tensor, &[u8])]) -> Result<()> {
+        writes
+            .iter()
+            .try_for_each(|(dst, data)| self.write(dst, data))
+    }
     /// Waits for queued work, then copies the view `src` into `dst` (exactly its byte length).
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()>;
     /// Waits until all queued work has finished.

@@ -351,6 +351,32 @@ impl HostKvPool {
     }
 }
 
+impl HostKvPool {
+    /// Runs `f` on the pages in `slots` (in that order; a slot may repeat)
+    /// with every one of them locked, so none is freed or rewritten while
+    /// `f` runs; `None` (and `f` not run) when one of them is freed or not
+    /// filled. Slots are locked in ascending order, and every other method
+    /// locks one slot at a time, so this cannot deadlock.
+    pub fn read_many<R>(&self, slots: &[HostSlotRef], f: impl FnOnce(&[&[u8]]) -> R) -> Option<R> {
+        let mut order: Vec<u32> = slots.iter().map(|s| s.slot).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards = Vec::with_capacity(order.len());
+        for &i in &order {
+            guards.push(lock(self.slots.get(i as usize)?));
+        }
+        let mut pages = Vec::with_capacity(slots.len());
+        for s in slots {
+            let g = &guards[order.binary_search(&s.slot).ok()?];
+            if g.generation != s.generation || g.filled != s.generation {
+                return None;
+            }
+            pages.push(g.bytes.as_slice());
+        }
+        Some(f(&pages))
+    }
+}
+
 /// One allocation of a host slot: the slot and its generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostSlotRef {
@@ -529,5 +555,26 @@ mod tests {
         assert!(b.slots().iter().any(|r| r.slot == s.slot));
         assert_eq!(pool.read(s, Duration::ZERO, |b| b[0]), None);
         assert!(!pool.write(s, |_| {}));
+    }
+
+    #[test]
+    fn read_many_sees_every_page_in_order_or_none() {
+        let pool = HostKvPool::new(4, 4);
+        let a = pool.alloc(3).expect("three free");
+        let [x, y, z] = [a.slots()[0], a.slots()[1], a.slots()[2]];
+        assert!(pool.write(x, |b| b.fill(1)));
+        assert!(pool.write(y, |b| b.fill(2)));
+        // A slot may repeat; the order is the caller's, not the slots'.
+        let firsts = pool.read_many(&[y, x, y], |p| p.iter().map(|b| b[0]).collect::<Vec<_>>());
+        assert_eq!(firsts, Some(vec![2, 1, 2]));
+        // One page not filled: nothing runs.
+        assert_eq!(pool.read_many(&[x, z], |_| ()), None);
+        assert!(pool.write(z, |b| b.fill(3)));
+        assert_eq!(pool.read_many(&[z, x], |p| p[0][0] + p[1][0]), Some(4));
+        // A stale generation reads as gone.
+        drop(a);
+        let _b = pool.alloc(4).expect("all free");
+        assert_eq!(pool.read_many(&[x], |_| ()), None);
+        assert_eq!(pool.read_many(&[], |p| p.len()), Some(0));
     }
 }

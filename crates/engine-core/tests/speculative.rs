@@ -880,6 +880,13 @@ fn tier_copies_are_exact_on_the_cpu() -> Result<()> {
     verify::tier_copies_move_kv_exactly(shared().backend.clone(), &fixture())
 }
 
+/// HiCache's load-back in the step that computes on it, on the CPU backend.
+#[test]
+fn load_back_is_exact_on_the_cpu() -> Result<()> {
+    verify::load_back_is_exact_in_the_step_that_loads(shared().backend.clone(), &fixture())?;
+    Ok(())
+}
+
 /// A step mixing plain greedy rows, rows with logprobs and rows with a
 /// penalty (logprob statistics and logit edits, all where the logits are)
 /// gives every request what it gets alone; with and without drafts. (Rows

@@ -1,11 +1,12 @@
 //! Chain and tree verification of draft tokens on the device (the checks
 //! shared with the CPU and wgpu suites): one verify step accepts exactly what
 //! plain one-token decode steps produce, through a non-first tree branch too,
-//! and a rejected draft leaves no trace; and
-//! HiCache's page copies between device and host move KV exactly.
+//! and a rejected draft leaves no trace;
+//! HiCache's page copies between device and host move KV exactly, also in
+//! the step whose forward reads the pages it loads.
 
 #[path = "../../../engine-core/tests/support/verify.rs"]
-mod shared_check;
+pub mod shared_check;
 
 #[test]
 fn chain_verification_is_exact_on_the_device() -> anyhow::Result<()> {
@@ -35,6 +36,17 @@ fn tier_copies_are_exact_on_the_device() -> anyhow::Result<()> {
     let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/tiny-llama");
     shared_check::tier_copies_move_kv_exactly(gpu, &model)
+}
+
+#[test]
+fn load_back_is_exact_on_the_device() -> anyhow::Result<()> {
+    let Some(gpu) = crate::common::gpu() else {
+        return Ok(());
+    };
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    shared_check::load_back_is_exact_in_the_step_that_loads(gpu, &model)?;
+    Ok(())
 }
 
 #[path = "../../../lora/tests/support/device.rs"]

@@ -19,6 +19,8 @@ mod vendor {
 mod attention;
 #[path = "../../../backend-gpu/tests/suite/common.rs"]
 mod common;
+/// The emulator's own: the copy stream's fences against the forward.
+mod copy_stream;
 #[path = "../../../backend-gpu/tests/suite/graphs.rs"]
 mod graphs;
 #[path = "../../../backend-gpu/tests/suite/logit_edits.rs"]

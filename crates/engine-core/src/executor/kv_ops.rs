@@ -16,7 +16,7 @@ use super::LocalExecutor;
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
 use crate::step::SeqPlan;
-use crate::tier::{CopyDirection, KvCopyStats, KvTierOps};
+use crate::tier::{CopyDirection, HostKvPool, KvCopyStats, KvTierOps};
 
 /// Bytes of one slot row of one shard's tensor (its heads of one token).
 fn row_bytes(spec: &KvSpec) -> usize {
@@ -27,6 +27,12 @@ fn row_bytes(spec: &KvSpec) -> usize {
 /// tensor-parallel group in rank order, holding consecutive blocks of the
 /// KV heads (`replicated`: each holding all of them). On the CPU a copy is
 /// a memcpy; it is still counted and timed.
+///
+/// Each run of consecutive loads (host to device) is written one part (a
+/// layer's K or V) at a time with [`Backend::write_async`](crate::Backend::write_async),
+/// layers in order, so on an asynchronous device the forward's layer `l`
+/// waits only for its own pages. A backup (device to host) waits for
+/// whatever was queued before it, so the order of the copies holds.
 pub(crate) fn copy_tier_pages(
     shards: &[&LocalExecutor],
     replicated: bool,
@@ -40,58 +46,28 @@ pub(crate) fn copy_tier_pages(
         return Err(CoreError::Internal("KV copies with no executor".into()));
     };
     let start = std::time::Instant::now();
-    let spec = *first.runner.kv().spec();
-    let parts = spec.tensors_per_layer() * spec.num_layers;
-    // The shards whose bytes make up a host page, and each one's row.
-    let sources = if replicated { &shards[..1] } else { shards };
-    let rows: Vec<usize> = sources
-        .iter()
-        .map(|e| row_bytes(e.runner.kv().spec()))
-        .collect();
-    let group_row: usize = rows.iter().sum();
-    if host.page_bytes() != parts * spec.page_size * group_row {
+    let layout = Layout::new(shards, replicated, *first.runner.kv().spec());
+    if host.page_bytes() != layout.page_bytes() {
         return Err(CoreError::invalid(format!(
             "host KV pages of {} bytes for device pages of {}",
             host.page_bytes(),
-            parts * spec.page_size * group_row
+            layout.page_bytes()
         )));
     }
-    // Per shard, its views of one device page, and a scratch page.
-    let mut views: Vec<Vec<crate::tensor::Tensor>> = vec![Vec::with_capacity(parts); shards.len()];
-    let mut scratch: Vec<Vec<u8>> = rows.iter().map(|r| vec![0u8; r * spec.page_size]).collect();
-    for c in &ops.copies {
-        if c.device_page as usize >= spec.num_pages {
-            return Err(CoreError::invalid(format!(
-                "KV copy of device page {} of {}",
-                c.device_page, spec.num_pages
-            )));
-        }
-        let first_slot = c.device_page as usize * spec.page_size;
-        for (e, v) in shards.iter().zip(views.iter_mut()) {
-            v.clear();
-            let kv = e.runner.kv();
-            for l in 0..spec.num_layers {
-                for t in kv.layer(l)?.stored() {
-                    v.push(t.narrow(first_slot, spec.page_size)?);
-                }
-            }
-            if v.len() != parts {
-                return Err(CoreError::Internal(format!(
-                    "the KV cache stores {} tensors for a spec of {parts}",
-                    v.len()
-                )));
-            }
-        }
-        let mut failed = None;
+    let mut scratch: Vec<Vec<u8>> = layout
+        .rows
+        .iter()
+        .map(|r| vec![0u8; r * layout.spec.page_size])
+        .collect();
+    let mut at = 0;
+    while let Some(c) = ops.copies.get(at) {
         match c.direction {
             CopyDirection::ToHost => {
+                let views = layout.page_views(c.device_page)?;
+                let mut failed = None;
                 let written = host.write(c.host, |bytes| {
-                    for (p, dst) in bytes
-                        .chunks_exact_mut(spec.page_size * group_row)
-                        .enumerate()
-                    {
-                        if let Err(e) = download_part(sources, &views, &mut scratch, &rows, p, dst)
-                        {
+                    for (p, dst) in bytes.chunks_exact_mut(layout.part_bytes()).enumerate() {
+                        if let Err(e) = layout.download_part(&views, &mut scratch, p, dst) {
                             failed = Some(e);
                             return;
                         }
@@ -103,89 +79,181 @@ pub(crate) fn copy_tier_pages(
                         c.host.slot
                     )));
                 }
+                if let Some(e) = failed {
+                    return Err(e);
+                }
                 stats.pages_to_host += 1;
+                at += 1;
             }
             CopyDirection::ToDevice => {
-                let read = host.read(c.host, std::time::Duration::ZERO, |bytes| {
-                    for (p, src) in bytes.chunks_exact(spec.page_size * group_row).enumerate() {
-                        if let Err(e) =
-                            upload_part(shards, replicated, &views, &mut scratch, &rows, p, src)
-                        {
-                            failed = Some(e);
-                            return;
-                        }
-                    }
-                });
-                if read.is_none() {
-                    return Err(CoreError::Internal(format!(
-                        "KV load from host slot {} that holds no page",
-                        c.host.slot
-                    )));
-                }
-                stats.pages_to_device += 1;
+                let run = ops.copies[at..]
+                    .iter()
+                    .take_while(|c| c.direction == CopyDirection::ToDevice)
+                    .count();
+                layout.load(host, &ops.copies[at..at + run])?;
+                stats.pages_to_device += run as u64;
+                at += run;
             }
         }
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        stats.bytes += host.page_bytes() as u64;
     }
+    stats.bytes = ops.copies.len() as u64 * host.page_bytes() as u64;
     stats.seconds = start.elapsed().as_secs_f64();
     Ok(stats)
 }
 
-/// Part `p` (one tensor of one layer) of a host page from the shards'
-/// device pages: each slot row is the shards' rows in rank order.
-fn download_part(
-    sources: &[&LocalExecutor],
-    views: &[Vec<crate::tensor::Tensor>],
-    scratch: &mut [Vec<u8>],
-    rows: &[usize],
-    p: usize,
-    dst: &mut [u8],
-) -> Result<()> {
-    if let [e] = sources {
-        return e.runner.backend().download(&views[0][p], dst);
-    }
-    let group_row: usize = rows.iter().sum();
-    let mut off = 0;
-    for (i, e) in sources.iter().enumerate() {
-        e.runner.backend().download(&views[i][p], &mut scratch[i])?;
-        for (s, row) in scratch[i].chunks_exact(rows[i]).enumerate() {
-            dst[s * group_row + off..s * group_row + off + rows[i]].copy_from_slice(row);
-        }
-        off += rows[i];
-    }
-    Ok(())
+/// How the shards' device pages map onto a host page.
+struct Layout<'a> {
+    shards: &'a [&'a LocalExecutor],
+    /// The shards whose bytes make up a host page (rank 0 alone when replicated).
+    sources: &'a [&'a LocalExecutor],
+    replicated: bool,
+    spec: KvSpec,
+    /// Per source, the bytes of its slot row.
+    rows: Vec<usize>,
 }
 
-/// Part `p` of a host page into the shards' device pages (every shard gets
-/// the whole part when `replicated`).
-fn upload_part(
-    shards: &[&LocalExecutor],
-    replicated: bool,
-    views: &[Vec<crate::tensor::Tensor>],
-    scratch: &mut [Vec<u8>],
-    rows: &[usize],
-    p: usize,
-    src: &[u8],
-) -> Result<()> {
-    if replicated || shards.len() == 1 {
-        for (i, e) in shards.iter().enumerate() {
-            e.runner.backend().write(&views[i][p], src)?;
+impl<'a> Layout<'a> {
+    fn new(shards: &'a [&'a LocalExecutor], replicated: bool, spec: KvSpec) -> Self {
+        let sources = if replicated { &shards[..1] } else { shards };
+        let rows = sources
+            .iter()
+            .map(|e| row_bytes(e.runner.kv().spec()))
+            .collect();
+        Self {
+            shards,
+            sources,
+            replicated,
+            spec,
+            rows,
         }
-        return Ok(());
     }
-    let group_row: usize = rows.iter().sum();
-    let mut off = 0;
-    for (i, e) in shards.iter().enumerate() {
-        for (s, row) in scratch[i].chunks_exact_mut(rows[i]).enumerate() {
-            row.copy_from_slice(&src[s * group_row + off..s * group_row + off + rows[i]]);
+
+    /// Tensors of a page: every layer's K (and V).
+    fn parts(&self) -> usize {
+        self.spec.tensors_per_layer() * self.spec.num_layers
+    }
+
+    /// Bytes of one part of a host page (all shards' rows of its slots).
+    fn part_bytes(&self) -> usize {
+        self.spec.page_size * self.rows.iter().sum::<usize>()
+    }
+
+    fn page_bytes(&self) -> usize {
+        self.parts() * self.part_bytes()
+    }
+
+    /// Per shard, its views of device page `page`, one per part.
+    fn page_views(&self, page: u32) -> Result<Vec<Vec<crate::tensor::Tensor>>> {
+        let spec = &self.spec;
+        if page as usize >= spec.num_pages {
+            return Err(CoreError::invalid(format!(
+                "KV copy of device page {page} of {}",
+                spec.num_pages
+            )));
         }
-        e.runner.backend().write(&views[i][p], &scratch[i])?;
-        off += rows[i];
+        let first_slot = page as usize * spec.page_size;
+        let mut out = Vec::with_capacity(self.shards.len());
+        for e in self.shards {
+            let kv = e.runner.kv();
+            let mut v = Vec::with_capacity(self.parts());
+            for l in 0..spec.num_layers {
+                for t in kv.layer(l)?.stored() {
+                    v.push(t.narrow(first_slot, spec.page_size)?);
+                }
+            }
+            if v.len() != self.parts() {
+                return Err(CoreError::Internal(format!(
+                    "the KV cache stores {} tensors for a spec of {}",
+                    v.len(),
+                    self.parts()
+                )));
+            }
+            out.push(v);
+        }
+        Ok(out)
     }
-    Ok(())
+
+    /// Part `p` (one tensor of one layer) of a host page from the shards'
+    /// device pages: each slot row is the shards' rows in rank order.
+    fn download_part(
+        &self,
+        views: &[Vec<crate::tensor::Tensor>],
+        scratch: &mut [Vec<u8>],
+        p: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        if let [e] = self.sources {
+            return e.runner.backend().download(&views[0][p], dst);
+        }
+        let group_row: usize = self.rows.iter().sum();
+        let mut off = 0;
+        for (i, e) in self.sources.iter().enumerate() {
+            let row = self.rows[i];
+            e.runner.backend().download(&views[i][p], &mut scratch[i])?;
+            for (s, r) in scratch[i].chunks_exact(row).enumerate() {
+                dst[s * group_row + off..s * group_row + off + row].copy_from_slice(r);
+            }
+            off += row;
+        }
+        Ok(())
+    }
+
+    /// Loads `copies` (all to the device) part by part: every page's part
+    /// `p` into every shard with one `write_async` per shard, then part `p + 1`.
+    fn load(&self, host: &HostKvPool, copies: &[crate::tier::PageCopy]) -> Result<()> {
+        let views = copies
+            .iter()
+            .map(|c| self.page_views(c.device_page))
+            .collect::<Result<Vec<_>>>()?;
+        let slots: Vec<_> = copies.iter().map(|c| c.host).collect();
+        let part = self.part_bytes();
+        let split = !self.replicated && self.shards.len() > 1;
+        let loaded = host.read_many(&slots, |pages| -> Result<()> {
+            // Per shard and page, its rows of the current part (split groups only).
+            let mut own: Vec<Vec<Vec<u8>>> = self
+                .rows
+                .iter()
+                .map(|r| {
+                    vec![vec![0u8; r * self.spec.page_size]; if split { copies.len() } else { 0 }]
+                })
+                .collect();
+            for p in 0..self.parts() {
+                let src = |c: usize| &pages[c][p * part..(p + 1) * part];
+                if split {
+                    let group_row: usize = self.rows.iter().sum();
+                    let mut off = 0;
+                    for (i, row) in self.rows.iter().enumerate() {
+                        for (c, dst) in own[i].iter_mut().enumerate() {
+                            for (s, r) in dst.chunks_exact_mut(*row).enumerate() {
+                                r.copy_from_slice(
+                                    &src(c)[s * group_row + off..s * group_row + off + row],
+                                );
+                            }
+                        }
+                        off += row;
+                    }
+                }
+                for (i, e) in self.shards.iter().enumerate() {
+                    let writes: Vec<(&crate::tensor::Tensor, &[u8])> = (0..copies.len())
+                        .map(|c| {
+                            (
+                                &views[c][i][p],
+                                if split { own[i][c].as_slice() } else { src(c) },
+                            )
+                        })
+                        .collect();
+                    e.runner.backend().write_async(&writes)?;
+                }
+            }
+            Ok(())
+        });
+        loaded.unwrap_or_else(|| {
+            Err(CoreError::Internal(format!(
+                "KV load from a host slot that holds no page (slots {:?})",
+                slots.iter().map(|s| s.slot).collect::<Vec<_>>()
+            )))
+        })
+    }
 }
 
 impl LocalExecutor {

@@ -8,8 +8,9 @@
 //! samples one row on the device and another on the host gives both right;
 //! tree verification accepts exactly what plain decoding gives through a
 //! branch that is not the first child (so the accepted KV is moved into
-//! chain order) and the steps after it continue exactly; and HiCache's page
-//! copies between device and host move KV exactly.
+//! chain order) and the steps after it continue exactly; HiCache's page
+//! copies between device and host move KV exactly, also when the step that
+//! loads a prefix computes on it.
 
 use anyhow::{Context, Result, ensure};
 use arbor_engine_core::executor::{Executor, LocalExecutor};
@@ -46,8 +47,9 @@ fn step(ex: &LocalExecutor, seq: SeqPlan) -> Result<Vec<u32>> {
         .into_vec())
 }
 
-/// Runs the check on `backend` with the HF model folder `model`.
-pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
+/// An executor of `model` on `backend` (f32, pages of 16, 16 pages of KV)
+/// and the bytes of one of its host-tier pages.
+fn executor(backend: &Arc<dyn Backend>, model: &Path) -> Result<(LocalExecutor, usize)> {
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
@@ -55,9 +57,46 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         progress: None,
     };
     let m = arbor_models::load_model(model, &registry, &opts)?;
-    let runner = ModelRunner::new(m.model.clone(), backend, None, 16, 16, DType::F32)?;
+    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 16, DType::F32)?;
+    let page_bytes = arbor_engine_core::TierIdentity::new("m", runner.kv_spec()).page_bytes();
+    Ok((
+        LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]),
+        page_bytes,
+    ))
+}
+
+/// A one-sequence greedy plan of `tokens` after `prefix_len` cached ones.
+fn greedy_seq(tokens: Vec<u32>, prefix_len: usize, pages: Vec<u32>) -> SeqPlan {
+    SeqPlan {
+        lora: None,
+        tokens,
+        prefix_len,
+        pages,
+        tree: None,
+        sample: Some(spec(SampleRows::Last)),
+    }
+}
+
+/// `toks` (what a prompt of `prompt_len` tokens sampled so far) and six
+/// more greedy decode steps on `pages`.
+fn decode_six(
+    ex: &LocalExecutor,
+    prompt_len: usize,
+    mut toks: Vec<u32>,
+    pages: &[u32],
+) -> Result<Vec<u32>> {
+    for _ in 0..6 {
+        let last = *toks.last().context("a token")?;
+        let prefix = prompt_len + toks.len() - 1;
+        toks.extend(step(ex, greedy_seq(vec![last], prefix, pages.to_vec()))?);
+    }
+    Ok(toks)
+}
+
+/// Runs the check on `backend` with the HF model folder `model`.
+pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
+    let (ex, _) = executor(&backend, model)?;
     let pages: Vec<u32> = (0..8).collect();
-    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
     let prompt: Vec<u32> = vec![17, 301, 45, 9, 220, 78, 3, 150, 41];
     let prefill = |ex: &LocalExecutor| {
         step(
@@ -113,7 +152,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
     );
     // A wrong fourth draft: three accepted, then the target's own token.
     let mut drafts = toks[1..9].to_vec();
-    drafts[3] = (drafts[3] + 1) % m.model.spec().vocab_size as u32;
+    drafts[3] = (drafts[3] + 1) % ex.model_spec().vocab_size as u32;
     ensure!(prefill(&ex)? == toks[..1], "prefill changed");
     let got = step(&ex, verify(&drafts))?;
     ensure!(
@@ -156,16 +195,8 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
 /// add the target's own `t5`, and two decode steps after it, reading the KV
 /// the executor moved into chain order, must give `t6`, `t7`.
 pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
-    let registry = Registry::builtin()?;
-    let opts = LoadOptions {
-        backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?(&Default::default())?,
-        progress: None,
-    };
-    let m = arbor_models::load_model(model, &registry, &opts)?;
-    let runner = ModelRunner::new(m.model.clone(), backend, None, 16, 16, DType::F32)?;
+    let (ex, _) = executor(&backend, model)?;
     let pages: Vec<u32> = (0..8).collect();
-    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
     ensure!(
         ex.capabilities().tree,
         "the attention backend does not declare draft trees"
@@ -202,7 +233,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
         let last = *t.last().context("a token")?;
         t.extend(decode(last, prompt.len() + t.len() - 1)?);
     }
-    let vocab = m.model.spec().vocab_size as u32;
+    let vocab = ex.model_spec().vocab_size as u32;
     let wrong = |x: u32| (x + 1) % vocab;
     let tokens = vec![
         t[0],
@@ -256,29 +287,10 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
 /// from the originals gives, and a load from a host slot that holds no page
 /// is refused.
 pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> Result<()> {
-    use arbor_engine_core::{CopyDirection, HostKvPool, KvTierOps, PageCopy, TierIdentity};
-    let registry = Registry::builtin()?;
-    let opts = LoadOptions {
-        backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?(&Default::default())?,
-        progress: None,
-    };
-    let m = arbor_models::load_model(model, &registry, &opts)?;
-    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 16, DType::F32)?;
-    let page_bytes = TierIdentity::new("m", runner.kv_spec()).page_bytes();
-    let ex = LocalExecutor::new(runner, Arc::new(StandardSampler), vec![], vec![]);
+    use arbor_engine_core::{CopyDirection, HostKvPool, KvTierOps, PageCopy};
+    let (ex, page_bytes) = executor(&backend, model)?;
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 400).collect();
-    let first = step(
-        &ex,
-        SeqPlan {
-            lora: None,
-            tokens: prompt.clone(),
-            prefix_len: 0,
-            pages: vec![0, 1, 2],
-            tree: None,
-            sample: Some(spec(SampleRows::Last)),
-        },
-    )?;
+    let first = step(&ex, greedy_seq(prompt.clone(), 0, vec![0, 1, 2]))?;
     let host = HostKvPool::new(page_bytes, 4);
     let slots = host.alloc(3).context("host slots")?;
     let mut copies = Vec::new();
@@ -319,26 +331,8 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
             }
         }
     }
-    let decode = |pages: Vec<u32>| -> Result<Vec<u32>> {
-        let mut toks = first.clone();
-        for _ in 0..6 {
-            let last = *toks.last().context("a token")?;
-            toks.extend(step(
-                &ex,
-                SeqPlan {
-                    lora: None,
-                    tokens: vec![last],
-                    prefix_len: prompt.len() + toks.len() - 1,
-                    pages: pages.clone(),
-                    tree: None,
-                    sample: Some(spec(SampleRows::Last)),
-                },
-            )?);
-        }
-        Ok(toks)
-    };
-    let original = decode(vec![0, 1, 2, 3])?;
-    let copied = decode(vec![10, 11, 12, 13])?;
+    let original = decode_six(&ex, prompt.len(), first.clone(), &[0, 1, 2, 3])?;
+    let copied = decode_six(&ex, prompt.len(), first.clone(), &[10, 11, 12, 13])?;
     ensure!(original == copied, "{original:?} vs {copied:?}");
     // A slot never written holds no page: loading it is an error, not garbage.
     let empty = host.alloc(1).context("a slot")?;
@@ -355,4 +349,63 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
     });
     ensure!(bad.is_err(), "a load from an empty slot was accepted");
     Ok(())
+}
+
+/// HiCache's load-back in the step that uses it: a step that loads a
+/// prefix's pages from host slots (over pages holding another prompt's KV)
+/// and computes the rest of the prompt on them gives the tokens the prompt
+/// gives computed whole, and so do the decode steps after it. On an
+/// asynchronous device the loads run beside the forward, one layer's part
+/// at a time, so this fails when a layer reads its pages before their copy
+/// ran. Returns the number of load batches the step wrote (one per layer
+/// tensor).
+pub fn load_back_is_exact_in_the_step_that_loads(
+    backend: Arc<dyn Backend>,
+    model: &Path,
+) -> Result<usize> {
+    use arbor_engine_core::{CopyDirection, HostKvPool, KvTierOps, PageCopy};
+    let (ex, page_bytes) = executor(&backend, model)?;
+    let kv = *ex.runner().kv_spec();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 400).collect();
+    let other: Vec<u32> = (0..40).map(|i| (i * 53 + 5) % 400).collect();
+    let first = step(&ex, greedy_seq(prompt.clone(), 0, vec![0, 1, 2]))?;
+    let whole = decode_six(&ex, prompt.len(), first, &[0, 1, 2, 3])?;
+    // Pages 10-12 hold another prompt's KV: a load that is not waited for
+    // leaves it there.
+    step(&ex, greedy_seq(other, 0, vec![10, 11, 12]))?;
+    let host = HostKvPool::new(page_bytes, 2);
+    let slots = host.alloc(2).context("host slots")?;
+    let copies = |direction, first_page: u32| KvTierOps {
+        host: Some(host.clone()),
+        copies: (slots.slots().iter().zip(first_page..))
+            .map(|(s, device_page)| PageCopy {
+                direction,
+                device_page,
+                host: *s,
+            })
+            .collect(),
+    };
+    ex.execute(&StepPlan {
+        kv_ops: copies(CopyDirection::ToHost, 0),
+        ..Default::default()
+    })?;
+    let out = ex.execute(&StepPlan {
+        seqs: vec![greedy_seq(prompt[32..].to_vec(), 32, vec![10, 11, 12])],
+        kv_ops: copies(CopyDirection::ToDevice, 10),
+        ..Default::default()
+    })?;
+    ensure!(out.kv_copy.pages_to_device == 2, "{:?}", out.kv_copy);
+    let first = out
+        .seqs
+        .into_iter()
+        .next()
+        .context("one sequence")?
+        .tokens
+        .into_vec();
+    let loaded = decode_six(&ex, prompt.len(), first, &[10, 11, 12, 13])?;
+    ensure!(
+        loaded == whole,
+        "after a load-back {loaded:?}, computed whole {whole:?}"
+    );
+    Ok(kv.num_layers * kv.tensors_per_layer())
 }

@@ -1,0 +1,62 @@
+//! The copy stream on the emulated device, with a delay before each copy:
+//! HiCache's load-back is exact although the copies land while the forward
+//! runs, the forward's first wait is for the first layer's copies alone
+//! (later layers still copying) and the last layer's comes after kernels of
+//! the earlier layers ran, and every wait returns only once its fence has
+//! passed. A backend that waited for every copy at the first use, or
+//! for none, fails.
+
+use arbor_backend_simt::{GpuBackend, Profile, SimtDriver};
+use arbor_engine_core::BackendOptions;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[test]
+fn each_layer_waits_only_for_its_own_copies() -> anyhow::Result<()> {
+    let drv = match SimtDriver::open(Profile::Hopper) {
+        Ok(d) => d.with_copy_delay(Duration::from_millis(25)),
+        Err(e) => {
+            if std::env::var("ARBOR_REQUIRE_CXX").is_ok_and(|v| v == "1") {
+                panic!("ARBOR_REQUIRE_CXX=1 but the emulator is unavailable: {e}");
+            }
+            println!("skipped: {e}");
+            return Ok(());
+        }
+    };
+    let log = drv.copy_log();
+    let gpu = Arc::new(GpuBackend::new(
+        Box::new(drv),
+        &BackendOptions::default(),
+        arbor_backend_simt::ATTENTION,
+    ));
+    let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-llama");
+    let parts = crate::verify::shared_check::load_back_is_exact_in_the_step_that_loads(
+        gpu.clone(),
+        &model,
+    )?;
+    let stats = gpu.load_stats();
+    assert_eq!(stats.batches as usize, parts, "{stats:?}");
+    assert_eq!(stats.fallbacks, 0, "{stats:?}");
+    let waits = log.waits();
+    assert!(
+        waits.iter().all(|w| w.passed >= w.fence),
+        "a wait returned before its fence: {waits:?}"
+    );
+    assert_eq!(log.fences_passed() as usize, parts);
+    // The first layer's K and V are the first two fences: the forward's
+    // first wait is for one of them and returns while later layers copy;
+    // the last layer's is waited for after kernels of the earlier layers ran.
+    let (first, last) = (waits.first().copied(), waits.last().copied());
+    assert!(
+        first.is_some_and(|w| w.fence <= 2 && (w.passed as usize) < parts),
+        "the forward's first wait {first:?} (of {parts} fences): {waits:?}"
+    );
+    assert!(
+        first
+            .zip(last)
+            .is_some_and(|(f, l)| l.launches > f.launches),
+        "no kernel ran between the first and the last wait: {waits:?}"
+    );
+    Ok(())
+}
