@@ -237,6 +237,7 @@ pub fn build(
     kv: &arbor_engine_core::KvSpec,
     policy: std::sync::Arc<dyn arbor_engine_core::EvictionPolicy>,
     model: &arbor_models::LoadedModel,
+    host_memory: Option<std::sync::Arc<dyn arbor_engine_core::HostMemory>>,
 ) -> Result<Box<dyn arbor_engine_core::PrefixCache>> {
     use anyhow::Context;
     use arbor_kv_hicache::{HiCache, HiCacheConfig, HiCacheOptions, PrefetchPolicy, WritePolicy};
@@ -279,6 +280,7 @@ pub fn build(
         model: identity,
         config,
         storage,
+        host_memory,
     })?;
     Ok(Box::new(cache))
 }
@@ -290,6 +292,7 @@ pub fn build(
     _kv: &arbor_engine_core::KvSpec,
     _policy: std::sync::Arc<dyn arbor_engine_core::EvictionPolicy>,
     _model: &arbor_models::LoadedModel,
+    _host_memory: Option<std::sync::Arc<dyn arbor_engine_core::HostMemory>>,
 ) -> Result<Box<dyn arbor_engine_core::PrefixCache>> {
     bail!("--enable-hierarchical-cache: rebuild arbor with the `kv-hicache` cargo feature")
 }

@@ -221,6 +221,8 @@ struct RankParts<'a> {
     /// every rank's heads (a data-parallel attention rank's, its own
     /// tokens' heads).
     tier_kv: KvSpec,
+    /// Memory for a host tier's pages (rank 0's device's: pinned on GPUs).
+    host_memory: Option<Arc<dyn arbor_engine_core::HostMemory>>,
 }
 
 impl RankParts<'_> {
@@ -232,7 +234,13 @@ impl RankParts<'_> {
             )?)
         } else if let Some(h) = &setup.hicache {
             let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
-            crate::hicache::build(h, &self.tier_kv, policy, self.model)?
+            crate::hicache::build(
+                h,
+                &self.tier_kv,
+                policy,
+                self.model,
+                self.host_memory.clone(),
+            )?
         } else {
             let policy = registry.eviction_policies.get(&setup.eviction_policy)?()?;
             registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
@@ -330,6 +338,7 @@ pub fn build_replica(
         model: &model,
         page_size,
         tier_kv,
+        host_memory: backend.host_memory(),
     };
     let mut parts = EngineParts::local(
         runner.clone(),

@@ -127,6 +127,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         },
     )?;
     let spec = built.model.model.spec().clone();
+    let host_memory = built
+        .rank_devices
+        .first()
+        .and_then(|r| r.first())
+        .and_then(|d| d.backend.host_memory())
+        .map_or("heap", |m| m.kind());
     let model_path = built.model.path.display().to_string();
     let served = m
         .served_model_name
@@ -190,6 +196,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         opts: &opts,
         eviction_policy: &eviction_policy,
         disaggregation: disagg_line.as_deref(),
+        host_memory,
     };
     let result = serve_until_stopped(server, &host, port, &summary);
     // The last handle stops the scheduler thread.
@@ -461,6 +468,8 @@ struct Summary<'a> {
     opts: &'a ServerOptions,
     eviction_policy: &'a str,
     disaggregation: Option<&'a str>,
+    /// What a host tier's pages live in (`pinned` on GPUs, `heap`).
+    host_memory: &'static str,
 }
 
 impl Summary<'_> {
@@ -566,12 +575,13 @@ impl Summary<'_> {
         let tiers = match self.cfg.hicache.to_settings(false).ok().flatten() {
             None => String::new(),
             Some(h) => format!(
-                "; HiCache host tier {}, {}, storage {} (prefetch {})",
+                "; HiCache host tier {} ({} memory), {}, storage {} (prefetch {})",
                 if h.size_gb > 0.0 {
                     format!("{} GB", h.size_gb)
                 } else {
                     format!("{}x the device pool", h.ratio)
                 },
+                self.host_memory,
                 h.write_policy,
                 h.storage.as_ref().map_or("none", |(b, _)| b.as_str()),
                 h.prefetch_policy

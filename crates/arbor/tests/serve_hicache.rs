@@ -125,6 +125,8 @@ async fn evicted_prefixes_return_from_host_and_from_storage_after_a_restart() ->
     let extra = json!({"dir": dir.path(), "prefetch_threshold": 16}).to_string();
     let args = store_args(&extra, &["--threads", "1"]);
     let s = start(&args)?;
+    // The CPU's host tier is heap memory (GPUs pin theirs).
+    assert!(s.log_contains("(heap memory)"), "{}", s.logs());
     let mut host = 0;
     for (p, w) in prompts().iter().zip(&want) {
         let (got, m) = ask(&c, &s, p).await?;

@@ -382,8 +382,11 @@ impl Driver for CudaDriver {
     }
 
     fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
-        // SAFETY: allocates pinned host memory in the bound context.
-        let p = unsafe { drv::malloc_host(bytes, 0) }.map_err(dev_err("cuMemHostAlloc"))?;
+        // SAFETY: allocates pinned host memory in the bound context, pinned
+        // for every context (the host KV tier of a tensor-parallel group is
+        // one pool for all its devices).
+        let p = unsafe { drv::malloc_host(bytes, sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(dev_err("cuMemHostAlloc"))?;
         Ok(p as *mut u8)
     }
 

@@ -24,6 +24,7 @@ mod linear;
 mod loads;
 pub mod memory;
 mod ops;
+pub mod pinned;
 mod sample;
 
 pub use driver::{DeviceProps, Driver, Gemm, Graph};
@@ -343,6 +344,10 @@ impl Backend for GpuBackend {
             self.dev.upload_to(&mut st, p, data, bytes)?;
         }
         Ok(())
+    }
+
+    fn host_memory(&self) -> Option<Arc<dyn arbor_engine_core::HostMemory>> {
+        Some(Arc::new(pinned::PinnedHost::new(self.dev.clone())))
     }
 
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()> {

@@ -28,6 +28,11 @@ use std::sync::Arc;
 /// Staging grows in steps of this many bytes.
 const STAGING_GRAIN: usize = 1 << 20;
 
+/// Staging is at least this large, so that the first load-back of a run of
+/// layers already overlaps (a batch that does not fit while copies are in
+/// flight goes on the main stream).
+const STAGING_MIN: usize = 32 << 20;
+
 fn round_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
@@ -144,7 +149,7 @@ impl Loads {
                 return Ok(false);
             }
             self.free_staging(drv);
-            let cap = round_up(self.hwm * 3 / 2, STAGING_GRAIN);
+            let cap = round_up((self.hwm * 3 / 2).max(STAGING_MIN), STAGING_GRAIN);
             match drv.malloc_host(cap) {
                 Ok(p) if !p.is_null() => {
                     self.staging = p;

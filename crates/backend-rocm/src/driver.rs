@@ -346,9 +346,10 @@ impl Driver for HipDriver {
 
     fn malloc_host(&self, bytes: usize) -> Result<*mut u8> {
         let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; flags 0 is hipHostMallocDefault.
+        // SAFETY: a valid out-pointer; pinned for every device (the host KV
+        // tier of a tensor-parallel group is one pool for all of them).
         self.hip.check(
-            unsafe { (self.hip.host_malloc)(&mut p, bytes, 0) },
+            unsafe { (self.hip.host_malloc)(&mut p, bytes, hip::HOST_MALLOC_PORTABLE) },
             "hipHostMalloc",
         )?;
         Ok(p as *mut u8)

@@ -27,6 +27,8 @@ pub const HIP_ERROR_NO_DEVICE: HipError = 100;
 
 /// `hipStreamNonBlocking`.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// `hipHostMallocPortable`.
+pub const HOST_MALLOC_PORTABLE: c_uint = 1;
 /// `hipEventDisableTiming`.
 pub const EVENT_DISABLE_TIMING: c_uint = 2;
 /// `hipStreamCaptureModeThreadLocal`.

@@ -284,6 +284,11 @@ pub trait Backend: Send + Sync {
             .iter()
             .try_for_each(|(dst, data)| self.write(dst, data))
     }
+    /// Host memory this device copies from and to fastest (pinned memory on
+    /// GPUs), for the host KV tier; `None` when plain memory is as good.
+    fn host_memory(&self) -> Option<Arc<dyn crate::tier::HostMemory>> {
+        None
+    }
     /// Waits for queued work, then copies the view `src` into `dst` (exactly its byte length).
     fn download(&self, src: &Tensor, dst: &mut [u8]) -> Result<()>;
     /// Waits until all queued work has finished.

@@ -74,8 +74,8 @@ pub use step::{
 };
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use tier::{
-    CopyDirection, HostKvPool, HostPages, HostSlotRef, KvCopyStats, KvTier, KvTierOps, PageCopy,
-    PageKey, TierError, TierIdentity, page_keys,
+    CopyDirection, HostKvPool, HostMemory, HostPages, HostRegion, HostSlotRef, KvCopyStats, KvTier,
+    KvTierOps, PageCopy, PageKey, TierError, TierIdentity, page_keys,
 };
 pub use tp::{TpExecutor, TpRunners};
 

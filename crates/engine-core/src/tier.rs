@@ -7,7 +7,9 @@
 //!   size, KV layout and cache namespace), so two models, dtypes, page sizes
 //!   or adapters never share an entry.
 //! - [`HostKvPool`]: host memory for KV pages in the device layout (per layer
-//!   the page's K bytes then its V bytes). [`HostPages`] owns slots and frees
+//!   the page's K bytes then its V bytes), from a [`HostMemory`] when the
+//!   device gives one (pinned memory on GPUs, which copies reach at full
+//!   speed), else the heap. [`HostPages`] owns slots and frees
 //!   them on drop, like [`PageSet`](crate::kv::PageSet) does for device pages.
 //!   Each allocation of a slot bumps its generation; a reader holding an old
 //!   generation sees the slot as gone, so a slot freed and reused is never
@@ -200,12 +202,45 @@ pub trait KvTier: Send + Sync {
     }
 }
 
+/// Host memory that a device copies from and to fastest (pinned,
+/// page-locked memory on GPUs), for the host tier's pages.
+pub trait HostMemory: Send + Sync {
+    /// A region of `bytes` zeroed bytes, or `None` when none can be had.
+    fn alloc(&self, bytes: usize) -> Option<Box<dyn HostRegion>>;
+    /// What the memory is, for summaries (`pinned`).
+    fn kind(&self) -> &'static str;
+}
+
+/// Bytes from a [`HostMemory`], owned alone; freed on drop.
+pub trait HostRegion: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, to write.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostRegion for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
 struct Slot {
     /// Generation of the current allocation (0: never allocated).
     generation: u64,
     /// Generation whose page the bytes hold (0: none).
     filled: u64,
-    bytes: Vec<u8>,
+    /// The page's memory, taken when the slot is first written.
+    bytes: Option<Box<dyn HostRegion>>,
+}
+
+impl Slot {
+    fn page(&self) -> &[u8] {
+        self.bytes.as_ref().map_or(&[], |b| b.bytes())
+    }
 }
 
 /// Host memory for KV pages (see the module doc).
@@ -214,6 +249,9 @@ pub struct HostKvPool {
     slots: Vec<Mutex<Slot>>,
     filled: Condvar,
     free: Mutex<Vec<u32>>,
+    memory: Option<Arc<dyn HostMemory>>,
+    /// Slots whose memory came from the heap because `memory` had none left.
+    heap_fallbacks: std::sync::atomic::AtomicUsize,
 }
 
 impl fmt::Debug for HostKvPool {
@@ -222,6 +260,7 @@ impl fmt::Debug for HostKvPool {
             .field("page_bytes", &self.page_bytes)
             .field("pages", &self.slots.len())
             .field("free", &self.free_pages())
+            .field("memory", &self.memory_kind())
             .finish()
     }
 }
@@ -231,14 +270,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl HostKvPool {
-    /// A pool of `pages` slots of `page_bytes` each; memory is taken when a slot is first written.
+    /// A pool of `pages` slots of `page_bytes` each on the heap; memory is
+    /// taken when a slot is first written.
     pub fn new(page_bytes: usize, pages: usize) -> Arc<Self> {
+        Self::with_memory(page_bytes, pages, None)
+    }
+
+    /// As [`new`](Self::new), with each slot's memory from `memory` when
+    /// given (the heap for a slot it has none left for).
+    pub fn with_memory(
+        page_bytes: usize,
+        pages: usize,
+        memory: Option<Arc<dyn HostMemory>>,
+    ) -> Arc<Self> {
         let slots = (0..pages)
             .map(|_| {
                 Mutex::new(Slot {
                     generation: 0,
                     filled: 0,
-                    bytes: Vec::new(),
+                    bytes: None,
                 })
             })
             .collect();
@@ -247,7 +297,44 @@ impl HostKvPool {
             slots,
             filled: Condvar::new(),
             free: Mutex::new((0..pages as u32).rev().collect()),
+            memory,
+            heap_fallbacks: Default::default(),
         })
+    }
+
+    /// What the slots' memory is: the [`HostMemory`]'s kind, or `heap`.
+    pub fn memory_kind(&self) -> &'static str {
+        self.memory.as_ref().map_or("heap", |m| m.kind())
+    }
+
+    /// Slots whose memory came from the heap although a [`HostMemory`] was given.
+    pub fn heap_fallbacks(&self) -> usize {
+        self.heap_fallbacks
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Memory for one page.
+    fn page_memory(&self) -> Box<dyn HostRegion> {
+        if let Some(m) = &self.memory {
+            if let Some(r) = m
+                .alloc(self.page_bytes)
+                .filter(|r| r.bytes().len() == self.page_bytes)
+            {
+                return r;
+            }
+            if self
+                .heap_fallbacks
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                == 0
+            {
+                tracing::warn!(
+                    "no {} host memory for a KV page of {} bytes; using the heap",
+                    m.kind(),
+                    self.page_bytes
+                );
+            }
+        }
+        Box::new(vec![0u8; self.page_bytes])
     }
 
     /// Bytes of one page.
@@ -310,10 +397,8 @@ impl HostKvPool {
         if s.generation != slot.generation {
             return false;
         }
-        if s.bytes.len() != self.page_bytes {
-            s.bytes = vec![0; self.page_bytes];
-        }
-        f(&mut s.bytes);
+        let bytes = s.bytes.get_or_insert_with(|| self.page_memory());
+        f(bytes.bytes_mut());
         s.filled = slot.generation;
         drop(s);
         self.filled.notify_all();
@@ -336,7 +421,7 @@ impl HostKvPool {
                 return None;
             }
             if s.filled == slot.generation {
-                return Some(f(&s.bytes));
+                return Some(f(s.page()));
             }
             let now = Instant::now();
             if now >= deadline {
@@ -371,7 +456,7 @@ impl HostKvPool {
             if g.generation != s.generation || g.filled != s.generation {
                 return None;
             }
-            pages.push(g.bytes.as_slice());
+            pages.push(g.page());
         }
         Some(f(&pages))
     }
@@ -555,6 +640,52 @@ mod tests {
         assert!(b.slots().iter().any(|r| r.slot == s.slot));
         assert_eq!(pool.read(s, Duration::ZERO, |b| b[0]), None);
         assert!(!pool.write(s, |_| {}));
+    }
+
+    /// Heap regions, counted; `limit` of them at most.
+    struct Counted {
+        given: std::sync::atomic::AtomicUsize,
+        limit: usize,
+    }
+
+    impl HostMemory for Counted {
+        fn alloc(&self, bytes: usize) -> Option<Box<dyn HostRegion>> {
+            let n = self
+                .given
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (n < self.limit).then(|| Box::new(vec![0u8; bytes]) as Box<dyn HostRegion>)
+        }
+        fn kind(&self) -> &'static str {
+            "counted"
+        }
+    }
+
+    #[test]
+    fn slots_take_memory_from_the_host_memory_then_the_heap() {
+        let mem = Arc::new(Counted {
+            given: Default::default(),
+            limit: 2,
+        });
+        let pool = HostKvPool::with_memory(8, 3, Some(mem.clone()));
+        assert_eq!(pool.memory_kind(), "counted");
+        assert_eq!(HostKvPool::new(8, 1).memory_kind(), "heap");
+        let a = pool.alloc(3).expect("three free");
+        // Nothing is taken until a slot is written.
+        assert_eq!(mem.given.load(std::sync::atomic::Ordering::Relaxed), 0);
+        for (i, s) in a.slots().iter().enumerate() {
+            assert!(pool.write(*s, |b| b.fill(i as u8 + 1)));
+        }
+        assert_eq!(mem.given.load(std::sync::atomic::Ordering::Relaxed), 3);
+        assert_eq!(pool.heap_fallbacks(), 1);
+        let firsts = pool.read_many(a.slots(), |p| {
+            p.iter().map(|b| (b[0], b.len())).collect::<Vec<_>>()
+        });
+        assert_eq!(firsts, Some(vec![(1, 8), (2, 8), (3, 8)]));
+        // A slot keeps its memory when freed and allocated again.
+        drop(a);
+        let b = pool.alloc(1).expect("one free");
+        assert!(pool.write(b.slots()[0], |b| b.fill(9)));
+        assert_eq!(mem.given.load(std::sync::atomic::Ordering::Relaxed), 3);
     }
 
     #[test]

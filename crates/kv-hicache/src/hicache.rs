@@ -38,6 +38,10 @@ pub struct HiCacheOptions {
     pub config: HiCacheConfig,
     /// The storage tier, if any.
     pub storage: Option<Arc<dyn KvTier>>,
+    /// Memory for the host tier's pages: the device's
+    /// ([`Backend::host_memory`](arbor_engine_core::Backend::host_memory),
+    /// pinned on GPUs), or `None` for the heap.
+    pub host_memory: Option<Arc<dyn arbor_engine_core::HostMemory>>,
 }
 
 /// A request waiting on a storage fetch.
@@ -79,10 +83,11 @@ impl HiCache {
             model,
             config,
             storage,
+            host_memory,
         } = options;
         let host_pages = config.host_pages(&kv)?;
         let identity = TierIdentity::new(model, &kv);
-        let host = HostKvPool::new(identity.page_bytes(), host_pages);
+        let host = HostKvPool::with_memory(identity.page_bytes(), host_pages, host_memory);
         let mut radix = RadixCache::with_policy(kv.page_size, policy)?;
         radix.enable_tiers(TierOptions {
             host,

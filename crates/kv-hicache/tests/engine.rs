@@ -2,8 +2,9 @@
 //! pool too small for the working set: prefixes evicted from the device come
 //! back from the host tier (counted in `cached_tokens` and
 //! `cached_tokens_host`), and greedy output is identical, token for token, to
-//! an engine without any cache. Every test ends with the pool empty after a
-//! flush, and the flush empties the host tier too.
+//! an engine without any cache, also on the CUDA host emulator (pinned host
+//! pages, loads on the copy stream). Every test ends with the pool empty
+//! after a flush, and the flush empties the host tier too.
 
 #[path = "../../engine-core/tests/support/tiny.rs"]
 mod tiny;
@@ -11,7 +12,7 @@ mod tiny;
 use anyhow::{Context, Result};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::runner::ModelRunner;
-use arbor_engine_core::{DType, KvTier, PrefixCacheOptions, SamplingParams, SeqRng};
+use arbor_engine_core::{Backend, DType, KvTier, PrefixCacheOptions, SamplingParams, SeqRng};
 use arbor_kv_hicache::{HiCache, HiCacheConfig, HiCacheOptions, WritePolicy};
 use arbor_models::LoadedModel;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ fn engine_with(
 ) -> Result<Engine> {
     engine_for(
         &shared().model,
+        &shared().backend,
         pages,
         hicache,
         storage,
@@ -47,9 +49,10 @@ fn engine_with(
     )
 }
 
-/// [`engine_with`] on a loaded model of its own.
+/// [`engine_with`] on a loaded model of its own, on its backend.
 fn engine_for(
     loaded: &LoadedModel,
+    backend: &Arc<dyn Backend>,
     pages: usize,
     hicache: Option<HiCacheConfig>,
     storage: Option<Arc<dyn KvTier>>,
@@ -59,7 +62,7 @@ fn engine_for(
     let s = shared();
     let runner = ModelRunner::new(
         loaded.model.clone(),
-        s.backend.clone(),
+        backend.clone(),
         None,
         PAGE,
         pages,
@@ -73,6 +76,7 @@ fn engine_for(
             model: model.into(),
             config,
             storage,
+            host_memory: backend.host_memory(),
         })?),
         None => s.registry.prefix_caches.get("none")?(&PrefixCacheOptions {
             page_size: PAGE,
@@ -187,6 +191,67 @@ fn evicted_prefixes_come_back_from_host_with_identical_output() -> Result<()> {
     Ok(())
 }
 
+/// The same on the CUDA host emulator (backend-simt, as an sm_90 GPU, its
+/// copy stream 2 ms per copy): the host tier in the backend's pinned
+/// memory, each step's loads on the copy stream layer by layer beside the
+/// forward, and output identical to the emulated GPU without any cache.
+#[test]
+fn evicted_prefixes_come_back_from_pinned_memory_on_the_emulated_gpu() -> Result<()> {
+    use arbor_backend_simt::{GpuBackend, Profile, SimtDriver};
+    let drv = match SimtDriver::open(Profile::Hopper) {
+        Ok(d) => d.with_copy_delay(std::time::Duration::from_millis(2)),
+        Err(e) => {
+            if std::env::var("ARBOR_REQUIRE_CXX").is_ok_and(|v| v == "1") {
+                panic!("ARBOR_REQUIRE_CXX=1 but the emulator is unavailable: {e}");
+            }
+            println!("skipped: {e}");
+            return Ok(());
+        }
+    };
+    let gpu = Arc::new(GpuBackend::new(
+        Box::new(drv),
+        &arbor_engine_core::BackendOptions::default(),
+        arbor_backend_simt::ATTENTION,
+    ));
+    let backend: Arc<dyn Backend> = gpu.clone();
+    let s = shared();
+    let opts = arbor_engine_core::LoadOptions {
+        backend: backend.clone(),
+        quant: s.registry.quant_methods.get("f32")?(&Default::default())?,
+        progress: None,
+    };
+    let m = arbor_models::load_model(&tiny::fixture(), &s.registry, &opts)?;
+    let prompts = documents(4, 100, 11);
+    let params = greedy(4);
+    let want = cold_answers_on(&m, &backend, &prompts, &params)?;
+    let e = engine_for(
+        &m,
+        &backend,
+        12,
+        Some(config(WritePolicy::WriteThrough)),
+        None,
+        "tiny",
+        None,
+    )?;
+    let mut host_hits = 0;
+    for (p, w) in prompts.iter().zip(&want) {
+        let (got, [_, host, _]) = run(&e, std::slice::from_ref(p), &params)?.remove(0);
+        assert_eq!(
+            &got, w,
+            "output differs from the emulated GPU without cache"
+        );
+        host_hits += host;
+    }
+    assert!(host_hits >= 3 * 96, "{host_hits} tokens from the host tier");
+    let loads = gpu.load_stats();
+    assert!(
+        loads.batches > 0 && loads.fallbacks == 0,
+        "loads on the copy stream: {loads:?}"
+    );
+    assert_pool_empty(&e);
+    Ok(())
+}
+
 /// A latent KV cache (DeepSeek-V3's multi-head latent attention: one row
 /// per token and layer, the values read from the keys) through the host
 /// tier: pages hold K alone, half the bytes of a K-and-V page of that
@@ -205,7 +270,7 @@ fn latent_kv_pages_come_back_from_host_with_identical_output() -> Result<()> {
     assert!(m.model.spec().kv_values_in_keys);
     let prompts = documents(6, 100, 9);
     let params = greedy(8);
-    let cold = engine_for(&m, 256, None, None, "tiny-dsv3", None)?;
+    let cold = engine_for(&m, &s.backend, 256, None, None, "tiny-dsv3", None)?;
     let want: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| run(&cold, std::slice::from_ref(p), &params).map(|mut v| v.remove(0).0))
@@ -213,6 +278,7 @@ fn latent_kv_pages_come_back_from_host_with_identical_output() -> Result<()> {
     assert_pool_empty(&cold);
     let e = engine_for(
         &m,
+        &s.backend,
         12,
         Some(config(WritePolicy::WriteThrough)),
         None,
@@ -311,7 +377,17 @@ fn open(config: &str, backend: &str, model: &str) -> Result<Arc<dyn KvTier>> {
 
 /// One cold answer per prompt, from an engine without cache.
 fn cold_answers(prompts: &[Vec<u32>], params: &SamplingParams) -> Result<Vec<Vec<u32>>> {
-    let cold = engine(256, None, None, "tiny")?;
+    cold_answers_on(&shared().model, &shared().backend, prompts, params)
+}
+
+/// [`cold_answers`] of a model loaded on `backend`.
+fn cold_answers_on(
+    loaded: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+) -> Result<Vec<Vec<u32>>> {
+    let cold = engine_for(loaded, backend, 256, None, None, "tiny", None)?;
     let want = prompts
         .iter()
         .map(|p| run(&cold, std::slice::from_ref(p), params).map(|mut v| v.remove(0).0))

@@ -45,7 +45,16 @@ fn load_back_is_exact_on_the_device() -> anyhow::Result<()> {
     };
     let model = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/tiny-llama");
-    shared_check::load_back_is_exact_in_the_step_that_loads(gpu, &model)?;
+    let run = shared_check::load_back_is_exact_in_the_step_that_loads(gpu, &model)?;
+    // wgpu has no pinned memory of its own; CUDA, ROCm and the emulator do.
+    assert_eq!(
+        run.memory,
+        if crate::vendor::NAME == "wgpu" {
+            "heap"
+        } else {
+            "pinned"
+        }
+    );
     Ok(())
 }
 

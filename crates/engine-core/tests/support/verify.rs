@@ -357,12 +357,11 @@ pub fn tier_copies_move_kv_exactly(backend: Arc<dyn Backend>, model: &Path) -> R
 /// gives computed whole, and so do the decode steps after it. On an
 /// asynchronous device the loads run beside the forward, one layer's part
 /// at a time, so this fails when a layer reads its pages before their copy
-/// ran. Returns the number of load batches the step wrote (one per layer
-/// tensor).
+/// ran. The host pages are in the device's host memory (pinned on GPUs).
 pub fn load_back_is_exact_in_the_step_that_loads(
     backend: Arc<dyn Backend>,
     model: &Path,
-) -> Result<usize> {
+) -> Result<LoadBack> {
     use arbor_engine_core::{CopyDirection, HostKvPool, KvTierOps, PageCopy};
     let (ex, page_bytes) = executor(&backend, model)?;
     let kv = *ex.runner().kv_spec();
@@ -373,7 +372,8 @@ pub fn load_back_is_exact_in_the_step_that_loads(
     // Pages 10-12 hold another prompt's KV: a load that is not waited for
     // leaves it there.
     step(&ex, greedy_seq(other, 0, vec![10, 11, 12]))?;
-    let host = HostKvPool::new(page_bytes, 2);
+    // The host tier in the device's own host memory (pinned on GPUs).
+    let host = HostKvPool::with_memory(page_bytes, 2, backend.host_memory());
     let slots = host.alloc(2).context("host slots")?;
     let copies = |direction, first_page: u32| KvTierOps {
         host: Some(host.clone()),
@@ -407,5 +407,22 @@ pub fn load_back_is_exact_in_the_step_that_loads(
         loaded == whole,
         "after a load-back {loaded:?}, computed whole {whole:?}"
     );
-    Ok(kv.num_layers * kv.tensors_per_layer())
+    ensure!(
+        host.heap_fallbacks() == 0,
+        "the {} host memory ran out",
+        host.memory_kind()
+    );
+    Ok(LoadBack {
+        batches: kv.num_layers * kv.tensors_per_layer(),
+        memory: host.memory_kind(),
+    })
+}
+
+/// What [`load_back_is_exact_in_the_step_that_loads`] ran.
+pub struct LoadBack {
+    /// Load batches the step wrote (one per layer tensor).
+    #[allow(dead_code)] // read by the emulator's copy-stream test only
+    pub batches: usize,
+    /// The host pages' memory (`pinned`, `heap`).
+    pub memory: &'static str,
 }
