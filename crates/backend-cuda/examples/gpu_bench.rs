@@ -343,7 +343,7 @@ fn load_back(s: &Setup, prefix: usize, overlap: bool) -> Result<f64> {
                     .collect::<arbor_engine_core::Result<Vec<_>>>()?;
                 let writes: Vec<_> = views.iter().zip(host.chunks_exact(page_bytes)).collect();
                 if overlap {
-                    b.write_async(&writes)?;
+                    b.write_async(&writes, arbor_engine_core::HostData::Transient)?;
                 } else {
                     writes.iter().try_for_each(|(v, d)| b.write(v, d))?;
                 }

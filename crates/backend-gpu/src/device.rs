@@ -62,6 +62,8 @@ pub(crate) struct Device {
     loads: Mutex<Loads>,
     /// Some buffer waits for a copy (so resolving addresses must check).
     loads_pending: AtomicBool,
+    /// The pinned host chunks of [`crate::pinned`]: (start, bytes).
+    pinned: Mutex<Vec<(usize, usize)>>,
 }
 
 /// Largest dynamic shared memory the prefill kernels request (see attention.rs).
@@ -77,7 +79,26 @@ impl Device {
             releases: Mutex::new(Vec::new()),
             loads: Mutex::new(Loads::default()),
             loads_pending: AtomicBool::new(false),
+            pinned: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Records (or, `false`, forgets) a chunk of pinned host memory.
+    pub fn note_pinned(&self, start: *const u8, bytes: usize, live: bool) {
+        let mut p = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        let chunk = (start as usize, bytes);
+        if live {
+            p.push(chunk);
+        } else {
+            p.retain(|c| *c != chunk);
+        }
+    }
+
+    /// Whether `data` lies in one chunk of this device's pinned host memory.
+    pub fn is_pinned(&self, data: &[u8]) -> bool {
+        let (a, n) = (data.as_ptr() as usize, data.len());
+        let p = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        p.iter().any(|&(s, len)| a >= s && a + n <= s + len)
     }
 
     /// The copy stream's writes (lock only while holding the state lock).

@@ -34,8 +34,8 @@ pub use loads::LoadStats;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendCapabilities, BackendOptions, BufferId, BufferOwner,
-    CoreError, DType, DeviceBuffer, DeviceInfo, HostTensor, LinearRef, Result, RopeStyle, Tensor,
-    tensor::next_device_tag,
+    CoreError, DType, DeviceBuffer, DeviceInfo, HostData, HostTensor, LinearRef, Result, RopeStyle,
+    Tensor, tensor::next_device_tag,
 };
 use device::{Device, GraphConfig};
 use exec::{Args, Op, State};
@@ -316,7 +316,7 @@ impl Backend for GpuBackend {
         self.dev.upload_to(&mut st, p, data, bytes)
     }
 
-    fn write_async(&self, writes: &[(&Tensor, &[u8])]) -> Result<()> {
+    fn write_async(&self, writes: &[(&Tensor, &[u8])], held: HostData) -> Result<()> {
         for (dst, data) in writes {
             write_len(dst, data)?;
         }
@@ -328,6 +328,7 @@ impl Backend for GpuBackend {
                     slot: dst.buffer_id().slot,
                     dst: self.dev.ptr(&st, dst, 1)?,
                     data,
+                    in_place: held == HostData::UntilSync && self.dev.is_pinned(data),
                 });
             }
             let mut loads = self.dev.loads();

@@ -2,8 +2,10 @@
 //! HiCache's load-back calls once per layer): which buffers still wait for
 //! a copy, and the pinned staging the copies read.
 //!
-//! [`Loads::queue`] copies a batch of host data into staging, queues its
-//! copies on the copy stream after the main stream's queued work, and files
+//! [`Loads::queue`] copies a batch of host data into staging (unless it is
+//! pinned memory held unchanged by the caller, which is copied from in
+//! place), queues its copies on the copy stream after the main stream's
+//! queued work, and files
 //! one fence for the batch under every destination buffer. The first
 //! main-stream use of such a buffer (resolving its address in
 //! [`Device::ptr`](crate::device::Device)) makes the main stream wait for that
@@ -42,6 +44,9 @@ pub(crate) struct LoadWrite<'a> {
     pub slot: u64,
     pub dst: u64,
     pub data: &'a [u8],
+    /// `data` is pinned memory of this device held unchanged until the next
+    /// drained point: copied from in place, not staged.
+    pub in_place: bool,
 }
 
 /// The copy stream's pending writes and their staging (see the module doc).
@@ -74,6 +79,8 @@ pub struct LoadStats {
     pub waits: u64,
     /// Batches written on the main stream (no room in staging while copies ran).
     pub fallbacks: u64,
+    /// Bytes copied in place from pinned host pages (the rest went through staging).
+    pub in_place_bytes: u64,
 }
 
 // SAFETY: the staging pointer is pinned host memory owned by this struct,
@@ -137,13 +144,17 @@ impl Loads {
     /// Returns false, having queued nothing, when staging has no room while
     /// earlier copies may still read it (the caller writes on the main stream).
     pub fn queue(&mut self, drv: &dyn Driver, writes: &[LoadWrite<'_>]) -> Result<bool> {
-        let need: usize = writes.iter().map(|w| round_up(w.data.len(), 64)).sum();
-        if need == 0 {
+        let need: usize = writes
+            .iter()
+            .filter(|w| !w.in_place)
+            .map(|w| round_up(w.data.len(), 64))
+            .sum();
+        if writes.iter().all(|w| w.data.is_empty()) {
             return Ok(true);
         }
         self.want += need;
         self.hwm = self.hwm.max(self.want);
-        if self.off + need > self.cap {
+        if need > 0 && self.off + need > self.cap {
             if self.in_flight || self.no_pinned {
                 self.stats.fallbacks += 1;
                 return Ok(false);
@@ -169,18 +180,25 @@ impl Loads {
         drv.copies_after_main()?;
         self.in_flight = true;
         for w in writes {
-            // SAFETY: [off, off + len) lies inside the pinned allocation
-            // (checked above), which no queued copy reads (staging is reset
-            // only at a drained point).
-            let src = unsafe {
-                let p = self.staging.add(self.off);
-                std::ptr::copy_nonoverlapping(w.data.as_ptr(), p, w.data.len());
-                p as *const u8
+            let src = if w.in_place {
+                self.stats.in_place_bytes += w.data.len() as u64;
+                w.data.as_ptr()
+            } else {
+                // SAFETY: [off, off + len) lies inside the pinned allocation
+                // (checked above), which no queued copy reads (staging is reset
+                // only at a drained point).
+                let p = unsafe {
+                    let p = self.staging.add(self.off);
+                    std::ptr::copy_nonoverlapping(w.data.as_ptr(), p, w.data.len());
+                    p as *const u8
+                };
+                self.off += round_up(w.data.len(), 64);
+                p
             };
-            self.off += round_up(w.data.len(), 64);
             // SAFETY: `dst` was resolved from a live buffer covering the
-            // bytes; `src` is pinned staging unchanged until the drained
-            // point; main-stream work on the buffer waits for the fence below.
+            // bytes; `src` is pinned staging, or pinned memory the caller
+            // holds unchanged, until the drained point; main-stream work on
+            // the buffer waits for the fence below.
             unsafe { drv.htod_on_copy_stream(w.dst, src, w.data.len())? };
         }
         let fence: Arc<dyn Fence> = Arc::from(drv.copy_fence()?);

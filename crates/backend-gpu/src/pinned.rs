@@ -54,6 +54,7 @@ impl Arena {
                 .ok()
                 .filter(|p| !p.is_null())?;
             drop(st);
+            self.dev.note_pinned(p, cap, true);
             c.list.push((p, cap));
             c.used = 0;
         }
@@ -78,7 +79,8 @@ impl Drop for Arena {
         let Ok(st) = self.dev.lock() else {
             return;
         };
-        for (p, _) in c.list.drain(..) {
+        for (p, cap) in c.list.drain(..) {
+            self.dev.note_pinned(p, cap, false);
             // SAFETY: from malloc_host of this driver, freed once; no region
             // of it is alive (each holds the arena).
             unsafe { self.dev.drv.free_host(p) };

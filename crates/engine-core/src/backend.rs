@@ -260,6 +260,15 @@ impl std::str::FromStr for QuantMatmul {
     }
 }
 
+/// How long the host data given to [`Backend::write_async`] stays unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostData {
+    /// Until the call returns.
+    Transient,
+    /// Until the next [`Backend::synchronize`] returns.
+    UntilSync,
+}
+
 /// A compute device: memory and the operations models call.
 pub trait Backend: Send + Sync {
     /// Describes the device.
@@ -275,11 +284,14 @@ pub trait Backend: Send + Sync {
     fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()>;
     /// [`write`](Self::write)s `data` into each view, where an asynchronous
     /// device may run the copies beside later work: only work that touches
-    /// one of the destinations' buffers waits for them (the host data may be
-    /// reused once this returns). HiCache's load-back writes each layer's
-    /// pages with one call, so layer `l`'s attention waits only for layer
-    /// `l`'s copies while later layers still load.
-    fn write_async(&self, writes: &[(&Tensor, &[u8])]) -> Result<()> {
+    /// one of the destinations' buffers waits for them. `held` says how
+    /// long the host data stays unchanged (with [`HostData::UntilSync`], data
+    /// in this device's [`host_memory`](Self::host_memory) may be copied in
+    /// place). HiCache's load-back writes each layer's pages with one call,
+    /// so layer `l`'s attention waits only for layer `l`'s copies while later
+    /// layers still load.
+    fn write_async(&self, writes: &[(&Tensor, &[u8])], held: HostData) -> Result<()> {
+        let _ = held;
         writes
             .iter()
             .try_for_each(|(dst, data)| self.write(dst, data))

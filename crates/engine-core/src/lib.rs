@@ -42,8 +42,8 @@ pub use attention::{
     KvScales, SeqLayout, TREE_MASK_TOKENS, TREE_MASK_WORDS,
 };
 pub use backend::{
-    Backend, BackendCapabilities, BackendOptions, DeviceInfo, LinearRef, LoraRows, QuantMatmul,
-    RopeDims, RopeStyle,
+    Backend, BackendCapabilities, BackendOptions, DeviceInfo, HostData, LinearRef, LoraRows,
+    QuantMatmul, RopeDims, RopeStyle,
 };
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dp_attention::{DpAttentionGroup, DpAttentionRank};
@@ -74,8 +74,8 @@ pub use step::{
 };
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use tier::{
-    CopyDirection, HostKvPool, HostMemory, HostPages, HostRegion, HostSlotRef, KvCopyStats, KvTier,
-    KvTierOps, PageCopy, PageKey, TierError, TierIdentity, page_keys,
+    CopyDirection, HeldSlots, HostKvPool, HostMemory, HostPages, HostRegion, HostSlotRef,
+    KvCopyStats, KvTier, KvTierOps, PageCopy, PageKey, TierError, TierIdentity, page_keys,
 };
 pub use tp::{TpExecutor, TpRunners};
 

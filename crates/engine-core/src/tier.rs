@@ -235,6 +235,8 @@ struct Slot {
     filled: u64,
     /// The page's memory, taken when the slot is first written.
     bytes: Option<Box<dyn HostRegion>>,
+    /// [`HeldSlots`] holding the bytes unchanged (writes wait for none).
+    held: u32,
 }
 
 impl Slot {
@@ -289,6 +291,7 @@ impl HostKvPool {
                     generation: 0,
                     filled: 0,
                     bytes: None,
+                    held: 0,
                 })
             })
             .collect();
@@ -394,6 +397,13 @@ impl HostKvPool {
             return false;
         };
         let mut s = lock(m);
+        // A held page is being read in place (a device copy in flight).
+        while s.held > 0 && s.generation == slot.generation {
+            s = match self.filled.wait(s) {
+                Ok(g) => g,
+                Err(e) => e.into_inner(),
+            };
+        }
         if s.generation != slot.generation {
             return false;
         }
@@ -459,6 +469,52 @@ impl HostKvPool {
             pages.push(g.page());
         }
         Some(f(&pages))
+    }
+}
+
+impl HostKvPool {
+    /// Holds the pages in `slots` unchanged until the guard drops: a write
+    /// to one of them waits (a device may read them in place meanwhile).
+    /// `None`, holding nothing, when one of them is freed or not filled.
+    pub fn hold(self: &Arc<Self>, slots: &[HostSlotRef]) -> Option<HeldSlots> {
+        let mut held = HeldSlots {
+            pool: self.clone(),
+            slots: Vec::with_capacity(slots.len()),
+        };
+        for r in slots {
+            let mut s = lock(self.slots.get(r.slot as usize)?);
+            if s.generation != r.generation || s.filled != r.generation {
+                return None;
+            }
+            s.held += 1;
+            held.slots.push(r.slot);
+        }
+        Some(held)
+    }
+}
+
+/// Pages held unchanged by [`HostKvPool::hold`]; released on drop.
+pub struct HeldSlots {
+    pool: Arc<HostKvPool>,
+    slots: Vec<u32>,
+}
+
+impl HeldSlots {
+    /// Whether `slot` is among the held ones.
+    pub fn contains(&self, slot: u32) -> bool {
+        self.slots.contains(&slot)
+    }
+}
+
+impl Drop for HeldSlots {
+    fn drop(&mut self) {
+        for &i in &self.slots {
+            if let Some(m) = self.pool.slots.get(i as usize) {
+                let mut s = lock(m);
+                s.held = s.held.saturating_sub(1);
+            }
+        }
+        self.pool.filled.notify_all();
     }
 }
 
@@ -686,6 +742,52 @@ mod tests {
         let b = pool.alloc(1).expect("one free");
         assert!(pool.write(b.slots()[0], |b| b.fill(9)));
         assert_eq!(mem.given.load(std::sync::atomic::Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn a_held_page_is_not_rewritten_until_released() {
+        let pool = HostKvPool::new(4, 2);
+        let a = pool.alloc(2).expect("two free");
+        let [x, y] = [a.slots()[0], a.slots()[1]];
+        assert!(pool.write(x, |b| b.fill(1)));
+        // Not filled: nothing is held.
+        assert!(pool.hold(&[x, y]).is_none());
+        assert!(pool.write(y, |b| b.fill(2)));
+        let held = pool.hold(&[x, y]).expect("both filled");
+        assert!(held.contains(x.slot) && held.contains(y.slot));
+        let writer = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.write(x, |b| b.fill(7)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            pool.read(x, Duration::ZERO, |b| b[0]),
+            Some(1),
+            "written while held"
+        );
+        drop(held);
+        assert!(writer.join().expect("writer"));
+        assert_eq!(pool.read(x, Duration::ZERO, |b| b[0]), Some(7));
+        // A slot freed while held: the writer of its new allocation waits too,
+        // and a write with the old generation is refused once released.
+        let held = pool.hold(&[y]).expect("filled");
+        drop(a);
+        let b = pool.alloc(2).expect("both free");
+        let again = b
+            .slots()
+            .iter()
+            .copied()
+            .find(|r| r.slot == y.slot)
+            .expect("reused");
+        let writer = {
+            let pool = pool.clone();
+            std::thread::spawn(move || pool.write(again, |b| b.fill(9)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!writer.is_finished(), "a held slot was rewritten");
+        drop(held);
+        assert!(writer.join().expect("writer"));
+        assert!(!pool.write(y, |_| {}));
     }
 
     #[test]

@@ -167,7 +167,8 @@ impl Executor for TpExecutor {
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
         let shards: Vec<&LocalExecutor> = self.ranks.iter().collect();
-        let kv_copy =
+        // `_loads` keeps the loaded host slots until the step's end.
+        let (kv_copy, _loads) =
             crate::executor::kv_ops::copy_tier_pages(&shards, self.kv_replicated, &plan.kv_ops)?;
         let plans = rank_plans(plan, self.ranks.len());
         let results = on_every_rank(&self.comms, plans, |i, plan| self.ranks[i].execute(&plan));

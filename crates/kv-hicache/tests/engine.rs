@@ -194,7 +194,8 @@ fn evicted_prefixes_come_back_from_host_with_identical_output() -> Result<()> {
 /// The same on the CUDA host emulator (backend-simt, as an sm_90 GPU, its
 /// copy stream 2 ms per copy): the host tier in the backend's pinned
 /// memory, each step's loads on the copy stream layer by layer beside the
-/// forward, and output identical to the emulated GPU without any cache.
+/// forward, copied from the held pages in place, and output identical to
+/// the emulated GPU without any cache.
 #[test]
 fn evicted_prefixes_come_back_from_pinned_memory_on_the_emulated_gpu() -> Result<()> {
     use arbor_backend_simt::{GpuBackend, Profile, SimtDriver};
@@ -245,8 +246,8 @@ fn evicted_prefixes_come_back_from_pinned_memory_on_the_emulated_gpu() -> Result
     assert!(host_hits >= 3 * 96, "{host_hits} tokens from the host tier");
     let loads = gpu.load_stats();
     assert!(
-        loads.batches > 0 && loads.fallbacks == 0,
-        "loads on the copy stream: {loads:?}"
+        loads.batches > 0 && loads.fallbacks == 0 && loads.in_place_bytes == loads.bytes,
+        "loads on the copy stream, in place from the pinned pages: {loads:?}"
     );
     assert_pool_empty(&e);
     Ok(())

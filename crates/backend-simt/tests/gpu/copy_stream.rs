@@ -5,7 +5,7 @@
 //! the earlier layers ran, and every wait returns only once its fence has
 //! passed. A backend that waited for every copy at the first use, or
 //! for none, fails. The host pages are the backend's pinned memory, whose
-//! regions are zeroed and disjoint.
+//! regions are zeroed and disjoint, and loads copy from them in place.
 
 use arbor_backend_simt::{GpuBackend, Profile, SimtDriver};
 use arbor_engine_core::BackendOptions;
@@ -41,6 +41,11 @@ fn each_layer_waits_only_for_its_own_copies() -> anyhow::Result<()> {
     let stats = gpu.load_stats();
     assert_eq!(stats.batches as usize, parts, "{stats:?}");
     assert_eq!(stats.fallbacks, 0, "{stats:?}");
+    // The held pinned host pages are copied from in place, not staged.
+    assert!(
+        stats.bytes > 0 && stats.in_place_bytes == stats.bytes,
+        "{stats:?}"
+    );
     let waits = log.waits();
     assert!(
         waits.iter().all(|w| w.passed >= w.fence),

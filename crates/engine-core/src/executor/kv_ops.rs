@@ -13,10 +13,12 @@
 //! back to every rank.
 
 use super::LocalExecutor;
+use crate::backend::HostData;
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
 use crate::step::SeqPlan;
-use crate::tier::{CopyDirection, HostKvPool, KvCopyStats, KvTierOps};
+use crate::tier::{CopyDirection, HeldSlots, HostKvPool, KvCopyStats, KvTierOps};
+use std::sync::Arc;
 
 /// Bytes of one slot row of one shard's tensor (its heads of one token).
 fn row_bytes(spec: &KvSpec) -> usize {
@@ -33,14 +35,23 @@ fn row_bytes(spec: &KvSpec) -> usize {
 /// layers in order, so on an asynchronous device the forward's layer `l`
 /// waits only for its own pages. A backup (device to host) waits for
 /// whatever was queued before it, so the order of the copies holds.
+///
+/// On asynchronous devices the loaded slots are held unchanged
+/// ([`HeldSlots`]) until the returned guard drops, after the step: the
+/// device may copy from them in place. A backup into a slot held by this
+/// step first waits for the devices.
 pub(crate) fn copy_tier_pages(
     shards: &[&LocalExecutor],
     replicated: bool,
     ops: &KvTierOps,
-) -> Result<KvCopyStats> {
+) -> Result<(KvCopyStats, HeldUntilSync)> {
     let mut stats = KvCopyStats::default();
+    let mut held = HeldUntilSync {
+        slots: Vec::new(),
+        backends: shards.iter().map(|e| e.runner.backend().clone()).collect(),
+    };
     let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
-        return Ok(stats);
+        return Ok((stats, held));
     };
     let Some(first) = shards.first() else {
         return Err(CoreError::Internal("KV copies with no executor".into()));
@@ -63,6 +74,9 @@ pub(crate) fn copy_tier_pages(
     while let Some(c) = ops.copies.get(at) {
         match c.direction {
             CopyDirection::ToHost => {
+                if held.slots.iter().any(|h| h.contains(c.host.slot)) {
+                    held.release()?;
+                }
                 let views = layout.page_views(c.device_page)?;
                 let mut failed = None;
                 let written = host.write(c.host, |bytes| {
@@ -90,7 +104,8 @@ pub(crate) fn copy_tier_pages(
                     .iter()
                     .take_while(|c| c.direction == CopyDirection::ToDevice)
                     .count();
-                layout.load(host, &ops.copies[at..at + run])?;
+                held.slots
+                    .extend(layout.load(host, &ops.copies[at..at + run])?);
                 stats.pages_to_device += run as u64;
                 at += run;
             }
@@ -98,7 +113,37 @@ pub(crate) fn copy_tier_pages(
     }
     stats.bytes = ops.copies.len() as u64 * host.page_bytes() as u64;
     stats.seconds = start.elapsed().as_secs_f64();
-    Ok(stats)
+    Ok((stats, held))
+}
+
+/// Host slots a step's devices may still copy from; dropped after the step,
+/// it waits for the devices, then releases the slots.
+pub(crate) struct HeldUntilSync {
+    slots: Vec<HeldSlots>,
+    backends: Vec<Arc<dyn crate::Backend>>,
+}
+
+impl HeldUntilSync {
+    /// Waits for the devices and releases the slots now.
+    fn release(&mut self) -> Result<()> {
+        if !self.slots.is_empty() {
+            for b in &self.backends {
+                b.synchronize()?;
+            }
+            self.slots.clear();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for HeldUntilSync {
+    fn drop(&mut self) {
+        if let Err(e) = self.release() {
+            // A device that fails here has failed the step already; the
+            // slots are released anyway.
+            tracing::warn!("waiting for the KV loads of a step: {e}");
+        }
+    }
 }
 
 /// How the shards' device pages map onto a host page.
@@ -200,7 +245,13 @@ impl<'a> Layout<'a> {
 
     /// Loads `copies` (all to the device) part by part: every page's part
     /// `p` into every shard with one `write_async` per shard, then part `p + 1`.
-    fn load(&self, host: &HostKvPool, copies: &[crate::tier::PageCopy]) -> Result<()> {
+    /// On asynchronous devices the slots are read in place, held until the
+    /// returned guard drops after the step.
+    fn load(
+        &self,
+        host: &Arc<HostKvPool>,
+        copies: &[crate::tier::PageCopy],
+    ) -> Result<Option<HeldSlots>> {
         let views = copies
             .iter()
             .map(|c| self.page_views(c.device_page))
@@ -208,6 +259,19 @@ impl<'a> Layout<'a> {
         let slots: Vec<_> = copies.iter().map(|c| c.host).collect();
         let part = self.part_bytes();
         let split = !self.replicated && self.shards.len() > 1;
+        let asynchronous = self
+            .shards
+            .iter()
+            .any(|e| e.runner.backend().capabilities().asynchronous);
+        // Split groups write per-rank scratch, which lives only for the call.
+        let held = (asynchronous && !split)
+            .then(|| host.hold(&slots))
+            .flatten();
+        let data = if held.is_some() {
+            HostData::UntilSync
+        } else {
+            HostData::Transient
+        };
         let loaded = host.read_many(&slots, |pages| -> Result<()> {
             // Per shard and page, its rows of the current part (split groups only).
             let mut own: Vec<Vec<Vec<u8>>> = self
@@ -242,17 +306,28 @@ impl<'a> Layout<'a> {
                             )
                         })
                         .collect();
-                    e.runner.backend().write_async(&writes)?;
+                    e.runner.backend().write_async(&writes, data)?;
                 }
             }
             Ok(())
         });
-        loaded.unwrap_or_else(|| {
-            Err(CoreError::Internal(format!(
-                "KV load from a host slot that holds no page (slots {:?})",
-                slots.iter().map(|s| s.slot).collect::<Vec<_>>()
-            )))
-        })
+        loaded
+            .unwrap_or_else(|| {
+                Err(CoreError::Internal(format!(
+                    "KV load from a host slot that holds no page (slots {:?})",
+                    slots.iter().map(|s| s.slot).collect::<Vec<_>>()
+                )))
+            })
+            .inspect_err(|_| {
+                if held.is_some() {
+                    // Copies of this run may be in flight: let them finish
+                    // before the slots are released.
+                    for sh in self.shards {
+                        let _ = sh.runner.backend().synchronize();
+                    }
+                }
+            })
+            .map(|()| held)
     }
 }
 

@@ -449,7 +449,8 @@ impl Executor for LocalExecutor {
     }
 
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput> {
-        let kv_copy = kv_ops::copy_tier_pages(&[self], false, &plan.kv_ops)?;
+        // `_loads` keeps the loaded host slots until the step's end.
+        let (kv_copy, _loads) = kv_ops::copy_tier_pages(&[self], false, &plan.kv_ops)?;
         if plan.seqs.is_empty() {
             return Ok(StepOutput {
                 seqs: Vec::new(),
