@@ -30,8 +30,9 @@
 #      tensor-core GEMM (prefill, and decode at batch 1 alternated) and its
 #      prefill with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+); and a
 #      HiCache load-back (4,096 tokens of KV from host memory, 128 computed
-#      on them) with the loads on the copy stream, layer by layer, against
-#      the loads written before the forward (alternated).
+#      on them) with the loads on the copy stream, layer by layer, in place
+#      from pinned pages and through staging, against the loads written
+#      before the forward (alternated).
 #
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run

@@ -20,10 +20,11 @@
 //! prefill also with W8A8 (E4M3 inputs on FP8 tensor cores, sm_89+).
 //! HiCache load-back: a step that loads `--load-back` tokens of prefix KV from
 //! host memory and computes 128 more tokens on it, with the loads written one
-//! layer tensor at a time on the copy stream (`Backend::write_async`, what
-//! the executor does: layer `l` waits for its own pages only) against the
-//! same loads written on the main stream before the forward (alternated,
-//! best of two each).
+//! layer tensor at a time on the copy stream (`Backend::write_async`: layer
+//! `l` waits for its own pages only), from pinned pages in place (what the
+//! executor does with the host tier's pinned pages) and from pageable memory
+//! through staging, against the same loads written on the main stream
+//! before the forward (alternated, best of two each).
 //! `--batches none`, `--prefill 0` and `--load-back 0` leave a phase out (for a profiler).
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
@@ -36,7 +37,7 @@ use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendOptions, BatchLayout, DType, ForwardBatch, ForwardContext,
-    HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry, WeightSource,
+    HostData, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry, WeightSource,
 };
 use arbor_models::config::DecoderConfig;
 use arbor_models::decoder::{ArchFlags, DecoderModel};
@@ -313,11 +314,22 @@ fn prefill(s: &Setup, n: usize) -> Result<f64> {
 /// Tokens computed on a loaded prefix.
 const LOAD_BACK_SUFFIX: usize = 128;
 
+/// How [`load_back`] writes the loaded pages.
+#[derive(Clone, Copy, PartialEq)]
+enum LoadMode {
+    /// From pageable memory on the main stream, before the forward.
+    First,
+    /// From pageable memory through pinned staging on the copy stream.
+    Staged,
+    /// From the backend's pinned host memory, in place, on the copy stream
+    /// (what HiCache's load-back does on GPUs).
+    InPlace,
+}
+
 /// Milliseconds of a step that loads `prefix` tokens of KV from host memory
-/// and computes [`LOAD_BACK_SUFFIX`] tokens on them: the loads one layer
-/// tensor at a time with `write_async` (`overlap`) or with `write` before the
-/// forward. Best of 3.
-fn load_back(s: &Setup, prefix: usize, overlap: bool) -> Result<f64> {
+/// and computes [`LOAD_BACK_SUFFIX`] tokens on them, the loads written one
+/// layer tensor at a time as `mode` says. Best of 3.
+fn load_back(s: &Setup, prefix: usize, mode: LoadMode) -> Result<f64> {
     let b: &dyn Backend = &*s.backend;
     let pages = s.pool.alloc(s.pool.pages_for(prefix + LOAD_BACK_SUFFIX))?;
     let prefix_pages = &pages.pages()[..prefix / PAGE];
@@ -325,9 +337,31 @@ fn load_back(s: &Setup, prefix: usize, overlap: bool) -> Result<f64> {
     let page_bytes = spec
         .dtype
         .bytes_for(PAGE * spec.num_kv_heads * spec.head_dim)?;
-    let host: Vec<u8> = (0..page_bytes * prefix_pages.len())
-        .map(|i| (i * 131 % 251) as u8 & 0x3f)
-        .collect();
+    let fill = |p: &mut [u8]| {
+        for (i, x) in p.iter_mut().enumerate() {
+            *x = (i * 131 % 251) as u8 & 0x3f;
+        }
+    };
+    // One host page per device page and layer tensor.
+    let parts = spec.num_layers * if spec.values_in_keys { 1 } else { 2 };
+    let n = parts * prefix_pages.len();
+    let mut heap = vec![vec![0u8; page_bytes]; if mode == LoadMode::InPlace { 0 } else { n }];
+    heap.iter_mut().for_each(|p| fill(p));
+    let mut pinned = Vec::new();
+    if mode == LoadMode::InPlace {
+        let mem = b.host_memory().context("no pinned host memory")?;
+        for _ in 0..n {
+            let mut r = mem.alloc(page_bytes).context("pinned host memory")?;
+            fill(r.bytes_mut());
+            pinned.push(r);
+        }
+    }
+    let page = |i: usize| -> &[u8] {
+        match mode {
+            LoadMode::InPlace => pinned[i].bytes(),
+            _ => &heap[i],
+        }
+    };
     let toks: Vec<u32> = (0..LOAD_BACK_SUFFIX)
         .map(|i| (i * 17 % 1000) as u32)
         .collect();
@@ -335,17 +369,25 @@ fn load_back(s: &Setup, prefix: usize, overlap: bool) -> Result<f64> {
     for _ in 0..3 {
         s.backend.synchronize()?;
         let t0 = Instant::now();
+        let mut part = 0;
         for l in 0..spec.num_layers {
             for t in s.kv.layer(l)?.stored() {
                 let views = prefix_pages
                     .iter()
                     .map(|&p| t.narrow(p as usize * PAGE, PAGE))
                     .collect::<arbor_engine_core::Result<Vec<_>>>()?;
-                let writes: Vec<_> = views.iter().zip(host.chunks_exact(page_bytes)).collect();
-                if overlap {
-                    b.write_async(&writes, arbor_engine_core::HostData::Transient)?;
-                } else {
-                    writes.iter().try_for_each(|(v, d)| b.write(v, d))?;
+                let first = part * prefix_pages.len();
+                let writes: Vec<_> = views
+                    .iter()
+                    .enumerate()
+                    .map(|(j, v)| (v, page(first + j)))
+                    .collect();
+                part += 1;
+                match mode {
+                    LoadMode::First => writes.iter().try_for_each(|(v, d)| b.write(v, d))?,
+                    LoadMode::Staged => b.write_async(&writes, HostData::Transient)?,
+                    // The pages stay unchanged until the step's download syncs.
+                    LoadMode::InPlace => b.write_async(&writes, HostData::UntilSync)?,
                 }
             }
         }
@@ -458,25 +500,30 @@ fn main() -> Result<()> {
     }
     if a.load_back >= PAGE {
         let prefix = a.load_back / PAGE * PAGE;
-        // Alternated: loaded first, overlapped, loaded first, overlapped.
-        let mut best = [f64::MAX; 2];
-        for round in 0..4 {
-            let overlap = round % 2 == 1;
-            best[overlap as usize] = best[overlap as usize].min(load_back(&s, prefix, overlap)?);
+        // Alternated: loaded first, staged, in place, twice over.
+        let modes = [LoadMode::First, LoadMode::Staged, LoadMode::InPlace];
+        let mut best = [f64::MAX; 3];
+        for round in 0..6 {
+            let i = round % 3;
+            best[i] = best[i].min(load_back(&s, prefix, modes[i])?);
         }
         let ls = s.backend.load_stats();
         println!(
             "load-back of {prefix} tokens + {LOAD_BACK_SUFFIX} computed: loaded first {:.2} ms, \
-             overlapped per layer {:.2} ms ({} batches on the copy stream, {} fallbacks)",
-            best[0], best[1], ls.batches, ls.fallbacks
+             overlapped per layer through staging {:.2} ms, in place from pinned pages {:.2} ms \
+             ({} batches on the copy stream, {} fallbacks, {} of {} bytes in place)",
+            best[0], best[1], best[2], ls.batches, ls.fallbacks, ls.in_place_bytes, ls.bytes
         );
         rows.push((
             format!("HiCache load-back of {prefix} tokens + prefill {LOAD_BACK_SUFFIX}"),
             format!(
-                "loaded first {:.2} ms, overlapped per layer {:.2} ms ({:.2}x)",
+                "loaded first {:.2} ms; overlapped per layer: staged {:.2} ms ({:.2}x), \
+                 in place from pinned {:.2} ms ({:.2}x)",
                 best[0],
                 best[1],
-                best[0] / best[1]
+                best[0] / best[1],
+                best[2],
+                best[0] / best[2]
             ),
         ));
     }

@@ -7,9 +7,11 @@
 //! (with the fused residual add), RoPE, SiLU-and-mul, embedding lookup, row
 //! gathering and device sampling, and [`attention::GpuAttention`] for paged
 //! attention. All work is queued on the driver's one stream, asynchronously
-//! to the host; `download` and `synchronize` wait. Decode batches run as
-//! graphs per batch-size bucket ([`exec`]) unless
-//! `BackendOptions::disable_cuda_graph`.
+//! to the host; `download` and `synchronize` wait. `write_async` (HiCache's
+//! load-back) goes on a second, copy stream, which work on its buffers
+//! waits for (`loads`), from pinned host memory ([`pinned`], also the host
+//! KV tier's). Decode batches run as graphs per batch-size bucket ([`exec`])
+//! unless `BackendOptions::disable_cuda_graph`.
 //!
 //! Every operation validates dtypes, shapes, device ownership and overlap on
 //! the host, as the CPU backend does, before anything is queued.

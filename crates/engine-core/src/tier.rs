@@ -13,12 +13,15 @@
 //!   them on drop, like [`PageSet`](crate::kv::PageSet) does for device pages.
 //!   Each allocation of a slot bumps its generation; a reader holding an old
 //!   generation sees the slot as gone, so a slot freed and reused is never
-//!   read as the old page.
+//!   read as the old page. [`HeldSlots`] keep pages unchanged while a device
+//!   copies from them in place: a write to a held slot waits, even after the
+//!   slot was freed and allocated again.
 //! - [`KvTier`]: a storage tier (file directory, redis, ...) with batch
 //!   `exists`/`get`/`set` by key; it never panics on I/O, it returns
 //!   [`TierError`].
 //! - [`KvTierOps`]: the copies between device pages and host slots that a
-//!   step performs, in order, before its forward.
+//!   step performs, in order, before its forward (on asynchronous devices
+//!   the loads run beside it, layer by layer: `Backend::write_async`).
 
 use crate::dtype::DType;
 use crate::kv::KvSpec;
