@@ -343,7 +343,7 @@ fn load_back(s: &Setup, prefix: usize, mode: LoadMode) -> Result<f64> {
         }
     };
     // One host page per device page and layer tensor.
-    let parts = spec.num_layers * if spec.values_in_keys { 1 } else { 2 };
+    let parts = spec.num_layers * spec.tensors_per_layer();
     let n = parts * prefix_pages.len();
     let mut heap = vec![vec![0u8; page_bytes]; if mode == LoadMode::InPlace { 0 } else { n }];
     heap.iter_mut().for_each(|p| fill(p));

@@ -64,7 +64,7 @@ pub(crate) struct Loads {
     in_flight: bool,
     /// Pinned memory could not be had: every batch goes on the main stream.
     no_pinned: bool,
-    /// Batches queued on the copy stream and written on the main stream instead.
+    /// What was queued, and how.
     pub stats: LoadStats,
 }
 

@@ -85,10 +85,10 @@ impl Inner {
                     .iter_mut()
                     .map(|v| v as *mut u64 as *mut c_void)
                     .collect();
+                self.log.launches.fetch_add(1, Ordering::Relaxed);
                 // SAFETY: the backend checked the arguments against the
                 // kernel's signature and the addresses against its buffers
                 // (Driver::launch's contract); `ptrs` point into `vals`.
-                self.log.launches.fetch_add(1, Ordering::Relaxed);
                 unsafe { self.lib.launch(k.name(), *grid, *block, *smem, &mut ptrs) }
                     .map_err(|e| CoreError::Device(format!("simt launch of {}: {e}", k.name())))
             }

@@ -46,12 +46,12 @@ pub(crate) fn copy_tier_pages(
     ops: &KvTierOps,
 ) -> Result<(KvCopyStats, HeldUntilSync)> {
     let mut stats = KvCopyStats::default();
+    let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
+        return Ok((stats, HeldUntilSync::default()));
+    };
     let mut held = HeldUntilSync {
         slots: Vec::new(),
         backends: shards.iter().map(|e| e.runner.backend().clone()).collect(),
-    };
-    let Some(host) = ops.host.as_ref().filter(|_| !ops.is_empty()) else {
-        return Ok((stats, held));
     };
     let Some(first) = shards.first() else {
         return Err(CoreError::Internal("KV copies with no executor".into()));
@@ -118,6 +118,7 @@ pub(crate) fn copy_tier_pages(
 
 /// Host slots a step's devices may still copy from; dropped after the step,
 /// it waits for the devices, then releases the slots.
+#[derive(Default)]
 pub(crate) struct HeldUntilSync {
     slots: Vec<HeldSlots>,
     backends: Vec<Arc<dyn crate::Backend>>,
