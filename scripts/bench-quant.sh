@@ -17,21 +17,28 @@ gguf=${ARBOR_DEFAULT_GGUF:-$HOME/.cache/arbor/models/SmolLM2-135M-Instruct.Q4_1.
 threads=${THREADS:-2}
 batch=${BATCH:-1}
 read -r -a matmuls <<<"${MATMULS:-f32}"
-formats=(bf16 fp8-block fp8-dynamic awq gptq w4a16 nvfp4 gguf-q4_1)
+# w8a8: the fp8-dynamic folder served with --quantization w8a8_fp8 (inputs rounded to E4M3).
+formats=(bf16 fp8-block fp8-dynamic w8a8 awq gptq w4a16 nvfp4 gguf-q4_1)
 out=$(mktemp)
 for r in $(seq "$rounds"); do
   for f in "${formats[@]}"; do
-    if [ "$f" = gguf-q4_1 ]; then path=$gguf; else path=$dir/$f; fi
+    extra=()
+    case $f in
+      gguf-q4_1) path=$gguf ;;
+      w8a8) path=$dir/fp8-dynamic extra=(--quantization w8a8_fp8) ;;
+      *) path=$dir/$f ;;
+    esac
     [ -e "$path" ] || { echo "skip $f: $path is absent"; continue; }
     # bf16 and GGUF weights multiply the same way under every --cpu-quant-matmul.
     runs=("${matmuls[@]}")
-    case $f in bf16 | gguf-q4_1) runs=(f32) ;; esac
+    # So do W8A8 FP8 weights: their inputs are rounded to E4M3 either way.
+    case $f in bf16 | gguf-q4_1 | w8a8) runs=(f32) ;; esac
     for mm in "${runs[@]}"; do
       label=$f
       [ ${#runs[@]} -gt 1 ] && label=$f/$mm
       log=$("$arbor" bench one-batch --model-path "$path" --threads "$threads" \
         --batch-size "$batch" --input-len 512 --output-len 65 --kv-cache-dtype auto \
-        --cpu-quant-matmul "$mm" 2>&1)
+        --cpu-quant-matmul "$mm" "${extra[@]}" 2>&1)
       pre=$(grep '^Prefill' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
       dec=$(grep '^Decode\.  median' <<<"$log" | tail -1 | sed -E 's/.*throughput: *([0-9.]+).*/\1/')
       echo "round $r $label prefill512 $pre tok/s decode-b$batch $dec tok/s"

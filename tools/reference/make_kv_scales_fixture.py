@@ -65,8 +65,10 @@ def fp8_roundtrip(x: np.ndarray, scale: float) -> np.ndarray:
     return q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * np.float64(np.float32(scale))
 
 
-def forward(w: dict, cfg: dict, ids: list, kv_scales=None, record=None) -> np.ndarray:
-    """Logits of every position (float64 arithmetic on the stored weights)."""
+def forward(w: dict, cfg: dict, ids: list, kv_scales=None, record=None, linear_input=None) -> np.ndarray:
+    """Logits of every position (float64 arithmetic on the stored weights). `linear_input`, when
+    given, maps the input of each decoder layer's seven linears (not lm_head) to what they multiply."""
+    li = linear_input or (lambda v: v)
     h, nh, nkv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     eps = cfg["rms_norm_eps"]
     f = lambda n: w[n].astype(np.float64)
@@ -87,7 +89,7 @@ def forward(w: dict, cfg: dict, ids: list, kv_scales=None, record=None) -> np.nd
     mask = np.triu(np.full((t, t), -np.inf), 1)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        y = norm(x, f(f"{p}.input_layernorm.weight"))
+        y = li(norm(x, f(f"{p}.input_layernorm.weight")))
         q = rope((y @ f(f"{p}.self_attn.q_proj.weight").T).reshape(t, nh, hd))
         k = rope((y @ f(f"{p}.self_attn.k_proj.weight").T).reshape(t, nkv, hd))
         v = (y @ f(f"{p}.self_attn.v_proj.weight").T).reshape(t, nkv, hd)
@@ -105,11 +107,11 @@ def forward(w: dict, cfg: dict, ids: list, kv_scales=None, record=None) -> np.nd
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)
-        x = x + o @ f(f"{p}.self_attn.o_proj.weight").T
-        y = norm(x, f(f"{p}.post_attention_layernorm.weight"))
+        x = x + li(o) @ f(f"{p}.self_attn.o_proj.weight").T
+        y = li(norm(x, f(f"{p}.post_attention_layernorm.weight")))
         g = y @ f(f"{p}.mlp.gate_proj.weight").T
         u = y @ f(f"{p}.mlp.up_proj.weight").T
-        x = x + (g / (1 + np.exp(-g)) * u) @ f(f"{p}.mlp.down_proj.weight").T
+        x = x + li(g / (1 + np.exp(-g)) * u) @ f(f"{p}.mlp.down_proj.weight").T
     x = norm(x, f("model.norm.weight"))
     return x @ f("lm_head.weight").T
 

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 DTYPES = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "I32": np.int32,
-          "U8": np.uint8, "I64": np.int64}
+          "U8": np.uint8, "I64": np.int64, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 
 def load_file(path: Path) -> dict:

@@ -232,7 +232,7 @@ pub struct ServeArgs {
     /// Weight storage: auto (as the checkpoint), f32, f16 or bf16 [default: auto].
     #[arg(long, help_heading = "Model")]
     pub dtype: Option<String>,
-    /// Quantization method, as `arbor info` lists them: fp8 (FP8 W8A8; quantizes a float checkpoint at load), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
+    /// Quantization method, as `arbor info` lists them: fp8 (FP8 weights with f32 inputs; quantizes a float checkpoint at load), w8a8_fp8 (FP8 weights times inputs rounded to E4M3; also over an FP8 checkpoint), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
     #[arg(long, help_heading = "Model")]
     pub quantization: Option<String>,
     /// KV cache element type: auto (fp8_e4m3 for a checkpoint with FP8 KV scales where the device stores it, else f16 on the CPU, f32 on other devices), f32, f16, bf16, fp8_e4m3 or fp8_e5m2 [default: auto].

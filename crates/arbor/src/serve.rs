@@ -11,6 +11,7 @@ use crate::config::{ServeArgs, ServeConfig};
 use crate::setup::{self, EngineSetup, KvBudget, ModelArgs};
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{EngineConfig, SchedulePolicy};
+use arbor_engine_core::{DType, QuantMatmul};
 use arbor_server::{Server, ServerOptions};
 use std::sync::Arc;
 use std::time::Duration;
@@ -473,11 +474,16 @@ struct Summary<'a> {
 }
 
 impl Summary<'_> {
-    /// `, quant matmul ...` for scaled block weights on the CPU (with why
-    /// amx-bf16 was not taken, if asked for), else nothing.
+    /// `, quant matmul ...` for weights the choice applies to (the scaled
+    /// blocks with f32 inputs) on the CPU (with why amx-bf16 was not taken,
+    /// if asked for), else nothing.
     fn quant_matmul_note(&self) -> String {
         let args = self.model;
-        if args.device != "cpu" || !self.spec.weight_dtype.is_scaled_block() {
+        let amx_applies = matches!(
+            arbor_quant::act_dtype_with(self.spec.weight_dtype, QuantMatmul::AmxBf16),
+            Ok(DType::BF16)
+        ) && self.spec.weight_dtype.is_scaled_block();
+        if args.device != "cpu" || !amx_applies {
             return String::new();
         }
         let runs = crate::setup::cpu_quant_matmul(args);

@@ -38,7 +38,8 @@ pub struct ModelArgs {
     pub dtype: String,
     /// Quantization method (`arbor info` lists them): a checkpoint's own
     /// (`quantization_config` in config.json) is used without this; `fp8`
-    /// quantizes a float checkpoint's linear layers at load.
+    /// quantizes a float checkpoint's linear layers at load, and `w8a8_fp8`
+    /// does too (or takes an FP8 checkpoint's) and rounds their inputs to E4M3.
     #[arg(long)]
     pub quantization: Option<String>,
     /// KV cache element type: auto (f16 on the CPU, f32 on other devices), f32, f16 or bf16.

@@ -1,7 +1,8 @@
 //! End to end: `arbor serve` on the quantized HF checkpoints of
-//! tests/fixtures/quant (FP8 blocks, AWQ, NVFP4) and on a float checkpoint
-//! with `--quantization fp8`. Each serves greedy completions over HTTP equal
-//! to the format's transformers reference (up to its first near-tie), names
+//! tests/fixtures/quant (FP8 blocks, AWQ, NVFP4), on a float checkpoint
+//! with `--quantization fp8` and with W8A8 (`--quantization w8a8_fp8`, also
+//! over an FP8 checkpoint). Each serves greedy completions over HTTP equal
+//! to the format's reference (up to its first near-tie), names
 //! the method in the start-up summary, refuses a conflicting
 //! `--quantization` with a message, and returns every KV page.
 
@@ -84,6 +85,37 @@ async fn quantization_fp8_quantizes_a_float_checkpoint_at_load() -> Result<()> {
     let s = start(&model, &["--dtype", "f32", "--quantization", "fp8"])?;
     assert!(s.log_contains("f8_s32 (fp8)"), "{}", s.logs());
     check_greedy(&c, &s, "fp8-online", &reference).await
+}
+
+/// `--quantization w8a8_fp8` on a float checkpoint and over a
+/// compressed-tensors FP8 one: the summary names the W8A8 blocks, and the
+/// completions of the prompts whose inputs lie clear of E4M3 rounding
+/// midpoints (`closest_tie`, see arbor-models' quantized tests) follow the
+/// numpy W8A8 reference.
+#[tokio::test]
+async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> {
+    let c = client();
+    for (model, reference) in [
+        ("tiny-llama", "quant/w8a8-online.json"),
+        ("quant/fp8-dynamic", "quant/fp8-dynamic/w8a8-reference.json"),
+    ] {
+        let mut reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture(reference))?)?;
+        if let Some(ps) = reference["prompts"].as_array_mut() {
+            ps.retain(|p| p["closest_tie"].as_f64().unwrap_or(0.0) >= 1e-6);
+        }
+        let s = start(
+            &fixture(model),
+            &["--dtype", "f32", "--quantization", "w8a8_fp8"],
+        )?;
+        assert!(
+            s.log_contains("f8a8_s32 (w8a8_fp8)"),
+            "{model}: {}",
+            s.logs()
+        );
+        check_greedy(&c, &s, model, &reference).await?;
+    }
+    Ok(())
 }
 
 #[test]

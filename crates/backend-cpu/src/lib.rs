@@ -82,6 +82,7 @@ impl CpuBackend {
             DType::Q5_K,
             DType::Q6_K,
             DType::F8_S32,
+            DType::F8A8_S32,
             DType::U4_S32,
             DType::U8_S32,
             DType::F4_S16,

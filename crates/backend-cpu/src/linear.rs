@@ -8,7 +8,8 @@
 //! layers form one range split across the pool, so a whole Q/K/V projection
 //! is one parallel region. The scaled block formats meet f32 activations,
 //! or bf16 ones under the backend's `QuantMatmul::AmxBf16` (packed for AMX
-//! tiles; a bf16 weight and a scaled one then share the preparation). From
+//! tiles; a bf16 weight and a scaled one then share the preparation); W8A8
+//! FP8 weights (`f8a8_s32`) meet the input rounded to E4M3 per 32. From
 //! [`PAR_PREP_BLOCKS`] blocks on (a prefill
 //! chunk) the quantization itself is one more region, split into whole
 //! blocks (`arbor_quant::SplitPrep`). Each piece calls

@@ -92,7 +92,7 @@ fn linear_rows_are_bit_identical_for_every_batch() {
         .capabilities()
         .weight_dtypes
         .clone();
-    assert_eq!(dtypes.len(), 17, "every accepted weight dtype is tested");
+    assert_eq!(dtypes.len(), 18, "every accepted weight dtype is tested");
     for &dtype in &dtypes {
         // Ragged shapes where the format allows them: n not a multiple of
         // any panel, k with a partial last vector (floats) or chunk (Q*_0/1).

@@ -484,18 +484,6 @@ fn main() -> Result<()> {
                 format!("prefill {} tokens, dequantizing GEMM", a.prefill),
                 format!("{dq:.0} tok/s (tensor-core GEMM {:.2}x)", pf / dq),
             ));
-            // W8A8: FP8 weights times E4M3 inputs (sm_89+; elsewhere the same path).
-            if s.model.spec().weight_dtype == DType::F8_S32 {
-                s.backend.set_fp8_activations(true);
-                let w8 = prefill(&s, a.prefill);
-                s.backend.set_fp8_activations(false);
-                let w8 = w8?;
-                println!("prefill {} with W8A8 FP8: {w8:.0} tok/s", a.prefill);
-                rows.push((
-                    format!("prefill {} tokens, W8A8 FP8 (E4M3 inputs)", a.prefill),
-                    format!("{w8:.0} tok/s ({:.2}x the bf16-split GEMM)", w8 / pf),
-                ));
-            }
         }
     }
     if a.load_back >= PAGE {

@@ -173,9 +173,10 @@ GEMM_SCALED(gemm_f4_s16_m64, 3, 4, 8)
 // split takes four; the price is the input's 3-bit mantissa. A row's outputs
 // depend only on its own input row, so they do not change with the batch.
 
-// One warp per (row, 32-input block): codes `q` [m][k] and scales `s` [m][k / 32].
-extern "C" __global__ void quant_act_e4m3(const float* x, unsigned char* q, float* s, int m,
-                                          int k) {
+// One warp per (row, 32-input block) of x [m][k]: hands `put` each lane's
+// E4M3 code of x * (448 / amax) and the block's scale amax / 448.
+template <typename Put>
+__device__ __forceinline__ void e4m3_blocks(const float* x, int m, int k, Put put) {
     const int lane = threadIdx.x & 31;
     const u64 blocks = (u64)m * (u64)(k / 32);
     for (u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < blocks;
@@ -183,9 +184,25 @@ extern "C" __global__ void quant_act_e4m3(const float* x, unsigned char* q, floa
         const float v = x[b * 32 + lane];
         const float amax = warp_max(fabsf(v));
         const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
-        q[b * 32 + lane] = from_f32<e4m3_t>(v * inv).x;
-        if (lane == 0) s[b] = amax / 448.0f;
+        put(b * 32 + lane, lane, from_f32<e4m3_t>(v * inv), amax / 448.0f);
     }
+}
+
+// Codes `q` [m][k] and scales `s` [m][k / 32].
+extern "C" __global__ void quant_act_e4m3(const float* x, unsigned char* q, float* s, int m,
+                                          int k) {
+    e4m3_blocks(x, m, k, [=](u64 i, int lane, e4m3_t code, float scale) {
+        q[i] = code.x;
+        if (lane == 0) s[i / 32] = scale;
+    });
+}
+
+// The values quant_act_e4m3's codes and scales stand for, code times scale
+// in f32 (arbor-quant's scaled::round_input_e4m3): the inputs of W8A8 FP8
+// weights where no FP8 tensor core multiplies the codes themselves.
+extern "C" __global__ void round_act_e4m3(const float* x, float* y, int m, int k) {
+    e4m3_blocks(x, m, k,
+                [=](u64 i, int, e4m3_t code, float scale) { y[i] = to_f32(code) * scale; });
 }
 
 template <int WM, int NT>

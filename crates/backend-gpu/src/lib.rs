@@ -59,8 +59,6 @@ pub struct GpuBackend {
     pub(crate) tensor_core_prefill: Arc<AtomicBool>,
     /// Scaled-block linears may use the tensor-core GEMM where it applies.
     pub(crate) tensor_core_linear: Arc<AtomicBool>,
-    /// FP8 linears quantize their input to E4M3 (W8A8) where that applies.
-    pub(crate) fp8_activations: Arc<AtomicBool>,
 }
 
 impl GpuBackend {
@@ -78,7 +76,13 @@ impl GpuBackend {
             caps: Arc::new(BackendCapabilities {
                 weight_dtypes: [
                     floats.as_slice(),
-                    &[DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16],
+                    &[
+                        DType::F8_S32,
+                        DType::F8A8_S32,
+                        DType::U4_S32,
+                        DType::U8_S32,
+                        DType::F4_S16,
+                    ],
                 ]
                 .concat(),
                 kv_dtypes: attention::KV_DTYPES.to_vec(),
@@ -89,7 +93,6 @@ impl GpuBackend {
             uploads: Arc::new(AtomicU64::new(0)),
             tensor_core_prefill: Arc::new(AtomicBool::new(true)),
             tensor_core_linear: Arc::new(AtomicBool::new(true)),
-            fp8_activations: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -133,19 +136,10 @@ impl GpuBackend {
 
     /// For benchmarks and tests: `false` multiplies scaled-block weights
     /// (FP8, INT4, NVFP4) by dequantizing them to f32 before each GEMM, also
-    /// where the tensor-core GEMM applies (on by default).
+    /// where the tensor-core GEMM applies (on by default); W8A8 FP8 weights
+    /// then meet their E4M3-rounded inputs there instead of on FP8 tensor cores.
     pub fn set_tensor_core_linear(&self, on: bool) {
         self.tensor_core_linear.store(on, Ordering::Relaxed);
-    }
-
-    /// W8A8 FP8 (off by default): `true` quantizes the input of every
-    /// linear with FP8 (`f8_s32`) weights to E4M3 per row and 32-input block
-    /// and multiplies the codes on FP8 tensor cores (NVIDIA sm_89+; elsewhere
-    /// nothing changes). Faster products for the input's 3-bit mantissa; a
-    /// row's outputs still do not depend on the batch. For benchmarks and
-    /// tests until it has run on a GPU.
-    pub fn set_fp8_activations(&self, on: bool) {
-        self.fp8_activations.store(on, Ordering::Relaxed);
     }
 
     /// For benchmarks: while `Some(seed)`, uploads of 2-D f16/bf16 tensors

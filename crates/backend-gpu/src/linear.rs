@@ -15,9 +15,11 @@
 //! of each input, and a row's outputs do not depend on the batch); elsewhere
 //! (AMD, older NVIDIA, or when told not to) they are dequantized to an f32
 //! scratch before each GEMM (exactly the CPU's values) and multiplied as f32
-//! weights. With [`GpuBackend::set_fp8_activations`] on, FP8 (`f8_s32`)
-//! weights on sm_89+ instead multiply the input quantized to E4M3 per row
-//! and 32-input block on FP8 tensor cores ([`w8a8_gemm_kernel`], W8A8).
+//! weights. W8A8 FP8 weights (`f8a8_s32`, the `w8a8_fp8` method) multiply
+//! the input quantized to E4M3 per row and 32-input block: on sm_89+ its
+//! codes on FP8 tensor cores ([`w8a8_gemm_kernel`]), elsewhere (or with the
+//! tensor-core linears off) the values those codes stand for
+//! (`round_act_e4m3`) through the `f8_s32` paths above.
 //! [`GpuBackend::op_linear_many`] rounds or quantizes the shared input once
 //! for all its layers (Q/K/V, gate/up).
 
@@ -76,10 +78,10 @@ pub(crate) fn scaled_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Optio
 }
 
 /// The W8A8 FP8 GEMM (E4M3 inputs quantized per 32, kernels/gemm.cu) of
-/// `f8_s32` weights for `rows` rows and its tile, where it applies: an
+/// `f8a8_s32` weights for `rows` rows and its tile, where it applies: an
 /// NVIDIA target of sm_89 or newer.
 pub(crate) fn w8a8_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<(K, [usize; 2])> {
-    if dtype != DType::F8_S32 || nvidia_sm(arch)? < 89 {
+    if dtype != DType::F8A8_S32 || nvidia_sm(arch)? < 89 {
         return None;
     }
     let (small, tile) = scaled_tile(rows);
@@ -116,7 +118,7 @@ impl GpuBackend {
                 )));
             }
             if !matches!(l.w.dtype(), DType::F32 | DType::F16 | DType::BF16)
-                && dequant_kernel(l.w.dtype()).is_none()
+                && dequant_kernel(l.w.dtype().storage()).is_none()
             {
                 return Err(CoreError::unsupported(format!(
                     "CUDA linear with {} weights",
@@ -146,17 +148,28 @@ impl GpuBackend {
         let xp = self.p(&st, x)?;
         // The rounded input, when some weight is 16-bit (one rounding per type).
         let mut half_in: Option<(DType, u64, Tensor)> = None;
-        // The E4M3 input codes and scales, when some layer runs W8A8.
+        // The E4M3 input codes and scales, when some layer runs W8A8 on FP8
+        // tensor cores, and the values they stand for, when one runs it elsewhere.
         let mut fp8_in: Option<([u64; 2], [Tensor; 2])> = None;
-        let fp8_acts = self.fp8_activations.load(Ordering::Relaxed);
+        let mut rounded_in: Option<(u64, Tensor)> = None;
         for l in layers {
             let n = l.w.shape()[0];
             let out = self.p(&st, l.out)?;
             // Packed blocks multiplied where they lie: W8A8 FP8, else the bf16 split.
             let target = self.kernel_target();
             let tensor_cores = self.tensor_core_linear.load(Ordering::Relaxed);
-            let w8a8 = w8a8_gemm_kernel(l.w.dtype(), rows, target).filter(|_| fp8_acts);
-            let split = scaled_gemm_kernel(l.w.dtype(), rows, target).filter(|_| tensor_cores);
+            let w8a8 = w8a8_gemm_kernel(l.w.dtype(), rows, target).filter(|_| tensor_cores);
+            let storage = l.w.dtype().storage();
+            let split = scaled_gemm_kernel(storage, rows, target).filter(|_| tensor_cores);
+            // The f32 input of the other paths: W8A8 FP8 weights take it rounded to E4M3.
+            let x_f32 = if l.w.dtype() == DType::F8A8_S32 && w8a8.is_none() {
+                if rounded_in.is_none() {
+                    rounded_in = Some(self.round_input_e4m3(&mut st, xp, rows, k)?);
+                }
+                rounded_in.as_ref().map_or(xp, |r| r.0)
+            } else {
+                xp
+            };
             let packed = match (w8a8, split) {
                 (Some(kernel), _) => {
                     if fp8_in.is_none() {
@@ -165,7 +178,7 @@ impl GpuBackend {
                     let inputs = fp8_in.as_ref().map(|q| q.0.to_vec()).unwrap_or_default();
                     Some((kernel, inputs))
                 }
-                (None, Some(kernel)) => Some((kernel, vec![xp])),
+                (None, Some(kernel)) => Some((kernel, vec![x_f32])),
                 (None, None) => None,
             };
             if let Some(((kernel, [bm, bn]), inputs)) = packed {
@@ -177,7 +190,7 @@ impl GpuBackend {
                 continue;
             }
             // Scaled blocks: dequantized to an f32 scratch (exact), then the f32 GEMM.
-            let mut wd = l.w.dtype();
+            let mut wd = storage;
             let mut wp = self.p(&st, l.w)?;
             let _scratch = match dequant_kernel(wd) {
                 Some(kernel) => {
@@ -198,7 +211,7 @@ impl GpuBackend {
                 None => None,
             };
             let xin = if wd == DType::F32 {
-                xp
+                x_f32
             } else {
                 if half_in.as_ref().map(|h| h.0) != Some(wd) {
                     let scratch = self.alloc_in(&mut st, wd, &[rows * k], false)?;
@@ -250,6 +263,29 @@ impl GpuBackend {
         Ok((p, [q, s]))
     }
 
+    /// `x` (at `xp`, `rows` x `k`) rounded to E4M3 per 32 inputs by
+    /// `round_act_e4m3` (the codes of [`Self::quantize_input_e4m3`] times
+    /// their scales, in f32): its address and scratch tensor.
+    fn round_input_e4m3(
+        &self,
+        st: &mut State,
+        xp: u64,
+        rows: usize,
+        k: usize,
+    ) -> Result<(u64, Tensor)> {
+        if !k.is_multiple_of(32) {
+            return Err(CoreError::invalid(format!(
+                "W8A8 FP8 linear with k = {k}, not a multiple of 32"
+            )));
+        }
+        let y = self.alloc_in(st, DType::F32, &[rows * k], false)?;
+        let yp = self.p(st, &y)?;
+        let args = Args::new().p(xp).p(yp).i(rows).i(k);
+        let grid = [stride_grid(self, rows * k), 1, 1];
+        self.dev.launch(st, K::RoundActE4m3, grid, 256, 0, args)?;
+        Ok((yp, y))
+    }
+
     /// Adds `l`'s bias (if any) to its `rows` x `n` output.
     fn add_bias(&self, st: &mut State, l: &LinearRef<'_>, rows: usize, n: usize) -> Result<()> {
         let Some(b) = l.bias else { return Ok(()) };
@@ -283,12 +319,14 @@ mod tests {
 
     #[test]
     fn w8a8_applies_to_fp8_blocks_on_sm89_and_newer() {
-        let small = w8a8_gemm_kernel(DType::F8_S32, 16, "sm_89");
+        let small = w8a8_gemm_kernel(DType::F8A8_S32, 16, "sm_89");
         assert_eq!(small, Some((K::GemmF8S32W8a8M16, [16, 32])));
-        let large = w8a8_gemm_kernel(DType::F8_S32, 17, "compute_90");
+        let large = w8a8_gemm_kernel(DType::F8A8_S32, 17, "compute_90");
         assert_eq!(large, Some((K::GemmF8S32W8a8M64, [64, 64])));
-        assert!(w8a8_gemm_kernel(DType::F8_S32, 1, "sm_86").is_none());
-        assert!(w8a8_gemm_kernel(DType::F8_S32, 1, "gfx942").is_none());
+        assert!(w8a8_gemm_kernel(DType::F8A8_S32, 1, "sm_86").is_none());
+        assert!(w8a8_gemm_kernel(DType::F8A8_S32, 1, "gfx942").is_none());
+        // Weight-only FP8 keeps f32 inputs.
+        assert!(w8a8_gemm_kernel(DType::F8_S32, 1, "sm_90").is_none());
         assert!(w8a8_gemm_kernel(DType::U4_S32, 1, "sm_90").is_none());
     }
 }

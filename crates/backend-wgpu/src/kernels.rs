@@ -25,6 +25,7 @@ pub const SILU_MUL: &str = include_str!("shaders/silu_mul.wgsl");
 pub const ADD: &str = include_str!("shaders/add.wgsl");
 pub const GATHER: &str = include_str!("shaders/gather.wgsl");
 pub const QUANT_ACT: &str = include_str!("shaders/quant_act.wgsl");
+pub const ROUND_ACT_E4M3: &str = include_str!("shaders/round_act_e4m3.wgsl");
 pub const MATMUL_Q: &str = include_str!("shaders/matmul_q.wgsl");
 pub const MATMUL_F: &str = include_str!("shaders/matmul_f.wgsl");
 pub const KV_WRITE: &str = include_str!("shaders/kv_write.wgsl");
@@ -63,6 +64,8 @@ pub enum Kernel {
     Add,
     Gather,
     QuantAct,
+    /// E4M3 rounding of the inputs of W8A8 FP8 weights (`round_act_e4m3.wgsl`).
+    RoundActE4m3,
     /// Quantized matmul: tile, weight code, word-aligned rows, paired Q8_0 blocks, bias.
     MatmulQ {
         tm: usize,
@@ -148,6 +151,7 @@ impl Kernel {
             Kernel::Add => specialize(ADD, &[]),
             Kernel::Gather => specialize(GATHER, &[]),
             Kernel::QuantAct => specialize(QUANT_ACT, &[]),
+            Kernel::RoundActE4m3 => specialize(ROUND_ACT_E4M3, &[]),
             Kernel::MatmulQ {
                 tm,
                 tn,
@@ -262,7 +266,8 @@ pub fn weight_code(dtype: DType) -> Result<u32> {
         DType::Q8_0 => 3,
         DType::Q4_0 => 4,
         DType::Q4_1 => 5,
-        DType::F8_S32 => 6,
+        // W8A8 FP8 multiplies f8_s32's blocks with rounded inputs.
+        DType::F8_S32 | DType::F8A8_S32 => 6,
         DType::U4_S32 => 7,
         DType::F4_S16 => 8,
         DType::U8_S32 => 9,
@@ -337,6 +342,7 @@ mod tests {
             Kernel::Add,
             Kernel::Gather,
             Kernel::QuantAct,
+            Kernel::RoundActE4m3,
             Kernel::Sample,
             Kernel::EditTokens,
             Kernel::MaskRows,

@@ -157,6 +157,7 @@ impl WgpuBackend {
                     DType::Q4_0,
                     DType::Q4_1,
                     DType::F8_S32,
+                    DType::F8A8_S32,
                     DType::U4_S32,
                     DType::U8_S32,
                     DType::F4_S16,

@@ -8,7 +8,9 @@
 //! are multiplied as ggml and the CPU backend do: the activations are first
 //! quantized to Q8 blocks (`quant_act.wgsl`, once per input even when several
 //! layers share it), then each block contributes an integer dot product scaled
-//! by the two block scales (`matmul_q.wgsl`).
+//! by the two block scales (`matmul_q.wgsl`). W8A8 FP8 weights (`f8a8_s32`)
+//! multiply the inputs rounded to E4M3 per run of 32
+//! (`round_act_e4m3.wgsl`, once per input) as `f8_s32` weights multiply f32 ones.
 //!
 //! Each kernel invocation computes a register tile of TM activation rows by
 //! TN weight rows with no shared memory (the fastest form on lavapipe, and
@@ -74,13 +76,22 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
         return Ok(());
     }
     let xv = b.view(x, DType::F32, Access::Read)?;
-    // Q8 activations, shared by every quantized layer of this input.
+    // Q8 activations, shared by every quantized layer of this input, and
+    // the E4M3-rounded ones, shared by every W8A8 FP8 layer.
     let mut acts: Option<(Tensor, Tensor)> = None;
+    let mut rounded: Option<Tensor> = None;
     for l in layers {
         if kernels::uses_q8_acts(kernels::weight_code(l.w.dtype())?) && acts.is_none() {
             acts = Some(quantize_acts(b, &xv, m, k)?);
         }
+        if l.w.dtype() == DType::F8A8_S32 && rounded.is_none() {
+            rounded = Some(round_acts_e4m3(b, &xv, m, k)?);
+        }
     }
+    let rv = rounded
+        .as_ref()
+        .map(|t| b.view(t, DType::F32, Access::Read))
+        .transpose()?;
     for l in layers {
         let n = l.w.shape()[0];
         let row_bytes = l.w.dtype().bytes_for(k)?;
@@ -96,7 +107,13 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
                 Some((q, meta)) if kernels::uses_q8_acts(kernels::weight_code(w.dtype())?) => {
                     matmul_q(b, q, meta, &w, bias.as_ref(), l.out, (m, n, k), c0)?
                 }
-                _ => matmul_f(b, &xv, &w, bias.as_ref(), l.out, (m, n, k), c0)?,
+                _ => {
+                    let x = match &rv {
+                        Some(rv) if w.dtype() == DType::F8A8_S32 => rv,
+                        _ => &xv,
+                    };
+                    matmul_f(b, x, &w, bias.as_ref(), l.out, (m, n, k), c0)?
+                }
             }
             c0 += rows;
         }
@@ -106,26 +123,56 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
 
 /// Quantizes `x` `[m, k]` to Q8 blocks: (packed quants, per-block meta).
 fn quantize_acts(b: &WgpuBackend, xv: &View, m: usize, k: usize) -> Result<(Tensor, Tensor)> {
-    if !k.is_multiple_of(32) {
-        return Err(CoreError::invalid(format!(
-            "quantized linear with k = {k}, not a multiple of 32"
-        )));
-    }
-    let blocks = m * k / 32;
+    let blocks = act_blocks(m, k, "quantized")?;
     let q = b.alloc_uninit(DType::U32, &[blocks * 8])?;
     let meta = b.alloc_uninit(DType::F32, &[blocks * 4])?;
     let qv = b.view(&q, DType::U32, Access::Write)?;
     let mv = b.view(&meta, DType::F32, Access::Write)?;
+    per_act_block(b, Kernel::QuantAct, xv, blocks, k, &[&qv, &mv])?;
+    Ok((q, meta))
+}
+
+/// `x` `[m, k]` with each run of 32 inputs rounded to E4M3 (the inputs of
+/// W8A8 FP8 weights), as a dense f32 `[m, k]`.
+fn round_acts_e4m3(b: &WgpuBackend, xv: &View, m: usize, k: usize) -> Result<Tensor> {
+    let blocks = act_blocks(m, k, "W8A8 FP8")?;
+    let y = b.alloc_uninit(DType::F32, &[m * k])?;
+    let yv = b.view(&y, DType::F32, Access::Write)?;
+    per_act_block(b, Kernel::RoundActE4m3, xv, blocks, k, &[&yv])?;
+    Ok(y)
+}
+
+/// The blocks of 32 inputs of `x` `[m, k]`; an error naming the `kind` of
+/// linear unless `k` is a multiple of 32.
+fn act_blocks(m: usize, k: usize, kind: &str) -> Result<usize> {
+    if !k.is_multiple_of(32) {
+        return Err(CoreError::invalid(format!(
+            "{kind} linear with k = {k}, not a multiple of 32"
+        )));
+    }
+    Ok(m * k / 32)
+}
+
+/// Runs `kernel`, one invocation per block of 32 inputs of `x` (rows of
+/// `k`), writing `outs`.
+fn per_act_block(
+    b: &WgpuBackend,
+    kernel: Kernel,
+    xv: &View,
+    blocks: usize,
+    k: usize,
+    outs: &[&View],
+) -> Result<()> {
     let gpu = b.gpu();
-    let pipe = gpu.kernel(&Kernel::QuantAct)?;
+    let pipe = gpu.kernel(&kernel)?;
     let params = Params::new()
         .u(u32_of(blocks, "activation blocks")?)
         .us(k / 32)?
         .u(xv.word_off())
         .us(k)?;
     let groups = kernels::grid_threads(blocks, gpu.limits.max_compute_workgroups_per_dimension)?;
-    gpu.dispatch(&pipe, &params, &[xv, &qv, &mv], groups)?;
-    Ok((q, meta))
+    let views: Vec<&View> = std::iter::once(xv).chain(outs.iter().copied()).collect();
+    gpu.dispatch(&pipe, &params, &views, groups)
 }
 
 fn groups(b: &WgpuBackend, m: usize, n: usize, tm: usize, tn: usize) -> Result<(u32, u32, u32)> {

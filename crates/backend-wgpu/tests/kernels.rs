@@ -252,13 +252,21 @@ fn quantized_linear_matches_cpu() {
     }
 }
 
-/// The scaled blocks of HF quantized checkpoints (FP8, INT4, NVFP4), built by
-/// arbor-quant's reference quantizers, against the CPU backend's kernels.
+/// The scaled blocks of HF quantized checkpoints (FP8, W8A8 FP8, INT4,
+/// NVFP4), built by arbor-quant's reference quantizers, against the CPU
+/// backend's kernels.
 #[test]
 fn scaled_linear_matches_cpu() {
     let Some(g) = gpu() else { return };
     let c = cpu();
-    for dt in [DType::F8_S32, DType::U4_S32, DType::U8_S32, DType::F4_S16] {
+    let dtypes = [
+        DType::F8_S32,
+        DType::F8A8_S32,
+        DType::U4_S32,
+        DType::U8_S32,
+        DType::F4_S16,
+    ];
+    for dt in dtypes {
         for (i, (m, n, k)) in [(1, 70, 64), (2, 33, 96), (8, 128, 576), (9, 65, 160)]
             .into_iter()
             .enumerate()

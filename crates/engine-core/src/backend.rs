@@ -221,7 +221,8 @@ pub struct BackendOptions {
 /// [`DType::F4_S16`]: FP8, AWQ/GPTQ/W4A16 INT4, W8A16 INT8 and NVFP4
 /// checkpoints). It is chosen once, when the backend is created, for every
 /// layer and every batch, so a position's logits never depend on the batch
-/// it shares a step with; GGUF formats keep their integer dots either way.
+/// it shares a step with; GGUF formats keep their integer dots either way,
+/// and W8A8 FP8 weights ([`DType::F8A8_S32`]) their E4M3 inputs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum QuantMatmul {
     /// f32 activations times the weights dequantized exactly to f32 (FMA):

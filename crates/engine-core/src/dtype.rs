@@ -18,6 +18,10 @@
 //! being NVFP4's E4M3 block scale times its global scale) and `u8_s32` (32
 //! unsigned 8-bit values, then an f16 scale and a u16 zero point, 36 bytes;
 //! value = (q − zero) × scale: 8-bit GPTQ, whose zero points reach 256).
+//! `f8a8_s32` is `f8_s32`'s layout for FP8 weights that multiply their
+//! inputs quantized to E4M3 (W8A8): each run of 32 inputs of a row becomes
+//! its E4M3 codes of `x × 448 / max|x|` and the scale `max|x| / 448` before
+//! the product, as ggml's weight types name the activation type they meet.
 
 use crate::error::{CoreError, Result};
 use serde::{Deserialize, Serialize};
@@ -50,6 +54,7 @@ pub enum DType {
     F8E4M3,
     F8E5M2,
     F8_S32,
+    F8A8_S32,
     U4_S32,
     F4_S16,
     U8_S32,
@@ -57,7 +62,7 @@ pub enum DType {
 
 impl DType {
     /// Every dtype, in declaration order.
-    pub const ALL: [DType; 24] = [
+    pub const ALL: [DType; 25] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -82,6 +87,7 @@ impl DType {
         DType::U4_S32,
         DType::F4_S16,
         DType::U8_S32,
+        DType::F8A8_S32,
     ];
 
     /// Logical elements per storage block (1 for plain types).
@@ -102,6 +108,7 @@ impl DType {
             | DType::Q8_0
             | DType::Q8_1
             | DType::F8_S32
+            | DType::F8A8_S32
             | DType::U4_S32
             | DType::U8_S32 => 32,
             DType::F4_S16 => 16,
@@ -129,7 +136,7 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::Q8_K => 292,
-            DType::F8_S32 => 36,
+            DType::F8_S32 | DType::F8A8_S32 => 36,
             DType::U4_S32 => 20,
             DType::F4_S16 => 12,
             DType::U8_S32 => 36,
@@ -142,13 +149,23 @@ impl DType {
     }
 
     /// True for the scaled block formats of HF-quantized checkpoints
-    /// (`f8_s32`, `u4_s32`, `u8_s32`, `f4_s16`: values with an in-band
-    /// scale, and a zero point for the integer ones).
+    /// (`f8_s32`, `f8a8_s32`, `u4_s32`, `u8_s32`, `f4_s16`: values with an
+    /// in-band scale, and a zero point for the integer ones).
     pub const fn is_scaled_block(self) -> bool {
         matches!(
             self,
-            DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16
+            DType::F8_S32 | DType::F8A8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16
         )
+    }
+
+    /// The dtype whose stored values this one's are: `f8_s32` for
+    /// `f8a8_s32` (the same blocks, which differ only in what their inputs
+    /// become), else itself. Dequantizing, splitting and copying go by it.
+    pub const fn storage(self) -> DType {
+        match self {
+            DType::F8A8_S32 => DType::F8_S32,
+            other => other,
+        }
     }
 
     /// True for floating-point types usable as activations or KV.
@@ -191,6 +208,7 @@ impl DType {
             DType::F8E4M3 => "f8_e4m3",
             DType::F8E5M2 => "f8_e5m2",
             DType::F8_S32 => "f8_s32",
+            DType::F8A8_S32 => "f8a8_s32",
             DType::U4_S32 => "u4_s32",
             DType::F4_S16 => "f4_s16",
             DType::U8_S32 => "u8_s32",

@@ -75,6 +75,15 @@ pub trait QuantMethod: Send + Sync {
     ) -> Result<HostTensor<'a>> {
         load_unquantized(src, spec, |t| self.prepare(t, caps))
     }
+    /// When chosen (`--quantization`) for a checkpoint quantized with
+    /// another method, the method that loads it: one that changes how a
+    /// checkpoint's weights are multiplied rather than what they are (W8A8
+    /// over an FP8 checkpoint) wraps `checkpoint`, the checkpoint's own
+    /// method. The default, `None`, makes that choice an error.
+    fn over_checkpoint(&self, checkpoint: Arc<dyn QuantMethod>) -> Option<Arc<dyn QuantMethod>> {
+        let _ = checkpoint;
+        None
+    }
 }
 
 /// The unquantized form of the linear layer `spec`: `{prefix}.weight`, shape

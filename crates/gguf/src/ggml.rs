@@ -82,6 +82,7 @@ pub fn ggml_type_id(dtype: DType) -> Option<u32> {
         | DType::F8E4M3
         | DType::F8E5M2
         | DType::F8_S32
+        | DType::F8A8_S32
         | DType::U4_S32
         | DType::U8_S32
         | DType::F4_S16 => {

@@ -188,7 +188,9 @@ fn load(
 /// The quantization method that loads the checkpoint at `path`: the one its
 /// `config.json` names in `quantization_config.quant_method` (built on the
 /// chosen float method), else the chosen method. Choosing a different
-/// non-float method than the checkpoint's is an error.
+/// non-float method than the checkpoint's is an error unless the chosen
+/// method applies over it ([`QuantMethod::over_checkpoint`]: `w8a8_fp8`
+/// over an FP8 checkpoint).
 fn checkpoint_quant(
     path: &Path,
     config: &serde_json::Value,
@@ -210,13 +212,6 @@ fn checkpoint_quant(
         })?
         .to_ascii_lowercase();
     let chosen = opts.quant.name().to_string();
-    if !opts.quant.is_float() && chosen != name {
-        return Err(CoreError::load(format!(
-            "{}: the checkpoint is quantized with '{name}' (quantization_config); \
-             --quantization {chosen} cannot load it",
-            where_()
-        )));
-    }
     let factory = registry.quant_methods.get(&name).map_err(|_| {
         CoreError::load(format!(
             "{}: quantization_config.quant_method '{name}' is not supported (supported: {})",
@@ -228,7 +223,18 @@ fn checkpoint_quant(
         checkpoint: Some(qc.clone()),
         base: opts.quant.is_float().then(|| opts.quant.clone()),
     };
-    factory(&init).map_err(|e| CoreError::load(format!("{}: quantization_config: {e}", where_())))
+    let own = factory(&init)
+        .map_err(|e| CoreError::load(format!("{}: quantization_config: {e}", where_())))?;
+    if opts.quant.is_float() || chosen == name {
+        return Ok(own);
+    }
+    opts.quant.over_checkpoint(own).ok_or_else(|| {
+        CoreError::load(format!(
+            "{}: the checkpoint is quantized with '{name}' (quantization_config); \
+             --quantization {chosen} cannot load it",
+            where_()
+        ))
+    })
 }
 
 /// The last component of `path` (without a file extension for files), or

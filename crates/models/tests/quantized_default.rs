@@ -8,7 +8,9 @@
 //! the 4-bit formats (round-to-nearest INT4 in groups of 64 on a 135M model
 //! whose weights were already 4-bit: it lands near 65%). On CPUs with AMX
 //! each quantized format runs again under `QuantMatmul::AmxBf16` (bf16
-//! weights and activations), with the same floors. The f32 weights then run
+//! weights and activations), with the same floors. W8A8 FP8
+//! (`w8a8_fp8`: inputs rounded to E4M3 too), over the FP8 checkpoint and on
+//! the bf16 weights, must reach 80%. The f32 weights then run
 //! with f16, bf16 and FP8 KV caches (80% at least).
 
 use anyhow::{Context, Result};
@@ -136,6 +138,25 @@ fn quantized_default_model_agrees_with_its_f32_forward() -> Result<()> {
                 mm.name()
             );
         }
+    }
+    // W8A8 FP8 (`--quantization w8a8_fp8`): over the FP8 checkpoint, and
+    // quantizing the bf16 weights at load.
+    for f in ["fp8-dynamic", "bf16"] {
+        let dir = root.join(f);
+        let (_, top, stored) = teacher_forced(
+            &dir,
+            "w8a8_fp8",
+            Some(&tokens),
+            DType::F32,
+            QuantMatmul::F32,
+        )?;
+        let agree = hits(&top) as f64 / n;
+        println!(
+            "{f:12} {stored:28} w8a8     top-1 agreement with f32 {:.1}%, next-token top-1 {:.1}%",
+            100.0 * agree,
+            100.0 * next(&top) as f64 / n
+        );
+        assert!(agree >= 0.8, "{f} w8a8_fp8: agreement {agree:.3} < 0.8");
     }
     // KV caches: the bf16 weights with each KV dtype.
     for kv in [DType::F16, DType::BF16, DType::F8E4M3, DType::F8E5M2] {

@@ -3,7 +3,9 @@
 //! Owns the quantization of f32 activation rows into the "vec_dot type" that
 //! ggml pairs with each weight format: f32 for f32/f16 and the scaled
 //! blocks, bf16 for bf16 weights, Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
-//! Q4_1/Q5_1 and Q8_K for the K-quants. Activations prepared as bf16 keep
+//! Q4_1/Q5_1, Q8_K for the K-quants and F8E4M3 for W8A8 FP8 (`f8a8_s32`:
+//! each run of 32 inputs rounded to E4M3 with the scale `max|x| / 448`,
+//! kept as the f32 values the codes and scales stand for, in `f`). Activations prepared as bf16 keep
 //! their f32 rows too: only the `Amx` level multiplies the rounded
 //! values (AMX tiles, from `hp`, when `k` is a multiple of 32; else
 //! `vdpbf16ps`, from `h`); the lower levels use the f32 rows, as for f16
@@ -18,7 +20,7 @@
 //!
 //! Invariants (established by [`PreparedActs::prepare_into`], relied upon by
 //! the unsafe kernels): `k` is a whole number of blocks of `dtype`;
-//! `f.len() == m*k` for F32 and BF16, `h.len() == m*k` for BF16 (each the
+//! `f.len() == m*k` for F32, BF16 and F8E4M3, `h.len() == m*k` for BF16 (each the
 //! round-to-nearest-even bf16 of its `f`), otherwise `qs.len() == m*k` (and
 //! `qs_pair.len()` is `m*k` or 0 for Q8_0/Q8_1), `d.len() == m*nb`,
 //! `s.len() == isum.len() == m*nb` for Q8_0/Q8_1 and `bsums.len() == m*nb*16`
@@ -160,6 +162,7 @@ pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
         DType::F32 | DType::F16 | DType::F8_S32 | DType::U4_S32 | DType::U8_S32 | DType::F4_S16 => {
             DType::F32
         }
+        DType::F8A8_S32 => DType::F8E4M3,
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => DType::Q8_0,
         DType::Q4_1 | DType::Q5_1 => DType::Q8_1,
         DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => DType::Q8_K,
@@ -173,14 +176,15 @@ pub fn act_dtype_for(weight: DType) -> Result<DType, QuantError> {
 }
 
 /// The activation dtype weights of dtype `weight` meet under `matmul`:
-/// bf16 for the scaled block formats under [`QuantMatmul::AmxBf16`]
+/// bf16 for the scaled block formats with f32 inputs under [`QuantMatmul::AmxBf16`]
 /// (multiplied in AMX tiles at the `Amx` level, from the f32 rows below
 /// it or where `k` is not a multiple of 32), else [`act_dtype_for`]'s.
 pub fn act_dtype_with(weight: DType, matmul: QuantMatmul) -> Result<DType, QuantError> {
-    if matmul == QuantMatmul::AmxBf16 && weight.is_scaled_block() {
+    let ad = act_dtype_for(weight)?;
+    if matmul == QuantMatmul::AmxBf16 && weight.is_scaled_block() && ad == DType::F32 {
         Ok(DType::BF16)
     } else {
-        act_dtype_for(weight)
+        Ok(ad)
     }
 }
 
@@ -319,6 +323,11 @@ impl PreparedActs {
                 }
                 0
             }
+            DType::F8E4M3 => {
+                self.f.resize(total, 0.0);
+                crate::scaled::round_input_e4m3(x, &mut self.f);
+                0
+            }
             DType::Q8_0 | DType::Q8_1 => {
                 let nb = total / 32;
                 self.qs.resize(total, 0);
@@ -356,7 +365,7 @@ impl PreparedActs {
         })
     }
 
-    /// The activation dtype (F32, BF16, Q8_0, Q8_1 or Q8_K); `None` before preparation.
+    /// The activation dtype (F32, BF16, F8E4M3, Q8_0, Q8_1 or Q8_K); `None` before preparation.
     pub fn dtype(&self) -> Option<DType> {
         self.dtype
     }
@@ -372,12 +381,12 @@ impl PreparedActs {
     }
 
     /// The activations in ggml's block layout (`block_q8_0`, `block_q8_1`,
-    /// `block_q8_K`; little-endian f32 for F32, bf16 for BF16), rows one
+    /// `block_q8_K`; little-endian f32 for F32 and F8E4M3, bf16 for BF16), rows one
     /// after another.
     pub fn to_ggml_bytes(&self) -> Vec<u8> {
         let mut out = Vec::new();
         match self.dtype {
-            Some(DType::F32) => {
+            Some(DType::F32) | Some(DType::F8E4M3) => {
                 for v in &self.f {
                     out.extend_from_slice(&v.to_le_bytes());
                 }

@@ -24,7 +24,9 @@
 //! f32 activations, or bf16 ones prepared for [`QuantMatmul::AmxBf16`]
 //! ([`PreparedActs::prepare_split_as`]), which the `Amx` level multiplies
 //! in AMX tiles against bf16 panels of the dequantized weights: a second
-//! path chosen by the caller once, not by `m`.
+//! path chosen by the caller once, not by `m`. W8A8 FP8 (`f8a8_s32`, the
+//! `f8_s32` blocks) always meets its input rounded to E4M3 per run of 32
+//! (activation type F8E4M3, [`scaled::round_input_e4m3`]), each row on its own.
 //!
 //! Invariants: every public function validates dtypes and buffer lengths
 //! before any kernel runs and returns [`QuantError`] on bad input (it never
@@ -127,6 +129,7 @@ pub fn dequantize_with(
 ) -> Result<(), QuantError> {
     check_level(level)?;
     check_supported(dtype, "dequantize")?;
+    let dtype = dtype.storage();
     let bb = dtype.block_bytes();
     let bs = dtype.block_size();
     if !src.len().is_multiple_of(bb) {
@@ -188,6 +191,7 @@ fn dequantize_scalar(dtype: DType, src: &[u8], dst: &mut [f32]) {
 /// reference quantizers (`quantize_row_*_ref`); float dtypes are converted.
 pub fn quantize(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
     check_supported(dtype, "quantize")?;
+    let dtype = dtype.storage();
     let need = row_bytes(dtype, src.len())?;
     if dst.len() != need {
         return Err(QuantError::BadLength {
@@ -438,7 +442,11 @@ fn check_dot(
 ) -> Result<bool, QuantError> {
     check_level(level)?;
     let ad = act_dtype_for(weight)?;
-    let bf16_scaled = weight.is_scaled_block() && acts.dtype == Some(DType::BF16);
+    let bf16_scaled = acts.dtype == Some(DType::BF16)
+        && matches!(
+            act_dtype_with(weight, QuantMatmul::AmxBf16),
+            Ok(DType::BF16)
+        );
     if acts.dtype != Some(ad) && !bf16_scaled {
         return Err(QuantError::ActsMismatch(format!(
             "weights of type {weight} need activations prepared as {ad}, got {}",
@@ -491,6 +499,8 @@ unsafe fn dot_unchecked(
     acts: &PreparedActs,
     out: OutMat,
 ) {
+    // `f8a8_s32` blocks are `f8_s32`'s; their inputs were rounded (F8E4M3).
+    let weight = weight.storage();
     if k == 0 {
         for i in 0..acts.m {
             for r in 0..n_rows {

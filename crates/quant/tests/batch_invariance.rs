@@ -9,7 +9,7 @@ use arbor_quant::{
     DType, PreparedActs, QuantMatmul, SimdLevel, dot_rows_with, quantize, row_bytes,
 };
 
-const DOT: [DType; 17] = [
+const DOT: [DType; 18] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -24,6 +24,7 @@ const DOT: [DType; 17] = [
     DType::Q5_K,
     DType::Q6_K,
     DType::F8_S32,
+    DType::F8A8_S32,
     DType::U4_S32,
     DType::U8_S32,
     DType::F4_S16,
@@ -217,6 +218,32 @@ fn scaled_blocks_multiply_as_their_f32_dequantization() {
                     "{dtype} (bytes {params:?} shared by {group} blocks) {level:?}: m={m}"
                 );
             }
+        }
+    }
+}
+
+/// W8A8 FP8 (`f8a8_s32`) is `f8_s32`'s product with the inputs rounded to
+/// E4M3 per run of 32 (`scaled::round_input_e4m3`), bit for bit, at every
+/// level, for every `m`, under either `QuantMatmul` (AMX's bf16 inputs do
+/// not apply to it); without the rounding the outputs differ.
+#[test]
+fn w8a8_fp8_multiplies_the_inputs_rounded_to_e4m3() {
+    let mut rng = Rng(8);
+    let (n, k) = (37, 32 * 9);
+    let w = weights(&mut rng, DType::F8_S32, n, k);
+    for level in SimdLevel::available() {
+        for m in [1usize, 3, 8, 21] {
+            let x = rng.normals(m * k);
+            let mut rounded = vec![0.0f32; m * k];
+            arbor_quant::scaled::round_input_e4m3(&x, &mut rounded);
+            let want = product(level, DType::F8_S32, &w, n, k, &rounded, m, &[]);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for matmul in [QuantMatmul::F32, QuantMatmul::AmxBf16] {
+                let got = product_as(matmul, level, DType::F8A8_S32, &w, n, k, &x, m, &[n / 2]);
+                assert_eq!(bits(&got), bits(&want), "{level:?} {matmul:?} m={m}");
+            }
+            let unrounded = product(level, DType::F8_S32, &w, n, k, &x, m, &[]);
+            assert_ne!(bits(&unrounded), bits(&want), "{level:?} m={m}");
         }
     }
 }

@@ -9,7 +9,7 @@ use arbor_quant::{
 };
 
 /// Formats `dot_rows` accepts.
-const DOT: [DType; 17] = [
+const DOT: [DType; 18] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -24,6 +24,7 @@ const DOT: [DType; 17] = [
     DType::Q5_K,
     DType::Q6_K,
     DType::F8_S32,
+    DType::F8A8_S32,
     DType::U4_S32,
     DType::U8_S32,
     DType::F4_S16,
@@ -67,7 +68,12 @@ fn dequantized(dtype: DType, w: &[u8]) -> Vec<f32> {
 /// The activations as the kernels see them, dequantized to f32.
 fn acts_f32(a: &PreparedActs) -> Vec<f32> {
     let d = a.dtype().unwrap();
-    dequantized(d, &a.to_ggml_bytes())
+    let bytes = a.to_ggml_bytes();
+    if d == DType::F8E4M3 {
+        // E4M3-rounded inputs are kept as the f32 values they stand for.
+        return dequantized(DType::F32, &bytes);
+    }
+    dequantized(d, &bytes)
 }
 
 #[test]
@@ -145,7 +151,7 @@ fn random_weights(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize) -> Vec<u
             w.iter_mut().for_each(|b| *b &= 0xbf);
             return w;
         }
-        DType::F8_S32 => {
+        DType::F8_S32 | DType::F8A8_S32 => {
             for blk in w.chunks_exact_mut(bb) {
                 blk[..32].iter_mut().for_each(|b| *b &= 0xfe);
                 let s = (rng.unit() + 0.1) * 0.01;

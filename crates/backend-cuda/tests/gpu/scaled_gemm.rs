@@ -10,11 +10,11 @@
 //! without a GPU; this checks them on the device's tensor cores, and through
 //! the backend's launcher on the emulated device (`arbor-backend-simt`).
 //!
-//! W8A8 FP8 (`GpuBackend::set_fp8_activations`, sm_89+): FP8 weights times
-//! the input quantized to E4M3 per 32 inputs on the host
-//! (`arbor_quant::scaled::quantize_input_e4m3`, the GPU's codes and scales),
-//! against the CPU's linear of the dequantized input (code times scale),
-//! within 1e-4; rows alone equal rows in the batch.
+//! W8A8 FP8 (`f8a8_s32` weights; FP8 tensor cores on sm_89+, the rounded
+//! input elsewhere): against the CPU's `f8_s32` linear of the input
+//! quantized to E4M3 per 32 inputs on the host
+//! (`arbor_quant::scaled::quantize_input_e4m3`, the GPU's codes and scales,
+//! times the scales), within 1e-4; rows alone equal rows in the batch.
 
 use crate::common::*;
 use crate::vendor::{GpuBackend, kernels};
@@ -114,12 +114,20 @@ fn scaled_block_gemm_matches_the_cpu_and_the_dequantizing_gemm() {
     }
 }
 
+/// W8A8 FP8 weights (`f8a8_s32`): on FP8 tensor cores (sm_89+) and through
+/// the rounded-input paths (any device, and with the tensor-core linears
+/// off) against the CPU's `f8_s32` linear of the input quantized on the
+/// host; rows alone equal rows in the batch.
 #[test]
 fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
-    // An instance of its own: the switches below must not reach other tests.
+    // An instance of its own: the switch below must not reach other tests.
     let Some(g) = gpu_with(false) else { return };
-    if !has_sm(&g, 89, "FP8 tensor cores") {
-        return;
+    let fp8_cores = kernels::nvidia_sm(g.kernel_target()).is_some_and(|v| v >= 89);
+    if !fp8_cores {
+        println!(
+            "FP8 tensor cores need sm_89 or newer, this is {}: the rounded-input paths only",
+            g.kernel_target()
+        );
     }
     let c = cpu();
     let mut rng = Rng::new(12);
@@ -133,7 +141,7 @@ fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
         let wf = rng.vec(n * k, 0.05);
         let bias = rng.vec(n, 0.5);
         let (wg, wc) = (
-            upload_scaled(&*g, DType::F8_S32, n, k, &wf),
+            upload_scaled(&*g, DType::F8A8_S32, n, k, &wf),
             upload_scaled(&*c, DType::F8_S32, n, k, &wf),
         );
         let (codes, scales) = quantize_input_e4m3(&x);
@@ -143,11 +151,20 @@ fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
             .map(|(i, &q)| e4m3_to_f32(q) * scales[i / 32])
             .collect();
         let want = linear(&*c, &xq, m, &wc, &bias);
-        g.set_fp8_activations(true);
-        let got = linear(&*g, &x, m, &wg, &bias);
         let what = format!("w8a8 {m}x{k}x{n}");
+        let got = linear(&*g, &x, m, &wg, &bias);
         assert_rows_alone(&g, &what, &x, &got, &wg, &bias);
-        g.set_fp8_activations(false);
         assert_close(&what, &got, &want, 1e-4);
+        g.set_tensor_core_linear(false);
+        let rounded = linear(&*g, &x, m, &wg, &bias);
+        g.set_tensor_core_linear(true);
+        assert_close(&format!("{what} dequantizing GEMM"), &rounded, &want, 1e-4);
+        // Without the input's rounding the product is off by far more.
+        let f8 = upload_scaled(&*g, DType::F8_S32, n, k, &wf);
+        let (err, scale) = max_err(&linear(&*g, &x, m, &f8, &bias), &want);
+        assert!(
+            err > 1e-3 * scale,
+            "{what}: f32 inputs within {err} of the W8A8 product"
+        );
     }
 }

@@ -8,7 +8,7 @@
 
 /// What the shared suite needs of its vendor.
 mod vendor {
-    pub use arbor_backend_simt::GpuBackend;
+    pub use arbor_backend_simt::{GpuBackend, kernels};
     use arbor_engine_core::{BackendOptions, Result};
     /// The backend's name (and `BackendInfo::backend`).
     pub const NAME: &str = "simt";
@@ -28,3 +28,7 @@ mod common;
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
 mod parity;
+/// The scaled-block GEMMs: on this profile, W8A8 FP8 through the rounded
+/// input (the tensor-core GEMMs are NVIDIA's and skip).
+#[path = "../../../backend-cuda/tests/gpu/scaled_gemm.rs"]
+mod scaled_gemm;

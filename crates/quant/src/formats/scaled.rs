@@ -153,15 +153,36 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
 /// its code times its scale. The GPU's `quant_act_e4m3` computes the same
 /// bytes and scales. A tail of fewer than 32 values is ignored.
 pub fn quantize_input_e4m3(x: &[f32]) -> (Vec<u8>, Vec<f32>) {
-    let mut codes = Vec::with_capacity(x.len());
+    let mut codes = vec![0u8; x.len() / 32 * 32];
     let mut scales = Vec::with_capacity(x.len() / 32);
-    for run in x.chunks_exact(32) {
-        let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
-        codes.extend(run.iter().map(|&v| f32_to_e4m3(v * inv)));
-        scales.push(amax / 448.0);
+    for (run, out) in x.chunks_exact(32).zip(codes.chunks_exact_mut(32)) {
+        scales.push(quantize_input_run(run, out));
     }
     (codes, scales)
+}
+
+/// One run of [`quantize_input_e4m3`]: `codes` (32) and the returned scale.
+fn quantize_input_run(run: &[f32], codes: &mut [u8]) -> f32 {
+    let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
+    let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
+    for (c, &v) in codes.iter_mut().zip(run) {
+        *c = f32_to_e4m3(v * inv);
+    }
+    amax / 448.0
+}
+
+/// The values [`quantize_input_e4m3`]'s codes and scales stand for, each
+/// `e4m3 × scale` in f32 (a run of 32 whose maximum is not finite gives
+/// NaN, as on the GPU): what `f8a8_s32` weights multiply. `x.len()` must be
+/// a multiple of 32; `out` is overwritten.
+pub fn round_input_e4m3(x: &[f32], out: &mut [f32]) {
+    let mut codes = [0u8; 32];
+    for (run, o) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        let scale = quantize_input_run(run, &mut codes);
+        for (v, &c) in o.iter_mut().zip(&codes) {
+            *v = e4m3_to_f32(c) * scale;
+        }
+    }
 }
 
 /// Decodes one E5M2 byte (exact: the top byte of an f16).
@@ -313,9 +334,9 @@ pub fn quantize_u4_block(x: &[f32], y: &mut [u8]) {
 }
 
 /// Dequantizes whole blocks of `dtype` (`f8_e4m3`, `f8_e5m2`, `f8_s32`,
-/// `u4_s32`, `u8_s32` or `f4_s16`).
+/// `f8a8_s32`, `u4_s32`, `u8_s32` or `f4_s16`).
 pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
-    match dtype {
+    match dtype.storage() {
         crate::DType::F8E4M3 => {
             for (o, &c) in dst.iter_mut().zip(src) {
                 *o = e4m3_to_f32(c);
@@ -351,7 +372,7 @@ pub fn dequantize(dtype: crate::DType, src: &[u8], dst: &mut [f32]) {
 
 /// Quantizes whole blocks of `dtype` with the reference quantizers.
 pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
-    match dtype {
+    match dtype.storage() {
         crate::DType::F8E4M3 => {
             for (o, &v) in dst.iter_mut().zip(src) {
                 *o = f32_to_e4m3(v);
@@ -389,6 +410,7 @@ pub fn quantize(dtype: crate::DType, src: &[f32], dst: &mut [u8]) {
 /// activations: the weights are dequantized block by block and accumulated
 /// in eight f32 lanes, as `float::dot_row` does.
 pub fn dot_row(dtype: crate::DType, w: &[u8], x: &[f32]) -> f32 {
+    let dtype = dtype.storage();
     let (bb, bs) = match dtype {
         crate::DType::F8_S32 => (F8_BLOCK, 32),
         crate::DType::F4_S16 => (F4_BLOCK, 16),
@@ -441,6 +463,22 @@ mod tests {
                 x[i]
             );
         }
+    }
+
+    #[test]
+    fn rounded_inputs_are_the_codes_times_their_scales() {
+        let x: Vec<f32> = (0..128)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let (codes, scales) = quantize_input_e4m3(&x);
+        let mut rounded = vec![f32::NAN; 128];
+        round_input_e4m3(&x, &mut rounded);
+        for (i, &r) in rounded.iter().enumerate() {
+            assert_eq!(r, e4m3_to_f32(codes[i]) * scales[i / 32], "{i}");
+        }
+        // A run's largest magnitude keeps its value: it is the code ±448.
+        let top = x[..32].iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert!(rounded[..32].iter().any(|v| v.abs() == top));
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //! quantization of float checkpoints at load), `compressed-tensors`
 //! (llm-compressor's `float-quantized` FP8 and `pack-quantized` INT4, act-order
 //! `weight_g_idx` included),
-//! `awq` (AutoAWQ GEMM), `gptq` (GPTQ and GPTQModel, act-order included)
-//! and `modelopt` (NVIDIA ModelOpt NVFP4 and FP8).
+//! `awq` (AutoAWQ GEMM), `gptq` (GPTQ and GPTQModel, act-order included),
+//! `modelopt` (NVIDIA ModelOpt NVFP4 and FP8) and `w8a8_fp8` (W8A8: FP8
+//! weights, loaded or quantized as above, whose inputs are quantized to E4M3).
 //!
 //! Each method reads the tensors its format defines for a linear layer,
 //! checks their dtypes and shapes (errors name the tensor), and packs the
@@ -17,16 +18,19 @@
 //! inputs, scales that f16 cannot hold) or the device lacks the block dtype,
 //! the weight is dequantized to f32 with the same formula instead.
 //!
-//! Activations stay f32 on every path (a weight-only product, as vLLM's
-//! Marlin kernels run FP8 checkpoints on GPUs without FP8 units): static
-//! `input_scale` tensors are checked (present, positive, finite) but not
-//! applied.
+//! Activations stay f32 on every path but `w8a8_fp8`'s (a weight-only
+//! product, as vLLM's Marlin kernels run FP8 checkpoints on GPUs without
+//! FP8 units): static `input_scale` tensors are checked (present, positive,
+//! finite) but not applied. `w8a8_fp8` (also over an FP8 checkpoint:
+//! `--quantization w8a8_fp8`) stores FP8 layers as `f8a8_s32`, whose inputs
+//! are rounded to E4M3 per 32 before the product.
 
 mod common;
 mod compressed;
 mod fp8;
 mod int4;
 mod modelopt;
+mod w8a8;
 
 pub use common::ScaleMap;
 
@@ -49,6 +53,9 @@ fn modelopt(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
 fn gptq(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
     Ok(Arc::new(int4::Gptq::new(init)?))
 }
+fn w8a8_fp8(init: &QuantInit) -> Result<Arc<dyn QuantMethod>> {
+    Ok(Arc::new(w8a8::W8a8Fp8::new(init)?))
+}
 
 inventory::submit! {
     QuantMethodEntry { name: "fp8", about: "FP8 E4M3 weights (per tensor, per channel or 128x128 blocks); quantizes float checkpoints at load", create: fp8 }
@@ -64,4 +71,7 @@ inventory::submit! {
 }
 inventory::submit! {
     QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 and INT8 (v1 and v2 zero points, act-order g_idx)", create: gptq }
+}
+inventory::submit! {
+    QuantMethodEntry { name: "w8a8_fp8", about: "W8A8 FP8: FP8 weights (quantized at load, or an FP8 checkpoint's) times inputs quantized to E4M3 per 32", create: w8a8_fp8 }
 }
