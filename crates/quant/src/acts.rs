@@ -42,9 +42,11 @@ pub struct SplitPrep<'a> {
     level: SimdLevel,
     dtype: DType,
     x: &'a [f32],
-    /// Blocks to quantize (0 for F32 and BF16, prepared already).
+    /// Blocks to quantize or round (0 for F32 and BF16, prepared already).
     nb: usize,
     qs: *mut i8,
+    /// F8E4M3: the rounded values (`f`).
+    f: *mut f32,
     d: *mut f32,
     s: *mut f32,
     isum: *mut i32,
@@ -90,7 +92,12 @@ impl SplitPrep<'_> {
         // this part runs once (see the `Sync` impl).
         unsafe {
             use std::slice::from_raw_parts_mut as part;
-            if self.dtype == DType::Q8_K {
+            if self.dtype == DType::F8E4M3 {
+                crate::scaled::round_input_e4m3(
+                    &self.x[b0 * 32..b1 * 32],
+                    part(self.f.add(b0 * 32), n * 32),
+                );
+            } else if self.dtype == DType::Q8_K {
                 quantize_q8k_blocks(
                     self.level,
                     &self.x[b0 * 256..b1 * 256],
@@ -325,8 +332,7 @@ impl PreparedActs {
             }
             DType::F8E4M3 => {
                 self.f.resize(total, 0.0);
-                crate::scaled::round_input_e4m3(x, &mut self.f);
-                0
+                32
             }
             DType::Q8_0 | DType::Q8_1 => {
                 let nb = total / 32;
@@ -356,6 +362,7 @@ impl PreparedActs {
             x,
             nb: total.checked_div(block).unwrap_or(0),
             qs: self.qs.as_mut_ptr(),
+            f: self.f.as_mut_ptr(),
             d: self.d.as_mut_ptr(),
             s: self.s.as_mut_ptr(),
             isum: self.isum.as_mut_ptr(),
