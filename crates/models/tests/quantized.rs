@@ -405,12 +405,21 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
             assert!(err > 10.0 * EXACT.logits * max, "{name} prompt {i}: {err}");
         }
     }
-    // W8A8 applies over FP8 checkpoints only.
+    // W8A8 applies over FP8 checkpoints only: another method's refuses it,
+    // and so does a layer that the methods it does apply over store in
+    // another format (ModelOpt NVFP4, compressed-tensors W4A16).
     let e = load_error(&fixtures().join("quant/awq"), Some("w8a8_fp8"));
     assert!(
         e.contains("quantized with 'awq'") && e.contains("w8a8_fp8"),
         "{e}"
     );
+    for (name, stored) in [("nvfp4", "f4_s16"), ("w4a16", "u4_s32")] {
+        let e = load_error(&fixtures().join("quant").join(name), Some("w8a8_fp8"));
+        assert!(
+            e.contains(&format!("stored as {stored}")) && e.contains("q_proj.weight"),
+            "{name}: {e}"
+        );
+    }
     Ok(())
 }
 

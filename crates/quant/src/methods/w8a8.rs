@@ -11,8 +11,10 @@
 //! scale per token; a static `input_scale` is not used). FP8 tensor cores
 //! (sm_89+) multiply those codes directly; every other device multiplies
 //! the rounded values, so all of them compute the same product. Layers the
-//! inner method stores otherwise (left in float, INT4, or FP8 whose layout
-//! does not fit blocks of 32 and is dequantized to f32) keep their product.
+//! inner method leaves in float, or FP8 ones whose layout does not fit
+//! blocks of 32 and are dequantized to f32, keep their product; a layer it
+//! stores in another quantized format (an NVFP4 or INT4 checkpoint) is an
+//! error naming the tensor.
 
 use super::fp8::Fp8Method;
 use crate::DType;
@@ -54,6 +56,15 @@ impl QuantMethod for W8a8Fp8 {
         caps: &BackendCapabilities,
     ) -> Result<HostTensor<'a>> {
         let mut t = self.weights.load_linear(src, spec, caps)?;
+        if t.dtype.is_scaled_block() && t.dtype != DType::F8_S32 {
+            return Err(CoreError::load(format!(
+                "{}: '{}.weight' is stored as {} by the checkpoint's method; \
+                 w8a8_fp8 applies to FP8 weights",
+                src.describe(),
+                spec.prefix,
+                t.dtype
+            )));
+        }
         if t.dtype == DType::F8_S32 {
             if !caps.weight_dtypes.contains(&DType::F8A8_S32) {
                 return Err(CoreError::unsupported(format!(
