@@ -88,10 +88,10 @@ async fn quantization_fp8_quantizes_a_float_checkpoint_at_load() -> Result<()> {
 }
 
 /// `--quantization w8a8_fp8` on a float checkpoint and over a
-/// compressed-tensors FP8 one: the summary names the W8A8 blocks, and the
-/// completions of the prompts whose inputs lie clear of E4M3 rounding
-/// midpoints (`closest_tie`, see arbor-models' quantized tests) follow the
-/// numpy W8A8 reference.
+/// compressed-tensors FP8 one, alone and over two tensor-parallel ranks:
+/// the summary names the W8A8 blocks, and the completions of the prompts
+/// whose inputs lie clear of E4M3 rounding midpoints (`closest_tie`, see
+/// arbor-models' quantized tests) follow the numpy W8A8 reference.
 #[tokio::test]
 async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> {
     let c = client();
@@ -115,6 +115,24 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
         );
         check_greedy(&c, &s, model, &reference).await?;
     }
+    // Over two tensor-parallel ranks each rank's share of down_proj has 80
+    // inputs, not whole runs of 32: that layer keeps f32 inputs, and says so.
+    let s = start(
+        &fixture("tiny-llama"),
+        &[
+            "--dtype",
+            "f32",
+            "--quantization",
+            "w8a8_fp8",
+            "--tp-size",
+            "2",
+        ],
+    )?;
+    assert!(
+        s.log_contains("'model.layers.0.mlp.down_proj' keeps f32 inputs: its 80 inputs"),
+        "{}",
+        s.logs()
+    );
     Ok(())
 }
 

@@ -12,7 +12,9 @@
 //! (sm_89+) multiply those codes directly; every other device multiplies
 //! the rounded values, so all of them compute the same product. Layers the
 //! inner method leaves in float, or FP8 ones whose layout does not fit
-//! blocks of 32 and are dequantized to f32, keep their product; a layer it
+//! blocks of 32 and are dequantized to f32, keep their product (with a
+//! warning when their inputs are not whole runs of 32, as a tensor-parallel
+//! share of a small model's MLP can be); a layer it
 //! stores in another quantized format (an NVFP4 or INT4 checkpoint) is an
 //! error naming the tensor.
 
@@ -74,6 +76,13 @@ impl QuantMethod for W8a8Fp8 {
                 )));
             }
             t.dtype = DType::F8A8_S32;
+        } else if t.dtype.is_float() && !spec.in_features.is_multiple_of(32) {
+            tracing::warn!(
+                "w8a8_fp8: '{}' keeps f32 inputs: its {} inputs are not whole runs of 32 \
+                 (with --tp-size, each rank's share)",
+                spec.prefix,
+                spec.in_features
+            );
         }
         Ok(t)
     }
