@@ -162,8 +162,8 @@ GEMM_SCALED(gemm_f4_s16_m16, 3, 1, 1)
 GEMM_SCALED(gemm_f4_s16_m64, 3, 4, 8)
 
 // ---------------------------------------------------------------------------
-// W8A8 FP8 (NVIDIA sm_89+, f8_s32 weights; chosen by
-// GpuBackend::set_fp8_activations): the input is quantized to E4M3 per row
+// W8A8 FP8 (NVIDIA sm_89+, f8a8_s32 weights: f8_s32's blocks under the
+// w8a8_fp8 method): the input is quantized to E4M3 per row
 // and 32-input block (scale = the block's max |x| / 448, codes of x * 448 /
 // max rounded to nearest even, saturating: fp8.cuh's encoder), then each
 // 32-input block of the product is one `mma.m16n8k32` of E4M3 codes, its sum
