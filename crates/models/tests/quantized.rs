@@ -187,8 +187,7 @@ fn check_format(name: &str, stored: DType) -> Result<()> {
         stored,
         "{name}: stored weight dtype"
     );
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let reference: Value = reference_at(&dir.join("reference.json"))?;
     check_against(name, &m, &backend, &reference)
 }
 
@@ -260,9 +259,7 @@ fn modelopt_config_in_hf_quant_config_json_loads() -> Result<()> {
     let (m, backend) = load(d.path(), None)?;
     assert_eq!(m.model.spec().weight_dtype, DType::F4_S16);
     assert_eq!(m.model.spec().quantization, "modelopt");
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("quant/nvfp4/reference.json"),
-    )?)?;
+    let reference = reference_at(&fixtures().join("quant/nvfp4/reference.json"))?;
     check_against("nvfp4 (hf_quant_config.json)", &m, &backend, &reference)
 }
 
@@ -306,8 +303,7 @@ fn amx_bf16_matmul_stays_close_to_each_formats_reference() -> Result<()> {
         let dir = fixtures().join("quant").join(name);
         let (m, backend) = load_as(&dir, None, QuantMatmul::AmxBf16)?;
         assert_eq!(m.model.spec().weight_dtype, stored, "{name}");
-        let reference: Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+        let reference: Value = reference_at(&dir.join("reference.json"))?;
         check_within(&format!("{name} amx-bf16"), &m, &backend, &reference, tol)?;
     }
     Ok(())
@@ -323,9 +319,7 @@ fn gptq_act_order_matches_through_the_f32_fallback() -> Result<()> {
 fn fp8_at_load_matches_per_channel_reference() -> Result<()> {
     let (m, backend) = load(&fixtures().join("tiny-llama"), Some("fp8"))?;
     assert_eq!(m.model.spec().weight_dtype, DType::F8_S32);
-    let reference: Value = serde_json::from_str(&std::fs::read_to_string(
-        fixtures().join("quant/fp8-online.json"),
-    )?)?;
+    let reference: Value = reference_at(&fixtures().join("quant/fp8-online.json"))?;
     check_against("fp8-online", &m, &backend, &reference)
 }
 
@@ -602,8 +596,7 @@ fn bad_checkpoints_fail_with_errors_naming_the_tensor_or_key() -> Result<()> {
 fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
     let dir = fixtures().join("tiny-llama");
     let (m, backend) = load(&dir, None)?;
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let reference: Value = reference_at(&dir.join("reference.json"))?;
     let prompts: Vec<Vec<u32>> = reference["prompts"]
         .as_array()
         .context("prompts")?
@@ -727,8 +720,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 #[test]
 fn fp8_kv_cache_uses_the_checkpoint_scales() -> Result<()> {
     let dir = fixtures().join("quant/fp8-kv-scales");
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
+    let reference: Value = reference_at(&dir.join("reference.json"))?;
     let prompts = reference["prompts"].as_array().context("prompts")?;
     let (m, backend) = load(&dir, None)?;
     assert_eq!(m.model.spec().checkpoint_kv_dtype, Some(DType::F8E4M3));

@@ -153,22 +153,22 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
 /// its code times its scale. The GPU's `quant_act_e4m3` computes the same
 /// bytes and scales. A tail of fewer than 32 values is ignored.
 pub fn quantize_input_e4m3(x: &[f32]) -> (Vec<u8>, Vec<f32>) {
-    let mut codes = vec![0u8; x.len() / 32 * 32];
+    let mut codes = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len() / 32);
-    for (run, out) in x.chunks_exact(32).zip(codes.chunks_exact_mut(32)) {
-        scales.push(quantize_input_run(run, out));
+    for run in x.chunks_exact(32) {
+        let (inv, scale) = input_run_scales(run);
+        codes.extend(run.iter().map(|&v| f32_to_e4m3(v * inv)));
+        scales.push(scale);
     }
     (codes, scales)
 }
 
-/// One run of [`quantize_input_e4m3`]: `codes` (32) and the returned scale.
-fn quantize_input_run(run: &[f32], codes: &mut [u8]) -> f32 {
+/// A run of 32 inputs' `448 / max |v|` (0 for a run of zeros) and scale
+/// `max |v| / 448`.
+fn input_run_scales(run: &[f32]) -> (f32, f32) {
     let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
     let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
-    for (c, &v) in codes.iter_mut().zip(run) {
-        *c = f32_to_e4m3(v * inv);
-    }
-    amax / 448.0
+    (inv, amax / 448.0)
 }
 
 /// The values [`quantize_input_e4m3`]'s codes and scales stand for, each
@@ -177,9 +177,7 @@ fn quantize_input_run(run: &[f32], codes: &mut [u8]) -> f32 {
 /// a multiple of 32; `out` is overwritten.
 pub fn round_input_e4m3(x: &[f32], out: &mut [f32]) {
     for (run, o) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
-        let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
-        let scale = amax / 448.0;
+        let (inv, scale) = input_run_scales(run);
         for (y, &v) in o.iter_mut().zip(run) {
             *y = round_e4m3(v * inv) * scale;
         }
