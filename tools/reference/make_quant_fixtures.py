@@ -11,7 +11,7 @@ are quantized; embeddings, norms and lm_head stay f32 (lm_head is listed as igno
 |---|---|
 | fp8-block | `quant_method: fp8`, `weight_block_size: [128, 128]`, E4M3 `weight` + f32 `weight_scale_inv` (DeepSeek-V3, Qwen3-FP8); 160-wide layers leave partial blocks |
 | fp8-dynamic | compressed-tensors `float-quantized`, channel strategy: E4M3 `weight` + bf16 `weight_scale [n, 1]`, dynamic per-token activations (llm-compressor FP8_DYNAMIC) |
-| fp8-static | compressed-tensors `float-quantized`, tensor strategy: `weight_scale [1]` and static `input_scale [1]` (llm-compressor FP8) |
+| fp8-static | compressed-tensors `float-quantized`, tensor strategy: `weight_scale [1]` and static `input_scale [1]` (llm-compressor FP8), calibrated on the first prompt (`calibrated_input_scales`) |
 | w4a16 | compressed-tensors `pack-quantized` symmetric int4, group 32: I32 `weight_packed [n, k/8]`, bf16 `weight_scale [n, k/32]`, `weight_shape` |
 | w4a16-asym | the same, asymmetric: I32 `weight_zero_point [n/8, k/32]` (zero + 8, packed along the outputs) |
 | awq | AutoAWQ GEMM, group 32, zero points: I32 `qweight [k, n/8]` and `qzeros [k/32, n/8]` in AWQ's nibble order, f16 `scales` |
@@ -28,13 +28,16 @@ itself and must agree (to its bf16 rounding). `fp8-online.json`
 is the same for tiny-llama quantized at load by `--quantization fp8` (one E4M3 scale per output
 channel, amax / 448, round to nearest even).
 
-    /tmp/torchenv/bin/python tools/reference/make_quant_fixtures.py
+    /tmp/torchenv/bin/python tools/reference/make_quant_fixtures.py [FOLDER ...]
+
+(only the folders named, when some are; fp8-online.json only when none are).
 
 Needs torch, transformers, safetensors, numpy, ml_dtypes and compressed-tensors (0.20).
 """
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -110,11 +113,44 @@ def fp8_channel(w: np.ndarray):
     return parts, deq
 
 
-def fp8_tensor(w: np.ndarray):
+def fp8_tensor(w: np.ndarray, input_scale: float):
     s = np.array([np.abs(w).max() / 448.0], np.float32)
     q = e4m3(w / s[0])
-    # A static activation scale, as llm-compressor calibrates it (checked, not applied, on the CPU).
-    return {"weight": q, "weight_scale": s, "input_scale": np.array([0.05], np.float32)}, from_e4m3(q) * s[0]
+    # The static activation scale calibrated for this layer (calibrated_input_scales).
+    return {"weight": q, "weight_scale": s, "input_scale": np.array([input_scale], np.float32)}, from_e4m3(q) * s[0]
+
+
+# The linears each hook call of make_kv_scales_fixture.forward's `linear_input` feeds, in its
+# order per layer, and the factor on each one's calibrated scale: k and v below q and gate below
+# up, as two observers of one input may disagree (vLLM and SGLang give a fused projection the
+# largest of its shards' scales, and so does Arbor), and down_proj's at half its observed range.
+CALIBRATED = [(("self_attn.q_proj", 1.0), ("self_attn.k_proj", 0.75), ("self_attn.v_proj", 0.5)),
+              (("self_attn.o_proj", 1.0),),
+              (("mlp.gate_proj", 0.7), ("mlp.up_proj", 1.0)),
+              (("mlp.down_proj", 0.5),)]
+
+
+def calibrated_input_scales(sd: dict, cfg: dict, prompts: list) -> dict:
+    """Static input scales as llm-compressor's min-max observer calibrates them: max |x| / 448 of
+    each linear's input over a calibration sample (here the first prompt, so the longer prompts'
+    inputs may pass it and saturate), times the factors above."""
+    from make_kv_scales_fixture import forward
+
+    amax, calls = {}, [0]
+
+    def observe(x):
+        layer, slot = divmod(calls[0] % (4 * cfg["num_hidden_layers"]), 4)
+        calls[0] += 1
+        amax[(layer, slot)] = max(amax.get((layer, slot), 0.0), float(np.abs(x).max()))
+        return x
+
+    forward({k: v.astype(np.float64) for k, v in sd.items()}, cfg, prompts[0]["input_ids"],
+            linear_input=observe)
+    scales = {}
+    for (layer, slot), a in amax.items():
+        for lin, factor in CALIBRATED[slot]:
+            scales[f"model.layers.{layer}.{lin}"] = float(np.float32(a / 448.0 * factor))
+    return scales
 
 
 def fp8_rows_online(w: np.ndarray) -> np.ndarray:
@@ -329,7 +365,7 @@ FORMATS = {
         {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
         {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
         "float-quantized")),
-    "fp8-static": (fp8_tensor, ct_config(
+    "fp8-static": (None, ct_config(
         {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
         {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False},
         "float-quantized")),
@@ -378,8 +414,12 @@ def main() -> None:
     cfg = json.loads((SRC / "config.json").read_text())
     prompts = json.loads((SRC / "reference.json").read_text())["prompts"]
     sd = source_weights()
+    input_scales = calibrated_input_scales(sd, cfg, prompts)
     OUT.mkdir(exist_ok=True)
+    only = sys.argv[1:]
     for name, (quantize, qc) in FORMATS.items():
+        if only and name not in only:
+            continue
         rng = np.random.default_rng(5)
         d = OUT / name
         if d.exists():
@@ -393,6 +433,8 @@ def main() -> None:
             del tensors[f"{lin}.weight"]
             if name == "gptq-actorder":
                 parts, dq = gptq(w, sym=True, act_order=True, rng=rng)
+            elif name == "fp8-static":
+                parts, dq = fp8_tensor(w, input_scales[lin])
             else:
                 parts, dq = quantize(w)
             for part, t in parts.items():
@@ -408,6 +450,8 @@ def main() -> None:
         (d / "reference.json").write_text(json.dumps(ref) + "\n")
         print(name, "min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
               "bytes", (d / "model.safetensors").stat().st_size)
+    if only:
+        return
     deq = dict(sd)
     for lin in linear_names(cfg):
         deq[f"{lin}.weight"] = fp8_rows_online(sd[f"{lin}.weight"].astype(np.float32))

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """tests/fixtures/quant/w8a8-online.json: the reference of tiny-llama served with
-`--quantization w8a8_fp8` (W8A8 FP8), and fp8-dynamic/w8a8-reference.json: that of the
+`--quantization w8a8_fp8` (W8A8 FP8), fp8-dynamic/w8a8-reference.json: that of the
 compressed-tensors FP8 checkpoint fp8-dynamic (its E4M3 weights times their per-channel scales)
-served with `--quantization w8a8_fp8`; both from the numpy float64 forward of make_kv_scales_fixture.py
-(written from the Llama definition and checked there against tiny-llama's transformers reference).
+served with `--quantization w8a8_fp8`, and fp8-static/w8a8-reference.json: that of the checkpoint
+with static input scales, whose inputs are rounded with those scales instead (each input of a
+layer group, Q/K/V or gate/up, with the largest of the group's); all from the numpy float64
+forward of make_kv_scales_fixture.py (written from the Llama definition and checked there against
+tiny-llama's transformers reference).
 
 W8A8 FP8 as Arbor defines it, for the seven linears of every decoder layer (lm_head, embeddings
 and norms stay f32):
@@ -33,6 +36,7 @@ FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 SRC = FIXTURES / "tiny-llama"
 OUT = FIXTURES / "quant" / "w8a8-online.json"
 CT = FIXTURES / "quant" / "fp8-dynamic"
+STATIC = FIXTURES / "quant" / "fp8-static"
 F8 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = np.float32(448.0)
 
@@ -56,7 +60,7 @@ closest_tie = [np.inf]
 
 def tie_distance(v: np.ndarray) -> float:
     a = np.abs(v.astype(np.float64)).ravel()
-    a = a[a > 0]
+    a = a[(a > 0) & (a < E4M3_MAX)]  # larger ones saturate to 448
     if a.size == 0:
         return np.inf
     # Steps of 2^(e - 3) for normals (2^-6 and up), 2^-9 below.
@@ -78,6 +82,23 @@ def inputs(x: np.ndarray) -> np.ndarray:
     return (e4m3(scaled) * scale).astype(np.float64).reshape(shape)
 
 
+def static_inputs(scales: list):
+    """The `linear_input` of make_kv_scales_fixture.forward for static input scales: its calls
+    feed, per layer, Q/K/V, o_proj, gate/up and down_proj; `scales` holds each call's scale (the
+    largest of the layers it feeds, as vLLM and SGLang fuse them). Each input becomes
+    e4m3(x * (1 / s)) * s (f32 arithmetic, saturating at 448)."""
+    calls = [0]
+
+    def rounded(x: np.ndarray) -> np.ndarray:
+        s = np.float32(scales[calls[0] % len(scales)])
+        calls[0] += 1
+        scaled = (x.astype(np.float32) * (np.float32(1.0) / s)).astype(np.float32)
+        closest_tie[0] = min(closest_tie[0], tie_distance(scaled))
+        return (e4m3(scaled) * s).astype(np.float64)
+
+    return rounded
+
+
 def load(folder: Path) -> dict:
     w = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -85,13 +106,14 @@ def load(folder: Path) -> dict:
     return w
 
 
-def write(out: Path, name: str, about: str, w: dict, cfg: dict, prompts: list) -> None:
+def write(out: Path, name: str, about: str, w: dict, cfg: dict, prompts: list,
+          linear_input=inputs) -> None:
     """reference.json's prompts, each with `closest_tie`: the smallest relative distance of any
     of its scaled inputs (last logits and greedy steps) from an E4M3 rounding midpoint."""
     rows = []
     for p in prompts:
         closest_tie[0] = np.inf
-        rows += reference(w, cfg, [p], linear_input=inputs)
+        rows += reference(w, cfg, [p], linear_input=linear_input)
         rows[-1]["closest_tie"] = closest_tie[0]
     ref = {"model": "tiny-llama", "format": name, "reference": about, "prompts": rows}
     out.write_text(json.dumps(ref) + "\n")
@@ -121,6 +143,23 @@ def main() -> None:
             w[f"{p}.weight"] = (q * s).astype(np.float64)
     write(CT / "w8a8-reference.json", "fp8-dynamic w8a8",
           "numpy float64 forward of the checkpoint's weights, inputs E4M3 per 32", w, cfg, prompts)
+    # The compressed-tensors FP8 checkpoint with static input scales (E4M3 weights, one f32
+    # scale per tensor, a calibrated input_scale per layer) under --quantization w8a8_fp8.
+    st = load(STATIC)
+    w = {k: v.astype(np.float64) for k, v in st.items() if not k.endswith("_scale")}
+    scales = []
+    for layer in range(cfg["num_hidden_layers"]):
+        for lin in LINEARS:
+            p = f"model.layers.{layer}.{lin}"
+            q = st[f"{p}.weight"].astype(np.float32)
+            w[f"{p}.weight"] = (q * st[f"{p}.weight_scale"].astype(np.float32)[0]).astype(np.float64)
+        s = lambda lin: float(st[f"model.layers.{layer}.{lin}.input_scale"][0])
+        scales += [max(s("self_attn.q_proj"), s("self_attn.k_proj"), s("self_attn.v_proj")),
+                   s("self_attn.o_proj"), max(s("mlp.gate_proj"), s("mlp.up_proj")),
+                   s("mlp.down_proj")]
+    write(STATIC / "w8a8-reference.json", "fp8-static w8a8",
+          "numpy float64 forward of the checkpoint's weights, inputs E4M3 with the static scales",
+          w, cfg, prompts, linear_input=static_inputs(scales))
 
 
 if __name__ == "__main__":

@@ -87,8 +87,9 @@ async fn quantization_fp8_quantizes_a_float_checkpoint_at_load() -> Result<()> {
     check_greedy(&c, &s, "fp8-online", &reference).await
 }
 
-/// `--quantization w8a8_fp8` on a float checkpoint and over a
-/// compressed-tensors FP8 one, alone and over two tensor-parallel ranks:
+/// `--quantization w8a8_fp8` on a float checkpoint, over a
+/// compressed-tensors FP8 one and over one with static input scales (which
+/// the log says it uses), alone and over two tensor-parallel ranks:
 /// the summary names the W8A8 blocks, and the completions of the prompts
 /// whose inputs lie clear of E4M3 rounding midpoints (`closest_tie`, see
 /// arbor-models' quantized tests) follow the numpy W8A8 reference.
@@ -98,6 +99,7 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
     for (model, reference) in [
         ("tiny-llama", "quant/w8a8-online.json"),
         ("quant/fp8-dynamic", "quant/fp8-dynamic/w8a8-reference.json"),
+        ("quant/fp8-static", "quant/fp8-static/w8a8-reference.json"),
     ] {
         let mut reference: Value =
             serde_json::from_str(&std::fs::read_to_string(fixture(reference))?)?;
@@ -108,11 +110,12 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
             &fixture(model),
             &["--dtype", "f32", "--quantization", "w8a8_fp8"],
         )?;
-        assert!(
-            s.log_contains("f8a8_s32 (w8a8_fp8)"),
-            "{model}: {}",
-            s.logs()
-        );
+        let summary = if model == "quant/fp8-static" {
+            "f8a8_s32 (w8a8_fp8, 21 layers with static input scales)"
+        } else {
+            "f8a8_s32 (w8a8_fp8)"
+        };
+        assert!(s.log_contains(summary), "{model}: {}", s.logs());
         check_greedy(&c, &s, model, &reference).await?;
     }
     // Over two tensor-parallel ranks each rank's share of down_proj has 80

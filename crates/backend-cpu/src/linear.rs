@@ -9,7 +9,8 @@
 //! is one parallel region. The scaled block formats meet f32 activations,
 //! or bf16 ones under the backend's `QuantMatmul::AmxBf16` (packed for AMX
 //! tiles; a bf16 weight and a scaled one then share the preparation); W8A8
-//! FP8 weights (`f8a8_s32`) meet the input rounded to E4M3 per 32. From
+//! FP8 weights (`f8a8_s32`) meet the input rounded to E4M3 per 32, or with
+//! their static input scale (layers of one scale share the rounding). From
 //! [`PAR_PREP_BLOCKS`] blocks on (a prefill
 //! chunk) the quantization itself is one more region, split into whole
 //! blocks (`arbor_quant::SplitPrep`). Each piece calls
@@ -56,6 +57,8 @@ struct Job<'a> {
     n: usize,
     out: SendPtr<f32>,
     bias: Option<&'a [f32]>,
+    /// A W8A8 FP8 weight's static input scale.
+    input_scale: Option<f32>,
 }
 
 pub fn linear(
@@ -65,7 +68,7 @@ pub fn linear(
     bias: Option<&Tensor>,
     out: &Tensor,
 ) -> Result<()> {
-    linear_many(b, x, &[LinearRef { w, bias, out }])
+    linear_many(b, x, &[LinearRef::new(w, bias, out)])
 }
 
 pub fn linear_many(b: &CpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
@@ -123,6 +126,7 @@ pub fn linear_many(b: &CpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Resu
             n,
             out: SendPtr(ov.ptr as *mut f32),
             bias,
+            input_scale: l.static_input_scale()?,
         });
     }
     let refs: Vec<&Job<'_>> = jobs.iter().collect();
@@ -173,21 +177,23 @@ fn row_kernels_with(
     jobs: &[&Job<'_>],
     pool: &mut Vec<PreparedActs>,
 ) -> Result<()> {
-    // One preparation per activation type (Q/K/V or gate/up share theirs).
-    let mut types: Vec<DType> = Vec::new();
+    // One preparation per activation type and static input scale (Q/K/V
+    // or gate/up share theirs).
+    let mut types: Vec<(DType, Option<u32>)> = Vec::new();
     let mut which = Vec::with_capacity(jobs.len());
     for j in jobs {
         let ad = arbor_quant::act_dtype_with(j.dtype, b.quant_matmul())
             .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
-        let idx = match types.iter().position(|d| *d == ad) {
+        let key = (ad, j.input_scale.map(f32::to_bits));
+        let idx = match types.iter().position(|t| *t == key) {
             Some(i) => i,
             None => {
                 if pool.len() <= types.len() {
                     pool.push(PreparedActs::new());
                 }
                 let prep = pool[types.len()]
-                    .prepare_split_as(j.dtype, b.quant_matmul(), xs, m, k)
-                    .map_err(|e| CoreError::unsupported(format!("linear: {e}")))?;
+                    .prepare_split_as(j.dtype, b.quant_matmul(), j.input_scale, xs, m, k)
+                    .map_err(CoreError::from)?;
                 // Quantize on every thread when there is enough of it; the
                 // parts left over (all of them below the threshold) run
                 // here when `prep` is dropped.
@@ -195,7 +201,7 @@ fn row_kernels_with(
                     b.parallel(&|t, pieces| prep.run(t, pieces))?;
                 }
                 drop(prep);
-                types.push(ad);
+                types.push(key);
                 types.len() - 1
             }
         };

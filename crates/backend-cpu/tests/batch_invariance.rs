@@ -177,7 +177,7 @@ fn linear_many_rows_match_single_layers() {
         let refs: Vec<LinearRef<'_>> = ws
             .iter()
             .zip(&outs)
-            .map(|(w, out)| LinearRef { w, bias: None, out })
+            .map(|(w, out)| LinearRef::new(w, None, out))
             .collect();
         b.linear_many(&xt, &refs).unwrap();
         for ((w, out), &(d, n)) in ws.iter().zip(&outs).zip(&layers) {
@@ -189,6 +189,89 @@ fn linear_many_rows_match_single_layers() {
                 "{d} in linear_many, m={m}"
             );
         }
+    }
+}
+
+/// W8A8 FP8 layers sharing an input with different static input scales
+/// (one of them saturating), one without, and a GGUF layer: each output is
+/// the `f8_s32` product of the input rounded with that layer's own rule,
+/// for a row alone or in a batch; a static scale on other weights, or one
+/// that is not positive, is an error.
+#[test]
+fn w8a8_layers_round_their_input_with_their_own_static_scale() {
+    let b = backend(2);
+    let mut rng = Rng(31);
+    let k = 192;
+    let f8 = weight(&*b, &mut rng, DType::F8_S32, 40, k);
+    let mut bytes = vec![0u8; arbor_quant::row_bytes(DType::F8_S32, 40 * k).unwrap()];
+    b.download(&f8, &mut bytes).unwrap();
+    let w8a8 = b
+        .upload(&HostTensor {
+            dtype: DType::F8A8_S32,
+            shape: vec![40, k],
+            data: Cow::Owned(bytes),
+        })
+        .unwrap();
+    let q4 = weight(&*b, &mut rng, DType::Q4_1, 24, k);
+    let scales = [Some(0.01f32), Some(0.01), None, Some(0.002)];
+    let probe = rng.normals(k);
+    for m in [1usize, 6] {
+        let mut x = rng.normals(m * k);
+        let at = m - 1;
+        x[at * k..(at + 1) * k].copy_from_slice(&probe);
+        let xt = b.upload_f32(&[m, k], &x).unwrap();
+        let outs: Vec<Tensor> = (0..5)
+            .map(|i| {
+                b.alloc(DType::F32, &[m, if i < 4 { 40 } else { 24 }])
+                    .unwrap()
+            })
+            .collect();
+        let mut refs: Vec<LinearRef<'_>> = scales
+            .iter()
+            .zip(&outs)
+            .map(|(&input_scale, out)| LinearRef {
+                input_scale,
+                ..LinearRef::new(&w8a8, None, out)
+            })
+            .collect();
+        refs.push(LinearRef::new(&q4, None, &outs[4]));
+        b.linear_many(&xt, &refs).unwrap();
+        for (i, &input_scale) in scales.iter().enumerate() {
+            let mut rounded = vec![0.0f32; k];
+            arbor_quant::scaled::round_input_e4m3(&probe, input_scale, &mut rounded);
+            let want = linear(&*b, &rounded, 1, k, &f8, None);
+            let got = b.download_f32(&outs[i]).unwrap();
+            assert_eq!(
+                bits(&got[at * 40..(at + 1) * 40]),
+                bits(&want),
+                "layer {i} ({input_scale:?}), m={m}"
+            );
+        }
+        let got = b.download_f32(&outs[4]).unwrap();
+        let want = linear(&*b, &probe, 1, k, &q4, None);
+        assert_eq!(
+            bits(&got[at * 24..(at + 1) * 24]),
+            bits(&want),
+            "q4_1, m={m}"
+        );
+    }
+    let xt = b.upload_f32(&[1, k], &probe).unwrap();
+    let out = b.alloc(DType::F32, &[1, 40]).unwrap();
+    let out24 = b.alloc(DType::F32, &[1, 24]).unwrap();
+    for (w, o, s) in [
+        (&q4, &out24, 0.01f32),
+        (&w8a8, &out, 0.0),
+        (&w8a8, &out, f32::INFINITY),
+    ] {
+        let bad = LinearRef {
+            input_scale: Some(s),
+            ..LinearRef::new(w, None, o)
+        };
+        let err = b.linear_many(&xt, &[bad]).unwrap_err();
+        assert!(
+            matches!(err, arbor_engine_core::CoreError::InvalidArgument(_)),
+            "{s}: {err}"
+        );
     }
 }
 
@@ -657,16 +740,8 @@ fn amx_bf16_linear_equals_the_linear_of_bf16_rounded_weights() {
                 b.linear_many(
                     &xt,
                     &[
-                        LinearRef {
-                            w: &wb,
-                            bias: None,
-                            out: &o1,
-                        },
-                        LinearRef {
-                            w: &w,
-                            bias: None,
-                            out: &o2,
-                        },
+                        LinearRef::new(&wb, None, &o1),
+                        LinearRef::new(&w, None, &o2),
                     ],
                 )
                 .unwrap();

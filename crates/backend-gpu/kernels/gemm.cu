@@ -165,7 +165,8 @@ GEMM_SCALED(gemm_f4_s16_m64, 3, 4, 8)
 // W8A8 FP8 (NVIDIA sm_89+, f8a8_s32 weights: f8_s32's blocks under the
 // w8a8_fp8 method): the input is quantized to E4M3 per row
 // and 32-input block (scale = the block's max |x| / 448, codes of x * 448 /
-// max rounded to nearest even, saturating: fp8.cuh's encoder), then each
+// max rounded to nearest even, saturating: fp8.cuh's encoder; or the
+// layer's static input scale for every block), then each
 // 32-input block of the product is one `mma.m16n8k32` of E4M3 codes, its sum
 // times the input block's scale times the weight block's scale joining the
 // f32 accumulator (one fmaf), blocks in order. Both operands' codes go to
@@ -174,35 +175,43 @@ GEMM_SCALED(gemm_f4_s16_m64, 3, 4, 8)
 // depend only on its own input row, so they do not change with the batch.
 
 // One warp per (row, 32-input block) of x [m][k]: hands `put` each lane's
-// E4M3 code of x * (448 / amax) and the block's scale amax / 448.
+// E4M3 code of x * (448 / amax) and the block's scale amax / 448, or, with a
+// static input scale (`scale` > 0, `inv` its host-computed 1 / scale), the
+// code of x * inv (saturating at 448) and `scale` for every block.
 template <typename Put>
-__device__ __forceinline__ void e4m3_blocks(const float* x, int m, int k, Put put) {
+__device__ __forceinline__ void e4m3_blocks(const float* x, int m, int k, float inv,
+                                            float scale, Put put) {
     const int lane = threadIdx.x & 31;
     const u64 blocks = (u64)m * (u64)(k / 32);
     for (u64 b = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; b < blocks;
          b += ((u64)gridDim.x * blockDim.x) >> 5) {
         const float v = x[b * 32 + lane];
-        const float amax = warp_max(fabsf(v));
-        const float inv = amax > 0.0f ? 448.0f / amax : 0.0f;
-        put(b * 32 + lane, lane, from_f32<e4m3_t>(v * inv), amax / 448.0f);
+        if (scale > 0.0f) {
+            put(b * 32 + lane, lane, from_f32<e4m3_t>(v * inv), scale);
+        } else {
+            const float amax = warp_max(fabsf(v));
+            const float run_inv = amax > 0.0f ? 448.0f / amax : 0.0f;
+            put(b * 32 + lane, lane, from_f32<e4m3_t>(v * run_inv), amax / 448.0f);
+        }
     }
 }
 
 // Codes `q` [m][k] and scales `s` [m][k / 32].
 extern "C" __global__ void quant_act_e4m3(const float* x, unsigned char* q, float* s, int m,
-                                          int k) {
-    e4m3_blocks(x, m, k, [=](u64 i, int lane, e4m3_t code, float scale) {
+                                          int k, float inv, float scale) {
+    e4m3_blocks(x, m, k, inv, scale, [=](u64 i, int lane, e4m3_t code, float sc) {
         q[i] = code.x;
-        if (lane == 0) s[i / 32] = scale;
+        if (lane == 0) s[i / 32] = sc;
     });
 }
 
 // The values quant_act_e4m3's codes and scales stand for, code times scale
 // in f32 (arbor-quant's scaled::round_input_e4m3): the inputs of W8A8 FP8
 // weights where no FP8 tensor core multiplies the codes themselves.
-extern "C" __global__ void round_act_e4m3(const float* x, float* y, int m, int k) {
-    e4m3_blocks(x, m, k,
-                [=](u64 i, int, e4m3_t code, float scale) { y[i] = to_f32(code) * scale; });
+extern "C" __global__ void round_act_e4m3(const float* x, float* y, int m, int k, float inv,
+                                          float scale) {
+    e4m3_blocks(x, m, k, inv, scale,
+                [=](u64 i, int, e4m3_t code, float sc) { y[i] = to_f32(code) * sc; });
 }
 
 template <int WM, int NT>

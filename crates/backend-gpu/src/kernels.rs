@@ -96,8 +96,8 @@ kernels! {
     GemmU8S32M64 = "gemm_u8_s32_m64": "pppiii",
     GemmF4S16M16 = "gemm_f4_s16_m16": "pppiii",
     GemmF4S16M64 = "gemm_f4_s16_m64": "pppiii",
-    QuantActE4m3 = "quant_act_e4m3": "pppii",
-    RoundActE4m3 = "round_act_e4m3": "ppii",
+    QuantActE4m3 = "quant_act_e4m3": "pppiiff",
+    RoundActE4m3 = "round_act_e4m3": "ppiiff",
     GemmF8S32W8a8M16 = "gemm_f8_s32_w8a8_m16": "ppppiii",
     GemmF8S32W8a8M64 = "gemm_f8_s32_w8a8_m64": "ppppiii",
 }

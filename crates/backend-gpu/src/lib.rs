@@ -374,7 +374,7 @@ impl Backend for GpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
-        self.op_linear_many(x, &[LinearRef { w, bias, out }])
+        self.op_linear_many(x, &[LinearRef::new(w, bias, out)])
     }
 
     fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {

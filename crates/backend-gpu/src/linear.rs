@@ -16,12 +16,13 @@
 //! (AMD, older NVIDIA, or when told not to) they are dequantized to an f32
 //! scratch before each GEMM (exactly the CPU's values) and multiplied as f32
 //! weights. W8A8 FP8 weights (`f8a8_s32`, the `w8a8_fp8` method) multiply
-//! the input quantized to E4M3 per row and 32-input block: on sm_89+ its
+//! the input quantized to E4M3 per row and 32-input block (or with the
+//! layer's static input scale, [`LinearRef::input_scale`]): on sm_89+ its
 //! codes on FP8 tensor cores ([`w8a8_gemm_kernel`]), elsewhere (or with the
 //! tensor-core linears off) the values those codes stand for
 //! (`round_act_e4m3`) through the `f8_s32` paths above.
 //! [`GpuBackend::op_linear_many`] rounds or quantizes the shared input once
-//! for all its layers (Q/K/V, gate/up).
+//! for all its layers (Q/K/V, gate/up) of one input scale.
 
 use crate::GpuBackend;
 use crate::driver::Gemm;
@@ -93,6 +94,13 @@ pub(crate) fn w8a8_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<
     Some((kernel, tile))
 }
 
+/// The `inv, scale` arguments of `quant_act_e4m3` and `round_act_e4m3`: a
+/// static input scale and its reciprocal computed here, as the CPU does
+/// (`arbor_quant::scaled`), or zeros for a scale per run of 32.
+fn static_scale_args(input_scale: Option<f32>) -> (f32, f32) {
+    input_scale.map_or((0.0, 0.0), |s| (1.0 / s, s))
+}
+
 impl GpuBackend {
     pub(crate) fn op_linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
         x.check_dtype(DType::F32)?;
@@ -149,10 +157,13 @@ impl GpuBackend {
         // The rounded input, when some weight is 16-bit (one rounding per type).
         let mut half_in: Option<(DType, u64, Tensor)> = None;
         // The E4M3 input codes and scales, when some layer runs W8A8 on FP8
-        // tensor cores, and the values they stand for, when one runs it elsewhere.
-        let mut fp8_in: Option<([u64; 2], [Tensor; 2])> = None;
-        let mut rounded_in: Option<(u64, Tensor)> = None;
+        // tensor cores, and the values they stand for, when one runs it
+        // elsewhere: one of each per static input scale (or none).
+        let mut fp8_in: Vec<(Option<u32>, [u64; 2], [Tensor; 2])> = Vec::new();
+        let mut rounded_in: Vec<(Option<u32>, u64, Tensor)> = Vec::new();
         for l in layers {
+            let input_scale = l.static_input_scale()?;
+            let key = input_scale.map(f32::to_bits);
             let n = l.w.shape()[0];
             let out = self.p(&st, l.out)?;
             // Packed blocks multiplied where they lie: W8A8 FP8, else the bf16 split.
@@ -163,20 +174,29 @@ impl GpuBackend {
             let split = scaled_gemm_kernel(storage, rows, target).filter(|_| tensor_cores);
             // The f32 input of the other paths: W8A8 FP8 weights take it rounded to E4M3.
             let x_f32 = if l.w.dtype() == DType::F8A8_S32 && w8a8.is_none() {
-                if rounded_in.is_none() {
-                    rounded_in = Some(self.round_input_e4m3(&mut st, xp, rows, k)?);
+                match rounded_in.iter().find(|r| r.0 == key) {
+                    Some(r) => r.1,
+                    None => {
+                        let (yp, y) = self.round_input_e4m3(&mut st, xp, rows, k, input_scale)?;
+                        rounded_in.push((key, yp, y));
+                        yp
+                    }
                 }
-                rounded_in.as_ref().map_or(xp, |r| r.0)
             } else {
                 xp
             };
             let packed = match (w8a8, split) {
                 (Some(kernel), _) => {
-                    if fp8_in.is_none() {
-                        fp8_in = Some(self.quantize_input_e4m3(&mut st, xp, rows, k)?);
-                    }
-                    let inputs = fp8_in.as_ref().map(|q| q.0.to_vec()).unwrap_or_default();
-                    Some((kernel, inputs))
+                    let inputs = match fp8_in.iter().find(|q| q.0 == key) {
+                        Some(q) => q.1,
+                        None => {
+                            let (p, t) =
+                                self.quantize_input_e4m3(&mut st, xp, rows, k, input_scale)?;
+                            fp8_in.push((key, p, t));
+                            p
+                        }
+                    };
+                    Some((kernel, inputs.to_vec()))
                 }
                 (None, Some(kernel)) => Some((kernel, vec![x_f32])),
                 (None, None) => None,
@@ -245,7 +265,8 @@ impl GpuBackend {
     }
 
     /// `x` (at `xp`, `rows` x `k`) quantized to E4M3 per 32 inputs by
-    /// `quant_act_e4m3`: the codes' and scales' addresses, and their scratch
+    /// `quant_act_e4m3` (with `input_scale` for every run where a layer has
+    /// a static one): the codes' and scales' addresses, and their scratch
     /// tensors (alive while the addresses are used).
     fn quantize_input_e4m3(
         &self,
@@ -253,11 +274,20 @@ impl GpuBackend {
         xp: u64,
         rows: usize,
         k: usize,
+        input_scale: Option<f32>,
     ) -> Result<([u64; 2], [Tensor; 2])> {
         let q = self.alloc_in(st, DType::F8E4M3, &[rows * k], false)?;
         let s = self.alloc_in(st, DType::F32, &[rows * k / 32], false)?;
         let p = [self.p(st, &q)?, self.p(st, &s)?];
-        let args = Args::new().p(xp).p(p[0]).p(p[1]).i(rows).i(k);
+        let (inv, scale) = static_scale_args(input_scale);
+        let args = Args::new()
+            .p(xp)
+            .p(p[0])
+            .p(p[1])
+            .i(rows)
+            .i(k)
+            .f(inv)
+            .f(scale);
         let grid = [stride_grid(self, rows * k), 1, 1];
         self.dev.launch(st, K::QuantActE4m3, grid, 256, 0, args)?;
         Ok((p, [q, s]))
@@ -272,6 +302,7 @@ impl GpuBackend {
         xp: u64,
         rows: usize,
         k: usize,
+        input_scale: Option<f32>,
     ) -> Result<(u64, Tensor)> {
         if !k.is_multiple_of(32) {
             return Err(CoreError::invalid(format!(
@@ -280,7 +311,8 @@ impl GpuBackend {
         }
         let y = self.alloc_in(st, DType::F32, &[rows * k], false)?;
         let yp = self.p(st, &y)?;
-        let args = Args::new().p(xp).p(yp).i(rows).i(k);
+        let (inv, scale) = static_scale_args(input_scale);
+        let args = Args::new().p(xp).p(yp).i(rows).i(k).f(inv).f(scale);
         let grid = [stride_grid(self, rows * k), 1, 1];
         self.dev.launch(st, K::RoundActE4m3, grid, 256, 0, args)?;
         Ok((yp, y))

@@ -10,9 +10,10 @@
 //! - both tile shapes give the same bits, and a row's outputs are the same
 //!   bits alone as in a batch (batch invariance);
 //! - under two thread orders (a shared-memory race would change them);
-//! - W8A8 FP8 (`quant_act_e4m3`, then `mma.m16n8k32` of E4M3 codes): the
-//!   input's codes and scales equal the CPU's
-//!   (`arbor_quant::scaled::quantize_input_e4m3`) bit for bit, the outputs
+//! - W8A8 FP8 (`quant_act_e4m3`, then `mma.m16n8k32` of E4M3 codes), with
+//!   a scale per 32 inputs and with a static one: the input's codes and
+//!   scales, and `round_act_e4m3`'s values, equal the CPU's
+//!   (`arbor_quant::scaled`) bit for bit, the outputs
 //!   the f64 product of the codes times both scales within 1e-5, the same
 //!   checks of tiles and rows, and the error against the f32 input printed.
 //!
@@ -23,7 +24,7 @@ mod host;
 
 use anyhow::{Result, ensure};
 use arbor_quant::DType;
-use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3};
+use arbor_quant::scaled::{e4m3_to_f32, quantize_input_e4m3, round_input_e4m3};
 use std::process::Command;
 
 const MAIN: &str = r#"
@@ -38,19 +39,24 @@ static const W8a8 W8A8[2] = {gemm_f8_s32_w8a8_m16, gemm_f8_s32_w8a8_m64};
 static const int ELEMS[4] = {32, 32, 32, 16}, BYTES[4] = {36, 20, 36, 12};
 
 // argv[1]: records of 7 int32 (kind 0 = the bf16-split GEMM, 1 = W8A8 FP8;
-// dtype 0..3, m, n, k, tile 0 = m16 / 1 = m64, seed), then x (m k f32) and
-// the weights; argv[2]: each record's m n f32 outputs, and for W8A8 the
-// input's m k E4M3 codes and m k / 32 f32 scales.
+// dtype 0..3, m, n, k, tile 0 = m16 / 1 = m64, seed) and 2 f32 (the static
+// input scale's reciprocal and the scale, zeros for a scale per 32), then x
+// (m k f32) and the weights; argv[2]: each record's m n f32 outputs, and for
+// W8A8 the input's m k E4M3 codes, m k / 32 f32 scales and m k rounded
+// values (round_act_e4m3).
 int main(int argc, char** argv) {
     if (argc != 3) return 2;
     FILE* in = fopen(argv[1], "rb");
     FILE* out = fopen(argv[2], "wb");
     if (!in || !out) return 2;
     int h[7];
-    while (fread(h, 4, 7, in) == 7) {
+    float sc[2];
+    while (fread(h, 4, 7, in) == 7 && fread(sc, 4, 2, in) == 2) {
         const int kind = h[0], dt = h[1], m = h[2], n = h[3], k = h[4], big = h[5];
         const uint64_t seed = (uint64_t)h[6];
+        const float inv = sc[0], scale = sc[1];
         std::vector<float> x((size_t)m * k), y((size_t)m * n, NAN), s((size_t)m * k / 32, NAN);
+        std::vector<float> r((size_t)m * k, NAN);
         std::vector<unsigned char> w((size_t)n * (k / ELEMS[dt]) * BYTES[dt]), q((size_t)m * k);
         if (fread(x.data(), 4, x.size(), in) != x.size()) return 2;
         if (fread(w.data(), 1, w.size(), in) != w.size()) return 2;
@@ -58,7 +64,7 @@ int main(int argc, char** argv) {
         const dim3 grid{(n + bn - 1) / bn, (m + bm - 1) / bm, 1};
         const float* xp = x.data();
         const unsigned char* wp = w.data();
-        float *yp = y.data(), *sp = s.data();
+        float *yp = y.data(), *sp = s.data(), *rp = r.data();
         unsigned char* qp = q.data();
         if (kind == 0) {
             const Kernel kern = KERNELS[dt][big];
@@ -66,7 +72,9 @@ int main(int argc, char** argv) {
         } else {
             const unsigned warps = (unsigned)((size_t)m * k / 32);
             simt::launch(dim3{(warps + 7) / 8, 1, 1}, dim3{256, 1, 1}, seed,
-                         [=] { quant_act_e4m3(xp, qp, sp, m, k); });
+                         [=] { quant_act_e4m3(xp, qp, sp, m, k, inv, scale); });
+            simt::launch(dim3{(warps + 7) / 8, 1, 1}, dim3{256, 1, 1}, seed,
+                         [=] { round_act_e4m3(xp, rp, m, k, inv, scale); });
             const W8a8 kern = W8A8[big];
             simt::launch(grid, dim3{128, 1, 1}, seed, [=] { kern(qp, sp, wp, yp, m, n, k); });
         }
@@ -74,6 +82,7 @@ int main(int argc, char** argv) {
         if (kind == 1) {
             fwrite(q.data(), 1, q.size(), out);
             fwrite(s.data(), 4, s.size(), out);
+            fwrite(r.data(), 4, r.size(), out);
         }
     }
     fclose(out);
@@ -137,6 +146,10 @@ impl Case {
         for v in head {
             out.extend_from_slice(&v.to_le_bytes());
         }
+        let (inv, scale) = job.input_scale.map_or((0.0, 0.0), |s| (1.0 / s, s));
+        for v in [inv, scale] {
+            out.extend_from_slice(&f32::to_le_bytes(v));
+        }
         for v in &self.x {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -171,13 +184,17 @@ struct Job<'a> {
     big: bool,
     /// Permutes the order threads take turns in.
     seed: i32,
+    /// W8A8's static input scale (`None`: a scale per 32 inputs).
+    input_scale: Option<f32>,
 }
 
-/// A job's outputs; for W8A8 also the input's E4M3 codes and scales.
+/// A job's outputs; for W8A8 also the input's E4M3 codes and scales, and
+/// the values they stand for (`round_act_e4m3`).
 struct Outputs {
     y: Vec<f32>,
     q: Vec<u8>,
     s: Vec<f32>,
+    r: Vec<f32>,
 }
 
 fn job(case: &Case, w8a8: bool, big: bool, seed: i32) -> Job<'_> {
@@ -186,6 +203,7 @@ fn job(case: &Case, w8a8: bool, big: bool, seed: i32) -> Job<'_> {
         w8a8,
         big,
         seed,
+        input_scale: None,
     }
 }
 
@@ -208,12 +226,14 @@ fn run(bin: &std::path::Path, jobs: &[Job]) -> Result<Vec<Outputs>> {
     for j in jobs {
         let (m, n, k) = (j.case.m, j.case.n, j.case.k);
         let y = host::floats(take(4 * m * n)?);
-        let (q, s) = if j.w8a8 {
-            (take(m * k)?.to_vec(), host::floats(take(4 * m * k / 32)?))
+        let (q, s, r) = if j.w8a8 {
+            let q = take(m * k)?.to_vec();
+            let s = host::floats(take(4 * m * k / 32)?);
+            (q, s, host::floats(take(4 * m * k)?))
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), Vec::new(), Vec::new())
         };
-        outs.push(Outputs { y, q, s });
+        outs.push(Outputs { y, q, s, r });
     }
     ensure!(at == raw.len(), "extra output");
     Ok(outs)
@@ -298,21 +318,40 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
     // An all-zero input block (scale 0) and one of a single large value.
     case.x[32..64].fill(0.0);
     case.x[5 * 160 + 64] = 3.0e4;
-    let (m, n, k) = (case.m, case.n, case.k);
-    let outs = run(
-        bin,
-        &[
+    // A scale per 32 inputs, and a static one that saturates |x| > 8.96.
+    for input_scale in [None, Some(0.02f32)] {
+        let (alone, tail) = (case.rows(3..4), case.rows(17..21));
+        let mut jobs = [
             job(&case, true, false, 0),
             job(&case, true, true, 4),
-            job(&case.rows(3..4), true, false, 1),
-            job(&case.rows(17..21), true, true, 2),
-        ],
-    )?;
-    let (q, s) = quantize_input_e4m3(&case.x);
+            job(&alone, true, false, 1),
+            job(&tail, true, true, 2),
+        ];
+        for j in &mut jobs {
+            j.input_scale = input_scale;
+        }
+        let outs = run(bin, &jobs)?;
+        check_w8a8(&case, input_scale, &outs)?;
+    }
+    Ok(())
+}
+
+/// The W8A8 outputs of `case` (the whole case with both tiles, then rows 3
+/// and 17..21 alone) against the CPU's input quantization and the f64
+/// product of its codes.
+fn check_w8a8(case: &Case, input_scale: Option<f32>, outs: &[Outputs]) -> Result<()> {
+    let (m, n, k) = (case.m, case.n, case.k);
+    let (q, s) = quantize_input_e4m3(&case.x, input_scale);
     ensure!(outs[0].q == q, "E4M3 codes differ from the CPU's");
     ensure!(
         host::same_bits(&outs[0].s, &s),
         "input scales differ from the CPU's"
+    );
+    let mut rounded = vec![0f32; m * k];
+    round_input_e4m3(&case.x, input_scale, &mut rounded);
+    ensure!(
+        host::same_bits(&outs[0].r, &rounded),
+        "round_act_e4m3 differs from the CPU's rounding"
     );
     // The product of the codes, scaled per block, in f64.
     let (blocks, got) = (k / 32, &outs[0].y);
@@ -355,7 +394,7 @@ fn w8a8_fp8_gemm_on_the_host_emulator_matches_the_quantized_product() -> Result<
         "rows 17..21 alone differ"
     );
     println!(
-        "W8A8: {} outputs equal the E4M3 product; against the f32 input, max error {:.2}% of sum |xw|",
+        "W8A8 ({input_scale:?}): {} outputs equal the E4M3 product; against the f32 input, max error {:.2}% of sum |xw|",
         got.len(),
         100.0 * worst
     );

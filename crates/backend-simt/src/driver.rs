@@ -10,8 +10,12 @@
 //! waiting for its fence reads stale bytes; a fence's `main_waits` blocks
 //! until its copies ran (the main stream is the calling thread) and is
 //! logged ([`CopyLog`]) for tests that check what waited for what.
-//! The GEMM is an f32 product over f32, f16 or bf16 operands (as cuBLAS with
-//! f32 accumulation), each output summed in input order. A capture records
+//! The GEMM is a product over f32, f16 or bf16 operands with f32 outputs (as
+//! cuBLAS with f32 accumulation), each output summed in input order in f64
+//! and rounded once: cuBLAS's and rocBLAS's blocked FMA sums err far less
+//! than a sequential f32 sum, whose error grows with `k` and would make
+//! tie-sensitive comparisons with the CPU (inputs rounded to E4M3) test the
+//! stand-in's rounding rather than the kernels. A capture records
 //! the operations with their argument values (as a CUDA graph copies kernel
 //! parameters) and a replay runs them again; nothing runs during a capture.
 
@@ -135,7 +139,7 @@ unsafe fn element(dtype: DType, base: u64, i: usize) -> f32 {
     }
 }
 
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ` in f32.
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ`, summed in f64, stored as f32.
 ///
 /// # Safety
 /// As [`Driver::gemm`].
@@ -145,7 +149,7 @@ unsafe fn gemm(g: &Gemm) -> Result<()> {
     }
     for r in 0..g.m {
         for c in 0..g.n {
-            let mut acc = 0f32;
+            let mut acc = 0f64;
             for i in 0..g.k {
                 // SAFETY: r < m, c < n, i < k index inside the operands.
                 let (x, w) = unsafe {
@@ -154,10 +158,10 @@ unsafe fn gemm(g: &Gemm) -> Result<()> {
                         element(g.dtype, g.w, c * g.k + i),
                     )
                 };
-                acc += x * w;
+                acc += x as f64 * w as f64;
             }
             // SAFETY: out holds m x n f32.
-            unsafe { *(g.out as *mut f32).add(r * g.n + c) = acc };
+            unsafe { *(g.out as *mut f32).add(r * g.n + c) = acc as f32 };
         }
     }
     Ok(())

@@ -352,7 +352,7 @@ impl Backend for WgpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &Tensor, bias: Option<&Tensor>, out: &Tensor) -> Result<()> {
-        linear::linear_many(self, x, &[LinearRef { w, bias, out }])
+        linear::linear_many(self, x, &[LinearRef::new(w, bias, out)])
     }
 
     fn linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {

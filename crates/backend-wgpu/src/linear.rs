@@ -9,8 +9,9 @@
 //! quantized to Q8 blocks (`quant_act.wgsl`, once per input even when several
 //! layers share it), then each block contributes an integer dot product scaled
 //! by the two block scales (`matmul_q.wgsl`). W8A8 FP8 weights (`f8a8_s32`)
-//! multiply the inputs rounded to E4M3 per run of 32
-//! (`round_act_e4m3.wgsl`, once per input) as `f8_s32` weights multiply f32 ones.
+//! multiply the inputs rounded to E4M3 per run of 32, or with the layer's
+//! static input scale (`round_act_e4m3.wgsl`, once per input and scale), as
+//! `f8_s32` weights multiply f32 ones.
 //!
 //! Each kernel invocation computes a register tile of TM activation rows by
 //! TN weight rows with no shared memory (the fastest form on lavapipe, and
@@ -77,22 +78,27 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
     }
     let xv = b.view(x, DType::F32, Access::Read)?;
     // Q8 activations, shared by every quantized layer of this input, and
-    // the E4M3-rounded ones, shared by every W8A8 FP8 layer.
+    // the E4M3-rounded ones, shared by the W8A8 FP8 layers of one input
+    // scale (a static one, or none).
     let mut acts: Option<(Tensor, Tensor)> = None;
-    let mut rounded: Option<Tensor> = None;
+    let mut rounded: Vec<(Option<u32>, Tensor)> = Vec::new();
+    let mut scales = Vec::with_capacity(layers.len());
     for l in layers {
         if kernels::uses_q8_acts(kernels::weight_code(l.w.dtype())?) && acts.is_none() {
             acts = Some(quantize_acts(b, &xv, m, k)?);
         }
-        if l.w.dtype() == DType::F8A8_S32 && rounded.is_none() {
-            rounded = Some(round_acts_e4m3(b, &xv, m, k)?);
+        let input_scale = l.static_input_scale()?;
+        let key = input_scale.map(f32::to_bits);
+        if l.w.dtype() == DType::F8A8_S32 && !rounded.iter().any(|r| r.0 == key) {
+            rounded.push((key, round_acts_e4m3(b, &xv, m, k, input_scale)?));
         }
+        scales.push(key);
     }
-    let rv = rounded
-        .as_ref()
-        .map(|t| b.view(t, DType::F32, Access::Read))
-        .transpose()?;
-    for l in layers {
+    let rviews = rounded
+        .iter()
+        .map(|(key, t)| Ok((*key, b.view(t, DType::F32, Access::Read)?)))
+        .collect::<Result<Vec<_>>>()?;
+    for (l, key) in layers.iter().zip(&scales) {
         let n = l.w.shape()[0];
         let row_bytes = l.w.dtype().bytes_for(k)?;
         // Rows per chunk so that one chunk fits a storage binding.
@@ -108,8 +114,9 @@ pub fn linear_many(b: &WgpuBackend, x: &Tensor, layers: &[LinearRef<'_>]) -> Res
                     matmul_q(b, q, meta, &w, bias.as_ref(), l.out, (m, n, k), c0)?
                 }
                 _ => {
-                    let x = match &rv {
-                        Some(rv) if w.dtype() == DType::F8A8_S32 => rv,
+                    let rounded = rviews.iter().find(|r| r.0 == *key);
+                    let x = match rounded {
+                        Some((_, rv)) if w.dtype() == DType::F8A8_S32 => rv,
                         _ => &xv,
                     };
                     matmul_f(b, x, &w, bias.as_ref(), l.out, (m, n, k), c0)?
@@ -128,17 +135,33 @@ fn quantize_acts(b: &WgpuBackend, xv: &View, m: usize, k: usize) -> Result<(Tens
     let meta = b.alloc_uninit(DType::F32, &[blocks * 4])?;
     let qv = b.view(&q, DType::U32, Access::Write)?;
     let mv = b.view(&meta, DType::F32, Access::Write)?;
-    per_act_block(b, Kernel::QuantAct, xv, blocks, k, &[&qv, &mv])?;
+    per_act_block(b, Kernel::QuantAct, xv, blocks, k, &[&qv, &mv], &[])?;
     Ok((q, meta))
 }
 
 /// `x` `[m, k]` with each run of 32 inputs rounded to E4M3 (the inputs of
-/// W8A8 FP8 weights), as a dense f32 `[m, k]`.
-fn round_acts_e4m3(b: &WgpuBackend, xv: &View, m: usize, k: usize) -> Result<Tensor> {
+/// W8A8 FP8 weights; with a static input scale and its reciprocal computed
+/// here, as the CPU does, or a scale per run), as a dense f32 `[m, k]`.
+fn round_acts_e4m3(
+    b: &WgpuBackend,
+    xv: &View,
+    m: usize,
+    k: usize,
+    input_scale: Option<f32>,
+) -> Result<Tensor> {
     let blocks = act_blocks(m, k, "W8A8 FP8")?;
     let y = b.alloc_uninit(DType::F32, &[m * k])?;
     let yv = b.view(&y, DType::F32, Access::Write)?;
-    per_act_block(b, Kernel::RoundActE4m3, xv, blocks, k, &[&yv])?;
+    let (inv, scale) = input_scale.map_or((0.0, 0.0), |s| (1.0 / s, s));
+    per_act_block(
+        b,
+        Kernel::RoundActE4m3,
+        xv,
+        blocks,
+        k,
+        &[&yv],
+        &[inv, scale],
+    )?;
     Ok(y)
 }
 
@@ -154,7 +177,8 @@ fn act_blocks(m: usize, k: usize, kind: &str) -> Result<usize> {
 }
 
 /// Runs `kernel`, one invocation per block of 32 inputs of `x` (rows of
-/// `k`), writing `outs`.
+/// `k`), writing `outs`; `tail` follows the block parameters in the
+/// kernel's uniform.
 fn per_act_block(
     b: &WgpuBackend,
     kernel: Kernel,
@@ -162,6 +186,7 @@ fn per_act_block(
     blocks: usize,
     k: usize,
     outs: &[&View],
+    tail: &[f32],
 ) -> Result<()> {
     let gpu = b.gpu();
     let pipe = gpu.kernel(&kernel)?;
@@ -170,6 +195,7 @@ fn per_act_block(
         .us(k / 32)?
         .u(xv.word_off())
         .us(k)?;
+    let params = tail.iter().fold(params, |p, &v| p.f(v));
     let groups = kernels::grid_threads(blocks, gpu.limits.max_compute_workgroups_per_dimension)?;
     let views: Vec<&View> = std::iter::once(xv).chain(outs.iter().copied()).collect();
     gpu.dispatch(&pipe, &params, &views, groups)

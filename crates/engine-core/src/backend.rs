@@ -117,6 +117,46 @@ pub struct LinearRef<'a> {
     pub bias: Option<&'a Tensor>,
     /// Output `[m, n]` f32.
     pub out: &'a Tensor,
+    /// The static scale `s` of the inputs of a W8A8 FP8 weight
+    /// ([`DType::F8A8_S32`]) from its checkpoint's `input_scale`: each input
+    /// is rounded to `e4m3(x · (1/s)) · s` (saturating at ±448), as vLLM's
+    /// and SGLang's static FP8 activations are. `None`: the weight's own
+    /// rule (`f8a8_s32`: a scale per run of 32 inputs, `max|x| / 448`).
+    pub input_scale: Option<f32>,
+}
+
+impl<'a> LinearRef<'a> {
+    /// `out = x · wᵀ (+ bias)` with the weight's own input rule.
+    pub fn new(w: &'a Tensor, bias: Option<&'a Tensor>, out: &'a Tensor) -> Self {
+        Self {
+            w,
+            bias,
+            out,
+            input_scale: None,
+        }
+    }
+
+    /// [`LinearRef::input_scale`], checked: only a W8A8 FP8 weight takes
+    /// one, and it is finite and positive.
+    pub fn static_input_scale(&self) -> Result<Option<f32>> {
+        let Some(s) = self.input_scale else {
+            return Ok(None);
+        };
+        if self.w.dtype() != DType::F8A8_S32 {
+            return Err(CoreError::invalid(format!(
+                "a static input scale for {} weights {:?}: only W8A8 FP8 (f8a8_s32) rounds its inputs",
+                self.w.dtype(),
+                self.w
+            )));
+        }
+        if !(s.is_finite() && s > 0.0) {
+            return Err(CoreError::invalid(format!(
+                "static input scale {s} of {:?}: it must be finite and positive",
+                self.w
+            )));
+        }
+        Ok(Some(s))
+    }
 }
 
 /// One adapter's rows of [`Backend::lora_add`].

@@ -43,7 +43,9 @@ pub struct ModelSpec {
     pub weight_dtype: DType,
     /// Bytes of all weights on the device.
     pub weight_bytes: u64,
-    /// The quantization method that loaded the weights (`QuantMethod::name`).
+    /// The quantization method that loaded the weights (`QuantMethod::name`),
+    /// followed by `, N layers with static input scales` where W8A8 FP8
+    /// layers round their inputs with the checkpoint's `input_scale`.
     pub quantization: String,
     /// The KV element type the checkpoint's KV cache scales were calibrated
     /// for (FP8 E4M3 when it declares an FP8 KV cache and carries per-layer

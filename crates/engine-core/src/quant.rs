@@ -75,6 +75,16 @@ pub trait QuantMethod: Send + Sync {
     ) -> Result<HostTensor<'a>> {
         load_unquantized(src, spec, |t| self.prepare(t, caps))
     }
+    /// The static scale of the inputs of the linear layer `spec`, stored by
+    /// [`QuantMethod::load_linear`] as a W8A8 FP8 weight
+    /// ([`crate::DType::F8A8_S32`]), when the checkpoint calibrated one
+    /// (its `input_scale`); `None` (the default) leaves the weight's own
+    /// rule, a scale per run of 32 inputs. See
+    /// [`crate::LinearRef::input_scale`].
+    fn input_scale(&self, src: &dyn WeightSource, spec: &LinearSpec<'_>) -> Result<Option<f32>> {
+        let _ = (src, spec);
+        Ok(None)
+    }
     /// When chosen (`--quantization`) for a checkpoint quantized with
     /// another method, the method that loads it: one that changes how a
     /// checkpoint's weights are multiplied rather than what they are (W8A8

@@ -45,6 +45,19 @@ pub struct ArchFlags {
 struct Linear {
     w: Tensor,
     b: Option<Tensor>,
+    /// The static scale of a W8A8 FP8 weight's inputs (see
+    /// [`LinearRef::input_scale`]); shared by the layers of one input.
+    input_scale: Option<f32>,
+}
+
+impl Linear {
+    /// This layer applied to an input into `out`.
+    fn to<'a>(&'a self, out: &'a Tensor) -> LinearRef<'a> {
+        LinearRef {
+            input_scale: self.input_scale,
+            ..LinearRef::new(&self.w, self.b.as_ref(), out)
+        }
+    }
 }
 
 struct Layer {
@@ -159,7 +172,7 @@ impl DecoderModel {
     }
 
     fn linear(&self, x: &Tensor, l: &Linear, out: &Tensor) -> Result<()> {
-        self.backend.linear(x, &l.w, l.b.as_ref(), out)
+        self.backend.linear_many(x, &[l.to(out)])
     }
 
     /// A forward whose residual stream enters layer 0 as `embeds` (`[tokens,
@@ -200,21 +213,7 @@ impl DecoderModel {
                 let shape = [x.rows(), self.cfg.intermediate_size];
                 let g = b.alloc(DType::F32, &shape)?;
                 let u = b.alloc(DType::F32, &shape)?;
-                b.linear_many(
-                    x,
-                    &[
-                        LinearRef {
-                            w: &gate.w,
-                            bias: gate.b.as_ref(),
-                            out: &g,
-                        },
-                        LinearRef {
-                            w: &up.w,
-                            bias: up.b.as_ref(),
-                            out: &u,
-                        },
-                    ],
-                )?;
+                b.linear_many(x, &[gate.to(&g), up.to(&u)])?;
                 let act = b.alloc(DType::F32, &shape)?;
                 b.silu_mul(&g, &u, &act)?;
                 self.linear(&act, down, out)?;

@@ -16,6 +16,8 @@ pub(crate) struct Loader<'a> {
     total: usize,
     /// Bytes uploaded so far.
     pub(crate) bytes: u64,
+    /// Linears loaded with a static input scale (W8A8 FP8).
+    pub(crate) static_input_scales: usize,
 }
 
 impl<'a> Loader<'a> {
@@ -27,6 +29,7 @@ impl<'a> Loader<'a> {
             loaded: 0,
             total,
             bytes: 0,
+            static_input_scales: 0,
         }
     }
 

@@ -351,8 +351,10 @@ fn prompts_by_tie(reference: &Value, far: bool) -> Value {
 }
 
 /// `--quantization w8a8_fp8` on a float checkpoint (per-channel E4M3
-/// weights, inputs rounded to E4M3 per 32) and over a compressed-tensors
-/// FP8 checkpoint, against the numpy forward of the same arithmetic
+/// weights, inputs rounded to E4M3 per 32), over a compressed-tensors FP8
+/// checkpoint, and over one with static input scales (each input rounded
+/// with its layer group's largest scale, some saturating), against the
+/// numpy forward of the same arithmetic
 /// (tools/reference/make_w8a8_fixture.py): prompts whose inputs all lie
 /// clear of E4M3 rounding midpoints within the f32 tolerance, the others
 /// within one input's rounding step. The weight-only product of the same
@@ -362,6 +364,8 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
     let online = reference_at(&fixtures().join("quant/w8a8-online.json"))?;
     let ct_dir = fixtures().join("quant/fp8-dynamic");
     let ct = reference_at(&ct_dir.join("w8a8-reference.json"))?;
+    let static_dir = fixtures().join("quant/fp8-static");
+    let static_ref = reference_at(&static_dir.join("w8a8-reference.json"))?;
     for (name, dir, reference, weight_only) in [
         (
             "w8a8-online",
@@ -370,6 +374,7 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
             Some("fp8"),
         ),
         ("fp8-dynamic w8a8", ct_dir, &ct, None),
+        ("fp8-static w8a8", static_dir, &static_ref, None),
     ] {
         let (m, backend) = load(&dir, Some("w8a8_fp8"))?;
         assert_eq!(m.model.spec().weight_dtype, DType::F8A8_S32, "{name}");
@@ -398,6 +403,24 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
             println!("{name} prompt {i}: weight-only FP8 is {err:.2e} from the W8A8 reference");
             assert!(err > 10.0 * EXACT.logits * max, "{name} prompt {i}: {err}");
         }
+    }
+    // Without its input scales the static checkpoint's inputs are rounded
+    // per 32, which misses the static reference by far more than the f32
+    // tolerance.
+    let dynamic = edited(
+        "fp8-static",
+        |_| {},
+        |t| t.retain(|(n, ..)| !n.ends_with(".input_scale")),
+    )?;
+    let (md, bd) = load(dynamic.path(), Some("w8a8_fp8"))?;
+    let got = last_logits(&md, &bd, DType::F32, &static_ref)?;
+    let prompts = static_ref["prompts"].as_array().context("prompts")?;
+    for (i, (got, p)) in got.iter().zip(prompts).enumerate() {
+        let want = floats(&p["last_logits"]);
+        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let err = max_abs_diff(got, &want);
+        println!("fp8-static prompt {i}: W8A8 per 32 is {err:.2e} from the static reference");
+        assert!(err > 10.0 * EXACT.logits * max, "prompt {i}: {err}");
     }
     // W8A8 applies over FP8 checkpoints only: another method's refuses it,
     // and so does a layer that the methods it does apply over store in

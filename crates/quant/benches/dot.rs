@@ -295,7 +295,10 @@ fn bench_scaled_matmul(c: &mut Criterion<ThreadCpu>) {
                 g.throughput(Throughput::Elements((m * n_rows * k) as u64));
                 for matmul in QuantMatmul::ALL {
                     let mut acts = PreparedActs::new();
-                    drop(acts.prepare_split_as(dtype, matmul, &x, m, k).unwrap());
+                    drop(
+                        acts.prepare_split_as(dtype, matmul, None, &x, m, k)
+                            .unwrap(),
+                    );
                     let id = format!("{name}/{shape}/m{m}/{}", matmul.name());
                     g.bench_function(id, |b| {
                         b.iter(|| dot_rows(dtype, &w, n_rows, k, &acts, &mut out, n_rows).unwrap())

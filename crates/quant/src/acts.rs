@@ -4,8 +4,9 @@
 //! ggml pairs with each weight format: f32 for f32/f16 and the scaled
 //! blocks, bf16 for bf16 weights, Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for
 //! Q4_1/Q5_1, Q8_K for the K-quants and F8E4M3 for W8A8 FP8 (`f8a8_s32`:
-//! each run of 32 inputs rounded to E4M3 with the scale `max|x| / 448`,
-//! kept as the f32 values the codes and scales stand for, in `f`). Activations prepared as bf16 keep
+//! each run of 32 inputs rounded to E4M3 with the scale `max|x| / 448`, or
+//! with the layer's static input scale, kept as the f32 values the codes
+//! and scales stand for, in `f`). Activations prepared as bf16 keep
 //! their f32 rows too: only the `Amx` level multiplies the rounded
 //! values (AMX tiles, from `hp`, when `k` is a multiple of 32; else
 //! `vdpbf16ps`, from `h`); the lower levels use the f32 rows, as for f16
@@ -41,6 +42,8 @@ const SPLIT_PARTS: usize = 16;
 pub struct SplitPrep<'a> {
     level: SimdLevel,
     dtype: DType,
+    /// F8E4M3: the static scale of every run (`None`: each run's own).
+    input_scale: Option<f32>,
     x: &'a [f32],
     /// Blocks to quantize or round (0 for F32 and BF16, prepared already).
     nb: usize,
@@ -95,6 +98,7 @@ impl SplitPrep<'_> {
             if self.dtype == DType::F8E4M3 {
                 crate::scaled::round_input_e4m3(
                     &self.x[b0 * 32..b1 * 32],
+                    self.input_scale,
                     part(self.f.add(b0 * 32), n * 32),
                 );
             } else if self.dtype == DType::Q8_K {
@@ -236,7 +240,7 @@ impl PreparedActs {
     ) -> Result<(), QuantError> {
         // Dropping the split preparation quantizes every block here.
         let dtype = act_dtype_for(weight)?;
-        self.prepare_split_with(level, weight, dtype, x, m, k)
+        self.prepare_split_with(level, weight, dtype, None, x, m, k)
             .map(drop)
     }
 
@@ -252,35 +256,53 @@ impl PreparedActs {
         m: usize,
         k: usize,
     ) -> Result<SplitPrep<'a>, QuantError> {
-        self.prepare_split_as(weight, QuantMatmul::F32, x, m, k)
+        self.prepare_split_as(weight, QuantMatmul::F32, None, x, m, k)
     }
 
     /// [`PreparedActs::prepare_split`] for the activation dtype that
-    /// `weight` meets under `matmul` ([`act_dtype_with`]).
+    /// `weight` meets under `matmul` ([`act_dtype_with`]); W8A8 FP8 weights
+    /// (`f8a8_s32`) may take a static `input_scale` for every run of 32
+    /// (finite and positive; see [`crate::scaled::round_input_e4m3`]).
     pub fn prepare_split_as<'a>(
         &'a mut self,
         weight: DType,
         matmul: QuantMatmul,
+        input_scale: Option<f32>,
         x: &'a [f32],
         m: usize,
         k: usize,
     ) -> Result<SplitPrep<'a>, QuantError> {
         let dtype = act_dtype_with(weight, matmul)?;
-        self.prepare_split_with(crate::detected_level(), weight, dtype, x, m, k)
+        self.prepare_split_with(crate::detected_level(), weight, dtype, input_scale, x, m, k)
     }
 
     /// [`PreparedActs::prepare_split`] at an explicit SIMD level, as `dtype`.
+    #[allow(clippy::too_many_arguments)]
     fn prepare_split_with<'a>(
         &'a mut self,
         level: SimdLevel,
         weight: DType,
         dtype: DType,
+        input_scale: Option<f32>,
         x: &'a [f32],
         m: usize,
         k: usize,
     ) -> Result<SplitPrep<'a>, QuantError> {
         if level > crate::detected_level() {
             return Err(QuantError::LevelUnavailable(level));
+        }
+        match input_scale {
+            Some(_) if dtype != DType::F8E4M3 => {
+                return Err(QuantError::InputScale(format!(
+                    "given for {weight} weights, whose inputs are not rounded to E4M3"
+                )));
+            }
+            Some(s) if !(s.is_finite() && s > 0.0) => {
+                return Err(QuantError::InputScale(format!(
+                    "{s}: it must be finite and positive"
+                )));
+            }
+            _ => {}
         }
         let wb = weight.block_size();
         if !k.is_multiple_of(wb) {
@@ -359,6 +381,7 @@ impl PreparedActs {
         Ok(SplitPrep {
             level,
             dtype,
+            input_scale,
             x,
             nb: total.checked_div(block).unwrap_or(0),
             qs: self.qs.as_mut_ptr(),

@@ -37,6 +37,10 @@ pub enum QuantError {
     /// The requested SIMD level is not available on this CPU.
     #[error("SIMD level {0:?} is not available on this CPU")]
     LevelUnavailable(crate::SimdLevel),
+    /// A static input scale that is not finite and positive, or given for
+    /// weights whose inputs are not rounded to E4M3.
+    #[error("static input scale: {0}")]
+    InputScale(String),
     /// An output stride smaller than the number of rows would overlap outputs.
     #[error("output stride {stride} is smaller than the {n_rows} rows written per activation row")]
     BadStride { stride: usize, n_rows: usize },

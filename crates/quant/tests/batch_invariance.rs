@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use arbor_quant::{
-    DType, PreparedActs, QuantMatmul, SimdLevel, dot_rows_with, quantize, row_bytes,
+    DType, PreparedActs, QuantError, QuantMatmul, SimdLevel, dot_rows_with, quantize, row_bytes,
 };
 
 const DOT: [DType; 18] = [
@@ -71,13 +71,14 @@ fn product(
     m: usize,
     cuts: &[usize],
 ) -> Vec<f32> {
-    product_as(QuantMatmul::F32, level, dtype, w, n, k, x, m, cuts)
+    product_as((QuantMatmul::F32, None), level, dtype, w, n, k, x, m, cuts)
 }
 
-/// [`product`] with the activations prepared for `matmul`.
+/// [`product`] with the activations prepared for `matmul`, with a W8A8
+/// weight's static input scale if any.
 #[allow(clippy::too_many_arguments)]
 fn product_as(
-    matmul: QuantMatmul,
+    (matmul, input_scale): (QuantMatmul, Option<f32>),
     level: SimdLevel,
     dtype: DType,
     w: &[u8],
@@ -88,7 +89,10 @@ fn product_as(
     cuts: &[usize],
 ) -> Vec<f32> {
     let mut acts = PreparedActs::new();
-    drop(acts.prepare_split_as(dtype, matmul, x, m, k).unwrap());
+    drop(
+        acts.prepare_split_as(dtype, matmul, input_scale, x, m, k)
+            .unwrap(),
+    );
     let rb = row_bytes(dtype, k).unwrap();
     let mut out = vec![f32::NAN; m * n];
     let mut bounds = vec![0];
@@ -145,13 +149,13 @@ fn rows_keep_their_bits(rng: &mut Rng, matmul: QuantMatmul, dtype: DType, k: usi
     let w = weights(rng, dtype, n, k);
     let probe = rng.normals(k);
     for level in SimdLevel::available() {
-        let single = product_as(matmul, level, dtype, &w, n, k, &probe, 1, &[]);
+        let single = product_as((matmul, None), level, dtype, &w, n, k, &probe, 1, &[]);
         for m in [1usize, 2, 3, 4, 5, 7, 8, 9, 16, 31, 32, 33, 100] {
             let mut x = rng.normals(m * k);
             let at = rng.below(m);
             x[at * k..(at + 1) * k].copy_from_slice(&probe);
             let cuts = [rng.below(n / 2), n / 2 + rng.below(n / 2)];
-            let got = product_as(matmul, level, dtype, &w, n, k, &x, m, &cuts);
+            let got = product_as((matmul, None), level, dtype, &w, n, k, &x, m, &cuts);
             for r in 0..n {
                 assert_eq!(
                     got[at * n + r].to_bits(),
@@ -223,29 +227,72 @@ fn scaled_blocks_multiply_as_their_f32_dequantization() {
 }
 
 /// W8A8 FP8 (`f8a8_s32`) is `f8_s32`'s product with the inputs rounded to
-/// E4M3 per run of 32 (`scaled::round_input_e4m3`), bit for bit, at every
-/// level, for every `m`, under either `QuantMatmul` (AMX's bf16 inputs do
-/// not apply to it); without the rounding the outputs differ.
+/// E4M3 (`scaled::round_input_e4m3`: per run of 32, or with a static scale
+/// that saturates some of them), bit for bit, at every level, for every
+/// `m`, under either `QuantMatmul` (AMX's bf16 inputs do not apply to it);
+/// without the rounding, or with the other scale, the outputs differ.
 #[test]
 fn w8a8_fp8_multiplies_the_inputs_rounded_to_e4m3() {
     let mut rng = Rng(8);
     let (n, k) = (37, 32 * 9);
     let w = weights(&mut rng, DType::F8_S32, n, k);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for level in SimdLevel::available() {
         for m in [1usize, 3, 8, 21] {
             let x = rng.normals(m * k);
-            let mut rounded = vec![0.0f32; m * k];
-            arbor_quant::scaled::round_input_e4m3(&x, &mut rounded);
-            let want = product(level, DType::F8_S32, &w, n, k, &rounded, m, &[]);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            for matmul in [QuantMatmul::F32, QuantMatmul::AmxBf16] {
-                let got = product_as(matmul, level, DType::F8A8_S32, &w, n, k, &x, m, &[n / 2]);
-                assert_eq!(bits(&got), bits(&want), "{level:?} {matmul:?} m={m}");
+            let mut outputs = Vec::new();
+            // 0.004 saturates the inputs beyond 1.79.
+            for input_scale in [None, Some(0.004f32)] {
+                let mut rounded = vec![0.0f32; m * k];
+                arbor_quant::scaled::round_input_e4m3(&x, input_scale, &mut rounded);
+                let want = product(level, DType::F8_S32, &w, n, k, &rounded, m, &[]);
+                for matmul in [QuantMatmul::F32, QuantMatmul::AmxBf16] {
+                    let got = product_as(
+                        (matmul, input_scale),
+                        level,
+                        DType::F8A8_S32,
+                        &w,
+                        n,
+                        k,
+                        &x,
+                        m,
+                        &[n / 2],
+                    );
+                    let what = format!("{level:?} {matmul:?} m={m} {input_scale:?}");
+                    assert_eq!(bits(&got), bits(&want), "{what}");
+                }
+                outputs.push(bits(&want));
             }
+            assert_ne!(outputs[0], outputs[1], "{level:?} m={m}");
             let unrounded = product(level, DType::F8_S32, &w, n, k, &x, m, &[]);
-            assert_ne!(bits(&unrounded), bits(&want), "{level:?} m={m}");
+            assert_ne!(bits(&unrounded), outputs[0], "{level:?} m={m}");
         }
     }
+}
+
+/// A static input scale is refused for weights whose inputs are not
+/// rounded to E4M3, and when it is not finite and positive.
+#[test]
+fn a_static_input_scale_needs_w8a8_weights_and_a_positive_value() {
+    let x = vec![0.5f32; 64];
+    let mut acts = PreparedActs::new();
+    for (dtype, scale) in [
+        (DType::F8_S32, 0.01f32),
+        (DType::Q4_0, 0.01),
+        (DType::F8A8_S32, 0.0),
+        (DType::F8A8_S32, f32::NAN),
+        (DType::F8A8_S32, -1.0),
+    ] {
+        let got = acts.prepare_split_as(dtype, QuantMatmul::F32, Some(scale), &x, 2, 32);
+        assert!(
+            matches!(got, Err(QuantError::InputScale(_))),
+            "{dtype} {scale}"
+        );
+    }
+    assert!(
+        acts.prepare_split_as(DType::F8A8_S32, QuantMatmul::F32, Some(0.01), &x, 2, 32)
+            .is_ok()
+    );
 }
 
 /// `bf16(v)` as `vcvtne2ps2bf16` rounds: to nearest even, an f32
@@ -293,8 +340,17 @@ fn amx_bf16_scaled_blocks_multiply_as_their_bf16_dequantization() {
                 for m in [1usize, 3, 16, 17, 40] {
                     let x = rng.normals(m * k);
                     let cuts = [n / 3];
-                    let got =
-                        product_as(QuantMatmul::AmxBf16, level, dtype, &w, n, k, &x, m, &cuts);
+                    let got = product_as(
+                        (QuantMatmul::AmxBf16, None),
+                        level,
+                        dtype,
+                        &w,
+                        n,
+                        k,
+                        &x,
+                        m,
+                        &cuts,
+                    );
                     let want = if level == SimdLevel::Amx {
                         product(level, DType::BF16, &wb, n, k, &x, m, &[])
                     } else {
@@ -320,7 +376,7 @@ fn bf16_activations_are_refused_by_weights_that_do_not_take_them() {
     let x = vec![0.5f32; m * k];
     let mut acts = PreparedActs::new();
     drop(
-        acts.prepare_split_as(DType::F8_S32, QuantMatmul::AmxBf16, &x, m, k)
+        acts.prepare_split_as(DType::F8_S32, QuantMatmul::AmxBf16, None, &x, m, k)
             .unwrap(),
     );
     assert_eq!(acts.dtype(), Some(DType::BF16));

@@ -390,7 +390,7 @@ pub(crate) fn split_columns(
 
 /// A bias-free linear of [`Backend::linear_many`].
 pub(crate) fn lin<'a>(w: &'a Tensor, out: &'a Tensor) -> LinearRef<'a> {
-    LinearRef { w, bias: None, out }
+    LinearRef::new(w, None, out)
 }
 
 // ---------------------------------------------------------------------------

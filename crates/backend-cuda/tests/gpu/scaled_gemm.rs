@@ -37,15 +37,8 @@ fn linear(b: &dyn Backend, x: &[f32], m: usize, w: &Tensor, bias: &[f32]) -> Vec
     let xt = upload_f32(b, &[m, k], x);
     let bt = upload_f32(b, &[n], bias);
     let out = b.alloc(DType::F32, &[m, n]).unwrap();
-    b.linear_many(
-        &xt,
-        &[LinearRef {
-            w,
-            bias: Some(&bt),
-            out: &out,
-        }],
-    )
-    .unwrap();
+    b.linear_many(&xt, &[LinearRef::new(w, Some(&bt), &out)])
+        .unwrap();
     download_f32(b, &out)
 }
 
@@ -144,7 +137,7 @@ fn w8a8_fp8_gemm_matches_the_cpu_on_the_quantized_input() {
             upload_scaled(&*g, DType::F8A8_S32, n, k, &wf),
             upload_scaled(&*c, DType::F8_S32, n, k, &wf),
         );
-        let (codes, scales) = quantize_input_e4m3(&x);
+        let (codes, scales) = quantize_input_e4m3(&x, None);
         let xq: Vec<f32> = codes
             .iter()
             .enumerate()

@@ -136,16 +136,8 @@ fn linear_layers_match() {
                 b.linear_many(
                     &xt,
                     &[
-                        LinearRef {
-                            w: &a,
-                            bias: Some(&bt),
-                            out: &o1,
-                        },
-                        LinearRef {
-                            w: &bb,
-                            bias: None,
-                            out: &o2,
-                        },
+                        LinearRef::new(&a, Some(&bt), &o1),
+                        LinearRef::new(&bb, None, &o2),
                     ],
                 )
                 .unwrap();
@@ -159,6 +151,49 @@ fn linear_layers_match() {
             }
         }
     }
+}
+
+/// W8A8 FP8 layers of one input with different static input scales (one
+/// saturating inputs beyond 0.9), and one without, against the CPU.
+#[test]
+fn w8a8_static_input_scales_match() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(12);
+    let (m, n, k) = (5, 48, 160);
+    let x = rng.vec(m * k, 1.0);
+    let w = rng.vec(n * k, 0.5);
+    let mut bytes = vec![0u8; arbor_quant::row_bytes(DType::F8_S32, n * k).unwrap()];
+    arbor_quant::quantize(DType::F8_S32, &w, &mut bytes).unwrap();
+    let host = arbor_engine_core::HostTensor {
+        dtype: DType::F8A8_S32,
+        shape: vec![n, k],
+        data: bytes.into(),
+    };
+    let scales = [Some(0.01f32), None, Some(0.002), Some(0.01)];
+    let run = |b: &dyn Backend| {
+        let xt = upload_f32(b, &[m, k], &x);
+        let wt = b.upload(&host).unwrap();
+        let outs: Vec<_> = scales
+            .iter()
+            .map(|_| b.alloc(DType::F32, &[m, n]).unwrap())
+            .collect();
+        let layers: Vec<LinearRef<'_>> = scales
+            .iter()
+            .zip(&outs)
+            .map(|(&input_scale, out)| LinearRef {
+                input_scale,
+                ..LinearRef::new(&wt, None, out)
+            })
+            .collect();
+        b.linear_many(&xt, &layers).unwrap();
+        outs.iter().map(|o| download_f32(b, o)).collect::<Vec<_>>()
+    };
+    let (gv, cv) = (run(&*g), run(&*c));
+    for (i, (a, b)) in gv.iter().zip(&cv).enumerate() {
+        assert_close(&format!("w8a8 {:?}", scales[i]), a, b, 1e-4);
+    }
+    assert_ne!(cv[0], cv[1], "a static scale changes the product");
 }
 
 #[test]

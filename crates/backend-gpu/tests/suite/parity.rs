@@ -185,18 +185,26 @@ fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
 }
 
 /// W8A8 FP8 (`--quantization w8a8_fp8` over the compressed-tensors FP8
-/// fixture): the device's product (FP8 tensor cores on sm_89+, the
-/// E4M3-rounded input elsewhere) against the CPU's, on the prompts whose
-/// inputs lie clear of E4M3 rounding midpoints (`closest_tie` of
-/// w8a8-reference.json; nearer ones may round the other way on another
-/// device): logits within 1e-3 of their scale, greedy tokens identical.
+/// fixtures, with inputs quantized per 32 and with static input scales):
+/// the device's product (FP8 tensor cores on sm_89+, the E4M3-rounded input
+/// elsewhere) against the CPU's, on the prompts whose inputs lie clear of
+/// E4M3 rounding midpoints (`closest_tie` of w8a8-reference.json; nearer
+/// ones may round the other way on another device): logits within 1e-3 of
+/// their scale, greedy tokens identical.
 #[test]
 fn w8a8_fp8_matches_cpu() -> Result<()> {
+    for name in ["quant/fp8-dynamic", "quant/fp8-static"] {
+        w8a8_fp8_matches_cpu_on(name)?;
+    }
+    Ok(())
+}
+
+fn w8a8_fp8_matches_cpu_on(name: &str) -> Result<()> {
     let Some(g) = gpu() else { return Ok(()) };
     let g: Arc<dyn Backend> = g;
     let c = cpu();
     let registry = Registry::builtin()?;
-    let dir = fixture("quant/fp8-dynamic");
+    let dir = fixture(name);
     let load_on = |b: &Arc<dyn Backend>| -> Result<LoadedModel> {
         let float = registry.quant_methods.get("f32")?(&Default::default())?;
         let init = arbor_engine_core::QuantInit {
@@ -227,13 +235,13 @@ fn w8a8_fp8_matches_cpu() -> Result<()> {
         let p = ids(&p["input_ids"]);
         let lg = last_logits(&mg, &g, &p, DType::F32)?;
         let lc = last_logits(&mc, &c, &p, DType::F32)?;
-        assert_close(&format!("w8a8 prompt {i} logits"), &lg, &lc, 1e-3);
+        assert_close(&format!("{name} w8a8 prompt {i} logits"), &lg, &lc, 1e-3);
         let got = greedy(&mg, &g, std::slice::from_ref(&p), 16)?;
         let cpu = greedy(&mc, &c, std::slice::from_ref(&p), 16)?;
-        assert_eq!(got, cpu, "w8a8 prompt {i}: greedy tokens vs CPU");
+        assert_eq!(got, cpu, "{name} w8a8 prompt {i}: greedy tokens vs CPU");
         compared += 1;
     }
-    assert!(compared > 0, "no prompt clear of E4M3 ties");
+    assert!(compared > 0, "{name}: no prompt clear of E4M3 ties");
     Ok(())
 }
 

@@ -1,14 +1,17 @@
 // Rounds f32 activation rows to E4M3 for W8A8 FP8 weights (f8a8_s32), as
 // arbor-quant's scaled::round_input_e4m3: each run of 32 values of a row
 // becomes its E4M3 codes of v * (448 / amax) (nearest even, saturating at
-// 448) times the scale amax / 448, written as f32 to a dense [rows, k]
-// buffer. One invocation per run.
+// 448) times the scale amax / 448, or with a static input scale (scale > 0,
+// inv its reciprocal computed on the host) the codes of v * inv times
+// scale, written as f32 to a dense [rows, k] buffer. One invocation per run.
 
 struct P {
     blocks: u32,
     blocks_per_row: u32,
     x_off: u32,
     ldx: u32, // words between rows of x
+    inv: f32,
+    scale: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -43,15 +46,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     let row = b / p.blocks_per_row;
     let base = p.x_off + row * p.ldx + (b % p.blocks_per_row) * 32u;
-    var amax = 0.0;
-    for (var j = 0u; j < 32u; j = j + 1u) {
-        amax = max(amax, abs(x[base + j]));
+    var inv = p.inv;
+    var scale = p.scale;
+    if (scale <= 0.0) {
+        var amax = 0.0;
+        for (var j = 0u; j < 32u; j = j + 1u) {
+            amax = max(amax, abs(x[base + j]));
+        }
+        inv = 0.0;
+        if (amax > 0.0) {
+            inv = 448.0 / amax;
+        }
+        scale = amax / 448.0;
     }
-    var inv = 0.0;
-    if (amax > 0.0) {
-        inv = 448.0 / amax;
-    }
-    let scale = amax / 448.0;
     for (var j = 0u; j < 32u; j = j + 1u) {
         y[b * 32u + j] = round_e4m3(x[base + j] * inv) * scale;
     }

@@ -398,16 +398,8 @@ impl ExpertWeights {
         b.linear_many(
             x,
             &[
-                LinearRef {
-                    w: &self.gate,
-                    bias: None,
-                    out: &gate,
-                },
-                LinearRef {
-                    w: &self.up,
-                    bias: None,
-                    out: &up,
-                },
+                LinearRef::new(&self.gate, None, &gate),
+                LinearRef::new(&self.up, None, &up),
             ],
         )?;
         let act = b.alloc(DType::F32, &[n, inter])?;

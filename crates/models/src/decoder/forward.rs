@@ -5,23 +5,14 @@
 //! segments); the blocks write their output to `Pass::proj`, which the
 //! next norm adds to the residual stream.
 
-use super::{Attn, DecoderModel, Ffn, Layer, Linear, TpRank};
+use super::{Attn, DecoderModel, Ffn, Layer, TpRank};
 use crate::dp_attention::feed_forward_over_ranks;
 use arbor_engine_core::lora::{LoraSegment, LoraTarget, apply_lora};
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardBatch, ForwardContext, ForwardOutput,
-    KvScales, LinearRef, Result, RopeStyle, Tensor,
+    KvScales, Result, RopeStyle, Tensor,
 };
 use std::borrow::Cow;
-
-/// `l` applied into `out`, for `linear_many`.
-fn linear_ref<'a>(l: &'a Linear, out: &'a Tensor) -> LinearRef<'a> {
-    LinearRef {
-        w: &l.w,
-        bias: l.b.as_ref(),
-        out,
-    }
-}
 
 /// The buffers and batch views of one forward pass.
 struct Pass<'a> {
@@ -301,11 +292,7 @@ impl DecoderModel {
         let (b, eps, hd) = (p.b, self.cfg.rms_norm_eps, self.cfg.head_dim);
         match &layer.attn {
             Attn::Mha(m) => {
-                let qkv = [
-                    linear_ref(&m.q, &p.q),
-                    linear_ref(&m.k, &p.k),
-                    linear_ref(&m.v, &p.v),
-                ];
+                let qkv = [m.q.to(&p.q), m.k.to(&p.k), m.v.to(&p.v)];
                 b.linear_many(&p.x, &qkv)?;
                 p.lora(i, LoraTarget::Q, &p.x, &p.q)?;
                 p.lora(i, LoraTarget::K, &p.x, &p.k)?;
@@ -364,7 +351,7 @@ impl DecoderModel {
     fn feed_forward(&self, p: &Pass<'_>, i: usize, layer: &Layer) -> Result<()> {
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
-                p.b.linear_many(&p.x, &[linear_ref(gate, &p.gate), linear_ref(up, &p.up)])?;
+                p.b.linear_many(&p.x, &[gate.to(&p.gate), up.to(&p.up)])?;
                 p.lora(i, LoraTarget::Gate, &p.x, &p.gate)?;
                 p.lora(i, LoraTarget::Up, &p.x, &p.up)?;
                 p.b.silu_mul(&p.gate, &p.up, &p.act)?;

@@ -27,13 +27,31 @@ impl Loader<'_> {
             in_features: inp,
         };
         let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
+        let input_scale = match t.dtype {
+            DType::F8A8_S32 => self.opts.quant.input_scale(self.src, &spec)?,
+            _ => None,
+        };
+        self.static_input_scales += usize::from(input_scale.is_some());
         let w = self.upload(t)?;
         let bname = format!("{name}.bias");
         let b = match bias {
             Bias::Required => Some(self.vector_req(&bname, out)?),
             Bias::Optional => self.vector(&bname, out)?,
         };
-        Ok(Linear { w, b })
+        Ok(Linear { w, b, input_scale })
+    }
+}
+
+/// Gives the layers that take one input (Q/K/V, gate/up) the largest of
+/// their static input scales, as vLLM and SGLang do for the fused
+/// projection they load them into (`input_scale.max()`): one rounding of
+/// the input serves them all. Layers without one keep none.
+fn share_input_scale(layers: &mut [&mut Linear]) {
+    let max = layers.iter().filter_map(|l| l.input_scale).reduce(f32::max);
+    for l in layers.iter_mut() {
+        if l.input_scale.is_some() {
+            l.input_scale = max;
+        }
     }
 }
 
@@ -83,11 +101,17 @@ impl LayerLoad<'_> {
                 Some(m) if m.is_sparse(i) => {
                     Ffn::Moe(MoeBlock::load(l, m, i, h, self.moe_parallel.clone())?)
                 }
-                _ => Ffn::Dense {
-                    gate: l.linear(&format!("{p}.mlp.gate_proj"), inter, h, self.mlp_bias)?,
-                    up: l.linear(&format!("{p}.mlp.up_proj"), inter, h, self.mlp_bias)?,
-                    down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, self.mlp_bias)?,
-                },
+                _ => {
+                    let mut gate =
+                        l.linear(&format!("{p}.mlp.gate_proj"), inter, h, self.mlp_bias)?;
+                    let mut up = l.linear(&format!("{p}.mlp.up_proj"), inter, h, self.mlp_bias)?;
+                    share_input_scale(&mut [&mut gate, &mut up]);
+                    Ffn::Dense {
+                        gate,
+                        up,
+                        down: l.linear(&format!("{p}.mlp.down_proj"), h, inter, self.mlp_bias)?,
+                    }
+                }
             },
         })
     }
@@ -103,9 +127,10 @@ impl LayerLoad<'_> {
             cfg.head_dim,
         );
         let qkv = self.qkv_bias;
-        let q = l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv)?;
-        let k = l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv)?;
-        let v = l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv)?;
+        let mut q = l.linear(&format!("{p}.self_attn.q_proj"), nh * hd, h, qkv)?;
+        let mut k = l.linear(&format!("{p}.self_attn.k_proj"), nkv * hd, h, qkv)?;
+        let mut v = l.linear(&format!("{p}.self_attn.v_proj"), nkv * hd, h, qkv)?;
+        share_input_scale(&mut [&mut q, &mut k, &mut v]);
         let o = l.linear(&format!("{p}.self_attn.o_proj"), h, nh * hd, self.o_bias)?;
         let mut norm = |name: &str| -> Result<Option<Tensor>> {
             if self.flags.qk_norm {
@@ -279,7 +304,10 @@ impl DecoderModel {
             sliding_window: cfg.sliding_window,
             weight_dtype,
             weight_bytes: l.bytes,
-            quantization: opts.quant.name().to_string(),
+            quantization: match l.static_input_scales {
+                0 => opts.quant.name().to_string(),
+                n => format!("{}, {n} layers with static input scales", opts.quant.name()),
+            },
             checkpoint_kv_dtype: checkpoint_kv_dtype(&cfg, src),
             kv_values_in_keys: cfg.mla.is_some(),
         };

@@ -150,22 +150,27 @@ pub fn f32_to_e4m3(v: f32) -> u8 {
 /// W8A8 input quantization: each run of 32 values of `x` becomes the E4M3
 /// codes of `v * (448 / max |v|)` (as [`f32_to_e4m3`]) and the scale
 /// `max |v| / 448` (a run of zeros: codes 0, scale 0), so a value is about
-/// its code times its scale. The GPU's `quant_act_e4m3` computes the same
-/// bytes and scales. A tail of fewer than 32 values is ignored.
-pub fn quantize_input_e4m3(x: &[f32]) -> (Vec<u8>, Vec<f32>) {
+/// its code times its scale; with a static scale `s`, the codes of
+/// `v * (1 / s)` (saturating at ±448) and the scale `s` for every run. The
+/// GPU's `quant_act_e4m3` computes the same bytes and scales. A tail of
+/// fewer than 32 values is ignored.
+pub fn quantize_input_e4m3(x: &[f32], static_scale: Option<f32>) -> (Vec<u8>, Vec<f32>) {
     let mut codes = Vec::with_capacity(x.len());
     let mut scales = Vec::with_capacity(x.len() / 32);
     for run in x.chunks_exact(32) {
-        let (inv, scale) = input_run_scales(run);
+        let (inv, scale) = input_run_scales(run, static_scale);
         codes.extend(run.iter().map(|&v| f32_to_e4m3(v * inv)));
         scales.push(scale);
     }
     (codes, scales)
 }
 
-/// A run of 32 inputs' `448 / max |v|` (0 for a run of zeros) and scale
-/// `max |v| / 448`.
-fn input_run_scales(run: &[f32]) -> (f32, f32) {
+/// A run of 32 inputs' multiplier and scale: `448 / max |v|` (0 for a run
+/// of zeros) and `max |v| / 448`, or `1 / s` and `s` for a static scale.
+fn input_run_scales(run: &[f32], static_scale: Option<f32>) -> (f32, f32) {
+    if let Some(s) = static_scale {
+        return (1.0 / s, s);
+    }
     let amax = run.iter().fold(0f32, |a, v| a.max(v.abs()));
     let inv = if amax > 0.0 { 448.0 / amax } else { 0.0 };
     (inv, amax / 448.0)
@@ -175,9 +180,9 @@ fn input_run_scales(run: &[f32]) -> (f32, f32) {
 /// `e4m3 × scale` in f32 ([`round_e4m3`]; a NaN input stays NaN): what
 /// `f8a8_s32` weights multiply. `x.len()` must be
 /// a multiple of 32; `out` is overwritten.
-pub fn round_input_e4m3(x: &[f32], out: &mut [f32]) {
+pub fn round_input_e4m3(x: &[f32], static_scale: Option<f32>, out: &mut [f32]) {
     for (run, o) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        let (inv, scale) = input_run_scales(run);
+        let (inv, scale) = input_run_scales(run, static_scale);
         for (y, &v) in o.iter_mut().zip(run) {
             *y = round_e4m3(v * inv) * scale;
         }
@@ -470,7 +475,7 @@ mod tests {
         let mut x: Vec<f32> = (0..96).map(|i| (i as f32 - 40.0) * 0.25).collect();
         x[32..64].fill(0.0);
         x.push(1.0); // a tail shorter than 32: ignored
-        let (codes, scales) = quantize_input_e4m3(&x);
+        let (codes, scales) = quantize_input_e4m3(&x, None);
         assert_eq!((codes.len(), scales.len()), (96, 3));
         // Run 0: max |x| = 10 (x[0] = -10) is the code of -448.
         assert_eq!(scales[0], 10.0 / 448.0);
@@ -531,15 +536,42 @@ mod tests {
         let x: Vec<f32> = (0..128)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
             .collect();
-        let (codes, scales) = quantize_input_e4m3(&x);
-        let mut rounded = vec![f32::NAN; 128];
-        round_input_e4m3(&x, &mut rounded);
-        for (i, &r) in rounded.iter().enumerate() {
-            assert_eq!(r, e4m3_to_f32(codes[i]) * scales[i / 32], "{i}");
+        for static_scale in [None, Some(0.0015), Some(0.37)] {
+            let (codes, scales) = quantize_input_e4m3(&x, static_scale);
+            let mut rounded = vec![f32::NAN; 128];
+            round_input_e4m3(&x, static_scale, &mut rounded);
+            for (i, &r) in rounded.iter().enumerate() {
+                assert_eq!(r, e4m3_to_f32(codes[i]) * scales[i / 32], "{i}");
+            }
         }
         // A run's largest magnitude keeps its value: it is the code ±448.
+        let mut rounded = vec![f32::NAN; 128];
+        round_input_e4m3(&x, None, &mut rounded);
         let top = x[..32].iter().fold(0f32, |a, v| a.max(v.abs()));
         assert!(rounded[..32].iter().any(|v| v.abs() == top));
+    }
+
+    /// A static scale `s` is every run's: the codes are those of
+    /// `x · (1/s)`, saturating at ±448 (x = ±0.65 with s = 0.0015 is ±433,
+    /// within range; ±0.66 is 440 and beyond that 448), and the values
+    /// `code · s`.
+    #[test]
+    fn a_static_input_scale_is_every_runs_and_saturates() {
+        let x: Vec<f32> = (0..64).map(|i| (i as f32 - 32.0) * 0.025).collect();
+        let s = 0.0015f32;
+        let (codes, scales) = quantize_input_e4m3(&x, Some(s));
+        assert_eq!(scales, vec![s, s]);
+        for (i, (&c, &v)) in codes.iter().zip(&x).enumerate() {
+            assert_eq!(c, f32_to_e4m3(v * (1.0 / s)), "{i}");
+            if (v * (1.0 / s)).abs() > 464.0 {
+                assert_eq!(c & 0x7f, 0x7e, "{i}: {v} saturates at 448");
+            }
+        }
+        let mut rounded = vec![f32::NAN; 64];
+        round_input_e4m3(&x, Some(s), &mut rounded);
+        assert_eq!(rounded[0], -448.0 * s);
+        assert_eq!(rounded[63], 448.0 * s);
+        assert_eq!(rounded[32], 0.0);
     }
 
     #[test]

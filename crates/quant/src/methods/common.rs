@@ -398,15 +398,15 @@ pub fn scalar(src: &dyn WeightSource, name: &str, t: &HostTensor<'_>) -> Result<
     Ok(floats(src, name, t)?.first().copied())
 }
 
-/// Checks an optional static activation scale (`input_scale`): one finite
-/// positive value when present.
-pub fn check_input_scale(src: &dyn WeightSource, prefix: &str) -> Result<()> {
+/// A layer's optional static activation scale (`{prefix}.input_scale`),
+/// checked: one finite positive value when present.
+pub fn static_input_scale(src: &dyn WeightSource, prefix: &str) -> Result<Option<f32>> {
     let name = format!("{prefix}.input_scale");
     let Some(t) = src.tensor(&name)? else {
-        return Ok(());
+        return Ok(None);
     };
     match scalar(src, &name, &t)? {
-        Some(v) if v.is_finite() && v > 0.0 => Ok(()),
+        Some(v) if v.is_finite() && v > 0.0 => Ok(Some(v)),
         Some(v) => Err(in_tensor(
             src,
             &name,

@@ -18,8 +18,8 @@
 //!   group `weight_g_idx[c]` instead of `c / group_size`.
 
 use super::common::{
-    Excluded, IntWeight, ScaleMap, anchored, bad_shape, check_input_scale, floats, group_index,
-    ints, store_float, string, tensor, uint,
+    Excluded, IntWeight, ScaleMap, anchored, bad_shape, floats, group_index, ints,
+    static_input_scale, store_float, string, tensor, uint,
 };
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
@@ -344,7 +344,7 @@ impl QuantMethod for CompressedTensors {
                     ));
                 }
                 let scales = self.scales(src, spec.prefix, scheme.strategy, n, k)?;
-                check_input_scale(src, spec.prefix)?;
+                static_input_scale(src, spec.prefix)?;
                 store_f8(src, &name, &t.data, n, k, &scales, caps)
             }
         }

@@ -14,7 +14,7 @@
 //! channel, `amax / 448`, rounding to nearest even.
 
 use super::common::{
-    Excluded, ScaleMap, bad_shape, check_input_scale, floats, for_device, pack_f8, scalar,
+    Excluded, ScaleMap, bad_shape, floats, for_device, pack_f8, scalar, static_input_scale,
     store_float, string, tensor,
 };
 use crate::DType;
@@ -222,7 +222,7 @@ impl QuantMethod for Fp8Method {
         match t.dtype {
             DType::F8E4M3 => {
                 let scales = self.scales(src, spec.prefix, n, k)?;
-                check_input_scale(src, spec.prefix)?;
+                static_input_scale(src, spec.prefix)?;
                 store_f8(src, &name, &t.data, n, k, &scales, caps)
             }
             d if d.is_float() && self.serialized => {

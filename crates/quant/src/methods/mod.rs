@@ -20,10 +20,11 @@
 //!
 //! Activations stay f32 on every path but `w8a8_fp8`'s (a weight-only
 //! product, as vLLM's Marlin kernels run FP8 checkpoints on GPUs without
-//! FP8 units): static `input_scale` tensors are checked (present, positive,
-//! finite) but not applied. `w8a8_fp8` (also over an FP8 checkpoint:
-//! `--quantization w8a8_fp8`) stores FP8 layers as `f8a8_s32`, whose inputs
-//! are rounded to E4M3 per 32 before the product.
+//! FP8 units): static `input_scale` tensors are checked (positive and
+//! finite when present) but not applied. `w8a8_fp8` (also over an FP8
+//! checkpoint: `--quantization w8a8_fp8`) stores FP8 layers as `f8a8_s32`,
+//! whose inputs are rounded to E4M3 before the product: with the
+//! checkpoint's static `input_scale` where it has one, else per run of 32.
 
 mod common;
 mod compressed;

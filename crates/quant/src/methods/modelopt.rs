@@ -17,7 +17,7 @@
 //! a name without one matches as a part of the layer name.
 
 use super::common::{
-    Excluded, bad_shape, check_input_scale, for_device, scalar, store_float, string, tensor,
+    Excluded, bad_shape, for_device, scalar, static_input_scale, store_float, string, tensor,
 };
 use super::fp8::{channel_or_tensor_scales, store_f8};
 use crate::DType;
@@ -168,7 +168,7 @@ impl ModelOpt {
             }
             None => return Err(bad_shape(src, &gname, &g.shape, "[] or [1]")),
         };
-        check_input_scale(src, p)?;
+        static_input_scale(src, p)?;
         let mut out = vec![0u8; n * groups * 12];
         let mut codes = [0u8; 16];
         for r in 0..n {
@@ -233,7 +233,7 @@ impl QuantMethod for ModelOpt {
                     ));
                 }
                 let scales = channel_or_tensor_scales(src, &format!("{p}.weight_scale"), n)?;
-                check_input_scale(src, p)?;
+                static_input_scale(src, p)?;
                 store_f8(src, &name, &t.data, n, k, &scales, caps)
             }
         }

@@ -8,7 +8,14 @@
 //! then marks each FP8 linear stored as `f8_s32` blocks as `f8a8_s32`: the
 //! same bytes, whose product first rounds each run of 32 inputs of a row to
 //! E4M3 with the scale `max|x| / 448` (dynamic, finer than SGLang's one
-//! scale per token; a static `input_scale` is not used). FP8 tensor cores
+//! scale per token). Where the checkpoint calibrated a static activation
+//! scale (`input_scale`: compressed-tensors with static input activations,
+//! `fp8` with `activation_scheme: static`, ModelOpt FP8), the inputs are
+//! rounded with it instead, `e4m3(x · (1/s)) · s` saturating at ±448, as
+//! vLLM and SGLang run such checkpoints on FP8 hardware
+//! ([`QuantMethod::input_scale`]; the model gives the layers of one input
+//! the largest of their scales, as those engines' fused projections do).
+//! FP8 tensor cores
 //! (sm_89+) multiply those codes directly; every other device multiplies
 //! the rounded values, so all of them compute the same product. Layers the
 //! inner method leaves in float, or FP8 ones whose layout does not fit
@@ -18,6 +25,7 @@
 //! stores in another quantized format (an NVFP4 or INT4 checkpoint) is an
 //! error naming the tensor.
 
+use super::common::static_input_scale;
 use super::fp8::Fp8Method;
 use crate::DType;
 use arbor_engine_core::{
@@ -85,6 +93,10 @@ impl QuantMethod for W8a8Fp8 {
             );
         }
         Ok(t)
+    }
+
+    fn input_scale(&self, src: &dyn WeightSource, spec: &LinearSpec<'_>) -> Result<Option<f32>> {
+        static_input_scale(src, spec.prefix)
     }
 
     fn over_checkpoint(&self, checkpoint: Arc<dyn QuantMethod>) -> Option<Arc<dyn QuantMethod>> {
