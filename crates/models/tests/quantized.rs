@@ -395,14 +395,7 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
         let (m8, b8) = load(&dir, weight_only)?;
         assert_eq!(m8.model.spec().weight_dtype, DType::F8_S32, "{name}");
         let plain = last_logits(&m8, &b8, DType::F32, reference)?;
-        let prompts = reference["prompts"].as_array().context("prompts")?;
-        for (i, (got, p)) in plain.iter().zip(prompts).enumerate() {
-            let want = floats(&p["last_logits"]);
-            let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-            let err = max_abs_diff(got, &want);
-            println!("{name} prompt {i}: weight-only FP8 is {err:.2e} from the W8A8 reference");
-            assert!(err > 10.0 * EXACT.logits * max, "{name} prompt {i}: {err}");
-        }
+        misses_far(&format!("{name}: weight-only FP8"), &plain, reference)?;
     }
     // Without its input scales the static checkpoint's inputs are rounded
     // per 32, which misses the static reference by far more than the f32
@@ -414,14 +407,7 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
     )?;
     let (md, bd) = load(dynamic.path(), Some("w8a8_fp8"))?;
     let got = last_logits(&md, &bd, DType::F32, &static_ref)?;
-    let prompts = static_ref["prompts"].as_array().context("prompts")?;
-    for (i, (got, p)) in got.iter().zip(prompts).enumerate() {
-        let want = floats(&p["last_logits"]);
-        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = max_abs_diff(got, &want);
-        println!("fp8-static prompt {i}: W8A8 per 32 is {err:.2e} from the static reference");
-        assert!(err > 10.0 * EXACT.logits * max, "prompt {i}: {err}");
-    }
+    misses_far("fp8-static: W8A8 per 32", &got, &static_ref)?;
     // W8A8 applies over FP8 checkpoints only: another method's refuses it,
     // and so does a layer that the methods it does apply over store in
     // another format (ModelOpt NVFP4, compressed-tensors W4A16).
@@ -436,6 +422,21 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
             e.contains(&format!("stored as {stored}")) && e.contains("q_proj.weight"),
             "{name}: {e}"
         );
+    }
+    Ok(())
+}
+
+/// Checks that each prompt's last logits in `got` (another product of the
+/// same weights, `what`) miss `reference`'s by more than ten times the f32
+/// tolerance.
+fn misses_far(what: &str, got: &[Vec<f32>], reference: &Value) -> Result<()> {
+    let prompts = reference["prompts"].as_array().context("prompts")?;
+    for (i, (got, p)) in got.iter().zip(prompts).enumerate() {
+        let want = floats(&p["last_logits"]);
+        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let err = max_abs_diff(got, &want);
+        println!("{what} prompt {i}: {err:.2e} from the reference");
+        assert!(err > 10.0 * EXACT.logits * max, "{what} prompt {i}: {err}");
     }
     Ok(())
 }
