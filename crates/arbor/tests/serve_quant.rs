@@ -1,7 +1,8 @@
 //! End to end: `arbor serve` on the quantized HF checkpoints of
 //! tests/fixtures/quant (FP8 blocks, AWQ, NVFP4), on a float checkpoint
 //! with `--quantization fp8` and with W8A8 (`--quantization w8a8_fp8`, also
-//! over an FP8 checkpoint). Each serves greedy completions over HTTP equal
+//! over an FP8 checkpoint), and pre-quantized checkpoints over two
+//! tensor-parallel ranks. Each serves greedy completions over HTTP equal
 //! to the format's reference (up to its first near-tie), names
 //! the method in the start-up summary, refuses a conflicting
 //! `--quantization` with a message, and returns every KV page.
@@ -136,6 +137,27 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
         "{}",
         s.logs()
     );
+    Ok(())
+}
+
+/// A pre-quantized checkpoint over two tensor-parallel ranks
+/// (`--tp-size 2`; tp-fp8: compressed-tensors FP8, tp-gptq8: 8-bit GPTQ,
+/// each linear splitting into whole blocks of 32 inputs) serves the
+/// completions of its numpy reference, and returns every KV page.
+#[tokio::test]
+async fn pre_quantized_checkpoints_serve_over_two_ranks() -> Result<()> {
+    let c = client();
+    for (name, summary) in [
+        ("quant/tp-fp8", "f8_s32 (compressed-tensors)"),
+        ("quant/tp-gptq8", "u8_s32 (gptq)"),
+    ] {
+        let model = fixture(name);
+        let reference: Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{model}/reference.json"))?)?;
+        let s = start(&model, &["--dtype", "f32", "--tp-size", "2"])?;
+        assert!(s.log_contains(summary), "{name}: {}", s.logs());
+        check_greedy(&c, &s, name, &reference).await?;
+    }
     Ok(())
 }
 

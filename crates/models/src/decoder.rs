@@ -166,7 +166,7 @@ impl DecoderModel {
             flags,
             &sharded,
             opts,
-            Some(tp),
+            Some((tp, &sharded)),
             true,
         )
     }

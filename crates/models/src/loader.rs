@@ -4,6 +4,7 @@
 //! or quantizes it through the load options' method, uploads it to the
 //! backend, and counts progress and uploaded bytes.
 
+use crate::shard::ShardedSource;
 use arbor_engine_core::{
     CoreError, DType, HostTensor, LinearSpec, LoadOptions, Result, Tensor, WeightSource,
 };
@@ -16,8 +17,11 @@ pub(crate) struct Loader<'a> {
     total: usize,
     /// Bytes uploaded so far.
     pub(crate) bytes: u64,
-    /// Linears loaded with a static input scale (W8A8 FP8).
+    /// Linears loaded with a static input scale they apply (W8A8 FP8).
     pub(crate) static_input_scales: usize,
+    /// A tensor-parallel rank's source, for the layers it loads whole and
+    /// cuts after conversion (pre-quantized checkpoints).
+    shard: Option<&'a ShardedSource<'a>>,
 }
 
 impl<'a> Loader<'a> {
@@ -30,7 +34,49 @@ impl<'a> Loader<'a> {
             total,
             bytes: 0,
             static_input_scales: 0,
+            shard: None,
         }
+    }
+
+    /// A loader of rank `shard`'s slices (`src` is `shard` itself).
+    pub(crate) fn with_shard(self, shard: Option<&'a ShardedSource<'a>>) -> Self {
+        Self { shard, ..self }
+    }
+
+    /// The stored weight of the linear layer `prefix` (this rank's
+    /// `out` x `inp` share), as the method loads it, and its static input
+    /// scale if it has one (W8A8 FP8). A rank of a pre-quantized checkpoint
+    /// loads the whole layer and keeps its share of the stored form.
+    pub(crate) fn linear_weight(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<(HostTensor<'a>, Option<f32>)> {
+        let caps = self.opts.backend.capabilities().clone();
+        let share = match self.shard {
+            Some(s) => s.stored_share(prefix)?.map(|share| (s, share)),
+            None => None,
+        };
+        let (src, (out_features, in_features)) = match share {
+            Some((s, share)) => (s.whole(), share.whole_shape(out, inp)),
+            None => (self.src, (out, inp)),
+        };
+        let spec = LinearSpec {
+            prefix,
+            out_features,
+            in_features,
+        };
+        let t = self.opts.quant.load_linear(src, &spec, &caps)?;
+        let input_scale = match t.dtype {
+            DType::F8A8_S32 => self.opts.quant.input_scale(src, &spec)?,
+            _ => None,
+        };
+        let t = match share {
+            Some((s, share)) => s.share_of(prefix, t, share)?,
+            None => t,
+        };
+        Ok((t, input_scale))
     }
 
     fn fetch(&self, name: &str, shape: &[usize]) -> Result<Option<HostTensor<'a>>> {
@@ -143,15 +189,11 @@ impl<'a> Loader<'a> {
     }
 
     /// The weight of a linear without bias (`{prefix}.weight`, or its
-    /// quantized tensors), stored as the quantization method decides.
+    /// quantized tensors), stored as the quantization method decides (MoE
+    /// experts, latent attention: a static input scale is not applied, a
+    /// W8A8 weight rounding its inputs per 32).
     pub(crate) fn matrix(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
-        let caps = self.opts.backend.capabilities().clone();
-        let spec = LinearSpec {
-            prefix,
-            out_features: out,
-            in_features: inp,
-        };
-        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
+        let (t, _) = self.linear_weight(prefix, out, inp)?;
         self.upload(t)
     }
 }

@@ -19,15 +19,22 @@
 //! (`self_attn` tensors), embeddings and LM head, and only the feed-forward
 //! layers are split as above.
 //!
+//! A pre-quantized checkpoint's split layers (FP8 `weight` and its scales,
+//! AWQ/GPTQ `qweight`, compressed-tensors `weight_packed`, NVFP4) are not
+//! cut tensor by tensor: the loader loads each whole, in the method's
+//! stored form, and keeps this rank's rows or columns of that
+//! ([`ShardedSource::stored_share`]), so every format splits the same way and
+//! a rank's weights are exactly its share of the one-device weights.
+//!
 //! Invariants: a rank's slice of a column split is rows `[r·n/w, (r+1)·n/w)`,
 //! of a row split columns `[r·k/w, (r+1)·k/w)`; quantized rows are cut only
 //! at block boundaries; a checkpoint tensor this layout does not know under a
-//! split module (pre-quantized `qweight`, scales) is an error, not silently
-//! replicated.
+//! split module (pre-quantized `qweight`, scales) is an error when read
+//! through this source, not silently replicated.
 
 use crate::config::DecoderConfig;
 use crate::moe::MoeConfig;
-use arbor_engine_core::{CoreError, HostTensor, Result, WeightSource};
+use arbor_engine_core::{CoreError, DType, HostTensor, Result, WeightSource};
 use std::borrow::Cow;
 
 /// How one tensor is split.
@@ -41,6 +48,25 @@ enum Split {
     RankZero,
     /// Every rank holds all of it.
     Whole,
+}
+
+/// How a rank takes its share of a linear layer it loads whole
+/// ([`ShardedSource::stored_share`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StoredShare {
+    split: Split,
+    world: usize,
+}
+
+impl StoredShare {
+    /// The whole layer's `(out, in)` features for a rank's `(out, in)`.
+    pub(crate) fn whole_shape(self, out: usize, inp: usize) -> (usize, usize) {
+        match self.split {
+            Split::Rows => (out * self.world, inp),
+            Split::Cols => (out, inp * self.world),
+            Split::Whole | Split::RankZero => (out, inp),
+        }
+    }
 }
 
 /// The rank's shapes: heads (unless `whole_attention`), MLP and expert
@@ -175,6 +201,51 @@ impl<'a> ShardedSource<'a> {
         Ok(split)
     }
 
+    /// The checkpoint this rank's slices are cut from.
+    pub fn whole(&self) -> &'a dyn WeightSource {
+        self.inner
+    }
+
+    /// How this rank takes its share of the linear layer `prefix` when
+    /// its checkpoint form is one this source cannot cut (a pre-quantized
+    /// checkpoint's `weight` and scales, `qweight`, `weight_packed`): the
+    /// loader then loads the whole layer from [`ShardedSource::whole`] and
+    /// cuts the stored weight with [`ShardedSource::share_of`]. `None` for
+    /// layers this source cuts itself (float and GGUF-typed weights, which
+    /// the method then converts share by share) and for whole layers.
+    pub(crate) fn stored_share(&self, prefix: &str) -> Result<Option<StoredShare>> {
+        let name = format!("{prefix}.weight");
+        let cuttable = |d: DType| d.is_float() || (d.is_quantized() && !d.is_scaled_block());
+        if self.inner.tensor(&name)?.is_some_and(|t| cuttable(t.dtype)) {
+            return Ok(None);
+        }
+        Ok(match self.split_of(&name)? {
+            Split::Rows => Some(StoredShare {
+                split: Split::Rows,
+                world: self.world,
+            }),
+            Split::Cols => Some(StoredShare {
+                split: Split::Cols,
+                world: self.world,
+            }),
+            Split::Whole | Split::RankZero => None,
+        })
+    }
+
+    /// This rank's share of the stored weight `t` (the whole linear layer
+    /// `prefix`, in the method's stored form): its rows, or its columns in
+    /// whole blocks of the stored dtype (an error naming the tensor when
+    /// they are not, as vLLM refuses a share that splits a quantization
+    /// group).
+    pub(crate) fn share_of<'t>(
+        &self,
+        prefix: &str,
+        t: HostTensor<'t>,
+        share: StoredShare,
+    ) -> Result<HostTensor<'t>> {
+        self.slice(&format!("{prefix}.weight"), t, share.split)
+    }
+
     fn unknown(&self, name: &str) -> CoreError {
         CoreError::unsupported(format!(
             "{}: tensor parallelism of checkpoint tensor '{name}' (only float and GGUF-typed \
@@ -274,6 +345,86 @@ mod tests {
         fn tensor(&self, _: &str) -> Result<Option<HostTensor<'_>>> {
             Ok(Some(self.0.clone()))
         }
+    }
+
+    /// Two tensors by name.
+    struct Two(HostTensor<'static>, HostTensor<'static>);
+    impl WeightSource for Two {
+        fn describe(&self) -> String {
+            "test".into()
+        }
+        fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>> {
+            Ok(match name {
+                "model.layers.0.self_attn.o_proj.weight" => Some(self.0.clone()),
+                "model.layers.0.mlp.up_proj.weight" => Some(self.1.clone()),
+                _ => None,
+            })
+        }
+    }
+
+    /// Layers whose checkpoint weight is float or GGUF-typed are cut by the
+    /// source; others (a pre-quantized FP8 weight, an absent `weight` as
+    /// AWQ's) are loaded whole and cut in their stored form: rows as bytes,
+    /// columns in whole blocks of the stored dtype.
+    #[test]
+    fn pre_quantized_layers_are_cut_after_conversion() {
+        let f8 = HostTensor {
+            dtype: DType::F8E4M3,
+            shape: vec![4, 128],
+            data: Cow::Owned(vec![0x38; 512]),
+        };
+        let float = HostTensor::from_f32(&[4, 64], &[0.5; 256]);
+        let src = Two(f8, float);
+        let s = ShardedSource::new(&src, 1, 2, true, false);
+        assert!(
+            s.stored_share("model.layers.0.mlp.up_proj")
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            s.stored_share("model.layers.0.input_layernorm")
+                .unwrap()
+                .is_none()
+        );
+        let cols = s
+            .stored_share("model.layers.0.self_attn.o_proj")
+            .unwrap()
+            .unwrap();
+        assert_eq!(cols.whole_shape(4, 64), (4, 128));
+        let rows = s
+            .stored_share("model.layers.0.mlp.gate_proj")
+            .unwrap()
+            .unwrap();
+        assert_eq!(rows.whole_shape(2, 128), (4, 128));
+        // A stored f8_s32 layer of 4 x 128: four blocks of 36 bytes a row,
+        // each byte its block's index.
+        let data: Vec<u8> = (0..16u8).flat_map(|b| [b; 36]).collect();
+        let stored = HostTensor {
+            dtype: DType::F8_S32,
+            shape: vec![4, 128],
+            data: Cow::Owned(data),
+        };
+        let c = s.share_of("o", stored.clone(), cols).unwrap();
+        assert_eq!(c.shape, vec![4, 64]);
+        let blocks: Vec<u8> = c.data.chunks(36).map(|b| b[0]).collect();
+        assert_eq!(blocks, vec![2, 3, 6, 7, 10, 11, 14, 15]);
+        let r = s.share_of("g", stored, rows).unwrap();
+        assert_eq!(r.shape, vec![2, 128]);
+        assert_eq!(
+            r.data.chunks(36).map(|b| b[0]).collect::<Vec<_>>(),
+            (8..16).collect::<Vec<u8>>()
+        );
+        // 96 columns cut in two are not whole blocks of 32.
+        let odd = HostTensor {
+            dtype: DType::F8_S32,
+            shape: vec![1, 96],
+            data: Cow::Owned(vec![0; 108]),
+        };
+        let e = s.share_of("model.x", odd, cols).unwrap_err().to_string();
+        assert!(
+            e.contains("'model.x.weight'") && e.contains("whole blocks"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! with all-to-all dispatch and combine) — continues the reference prompts greedily
 //! exactly as transformers did (the fixtures' reference.json), as one batch
 //! with chunked prefill and again from the radix cache, and ends with the
-//! KV pool empty. Shapes the group size does not divide are clear errors.
+//! KV pool empty; so do pre-quantized checkpoints (FP8, GPTQ, W8A8 with
+//! static input scales) against their numpy references. Shapes the group
+//! size does not divide are clear errors.
 
 use anyhow::{Context, Result};
 use arbor_backend_cpu::CpuBackend;
@@ -97,7 +99,18 @@ fn shards_as(
 }
 
 fn engine(registry: &Registry, name: &str, world: usize, ep: ExpertSharding) -> Result<Engine> {
-    let (models, backends, comms) = shards(registry, name, world, ep)?;
+    engine_as(registry, name, world, ep, "f32")
+}
+
+/// [`engine`] over shards loaded by the quantization method `method`.
+fn engine_as(
+    registry: &Registry,
+    name: &str,
+    world: usize,
+    ep: ExpertSharding,
+    method: &str,
+) -> Result<Engine> {
+    let (models, backends, comms) = shards_as(registry, name, world, ep, method)?;
     let ranks = models
         .iter()
         .zip(&backends)
@@ -267,6 +280,75 @@ fn group_sizes_that_do_not_divide_are_named_errors() -> Result<()> {
         e.contains("--ep-size applies to mixture-of-experts models only"),
         "{e}"
     );
+    // A pre-quantized checkpoint splits its layers in whole blocks of 32
+    // inputs: tiny-llama's down_proj share at 2 ranks is 80.
+    let e = err("quant/fp8-dynamic", 2, ExpertSharding::Split);
+    assert!(
+        e.contains("cannot split tensor 'model.layers.0.mlp.down_proj.weight'")
+            && e.contains("whole blocks"),
+        "{e}"
+    );
+    Ok(())
+}
+
+/// Pre-quantized checkpoints (compressed-tensors FP8 per channel, 8-bit
+/// GPTQ) over two ranks: each rank loads a layer whole in the method's
+/// block form and keeps its rows or whole blocks of its columns, so the
+/// ranks hold exactly the one-device weights; the engine continues the
+/// prompts as the numpy forward of those weights does (up to its first
+/// step with a margin under 1e-3), batched and from the cache, and ends with
+/// the KV pool empty. With `--quantization w8a8_fp8` the FP8 one rounds
+/// each share's inputs with the layer's static scale, so the tie-clear
+/// prompts continue as its W8A8 reference does.
+#[test]
+fn quantized_checkpoints_under_tp2_continue_their_reference() -> Result<()> {
+    let registry = Registry::builtin()?;
+    for (name, method, reference, stored) in [
+        ("quant/tp-fp8", "f32", "reference.json", DType::F8_S32),
+        ("quant/tp-gptq8", "f32", "reference.json", DType::U8_S32),
+        (
+            "quant/tp-fp8",
+            "w8a8_fp8",
+            "w8a8-reference.json",
+            DType::F8A8_S32,
+        ),
+    ] {
+        let (models, ..) = shards_as(&registry, name, 2, ExpertSharding::Split, method)?;
+        for m in &models {
+            assert_eq!(m.model.spec().weight_dtype, stored, "{name} {method}");
+        }
+        let text = std::fs::read_to_string(fixture(name).join(reference))?;
+        let r: Value = serde_json::from_str(&text)?;
+        let cases: Vec<&Value> = r["prompts"]
+            .as_array()
+            .context("prompts")?
+            .iter()
+            .filter(|p| p["closest_tie"].as_f64().unwrap_or(1.0) >= 1e-6)
+            .collect();
+        assert!(
+            !cases.is_empty(),
+            "{name} {method}: no prompt clear of ties"
+        );
+        let prompts: Vec<Vec<u32>> = cases.iter().map(|p| ids(&p["input_ids"])).collect();
+        let e = engine_as(&registry, name, 2, ExpertSharding::Split, method)?;
+        for pass in ["batched", "cached"] {
+            for ((got, p), i) in run(&e, &prompts)?.iter().zip(&cases).zip(0..) {
+                let want = ids(&p["greedy_ids"]);
+                let sure = p["margins"]
+                    .as_array()
+                    .context("margins")?
+                    .iter()
+                    .position(|m| m.as_f64().unwrap_or(0.0) < 1e-3)
+                    .unwrap_or(want.len());
+                assert_eq!(
+                    got[..sure],
+                    want[..sure],
+                    "{name} {method} prompt {i}, {pass} (up to step {sure})"
+                );
+            }
+        }
+        assert_pool_empty(&e);
+    }
     Ok(())
 }
 

@@ -14,23 +14,14 @@ use crate::kv_scales;
 use crate::loader::Loader;
 use crate::mla::MlaAttn;
 use crate::moe::{MoeBlock, MoeConfig, MoeParallel};
+use crate::shard::ShardedSource;
 use arbor_engine_core::{
-    CoreError, DType, KvScales, LinearSpec, LoadOptions, ModelSpec, Result, Tensor, WeightSource,
+    CoreError, DType, KvScales, LoadOptions, ModelSpec, Result, Tensor, WeightSource,
 };
 
 impl Loader<'_> {
     fn linear(&mut self, name: &str, out: usize, inp: usize, bias: Bias) -> Result<Linear> {
-        let caps = self.opts.backend.capabilities().clone();
-        let spec = LinearSpec {
-            prefix: name,
-            out_features: out,
-            in_features: inp,
-        };
-        let t = self.opts.quant.load_linear(self.src, &spec, &caps)?;
-        let input_scale = match t.dtype {
-            DType::F8A8_S32 => self.opts.quant.input_scale(self.src, &spec)?,
-            _ => None,
-        };
+        let (t, input_scale) = self.linear_weight(name, out, inp)?;
         self.static_input_scales += usize::from(input_scale.is_some());
         let w = self.upload(t)?;
         let bname = format!("{name}.bias");
@@ -226,9 +217,13 @@ impl DecoderModel {
         flags: ArchFlags,
         src: &dyn WeightSource,
         opts: &LoadOptions,
-        tp: Option<TpRank>,
+        tp: Option<(TpRank, &ShardedSource<'_>)>,
         table: bool,
     ) -> Result<Self> {
+        let (tp, shard) = match tp {
+            Some((rank, shard)) => (Some(rank), Some(shard)),
+            None => (None, None),
+        };
         let h = cfg.hidden_size;
         if cfg.mla.is_none() && cfg.rope_scaling.attention_factor() != 1.0 {
             return Err(CoreError::unsupported(format!(
@@ -237,7 +232,7 @@ impl DecoderModel {
                 cfg.rope_scaling.attention_factor()
             )));
         }
-        let mut l = Loader::new(src, opts, tensor_count(&cfg, moe, flags));
+        let mut l = Loader::new(src, opts, tensor_count(&cfg, moe, flags)).with_shard(shard);
         let head_is_table = cfg.tie_word_embeddings || src.tensor("lm_head.weight")?.is_none();
         let embed = if table || head_is_table {
             Some(l.weight("model.embed_tokens.weight", &[cfg.vocab_size, h])?)
