@@ -17,8 +17,10 @@ gguf=${ARBOR_DEFAULT_GGUF:-$HOME/.cache/arbor/models/SmolLM2-135M-Instruct.Q4_1.
 threads=${THREADS:-2}
 batch=${BATCH:-1}
 read -r -a matmuls <<<"${MATMULS:-f32}"
-# w8a8: the fp8-dynamic folder served with --quantization w8a8_fp8 (inputs rounded to E4M3).
-formats=(bf16 fp8-block fp8-dynamic w8a8 awq gptq w4a16 nvfp4 gguf-q4_1)
+# w8a8: the fp8-dynamic folder served with --quantization w8a8_fp8 (inputs rounded to E4M3 per
+# 32); w8a8-static: the fp8-static folder so served (inputs rounded with its static scales).
+# FORMATS="..." picks some of them.
+read -r -a formats <<<"${FORMATS:-bf16 fp8-block fp8-dynamic w8a8 fp8-static w8a8-static awq gptq w4a16 nvfp4 gguf-q4_1}"
 out=$(mktemp)
 for r in $(seq "$rounds"); do
   for f in "${formats[@]}"; do
@@ -26,13 +28,14 @@ for r in $(seq "$rounds"); do
     case $f in
       gguf-q4_1) path=$gguf ;;
       w8a8) path=$dir/fp8-dynamic extra=(--quantization w8a8_fp8) ;;
+      w8a8-static) path=$dir/fp8-static extra=(--quantization w8a8_fp8) ;;
       *) path=$dir/$f ;;
     esac
     [ -e "$path" ] || { echo "skip $f: $path is absent"; continue; }
     # bf16 and GGUF weights multiply the same way under every --cpu-quant-matmul.
     runs=("${matmuls[@]}")
     # So do W8A8 FP8 weights: their inputs are rounded to E4M3 either way.
-    case $f in bf16 | gguf-q4_1 | w8a8) runs=(f32) ;; esac
+    case $f in bf16 | gguf-q4_1 | w8a8 | w8a8-static) runs=(f32) ;; esac
     for mm in "${runs[@]}"; do
       label=$f
       [ ${#runs[@]} -gt 1 ] && label=$f/$mm

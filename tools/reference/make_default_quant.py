@@ -4,7 +4,9 @@ bf16 Hugging Face folder and as each quantized HF format Arbor loads, for the re
 (crates/models/tests/quantized_default.rs) and the quantization benchmarks (`arbor bench
 one-batch`). Not committed: written under OUT (default /tmp/arbor-quant).
 
-    /tmp/torchenv/bin/python tools/reference/make_default_quant.py [OUT]
+    /tmp/torchenv/bin/python tools/reference/make_default_quant.py [OUT [FORMAT ...]]
+
+(only the formats named, when some are; bf16 always).
 
 The GGUF is read by transformers (which dequantizes it and undoes llama.cpp's q/k permutation);
 its weights are rounded to bf16 and saved with the tokenizer as OUT/bf16. Each format folder
@@ -39,6 +41,28 @@ FORMATS = {
 }
 if hasattr(q, "nvfp4"):
     FORMATS["nvfp4"] = (q.nvfp4, q.FORMATS["nvfp4"][1])
+# Per-tensor E4M3 weights with static input scales (llm-compressor's FP8 scheme): each linear's
+# input_scale is max |x| / 448 of its inputs over the calibration text (calibrate()).
+FORMATS["fp8-static"] = (None, q.FORMATS["fp8-static"][1])
+CORPUS = Path(__file__).resolve().parent / "corpus.txt"
+# quantized_default.rs scores the first 256 tokens of corpus.txt; the rest calibrates.
+SCORED = 256
+
+
+def calibrate(model, tok) -> dict:
+    """max |x| / 448 of every decoder linear's input over corpus.txt after its scored tokens."""
+    ids = tok(CORPUS.read_text(), return_tensors="pt").input_ids[:, SCORED:]
+    amax, hooks = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+            def hook(_m, args, name=name):
+                amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+            hooks.append(mod.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return {k: float(np.float32(v / 448.0)) for k, v in amax.items()}
 
 
 def main() -> None:
@@ -63,7 +87,11 @@ def main() -> None:
     (base / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     print("bf16", (base / "model.safetensors").stat().st_size)
     linears = list(q.linear_names(cfg))
+    scales = calibrate(model, tok)
+    only = sys.argv[2:]
     for name, (quantize, qc) in FORMATS.items():
+        if only and name not in only:
+            continue
         if name == "w4a16":
             qc = q.ct_config({"num_bits": 4, "type": "int", "strategy": "group", "group_size": GROUP,
                               "symmetric": True, "dynamic": False}, None, "pack-quantized")
@@ -75,7 +103,10 @@ def main() -> None:
         for lin in linears:
             w = sd[f"{lin}.weight"]
             del tensors[f"{lin}.weight"]
-            parts, _ = quantize(w)
+            if name == "fp8-static":
+                parts, _ = q.fp8_tensor(w, scales[lin])
+            else:
+                parts, _ = quantize(w)
             for part, t in parts.items():
                 tensors[f"{lin}.{part}"] = t
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / "model.safetensors"))
