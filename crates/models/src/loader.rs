@@ -54,9 +54,13 @@ impl<'a> Loader<'a> {
         inp: usize,
     ) -> Result<(HostTensor<'a>, Option<f32>)> {
         let caps = self.opts.backend.capabilities().clone();
+        // Float methods (float and GGUF checkpoints) take what the source
+        // cuts; the others may read a pre-quantized checkpoint.
         let share = match self.shard {
-            Some(s) => s.stored_share(prefix)?.map(|share| (s, share)),
-            None => None,
+            Some(s) if !self.opts.quant.is_float() => {
+                s.stored_share(prefix)?.map(|share| (s, share))
+            }
+            _ => None,
         };
         let (src, (out_features, in_features)) = match share {
             Some((s, share)) => (s.whole(), share.whole_shape(out, inp)),

@@ -74,5 +74,5 @@ inventory::submit! {
     QuantMethodEntry { name: "gptq", about: "GPTQ / GPTQModel INT4 and INT8 (v1 and v2 zero points, act-order g_idx)", create: gptq }
 }
 inventory::submit! {
-    QuantMethodEntry { name: "w8a8_fp8", about: "W8A8 FP8: FP8 weights (quantized at load, or an FP8 checkpoint's) times inputs quantized to E4M3 per 32", create: w8a8_fp8 }
+    QuantMethodEntry { name: "w8a8_fp8", about: "W8A8 FP8: FP8 weights (quantized at load, or an FP8 checkpoint's) times inputs quantized to E4M3 (per 32, or with the checkpoint's static input scales)", create: w8a8_fp8 }
 }
