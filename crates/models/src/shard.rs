@@ -51,7 +51,7 @@ enum Split {
 }
 
 /// How a rank takes its share of a linear layer it loads whole
-/// ([`ShardedSource::stored_share`]).
+/// ([`ShardedSource::stored_share`]): `split` is `Rows` or `Cols`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct StoredShare {
     split: Split,
@@ -220,12 +220,8 @@ impl<'a> ShardedSource<'a> {
             return Ok(None);
         }
         Ok(match self.split_of(&name)? {
-            Split::Rows => Some(StoredShare {
-                split: Split::Rows,
-                world: self.world,
-            }),
-            Split::Cols => Some(StoredShare {
-                split: Split::Cols,
+            split @ (Split::Rows | Split::Cols) => Some(StoredShare {
+                split,
                 world: self.world,
             }),
             Split::Whole | Split::RankZero => None,
