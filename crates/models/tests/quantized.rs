@@ -441,6 +441,47 @@ fn misses_far(what: &str, got: &[Vec<f32>], reference: &Value) -> Result<()> {
     Ok(())
 }
 
+/// The static input scales apply whichever FP8 method stores them: the
+/// fp8-static tensors (E4M3 `weight`, `weight_scale [1]`, `input_scale [1]`)
+/// are also vLLM's `fp8` serialization with `activation_scheme: static`
+/// and ModelOpt's FP8; declared so, they load under `w8a8_fp8` to the same
+/// layers and scales, and give the compressed-tensors load's logits bit
+/// for bit.
+#[test]
+fn static_input_scales_apply_under_every_fp8_method() -> Result<()> {
+    let reference = reference_at(&fixtures().join("quant/fp8-static/w8a8-reference.json"))?;
+    let (m, b) = load(&fixtures().join("quant/fp8-static"), Some("w8a8_fp8"))?;
+    let want = last_logits(&m, &b, DType::F32, &reference)?;
+    let summary = "w8a8_fp8, 21 layers with static input scales";
+    assert_eq!(m.model.spec().quantization, summary);
+    for (method, config) in [
+        (
+            "fp8",
+            serde_json::json!({"quant_method": "fp8", "activation_scheme": "static"}),
+        ),
+        (
+            "modelopt",
+            serde_json::json!({"quant_method": "modelopt", "quant_algo": "FP8",
+                               "exclude_modules": ["lm_head"]}),
+        ),
+    ] {
+        let dir = edited(
+            "fp8-static",
+            |cfg| cfg["quantization_config"] = config.clone(),
+            |_| {},
+        )?;
+        let (own, _) = load(dir.path(), None)?;
+        assert_eq!(own.model.spec().quantization, method);
+        let (m, b) = load(dir.path(), Some("w8a8_fp8"))?;
+        assert_eq!(m.model.spec().quantization, summary, "{config}");
+        let got = last_logits(&m, &b, DType::F32, &reference)?;
+        let bits =
+            |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+        assert_eq!(bits(&got), bits(&want), "{config}");
+    }
+    Ok(())
+}
+
 /// A copy of a fixture folder whose config.json and tensors `edit` rewrites.
 fn edited(
     name: &str,
