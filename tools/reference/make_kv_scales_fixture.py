@@ -116,6 +116,23 @@ def forward(w: dict, cfg: dict, ids: list, kv_scales=None, record=None, linear_i
     return x @ f("lm_head.weight").T
 
 
+def observed_input_amax(w: dict, cfg: dict, ids: list) -> list:
+    """max |x| of each linear input `forward` hands its `linear_input` hook, over `ids`: per layer
+    (in order) the input of Q/K/V, of o_proj, of gate/up and of down_proj, as an FP8 min-max
+    observer calibrates static input scales (python floats)."""
+    amax = [0.0] * (4 * cfg["num_hidden_layers"])
+    calls = [0]
+
+    def observe(x):
+        i = calls[0] % len(amax)
+        calls[0] += 1
+        amax[i] = max(amax[i], float(np.abs(x).max()))
+        return x
+
+    forward({k: v.astype(np.float64) for k, v in w.items()}, cfg, ids, linear_input=observe)
+    return amax
+
+
 def main() -> None:
     cfg = json.loads((SRC / "config.json").read_text())
     ref = json.loads((SRC / "reference.json").read_text())

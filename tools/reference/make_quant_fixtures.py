@@ -30,7 +30,9 @@ channel, amax / 448, round to nearest even).
 
     /tmp/torchenv/bin/python tools/reference/make_quant_fixtures.py [FOLDER ...]
 
-(only the folders named, when some are; fp8-online.json only when none are).
+(only the folders named, when some are; fp8-online.json only when none are). A folder is
+rewritten whole: run make_w8a8_fixture.py after it for fp8-dynamic's and fp8-static's W8A8
+references.
 
 Needs torch, transformers, safetensors, numpy, ml_dtypes and compressed-tensors (0.20).
 """
@@ -134,20 +136,12 @@ def calibrated_input_scales(sd: dict, cfg: dict, prompts: list) -> dict:
     """Static input scales as llm-compressor's min-max observer calibrates them: max |x| / 448 of
     each linear's input over a calibration sample (here the first prompt, so the longer prompts'
     inputs may pass it and saturate), times the factors above."""
-    from make_kv_scales_fixture import forward
+    from make_kv_scales_fixture import observed_input_amax
 
-    amax, calls = {}, [0]
-
-    def observe(x):
-        layer, slot = divmod(calls[0] % (4 * cfg["num_hidden_layers"]), 4)
-        calls[0] += 1
-        amax[(layer, slot)] = max(amax.get((layer, slot), 0.0), float(np.abs(x).max()))
-        return x
-
-    forward({k: v.astype(np.float64) for k, v in sd.items()}, cfg, prompts[0]["input_ids"],
-            linear_input=observe)
+    amax = observed_input_amax(sd, cfg, prompts[0]["input_ids"])
     scales = {}
-    for (layer, slot), a in amax.items():
+    for i, a in enumerate(amax):
+        layer, slot = divmod(i, 4)
         for lin, factor in CALIBRATED[slot]:
             scales[f"model.layers.{layer}.{lin}"] = float(np.float32(a / 448.0 * factor))
     return scales

@@ -29,9 +29,9 @@ import shutil
 import ml_dtypes
 import numpy as np
 from make_gptq8_fixture import COPIED, LINEARS, gptq8, reference
-from make_kv_scales_fixture import forward
-from make_w8a8_fixture import FIXTURES, SRC, closest_tie, e4m3, static_inputs, write
-from safetensors_np import load_file, save_file
+from make_kv_scales_fixture import observed_input_amax
+from make_w8a8_fixture import FIXTURES, SRC, closest_tie, e4m3, load, static_inputs, write
+from safetensors_np import save_file
 
 WIDE = 192
 OUT = FIXTURES / "quant"
@@ -52,22 +52,6 @@ def widened(sd: dict, cfg: dict) -> dict:
         cols = rng.normal(0, m.std(), (m.shape[0], extra)).astype(np.float32)
         w[f"{p}.down_proj.weight"] = np.concatenate([m, cols], 1)
     return w
-
-
-def calibrated(w: dict, cfg: dict, prompt: list) -> list:
-    """Per linear-input call of forward (Q/K/V, o_proj, gate/up, down_proj per layer): max |x| /
-    448 over the first prompt, as an FP8 static calibration observes it."""
-    amax = [0.0] * (4 * cfg["num_hidden_layers"])
-    calls = [0]
-
-    def observe(x):
-        i = calls[0] % len(amax)
-        calls[0] += 1
-        amax[i] = max(amax[i], float(np.abs(x).max()))
-        return x
-
-    forward({k: v.astype(np.float64) for k, v in w.items()}, cfg, prompt, linear_input=observe)
-    return [float(np.float32(a / 448.0)) for a in amax]
 
 
 def fp8_channel(w: np.ndarray):
@@ -94,12 +78,11 @@ def save(name: str, cfg: dict, qc: dict, tensors: dict, deq: dict, prompts: list
 def main() -> None:
     cfg = json.loads((SRC / "config.json").read_text())
     prompts = json.loads((SRC / "reference.json").read_text())["prompts"]
-    sd = {}
-    for f in sorted(SRC.glob("model-*.safetensors")):
-        sd.update(load_file(f))
-    sd = widened(sd, cfg)
+    sd = widened(load(SRC), cfg)
     cfg = dict(cfg, intermediate_size=WIDE)
-    scales = calibrated(sd, cfg, prompts[0]["input_ids"])
+    # max |x| / 448 of each linear-input call over the first prompt (forward's hook order).
+    scales = [float(np.float32(a / 448.0))
+              for a in observed_input_amax(sd, cfg, prompts[0]["input_ids"])]
     slot = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
             "self_attn.o_proj": 1, "mlp.gate_proj": 2, "mlp.up_proj": 2, "mlp.down_proj": 3}
     fp8, fp8_deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}

@@ -94,13 +94,6 @@ pub(crate) fn w8a8_gemm_kernel(dtype: DType, rows: usize, arch: &str) -> Option<
     Some((kernel, tile))
 }
 
-/// The `inv, scale` arguments of `quant_act_e4m3` and `round_act_e4m3`: a
-/// static input scale and its reciprocal computed here, as the CPU does
-/// (`arbor_quant::scaled`), or zeros for a scale per run of 32.
-fn static_scale_args(input_scale: Option<f32>) -> (f32, f32) {
-    input_scale.map_or((0.0, 0.0), |s| (1.0 / s, s))
-}
-
 impl GpuBackend {
     pub(crate) fn op_linear_many(&self, x: &Tensor, layers: &[LinearRef<'_>]) -> Result<()> {
         x.check_dtype(DType::F32)?;
@@ -279,17 +272,7 @@ impl GpuBackend {
         let q = self.alloc_in(st, DType::F8E4M3, &[rows * k], false)?;
         let s = self.alloc_in(st, DType::F32, &[rows * k / 32], false)?;
         let p = [self.p(st, &q)?, self.p(st, &s)?];
-        let (inv, scale) = static_scale_args(input_scale);
-        let args = Args::new()
-            .p(xp)
-            .p(p[0])
-            .p(p[1])
-            .i(rows)
-            .i(k)
-            .f(inv)
-            .f(scale);
-        let grid = [stride_grid(self, rows * k), 1, 1];
-        self.dev.launch(st, K::QuantActE4m3, grid, 256, 0, args)?;
+        self.launch_e4m3_blocks(st, K::QuantActE4m3, xp, &p, rows, k, input_scale)?;
         Ok((p, [q, s]))
     }
 
@@ -311,11 +294,30 @@ impl GpuBackend {
         }
         let y = self.alloc_in(st, DType::F32, &[rows * k], false)?;
         let yp = self.p(st, &y)?;
-        let (inv, scale) = static_scale_args(input_scale);
-        let args = Args::new().p(xp).p(yp).i(rows).i(k).f(inv).f(scale);
-        let grid = [stride_grid(self, rows * k), 1, 1];
-        self.dev.launch(st, K::RoundActE4m3, grid, 256, 0, args)?;
+        self.launch_e4m3_blocks(st, K::RoundActE4m3, xp, &[yp], rows, k, input_scale)?;
         Ok((yp, y))
+    }
+
+    /// Launches `kernel` (`quant_act_e4m3` or `round_act_e4m3`: `x`, its
+    /// outputs `outs`, `rows`, `k`, then a static input scale's reciprocal,
+    /// computed here as the CPU does (`arbor_quant::scaled`), and the scale;
+    /// zeros for a scale per run of 32) over the runs of `x` at `xp`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_e4m3_blocks(
+        &self,
+        st: &mut State,
+        kernel: K,
+        xp: u64,
+        outs: &[u64],
+        rows: usize,
+        k: usize,
+        input_scale: Option<f32>,
+    ) -> Result<()> {
+        let (inv, scale) = input_scale.map_or((0.0, 0.0), |s| (1.0 / s, s));
+        let args = outs.iter().fold(Args::new().p(xp), |a, &p| a.p(p));
+        let args = args.i(rows).i(k).f(inv).f(scale);
+        let grid = [stride_grid(self, rows * k), 1, 1];
+        self.dev.launch(st, kernel, grid, 256, 0, args)
     }
 
     /// Adds `l`'s bias (if any) to its `rows` x `n` output.
