@@ -84,14 +84,16 @@ def gptq8(w: np.ndarray, sym: bool):
     return parts, deq
 
 
-def reference(w: dict, cfg: dict, prompts: list, linear_input=None) -> list:
+def reference(w: dict, cfg: dict, prompts: list, linear_input=None, forward_fn=forward) -> list:
+    """Per prompt: the last position's logits and NEW_TOKENS greedy tokens with each step's top-1
+    minus top-2 margin, from `forward_fn` (the Llama forward unless given)."""
     out = []
     for p in prompts:
         ids = list(p["input_ids"])
-        last = forward(w, cfg, ids, linear_input=linear_input)[-1]
+        last = forward_fn(w, cfg, ids, linear_input=linear_input)[-1]
         seq, margins = list(ids), []
         for _ in range(NEW_TOKENS):
-            lg = forward(w, cfg, seq, linear_input=linear_input)[-1]
+            lg = forward_fn(w, cfg, seq, linear_input=linear_input)[-1]
             top = np.sort(lg)[-2:]
             margins.append(float(top[1] - top[0]))
             seq.append(int(np.argmax(lg)))

@@ -89,8 +89,9 @@ async fn quantization_fp8_quantizes_a_float_checkpoint_at_load() -> Result<()> {
 }
 
 /// `--quantization w8a8_fp8` on a float checkpoint, over a
-/// compressed-tensors FP8 one and over one with static input scales (which
-/// the log says it uses), alone and over two tensor-parallel ranks:
+/// compressed-tensors FP8 one and over ones with static input scales (which
+/// the log says it uses; a dense model and a MoE one), alone and over two
+/// tensor-parallel ranks:
 /// the summary names the W8A8 blocks, and the completions of the prompts
 /// whose inputs lie clear of E4M3 rounding midpoints (`closest_tie`, see
 /// arbor-models' quantized tests) follow the numpy W8A8 reference.
@@ -101,6 +102,10 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
         ("tiny-llama", "quant/w8a8-online.json"),
         ("quant/fp8-dynamic", "quant/fp8-dynamic/w8a8-reference.json"),
         ("quant/fp8-static", "quant/fp8-static/w8a8-reference.json"),
+        (
+            "quant/moe-fp8-static",
+            "quant/moe-fp8-static/w8a8-reference.json",
+        ),
     ] {
         let mut reference: Value =
             serde_json::from_str(&std::fs::read_to_string(fixture(reference))?)?;
@@ -111,10 +116,10 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
             &fixture(model),
             &["--dtype", "f32", "--quantization", "w8a8_fp8"],
         )?;
-        let summary = if model == "quant/fp8-static" {
-            "f8a8_s32 (w8a8_fp8, 21 layers with static input scales)"
-        } else {
-            "f8a8_s32 (w8a8_fp8)"
+        let summary = match model {
+            "quant/fp8-static" => "f8a8_s32 (w8a8_fp8, 21 layers with static input scales)",
+            "quant/moe-fp8-static" => "f8a8_s32 (w8a8_fp8, 60 layers with static input scales)",
+            _ => "f8a8_s32 (w8a8_fp8)",
         };
         assert!(s.log_contains(summary), "{model}: {}", s.logs());
         check_greedy(&c, &s, model, &reference).await?;

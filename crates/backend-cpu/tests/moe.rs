@@ -36,11 +36,11 @@ fn case(num_experts: usize, h: usize, inter: usize, seed: u64) -> Case {
         let u = values(&mut rng, inter * h, 0.3);
         let d = values(&mut rng, h * inter, 0.3);
         let dynb: &dyn Backend = &b;
-        experts.push(Some(ExpertWeights {
-            gate: dynb.upload_f32(&[inter, h], &g).expect("upload"),
-            up: dynb.upload_f32(&[inter, h], &u).expect("upload"),
-            down: dynb.upload_f32(&[h, inter], &d).expect("upload"),
-        }));
+        experts.push(Some(ExpertWeights::new(
+            dynb.upload_f32(&[inter, h], &g).expect("upload"),
+            dynb.upload_f32(&[inter, h], &u).expect("upload"),
+            dynb.upload_f32(&[h, inter], &d).expect("upload"),
+        )));
         host.push((g, u, d));
     }
     Case {

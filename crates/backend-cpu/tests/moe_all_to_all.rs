@@ -34,11 +34,11 @@ fn expert(b: &dyn Backend, e: usize) -> ExpertWeights {
         b.upload_f32(shape, &values(seed, shape[0] * shape[1], 0.3))
             .expect("upload")
     };
-    ExpertWeights {
-        gate: up(1000 + 3 * e as u64, &[INTER, HIDDEN]),
-        up: up(1001 + 3 * e as u64, &[INTER, HIDDEN]),
-        down: up(1002 + 3 * e as u64, &[HIDDEN, INTER]),
-    }
+    ExpertWeights::new(
+        up(1000 + 3 * e as u64, &[INTER, HIDDEN]),
+        up(1001 + 3 * e as u64, &[INTER, HIDDEN]),
+        up(1002 + 3 * e as u64, &[HIDDEN, INTER]),
+    )
 }
 
 fn routing(tokens: usize, top_k: usize, seed: u64) -> MoeRouting {

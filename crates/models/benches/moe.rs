@@ -67,11 +67,11 @@ fn main() {
     let router = random(b, &mut rng, &[EXPERTS, HIDDEN], DType::F32, 0.05);
     let experts: Vec<Option<ExpertWeights>> = (0..EXPERTS)
         .map(|_| {
-            Some(ExpertWeights {
-                gate: random(b, &mut rng, &[INTER, HIDDEN], DType::BF16, 0.03),
-                up: random(b, &mut rng, &[INTER, HIDDEN], DType::BF16, 0.03),
-                down: random(b, &mut rng, &[HIDDEN, INTER], DType::BF16, 0.03),
-            })
+            Some(ExpertWeights::new(
+                random(b, &mut rng, &[INTER, HIDDEN], DType::BF16, 0.03),
+                random(b, &mut rng, &[INTER, HIDDEN], DType::BF16, 0.03),
+                random(b, &mut rng, &[HIDDEN, INTER], DType::BF16, 0.03),
+            ))
         })
         .collect();
     println!(
@@ -193,7 +193,7 @@ fn expert_parallel(threads: usize, rounds: usize) {
                     ];
                     (e / per == r).then(|| {
                         let [gate, up, down] = w;
-                        ExpertWeights { gate, up, down }
+                        ExpertWeights::new(gate, up, down)
                     })
                 })
                 .collect();

@@ -193,11 +193,43 @@ impl<'a> Loader<'a> {
     }
 
     /// The weight of a linear without bias (`{prefix}.weight`, or its
-    /// quantized tensors), stored as the quantization method decides (MoE
-    /// experts, latent attention: a static input scale is not applied, a
-    /// W8A8 weight rounding its inputs per 32).
+    /// quantized tensors), stored as the quantization method decides
+    /// (latent attention: a static input scale is not applied, a W8A8
+    /// weight rounding its inputs per 32).
     pub(crate) fn matrix(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
         let (t, _) = self.linear_weight(prefix, out, inp)?;
         self.upload(t)
+    }
+
+    /// [`Loader::matrix`] and the static input scale it applies (W8A8 FP8
+    /// over a checkpoint that has one; MoE experts).
+    pub(crate) fn scaled_matrix(
+        &mut self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<(Tensor, Option<f32>)> {
+        let (t, input_scale) = self.linear_weight(prefix, out, inp)?;
+        self.static_input_scales += usize::from(input_scale.is_some());
+        Ok((self.upload(t)?, input_scale))
+    }
+
+    /// The static input scale the method reads for the whole linear
+    /// `prefix` (`out` x `inp`) without loading it: another rank's expert,
+    /// whose scale its block shares. Ask only where the layers loaded
+    /// beside it are W8A8 FP8.
+    pub(crate) fn input_scale_of(
+        &self,
+        prefix: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Option<f32>> {
+        let spec = LinearSpec {
+            prefix,
+            out_features: out,
+            in_features: inp,
+        };
+        let src = self.shard.map_or(self.src, |s| s.whole());
+        self.opts.quant.input_scale(src, &spec)
     }
 }

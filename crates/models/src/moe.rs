@@ -14,7 +14,8 @@ use crate::decoder::Loader;
 use arbor_engine_core::comm::Communicator;
 use arbor_engine_core::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
 use arbor_engine_core::moe::{
-    ExpertCounter, ExpertSharding, ExpertWeights, MoeRouting, RouterScoring, route, run_experts,
+    ExpertCounter, ExpertInputScales, ExpertSharding, ExpertWeights, MoeRouting, RouterScoring,
+    route, run_experts,
 };
 use arbor_engine_core::{Backend, DType, Result, Tensor};
 use serde_json::Value;
@@ -294,40 +295,58 @@ impl MoeBlock {
         let router = l.f32_matrix(&format!("{prefix}.gate.weight"), &[cfg.num_experts, hidden])?;
         let inter = cfg.expert_intermediate_size;
         let mut experts = Vec::with_capacity(cfg.num_experts);
+        let mut scales = Vec::with_capacity(cfg.num_experts);
+        let mut others = Vec::new();
         for e in 0..cfg.num_experts {
+            let p = format!("{prefix}.experts.{e}");
             if owned.as_ref().is_some_and(|r| !r.contains(&e)) {
                 // Another rank's expert (expert parallelism).
                 l.skip(3);
                 experts.push(None);
+                others.push(p);
                 continue;
             }
-            let p = format!("{prefix}.experts.{e}");
-            experts.push(Some(expert(l, &p, names, hidden, inter)?));
+            let (weights, own) = expert(l, &p, names, hidden, inter)?;
+            experts.push(Some(weights));
+            scales.push(own);
         }
+        if scales.iter().flatten().any(Option::is_some) {
+            // The block's scales are the largest over every expert, this
+            // rank's or not, so that expert parallelism computes what one
+            // device does.
+            for p in &others {
+                scales.push([
+                    l.input_scale_of(&format!("{p}.{}", names[0]), inter, hidden)?,
+                    l.input_scale_of(&format!("{p}.{}", names[1]), inter, hidden)?,
+                    l.input_scale_of(&format!("{p}.{}", names[2]), hidden, inter)?,
+                ]);
+            }
+        }
+        share_block_input_scales(&mut experts, &scales);
+        let shared_names = match cfg.style {
+            MoeStyle::Qwen => ["gate_proj", "up_proj", "down_proj"],
+            _ => names,
+        };
         let shared = match cfg.shared_expert_intermediate_size {
             None => None,
-            Some(si) if cfg.style != MoeStyle::Qwen => Some(SharedExpert {
-                mlp: [Some(expert(
-                    l,
-                    &format!("{prefix}.shared_experts"),
-                    names,
-                    hidden,
-                    si,
-                )?)],
-                gate: None,
-            }),
-            Some(si) => Some(SharedExpert {
-                mlp: [Some(expert(
-                    l,
-                    &format!("{prefix}.shared_expert"),
-                    ["gate_proj", "up_proj", "down_proj"],
-                    hidden,
-                    si,
-                )?)],
-                gate: Some(
-                    l.f32_matrix(&format!("{prefix}.shared_expert_gate.weight"), &[1, hidden])?,
-                ),
-            }),
+            Some(si) => {
+                let name = match cfg.style {
+                    MoeStyle::Qwen => "shared_expert",
+                    _ => "shared_experts",
+                };
+                let (weights, own) =
+                    expert(l, &format!("{prefix}.{name}"), shared_names, hidden, si)?;
+                let mut mlp = [Some(weights)];
+                share_block_input_scales(&mut mlp, &[own]);
+                let gate = match cfg.style {
+                    MoeStyle::Qwen => Some(l.f32_matrix(
+                        &format!("{prefix}.shared_expert_gate.weight"),
+                        &[1, hidden],
+                    )?),
+                    _ => None,
+                };
+                Some(SharedExpert { mlp, gate })
+            }
         };
         let scoring = match cfg.router {
             RouterConfig::Softmax { renormalize } => RouterScoring::SoftmaxTopK { renormalize },
@@ -468,18 +487,40 @@ impl SharedExpert {
     }
 }
 
+/// One expert's weights, and the static input scales of its gate, up and
+/// down projections (W8A8 FP8 over a checkpoint that has them).
 fn expert(
     l: &mut Loader<'_>,
     prefix: &str,
     names: [&str; 3],
     hidden: usize,
     inter: usize,
-) -> Result<ExpertWeights> {
-    Ok(ExpertWeights {
-        gate: l.matrix(&format!("{prefix}.{}", names[0]), inter, hidden)?,
-        up: l.matrix(&format!("{prefix}.{}", names[1]), inter, hidden)?,
-        down: l.matrix(&format!("{prefix}.{}", names[2]), hidden, inter)?,
-    })
+) -> Result<(ExpertWeights, [Option<f32>; 3])> {
+    let (gate, gate_scale) = l.scaled_matrix(&format!("{prefix}.{}", names[0]), inter, hidden)?;
+    let (up, up_scale) = l.scaled_matrix(&format!("{prefix}.{}", names[1]), inter, hidden)?;
+    let (down, down_scale) = l.scaled_matrix(&format!("{prefix}.{}", names[2]), hidden, inter)?;
+    Ok((
+        ExpertWeights::new(gate, up, down),
+        [gate_scale, up_scale, down_scale],
+    ))
+}
+
+/// Gives every expert of a block that has static input scales the block's
+/// two: the largest gate/up scale and the largest down scale in `scales`
+/// (each expert's gate, up and down), as vLLM's FP8 MoE methods merge them
+/// (`w13_input_scale.max()`, `w2_input_scale.max()`) for the fused
+/// experts, which round one input for all. An expert without a scale keeps
+/// its weights' own rule.
+fn share_block_input_scales(experts: &mut [Option<ExpertWeights>], scales: &[[Option<f32>; 3]]) {
+    let max = |it: &mut dyn Iterator<Item = Option<f32>>| it.flatten().reduce(f32::max);
+    let gate_up = max(&mut scales.iter().flat_map(|s| [s[0], s[1]]));
+    let down = max(&mut scales.iter().map(|s| s[2]));
+    for (e, own) in experts.iter_mut().flatten().zip(scales) {
+        e.input_scales = ExpertInputScales {
+            gate_up: gate_up.filter(|_| own[0].is_some() || own[1].is_some()),
+            down: down.filter(|_| own[2].is_some()),
+        };
+    }
 }
 
 #[cfg(test)]

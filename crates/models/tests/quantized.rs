@@ -9,187 +9,14 @@
 //! whose top-2 margin is under 1e-3). Bad checkpoints fail with errors that
 //! name the tensor or the config key. Every run returns its KV pages.
 
+mod quant_common;
+
 use anyhow::{Context, Result};
-use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
 use arbor_engine_core::sampling::StandardSampler;
-use arbor_engine_core::{
-    Backend, DType, LoadOptions, QuantInit, QuantMatmul, Registry, SamplingParams,
-};
-use arbor_models::{LoadedModel, load_model};
+use arbor_engine_core::{DType, QuantMatmul, SamplingParams};
+use quant_common::*;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-fn fixtures() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-fn options(
-    registry: &Registry,
-    backend: &Arc<dyn Backend>,
-    quantization: Option<&str>,
-) -> Result<LoadOptions> {
-    let float = registry.quant_methods.get("f32")?(&Default::default())?;
-    let quant = match quantization {
-        None => float,
-        Some(q) => registry.quant_methods.get(q)?(&QuantInit {
-            checkpoint: None,
-            base: Some(float),
-        })?,
-    };
-    Ok(LoadOptions {
-        backend: backend.clone(),
-        quant,
-        progress: None,
-    })
-}
-
-fn load(dir: &Path, quantization: Option<&str>) -> Result<(LoadedModel, Arc<dyn Backend>)> {
-    load_as(dir, quantization, QuantMatmul::F32)
-}
-
-/// [`load`] on a CPU backend multiplying the scaled formats as `matmul` says.
-fn load_as(
-    dir: &Path,
-    quantization: Option<&str>,
-    matmul: QuantMatmul,
-) -> Result<(LoadedModel, Arc<dyn Backend>)> {
-    let registry = Registry::builtin()?;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?.with_quant_matmul(matmul));
-    let opts = options(&registry, &backend, quantization)?;
-    Ok((load_model(dir, &registry, &opts)?, backend))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn floats(v: &Value) -> Vec<f32> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_f64)
-                .map(|x| x as f32)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// How close a run must come to its reference: last-position logits
-/// within `logits × max|logit|`, and greedy tokens equal up to the first
-/// step whose top-2 margin is under `margin`.
-#[derive(Clone, Copy)]
-struct Tolerance {
-    logits: f32,
-    margin: f32,
-}
-
-/// The f32 products' tolerance (the module documentation's).
-const EXACT: Tolerance = Tolerance {
-    logits: 1e-4,
-    margin: 1e-3,
-};
-
-/// Logits and greedy tokens of `m` against `reference`.
-fn check_against(
-    name: &str,
-    m: &LoadedModel,
-    backend: &Arc<dyn Backend>,
-    reference: &Value,
-) -> Result<()> {
-    check_within(name, m, backend, reference, EXACT)
-}
-
-/// [`check_against`] within `tol`.
-fn check_within(
-    name: &str,
-    m: &LoadedModel,
-    backend: &Arc<dyn Backend>,
-    reference: &Value,
-    tol: Tolerance,
-) -> Result<()> {
-    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, DType::F32)?;
-    let pool = runner.new_page_pool();
-    let prompts = reference["prompts"].as_array().context("prompts")?;
-    for (i, p) in prompts.iter().enumerate() {
-        let tokens = ids(&p["input_ids"]);
-        let want = floats(&p["last_logits"]);
-        let pages = pool.alloc(pool.pages_for(tokens.len()))?;
-        let got = runner.step(&[SeqStep {
-            tokens: &tokens,
-            prefix_len: 0,
-            pages: pages.pages(),
-            want_logits: true,
-        }])?;
-        drop(pages);
-        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = got[0]
-            .iter()
-            .zip(&want)
-            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        println!("{name} prompt {i}: max |logit| {max:.3}, max abs error {err:.2e}");
-        assert_eq!(got[0].len(), want.len());
-        assert!(
-            err <= tol.logits * max,
-            "{name} prompt {i}: logits error {err} > {} * {max}",
-            tol.logits
-        );
-    }
-    let params = vec![
-        SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(32)
-        };
-        prompts.len()
-    ];
-    let setup = SamplingSetup {
-        sampler: &StandardSampler,
-        processors: &[],
-        eos_token_ids: &[],
-    };
-    let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&p["input_ids"])).collect();
-    let (outs, _) = generate_static(&runner, &pool, &inputs, &params, &setup, &mut |_, _| {})?;
-    for (i, (o, p)) in outs.iter().zip(prompts).enumerate() {
-        let want = ids(&p["greedy_ids"]);
-        let margins = floats(&p["margins"]);
-        let sure = margins
-            .iter()
-            .position(|&m| m < tol.margin)
-            .unwrap_or(want.len());
-        println!("{name} prompt {i}: greedy tokens compared up to step {sure}");
-        assert_eq!(
-            o.tokens[..sure],
-            want[..sure],
-            "{name} prompt {i}: greedy tokens (compared up to step {sure})"
-        );
-    }
-    assert_eq!(
-        pool.free_pages(),
-        pool.total_pages(),
-        "{name}: KV pages leaked"
-    );
-    Ok(())
-}
-
-fn check_format(name: &str, stored: DType) -> Result<()> {
-    let dir = fixtures().join("quant").join(name);
-    let (m, backend) = load(&dir, None).with_context(|| format!("loading {name}"))?;
-    assert_eq!(
-        m.model.spec().weight_dtype,
-        stored,
-        "{name}: stored weight dtype"
-    );
-    let reference: Value = reference_at(&dir.join("reference.json"))?;
-    check_against(name, &m, &backend, &reference)
-}
 
 #[test]
 fn block_fp8_matches_its_dequantized_reference() -> Result<()> {
@@ -323,33 +150,6 @@ fn fp8_at_load_matches_per_channel_reference() -> Result<()> {
     check_against("fp8-online", &m, &backend, &reference)
 }
 
-/// W8A8 FP8 where an input may round to the other E4M3 neighbour than in the
-/// float64 reference: an input within [`NEAR_TIE`] (relative) of a midpoint
-/// between two E4M3 values, which f32 rounding of the activations can move
-/// across it. One such input moved by one E4M3 step shifts the logits by up
-/// to about 1.5% of their scale here.
-const W8A8_NEAR_TIE: Tolerance = Tolerance {
-    logits: 5e-2,
-    margin: 0.5,
-};
-
-/// Closer to an E4M3 rounding midpoint than this, an input may round either way.
-const NEAR_TIE: f64 = 1e-6;
-
-fn reference_at(path: &Path) -> Result<Value> {
-    Ok(serde_json::from_str(&std::fs::read_to_string(path)?)?)
-}
-
-/// `reference` with only the prompts whose `closest_tie` is (`far`) or is
-/// not at least [`NEAR_TIE`].
-fn prompts_by_tie(reference: &Value, far: bool) -> Value {
-    let mut r = reference.clone();
-    if let Some(ps) = r["prompts"].as_array_mut() {
-        ps.retain(|p| (p["closest_tie"].as_f64().unwrap_or(0.0) >= NEAR_TIE) == far);
-    }
-    r
-}
-
 /// `--quantization w8a8_fp8` on a float checkpoint (per-channel E4M3
 /// weights, inputs rounded to E4M3 per 32), over a compressed-tensors FP8
 /// checkpoint, and over one with static input scales (each input rounded
@@ -426,21 +226,6 @@ fn w8a8_fp8_matches_its_reference_and_differs_from_weight_only_fp8() -> Result<(
     Ok(())
 }
 
-/// Checks that each prompt's last logits in `got` (another product of the
-/// same weights, `what`) miss `reference`'s by more than ten times the f32
-/// tolerance.
-fn misses_far(what: &str, got: &[Vec<f32>], reference: &Value) -> Result<()> {
-    let prompts = reference["prompts"].as_array().context("prompts")?;
-    for (i, (got, p)) in got.iter().zip(prompts).enumerate() {
-        let want = floats(&p["last_logits"]);
-        let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = max_abs_diff(got, &want);
-        println!("{what} prompt {i}: {err:.2e} from the reference");
-        assert!(err > 10.0 * EXACT.logits * max, "{what} prompt {i}: {err}");
-    }
-    Ok(())
-}
-
 /// The static input scales apply whichever FP8 method stores them: the
 /// fp8-static tensors (E4M3 `weight`, `weight_scale [1]`, `input_scale [1]`)
 /// are also vLLM's `fp8` serialization with `activation_scheme: static`
@@ -480,49 +265,6 @@ fn static_input_scales_apply_under_every_fp8_method() -> Result<()> {
         assert_eq!(bits(&got), bits(&want), "{config}");
     }
     Ok(())
-}
-
-/// A copy of a fixture folder whose config.json and tensors `edit` rewrites.
-fn edited(
-    name: &str,
-    edit_config: impl FnOnce(&mut Value),
-    edit_tensors: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-) -> Result<tempfile::TempDir> {
-    let src = fixtures().join("quant").join(name);
-    let dir = tempfile::tempdir()?;
-    for e in std::fs::read_dir(&src)? {
-        let e = e?;
-        std::fs::copy(e.path(), dir.path().join(e.file_name()))?;
-    }
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json"))?)?;
-    edit_config(&mut cfg);
-    std::fs::write(dir.path().join("config.json"), serde_json::to_string(&cfg)?)?;
-    let bytes = std::fs::read(src.join("model.safetensors"))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)?;
-    let mut tensors: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    edit_tensors(&mut tensors);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| {
-            Ok((
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
-            ))
-        })
-        .collect::<Result<_>>()?;
-    safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors"))?;
-    Ok(dir)
-}
-
-fn load_error(dir: &Path, quantization: Option<&str>) -> String {
-    match load(dir, quantization) {
-        Ok(_) => panic!("{} loaded", dir.display()),
-        Err(e) => format!("{e:#}"),
-    }
 }
 
 #[test]
@@ -743,35 +485,6 @@ fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
     let bytes = |d: DType| d.bytes_for(1).map(|b| b as f64);
     assert_eq!(bytes(DType::F32)? / bytes(DType::F8E4M3)?, 4.0);
     Ok(())
-}
-
-/// Last-position logits of every reference prompt with a KV cache of `kv`.
-fn last_logits(
-    m: &LoadedModel,
-    backend: &Arc<dyn Backend>,
-    kv: DType,
-    reference: &Value,
-) -> Result<Vec<Vec<f32>>> {
-    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, kv)?;
-    let pool = runner.new_page_pool();
-    let mut out = Vec::new();
-    for p in reference["prompts"].as_array().context("prompts")? {
-        let tokens = ids(&p["input_ids"]);
-        let pages = pool.alloc(pool.pages_for(tokens.len()))?;
-        let mut got = runner.step(&[SeqStep {
-            tokens: &tokens,
-            prefix_len: 0,
-            pages: pages.pages(),
-            want_logits: true,
-        }])?;
-        out.push(got.swap_remove(0));
-    }
-    assert_eq!(pool.free_pages(), pool.total_pages(), "KV pages leaked");
-    Ok(out)
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 /// A checkpoint calibrated for an FP8 KV cache (llm-compressor's

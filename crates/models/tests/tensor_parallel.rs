@@ -299,21 +299,45 @@ fn group_sizes_that_do_not_divide_are_named_errors() -> Result<()> {
 /// step with a margin under 1e-3), batched and from the cache, and ends with
 /// the KV pool empty. With `--quantization w8a8_fp8` the FP8 one rounds
 /// each share's inputs with the layer's static scale, so the tie-clear
-/// prompts continue as its W8A8 reference does.
+/// prompts continue as its W8A8 reference does; so does the FP8 MoE
+/// checkpoint with its experts partitioned over the ranks (all-to-all),
+/// each rank's experts rounding with the block's largest scales, those of
+/// the other rank's experts included.
 #[test]
 fn quantized_checkpoints_under_tp2_continue_their_reference() -> Result<()> {
     let registry = Registry::builtin()?;
-    for (name, method, reference, stored) in [
-        ("quant/tp-fp8", "f32", "reference.json", DType::F8_S32),
-        ("quant/tp-gptq8", "f32", "reference.json", DType::U8_S32),
+    let split = ExpertSharding::Split;
+    for (name, method, reference, stored, ep) in [
+        (
+            "quant/tp-fp8",
+            "f32",
+            "reference.json",
+            DType::F8_S32,
+            split,
+        ),
+        (
+            "quant/tp-gptq8",
+            "f32",
+            "reference.json",
+            DType::U8_S32,
+            split,
+        ),
         (
             "quant/tp-fp8",
             "w8a8_fp8",
             "w8a8-reference.json",
             DType::F8A8_S32,
+            split,
+        ),
+        (
+            "quant/moe-fp8-static",
+            "w8a8_fp8",
+            "w8a8-reference.json",
+            DType::F8A8_S32,
+            ExpertSharding::PartitionedAllToAll,
         ),
     ] {
-        let (models, ..) = shards_as(&registry, name, 2, ExpertSharding::Split, method)?;
+        let (models, ..) = shards_as(&registry, name, 2, ep, method)?;
         for m in &models {
             assert_eq!(m.model.spec().weight_dtype, stored, "{name} {method}");
         }
@@ -330,7 +354,7 @@ fn quantized_checkpoints_under_tp2_continue_their_reference() -> Result<()> {
             "{name} {method}: no prompt clear of ties"
         );
         let prompts: Vec<Vec<u32>> = cases.iter().map(|p| ids(&p["input_ids"])).collect();
-        let e = engine_as(&registry, name, 2, ExpertSharding::Split, method)?;
+        let e = engine_as(&registry, name, 2, ep, method)?;
         for pass in ["batched", "cached"] {
             for ((got, p), i) in run(&e, &prompts)?.iter().zip(&cases).zip(0..) {
                 let want = ids(&p["greedy_ids"]);

@@ -380,9 +380,33 @@ pub struct ExpertWeights {
     pub up: Tensor,
     /// `[hidden, intermediate]`.
     pub down: Tensor,
+    /// The static input scales of W8A8 FP8 weights ([`LinearRef::input_scale`]).
+    pub input_scales: ExpertInputScales,
+}
+
+/// The static scales a W8A8 FP8 expert rounds its two inputs with (see
+/// [`LinearRef::input_scale`]; `None`: the weight's own rule). vLLM and
+/// SGLang give every expert of a block the same two: the largest of the
+/// block's gate/up scales and the largest of its down scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ExpertInputScales {
+    /// The scale of the input of `gate` and `up` (the block's hidden state).
+    pub gate_up: Option<f32>,
+    /// The scale of the input of `down` (the activated intermediate).
+    pub down: Option<f32>,
 }
 
 impl ExpertWeights {
+    /// An expert whose inputs follow its weights' own rule.
+    pub fn new(gate: Tensor, up: Tensor, down: Tensor) -> Self {
+        Self {
+            gate,
+            up,
+            down,
+            input_scales: ExpertInputScales::default(),
+        }
+    }
+
     /// The intermediate width.
     pub fn intermediate(&self) -> usize {
         self.gate.rows()
@@ -395,16 +419,21 @@ impl ExpertWeights {
         let (n, inter) = (x.rows(), self.intermediate());
         let gate = b.alloc(DType::F32, &[n, inter])?;
         let up = b.alloc(DType::F32, &[n, inter])?;
+        let scaled = |w, out, input_scale| LinearRef {
+            input_scale,
+            ..LinearRef::new(w, None, out)
+        };
+        let gate_up = self.input_scales.gate_up;
         b.linear_many(
             x,
             &[
-                LinearRef::new(&self.gate, None, &gate),
-                LinearRef::new(&self.up, None, &up),
+                scaled(&self.gate, &gate, gate_up),
+                scaled(&self.up, &up, gate_up),
             ],
         )?;
         let act = b.alloc(DType::F32, &[n, inter])?;
         b.silu_mul(&gate, &up, &act)?;
-        b.linear(&act, &self.down, None, y)
+        b.linear_many(&act, &[scaled(&self.down, y, self.input_scales.down)])
     }
 }
 
@@ -487,15 +516,8 @@ pub fn run_experts_per_token(
             let Some(ex) = &experts[e as usize] else {
                 continue;
             };
-            let inter = ex.intermediate();
-            let gate = b.alloc(DType::F32, &[1, inter])?;
-            let up = b.alloc(DType::F32, &[1, inter])?;
-            b.linear(&xr, &ex.gate, None, &gate)?;
-            b.linear(&xr, &ex.up, None, &up)?;
-            let act = b.alloc(DType::F32, &[1, inter])?;
-            b.silu_mul(&gate, &up, &act)?;
             let y = b.alloc(DType::F32, &[1, h])?;
-            b.linear(&act, &ex.down, None, &y)?;
+            ex.forward(b, &xr, &y)?;
             let rows = b.upload_u32(&[1], &[row as u32])?;
             let scales = b.upload_f32(&[1], &[w])?;
             b.scatter_add_rows(&acc, &rows, &scales, &y)?;

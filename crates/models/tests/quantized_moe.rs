@@ -1,0 +1,126 @@
+//! A mixture-of-experts FP8 checkpoint with static input scales
+//! (tests/fixtures/quant/moe-fp8-static, written by
+//! tools/reference/make_moe_fp8_fixture.py: tiny-qwen3-moe as
+//! llm-compressor writes an FP8 MoE checkpoint, every attention, dense and
+//! expert linear E4M3 per tensor with a calibrated `input_scale`, the
+//! routers float), against the numpy float64 Qwen3-MoE forward of the same
+//! weights: served as stored (weight-only FP8), and under
+//! `--quantization w8a8_fp8`, where every expert of a block rounds its
+//! gate/up input with the largest of the block's gate/up scales and its
+//! down input with the largest down scale, as vLLM's FP8 MoE methods do.
+//! Tolerances and the split of prompts by E4M3 ties are quantized.rs's.
+
+mod quant_common;
+
+use anyhow::Result;
+use arbor_engine_core::DType;
+use quant_common::*;
+
+const FIXTURE: &str = "moe-fp8-static";
+
+#[test]
+fn moe_fp8_checkpoint_matches_its_reference() -> Result<()> {
+    check_format(FIXTURE, DType::F8_S32)
+}
+
+/// Under `w8a8_fp8` the experts round their inputs with their block's
+/// merged static scales: the tie-clear prompts match the reference within
+/// the f32 tolerance, the others within one input's rounding step, and
+/// the weight-only product and the dynamic per-32 rounding (the checkpoint
+/// without its scales) both miss it by far more.
+#[test]
+fn w8a8_experts_round_with_their_blocks_static_scales() -> Result<()> {
+    let dir = fixtures().join("quant").join(FIXTURE);
+    let reference = reference_at(&dir.join("w8a8-reference.json"))?;
+    let (m, backend) = load(&dir, Some("w8a8_fp8"))?;
+    assert_eq!(m.model.spec().weight_dtype, DType::F8A8_S32);
+    // 3 layers × Q/K/V/O and 2 × 8 experts × 3 (the dense MLP is float).
+    assert_eq!(
+        m.model.spec().quantization,
+        "w8a8_fp8, 60 layers with static input scales"
+    );
+    let far = prompts_by_tie(&reference, true);
+    assert!(
+        far["prompts"].as_array().is_some_and(|p| !p.is_empty()),
+        "no prompt clear of E4M3 ties"
+    );
+    check_within(FIXTURE, &m, &backend, &far, EXACT)?;
+    let near = prompts_by_tie(&reference, false);
+    if near["prompts"].as_array().is_some_and(|p| !p.is_empty()) {
+        check_within("near a tie", &m, &backend, &near, W8A8_NEAR_TIE)?;
+    }
+    let (plain, plain_backend) = load(&dir, None)?;
+    let got = last_logits(&plain, &plain_backend, DType::F32, &reference)?;
+    misses_far("weight-only FP8", &got, &reference)?;
+    let dynamic = edited(
+        FIXTURE,
+        |_| {},
+        |t| t.retain(|(n, ..)| !n.ends_with(".input_scale")),
+    )?;
+    let (md, bd) = load(dynamic.path(), Some("w8a8_fp8"))?;
+    assert_eq!(md.model.spec().quantization, "w8a8_fp8");
+    let got = last_logits(&md, &bd, DType::F32, &reference)?;
+    misses_far("W8A8 per 32", &got, &reference)
+}
+
+/// The block's scales are the maxima over all its experts: a checkpoint
+/// whose every expert already stores those maxima gives the same logits
+/// bit for bit, and raising one expert's up_proj scale above the block's
+/// maximum changes the rounding of every expert, so the logits move.
+#[test]
+fn a_blocks_experts_share_the_largest_of_their_scales() -> Result<()> {
+    let reference = reference_at(
+        &fixtures()
+            .join("quant")
+            .join(FIXTURE)
+            .join("w8a8-reference.json"),
+    )?;
+    let logits = |dir: &std::path::Path| -> Result<Vec<u32>> {
+        let (m, b) = load(dir, Some("w8a8_fp8"))?;
+        let got = last_logits(&m, &b, DType::F32, &reference)?;
+        Ok(got.iter().flatten().map(|x| x.to_bits()).collect())
+    };
+    let want = logits(&fixtures().join("quant").join(FIXTURE))?;
+    let merged = edited(
+        FIXTURE,
+        |_| {},
+        |t| {
+            // The block maxima per (layer, gate/up or down) of the experts'.
+            let key = |n: &str| -> Option<(String, bool)> {
+                let (block, rest) = n.split_once(".experts.")?;
+                let down = rest.ends_with("down_proj.input_scale");
+                let gate_up = rest.ends_with("gate_proj.input_scale")
+                    || rest.ends_with("up_proj.input_scale");
+                (down || gate_up).then(|| (block.to_string(), down))
+            };
+            let value = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let mut max = std::collections::HashMap::new();
+            for (n, _, _, b) in t.iter() {
+                if let Some(k) = key(n) {
+                    let m = max.entry(k).or_insert(0f32);
+                    *m = m.max(value(b));
+                }
+            }
+            for (n, _, _, b) in t.iter_mut() {
+                if let Some(k) = key(n) {
+                    *b = max[&k].to_le_bytes().to_vec();
+                }
+            }
+        },
+    )?;
+    assert_eq!(logits(merged.path())?, want, "experts storing the maxima");
+    let raised = edited(
+        FIXTURE,
+        |_| {},
+        |t| {
+            for (n, _, _, b) in t.iter_mut() {
+                if n == "model.layers.0.mlp.experts.7.up_proj.input_scale" {
+                    let s = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    *b = (4.0 * s).to_le_bytes().to_vec();
+                }
+            }
+        },
+    )?;
+    assert_ne!(logits(raised.path())?, want, "one expert's larger scale");
+    Ok(())
+}

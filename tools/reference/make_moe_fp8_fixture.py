@@ -1,0 +1,283 @@
+#!/usr/bin/env python3
+"""tests/fixtures/quant/moe-fp8-static: tiny-qwen3-moe as an llm-compressor FP8 checkpoint with
+static input scales (the layout of neuralmagic/Mixtral-8x7B-Instruct-v0.1-FP8 and the
+RedHatAI FP8 MoE checkpoints), and its references from a numpy float64 forward written here from
+the Qwen3-MoE definition and checked against tiny-qwen3-moe's transformers reference.
+
+The format: compressed-tensors `float-quantized`, tensor strategy. Every attention linear and
+every expert's gate/up/down_proj stores an E4M3 `weight`, an f32 `weight_scale [1]` (amax / 448)
+and an f32 `input_scale [1]`; the routers (`mlp.gate`, ignored by a `re:` pattern, as
+llm-compressor writes it), the dense MLP of layer 1 (ignored by name: its 96 inputs split over two
+tensor-parallel ranks would cut a block of 32, and float layers beside quantized ones are part of
+the format), embeddings, norms and lm_head stay f32.
+
+Input scales are calibrated on the first prompt as llm-compressor's min-max observer does, with
+every token sent to every expert (its `calibrate_all_experts`, so no expert is left without a
+scale): max |x| / 448 of each linear's input, times a factor so that the scales that vLLM and
+SGLang (and Arbor) merge differ: Q/K/V and gate/up as make_quant_fixtures.CALIBRATED, down_proj
+at half its range, and each expert e's further times (1 - 0.08 e).
+
+- reference.json: the checkpoint served as stored (weight-only FP8: the weights q * scale, f32
+  inputs);
+- w8a8-reference.json: under `--quantization w8a8_fp8`: each linear's input x becomes
+  e4m3(x * (1 / s)) * s (f32 arithmetic, saturating at 448) with s, as vLLM's fused layers and
+  its FP8 MoE methods take them: the largest of Q/K/V's, o_proj's own; for a sparse layer's
+  experts ONE scale for every expert's gate/up
+  input, the largest of all its experts' gate_proj and up_proj scales (vLLM's
+  `w13_input_scale.max()`), and one for every down_proj input, the largest of the experts'.
+
+Both files hold, per prompt of tiny-qwen3-moe's reference, the last position's logits and 32
+greedy tokens with each step's top-1 minus top-2 margin (make_gptq8_fixture.reference's layout),
+`min_router_gap` (the smallest gap between the k-th chosen and the best unchosen router logit over
+the prompt's forwards) and, in w8a8-reference.json, `closest_tie` (make_w8a8_fixture's).
+
+    python tools/reference/make_moe_fp8_fixture.py   (numpy, ml_dtypes, torch)
+"""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+from make_gptq8_fixture import reference
+from make_quant_fixtures import CALIBRATED, ct_config, fp8_tensor
+from make_w8a8_fixture import closest_tie, e4m3, tie_distance
+from safetensors_np import load_file, save_file
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+SRC = FIXTURES / "tiny-qwen3-moe"
+OUT = FIXTURES / "quant" / "moe-fp8-static"
+COPIED = ["generation_config.json", "special_tokens_map.json", "tokenizer.json",
+          "tokenizer_config.json"]
+EXPERT = ["gate_proj", "up_proj", "down_proj"]
+# The scale factors of a linear of each hook kind (make_quant_fixtures.CALIBRATED's).
+FACTOR = {lin.split(".")[1]: f for group in CALIBRATED for lin, f in group}
+# Closer to an E4M3 rounding midpoint than this (relative), an input may round either way
+# (crates/models/tests/quantized.rs).
+NEAR_TIE = 1e-6
+# Greedy steps with a smaller top-2 margin are not compared (quantized.rs's EXACT.margin).
+MIN_MARGIN = 1e-3
+# The smallest router gap seen since the last reset.
+router_gap = [np.inf]
+
+
+def sparse(cfg: dict, layer: int) -> bool:
+    step = cfg.get("decoder_sparse_step", 1)
+    return layer not in cfg.get("mlp_only_layers", []) and (layer + 1) % step == 0
+
+
+def forward(w: dict, cfg: dict, ids: list, linear_input=None) -> np.ndarray:
+    """Logits of every position of Qwen3-MoE in float64. `linear_input(kind, layer, expert, x)`,
+    when given, maps the input of the linears of one kind ("qkv", "o", "gate_up", "down"; expert
+    None outside the experts) to what they multiply."""
+    li = linear_input or (lambda kind, layer, e, v: v)
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    eps, top_k = cfg["rms_norm_eps"], cfg["num_experts_per_tok"]
+    f = lambda n: w[n].astype(np.float64)
+    t = len(ids)
+    x = f("model.embed_tokens.weight")[ids]
+    theta = cfg["rope_parameters"]["rope_theta"]
+    inv = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    ang = np.arange(t)[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def norm(v, g):
+        return v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps) * g
+
+    def rope(v):  # [t, heads, hd], rotate-half
+        a, b = v[..., : hd // 2], v[..., hd // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    def mlp(p, y, layer, e):
+        g = li("gate_up", layer, e, y)
+        a = (g @ f(f"{p}.gate_proj.weight").T)
+        a = a / (1 + np.exp(-a)) * (g @ f(f"{p}.up_proj.weight").T)
+        return li("down", layer, e, a) @ f(f"{p}.down_proj.weight").T
+
+    mask = np.triu(np.full((t, t), -np.inf), 1)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        y = li("qkv", i, None, norm(x, f(f"{p}.input_layernorm.weight")))
+        q = norm((y @ f(f"{p}.self_attn.q_proj.weight").T).reshape(t, nh, hd),
+                 f(f"{p}.self_attn.q_norm.weight"))
+        k = norm((y @ f(f"{p}.self_attn.k_proj.weight").T).reshape(t, nkv, hd),
+                 f(f"{p}.self_attn.k_norm.weight"))
+        v = (y @ f(f"{p}.self_attn.v_proj.weight").T).reshape(t, nkv, hd)
+        q, k = rope(q), rope(k)
+        k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / math.sqrt(hd) + mask
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", s, v).reshape(t, nh * hd)
+        x = x + li("o", i, None, o) @ f(f"{p}.self_attn.o_proj.weight").T
+        y = norm(x, f(f"{p}.post_attention_layernorm.weight"))
+        if not sparse(cfg, i):
+            x = x + mlp(f"{p}.mlp", y, i, None)
+            continue
+        logits = y @ f(f"{p}.mlp.gate.weight").T
+        out = np.zeros_like(x)
+        for r in range(t):
+            order = np.argsort(-logits[r], kind="stable")
+            chosen = order[:top_k]
+            if top_k < len(order):
+                gap = logits[r, order[top_k - 1]] - logits[r, order[top_k]]
+                router_gap[0] = min(router_gap[0], gap)
+            pr = np.exp(logits[r] - logits[r].max())
+            pr /= pr.sum()
+            wts = pr[chosen]
+            if cfg.get("norm_topk_prob", False):
+                wts = wts / wts.sum()
+            for e, wt in zip(chosen, wts):
+                out[r] += wt * mlp(f"{p}.mlp.experts.{e}", y[r:r + 1], i, int(e))[0]
+        x = x + out
+    x = norm(x, f("model.norm.weight"))
+    return x @ f("lm_head.weight").T
+
+
+def linears(cfg: dict):
+    """(prefix, hook kind, expert) of every quantized linear of the decoder layers."""
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        for lin, kind in [("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("o_proj", "o")]:
+            yield f"{p}.self_attn.{lin}", kind, None
+        if not sparse(cfg, i):
+            continue  # left in float (see the module documentation)
+        for e in range(cfg["num_experts"]):
+            for lin in EXPERT:
+                yield f"{p}.mlp.experts.{e}.{lin}", "down" if lin == "down_proj" else "gate_up", e
+
+
+def calibrated_input_scales(w: dict, cfg: dict, ids: list) -> dict:
+    """Each linear's static input scale: max |x| / 448 of its input over `ids`, every token
+    through every expert, times its factors (see the module documentation)."""
+    amax = {}
+
+    def observe(kind, layer, e, x):
+        key = (kind, layer, e)
+        amax[key] = max(amax.get(key, 0.0), float(np.abs(x).max()))
+        return x
+
+    calibrating = dict(cfg, num_experts_per_tok=cfg["num_experts"], norm_topk_prob=False)
+    forward(w, calibrating, ids, linear_input=observe)
+    scales = {}
+    for prefix, kind, e in linears(cfg):
+        layer = int(prefix.split(".")[2])
+        factor = FACTOR[prefix.rsplit(".", 1)[1]] * (1.0 if e is None else 1.0 - 0.08 * e)
+        scales[prefix] = float(np.float32(amax[(kind, layer, e)] / 448.0 * factor))
+    return scales
+
+
+def merged_scales(scales: dict, cfg: dict) -> dict:
+    """The scale each (kind, layer, expert) hook call rounds its input with under w8a8_fp8: the
+    largest of the linears that share that input, over every expert of a sparse layer."""
+    merged = {}
+    for prefix, kind, e in linears(cfg):
+        layer = int(prefix.split(".")[2])
+        key = (kind, layer, "experts" if e is not None else None)
+        merged[key] = max(merged.get(key, 0.0), scales[prefix])
+    return merged
+
+
+def static_inputs(merged: dict):
+    def rounded(kind, layer, e, x):
+        key = (kind, layer, "experts" if e is not None else None)
+        if key not in merged:
+            return x  # a float layer
+        s = np.float32(merged[key])
+        scaled = (x.astype(np.float32) * (np.float32(1.0) / s)).astype(np.float32)
+        closest_tie[0] = min(closest_tie[0], tie_distance(scaled))
+        return (e4m3(scaled) * s).astype(np.float64)
+
+    return rounded
+
+
+def write(name: str, about: str, w: dict, cfg: dict, prompts: list, linear_input=None) -> None:
+    rows = []
+    fwd = lambda w, cfg, ids, linear_input=None: forward(w, cfg, ids, linear_input)
+    for p in prompts:
+        closest_tie[0], router_gap[0] = np.inf, np.inf
+        rows += reference(w, cfg, [p], linear_input=linear_input, forward_fn=fwd)
+        rows[-1]["min_router_gap"] = float(router_gap[0])
+        if linear_input is not None:
+            rows[-1]["closest_tie"] = closest_tie[0]
+    ref = {"model": "tiny-qwen3-moe", "format": "moe-fp8-static", "reference": about, "prompts": rows}
+    (OUT / name).write_text(json.dumps(ref) + "\n")
+    print(name, "min margins", [round(p["min_margin"], 4) for p in rows],
+          "router gaps", [f"{p['min_router_gap']:.1e}" for p in rows],
+          "closest ties", [f"{p.get('closest_tie', np.inf):.1e}" for p in rows])
+
+
+def clear_of_ties(w: dict, cfg: dict, prompts: list, scales: dict) -> dict:
+    """`scales` times the first calibration slack of 1, 1.01, 1.02, ... under which the first
+    prompt's W8A8 forwards keep every input at least NEAR_TIE (relative) from an E4M3 rounding
+    midpoint and every greedy step's top-2 margin above MIN_MARGIN, so that one prompt is checked
+    whole at the f32 tolerance (an input that close to a midpoint may round the other way in an
+    f32 forward)."""
+    for j in range(50):
+        slack = {k: float(np.float32(v * (1 + 0.01 * j))) for k, v in scales.items()}
+        closest_tie[0] = np.inf
+        row = reference(w, cfg, prompts[:1], linear_input=static_inputs(merged_scales(slack, cfg)),
+                        forward_fn=lambda w, cfg, ids, linear_input: forward(w, cfg, ids, linear_input))
+        if closest_tie[0] >= NEAR_TIE and row[0]["min_margin"] >= MIN_MARGIN:
+            print(f"calibration slack {1 + 0.01 * j:.2f}: closest tie {closest_tie[0]:.1e}")
+            return slack
+    raise SystemExit("no calibration slack up to 1.49 keeps the first prompt clear of ties")
+
+
+def check_forward(w: dict, cfg: dict, ref: dict) -> None:
+    """The numpy forward of the float model gives transformers' logits and greedy tokens."""
+    for p in ref["prompts"]:
+        ids = list(p["input_ids"])
+        got = forward(w, cfg, ids)[-1]
+        want = np.array(p["last_logits"])
+        err = np.abs(got - want).max()
+        assert err < 1e-4 * np.abs(want).max(), err
+        seq = list(ids)
+        for _ in range(len(p["greedy_ids"])):
+            seq.append(int(np.argmax(forward(w, cfg, seq)[-1])))
+        assert seq[len(ids):] == p["greedy_ids"], (seq[len(ids):], p["greedy_ids"])
+    print("numpy Qwen3-MoE forward matches transformers' reference")
+
+
+def main() -> None:
+    cfg = json.loads((SRC / "config.json").read_text())
+    cfg["num_experts"] = cfg.get("num_experts", cfg["num_local_experts"])
+    src_ref = json.loads((SRC / "reference.json").read_text())
+    prompts = src_ref["prompts"]
+    sd = {}
+    for f in sorted(SRC.glob("model-*.safetensors")):
+        sd.update(load_file(f))
+    check_forward(sd, cfg, src_ref)
+    scales = calibrated_input_scales(sd, cfg, prompts[0]["input_ids"])
+    tensors, deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}
+    for prefix, _, _ in linears(cfg):
+        parts, dq = fp8_tensor(sd[f"{prefix}.weight"].astype(np.float32), scales[prefix])
+        del tensors[f"{prefix}.weight"]
+        tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
+        deq[f"{prefix}.weight"] = dq.astype(np.float64)
+    scales = clear_of_ties(deq, cfg, prompts, scales)
+    for prefix in scales:
+        tensors[f"{prefix}.input_scale"] = np.array([scales[prefix]], np.float32)
+    if OUT.exists():
+        shutil.rmtree(OUT)
+    OUT.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, OUT / "model.safetensors")
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    qc = ct_config(fp8, fp8, "float-quantized")
+    dense = [f"model.layers.{i}.mlp.{lin}" for i in range(cfg["num_hidden_layers"])
+             if not sparse(cfg, i) for lin in EXPERT]
+    qc["ignore"] = ["lm_head", "re:.*mlp.gate$"] + dense
+    src_cfg = json.loads((SRC / "config.json").read_text())
+    (OUT / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
+    for f in COPIED:
+        shutil.copy(SRC / f, OUT / f)
+    write("reference.json", "numpy float64 forward of the checkpoint's weights (q * scale), f32 inputs",
+          deq, cfg, prompts)
+    write("w8a8-reference.json",
+          "numpy float64 forward of the checkpoint's weights, inputs E4M3 with the merged static scales",
+          deq, cfg, prompts, linear_input=static_inputs(merged_scales(scales, cfg)))
+
+
+if __name__ == "__main__":
+    main()
