@@ -31,12 +31,21 @@ greedy tokens with each step's top-1 minus top-2 margin (make_gptq8_fixture.refe
 `min_router_gap` (the smallest gap between the k-th chosen and the best unchosen router logit over
 the prompt's forwards) and, in w8a8-reference.json, `closest_tie` (make_w8a8_fixture's).
 
-    python tools/reference/make_moe_fp8_fixture.py   (numpy, ml_dtypes, torch)
+It also writes tests/fixtures/quant/deepseek-v3-fp8-block (`deepseek_v3_block_fp8`): tiny-deepseek-v3
+in DeepSeek-V3's published FP8 layout (`quant_method: fp8`, `weight_block_size: [128, 128]`, an E4M3
+`weight` and an f32 `weight_scale_inv` per 128 x 128 block for every linear of the decoder layers:
+the latent attention's q_a/q_b/kv_a/kv_b/o projections, the dense MLP, the experts and the shared
+expert; routers, norms, embeddings and lm_head f32), with transformers' reference (DeepseekV3ForCausalLM)
+of the weights dequantized as q * scale_inv, and per prompt `router_unstable_tokens`
+(make_moe_fixtures.router_unstable).
+
+    python tools/reference/make_moe_fp8_fixture.py   (numpy, ml_dtypes, torch, transformers)
 """
 
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -279,5 +288,57 @@ def main() -> None:
           deq, cfg, prompts, linear_input=static_inputs(merged_scales(scales, cfg)))
 
 
+def deepseek_v3_block_fp8() -> None:
+    """quant/deepseek-v3-fp8-block: tiny-deepseek-v3 in DeepSeek-V3's own FP8 layout, every linear
+    of the decoder layers (latent attention, dense MLP, experts, shared expert) E4M3 with a
+    `weight_scale_inv` per 128 x 128 block, the routers and their score-correction biases f32,
+    and transformers' reference of the weights dequantized with the format's formula."""
+    import make_moe_fixtures
+    import torch
+    from make_quant_fixtures import fp8_block
+    from make_quant_fixtures import reference as transformers_reference
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    src = FIXTURES / "tiny-deepseek-v3"
+    out = FIXTURES / "quant" / "deepseek-v3-fp8-block"
+    sd = load_file(src / "model.safetensors")
+    tensors, deq = dict(sd), dict(sd)
+    for name, w in sd.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            parts, dq = fp8_block(w.astype(np.float32))
+            prefix = name[: -len(".weight")]
+            tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
+            deq[name] = dq.astype(np.float32)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc), indent=2) + "\n")
+    for f in COPIED:
+        shutil.copy(src / f, out / f)
+    prompts = json.loads((src / "reference.json").read_text())["prompts"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in ["config.json"] + COPIED:
+            shutil.copy(src / f, Path(tmp) / f)
+        save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, Path(tmp) / "model.safetensors")
+        model, info = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+        model.eval()
+        ref = transformers_reference(cfg, deq, prompts, model=model)
+        for p in ref["prompts"]:
+            seq = p["input_ids"] + p["greedy_ids"]
+            p["router_unstable_tokens"] = make_moe_fixtures.router_unstable(model, seq)
+    ref.update(model="tiny-deepseek-v3", format="deepseek-v3-fp8-block")
+    (out / "reference.json").write_text(json.dumps(ref) + "\n")
+    print("deepseek-v3-fp8-block min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
+          "unstable router tokens", [p["router_unstable_tokens"] for p in ref["prompts"]])
+
+
 if __name__ == "__main__":
     main()
+    deepseek_v3_block_fp8()

@@ -377,13 +377,16 @@ FORMATS = {
 }
 
 
-def reference(cfg: dict, deq: dict, prompts: list) -> dict:
+def reference(cfg: dict, deq: dict, prompts: list, model=None) -> dict:
+    """transformers' last logits and greedy tokens (with margins) per prompt: of `model` when
+    given, else of LlamaForCausalLM with the weights `deq`."""
     torch.manual_seed(0)
-    conf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("quantization_config",)})
-    model = LlamaForCausalLM(conf).eval()
-    sd = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in deq.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    if model is None:
+        conf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("quantization_config",)})
+        model = LlamaForCausalLM(conf).eval()
+        sd = {k: torch.from_numpy(np.ascontiguousarray(v, np.float32)) for k, v in deq.items()}
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
     out = []
     for p in prompts:
         ids = p["input_ids"]

@@ -59,6 +59,9 @@ async fn check_greedy(
     assert_no_leak(c, s, "arbor", None).await
 }
 
+/// Pre-quantized checkpoints (block FP8, AWQ, NVFP4, and DeepSeek-V3's
+/// block FP8 with latent attention and experts) serve the completions of
+/// their references and return every KV page.
 #[tokio::test]
 async fn quantized_checkpoints_serve_their_reference_completions() -> Result<()> {
     let c = client();
@@ -66,6 +69,7 @@ async fn quantized_checkpoints_serve_their_reference_completions() -> Result<()>
         ("quant/fp8-block", "f8_s32 (fp8)"),
         ("quant/awq", "u4_s32 (awq)"),
         ("quant/nvfp4", "f4_s16 (modelopt)"),
+        ("quant/deepseek-v3-fp8-block", "f8_s32 (fp8)"),
     ] {
         let model = fixture(name);
         let reference: Value =

@@ -16,8 +16,10 @@
 //! the ordinary paged kernel with one KV head shared by every query head
 //! (MQA) and the softmax scale of the expanded head width.
 //!
-//! Invariants: absorbed weights are computed from float checkpoints (f32,
-//! f16, bf16) in f32 and stored in the checkpoint's float dtype; YaRN's
+//! Invariants: absorbed weights are computed in f32, from the stored values
+//! of a float checkpoint (f32, f16, bf16) or the dequantized values of a
+//! quantized one (FP8 blocks, INT4, GGUF types), and stored in the
+//! checkpoint's float dtype; YaRN's
 //! attention factor multiplies the rotary rows of q and k (RoPE is linear);
 //! the rotary dimensions come first in each head, so the backend's RoPE (which
 //! rotates a head's first `qk_rope_head_dim` dimensions) applies to q and k.
@@ -131,7 +133,7 @@ pub struct MlaAttn {
     style: RopeStyle,
 }
 
-/// The float values and shape of a checkpoint tensor.
+/// The values and dtype of a float checkpoint tensor of shape `shape`.
 fn host(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<(Vec<f32>, DType)> {
     let t = src.tensor(name)?.ok_or_else(|| {
         CoreError::load(format!("{}: tensor '{name}' is missing", src.describe()))
@@ -143,14 +145,37 @@ fn host(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<(Vec<f32>
             t.shape
         )));
     }
-    if !t.dtype.is_float() {
-        return Err(CoreError::unsupported(format!(
-            "{}: tensor '{name}' is {}: MLA weight absorption needs float weights",
-            src.describe(),
-            t.dtype
-        )));
-    }
     Ok((t.to_f32_vec()?, t.dtype))
+}
+
+/// The f32 values of the projection `prefix` (this rank's `out` x `inp`
+/// share) that absorption reads, and the dtype the weights absorbed from it
+/// are stored in. A float checkpoint's weight is read as stored and keeps
+/// its dtype. A quantized one (DeepSeek-V3's FP8 blocks with
+/// `weight_scale_inv`, compressed-tensors, INT4) is loaded by its method and
+/// dequantized with the format's formula, and the absorbed weights are
+/// stored in `float`, the layer's float dtype (vLLM likewise absorbs the
+/// dequantized `kv_b_proj`).
+fn projection(
+    l: &mut Loader<'_>,
+    prefix: &str,
+    out: usize,
+    inp: usize,
+    float: DType,
+) -> Result<(Vec<f32>, DType)> {
+    let name = format!("{prefix}.weight");
+    let src = l.source();
+    if src.tensor(&name)?.is_some_and(|t| t.dtype.is_float()) {
+        return host(src, &name, &[out, inp]);
+    }
+    let (t, _) = l.linear_weight(prefix, out, inp)?;
+    if t.dtype.is_float() {
+        return Ok((t.to_f32_vec()?, float));
+    }
+    let mut values = vec![0f32; out * inp];
+    arbor_quant::dequantize(t.dtype, &t.data, &mut values)
+        .map_err(|e| CoreError::load(format!("{}: tensor '{name}': {e}", src.describe())))?;
+    Ok((values, float))
 }
 
 impl MlaAttn {
@@ -177,22 +202,26 @@ impl MlaAttn {
             Some(r) => {
                 let qa = l.matrix(&format!("{p}.q_a_proj"), r, h)?;
                 let norm = l.f32_matrix(&format!("{p}.q_a_layernorm.weight"), &[r])?;
-                (Some((qa, norm)), r, format!("{p}.q_b_proj.weight"))
+                (Some((qa, norm)), r, format!("{p}.q_b_proj"))
             }
-            None => (None, h, format!("{p}.q_proj.weight")),
+            None => (None, h, format!("{p}.q_proj")),
         };
-        let (qw, dtype) = host(src, &q_name, &[heads * (nope + rope), q_in])?;
-        let (kvb, _) = host(
-            src,
-            &format!("{p}.kv_b_proj.weight"),
-            &[heads * (nope + vd), lora],
+        // The float dtype of this checkpoint's layer: absorbed weights are
+        // stored in it when the projections are quantized.
+        let float = match src.tensor(&format!("{p}.kv_a_layernorm.weight"))? {
+            Some(t) if t.dtype.is_float() => t.dtype,
+            _ => DType::F32,
+        };
+        let (qw, dtype) = projection(l, &q_name, heads * (nope + rope), q_in, float)?;
+        let (kvb, _) = projection(
+            l,
+            &format!("{p}.kv_b_proj"),
+            heads * (nope + vd),
+            lora,
+            float,
         )?;
-        let (ow, _) = host(src, &format!("{p}.o_proj.weight"), &[h, heads * vd])?;
-        let (kva, _) = host(
-            src,
-            &format!("{p}.kv_a_proj_with_mqa.weight"),
-            &[lora + rope, h],
-        )?;
+        let (ow, _) = projection(l, &format!("{p}.o_proj"), h, heads * vd, float)?;
+        let (kva, _) = projection(l, &format!("{p}.kv_a_proj_with_mqa"), lora + rope, h, float)?;
         // q_b_proj (or q_proj), kv_b_proj, o_proj and kv_a_proj_with_mqa are read.
         l.skip(4);
         // Absorbed query: per head [q_pe rows · af | W_UKᵀ · W_q_nope].

@@ -9,6 +9,11 @@
 //! gate/up input with the largest of the block's gate/up scales and its
 //! down input with the largest down scale, as vLLM's FP8 MoE methods do.
 //! Tolerances and the split of prompts by E4M3 ties are quantized.rs's.
+//!
+//! Also DeepSeek-V3's own FP8 layout (quant/deepseek-v3-fp8-block, written
+//! by the same script: 128 × 128 blocks with `weight_scale_inv` on every
+//! decoder linear) against transformers run on the weights dequantized
+//! with the format's formula.
 
 mod quant_common;
 
@@ -21,6 +26,26 @@ const FIXTURE: &str = "moe-fp8-static";
 #[test]
 fn moe_fp8_checkpoint_matches_its_reference() -> Result<()> {
     check_format(FIXTURE, DType::F8_S32)
+}
+
+/// The latent attention's projections are dequantized with the format's
+/// formula and absorbed in f32; the dense MLP, the experts and the shared
+/// expert keep their FP8 blocks. The float model those weights were
+/// quantized from misses the reference by far more than the tolerance, and
+/// a projection without its block scales is an error naming the tensor.
+#[test]
+fn deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
+    let name = "deepseek-v3-fp8-block";
+    check_format(name, DType::F8_S32)?;
+    let reference = reference_at(&fixtures().join("quant").join(name).join("reference.json"))?;
+    let (float, b) = load(&fixtures().join("tiny-deepseek-v3"), None)?;
+    let got = last_logits(&float, &b, DType::F32, &reference)?;
+    misses_far("the float model", &got, &reference)?;
+    let scale = "model.layers.0.self_attn.kv_b_proj.weight_scale_inv";
+    let dir = edited(name, |_| {}, |t| t.retain(|(n, ..)| n != scale))?;
+    let e = load_error(dir.path(), None);
+    assert!(e.contains(scale) && e.contains("missing"), "{e}");
+    Ok(())
 }
 
 /// Under `w8a8_fp8` the experts round their inputs with their block's

@@ -163,7 +163,8 @@ fn tiny_mistral() -> Result<()> {
     check("tiny-mistral")
 }
 
-/// HF quantized checkpoints (tests/fixtures/quant): the weights stay packed
+/// HF quantized checkpoints (tests/fixtures/quant; DeepSeek-V3's block FP8
+/// with latent attention and experts among them): the weights stay packed
 /// on the device and go through the tensor-core GEMM (CUDA sm_80+) or the
 /// dequantizing GEMM.
 #[test]
@@ -173,6 +174,7 @@ fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
         ("quant/awq", DType::U4_S32),
         ("quant/gptq8-asym", DType::U8_S32),
         ("quant/nvfp4", DType::F4_S16),
+        ("quant/deepseek-v3-fp8-block", DType::F8_S32),
     ] {
         if let Some(g) = gpu() {
             let g: Arc<dyn Backend> = g;

@@ -277,10 +277,15 @@ impl DecoderModel {
         let freqs = rope_inv_freq(&cfg, src)?;
         let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
         let table_dtype = embed.as_ref().map_or(lm_head.dtype(), Tensor::dtype);
-        let weight_dtype = layers.first().map_or(table_dtype, |l| match &l.attn {
-            Attn::Mha(m) => m.q.w.dtype(),
-            Attn::Mla(_) => table_dtype,
-        });
+        let weight_dtype = layers
+            .first()
+            .map_or(table_dtype, |l| match (&l.attn, &l.ffn) {
+                (Attn::Mha(m), _) => m.q.w.dtype(),
+                // Latent attention's absorbed weights are float whatever the
+                // checkpoint: its feed-forward says how the layers are stored.
+                (Attn::Mla(_), Ffn::Dense { gate, .. }) => gate.w.dtype(),
+                (Attn::Mla(_), Ffn::Moe(block)) => block.weight_dtype().unwrap_or(table_dtype),
+            });
         // The KV cache's geometry: one latent "head" with latent attention.
         let (kv_heads, kv_dim) = match &cfg.mla {
             Some(m) => (1, m.kv_head_dim()),
