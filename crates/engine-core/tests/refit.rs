@@ -12,9 +12,11 @@ use anyhow::Result;
 use arbor_engine_core::engine::refit::{PauseMode, RefitOptions};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::runner::ModelRunner;
-use arbor_engine_core::{DType, LoadOptions, Model, PrefixCacheOptions};
+use arbor_engine_core::sampling::{LogitsContext, LogitsProcessor};
+use arbor_engine_core::{DType, LoadOptions, Model, PrefixCacheOptions, SamplingParams};
 use arbor_kv_radix as _;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[path = "support/tiny.rs"]
 mod tiny;
@@ -34,7 +36,7 @@ fn engine(model: Arc<dyn Model>) -> Result<Engine> {
     Ok(Engine::new(EngineConfig::default(), parts(model)?)?)
 }
 
-/// One rank's parts: its runner over `model`, a radix cache, no processors.
+/// One rank's parts: its runner over `model`, a radix cache, [`SlowSteps`].
 fn parts(model: Arc<dyn Model>) -> Result<EngineParts> {
     let s = shared();
     let runner = ModelRunner::new(model, s.backend.clone(), None, 16, 64, DType::F32)?;
@@ -47,7 +49,7 @@ fn parts(model: Arc<dyn Model>) -> Result<EngineParts> {
         runner,
         cache,
         s.registry.samplers.get("standard")?()?,
-        Vec::new(),
+        vec![Arc::new(SlowSteps)],
         s.model.tokenizer.clone(),
         s.model.tokenizer.eos_token_ids.clone(),
     );
@@ -67,6 +69,30 @@ fn outputs(e: &Engine, ps: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
+/// Tokens of the requests in flight during an update.
+const IN_FLIGHT_TOKENS: usize = 40;
+
+/// An identity processor that sleeps 3 ms per row of the requests asking
+/// for [`IN_FLIGHT_TOKENS`] tokens (no other), so that they still decode
+/// when the test reads their first chunk and sends the update however late
+/// a loaded machine runs the test thread. (A stream merges the chunks its
+/// reader has not taken, so a request that ran to its end first would show
+/// one finished chunk.)
+struct SlowSteps;
+
+impl LogitsProcessor for SlowSteps {
+    fn name(&self) -> &str {
+        "slow-steps"
+    }
+    fn process(&self, _: &mut [f32], _: &LogitsContext<'_>) -> arbor_engine_core::Result<()> {
+        std::thread::sleep(Duration::from_millis(3));
+        Ok(())
+    }
+    fn is_active(&self, params: &SamplingParams) -> bool {
+        params.max_new_tokens == IN_FLIGHT_TOKENS
+    }
+}
+
 #[test]
 fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {
     let ps = prompts(6, 11);
@@ -82,7 +108,7 @@ fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {
         assert_eq!(outputs(&e, &ps)?, want_old);
         let mut streams: Vec<_> = ps
             .iter()
-            .map(|p| e.submit(GenerateRequest::new(p.clone(), greedy(40))))
+            .map(|p| e.submit(GenerateRequest::new(p.clone(), greedy(IN_FLIGHT_TOKENS))))
             .collect::<Result<_, _>>()?;
         // Every request is decoding when the update arrives.
         for s in &mut streams {
