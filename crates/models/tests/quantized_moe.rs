@@ -1,6 +1,6 @@
 //! A mixture-of-experts FP8 checkpoint with static input scales
 //! (tests/fixtures/quant/moe-fp8-static, written by
-//! tools/reference/make_moe_fp8_fixture.py: tiny-qwen3-moe as
+//! tools/reference/make_moe_quant_fixtures.py: tiny-qwen3-moe as
 //! llm-compressor writes an FP8 MoE checkpoint, every attention, dense and
 //! expert linear E4M3 per tensor with a calibrated `input_scale`, the
 //! routers float), against the numpy float64 Qwen3-MoE forward of the same
@@ -10,10 +10,11 @@
 //! down input with the largest down scale, as vLLM's FP8 MoE methods do.
 //! Tolerances and the split of prompts by E4M3 ties are quantized.rs's.
 //!
-//! Also DeepSeek-V3's own FP8 layout (quant/deepseek-v3-fp8-block, written
-//! by the same script: 128 × 128 blocks with `weight_scale_inv` on every
-//! decoder linear) against transformers run on the weights dequantized
-//! with the format's formula.
+//! Also, from the same script, 4-bit GPTQ experts (quant/moe-gptq, against
+//! the numpy forward) and DeepSeek-V3's own FP8 layout
+//! (quant/deepseek-v3-fp8-block: 128 × 128 blocks with `weight_scale_inv`
+//! on every decoder linear) against transformers run on the weights
+//! dequantized with the format's formula.
 
 mod quant_common;
 
@@ -26,6 +27,13 @@ const FIXTURE: &str = "moe-fp8-static";
 #[test]
 fn moe_fp8_checkpoint_matches_its_reference() -> Result<()> {
     check_format(FIXTURE, DType::F8_S32)
+}
+
+/// 4-bit GPTQ experts (Qwen3-30B-A3B-GPTQ-Int4's layout) stay packed and
+/// give the numpy forward of their dequantized weights.
+#[test]
+fn moe_gptq_checkpoint_matches_its_reference() -> Result<()> {
+    check_format("moe-gptq", DType::U4_S32)
 }
 
 /// The latent attention's projections are dequantized with the format's

@@ -39,7 +39,11 @@ expert; routers, norms, embeddings and lm_head f32), with transformers' referenc
 of the weights dequantized as q * scale_inv, and per prompt `router_unstable_tokens`
 (make_moe_fixtures.router_unstable).
 
-    python tools/reference/make_moe_fp8_fixture.py   (numpy, ml_dtypes, torch, transformers)
+And tests/fixtures/quant/moe-gptq (`moe_gptq`): tiny-qwen3-moe as GPTQ 4-bit (Qwen3-30B-A3B-GPTQ-Int4's
+layout, groups of 32) on every decoder linear, experts and dense MLP included, with the numpy
+forward's reference of the weights dequantized as (q - z) * s.
+
+    python tools/reference/make_moe_quant_fixtures.py   (numpy, ml_dtypes, torch, transformers)
 """
 
 import json
@@ -201,7 +205,8 @@ def static_inputs(merged: dict):
     return rounded
 
 
-def write(name: str, about: str, w: dict, cfg: dict, prompts: list, linear_input=None) -> None:
+def write(out: Path, fmt: str, about: str, w: dict, cfg: dict, prompts: list, linear_input=None,
+          name: str = "reference.json") -> None:
     rows = []
     fwd = lambda w, cfg, ids, linear_input=None: forward(w, cfg, ids, linear_input)
     for p in prompts:
@@ -210,9 +215,9 @@ def write(name: str, about: str, w: dict, cfg: dict, prompts: list, linear_input
         rows[-1]["min_router_gap"] = float(router_gap[0])
         if linear_input is not None:
             rows[-1]["closest_tie"] = closest_tie[0]
-    ref = {"model": "tiny-qwen3-moe", "format": "moe-fp8-static", "reference": about, "prompts": rows}
-    (OUT / name).write_text(json.dumps(ref) + "\n")
-    print(name, "min margins", [round(p["min_margin"], 4) for p in rows],
+    ref = {"model": "tiny-qwen3-moe", "format": fmt, "reference": about, "prompts": rows}
+    (out / name).write_text(json.dumps(ref) + "\n")
+    print(fmt, name, "min margins", [round(p["min_margin"], 4) for p in rows],
           "router gaps", [f"{p['min_router_gap']:.1e}" for p in rows],
           "closest ties", [f"{p.get('closest_tie', np.inf):.1e}" for p in rows])
 
@@ -281,11 +286,13 @@ def main() -> None:
     (OUT / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
     for f in COPIED:
         shutil.copy(SRC / f, OUT / f)
-    write("reference.json", "numpy float64 forward of the checkpoint's weights (q * scale), f32 inputs",
+    write(OUT, "moe-fp8-static",
+          "numpy float64 forward of the checkpoint's weights (q * scale), f32 inputs",
           deq, cfg, prompts)
-    write("w8a8-reference.json",
+    write(OUT, "moe-fp8-static",
           "numpy float64 forward of the checkpoint's weights, inputs E4M3 with the merged static scales",
-          deq, cfg, prompts, linear_input=static_inputs(merged_scales(scales, cfg)))
+          deq, cfg, prompts, linear_input=static_inputs(merged_scales(scales, cfg)),
+          name="w8a8-reference.json")
 
 
 def deepseek_v3_block_fp8() -> None:
@@ -339,6 +346,43 @@ def deepseek_v3_block_fp8() -> None:
           "unstable router tokens", [p["router_unstable_tokens"] for p in ref["prompts"]])
 
 
+def moe_gptq() -> None:
+    """quant/moe-gptq: tiny-qwen3-moe as GPTQ 4-bit (the layout of Qwen/Qwen3-30B-A3B-GPTQ-Int4:
+    `qweight`/`qzeros`/`scales`/`g_idx`, symmetric, here in groups of 32) on every linear of the
+    decoder layers, experts and the dense MLP included, the routers f32; its reference is the
+    numpy forward of the weights dequantized as AutoGPTQ does ((q - z) * s)."""
+    from make_quant_fixtures import gptq
+
+    cfg = json.loads((SRC / "config.json").read_text())
+    cfg["num_experts"] = cfg.get("num_experts", cfg["num_local_experts"])
+    prompts = json.loads((SRC / "reference.json").read_text())["prompts"]
+    sd = {}
+    for f in sorted(SRC.glob("model-*.safetensors")):
+        sd.update(load_file(f))
+    out = FIXTURES / "quant" / "moe-gptq"
+    tensors, deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}
+    for name, w in sd.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            parts, dq = gptq(w.astype(np.float32), g=32, sym=True)
+            prefix = name[: -len(".weight")]
+            del tensors[name]
+            tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
+            deq[name] = dq.astype(np.float64)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
+          "checkpoint_format": "gptq"}
+    src_cfg = json.loads((SRC / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
+    for f in COPIED:
+        shutil.copy(SRC / f, out / f)
+    write(out, "moe-gptq", "numpy float64 forward of the weights dequantized as (q - z) * s",
+          deq, cfg, prompts)
+
+
 if __name__ == "__main__":
     main()
     deepseek_v3_block_fp8()
+    moe_gptq()
