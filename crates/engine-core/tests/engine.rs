@@ -16,7 +16,8 @@ use arbor_kv_radix as _;
 
 #[path = "support/tiny.rs"]
 mod tiny;
-use tiny::{assert_pool_empty, greedy, prompts, shared};
+use std::sync::Arc;
+use tiny::{SlowSteps, assert_pool_empty, greedy, prompts, shared};
 
 fn engine(cfg: EngineConfig, num_pages: usize, page_size: usize) -> Result<Engine> {
     engine_with_eos(
@@ -84,14 +85,21 @@ fn parts(
         runner,
         cache,
         s.registry.samplers.get("standard")?()?,
-        vec![s.registry.logits_processors.get("penalties")?(
-            &serde_json::Value::Null,
-        )?],
+        vec![
+            s.registry.logits_processors.get("penalties")?(&serde_json::Value::Null)?,
+            Arc::new(SlowSteps(&[ABORTED_TOKENS, ABORTED_DP_TOKENS])),
+        ],
         s.model.tokenizer.clone(),
         eos_token_ids,
     );
     Ok(parts)
 }
+
+/// Tokens of the requests the tests abort while they decode (slowed by
+/// [`SlowSteps`], so that they still decode when the abort arrives).
+const ABORTED_TOKENS: usize = 200;
+/// The same for the data-parallel engine's.
+const ABORTED_DP_TOKENS: usize = 120;
 
 fn tokens_of(chunks: &[OutputChunk]) -> Vec<u32> {
     chunks.iter().flat_map(|c| c.token_ids.clone()).collect()
@@ -214,7 +222,7 @@ fn abort_frees_pages_and_drop_aborts() -> Result<()> {
     let p = prompts(1, 3).remove(0);
     let mut s = e.submit(GenerateRequest {
         rid: Some("victim".into()),
-        ..GenerateRequest::new(p.clone(), greedy(200))
+        ..GenerateRequest::new(p.clone(), greedy(ABORTED_TOKENS))
     })?;
     // Wait until it is decoding.
     let first = s.blocking_next().expect("a chunk");
@@ -223,11 +231,11 @@ fn abort_frees_pages_and_drop_aborts() -> Result<()> {
     let rest: Vec<OutputChunk> = std::iter::from_fn(|| s.blocking_next()).collect();
     let f = rest.last().and_then(|c| c.finish.clone()).expect("finish");
     assert_eq!(f.kind, FinishKind::Abort);
-    assert!(tokens_of(&rest).len() < 199);
+    assert!(tokens_of(&rest).len() < ABORTED_TOKENS - 1);
     assert_pool_empty(&e);
 
     // Dropping the stream (a client disconnect) aborts too.
-    let s = e.submit(GenerateRequest::new(p, greedy(200)))?;
+    let s = e.submit(GenerateRequest::new(p, greedy(ABORTED_TOKENS)))?;
     drop(s);
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(e.stats().num_running_reqs, 0);
@@ -280,7 +288,7 @@ fn data_parallel_ranks_agree_and_spread_the_load() -> Result<()> {
             let rid = format!("victim-{i}");
             let mut s = e.submit(GenerateRequest {
                 rid: Some(rid.clone()),
-                ..GenerateRequest::new(p.clone(), greedy(120))
+                ..GenerateRequest::new(p.clone(), greedy(ABORTED_DP_TOKENS))
             })?;
             let c = s.blocking_next().expect("a chunk");
             assert!(c.finish.is_none(), "{c:?}");

@@ -12,15 +12,13 @@ use anyhow::Result;
 use arbor_engine_core::engine::refit::{PauseMode, RefitOptions};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::runner::ModelRunner;
-use arbor_engine_core::sampling::{LogitsContext, LogitsProcessor};
-use arbor_engine_core::{DType, LoadOptions, Model, PrefixCacheOptions, SamplingParams};
+use arbor_engine_core::{DType, LoadOptions, Model, PrefixCacheOptions};
 use arbor_kv_radix as _;
 use std::sync::Arc;
-use std::time::Duration;
 
 #[path = "support/tiny.rs"]
 mod tiny;
-use tiny::{assert_pool_empty, greedy, prompts, shared};
+use tiny::{SlowSteps, assert_pool_empty, greedy, prompts, shared};
 
 fn load(path: &std::path::Path, quant: &str) -> Result<Arc<dyn Model>> {
     let s = shared();
@@ -49,7 +47,7 @@ fn parts(model: Arc<dyn Model>) -> Result<EngineParts> {
         runner,
         cache,
         s.registry.samplers.get("standard")?()?,
-        vec![Arc::new(SlowSteps)],
+        vec![Arc::new(SlowSteps(&[IN_FLIGHT_TOKENS]))],
         s.model.tokenizer.clone(),
         s.model.tokenizer.eos_token_ids.clone(),
     );
@@ -69,29 +67,9 @@ fn outputs(e: &Engine, ps: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
-/// Tokens of the requests in flight during an update.
+/// Tokens of the requests in flight during an update (slowed by
+/// [`SlowSteps`], so that they are still decoding when it arrives).
 const IN_FLIGHT_TOKENS: usize = 40;
-
-/// An identity processor that sleeps 3 ms per row of the requests asking
-/// for [`IN_FLIGHT_TOKENS`] tokens (no other), so that they still decode
-/// when the test reads their first chunk and sends the update however late
-/// a loaded machine runs the test thread. (A stream merges the chunks its
-/// reader has not taken, so a request that ran to its end first would show
-/// one finished chunk.)
-struct SlowSteps;
-
-impl LogitsProcessor for SlowSteps {
-    fn name(&self) -> &str {
-        "slow-steps"
-    }
-    fn process(&self, _: &mut [f32], _: &LogitsContext<'_>) -> arbor_engine_core::Result<()> {
-        std::thread::sleep(Duration::from_millis(3));
-        Ok(())
-    }
-    fn is_active(&self, params: &SamplingParams) -> bool {
-        params.max_new_tokens == IN_FLIGHT_TOKENS
-    }
-}
 
 #[test]
 fn drained_and_async_refits_under_load_match_a_fresh_engine() -> Result<()> {

@@ -1,11 +1,12 @@
 //! Shared pieces of the engine tests on the tiny Llama fixture (included
 //! with `#[path]`): the model loaded once per test binary on a 2-thread CPU
-//! backend, seeded prompts, greedy parameters, and the check that a flushed,
-//! idle engine holds no KV page.
+//! backend, seeded prompts, greedy parameters, the check that a flushed,
+//! idle engine holds no KV page, and a processor that slows marked requests.
 #![allow(dead_code)]
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::Engine;
+use arbor_engine_core::sampling::{LogitsContext, LogitsProcessor};
 use arbor_engine_core::{Backend, LoadOptions, Registry, SamplingParams, SeqRng};
 use arbor_models::{LoadedModel, load_model};
 use std::path::PathBuf;
@@ -70,5 +71,26 @@ pub fn greedy(max_new: usize) -> SamplingParams {
     SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(max_new)
+    }
+}
+
+/// An identity logits processor that sleeps 3 ms per row of the requests
+/// asking for one of its token counts (and no other), so that a test
+/// which must act on a request still decoding (abort it, update the
+/// weights under it) finds it decoding however late a loaded machine runs
+/// the test thread. (A stream merges the chunks its reader has not taken,
+/// so a request that ran to its end first shows one finished chunk.)
+pub struct SlowSteps(pub &'static [usize]);
+
+impl LogitsProcessor for SlowSteps {
+    fn name(&self) -> &str {
+        "slow-steps"
+    }
+    fn process(&self, _: &mut [f32], _: &LogitsContext<'_>) -> arbor_engine_core::Result<()> {
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        Ok(())
+    }
+    fn is_active(&self, params: &SamplingParams) -> bool {
+        self.0.contains(&params.max_new_tokens)
     }
 }
