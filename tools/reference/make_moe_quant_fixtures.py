@@ -39,9 +39,10 @@ expert; routers, norms, embeddings and lm_head f32), with transformers' referenc
 of the weights dequantized as q * scale_inv, and per prompt `router_unstable_tokens`
 (make_moe_fixtures.router_unstable).
 
-And tests/fixtures/quant/moe-gptq (`moe_gptq`): tiny-qwen3-moe as GPTQ 4-bit (Qwen3-30B-A3B-GPTQ-Int4's
-layout, groups of 32) on every decoder linear, experts and dense MLP included, with the numpy
-forward's reference of the weights dequantized as (q - z) * s.
+And tests/fixtures/quant/moe-gptq, moe-awq and moe-nvfp4 (`moe_weight_only`): tiny-qwen3-moe as GPTQ
+4-bit (Qwen3-30B-A3B-GPTQ-Int4's layout), AutoAWQ 4-bit and ModelOpt NVFP4 (nvidia/Qwen3-30B-A3B-FP4's)
+on every decoder linear, experts and dense MLP included, each with the numpy forward's reference of
+the weights dequantized with the format's formula.
 
     python tools/reference/make_moe_quant_fixtures.py   (numpy, ml_dtypes, torch, transformers)
 """
@@ -346,43 +347,56 @@ def deepseek_v3_block_fp8() -> None:
           "unstable router tokens", [p["router_unstable_tokens"] for p in ref["prompts"]])
 
 
-def moe_gptq() -> None:
-    """quant/moe-gptq: tiny-qwen3-moe as GPTQ 4-bit (the layout of Qwen/Qwen3-30B-A3B-GPTQ-Int4:
-    `qweight`/`qzeros`/`scales`/`g_idx`, symmetric, here in groups of 32) on every linear of the
-    decoder layers, experts and the dense MLP included, the routers f32; its reference is the
-    numpy forward of the weights dequantized as AutoGPTQ does ((q - z) * s)."""
-    from make_quant_fixtures import gptq
+def moe_weight_only() -> None:
+    """quant/moe-gptq, moe-awq and moe-nvfp4: tiny-qwen3-moe in the weight-only formats its
+    published quantizations use (Qwen/Qwen3-30B-A3B-GPTQ-Int4: GPTQ 4-bit symmetric; AutoAWQ
+    4-bit GEMM; nvidia/Qwen3-30B-A3B-FP4: ModelOpt NVFP4), here in groups of 32 (16 for NVFP4),
+    on every linear of the decoder layers, experts and the dense MLP included, the routers f32
+    (loaded in f32 whatever the method); each reference is the numpy forward of the weights
+    dequantized with the format's formula (make_quant_fixtures' writers check their packing)."""
+    from make_quant_fixtures import awq, gptq, nvfp4
 
+    formats = {
+        "moe-gptq": (lambda w: gptq(w, g=32, sym=True), "(q - z) * s",
+                     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                      "sym": True, "checkpoint_format": "gptq"}),
+        "moe-awq": (lambda w: awq(w, g=32), "(q - z) * s",
+                    {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                     "version": "gemm", "modules_to_not_convert": None}),
+        "moe-nvfp4": (nvfp4, "e2m1 * e4m3 block scale * global scale",
+                      {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                       "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}),
+    }
     cfg = json.loads((SRC / "config.json").read_text())
     cfg["num_experts"] = cfg.get("num_experts", cfg["num_local_experts"])
     prompts = json.loads((SRC / "reference.json").read_text())["prompts"]
     sd = {}
     for f in sorted(SRC.glob("model-*.safetensors")):
         sd.update(load_file(f))
-    out = FIXTURES / "quant" / "moe-gptq"
-    tensors, deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}
-    for name, w in sd.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            parts, dq = gptq(w.astype(np.float32), g=32, sym=True)
-            prefix = name[: -len(".weight")]
-            del tensors[name]
-            tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
-            deq[name] = dq.astype(np.float64)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True,
-          "checkpoint_format": "gptq"}
-    src_cfg = json.loads((SRC / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
-    for f in COPIED:
-        shutil.copy(SRC / f, out / f)
-    write(out, "moe-gptq", "numpy float64 forward of the weights dequantized as (q - z) * s",
-          deq, cfg, prompts)
+    for fmt, (quantize, formula, qc) in formats.items():
+        out = FIXTURES / "quant" / fmt
+        tensors, deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}
+        for name, w in sd.items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                parts, dq = quantize(w.astype(np.float32))
+                prefix = name[: -len(".weight")]
+                del tensors[name]
+                tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
+                deq[name] = dq.astype(np.float64)
+        if out.exists():
+            shutil.rmtree(out)
+        out.mkdir()
+        save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())},
+                  out / "model.safetensors")
+        src_cfg = json.loads((SRC / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
+        for f in COPIED:
+            shutil.copy(SRC / f, out / f)
+        write(out, fmt, f"numpy float64 forward of the weights dequantized as {formula}",
+              deq, cfg, prompts)
 
 
 if __name__ == "__main__":
     main()
     deepseek_v3_block_fp8()
-    moe_gptq()
+    moe_weight_only()

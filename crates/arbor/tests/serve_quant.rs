@@ -151,19 +151,24 @@ async fn quantization_w8a8_fp8_serves_its_reference_completions() -> Result<()> 
 
 /// A pre-quantized checkpoint over two tensor-parallel ranks
 /// (`--tp-size 2`; tp-fp8: compressed-tensors FP8, tp-gptq8: 8-bit GPTQ,
-/// each linear splitting into whole blocks of 32 inputs) serves the
-/// completions of its numpy reference, and returns every KV page.
+/// each linear splitting into whole blocks of 32 inputs; moe-fp8-static
+/// with its experts partitioned, `--ep-size 2`) serves the completions of
+/// its numpy reference, and returns every KV page.
 #[tokio::test]
 async fn pre_quantized_checkpoints_serve_over_two_ranks() -> Result<()> {
     let c = client();
-    for (name, summary) in [
-        ("quant/tp-fp8", "f8_s32 (compressed-tensors)"),
-        ("quant/tp-gptq8", "u8_s32 (gptq)"),
+    for (name, summary, ep) in [
+        ("quant/tp-fp8", "f8_s32 (compressed-tensors)", "1"),
+        ("quant/tp-gptq8", "u8_s32 (gptq)", "1"),
+        // Whole experts per rank (their 32 inputs would not split into
+        // whole blocks).
+        ("quant/moe-fp8-static", "f8_s32 (compressed-tensors)", "2"),
     ] {
         let model = fixture(name);
         let reference: Value =
             serde_json::from_str(&std::fs::read_to_string(format!("{model}/reference.json"))?)?;
-        let s = start(&model, &["--dtype", "f32", "--tp-size", "2"])?;
+        let args = ["--dtype", "f32", "--tp-size", "2", "--ep-size", ep];
+        let s = start(&model, &args)?;
         assert!(s.log_contains(summary), "{name}: {}", s.logs());
         check_greedy(&c, &s, name, &reference).await?;
     }

@@ -10,8 +10,8 @@
 //! down input with the largest down scale, as vLLM's FP8 MoE methods do.
 //! Tolerances and the split of prompts by E4M3 ties are quantized.rs's.
 //!
-//! Also, from the same script, 4-bit GPTQ experts (quant/moe-gptq, against
-//! the numpy forward) and DeepSeek-V3's own FP8 layout
+//! Also, from the same script, 4-bit experts (quant/moe-gptq, moe-awq,
+//! moe-nvfp4, against the numpy forward) and DeepSeek-V3's own FP8 layout
 //! (quant/deepseek-v3-fp8-block: 128 × 128 blocks with `weight_scale_inv`
 //! on every decoder linear) against transformers run on the weights
 //! dequantized with the format's formula.
@@ -29,11 +29,19 @@ fn moe_fp8_checkpoint_matches_its_reference() -> Result<()> {
     check_format(FIXTURE, DType::F8_S32)
 }
 
-/// 4-bit GPTQ experts (Qwen3-30B-A3B-GPTQ-Int4's layout) stay packed and
-/// give the numpy forward of their dequantized weights.
+/// Weight-only 4-bit experts, in the formats of the published Qwen3-MoE
+/// quantizations (GPTQ, AWQ, ModelOpt NVFP4), stay packed and give the
+/// numpy forward of their dequantized weights.
 #[test]
-fn moe_gptq_checkpoint_matches_its_reference() -> Result<()> {
-    check_format("moe-gptq", DType::U4_S32)
+fn moe_weight_only_checkpoints_match_their_references() -> Result<()> {
+    for (name, stored) in [
+        ("moe-gptq", DType::U4_S32),
+        ("moe-awq", DType::U4_S32),
+        ("moe-nvfp4", DType::F4_S16),
+    ] {
+        check_format(name, stored)?;
+    }
+    Ok(())
 }
 
 /// The latent attention's projections are dequantized with the format's

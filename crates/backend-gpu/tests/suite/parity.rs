@@ -164,7 +164,8 @@ fn tiny_mistral() -> Result<()> {
 }
 
 /// HF quantized checkpoints (tests/fixtures/quant; DeepSeek-V3's block FP8
-/// with latent attention and experts, and 4-bit GPTQ experts among them):
+/// with latent attention and experts, and GPTQ and NVFP4 experts among
+/// them):
 /// the weights stay packed
 /// on the device and go through the tensor-core GEMM (CUDA sm_80+) or the
 /// dequantizing GEMM.
@@ -177,6 +178,7 @@ fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
         ("quant/nvfp4", DType::F4_S16),
         ("quant/deepseek-v3-fp8-block", DType::F8_S32),
         ("quant/moe-gptq", DType::U4_S32),
+        ("quant/moe-nvfp4", DType::F4_S16),
     ] {
         if let Some(g) = gpu() {
             let g: Arc<dyn Backend> = g;
