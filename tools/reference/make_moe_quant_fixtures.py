@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 from make_gptq8_fixture import reference
 from make_quant_fixtures import CALIBRATED, ct_config, fp8_tensor
-from make_w8a8_fixture import closest_tie, e4m3, tie_distance
+from make_w8a8_fixture import closest_tie, e4m3, inputs, tie_distance
 from safetensors_np import load_file, save_file
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
@@ -348,15 +348,21 @@ def deepseek_v3_block_fp8() -> None:
 
 
 def moe_weight_only() -> None:
-    """quant/moe-gptq, moe-awq and moe-nvfp4: tiny-qwen3-moe in the weight-only formats its
-    published quantizations use (Qwen/Qwen3-30B-A3B-GPTQ-Int4: GPTQ 4-bit symmetric; AutoAWQ
-    4-bit GEMM; nvidia/Qwen3-30B-A3B-FP4: ModelOpt NVFP4), here in groups of 32 (16 for NVFP4),
+    """quant/moe-fp8-block, moe-gptq, moe-awq and moe-nvfp4: tiny-qwen3-moe in the formats its
+    published quantizations use (Qwen/Qwen3-30B-A3B-FP8: block FP8 with `weight_scale_inv` per
+    128 x 128; Qwen/Qwen3-30B-A3B-GPTQ-Int4: GPTQ 4-bit symmetric; AutoAWQ 4-bit GEMM;
+    nvidia/Qwen3-30B-A3B-FP4: ModelOpt NVFP4), INT4 in groups of 32 (16 for NVFP4),
     on every linear of the decoder layers, experts and the dense MLP included, the routers f32
     (loaded in f32 whatever the method); each reference is the numpy forward of the weights
-    dequantized with the format's formula (make_quant_fixtures' writers check their packing)."""
-    from make_quant_fixtures import awq, gptq, nvfp4
+    dequantized with the format's formula (make_quant_fixtures' writers check their packing);
+    moe-fp8-block also has w8a8-reference.json, its inputs rounded per 32 as under
+    `--quantization w8a8_fp8`."""
+    from make_quant_fixtures import awq, fp8_block, gptq, nvfp4
 
     formats = {
+        "moe-fp8-block": (fp8_block, "q * scale_inv per 128 x 128 block",
+                          {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}),
         "moe-gptq": (lambda w: gptq(w, g=32, sym=True), "(q - z) * s",
                      {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
                       "sym": True, "checkpoint_format": "gptq"}),
@@ -394,6 +400,12 @@ def moe_weight_only() -> None:
             shutil.copy(SRC / f, out / f)
         write(out, fmt, f"numpy float64 forward of the weights dequantized as {formula}",
               deq, cfg, prompts)
+        if fmt == "moe-fp8-block":
+            # Under --quantization w8a8_fp8 every decoder linear's input (each expert's
+            # included) is rounded to E4M3 per run of 32 (make_w8a8_fixture.inputs).
+            write(out, fmt, "numpy float64 forward of the dequantized weights, inputs E4M3 per 32",
+                  deq, cfg, prompts, linear_input=lambda kind, layer, e, x: inputs(x),
+                  name="w8a8-reference.json")
 
 
 if __name__ == "__main__":
