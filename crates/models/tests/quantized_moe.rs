@@ -100,35 +100,15 @@ fn w8a8_block_fp8_experts_round_their_inputs_per_32() -> Result<()> {
 }
 
 /// Loads fixture `name` under `w8a8_fp8` (its summary `summary`) and
-/// checks it against its w8a8-reference.json: the prompts clear of E4M3
-/// ties (at least one when `some_far`) within the f32 tolerance, the others
-/// within [`W8A8_NEAR_TIE`]; the weight-only product misses the reference
-/// far. Returns the reference.
+/// checks it against its w8a8-reference.json ([`check_by_tie`]); the
+/// weight-only product misses the reference far. Returns the reference.
 fn check_w8a8(name: &str, summary: &str, some_far: bool) -> Result<serde_json::Value> {
     let dir = fixtures().join("quant").join(name);
     let reference = reference_at(&dir.join("w8a8-reference.json"))?;
     let (m, backend) = load(&dir, Some("w8a8_fp8"))?;
     assert_eq!(m.model.spec().weight_dtype, DType::F8A8_S32, "{name}");
     assert_eq!(m.model.spec().quantization, summary, "{name}");
-    let some = |r: &serde_json::Value| r["prompts"].as_array().is_some_and(|p| !p.is_empty());
-    let far = prompts_by_tie(&reference, true);
-    assert!(
-        !some_far || some(&far),
-        "{name}: no prompt clear of E4M3 ties"
-    );
-    if some(&far) {
-        check_within(name, &m, &backend, &far, EXACT)?;
-    }
-    let near = prompts_by_tie(&reference, false);
-    if some(&near) {
-        check_within(
-            &format!("{name} near a tie"),
-            &m,
-            &backend,
-            &near,
-            W8A8_NEAR_TIE,
-        )?;
-    }
+    check_by_tie(name, &m, &backend, &reference, some_far)?;
     let (plain, plain_backend) = load(&dir, None)?;
     let got = last_logits(&plain, &plain_backend, DType::F32, &reference)?;
     misses_far(&format!("{name}: weight-only FP8"), &got, &reference)?;

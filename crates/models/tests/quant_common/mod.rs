@@ -205,6 +205,39 @@ pub fn reference_at(path: &Path) -> Result<Value> {
     Ok(serde_json::from_str(&std::fs::read_to_string(path)?)?)
 }
 
+/// `m` against a W8A8 reference: its prompts clear of E4M3 ties (at least
+/// one when `some_far`) within the f32 tolerance, the others within
+/// [`W8A8_NEAR_TIE`] (an input that near a midpoint may round the other way
+/// in an f32 forward).
+pub fn check_by_tie(
+    name: &str,
+    m: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    reference: &Value,
+    some_far: bool,
+) -> Result<()> {
+    let some = |r: &Value| r["prompts"].as_array().is_some_and(|p| !p.is_empty());
+    let far = prompts_by_tie(reference, true);
+    assert!(
+        !some_far || some(&far),
+        "{name}: no prompt clear of E4M3 ties"
+    );
+    if some(&far) {
+        check_within(name, m, backend, &far, EXACT)?;
+    }
+    let near = prompts_by_tie(reference, false);
+    if some(&near) {
+        check_within(
+            &format!("{name} near a tie"),
+            m,
+            backend,
+            &near,
+            W8A8_NEAR_TIE,
+        )?;
+    }
+    Ok(())
+}
+
 /// `reference` with only the prompts whose `closest_tie` is (`far`) or is
 /// not at least [`NEAR_TIE`].
 pub fn prompts_by_tie(reference: &Value, far: bool) -> Value {
