@@ -37,7 +37,10 @@ in DeepSeek-V3's published FP8 layout (`quant_method: fp8`, `weight_block_size: 
 the latent attention's q_a/q_b/kv_a/kv_b/o projections, the dense MLP, the experts and the shared
 expert; routers, norms, embeddings and lm_head f32), with transformers' reference (DeepseekV3ForCausalLM)
 of the weights dequantized as q * scale_inv, and per prompt `router_unstable_tokens`
-(make_moe_fixtures.router_unstable).
+(make_moe_fixtures.router_unstable); and its w8a8-reference.json (`w8a8_reference`): the same model
+with the inputs of the products that keep FP8 weights under `--quantization w8a8_fp8` (q_a_proj,
+dense MLP, experts, shared expert; not the projections latent attention absorbs) rounded to E4M3
+per 32, hooked into transformers' eager experts.
 
 And tests/fixtures/quant/moe-gptq, moe-awq and moe-nvfp4 (`moe_weight_only`): tiny-qwen3-moe as GPTQ
 4-bit (Qwen3-30B-A3B-GPTQ-Int4's layout), AutoAWQ 4-bit and ModelOpt NVFP4 (nvidia/Qwen3-30B-A3B-FP4's)
@@ -333,18 +336,72 @@ def deepseek_v3_block_fp8() -> None:
         for f in ["config.json"] + COPIED:
             shutil.copy(src / f, Path(tmp) / f)
         save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, Path(tmp) / "model.safetensors")
+        # Eager experts: a loop of `torch.nn.functional.linear` per expert, which
+        # `w8a8_reference` hooks (the default batched implementation bypasses it).
         model, info = AutoModelForCausalLM.from_pretrained(
-            tmp, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+            tmp, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+            output_loading_info=True)
+        assert model.config._experts_implementation == "eager"
         assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
         model.eval()
         ref = transformers_reference(cfg, deq, prompts, model=model)
         for p in ref["prompts"]:
             seq = p["input_ids"] + p["greedy_ids"]
             p["router_unstable_tokens"] = make_moe_fixtures.router_unstable(model, seq)
+        w8a8 = w8a8_reference(model, cfg, deq, prompts, transformers_reference)
     ref.update(model="tiny-deepseek-v3", format="deepseek-v3-fp8-block")
     (out / "reference.json").write_text(json.dumps(ref) + "\n")
     print("deepseek-v3-fp8-block min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
           "unstable router tokens", [p["router_unstable_tokens"] for p in ref["prompts"]])
+    (out / "w8a8-reference.json").write_text(json.dumps(w8a8) + "\n")
+    print("deepseek-v3-fp8-block w8a8 min margins",
+          [round(p["min_margin"], 4) for p in w8a8["prompts"]],
+          "closest ties", [f"{p['closest_tie']:.1e}" for p in w8a8["prompts"]])
+
+
+def w8a8_reference(model, cfg: dict, deq: dict, prompts: list, transformers_reference) -> dict:
+    """transformers' reference of a DeepSeek-V3 model under `--quantization w8a8_fp8` as Arbor
+    runs it: the input of every product that keeps FP8 weights is rounded to E4M3 per run of 32
+    (make_w8a8_fixture.inputs): q_a_proj, the dense MLP's and shared expert's three linears, and
+    every expert's gate/up and down products. The projections latent attention absorbs at load
+    (q_b, kv_a, kv_b, o) are float there and are not rounded. `torch.nn.functional.linear` is
+    patched to round its input while one of those modules runs."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MLP
+
+    linear = torch.nn.functional.linear
+    active = [0]
+
+    def rounded_linear(x, w, b=None):
+        if active[0]:
+            x = torch.from_numpy(inputs(x.detach().numpy()).astype(np.float32))
+        return linear(x, w, b)
+
+    def enter(*_):
+        active[0] += 1
+
+    def leave(*_):
+        active[0] -= 1
+
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, (DeepseekV3Experts, DeepseekV3MLP)) or name.endswith("self_attn.q_a_proj"):
+            hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
+    torch.nn.functional.linear = rounded_linear
+    try:
+        rows = []
+        for p in prompts:
+            closest_tie[0] = np.inf
+            rows += transformers_reference(cfg, deq, [p], model=model)["prompts"]
+            rows[-1]["closest_tie"] = closest_tie[0]
+    finally:
+        torch.nn.functional.linear = linear
+        for h in hooks:
+            h.remove()
+    assert active[0] == 0
+    return {"model": "tiny-deepseek-v3", "format": "deepseek-v3-fp8-block w8a8",
+            "reference": "transformers (f32) on the dequantized weights, FP8 products' inputs E4M3 per 32",
+            "prompts": rows}
 
 
 def moe_weight_only() -> None:

@@ -99,6 +99,19 @@ fn w8a8_block_fp8_experts_round_their_inputs_per_32() -> Result<()> {
     Ok(())
 }
 
+/// DeepSeek-V3's block FP8 under `w8a8_fp8`: the products that keep FP8
+/// weights (q_a_proj, the dense MLP, the experts and the shared expert)
+/// round their inputs per 32, the absorbed latent-attention weights stay
+/// float; against transformers with the same rounding hooked in
+/// (make_moe_quant_fixtures.py's `w8a8_reference`). As with moe-fp8-block,
+/// no prompt stays clear of E4M3 ties over its greedy steps, so all are
+/// checked within one flipped input's step (the CPU's error is printed).
+#[test]
+fn w8a8_over_deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
+    check_w8a8("deepseek-v3-fp8-block", "w8a8_fp8", false)?;
+    Ok(())
+}
+
 /// Loads fixture `name` under `w8a8_fp8` (its summary `summary`) and
 /// checks it against its w8a8-reference.json ([`check_by_tie`]); the
 /// weight-only product misses the reference far. Returns the reference.
