@@ -47,6 +47,11 @@ And tests/fixtures/quant/moe-gptq, moe-awq and moe-nvfp4 (`moe_weight_only`): ti
 on every decoder linear, experts and dense MLP included, each with the numpy forward's reference of
 the weights dequantized with the format's formula.
 
+And tests/fixtures/quant/deepseek-v3-fp8-static (`deepseek_v3_fp8_static`): tiny-deepseek-v3 as
+llm-compressor's FP8 with calibrated static input scales, with transformers' references weight-only
+and under `--quantization w8a8_fp8` (`deepseek_static_reference`: the scales merged as vLLM fuses
+the layers).
+
     python tools/reference/make_moe_quant_fixtures.py   (numpy, ml_dtypes, torch, transformers)
 """
 
@@ -77,6 +82,12 @@ NEAR_TIE = 1e-6
 MIN_MARGIN = 1e-3
 # The smallest router gap seen since the last reset.
 router_gap = [np.inf]
+
+
+def decoder_linear(name: str) -> bool:
+    """Whether tensor `name` is the weight of a linear of a decoder layer (`*_proj`, and latent
+    attention's `kv_a_proj_with_mqa`)."""
+    return name.startswith("model.layers.") and name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def sparse(cfg: dict, layer: int) -> bool:
@@ -196,15 +207,21 @@ def merged_scales(scales: dict, cfg: dict) -> dict:
     return merged
 
 
+def round_static(x: np.ndarray, s: float) -> np.ndarray:
+    """x rounded with the static scale s as W8A8 does: e4m3(x * (1 / s)) * s (f32 arithmetic,
+    saturating at 448), recording the closest tie."""
+    s = np.float32(s)
+    scaled = (x.astype(np.float32) * (np.float32(1.0) / s)).astype(np.float32)
+    closest_tie[0] = min(closest_tie[0], tie_distance(scaled))
+    return (e4m3(scaled) * s).astype(np.float64)
+
+
 def static_inputs(merged: dict):
     def rounded(kind, layer, e, x):
         key = (kind, layer, "experts" if e is not None else None)
         if key not in merged:
             return x  # a float layer
-        s = np.float32(merged[key])
-        scaled = (x.astype(np.float32) * (np.float32(1.0) / s)).astype(np.float32)
-        closest_tie[0] = min(closest_tie[0], tie_distance(scaled))
-        return (e4m3(scaled) * s).astype(np.float64)
+        return round_static(x, merged[key])
 
     return rounded
 
@@ -316,7 +333,7 @@ def deepseek_v3_block_fp8() -> None:
     sd = load_file(src / "model.safetensors")
     tensors, deq = dict(sd), dict(sd)
     for name, w in sd.items():
-        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+        if decoder_linear(name):
             parts, dq = fp8_block(w.astype(np.float32))
             prefix = name[: -len(".weight")]
             tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
@@ -440,7 +457,7 @@ def moe_weight_only() -> None:
         out = FIXTURES / "quant" / fmt
         tensors, deq = dict(sd), {k: v.astype(np.float64) for k, v in sd.items()}
         for name, w in sd.items():
-            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            if decoder_linear(name):
                 parts, dq = quantize(w.astype(np.float32))
                 prefix = name[: -len(".weight")]
                 del tensors[name]
@@ -465,7 +482,204 @@ def moe_weight_only() -> None:
                   name="w8a8-reference.json")
 
 
+def deepseek_model(folder: Path):
+    """transformers' DeepseekV3ForCausalLM of `folder` in f32 with eager attention and experts (a
+    loop of `torch.nn.functional.linear` per expert, which the W8A8 references hook)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert model.config._experts_implementation == "eager"
+    return model.eval()
+
+
+def deepseek_calibration(model, ids: list) -> dict:
+    """max |x| of each linear's input over `ids`, by module prefix, as llm-compressor's min-max
+    observer with every token sent to every expert: an expert's gate/up see the whole block input,
+    its down_proj its own activation of every token."""
+    import torch
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    amax, hooks = {}, []
+
+    def observe(prefix):
+        def hook(mod, args):
+            x = args[0].detach()
+            amax[prefix] = max(amax.get(prefix, 0.0), float(x.abs().max()))
+            if isinstance(mod, DeepseekV3Experts):
+                inter = mod.gate_up_proj.shape[1] // 2
+                for e in range(mod.gate_up_proj.shape[0]):
+                    gate, up = torch.nn.functional.linear(x, mod.gate_up_proj[e]).split(inter, -1)
+                    act = torch.nn.functional.silu(gate) * up
+                    key = f"{prefix}.{e}.down_proj"
+                    amax[key] = max(amax.get(key, 0.0), float(act.abs().max()))
+        return hook
+
+    for name, mod in model.named_modules():
+        if name.endswith(("_proj", "_proj_with_mqa")) or isinstance(mod, DeepseekV3Experts):
+            hooks.append(mod.register_forward_pre_hook(observe(name)))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+# Factors on the calibrated scales (make_quant_fixtures.CALIBRATED's idea): q_a_proj below
+# kv_a_proj_with_mqa (they share an input; the merged scale is kv_a's), gate below up, down_proj at
+# half its range, and expert e's further times (1 - 0.08 e).
+DEEPSEEK_FACTOR = {"q_a_proj": 0.7, "gate_proj": 0.7, "down_proj": 0.5}
+
+
+def deepseek_scales(sd: dict, amax: dict) -> dict:
+    """The static input scale of every `*_proj` of the decoder layers."""
+    scales = {}
+    for name in sd:
+        if not decoder_linear(name):
+            continue
+        prefix = name[: -len(".weight")]
+        module, lin = prefix.rsplit(".", 1)
+        factor = DEEPSEEK_FACTOR.get(lin, 1.0)
+        if ".experts." in prefix:
+            block, e = module.rsplit(".", 1)
+            a = amax[f"{block}.{e}.down_proj"] if lin == "down_proj" else amax[block]
+            factor *= 1.0 - 0.08 * int(e)
+        else:
+            a = amax[prefix]
+        scales[prefix] = float(np.float32(a / 448.0 * factor))
+    return scales
+
+
+def deepseek_static_reference(model, cfg: dict, deq: dict, prompts: list, scales: dict) -> list:
+    """transformers' reference under `--quantization w8a8_fp8` with static input scales, as Arbor
+    runs it: q_a_proj with the larger of its and kv_a_proj_with_mqa's scale; a dense or shared MLP's
+    gate/up with the larger of theirs, down_proj its own; every expert's gate/up with the largest
+    gate/up scale of the block's experts, its down input with the largest down scale; the
+    projections latent attention absorbs (q_b, kv_a, kv_b, o) float. Per prompt with
+    `closest_tie`."""
+    import torch
+    from make_quant_fixtures import reference as transformers_reference
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    linear, stack, hooks = torch.nn.functional.linear, [], []
+
+    def rounded_linear(x, w, b=None):
+        if stack:
+            s = stack[-1](w)
+            x = torch.from_numpy(round_static(x.detach().numpy(), s).astype(np.float32))
+        return linear(x, w, b)
+
+    def scoped(scale_of):
+        def enter(*_):
+            stack.append(scale_of)
+
+        def leave(*_):  # a forward hook's return value would replace the output
+            stack.pop()
+
+        return enter, leave
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, DeepseekV3Experts):
+            own = [(k, v) for k, v in scales.items() if k.startswith(f"{name}.")]
+            up = max(v for k, v in own if not k.endswith("down_proj"))
+            down = max(v for k, v in own if k.endswith("down_proj"))
+            inter = mod.down_proj.shape[2]
+            scale_of = lambda w, up=up, down=down, inter=inter: down if w.shape[1] == inter else up
+        elif name.endswith("self_attn.q_a_proj"):
+            kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
+            scale_of = lambda w, s=max(scales[name], scales[kv]): s
+        elif name.endswith(("mlp.gate_proj", "mlp.up_proj", "shared_experts.gate_proj",
+                            "shared_experts.up_proj")):
+            mlp = name.rsplit(".", 1)[0]
+            scale_of = lambda w, s=max(scales[f"{mlp}.gate_proj"], scales[f"{mlp}.up_proj"]): s
+        elif name.endswith(("mlp.down_proj", "shared_experts.down_proj")):
+            scale_of = lambda w, s=scales[name]: s
+        else:
+            continue
+        enter, leave = scoped(scale_of)
+        hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
+    torch.nn.functional.linear = rounded_linear
+    try:
+        rows = []
+        for p in prompts:
+            closest_tie[0] = np.inf
+            rows += transformers_reference(cfg, deq, [p], model=model)["prompts"]
+            rows[-1]["closest_tie"] = closest_tie[0]
+    finally:
+        torch.nn.functional.linear = linear
+        for h in hooks:
+            h.remove()
+    assert not stack
+    return rows
+
+
+def deepseek_v3_fp8_static() -> None:
+    """quant/deepseek-v3-fp8-static: tiny-deepseek-v3 as an llm-compressor FP8 checkpoint with
+    static input scales (compressed-tensors, tensor strategy, `weight_scale [1]` and `input_scale
+    [1]` on every `*_proj` of the decoder layers; routers f32), calibrated on the first prompt
+    (`deepseek_calibration`, `DEEPSEEK_FACTOR`), then times the first slack of 1, 1.01, ... that
+    leaves the first prompt's W8A8 forwards clear of E4M3 ties (NEAR_TIE) and greedy near-ties.
+    reference.json: transformers on the dequantized weights; w8a8-reference.json:
+    `deepseek_static_reference`."""
+    import torch
+    from make_quant_fixtures import reference as transformers_reference
+
+    torch.set_num_threads(1)
+    src = FIXTURES / "tiny-deepseek-v3"
+    out = FIXTURES / "quant" / "deepseek-v3-fp8-static"
+    sd = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    prompts = json.loads((src / "reference.json").read_text())["prompts"]
+    calibrated = deepseek_scales(sd, deepseek_calibration(deepseek_model(src), prompts[0]["input_ids"]))
+    tensors, deq = dict(sd), dict(sd)
+    for prefix, scale in calibrated.items():
+        parts, dq = fp8_tensor(sd[f"{prefix}.weight"].astype(np.float32), scale)
+        del tensors[f"{prefix}.weight"]
+        tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
+        deq[f"{prefix}.weight"] = dq.astype(np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in ["config.json"] + COPIED:
+            shutil.copy(src / f, Path(tmp) / f)
+        save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, Path(tmp) / "model.safetensors")
+        model = deepseek_model(Path(tmp))
+        for j in range(30):
+            scales = {k: float(np.float32(v * (1 + 0.01 * j))) for k, v in calibrated.items()}
+            first = deepseek_static_reference(model, cfg, deq, prompts[:1], scales)[0]
+            if first["closest_tie"] >= NEAR_TIE and first["min_margin"] >= MIN_MARGIN:
+                print(f"calibration slack {1 + 0.01 * j:.2f}: closest tie {first['closest_tie']:.1e}")
+                break
+        else:
+            raise SystemExit("no calibration slack up to 1.29 keeps the first prompt clear of ties")
+        ref = transformers_reference(cfg, deq, prompts, model=model)
+        rows = deepseek_static_reference(model, cfg, deq, prompts, scales)
+    for prefix, scale in scales.items():
+        tensors[f"{prefix}.input_scale"] = np.array([scale], np.float32)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    qc = ct_config(fp8, fp8, "float-quantized")
+    qc["ignore"] = ["lm_head", "re:.*mlp.gate$"]
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc), indent=2) + "\n")
+    for f in COPIED:
+        shutil.copy(src / f, out / f)
+    ref.update(model="tiny-deepseek-v3", format="deepseek-v3-fp8-static")
+    (out / "reference.json").write_text(json.dumps(ref) + "\n")
+    w8a8 = {"model": "tiny-deepseek-v3", "format": "deepseek-v3-fp8-static w8a8",
+            "reference": "transformers (f32) on the dequantized weights, FP8 products' inputs E4M3 "
+                         "with the merged static scales", "prompts": rows}
+    (out / "w8a8-reference.json").write_text(json.dumps(w8a8) + "\n")
+    print("deepseek-v3-fp8-static min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
+          "w8a8 min margins", [round(p["min_margin"], 4) for p in rows],
+          "closest ties", [f"{p['closest_tie']:.1e}" for p in rows])
+
+
 if __name__ == "__main__":
     main()
     deepseek_v3_block_fp8()
     moe_weight_only()
+    deepseek_v3_fp8_static()

@@ -193,16 +193,9 @@ impl<'a> Loader<'a> {
     }
 
     /// The weight of a linear without bias (`{prefix}.weight`, or its
-    /// quantized tensors), stored as the quantization method decides
-    /// (latent attention: a static input scale is not applied, a W8A8
-    /// weight rounding its inputs per 32).
-    pub(crate) fn matrix(&mut self, prefix: &str, out: usize, inp: usize) -> Result<Tensor> {
-        let (t, _) = self.linear_weight(prefix, out, inp)?;
-        self.upload(t)
-    }
-
-    /// [`Loader::matrix`] and the static input scale it applies (W8A8 FP8
-    /// over a checkpoint that has one; MoE experts).
+    /// quantized tensors), stored as the quantization method decides, and
+    /// the static input scale it applies (W8A8 FP8 over a checkpoint that
+    /// has one; MoE experts, latent attention's `q_a_proj`).
     pub(crate) fn scaled_matrix(
         &mut self,
         prefix: &str,

@@ -27,8 +27,8 @@
 use crate::config::{DecoderConfig, Keys, RopeScaling};
 use crate::decoder::Loader;
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardContext, Result, RopeStyle, Tensor,
-    WeightSource,
+    AttentionParams, Backend, CoreError, DType, ForwardContext, LinearRef, Result, RopeStyle,
+    Tensor, WeightSource,
 };
 use serde_json::Value;
 
@@ -113,10 +113,22 @@ pub(crate) struct Rope<'a> {
     pub inv_freq: &'a Tensor,
 }
 
+/// The query's down-projection and its norm.
+struct QueryCompression {
+    /// `q_a_proj` `[q_lora_rank, hidden]`, as the method stores it.
+    proj: Tensor,
+    /// `q_a_layernorm` `[q_lora_rank]` f32.
+    norm: Tensor,
+    /// The static input scale of a W8A8 FP8 `q_a_proj`: the larger of its
+    /// and `kv_a_proj_with_mqa`'s, which take the same input (vLLM fuses
+    /// them into one `fused_qkv_a_proj` with `input_scale.max()`).
+    input_scale: Option<f32>,
+}
+
 /// One layer's latent attention.
 pub struct MlaAttn {
     /// `q_a_proj` and `q_a_layernorm` (with a query compression).
-    q_a: Option<(Tensor, Tensor)>,
+    q_a: Option<QueryCompression>,
     /// Absorbed query weight `[heads·D, q_in]`.
     q: Tensor,
     /// `c_kv` rows of `kv_a_proj_with_mqa` `[kv_lora_rank, hidden]`.
@@ -200,9 +212,22 @@ impl MlaAttn {
         let af = cfg.rope_scaling.attention_factor();
         let (q_a, q_in, q_name) = match mla.q_lora_rank {
             Some(r) => {
-                let qa = l.matrix(&format!("{p}.q_a_proj"), r, h)?;
+                let (proj, own) = l.scaled_matrix(&format!("{p}.q_a_proj"), r, h)?;
+                let input_scale = match own {
+                    Some(s) => {
+                        let kv_a = format!("{p}.kv_a_proj_with_mqa");
+                        let kv = l.input_scale_of(&kv_a, lora + rope, h)?;
+                        Some(kv.map_or(s, |k| s.max(k)))
+                    }
+                    None => None,
+                };
                 let norm = l.f32_matrix(&format!("{p}.q_a_layernorm.weight"), &[r])?;
-                (Some((qa, norm)), r, format!("{p}.q_b_proj"))
+                let q_a = QueryCompression {
+                    proj,
+                    norm,
+                    input_scale,
+                };
+                (Some(q_a), r, format!("{p}.q_b_proj"))
             }
             None => (None, h, format!("{p}.q_proj")),
         };
@@ -314,10 +339,14 @@ impl MlaAttn {
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
         let q = f32t(&[t, self.heads * d])?;
         match &self.q_a {
-            Some((qa, norm)) => {
-                let c = f32t(&[t, qa.rows()])?;
-                b.linear(x, qa, None, &c)?;
-                b.rms_norm(&c, norm, 1e-6, &c)?;
+            Some(qa) => {
+                let c = f32t(&[t, qa.proj.rows()])?;
+                let proj = LinearRef {
+                    input_scale: qa.input_scale,
+                    ..LinearRef::new(&qa.proj, None, &c)
+                };
+                b.linear_many(x, &[proj])?;
+                b.rms_norm(&c, &qa.norm, 1e-6, &c)?;
                 b.linear(&c, &self.q, None, &q)?;
             }
             None => b.linear(x, &self.q, None, &q)?,

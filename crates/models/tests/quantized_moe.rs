@@ -14,8 +14,9 @@
 //! reference too), GPTQ, AWQ and NVFP4 (quant/moe-fp8-block, moe-gptq,
 //! moe-awq, moe-nvfp4, against the numpy forward) and DeepSeek-V3's own
 //! FP8 layout (quant/deepseek-v3-fp8-block: 128 × 128 blocks with
-//! `weight_scale_inv` on every decoder linear) against transformers run on
-//! the weights dequantized with the format's formula.
+//! `weight_scale_inv` on every decoder linear) and as llm-compressor's FP8
+//! with static input scales (quant/deepseek-v3-fp8-static) against
+//! transformers run on the weights dequantized with the format's formula.
 
 mod quant_common;
 
@@ -103,12 +104,49 @@ fn w8a8_block_fp8_experts_round_their_inputs_per_32() -> Result<()> {
 /// weights (q_a_proj, the dense MLP, the experts and the shared expert)
 /// round their inputs per 32, the absorbed latent-attention weights stay
 /// float; against transformers with the same rounding hooked in
-/// (make_moe_quant_fixtures.py's `w8a8_reference`). As with moe-fp8-block,
-/// no prompt stays clear of E4M3 ties over its greedy steps, so all are
-/// checked within one flipped input's step (the CPU's error is printed).
+/// (make_moe_quant_fixtures.py's `w8a8_reference`).
 #[test]
 fn w8a8_over_deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
-    check_w8a8("deepseek-v3-fp8-block", "w8a8_fp8", false)?;
+    check_w8a8("deepseek-v3-fp8-block", "w8a8_fp8", true)?;
+    Ok(())
+}
+
+/// DeepSeek-V3 as an llm-compressor FP8 checkpoint with static input
+/// scales: weight-only, and under `w8a8_fp8` with the scales merged as
+/// vLLM fuses the layers (q_a_proj with kv_a_proj_with_mqa, gate with up,
+/// the block's experts), against transformers with that rounding hooked in
+/// (make_moe_quant_fixtures.py's `deepseek_static_reference`). q_a_proj
+/// rounds with kv_a_proj_with_mqa's larger scale: lowering it to q_a's own
+/// moves the logits.
+#[test]
+fn static_scales_over_deepseek_v3_match_their_reference() -> Result<()> {
+    let name = "deepseek-v3-fp8-static";
+    check_format(name, DType::F8_S32)?;
+    // 3 q_a_proj, the dense MLP, 2 layers × (8 experts + the shared one) × 3.
+    let summary = "w8a8_fp8, 60 layers with static input scales";
+    let reference = check_w8a8(name, summary, true)?;
+    let logits = |dir: &std::path::Path| -> Result<Vec<u32>> {
+        let (m, b) = load(dir, Some("w8a8_fp8"))?;
+        let got = last_logits(&m, &b, DType::F32, &reference)?;
+        Ok(got.iter().flatten().map(|x| x.to_bits()).collect())
+    };
+    let want = logits(&fixtures().join("quant").join(name))?;
+    let lowered = edited(
+        name,
+        |_| {},
+        |t| {
+            let scale = |t: &[(String, safetensors::Dtype, Vec<usize>, Vec<u8>)], n: &str| {
+                t.iter().find(|(m, ..)| m == n).map(|(.., b)| b.clone())
+            };
+            let q_a = scale(t, "model.layers.0.self_attn.q_a_proj.input_scale");
+            for (n, _, _, b) in t.iter_mut() {
+                if n == "model.layers.0.self_attn.kv_a_proj_with_mqa.input_scale" {
+                    *b = q_a.clone().unwrap_or_default();
+                }
+            }
+        },
+    )?;
+    assert_ne!(logits(lowered.path())?, want, "q_a_proj's own scale");
     Ok(())
 }
 

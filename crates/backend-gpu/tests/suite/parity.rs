@@ -192,7 +192,7 @@ fn quantized_checkpoints_match_cpu_and_reference() -> Result<()> {
 
 /// W8A8 FP8 (`--quantization w8a8_fp8` over the compressed-tensors FP8
 /// fixtures, with inputs quantized per 32 and with static input scales, the
-/// MoE one's experts sharing their block's):
+/// MoE ones' experts sharing their block's, DeepSeek's q_a_proj kv_a's):
 /// the device's product (FP8 tensor cores on sm_89+, the E4M3-rounded input
 /// elsewhere) against the CPU's, on the prompts whose inputs lie clear of
 /// E4M3 rounding midpoints (`closest_tie` of w8a8-reference.json; nearer
@@ -204,6 +204,7 @@ fn w8a8_fp8_matches_cpu() -> Result<()> {
         "quant/fp8-dynamic",
         "quant/fp8-static",
         "quant/moe-fp8-static",
+        "quant/deepseek-v3-fp8-static",
     ] {
         w8a8_fp8_matches_cpu_on(name)?;
     }
