@@ -84,6 +84,26 @@ MIN_MARGIN = 1e-3
 router_gap = [np.inf]
 
 
+def fp8_static_config(ignore: list) -> dict:
+    """llm-compressor's FP8 with static input scales: compressed-tensors `float-quantized`, tensor
+    strategy for weights and input activations, the layers `ignore` left float."""
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+    return dict(ct_config(fp8, fp8, "float-quantized"), ignore=ignore)
+
+
+def write_folder(out: Path, src: Path, tensors: dict, qc: dict) -> None:
+    """Rewrites the HF folder `out`: `tensors` as model.safetensors, `src`'s config.json with the
+    quantization config `qc`, and `src`'s tokenizer and generation files."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir()
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc), indent=2) + "\n")
+    for f in COPIED:
+        shutil.copy(src / f, out / f)
+
+
 def decoder_linear(name: str) -> bool:
     """Whether tensor `name` is the weight of a linear of a decoder layer (`*_proj`, and latent
     attention's `kv_a_proj_with_mqa`)."""
@@ -294,19 +314,9 @@ def main() -> None:
     scales = clear_of_ties(deq, cfg, prompts, scales)
     for prefix in scales:
         tensors[f"{prefix}.input_scale"] = np.array([scales[prefix]], np.float32)
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    OUT.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, OUT / "model.safetensors")
-    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-    qc = ct_config(fp8, fp8, "float-quantized")
     dense = [f"model.layers.{i}.mlp.{lin}" for i in range(cfg["num_hidden_layers"])
              if not sparse(cfg, i) for lin in EXPERT]
-    qc["ignore"] = ["lm_head", "re:.*mlp.gate$"] + dense
-    src_cfg = json.loads((SRC / "config.json").read_text())
-    (OUT / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
-    for f in COPIED:
-        shutil.copy(SRC / f, OUT / f)
+    write_folder(OUT, SRC, tensors, fp8_static_config(["lm_head", "re:.*mlp.gate$"] + dense))
     write(OUT, "moe-fp8-static",
           "numpy float64 forward of the checkpoint's weights (q * scale), f32 inputs",
           deq, cfg, prompts)
@@ -325,7 +335,6 @@ def deepseek_v3_block_fp8() -> None:
     import torch
     from make_quant_fixtures import fp8_block
     from make_quant_fixtures import reference as transformers_reference
-    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
     src = FIXTURES / "tiny-deepseek-v3"
@@ -338,34 +347,17 @@ def deepseek_v3_block_fp8() -> None:
             prefix = name[: -len(".weight")]
             tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
             deq[name] = dq.astype(np.float32)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
+    write_folder(out, src, tensors, {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
     cfg = json.loads((src / "config.json").read_text())
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-          "weight_block_size": [128, 128]}
-    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc), indent=2) + "\n")
-    for f in COPIED:
-        shutil.copy(src / f, out / f)
     prompts = json.loads((src / "reference.json").read_text())["prompts"]
     with tempfile.TemporaryDirectory() as tmp:
-        for f in ["config.json"] + COPIED:
-            shutil.copy(src / f, Path(tmp) / f)
-        save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, Path(tmp) / "model.safetensors")
-        # Eager experts: a loop of `torch.nn.functional.linear` per expert, which
-        # `w8a8_reference` hooks (the default batched implementation bypasses it).
-        model, info = AutoModelForCausalLM.from_pretrained(
-            tmp, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-            output_loading_info=True)
-        assert model.config._experts_implementation == "eager"
-        assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-        model.eval()
+        model = dequantized_model(src, deq, Path(tmp))
         ref = transformers_reference(cfg, deq, prompts, model=model)
         for p in ref["prompts"]:
             seq = p["input_ids"] + p["greedy_ids"]
             p["router_unstable_tokens"] = make_moe_fixtures.router_unstable(model, seq)
-        w8a8 = w8a8_reference(model, cfg, deq, prompts, transformers_reference)
+        w8a8 = w8a8_reference(model, cfg, deq, prompts)
     ref.update(model="tiny-deepseek-v3", format="deepseek-v3-fp8-block")
     (out / "reference.json").write_text(json.dumps(ref) + "\n")
     print("deepseek-v3-fp8-block min margins", [round(p["min_margin"], 4) for p in ref["prompts"]],
@@ -376,33 +368,32 @@ def deepseek_v3_block_fp8() -> None:
           "closest ties", [f"{p['closest_tie']:.1e}" for p in w8a8["prompts"]])
 
 
-def w8a8_reference(model, cfg: dict, deq: dict, prompts: list, transformers_reference) -> dict:
-    """transformers' reference of a DeepSeek-V3 model under `--quantization w8a8_fp8` as Arbor
-    runs it: the input of every product that keeps FP8 weights is rounded to E4M3 per run of 32
-    (make_w8a8_fixture.inputs): q_a_proj, the dense MLP's and shared expert's three linears, and
-    every expert's gate/up and down products. The projections latent attention absorbs at load
-    (q_b, kv_a, kv_b, o) are float there and are not rounded. `torch.nn.functional.linear` is
-    patched to round its input while one of those modules runs."""
+def hooked_rows(model, cfg: dict, deq: dict, prompts: list, rounders: dict) -> list:
+    """transformers' reference rows (make_quant_fixtures.reference, each with `closest_tie`) of
+    `model` with `torch.nn.functional.linear` patched: while module `name` of `rounders` runs, each
+    product's input x (numpy f32) becomes `rounders[name](x, weight)`."""
     import torch
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MLP
+    from make_quant_fixtures import reference as transformers_reference
 
-    linear = torch.nn.functional.linear
-    active = [0]
+    linear, stack, hooks = torch.nn.functional.linear, [], []
 
     def rounded_linear(x, w, b=None):
-        if active[0]:
-            x = torch.from_numpy(inputs(x.detach().numpy()).astype(np.float32))
+        if stack:
+            x = torch.from_numpy(stack[-1](x.detach().numpy(), w).astype(np.float32))
         return linear(x, w, b)
 
-    def enter(*_):
-        active[0] += 1
+    def scoped(rounder):
+        def enter(*_):
+            stack.append(rounder)
 
-    def leave(*_):
-        active[0] -= 1
+        def leave(*_):  # a forward hook's return value would replace the output
+            stack.pop()
 
-    hooks = []
+        return enter, leave
+
     for name, mod in model.named_modules():
-        if isinstance(mod, (DeepseekV3Experts, DeepseekV3MLP)) or name.endswith("self_attn.q_a_proj"):
+        if name in rounders:
+            enter, leave = scoped(rounders[name])
             hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
     torch.nn.functional.linear = rounded_linear
     try:
@@ -415,7 +406,22 @@ def w8a8_reference(model, cfg: dict, deq: dict, prompts: list, transformers_refe
         torch.nn.functional.linear = linear
         for h in hooks:
             h.remove()
-    assert active[0] == 0
+    assert not stack
+    return rows
+
+
+def w8a8_reference(model, cfg: dict, deq: dict, prompts: list) -> dict:
+    """transformers' reference of a DeepSeek-V3 model under `--quantization w8a8_fp8` as Arbor
+    runs it: the input of every product that keeps FP8 weights is rounded to E4M3 per run of 32
+    (make_w8a8_fixture.inputs): q_a_proj, the dense MLP's and shared expert's three linears, and
+    every expert's gate/up and down products. The projections latent attention absorbs at load
+    (q_b, kv_a, kv_b, o) are float there and are not rounded (`hooked_rows`)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MLP
+
+    rounders = {name: lambda x, w: inputs(x) for name, mod in model.named_modules()
+                if isinstance(mod, (DeepseekV3Experts, DeepseekV3MLP))
+                or name.endswith("self_attn.q_a_proj")}
+    rows = hooked_rows(model, cfg, deq, prompts, rounders)
     return {"model": "tiny-deepseek-v3", "format": "deepseek-v3-fp8-block w8a8",
             "reference": "transformers (f32) on the dequantized weights, FP8 products' inputs E4M3 per 32",
             "prompts": rows}
@@ -463,15 +469,7 @@ def moe_weight_only() -> None:
                 del tensors[name]
                 tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
                 deq[name] = dq.astype(np.float64)
-        if out.exists():
-            shutil.rmtree(out)
-        out.mkdir()
-        save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())},
-                  out / "model.safetensors")
-        src_cfg = json.loads((SRC / "config.json").read_text())
-        (out / "config.json").write_text(json.dumps(dict(src_cfg, quantization_config=qc), indent=2) + "\n")
-        for f in COPIED:
-            shutil.copy(SRC / f, out / f)
+        write_folder(out, SRC, tensors, qc)
         write(out, fmt, f"numpy float64 forward of the weights dequantized as {formula}",
               deq, cfg, prompts)
         if fmt == "moe-fp8-block":
@@ -494,6 +492,14 @@ def deepseek_model(folder: Path):
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.config._experts_implementation == "eager"
     return model.eval()
+
+
+def dequantized_model(src: Path, deq: dict, tmp: Path):
+    """`deepseek_model` of the folder `src` with its weights replaced by `deq`, written to `tmp`."""
+    for f in ["config.json"] + COPIED:
+        shutil.copy(src / f, tmp / f)
+    save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, tmp / "model.safetensors")
+    return deepseek_model(tmp)
 
 
 def deepseek_calibration(model, ids: list) -> dict:
@@ -558,29 +564,10 @@ def deepseek_static_reference(model, cfg: dict, deq: dict, prompts: list, scales
     runs it: q_a_proj with the larger of its and kv_a_proj_with_mqa's scale; a dense or shared MLP's
     gate/up with the larger of theirs, down_proj its own; every expert's gate/up with the largest
     gate/up scale of the block's experts, its down input with the largest down scale; the
-    projections latent attention absorbs (q_b, kv_a, kv_b, o) float. Per prompt with
-    `closest_tie`."""
-    import torch
-    from make_quant_fixtures import reference as transformers_reference
+    projections latent attention absorbs (q_b, kv_a, kv_b, o) float (`hooked_rows`)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
-    linear, stack, hooks = torch.nn.functional.linear, [], []
-
-    def rounded_linear(x, w, b=None):
-        if stack:
-            s = stack[-1](w)
-            x = torch.from_numpy(round_static(x.detach().numpy(), s).astype(np.float32))
-        return linear(x, w, b)
-
-    def scoped(scale_of):
-        def enter(*_):
-            stack.append(scale_of)
-
-        def leave(*_):  # a forward hook's return value would replace the output
-            stack.pop()
-
-        return enter, leave
-
+    rounders = {}
     for name, mod in model.named_modules():
         if isinstance(mod, DeepseekV3Experts):
             own = [(k, v) for k, v in scales.items() if k.startswith(f"{name}.")]
@@ -599,21 +586,8 @@ def deepseek_static_reference(model, cfg: dict, deq: dict, prompts: list, scales
             scale_of = lambda w, s=scales[name]: s
         else:
             continue
-        enter, leave = scoped(scale_of)
-        hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
-    torch.nn.functional.linear = rounded_linear
-    try:
-        rows = []
-        for p in prompts:
-            closest_tie[0] = np.inf
-            rows += transformers_reference(cfg, deq, [p], model=model)["prompts"]
-            rows[-1]["closest_tie"] = closest_tie[0]
-    finally:
-        torch.nn.functional.linear = linear
-        for h in hooks:
-            h.remove()
-    assert not stack
-    return rows
+        rounders[name] = lambda x, w, scale_of=scale_of: round_static(x, scale_of(w))
+    return hooked_rows(model, cfg, deq, prompts, rounders)
 
 
 def deepseek_v3_fp8_static() -> None:
@@ -641,10 +615,7 @@ def deepseek_v3_fp8_static() -> None:
         tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
         deq[f"{prefix}.weight"] = dq.astype(np.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        for f in ["config.json"] + COPIED:
-            shutil.copy(src / f, Path(tmp) / f)
-        save_file({k: np.ascontiguousarray(v) for k, v in deq.items()}, Path(tmp) / "model.safetensors")
-        model = deepseek_model(Path(tmp))
+        model = dequantized_model(src, deq, Path(tmp))
         for j in range(30):
             scales = {k: float(np.float32(v * (1 + 0.01 * j))) for k, v in calibrated.items()}
             first = deepseek_static_reference(model, cfg, deq, prompts[:1], scales)[0]
@@ -657,16 +628,7 @@ def deepseek_v3_fp8_static() -> None:
         rows = deepseek_static_reference(model, cfg, deq, prompts, scales)
     for prefix, scale in scales.items():
         tensors[f"{prefix}.input_scale"] = np.array([scale], np.float32)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())}, out / "model.safetensors")
-    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-    qc = ct_config(fp8, fp8, "float-quantized")
-    qc["ignore"] = ["lm_head", "re:.*mlp.gate$"]
-    (out / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc), indent=2) + "\n")
-    for f in COPIED:
-        shutil.copy(src / f, out / f)
+    write_folder(out, src, tensors, fp8_static_config(["lm_head", "re:.*mlp.gate$"]))
     ref.update(model="tiny-deepseek-v3", format="deepseek-v3-fp8-static")
     (out / "reference.json").write_text(json.dumps(ref) + "\n")
     w8a8 = {"model": "tiny-deepseek-v3", "format": "deepseek-v3-fp8-static w8a8",

@@ -28,7 +28,7 @@ use crate::config::{DecoderConfig, Keys, RopeScaling};
 use crate::decoder::Loader;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardContext, LinearRef, Result, RopeStyle,
-    Tensor, WeightSource,
+    Tensor,
 };
 use serde_json::Value;
 
@@ -145,21 +145,6 @@ pub struct MlaAttn {
     style: RopeStyle,
 }
 
-/// The values and dtype of a float checkpoint tensor of shape `shape`.
-fn host(src: &dyn WeightSource, name: &str, shape: &[usize]) -> Result<(Vec<f32>, DType)> {
-    let t = src.tensor(name)?.ok_or_else(|| {
-        CoreError::load(format!("{}: tensor '{name}' is missing", src.describe()))
-    })?;
-    if t.shape != shape {
-        return Err(CoreError::load(format!(
-            "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
-            src.describe(),
-            t.shape
-        )));
-    }
-    Ok((t.to_f32_vec()?, t.dtype))
-}
-
 /// The f32 values of the projection `prefix` (this rank's `out` x `inp`
 /// share) that absorption reads, and the dtype the weights absorbed from it
 /// are stored in. A float checkpoint's weight is read as stored and keeps
@@ -177,8 +162,16 @@ fn projection(
 ) -> Result<(Vec<f32>, DType)> {
     let name = format!("{prefix}.weight");
     let src = l.source();
-    if src.tensor(&name)?.is_some_and(|t| t.dtype.is_float()) {
-        return host(src, &name, &[out, inp]);
+    if let Some(t) = src.tensor(&name)?.filter(|t| t.dtype.is_float()) {
+        if t.shape != [out, inp] {
+            return Err(CoreError::load(format!(
+                "{}: tensor '{name}' has shape {:?}, expected {:?}",
+                src.describe(),
+                t.shape,
+                [out, inp]
+            )));
+        }
+        return Ok((t.to_f32_vec()?, t.dtype));
     }
     let (t, _) = l.linear_weight(prefix, out, inp)?;
     if t.dtype.is_float() {

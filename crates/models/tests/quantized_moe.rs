@@ -125,11 +125,7 @@ fn static_scales_over_deepseek_v3_match_their_reference() -> Result<()> {
     // 3 q_a_proj, the dense MLP, 2 layers × (8 experts + the shared one) × 3.
     let summary = "w8a8_fp8, 60 layers with static input scales";
     let reference = check_w8a8(name, summary, true)?;
-    let logits = |dir: &std::path::Path| -> Result<Vec<u32>> {
-        let (m, b) = load(dir, Some("w8a8_fp8"))?;
-        let got = last_logits(&m, &b, DType::F32, &reference)?;
-        Ok(got.iter().flatten().map(|x| x.to_bits()).collect())
-    };
+    let logits = |dir: &std::path::Path| w8a8_logit_bits(dir, &reference);
     let want = logits(&fixtures().join("quant").join(name))?;
     let lowered = edited(
         name,
@@ -178,11 +174,7 @@ fn a_blocks_experts_share_the_largest_of_their_scales() -> Result<()> {
             .join(FIXTURE)
             .join("w8a8-reference.json"),
     )?;
-    let logits = |dir: &std::path::Path| -> Result<Vec<u32>> {
-        let (m, b) = load(dir, Some("w8a8_fp8"))?;
-        let got = last_logits(&m, &b, DType::F32, &reference)?;
-        Ok(got.iter().flatten().map(|x| x.to_bits()).collect())
-    };
+    let logits = |dir: &std::path::Path| w8a8_logit_bits(dir, &reference);
     let want = logits(&fixtures().join("quant").join(FIXTURE))?;
     let merged = edited(
         FIXTURE,
@@ -226,4 +218,12 @@ fn a_blocks_experts_share_the_largest_of_their_scales() -> Result<()> {
     )?;
     assert_ne!(logits(raised.path())?, want, "one expert's larger scale");
     Ok(())
+}
+
+/// The bits of the last-position logits of `reference`'s prompts from the
+/// checkpoint `dir` under `w8a8_fp8`.
+fn w8a8_logit_bits(dir: &std::path::Path, reference: &serde_json::Value) -> Result<Vec<u32>> {
+    let (m, b) = load(dir, Some("w8a8_fp8"))?;
+    let got = last_logits(&m, &b, DType::F32, reference)?;
+    Ok(got.iter().flatten().map(|x| x.to_bits()).collect())
 }
