@@ -38,9 +38,10 @@ the latent attention's q_a/q_b/kv_a/kv_b/o projections, the dense MLP, the exper
 expert; routers, norms, embeddings and lm_head f32), with transformers' reference (DeepseekV3ForCausalLM)
 of the weights dequantized as q * scale_inv, and per prompt `router_unstable_tokens`
 (make_moe_fixtures.router_unstable); and its w8a8-reference.json (`w8a8_reference`): the same model
-with the inputs of the products that keep FP8 weights under `--quantization w8a8_fp8` (q_a_proj,
-dense MLP, experts, shared expert; not the projections latent attention absorbs) rounded to E4M3
-per 32, hooked into transformers' eager experts.
+with the inputs of the products that keep FP8 weights under `--quantization w8a8_fp8` (latent
+attention's q_a, q_b, kv_a and o projections, the dense MLP, the experts and the shared expert;
+not kv_b_proj, whose per-head up-projections are float, as in vLLM's decode) rounded to E4M3 per
+32, hooked into transformers' eager experts.
 
 And tests/fixtures/quant/moe-gptq, moe-awq and moe-nvfp4 (`moe_weight_only`): tiny-qwen3-moe as GPTQ
 4-bit (Qwen3-30B-A3B-GPTQ-Int4's layout), AutoAWQ 4-bit and ModelOpt NVFP4 (nvidia/Qwen3-30B-A3B-FP4's)
@@ -73,6 +74,10 @@ OUT = FIXTURES / "quant" / "moe-fp8-static"
 COPIED = ["generation_config.json", "special_tokens_map.json", "tokenizer.json",
           "tokenizer_config.json"]
 EXPERT = ["gate_proj", "up_proj", "down_proj"]
+# Latent attention's projections that keep their FP8 weights under w8a8_fp8 (kv_b_proj is cut into
+# float per-head up-projections at load).
+ROUNDED_ATTENTION = tuple(f"self_attn.{p}" for p in ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                                                     "o_proj"])
 # The scale factors of a linear of each hook kind (make_quant_fixtures.CALIBRATED's).
 FACTOR = {lin.split(".")[1]: f for group in CALIBRATED for lin, f in group}
 # Closer to an E4M3 rounding midpoint than this (relative), an input may round either way
@@ -371,14 +376,16 @@ def deepseek_v3_block_fp8() -> None:
 def hooked_rows(model, cfg: dict, deq: dict, prompts: list, rounders: dict) -> list:
     """transformers' reference rows (make_quant_fixtures.reference, each with `closest_tie`) of
     `model` with `torch.nn.functional.linear` patched: while module `name` of `rounders` runs, each
-    product's input x (numpy f32) becomes `rounders[name](x, weight)`."""
+    product's input x (numpy f32) becomes `rounders[name](x, weight)`, but for a weight whose inputs
+    are not whole runs of 32 (the tiny q_b_proj's 24), which Arbor stores dequantized and multiplies
+    with f32 inputs."""
     import torch
     from make_quant_fixtures import reference as transformers_reference
 
     linear, stack, hooks = torch.nn.functional.linear, [], []
 
     def rounded_linear(x, w, b=None):
-        if stack:
+        if stack and w.shape[1] % 32 == 0:
             x = torch.from_numpy(stack[-1](x.detach().numpy(), w).astype(np.float32))
         return linear(x, w, b)
 
@@ -413,14 +420,14 @@ def hooked_rows(model, cfg: dict, deq: dict, prompts: list, rounders: dict) -> l
 def w8a8_reference(model, cfg: dict, deq: dict, prompts: list) -> dict:
     """transformers' reference of a DeepSeek-V3 model under `--quantization w8a8_fp8` as Arbor
     runs it: the input of every product that keeps FP8 weights is rounded to E4M3 per run of 32
-    (make_w8a8_fixture.inputs): q_a_proj, the dense MLP's and shared expert's three linears, and
-    every expert's gate/up and down products. The projections latent attention absorbs at load
-    (q_b, kv_a, kv_b, o) are float there and are not rounded (`hooked_rows`)."""
+    (make_w8a8_fixture.inputs): latent attention's q_a, q_b, kv_a and o projections, the dense
+    MLP's and shared expert's three linears, and every expert's gate/up and down products.
+    kv_b_proj's per-head up-projections are float and are not rounded (`hooked_rows`)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3MLP
 
     rounders = {name: lambda x, w: inputs(x) for name, mod in model.named_modules()
                 if isinstance(mod, (DeepseekV3Experts, DeepseekV3MLP))
-                or name.endswith("self_attn.q_a_proj")}
+                or name.endswith(ROUNDED_ATTENTION)}
     rows = hooked_rows(model, cfg, deq, prompts, rounders)
     return {"model": "tiny-deepseek-v3", "format": "deepseek-v3-fp8-block w8a8",
             "reference": "transformers (f32) on the dequantized weights, FP8 products' inputs E4M3 per 32",
@@ -561,10 +568,10 @@ def deepseek_scales(sd: dict, amax: dict) -> dict:
 
 def deepseek_static_reference(model, cfg: dict, deq: dict, prompts: list, scales: dict) -> list:
     """transformers' reference under `--quantization w8a8_fp8` with static input scales, as Arbor
-    runs it: q_a_proj with the larger of its and kv_a_proj_with_mqa's scale; a dense or shared MLP's
-    gate/up with the larger of theirs, down_proj its own; every expert's gate/up with the largest
-    gate/up scale of the block's experts, its down input with the largest down scale; the
-    projections latent attention absorbs (q_b, kv_a, kv_b, o) float (`hooked_rows`)."""
+    runs it: q_a_proj and kv_a_proj_with_mqa with the larger of their scales, q_b_proj and o_proj
+    their own; a dense or shared MLP's gate/up with the larger of theirs, down_proj its own; every
+    expert's gate/up with the largest gate/up scale of the block's experts, its down input with the
+    largest down scale; kv_b_proj's per-head up-projections float (`hooked_rows`)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
     rounders = {}
@@ -575,9 +582,12 @@ def deepseek_static_reference(model, cfg: dict, deq: dict, prompts: list, scales
             down = max(v for k, v in own if k.endswith("down_proj"))
             inter = mod.down_proj.shape[2]
             scale_of = lambda w, up=up, down=down, inter=inter: down if w.shape[1] == inter else up
-        elif name.endswith("self_attn.q_a_proj"):
-            kv = name.replace("q_a_proj", "kv_a_proj_with_mqa")
-            scale_of = lambda w, s=max(scales[name], scales[kv]): s
+        elif name.endswith(("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")):
+            attn = name.rsplit(".", 1)[0]
+            merged = max(scales[f"{attn}.q_a_proj"], scales[f"{attn}.kv_a_proj_with_mqa"])
+            scale_of = lambda w, s=merged: s
+        elif name.endswith(("self_attn.q_b_proj", "self_attn.o_proj")):
+            scale_of = lambda w, s=scales[name]: s
         elif name.endswith(("mlp.gate_proj", "mlp.up_proj", "shared_experts.gate_proj",
                             "shared_experts.up_proj")):
             mlp = name.rsplit(".", 1)[0]

@@ -290,10 +290,6 @@ impl Backend for CpuBackend {
         ops::edit_logits(self, logits, edits)
     }
 
-    fn copy_cols(&self, src: &Tensor, dst: &Tensor, offset: usize) -> Result<()> {
-        ops::copy_cols(self, src, dst, offset)
-    }
-
     fn scatter_add_rows(
         &self,
         out: &Tensor,

@@ -260,25 +260,6 @@ pub fn add_assign(b: &CpuBackend, dst: &Tensor, src: &Tensor) -> Result<()> {
     })
 }
 
-pub fn copy_cols(b: &CpuBackend, src: &Tensor, dst: &Tensor, offset: usize) -> Result<()> {
-    let (sp, m, a) = f32_rows(b, src)?;
-    let (dp, dm, db) = f32_rows(b, dst)?;
-    if dm != m || offset + a > db {
-        return Err(CoreError::invalid(format!(
-            "copy the columns of {src:?} into {dst:?} at column {offset}"
-        )));
-    }
-    dst.check_no_overlap(&[src])?;
-    for r in 0..m {
-        // SAFETY: row r of src and columns offset..offset+a of row r of dst
-        // are inside their non-overlapping views.
-        unsafe {
-            std::ptr::copy_nonoverlapping(sp.get().add(r * a), dp.get().add(r * db + offset), a);
-        }
-    }
-    Ok(())
-}
-
 pub fn scatter_add_rows(
     b: &CpuBackend,
     out: &Tensor,

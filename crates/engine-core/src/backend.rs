@@ -389,34 +389,6 @@ pub trait Backend: Send + Sync {
     /// `out[i] = x[rows[i]]`: selects rows of an f32 `[m, d]` tensor; `rows` is u32.
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()>;
 
-    /// `dst[:, offset..offset + a] = src` for `src` `[m, a]` and `dst` `[m,
-    /// b]` (f32, `offset + a <= b`): writes a block of columns, leaving the
-    /// others as they are (the latent and rotary halves of an MLA key). This
-    /// default runs on the host; a backend may run it where the tensors are.
-    fn copy_cols(&self, src: &Tensor, dst: &Tensor, offset: usize) -> Result<()> {
-        let (m, a, b) = (src.rows(), src.row_len(), dst.row_len());
-        if src.dtype() != DType::F32
-            || dst.dtype() != DType::F32
-            || dst.rows() != m
-            || offset + a > b
-        {
-            return Err(CoreError::invalid(format!(
-                "copy the columns of {src:?} into {dst:?} at column {offset}"
-            )));
-        }
-        let host = |t: &Tensor| -> Result<Vec<u8>> {
-            let mut bytes = vec![0u8; t.byte_len()?];
-            self.download(t, &mut bytes)?;
-            Ok(bytes)
-        };
-        let (sb, mut db) = (host(src)?, host(dst)?);
-        for r in 0..m {
-            let from = &sb[r * a * 4..(r + 1) * a * 4];
-            db[(r * b + offset) * 4..(r * b + offset + a) * 4].copy_from_slice(from);
-        }
-        self.write(dst, &db)
-    }
-
     /// `out[rows[i]] += scales[i] * x[i]` for each row `i` of `x` (`[n, d]`
     /// f32), in order of `i` (so a row listed twice gets both additions, in
     /// that order); `rows` is u32 `[n]`, `scales` f32 `[n]`, `out` f32 `[m,

@@ -27,6 +27,7 @@ use arbor_engine_core::{
     LinearRef, LoadOptions, Model, ModelArchitecture, ModelSpec, Result, ShardSpec, Tensor,
     WeightSource, inventory,
 };
+pub(crate) use load::share_input_scale;
 use std::sync::Arc;
 
 /// What differs between the architectures this module implements.
@@ -42,17 +43,18 @@ pub struct ArchFlags {
     pub mla: bool,
 }
 
-struct Linear {
-    w: Tensor,
-    b: Option<Tensor>,
+/// A linear layer's stored weight, its bias, and how its inputs are rounded.
+pub(crate) struct Linear {
+    pub(crate) w: Tensor,
+    pub(crate) b: Option<Tensor>,
     /// The static scale of a W8A8 FP8 weight's inputs (see
     /// [`LinearRef::input_scale`]); shared by the layers of one input.
-    input_scale: Option<f32>,
+    pub(crate) input_scale: Option<f32>,
 }
 
 impl Linear {
     /// This layer applied to an input into `out`.
-    fn to<'a>(&'a self, out: &'a Tensor) -> LinearRef<'a> {
+    pub(crate) fn to<'a>(&'a self, out: &'a Tensor) -> LinearRef<'a> {
         LinearRef {
             input_scale: self.input_scale,
             ..LinearRef::new(&self.w, self.b.as_ref(), out)

@@ -8,6 +8,7 @@
 //! template.
 
 pub mod chat;
+mod columns;
 pub mod config;
 pub mod decoder;
 mod dp_attention;

@@ -5,6 +5,7 @@
 //! backend, and counts progress and uploaded bytes.
 
 use crate::shard::ShardedSource;
+use arbor_engine_core::quant::cast_float_weight;
 use arbor_engine_core::{
     CoreError, DType, HostTensor, LinearSpec, LoadOptions, Result, Tensor, WeightSource,
 };
@@ -111,9 +112,11 @@ impl<'a> Loader<'a> {
         self.src
     }
 
-    /// A weight computed at load (an absorbed MLA projection) from f32
-    /// values, stored in `dtype` then as the quantization method decides.
-    pub(crate) fn absorbed(
+    /// A float weight computed at load (latent attention's per-head
+    /// up-projections) from f32 values, stored in `dtype`, or in the dtype
+    /// a float method casts to; under the other methods it stays float (as
+    /// vLLM keeps `W_UK` and `W_UV` in the activations' dtype).
+    pub(crate) fn up_projection(
         &mut self,
         what: &str,
         shape: &[usize],
@@ -122,11 +125,12 @@ impl<'a> Loader<'a> {
     ) -> Result<Tensor> {
         let t = HostTensor::from_f32(shape, values).cast(dtype)?;
         let caps = self.opts.backend.capabilities().clone();
-        let t = self
-            .opts
-            .quant
-            .prepare(t, &caps)
-            .map_err(|e| CoreError::load(format!("{}: {what}: {e}", self.src.describe())))?;
+        let t = if self.opts.quant.is_float() {
+            self.opts.quant.prepare(t, &caps)
+        } else {
+            cast_float_weight(t, None, &caps)
+        }
+        .map_err(|e| CoreError::load(format!("{}: {what}: {e}", self.src.describe())))?;
         let d = self.opts.backend.upload(&t)?;
         self.bytes += d.byte_len()? as u64;
         Ok(d)

@@ -1,34 +1,39 @@
 //! Multi-head latent attention (DeepSeek-V2/V3) over a latent KV cache,
-//! with the up-projections absorbed into the query and output weights.
+//! with the key and value up-projections applied per head in latent space
+//! (the "absorbed" form vLLM and SGLang decode with).
 //!
 //! Each token caches one "KV head" of width `D = qk_rope_head_dim +
 //! kv_lora_rank`, `[k_pe (roped) | c_kv]` (`c_kv` the normed compressed
 //! latent), once: it is the key and also the value (`ModelSpec::
 //! kv_values_in_keys`), so the cache holds `D` values per token and layer
 //! instead of `heads·(qk_head_dim + v_head_dim)` for the expanded keys and
-//! values. The attention output's first `qk_rope_head_dim` columns per head
-//! then hold the weighted `k_pe`, which the absorbed output projection's zero
-//! rotary columns cancel exactly (`0 · x = 0` for finite x). The query is absorbed at load: per head
-//! `[q_pe | W_UKᵀ q_nope]`, so that `q·k = q_pe·k_pe + q_nope·(W_UK c_kv)`
-//! exactly as the expanded attention; the output projection absorbs `W_UV`
-//! (`o_proj · W_UV` per head, exactly zero on the rotary columns, in every
-//! storage the absorbed weights take: float casts and symmetric FP8 blocks). Attention is then
-//! the ordinary paged kernel with one KV head shared by every query head
-//! (MQA) and the softmax scale of the expanded head width.
+//! values. Every projection of the checkpoint but `kv_b_proj` is a linear
+//! stored as the method decides (FP8 blocks stay FP8, and under W8A8 each
+//! rounds its inputs as vLLM's: `q_a_proj` and `kv_a_proj_with_mqa` share a
+//! scale, as its `fused_qkv_a_proj`). `kv_b_proj` is cut at load into two
+//! per-head float matrices: the query's `[af² on q_pe | W_UKᵀ on q_nope]`
+//! (`D × (qk_nope + qk_rope)` per head), so that `q·k = af²·q_pe·k_pe +
+//! q_nope·(W_UK c_kv)` exactly as the expanded attention, and the value's
+//! `[0 | W_UV]` (`v_head_dim × D`), whose zero rotary columns cancel the
+//! weighted `k_pe` the attention output carries there (`0 · x = 0` for
+//! finite x). Attention is then the ordinary paged kernel with one KV head
+//! shared by every query head (MQA) and the softmax scale of the expanded
+//! head width; `o_proj` follows the value's up-projection.
 //!
-//! Invariants: absorbed weights are computed in f32, from the stored values
-//! of a float checkpoint (f32, f16, bf16) or the dequantized values of a
+//! Invariants: the up-projections are cut in f32 from the stored values of
+//! a float `kv_b_proj` (f32, f16, bf16) or the dequantized values of a
 //! quantized one (FP8 blocks, INT4, GGUF types), and stored in the
-//! checkpoint's float dtype; YaRN's
-//! attention factor multiplies the rotary rows of q and k (RoPE is linear);
-//! the rotary dimensions come first in each head, so the backend's RoPE (which
-//! rotates a head's first `qk_rope_head_dim` dimensions) applies to q and k.
+//! checkpoint's float dtype (the query's in f32 when YaRN's attention
+//! factor `af` is not 1, so that `af²` is exact); RoPE is linear, so `af`
+//! on both q_pe and k_pe is `af²` on q_pe alone; the rotary dimensions come
+//! first in each head, so the backend's RoPE (which rotates a head's first
+//! `qk_rope_head_dim` dimensions) applies to q and k.
 
+use crate::columns::{Blocks, linear_per_head, take_cols};
 use crate::config::{DecoderConfig, Keys, RopeScaling};
-use crate::decoder::Loader;
+use crate::decoder::{Linear, Loader, share_input_scale};
 use arbor_engine_core::{
-    AttentionParams, Backend, CoreError, DType, ForwardContext, LinearRef, Result, RopeStyle,
-    Tensor,
+    AttentionParams, Backend, CoreError, DType, ForwardContext, Result, RopeStyle, Tensor,
 };
 use serde_json::Value;
 
@@ -115,30 +120,36 @@ pub(crate) struct Rope<'a> {
 
 /// The query's down-projection and its norm.
 struct QueryCompression {
-    /// `q_a_proj` `[q_lora_rank, hidden]`, as the method stores it.
-    proj: Tensor,
+    /// `q_a_proj` `[q_lora_rank, hidden]`, as the method stores it. Under
+    /// W8A8 FP8 with static scales it shares `kv_a_proj_with_mqa`'s input
+    /// rounding (the larger scale: vLLM fuses them into one
+    /// `fused_qkv_a_proj` with `input_scale.max()`).
+    proj: Linear,
     /// `q_a_layernorm` `[q_lora_rank]` f32.
     norm: Tensor,
-    /// The static input scale of a W8A8 FP8 `q_a_proj`: the larger of its
-    /// and `kv_a_proj_with_mqa`'s, which take the same input (vLLM fuses
-    /// them into one `fused_qkv_a_proj` with `input_scale.max()`).
-    input_scale: Option<f32>,
 }
 
 /// One layer's latent attention.
 pub struct MlaAttn {
     /// `q_a_proj` and `q_a_layernorm` (with a query compression).
     q_a: Option<QueryCompression>,
-    /// Absorbed query weight `[heads·D, q_in]`.
-    q: Tensor,
-    /// `c_kv` rows of `kv_a_proj_with_mqa` `[kv_lora_rank, hidden]`.
-    ckv: Tensor,
-    /// `k_pe` rows of `kv_a_proj_with_mqa` `[qk_rope_head_dim, hidden]`.
-    kpe: Tensor,
+    /// `q_b_proj` (or `q_proj`) `[heads·(nope + rope), q_in]`, as the
+    /// method stores it.
+    q_b: Linear,
+    /// The query's per-head up-projection `[heads·D, nope + rope]`, float:
+    /// head h's rows are `af²` on its `q_pe` column (the rotary rows), then
+    /// `W_UKᵀ` on its `q_nope` columns (the latent rows).
+    q_up: Tensor,
+    /// `kv_a_proj_with_mqa` `[kv_lora_rank + rope, hidden]`, as the method
+    /// stores it: the latent `c_kv`, then `k_pe`.
+    kv_a: Linear,
     /// `kv_a_layernorm` `[kv_lora_rank]`.
     kv_norm: Tensor,
-    /// Absorbed output weight `[hidden, heads·D]`.
-    o: Tensor,
+    /// The value's per-head up-projection `[heads·v_head_dim, D]`, float:
+    /// zero on the rotary columns, `W_UV` on the latent ones.
+    o_up: Tensor,
+    /// `o_proj` `[hidden, heads·v_head_dim]`, as the method stores it.
+    o: Linear,
     heads: usize,
     mla: MlaConfig,
     scale: f32,
@@ -146,13 +157,13 @@ pub struct MlaAttn {
 }
 
 /// The f32 values of the projection `prefix` (this rank's `out` x `inp`
-/// share) that absorption reads, and the dtype the weights absorbed from it
-/// are stored in. A float checkpoint's weight is read as stored and keeps
-/// its dtype. A quantized one (DeepSeek-V3's FP8 blocks with
+/// share) that the per-head up-projections are cut from, and the dtype
+/// they are stored in. A float checkpoint's weight is read as stored and
+/// keeps its dtype. A quantized one (DeepSeek-V3's FP8 blocks with
 /// `weight_scale_inv`, compressed-tensors, INT4) is loaded by its method and
-/// dequantized with the format's formula, and the absorbed weights are
-/// stored in `float`, the layer's float dtype (vLLM likewise absorbs the
-/// dequantized `kv_b_proj`).
+/// dequantized with the format's formula, and the up-projections are
+/// stored in `float`, the layer's float dtype (vLLM likewise dequantizes
+/// `kv_b_proj` into its `W_UK` and `W_UV`).
 fn projection(
     l: &mut Loader<'_>,
     prefix: &str,
@@ -183,6 +194,17 @@ fn projection(
     Ok((values, float))
 }
 
+/// A projection without bias as the method stores it, with its static
+/// input scale (W8A8 FP8).
+fn stored(l: &mut Loader<'_>, prefix: &str, out: usize, inp: usize) -> Result<Linear> {
+    let (w, input_scale) = l.scaled_matrix(prefix, out, inp)?;
+    Ok(Linear {
+        w,
+        b: None,
+        input_scale,
+    })
+}
+
 impl MlaAttn {
     /// Loads layer `layer`'s attention for `heads` query heads (this rank's).
     pub(crate) fn load(
@@ -202,103 +224,77 @@ impl MlaAttn {
             mla.v_head_dim,
         );
         let d = mla.kv_head_dim();
-        let af = cfg.rope_scaling.attention_factor();
+        let mut kv_a = stored(l, &format!("{p}.kv_a_proj_with_mqa"), lora + rope, h)?;
+        let kv_norm = l.f32_matrix(&format!("{p}.kv_a_layernorm.weight"), &[lora])?;
         let (q_a, q_in, q_name) = match mla.q_lora_rank {
             Some(r) => {
-                let (proj, own) = l.scaled_matrix(&format!("{p}.q_a_proj"), r, h)?;
-                let input_scale = match own {
-                    Some(s) => {
-                        let kv_a = format!("{p}.kv_a_proj_with_mqa");
-                        let kv = l.input_scale_of(&kv_a, lora + rope, h)?;
-                        Some(kv.map_or(s, |k| s.max(k)))
-                    }
-                    None => None,
-                };
+                let mut proj = stored(l, &format!("{p}.q_a_proj"), r, h)?;
+                share_input_scale(&mut [&mut proj, &mut kv_a]);
                 let norm = l.f32_matrix(&format!("{p}.q_a_layernorm.weight"), &[r])?;
-                let q_a = QueryCompression {
-                    proj,
-                    norm,
-                    input_scale,
-                };
-                (Some(q_a), r, format!("{p}.q_b_proj"))
+                (
+                    Some(QueryCompression { proj, norm }),
+                    r,
+                    format!("{p}.q_b_proj"),
+                )
             }
             None => (None, h, format!("{p}.q_proj")),
         };
-        // The float dtype of this checkpoint's layer: absorbed weights are
-        // stored in it when the projections are quantized.
+        let q_b = stored(l, &q_name, heads * (nope + rope), q_in)?;
+        let o = stored(l, &format!("{p}.o_proj"), h, heads * vd)?;
+        // The float dtype of this checkpoint's layer: the up-projections
+        // are stored in it when kv_b_proj is quantized.
         let float = match src.tensor(&format!("{p}.kv_a_layernorm.weight"))? {
             Some(t) if t.dtype.is_float() => t.dtype,
             _ => DType::F32,
         };
-        let (qw, dtype) = projection(l, &q_name, heads * (nope + rope), q_in, float)?;
-        let (kvb, _) = projection(
+        let (kvb, dtype) = projection(
             l,
             &format!("{p}.kv_b_proj"),
             heads * (nope + vd),
             lora,
             float,
         )?;
-        let (ow, _) = projection(l, &format!("{p}.o_proj"), h, heads * vd, float)?;
-        let (kva, _) = projection(l, &format!("{p}.kv_a_proj_with_mqa"), lora + rope, h, float)?;
-        // q_b_proj (or q_proj), kv_b_proj, o_proj and kv_a_proj_with_mqa are read.
-        l.skip(4);
-        // Absorbed query: per head [q_pe rows · af | W_UKᵀ · W_q_nope].
-        let mut q = vec![0f32; heads * d * q_in];
+        l.skip(1);
+        let w_uk = |hd: usize, n: usize| &kvb[(hd * (nope + vd) + n) * lora..][..lora];
+        let w_uv = |hd: usize, c: usize| &kvb[(hd * (nope + vd) + nope + c) * lora..][..lora];
+        // YaRN's attention factor scales q_pe and k_pe (RoPE is linear):
+        // both factors go on q_pe, in f32 unless they are 1.
+        let af = cfg.rope_scaling.attention_factor();
+        let (q_up_dtype, af2) = if af == 1.0 {
+            (dtype, 1.0)
+        } else {
+            (DType::F32, af * af)
+        };
+        // Head hd: [af² on its q_pe column | W_UKᵀ on its q_nope columns].
+        let qw = nope + rope;
+        let mut q_up = vec![0f32; heads * d * qw];
         for hd in 0..heads {
-            let qrow = |r: usize| &qw[(hd * (nope + rope) + r) * q_in..][..q_in];
-            let out = &mut q[hd * d * q_in..(hd + 1) * d * q_in];
+            let rows = &mut q_up[hd * d * qw..(hd + 1) * d * qw];
             for r in 0..rope {
-                for (o, &w) in out[r * q_in..(r + 1) * q_in].iter_mut().zip(qrow(nope + r)) {
-                    *o = w * af;
-                }
+                rows[r * qw + nope + r] = af2;
             }
             for n in 0..nope {
-                let uk = &kvb[(hd * (nope + vd) + n) * lora..][..lora];
-                let qn = qrow(n);
-                for (j, &u) in uk.iter().enumerate() {
-                    let row = &mut out[(rope + j) * q_in..(rope + j + 1) * q_in];
-                    for (o, &w) in row.iter_mut().zip(qn) {
-                        *o += u * w;
-                    }
+                for (j, &u) in w_uk(hd, n).iter().enumerate() {
+                    rows[(rope + j) * qw + n] = u;
                 }
             }
         }
-        // Absorbed output: column block of head hd = [0 | o_proj[:, hd] · W_UV].
-        let mut o = vec![0f32; h * heads * d];
+        // Head hd: [0 on the rotary columns | W_UV on the latent ones].
+        let mut o_up = vec![0f32; heads * vd * d];
         for hd in 0..heads {
             for c in 0..vd {
-                let uv = &kvb[(hd * (nope + vd) + nope + c) * lora..][..lora];
-                for row in 0..h {
-                    let w = ow[row * heads * vd + hd * vd + c];
-                    let dst = &mut o[row * heads * d + hd * d + rope..][..lora];
-                    for (x, &u) in dst.iter_mut().zip(uv) {
-                        *x += w * u;
-                    }
-                }
+                o_up[(hd * vd + c) * d + rope..][..lora].copy_from_slice(w_uv(hd, c));
             }
         }
-        let kpe: Vec<f32> = kva[lora * h..].iter().map(|&w| w * af).collect();
-        let q = l.absorbed(&format!("{p} (absorbed q)"), &[heads * d, q_in], &q, dtype)?;
-        let o = l.absorbed(&format!("{p} (absorbed o)"), &[h, heads * d], &o, dtype)?;
-        let ckv = l.absorbed(
-            &format!("{p}.kv_a_proj_with_mqa (c_kv)"),
-            &[lora, h],
-            &kva[..lora * h],
-            dtype,
-        )?;
-        let kpe = l.absorbed(
-            &format!("{p}.kv_a_proj_with_mqa (k_pe)"),
-            &[rope, h],
-            &kpe,
-            dtype,
-        )?;
-        let kv_norm = l.f32_matrix(&format!("{p}.kv_a_layernorm.weight"), &[lora])?;
+        let q_up = l.up_projection(&format!("{p} (W_UK)"), &[heads * d, qw], &q_up, q_up_dtype)?;
+        let o_up = l.up_projection(&format!("{p} (W_UV)"), &[heads * vd, d], &o_up, dtype)?;
         Ok(Self {
             q_a,
-            q,
-            ckv,
-            kpe,
+            q_b,
+            q_up,
+            kv_a,
             kv_norm,
+            o_up,
             o,
             heads,
             mla: mla.clone(),
@@ -309,6 +305,11 @@ impl MlaAttn {
                 RopeStyle::Neox
             },
         })
+    }
+
+    /// The stored dtype of the output projection (the layer's weights).
+    pub(crate) fn weight_dtype(&self) -> DType {
+        self.o.w.dtype()
     }
 
     /// `out = attention(x)` for `x` `[tokens, hidden]` (normed), writing this
@@ -324,36 +325,37 @@ impl MlaAttn {
     ) -> Result<()> {
         let (positions, inv_freq) = (rope_in.positions, rope_in.inv_freq);
         let t = x.rows();
-        let (rope, lora, d) = (
+        let (nope, rope, lora, vd, d) = (
+            self.mla.qk_nope_head_dim,
             self.mla.qk_rope_head_dim,
             self.mla.kv_lora_rank,
+            self.mla.v_head_dim,
             self.mla.kv_head_dim(),
         );
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
-        let q = f32t(&[t, self.heads * d])?;
+        let kv = f32t(&[t, lora + rope])?;
+        let qb = f32t(&[t, self.heads * (nope + rope)])?;
         match &self.q_a {
             Some(qa) => {
-                let c = f32t(&[t, qa.proj.rows()])?;
-                let proj = LinearRef {
-                    input_scale: qa.input_scale,
-                    ..LinearRef::new(&qa.proj, None, &c)
-                };
-                b.linear_many(x, &[proj])?;
+                let c = f32t(&[t, qa.proj.w.rows()])?;
+                b.linear_many(x, &[qa.proj.to(&c), self.kv_a.to(&kv)])?;
                 b.rms_norm(&c, &qa.norm, 1e-6, &c)?;
-                b.linear(&c, &self.q, None, &q)?;
+                b.linear_many(&c, &[self.q_b.to(&qb)])?;
             }
-            None => b.linear(x, &self.q, None, &q)?,
+            None => b.linear_many(x, &[self.q_b.to(&qb), self.kv_a.to(&kv)])?,
         }
+        let q = f32t(&[t, self.heads * d])?;
+        linear_per_head(b, &qb, &self.q_up, self.heads, &q)?;
         b.rope(&q, positions, inv_freq, d, self.style)?;
-        let c = f32t(&[t, lora])?;
-        b.linear(x, &self.ckv, None, &c)?;
+        // k = [k_pe (roped) | c_kv (normed)], joined on the device.
+        let halves = Blocks::alloc(b, t, &[rope, lora])?;
+        let (kpe, c) = (halves.block(0)?, halves.block(1)?);
+        take_cols(b, &kv, 0, &c)?;
         b.rms_norm(&c, &self.kv_norm, 1e-6, &c)?;
-        let kpe = f32t(&[t, rope])?;
-        b.linear(x, &self.kpe, None, &kpe)?;
+        take_cols(b, &kv, lora, &kpe)?;
         b.rope(&kpe, positions, inv_freq, rope, self.style)?;
         let k = f32t(&[t, d])?;
-        b.copy_cols(&kpe, &k, 0)?;
-        b.copy_cols(&c, &k, rope)?;
+        halves.join(b, &k)?;
         let attn = f32t(&[t, self.heads * d])?;
         let params = AttentionParams {
             num_heads: self.heads,
@@ -373,6 +375,8 @@ impl MlaAttn {
             &attn,
             &params,
         )?;
-        b.linear(&attn, &self.o, None, out)
+        let v = f32t(&[t, self.heads * vd])?;
+        linear_per_head(b, &attn, &self.o_up, self.heads, &v)?;
+        b.linear_many(&v, &[self.o.to(out)])
     }
 }

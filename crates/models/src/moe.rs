@@ -387,11 +387,6 @@ impl MoeBlock {
         })
     }
 
-    /// The stored dtype of this rank's first expert's weights.
-    pub(crate) fn weight_dtype(&self) -> Option<DType> {
-        self.experts.iter().flatten().next().map(|e| e.gate.dtype())
-    }
-
     /// Tokens routed to each expert so far.
     pub fn expert_load(&self) -> Vec<u64> {
         self.load.snapshot()

@@ -47,9 +47,10 @@ fn moe_weight_only_checkpoints_match_their_references() -> Result<()> {
     Ok(())
 }
 
-/// The latent attention's projections are dequantized with the format's
-/// formula and absorbed in f32; the dense MLP, the experts and the shared
-/// expert keep their FP8 blocks. The float model those weights were
+/// Latent attention's kv_b_proj is dequantized with the format's formula
+/// into float per-head up-projections; its other projections, the dense
+/// MLP, the experts and the shared expert keep their FP8 blocks (the tiny
+/// q_b_proj's 24 inputs, not whole runs of 32, are dequantized). The float model those weights were
 /// quantized from misses the reference by far more than the tolerance, and
 /// a projection without its block scales is an error naming the tensor.
 #[test]
@@ -101,9 +102,10 @@ fn w8a8_block_fp8_experts_round_their_inputs_per_32() -> Result<()> {
 }
 
 /// DeepSeek-V3's block FP8 under `w8a8_fp8`: the products that keep FP8
-/// weights (q_a_proj, the dense MLP, the experts and the shared expert)
-/// round their inputs per 32, the absorbed latent-attention weights stay
-/// float; against transformers with the same rounding hooked in
+/// weights (latent attention's q_a, kv_a and o projections, the dense MLP,
+/// the experts and the shared expert) round their inputs per 32, kv_b's
+/// per-head up-projections stay float, as in vLLM's decode; against
+/// transformers with the same rounding hooked in
 /// (make_moe_quant_fixtures.py's `w8a8_reference`).
 #[test]
 fn w8a8_over_deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
@@ -114,7 +116,7 @@ fn w8a8_over_deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
 /// DeepSeek-V3 as an llm-compressor FP8 checkpoint with static input
 /// scales: weight-only, and under `w8a8_fp8` with the scales merged as
 /// vLLM fuses the layers (q_a_proj with kv_a_proj_with_mqa, gate with up,
-/// the block's experts), against transformers with that rounding hooked in
+/// the block's experts; o_proj alone), against transformers with that rounding hooked in
 /// (make_moe_quant_fixtures.py's `deepseek_static_reference`). q_a_proj
 /// rounds with kv_a_proj_with_mqa's larger scale: lowering it to q_a's own
 /// moves the logits.
@@ -122,8 +124,9 @@ fn w8a8_over_deepseek_v3_block_fp8_matches_its_reference() -> Result<()> {
 fn static_scales_over_deepseek_v3_match_their_reference() -> Result<()> {
     let name = "deepseek-v3-fp8-static";
     check_format(name, DType::F8_S32)?;
-    // 3 q_a_proj, the dense MLP, 2 layers × (8 experts + the shared one) × 3.
-    let summary = "w8a8_fp8, 60 layers with static input scales";
+    // 3 × (q_a_proj, kv_a_proj_with_mqa, o_proj), the dense MLP, 2 layers ×
+    // (8 experts + the shared one) × 3; not the tiny q_b_proj (24 inputs).
+    let summary = "w8a8_fp8, 66 layers with static input scales";
     let reference = check_w8a8(name, summary, true)?;
     let logits = |dir: &std::path::Path| w8a8_logit_bits(dir, &reference);
     let want = logits(&fixtures().join("quant").join(name))?;

@@ -37,7 +37,7 @@ impl Loader<'_> {
 /// their static input scales, as vLLM and SGLang do for the fused
 /// projection they load them into (`input_scale.max()`): one rounding of
 /// the input serves them all. Layers without one keep none.
-fn share_input_scale(layers: &mut [&mut Linear]) {
+pub(crate) fn share_input_scale(layers: &mut [&mut Linear]) {
     let max = layers.iter().filter_map(|l| l.input_scale).reduce(f32::max);
     for l in layers.iter_mut() {
         if l.input_scale.is_some() {
@@ -277,15 +277,10 @@ impl DecoderModel {
         let freqs = rope_inv_freq(&cfg, src)?;
         let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
         let table_dtype = embed.as_ref().map_or(lm_head.dtype(), Tensor::dtype);
-        let weight_dtype = layers
-            .first()
-            .map_or(table_dtype, |l| match (&l.attn, &l.ffn) {
-                (Attn::Mha(m), _) => m.q.w.dtype(),
-                // Latent attention's absorbed weights are float whatever the
-                // checkpoint: its feed-forward says how the layers are stored.
-                (Attn::Mla(_), Ffn::Dense { gate, .. }) => gate.w.dtype(),
-                (Attn::Mla(_), Ffn::Moe(block)) => block.weight_dtype().unwrap_or(table_dtype),
-            });
+        let weight_dtype = layers.first().map_or(table_dtype, |l| match &l.attn {
+            Attn::Mha(m) => m.q.w.dtype(),
+            Attn::Mla(m) => m.weight_dtype(),
+        });
         // The KV cache's geometry: one latent "head" with latent attention.
         let (kv_heads, kv_dim) = match &cfg.mla {
             Some(m) => (1, m.kv_head_dim()),
