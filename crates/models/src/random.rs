@@ -8,6 +8,7 @@
 
 use crate::config::DecoderConfig;
 use crate::decoder::ArchFlags;
+use crate::mla::MlaConfig;
 use crate::moe::{MoeConfig, MoeStyle};
 use arbor_engine_core::{CoreError, DType, HostTensor, Result, SeqRng, WeightSource};
 use std::borrow::Cow;
@@ -72,8 +73,7 @@ impl RandomWeights {
 
     /// The same, with the sparse layers of `moe` holding a router and
     /// experts (and a shared expert where `moe` has one) instead of the dense
-    /// MLP, named as `moe.style` names them. (Latent attention's tensors are
-    /// not generated.)
+    /// MLP, named as `moe.style` names them.
     pub fn with_moe(mut self, cfg: &DecoderConfig, moe: &MoeConfig) -> Self {
         let (h, ei) = (cfg.hidden_size, moe.expert_intermediate_size);
         for l in (0..cfg.num_hidden_layers).filter(|&l| moe.is_sparse(l)) {
@@ -114,6 +114,46 @@ impl RandomWeights {
                     (vec![moe.num_experts], false),
                 );
             }
+        }
+        self
+    }
+}
+
+impl RandomWeights {
+    /// The same, with latent attention's tensors (`q_a_proj`,
+    /// `q_a_layernorm` and `q_b_proj`, or `q_proj` without a query
+    /// compression; `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`,
+    /// `o_proj`) instead of Q/K/V/O, named as DeepSeek's checkpoints name
+    /// them.
+    pub fn with_mla(mut self, cfg: &DecoderConfig, mla: &MlaConfig) -> Self {
+        let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+        let (nope, rope, lora, vd) = (
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.kv_lora_rank,
+            mla.v_head_dim,
+        );
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}.self_attn");
+            for n in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                self.shapes.remove(&format!("{p}.{n}.weight"));
+                self.shapes.remove(&format!("{p}.{n}.bias"));
+            }
+            let mut put = |name: &str, shape: Vec<usize>, is_norm: bool| {
+                self.shapes.insert(format!("{p}.{name}"), (shape, is_norm));
+            };
+            match mla.q_lora_rank {
+                Some(r) => {
+                    put("q_a_proj.weight", vec![r, h], false);
+                    put("q_a_layernorm.weight", vec![r], true);
+                    put("q_b_proj.weight", vec![heads * (nope + rope), r], false);
+                }
+                None => put("q_proj.weight", vec![heads * (nope + rope), h], false),
+            }
+            put("kv_a_proj_with_mqa.weight", vec![lora + rope, h], false);
+            put("kv_a_layernorm.weight", vec![lora], true);
+            put("kv_b_proj.weight", vec![heads * (nope + vd), lora], false);
+            put("o_proj.weight", vec![h, heads * vd], false);
         }
         self
     }
