@@ -2,9 +2,9 @@
 //! a `[m, n]` tensor is also the `[m·n/g, g]` tensor of its `g`-wide
 //! chunks, so a block of columns whose start and width are multiples of
 //! `g` is a set of chunk rows. Latent attention splits its fused
-//! down-projection's output this way ([`take_cols`]), joins its key's
-//! halves ([`Blocks`]) and multiplies each head's columns by that head's
-//! own matrix ([`linear_per_head`]), all on the device.
+//! down-projection's output into blocks and joins its key's halves this way
+//! ([`Blocks`]), and multiplies each head's columns by that head's own
+//! matrix ([`linear_per_head`]), all on the device.
 //!
 //! Invariants: a gather copies values, so the moved columns are exact;
 //! each output row depends on its own input row only (the per-head
@@ -17,78 +17,84 @@ fn gcd(a: usize, b: usize) -> usize {
     if b == 0 { a } else { gcd(b, a % b) }
 }
 
-/// `out = x[:, start..start + w]` for f32 `x` `[m, n]` and `out` `[m, w]`.
-pub(crate) fn take_cols(b: &dyn Backend, x: &Tensor, start: usize, out: &Tensor) -> Result<()> {
-    let (m, n, w) = (x.rows(), x.row_len(), out.row_len());
-    if x.dtype() != DType::F32
-        || out.dtype() != DType::F32
-        || out.rows() != m
-        || w == 0
-        || start + w > n
-    {
-        return Err(CoreError::invalid(format!(
-            "take columns {start}..{} of {x:?} into {out:?}",
-            start + w
-        )));
-    }
-    if m == 0 {
-        return Ok(());
-    }
-    let g = gcd(gcd(n, start), w);
-    let (chunks, first, width) = (n / g, start / g, w / g);
-    let idx: Vec<u32> = (0..m)
-        .flat_map(|r| (0..width).map(move |j| (r * chunks + first + j) as u32))
-        .collect();
-    let idx = b.upload_u32(&[idx.len()], &idx)?;
-    b.gather_rows(
-        &x.reshape(&[m * chunks, g])?,
-        &idx,
-        &out.reshape(&[m * width, g])?,
-    )
-}
-
-/// Tensors `[m, w_i]` laid out one after another in one buffer, so that
-/// one gather joins their columns ([`Blocks::join`]): latent attention's
-/// key `[k_pe | c_kv]` from its roped and normed halves.
+/// Tensors `[rows, w_i]` laid out one after another in one f32 buffer, so
+/// that one gather fills them all from column blocks of a tensor
+/// ([`Blocks::take`]) and one gather joins them side by side
+/// ([`Blocks::join`]).
 pub(crate) struct Blocks {
-    /// The buffer as `[m·Σw/g, g]` chunks.
-    chunks: Tensor,
+    /// The buffer, `[rows·Σw, 1]`.
+    buf: Tensor,
     widths: Vec<usize>,
     rows: usize,
-    /// The chunk width: the greatest common divisor of the widths.
-    g: usize,
 }
 
 impl Blocks {
     /// Blocks of `rows` rows and the given widths (each at least 1).
     pub(crate) fn alloc(b: &dyn Backend, rows: usize, widths: &[usize]) -> Result<Self> {
-        let g = widths.iter().fold(0, |g, &w| gcd(g, w));
-        if g == 0 || widths.contains(&0) {
+        if widths.is_empty() || widths.contains(&0) {
             return Err(CoreError::invalid(format!(
                 "column blocks of widths {widths:?}"
             )));
         }
-        let total: usize = widths.iter().sum();
         Ok(Self {
-            chunks: b.alloc(DType::F32, &[rows * total / g, g])?,
+            buf: b.alloc(DType::F32, &[rows * widths.iter().sum::<usize>(), 1])?,
             widths: widths.to_vec(),
             rows,
-            g,
         })
+    }
+
+    fn total(&self) -> usize {
+        self.widths.iter().sum()
+    }
+
+    /// The buffer as `[·, g]` chunks.
+    fn chunks(&self, g: usize) -> Result<Tensor> {
+        self.buf.reshape(&[self.rows * self.total() / g, g])
     }
 
     /// Block `i`, `[rows, widths[i]]`.
     pub(crate) fn block(&self, i: usize) -> Result<Tensor> {
         let before: usize = self.widths[..i].iter().sum();
-        let w = self.widths[i];
-        self.chunks
-            .narrow(self.rows * before / self.g, self.rows * w / self.g)?
-            .reshape(&[self.rows, w])
+        self.buf
+            .narrow(self.rows * before, self.rows * self.widths[i])?
+            .reshape(&[self.rows, self.widths[i]])
+    }
+
+    /// Block `i` = `x[:, starts[i]..starts[i] + widths[i]]` for every block,
+    /// from f32 `x` `[rows, n]`.
+    pub(crate) fn take(&self, b: &dyn Backend, x: &Tensor, starts: &[usize]) -> Result<()> {
+        let n = x.row_len();
+        if x.dtype() != DType::F32
+            || x.rows() != self.rows
+            || starts.len() != self.widths.len()
+            || starts.iter().zip(&self.widths).any(|(s, w)| s + w > n)
+        {
+            return Err(CoreError::invalid(format!(
+                "take column blocks of widths {:?} at {starts:?} from {x:?}",
+                self.widths
+            )));
+        }
+        if self.rows == 0 {
+            return Ok(());
+        }
+        let g = self.widths.iter().chain(starts).fold(n, |g, &v| gcd(g, v));
+        let mut idx = Vec::with_capacity(self.rows * self.total() / g);
+        for (&w, &start) in self.widths.iter().zip(starts) {
+            for r in 0..self.rows {
+                let first = (r * n + start) / g;
+                idx.extend((first..first + w / g).map(|c| c as u32));
+            }
+        }
+        b.gather_rows(
+            &x.reshape(&[self.rows * n / g, g])?,
+            &b.upload_u32(&[idx.len()], &idx)?,
+            &self.chunks(g)?,
+        )
     }
 
     /// `out = [block 0 | block 1 | ...]`, `out` f32 `[rows, Σ widths]`.
     pub(crate) fn join(&self, b: &dyn Backend, out: &Tensor) -> Result<()> {
-        let total: usize = self.widths.iter().sum();
+        let total = self.total();
         if out.dtype() != DType::F32 || out.shape() != [self.rows, total] {
             return Err(CoreError::invalid(format!(
                 "join column blocks of widths {:?} into {out:?}",
@@ -98,19 +104,20 @@ impl Blocks {
         if self.rows == 0 {
             return Ok(());
         }
-        let mut idx = Vec::with_capacity(self.rows * total / self.g);
+        let g = self.widths.iter().fold(0, |g, &w| gcd(g, w));
+        let mut idx = Vec::with_capacity(self.rows * total / g);
         for r in 0..self.rows {
-            let mut start = 0;
+            let mut before = 0;
             for &w in &self.widths {
-                let first = (self.rows * start + r * w) / self.g;
-                idx.extend((first..first + w / self.g).map(|c| c as u32));
-                start += w;
+                let first = (self.rows * before + r * w) / g;
+                idx.extend((first..first + w / g).map(|c| c as u32));
+                before += w;
             }
         }
         b.gather_rows(
-            &self.chunks,
+            &self.chunks(g)?,
             &b.upload_u32(&[idx.len()], &idx)?,
-            &out.reshape(&[self.rows * total / self.g, self.g])?,
+            &out.reshape(&[self.rows * total / g, g])?,
         )
     }
 }
@@ -193,30 +200,34 @@ mod tests {
             .collect()
     }
 
-    /// Column blocks at offsets of every common divisor come back exact,
+    /// Blocks taken at offsets of every common divisor come back exact,
     /// and a block past the row is an error.
     #[test]
-    fn take_cols_copies_the_block() -> Result<()> {
+    fn blocks_take_columns() -> Result<()> {
         let b = CpuBackend::new(1)?;
         let b: &dyn Backend = &b;
         let (m, n) = (3, 12);
         let v = values(m * n, 7);
         let x = b.upload_f32(&[m, n], &v)?;
-        for (start, w) in [(0, 12), (3, 5), (8, 4), (4, 8), (11, 1)] {
-            let out = b.alloc(DType::F32, &[m, w])?;
-            take_cols(b, &x, start, &out)?;
-            let want: Vec<f32> = (0..m)
+        let cols = |start: usize, w: usize| -> Vec<f32> {
+            (0..m)
                 .flat_map(|r| v[r * n + start..r * n + start + w].to_vec())
-                .collect();
-            assert_eq!(
-                b.download_f32(&out)?,
-                want,
-                "columns {start}..{}",
-                start + w
-            );
+                .collect()
+        };
+        for (widths, starts) in [
+            (vec![12], vec![0]),
+            (vec![5, 3], vec![3, 0]),
+            (vec![4, 8], vec![8, 0]),
+            (vec![1, 2], vec![11, 4]),
+        ] {
+            let blocks = Blocks::alloc(b, m, &widths)?;
+            blocks.take(b, &x, &starts)?;
+            for (i, (&w, &start)) in widths.iter().zip(&starts).enumerate() {
+                assert_eq!(b.download_f32(&blocks.block(i)?)?, cols(start, w));
+            }
         }
-        let out = b.alloc(DType::F32, &[m, 5])?;
-        assert!(take_cols(b, &x, 8, &out).is_err());
+        let blocks = Blocks::alloc(b, m, &[5])?;
+        assert!(blocks.take(b, &x, &[8]).is_err());
         Ok(())
     }
 

@@ -29,7 +29,7 @@
 //! first in each head, so the backend's RoPE (which rotates a head's first
 //! `qk_rope_head_dim` dimensions) applies to q and k.
 
-use crate::columns::{Blocks, linear_per_head, take_cols};
+use crate::columns::{Blocks, linear_per_head};
 use crate::config::{DecoderConfig, Keys, RopeScaling};
 use crate::decoder::{Linear, Loader, share_input_scale};
 use arbor_engine_core::{
@@ -347,12 +347,12 @@ impl MlaAttn {
         let q = f32t(&[t, self.heads * d])?;
         linear_per_head(b, &qb, &self.q_up, self.heads, &q)?;
         b.rope(&q, positions, inv_freq, d, self.style)?;
-        // k = [k_pe (roped) | c_kv (normed)], joined on the device.
+        // k = [k_pe (roped) | c_kv (normed)], split from kv_a's [c_kv | k_pe]
+        // and joined on the device.
         let halves = Blocks::alloc(b, t, &[rope, lora])?;
+        halves.take(b, &kv, &[lora, 0])?;
         let (kpe, c) = (halves.block(0)?, halves.block(1)?);
-        take_cols(b, &kv, 0, &c)?;
         b.rms_norm(&c, &self.kv_norm, 1e-6, &c)?;
-        take_cols(b, &kv, lora, &kpe)?;
         b.rope(&kpe, positions, inv_freq, rope, self.style)?;
         let k = f32t(&[t, d])?;
         halves.join(b, &k)?;
