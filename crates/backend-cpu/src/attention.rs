@@ -268,7 +268,10 @@ impl AttentionBackend for CpuAttention {
     }
 
     fn capabilities(&self) -> AttentionCapabilities {
-        AttentionCapabilities { tree: true }
+        AttentionCapabilities {
+            tree: true,
+            max_head_dim: None,
+        }
     }
 
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {

@@ -64,6 +64,21 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
     for (int i = 0; i < N; ++i) f[i] = kv_elem<KV>(r.w, i) * s;
 }
 
+// N elements of a row at p, times s: one vector load (VEC: N elements make
+// whole words of a power-of-two count, at an address aligned to them), else
+// element by element.
+template <typename KV, int N, bool VEC> struct RowLoad {
+    static __device__ __forceinline__ void load(const KV* p, float s, float* f) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) f[i] = to_f32(p[i]) * s;
+    }
+};
+template <typename KV, int N> struct RowLoad<KV, N, true> {
+    static __device__ __forceinline__ void load(const KV* p, float s, float* f) {
+        load_kv<KV, N>(p, s, f);
+    }
+};
+
 // Decode split sizes (attention.rs mirrors them in `decode_splits`).
 #define DECODE_SPLIT_MIN_TOKENS 64
 #define DECODE_MAX_SPLITS 16
@@ -77,10 +92,11 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
 // whole K row; the tile's softmax update is one warp max per head; then the
 // tile's V rows are accumulated token by token, lane l holding head dims
 // DPL * l .. DPL * l + DPL - 1 (head_dim <= 32 * DPL), each token's weight
-// broadcast from its lane. Loads are batched (four K chunks, eight V rows)
+// broadcast from its lane. Loads are batched (four K chunks, VB V rows)
 // so that each warp keeps several in flight. Rows are read with vector loads when head_dim is
 // a multiple of 8 (every element's address then aligned), else element by
-// element. Writes unnormalized partial outputs part_o [seqs, heads, splits,
+// element; a lane's V dims too when VEC_V (DPL elements make a power-of-two
+// number of words: not latent attention's 18 of 576). Writes unnormalized partial outputs part_o [seqs, heads, splits,
 // head_dim] and (max, sum) pairs part_ml [seqs, heads, splits, 2].
 //
 // A sequence's splits depend on its own length alone (each covers at least
@@ -93,7 +109,7 @@ __device__ __forceinline__ void load_kv(const KV* p, float s, float* f) {
 // Inlined into each kernel, so that each owns exactly its own shared arrays
 // (hiprtc otherwise counted the shared memory of every FP8 instantiation
 // against each: 82,688 bytes of a 65,536-byte limit).
-template <typename KV, int DPL, int G>
+template <typename KV, int DPL, int G, int VB, bool VEC_V>
 __device__ __forceinline__ void decode_split_impl(
     const float* q, const KV* kc, const KV* vc, const int* seq_info, const u32* page_table,
     float* part_o, float* part_ml, int heads, int kv_heads, int head_dim, int page_size,
@@ -201,19 +217,19 @@ __device__ __forceinline__ void decode_split_impl(
                     for (int i = 0; i < DPL; ++i) acc[j][i] *= corr;
                 }
             }
-            // The tile's V rows, eight tokens' loads in flight at a time
+            // The tile's V rows, VB tokens' loads in flight at a time
             // (tokens past the tile's end have weight 0 and read nothing).
             const int n = min(32, t1 - tt);
-            for (int u0 = 0; u0 < n; u0 += 8) {
-                float vr[8][DPL];
+            for (int u0 = 0; u0 < n; u0 += VB) {
+                float vr[VB][DPL];
 #pragma unroll
-                for (int uu = 0; uu < 8; ++uu) {
+                for (int uu = 0; uu < VB; ++uu) {
                     const int u = u0 + uu;
                     const u32 su = SHFL(slot, u);
                     const KV* vrow = vc + ((size_t)su * kv_heads + g) * head_dim;
                     if (u < n && d0 < head_dim) {
                         if (vec) {
-                            load_kv<KV, DPL>(vrow + d0, v_scale, vr[uu]);
+                            RowLoad<KV, DPL, VEC_V>::load(vrow + d0, v_scale, vr[uu]);
                         } else {
 #pragma unroll
                             for (int i = 0; i < DPL; ++i)
@@ -229,7 +245,7 @@ __device__ __forceinline__ void decode_split_impl(
                 for (int j = 0; j < G; ++j) {
                     if (j < gn) {
 #pragma unroll
-                        for (int uu = 0; uu < 8; ++uu) {
+                        for (int uu = 0; uu < VB; ++uu) {
                             const float w = SHFL(pr[j], u0 + uu);
 #pragma unroll
                             for (int i = 0; i < DPL; ++i) acc[j][i] += w * vr[uu][i];
@@ -273,27 +289,35 @@ __device__ __forceinline__ void decode_split_impl(
     }
 }
 
-#define DECODE_SPLIT(NAME, KV, DPL, G)                                                          \
+#define DECODE_SPLIT(NAME, KV, DPL, G, VB, VEC_V)                                               \
     extern "C" __global__ void __launch_bounds__(128)                                         \
         NAME(const float* q, const KV* kc, const KV* vc, const int* seq_info,                  \
              const u32* page_table, float* part_o, float* part_ml, int heads, int kv_heads,    \
              int head_dim, int page_size, int splits, float scale, int window, float k_scale,  \
              float v_scale) {                                                                  \
-        decode_split_impl<KV, DPL, G>(q, kc, vc, seq_info, page_table, part_o, part_ml, heads,  \
-                                      kv_heads, head_dim, page_size, splits, scale, window,     \
-                                      k_scale, v_scale);                                        \
+        decode_split_impl<KV, DPL, G, VB, VEC_V>(q, kc, vc, seq_info, page_table, part_o,       \
+                                                 part_ml, heads, kv_heads, head_dim,          \
+                                                 page_size, splits, scale, window, k_scale,    \
+                                                 v_scale);                                     \
     }
 
-DECODE_SPLIT(decode_split_f32_d128, float, 4, 8)
-DECODE_SPLIT(decode_split_f16_d128, f16_t, 4, 8)
-DECODE_SPLIT(decode_split_bf16_d128, bf16_t, 4, 8)
-DECODE_SPLIT(decode_split_f32_d256, float, 8, 4)
-DECODE_SPLIT(decode_split_f16_d256, f16_t, 8, 4)
-DECODE_SPLIT(decode_split_bf16_d256, bf16_t, 8, 4)
-DECODE_SPLIT(decode_split_e4m3_d128, e4m3_t, 4, 8)
-DECODE_SPLIT(decode_split_e5m2_d128, e5m2_t, 4, 8)
-DECODE_SPLIT(decode_split_e4m3_d256, e4m3_t, 8, 4)
-DECODE_SPLIT(decode_split_e5m2_d256, e5m2_t, 8, 4)
+DECODE_SPLIT(decode_split_f32_d128, float, 4, 8, 8, true)
+DECODE_SPLIT(decode_split_f16_d128, f16_t, 4, 8, 8, true)
+DECODE_SPLIT(decode_split_bf16_d128, bf16_t, 4, 8, 8, true)
+DECODE_SPLIT(decode_split_f32_d256, float, 8, 4, 8, true)
+DECODE_SPLIT(decode_split_f16_d256, f16_t, 8, 4, 8, true)
+DECODE_SPLIT(decode_split_bf16_d256, bf16_t, 8, 4, 8, true)
+DECODE_SPLIT(decode_split_e4m3_d128, e4m3_t, 4, 8, 8, true)
+DECODE_SPLIT(decode_split_e5m2_d128, e5m2_t, 4, 8, 8, true)
+DECODE_SPLIT(decode_split_e4m3_d256, e4m3_t, 8, 4, 8, true)
+DECODE_SPLIT(decode_split_e5m2_d256, e5m2_t, 8, 4, 8, true)
+// Latent attention's head (DeepSeek: 64 rotary + 512 latent dims): one query
+// head at a time, two V rows in flight, V dims read element by element.
+DECODE_SPLIT(decode_split_f32_d576, float, 18, 1, 2, false)
+DECODE_SPLIT(decode_split_f16_d576, f16_t, 18, 1, 2, false)
+DECODE_SPLIT(decode_split_bf16_d576, bf16_t, 18, 1, 2, false)
+DECODE_SPLIT(decode_split_e4m3_d576, e4m3_t, 18, 1, 2, false)
+DECODE_SPLIT(decode_split_e5m2_d576, e5m2_t, 18, 1, 2, false)
 
 // Decode, part 2. Grid (seqs, heads), 128 threads: out = sum_p w_p o_p / sum_p w_p l_p
 // with w_p = exp(m_p - max_p m_p).
@@ -533,6 +557,13 @@ PREFILL(prefill_e4m3_d256, e4m3_t, 2, 2, 16)
 PREFILL(prefill_e5m2_d256, e5m2_t, 2, 2, 16)
 PREFILL(prefill_e4m3_d256_small, e4m3_t, 1, 1, 16)
 PREFILL(prefill_e5m2_d256_small, e5m2_t, 1, 1, 16)
+// 16 x 16 tiles up to latent attention's 576 dims (109 KiB of shared memory:
+// NVIDIA's opt-in sizes, not AMD's 64 KiB of LDS).
+PREFILL(prefill_f32_d576, float, 1, 1, 36)
+PREFILL(prefill_f16_d576, f16_t, 1, 1, 36)
+PREFILL(prefill_bf16_d576, bf16_t, 1, 1, 36)
+PREFILL(prefill_e4m3_d576, e4m3_t, 1, 1, 36)
+PREFILL(prefill_e5m2_d576, e5m2_t, 1, 1, 36)
 
 // ---------------------------------------------------------------------------
 // Prefill on tensor cores (NVIDIA sm_80+, bf16 caches, head_dim 64 or 128, no

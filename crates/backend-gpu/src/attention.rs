@@ -2,7 +2,8 @@
 //! flash-decoding and prefill over a cached prefix, with draft trees
 //! (kernels/attention.cu). The cache holds f32, f16, bf16 or FP8 (E4M3,
 //! E5M2: stored `fp8(x / scale)`, read `stored * scale` with the layer's
-//! `KvScales`; kernels/fp8.cuh converts as the CPU backend does).
+//! `KvScales`; kernels/fp8.cuh converts as the CPU backend does). Heads are
+//! up to [`MAX_HEAD_DIM`] wide (latent attention's 576 included).
 //!
 //! `prepare` validates the layout on the host and uploads it once per batch:
 //! `seq_info` ([seqs, 4] i32: q_start, q_len, kv_len, page_start),
@@ -155,28 +156,61 @@ fn kv_write_kernel(kd: DType) -> K {
     }
 }
 
-/// The flash-decoding kernel for a cache of `kd` and head_dim `hd`: the
-/// 128-wide variant up to 128, else the 256-wide one.
+/// Widest head the attention kernels take: latent attention's 576
+/// (DeepSeek's 64 rotary and 512 latent dims).
+pub const MAX_HEAD_DIM: usize = 576;
+
+/// The flash-decoding kernel for a cache of `kd` and head_dim `hd` (at most
+/// [`MAX_HEAD_DIM`]): the 128-wide variant up to 128, the 256-wide one up
+/// to 256, else the 576-wide one.
 pub fn decode_kernel(kd: DType, hd: usize) -> K {
-    match (kd, hd <= 128) {
-        (DType::F32, true) => K::DecodeF32D128,
-        (DType::F16, true) => K::DecodeF16D128,
-        (DType::F8E4M3, true) => K::DecodeE4m3D128,
-        (DType::F8E5M2, true) => K::DecodeE5m2D128,
-        (_, true) => K::DecodeBf16D128,
-        (DType::F32, false) => K::DecodeF32D256,
-        (DType::F16, false) => K::DecodeF16D256,
-        (DType::F8E4M3, false) => K::DecodeE4m3D256,
-        (DType::F8E5M2, false) => K::DecodeE5m2D256,
-        (_, false) => K::DecodeBf16D256,
+    // Per width, the kernel of each cache type: f32, f16, bf16, E4M3, E5M2.
+    let ks = if hd <= 128 {
+        [
+            K::DecodeF32D128,
+            K::DecodeF16D128,
+            K::DecodeBf16D128,
+            K::DecodeE4m3D128,
+            K::DecodeE5m2D128,
+        ]
+    } else if hd <= 256 {
+        [
+            K::DecodeF32D256,
+            K::DecodeF16D256,
+            K::DecodeBf16D256,
+            K::DecodeE4m3D256,
+            K::DecodeE5m2D256,
+        ]
+    } else {
+        [
+            K::DecodeF32D576,
+            K::DecodeF16D576,
+            K::DecodeBf16D576,
+            K::DecodeE4m3D576,
+            K::DecodeE5m2D576,
+        ]
+    };
+    of_cache_type(kd, ks)
+}
+
+/// The kernel of `ks` (for f32, f16, bf16, E4M3 and E5M2 caches) for a
+/// cache of `kd` (bf16 for any other type, which `forward` refuses before).
+fn of_cache_type(kd: DType, ks: [K; 5]) -> K {
+    match kd {
+        DType::F32 => ks[0],
+        DType::F16 => ks[1],
+        DType::F8E4M3 => ks[3],
+        DType::F8E5M2 => ks[4],
+        _ => ks[2],
     }
 }
 
 /// The prefill kernel for KV dtype `kd` and head dim `hd` with the largest
 /// tile whose shared memory (with tree masks when `tree`) fits `max_shared`
 /// bytes per block: 64-row tiles (head dims up to 128), 32-row tiles (up to
-/// 256), then 16-row tiles (for the 64 KiB of LDS of AMD GPUs). Returns the
-/// tile's rows, the kernel and its shared memory bytes.
+/// 256), then 16-row tiles (for the 64 KiB of LDS of AMD GPUs; up to 576
+/// where the device has the shared memory). Returns the tile's rows, the
+/// kernel and its shared memory bytes.
 pub fn prefill_kernel(
     kd: DType,
     hd: usize,
@@ -184,10 +218,12 @@ pub fn prefill_kernel(
     max_shared: u32,
 ) -> Result<(usize, K, usize)> {
     let limit = max_shared.min(PREFILL_SMEM_MAX) as usize;
-    // Per tile size, the kernel of each cache type: f32, f16, bf16, E4M3, E5M2.
-    let families: &[(usize, [K; 5])] = &[
+    // Per tile size and widest head, the kernel of each cache type: f32,
+    // f16, bf16, E4M3, E5M2.
+    let families: &[(usize, usize, [K; 5])] = &[
         (
             64,
+            128,
             [
                 K::PrefillF32D128,
                 K::PrefillF16D128,
@@ -198,6 +234,7 @@ pub fn prefill_kernel(
         ),
         (
             32,
+            256,
             [
                 K::PrefillF32D256,
                 K::PrefillF16D256,
@@ -208,6 +245,7 @@ pub fn prefill_kernel(
         ),
         (
             16,
+            256,
             [
                 K::PrefillF32D256Small,
                 K::PrefillF16D256Small,
@@ -216,25 +254,28 @@ pub fn prefill_kernel(
                 K::PrefillE5m2D256Small,
             ],
         ),
+        (
+            16,
+            MAX_HEAD_DIM,
+            [
+                K::PrefillF32D576,
+                K::PrefillF16D576,
+                K::PrefillBf16D576,
+                K::PrefillE4m3D576,
+                K::PrefillE5m2D576,
+            ],
+        ),
     ];
-    let max_dim = |bq: usize| if bq == 64 { 128 } else { 256 };
     let fit = families
         .iter()
-        .find(|(bq, _)| hd <= max_dim(*bq) && prefill_smem(*bq, hd, tree) <= limit);
-    let Some((bq, ks)) = fit else {
+        .find(|(bq, widest, _)| hd <= *widest && prefill_smem(*bq, hd, tree) <= limit);
+    let Some((bq, _, ks)) = fit else {
         return Err(CoreError::unsupported(format!(
             "prefill attention with head_dim {hd} needs {} bytes of shared memory (device allows {limit})",
             prefill_smem(16, hd, tree)
         )));
     };
-    let kern = match kd {
-        DType::F32 => ks[0],
-        DType::F16 => ks[1],
-        DType::F8E4M3 => ks[3],
-        DType::F8E5M2 => ks[4],
-        _ => ks[2],
-    };
-    Ok((*bq, kern, prefill_smem(*bq, hd, tree)))
+    Ok((*bq, of_cache_type(kd, *ks), prefill_smem(*bq, hd, tree)))
 }
 
 /// The device metadata of a prepared batch: sequence info, page table and
@@ -278,8 +319,16 @@ impl AttentionBackend for GpuAttention {
         "cuda-paged"
     }
 
+    /// Heads up to [`MAX_HEAD_DIM`] where the prefill kernel's tiles fit
+    /// the device's shared memory at that width (NVIDIA), else up to 256
+    /// (AMD's 64 KiB of LDS).
     fn capabilities(&self) -> AttentionCapabilities {
-        AttentionCapabilities { tree: true }
+        let max_shared = self.b.dev.props().max_shared_per_block;
+        let fits = |hd: usize| prefill_kernel(DType::F32, hd, true, max_shared).is_ok();
+        AttentionCapabilities {
+            tree: true,
+            max_head_dim: [MAX_HEAD_DIM, 256, 128].into_iter().find(|&hd| fits(hd)),
+        }
     }
 
     fn prepare(&self, layout: Arc<BatchLayout>) -> Result<AttentionBatch> {
@@ -417,9 +466,9 @@ impl AttentionBackend for GpuAttention {
                 )));
             }
         }
-        if hd > 256 {
+        if hd > MAX_HEAD_DIM {
             return Err(CoreError::unsupported(format!(
-                "CUDA attention with head_dim {hd} (at most 256)"
+                "CUDA attention with head_dim {hd} (at most {MAX_HEAD_DIM})"
             )));
         }
         let slots = kv.k.numel() / kw;

@@ -8,9 +8,10 @@
 //!   an H100, an A100-class GPU and AMD's LDS) and the tensor-core prefill
 //!   (`prefill_mma_bf16_d64/_d128`, `mma.m16n8k16` with Q and P split into
 //!   bf16 parts), over cached prefixes, partial tiles, grouped-query heads,
-//!   pages in shuffled order, with and without a sliding window;
+//!   pages in shuffled order, with and without a sliding window; latent
+//!   attention's 576-wide heads in 16-row tiles;
 //! - flash-decoding (`decode_split_*` over 1 and 3 splits, then
-//!   `decode_merge`) of f32 and bf16 caches, and a decode row the same bits
+//!   `decode_merge`) of f32 and bf16 caches, 576-wide heads too, and a decode row the same bits
 //!   with any sufficient grid and beside other sequences (batch invariance).
 //!
 //! Within 1e-5 of the largest output (the f32 kernels) and 3e-5 (the bf16
@@ -86,6 +87,10 @@ static bool run(const Job& j, float* out) {
     PREFILL_CASE(prefill_mma_bf16_d128, bf16_t)
     DECODE_CASE(decode_split_f32_d128, float)
     DECODE_CASE(decode_split_bf16_d128, bf16_t)
+    PREFILL_CASE(prefill_f32_d576, float)
+    PREFILL_CASE(prefill_bf16_d576, bf16_t)
+    DECODE_CASE(decode_split_f32_d576, float)
+    DECODE_CASE(decode_split_bf16_d576, bf16_t)
     return false;
 }
 
@@ -382,15 +387,19 @@ fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
     // tile, and a short one.
     let seqs = [(20, 45), (70, 70), (5, 9)];
     for window in [0, 24] {
-        // The tiles of 64, 32 and 16 rows (H100, A100-class and AMD LDS limits).
-        for (kv, max_shared) in [
-            (DType::F32, 227 * 1024),
-            (DType::BF16, 227 * 1024),
-            (DType::F32, 99 * 1024),
-            (DType::BF16, 48 * 1024),
+        // The tiles of 64, 32 and 16 rows (H100, A100-class and AMD LDS
+        // limits), and 16 rows for latent attention's 576-wide heads in
+        // NVIDIA's opt-in shared memory (AMD's 64 KiB is a named error).
+        for (kv, hd, max_shared) in [
+            (DType::F32, 128, 227 * 1024),
+            (DType::BF16, 128, 227 * 1024),
+            (DType::F32, 128, 99 * 1024),
+            (DType::BF16, 128, 48 * 1024),
+            (DType::F32, 576, 227 * 1024),
+            (DType::BF16, 576, 227 * 1024),
         ] {
-            let batch = Batch::new(kv, 128, window, &seqs, 3 + window as u64);
-            let (bq, kernel, smem) = prefill_kernel(kv, 128, false, max_shared)?;
+            let batch = Batch::new(kv, hd, window, &seqs, 3 + (hd + window) as u64);
+            let (bq, kernel, smem) = prefill_kernel(kv, hd, false, max_shared)?;
             check(
                 bin,
                 &batch,
@@ -399,6 +408,13 @@ fn prefill_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
                 1e-5,
             )?;
         }
+        let lds = prefill_kernel(DType::BF16, 576, false, 64 * 1024);
+        assert!(
+            lds.as_ref()
+                .is_err_and(|e| e.to_string().contains("head_dim 576")),
+            "{:?}",
+            lds.map(|(bq, ..)| bq)
+        );
         for hd in [64, 128] {
             let batch = Batch::new(DType::BF16, hd, window, &seqs, 5 + (hd + window) as u64);
             let Some((kernel, smem)) =
@@ -432,6 +448,9 @@ fn decode_kernels_on_the_host_emulator_match_f64_attention() -> Result<()> {
                 let kernel = decode_kernel(kv, 128);
                 check(bin, &batch, kernel, [0, 128, splits, 0], 1e-5)?;
             }
+            // Latent attention's 576-wide heads (element-wise V loads).
+            let batch = Batch::new(kv, 576, window, &seqs, 13);
+            check(bin, &batch, decode_kernel(kv, 576), [0, 128, 3, 0], 1e-5)?;
         }
     }
     Ok(())

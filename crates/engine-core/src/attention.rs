@@ -332,6 +332,9 @@ fn check_tree(parents: &[i32]) -> Result<()> {
 pub struct AttentionCapabilities {
     /// Sequences whose new tokens form a draft tree ([`BatchLayout::push_tree_seq`]).
     pub tree: bool,
+    /// The widest head it attends over (`None`: any); a model with wider
+    /// heads is refused when its runner is made.
+    pub max_head_dim: Option<usize>,
 }
 
 /// Per-layer attention shape.

@@ -74,6 +74,18 @@ impl ModelRunner {
         kv_dtype: crate::DType,
     ) -> Result<Self> {
         let s = model.spec();
+        let attention = backend.attention(attention)?;
+        if let Some(max) = attention.capabilities().max_head_dim
+            && s.head_dim > max
+        {
+            return Err(CoreError::unsupported(format!(
+                "{} attention on {} takes heads of at most {max} dims; this model's are \
+                 head_dim {} wide",
+                attention.name(),
+                backend.info().name,
+                s.head_dim
+            )));
+        }
         let spec = KvSpec {
             num_layers: s.num_layers,
             num_kv_heads: s.num_kv_heads,
@@ -84,7 +96,6 @@ impl ModelRunner {
             values_in_keys: s.kv_values_in_keys,
         };
         let kv = KvCache::allocate(&*backend, spec)?;
-        let attention = backend.attention(attention)?;
         Ok(Self {
             spec: model.spec().clone(),
             kv_spec: spec,

@@ -14,32 +14,19 @@
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SeqStep};
 use arbor_engine_core::{Backend, DType, LoadOptions, Model, Registry};
-use arbor_models::DecoderConfig;
 use arbor_models::decoder::{DEEPSEEK_V2, DecoderArchitecture};
-use arbor_models::mla::MlaConfig;
-use arbor_models::random::RandomWeights;
+use arbor_models::random::LatentShape;
 use std::sync::Arc;
 use std::time::Instant;
 
-const LAYERS: usize = 4;
-const VOCAB: usize = 4096;
-
-fn config() -> serde_json::Value {
-    serde_json::json!({
-        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048,
-        "intermediate_size": 1408, "num_hidden_layers": LAYERS, "num_attention_heads": 16,
-        "num_key_value_heads": 16, "vocab_size": VOCAB, "max_position_embeddings": 163840,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": false,
-        "q_lora_rank": null, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                         "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-        "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
-        "n_shared_experts": 2, "first_k_dense_replace": LAYERS, "moe_layer_freq": 1,
-        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": false,
-        "routed_scaling_factor": 1.0, "scoring_func": "softmax"
-    })
-}
+const SHAPE: LatentShape = LatentShape {
+    hidden: 2048,
+    heads: 16,
+    intermediate: 1408,
+    layers: 4,
+    vocab: 4096,
+    q_lora_rank: None,
+};
 
 fn main() {
     let threads: usize = std::env::var("ARBOR_BENCH_THREADS")
@@ -47,17 +34,16 @@ fn main() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(2);
     let registry = Registry::builtin().expect("registry");
-    let json = config();
-    let cfg = DecoderConfig::from_json(&json, "config.json").expect("config");
-    let mla = MlaConfig::from_json(&json, "config.json", false).expect("mla config");
-    println!("DeepSeek-V2-Lite attention, {LAYERS} layers, {threads} threads");
+    let json = SHAPE.config();
+    println!(
+        "DeepSeek-V2-Lite attention, {} layers, {threads} threads",
+        SHAPE.layers
+    );
     println!("| weights | weight MB | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s |");
     println!("|---|---|---|---|---|");
     for (label, method) in [("bf16", "auto"), ("fp8", "fp8")] {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
-        let src = RandomWeights::new(&cfg, DEEPSEEK_V2, DType::BF16, 1)
-            .expect("weights")
-            .with_mla(&cfg, &mla);
+        let src = SHAPE.weights(DType::BF16, 1).expect("weights");
         let opts = LoadOptions {
             backend: backend.clone(),
             quant: registry.quant_methods.get(method).expect("method")(&Default::default())
@@ -71,7 +57,9 @@ fn main() {
         let runner =
             ModelRunner::new(Arc::new(model), backend, None, 16, 400, DType::F32).expect("runner");
         let pages: Vec<u32> = (0..400).collect();
-        let prompt: Vec<u32> = (0..512u32).map(|i| (i * 7919) % VOCAB as u32).collect();
+        let prompt: Vec<u32> = (0..512u32)
+            .map(|i| (i * 7919) % SHAPE.vocab as u32)
+            .collect();
         // Prefill: best of 3.
         let mut prefill = f64::MAX;
         for _ in 0..3 {

@@ -191,3 +191,52 @@ impl WeightSource for RandomWeights {
         }))
     }
 }
+
+/// A DeepSeek-V2 model of dense layers with DeepSeek's latent-attention
+/// geometry (kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim and
+/// v_head_dim 128: 576-wide latent heads) around the given sizes, for
+/// benchmarks and for device tests at that width.
+#[derive(Clone, Copy, Debug)]
+pub struct LatentShape {
+    pub hidden: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub vocab: usize,
+    /// `None`: a plain `q_proj` (DeepSeek-V2-Lite); else DeepSeek-V3's compression.
+    pub q_lora_rank: Option<usize>,
+}
+
+impl LatentShape {
+    /// Its `config.json` (YaRN as DeepSeek-V2-Lite's; the MoE keys present,
+    /// every layer dense).
+    pub fn config(&self) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads, "num_key_value_heads": self.heads,
+            "vocab_size": self.vocab, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "tie_word_embeddings": false,
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707,
+                             "mscale_all_dim": 0.707},
+            "n_routed_experts": 64, "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+            "n_shared_experts": 2, "first_k_dense_replace": self.layers, "moe_layer_freq": 1,
+            "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": false,
+            "routed_scaling_factor": 1.0, "scoring_func": "softmax"
+        })
+    }
+
+    /// Random weights of [`LatentShape::config`], stored as `dtype`.
+    pub fn weights(&self, dtype: DType, seed: u64) -> Result<RandomWeights> {
+        let config = self.config();
+        let cfg = DecoderConfig::from_json(&config, "config.json")?;
+        let mla = MlaConfig::from_json(&config, "config.json", false)?;
+        Ok(
+            RandomWeights::new(&cfg, crate::decoder::DEEPSEEK_V2, dtype, seed)?
+                .with_mla(&cfg, &mla),
+        )
+    }
+}

@@ -1,6 +1,7 @@
 //! Paged attention against the CPU backend on random layouts: decode batches
 //! (flash-decoding), prefill over cached prefixes and mixed batches (tiled
-//! prefill kernel), GQA group sizes 1 to 8, head dims 64 to 256 (80 too), page
+//! prefill kernel), GQA group sizes 1 to 8, head dims 64 to 256 (80 too; and
+//! latent attention's 576 with one KV head), page
 //! sizes 1 to 16, f32/f16/bf16 caches, FP8 (E4M3, E5M2) caches with
 //! checkpoint scales, and a sliding window. The new K/V rows
 //! must land in the same slots with the same bits, and outputs agree within
@@ -357,4 +358,38 @@ fn draft_trees() {
         dtype: DType::BF16,
     };
     run_case("one-token trees in a decode batch", &c, &mut rng);
+}
+
+/// Latent attention's heads (DeepSeek: one 576-wide KV head, the roped key
+/// and the latent, shared by every query head): decode batches and prefill
+/// over cached prefixes, with bf16 and FP8 caches. A device whose prefill
+/// cannot take heads that wide (the CUDA kernels' 16-row tiles need 109 KiB
+/// of shared memory, more than AMD's 64 KiB of LDS) says so in its
+/// capabilities, and runs the decodes only.
+#[test]
+fn latent_attention_heads() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng::new(16);
+    let b: &dyn Backend = &*g;
+    let max = b.attention(None).unwrap().capabilities().max_head_dim;
+    for dtype in [DType::BF16, DType::F8E4M3] {
+        let decode: Vec<(usize, usize)> = (0..3).map(|i| (50 * i + 7, 1)).collect();
+        let mut cases = vec![("decode", decode)];
+        if max.is_none_or(|m| m >= 576) {
+            cases.push(("prefill", vec![(0, 40), (21, 17), (90, 1)]));
+        }
+        for (what, seqs) in cases {
+            let c = Case {
+                heads: 8,
+                kv_heads: 1,
+                head_dim: 576,
+                page_size: 16,
+                seqs,
+                trees: vec![],
+                window: None,
+                dtype,
+            };
+            run_case(&format!("latent {what} 8/1x576 {dtype}"), &c, &mut rng);
+        }
+    }
 }
