@@ -10,7 +10,8 @@
 #      instead of skipping), each in its own process under a time limit:
 #      parity with the CPU backend on the tiny fixtures (identical greedy
 #      tokens), every op and the attention kernels against the CPU on random
-#      inputs within their stated tolerances, CUDA graphs against eager
+#      inputs within their stated tolerances (latent attention's 576-wide
+#      heads too), CUDA graphs against eager
 #      decoding, device sampling, verification, tier copies and a load-back
 #      read by the forward that loads it, LoRA, the
 #      tensor-core GEMMs of FP8/INT4/NVFP4 weights (and W8A8) against the CPU, tensor
@@ -34,6 +35,8 @@
 #      on them) with the loads on the copy stream, layer by layer, in place
 #      from pinned pages and through staging, against the loads written
 #      before the forward (alternated).
+#      Then 8 layers of DeepSeek-V2-Lite's latent attention (576-wide heads:
+#      the d576 decode and prefill kernels; `--model deepseek-v2-lite`).
 #
 # Usage:
 #   scripts/gpu-check.sh                   build here with cargo, then run
@@ -296,6 +299,12 @@ run_checks() {
   done
   awk '/== arbor CUDA benchmark ==/{p=1} /^loaded /{p=0} p' "$logs/gpu-check-bench-quant.txt"
   [ "$rc" = 0 ] || { echo "quantized benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
+  step "benchmark: DeepSeek-V2-Lite latent attention (576-wide heads, 16 query heads on one), 8 layers"
+  rc=0
+  timeout "${BENCH_TIMEOUT:-300}" "$bench" --model deepseek-v2-lite --layers 8 --batches 1,64 \
+    --steps 16 --prefill 2048 --load-back 0 >"$logs/gpu-check-bench-mla.txt" 2>&1 || rc=$?
+  sed -n '/== arbor CUDA benchmark ==/,$p' "$logs/gpu-check-bench-mla.txt"
+  [ "$rc" = 0 ] || { echo "latent-attention benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
   step "summary"
   grep -E "^(test result|---.*FAILED)|panicked" "$logs/gpu-check-tests.txt" "$logs/gpu-check-nvrtc.txt" || true
   sed -n '/== arbor CUDA benchmark ==/,$p' "$logs/gpu-check-bench.txt"

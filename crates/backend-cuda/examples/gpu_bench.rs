@@ -1,5 +1,7 @@
-//! Decode and prefill throughput of a Llama-3.1-8B-shaped model with random
-//! bf16 weights created on the GPU (the host supplies only shapes; see
+//! Decode and prefill throughput of a Llama-3.1-8B-shaped model (or, with
+//! `--model deepseek-v2-lite`, DeepSeek-V2-Lite's latent attention: 576-wide
+//! heads, one shared by 16 query heads, with dense MLPs) with random bf16
+//! weights created on the GPU (the host supplies only shapes; see
 //! `GpuBackend::set_synthetic_weights`), printed as one table.
 //!
 //! Decode: batches of 1, 8, 64 and 256 sequences, each with a cached context
@@ -29,7 +31,7 @@
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
 //! [--batches 1,8,64,256|none] [--context 512] [--steps 32] [--prefill 2048]
-//! [--load-back 4096] [--quant auto|fp8]`
+//! [--load-back 4096] [--quant auto|fp8] [--model llama-8b|deepseek-v2-lite]`
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result, bail};
@@ -40,7 +42,9 @@ use arbor_engine_core::{
     HostData, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry, WeightSource,
 };
 use arbor_models::config::DecoderConfig;
-use arbor_models::decoder::{ArchFlags, DecoderModel};
+use arbor_models::decoder::{ArchFlags, DEEPSEEK_V2, DecoderArchitecture, DecoderModel};
+use arbor_models::mla::MlaConfig;
+use arbor_models::random::{LatentShape, RandomWeights};
 // Registers the quantization methods (`--quant fp8`).
 use arbor_quant as _;
 use std::borrow::Cow;
@@ -62,6 +66,7 @@ struct Args {
     prefill: usize,
     load_back: usize,
     quant: String,
+    model: String,
 }
 
 fn args() -> Result<Args> {
@@ -73,6 +78,7 @@ fn args() -> Result<Args> {
         prefill: 2048,
         load_back: 4096,
         quant: "auto".into(),
+        model: "llama-8b".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -90,13 +96,14 @@ fn args() -> Result<Args> {
             "--prefill" => a.prefill = v()?.parse()?,
             "--load-back" => a.load_back = v()?.parse()?,
             "--quant" => a.quant = v()?,
+            "--model" => a.model = v()?,
             other => bail!("unknown argument {other}"),
         }
     }
     Ok(a)
 }
 
-/// Shapes of a Llama checkpoint: matrices are answered with zeros that the
+/// Shapes of a checkpoint: matrices are answered with zeros that the
 /// backend never reads (synthetic uploads), norm weights with ones.
 struct Synthetic {
     shapes: HashMap<String, Vec<usize>>,
@@ -104,37 +111,20 @@ struct Synthetic {
 }
 
 impl Synthetic {
-    fn new(c: &DecoderConfig) -> Self {
-        let (h, i, hd) = (c.hidden_size, c.intermediate_size, c.head_dim);
-        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let mut s = HashMap::new();
-        s.insert("model.embed_tokens.weight".into(), vec![c.vocab_size, h]);
-        s.insert("lm_head.weight".into(), vec![c.vocab_size, h]);
-        s.insert("model.norm.weight".into(), vec![h]);
-        for l in 0..c.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            for (n, shape) in [
-                ("self_attn.q_proj.weight", vec![nh * hd, h]),
-                ("self_attn.k_proj.weight", vec![nkv * hd, h]),
-                ("self_attn.v_proj.weight", vec![nkv * hd, h]),
-                ("self_attn.o_proj.weight", vec![h, nh * hd]),
-                ("mlp.gate_proj.weight", vec![i, h]),
-                ("mlp.up_proj.weight", vec![i, h]),
-                ("mlp.down_proj.weight", vec![h, i]),
-                ("input_layernorm.weight", vec![h]),
-                ("post_attention_layernorm.weight", vec![h]),
-            ] {
-                s.insert(format!("{p}.{n}"), shape);
-            }
-        }
-        let largest = s
+    /// The tensors `RandomWeights` names for the model (only their shapes).
+    fn new(model: &RandomWeights) -> Self {
+        let shapes: HashMap<String, Vec<usize>> = model
+            .shapes()
+            .map(|(n, s)| (n.to_string(), s.to_vec()))
+            .collect();
+        let largest = shapes
             .values()
             .map(|v| v.iter().product::<usize>())
             .max()
             .unwrap_or(0);
         // calloc'd: the pages are never touched, so this costs no memory.
         Synthetic {
-            shapes: s,
+            shapes,
             zeros: vec![0u8; 2 * largest],
         }
     }
@@ -161,19 +151,68 @@ impl WeightSource for Synthetic {
     }
 }
 
-fn llama_8b(layers: usize) -> Result<DecoderConfig> {
-    Ok(DecoderConfig::from_json(
-        &serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "vocab_size": 128256, "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": false,
-            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}
-        }),
-        "config.json",
-    )?)
+/// The benchmarked model: its `config.json`, architecture flags and tensors.
+struct BenchModel {
+    name: &'static str,
+    config: serde_json::Value,
+    flags: ArchFlags,
+    tensors: RandomWeights,
+}
+
+impl BenchModel {
+    /// `llama-8b`: Llama-3.1-8B's shape; `deepseek-v2-lite`: DeepSeek-V2-Lite's
+    /// attention (576-wide latent heads, 16 query heads) with dense MLPs of
+    /// its dense layer's width.
+    fn new(name: &str, layers: usize) -> Result<Self> {
+        let (name, config, flags) = match name {
+            "llama-8b" => (
+                "Llama-3.1-8B shape",
+                serde_json::json!({
+                    "architectures": ["LlamaForCausalLM"],
+                    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": layers,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                    "vocab_size": 128256, "max_position_embeddings": 131072,
+                    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": false,
+                    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+                }),
+                ArchFlags {
+                    qkv_bias: false,
+                    qk_norm: false,
+                    moe: None,
+                    mla: false,
+                },
+            ),
+            "deepseek-v2-lite" => {
+                let shape = LatentShape {
+                    hidden: 2048,
+                    heads: 16,
+                    intermediate: 10944,
+                    layers,
+                    vocab: 102400,
+                    q_lora_rank: None,
+                };
+                (
+                    "DeepSeek-V2-Lite attention, dense MLPs",
+                    shape.config(),
+                    DEEPSEEK_V2,
+                )
+            }
+            other => bail!("unknown model {other} (llama-8b, deepseek-v2-lite)"),
+        };
+        let cfg = DecoderConfig::from_json(&config, "config.json")?;
+        let mut tensors = RandomWeights::new(&cfg, flags, DType::BF16, 0)?;
+        if flags.mla {
+            let mla = MlaConfig::from_json(&config, "config.json", false)?;
+            tensors = tensors.with_mla(&cfg, &mla);
+        }
+        Ok(Self {
+            name,
+            config,
+            flags,
+            tensors,
+        })
+    }
 }
 
 struct Setup {
@@ -184,7 +223,7 @@ struct Setup {
     pool: PagePool,
 }
 
-fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize, quant: &str) -> Result<Setup> {
+fn setup(graphs: bool, m: &BenchModel, kv_tokens: usize, quant: &str) -> Result<Setup> {
     let backend = Arc::new(arbor_backend_cuda::open(&BackendOptions {
         disable_cuda_graph: !graphs,
         cuda_graph_max_bs: Some(256),
@@ -197,14 +236,9 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize, quant: &str) -> Re
         quant: registry.quant_methods.get(quant)?(&Default::default())?,
         progress: None,
     };
-    let flags = ArchFlags {
-        qkv_bias: false,
-        qk_norm: false,
-        moe: None,
-        mla: false,
-    };
     backend.set_synthetic_weights(Some(0x5eed));
-    let model = DecoderModel::load(cfg.clone(), None, flags, &Synthetic::new(cfg), &opts);
+    let model =
+        DecoderArchitecture::new(m.flags).load_model(&m.config, &Synthetic::new(&m.tensors), &opts);
     backend.set_synthetic_weights(None);
     let model = model?;
     let s = model.spec();
@@ -215,7 +249,7 @@ fn setup(graphs: bool, cfg: &DecoderConfig, kv_tokens: usize, quant: &str) -> Re
         page_size: PAGE,
         num_pages: kv_tokens.div_ceil(PAGE),
         dtype: DType::BF16,
-        values_in_keys: false,
+        values_in_keys: s.kv_values_in_keys,
     };
     let kv = KvCache::allocate(&*dynb, spec)?;
     let attention = dynb.attention(None)?;
@@ -399,7 +433,7 @@ fn load_back(s: &Setup, prefix: usize, mode: LoadMode) -> Result<f64> {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let cfg = llama_8b(a.layers)?;
+    let model = BenchModel::new(&a.model, a.layers)?;
     let max_bs = a.batches.iter().copied().max().unwrap_or(1);
     // Every decode sequence holds its context, the warm-up and timed steps.
     let per_seq = (a.context + WARM + a.steps + 1).div_ceil(PAGE) * PAGE;
@@ -408,7 +442,7 @@ fn main() -> Result<()> {
         .max((a.load_back / PAGE + LOAD_BACK_SUFFIX.div_ceil(PAGE)) * PAGE)
         + PAGE;
     let t0 = Instant::now();
-    let s = setup(true, &cfg, kv_tokens, &a.quant)?;
+    let s = setup(true, &model, kv_tokens, &a.quant)?;
     let weight_bytes = s.model.spec().weight_bytes as f64;
     let info = s.backend.info();
     println!(
@@ -425,7 +459,8 @@ fn main() -> Result<()> {
         (
             "model".into(),
             format!(
-                "Llama-3.1-8B shape, {} layers, {:.2} GB weights (quantization {}), bf16 KV",
+                "{}, {} layers, {:.2} GB weights (quantization {}), bf16 KV",
+                model.name,
                 a.layers,
                 weight_bytes / 1e9,
                 a.quant
@@ -525,7 +560,7 @@ fn main() -> Result<()> {
     ));
     drop(s);
     if a.batches.contains(&1) {
-        let e = setup(false, &cfg, kv_tokens, &a.quant)?;
+        let e = setup(false, &model, kv_tokens, &a.quant)?;
         let (tps, ms) = decode(&e, 1, a.context, a.steps)?;
         println!("decode bs=1 without graphs: {tps:.1} tok/s ({ms:.2} ms/step)");
         rows.push((

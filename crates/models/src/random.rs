@@ -159,6 +159,15 @@ impl RandomWeights {
     }
 }
 
+impl RandomWeights {
+    /// Every tensor's name and shape (a norm's or bias's is one-dimensional).
+    pub fn shapes(&self) -> impl Iterator<Item = (&str, &[usize])> {
+        self.shapes
+            .iter()
+            .map(|(n, (s, _))| (n.as_str(), s.as_slice()))
+    }
+}
+
 fn name_hash(name: &str) -> u64 {
     // FNV-1a: stable across runs and platforms.
     name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
