@@ -11,13 +11,13 @@
 //! Run: `cargo bench -p arbor-models --bench mla` (ARBOR_BENCH_THREADS,
 //! default 2).
 
+mod common;
+
 use arbor_backend_cpu::CpuBackend;
-use arbor_engine_core::runner::{ModelRunner, SeqStep};
 use arbor_engine_core::{Backend, DType, LoadOptions, Model, Registry};
 use arbor_models::decoder::{DEEPSEEK_V2, DecoderArchitecture};
 use arbor_models::random::LatentShape;
 use std::sync::Arc;
-use std::time::Instant;
 
 const SHAPE: LatentShape = LatentShape {
     hidden: 2048,
@@ -54,60 +54,15 @@ fn main() {
             .load_model(&json, &src, &opts)
             .expect("model");
         let bytes = model.spec().weight_bytes;
-        let runner =
-            ModelRunner::new(Arc::new(model), backend, None, 16, 400, DType::F32).expect("runner");
-        let pages: Vec<u32> = (0..400).collect();
-        let prompt: Vec<u32> = (0..512u32)
-            .map(|i| (i * 7919) % SHAPE.vocab as u32)
-            .collect();
-        // Prefill: best of 3.
-        let mut prefill = f64::MAX;
-        for _ in 0..3 {
-            let t = Instant::now();
-            runner
-                .step(&[SeqStep {
-                    tokens: &prompt,
-                    prefix_len: 0,
-                    pages: &pages[..32],
-                    want_logits: true,
-                }])
-                .expect("prefill");
-            prefill = prefill.min(t.elapsed().as_secs_f64());
-        }
-        // Decode at batch b: each sequence has 512 tokens of context.
-        let decode = |b: usize| -> f64 {
-            for s in 0..b {
-                runner
-                    .step(&[SeqStep {
-                        tokens: &prompt,
-                        prefix_len: 0,
-                        pages: &pages[s * 40..s * 40 + 32],
-                        want_logits: false,
-                    }])
-                    .expect("fill");
-            }
-            let steps = 16;
-            let toks = [[5u32]; 8];
-            let t = Instant::now();
-            for i in 0..steps {
-                let seqs: Vec<SeqStep<'_>> = (0..b)
-                    .map(|s| SeqStep {
-                        tokens: &toks[s],
-                        prefix_len: 512 + i,
-                        pages: &pages[s * 40..s * 40 + 40],
-                        want_logits: true,
-                    })
-                    .collect();
-                runner.step(&seqs).expect("decode");
-            }
-            (steps * b) as f64 / t.elapsed().as_secs_f64()
-        };
-        let d1 = decode(1);
-        let d8 = decode(8);
+        let common::Throughput {
+            prefill,
+            decode_bs1: d1,
+            decode_bs8: d8,
+        } = common::measure(model, backend, SHAPE.vocab as u32);
         println!(
             "| {label} | {:.0} | {:.0} | {d1:.1} | {d8:.1} |",
             bytes as f64 / 1e6,
-            512.0 / prefill,
+            prefill,
         );
     }
 }
