@@ -304,6 +304,10 @@ impl Backend for CpuBackend {
         ops::gather_rows(self, x, rows, out)
     }
 
+    fn concat_cols(&self, parts: &[&Tensor], out: &Tensor) -> Result<()> {
+        ops::concat_cols(self, parts, out)
+    }
+
     fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>> {
         match name {
             "cpu-paged" => Ok(Arc::new(attention::CpuAttention::new(

@@ -302,6 +302,31 @@ pub fn scatter_add_rows(
     Ok(())
 }
 
+/// `out = [parts[0] | parts[1] | ...]`, each part's rows copied into its
+/// block of `out`'s columns.
+pub fn concat_cols(b: &CpuBackend, parts: &[&Tensor], out: &Tensor) -> Result<()> {
+    let (rows, widths) = arbor_engine_core::columns::concat_dims(parts, out)?;
+    let (op, _, total) = f32_rows(b, out)?;
+    let mut offset = 0;
+    for (part, &w) in parts.iter().zip(&widths) {
+        let (pp, _, _) = f32_rows(b, part)?;
+        for r in 0..rows {
+            // SAFETY: row r of the part and columns offset..offset + w of row
+            // r of out lie inside their views, which do not overlap
+            // (`concat_dims` checked).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    pp.get().add(r * w),
+                    op.get().add(r * total + offset),
+                    w,
+                );
+            }
+        }
+        offset += w;
+    }
+    Ok(())
+}
+
 pub fn gather_rows(b: &CpuBackend, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
     let (xp, xrows, dim) = f32_rows(b, x)?;
     let (op, orows, odim) = f32_rows(b, out)?;

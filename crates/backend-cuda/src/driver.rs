@@ -462,6 +462,46 @@ impl Driver for CudaDriver {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // Row-major out[m, n] = x[m, k] · w[n, k]ᵀ is column-major
         // outᵀ (n × m) = wᵀ (n × k, w stored k × n) · xᵀ (k × m).
+        if g.heads > 1 {
+            let (heads, ldx, ldo) = (dim(g.heads)?, dim(g.heads * g.k)?, dim(g.heads * g.n)?);
+            let long = |v: usize| v as std::ffi::c_longlong;
+            // Head h: w + h·n·k (ld k), x + h·k (ld heads·k), out + h·n (ld heads·n).
+            // SAFETY: the caller's contract; alpha and beta are host scalars
+            // read during the call.
+            return unsafe {
+                cb::cublasGemmStridedBatchedEx(
+                    self.blas.handle,
+                    cb::cublasOperation_t::CUBLAS_OP_T,
+                    cb::cublasOperation_t::CUBLAS_OP_N,
+                    n,
+                    m,
+                    k,
+                    &alpha as *const f32 as *const c_void,
+                    g.w as *const c_void,
+                    ty,
+                    k,
+                    long(g.n * g.k),
+                    g.x as *const c_void,
+                    ty,
+                    ldx,
+                    long(g.k),
+                    &beta as *const f32 as *const c_void,
+                    g.out as *mut c_void,
+                    cb::cudaDataType::CUDA_R_32F,
+                    ldo,
+                    long(g.n),
+                    heads,
+                    cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+                .result()
+            }
+            .map_err(|e| {
+                CoreError::Device(format!(
+                    "cublasGemmStridedBatchedEx {heads} x {m}x{n}x{k}: {e}"
+                ))
+            });
+        }
         // SAFETY: the caller's contract; alpha and beta are host scalars read
         // during the call.
         unsafe {

@@ -128,6 +128,18 @@ extern "C" __global__ void gather_rows(const float* x, const u32* idx, float* ou
     for (int j = threadIdx.x; j < dim; j += blockDim.x) o[j] = src[j];
 }
 
+// dst[r, offset + j] = src[r, j] for r < rows, j < w: a block of columns of
+// dst (rows dst_w wide) written from src [rows, w].
+extern "C" __global__ void copy_cols(const float* src, float* dst, int rows, int w, int dst_w,
+                                     int offset) {
+    const u64 n = (u64)rows * w;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / w;
+        dst[r * dst_w + offset + (i - r * w)] = src[i];
+    }
+}
+
 // GEMM inputs: f32 activations rounded to the weight's 16-bit type.
 extern "C" __global__ void cast_f32_bf16(const float* x, bf16_t* out, u64 n) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n;

@@ -43,7 +43,11 @@ pub struct DeviceProps {
     pub total_memory: u64,
 }
 
-/// A GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 output and accumulation.
+/// A GEMM `out[m, n] = x[m, k] · w[n, k]ᵀ` with f32 output and
+/// accumulation, or with `heads > 1` that many of them side by side (one
+/// strided-batched call): `x` `[m, heads·k]`, `w` `[heads·n, k]`, `out`
+/// `[m, heads·n]`, and `out[:, h·n..(h+1)·n] = x[:, h·k..(h+1)·k] ·
+/// w[h·n..(h+1)·n]ᵀ` for each head `h`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
     /// Type of `w` and `x`.
@@ -51,6 +55,8 @@ pub struct Gemm {
     pub m: usize,
     pub n: usize,
     pub k: usize,
+    /// Products side by side (1: one plain GEMM).
+    pub heads: usize,
     pub w: u64,
     pub x: u64,
     pub out: u64,
@@ -147,11 +153,11 @@ pub trait Driver: Send + Sync + 'static {
     /// The range lies in a live device buffer.
     unsafe fn memset(&self, dst: u64, bytes: usize) -> Result<()>;
 
-    /// Queues a GEMM.
+    /// Queues a GEMM (`g.heads` of them side by side as one batched call).
     ///
     /// # Safety
-    /// The addresses cover `w [n, k]`, `x [m, k]` (of `g.dtype`) and
-    /// `out [m, n]` (f32).
+    /// The addresses cover `w [heads·n, k]`, `x [m, heads·k]` (of
+    /// `g.dtype`) and `out [m, heads·n]` (f32).
     unsafe fn gemm(&self, g: &Gemm) -> Result<()>;
 
     /// Makes the copy stream's later copies start after everything queued

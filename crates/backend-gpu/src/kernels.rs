@@ -41,6 +41,7 @@ kernels! {
     SiluMul = "silu_mul": "pppl",
     AddAssign = "add_assign": "ppl",
     GatherRows = "gather_rows": "pppiii",
+    CopyCols = "copy_cols": "ppiiii",
     CastBf16 = "cast_f32_bf16": "ppl",
     CastF16 = "cast_f32_f16": "ppl",
     AddBias = "add_bias": "ppii",

@@ -419,6 +419,14 @@ impl Backend for GpuBackend {
         self.op_gather_rows(x, rows, out)
     }
 
+    fn linear_heads(&self, x: &Tensor, w: &Tensor, heads: usize, out: &Tensor) -> Result<()> {
+        self.op_linear_heads(x, w, heads, out)
+    }
+
+    fn concat_cols(&self, parts: &[&Tensor], out: &Tensor) -> Result<()> {
+        self.op_concat_cols(parts, out)
+    }
+
     fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>> {
         if self.caps.attention.contains(&name) {
             return Ok(Arc::new(attention::GpuAttention::new(self.clone())));

@@ -22,14 +22,16 @@
 //! tensor-core linears off) the values those codes stand for
 //! (`round_act_e4m3`) through the `f8_s32` paths above.
 //! [`GpuBackend::op_linear_many`] rounds or quantizes the shared input once
-//! for all its layers (Q/K/V, gate/up) of one input scale.
+//! for all its layers (Q/K/V, gate/up) of one input scale. Per-head
+//! products (`linear_heads`, latent attention's up-projections) of float
+//! weights are one strided-batched GEMM over the heads' column blocks.
 
 use crate::GpuBackend;
 use crate::driver::Gemm;
 use crate::exec::{Args, Op, State};
 use crate::kernels::{K, nvidia_sm};
 use crate::ops::stride_grid;
-use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor};
+use arbor_engine_core::{CoreError, DType, LinearRef, Result, Tensor, columns};
 use std::sync::atomic::Ordering;
 
 /// The kernel that dequantizes a scaled weight dtype to f32, if it is one.
@@ -247,6 +249,7 @@ impl GpuBackend {
                 m: rows,
                 n,
                 k,
+                heads: 1,
                 w: wp,
                 x: xin,
                 out,
@@ -255,6 +258,60 @@ impl GpuBackend {
             self.add_bias(&mut st, l, rows, n)?;
         }
         Ok(())
+    }
+
+    /// [`arbor_engine_core::Backend::linear_heads`]: the heads' products as
+    /// one strided-batched GEMM over `x` and `out` where they lie (rows
+    /// padded with the step, so a padded decode step keeps its graph);
+    /// f16/bf16 weights meet the input rounded to their type, as in
+    /// `linear`. Weights of other dtypes take the portable form
+    /// ([`columns::linear_heads_by_rows`]).
+    pub(crate) fn op_linear_heads(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        heads: usize,
+        out: &Tensor,
+    ) -> Result<()> {
+        let (t, a, k) = columns::heads_dims(x, w, heads, out)?;
+        let wd = w.dtype();
+        if !matches!(wd, DType::F32 | DType::F16 | DType::BF16) {
+            return columns::linear_heads_by_rows(self, x, w, heads, out);
+        }
+        out.check_no_overlap(&[x, w])?;
+        if t == 0 {
+            return Ok(());
+        }
+        let mut st = self.dev.lock()?;
+        let rows = st.rows(t, &[x, out]);
+        let xp = self.p(&st, x)?;
+        let (xin, _scratch) = if wd == DType::F32 {
+            (xp, None)
+        } else {
+            let n = rows * heads * a;
+            let scratch = self.alloc_in(&mut st, wd, &[n], false)?;
+            let sp = self.p(&st, &scratch)?;
+            let cast = if wd == DType::BF16 {
+                K::CastBf16
+            } else {
+                K::CastF16
+            };
+            let args = Args::new().p(xp).p(sp).l(n as u64);
+            self.dev
+                .launch(&mut st, cast, [stride_grid(self, n), 1, 1], 256, 0, args)?;
+            (sp, Some(scratch))
+        };
+        let op = Op::Gemm(Gemm {
+            dtype: wd,
+            m: rows,
+            n: k,
+            k: a,
+            heads,
+            w: self.p(&st, w)?,
+            x: xin,
+            out: self.p(&st, out)?,
+        });
+        self.dev.submit(&mut st, op)
     }
 
     /// `x` (at `xp`, `rows` x `k`) quantized to E4M3 per 32 inputs by

@@ -1,6 +1,6 @@
 //! Elementwise and row-wise operations: embedding lookup, RMSNorm (plain and
 //! fused with the residual add), rotary embedding, SiLU-and-mul, residual add,
-//! row gathering and copies.
+//! row gathering, column blocks and copies.
 //!
 //! Each validates its tensors exactly as the CPU backend does (dtypes, shapes,
 //! overlap of outputs with inputs), resolves device addresses under the lock,
@@ -12,7 +12,7 @@
 use crate::GpuBackend;
 use crate::exec::{Args, Op, State};
 use crate::kernels::K;
-use arbor_engine_core::{CoreError, DType, Result, RopeDims, RopeStyle, Tensor};
+use arbor_engine_core::{CoreError, DType, Result, RopeDims, RopeStyle, Tensor, columns};
 
 /// Threads for a row of `dim` elements reduced by one block.
 fn row_block(dim: usize) -> u32 {
@@ -219,6 +219,34 @@ impl GpuBackend {
         )
     }
 
+    /// [`arbor_engine_core::Backend::concat_cols`]: each part written into
+    /// its block of `out`'s columns by one `copy_cols` launch (rows padded
+    /// with the step).
+    pub(crate) fn op_concat_cols(&self, parts: &[&Tensor], out: &Tensor) -> Result<()> {
+        let (rows, widths) = columns::concat_dims(parts, out)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let total = out.row_len();
+        let mut st = self.dev.lock()?;
+        let op = self.p(&st, out)?;
+        let mut offset = 0;
+        for (part, &w) in parts.iter().zip(&widths) {
+            let m = st.rows(rows, &[part, out]);
+            let args = Args::new()
+                .p(self.p(&st, part)?)
+                .p(op)
+                .i(m)
+                .i(w)
+                .i(total)
+                .i(offset);
+            let grid = [stride_grid(self, m * w), 1, 1];
+            self.dev.launch(&mut st, K::CopyCols, grid, 256, 0, args)?;
+            offset += w;
+        }
+        Ok(())
+    }
+
     pub(crate) fn op_gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()> {
         x.check_dtype(DType::F32)?;
         out.check_dtype(DType::F32)?;
@@ -233,6 +261,10 @@ impl GpuBackend {
         out.check_no_overlap(&[x, rows])?;
         let mut st = self.dev.lock()?;
         let m = st.rows(n, &[rows, out]);
+        // The bound on the indices: a whole step buffer's rows scale with
+        // the step, so a padded step's launch is the same for every batch
+        // of its bucket.
+        let xrows = st.rows(xrows, &[x]);
         let args = Args::new()
             .p(self.p(&st, x)?)
             .p(self.p(&st, rows)?)

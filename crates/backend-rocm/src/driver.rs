@@ -431,6 +431,11 @@ impl Driver for HipDriver {
             .blas
             .as_ref()
             .ok_or_else(|| CoreError::Internal("rocBLAS handle missing".into()))?;
+        if g.heads > 1 {
+            let dims = [dim(g.m)?, dim(g.n)?, dim(g.k)?, dim(g.heads)?];
+            // SAFETY: the caller's contract.
+            return unsafe { blas.gemm_heads(ty, dims, g.w, g.x, g.out) };
+        }
         // SAFETY: the caller's contract.
         unsafe { blas.gemm(ty, dim(g.m)?, dim(g.n)?, dim(g.k)?, g.w, g.x, g.out) }
     }

@@ -1,8 +1,9 @@
 //! rocBLAS, loaded at run time (`librocblas.so.4` of ROCm 6, `.so.3` of 5.6
 //! and 5.7, `.so.0` of earlier 5.x; `ARBOR_ROCBLAS_LIB` first): one handle
 //! bound to the backend's stream with a workspace the backend owns, so that
-//! no GEMM reallocates during a graph capture, and `rocblas_gemm_ex` in the
-//! default host pointer mode (the mode rocBLAS supports under HIP graphs).
+//! no GEMM reallocates during a graph capture, and `rocblas_gemm_ex` (with
+//! `rocblas_gemm_strided_batched_ex` for per-head products side by side) in
+//! the default host pointer mode (the mode rocBLAS supports under HIP graphs).
 
 #![allow(unsafe_code)]
 
@@ -61,6 +62,41 @@ type GemmEx = unsafe extern "C" fn(
     u32,
 ) -> Status;
 
+/// `rocblas_gemm_strided_batched_ex`: `rocblas_gemm_ex`'s arguments with a
+/// 64-bit stride after each matrix's leading dimension and the batch count
+/// before the compute type.
+type GemmStridedBatchedEx = unsafe extern "C" fn(
+    Handle,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    c_int,
+    *const c_void,
+    *const c_void,
+    c_int,
+    c_int,
+    i64,
+    *const c_void,
+    c_int,
+    c_int,
+    i64,
+    *const c_void,
+    *const c_void,
+    c_int,
+    c_int,
+    i64,
+    *mut c_void,
+    c_int,
+    c_int,
+    i64,
+    c_int,
+    c_int,
+    c_int,
+    i32,
+    u32,
+) -> Status;
+
 /// The bound rocBLAS functions.
 pub struct RocBlas {
     pub create_handle: unsafe extern "C" fn(*mut Handle) -> Status,
@@ -68,6 +104,7 @@ pub struct RocBlas {
     pub set_stream: unsafe extern "C" fn(Handle, Stream) -> Status,
     pub set_workspace: unsafe extern "C" fn(Handle, *mut c_void, usize) -> Status,
     pub gemm_ex: GemmEx,
+    pub gemm_strided_batched_ex: GemmStridedBatchedEx,
     _lib: libloading::Library,
 }
 
@@ -109,6 +146,7 @@ impl RocBlas {
                     set_stream: sym!("rocblas_set_stream"),
                     set_workspace: sym!("rocblas_set_workspace"),
                     gemm_ex: sym!("rocblas_gemm_ex"),
+                    gemm_strided_batched_ex: sym!("rocblas_gemm_strided_batched_ex"),
                     _lib: lib,
                 });
             }
@@ -205,6 +243,71 @@ impl Blas {
             )
         };
         check(s, &format!("rocblas_gemm_ex {m}x{n}x{k}"))
+    }
+}
+
+impl Blas {
+    /// `heads` products side by side: row-major `out[:, h·n..(h+1)·n] =
+    /// x[:, h·k..(h+1)·k] · w[h·n..(h+1)·n]ᵀ` for `x` `[m, heads·k]`, `w`
+    /// `[heads·n, k]` (of `ty`) and `out` `[m, heads·n]` (f32), one
+    /// strided-batched call.
+    ///
+    /// # Safety
+    /// The addresses cover those operands.
+    pub unsafe fn gemm_heads(
+        &self,
+        ty: c_int,
+        [m, n, k, heads]: [c_int; 4],
+        w: u64,
+        x: u64,
+        out: u64,
+    ) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let ld = |a: c_int| {
+            a.checked_mul(heads)
+                .ok_or_else(|| CoreError::unsupported(format!("GEMM width {a} x {heads}")))
+        };
+        let (ldx, ldo) = (ld(k)?, ld(n)?);
+        // Head h: w + h·n·k (ld k), x + h·k (ld heads·k), out + h·n (ld
+        // heads·n); column-major as in `gemm`, C = D.
+        // SAFETY: the caller's contract; host scalars read during the call.
+        let s = unsafe {
+            (self.lib.gemm_strided_batched_ex)(
+                self.handle,
+                OP_TRANSPOSE,
+                OP_NONE,
+                n,
+                m,
+                k,
+                &alpha as *const f32 as *const c_void,
+                w as *const c_void,
+                ty,
+                k,
+                i64::from(n) * i64::from(k),
+                x as *const c_void,
+                ty,
+                ldx,
+                i64::from(k),
+                &beta as *const f32 as *const c_void,
+                out as *const c_void,
+                F32_R,
+                ldo,
+                i64::from(n),
+                out as *mut c_void,
+                F32_R,
+                ldo,
+                i64::from(n),
+                heads,
+                F32_R,
+                GEMM_ALGO_STANDARD,
+                0,
+                0,
+            )
+        };
+        check(
+            s,
+            &format!("rocblas_gemm_strided_batched_ex {heads} x {m}x{n}x{k}"),
+        )
     }
 }
 

@@ -139,29 +139,36 @@ unsafe fn element(dtype: DType, base: u64, i: usize) -> f32 {
     }
 }
 
-/// `out[m, n] = x[m, k] · w[n, k]ᵀ`, summed in f64, stored as f32.
+/// `out[m, n] = x[m, k] · w[n, k]ᵀ` for each of `heads` side by side (the
+/// strided-batched layout of [`Gemm`]), summed in f64, stored as f32.
 ///
 /// # Safety
 /// As [`Driver::gemm`].
 unsafe fn gemm(g: &Gemm) -> Result<()> {
-    if !matches!(g.dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(CoreError::unsupported(format!("simt GEMM of {}", g.dtype)));
+    if !matches!(g.dtype, DType::F32 | DType::F16 | DType::BF16) || g.heads == 0 {
+        return Err(CoreError::unsupported(format!(
+            "simt GEMM of {} ({} heads)",
+            g.dtype, g.heads
+        )));
     }
-    for r in 0..g.m {
-        for c in 0..g.n {
-            let mut acc = 0f64;
-            for i in 0..g.k {
-                // SAFETY: r < m, c < n, i < k index inside the operands.
-                let (x, w) = unsafe {
-                    (
-                        element(g.dtype, g.x, r * g.k + i),
-                        element(g.dtype, g.w, c * g.k + i),
-                    )
-                };
-                acc += x as f64 * w as f64;
+    let (xw, ow) = (g.heads * g.k, g.heads * g.n);
+    for h in 0..g.heads {
+        for r in 0..g.m {
+            for c in 0..g.n {
+                let mut acc = 0f64;
+                for i in 0..g.k {
+                    // SAFETY: h < heads, r < m, c < n, i < k index inside the operands.
+                    let (x, w) = unsafe {
+                        (
+                            element(g.dtype, g.x, r * xw + h * g.k + i),
+                            element(g.dtype, g.w, (h * g.n + c) * g.k + i),
+                        )
+                    };
+                    acc += x as f64 * w as f64;
+                }
+                // SAFETY: out holds m x heads·n f32.
+                unsafe { *(g.out as *mut f32).add(r * ow + h * g.n + c) = acc as f32 };
             }
-            // SAFETY: out holds m x n f32.
-            unsafe { *(g.out as *mut f32).add(r * g.n + c) = acc as f32 };
         }
     }
     Ok(())

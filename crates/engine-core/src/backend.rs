@@ -389,6 +389,26 @@ pub trait Backend: Send + Sync {
     /// `out[i] = x[rows[i]]`: selects rows of an f32 `[m, d]` tensor; `rows` is u32.
     fn gather_rows(&self, x: &Tensor, rows: &Tensor, out: &Tensor) -> Result<()>;
 
+    /// Per-head products: `out[:, h·k..(h+1)·k] = x[:, h·a..(h+1)·a] ·
+    /// w[h·k..(h+1)·k]ᵀ` for each head `h` of `heads`, f32 `x` `[t,
+    /// heads·a]` and `out` `[t, heads·k]`, a weight `w` `[heads·k, a]`
+    /// (latent attention's up-projections). Batch-invariant as `linear`.
+    /// This default gathers the heads' rows and runs one `linear` per head
+    /// ([`crate::columns::linear_heads_by_rows`]); a backend may run them
+    /// as one batched product.
+    fn linear_heads(&self, x: &Tensor, w: &Tensor, heads: usize, out: &Tensor) -> Result<()> {
+        crate::columns::linear_heads_by_rows(self, x, w, heads, out)
+    }
+
+    /// `out = [parts[0] | parts[1] | ...]`: f32 tensors of one row count
+    /// joined side by side (their widths summing to `out`'s). This default
+    /// copies them into one buffer and gathers its rows
+    /// ([`crate::columns::concat_cols_by_rows`]); a backend may write
+    /// `out`'s column blocks in place.
+    fn concat_cols(&self, parts: &[&Tensor], out: &Tensor) -> Result<()> {
+        crate::columns::concat_cols_by_rows(self, parts, out)
+    }
+
     /// `out[rows[i]] += scales[i] * x[i]` for each row `i` of `x` (`[n, d]`
     /// f32), in order of `i` (so a row listed twice gets both additions, in
     /// that order); `rows` is u32 `[n]`, `scales` f32 `[n]`, `out` f32 `[m,

@@ -10,6 +10,7 @@
 
 pub mod attention;
 pub mod backend;
+pub mod columns;
 pub mod comm;
 pub mod detok;
 pub mod dp_attention;

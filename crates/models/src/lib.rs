@@ -8,7 +8,6 @@
 //! template.
 
 pub mod chat;
-mod columns;
 pub mod config;
 pub mod decoder;
 mod dp_attention;

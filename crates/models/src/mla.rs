@@ -18,7 +18,11 @@
 //! weighted `k_pe` the attention output carries there (`0 · x = 0` for
 //! finite x). Attention is then the ordinary paged kernel with one KV head
 //! shared by every query head (MQA) and the softmax scale of the expanded
-//! head width; `o_proj` follows the value's up-projection.
+//! head width; `o_proj` follows the value's up-projection. The per-head
+//! products are the backend's `linear_heads` (one batched GEMM on GPUs),
+//! and the key's halves are cut and joined into tensors of their own
+//! (`take_cols`, `concat_cols`), so on GPUs every op of a padded decode
+//! step runs on whole step buffers and the step replays its graph.
 //!
 //! Invariants: the up-projections are cut in f32 from the stored values of
 //! a float `kv_b_proj` (f32, f16, bf16) or the dequantized values of a
@@ -29,9 +33,9 @@
 //! first in each head, so the backend's RoPE (which rotates a head's first
 //! `qk_rope_head_dim` dimensions) applies to q and k.
 
-use crate::columns::{Blocks, linear_per_head};
 use crate::config::{DecoderConfig, Keys, RopeScaling};
 use crate::decoder::{Linear, Loader, share_input_scale};
+use arbor_engine_core::columns::take_cols;
 use arbor_engine_core::{
     AttentionParams, Backend, CoreError, DType, ForwardContext, Result, RopeStyle, Tensor,
 };
@@ -345,17 +349,16 @@ impl MlaAttn {
             None => b.linear_many(x, &[self.q_b.to(&qb), self.kv_a.to(&kv)])?,
         }
         let q = f32t(&[t, self.heads * d])?;
-        linear_per_head(b, &qb, &self.q_up, self.heads, &q)?;
+        b.linear_heads(&qb, &self.q_up, self.heads, &q)?;
         b.rope(&q, positions, inv_freq, d, self.style)?;
         // k = [k_pe (roped) | c_kv (normed)], split from kv_a's [c_kv | k_pe]
-        // and joined on the device.
-        let halves = Blocks::alloc(b, t, &[rope, lora])?;
-        halves.take(b, &kv, &[lora, 0])?;
-        let (kpe, c) = (halves.block(0)?, halves.block(1)?);
+        // and joined on the device, each half a tensor of its own.
+        let c = take_cols(b, &kv, 0, lora)?;
+        let kpe = take_cols(b, &kv, lora, rope)?;
         b.rms_norm(&c, &self.kv_norm, 1e-6, &c)?;
         b.rope(&kpe, positions, inv_freq, rope, self.style)?;
         let k = f32t(&[t, d])?;
-        halves.join(b, &k)?;
+        b.concat_cols(&[&kpe, &c], &k)?;
         let attn = f32t(&[t, self.heads * d])?;
         let params = AttentionParams {
             num_heads: self.heads,
@@ -376,7 +379,7 @@ impl MlaAttn {
             &params,
         )?;
         let v = f32t(&[t, self.heads * vd])?;
-        linear_per_head(b, &attn, &self.o_up, self.heads, &v)?;
+        b.linear_heads(&attn, &self.o_up, self.heads, &v)?;
         b.linear_many(&v, &[self.o.to(out)])
     }
 }

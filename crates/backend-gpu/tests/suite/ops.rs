@@ -153,6 +153,45 @@ fn linear_layers_match() {
     }
 }
 
+/// Per-head products (one strided-batched GEMM on the device) and column
+/// blocks joined side by side, against the CPU: f32 weights within 1e-4,
+/// bf16 within 1e-2 (the input rounded to bf16 on the device); joined
+/// columns exact.
+#[test]
+fn linear_heads_and_concat_cols_match() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(13);
+    for (t, heads, a, k) in [(1, 4, 192, 576), (7, 3, 40, 24), (33, 2, 64, 16)] {
+        let x = rng.vec(t * heads * a, 1.0);
+        let w = rng.vec(heads * k * a, 0.05);
+        for (dt, tol) in [(DType::F32, 1e-4), (DType::BF16, 1e-2)] {
+            let run = |b: &dyn Backend| {
+                let xt = upload_f32(b, &[t, heads * a], &x);
+                let wt = upload_as(b, &[heads * k, a], &w, dt);
+                let o = b.alloc(DType::F32, &[t, heads * k]).unwrap();
+                b.linear_heads(&xt, &wt, heads, &o).unwrap();
+                download_f32(b, &o)
+            };
+            let what = format!("{heads} heads {dt} {t}x{a}x{k}");
+            assert_close(&what, &run(&*g), &run(&*c), tol);
+        }
+    }
+    let (rows, widths) = (5, [64, 512, 8]);
+    let parts: Vec<Vec<f32>> = widths.iter().map(|w| rng.vec(rows * w, 1.0)).collect();
+    let run = |b: &dyn Backend| {
+        let ts: Vec<_> = widths
+            .iter()
+            .zip(&parts)
+            .map(|(&w, p)| upload_f32(b, &[rows, w], p))
+            .collect();
+        let o = b.alloc(DType::F32, &[rows, widths.iter().sum()]).unwrap();
+        b.concat_cols(&ts.iter().collect::<Vec<_>>(), &o).unwrap();
+        download_f32(b, &o)
+    };
+    assert_eq!(run(&*g), run(&*c), "joined columns");
+}
+
 /// W8A8 FP8 layers of one input with different static input scales (one
 /// saturating inputs beyond 0.9), and one without, against the CPU.
 #[test]
