@@ -261,10 +261,13 @@ impl GpuBackend {
         out.check_no_overlap(&[x, rows])?;
         let mut st = self.dev.lock()?;
         let m = st.rows(n, &[rows, out]);
-        // The bound on the indices: a whole step buffer's rows scale with
-        // the step, so a padded step's launch is the same for every batch
-        // of its bucket.
-        let xrows = st.rows(xrows, &[x]);
+        // The bound on the indices: a whole step buffer's rows (a multiple
+        // of the step's sequences) scale with the step, so a padded step's
+        // launch is the same for every batch of its bucket.
+        let xrows = match st.step_shape() {
+            Some((b, _)) if xrows.is_multiple_of(b) => st.rows(xrows, &[x]),
+            _ => xrows,
+        };
         let args = Args::new()
             .p(self.p(&st, x)?)
             .p(self.p(&st, rows)?)
