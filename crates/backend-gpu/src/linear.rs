@@ -229,17 +229,7 @@ impl GpuBackend {
                 x_f32
             } else {
                 if half_in.as_ref().map(|h| h.0) != Some(wd) {
-                    let scratch = self.alloc_in(&mut st, wd, &[rows * k], false)?;
-                    let sp = self.p(&st, &scratch)?;
-                    let n = rows * k;
-                    let cast = if wd == DType::BF16 {
-                        K::CastBf16
-                    } else {
-                        K::CastF16
-                    };
-                    let args = Args::new().p(xp).p(sp).l(n as u64);
-                    self.dev
-                        .launch(&mut st, cast, [stride_grid(self, n), 1, 1], 256, 0, args)?;
+                    let (sp, scratch) = self.cast_input(&mut st, xp, wd, rows * k)?;
                     half_in = Some((wd, sp, scratch));
                 }
                 half_in.as_ref().map(|h| h.1).unwrap_or(xp)
@@ -288,17 +278,7 @@ impl GpuBackend {
         let (xin, _scratch) = if wd == DType::F32 {
             (xp, None)
         } else {
-            let n = rows * heads * a;
-            let scratch = self.alloc_in(&mut st, wd, &[n], false)?;
-            let sp = self.p(&st, &scratch)?;
-            let cast = if wd == DType::BF16 {
-                K::CastBf16
-            } else {
-                K::CastF16
-            };
-            let args = Args::new().p(xp).p(sp).l(n as u64);
-            self.dev
-                .launch(&mut st, cast, [stride_grid(self, n), 1, 1], 256, 0, args)?;
+            let (sp, scratch) = self.cast_input(&mut st, xp, wd, rows * heads * a)?;
             (sp, Some(scratch))
         };
         let op = Op::Gemm(Gemm {
@@ -312,6 +292,23 @@ impl GpuBackend {
             out: self.p(&st, out)?,
         });
         self.dev.submit(&mut st, op)
+    }
+
+    /// The `n` f32 inputs at `xp` rounded to `dtype` (f16 or bf16, round to
+    /// nearest even) in a scratch: its address, and the scratch (alive while
+    /// the address is used).
+    fn cast_input(&self, st: &mut State, xp: u64, dtype: DType, n: usize) -> Result<(u64, Tensor)> {
+        let scratch = self.alloc_in(st, dtype, &[n], false)?;
+        let sp = self.p(st, &scratch)?;
+        let cast = if dtype == DType::BF16 {
+            K::CastBf16
+        } else {
+            K::CastF16
+        };
+        let args = Args::new().p(xp).p(sp).l(n as u64);
+        self.dev
+            .launch(st, cast, [stride_grid(self, n), 1, 1], 256, 0, args)?;
+        Ok((sp, scratch))
     }
 
     /// `x` (at `xp`, `rows` x `k`) quantized to E4M3 per 32 inputs by

@@ -86,6 +86,34 @@ fn greedy(runner: &ModelRunner, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>>
     outs.into_iter().map(|o| o.tokens).collect()
 }
 
+/// Greedy tokens of the first `n` prompts for each `n` of `counts` (which
+/// end with 3 and 4): the runner with graphs (on `g`) gives the eager
+/// runner's, and 4 sequences replay the graph captured for 3 (bucket 4).
+fn same_tokens_replaying_bucket_4(
+    g: &GpuBackend,
+    [graphed, eager]: [&ModelRunner; 2],
+    prompts: &[Vec<u32>],
+    counts: &[usize],
+    tokens: usize,
+) {
+    let mut captures = Vec::new();
+    for &n in counts {
+        let got = greedy(graphed, &prompts[..n], tokens);
+        let want = greedy(eager, &prompts[..n], tokens);
+        assert_eq!(
+            got, want,
+            "greedy tokens of {n} sequences, graphs on vs off"
+        );
+        println!("{n} sequences: {:?}", g.graph_stats());
+        captures.push(g.graph_stats().captures);
+    }
+    assert_eq!(
+        captures[captures.len() - 1],
+        captures[captures.len() - 2],
+        "4 sequences should replay the graph captured for 3 (bucket 4)"
+    );
+}
+
 #[test]
 fn graphs_match_eager_decoding() {
     // Own instances: steps of other tests running on the shared device would
@@ -98,21 +126,7 @@ fn graphs_match_eager_decoding() {
         .map(|i| (0..5 + 3 * i).map(|_| rng.below(512) as u32).collect())
         .collect();
     let before = g.graph_stats();
-    let mut captures = Vec::new();
-    for n in [1, 3, 4] {
-        let got = greedy(&rg, &prompts[..n], 24);
-        let want = greedy(&re, &prompts[..n], 24);
-        assert_eq!(
-            got, want,
-            "greedy tokens of {n} sequences, graphs on vs off"
-        );
-        println!("{n} sequences: {:?}", g.graph_stats());
-        captures.push(g.graph_stats().captures);
-    }
-    assert_eq!(
-        captures[2], captures[1],
-        "4 sequences should replay the graph captured for 3 (bucket 4)"
-    );
+    same_tokens_replaying_bucket_4(&g, [&rg, &re], &prompts, &[1, 3, 4], 24);
     let after = g.graph_stats();
     assert!(
         after.replays > before.replays,
@@ -171,21 +185,7 @@ fn latent_attention_replays_its_graphs() {
     let prompts: Vec<Vec<u32>> = (0..4)
         .map(|i| (0..5 + 3 * i).map(|_| rng.below(512) as u32).collect())
         .collect();
-    let mut captures = Vec::new();
-    for n in [3, 4] {
-        let got = greedy(&rg, &prompts[..n], 6);
-        let want = greedy(&re, &prompts[..n], 6);
-        assert_eq!(
-            got, want,
-            "greedy tokens of {n} sequences, graphs on vs off"
-        );
-        println!("{n} sequences: {:?}", g.graph_stats());
-        captures.push(g.graph_stats().captures);
-    }
-    assert_eq!(
-        captures[1], captures[0],
-        "4 sequences should replay the graph captured for 3 (bucket 4)"
-    );
+    same_tokens_replaying_bucket_4(&g, [&rg, &re], &prompts, &[3, 4], 6);
     let stats = g.graph_stats();
     assert!(stats.replays > 0 && stats.failures == 0, "{stats:?}");
 }
