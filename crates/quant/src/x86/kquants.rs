@@ -346,44 +346,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
     }
 }
 
-macro_rules! entry {
-    ($name:ident, $vnni:expr, $feat:literal) => {
-        #[target_feature(enable = $feat)]
-        unsafe fn $name<const F: u8, const M: usize>(
-            w: &[u8],
-            n_rows: usize,
-            a: &Acts,
-            out: OutMat,
-        ) {
-            // SAFETY: features enabled by this function; bounds per caller.
-            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out) }
-        }
-    };
-}
-
-entry!(rows_avx2, false, "avx2,fma,f16c");
-entry!(
-    rows_avx512,
-    true,
-    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
-);
-
-type RowsFn = unsafe fn(&[u8], usize, &Acts, OutMat);
-
-macro_rules! table {
-    ($f:ident, $fmt:expr) => {
-        [
-            $f::<$fmt, 1> as RowsFn,
-            $f::<$fmt, 2>,
-            $f::<$fmt, 3>,
-            $f::<$fmt, 4>,
-            $f::<$fmt, 5>,
-            $f::<$fmt, 6>,
-            $f::<$fmt, 7>,
-            $f::<$fmt, 8>,
-        ]
-    };
-}
+row_entries!();
 
 const MAXM: usize = 8;
 
@@ -403,16 +366,16 @@ pub unsafe fn dot_rows(
     out: OutMat,
 ) -> bool {
     let tab: [RowsFn; MAXM] = match (avx512, dtype) {
-        (true, DType::Q2_K) => table!(rows_avx512, Q2K),
-        (true, DType::Q3_K) => table!(rows_avx512, Q3K),
-        (true, DType::Q4_K) => table!(rows_avx512, Q4K),
-        (true, DType::Q5_K) => table!(rows_avx512, Q5K),
-        (true, DType::Q6_K) => table!(rows_avx512, Q6K),
-        (false, DType::Q2_K) => table!(rows_avx2, Q2K),
-        (false, DType::Q3_K) => table!(rows_avx2, Q3K),
-        (false, DType::Q4_K) => table!(rows_avx2, Q4K),
-        (false, DType::Q5_K) => table!(rows_avx2, Q5K),
-        (false, DType::Q6_K) => table!(rows_avx2, Q6K),
+        (true, DType::Q2_K) => rows_table!(rows_avx512, Q2K),
+        (true, DType::Q3_K) => rows_table!(rows_avx512, Q3K),
+        (true, DType::Q4_K) => rows_table!(rows_avx512, Q4K),
+        (true, DType::Q5_K) => rows_table!(rows_avx512, Q5K),
+        (true, DType::Q6_K) => rows_table!(rows_avx512, Q6K),
+        (false, DType::Q2_K) => rows_table!(rows_avx2, Q2K),
+        (false, DType::Q3_K) => rows_table!(rows_avx2, Q3K),
+        (false, DType::Q4_K) => rows_table!(rows_avx2, Q4K),
+        (false, DType::Q5_K) => rows_table!(rows_avx2, Q5K),
+        (false, DType::Q6_K) => rows_table!(rows_avx2, Q6K),
         _ => return false,
     };
     let nb = k / 256;

@@ -503,44 +503,7 @@ unsafe fn rows<const F: u8, const VNNI: bool, const M: usize>(
     }
 }
 
-macro_rules! entry {
-    ($name:ident, $vnni:expr, $feat:literal) => {
-        #[target_feature(enable = $feat)]
-        unsafe fn $name<const F: u8, const M: usize>(
-            w: &[u8],
-            n_rows: usize,
-            a: &Acts,
-            out: OutMat,
-        ) {
-            // SAFETY: features enabled by this function; bounds per caller.
-            unsafe { rows::<F, $vnni, M>(w, n_rows, a, out) }
-        }
-    };
-}
-
-entry!(rows_avx2, false, "avx2,fma,f16c");
-entry!(
-    rows_avx512,
-    true,
-    "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
-);
-
-type RowsFn = unsafe fn(&[u8], usize, &Acts, OutMat);
-
-macro_rules! table {
-    ($f:ident, $fmt:expr) => {
-        [
-            $f::<$fmt, 1> as RowsFn,
-            $f::<$fmt, 2>,
-            $f::<$fmt, 3>,
-            $f::<$fmt, 4>,
-            $f::<$fmt, 5>,
-            $f::<$fmt, 6>,
-            $f::<$fmt, 7>,
-            $f::<$fmt, 8>,
-        ]
-    };
-}
+row_entries!();
 
 /// Activation rows per pass over the weights.
 const MAXM: usize = 8;
@@ -561,16 +524,16 @@ pub unsafe fn dot_rows(
     out: OutMat,
 ) -> bool {
     let tab: [RowsFn; MAXM] = match (avx512, dtype) {
-        (true, DType::Q4_0) => table!(rows_avx512, Q4_0),
-        (true, DType::Q4_1) => table!(rows_avx512, Q4_1),
-        (true, DType::Q5_0) => table!(rows_avx512, Q5_0),
-        (true, DType::Q5_1) => table!(rows_avx512, Q5_1),
-        (true, DType::Q8_0) => table!(rows_avx512, Q8_0),
-        (false, DType::Q4_0) => table!(rows_avx2, Q4_0),
-        (false, DType::Q4_1) => table!(rows_avx2, Q4_1),
-        (false, DType::Q5_0) => table!(rows_avx2, Q5_0),
-        (false, DType::Q5_1) => table!(rows_avx2, Q5_1),
-        (false, DType::Q8_0) => table!(rows_avx2, Q8_0),
+        (true, DType::Q4_0) => rows_table!(rows_avx512, Q4_0),
+        (true, DType::Q4_1) => rows_table!(rows_avx512, Q4_1),
+        (true, DType::Q5_0) => rows_table!(rows_avx512, Q5_0),
+        (true, DType::Q5_1) => rows_table!(rows_avx512, Q5_1),
+        (true, DType::Q8_0) => rows_table!(rows_avx512, Q8_0),
+        (false, DType::Q4_0) => rows_table!(rows_avx2, Q4_0),
+        (false, DType::Q4_1) => rows_table!(rows_avx2, Q4_1),
+        (false, DType::Q5_0) => rows_table!(rows_avx2, Q5_0),
+        (false, DType::Q5_1) => rows_table!(rows_avx2, Q5_1),
+        (false, DType::Q8_0) => rows_table!(rows_avx2, Q8_0),
         _ => return false,
     };
     let nb = k / 32;

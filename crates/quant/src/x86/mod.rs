@@ -5,6 +5,55 @@
 //! validate all lengths first. Kernels never allocate or keep state.
 //! [`Prefetch`] is the weight prefetch the GEMV and float kernels share.
 
+/// The AVX2 and AVX-512 entry points (`rows_avx2`, `rows_avx512`) of the
+/// invoking module's row kernel `rows::<F, VNNI, M>(w, n_rows, &Acts,
+/// OutMat)`, each compiled with its target features, and their type
+/// `RowsFn` (the block-quantized and K-quant GEMVs share this shape).
+macro_rules! row_entries {
+    () => {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn rows_avx2<const F: u8, const M: usize>(
+            w: &[u8],
+            n_rows: usize,
+            a: &Acts,
+            out: OutMat,
+        ) {
+            // SAFETY: features enabled by this function; bounds per caller.
+            unsafe { rows::<F, false, M>(w, n_rows, a, out) }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+        unsafe fn rows_avx512<const F: u8, const M: usize>(
+            w: &[u8],
+            n_rows: usize,
+            a: &Acts,
+            out: OutMat,
+        ) {
+            // SAFETY: features enabled by this function; bounds per caller.
+            unsafe { rows::<F, true, M>(w, n_rows, a, out) }
+        }
+
+        type RowsFn = unsafe fn(&[u8], usize, &Acts, OutMat);
+    };
+}
+
+/// An entry point of [`row_entries`] for format `$fmt` at 1 to 8
+/// activation rows, indexed by rows − 1.
+macro_rules! rows_table {
+    ($f:ident, $fmt:expr) => {
+        [
+            $f::<$fmt, 1> as RowsFn,
+            $f::<$fmt, 2>,
+            $f::<$fmt, 3>,
+            $f::<$fmt, 4>,
+            $f::<$fmt, 5>,
+            $f::<$fmt, 6>,
+            $f::<$fmt, 7>,
+            $f::<$fmt, 8>,
+        ]
+    };
+}
+
 pub mod acts;
 pub(crate) mod amx;
 pub(crate) mod bf16_panel;
