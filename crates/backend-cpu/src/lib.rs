@@ -67,26 +67,7 @@ impl CpuBackend {
         };
         let pool = ThreadPool::new(threads)
             .map_err(|e| CoreError::Device(format!("starting {threads} CPU threads: {e}")))?;
-        let weight_dtypes = vec![
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q4_0,
-            DType::Q4_1,
-            DType::Q5_0,
-            DType::Q5_1,
-            DType::Q8_0,
-            DType::Q2_K,
-            DType::Q3_K,
-            DType::Q4_K,
-            DType::Q5_K,
-            DType::Q6_K,
-            DType::F8_S32,
-            DType::F8A8_S32,
-            DType::U4_S32,
-            DType::U8_S32,
-            DType::F4_S16,
-        ];
+        let weight_dtypes = arbor_quant::DOT_WEIGHT_DTYPES.to_vec();
         Ok(Self {
             mem: Arc::new(HostMemory::new(next_device_tag())),
             pool: Arc::new(pool),

@@ -82,6 +82,30 @@ pub fn is_dot_supported(dtype: DType) -> bool {
     act_dtype_for(dtype).is_ok()
 }
 
+/// Every weight dtype [`dot_rows`] multiplies (those [`is_dot_supported`]
+/// accepts), floats first, then ggml's block formats, then the scaled
+/// blocks of HF quantized checkpoints.
+pub const DOT_WEIGHT_DTYPES: [DType; 18] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::F8_S32,
+    DType::F8A8_S32,
+    DType::U4_S32,
+    DType::U8_S32,
+    DType::F4_S16,
+];
+
 fn check_supported(dtype: DType, op: &'static str) -> Result<(), QuantError> {
     if is_supported(dtype) {
         Ok(())

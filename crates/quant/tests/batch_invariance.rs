@@ -9,48 +9,10 @@ use arbor_quant::{
     DType, PreparedActs, QuantError, QuantMatmul, SimdLevel, dot_rows_with, quantize, row_bytes,
 };
 
-const DOT: [DType; 18] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::F8_S32,
-    DType::F8A8_S32,
-    DType::U4_S32,
-    DType::U8_S32,
-    DType::F4_S16,
-];
+const DOT: [DType; 18] = arbor_quant::DOT_WEIGHT_DTYPES;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = ((self.next() >> 40) as f32 / (1u64 << 24) as f32).max(1e-7);
-        let u2 = (self.next() >> 40) as f32 / (1u64 << 24) as f32;
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-    }
-    fn normals(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.normal()).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+mod common;
+use common::Rng;
 
 fn weights(rng: &mut Rng, dtype: DType, n: usize, k: usize) -> Vec<u8> {
     let x = rng.normals(n * k);

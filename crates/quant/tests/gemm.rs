@@ -19,27 +19,8 @@ const FORMATS: [DType; 5] = [
     DType::Q8_0,
 ];
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = self.unit().max(1e-7);
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+mod common;
+use common::Rng;
 
 /// Random block bytes (every quant pattern) with finite scales of both signs.
 fn random_weights(rng: &mut Rng, dtype: DType, n_rows: usize, k: usize) -> Vec<u8> {

@@ -8,49 +8,10 @@ use arbor_quant::{
     dot_rows, dot_rows_gemv_with, dot_rows_with, prepare_acts, quantize, row_bytes,
 };
 
-/// Formats `dot_rows` accepts.
-const DOT: [DType; 18] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::F8_S32,
-    DType::F8A8_S32,
-    DType::U4_S32,
-    DType::U8_S32,
-    DType::F4_S16,
-];
+const DOT: [DType; 18] = arbor_quant::DOT_WEIGHT_DTYPES;
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let u1 = self.unit().max(1e-7);
-        let u2 = self.unit();
-        (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
-    }
-    fn normals(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.normal()).collect()
-    }
-}
+mod common;
+use common::Rng;
 
 fn quantized(dtype: DType, x: &[f32]) -> Vec<u8> {
     let mut w = vec![0u8; row_bytes(dtype, x.len()).unwrap()];
@@ -589,4 +550,16 @@ fn split_preparation_matches_the_serial_one() {
             assert_eq!(bits(&got), bits(&want), "{dtype} pieces={pieces}");
         }
     }
+}
+
+/// The declared list of weight dtypes is exactly what `dot_rows` accepts.
+#[test]
+fn dot_weight_dtypes_are_exactly_the_supported_ones() {
+    let supported: Vec<DType> = DType::ALL
+        .into_iter()
+        .filter(|&d| arbor_quant::is_dot_supported(d))
+        .collect();
+    let mut declared = DOT.to_vec();
+    declared.sort_by_key(|d| DType::ALL.iter().position(|a| a == d));
+    assert_eq!(declared, supported);
 }
