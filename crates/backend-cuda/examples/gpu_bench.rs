@@ -39,7 +39,8 @@ use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendOptions, BatchLayout, DType, ForwardBatch, ForwardContext,
-    HostData, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry, WeightSource,
+    HostData, HostRows, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry,
+    WeightSource,
 };
 use arbor_models::config::DecoderConfig;
 use arbor_models::decoder::{ArchFlags, DEEPSEEK_V2, DecoderArchitecture, DecoderModel};
@@ -414,11 +415,11 @@ fn load_back(s: &Setup, prefix: usize, mode: LoadMode) -> Result<f64> {
                 let writes: Vec<_> = views
                     .iter()
                     .enumerate()
-                    .map(|(j, v)| (v, page(first + j)))
+                    .map(|(j, v)| (v, HostRows::whole(page(first + j))))
                     .collect();
                 part += 1;
                 match mode {
-                    LoadMode::First => writes.iter().try_for_each(|(v, d)| b.write(v, d))?,
+                    LoadMode::First => writes.iter().try_for_each(|(v, d)| b.write(v, d.span()))?,
                     LoadMode::Staged => b.write_async(&writes, HostData::Transient)?,
                     // The pages stay unchanged until the step's download syncs.
                     LoadMode::InPlace => b.write_async(&writes, HostData::UntilSync)?,

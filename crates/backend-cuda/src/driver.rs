@@ -545,6 +545,38 @@ impl Driver for CudaDriver {
         .map_err(dev_err("cuMemcpyHtoDAsync"))
     }
 
+    unsafe fn htod_rows_on_copy_stream(
+        &self,
+        dst: u64,
+        src: *const u8,
+        row: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<()> {
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            srcHost: src as *const c_void,
+            srcDevice: 0,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: pitch,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: row,
+            WidthInBytes: row,
+            Height: rows,
+        };
+        // SAFETY: the caller's contract (pinned source rows, live
+        // destination); the descriptor is read during the call.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, self.copy_stream.cu_stream()).result() }
+            .map_err(dev_err("cuMemcpy2DAsync"))
+    }
+
     fn copy_fence(&self) -> Result<Box<dyn Fence>> {
         let event = Event::new(&self.ctx)?;
         event.order(self.copy_stream.cu_stream(), None)?;

@@ -175,6 +175,30 @@ pub trait Driver: Send + Sync + 'static {
     /// ordered after such a fence.
     unsafe fn htod_on_copy_stream(&self, dst: u64, src: *const u8, bytes: usize) -> Result<()>;
 
+    /// Queues a copy of `rows` rows of `row` bytes, `pitch` bytes apart in
+    /// pinned host `src`, to device `dst` (packed one after another) on the
+    /// copy stream. This default queues one copy per row; a runtime with
+    /// 2-D copies makes it one.
+    ///
+    /// # Safety
+    /// As [`Driver::htod_on_copy_stream`], with `src` covering `(rows - 1) ·
+    /// pitch + row` bytes and `dst` `rows · row`.
+    unsafe fn htod_rows_on_copy_stream(
+        &self,
+        dst: u64,
+        src: *const u8,
+        row: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<()> {
+        for i in 0..rows {
+            // SAFETY: row i lies in `src` and its destination in `dst`
+            // (the caller's contract).
+            unsafe { self.htod_on_copy_stream(dst + (i * row) as u64, src.add(i * pitch), row)? };
+        }
+        Ok(())
+    }
+
     /// A fence after the copies queued on the copy stream so far.
     fn copy_fence(&self) -> Result<Box<dyn Fence>>;
 

@@ -36,8 +36,8 @@ pub use loads::LoadStats;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendCapabilities, BackendOptions, BufferId, BufferOwner,
-    CoreError, DType, DeviceBuffer, DeviceInfo, HostData, HostTensor, LinearRef, Result, RopeStyle,
-    Tensor, tensor::next_device_tag,
+    CoreError, DType, DeviceBuffer, DeviceInfo, HostData, HostRows, HostTensor, LinearRef, Result,
+    RopeStyle, Tensor, tensor::next_device_tag,
 };
 use device::{Device, GraphConfig};
 use exec::{Args, Op, State};
@@ -237,13 +237,12 @@ impl GpuBackend {
     }
 }
 
-/// The byte length of `dst`, which a write of `data` must match.
-fn write_len(dst: &Tensor, data: &[u8]) -> Result<usize> {
+/// The byte length of `dst`, which a write of `bytes` bytes must match.
+fn write_len(dst: &Tensor, bytes: usize) -> Result<usize> {
     let len = dst.byte_len()?;
-    if len != data.len() {
+    if len != bytes {
         return Err(CoreError::invalid(format!(
-            "write of {} bytes into {dst:?} of {len} bytes",
-            data.len()
+            "write of {bytes} bytes into {dst:?} of {len} bytes"
         )));
     }
     Ok(len)
@@ -305,16 +304,16 @@ impl Backend for GpuBackend {
     }
 
     fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()> {
-        let len = write_len(dst, data)?;
+        let len = write_len(dst, data.len())?;
         let mut st = self.dev.lock()?;
         let p = self.dev.ptr(&st, dst, 1)?;
         let bytes = Self::transfer_bytes(&mut st, dst, len);
         self.dev.upload_to(&mut st, p, data, bytes)
     }
 
-    fn write_async(&self, writes: &[(&Tensor, &[u8])], held: HostData) -> Result<()> {
+    fn write_async(&self, writes: &[(&Tensor, HostRows<'_>)], held: HostData) -> Result<()> {
         for (dst, data) in writes {
-            write_len(dst, data)?;
+            write_len(dst, data.len())?;
         }
         let mut st = self.dev.lock()?;
         if st.step.is_none() {
@@ -323,8 +322,8 @@ impl Backend for GpuBackend {
                 batch.push(loads::LoadWrite {
                     slot: dst.buffer_id().slot,
                     dst: self.dev.ptr(&st, dst, 1)?,
-                    data,
-                    in_place: held == HostData::UntilSync && self.dev.is_pinned(data),
+                    data: *data,
+                    in_place: held == HostData::UntilSync && self.dev.is_pinned(data.span()),
                 });
             }
             let mut loads = self.dev.loads();
@@ -338,7 +337,10 @@ impl Backend for GpuBackend {
         for (dst, data) in writes {
             let p = self.dev.ptr(&st, dst, 1)?;
             let bytes = Self::transfer_bytes(&mut st, dst, data.len());
-            self.dev.upload_to(&mut st, p, data, bytes)?;
+            match data.contiguous() {
+                Some(d) => self.dev.upload_to(&mut st, p, d, bytes)?,
+                None => self.dev.upload_to(&mut st, p, &data.to_vec(), bytes)?,
+            }
         }
         Ok(())
     }

@@ -4,7 +4,8 @@
 //!
 //! [`Loads::queue`] copies a batch of host data into staging (unless it is
 //! pinned memory held unchanged by the caller, which is copied from in
-//! place), queues its copies on the copy stream after the main stream's
+//! place: strided rows, such as a tensor-parallel rank's heads of a host
+//! KV page, by one 2-D copy), queues its copies on the copy stream after the main stream's
 //! queued work, and files
 //! one fence for the batch under every destination buffer. The first
 //! main-stream use of such a buffer (resolving its address in
@@ -23,7 +24,7 @@
 #![allow(unsafe_code)]
 
 use crate::driver::{Driver, Fence};
-use arbor_engine_core::Result;
+use arbor_engine_core::{HostRows, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -39,13 +40,15 @@ fn round_up(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
-/// One destination of a batch: its buffer's slot, its address and its bytes.
+/// One destination of a batch: its buffer's slot, its address and its
+/// bytes (host rows, written one after another).
 pub(crate) struct LoadWrite<'a> {
     pub slot: u64,
     pub dst: u64,
-    pub data: &'a [u8],
+    pub data: HostRows<'a>,
     /// `data` is pinned memory of this device held unchanged until the next
-    /// drained point: copied from in place, not staged.
+    /// drained point: copied from in place (strided rows by one 2-D copy),
+    /// not staged.
     pub in_place: bool,
 }
 
@@ -180,26 +183,45 @@ impl Loads {
         drv.copies_after_main()?;
         self.in_flight = true;
         for w in writes {
-            let src = if w.in_place {
+            if w.data.is_empty() {
+                continue;
+            }
+            if w.in_place {
                 self.stats.in_place_bytes += w.data.len() as u64;
-                w.data.as_ptr()
-            } else {
-                // SAFETY: [off, off + len) lies inside the pinned allocation
-                // (checked above), which no queued copy reads (staging is reset
-                // only at a drained point).
-                let p = unsafe {
-                    let p = self.staging.add(self.off);
-                    std::ptr::copy_nonoverlapping(w.data.as_ptr(), p, w.data.len());
-                    p as *const u8
-                };
-                self.off += round_up(w.data.len(), 64);
-                p
+                let (row, pitch) = w.data.row_and_pitch();
+                // SAFETY: `dst` was resolved from a live buffer covering the
+                // bytes; the rows are pinned memory the caller holds
+                // unchanged until the drained point; main-stream work on the
+                // buffer waits for the fence below.
+                unsafe {
+                    match w.data.contiguous() {
+                        Some(d) => drv.htod_on_copy_stream(w.dst, d.as_ptr(), d.len())?,
+                        None => drv.htod_rows_on_copy_stream(
+                            w.dst,
+                            w.data.span().as_ptr(),
+                            row,
+                            pitch,
+                            w.data.len() / row,
+                        )?,
+                    }
+                }
+                continue;
+            }
+            // SAFETY: [off, off + len) lies inside the pinned allocation
+            // (checked above), which no queued copy reads (staging is reset
+            // only at a drained point); the rows are packed one after another.
+            let p = unsafe {
+                let p = self.staging.add(self.off);
+                let mut at = p;
+                for r in w.data.rows() {
+                    std::ptr::copy_nonoverlapping(r.as_ptr(), at, r.len());
+                    at = at.add(r.len());
+                }
+                p as *const u8
             };
-            // SAFETY: `dst` was resolved from a live buffer covering the
-            // bytes; `src` is pinned staging, or pinned memory the caller
-            // holds unchanged, until the drained point; main-stream work on
-            // the buffer waits for the fence below.
-            unsafe { drv.htod_on_copy_stream(w.dst, src, w.data.len())? };
+            self.off += round_up(w.data.len(), 64);
+            // SAFETY: as above; `p` is pinned staging until the drained point.
+            unsafe { drv.htod_on_copy_stream(w.dst, p, w.data.len())? };
         }
         let fence: Arc<dyn Fence> = Arc::from(drv.copy_fence()?);
         for w in writes {

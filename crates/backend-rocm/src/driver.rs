@@ -468,6 +468,30 @@ impl Driver for HipDriver {
         self.hip.check(e, "hipMemcpyHtoDAsync")
     }
 
+    unsafe fn htod_rows_on_copy_stream(
+        &self,
+        dst: u64,
+        src: *const u8,
+        row: usize,
+        pitch: usize,
+        rows: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract (pinned source rows, live destination).
+        let e = unsafe {
+            (self.hip.memcpy_2d_async)(
+                dst as *mut c_void,
+                row,
+                src as *const c_void,
+                pitch,
+                row,
+                rows,
+                hip::MEMCPY_HOST_TO_DEVICE,
+                self.copy_stream,
+            )
+        };
+        self.hip.check(e, "hipMemcpy2DAsync")
+    }
+
     fn copy_fence(&self) -> Result<Box<dyn Fence>> {
         let h = self.hip;
         let mut event: Event = std::ptr::null_mut();

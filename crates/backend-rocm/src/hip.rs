@@ -27,6 +27,8 @@ pub const HIP_ERROR_NO_DEVICE: HipError = 100;
 
 /// `hipStreamNonBlocking`.
 pub const STREAM_NON_BLOCKING: c_uint = 1;
+/// `hipMemcpyHostToDevice` of `hipMemcpyKind`.
+pub const MEMCPY_HOST_TO_DEVICE: c_int = 1;
 /// `hipHostMallocPortable`.
 pub const HOST_MALLOC_PORTABLE: c_uint = 1;
 /// `hipEventDisableTiming`.
@@ -116,6 +118,9 @@ hip_api! {
     event_destroy = "hipEventDestroy": fn(Event) -> HipError;
     stream_wait_event = "hipStreamWaitEvent": fn(Stream, Event, c_uint) -> HipError;
     memcpy_htod_async = "hipMemcpyHtoDAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;
+    memcpy_2d_async = "hipMemcpy2DAsync": fn(
+        *mut c_void, usize, *const c_void, usize, usize, usize, c_int, Stream
+    ) -> HipError;
     memcpy_dtoh_async = "hipMemcpyDtoHAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;
     memcpy_dtod_async = "hipMemcpyDtoDAsync": fn(*mut c_void, *mut c_void, usize, Stream) -> HipError;
     memset_d8_async = "hipMemsetD8Async": fn(*mut c_void, u8, usize, Stream) -> HipError;

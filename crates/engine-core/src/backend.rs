@@ -310,6 +310,90 @@ pub enum HostData {
     UntilSync,
 }
 
+/// Host bytes for [`Backend::write_async`]: `count` rows of `row` bytes,
+/// `pitch` bytes apart from the start of `data` (one row when they are
+/// contiguous). A tensor-parallel rank's heads within a host KV page, which
+/// holds every rank's heads per slot, are such rows.
+///
+/// Invariant: `row <= pitch` and `data` covers the last row
+/// (`(count - 1) · pitch + row` bytes), so every row lies in `data`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRows<'a> {
+    data: &'a [u8],
+    row: usize,
+    pitch: usize,
+    count: usize,
+}
+
+impl<'a> HostRows<'a> {
+    /// All of `data`, as one row.
+    pub fn whole(data: &'a [u8]) -> Self {
+        Self {
+            data,
+            row: data.len(),
+            pitch: data.len(),
+            count: 1,
+        }
+    }
+
+    /// `count` rows of `row` bytes, `pitch` bytes apart, from the start of
+    /// `data`; an error unless they lie in `data` without overlapping.
+    pub fn strided(data: &'a [u8], row: usize, pitch: usize, count: usize) -> Result<Self> {
+        let span = count
+            .checked_sub(1)
+            .map_or(Some(0), |c| c.checked_mul(pitch)?.checked_add(row));
+        if row > pitch || span.is_none_or(|s| s > data.len()) {
+            return Err(CoreError::invalid(format!(
+                "{count} host rows of {row} bytes, {pitch} apart, in {} bytes",
+                data.len()
+            )));
+        }
+        Ok(Self {
+            data,
+            row,
+            pitch,
+            count,
+        })
+    }
+
+    /// Bytes the rows hold together.
+    pub fn len(&self) -> usize {
+        self.row * self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes per row, and the distance between row starts.
+    pub fn row_and_pitch(&self) -> (usize, usize) {
+        (self.row, self.pitch)
+    }
+
+    /// The rows, in order.
+    pub fn rows(&self) -> impl Iterator<Item = &'a [u8]> + '_ {
+        (0..self.count).map(|i| &self.data[i * self.pitch..i * self.pitch + self.row])
+    }
+
+    /// The rows as one slice, when they are contiguous.
+    pub fn contiguous(&self) -> Option<&'a [u8]> {
+        (self.count <= 1 || self.row == self.pitch).then(|| &self.data[..self.len()])
+    }
+
+    /// The bytes from the first row's start to the last row's end.
+    pub fn span(&self) -> &'a [u8] {
+        let end = self.count.saturating_sub(1) * self.pitch + self.row;
+        &self.data[..end.min(self.data.len())]
+    }
+
+    /// The rows copied one after another.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.len());
+        self.rows().for_each(|r| v.extend_from_slice(r));
+        v
+    }
+}
+
 /// A compute device: memory and the operations models call.
 pub trait Backend: Send + Sync {
     /// Describes the device.
@@ -323,19 +407,23 @@ pub trait Backend: Send + Sync {
     fn upload(&self, host: &HostTensor<'_>) -> Result<Tensor>;
     /// Overwrites the whole view `dst` with `data` (exactly its byte length).
     fn write(&self, dst: &Tensor, data: &[u8]) -> Result<()>;
-    /// [`write`](Self::write)s `data` into each view, where an asynchronous
-    /// device may run the copies beside later work: only work that touches
-    /// one of the destinations' buffers waits for them. `held` says how
-    /// long the host data stays unchanged (with [`HostData::UntilSync`], data
-    /// in this device's [`host_memory`](Self::host_memory) may be copied in
-    /// place). HiCache's load-back writes each layer's pages with one call,
-    /// so layer `l`'s attention waits only for layer `l`'s copies while later
-    /// layers still load.
-    fn write_async(&self, writes: &[(&Tensor, &[u8])], held: HostData) -> Result<()> {
+    /// [`write`](Self::write)s each host rows' bytes, one after another,
+    /// into their view, where an asynchronous device may run the copies
+    /// beside later work: only work that touches one of the destinations'
+    /// buffers waits for them. `held` says how long the host data stays
+    /// unchanged (with [`HostData::UntilSync`], data in this device's
+    /// [`host_memory`](Self::host_memory) may be copied in place, strided
+    /// rows included). HiCache's load-back writes each layer's pages with
+    /// one call, so layer `l`'s attention waits only for layer `l`'s copies
+    /// while later layers still load.
+    fn write_async(&self, writes: &[(&Tensor, HostRows<'_>)], held: HostData) -> Result<()> {
         let _ = held;
         writes
             .iter()
-            .try_for_each(|(dst, data)| self.write(dst, data))
+            .try_for_each(|(dst, rows)| match rows.contiguous() {
+                Some(data) => self.write(dst, data),
+                None => self.write(dst, &rows.to_vec()),
+            })
     }
     /// Host memory this device copies from and to fastest (pinned memory on
     /// GPUs), for the host KV tier; `None` when plain memory is as good.
@@ -664,5 +752,29 @@ impl dyn Backend + '_ {
             })?,
         };
         self.create_attention(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::HostRows;
+
+    #[test]
+    fn host_rows_pick_their_bytes_and_refuse_rows_past_the_data() {
+        let data: Vec<u8> = (0..20).collect();
+        let rows = HostRows::strided(&data[1..], 3, 5, 4).unwrap();
+        assert_eq!(rows.len(), 12);
+        assert_eq!(rows.to_vec(), [1, 2, 3, 6, 7, 8, 11, 12, 13, 16, 17, 18]);
+        assert_eq!(rows.span(), &data[1..19]);
+        assert_eq!(rows.contiguous(), None);
+        let packed = HostRows::strided(&data, 4, 4, 3).unwrap();
+        assert_eq!(packed.contiguous(), Some(&data[..12]));
+        assert_eq!(HostRows::whole(&data).contiguous(), Some(&data[..]));
+        assert!(HostRows::whole(&[]).is_empty());
+        assert!(HostRows::strided(&data, 0, 0, 0).unwrap().is_empty());
+        // The last row would end past the data; rows wider than their pitch overlap.
+        assert!(HostRows::strided(&data[1..], 3, 5, 5).is_err());
+        assert!(HostRows::strided(&data, 6, 5, 2).is_err());
+        assert!(HostRows::strided(&data, 1, usize::MAX, 3).is_err());
     }
 }

@@ -43,8 +43,8 @@ pub use attention::{
     KvScales, SeqLayout, TREE_MASK_TOKENS, TREE_MASK_WORDS,
 };
 pub use backend::{
-    Backend, BackendCapabilities, BackendOptions, DeviceInfo, HostData, LinearRef, LoraRows,
-    QuantMatmul, RopeDims, RopeStyle,
+    Backend, BackendCapabilities, BackendOptions, DeviceInfo, HostData, HostRows, LinearRef,
+    LoraRows, QuantMatmul, RopeDims, RopeStyle,
 };
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dp_attention::{DpAttentionGroup, DpAttentionRank};

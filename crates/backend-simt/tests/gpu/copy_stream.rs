@@ -68,3 +68,64 @@ fn each_layer_waits_only_for_its_own_copies() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Strided host rows (a tensor-parallel rank's heads of each slot of a host
+/// KV page, which holds every rank's heads) reach the device packed: from
+/// the backend's pinned memory held until the next sync they are copied in
+/// place, from other memory through staging, with the same bytes.
+#[test]
+fn strided_rows_are_copied_in_place_from_pinned_memory() -> anyhow::Result<()> {
+    use arbor_engine_core::{Backend, DType, HostData, HostRows};
+    let drv = match SimtDriver::open(Profile::Hopper) {
+        Ok(d) => d,
+        Err(e) => {
+            println!("skipped: {e}");
+            return Ok(());
+        }
+    };
+    let gpu = Arc::new(GpuBackend::new(
+        Box::new(drv),
+        &BackendOptions::default(),
+        arbor_backend_simt::ATTENTION,
+    ));
+    let b: &dyn Backend = &*gpu;
+    // 16 slots of 3 ranks' rows of 8, 12 and 4 floats; rank 1's rows.
+    let (slots, group, off, width) = (16, 24, 8, 12);
+    let values: Vec<f32> = (0..slots * group).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let want: Vec<f32> = (0..slots)
+        .flat_map(|s| values[s * group + off..s * group + off + width].to_vec())
+        .collect();
+    let mut pinned = b
+        .host_memory()
+        .expect("pinned memory")
+        .alloc(bytes.len())
+        .expect("alloc");
+    pinned.bytes_mut().copy_from_slice(&bytes);
+    for (source, held) in [
+        (pinned.bytes(), HostData::UntilSync),
+        (&bytes[..], HostData::Transient),
+    ] {
+        let before = gpu.load_stats();
+        let dst = b.alloc(DType::F32, &[slots, width])?;
+        let rows = HostRows::strided(&source[off * 4..], width * 4, group * 4, slots)?;
+        b.write_async(&[(&dst, rows)], held)?;
+        assert_eq!(b.download_f32(&dst)?, want, "{held:?}");
+        let after = gpu.load_stats();
+        let in_place = after.in_place_bytes - before.in_place_bytes;
+        assert_eq!(after.bytes - before.bytes, (slots * width * 4) as u64);
+        assert_eq!(
+            in_place,
+            if held == HostData::UntilSync {
+                (slots * width * 4) as u64
+            } else {
+                0
+            },
+            "{held:?}: {after:?}"
+        );
+    }
+    // Rows that do not fit their bytes are refused.
+    assert!(HostRows::strided(&bytes[off * 4..], width * 4, group * 4, slots + 1).is_err());
+    assert!(HostRows::strided(&bytes, group * 4 + 1, group * 4, 2).is_err());
+    Ok(())
+}

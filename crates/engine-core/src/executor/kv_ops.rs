@@ -13,7 +13,7 @@
 //! back to every rank.
 
 use super::LocalExecutor;
-use crate::backend::HostData;
+use crate::backend::{HostData, HostRows};
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
 use crate::step::SeqPlan;
@@ -264,49 +264,44 @@ impl<'a> Layout<'a> {
             .shards
             .iter()
             .any(|e| e.runner.backend().capabilities().asynchronous);
-        // Split groups write per-rank scratch, which lives only for the call.
-        let held = (asynchronous && !split)
-            .then(|| host.hold(&slots))
-            .flatten();
+        // Every rank reads its rows from the host slots where they lie.
+        let held = asynchronous.then(|| host.hold(&slots)).flatten();
         let data = if held.is_some() {
             HostData::UntilSync
         } else {
             HostData::Transient
         };
+        let group_row: usize = self.rows.iter().sum();
+        // Shard i's rows start `offsets[i]` bytes into each slot row.
+        let offsets: Vec<usize> = self
+            .rows
+            .iter()
+            .scan(0, |off, r| {
+                *off += r;
+                Some(*off - r)
+            })
+            .collect();
         let loaded = host.read_many(&slots, |pages| -> Result<()> {
-            // Per shard and page, its rows of the current part (split groups only).
-            let mut own: Vec<Vec<Vec<u8>>> = self
-                .rows
-                .iter()
-                .map(|r| {
-                    vec![vec![0u8; r * self.spec.page_size]; if split { copies.len() } else { 0 }]
-                })
-                .collect();
             for p in 0..self.parts() {
                 let src = |c: usize| &pages[c][p * part..(p + 1) * part];
-                if split {
-                    let group_row: usize = self.rows.iter().sum();
-                    let mut off = 0;
-                    for (i, row) in self.rows.iter().enumerate() {
-                        for (c, dst) in own[i].iter_mut().enumerate() {
-                            for (s, r) in dst.chunks_exact_mut(*row).enumerate() {
-                                r.copy_from_slice(
-                                    &src(c)[s * group_row + off..s * group_row + off + row],
-                                );
-                            }
-                        }
-                        off += row;
-                    }
-                }
                 for (i, e) in self.shards.iter().enumerate() {
-                    let writes: Vec<(&crate::tensor::Tensor, &[u8])> = (0..copies.len())
+                    let writes = (0..copies.len())
                         .map(|c| {
-                            (
-                                &views[c][i][p],
-                                if split { own[i][c].as_slice() } else { src(c) },
-                            )
+                            let rows = if split {
+                                // Its heads of every slot row, in place.
+                                let (row, off) = (self.rows[i], offsets[i]);
+                                HostRows::strided(
+                                    &src(c)[off..],
+                                    row,
+                                    group_row,
+                                    self.spec.page_size,
+                                )?
+                            } else {
+                                HostRows::whole(src(c))
+                            };
+                            Ok((&views[c][i][p], rows))
                         })
-                        .collect();
+                        .collect::<Result<Vec<_>>>()?;
                     e.runner.backend().write_async(&writes, data)?;
                 }
             }
