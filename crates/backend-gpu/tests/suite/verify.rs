@@ -107,3 +107,68 @@ fn pinned_host_regions_are_zeroed_and_disjoint() {
     spans.sort();
     assert!(spans.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0));
 }
+
+/// Strided host rows (one tensor-parallel rank's heads of each slot of a
+/// host KV page) written by `write_async` reach the device packed: from
+/// the device's pinned memory held until the next sync (copied in place,
+/// by one 2-D copy on CUDA and ROCm), and from plain memory.
+#[test]
+fn strided_host_rows_are_written_packed() -> anyhow::Result<()> {
+    let Some(gpu) = crate::common::gpu() else {
+        return Ok(());
+    };
+    use arbor_engine_core::{Backend, DType, HostData, HostRows};
+    let b: &dyn Backend = &*gpu;
+    let StridedPage {
+        bytes,
+        slots,
+        group,
+        off,
+        width,
+        want,
+    } = StridedPage::new();
+    let pinned = b.host_memory().and_then(|m| m.alloc(bytes.len()));
+    let mut sources: Vec<(Box<dyn arbor_engine_core::HostRegion>, HostData)> =
+        vec![(Box::new(bytes.clone()), HostData::Transient)];
+    if let Some(mut region) = pinned {
+        region.bytes_mut().copy_from_slice(&bytes);
+        sources.push((region, HostData::UntilSync));
+    }
+    for (source, held) in &sources {
+        let dst = b.alloc(DType::F32, &[slots, width])?;
+        let rows = HostRows::strided(&source.bytes()[off * 4..], width * 4, group * 4, slots)?;
+        b.write_async(&[(&dst, rows)], *held)?;
+        assert_eq!(b.download_f32(&dst)?, want, "{held:?}");
+    }
+    Ok(())
+}
+
+/// A host KV page part of 16 slots, each holding three ranks' rows of 8, 12
+/// and 4 floats, and rank 1's rows packed (what the device must receive).
+pub struct StridedPage {
+    pub bytes: Vec<u8>,
+    pub slots: usize,
+    /// Floats per slot (all ranks).
+    pub group: usize,
+    /// Rank 1's first float in a slot, and its floats per slot.
+    pub off: usize,
+    pub width: usize,
+    pub want: Vec<f32>,
+}
+
+impl StridedPage {
+    pub fn new() -> Self {
+        let (slots, group, off, width) = (16, 24, 8, 12);
+        let values: Vec<f32> = (0..slots * group).map(|i| i as f32 * 0.5 - 7.0).collect();
+        Self {
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            want: (0..slots)
+                .flat_map(|s| values[s * group + off..s * group + off + width].to_vec())
+                .collect(),
+            slots,
+            group,
+            off,
+            width,
+        }
+    }
+}

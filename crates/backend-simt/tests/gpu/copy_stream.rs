@@ -70,9 +70,10 @@ fn each_layer_waits_only_for_its_own_copies() -> anyhow::Result<()> {
 }
 
 /// Strided host rows (a tensor-parallel rank's heads of each slot of a host
-/// KV page, which holds every rank's heads) reach the device packed: from
-/// the backend's pinned memory held until the next sync they are copied in
-/// place, from other memory through staging, with the same bytes.
+/// KV page, which holds every rank's heads) reach the device packed (the
+/// device suite's `verify::strided_host_rows_are_written_packed`), and are
+/// counted where they went: from the backend's pinned memory held until the
+/// next sync copied in place, from other memory through staging.
 #[test]
 fn strided_rows_are_copied_in_place_from_pinned_memory() -> anyhow::Result<()> {
     use arbor_engine_core::{Backend, DType, HostData, HostRows};
@@ -89,13 +90,14 @@ fn strided_rows_are_copied_in_place_from_pinned_memory() -> anyhow::Result<()> {
         arbor_backend_simt::ATTENTION,
     ));
     let b: &dyn Backend = &*gpu;
-    // 16 slots of 3 ranks' rows of 8, 12 and 4 floats; rank 1's rows.
-    let (slots, group, off, width) = (16, 24, 8, 12);
-    let values: Vec<f32> = (0..slots * group).map(|i| i as f32 * 0.5 - 7.0).collect();
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let want: Vec<f32> = (0..slots)
-        .flat_map(|s| values[s * group + off..s * group + off + width].to_vec())
-        .collect();
+    let crate::verify::StridedPage {
+        bytes,
+        slots,
+        group,
+        off,
+        width,
+        want,
+    } = crate::verify::StridedPage::new();
     let mut pinned = b
         .host_memory()
         .expect("pinned memory")
