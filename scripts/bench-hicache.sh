@@ -6,7 +6,8 @@
 # (served from the file store) against the same prompt cold.
 #
 # Usage: scripts/bench-hicache.sh [N_PROMPTS] [BLOCK_TOKENS] [DEVICE_TOKENS]
-# (ONLY="none host host_file host_redis long" picks parts; OUT sets the folder.)
+# (ONLY="none host host_file host_redis long" picks parts; OUT sets the folder;
+# CONCURRENCY the requests in flight, default 4.)
 # Needs a release build (cargo build --release -p arbor), the default model
 # (arbor fetch-default) and redis-server on PATH (the redis run is skipped without).
 set -euo pipefail
@@ -33,7 +34,7 @@ serve() { # name, extra flags...
   return 1
 }
 stop() { kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true; }
-metric() { curl -s "http://127.0.0.1:$PORT/metrics" | awk -v m="arbor:$1" 'index($0, m"{")==1 {print $2; exit}'; }
+metric() { curl -s "http://127.0.0.1:$PORT/metrics" | awk -v m="arbor:$1" 'index($0, m"{")==1 {print $NF; exit}'; }
 
 replay() { # name, extra flags...
   local name=$1; shift
@@ -42,7 +43,7 @@ replay() { # name, extra flags...
   serve "$name" "$@"
   "$BIN" bench serving --port "$PORT" --tokenizer "$MODEL" --dataset-name mooncake \
     --num-prompts "$N" --trace-block-tokens "$BLOCK" --trace-output-len 4 \
-    --trace-speed inf --max-concurrency 4 --tokenize-prompt --warmup-requests 0 \
+    --trace-speed inf --max-concurrency "${CONCURRENCY:-4}" --tokenize-prompt --warmup-requests 0 \
     --cache-report --disable-tqdm --output-summary "$OUT/summary.jsonl" >"$OUT/$name.bench" 2>&1
   echo "$name host_hit_tokens=$(metric hicache_host_hit_tokens_total) storage_hit_tokens=$(metric hicache_storage_hit_tokens_total) storage_errors=$(metric hicache_storage_errors_total)" >>"$OUT/tiers.txt"
   stop

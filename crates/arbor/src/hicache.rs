@@ -110,6 +110,17 @@ impl HiCacheSection {
         }
     }
 
+    /// The storage backend given while HiCache is off: as in SGLang it then
+    /// has no effect, and the start-up summary says so.
+    pub fn storage_without_enable(&self) -> Option<&str> {
+        if self.enable_hierarchical_cache.unwrap_or(false) {
+            return None;
+        }
+        self.hicache_storage_backend
+            .as_deref()
+            .filter(|b| *b != "none")
+    }
+
     /// The checked settings (`None` when off); errors name the flag.
     pub fn to_settings(&self, radix_disabled: bool) -> Result<Option<HiCacheSettings>> {
         if !self.enable_hierarchical_cache.unwrap_or(false) {
@@ -305,6 +316,14 @@ mod tests {
     fn off_by_default_flags_override_and_errors_name_the_flag() {
         let off = HiCacheSection::resolve(HiCacheSection::default(), &HiCacheArgs::default());
         assert!(off.to_settings(false).expect("off").is_none());
+        assert_eq!(off.storage_without_enable(), None);
+        let storage_only = HiCacheArgs {
+            hicache_storage_backend: Some("redis".into()),
+            ..Default::default()
+        };
+        let ignored = HiCacheSection::resolve(HiCacheSection::default(), &storage_only);
+        assert!(ignored.to_settings(false).expect("off").is_none());
+        assert_eq!(ignored.storage_without_enable(), Some("redis"));
         let file = HiCacheSection {
             enable_hierarchical_cache: Some(true),
             hicache_ratio: Some(3.0),
@@ -322,6 +341,7 @@ mod tests {
             assert_eq!(h.ratio, 1.5);
             assert_eq!(h.write_policy, "write_back");
             assert_eq!(h.storage, Some(("file".into(), None)));
+            assert_eq!(s.storage_without_enable(), None);
             let e = s.to_settings(true).expect_err("needs the radix cache");
             assert!(e.to_string().contains("--disable-radix-cache"), "{e}");
         }

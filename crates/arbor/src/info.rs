@@ -43,7 +43,7 @@ pub fn run(args: InfoArgs) -> Result<()> {
     let mut last = "";
     for (kind, name, about, origin) in registry.listing() {
         if kind != last {
-            println!("\n{kind}s:");
+            println!("\n{}:", plural(kind));
             last = kind;
         }
         let from = match origin {
@@ -101,5 +101,22 @@ fn wgpu_adapters() {
             a.max_workgroups_per_dim,
             if a.shader_f16 { "yes" } else { "no" }
         );
+    }
+}
+
+/// The plural of a registry kind's name ("eviction policy": "eviction policies").
+fn plural(kind: &str) -> String {
+    match kind.strip_suffix('y') {
+        Some(stem) => format!("{stem}ies"),
+        None => format!("{kind}s"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kinds_are_listed_in_the_plural() {
+        assert_eq!(super::plural("eviction policy"), "eviction policies");
+        assert_eq!(super::plural("quantization method"), "quantization methods");
     }
 }

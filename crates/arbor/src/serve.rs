@@ -579,7 +579,13 @@ impl Summary<'_> {
             return "prefix reuse off".to_string();
         }
         let tiers = match self.cfg.hicache.to_settings(false).ok().flatten() {
-            None => String::new(),
+            None => match self.cfg.hicache.storage_without_enable() {
+                Some(b) => format!(
+                    "; HiCache off (--hicache-storage-backend {b} has no effect without \
+                     --enable-hierarchical-cache)"
+                ),
+                None => String::new(),
+            },
             Some(h) => format!(
                 "; HiCache host tier {} ({} memory), {}, storage {} (prefetch {})",
                 if h.size_gb > 0.0 {
