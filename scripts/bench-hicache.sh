@@ -7,7 +7,8 @@
 #
 # Usage: scripts/bench-hicache.sh [N_PROMPTS] [BLOCK_TOKENS] [DEVICE_TOKENS]
 # (ONLY="none host host_file host_redis long" picks parts; OUT sets the folder;
-# CONCURRENCY the requests in flight, default 4.)
+# CONCURRENCY the requests in flight, default 4; RATIO the host tier over the
+# device pool, default 2.)
 # Needs a release build (cargo build --release -p arbor), the default model
 # (arbor fetch-default) and redis-server on PATH (the redis run is skipped without).
 set -euo pipefail
@@ -49,7 +50,7 @@ replay() { # name, extra flags...
   stop
 }
 
-HOST=(--enable-hierarchical-cache --hicache-ratio 2 --hicache-write-policy write_through)
+HOST=(--enable-hierarchical-cache --hicache-ratio "${RATIO:-2}" --hicache-write-policy write_through)
 replay none
 replay host "${HOST[@]}"
 # Storage hits count only when the request waits for its prefetch (SGLang's

@@ -27,10 +27,11 @@
 #      made on the GPU) and prints its table, with the share of the HBM
 #      roofline reached at batch 1; then 8 of its layers with FP8 weights
 #      (`--quant fp8`, quantized at load), with W8A8 FP8 (`--quant
-#      w8a8_fp8`: E4M3 inputs on FP8 tensor cores, sm_89+) and in bf16, the
-#      FP8 runs also timing their linears through the dequantizing GEMM
-#      against the tensor-core GEMM (prefill, and decode at batch 1
-#      alternated); and a
+#      w8a8_fp8`: E4M3 inputs on FP8 tensor cores, sm_89+), as AutoAWQ INT4
+#      and ModelOpt NVFP4 checkpoints (`--quant awq`, `--quant nvfp4`) and in
+#      bf16, the quantized runs also timing their linears through the
+#      dequantizing GEMM against the tensor-core GEMM (prefill, and decode
+#      at batch 1 alternated); and a
 #      HiCache load-back (4,096 tokens of KV from host memory, 128 computed
 #      on them) with the loads on the copy stream, layer by layer, in place
 #      from pinned pages and through staging, against the loads written
@@ -290,10 +291,10 @@ run_checks() {
   timeout "${BENCH_TIMEOUT:-300}" "$bench" ${BENCH_ARGS:-} >"$logs/gpu-check-bench.txt" 2>&1 || rc=$?
   cat "$logs/gpu-check-bench.txt"
   [ "$rc" = 0 ] || { echo "benchmark FAILED (exit $rc)"; failed=$((failed + 1)); }
-  step "benchmark: FP8 and W8A8 FP8 weights (quantized at load; tensor-core GEMM against the dequantizing one) against bf16, 8 layers"
+  step "benchmark: FP8 and W8A8 FP8 (quantized at load), AWQ INT4 and NVFP4 (checkpoint formats) weights (tensor-core GEMM against the dequantizing one) against bf16, 8 layers"
   rc=0
   : >"$logs/gpu-check-bench-quant.txt"
-  for q in fp8 w8a8_fp8 auto; do
+  for q in fp8 w8a8_fp8 awq nvfp4 auto; do
     timeout "${BENCH_TIMEOUT:-300}" "$bench" --layers 8 --batches 1,64 --steps 16 --prefill 2048 \
       --quant "$q" >>"$logs/gpu-check-bench-quant.txt" 2>&1 || rc=$?
   done

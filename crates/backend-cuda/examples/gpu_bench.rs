@@ -15,7 +15,11 @@
 //!
 //! `--quant NAME` loads the weights through that quantization method (`fp8`
 //! quantizes the bf16 matrices at load, on the host, so the matrices are
-//! zeros rather than random: a speed figure only); with scaled-block weights
+//! zeros rather than random: a speed figure only); `--quant awq` and
+//! `--quant nvfp4` give the linear layers in AutoAWQ's INT4 or ModelOpt's
+//! NVFP4 checkpoint format (`RandomWeights::quantized`, with zero codes and
+//! scales: a speed figure only) and load them through `awq` or `modelopt`,
+//! as a checkpoint so quantized would load; with scaled-block weights
 //! (FP8, INT4, NVFP4) the prefill and the graph-less batch-1 decode are also
 //! timed with the weights dequantized before each GEMM instead of the
 //! tensor-core GEMM (decode alternated, best of two each), and FP8 weights'
@@ -31,7 +35,7 @@
 //!
 //! `cargo run --release -p arbor-backend-cuda --example gpu_bench -- [--layers N]
 //! [--batches 1,8,64,256|none] [--context 512] [--steps 32] [--prefill 2048]
-//! [--load-back 4096] [--quant auto|fp8] [--model llama-8b|deepseek-v2-lite]`
+//! [--load-back 4096] [--quant auto|fp8|w8a8_fp8|awq|nvfp4] [--model llama-8b|deepseek-v2-lite]`
 #![allow(clippy::unwrap_used)]
 
 use anyhow::{Context, Result, bail};
@@ -39,13 +43,13 @@ use arbor_backend_cuda::GpuBackend;
 use arbor_engine_core::backend::SampleRow;
 use arbor_engine_core::{
     AttentionBackend, Backend, BackendOptions, BatchLayout, DType, ForwardBatch, ForwardContext,
-    HostData, HostRows, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, Registry,
-    WeightSource,
+    HostData, HostRows, HostTensor, KvCache, KvSpec, LoadOptions, Model, PagePool, QuantInit,
+    Registry, WeightSource,
 };
 use arbor_models::config::DecoderConfig;
 use arbor_models::decoder::{ArchFlags, DEEPSEEK_V2, DecoderArchitecture, DecoderModel};
 use arbor_models::mla::MlaConfig;
-use arbor_models::random::{LatentShape, RandomWeights};
+use arbor_models::random::{LatentShape, RandomQuant, RandomWeights};
 // Registers the quantization methods (`--quant fp8`).
 use arbor_quant as _;
 use std::borrow::Cow;
@@ -104,67 +108,71 @@ fn args() -> Result<Args> {
     Ok(a)
 }
 
-/// Shapes of a checkpoint: matrices are answered with zeros that the
-/// backend never reads (synthetic uploads), norm weights with ones.
+/// Shapes of a checkpoint: matrices are answered with zeros of their dtype
+/// (the backend never reads float ones: synthetic uploads; packed codes and
+/// their scales stay zero), norm weights, biases and scalar scales with ones.
 struct Synthetic {
-    shapes: HashMap<String, Vec<usize>>,
+    tensors: HashMap<String, (Vec<usize>, DType)>,
     zeros: Vec<u8>,
 }
 
 impl Synthetic {
-    /// The tensors `RandomWeights` names for the model (only their shapes).
-    fn new(model: &RandomWeights) -> Self {
-        let shapes: HashMap<String, Vec<usize>> = model
-            .shapes()
-            .map(|(n, s)| (n.to_string(), s.to_vec()))
+    /// The tensors `RandomWeights` names for the model (only their shapes
+    /// and dtypes).
+    fn new(model: &RandomWeights) -> Result<Self> {
+        let tensors: HashMap<String, (Vec<usize>, DType)> = model
+            .tensors()
+            .map(|(n, s, d)| (n.to_string(), (s.to_vec(), d)))
             .collect();
-        let largest = shapes
-            .values()
-            .map(|v| v.iter().product::<usize>())
-            .max()
-            .unwrap_or(0);
-        // calloc'd: the pages are never touched, so this costs no memory.
-        Synthetic {
-            shapes,
-            zeros: vec![0u8; 2 * largest],
+        let mut largest = 0;
+        for (shape, dtype) in tensors.values() {
+            largest = largest.max(dtype.bytes_for(shape.iter().product())?);
         }
+        // calloc'd: the pages are never touched, so this costs no memory.
+        Ok(Synthetic {
+            tensors,
+            zeros: vec![0u8; largest],
+        })
     }
 }
 
 impl WeightSource for Synthetic {
     fn describe(&self) -> String {
-        "synthetic bf16 weights (filled on the GPU)".into()
+        "synthetic weights (float matrices filled on the GPU)".into()
     }
     fn tensor(&self, name: &str) -> arbor_engine_core::Result<Option<HostTensor<'_>>> {
-        let Some(shape) = self.shapes.get(name) else {
+        let Some((shape, dtype)) = self.tensors.get(name) else {
             return Ok(None);
         };
         let n: usize = shape.iter().product();
-        Ok(Some(if shape.len() == 1 {
+        Ok(Some(if shape.len() <= 1 {
             HostTensor::from_f32(shape, &vec![1.0; n])
         } else {
             HostTensor {
-                dtype: DType::BF16,
+                dtype: *dtype,
                 shape: shape.clone(),
-                data: Cow::Borrowed(&self.zeros[..2 * n]),
+                data: Cow::Borrowed(&self.zeros[..dtype.bytes_for(n)?]),
             }
         }))
     }
 }
 
-/// The benchmarked model: its `config.json`, architecture flags and tensors.
+/// The benchmarked model: its `config.json`, architecture flags, tensors
+/// and the quantization method that loads them.
 struct BenchModel {
     name: &'static str,
     config: serde_json::Value,
     flags: ArchFlags,
     tensors: RandomWeights,
+    method: String,
 }
 
 impl BenchModel {
     /// `llama-8b`: Llama-3.1-8B's shape; `deepseek-v2-lite`: DeepSeek-V2-Lite's
     /// attention (576-wide latent heads, 16 query heads) with dense MLPs of
-    /// its dense layer's width.
-    fn new(name: &str, layers: usize) -> Result<Self> {
+    /// its dense layer's width. `quant` is a method name, or `awq` /
+    /// `nvfp4` for the weights in that checkpoint format.
+    fn new(name: &str, layers: usize, quant: &str) -> Result<Self> {
         let (name, config, flags) = match name {
             "llama-8b" => (
                 "Llama-3.1-8B shape",
@@ -201,17 +209,26 @@ impl BenchModel {
             }
             other => bail!("unknown model {other} (llama-8b, deepseek-v2-lite)"),
         };
+        let mut config = config;
         let cfg = DecoderConfig::from_json(&config, "config.json")?;
         let mut tensors = RandomWeights::new(&cfg, flags, DType::BF16, 0)?;
         if flags.mla {
             let mla = MlaConfig::from_json(&config, "config.json", false)?;
             tensors = tensors.with_mla(&cfg, &mla);
         }
+        let mut method = quant.to_string();
+        if let Some(q) = RandomQuant::from_name(quant) {
+            tensors = tensors.quantized(q)?;
+            let qc = q.config();
+            method = qc["quant_method"].as_str().unwrap_or(quant).to_string();
+            config["quantization_config"] = qc;
+        }
         Ok(Self {
             name,
             config,
             flags,
             tensors,
+            method,
         })
     }
 }
@@ -224,7 +241,7 @@ struct Setup {
     pool: PagePool,
 }
 
-fn setup(graphs: bool, m: &BenchModel, kv_tokens: usize, quant: &str) -> Result<Setup> {
+fn setup(graphs: bool, m: &BenchModel, kv_tokens: usize) -> Result<Setup> {
     let backend = Arc::new(arbor_backend_cuda::open(&BackendOptions {
         disable_cuda_graph: !graphs,
         cuda_graph_max_bs: Some(256),
@@ -234,12 +251,18 @@ fn setup(graphs: bool, m: &BenchModel, kv_tokens: usize, quant: &str) -> Result<
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: dynb.clone(),
-        quant: registry.quant_methods.get(quant)?(&Default::default())?,
+        quant: registry.quant_methods.get(&m.method)?(&QuantInit {
+            checkpoint: m.config.get("quantization_config").cloned(),
+            base: None,
+        })?,
         progress: None,
     };
     backend.set_synthetic_weights(Some(0x5eed));
-    let model =
-        DecoderArchitecture::new(m.flags).load_model(&m.config, &Synthetic::new(&m.tensors), &opts);
+    let model = DecoderArchitecture::new(m.flags).load_model(
+        &m.config,
+        &Synthetic::new(&m.tensors)?,
+        &opts,
+    );
     backend.set_synthetic_weights(None);
     let model = model?;
     let s = model.spec();
@@ -434,7 +457,7 @@ fn load_back(s: &Setup, prefix: usize, mode: LoadMode) -> Result<f64> {
 
 fn main() -> Result<()> {
     let a = args()?;
-    let model = BenchModel::new(&a.model, a.layers)?;
+    let model = BenchModel::new(&a.model, a.layers, &a.quant)?;
     let max_bs = a.batches.iter().copied().max().unwrap_or(1);
     // Every decode sequence holds its context, the warm-up and timed steps.
     let per_seq = (a.context + WARM + a.steps + 1).div_ceil(PAGE) * PAGE;
@@ -443,7 +466,7 @@ fn main() -> Result<()> {
         .max((a.load_back / PAGE + LOAD_BACK_SUFFIX.div_ceil(PAGE)) * PAGE)
         + PAGE;
     let t0 = Instant::now();
-    let s = setup(true, &model, kv_tokens, &a.quant)?;
+    let s = setup(true, &model, kv_tokens)?;
     let weight_bytes = s.model.spec().weight_bytes as f64;
     let info = s.backend.info();
     println!(
@@ -561,7 +584,7 @@ fn main() -> Result<()> {
     ));
     drop(s);
     if a.batches.contains(&1) {
-        let e = setup(false, &model, kv_tokens, &a.quant)?;
+        let e = setup(false, &model, kv_tokens)?;
         let (tps, ms) = decode(&e, 1, a.context, a.steps)?;
         println!("decode bs=1 without graphs: {tps:.1} tok/s ({ms:.2} ms/step)");
         rows.push((

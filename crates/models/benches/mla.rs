@@ -5,8 +5,9 @@
 //! (one of its experts' width) and a 4,096-token vocabulary, so that the
 //! attention's projections are most of the work. Prints prefill 512 tok/s,
 //! decode tok/s at batch 1 and 8 (512 tokens of context each), and the
-//! weight bytes, for bf16 weights and for FP8 (the bf16 weights quantized
-//! at load).
+//! weight bytes, for bf16 weights, for FP8 (the bf16 weights quantized
+//! at load), and for random AutoAWQ INT4 and ModelOpt NVFP4 checkpoints of
+//! the same shape (`RandomWeights::quantized`).
 //!
 //! Run: `cargo bench -p arbor-models --bench mla` (ARBOR_BENCH_THREADS,
 //! default 2).
@@ -14,9 +15,9 @@
 mod common;
 
 use arbor_backend_cpu::CpuBackend;
-use arbor_engine_core::{Backend, DType, LoadOptions, Model, Registry};
+use arbor_engine_core::{Backend, DType, LoadOptions, Model, QuantInit, Registry};
 use arbor_models::decoder::{DEEPSEEK_V2, DecoderArchitecture};
-use arbor_models::random::LatentShape;
+use arbor_models::random::{LatentShape, RandomQuant};
 use std::sync::Arc;
 
 const SHAPE: LatentShape = LatentShape {
@@ -41,13 +42,27 @@ fn main() {
     );
     println!("| weights | weight MB | prefill 512 tok/s | decode bs1 tok/s | decode bs8 tok/s |");
     println!("|---|---|---|---|---|");
-    for (label, method) in [("bf16", "auto"), ("fp8", "fp8")] {
+    let formats = [
+        ("bf16", "auto", None),
+        ("fp8", "fp8", None),
+        ("awq", "awq", Some(RandomQuant::Awq { group: 128 })),
+        ("nvfp4", "modelopt", Some(RandomQuant::Nvfp4)),
+    ];
+    for (label, method, format) in formats {
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(threads).expect("cpu"));
-        let src = SHAPE.weights(DType::BF16, 1).expect("weights");
+        let mut src = SHAPE.weights(DType::BF16, 1).expect("weights");
+        let mut json = json.clone();
+        if let Some(q) = format {
+            src = src.quantized(q).expect("quantized weights");
+            json["quantization_config"] = q.config();
+        }
         let opts = LoadOptions {
             backend: backend.clone(),
-            quant: registry.quant_methods.get(method).expect("method")(&Default::default())
-                .expect("quant"),
+            quant: registry.quant_methods.get(method).expect("method")(&QuantInit {
+                checkpoint: json.get("quantization_config").cloned(),
+                base: None,
+            })
+            .expect("quant"),
             progress: None,
         };
         let model = DecoderArchitecture::new(DEEPSEEK_V2)

@@ -391,12 +391,7 @@ fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
     let dir = fixtures().join("tiny-llama");
     let (m, backend) = load(&dir, None)?;
     let reference: Value = reference_at(&dir.join("reference.json"))?;
-    let prompts: Vec<Vec<u32>> = reference["prompts"]
-        .as_array()
-        .context("prompts")?
-        .iter()
-        .map(|p| ids(&p["input_ids"]))
-        .collect();
+    let prompts = reference_prompts(&reference)?;
     for (name, kv, tol) in [
         ("fp8_e4m3", DType::F8E4M3, 0.1),
         ("fp8_e5m2", DType::F8E5M2, 0.2),

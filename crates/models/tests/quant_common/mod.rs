@@ -11,7 +11,7 @@ use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
 use arbor_engine_core::sampling::StandardSampler;
 use arbor_engine_core::{
-    Backend, DType, LoadOptions, QuantInit, QuantMatmul, Registry, SamplingParams,
+    Backend, DType, LoadOptions, Model, PagePool, QuantInit, QuantMatmul, Registry, SamplingParams,
 };
 use arbor_models::{LoadedModel, load_model};
 use serde_json::Value;
@@ -116,24 +116,14 @@ pub fn check_within(
     let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, DType::F32)?;
     let pool = runner.new_page_pool();
     let prompts = reference["prompts"].as_array().context("prompts")?;
-    for (i, p) in prompts.iter().enumerate() {
-        let tokens = ids(&p["input_ids"]);
+    let inputs = reference_prompts(reference)?;
+    let all = runner_last_logits(&runner, &pool, &inputs)?;
+    for (i, (p, got)) in prompts.iter().zip(&all).enumerate() {
         let want = floats(&p["last_logits"]);
-        let pages = pool.alloc(pool.pages_for(tokens.len()))?;
-        let got = runner.step(&[SeqStep {
-            tokens: &tokens,
-            prefix_len: 0,
-            pages: pages.pages(),
-            want_logits: true,
-        }])?;
-        drop(pages);
         let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-        let err = got[0]
-            .iter()
-            .zip(&want)
-            .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        let err = max_abs_diff(got, &want);
         println!("{name} prompt {i}: max |logit| {max:.3}, max abs error {err:.2e}");
-        assert_eq!(got[0].len(), want.len());
+        assert_eq!(got.len(), want.len());
         assert!(
             err <= tol.logits * max,
             "{name} prompt {i}: logits error {err} > {} * {max}",
@@ -152,7 +142,6 @@ pub fn check_within(
         processors: &[],
         eos_token_ids: &[],
     };
-    let inputs: Vec<Vec<u32>> = prompts.iter().map(|p| ids(&p["input_ids"])).collect();
     let (outs, _) = generate_static(&runner, &pool, &inputs, &params, &setup, &mut |_, _| {})?;
     for (i, (o, p)) in outs.iter().zip(prompts).enumerate() {
         let want = ids(&p["greedy_ids"]);
@@ -313,14 +302,43 @@ pub fn last_logits(
     kv: DType,
     reference: &Value,
 ) -> Result<Vec<Vec<f32>>> {
-    let runner = ModelRunner::new(m.model.clone(), backend.clone(), None, 16, 64, kv)?;
-    let pool = runner.new_page_pool();
+    prompts_last_logits(m.model.clone(), backend, kv, &reference_prompts(reference)?)
+}
+
+/// The `input_ids` of every prompt of a reference.json.
+pub fn reference_prompts(reference: &Value) -> Result<Vec<Vec<u32>>> {
+    Ok(reference["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .map(|p| ids(&p["input_ids"]))
+        .collect())
+}
+
+/// Last-position logits of each of `prompts`, each run whole through
+/// `model` with a KV cache of `kv`.
+pub fn prompts_last_logits(
+    model: Arc<dyn Model>,
+    backend: &Arc<dyn Backend>,
+    kv: DType,
+    prompts: &[Vec<u32>],
+) -> Result<Vec<Vec<f32>>> {
+    let runner = ModelRunner::new(model, backend.clone(), None, 16, 64, kv)?;
+    runner_last_logits(&runner, &runner.new_page_pool(), prompts)
+}
+
+/// [`prompts_last_logits`] through `runner` with pages of `pool`; checks
+/// that every page is back in the pool after.
+pub fn runner_last_logits(
+    runner: &ModelRunner,
+    pool: &PagePool,
+    prompts: &[Vec<u32>],
+) -> Result<Vec<Vec<f32>>> {
     let mut out = Vec::new();
-    for p in reference["prompts"].as_array().context("prompts")? {
-        let tokens = ids(&p["input_ids"]);
+    for tokens in prompts {
         let pages = pool.alloc(pool.pages_for(tokens.len()))?;
         let mut got = runner.step(&[SeqStep {
-            tokens: &tokens,
+            tokens,
             prefix_len: 0,
             pages: pages.pages(),
             want_logits: true,
