@@ -49,7 +49,8 @@ struct Sim {
     host: Arc<HostKvPool>,
     ps: usize,
     device: Vec<Option<u64>>,
-    host_mem: HashMap<u32, u64>,
+    /// Each host slot's generation when written, and its stamp.
+    host_mem: HashMap<u32, (u64, u64)>,
     running: Vec<Running>,
     ns: CacheNamespace,
     loaded_tokens: usize,
@@ -92,21 +93,31 @@ impl Sim {
         }
     }
 
-    /// Runs the recorded copies as an executor does.
+    /// Runs the recorded copies as an executor does: a copy into or out of
+    /// a host slot freed since it was recorded is an error there.
     fn run_copies(&mut self) {
         let KvTierOps { copies, .. } = self.cache.take_kv_ops();
         for c in copies {
             match c.direction {
                 CopyDirection::ToHost => {
                     let v = self.device[c.device_page as usize].expect("backup of an empty page");
-                    self.host_mem.insert(c.host.slot, v);
+                    assert!(
+                        self.host.write(c.host, |_| {}),
+                        "backup into freed host slot {}",
+                        c.host.slot
+                    );
+                    self.host_mem.insert(c.host.slot, (c.host.generation, v));
                     self.demotions += 1;
                 }
                 CopyDirection::ToDevice => {
-                    let v = *self
+                    let (generation, v) = *self
                         .host_mem
                         .get(&c.host.slot)
                         .expect("load of an empty slot");
+                    assert_eq!(
+                        generation, c.host.generation,
+                        "load from a host slot written for another allocation"
+                    );
                     self.device[c.device_page as usize] = Some(v);
                 }
             }
@@ -183,8 +194,10 @@ impl Sim {
         };
         for (i, s) in h.slots().iter().enumerate() {
             self.host.write(*s, |_| {});
-            self.host_mem
-                .insert(s.slot, stamp(tokens, have + (i + 1) * self.ps));
+            self.host_mem.insert(
+                s.slot,
+                (s.generation, stamp(tokens, have + (i + 1) * self.ps)),
+            );
         }
         self.cache.insert_host(&self.ns, tokens, have, h);
     }
@@ -221,8 +234,8 @@ fn random_tokens(rng: &mut Rng, ps: usize) -> Vec<u32> {
         .collect()
 }
 
-fn run(policy: WritePolicy, ps: usize, seed: u64) -> (usize, usize) {
-    let mut sim = Sim::new(policy, ps, 24, 40);
+fn run(policy: WritePolicy, ps: usize, host_pages: usize, seed: u64) -> (usize, usize) {
+    let mut sim = Sim::new(policy, ps, 24, host_pages);
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     for _ in 0..400 {
         match rng.below(10) {
@@ -270,11 +283,15 @@ fn random_lifecycles_keep_kv_where_the_tree_says() {
         WritePolicy::WriteThroughSelective,
         WritePolicy::WriteBack,
     ] {
-        for ps in [1, 2, 4] {
-            for seed in 0..5 {
-                let (l, c) = run(policy, ps, seed);
-                loaded += l;
-                copied += c;
+        // A host tier larger than the device pool, and one smaller (host
+        // eviction then takes leaves demoted in the same step).
+        for host_pages in [40, 8] {
+            for ps in [1, 2, 4] {
+                for seed in 0..5 {
+                    let (l, c) = run(policy, ps, host_pages, seed);
+                    loaded += l;
+                    copied += c;
+                }
             }
         }
     }

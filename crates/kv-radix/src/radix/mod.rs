@@ -420,6 +420,9 @@ impl RadixCache {
         self.evictable -= len;
         if let Some(t) = self.tiers.as_mut() {
             t.host_tokens -= n.host_tokens();
+            if let Some(h) = &n.host {
+                t.forget_copies(h.slots());
+            }
         }
         self.live_nodes -= 1;
         let parent = n.parent;

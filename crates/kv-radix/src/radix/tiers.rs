@@ -16,7 +16,8 @@
 //! - every copy is recorded in order in `Tiers::ops`; the scheduler hands
 //!   them to the next step, which runs them before its forward, so a page
 //!   demoted and then reused in the same step is copied out before it is
-//!   overwritten;
+//!   overwritten; a node removed before its copies ran takes them with it
+//!   (`Tiers::forget_copies`), so no recorded copy names a freed host slot;
 //! - with a storage identity, every node keeps the chained key of its last
 //!   page and each new host copy of device KV is queued as a
 //!   [`StorageBackup`] for the storage tier (written once its copy ran).
@@ -101,6 +102,18 @@ impl Tiers {
         KvTierOps {
             host: Some(self.host.clone()),
             copies: std::mem::take(&mut self.ops),
+        }
+    }
+
+    /// Drops the recorded copies that have not run yet into or out of
+    /// `slots`, whose node is leaving the cache: nothing reads those slots
+    /// again (their next allocation has another generation), and its device
+    /// pages, if any, are freed with it. Without this a host tier full
+    /// enough to evict a leaf demoted since the last step would hand the
+    /// step a copy into a freed slot.
+    pub(super) fn forget_copies(&mut self, slots: &[HostSlotRef]) {
+        if !self.ops.is_empty() {
+            self.ops.retain(|c| !slots.contains(&c.host));
         }
     }
 
