@@ -62,10 +62,6 @@ fn i32s(t: &HostTensor<'_>) -> Vec<u32> {
         .collect()
 }
 
-fn f16s(t: &HostTensor<'_>) -> Result<Vec<f32>> {
-    Ok(t.to_f32_vec()?)
-}
-
 /// E4M3 (bias 7, no infinities) as f32.
 fn e4m3(b: u8) -> f32 {
     let (sign, exp, man) = (b >> 7, (b >> 3) & 0xf, b & 7);
@@ -90,7 +86,7 @@ fn dequantize(src: &RandomWeights, q: RandomQuant, prefix: &str) -> Result<(Vec<
             let (qw, qz, sc) = (get("qweight")?, get("qzeros")?, get("scales")?);
             let (k, nw) = (qw.shape[0], qw.shape[1]);
             let n = nw * 8;
-            let (words, zeros, scales) = (i32s(&qw), i32s(&qz), f16s(&sc)?);
+            let (words, zeros, scales) = (i32s(&qw), i32s(&qz), sc.to_f32_vec()?);
             // AutoAWQ packs outputs 0 2 4 6 1 3 5 7 into nibbles 0..8.
             const ORDER: [usize; 8] = [0, 2, 4, 6, 1, 3, 5, 7];
             let nibble = |w: u32, r: usize| {
@@ -111,7 +107,7 @@ fn dequantize(src: &RandomWeights, q: RandomQuant, prefix: &str) -> Result<(Vec<
         RandomQuant::Nvfp4 => {
             let (w, s, s2) = (get("weight")?, get("weight_scale")?, get("weight_scale_2")?);
             let (n, k) = (w.shape[0], w.shape[1] * 2);
-            let global = f32::from_le_bytes(w_bytes(&s2.data)?);
+            let global = *s2.to_f32_vec()?.first().context("an empty scalar")?;
             let mut v = vec![0f32; n * k];
             for r in 0..n {
                 for c in 0..k {
@@ -125,10 +121,6 @@ fn dequantize(src: &RandomWeights, q: RandomQuant, prefix: &str) -> Result<(Vec<
             Ok((v, k))
         }
     }
-}
-
-fn w_bytes(d: &[u8]) -> Result<[u8; 4]> {
-    Ok(d.get(..4).context("an empty scalar")?.try_into()?)
 }
 
 /// `src` with every quantized linear dequantized to f32, the rest as is.

@@ -4,25 +4,22 @@
 #![allow(clippy::unwrap_used)]
 
 use arbor_quant::{
-    DType, SimdLevel, dequantize_with, dot_rows_with, prepare_acts, quantize, row_bytes,
+    DOT_WEIGHT_DTYPES, DType, SimdLevel, dequantize_with, dot_rows_with, prepare_acts, quantize,
+    row_bytes,
 };
 use proptest::prelude::*;
+use std::sync::LazyLock;
 
-const DOT: [DType; 13] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-];
+/// The weight dtypes whose blocks [`weights`] can fill from random bytes:
+/// the floats and ggml's blocks (their scale fields are at
+/// [`scale_offsets`]); the scaled blocks of HF checkpoints are tested in
+/// `kernels.rs`.
+static DOT: LazyLock<Vec<DType>> = LazyLock::new(|| {
+    DOT_WEIGHT_DTYPES
+        .into_iter()
+        .filter(|d| !d.is_scaled_block())
+        .collect()
+});
 
 /// Offsets of the f16 scale fields in a block (overwritten with finite values).
 fn scale_offsets(dtype: DType) -> &'static [usize] {
