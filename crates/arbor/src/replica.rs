@@ -14,7 +14,7 @@ use crate::setup::{
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::comm::Communicator;
 use arbor_engine_core::engine::EngineParts;
-use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::runner::{KvGeometry, ModelRunner};
 use arbor_engine_core::{
     AttentionSharding, Backend, DType, KvSpec, LogitsProcessor, Model, ModelSpec, PrefixCache,
     PrefixCacheOptions, Registry, ResolvedKvDtype, SpeculatorInputs, TpRunners,
@@ -109,6 +109,35 @@ fn group_spec(model: &LoadedModel, group: Option<&RankGroup>, dp_attention: bool
     spec
 }
 
+/// Refuses what a hybrid model (recurrent layers) cannot be served with
+/// yet, naming it, rather than serving wrong output.
+fn check_hybrid(spec: &ModelSpec, ranks: bool, setup: &EngineSetup) -> Result<()> {
+    if spec.state.is_none() {
+        return Ok(());
+    }
+    let arch = &spec.architecture;
+    if ranks {
+        bail!(
+            "--tp-size / --enable-dp-attention with {arch}: splitting recurrent (Gated DeltaNet) \
+             layers over ranks is not supported yet"
+        );
+    }
+    if let Some(sc) = &setup.engine.speculative {
+        bail!(
+            "--speculative-algorithm {} with {arch}: speculation on recurrent layers is not \
+             supported yet",
+            sc.algorithm
+        );
+    }
+    if setup.hicache.is_some() {
+        bail!(
+            "--enable-hierarchical-cache with {arch}: a hybrid model's prefixes are not cached \
+             yet, so there is nothing to tier"
+        );
+    }
+    Ok(())
+}
+
 /// KV bytes of one token: the target's, plus a draft model's (whose KV
 /// lives in pages of its own, one per target page).
 fn kv_bytes_per_token(
@@ -118,7 +147,7 @@ fn kv_bytes_per_token(
     draft: Option<&LoadedModel>,
 ) -> u64 {
     let target = KvSpec {
-        num_layers: spec.num_layers,
+        num_layers: spec.kv_layers(),
         num_kv_heads: spec.num_kv_heads,
         head_dim: spec.head_dim,
         page_size,
@@ -285,6 +314,7 @@ pub fn build_replica(
         group,
         devices,
     } = load_devices(registry, args)?;
+    check_hybrid(model.model.spec(), group.is_some(), setup)?;
     let resolved = kv_dtype(args, &*backend, model.model.spec())?;
     let standalone = setup
         .engine
@@ -316,13 +346,17 @@ pub fn build_replica(
     .tokens()?;
     let num_pages = (tokens / page_size).max(1);
     let runner = Arc::new(
-        ModelRunner::new(
+        ModelRunner::with_state_slots(
             model.model.clone(),
             backend.clone(),
             None,
-            page_size,
-            num_pages,
-            kv_dtype,
+            KvGeometry {
+                page_size,
+                num_pages,
+                kv_dtype,
+                // One recurrent state slot per running request.
+                state_slots: setup.engine.max_running_requests,
+            },
         )
         .context("allocating the KV cache")?,
     );

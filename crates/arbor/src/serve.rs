@@ -148,6 +148,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut opts = server_options(&cfg, &built, &served, &model_path)?;
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
+    if spec.state.is_some() && cfg.disaggregation.to_settings(true)?.is_some() {
+        bail!(
+            "--disaggregation-mode with {}: moving a hybrid model's recurrent state between \
+             workers is not supported yet",
+            spec.architecture
+        );
+    }
     let disaggregation = cfg
         .disaggregation
         .to_settings(engine_cfg.disable_radix_cache)?
@@ -575,6 +582,15 @@ impl Summary<'_> {
 
     /// The prefix cache and its tiers.
     fn cache_line(&self) -> String {
+        if let Some(st) = self.spec.state {
+            return format!(
+                "prefix reuse off (a hybrid model's recurrent state is not cached yet); \
+                 {} recurrent state slots of {} ({} recurrent layers)",
+                self.engine.max_running_requests,
+                mib(st.bytes_per_slot()),
+                st.layers
+            );
+        }
         if self.engine.disable_radix_cache {
             return "prefix reuse off".to_string();
         }

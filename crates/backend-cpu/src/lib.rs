@@ -34,6 +34,7 @@ mod lora;
 pub mod memory;
 mod ops;
 pub mod pool;
+mod recurrent;
 pub mod simd;
 
 use arbor_engine_core::registry::BackendEntry;
@@ -256,6 +257,14 @@ impl Backend for CpuBackend {
 
     fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         ops::add_assign(self, dst, src)
+    }
+
+    fn gated_delta_net(&self, call: &arbor_engine_core::state::GatedDeltaNet<'_>) -> Result<()> {
+        recurrent::gated_delta_net(self, call)
+    }
+
+    fn sigmoid_mul(&self, gate: &Tensor, x: &Tensor, out: &Tensor) -> Result<()> {
+        recurrent::sigmoid_mul(self, gate, x, out)
     }
 
     fn sample(

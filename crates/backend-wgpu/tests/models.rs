@@ -97,6 +97,7 @@ fn greedy(
                 prefix_len: if step == 0 { 0 } else { p.len() + step - 1 },
                 pages: pages[i].pages(),
                 want_logits: true,
+                state_slot: None,
             })
             .collect();
         let logits = runner.step(&steps)?;
@@ -393,6 +394,7 @@ fn smollm2_matches_cpu_and_llama_cpp() -> Result<()> {
                     prefix_len,
                     pages: pages[i].pages(),
                     want_logits: true,
+                    state_slot: None,
                 }
             })
             .collect();

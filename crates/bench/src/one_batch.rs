@@ -217,6 +217,7 @@ fn run_once(
             prefix_len: 0,
             pages: pg.pages(),
             want_logits: true,
+            state_slot: None,
         })
         .collect();
     let tic = Instant::now();
@@ -239,6 +240,7 @@ fn run_once(
                 prefix_len: il + i,
                 pages: pg.pages(),
                 want_logits: true,
+                state_slot: None,
             })
             .collect();
         let tic = Instant::now();

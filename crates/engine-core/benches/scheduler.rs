@@ -93,6 +93,7 @@ fn main() {
         quantization: "f32".into(),
         checkpoint_kv_dtype: None,
         kv_values_in_keys: false,
+        state: None,
     };
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-llama");
     let config: serde_json::Value = serde_json::from_str(

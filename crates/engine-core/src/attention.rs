@@ -81,6 +81,9 @@ pub struct BatchLayout {
     /// Parents of tree sequences' new tokens (index within the sequence, `-1`
     /// for the root), concatenated.
     pub tree_parents: Vec<i32>,
+    /// The recurrent state slot of each sequence, in order (a hybrid
+    /// model's; empty for a model without recurrent layers).
+    pub state_slots: Vec<u32>,
 }
 
 /// The error of a sequence [`BatchLayout::push_seq`] refuses (kept out of
@@ -178,6 +181,34 @@ impl BatchLayout {
             s.tree = Some(start..start + parents.len());
         }
         Ok(())
+    }
+
+    /// The sequences as a recurrent layer sees them: rows, state slot, and
+    /// whether the state starts from zero (the sequence starts at position
+    /// 0). Errors unless every sequence has a slot and is a chain.
+    pub fn state_seqs(&self) -> Result<Vec<crate::state::StateSeq>> {
+        if self.state_slots.len() != self.seqs.len() {
+            return Err(CoreError::invalid(format!(
+                "{} state slots for {} sequences of a model with recurrent layers",
+                self.state_slots.len(),
+                self.seqs.len()
+            )));
+        }
+        if self.has_tree() {
+            return Err(CoreError::unsupported(
+                "draft trees on a model with recurrent layers",
+            ));
+        }
+        Ok(self
+            .seqs
+            .iter()
+            .zip(&self.state_slots)
+            .map(|(s, &slot)| crate::state::StateSeq {
+                rows: s.q_start..s.q_start + s.q_len,
+                slot,
+                fresh: s.prefix_len == 0,
+            })
+            .collect())
     }
 
     /// True when every sequence adds exactly one token (a pure decode batch).

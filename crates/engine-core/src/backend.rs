@@ -581,6 +581,21 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// One recurrent layer's token mixing (Gated DeltaNet) over a batch,
+    /// reading and updating each sequence's state slot; see
+    /// [`crate::state::GatedDeltaNet`]. This default runs on the host
+    /// ([`crate::state::gated_delta_net_on_host`]); a backend may run the
+    /// same per-token recurrence where the tensors are.
+    fn gated_delta_net(&self, call: &crate::state::GatedDeltaNet<'_>) -> Result<()> {
+        crate::state::gated_delta_net_on_host(self, call)
+    }
+
+    /// `out = x * sigmoid(gate)`, elementwise (gated attention's output
+    /// gate). This default runs on the host.
+    fn sigmoid_mul(&self, gate: &Tensor, x: &Tensor, out: &Tensor) -> Result<()> {
+        crate::state::sigmoid_mul_on_host(self, gate, x, out)
+    }
+
     /// Creates one of the attention implementations listed in the capabilities.
     fn create_attention(&self, name: &str) -> Result<Arc<dyn AttentionBackend>>;
 
@@ -668,7 +683,7 @@ pub trait Backend: Send + Sync {
 }
 
 /// The values of an f32 tensor, downloaded (the host side of the defaults).
-fn f32_values<B: Backend + ?Sized>(b: &B, t: &Tensor) -> Result<Vec<f32>> {
+pub(crate) fn f32_values<B: Backend + ?Sized>(b: &B, t: &Tensor) -> Result<Vec<f32>> {
     t.check_dtype(DType::F32)?;
     let mut bytes = vec![0u8; t.byte_len()?];
     b.download(t, &mut bytes)?;

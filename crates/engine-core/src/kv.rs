@@ -16,6 +16,7 @@
 use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
+use crate::state::{StateCache, StateSpec};
 use crate::tensor::Tensor;
 use std::fmt;
 use std::str::FromStr;
@@ -183,11 +184,16 @@ impl KvLayer {
     }
 }
 
-/// The device storage of the paged KV cache.
+/// The device storage of the paged KV cache, and of the recurrent state
+/// slots of a hybrid model's recurrent layers ([`StateCache`]) beside it.
 #[derive(Debug)]
 pub struct KvCache {
     spec: KvSpec,
     layers: Vec<KvLayer>,
+    /// The recurrent layers' state slots, for a model that has them.
+    state: Option<StateCache>,
+    /// What `state` was allocated as (kept while released).
+    state_shape: Option<(StateSpec, usize)>,
 }
 
 impl KvCache {
@@ -217,7 +223,44 @@ impl KvCache {
             };
             layers.push(KvLayer { k, v });
         }
-        Ok(Self { spec, layers })
+        Ok(Self {
+            spec,
+            layers,
+            state: None,
+            state_shape: None,
+        })
+    }
+
+    /// [`allocate`](Self::allocate), with `slots` recurrent state slots of
+    /// `state` beside the pages when the model has recurrent layers.
+    pub fn allocate_with_state(
+        backend: &dyn Backend,
+        spec: KvSpec,
+        state: Option<(StateSpec, usize)>,
+    ) -> Result<Self> {
+        let mut kv = Self::allocate(backend, spec)?;
+        if let Some((s, slots)) = state {
+            kv.state = Some(StateCache::allocate(backend, s, slots)?);
+            kv.state_shape = state;
+        }
+        Ok(kv)
+    }
+
+    /// The recurrent state slots (an error for a cache without them).
+    pub fn state(&self) -> Result<&StateCache> {
+        if self.is_released() {
+            return Err(CoreError::invalid(
+                "the KV cache is released (resume memory occupation first)",
+            ));
+        }
+        self.state
+            .as_ref()
+            .ok_or_else(|| CoreError::invalid("this KV cache keeps no recurrent state"))
+    }
+
+    /// The state slots' shape and count, when the cache has them.
+    pub fn state_shape(&self) -> Option<(StateSpec, usize)> {
+        self.state_shape
     }
     /// The cache's shape.
     pub fn spec(&self) -> &KvSpec {
@@ -241,6 +284,16 @@ impl KvCache {
         Self {
             spec,
             layers: Vec::new(),
+            state: None,
+            state_shape: None,
+        }
+    }
+
+    /// A released cache of this one's shape, state slots included.
+    pub fn released_like(&self) -> Self {
+        Self {
+            state_shape: self.state_shape,
+            ..Self::released(self.spec)
         }
     }
 

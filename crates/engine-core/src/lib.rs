@@ -33,6 +33,7 @@ pub mod registry;
 pub mod runner;
 pub mod sampling;
 pub mod speculative;
+pub mod state;
 pub mod step;
 pub mod tensor;
 pub mod tier;
@@ -70,6 +71,7 @@ pub use speculative::{
     ComputedStates, Draft, DraftDist, DraftRequest, DraftSampling, Drafting, SpeculativeConfig,
     Speculator, SpeculatorInputs,
 };
+pub use state::{StateCache, StatePool, StateSlot, StateSpec};
 pub use step::{
     SampleRows, SampleSpec, SeqExtra, SeqOutput, SeqPlan, StepOutput, StepPlan, StepTokens,
 };

@@ -55,9 +55,19 @@ pub struct ModelSpec {
     /// row per token and layer (multi-head latent attention's latent), see
     /// [`crate::KvSpec::values_in_keys`].
     pub kv_values_in_keys: bool,
+    /// The recurrent state of a hybrid model's recurrent (Gated DeltaNet)
+    /// layers, kept per sequence in state slots instead of KV pages; `None`
+    /// for a model whose every layer is attention. Its layers keep no KV:
+    /// the KV cache has [`kv_layers`](Self::kv_layers) layers.
+    pub state: Option<crate::state::StateSpec>,
 }
 
 impl ModelSpec {
+    /// Layers that keep KV pages: every layer but the recurrent ones.
+    pub fn kv_layers(&self) -> usize {
+        self.num_layers - self.state.map_or(0, |s| s.layers)
+    }
+
     /// Checks that `other` can replace a model of this spec (RL weight refit):
     /// the same architecture and tensor shapes (weight dtype and size may
     /// differ); the error names the first difference.

@@ -22,6 +22,7 @@ use crate::error::{CoreError, Result};
 use crate::kv::{KvCache, KvSpec, PagePool, PageSet};
 use crate::model::{ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
+use crate::state::{StatePool, StateSlot};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,27 @@ pub struct SeqStep<'a> {
     pub pages: &'a [u32],
     /// Whether the last new token's logits are wanted.
     pub want_logits: bool,
+    /// The sequence's recurrent state slot (a model with recurrent layers:
+    /// see [`ModelRunner::new_state_pool`]).
+    pub state_slot: Option<u32>,
+}
+
+/// State slots a runner allocates for a model with recurrent layers unless
+/// told otherwise ([`ModelRunner::with_state_slots`]).
+pub const DEFAULT_STATE_SLOTS: usize = 32;
+
+/// The sizes of a runner's cache: pages, their element type, and the
+/// recurrent state slots of a model that has recurrent layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvGeometry {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Pages.
+    pub num_pages: usize,
+    /// Element type of the pages.
+    pub kv_dtype: crate::DType,
+    /// Recurrent state slots (ignored for a model without recurrent layers).
+    pub state_slots: usize,
 }
 
 /// A model bound to a device, an attention implementation and a KV cache.
@@ -64,7 +86,8 @@ impl Model for ReleasedModel {
 }
 
 impl ModelRunner {
-    /// Allocates a KV cache of `num_pages` pages for `model` on `backend`.
+    /// Allocates a KV cache of `num_pages` pages for `model` on `backend`
+    /// (and [`DEFAULT_STATE_SLOTS`] state slots when it has recurrent layers).
     pub fn new(
         model: Arc<dyn Model>,
         backend: Arc<dyn Backend>,
@@ -73,6 +96,29 @@ impl ModelRunner {
         num_pages: usize,
         kv_dtype: crate::DType,
     ) -> Result<Self> {
+        let geometry = KvGeometry {
+            page_size,
+            num_pages,
+            kv_dtype,
+            state_slots: DEFAULT_STATE_SLOTS,
+        };
+        Self::with_state_slots(model, backend, attention, geometry)
+    }
+
+    /// [`new`](Self::new) with `geometry.state_slots` recurrent state slots
+    /// beside the pages (ignored for a model without recurrent layers).
+    pub fn with_state_slots(
+        model: Arc<dyn Model>,
+        backend: Arc<dyn Backend>,
+        attention: Option<&str>,
+        geometry: KvGeometry,
+    ) -> Result<Self> {
+        let KvGeometry {
+            page_size,
+            num_pages,
+            kv_dtype,
+            state_slots,
+        } = geometry;
         let s = model.spec();
         let attention = backend.attention(attention)?;
         if let Some(max) = attention.capabilities().max_head_dim
@@ -87,7 +133,7 @@ impl ModelRunner {
             )));
         }
         let spec = KvSpec {
-            num_layers: s.num_layers,
+            num_layers: s.kv_layers(),
             num_kv_heads: s.num_kv_heads,
             head_dim: s.head_dim,
             page_size,
@@ -95,7 +141,8 @@ impl ModelRunner {
             dtype: kv_dtype,
             values_in_keys: s.kv_values_in_keys,
         };
-        let kv = KvCache::allocate(&*backend, spec)?;
+        let state = s.state.map(|st| (st, state_slots));
+        let kv = KvCache::allocate_with_state(&*backend, spec, state)?;
         Ok(Self {
             spec: model.spec().clone(),
             kv_spec: spec,
@@ -129,7 +176,7 @@ impl ModelRunner {
     /// passes fail until [`resume_memory`](Self::resume_memory).
     pub fn release_memory(&self, kv: bool, weights: bool) {
         if kv {
-            let empty = Arc::new(KvCache::released(*self.kv_spec()));
+            let empty = Arc::new(self.kv().released_like());
             *self.kv.write().unwrap_or_else(|e| e.into_inner()) = empty;
         }
         if weights {
@@ -146,7 +193,11 @@ impl ModelRunner {
         }
         let mut kv = self.kv.write().unwrap_or_else(|e| e.into_inner());
         if kv.is_released() {
-            *kv = Arc::new(KvCache::allocate(&*self.backend, *kv.spec())?);
+            *kv = Arc::new(KvCache::allocate_with_state(
+                &*self.backend,
+                *kv.spec(),
+                kv.state_shape(),
+            )?);
         }
         Ok(())
     }
@@ -166,6 +217,17 @@ impl ModelRunner {
     /// A page pool matching the KV cache.
     pub fn new_page_pool(&self) -> PagePool {
         PagePool::new(self.kv_spec.num_pages, self.kv_spec.page_size)
+    }
+
+    /// Recurrent state slots the cache holds (0 for a model without
+    /// recurrent layers).
+    pub fn state_slots(&self) -> usize {
+        self.kv().state_shape().map_or(0, |(_, n)| n)
+    }
+
+    /// A slot pool matching the cache's recurrent state slots.
+    pub fn new_state_pool(&self) -> StatePool {
+        StatePool::new(self.state_slots())
     }
 
     /// The attention implementation.
@@ -204,6 +266,9 @@ impl ModelRunner {
         for s in seqs {
             let q_start = ids.len();
             layout.push_seq(s.prefix_len, s.tokens.len(), s.pages)?;
+            if let Some(slot) = s.state_slot {
+                layout.state_slots.push(slot);
+            }
             ids.extend_from_slice(s.tokens);
             positions.extend((s.prefix_len..s.prefix_len + s.tokens.len()).map(|p| p as u32));
             if s.want_logits {
@@ -329,6 +394,17 @@ pub fn generate_static(
     for (p, sp) in prompts.iter().zip(params) {
         pages.push(pool.alloc(pool.pages_for(p.len() + sp.max_new_tokens))?);
     }
+    // One recurrent state slot per sequence, for a model that keeps state.
+    let state_pool = runner.new_state_pool();
+    let slots: Vec<Option<StateSlot>> = prompts
+        .iter()
+        .map(|_| {
+            (runner.spec().state.is_some())
+                .then(|| state_pool.alloc())
+                .transpose()
+        })
+        .collect::<Result<_>>()?;
+    let slot_of = |i: usize| slots[i].as_ref().map(StateSlot::index);
     let mut rngs: Vec<SeqRng> = params
         .iter()
         .map(|p| p.seed.map_or_else(SeqRng::from_entropy, SeqRng::new))
@@ -341,11 +417,13 @@ pub fn generate_static(
     let steps: Vec<SeqStep<'_>> = prompts
         .iter()
         .zip(&pages)
-        .map(|(p, pg)| SeqStep {
+        .enumerate()
+        .map(|(i, (p, pg))| SeqStep {
             tokens: p,
             prefix_len: 0,
             pages: pg.pages(),
             want_logits: true,
+            state_slot: slot_of(i),
         })
         .collect();
     let mut logits = runner.step(&steps)?;
@@ -391,6 +469,7 @@ pub fn generate_static(
                 prefix_len: prompts[s].len() + outs[s].len() - 1,
                 pages: pages[s].pages(),
                 want_logits: true,
+                state_slot: slot_of(s),
             })
             .collect();
         logits = runner.step(&steps)?;

@@ -88,6 +88,9 @@ pub struct SeqPlan {
     pub sample: Option<SampleSpec>,
     /// The LoRA adapter the sequence runs with (`None`: the base model).
     pub lora: Option<Arc<LoraAdapter>>,
+    /// The sequence's recurrent state slot (models with recurrent layers;
+    /// `None` otherwise).
+    pub state_slot: Option<u32>,
 }
 
 impl SeqPlan {
@@ -304,6 +307,7 @@ mod tests {
     fn positions_rows_and_checks() {
         let mut s = SeqPlan {
             lora: None,
+            state_slot: None,
             tokens: vec![1, 2, 3, 4],
             prefix_len: 5,
             pages: vec![0, 1, 2],

@@ -80,6 +80,7 @@ fn main() {
                     prefix_len: 0,
                     pages: &pages[..32],
                     want_logits: true,
+                    state_slot: None,
                 }])
                 .expect("prefill");
         });
@@ -95,6 +96,7 @@ fn main() {
                     prefix_len: 0,
                     pages: &pages[..16],
                     want_logits: true,
+                    state_slot: None,
                 }])
                 .expect("prompt");
         };
@@ -106,6 +108,7 @@ fn main() {
                         prefix_len: 16 + i,
                         pages: &pages[..16],
                         want_logits: true,
+                        state_slot: None,
                     }])
                     .expect("decode");
             }
@@ -181,6 +184,7 @@ impl Batch<'_> {
                 prefix_len: 0,
                 pages: self.seq_pages(s),
                 want_logits: true,
+                state_slot: None,
             })
             .collect();
         self.runner.step(&seqs).expect("batch prompts");
@@ -195,6 +199,7 @@ impl Batch<'_> {
                     prefix_len: self.plen + i,
                     pages: self.seq_pages(s),
                     want_logits: true,
+                    state_slot: None,
                 })
                 .collect();
             self.runner.step(&seqs).expect("batch decode");

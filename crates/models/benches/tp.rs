@@ -186,6 +186,7 @@ fn main() {
                 prefix_len: 0,
                 pages: &page_ids[..16],
                 want_logits: true,
+                state_slot: None,
             }],
         );
         (256.0 / t.elapsed().as_secs_f64(), comm_secs())
@@ -199,6 +200,7 @@ fn main() {
                     prefix_len: 0,
                     pages: &page_ids[s * 16..s * 16 + 16],
                     want_logits: false,
+                    state_slot: None,
                 }],
             );
         }
@@ -213,6 +215,7 @@ fn main() {
                     prefix_len: 240 + i,
                     pages: &page_ids[s * 16..s * 16 + 16],
                     want_logits: true,
+                    state_slot: None,
                 })
                 .collect();
             step(ranks, &seqs);

@@ -12,6 +12,7 @@ pub mod config;
 pub mod decoder;
 mod dp_attention;
 pub mod gguf_source;
+pub mod hybrid;
 pub mod kv_scales;
 mod loader;
 pub mod mla;

@@ -134,6 +134,7 @@ fn check_chains(
             prefix_len: prefix,
             pages: ours.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         l.pop().context("logits")
     };
@@ -187,6 +188,7 @@ fn check_chains(
                 prefix_len: from,
                 pages: pages[i].pages(),
                 want_logits: i % 3 != 0,
+                state_slot: None,
             });
         }
         let at = rng.below(16);
@@ -197,6 +199,7 @@ fn check_chains(
                 prefix_len: ours_from,
                 pages: ours.pages(),
                 want_logits: true,
+                state_slot: None,
             },
         );
         let logits = runner.step(&steps)?;

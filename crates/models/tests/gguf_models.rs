@@ -330,6 +330,7 @@ fn check(name: &str, arch: &str) -> Result<()> {
             prefix_len: 0,
             pages: pages.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         let want: Vec<f32> = p["last_logits"]
             .as_array()

@@ -142,6 +142,7 @@ fn check_model(name: &str) -> Result<()> {
             prefix_len: 0,
             pages: pages.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         let got = &got[0];
         assert_eq!(got.len(), want.len());
@@ -250,6 +251,7 @@ fn half_precision_weights_load_and_stay_close() -> Result<()> {
             prefix_len: 0,
             pages: pages.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
         let err = got[0]

@@ -413,6 +413,7 @@ fn fp8_kv_cache_stays_close_and_batch_invariant() -> Result<()> {
                 prefix_len: 0,
                 pages: pages.pages(),
                 want_logits: true,
+                state_slot: None,
             }])?;
             let max = want.iter().fold(0f32, |a, b| a.max(b.abs()));
             let err = got[0]

@@ -63,6 +63,7 @@ fn teacher_forced(
             prefix_len: i,
             pages: pages.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         let row = &out[0];
         let best = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b });

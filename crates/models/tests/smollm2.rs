@@ -132,6 +132,7 @@ fn chat_matches_llama_cpp() -> Result<()> {
                 prefix_len: prefix,
                 pages: pages.pages(),
                 want_logits: true,
+                state_slot: None,
             }])?;
             let l = &l[0];
             for pair in tops[step].as_array().context("top")? {

@@ -147,6 +147,7 @@ fn graphs_match_eager_decoding() {
                 prefix_len: 0,
                 pages: pages[i].pages(),
                 want_logits: false,
+                state_slot: None,
             })
             .collect();
         r.step(&pre).unwrap();
@@ -157,6 +158,7 @@ fn graphs_match_eager_decoding() {
                 prefix_len: prompts[i].len(),
                 pages: pages[i].pages(),
                 want_logits: true,
+                state_slot: None,
             })
             .collect();
         r.step(&dec).unwrap()

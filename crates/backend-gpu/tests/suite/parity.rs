@@ -108,6 +108,7 @@ fn last_logits(
         prefix_len: 0,
         pages: pages.pages(),
         want_logits: true,
+        state_slot: None,
     }])?;
     Ok(got.remove(0))
 }
@@ -297,6 +298,7 @@ fn step_of<'a>(tokens: &'a [u32], prefix_len: usize, pages: &'a [u32]) -> SeqSte
         prefix_len,
         pages,
         want_logits: true,
+        state_slot: None,
     }
 }
 

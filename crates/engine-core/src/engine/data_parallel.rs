@@ -315,6 +315,8 @@ pub(super) fn merged_stats(ranks: &[EngineStats]) -> EngineStats {
         m.num_queue_tokens += s.num_queue_tokens;
         m.num_used_tokens += s.num_used_tokens;
         m.max_total_tokens += s.max_total_tokens;
+        m.used_state_slots += s.used_state_slots;
+        m.max_state_slots += s.max_state_slots;
         m.cache_hit_rate += s.cache_hit_rate;
         m.gen_throughput += s.gen_throughput;
         m.prompt_tokens_total += s.prompt_tokens_total;

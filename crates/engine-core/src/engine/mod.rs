@@ -272,6 +272,10 @@ pub struct EngineStats {
     pub num_used_tokens: usize,
     /// KV capacity in tokens.
     pub max_total_tokens: usize,
+    /// Recurrent state slots requests hold, and the slots there are (a
+    /// hybrid model's; both 0 for a model without recurrent layers).
+    pub used_state_slots: usize,
+    pub max_state_slots: usize,
     /// `num_used_tokens / max_total_tokens`.
     pub token_usage: f64,
     /// Cached share of prompt tokens over recent prefills.

@@ -92,6 +92,10 @@ pub(crate) struct Req {
     /// Identifies the current page list process-wide (see [`Req::pages_stamp`]).
     pages_stamp: u64,
     pub computed: usize,
+    /// The recurrent state slot of a model with recurrent layers, held
+    /// from admission until the request finishes or is retracted (its
+    /// state then restarts from its first token).
+    pub state_slot: Option<crate::state::StateSlot>,
     /// Finished during this step (the scheduler drops it after the step).
     pub finished: bool,
     // Reporting.
@@ -163,6 +167,7 @@ impl Req {
             own: None,
             pages_stamp: next_pages_stamp(),
             computed: 0,
+            state_slot: None,
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
@@ -231,6 +236,7 @@ impl Req {
             own: None,
             pages_stamp: next_pages_stamp(),
             computed: 0,
+            state_slot: None,
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),

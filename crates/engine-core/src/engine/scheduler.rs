@@ -41,6 +41,7 @@ use crate::prefix_cache::PrefixCache;
 use crate::runner::is_stop;
 use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
+use crate::state::StatePool;
 
 mod iteration;
 mod refit;
@@ -88,6 +89,8 @@ pub(crate) struct Scheduler {
     lookahead: Vec<PrefillEntry>,
     executor: Arc<dyn Executor>,
     pool: PagePool,
+    /// Recurrent state slots (a model with recurrent layers).
+    state_pool: Option<StatePool>,
     cache: Box<dyn PrefixCache>,
     decoder: Arc<dyn TokenDecoder>,
     /// Proposes drafts when speculation is configured.
@@ -155,6 +158,23 @@ impl Scheduler {
         stats: Arc<Mutex<EngineStats>>,
     ) -> Result<Self> {
         let kv = *parts.executor.kv_spec();
+        let mut cfg = cfg;
+        // A model with recurrent layers keeps per-request state slots; its
+        // prefixes are not reused yet (a match would need the state at the
+        // match's end), so nothing is cached.
+        let state_pool = match parts.executor.model_spec().state {
+            Some(_) => {
+                let slots = parts.executor.state_slots();
+                if slots == 0 {
+                    return Err(CoreError::unsupported(
+                        "a model with recurrent layers on an executor without state slots",
+                    ));
+                }
+                cfg.disable_radix_cache = true;
+                Some(StatePool::new(slots))
+            }
+            None => None,
+        };
         let pool = PagePool::new(kv.num_pages, kv.page_size);
         parts.prefix_cache.bind_pool(&pool)?;
         let page_size = pool.page_size();
@@ -176,6 +196,7 @@ impl Scheduler {
             cfg,
             executor: Arc::from(parts.executor),
             pool,
+            state_pool,
             cache: parts.prefix_cache,
             decoder: parts.decoder,
             speculator: parts.speculator,
@@ -473,6 +494,7 @@ impl Scheduler {
 
     /// Gives the request's KV back: its computed part to the cache (when `keep`), the rest to the pool.
     fn release_kv(&mut self, r: &mut Req, keep: bool) {
+        r.state_slot = None;
         let Some(node) = r.node.take() else {
             drop(r.take_own());
             return;
@@ -689,7 +711,7 @@ impl Scheduler {
         let need_pages = (r.computed + len)
             .div_ceil(ps)
             .saturating_sub(r.page_capacity(ps) / ps);
-        let pages = if fits {
+        let pages = if fits && self.hold_state_slot(&mut r) {
             self.alloc_pages(need_pages)
         } else {
             None
@@ -714,6 +736,21 @@ impl Scheduler {
             len,
             last,
         }))
+    }
+
+    /// Whether `r` holds the state slot it needs (taking a free one if it
+    /// has none); always true for a model without recurrent layers.
+    fn hold_state_slot(&mut self, r: &mut Req) -> bool {
+        match &self.state_pool {
+            Some(pool) if r.state_slot.is_none() => match pool.alloc() {
+                Ok(slot) => {
+                    r.state_slot = Some(slot);
+                    true
+                }
+                Err(_) => false,
+            },
+            _ => true,
+        }
     }
 
     /// Makes sure every running request has a slot for one more token, retracting if needed.
@@ -871,6 +908,10 @@ impl Scheduler {
         c.num_used_tokens =
             (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
         c.evictable_tokens = cache_stats.evictable_tokens;
+        if let Some(sp) = &self.state_pool {
+            c.used_state_slots = sp.used_slots();
+            c.max_state_slots = sp.total_slots();
+        }
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
         let (hit, tot) = self.hit_sums;
         c.cache_hit_rate = if tot == 0 {

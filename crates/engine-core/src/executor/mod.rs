@@ -71,6 +71,11 @@ pub trait Executor: Send + Sync {
     fn needs_context(&self, params: &SamplingParams) -> bool;
     /// Computes the plan's sequences and samples their rows.
     fn execute(&self, plan: &StepPlan) -> Result<StepOutput>;
+    /// Recurrent state slots the executor's cache holds (0: none; a model
+    /// with recurrent layers needs them, one per running request).
+    fn state_slots(&self) -> usize {
+        0
+    }
     /// Tokens routed to each expert of each MoE layer so far (empty for a
     /// dense model).
     fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
@@ -367,6 +372,9 @@ fn build_batch(
             Some(parents) => layout.push_tree_seq(s.prefix_len, parents, &s.pages)?,
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
         }
+        if let Some(slot) = s.state_slot {
+            layout.state_slots.push(slot);
+        }
         // Pushed one by one: cheaper than slice and iterator extends for
         // the one token of a decode sequence, and no slower for a chunk.
         for &t in &s.tokens {
@@ -415,6 +423,10 @@ impl Executor for LocalExecutor {
 
     fn kv_spec(&self) -> &KvSpec {
         self.runner.kv_spec()
+    }
+
+    fn state_slots(&self) -> usize {
+        self.runner.state_slots()
     }
 
     fn capabilities(&self) -> ExecutorCapabilities {

@@ -145,6 +145,7 @@ impl Req {
         };
         SeqPlan {
             lora: None,
+            state_slot: None,
             tokens,
             prefix_len,
             pages: self.pages.clone(),

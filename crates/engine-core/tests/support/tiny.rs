@@ -48,12 +48,12 @@ pub fn assert_pool_empty(e: &Engine) {
     // Stats are published after the flush message is handled; wait for it.
     for _ in 0..100 {
         let s = e.stats();
-        if s.num_used_tokens == 0 && s.evictable_tokens == 0 {
+        if s.num_used_tokens == 0 && s.evictable_tokens == 0 && s.used_state_slots == 0 {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    panic!("KV pages still in use: {:?}", e.stats());
+    panic!("KV pages or state slots still in use: {:?}", e.stats());
 }
 
 /// `n` prompts of 3..63 ids below 497, from `seed`.

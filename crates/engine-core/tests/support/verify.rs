@@ -69,6 +69,7 @@ fn executor(backend: &Arc<dyn Backend>, model: &Path) -> Result<(LocalExecutor, 
 fn greedy_seq(tokens: Vec<u32>, prefix_len: usize, pages: Vec<u32>) -> SeqPlan {
     SeqPlan {
         lora: None,
+        state_slot: None,
         tokens,
         prefix_len,
         pages,
@@ -103,6 +104,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
             ex,
             SeqPlan {
                 lora: None,
+                state_slot: None,
                 tokens: prompt.clone(),
                 prefix_len: 0,
                 pages: pages.clone(),
@@ -119,6 +121,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
             &ex,
             SeqPlan {
                 lora: None,
+                state_slot: None,
                 tokens: vec![last],
                 prefix_len: prompt.len() + toks.len() - 1,
                 pages: pages.clone(),
@@ -133,6 +136,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         tokens.extend_from_slice(drafts);
         SeqPlan {
             lora: None,
+            state_slot: None,
             tokens,
             prefix_len: prompt.len(),
             pages: pages.clone(),
@@ -165,6 +169,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         &ex,
         SeqPlan {
             lora: None,
+            state_slot: None,
             tokens: vec![toks[4]],
             prefix_len: prompt.len() + 4,
             pages: pages.clone(),
@@ -207,6 +212,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
             &ex,
             SeqPlan {
                 lora: None,
+                state_slot: None,
                 tokens: vec![tok],
                 prefix_len,
                 pages: pages.clone(),
@@ -220,6 +226,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
             &ex,
             SeqPlan {
                 lora: None,
+                state_slot: None,
                 tokens: prompt.clone(),
                 prefix_len: 0,
                 pages: pages.clone(),
@@ -251,6 +258,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
     let out = ex.execute(&StepPlan {
         seqs: vec![SeqPlan {
             lora: None,
+            state_slot: None,
             tokens,
             prefix_len: prompt.len(),
             pages: pages.clone(),

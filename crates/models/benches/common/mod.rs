@@ -30,6 +30,7 @@ pub fn measure(model: impl Model + 'static, backend: Arc<dyn Backend>, vocab: u3
                 prefix_len: 0,
                 pages: &pages[..32],
                 want_logits: true,
+                state_slot: None,
             }])
             .expect("prefill");
         prefill = prefill.min(t.elapsed().as_secs_f64());
@@ -43,6 +44,7 @@ pub fn measure(model: impl Model + 'static, backend: Arc<dyn Backend>, vocab: u3
                     prefix_len: 0,
                     pages: &pages[s * 40..s * 40 + 32],
                     want_logits: false,
+                    state_slot: None,
                 }])
                 .expect("fill");
         }
@@ -56,6 +58,7 @@ pub fn measure(model: impl Model + 'static, backend: Arc<dyn Backend>, vocab: u3
                     prefix_len: 512 + i,
                     pages: &pages[s * 40..s * 40 + 40],
                     want_logits: true,
+                    state_slot: None,
                 })
                 .collect();
             runner.step(&seqs).expect("decode");

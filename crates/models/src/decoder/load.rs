@@ -305,6 +305,7 @@ impl DecoderModel {
             },
             checkpoint_kv_dtype: checkpoint_kv_dtype(&cfg, src),
             kv_values_in_keys: cfg.mla.is_some(),
+            state: None,
         };
         Ok(Self {
             spec,

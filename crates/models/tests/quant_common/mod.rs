@@ -342,6 +342,7 @@ pub fn runner_last_logits(
             prefix_len: 0,
             pages: pages.pages(),
             want_logits: true,
+            state_slot: None,
         }])?;
         out.push(got.swap_remove(0));
     }

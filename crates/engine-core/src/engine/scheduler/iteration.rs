@@ -24,6 +24,7 @@ use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
 use crate::kv::pages_for;
 use crate::speculative::{Draft, Drafting};
+use crate::state::StateSlot;
 use crate::step::{
     MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput,
     StepPlan,
@@ -176,6 +177,7 @@ impl Scheduler {
             s.sample = None;
         }
         s.lora.clone_from(&e.req.lora);
+        s.state_slot = e.req.state_slot.as_ref().map(StateSlot::index);
     }
 
     /// Fills `s` (a buffer reused across steps) with the plan of a decoding
@@ -214,6 +216,7 @@ impl Scheduler {
             sp.draft_probs.clone_from(&draft.probs);
         }
         s.lora.clone_from(&r.lora);
+        s.state_slot = r.state_slot.as_ref().map(StateSlot::index);
     }
 
     /// Runs the KV tier copies the cache recorded, in a step of their own

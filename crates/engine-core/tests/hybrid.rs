@@ -1,0 +1,185 @@
+//! Serving a hybrid model (Qwen3.5: Gated DeltaNet recurrent layers with
+//! gated attention) through the engine: continuous batching, chunked
+//! prefill of several sizes, mixed chunks, more requests than state slots
+//! and retraction under a small KV pool all give the greedy tokens
+//! transformers gives (tests/fixtures/tiny-qwen3.5/reference.json), a
+//! repeated prompt is recomputed (no prefix reuse of recurrent state yet:
+//! `cached_tokens` is 0) with the same tokens, and every page and state
+//! slot is back in its pool afterwards.
+
+#![allow(clippy::unwrap_used)]
+
+use anyhow::{Context, Result};
+use arbor_backend_cpu::CpuBackend;
+use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
+use arbor_engine_core::runner::{KvGeometry, ModelRunner};
+use arbor_engine_core::{
+    Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams,
+};
+use arbor_kv_radix as _;
+use arbor_models::{LoadedModel, load_model};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[path = "support/tiny.rs"]
+mod tiny;
+use tiny::assert_pool_empty;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-qwen3.5")
+}
+
+struct Setup {
+    model: LoadedModel,
+    backend: Arc<dyn Backend>,
+    registry: Registry,
+    /// (prompt, transformers' 32 greedy tokens).
+    cases: Vec<(Vec<u32>, Vec<u32>)>,
+}
+
+fn setup() -> Result<Setup> {
+    let registry = Registry::builtin()?;
+    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
+        progress: None,
+    };
+    let model = load_model(&fixture(), &registry, &opts)?;
+    let r: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json"))?)?;
+    let ids = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|x| x as u32)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let cases = r["prompts"]
+        .as_array()
+        .context("prompts")?
+        .iter()
+        .map(|p| (ids(&p["input_ids"]), ids(&p["greedy_ids"])))
+        .collect();
+    Ok(Setup {
+        model,
+        backend,
+        registry,
+        cases,
+    })
+}
+
+fn engine(s: &Setup, cfg: EngineConfig, num_pages: usize, slots: usize) -> Result<Engine> {
+    let runner = Arc::new(ModelRunner::with_state_slots(
+        s.model.model.clone(),
+        s.backend.clone(),
+        None,
+        KvGeometry {
+            page_size: 16,
+            num_pages,
+            kv_dtype: DType::F32,
+            state_slots: slots,
+        },
+    )?);
+    let cache = s.registry.prefix_caches.get("radix")?(&PrefixCacheOptions {
+        page_size: 16,
+        policy: s.registry.eviction_policies.get("lru")?()?,
+    })?;
+    let parts = EngineParts::local(
+        runner,
+        cache,
+        s.registry.samplers.get("standard")?()?,
+        vec![],
+        s.model.tokenizer.clone(),
+        vec![],
+    );
+    Ok(Engine::new(cfg, parts)?)
+}
+
+/// Greedy tokens and cached-token counts of `prompts`, all submitted at once.
+fn run(e: &Engine, prompts: &[Vec<u32>]) -> Result<Vec<(Vec<u32>, usize)>> {
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(32)
+            };
+            e.submit(GenerateRequest::new(p.clone(), params))
+        })
+        .collect::<Result<_, _>>()?;
+    streams
+        .into_iter()
+        .map(|st| {
+            let chunks = st.collect_blocking();
+            let last = chunks.last().context("no output")?;
+            let f = last.finish.clone().context("finish")?;
+            anyhow::ensure!(f.kind != FinishKind::Abort, "{f:?}");
+            let cached = last.meta.cached_tokens;
+            Ok((
+                chunks.iter().flat_map(|c| c.token_ids.clone()).collect(),
+                cached,
+            ))
+        })
+        .collect()
+}
+
+#[test]
+fn hybrid_serving_gives_transformers_tokens_however_steps_are_shaped() -> Result<()> {
+    let s = setup()?;
+    // 16 requests over the reference prompts (4 to 404 tokens), 8 slots.
+    let batch: Vec<usize> = (0..16).map(|i| (i * 3) % s.cases.len()).collect();
+    let prompts: Vec<Vec<u32>> = batch.iter().map(|&i| s.cases[i].0.clone()).collect();
+    for (chunk, mixed) in [(-1, false), (16, false), (64, true), (100, true)] {
+        let cfg = EngineConfig {
+            chunked_prefill_size: chunk,
+            enable_mixed_chunk: mixed,
+            max_running_requests: 8,
+            ..EngineConfig::default()
+        };
+        let e = engine(&s, cfg, 512, 8)?;
+        for (i, (tokens, cached)) in run(&e, &prompts)?.into_iter().enumerate() {
+            let want = &s.cases[batch[i]].1;
+            assert_eq!(&tokens, want, "chunk {chunk}, mixed {mixed}: request {i}");
+            assert_eq!(cached, 0, "no prefix reuse of recurrent state yet");
+        }
+        // The same prompts again: recomputed, same tokens.
+        let again = run(&e, &prompts[..4])?;
+        for (i, (tokens, cached)) in again.into_iter().enumerate() {
+            assert_eq!(&tokens, &s.cases[batch[i]].1, "repeat {i}");
+            assert_eq!(cached, 0);
+        }
+        assert_pool_empty(&e);
+        assert_eq!(e.stats().max_state_slots, 8);
+    }
+    Ok(())
+}
+
+#[test]
+fn retraction_under_a_small_pool_restarts_the_state() -> Result<()> {
+    let s = setup()?;
+    // 24 pages of 16 tokens: eight ~60-token requests decoding 32 tokens
+    // each do not fit at once, so some are retracted and recomputed.
+    let prompts: Vec<Vec<u32>> = (0..8).map(|_| s.cases[2].0.clone()).collect();
+    // Admission that reserves almost nothing for the tokens to come.
+    let cfg = EngineConfig {
+        max_running_requests: 8,
+        schedule_conservativeness: 0.01,
+        ..EngineConfig::default()
+    };
+    let e = engine(&s, cfg, 24, 8)?;
+    for (i, (tokens, _)) in run(&e, &prompts)?.into_iter().enumerate() {
+        assert_eq!(tokens, s.cases[2].1, "request {i}");
+    }
+    let stats = e.stats();
+    assert!(
+        stats.num_retracted_reqs_total > 0,
+        "the pool was meant to force retraction: {stats:?}"
+    );
+    assert_pool_empty(&e);
+    Ok(())
+}
