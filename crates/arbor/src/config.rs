@@ -35,6 +35,10 @@ pub struct ModelSection {
     pub wgpu_adapter: Option<String>,
     /// CPU: how HF-quantized weights are multiplied, f32 or amx-bf16.
     pub cpu_quant_matmul: Option<String>,
+    /// Recurrent state slots of a hybrid model (one per running request).
+    pub max_mamba_cache_size: Option<usize>,
+    /// Element type of the recurrent state: float32.
+    pub mamba_ssm_dtype: Option<String>,
 }
 
 /// `[server]`: the HTTP listener.
@@ -244,6 +248,12 @@ pub struct ServeArgs {
     /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about 0.7x the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected [default: f32].
     #[arg(long = "cpu-quant-matmul", help_heading = "Model")]
     pub cpu_quant_matmul: Option<String>,
+    /// Recurrent state slots of a hybrid model (Qwen3.5, Qwen3-Next): the most requests holding recurrent state at once [default: max-running-requests].
+    #[arg(long = "max-mamba-cache-size", help_heading = "Model")]
+    pub max_mamba_cache_size: Option<usize>,
+    /// Element type of a hybrid model's recurrent state: float32 (the only one supported) [default: float32].
+    #[arg(long = "mamba-ssm-dtype", help_heading = "Model")]
+    pub mamba_ssm_dtype: Option<String>,
     /// Run decode batches without CUDA graphs (`--device cuda`).
     #[arg(long = "disable-cuda-graph", help_heading = "Model")]
     pub disable_cuda_graph: bool,
@@ -489,6 +499,17 @@ impl ServeConfig {
             d.parse::<arbor_engine_core::KvDtypeChoice>()
                 .context("[model] kv_cache_dtype / --kv-cache-dtype")?;
         }
+        if let Some(d) = self.model.mamba_ssm_dtype.as_deref()
+            && !matches!(d, "float32" | "f32")
+        {
+            bail!(
+                "[model] mamba_ssm_dtype / --mamba-ssm-dtype: the recurrent state is kept in \
+                 float32 only, got \"{d}\""
+            );
+        }
+        if self.model.max_mamba_cache_size == Some(0) {
+            bail!("[model] max_mamba_cache_size / --max-mamba-cache-size must be at least 1");
+        }
         if let Some(q) = self.model.cpu_quant_matmul.as_deref() {
             q.parse::<arbor_engine_core::QuantMatmul>()
                 .context("[model] cpu_quant_matmul / --cpu-quant-matmul")?;
@@ -616,6 +637,13 @@ impl ModelSection {
                     .clone()
                     .or(m.cpu_quant_matmul)
                     .unwrap_or_else(|| "f32".into()),
+            ),
+            max_mamba_cache_size: a.max_mamba_cache_size.or(m.max_mamba_cache_size),
+            mamba_ssm_dtype: Some(
+                a.mamba_ssm_dtype
+                    .clone()
+                    .or(m.mamba_ssm_dtype)
+                    .unwrap_or_else(|| "float32".into()),
             ),
         }
     }

@@ -354,8 +354,10 @@ pub fn build_replica(
                 page_size,
                 num_pages,
                 kv_dtype,
-                // One recurrent state slot per running request.
-                state_slots: setup.engine.max_running_requests,
+                // One recurrent state slot per running request unless told.
+                state_slots: args
+                    .max_mamba_cache_size
+                    .unwrap_or(setup.engine.max_running_requests),
             },
         )
         .context("allocating the KV cache")?,

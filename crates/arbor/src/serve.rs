@@ -148,7 +148,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let mut opts = server_options(&cfg, &built, &served, &model_path)?;
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
-    if spec.state.is_some() && cfg.disaggregation.to_settings(true)?.is_some() {
+    if spec.state.is_some() && matches!(cfg.disaggregation.to_settings(false), Ok(Some(_))) {
         bail!(
             "--disaggregation-mode with {}: moving a hybrid model's recurrent state between \
              workers is not supported yet",
@@ -283,6 +283,7 @@ fn model_args(cfg: &ServeConfig, args: &ServeArgs) -> ModelArgs {
             .as_deref()
             .and_then(|q| q.parse().ok())
             .unwrap_or_default(),
+        max_mamba_cache_size: m.max_mamba_cache_size,
         disable_cuda_graph: args.disable_cuda_graph,
         cuda_graph_max_bs: args
             .cuda_graph_max_bs
@@ -586,7 +587,9 @@ impl Summary<'_> {
             return format!(
                 "prefix reuse off (a hybrid model's recurrent state is not cached yet); \
                  {} recurrent state slots of {} ({} recurrent layers)",
-                self.engine.max_running_requests,
+                self.model
+                    .max_mamba_cache_size
+                    .unwrap_or(self.engine.max_running_requests),
                 mib(st.bytes_per_slot()),
                 st.layers
             );

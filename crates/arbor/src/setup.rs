@@ -56,6 +56,9 @@ pub struct ModelArgs {
     /// sequence; f32 without AMX).
     #[arg(long = "cpu-quant-matmul", default_value = "f32")]
     pub cpu_quant_matmul: QuantMatmul,
+    /// Recurrent state slots of a hybrid model [default: max-running-requests].
+    #[arg(long = "max-mamba-cache-size")]
+    pub max_mamba_cache_size: Option<usize>,
     /// Run decode batches without CUDA graphs.
     #[arg(long = "disable-cuda-graph")]
     pub disable_cuda_graph: bool,

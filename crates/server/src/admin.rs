@@ -163,6 +163,9 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
     info.insert("weight_version".into(), json!(st.weights().version));
     info.insert("context_length".into(), json!(st.opts.context_length));
     info.insert("max_total_num_tokens".into(), json!(s.max_total_tokens));
+    // A hybrid model's recurrent state slots beside the KV pages (0 otherwise).
+    info.insert("max_mamba_cache_size".into(), json!(s.max_state_slots));
+    info.insert("used_mamba_cache_slots".into(), json!(s.used_state_slots));
     info.insert("version".into(), json!(env!("CARGO_PKG_VERSION")));
     info.insert("uptime_s".into(), json!(st.started.elapsed().as_secs_f64()));
     info.insert("draining".into(), json!(st.draining.load(Ordering::SeqCst)));

@@ -353,7 +353,12 @@ pub async fn assert_no_leak(
 
 /// `arbor serve` on the tiny Llama with `args` must exit with an error that contains `needle`.
 pub fn assert_serve_refuses(args: &[&str], needle: &str) -> Result<()> {
-    let model = fixture("tiny-llama");
+    assert_model_refuses("tiny-llama", args, needle)
+}
+
+/// `arbor serve` on the fixture `name` with `args` must exit with an error that contains `needle`.
+pub fn assert_model_refuses(name: &str, args: &[&str], needle: &str) -> Result<()> {
+    let model = fixture(name);
     let mut child = Command::new(BIN)
         .args([
             "serve",

@@ -333,6 +333,19 @@ impl ModelArchitecture for HybridArchitecture {
         };
         Ok(Box::new(HybridModel::load(cfg, src, options)?))
     }
+
+    fn load_shard(
+        &self,
+        _config: &Value,
+        _weights: &dyn WeightSource,
+        _options: &LoadOptions,
+        _shard: &arbor_engine_core::ShardSpec,
+    ) -> Result<Box<dyn Model>> {
+        Err(CoreError::unsupported(
+            "tensor parallelism for a hybrid model: splitting recurrent (Gated DeltaNet) layers \
+             over ranks",
+        ))
+    }
 }
 
 inventory::submit! {

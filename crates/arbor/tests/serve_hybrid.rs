@@ -1,0 +1,133 @@
+//! End to end: `arbor serve` on the hybrid fixtures (Qwen3.5 dense and MoE
+//! ConditionalGeneration checkpoints, Qwen3-Next) serves transformers'
+//! greedy completions over HTTP with all prompts at once, with chunked
+//! prefill, and with fewer state slots than requests; the start-up summary
+//! and /get_server_info show the recurrent state slots; every page and
+//! slot is back afterwards. What a hybrid model cannot run with yet
+//! (tensor parallelism, speculation, HiCache, PD disaggregation, a state
+//! dtype other than float32) is refused at start, naming it.
+
+mod common;
+
+use anyhow::{Context, Result};
+use common::*;
+use serde_json::{Value, json};
+
+async fn serves_reference(model: &str, extra: &[&str]) -> Result<()> {
+    let path = fixture(model);
+    let mut args = vec![
+        "--model-path",
+        &path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--threads",
+        "2",
+        "--max-total-tokens",
+        "4096",
+        "--kv-cache-dtype",
+        "f32",
+        "--enable-metrics",
+    ];
+    args.extend_from_slice(extra);
+    let s = Server::start(&args)?;
+    assert!(s.log_contains("recurrent state slots"), "{}", s.logs());
+    let c = client();
+    let reference = reference_json(&path)?;
+    let prompts = reference["prompts"].as_array().context("prompts")?;
+    // Every prompt twice, all at once.
+    let tokens = json!(32);
+    let answers = futures_util::future::join_all(
+        prompts
+            .iter()
+            .chain(prompts)
+            .map(|p| generate_greedy(&c, &s, &p["input_ids"], &tokens)),
+    )
+    .await;
+    for (i, (a, p)) in answers
+        .into_iter()
+        .zip(prompts.iter().chain(prompts))
+        .enumerate()
+    {
+        let r = a?;
+        assert_eq!(
+            r["output_ids"], p["greedy_ids"],
+            "{model} {extra:?} request {i}: {r}"
+        );
+        assert_eq!(
+            meta(&r)["cached_tokens"],
+            0,
+            "{model}: no reuse of recurrent state yet"
+        );
+    }
+    let info: Value = c
+        .get(s.url("/get_server_info"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let slots = info["max_mamba_cache_size"]
+        .as_u64()
+        .context("max_mamba_cache_size")?;
+    assert!(slots > 0, "{info}");
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    let info: Value = c
+        .get(s.url("/get_server_info"))
+        .send()
+        .await?
+        .json()
+        .await?;
+    assert_eq!(
+        info["used_mamba_cache_slots"], 0,
+        "state slots leaked: {info}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn hybrid_models_serve_the_reference_completions() -> Result<()> {
+    serves_reference("tiny-qwen3.5", &[]).await?;
+    serves_reference("tiny-qwen3.5-moe", &["--chunked-prefill-size", "64"]).await?;
+    serves_reference(
+        "tiny-qwen3-next",
+        &[
+            "--max-mamba-cache-size",
+            "3",
+            "--chunked-prefill-size",
+            "32",
+        ],
+    )
+    .await
+}
+
+#[test]
+fn what_hybrids_cannot_run_with_yet_is_refused_by_name() -> Result<()> {
+    let m = "tiny-qwen3.5";
+    assert_model_refuses(
+        m,
+        &["--tp-size", "2"],
+        "splitting recurrent (Gated DeltaNet) layers",
+    )?;
+    assert_model_refuses(
+        m,
+        &["--speculative-algorithm", "NGRAM"],
+        "--speculative-algorithm ngram with Qwen3_5ForConditionalGeneration",
+    )?;
+    assert_model_refuses(
+        m,
+        &["--enable-hierarchical-cache"],
+        "--enable-hierarchical-cache with Qwen3_5ForConditionalGeneration",
+    )?;
+    assert_model_refuses(
+        m,
+        &["--disaggregation-mode", "prefill"],
+        "--disaggregation-mode with Qwen3_5ForConditionalGeneration",
+    )?;
+    assert_model_refuses(m, &["--mamba-ssm-dtype", "bfloat16"], "--mamba-ssm-dtype")?;
+    assert_model_refuses(
+        m,
+        &["--max-mamba-cache-size", "0"],
+        "--max-mamba-cache-size",
+    )
+}
