@@ -354,10 +354,11 @@ pub fn build_replica(
                 page_size,
                 num_pages,
                 kv_dtype,
-                // One recurrent state slot per running request unless told.
+                // One recurrent state slot per running request and as many
+                // for snapshots of cached prefixes, unless told.
                 state_slots: args
                     .max_mamba_cache_size
-                    .unwrap_or(setup.engine.max_running_requests),
+                    .unwrap_or(2 * setup.engine.max_running_requests),
             },
         )
         .context("allocating the KV cache")?,

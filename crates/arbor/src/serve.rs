@@ -584,14 +584,24 @@ impl Summary<'_> {
     /// The prefix cache and its tiers.
     fn cache_line(&self) -> String {
         if let Some(st) = self.spec.state {
+            let running = self.engine.max_running_requests.max(1);
+            let total = self.model.max_mamba_cache_size.unwrap_or(2 * running);
+            let snapshots = total.saturating_sub(running);
+            let reuse = if snapshots == 0 || self.engine.disable_radix_cache {
+                "prefix reuse off (no state slot left for snapshots)".to_string()
+            } else {
+                format!(
+                    "radix, eviction {}; prefixes reused up to their recurrent state snapshots",
+                    self.eviction_policy
+                )
+            };
             return format!(
-                "prefix reuse off (a hybrid model's recurrent state is not cached yet); \
-                 {} recurrent state slots of {} ({} recurrent layers)",
-                self.model
-                    .max_mamba_cache_size
-                    .unwrap_or(self.engine.max_running_requests),
+                "{reuse}; {total} recurrent state slots ({} running, {snapshots} snapshots) of {} \
+                 ({} recurrent layers), {} in all",
+                total.min(running),
                 mib(st.bytes_per_slot()),
-                st.layers
+                st.layers,
+                mib(st.bytes_per_slot() * total as u64)
             );
         }
         if self.engine.disable_radix_cache {

@@ -1,7 +1,9 @@
 //! End to end: `arbor serve` on the hybrid fixtures (Qwen3.5 dense and MoE
 //! ConditionalGeneration checkpoints, Qwen3-Next) serves transformers'
 //! greedy completions over HTTP with all prompts at once, with chunked
-//! prefill, and with fewer state slots than requests; the start-up summary
+//! prefill, and with fewer state slots than requests; a repeated prompt
+//! reuses its cached prefix through a recurrent state snapshot (same
+//! tokens, `cached_tokens` up to the last page boundary); the start-up summary
 //! and /get_server_info show the recurrent state slots; every page and
 //! slot is back afterwards. What a hybrid model cannot run with yet
 //! (tensor parallelism, speculation, HiCache, PD disaggregation, a state
@@ -13,7 +15,18 @@ use anyhow::{Context, Result};
 use common::*;
 use serde_json::{Value, json};
 
-async fn serves_reference(model: &str, extra: &[&str]) -> Result<()> {
+/// What a repeated prompt may reuse.
+#[derive(Clone, Copy, Debug)]
+enum Reuse {
+    /// Its prompt up to the last page boundary before its last token.
+    Always,
+    /// Nothing (no slot for snapshots).
+    Off,
+    /// That, or nothing when its snapshot was evicted.
+    IfKept,
+}
+
+async fn serves_reference(model: &str, extra: &[&str], reuse: Reuse) -> Result<()> {
     let path = fixture(model);
     let mut args = vec![
         "--model-path",
@@ -55,10 +68,30 @@ async fn serves_reference(model: &str, extra: &[&str]) -> Result<()> {
             r["output_ids"], p["greedy_ids"],
             "{model} {extra:?} request {i}: {r}"
         );
+    }
+    // Again, one at a time: each reuses its prompt up to the last page (16
+    // tokens) before its last token, restored from a state snapshot, when
+    // there are slots for snapshots.
+    for (i, p) in prompts.iter().enumerate() {
+        let r = generate_greedy(&c, &s, &p["input_ids"], &tokens).await?;
         assert_eq!(
-            meta(&r)["cached_tokens"],
-            0,
-            "{model}: no reuse of recurrent state yet"
+            r["output_ids"], p["greedy_ids"],
+            "{model} {extra:?} repeat {i}: {r}"
+        );
+        let len = p["input_ids"].as_array().map_or(0, Vec::len);
+        let cached = meta(&r)["cached_tokens"]
+            .as_u64()
+            .context("cached_tokens")? as usize;
+        let full = (len - 1) / 16 * 16;
+        let ok = match reuse {
+            Reuse::Always => cached == full,
+            Reuse::Off => cached == 0,
+            // Few snapshot slots: a prompt's snapshot may have been evicted.
+            Reuse::IfKept => cached == full || cached == 0,
+        };
+        assert!(
+            ok,
+            "{model} {extra:?}: {cached} cached of a {len}-token prompt ({reuse:?})"
         );
     }
     let info: Value = c
@@ -87,8 +120,14 @@ async fn serves_reference(model: &str, extra: &[&str]) -> Result<()> {
 
 #[tokio::test]
 async fn hybrid_models_serve_the_reference_completions() -> Result<()> {
-    serves_reference("tiny-qwen3.5", &[]).await?;
-    serves_reference("tiny-qwen3.5-moe", &["--chunked-prefill-size", "64"]).await?;
+    serves_reference("tiny-qwen3.5", &[], Reuse::Always).await?;
+    serves_reference(
+        "tiny-qwen3.5-moe",
+        &["--chunked-prefill-size", "64"],
+        Reuse::Always,
+    )
+    .await?;
+    // Three slots for 64 running requests: none left for snapshots.
     serves_reference(
         "tiny-qwen3-next",
         &[
@@ -97,6 +136,19 @@ async fn hybrid_models_serve_the_reference_completions() -> Result<()> {
             "--chunked-prefill-size",
             "32",
         ],
+        Reuse::Off,
+    )
+    .await?;
+    // Snapshots with a few slots: evicted and retaken as requests come.
+    serves_reference(
+        "tiny-qwen3-next",
+        &[
+            "--max-running-requests",
+            "4",
+            "--max-mamba-cache-size",
+            "12",
+        ],
+        Reuse::IfKept,
     )
     .await
 }

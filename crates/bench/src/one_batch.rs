@@ -15,7 +15,7 @@
 use crate::error::{BenchError, Result};
 use crate::rng::Rng;
 use crate::stats;
-use arbor_engine_core::runner::{ModelRunner, SeqStep};
+use arbor_engine_core::runner::{KvGeometry, ModelRunner, SeqStep};
 use arbor_engine_core::{
     BackendOptions, KvDtypeChoice, LoadOptions, QuantMatmul, Registry, ResolvedKvDtype,
 };
@@ -192,15 +192,21 @@ fn run_once(
     }
     let ps = args.page_size.max(1);
     let per_seq = (il + ol).div_ceil(ps);
-    let runner = ModelRunner::new(
+    let runner = ModelRunner::with_state_slots(
         m.model.clone(),
         m.backend.clone(),
         None,
-        ps,
-        bs * per_seq,
-        m.kv_dtype.dtype,
+        KvGeometry {
+            page_size: ps,
+            num_pages: bs * per_seq,
+            kv_dtype: m.kv_dtype.dtype,
+            state_slots: bs,
+        },
     )?;
     let pool = runner.new_page_pool();
+    // One recurrent state slot per sequence (a hybrid model's; none otherwise).
+    let hybrid = spec.state.is_some();
+    let slot = |i: usize| hybrid.then_some(i as u32);
     let pages = (0..bs)
         .map(|_| pool.alloc(per_seq))
         .collect::<std::result::Result<Vec<_>, _>>()?;
@@ -212,12 +218,13 @@ fn run_once(
     let steps: Vec<SeqStep<'_>> = prompts
         .iter()
         .zip(&pages)
-        .map(|(p, pg)| SeqStep {
+        .enumerate()
+        .map(|(i, (p, pg))| SeqStep {
             tokens: p,
             prefix_len: 0,
             pages: pg.pages(),
             want_logits: true,
-            state_slot: None,
+            state_slot: slot(i),
         })
         .collect();
     let tic = Instant::now();
@@ -235,12 +242,13 @@ fn run_once(
         let steps: Vec<SeqStep<'_>> = next
             .iter()
             .zip(&pages)
-            .map(|(t, pg)| SeqStep {
+            .enumerate()
+            .map(|(j, (t, pg))| SeqStep {
                 tokens: t,
                 prefix_len: il + i,
                 pages: pg.pages(),
                 want_logits: true,
-                state_slot: None,
+                state_slot: slot(j),
             })
             .collect();
         let tic = Instant::now();

@@ -84,6 +84,12 @@ pub struct BatchLayout {
     /// The recurrent state slot of each sequence, in order (a hybrid
     /// model's; empty for a model without recurrent layers).
     pub state_slots: Vec<u32>,
+    /// State snapshots this batch takes: `(sequence, n, slot)` copies the
+    /// state after the sequence's first `n` new tokens into `slot`.
+    pub state_snapshots: Vec<(usize, usize, u32)>,
+    /// State restored before the forward: `(from, to)` copies slot `from`
+    /// (a snapshot) into slot `to` (a sequence's), every recurrent layer.
+    pub state_restores: Vec<(u32, u32)>,
 }
 
 /// The error of a sequence [`BatchLayout::push_seq`] refuses (kept out of
@@ -203,10 +209,16 @@ impl BatchLayout {
             .seqs
             .iter()
             .zip(&self.state_slots)
-            .map(|(s, &slot)| crate::state::StateSeq {
+            .enumerate()
+            .map(|(i, (s, &slot))| crate::state::StateSeq {
                 rows: s.q_start..s.q_start + s.q_len,
                 slot,
                 fresh: s.prefix_len == 0,
+                snapshot: self
+                    .state_snapshots
+                    .iter()
+                    .find(|(seq, _, _)| *seq == i)
+                    .map(|&(_, n, dst)| (n, dst)),
             })
             .collect())
     }

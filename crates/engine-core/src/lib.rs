@@ -73,7 +73,8 @@ pub use speculative::{
 };
 pub use state::{StateCache, StatePool, StateSlot, StateSpec};
 pub use step::{
-    SampleRows, SampleSpec, SeqExtra, SeqOutput, SeqPlan, StepOutput, StepPlan, StepTokens,
+    SampleRows, SampleSpec, SeqExtra, SeqOutput, SeqPlan, StateOps, StepOutput, StepPlan,
+    StepTokens,
 };
 pub use tensor::{BufferId, BufferOwner, DeviceBuffer, HostTensor, Tensor};
 pub use tier::{

@@ -129,6 +129,23 @@ impl StateCache {
     pub fn slots(&self) -> usize {
         self.slots
     }
+    /// Copies slot `from`'s state of every layer into slot `to` (restoring
+    /// a snapshot into a sequence's slot).
+    pub fn copy_slot(&self, backend: &dyn Backend, from: u32, to: u32) -> Result<()> {
+        let (f, t) = (from as usize, to as usize);
+        if f >= self.slots || t >= self.slots || f == t {
+            return Err(CoreError::invalid(format!(
+                "state copy from slot {from} to {to} of {}",
+                self.slots
+            )));
+        }
+        for l in &self.layers {
+            backend.copy(&l.conv.narrow(f, 1)?, &l.conv.narrow(t, 1)?)?;
+            backend.copy(&l.recurrent.narrow(f, 1)?, &l.recurrent.narrow(t, 1)?)?;
+        }
+        Ok(())
+    }
+
     /// State of recurrent layer `i` (counted among the recurrent layers).
     pub fn layer(&self, i: usize) -> Result<&StateLayer> {
         self.layers
@@ -162,10 +179,16 @@ impl fmt::Debug for StatePool {
 impl StatePool {
     /// A pool of `slots` slots.
     pub fn new(slots: usize) -> Self {
+        Self::over(0..slots)
+    }
+
+    /// A pool of the slots `range` of a cache (running requests' slots and
+    /// snapshots' slots are two pools over one cache).
+    pub fn over(range: Range<usize>) -> Self {
         Self {
             state: Arc::new(Mutex::new(SlotState {
-                free: (0..slots as u32).rev().collect(),
-                total: slots,
+                total: range.len(),
+                free: range.rev().map(|s| s as u32).collect(),
             })),
         }
     }
@@ -234,6 +257,10 @@ pub struct StateSeq {
     pub slot: u32,
     /// It starts at position 0: its state starts from zero.
     pub fresh: bool,
+    /// Copy the state after this sequence's first `n` tokens (`1..=rows`)
+    /// into another slot: `(n, slot)` (a snapshot at a page boundary, for
+    /// prefix reuse).
+    pub snapshot: Option<(usize, u32)>,
 }
 
 /// The per-layer weights of a Gated DeltaNet's recurrence (all f32).
@@ -329,6 +356,20 @@ impl GatedDeltaNet<'_> {
             seen.push(q.slot);
             end = q.rows.end;
         }
+        // Snapshot slots: inside the cache, within the sequence's tokens,
+        // and distinct from every other slot of the batch.
+        for q in self.seqs {
+            let Some((n, dst)) = q.snapshot else {
+                continue;
+            };
+            if n == 0 || n > q.rows.len() || dst as usize >= slots || seen.contains(&dst) {
+                return Err(CoreError::invalid(format!(
+                    "state snapshot {:?} of {q:?} ({slots} slots)",
+                    q.snapshot
+                )));
+            }
+            seen.push(dst);
+        }
         if end != t {
             return Err(CoreError::invalid(format!(
                 "state sequences cover {end} of {t} rows"
@@ -422,6 +463,36 @@ fn conv_channels(
     }
 }
 
+/// The convolution state (`past` inputs per channel, oldest first) after
+/// the first `b` of a sequence's tokens, for the channels `first..` that
+/// `dst` holds: the inputs `x` (row stride `stride`) before it, the state
+/// `old` (zero when `fresh`) before those.
+#[allow(clippy::too_many_arguments)]
+fn conv_state_at(
+    x: &[f32],
+    stride: usize,
+    first: usize,
+    old: &[f32],
+    fresh: bool,
+    past: usize,
+    b: usize,
+    dst: &mut [f32],
+) {
+    let channels = dst.len() / past;
+    for c in 0..channels {
+        for j in 0..past {
+            let t = (b + j) as isize - past as isize;
+            dst[c * past + j] = if t >= 0 {
+                x[t as usize * stride + first + c]
+            } else if fresh {
+                0.0
+            } else {
+                old[c * past + (past as isize + t) as usize]
+            };
+        }
+    }
+}
+
 /// Scales `v` to unit L2 norm as the FLA kernels do (`x / sqrt(Σx² + 1e-6)`), times `scale`.
 #[inline]
 fn l2_normalize(v: &mut [f32], scale: f32) {
@@ -438,6 +509,7 @@ fn l2_normalize(v: &mut [f32], scale: f32) {
 /// v_dim]`). Every token costs the same operations in the same order, so
 /// the state after each token does not depend on how the tokens were
 /// batched (the module invariant).
+#[allow(clippy::too_many_arguments)]
 pub fn gated_delta_group(
     spec: &StateSpec,
     kh: usize,
@@ -445,6 +517,7 @@ pub fn gated_delta_group(
     fresh: bool,
     inp: &GroupInputs<'_>,
     st: GroupState<'_>,
+    mut snapshot: Option<(usize, GroupState<'_>)>,
     out: &mut [f32],
 ) {
     let (dk, dv, g) = (spec.k_dim, spec.v_dim, spec.group());
@@ -455,6 +528,14 @@ pub fn gated_delta_group(
     let mut k = vec![0f32; tokens * dk];
     let mut v = vec![0f32; tokens * g * dv];
     let (mx, w) = (inp.mixed, inp.conv_w);
+    if let Some((b, d)) = snapshot.as_mut() {
+        let at = |first: usize, old: &[f32], dst: &mut [f32]| {
+            conv_state_at(mx, stride, first, old, fresh, kernel - 1, *b, dst)
+        };
+        at(kh * dk, st.q_conv, d.q_conv);
+        at(key_base + kh * dk, st.k_conv, d.k_conv);
+        at(value_base + kh * g * dv, st.v_conv, d.v_conv);
+    }
     conv_channels(
         mx,
         stride,
@@ -522,6 +603,11 @@ pub fn gated_delta_group(
                     *sv += kr * d;
                     *oj += *sv * qr;
                 }
+            }
+            if let Some((b, d)) = snapshot.as_mut()
+                && i + 1 == *b
+            {
+                d.recurrent[h * dk * dv..(h + 1) * dk * dv].copy_from_slice(s);
             }
         }
     }
@@ -607,10 +693,25 @@ pub fn gated_delta_net_on_host<B: Backend + ?Sized>(b: &B, call: &GatedDeltaNet<
             a_log: &a_log,
             dt_bias: &dt_bias,
         };
+        let snap_views = match q.snapshot {
+            Some((_, dst)) => Some((
+                call.state.conv.narrow(dst as usize, 1)?,
+                call.state.recurrent.narrow(dst as usize, 1)?,
+            )),
+            None => None,
+        };
+        let mut snap = match &snap_views {
+            Some((c, r)) => Some((f32_values(b, c)?, f32_values(b, r)?)),
+            None => None,
+        };
         let mut group_out = vec![0f32; n * g * s.v_dim];
         for kh in 0..s.k_heads {
             let st = group_state(s, kh, &mut conv, &mut rec);
-            gated_delta_group(s, kh, n, q.fresh, &inp, st, &mut group_out);
+            let dst = match (&mut snap, q.snapshot) {
+                (Some((c, r)), Some((at, _))) => Some((at, group_state(s, kh, c, r))),
+                _ => None,
+            };
+            gated_delta_group(s, kh, n, q.fresh, &inp, st, dst, &mut group_out);
             for i in 0..n {
                 let dst = (rows.start + i) * width + kh * g * s.v_dim;
                 out[dst..dst + g * s.v_dim]
@@ -619,6 +720,10 @@ pub fn gated_delta_net_on_host<B: Backend + ?Sized>(b: &B, call: &GatedDeltaNet<
         }
         b.write(&conv_t, &f32_bytes(&conv))?;
         b.write(&rec_t, &f32_bytes(&rec))?;
+        if let (Some((ct, rt)), Some((c, r))) = (&snap_views, &snap) {
+            b.write(ct, &f32_bytes(c))?;
+            b.write(rt, &f32_bytes(r))?;
+        }
     }
     b.write(call.out, &f32_bytes(&out))
 }
@@ -721,6 +826,7 @@ mod tests {
                     start == 0,
                     &inp,
                     group_state(&s, kh, &mut conv, &mut rec),
+                    None,
                     &mut o,
                 );
                 for i in 0..n {

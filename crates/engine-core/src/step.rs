@@ -89,8 +89,21 @@ pub struct SeqPlan {
     /// The LoRA adapter the sequence runs with (`None`: the base model).
     pub lora: Option<Arc<LoraAdapter>>,
     /// The sequence's recurrent state slot (models with recurrent layers;
-    /// `None` otherwise).
+    /// `None` otherwise), and what else the step does with its state.
     pub state_slot: Option<u32>,
+    /// Snapshots and restores of the sequence's recurrent state.
+    pub state_ops: StateOps,
+}
+
+/// What a step does with a sequence's recurrent state besides updating it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateOps {
+    /// Before the forward, copy this slot (a snapshot of the cached prefix
+    /// the sequence starts after) into the sequence's slot.
+    pub restore_from: Option<u32>,
+    /// Copy the state after the first `n` of the step's tokens into a slot:
+    /// `(n, slot)`.
+    pub snapshot: Option<(usize, u32)>,
 }
 
 impl SeqPlan {
@@ -308,6 +321,7 @@ mod tests {
         let mut s = SeqPlan {
             lora: None,
             state_slot: None,
+            state_ops: Default::default(),
             tokens: vec![1, 2, 3, 4],
             prefix_len: 5,
             pages: vec![0, 1, 2],

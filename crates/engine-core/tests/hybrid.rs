@@ -2,10 +2,11 @@
 //! gated attention) through the engine: continuous batching, chunked
 //! prefill of several sizes, mixed chunks, more requests than state slots
 //! and retraction under a small KV pool all give the greedy tokens
-//! transformers gives (tests/fixtures/tiny-qwen3.5/reference.json), a
-//! repeated prompt is recomputed (no prefix reuse of recurrent state yet:
-//! `cached_tokens` is 0) with the same tokens, and every page and state
-//! slot is back in its pool afterwards.
+//! transformers gives (tests/fixtures/tiny-qwen3.5/reference.json); a
+//! repeated prompt and a second turn reuse their cached prefix up to the
+//! deepest recurrent state snapshot (`cached_tokens`) and give the tokens a
+//! cold run gives; without snapshot slots nothing is reused; every page,
+//! state slot and snapshot is back in its pool after a flush.
 
 #![allow(clippy::unwrap_used)]
 
@@ -134,27 +135,65 @@ fn hybrid_serving_gives_transformers_tokens_however_steps_are_shaped() -> Result
     // 16 requests over the reference prompts (4 to 404 tokens), 8 slots.
     let batch: Vec<usize> = (0..16).map(|i| (i * 3) % s.cases.len()).collect();
     let prompts: Vec<Vec<u32>> = batch.iter().map(|&i| s.cases[i].0.clone()).collect();
-    for (chunk, mixed) in [(-1, false), (16, false), (64, true), (100, true)] {
+    // 8 running requests; 40 more slots for snapshots of cached prefixes,
+    // or none (prefix reuse off).
+    for (chunk, mixed, slots) in [
+        (-1, false, 48),
+        (16, false, 48),
+        (64, true, 8),
+        (100, true, 48),
+    ] {
         let cfg = EngineConfig {
             chunked_prefill_size: chunk,
             enable_mixed_chunk: mixed,
             max_running_requests: 8,
             ..EngineConfig::default()
         };
-        let e = engine(&s, cfg, 512, 8)?;
-        for (i, (tokens, cached)) in run(&e, &prompts)?.into_iter().enumerate() {
+        let e = engine(&s, cfg, 1024, slots)?;
+        let case = format!("chunk {chunk}, mixed {mixed}, {slots} slots");
+        for (i, (tokens, _)) in run(&e, &prompts)?.into_iter().enumerate() {
             let want = &s.cases[batch[i]].1;
-            assert_eq!(&tokens, want, "chunk {chunk}, mixed {mixed}: request {i}");
-            assert_eq!(cached, 0, "no prefix reuse of recurrent state yet");
+            assert_eq!(&tokens, want, "{case}: request {i}");
         }
-        // The same prompts again: recomputed, same tokens.
+        // The same prompts again: each reuses its prompt up to the last page
+        // boundary before its last token (restored from a snapshot), and
+        // gives the same tokens.
         let again = run(&e, &prompts[..4])?;
         for (i, (tokens, cached)) in again.into_iter().enumerate() {
-            assert_eq!(&tokens, &s.cases[batch[i]].1, "repeat {i}");
-            assert_eq!(cached, 0);
+            let (prompt, want) = &s.cases[batch[i]];
+            assert_eq!(&tokens, want, "{case}: repeat {i}");
+            let expected = if slots > 8 {
+                (prompt.len() - 1) / 16 * 16
+            } else {
+                0
+            };
+            assert_eq!(
+                cached,
+                expected,
+                "{case}: cached tokens of a {}-token prompt",
+                prompt.len()
+            );
+        }
+        // A second turn: the first turn's prompt and answer and more tokens
+        // reuse the state snapshot taken while the answer was decoded.
+        let (prompt, answer) = &s.cases[2];
+        let mut turn = prompt.clone();
+        turn.extend_from_slice(answer);
+        turn.extend_from_slice(&s.cases[1].0);
+        let cold = {
+            let fresh = engine(&s, EngineConfig::default(), 1024, 8)?;
+            run(&fresh, std::slice::from_ref(&turn))?.remove(0).0
+        };
+        let (warm, cached) = run(&e, std::slice::from_ref(&turn))?.remove(0);
+        assert_eq!(warm, cold, "{case}: second turn warm vs cold");
+        if slots > 8 {
+            // The answer's last page boundary: prompt 61 + 32 tokens, 92 computed.
+            assert_eq!(cached, 80, "{case}: second turn cached tokens");
         }
         assert_pool_empty(&e);
-        assert_eq!(e.stats().max_state_slots, 8);
+        let stats = e.stats();
+        assert_eq!(stats.max_state_slots, 8);
+        assert_eq!(stats.state_snapshots, 0, "flushed with the cache");
     }
     Ok(())
 }
@@ -171,7 +210,7 @@ fn retraction_under_a_small_pool_restarts_the_state() -> Result<()> {
         schedule_conservativeness: 0.01,
         ..EngineConfig::default()
     };
-    let e = engine(&s, cfg, 24, 8)?;
+    let e = engine(&s, cfg, 24, 16)?;
     for (i, (tokens, _)) in run(&e, &prompts)?.into_iter().enumerate() {
         assert_eq!(tokens, s.cases[2].1, "request {i}");
     }

@@ -15,7 +15,9 @@ use arbor_engine_core::sampling::StandardSampler;
 use arbor_engine_core::state::{
     GatedDeltaNet, GatedDeltaWeights, StateCache, StateSeq, StateSpec, gated_delta_net_on_host,
 };
-use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
+use arbor_engine_core::{
+    Backend, BatchLayout, DType, ForwardBatch, LoadOptions, Registry, SamplingParams,
+};
 use arbor_models::{LoadedModel, load_model};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -339,16 +341,19 @@ fn host_gated_delta_net_equals_the_cpu_kernel() -> Result<()> {
             rows: 0..5,
             slot: 2,
             fresh: true,
+            snapshot: Some((3, 3)),
         },
         StateSeq {
             rows: 5..6,
             slot: 0,
             fresh: false,
+            snapshot: None,
         },
         StateSeq {
             rows: 6..13,
             slot: 1,
             fresh: false,
+            snapshot: Some((7, 4)),
         },
     ];
     let t = 13;
@@ -361,12 +366,12 @@ fn host_gated_delta_net_equals_the_cpu_kernel() -> Result<()> {
     let (conv, a_log, dt) = (up(&[spec.conv_channels, 4], 4)?, up(&[4], 5)?, up(&[4], 6)?);
     let mut results = Vec::new();
     for host in [false, true] {
-        let cache = StateCache::allocate(&*b, spec, 3)?;
+        let cache = StateCache::allocate(&*b, spec, 5)?;
         let layer = cache.layer(0)?;
-        b.write(&layer.conv, &bytes(&values(3 * spec.conv_len(), 7)))?;
+        b.write(&layer.conv, &bytes(&values(5 * spec.conv_len(), 7)))?;
         b.write(
             &layer.recurrent,
-            &bytes(&values(3 * spec.recurrent_len(), 8)),
+            &bytes(&values(5 * spec.recurrent_len(), 8)),
         )?;
         let out = b.alloc(DType::F32, &[t, 32])?;
         let call = GatedDeltaNet {
@@ -396,6 +401,70 @@ fn host_gated_delta_net_equals_the_cpu_kernel() -> Result<()> {
     }
     assert_eq!(results[0], results[1]);
     Ok(())
+}
+
+/// A snapshot taken mid-prefill, restored into another slot, continues
+/// exactly as the uninterrupted sequence: the logits after the rest of the
+/// prompt are bit-identical, for a snapshot inside a chunk and at its end.
+#[test]
+fn a_restored_snapshot_continues_bit_identically() -> Result<()> {
+    let b = backend()?;
+    for name in FIXTURES {
+        let m = load_dir(&fixture(name), &b)?;
+        let r = reference(name)?;
+        let run = runner(&m, &b, 8)?;
+        let prompt = prompts(&r)?.pop().context("long prompt")?;
+        let whole = chunked_logits(&run, &prompt, prompt.len(), 0)?;
+        let pool = run.new_page_pool();
+        let pages = pool.alloc(pool.pages_for(prompt.len()))?;
+        for (chunk, at) in [(100, 64), (64, 64), (prompt.len(), 32)] {
+            // Slot 1 computes the first `chunk` tokens, snapshotting at `at` into slot 2.
+            let mut layout = BatchLayout::new(16);
+            layout.push_seq(0, chunk, pages.pages())?;
+            layout.state_slots.push(1);
+            layout.state_snapshots.push((0, at, 2));
+            forward(&run, &prompt[..chunk], 0, layout, false)?;
+            // Slot 3 restores it and computes the rest.
+            let mut layout = BatchLayout::new(16);
+            layout.push_seq(at, prompt.len() - at, pages.pages())?;
+            layout.state_slots.push(3);
+            layout.state_restores.push((2, 3));
+            let got = forward(&run, &prompt[at..], at, layout, true)?;
+            assert!(
+                got.iter()
+                    .zip(&whole)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: snapshot at {at} of a {chunk}-token chunk"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One sequence's forward over `layout`: the last row's logits when asked.
+fn forward(
+    run: &ModelRunner,
+    tokens: &[u32],
+    start: usize,
+    layout: BatchLayout,
+    logits: bool,
+) -> Result<Vec<f32>> {
+    let batch = ForwardBatch {
+        input_ids: tokens.to_vec(),
+        positions: (start..start + tokens.len()).map(|p| p as u32).collect(),
+        layout: Arc::new(layout),
+        logits_rows: if logits {
+            vec![tokens.len() as u32 - 1]
+        } else {
+            Vec::new()
+        },
+        hidden_layers: Vec::new(),
+        lora: Vec::new(),
+        exit_after: None,
+        hidden_at_every_row: false,
+    };
+    let out = run.forward(&batch)?;
+    Ok(run.backend().download_f32(&out.logits)?)
 }
 
 fn bytes(v: &[f32]) -> Vec<u8> {

@@ -276,6 +276,8 @@ pub struct EngineStats {
     /// hybrid model's; both 0 for a model without recurrent layers).
     pub used_state_slots: usize,
     pub max_state_slots: usize,
+    /// Recurrent state snapshots of cached prefixes kept.
+    pub state_snapshots: usize,
     /// `num_used_tokens / max_total_tokens`.
     pub token_usage: f64,
     /// Cached share of prompt tokens over recent prefills.

@@ -96,6 +96,14 @@ pub(crate) struct Req {
     /// from admission until the request finishes or is retracted (its
     /// state then restarts from its first token).
     pub state_slot: Option<crate::state::StateSlot>,
+    /// The snapshot the request's first chunk restores (the cached
+    /// prefix's length and its slot), until that chunk has been planned.
+    pub restore: Option<(usize, Arc<crate::state::StateSlot>)>,
+    /// The snapshot the step in flight writes (at this many tokens), and the
+    /// latest one a finished step wrote (kept in the store when the
+    /// request's KV is cached).
+    pub snapshot_next: Option<(usize, crate::state::StateSlot)>,
+    pub snapshot_done: Option<(usize, crate::state::StateSlot)>,
     /// Finished during this step (the scheduler drops it after the step).
     pub finished: bool,
     // Reporting.
@@ -168,6 +176,9 @@ impl Req {
             pages_stamp: next_pages_stamp(),
             computed: 0,
             state_slot: None,
+            restore: None,
+            snapshot_next: None,
+            snapshot_done: None,
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
@@ -237,6 +248,9 @@ impl Req {
             pages_stamp: next_pages_stamp(),
             computed: 0,
             state_slot: None,
+            restore: None,
+            snapshot_next: None,
+            snapshot_done: None,
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),

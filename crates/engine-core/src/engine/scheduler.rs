@@ -45,6 +45,7 @@ use crate::state::StatePool;
 
 mod iteration;
 mod refit;
+mod snapshots;
 mod speculation;
 mod transfer;
 use std::collections::VecDeque;
@@ -91,6 +92,9 @@ pub(crate) struct Scheduler {
     pool: PagePool,
     /// Recurrent state slots (a model with recurrent layers).
     state_pool: Option<StatePool>,
+    /// Snapshots of cached prefixes' recurrent state (prefix reuse on a
+    /// model with recurrent layers).
+    snapshots: Option<snapshots::SnapshotStore>,
     cache: Box<dyn PrefixCache>,
     decoder: Arc<dyn TokenDecoder>,
     /// Proposes drafts when speculation is configured.
@@ -159,10 +163,10 @@ impl Scheduler {
     ) -> Result<Self> {
         let kv = *parts.executor.kv_spec();
         let mut cfg = cfg;
-        // A model with recurrent layers keeps per-request state slots; its
-        // prefixes are not reused yet (a match would need the state at the
-        // match's end), so nothing is cached.
-        let state_pool = match parts.executor.model_spec().state {
+        // A model with recurrent layers keeps a state slot per running
+        // request; the slots past `max_running_requests` hold snapshots of
+        // cached prefixes (without any, prefixes are not reused).
+        let (state_pool, snapshots) = match parts.executor.model_spec().state {
             Some(_) => {
                 let slots = parts.executor.state_slots();
                 if slots == 0 {
@@ -170,10 +174,15 @@ impl Scheduler {
                         "a model with recurrent layers on an executor without state slots",
                     ));
                 }
-                cfg.disable_radix_cache = true;
-                Some(StatePool::new(slots))
+                let running = cfg.max_running_requests.clamp(1, slots);
+                let snapshots = (running < slots && !cfg.disable_radix_cache)
+                    .then(|| snapshots::SnapshotStore::new(StatePool::over(running..slots)));
+                if snapshots.is_none() {
+                    cfg.disable_radix_cache = true;
+                }
+                (Some(StatePool::over(0..running)), snapshots)
             }
-            None => None,
+            None => (None, None),
         };
         let pool = PagePool::new(kv.num_pages, kv.page_size);
         parts.prefix_cache.bind_pool(&pool)?;
@@ -197,6 +206,7 @@ impl Scheduler {
             executor: Arc::from(parts.executor),
             pool,
             state_pool,
+            snapshots,
             cache: parts.prefix_cache,
             decoder: parts.decoder,
             speculator: parts.speculator,
@@ -299,7 +309,7 @@ impl Scheduler {
             Msg::Flush { reply, storage } => {
                 let ok = self.idle();
                 if ok {
-                    self.cache.flush();
+                    self.flush_cache();
                     if storage && let Err(e) = self.cache.clear_storage() {
                         tracing::warn!("clearing the storage tier: {e}");
                     }
@@ -476,10 +486,36 @@ impl Scheduler {
         self.pool.alloc(n).ok()
     }
 
+    /// Drops every unlocked cached prefix, and the recurrent state
+    /// snapshots with them.
+    fn flush_cache(&mut self) {
+        self.cache.flush();
+        if let Some(s) = &mut self.snapshots {
+            s.clear();
+        }
+    }
+
     /// Matches the request's cached prefix and locks it (first admission or after retraction).
     fn attach_prefix(&mut self, r: &mut Req) -> Result<()> {
         let toks = r.tokens();
-        let m = self.cache.match_prefix(&r.ns, &toks[..toks.len() - 1]);
+        let m = match self.snapshots.as_mut() {
+            // A model with recurrent layers reuses a prefix only up to its
+            // deepest recurrent state snapshot within the cached pages.
+            Some(store) => {
+                let cached = self.cache.peek_prefix(&r.ns, &toks[..toks.len() - 1]);
+                let deepest = store.deepest(&r.ns, &toks, cached, self.page_size);
+                let len = deepest.as_ref().map_or(0, |d| d.0);
+                let m = self.cache.match_prefix(&r.ns, &toks[..len]);
+                r.restore = deepest.filter(|_| m.matched_tokens == len && len > 0);
+                if r.restore.is_none() && m.matched_tokens > 0 {
+                    // Pages without their state: not reused.
+                    self.cache.match_prefix(&r.ns, &[])
+                } else {
+                    m
+                }
+            }
+            None => self.cache.match_prefix(&r.ns, &toks[..toks.len() - 1]),
+        };
         self.cache.lock(m.node)?;
         r.node = Some(m.node);
         r.node_len = m.matched_tokens;
@@ -494,7 +530,13 @@ impl Scheduler {
 
     /// Gives the request's KV back: its computed part to the cache (when `keep`), the rest to the pool.
     fn release_kv(&mut self, r: &mut Req, keep: bool) {
+        if keep {
+            self.keep_snapshot(r);
+        }
         r.state_slot = None;
+        r.restore = None;
+        r.snapshot_next = None;
+        r.snapshot_done = None;
         let Some(node) = r.node.take() else {
             drop(r.take_own());
             return;
@@ -529,6 +571,7 @@ impl Scheduler {
         if self.cfg.disable_radix_cache {
             return Ok(());
         }
+        self.keep_snapshot(r);
         let toks = r.tokens();
         let own = r.take_own().unwrap_or_else(|| self.pool.empty_set());
         let old = r.node.take();
@@ -738,6 +781,17 @@ impl Scheduler {
         }))
     }
 
+    /// Moves the request's latest completed state snapshot into the store
+    /// (its KV pages are inserted into the cache with it).
+    fn keep_snapshot(&mut self, r: &mut Req) {
+        if let (Some(store), Some((len, slot))) = (self.snapshots.as_mut(), r.snapshot_done.take())
+            && len <= r.computed
+        {
+            let toks = r.tokens();
+            store.insert(&r.ns, &toks[..len], slot, self.page_size);
+        }
+    }
+
     /// Whether `r` holds the state slot it needs (taking a free one if it
     /// has none); always true for a model without recurrent layers.
     fn hold_state_slot(&mut self, r: &mut Req) -> bool {
@@ -912,6 +966,7 @@ impl Scheduler {
             c.used_state_slots = sp.used_slots();
             c.max_state_slots = sp.total_slots();
         }
+        c.state_snapshots = self.snapshots.as_ref().map_or(0, |s| s.len());
         c.token_usage = c.num_used_tokens as f64 / c.max_total_tokens.max(1) as f64;
         let (hit, tot) = self.hit_sums;
         c.cache_hit_rate = if tot == 0 {

@@ -373,7 +373,14 @@ fn build_batch(
             None => layout.push_seq(s.prefix_len, s.tokens.len(), &s.pages)?,
         }
         if let Some(slot) = s.state_slot {
+            let seq = layout.state_slots.len();
             layout.state_slots.push(slot);
+            if let Some(from) = s.state_ops.restore_from {
+                layout.state_restores.push((from, slot));
+            }
+            if let Some((n, dst)) = s.state_ops.snapshot {
+                layout.state_snapshots.push((seq, n, dst));
+            }
         }
         // Pushed one by one: cheaper than slice and iterator extends for
         // the one token of a decode sequence, and no slower for a chunk.

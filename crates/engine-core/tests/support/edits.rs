@@ -146,6 +146,7 @@ impl Req {
         SeqPlan {
             lora: None,
             state_slot: None,
+            state_ops: Default::default(),
             tokens,
             prefix_len,
             pages: self.pages.clone(),

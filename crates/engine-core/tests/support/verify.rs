@@ -70,6 +70,7 @@ fn greedy_seq(tokens: Vec<u32>, prefix_len: usize, pages: Vec<u32>) -> SeqPlan {
     SeqPlan {
         lora: None,
         state_slot: None,
+        state_ops: Default::default(),
         tokens,
         prefix_len,
         pages,
@@ -105,6 +106,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
             SeqPlan {
                 lora: None,
                 state_slot: None,
+                state_ops: Default::default(),
                 tokens: prompt.clone(),
                 prefix_len: 0,
                 pages: pages.clone(),
@@ -122,6 +124,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
             SeqPlan {
                 lora: None,
                 state_slot: None,
+                state_ops: Default::default(),
                 tokens: vec![last],
                 prefix_len: prompt.len() + toks.len() - 1,
                 pages: pages.clone(),
@@ -137,6 +140,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         SeqPlan {
             lora: None,
             state_slot: None,
+            state_ops: Default::default(),
             tokens,
             prefix_len: prompt.len(),
             pages: pages.clone(),
@@ -170,6 +174,7 @@ pub fn chain_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> R
         SeqPlan {
             lora: None,
             state_slot: None,
+            state_ops: Default::default(),
             tokens: vec![toks[4]],
             prefix_len: prompt.len() + 4,
             pages: pages.clone(),
@@ -213,6 +218,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
             SeqPlan {
                 lora: None,
                 state_slot: None,
+                state_ops: Default::default(),
                 tokens: vec![tok],
                 prefix_len,
                 pages: pages.clone(),
@@ -227,6 +233,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
             SeqPlan {
                 lora: None,
                 state_slot: None,
+                state_ops: Default::default(),
                 tokens: prompt.clone(),
                 prefix_len: 0,
                 pages: pages.clone(),
@@ -259,6 +266,7 @@ pub fn tree_verify_matches_decode(backend: Arc<dyn Backend>, model: &Path) -> Re
         seqs: vec![SeqPlan {
             lora: None,
             state_slot: None,
+            state_ops: Default::default(),
             tokens,
             prefix_len: prompt.len(),
             pages: pages.clone(),

@@ -75,6 +75,10 @@ impl HybridModel {
             query_rows: b.upload_u32(&[t * nh], &query)?,
             gate_rows: b.upload_u32(&[t * nh], &gate)?,
         };
+        // Restored snapshots first: the sequences continue from them.
+        for &(from, to) in &batch.layout.state_restores {
+            state.copy_slot(b, from, to)?;
+        }
         let ids = b.upload_u32(&[t], &batch.input_ids)?;
         b.embedding(&self.embed, &ids, &p.resid)?;
         let eps = self.cfg.base.rms_norm_eps;

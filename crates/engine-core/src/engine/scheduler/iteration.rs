@@ -178,6 +178,11 @@ impl Scheduler {
         }
         s.lora.clone_from(&e.req.lora);
         s.state_slot = e.req.state_slot.as_ref().map(StateSlot::index);
+        // The first chunk after a cached prefix starts from its snapshot.
+        s.state_ops.restore_from = match &e.req.restore {
+            Some((len, slot)) if *len == e.start => Some(slot.index()),
+            _ => None,
+        };
     }
 
     /// Fills `s` (a buffer reused across steps) with the plan of a decoding
@@ -217,6 +222,62 @@ impl Scheduler {
         }
         s.lora.clone_from(&r.lora);
         s.state_slot = r.state_slot.as_ref().map(StateSlot::index);
+        s.state_ops.restore_from = None;
+        r.restore = None;
+    }
+
+    /// Plans a recurrent state snapshot at the last page boundary within the
+    /// `n` tokens a sequence computes from `start`, and not past `limit`
+    /// (into the request's own snapshot slot, or a new one), unless the
+    /// store has that prefix. A prompt's limit is its length less one: a
+    /// later request with the same prompt matches at most that much.
+    fn plan_snapshot(&mut self, r: &mut Req, span: (usize, usize, usize), s: &mut SeqPlan) {
+        let (start, n, limit) = span;
+        s.state_ops.snapshot = None;
+        let ps = self.page_size;
+        let end = (start + n).min(limit) / ps * ps;
+        let Some(store) = self.snapshots.as_mut() else {
+            return;
+        };
+        if r.state_slot.is_none() || end <= start || s.tree.is_some() {
+            return;
+        }
+        let toks = r.tokens();
+        if end > toks.len() || store.contains(&r.ns, &toks[..end], ps) {
+            return;
+        }
+        let slot = match r.snapshot_done.take() {
+            Some((_, slot)) => Some(slot),
+            None => store.alloc(),
+        };
+        if let Some(slot) = slot {
+            s.state_ops.snapshot = Some((end - start, slot.index()));
+            r.snapshot_next = Some((end, slot));
+        }
+    }
+
+    /// After a step succeeded: a prompt chunk's snapshot goes to the store
+    /// at once (it serves every request sharing the prompt once the pages
+    /// are cached), a decoding request's becomes its latest (kept when its
+    /// KV is cached). Restores due in this step are done.
+    fn settle_snapshots(&mut self, prefill: &mut [PrefillEntry], decoding: &mut [Req]) {
+        let ps = self.page_size;
+        for e in prefill.iter_mut() {
+            let r = &mut e.req;
+            r.restore = None;
+            if let (Some(store), Some((len, slot))) =
+                (self.snapshots.as_mut(), r.snapshot_next.take())
+            {
+                let toks = r.tokens();
+                store.insert(&r.ns, &toks[..len], slot, ps);
+            }
+        }
+        for r in decoding.iter_mut() {
+            r.restore = None;
+            if let Some(done) = r.snapshot_next.take() {
+                r.snapshot_done = Some(done);
+            }
+        }
     }
 
     /// Runs the KV tier copies the cache recorded, in a step of their own
@@ -235,7 +296,7 @@ impl Scheduler {
             Ok(o) => self.counters.kv_copy.add(&o.kv_copy),
             Err(e) => {
                 tracing::error!("KV tier copies failed: {e}; flushing the prefix cache");
-                self.cache.flush();
+                self.flush_cache();
             }
         }
         Ok(true)
@@ -322,6 +383,9 @@ impl Scheduler {
                 return deferred.map_or(Ok(true), Err);
             }
         };
+        if self.snapshots.is_some() {
+            self.settle_snapshots(&mut prefill, &mut decoding);
+        }
         self.report_states(&prefill, &decoding, &outputs);
         self.apply_outputs(prefill, decoding, &drafts, outputs)?;
         deferred.map_or(Ok(true), Err)
@@ -350,6 +414,10 @@ impl Scheduler {
         let (pre_stamps, dec_stamps) = stamps.split_at_mut(prefill.len());
         for ((e, s), stamp) in prefill.iter_mut().zip(pre_seqs).zip(pre_stamps) {
             self.prefill_plan(e, s);
+            if self.snapshots.is_some() {
+                let limit = e.req.prompt.len().saturating_sub(1);
+                self.plan_snapshot(&mut e.req, (e.start, e.len, limit), s);
+            }
             *stamp = 0;
         }
         // Whether any request samples under a grammar (found in the same walk).
@@ -362,6 +430,10 @@ impl Scheduler {
         {
             any_grammar |= r.matcher.is_some();
             self.decode_plan(r, draft_of(drafts, i), s, stamp);
+            if self.snapshots.is_some() {
+                let span = (s.prefix_len, s.tokens.len(), usize::MAX);
+                self.plan_snapshot(r, span, s);
+            }
         }
         // Copies between device and host tiers that the admissions and
         // evictions before this point recorded run first.
@@ -479,7 +551,7 @@ impl Scheduler {
         }
         if kv_ops_ran {
             // The tier copies may not have run: cached KV cannot be trusted.
-            self.cache.flush();
+            self.flush_cache();
         }
     }
 

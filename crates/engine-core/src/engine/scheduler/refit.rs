@@ -149,7 +149,7 @@ impl Scheduler {
         }
         self.refit.version += 1;
         // The cache's KV was computed by the old weights.
-        self.cache.flush();
+        self.flush_cache();
         let v = self.refit.version;
         for r in self.waiting.iter_mut() {
             for f in r.followers.iter_mut() {
@@ -205,7 +205,7 @@ impl Scheduler {
         // Pending tier copies (backups) read device pages: run them first.
         self.run_tier_copies()?;
         // Nothing is locked: the cache frees every page, so the pool is whole.
-        self.cache.flush();
+        self.flush_cache();
         self.executor.memory(MemoryOp::Release { kv, weights })?;
         self.refit.released |= kv || weights;
         self.refit.weights_released |= weights;

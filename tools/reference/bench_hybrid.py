@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Arbor against transformers on a Qwen3.5-0.8B-shaped hybrid model (random weights, bf16).
+
+Writes the model once (Qwen3_5ForCausalLM with Qwen3.5-0.8B's text shape: hidden 1024, 24 layers
+of which every 4th is gated attention and the rest Gated DeltaNet, 8 query / 2 KV heads of 256,
+16 key and 16 value linear heads of 128, MLP 3584, vocabulary 248320 tied) with seeded random
+weights, then times, alternating the two engines (A B A B) on the same CPU threads:
+
+- prefill of 512 tokens (batch 1): tokens per second;
+- decode at batch 1 and batch 16 after a 128-token prompt: tokens per second (median step for
+  Arbor, mean of 32 steps for transformers' generate with its cache).
+
+Arbor runs `arbor bench one-batch` on the folder (its default precision: bf16 weights, f16 KV;
+bf16-rounded activations where the CPU has AMX); transformers runs the same folder in bf16 with
+its own chunked gated delta rule (no FLA kernels on the CPU).
+
+    python tools/reference/bench_hybrid.py --arbor target/release/arbor [--threads 2] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+HERE = Path(__file__).resolve().parent
+TOKENIZER_FROM = HERE.parent.parent / "tests" / "fixtures" / "tiny-qwen3.5"
+
+SHAPE = dict(
+    vocab_size=248320,
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def write_model(out: Path) -> None:
+    if (out / "model.safetensors").exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(**SHAPE)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(TOKENIZER_FROM / f, out / f)
+
+
+def arbor_run(arbor: str, model: Path, threads: int, batch: int, input_len: int, output_len: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        subprocess.run(
+            [
+                arbor, "bench", "one-batch", "--model-path", str(model), "--threads", str(threads),
+                "--batch-size", str(batch), "--input-len", str(input_len), "--output-len", str(output_len),
+                "--result-filename", f.name,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        lines = Path(f.name).read_text().strip().splitlines()
+    return json.loads(lines[-1])
+
+
+def hf_prefill(model, n: int) -> float:
+    x = torch.randint(0, 1000, (1, n))
+    with torch.no_grad():
+        model(x)  # warm-up
+        t0 = time.perf_counter()
+        model(x)
+    return n / (time.perf_counter() - t0)
+
+
+def hf_decode(model, batch: int, prompt: int, steps: int) -> float:
+    x = torch.randint(0, 1000, (batch, prompt))
+    with torch.no_grad():
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(x))
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=steps + 1, min_new_tokens=steps + 1, **kw)
+        total = time.perf_counter() - t0
+    return batch * steps / max(total - prefill, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arbor", required=True)
+    ap.add_argument("--model", default="/tmp/arbor-qwen35-0.8b-shaped")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    model_dir = Path(args.model)
+    write_model(model_dir)
+    torch.set_num_threads(args.threads)
+    hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    results: dict[str, list[float]] = {}
+
+    def add(k: str, v: float) -> None:
+        results.setdefault(k, []).append(v)
+
+    for r in range(args.rounds):
+        a = arbor_run(args.arbor, model_dir, args.threads, 1, 512, 2)
+        add("arbor prefill 512 tok/s", a["prefill_throughput"])
+        add("transformers prefill 512 tok/s", hf_prefill(hf, 512))
+        for batch in (1, 16):
+            a = arbor_run(args.arbor, model_dir, args.threads, batch, 128, 33)
+            add(f"arbor decode bs{batch} tok/s", a["median_decode_throughput"])
+            add(f"transformers decode bs{batch} tok/s", hf_decode(hf, batch, 128, 32))
+        print(f"round {r + 1} done", flush=True)
+    for k, v in results.items():
+        print(f"{k:36s} {statistics.median(v):9.1f}   (runs: {', '.join(f'{x:.1f}' for x in v)})")
+    for what in ("prefill 512", "decode bs1", "decode bs16"):
+        a = statistics.median(results[f"arbor {what} tok/s"])
+        t = statistics.median(results[f"transformers {what} tok/s"])
+        print(f"{what:12s} arbor / transformers = {a / t:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
