@@ -8,7 +8,9 @@ weights, then times, alternating the two engines (A B A B) on the same CPU threa
 
 - prefill of 512 tokens (batch 1): tokens per second;
 - decode at batch 1 and batch 16 after a 128-token prompt: tokens per second (median step for
-  Arbor, mean of 32 steps for transformers' generate with its cache).
+  Arbor, mean of 32 steps for transformers' generate with its cache);
+- first, the time to first token over HTTP (`arbor serve`) of a 4,000-token prompt cold, and of
+  the same prefix with new 16-token questions (reused through a recurrent state snapshot).
 
 Arbor runs `arbor bench one-batch` on the folder (its default precision: bf16 weights, f16 KV;
 bf16-rounded activations where the CPU has AMX); transformers runs the same folder in bf16 with
@@ -103,15 +105,67 @@ def hf_decode(model, batch: int, prompt: int, steps: int) -> float:
     return batch * steps / max(total - prefill, 1e-9)
 
 
+def ttft(arbor: str, model: Path, threads: int, prefix_len: int = 4000) -> None:
+    """Time to first token of a `prefix_len`-token prompt cold, then of the same prefix with a
+    new 16-token question (warm: restored from its state snapshot), over HTTP (`arbor serve`,
+    one token asked: its latency is the time to first token)."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(
+        [arbor, "serve", "--model-path", str(model), "--threads", str(threads), "--port", str(port),
+         "--max-total-tokens", "16384", "--max-running-requests", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    summary = []
+    try:
+        for line in proc.stdout:
+            summary.append(line.rstrip())
+            if "listening on" in line:
+                break
+        url = f"http://127.0.0.1:{port}/generate"
+
+        def ask(ids: list[int]) -> tuple[float, int]:
+            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+            req = urllib.request.Request(url, body.encode(), {"content-type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=600) as r:
+                out = json.loads(r.read())
+            return time.perf_counter() - t0, out["meta_info"]["cached_tokens"]
+
+        g = torch.Generator().manual_seed(7)
+        prefix = torch.randint(0, 1000, (prefix_len,), generator=g).tolist()
+        rows = []
+        for i in range(3):
+            question = torch.randint(0, 1000, (16,), generator=g).tolist()
+            rows.append((i, *ask(prefix + question)))
+        for line in summary:
+            if "KV cache" in line or "cache:" in line:
+                print(line)
+        for i, secs, cached in rows:
+            print(f"ttft request {i} ({prefix_len}+16 tokens): {secs:.3f} s, cached_tokens {cached}")
+        print(f"warm / cold TTFT: {rows[1][1] / rows[0][1]:.3f} (1/{rows[0][1] / rows[1][1]:.1f})")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arbor", required=True)
     ap.add_argument("--model", default="/tmp/arbor-qwen35-0.8b-shaped")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ttft-only", action="store_true", help="only the warm/cold TTFT over HTTP")
     args = ap.parse_args()
     model_dir = Path(args.model)
     write_model(model_dir)
+    ttft(args.arbor, model_dir, args.threads)
+    if args.ttft_only:
+        return
     torch.set_num_threads(args.threads)
     hf = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     results: dict[str, list[float]] = {}
