@@ -73,7 +73,7 @@ fn greedy(
         b.clone(),
         None,
         page_size,
-        512 / page_size,
+        1024 / page_size,
         DType::F32,
     )?;
     let pool = runner.new_page_pool();
@@ -100,7 +100,7 @@ fn last_logits(
     prompt: &[u32],
     kv: DType,
 ) -> Result<Vec<f32>> {
-    let runner = ModelRunner::new(m.model.clone(), b.clone(), None, 4, 64, kv)?;
+    let runner = ModelRunner::new(m.model.clone(), b.clone(), None, 4, 128, kv)?;
     let pool = runner.new_page_pool();
     let pages = pool.alloc(pool.pages_for(prompt.len()))?;
     let mut got = runner.step(&[SeqStep {
@@ -108,7 +108,8 @@ fn last_logits(
         prefix_len: 0,
         pages: pages.pages(),
         want_logits: true,
-        state_slot: None,
+        // A hybrid model's recurrent state slot.
+        state_slot: m.model.spec().state.map(|_| 0),
     }])?;
     Ok(got.remove(0))
 }
@@ -142,6 +143,15 @@ fn check(name: &str) -> Result<()> {
     let batch = greedy(&mg, &g, &prompts, 1)?;
     assert_eq!(batch, want, "{name}: batched greedy tokens");
     Ok(())
+}
+
+/// A hybrid model (Gated DeltaNet recurrent layers with gated attention):
+/// the device runs the recurrence through the backend's host default and
+/// every other operation (partial rotary, the sigmoid output gate, norms
+/// over heads, row gathers of the doubled query projection) on the device.
+#[test]
+fn tiny_qwen3_5_hybrid() -> Result<()> {
+    check("tiny-qwen3.5")
 }
 
 #[test]
