@@ -122,10 +122,12 @@ fn check_hybrid(spec: &ModelSpec, ranks: bool, setup: &EngineSetup) -> Result<()
              layers over ranks is not supported yet"
         );
     }
-    if let Some(sc) = &setup.engine.speculative {
+    if let Some(sc) = &setup.engine.speculative
+        && sc.algorithm != "ngram"
+    {
         bail!(
-            "--speculative-algorithm {} with {arch}: speculation on recurrent layers is not \
-             supported yet",
+            "--speculative-algorithm {} with {arch}: only NGRAM speculates on recurrent layers \
+             yet (drafters that read hidden states or run a draft model do not)",
             sc.algorithm
         );
     }

@@ -180,6 +180,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
         server = server.with_disaggregation(d.server_part());
     }
     if let Some(l) = &lora {
+        if spec.state.is_some() {
+            bail!(
+                "--enable-lora / --lora-paths with {}: LoRA adapters on a hybrid model's \
+                 recurrent layers are not supported yet",
+                spec.architecture
+            );
+        }
         server = server.with_lora(load_lora(l, &built.rank_devices, &spec)?);
     }
     server = server.with_weight_loader(Arc::new(setup::DiskWeightLoader {

@@ -5,9 +5,10 @@
 //! reuses its cached prefix through a recurrent state snapshot (same
 //! tokens, `cached_tokens` up to the last page boundary); the start-up summary
 //! and /get_server_info show the recurrent state slots; every page and
-//! slot is back afterwards. What a hybrid model cannot run with yet
-//! (tensor parallelism, speculation, HiCache, PD disaggregation, a state
-//! dtype other than float32) is refused at start, naming it.
+//! slot is back afterwards; NGRAM speculation serves the same tokens. What
+//! a hybrid model cannot run with yet (tensor parallelism, other
+//! speculators, HiCache, PD disaggregation, LoRA, a state dtype other than
+//! float32) is refused at start, naming it.
 
 mod common;
 
@@ -139,6 +140,20 @@ async fn hybrid_models_serve_the_reference_completions() -> Result<()> {
         Reuse::Off,
     )
     .await?;
+    // Two data-parallel replicas, each with its own slots and snapshots.
+    serves_reference("tiny-qwen3.5", &["--dp-size", "2"], Reuse::IfKept).await?;
+    // NGRAM speculation: rejected drafts leave no trace in the state.
+    serves_reference(
+        "tiny-qwen3.5",
+        &[
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            "4",
+        ],
+        Reuse::Always,
+    )
+    .await?;
     // Snapshots with a few slots: evicted and retaken as requests come.
     serves_reference(
         "tiny-qwen3-next",
@@ -163,8 +178,8 @@ fn what_hybrids_cannot_run_with_yet_is_refused_by_name() -> Result<()> {
     )?;
     assert_model_refuses(
         m,
-        &["--speculative-algorithm", "NGRAM"],
-        "--speculative-algorithm ngram with Qwen3_5ForConditionalGeneration",
+        &["--speculative-algorithm", "NEXTN"],
+        "only NGRAM speculates on recurrent layers",
     )?;
     assert_model_refuses(
         m,
@@ -175,6 +190,11 @@ fn what_hybrids_cannot_run_with_yet_is_refused_by_name() -> Result<()> {
         m,
         &["--disaggregation-mode", "prefill"],
         "--disaggregation-mode with Qwen3_5ForConditionalGeneration",
+    )?;
+    assert_model_refuses(
+        m,
+        &["--enable-lora"],
+        "--enable-lora / --lora-paths with Qwen3_5",
     )?;
     assert_model_refuses(m, &["--mamba-ssm-dtype", "bfloat16"], "--mamba-ssm-dtype")?;
     assert_model_refuses(

@@ -78,21 +78,25 @@ pub fn gated_delta_net(b: &CpuBackend, call: &GatedDeltaNet<'_>) -> Result<()> {
                 v_conv: part(&conv, slot * conv_len, r.v_conv.clone()),
                 recurrent: part(&rec, slot * rec_len, r.recurrent.clone()),
             };
-            // The snapshot slot's part of this group, likewise this unit's alone.
-            let snap = q.snapshot.map(|(at, dst)| {
-                let d = dst as usize;
-                (
-                    at,
-                    GroupState {
-                        q_conv: part(&conv, d * conv_len, r.q_conv.clone()),
-                        k_conv: part(&conv, d * conv_len, r.k_conv.clone()),
-                        v_conv: part(&conv, d * conv_len, r.v_conv.clone()),
-                        recurrent: part(&rec, d * rec_len, r.recurrent.clone()),
-                    },
-                )
-            });
+            // The snapshot slots' parts of this group, likewise this unit's alone.
+            let mut snaps: Vec<_> = q
+                .snapshots
+                .iter()
+                .map(|&(at, dst)| {
+                    let d = dst as usize;
+                    (
+                        at,
+                        GroupState {
+                            q_conv: part(&conv, d * conv_len, r.q_conv.clone()),
+                            k_conv: part(&conv, d * conv_len, r.k_conv.clone()),
+                            v_conv: part(&conv, d * conv_len, r.v_conv.clone()),
+                            recurrent: part(&rec, d * rec_len, r.recurrent.clone()),
+                        },
+                    )
+                })
+                .collect();
             let mut o = vec![0f32; n * g * s.v_dim];
-            gated_delta_group(&s, kh, n, q.fresh, &inp, st, snap, &mut o);
+            gated_delta_group(&s, kh, n, q.fresh, &inp, st, &mut snaps, &mut o);
             for i in 0..n {
                 let dst = out.get().add((r0 + i) * width + kh * g * s.v_dim);
                 std::ptr::copy_nonoverlapping(o.as_ptr().add(i * g * s.v_dim), dst, g * s.v_dim);

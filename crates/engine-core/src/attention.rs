@@ -214,11 +214,12 @@ impl BatchLayout {
                 rows: s.q_start..s.q_start + s.q_len,
                 slot,
                 fresh: s.prefix_len == 0,
-                snapshot: self
+                snapshots: self
                     .state_snapshots
                     .iter()
-                    .find(|(seq, _, _)| *seq == i)
-                    .map(|&(_, n, dst)| (n, dst)),
+                    .filter(|(seq, _, _)| *seq == i)
+                    .map(|&(_, n, dst)| (n, dst))
+                    .collect(),
             })
             .collect())
     }

@@ -258,9 +258,10 @@ pub struct StateSeq {
     /// It starts at position 0: its state starts from zero.
     pub fresh: bool,
     /// Copy the state after this sequence's first `n` tokens (`1..=rows`)
-    /// into another slot: `(n, slot)` (a snapshot at a page boundary, for
-    /// prefix reuse).
-    pub snapshot: Option<(usize, u32)>,
+    /// into another slot, for each `(n, slot)`: a snapshot at a page
+    /// boundary (prefix reuse), or the state at each draft token of a
+    /// speculative verification (kept up to the accepted one).
+    pub snapshots: Vec<(usize, u32)>,
 }
 
 /// The per-layer weights of a Gated DeltaNet's recurrence (all f32).
@@ -359,16 +360,15 @@ impl GatedDeltaNet<'_> {
         // Snapshot slots: inside the cache, within the sequence's tokens,
         // and distinct from every other slot of the batch.
         for q in self.seqs {
-            let Some((n, dst)) = q.snapshot else {
-                continue;
-            };
-            if n == 0 || n > q.rows.len() || dst as usize >= slots || seen.contains(&dst) {
-                return Err(CoreError::invalid(format!(
-                    "state snapshot {:?} of {q:?} ({slots} slots)",
-                    q.snapshot
-                )));
+            for &(n, dst) in &q.snapshots {
+                if n == 0 || n > q.rows.len() || dst as usize >= slots || seen.contains(&dst) {
+                    return Err(CoreError::invalid(format!(
+                        "state snapshot {:?} of {q:?} ({slots} slots)",
+                        (n, dst)
+                    )));
+                }
+                seen.push(dst);
             }
-            seen.push(dst);
         }
         if end != t {
             return Err(CoreError::invalid(format!(
@@ -517,7 +517,7 @@ pub fn gated_delta_group(
     fresh: bool,
     inp: &GroupInputs<'_>,
     st: GroupState<'_>,
-    mut snapshot: Option<(usize, GroupState<'_>)>,
+    snapshots: &mut [(usize, GroupState<'_>)],
     out: &mut [f32],
 ) {
     let (dk, dv, g) = (spec.k_dim, spec.v_dim, spec.group());
@@ -528,7 +528,7 @@ pub fn gated_delta_group(
     let mut k = vec![0f32; tokens * dk];
     let mut v = vec![0f32; tokens * g * dv];
     let (mx, w) = (inp.mixed, inp.conv_w);
-    if let Some((b, d)) = snapshot.as_mut() {
+    for (b, d) in snapshots.iter_mut() {
         let at = |first: usize, old: &[f32], dst: &mut [f32]| {
             conv_state_at(mx, stride, first, old, fresh, kernel - 1, *b, dst)
         };
@@ -604,10 +604,10 @@ pub fn gated_delta_group(
                     *oj += *sv * qr;
                 }
             }
-            if let Some((b, d)) = snapshot.as_mut()
-                && i + 1 == *b
-            {
-                d.recurrent[h * dk * dv..(h + 1) * dk * dv].copy_from_slice(s);
+            for (b, d) in snapshots.iter_mut() {
+                if i + 1 == *b {
+                    d.recurrent[h * dk * dv..(h + 1) * dk * dv].copy_from_slice(s);
+                }
             }
         }
     }
@@ -693,25 +693,29 @@ pub fn gated_delta_net_on_host<B: Backend + ?Sized>(b: &B, call: &GatedDeltaNet<
             a_log: &a_log,
             dt_bias: &dt_bias,
         };
-        let snap_views = match q.snapshot {
-            Some((_, dst)) => Some((
-                call.state.conv.narrow(dst as usize, 1)?,
-                call.state.recurrent.narrow(dst as usize, 1)?,
-            )),
-            None => None,
-        };
-        let mut snap = match &snap_views {
-            Some((c, r)) => Some((f32_values(b, c)?, f32_values(b, r)?)),
-            None => None,
-        };
+        let snap_views = q
+            .snapshots
+            .iter()
+            .map(|&(_, dst)| {
+                Ok((
+                    call.state.conv.narrow(dst as usize, 1)?,
+                    call.state.recurrent.narrow(dst as usize, 1)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut snap = snap_views
+            .iter()
+            .map(|(c, r)| Ok((f32_values(b, c)?, f32_values(b, r)?)))
+            .collect::<Result<Vec<_>>>()?;
         let mut group_out = vec![0f32; n * g * s.v_dim];
         for kh in 0..s.k_heads {
             let st = group_state(s, kh, &mut conv, &mut rec);
-            let dst = match (&mut snap, q.snapshot) {
-                (Some((c, r)), Some((at, _))) => Some((at, group_state(s, kh, c, r))),
-                _ => None,
-            };
-            gated_delta_group(s, kh, n, q.fresh, &inp, st, dst, &mut group_out);
+            let mut dst: Vec<_> = snap
+                .iter_mut()
+                .zip(&q.snapshots)
+                .map(|((c, r), &(at, _))| (at, group_state(s, kh, c, r)))
+                .collect();
+            gated_delta_group(s, kh, n, q.fresh, &inp, st, &mut dst, &mut group_out);
             for i in 0..n {
                 let dst = (rows.start + i) * width + kh * g * s.v_dim;
                 out[dst..dst + g * s.v_dim]
@@ -720,7 +724,7 @@ pub fn gated_delta_net_on_host<B: Backend + ?Sized>(b: &B, call: &GatedDeltaNet<
         }
         b.write(&conv_t, &f32_bytes(&conv))?;
         b.write(&rec_t, &f32_bytes(&rec))?;
-        if let (Some((ct, rt)), Some((c, r))) = (&snap_views, &snap) {
+        for ((ct, rt), (c, r)) in snap_views.iter().zip(&snap) {
             b.write(ct, &f32_bytes(c))?;
             b.write(rt, &f32_bytes(r))?;
         }
@@ -826,7 +830,7 @@ mod tests {
                     start == 0,
                     &inp,
                     group_state(&s, kh, &mut conv, &mut rec),
-                    None,
+                    &mut [],
                     &mut o,
                 );
                 for i in 0..n {

@@ -96,14 +96,16 @@ pub struct SeqPlan {
 }
 
 /// What a step does with a sequence's recurrent state besides updating it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StateOps {
     /// Before the forward, copy this slot (a snapshot of the cached prefix
-    /// the sequence starts after) into the sequence's slot.
+    /// the sequence starts after, or of the last accepted draft token)
+    /// into the sequence's slot.
     pub restore_from: Option<u32>,
-    /// Copy the state after the first `n` of the step's tokens into a slot:
-    /// `(n, slot)`.
-    pub snapshot: Option<(usize, u32)>,
+    /// Copy the state after the first `n` of the step's tokens into a slot,
+    /// for each `(n, slot)`: a page boundary's snapshot, and the state at
+    /// each draft token being verified.
+    pub snapshots: Vec<(usize, u32)>,
 }
 
 impl SeqPlan {

@@ -14,11 +14,13 @@ use anyhow::{Context, Result};
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts, FinishKind, GenerateRequest};
 use arbor_engine_core::runner::{KvGeometry, ModelRunner};
+use arbor_engine_core::speculative::SpeculativeConfig;
 use arbor_engine_core::{
     Backend, DType, LoadOptions, PrefixCacheOptions, Registry, SamplingParams,
 };
 use arbor_kv_radix as _;
 use arbor_models::{LoadedModel, load_model};
+use arbor_spec_decode as _;
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -90,25 +92,38 @@ fn engine(s: &Setup, cfg: EngineConfig, num_pages: usize, slots: usize) -> Resul
         page_size: 16,
         policy: s.registry.eviction_policies.get("lru")?()?,
     })?;
-    let parts = EngineParts::local(
-        runner,
+    let mut parts = EngineParts::local(
+        runner.clone(),
         cache,
         s.registry.samplers.get("standard")?()?,
         vec![],
         s.model.tokenizer.clone(),
         vec![],
     );
+    if let Some(sc) = &cfg.speculative {
+        let inputs = arbor_engine_core::SpeculatorInputs {
+            target: runner,
+            target_group: None,
+            draft_model: None,
+            draft_path: None,
+        };
+        parts.speculator = Some(s.registry.speculators.get(&sc.algorithm)?(sc, &inputs)?);
+    }
     Ok(Engine::new(cfg, parts)?)
 }
 
 /// Greedy tokens and cached-token counts of `prompts`, all submitted at once.
 fn run(e: &Engine, prompts: &[Vec<u32>]) -> Result<Vec<(Vec<u32>, usize)>> {
+    run_n(e, prompts, 32)
+}
+
+fn run_n(e: &Engine, prompts: &[Vec<u32>], max_new: usize) -> Result<Vec<(Vec<u32>, usize)>> {
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
             let params = SamplingParams {
                 ignore_eos: true,
-                ..SamplingParams::greedy(32)
+                ..SamplingParams::greedy(max_new)
             };
             e.submit(GenerateRequest::new(p.clone(), params))
         })
@@ -220,5 +235,63 @@ fn retraction_under_a_small_pool_restarts_the_state() -> Result<()> {
         "the pool was meant to force retraction: {stats:?}"
     );
     assert_pool_empty(&e);
+    Ok(())
+}
+
+/// NGRAM speculation on a hybrid model: the state at each draft token is
+/// kept in a slot and the accepted one restored, so rejected drafts leave
+/// no trace: tokens equal plain decoding's, alone and batched, with drafts
+/// accepted; pages, slots and snapshots end empty.
+#[test]
+fn ngram_speculation_is_lossless_on_hybrids() -> Result<()> {
+    let s = setup()?;
+    // Prompts that repeat themselves, so n-gram drafts get accepted.
+    let prompts: Vec<Vec<u32>> = s
+        .cases
+        .iter()
+        .take(3)
+        .map(|(p, g)| {
+            let mut v = p.clone();
+            v.extend_from_slice(g);
+            v.extend_from_slice(p);
+            v
+        })
+        .collect();
+    let plain = engine(&s, EngineConfig::default(), 1024, 8)?;
+    let want: Vec<Vec<u32>> = run_n(&plain, &prompts, 64)?
+        .into_iter()
+        .map(|x| x.0)
+        .collect();
+    for adaptive in [false, true] {
+        let cfg = EngineConfig {
+            speculative: Some(SpeculativeConfig {
+                adaptive,
+                ..SpeculativeConfig::default()
+            }),
+            max_running_requests: 4,
+            ..EngineConfig::default()
+        };
+        let e = engine(&s, cfg, 1024, 40)?;
+        for (p, w) in prompts.iter().zip(&want) {
+            let got = run_n(&e, std::slice::from_ref(p), 64)?.remove(0).0;
+            assert_eq!(&got, w, "alone, adaptive {adaptive}");
+        }
+        let batched: Vec<Vec<u32>> = run_n(&e, &prompts, 64)?.into_iter().map(|x| x.0).collect();
+        assert_eq!(batched, want, "batched, adaptive {adaptive}");
+        let st = e.stats();
+        eprintln!(
+            "adaptive {adaptive}: {} of {} drafts accepted over {} verify steps",
+            st.spec_accepted_tokens_total, st.spec_draft_tokens_total, st.spec_verify_ct_total
+        );
+        assert!(
+            st.spec_accepted_tokens_total > 0,
+            "no draft accepted: {st:?}"
+        );
+        assert!(
+            st.spec_accepted_tokens_total < st.spec_draft_tokens_total,
+            "no draft rejected: the rollback was not exercised"
+        );
+        assert_pool_empty(&e);
+    }
     Ok(())
 }

@@ -341,19 +341,19 @@ fn host_gated_delta_net_equals_the_cpu_kernel() -> Result<()> {
             rows: 0..5,
             slot: 2,
             fresh: true,
-            snapshot: Some((3, 3)),
+            snapshots: vec![(3, 3)],
         },
         StateSeq {
             rows: 5..6,
             slot: 0,
             fresh: false,
-            snapshot: None,
+            snapshots: Vec::new(),
         },
         StateSeq {
             rows: 6..13,
             slot: 1,
             fresh: false,
-            snapshot: Some((7, 4)),
+            snapshots: vec![(2, 4), (7, 5)],
         },
     ];
     let t = 13;
@@ -366,12 +366,12 @@ fn host_gated_delta_net_equals_the_cpu_kernel() -> Result<()> {
     let (conv, a_log, dt) = (up(&[spec.conv_channels, 4], 4)?, up(&[4], 5)?, up(&[4], 6)?);
     let mut results = Vec::new();
     for host in [false, true] {
-        let cache = StateCache::allocate(&*b, spec, 5)?;
+        let cache = StateCache::allocate(&*b, spec, 6)?;
         let layer = cache.layer(0)?;
-        b.write(&layer.conv, &bytes(&values(5 * spec.conv_len(), 7)))?;
+        b.write(&layer.conv, &bytes(&values(6 * spec.conv_len(), 7)))?;
         b.write(
             &layer.recurrent,
-            &bytes(&values(5 * spec.recurrent_len(), 8)),
+            &bytes(&values(6 * spec.recurrent_len(), 8)),
         )?;
         let out = b.alloc(DType::F32, &[t, 32])?;
         let call = GatedDeltaNet {

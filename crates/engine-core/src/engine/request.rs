@@ -104,6 +104,10 @@ pub(crate) struct Req {
     /// request's KV is cached).
     pub snapshot_next: Option<(usize, crate::state::StateSlot)>,
     pub snapshot_done: Option<(usize, crate::state::StateSlot)>,
+    /// While drafts are verified: the slots that receive the state after
+    /// each draft token's predecessor (slot `j` the state after `j + 1` of
+    /// the step's tokens); the accepted one is restored before the next step.
+    pub draft_states: Vec<crate::state::StateSlot>,
     /// Finished during this step (the scheduler drops it after the step).
     pub finished: bool,
     // Reporting.
@@ -179,6 +183,7 @@ impl Req {
             restore: None,
             snapshot_next: None,
             snapshot_done: None,
+            draft_states: Vec::new(),
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),
@@ -251,6 +256,7 @@ impl Req {
             restore: None,
             snapshot_next: None,
             snapshot_done: None,
+            draft_states: Vec::new(),
             finished: false,
             cached_tokens: None,
             cached_tiers: (0, 0),

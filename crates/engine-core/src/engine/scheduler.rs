@@ -537,6 +537,7 @@ impl Scheduler {
         r.restore = None;
         r.snapshot_next = None;
         r.snapshot_done = None;
+        r.draft_states.clear();
         let Some(node) = r.node.take() else {
             drop(r.take_own());
             return;

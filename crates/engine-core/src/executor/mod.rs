@@ -378,7 +378,7 @@ fn build_batch(
             if let Some(from) = s.state_ops.restore_from {
                 layout.state_restores.push((from, slot));
             }
-            if let Some((n, dst)) = s.state_ops.snapshot {
+            for &(n, dst) in &s.state_ops.snapshots {
                 layout.state_snapshots.push((seq, n, dst));
             }
         }
@@ -439,7 +439,8 @@ impl Executor for LocalExecutor {
     fn capabilities(&self) -> ExecutorCapabilities {
         ExecutorCapabilities {
             asynchronous: self.runner.backend().capabilities().asynchronous,
-            tree: self.runner.attention().capabilities().tree,
+            // Recurrent state follows one chain of tokens per sequence.
+            tree: self.runner.attention().capabilities().tree && self.runner.spec().state.is_none(),
         }
     }
 

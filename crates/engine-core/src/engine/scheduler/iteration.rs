@@ -222,8 +222,33 @@ impl Scheduler {
         }
         s.lora.clone_from(&r.lora);
         s.state_slot = r.state_slot.as_ref().map(StateSlot::index);
-        s.state_ops.restore_from = None;
-        r.restore = None;
+        // After a verification that rejected drafts: the state at the last
+        // accepted token.
+        s.state_ops.restore_from = match &r.restore {
+            Some((len, slot)) if *len == r.computed => Some(slot.index()),
+            _ => None,
+        };
+    }
+
+    /// Slots for the state at each draft token of the decoding requests of
+    /// a model with recurrent layers (verification keeps the accepted
+    /// one); a draft is cut to the slots there are (none without snapshot
+    /// slots).
+    fn hold_draft_states(&mut self, decoding: &mut [Req], drafts: &mut [Draft]) {
+        for (r, d) in decoding.iter_mut().zip(drafts.iter_mut()) {
+            r.draft_states.clear();
+            let Some(store) = self.snapshots.as_mut() else {
+                d.truncate(0);
+                continue;
+            };
+            while r.draft_states.len() < d.len() {
+                match store.alloc() {
+                    Some(slot) => r.draft_states.push(slot),
+                    None => break,
+                }
+            }
+            d.truncate(r.draft_states.len());
+        }
     }
 
     /// Plans a recurrent state snapshot at the last page boundary within the
@@ -233,7 +258,7 @@ impl Scheduler {
     /// later request with the same prompt matches at most that much.
     fn plan_snapshot(&mut self, r: &mut Req, span: (usize, usize, usize), s: &mut SeqPlan) {
         let (start, n, limit) = span;
-        s.state_ops.snapshot = None;
+        s.state_ops.snapshots.clear();
         let ps = self.page_size;
         let end = (start + n).min(limit) / ps * ps;
         let Some(store) = self.snapshots.as_mut() else {
@@ -251,7 +276,7 @@ impl Scheduler {
             None => store.alloc(),
         };
         if let Some(slot) = slot {
-            s.state_ops.snapshot = Some((end - start, slot.index()));
+            s.state_ops.snapshots.push((end - start, slot.index()));
             r.snapshot_next = Some((end, slot));
         }
     }
@@ -260,7 +285,12 @@ impl Scheduler {
     /// at once (it serves every request sharing the prompt once the pages
     /// are cached), a decoding request's becomes its latest (kept when its
     /// KV is cached). Restores due in this step are done.
-    fn settle_snapshots(&mut self, prefill: &mut [PrefillEntry], decoding: &mut [Req]) {
+    fn settle_snapshots(
+        &mut self,
+        prefill: &mut [PrefillEntry],
+        decoding: &mut [Req],
+        outputs: &[SeqOutput],
+    ) {
         let ps = self.page_size;
         for e in prefill.iter_mut() {
             let r = &mut e.req;
@@ -272,10 +302,18 @@ impl Scheduler {
                 store.insert(&r.ns, &toks[..len], slot, ps);
             }
         }
-        for r in decoding.iter_mut() {
+        let verified = outputs.get(prefill.len()..).unwrap_or_default();
+        for (r, o) in decoding.iter_mut().zip(verified) {
             r.restore = None;
             if let Some(done) = r.snapshot_next.take() {
                 r.snapshot_done = Some(done);
+            }
+            // Drafts verified: the state is right after all of them; after
+            // `accepted` of them it is in draft slot `accepted`.
+            let mut states = std::mem::take(&mut r.draft_states);
+            if o.accepted < states.len() && o.error().is_none() {
+                let slot = states.swap_remove(o.accepted);
+                r.restore = Some((r.computed + 1 + o.accepted, std::sync::Arc::new(slot)));
             }
         }
     }
@@ -326,7 +364,10 @@ impl Scheduler {
             0
         };
         let drafting = Instant::now();
-        let drafts = self.draft(&mut decoding, base_tokens);
+        let mut drafts = self.draft(&mut decoding, base_tokens);
+        if self.state_pool.is_some() && !drafts.is_empty() {
+            self.hold_draft_states(&mut decoding, &mut drafts);
+        }
         // A model drafter's forwards are part of what a draft token costs.
         let draft_secs = match self.speculator.as_ref().map(|s| s.drafting()) {
             Some(Drafting::Model { .. }) => drafting.elapsed().as_secs_f64(),
@@ -383,8 +424,8 @@ impl Scheduler {
                 return deferred.map_or(Ok(true), Err);
             }
         };
-        if self.snapshots.is_some() {
-            self.settle_snapshots(&mut prefill, &mut decoding);
+        if self.state_pool.is_some() {
+            self.settle_snapshots(&mut prefill, &mut decoding, &outputs);
         }
         self.report_states(&prefill, &decoding, &outputs);
         self.apply_outputs(prefill, decoding, &drafts, outputs)?;
@@ -433,6 +474,9 @@ impl Scheduler {
             if self.snapshots.is_some() {
                 let span = (s.prefix_len, s.tokens.len(), usize::MAX);
                 self.plan_snapshot(r, span, s);
+            }
+            for (j, slot) in r.draft_states.iter().enumerate() {
+                s.state_ops.snapshots.push((j + 1, slot.index()));
             }
         }
         // Copies between device and host tiers that the admissions and
