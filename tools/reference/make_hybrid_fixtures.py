@@ -315,26 +315,7 @@ def build_all(only: list[str] | None) -> None:
 
 
 def check_all(only: list[str] | None) -> None:
-    ok = True
-    for spec in SPECS:
-        if only and spec["name"] not in only:
-            continue
-        d = base.FIXTURES / spec["name"]
-        want = json.loads((d / "reference.json").read_text(encoding="utf-8"))
-        got, _ = compute_reference(spec, d, want["seed"])
-        worst = 0.0
-        for pw, pg in zip(want["prompts"], got["prompts"]):
-            for key in ("input_ids", "greedy_ids"):
-                if pw[key] != pg[key]:
-                    ok = False
-                    print(f"MISMATCH {spec['name']} {key}")
-            a, b = np.array(pw["last_logits"]), np.array(pg["last_logits"])
-            worst = max(worst, float(np.abs(a - b).max() / np.abs(a).max()))
-        ok &= worst <= 1e-4
-        print(f"{spec['name']:18s} greedy/ids ok, last_logits rel err {worst:.2e}")
-    if not ok:
-        sys.exit("reference check FAILED")
-    print("reference check passed")
+    moe.check_all(only, SPECS, compute_reference)
 
 
 def main() -> None:

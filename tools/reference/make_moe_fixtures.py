@@ -470,14 +470,16 @@ def build_all(only: list[str] | None) -> None:
     print(f"done in {time.time() - t0:.1f}s")
 
 
-def check_all(only: list[str] | None) -> None:
+def check_all(only: list[str] | None, specs: list[dict] | None = None, compute=None) -> None:
+    """Reloads the committed folders of `specs` (these SPECS by default) and compares their
+    reference with a fresh one from `compute` (this compute_reference by default)."""
     ok = True
-    for spec in SPECS:
+    for spec in specs or SPECS:
         if only and spec["name"] not in only:
             continue
         d = base.FIXTURES / spec["name"]
         want = json.loads((d / "reference.json").read_text(encoding="utf-8"))
-        got, _ = compute_reference(spec, d, want["seed"])
+        got, _ = (compute or compute_reference)(spec, d, want["seed"])
         worst = 0.0
         for pw, pg in zip(want["prompts"], got["prompts"]):
             for key in ("input_ids", "greedy_ids"):

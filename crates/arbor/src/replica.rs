@@ -180,6 +180,9 @@ struct KvSizing<'a> {
     dtype: DType,
     /// `MemAvailable` for this replica, when readable.
     available: Option<u64>,
+    /// Bytes of a hybrid model's recurrent state slots, set aside like the
+    /// weights by the memory rule.
+    state_bytes: u64,
     /// The ranks of data-parallel attention, which share the memory rule's tokens.
     dp_ranks: Option<usize>,
 }
@@ -230,7 +233,7 @@ impl KvSizing<'_> {
         Ok(KvAuto {
             fraction,
             available,
-            weight_bytes: self.spec.weight_bytes,
+            weight_bytes: self.spec.weight_bytes + self.state_bytes,
             bytes_per_token: self.per_token,
             cap_bytes: kv_auto_cap_bytes(self.on_cpu, self.dtype),
             max_running_requests: self.setup.engine.max_running_requests,
@@ -332,6 +335,14 @@ pub fn build_replica(
     let page_size = args.page_size.max(1);
     let kv_dtype = resolved.dtype;
     let per_token = kv_bytes_per_token(&spec, page_size, kv_dtype, draft.as_ref());
+    // A hybrid model's recurrent state slots: one per running request and
+    // as many for snapshots of cached prefixes, unless told.
+    let state_slots = args
+        .max_mamba_cache_size
+        .unwrap_or(2 * setup.engine.max_running_requests);
+    let state_bytes = spec
+        .state
+        .map_or(0, |s| s.bytes_per_slot() * state_slots as u64);
     let (tokens, kv_note) = KvSizing {
         setup,
         spec: &spec,
@@ -340,6 +351,7 @@ pub fn build_replica(
         on_cpu: backend.info().backend == "cpu",
         dtype: kv_dtype,
         available,
+        state_bytes,
         dp_ranks: group
             .as_ref()
             .filter(|_| dp_attention)
@@ -356,11 +368,7 @@ pub fn build_replica(
                 page_size,
                 num_pages,
                 kv_dtype,
-                // One recurrent state slot per running request and as many
-                // for snapshots of cached prefixes, unless told.
-                state_slots: args
-                    .max_mamba_cache_size
-                    .unwrap_or(2 * setup.engine.max_running_requests),
+                state_slots,
             },
         )
         .context("allocating the KV cache")?,

@@ -105,7 +105,16 @@ async fn serves_reference(model: &str, extra: &[&str], reuse: Reuse) -> Result<(
         .as_u64()
         .context("max_mamba_cache_size")?;
     assert!(slots > 0, "{info}");
+    let m = c.get(s.url("/metrics")).send().await?.text().await?;
+    assert!(metric(&m, "arbor:mamba_slots_used").is_some(), "{m}");
     assert_no_leak(&c, &s, "arbor", None).await?;
+    let m = c.get(s.url("/metrics")).send().await?.text().await?;
+    assert_eq!(metric(&m, "arbor:mamba_slots_used"), Some(0.0));
+    assert_eq!(
+        metric(&m, "arbor:mamba_state_snapshots"),
+        Some(0.0),
+        "flushed"
+    );
     let info: Value = c
         .get(s.url("/get_server_info"))
         .send()

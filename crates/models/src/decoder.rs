@@ -252,17 +252,10 @@ impl Model for DecoderModel {
     }
 
     fn expert_load(&self) -> Vec<arbor_engine_core::moe::ExpertLoad> {
-        self.layers
-            .iter()
-            .enumerate()
-            .filter_map(|(layer, l)| match &l.ffn {
-                Ffn::Moe(m) => Some(arbor_engine_core::moe::ExpertLoad {
-                    layer,
-                    tokens: m.expert_load(),
-                }),
-                Ffn::Dense { .. } => None,
-            })
-            .collect()
+        crate::moe::expert_loads(self.layers.iter().map(|l| match &l.ffn {
+            Ffn::Moe(m) => Some(m),
+            Ffn::Dense { .. } => None,
+        }))
     }
 
     fn forward(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<ForwardOutput> {

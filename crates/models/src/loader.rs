@@ -141,6 +141,19 @@ impl<'a> Loader<'a> {
         self.opts.backend.download_f32(t)
     }
 
+    /// The [`arbor_engine_core::ModelSpec::quantization`] of what was
+    /// loaded: the method's name, and how many W8A8 layers round their
+    /// inputs with a static scale.
+    pub(crate) fn quantization_label(&self) -> String {
+        match self.static_input_scales {
+            0 => self.opts.quant.name().to_string(),
+            n => format!(
+                "{}, {n} layers with static input scales",
+                self.opts.quant.name()
+            ),
+        }
+    }
+
     /// Counts `n` tensors another rank loads.
     pub(crate) fn skip(&mut self, n: usize) {
         for _ in 0..n {

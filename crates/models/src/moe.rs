@@ -250,6 +250,22 @@ pub(crate) struct MoeParallel {
     pub sharding: ExpertSharding,
 }
 
+/// The tokens routed to each expert of each sparse layer: `blocks` gives
+/// every layer's block, `None` for a dense layer.
+pub(crate) fn expert_loads<'a>(
+    blocks: impl Iterator<Item = Option<&'a MoeBlock>>,
+) -> Vec<arbor_engine_core::moe::ExpertLoad> {
+    blocks
+        .enumerate()
+        .filter_map(|(layer, b)| {
+            b.map(|m| arbor_engine_core::moe::ExpertLoad {
+                layer,
+                tokens: m.expert_load(),
+            })
+        })
+        .collect()
+}
+
 /// One sparse feed-forward block.
 pub struct MoeBlock {
     /// `[num_experts, hidden]` f32.

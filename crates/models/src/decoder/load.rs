@@ -299,10 +299,7 @@ impl DecoderModel {
             sliding_window: cfg.sliding_window,
             weight_dtype,
             weight_bytes: l.bytes,
-            quantization: match l.static_input_scales {
-                0 => opts.quant.name().to_string(),
-                n => format!("{}, {n} layers with static input scales", opts.quant.name()),
-            },
+            quantization: l.quantization_label(),
             checkpoint_kv_dtype: checkpoint_kv_dtype(&cfg, src),
             kv_values_in_keys: cfg.mla.is_some(),
             state: None,

@@ -107,10 +107,7 @@ impl HybridModel {
             sliding_window: None,
             weight_dtype,
             weight_bytes: l.bytes,
-            quantization: match l.static_input_scales {
-                0 => opts.quant.name().to_string(),
-                s => format!("{}, {s} layers with static input scales", opts.quant.name()),
-            },
+            quantization: l.quantization_label(),
             checkpoint_kv_dtype: c.kv_cache_dtype,
             kv_values_in_keys: false,
             state: Some(cfg.state),

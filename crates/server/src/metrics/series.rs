@@ -166,6 +166,18 @@ pub(super) fn pool(s: &EngineStats) -> Vec<Series> {
             s.cache_hit_rate,
         ),
         (
+            "mamba_slots_used",
+            "gauge",
+            "A hybrid model's recurrent state slots that running requests hold (0 without recurrent layers).",
+            s.used_state_slots as f64,
+        ),
+        (
+            "mamba_state_snapshots",
+            "gauge",
+            "Recurrent state snapshots of cached prefixes kept (a hybrid model's prefix reuse).",
+            s.state_snapshots as f64,
+        ),
+        (
             "gen_throughput",
             "gauge",
             "The generation throughput (token/s).",
