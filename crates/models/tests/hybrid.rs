@@ -36,10 +36,14 @@ fn backend() -> Result<Arc<dyn Backend>> {
 }
 
 fn load_dir(dir: &Path, backend: &Arc<dyn Backend>) -> Result<LoadedModel> {
+    load_as(dir, backend, "f32")
+}
+
+fn load_as(dir: &Path, backend: &Arc<dyn Backend>, dtype: &str) -> Result<LoadedModel> {
     let registry = Registry::builtin()?;
     let opts = LoadOptions {
         backend: backend.clone(),
-        quant: registry.quant_methods.get("f32")?(&Default::default())?,
+        quant: registry.quant_methods.get(dtype)?(&Default::default())?,
         progress: None,
     };
     Ok(load_model(dir, &registry, &opts)?)
@@ -469,4 +473,73 @@ fn forward(
 
 fn bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The default precision stays close to transformers' f32 logits on the
+/// dense Qwen3.5: bf16 weights (bf16-rounded activations on AMX CPUs) with an
+/// f16 KV cache within 8% of the largest logit (measured: 3.6% and 6.2% on
+/// the 61- and 404-token prompts), f16 weights within 5% (measured 0.4%).
+/// The MoE fixtures are held to no such bound: their routers' gaps are near
+/// 1e-3, so 16-bit weights flip experts (errors of 15-59% seen). The first
+/// greedy token is the same wherever transformers' top two differ by more
+/// than twice the bound.
+#[test]
+fn default_precision_stays_close() -> Result<()> {
+    let b = backend()?;
+    let cases = [
+        ("tiny-qwen3.5", "bf16", 8e-2),
+        ("tiny-qwen3.5", "f16", 5e-2),
+    ];
+    for (name, dtype, bound) in cases {
+        let m = load_as(&fixture(name), &b, dtype)?;
+        let r = reference(name)?;
+        let run = ModelRunner::with_state_slots(
+            m.model.clone(),
+            b.clone(),
+            None,
+            KvGeometry {
+                page_size: 16,
+                num_pages: 256,
+                kv_dtype: DType::F16,
+                state_slots: 4,
+            },
+        )?;
+        let mut worst = 0f32;
+        for (i, (p, want)) in prompts(&r)?
+            .iter()
+            .zip(r["prompts"].as_array().context("prompts")?)
+            .enumerate()
+        {
+            let got = chunked_logits(&run, p, p.len(), 0)?;
+            let expected: Vec<f32> = want["last_logits"]
+                .as_array()
+                .context("last_logits")?
+                .iter()
+                .filter_map(Value::as_f64)
+                .map(|x| x as f32)
+                .collect();
+            let max = expected.iter().fold(0f32, |a, x| a.max(x.abs()));
+            let err = got
+                .iter()
+                .zip(&expected)
+                .fold(0f32, |a, (g, e)| a.max((g - e).abs()))
+                / max;
+            worst = worst.max(err);
+            assert!(
+                err <= bound,
+                "{name} {dtype} prompt {i}: logits off by {err} of the max"
+            );
+            let margin = want["min_margin"].as_f64().unwrap_or(0.0) as f32;
+            let top = |l: &[f32]| arbor_engine_core::sampling::argmax(l);
+            if margin > 2.0 * bound * max {
+                assert_eq!(
+                    top(&got),
+                    top(&expected),
+                    "{name} {dtype} prompt {i}: first token"
+                );
+            }
+        }
+        eprintln!("{name}: {dtype} weights, f16 KV: worst logit error {worst:.2e} of the max");
+    }
+    Ok(())
 }
