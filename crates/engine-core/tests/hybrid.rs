@@ -152,20 +152,24 @@ fn hybrid_serving_gives_transformers_tokens_however_steps_are_shaped() -> Result
     let prompts: Vec<Vec<u32>> = batch.iter().map(|&i| s.cases[i].0.clone()).collect();
     // 8 running requests; 40 more slots for snapshots of cached prefixes,
     // or none (prefix reuse off).
-    for (chunk, mixed, slots) in [
-        (-1, false, 48),
-        (16, false, 48),
-        (64, true, 8),
-        (100, true, 48),
+    // The last case admits the next batch while the forward runs (overlap
+    // scheduling, as on asynchronous devices).
+    for (chunk, mixed, slots, overlap) in [
+        (-1, false, 48, false),
+        (16, false, 48, false),
+        (64, true, 8, false),
+        (100, true, 48, false),
+        (32, false, 48, true),
     ] {
         let cfg = EngineConfig {
             chunked_prefill_size: chunk,
             enable_mixed_chunk: mixed,
             max_running_requests: 8,
+            overlap_schedule: Some(overlap),
             ..EngineConfig::default()
         };
         let e = engine(&s, cfg, 1024, slots)?;
-        let case = format!("chunk {chunk}, mixed {mixed}, {slots} slots");
+        let case = format!("chunk {chunk}, mixed {mixed}, {slots} slots, overlap {overlap}");
         for (i, (tokens, _)) in run(&e, &prompts)?.into_iter().enumerate() {
             let want = &s.cases[batch[i]].1;
             assert_eq!(&tokens, want, "{case}: request {i}");
@@ -207,6 +211,12 @@ fn hybrid_serving_gives_transformers_tokens_however_steps_are_shaped() -> Result
         }
         assert_pool_empty(&e);
         let stats = e.stats();
+        if overlap {
+            assert!(
+                stats.overlap_admitted_total > 0,
+                "{case}: nothing admitted beside a forward"
+            );
+        }
         assert_eq!(stats.max_state_slots, 8);
         assert_eq!(stats.state_snapshots, 0, "flushed with the cache");
     }
