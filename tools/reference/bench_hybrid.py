@@ -17,6 +17,7 @@ bf16-rounded activations where the CPU has AMX); transformers runs the same fold
 its own chunked gated delta rule (no FLA kernels on the CPU).
 
     python tools/reference/bench_hybrid.py --arbor target/release/arbor [--threads 2] [--rounds 2]
+    python tools/reference/bench_hybrid.py --arbor target/release/arbor --snapshot-cost  # decode with/without snapshots
 """
 
 from __future__ import annotations
@@ -153,6 +154,62 @@ def ttft(arbor: str, model: Path, threads: int, prefix_len: int = 4000) -> None:
         proc.wait(timeout=60)
 
 
+def snapshot_cost(arbor: str, model: Path, threads: int, rounds: int) -> None:
+    """Decode throughput over HTTP with and without state snapshots (A B A B): 4 requests at once,
+    128-token prompts, 64 new tokens each; `--max-mamba-cache-size 4` leaves no slot for snapshots
+    (prefix reuse off), 8 takes a snapshot every page (16 tokens) of each decoding request."""
+    import socket
+    import threading
+    import urllib.request
+
+    def serve(slots: int):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.Popen(
+            [arbor, "serve", "--model-path", str(model), "--threads", str(threads), "--port", str(port),
+             "--max-total-tokens", "4096", "--max-running-requests", "4", "--max-mamba-cache-size", str(slots)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for line in proc.stdout:
+            if "listening on" in line:
+                break
+        return proc, f"http://127.0.0.1:{port}/generate"
+
+    def batch(url: str, seed: int) -> float:
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 1000, (128,), generator=g).tolist() for _ in range(4)]
+
+        def one(ids):
+            body = json.dumps({"input_ids": ids, "sampling_params": {"max_new_tokens": 64, "temperature": 0,
+                                                                      "ignore_eos": True}})
+            req = urllib.request.Request(url, body.encode(), {"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                r.read()
+
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=one, args=(p,)) for p in prompts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return 4 * 64 / (time.perf_counter() - t0)
+
+    results: dict[int, list[float]] = {4: [], 8: []}
+    for r in range(rounds):
+        for slots in (4, 8):
+            proc, url = serve(slots)
+            try:
+                batch(url, 100)  # warm-up
+                results[slots].append(batch(url, 200 + r))
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    off, on = statistics.median(results[4]), statistics.median(results[8])
+    print(f"4 requests x 64 tokens: no snapshots {off:.1f} tok/s {results[4]}, "
+          f"snapshots {on:.1f} tok/s {results[8]}: ratio {on / off:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arbor", required=True)
@@ -160,9 +217,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ttft-only", action="store_true", help="only the warm/cold TTFT over HTTP")
+    ap.add_argument("--snapshot-cost", action="store_true", help="only decode with and without snapshots")
     args = ap.parse_args()
     model_dir = Path(args.model)
     write_model(model_dir)
+    if args.snapshot_cost:
+        snapshot_cost(args.arbor, model_dir, args.threads, args.rounds)
+        return
     ttft(args.arbor, model_dir, args.threads)
     if args.ttft_only:
         return
