@@ -75,6 +75,16 @@ fn prompts(r: &Value) -> Result<Vec<Vec<u32>>> {
 }
 
 fn runner(m: &LoadedModel, backend: &Arc<dyn Backend>, slots: usize) -> Result<ModelRunner> {
+    runner_kv(m, backend, slots, DType::F32)
+}
+
+/// A runner of 256 pages of 16 tokens in `kv_dtype` and `slots` state slots.
+fn runner_kv(
+    m: &LoadedModel,
+    backend: &Arc<dyn Backend>,
+    slots: usize,
+    kv_dtype: DType,
+) -> Result<ModelRunner> {
     Ok(ModelRunner::with_state_slots(
         m.model.clone(),
         backend.clone(),
@@ -82,10 +92,33 @@ fn runner(m: &LoadedModel, backend: &Arc<dyn Backend>, slots: usize) -> Result<M
         KvGeometry {
             page_size: 16,
             num_pages: 256,
-            kv_dtype: DType::F32,
+            kv_dtype,
             state_slots: slots,
         },
     )?)
+}
+
+/// A reference prompt's last-position logits.
+fn last_logits(want: &Value) -> Result<Vec<f32>> {
+    Ok(want["last_logits"]
+        .as_array()
+        .context("last_logits")?
+        .iter()
+        .filter_map(Value::as_f64)
+        .map(|x| x as f32)
+        .collect())
+}
+
+/// The largest difference of `got` from a reference prompt's last logits,
+/// and the largest reference logit.
+fn logit_error(got: &[f32], want: &Value) -> Result<(f32, f32)> {
+    let expected = last_logits(want)?;
+    let max = expected.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let err = got
+        .iter()
+        .zip(&expected)
+        .fold(0f32, |a, (g, e)| a.max((g - e).abs()));
+    Ok((err, max))
 }
 
 fn greedy_all(runner: &ModelRunner, prompts: &[Vec<u32>]) -> Result<Vec<Vec<u32>>> {
@@ -160,18 +193,7 @@ fn hybrid_models_match_transformers() -> Result<()> {
             .enumerate()
         {
             let got = chunked_logits(&run, p, p.len(), 0)?;
-            let expected: Vec<f32> = want["last_logits"]
-                .as_array()
-                .context("last_logits")?
-                .iter()
-                .filter_map(Value::as_f64)
-                .map(|x| x as f32)
-                .collect();
-            let max = expected.iter().fold(0f32, |a, x| a.max(x.abs()));
-            let err = got
-                .iter()
-                .zip(&expected)
-                .fold(0f32, |a, (g, e)| a.max((g - e).abs()));
+            let (err, max) = logit_error(&got, want)?;
             assert!(
                 err <= 1e-4 * max,
                 "{name} prompt {i} ({} tokens): logits off by {err} (max {max})",
@@ -493,17 +515,7 @@ fn default_precision_stays_close() -> Result<()> {
     for (name, dtype, bound) in cases {
         let m = load_as(&fixture(name), &b, dtype)?;
         let r = reference(name)?;
-        let run = ModelRunner::with_state_slots(
-            m.model.clone(),
-            b.clone(),
-            None,
-            KvGeometry {
-                page_size: 16,
-                num_pages: 256,
-                kv_dtype: DType::F16,
-                state_slots: 4,
-            },
-        )?;
+        let run = runner_kv(&m, &b, 4, DType::F16)?;
         let mut worst = 0f32;
         for (i, (p, want)) in prompts(&r)?
             .iter()
@@ -511,19 +523,8 @@ fn default_precision_stays_close() -> Result<()> {
             .enumerate()
         {
             let got = chunked_logits(&run, p, p.len(), 0)?;
-            let expected: Vec<f32> = want["last_logits"]
-                .as_array()
-                .context("last_logits")?
-                .iter()
-                .filter_map(Value::as_f64)
-                .map(|x| x as f32)
-                .collect();
-            let max = expected.iter().fold(0f32, |a, x| a.max(x.abs()));
-            let err = got
-                .iter()
-                .zip(&expected)
-                .fold(0f32, |a, (g, e)| a.max((g - e).abs()))
-                / max;
+            let (abs, max) = logit_error(&got, want)?;
+            let err = abs / max;
             worst = worst.max(err);
             assert!(
                 err <= bound,
@@ -534,7 +535,7 @@ fn default_precision_stays_close() -> Result<()> {
             if margin > 2.0 * bound * max {
                 assert_eq!(
                     top(&got),
-                    top(&expected),
+                    top(&last_logits(want)?),
                     "{name} {dtype} prompt {i}: first token"
                 );
             }

@@ -486,35 +486,13 @@ impl Scheduler {
         self.pool.alloc(n).ok()
     }
 
-    /// Drops every unlocked cached prefix, and the recurrent state
-    /// snapshots with them.
-    fn flush_cache(&mut self) {
-        self.cache.flush();
-        if let Some(s) = &mut self.snapshots {
-            s.clear();
-        }
-    }
-
     /// Matches the request's cached prefix and locks it (first admission or after retraction).
     fn attach_prefix(&mut self, r: &mut Req) -> Result<()> {
         let toks = r.tokens();
-        let m = match self.snapshots.as_mut() {
-            // A model with recurrent layers reuses a prefix only up to its
-            // deepest recurrent state snapshot within the cached pages.
-            Some(store) => {
-                let cached = self.cache.peek_prefix(&r.ns, &toks[..toks.len() - 1]);
-                let deepest = store.deepest(&r.ns, &toks, cached, self.page_size);
-                let len = deepest.as_ref().map_or(0, |d| d.0);
-                let m = self.cache.match_prefix(&r.ns, &toks[..len]);
-                r.restore = deepest.filter(|_| m.matched_tokens == len && len > 0);
-                if r.restore.is_none() && m.matched_tokens > 0 {
-                    // Pages without their state: not reused.
-                    self.cache.match_prefix(&r.ns, &[])
-                } else {
-                    m
-                }
-            }
-            None => self.cache.match_prefix(&r.ns, &toks[..toks.len() - 1]),
+        let m = if self.snapshots.is_some() {
+            self.match_with_state(r, &toks)
+        } else {
+            self.cache.match_prefix(&r.ns, &toks[..toks.len() - 1])
         };
         self.cache.lock(m.node)?;
         r.node = Some(m.node);
@@ -780,32 +758,6 @@ impl Scheduler {
             len,
             last,
         }))
-    }
-
-    /// Moves the request's latest completed state snapshot into the store
-    /// (its KV pages are inserted into the cache with it).
-    fn keep_snapshot(&mut self, r: &mut Req) {
-        if let (Some(store), Some((len, slot))) = (self.snapshots.as_mut(), r.snapshot_done.take())
-            && len <= r.computed
-        {
-            let toks = r.tokens();
-            store.insert(&r.ns, &toks[..len], slot, self.page_size);
-        }
-    }
-
-    /// Whether `r` holds the state slot it needs (taking a free one if it
-    /// has none); always true for a model without recurrent layers.
-    fn hold_state_slot(&mut self, r: &mut Req) -> bool {
-        match &self.state_pool {
-            Some(pool) if r.state_slot.is_none() => match pool.alloc() {
-                Ok(slot) => {
-                    r.state_slot = Some(slot);
-                    true
-                }
-                Err(_) => false,
-            },
-            _ => true,
-        }
     }
 
     /// Makes sure every running request has a slot for one more token, retracting if needed.

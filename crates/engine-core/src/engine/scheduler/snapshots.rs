@@ -1,5 +1,8 @@
-//! Recurrent-state snapshots of cached prefixes: a hybrid model's prefix
-//! reuse.
+//! Recurrent-state snapshots of cached prefixes (a hybrid model's prefix
+//! reuse), and the scheduler's handling of recurrent state: a running
+//! request's slot, the snapshots its steps take and keep, the match of a
+//! prefix up to its deepest snapshot, and the per-draft states of NGRAM
+//! verification.
 //!
 //! The radix cache keeps the attention layers' pages of a prefix; the
 //! recurrent layers need their state exactly at the prefix's end. A
@@ -14,8 +17,12 @@
 //! the snapshot slots run out, and an entry's slot returns to the pool when
 //! its last holder (the store, or a request restoring from it) drops it.
 
-use crate::prefix_cache::CacheNamespace;
+use super::{PrefillEntry, Scheduler};
+use crate::engine::request::Req;
+use crate::prefix_cache::{CacheNamespace, PrefixMatch};
+use crate::speculative::Draft;
 use crate::state::{StatePool, StateSlot};
+use crate::step::{SeqOutput, SeqPlan};
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
@@ -143,6 +150,157 @@ impl SnapshotStore {
     /// Drops every snapshot (a flushed cache).
     pub(crate) fn clear(&mut self) {
         self.entries.clear();
+    }
+}
+
+/// The scheduler's side of recurrent state: slots, snapshots, restores.
+impl Scheduler {
+    /// The cached prefix of a request of a model with recurrent layers: the
+    /// radix cache's pages up to the deepest state snapshot within them
+    /// (restored into the request's slot by its first chunk); nothing when
+    /// no snapshot fits (pages without their state are not reused).
+    pub(super) fn match_with_state(&mut self, r: &mut Req, toks: &[u32]) -> PrefixMatch {
+        let cached = self.cache.peek_prefix(&r.ns, &toks[..toks.len() - 1]);
+        let deepest = self
+            .snapshots
+            .as_mut()
+            .and_then(|store| store.deepest(&r.ns, toks, cached, self.page_size));
+        let len = deepest.as_ref().map_or(0, |d| d.0);
+        let m = self.cache.match_prefix(&r.ns, &toks[..len]);
+        r.restore = deepest.filter(|_| m.matched_tokens == len && len > 0);
+        if r.restore.is_none() && m.matched_tokens > 0 {
+            self.cache.match_prefix(&r.ns, &[])
+        } else {
+            m
+        }
+    }
+
+    /// Drops every unlocked cached prefix, and the recurrent state
+    /// snapshots with them.
+    pub(super) fn flush_cache(&mut self) {
+        self.cache.flush();
+        if let Some(s) = &mut self.snapshots {
+            s.clear();
+        }
+    }
+
+    /// Moves the request's latest completed state snapshot into the store
+    /// (its KV pages are inserted into the cache with it).
+    pub(super) fn keep_snapshot(&mut self, r: &mut Req) {
+        if let (Some(store), Some((len, slot))) = (self.snapshots.as_mut(), r.snapshot_done.take())
+            && len <= r.computed
+        {
+            let toks = r.tokens();
+            store.insert(&r.ns, &toks[..len], slot, self.page_size);
+        }
+    }
+
+    /// Whether `r` holds the state slot it needs (taking a free one if it
+    /// has none); always true for a model without recurrent layers.
+    pub(super) fn hold_state_slot(&mut self, r: &mut Req) -> bool {
+        match &self.state_pool {
+            Some(pool) if r.state_slot.is_none() => match pool.alloc() {
+                Ok(slot) => {
+                    r.state_slot = Some(slot);
+                    true
+                }
+                Err(_) => false,
+            },
+            _ => true,
+        }
+    }
+
+    /// Slots for the state at each draft token of the decoding requests of
+    /// a model with recurrent layers (verification keeps the accepted
+    /// one); a draft is cut to the slots there are (none without snapshot
+    /// slots).
+    pub(super) fn hold_draft_states(&mut self, decoding: &mut [Req], drafts: &mut [Draft]) {
+        for (r, d) in decoding.iter_mut().zip(drafts.iter_mut()) {
+            r.draft_states.clear();
+            let Some(store) = self.snapshots.as_mut() else {
+                d.truncate(0);
+                continue;
+            };
+            while r.draft_states.len() < d.len() {
+                match store.alloc() {
+                    Some(slot) => r.draft_states.push(slot),
+                    None => break,
+                }
+            }
+            d.truncate(r.draft_states.len());
+        }
+    }
+
+    /// Plans a recurrent state snapshot at the last page boundary within the
+    /// `n` tokens a sequence computes from `start`, and not past `limit`
+    /// (into the request's own snapshot slot, or a new one), unless the
+    /// store has that prefix. A prompt's limit is its length less one: a
+    /// later request with the same prompt matches at most that much.
+    pub(super) fn plan_snapshot(
+        &mut self,
+        r: &mut Req,
+        span: (usize, usize, usize),
+        s: &mut SeqPlan,
+    ) {
+        let (start, n, limit) = span;
+        s.state_ops.snapshots.clear();
+        let ps = self.page_size;
+        let end = (start + n).min(limit) / ps * ps;
+        let Some(store) = self.snapshots.as_mut() else {
+            return;
+        };
+        if r.state_slot.is_none() || end <= start || s.tree.is_some() {
+            return;
+        }
+        let toks = r.tokens();
+        if end > toks.len() || store.contains(&r.ns, &toks[..end], ps) {
+            return;
+        }
+        let slot = match r.snapshot_done.take() {
+            Some((_, slot)) => Some(slot),
+            None => store.alloc(),
+        };
+        if let Some(slot) = slot {
+            s.state_ops.snapshots.push((end - start, slot.index()));
+            r.snapshot_next = Some((end, slot));
+        }
+    }
+
+    /// After a step succeeded: a prompt chunk's snapshot goes to the store
+    /// at once (it serves every request sharing the prompt once the pages
+    /// are cached), a decoding request's becomes its latest (kept when its
+    /// KV is cached). Restores due in this step are done.
+    pub(super) fn settle_snapshots(
+        &mut self,
+        prefill: &mut [PrefillEntry],
+        decoding: &mut [Req],
+        outputs: &[SeqOutput],
+    ) {
+        let ps = self.page_size;
+        for e in prefill.iter_mut() {
+            let r = &mut e.req;
+            r.restore = None;
+            if let (Some(store), Some((len, slot))) =
+                (self.snapshots.as_mut(), r.snapshot_next.take())
+            {
+                let toks = r.tokens();
+                store.insert(&r.ns, &toks[..len], slot, ps);
+            }
+        }
+        let verified = outputs.get(prefill.len()..).unwrap_or_default();
+        for (r, o) in decoding.iter_mut().zip(verified) {
+            r.restore = None;
+            if let Some(done) = r.snapshot_next.take() {
+                r.snapshot_done = Some(done);
+            }
+            // Drafts verified: the state is right after all of them; after
+            // `accepted` of them it is in draft slot `accepted`.
+            let mut states = std::mem::take(&mut r.draft_states);
+            if o.accepted < states.len() && o.error().is_none() {
+                let slot = states.swap_remove(o.accepted);
+                r.restore = Some((r.computed + 1 + o.accepted, std::sync::Arc::new(slot)));
+            }
+        }
     }
 }
 
