@@ -12,6 +12,8 @@ mod hicache;
 mod info;
 mod lora;
 mod parallel;
+#[cfg(test)]
+mod reference;
 mod replica;
 mod serve;
 mod setup;

@@ -312,7 +312,7 @@ async fn check_pinned_requests(c: &reqwest::Client, s: &Server, prompt: &Value) 
     let text = r.text().await?;
     assert!(
         text.contains(
-            "data_parallel_rank 2 is out of range: this engine has 2 data-parallel ranks"
+            "'data_parallel_rank' 2 is out of range: this engine has 2 data-parallel ranks"
         ),
         "{text}"
     );

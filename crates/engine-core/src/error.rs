@@ -2,13 +2,21 @@
 //!
 //! Every fallible core operation returns [`CoreError`]. Variants are grouped by
 //! the kind of failure so that callers (the HTTP server, the CLI) can map them
-//! to an HTTP status or an exit code without parsing messages.
+//! to an HTTP status or an exit code without parsing messages. A request
+//! parameter at fault is named by [`Param`] in
+//! [`CoreError::InvalidParam`], never only in the message text: the server
+//! renames it into the API that was called (`max_new_tokens` is
+//! `max_tokens` on `/v1`) without reading the message.
 
 use thiserror::Error;
 
 /// Errors raised by the core and by the implementations of its traits.
 #[derive(Debug, Error)]
 pub enum CoreError {
+    /// A request parameter is out of range or inconsistent with another.
+    /// `reason` completes a sentence that starts with the parameter's name.
+    #[error("{param} {reason}")]
+    InvalidParam { param: Param, reason: String },
     /// The caller asked for something invalid (bad shape, bad parameter).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -52,6 +60,89 @@ pub enum CoreError {
     Internal(String),
 }
 
+/// The request parameters the engine validates, by their engine names
+/// ([`crate::SamplingParams`]' fields and [`crate::engine::GenerateRequest`]'s).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Param {
+    /// The prompt's token ids.
+    InputIds,
+    MaxNewTokens,
+    MinNewTokens,
+    Temperature,
+    TopP,
+    TopK,
+    MinP,
+    RepetitionPenalty,
+    FrequencyPenalty,
+    PresencePenalty,
+    LogitBias,
+    Stop,
+    StopTokenIds,
+    N,
+    TopLogprobsNum,
+    Rid,
+    DataParallelRank,
+    FirstToken,
+    /// The LoRA adapter a request runs with.
+    Lora,
+}
+
+impl Param {
+    /// Every parameter, for tables keyed by it.
+    pub const ALL: [Param; 19] = [
+        Param::InputIds,
+        Param::MaxNewTokens,
+        Param::MinNewTokens,
+        Param::Temperature,
+        Param::TopP,
+        Param::TopK,
+        Param::MinP,
+        Param::RepetitionPenalty,
+        Param::FrequencyPenalty,
+        Param::PresencePenalty,
+        Param::LogitBias,
+        Param::Stop,
+        Param::StopTokenIds,
+        Param::N,
+        Param::TopLogprobsNum,
+        Param::Rid,
+        Param::DataParallelRank,
+        Param::FirstToken,
+        Param::Lora,
+    ];
+
+    /// The engine's name (SGLang's native name).
+    pub fn name(self) -> &'static str {
+        match self {
+            Param::InputIds => "input_ids",
+            Param::MaxNewTokens => "max_new_tokens",
+            Param::MinNewTokens => "min_new_tokens",
+            Param::Temperature => "temperature",
+            Param::TopP => "top_p",
+            Param::TopK => "top_k",
+            Param::MinP => "min_p",
+            Param::RepetitionPenalty => "repetition_penalty",
+            Param::FrequencyPenalty => "frequency_penalty",
+            Param::PresencePenalty => "presence_penalty",
+            Param::LogitBias => "logit_bias",
+            Param::Stop => "stop",
+            Param::StopTokenIds => "stop_token_ids",
+            Param::N => "n",
+            Param::TopLogprobsNum => "top_logprobs_num",
+            Param::Rid => "rid",
+            Param::DataParallelRank => "data_parallel_rank",
+            Param::FirstToken => "first_token",
+            Param::Lora => "lora_path",
+        }
+    }
+}
+
+impl std::fmt::Display for Param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Result alias for core operations.
 pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
@@ -59,6 +150,13 @@ impl CoreError {
     /// Shorthand for [`CoreError::InvalidArgument`].
     pub fn invalid(msg: impl Into<String>) -> Self {
         CoreError::InvalidArgument(msg.into())
+    }
+    /// Shorthand for [`CoreError::InvalidParam`].
+    pub fn param(param: Param, reason: impl Into<String>) -> Self {
+        CoreError::InvalidParam {
+            param,
+            reason: reason.into(),
+        }
     }
     /// Shorthand for [`CoreError::ModelLoad`].
     pub fn load(msg: impl Into<String>) -> Self {

@@ -50,7 +50,7 @@ pub use backend::{
 pub use detok::{IncrementalDetokenizer, TokenDecoder};
 pub use dp_attention::{DpAttentionGroup, DpAttentionRank};
 pub use dtype::DType;
-pub use error::{CoreError, Result};
+pub use error::{CoreError, Param, Result};
 pub use executor::{Executor, ExecutorCapabilities, LocalExecutor, RankWeights};
 pub use kv::{KvCache, KvDtypeChoice, KvLayer, KvSpec, PagePool, PageSet, ResolvedKvDtype};
 pub use logit_edits::{LogitEdits, RowEdits, TokenEdit};

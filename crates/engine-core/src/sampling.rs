@@ -11,10 +11,13 @@
 //! Penalties follow vLLM and HF: the repetition penalty covers prompt and
 //! output tokens, frequency and presence penalties cover output tokens only.
 
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, Param, Result};
 use crate::logit_edits::{LogitEdits, RowEdits};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
+
+/// The most stop strings a request may give.
+pub const MAX_STOP_STRINGS: usize = 64;
 
 /// Per-request sampling parameters (SGLang's names).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -97,64 +100,88 @@ impl SamplingParams {
 
     /// Checks ranges; the message names the parameter.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
-        let bad = |m: String| Err(CoreError::invalid(m));
+        let bad = |param: Param, reason: String| Err(CoreError::param(param, reason));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return bad(format!(
-                "temperature must be >= 0, got {}",
-                self.temperature
-            ));
+            return bad(
+                Param::Temperature,
+                format!("must be >= 0, got {}", self.temperature),
+            );
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return bad(
+                Param::TopP,
+                format!("must be in (0, 1], got {}", self.top_p),
+            );
         }
         if self.top_k < -1 {
-            return bad(format!("top_k must be -1 or >= 1, got {}", self.top_k));
+            return bad(
+                Param::TopK,
+                format!("must be -1 or >= 1, got {}", self.top_k),
+            );
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return bad(
+                Param::MinP,
+                format!("must be in [0, 1], got {}", self.min_p),
+            );
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= 2.0) {
-            return bad(format!(
-                "repetition_penalty must be in (0, 2], got {}",
-                self.repetition_penalty
-            ));
+            return bad(
+                Param::RepetitionPenalty,
+                format!("must be in (0, 2], got {}", self.repetition_penalty),
+            );
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return bad(format!(
-                "frequency_penalty must be in [-2, 2], got {}",
-                self.frequency_penalty
-            ));
+            return bad(
+                Param::FrequencyPenalty,
+                format!("must be in [-2, 2], got {}", self.frequency_penalty),
+            );
         }
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return bad(format!(
-                "presence_penalty must be in [-2, 2], got {}",
-                self.presence_penalty
-            ));
+            return bad(
+                Param::PresencePenalty,
+                format!("must be in [-2, 2], got {}", self.presence_penalty),
+            );
         }
         if self.min_new_tokens > self.max_new_tokens {
-            return bad(format!(
-                "min_new_tokens ({}) exceeds max_new_tokens ({})",
-                self.min_new_tokens, self.max_new_tokens
-            ));
+            return bad(
+                Param::MinNewTokens,
+                format!(
+                    "({}) exceeds max_new_tokens ({})",
+                    self.min_new_tokens, self.max_new_tokens
+                ),
+            );
         }
         if self.n == 0 || self.n > 128 {
-            return bad(format!("n must be in [1, 128], got {}", self.n));
+            return bad(Param::N, format!("must be in [1, 128], got {}", self.n));
         }
-        if let Some(t) = self
-            .stop_token_ids
-            .iter()
-            .chain(self.logit_bias.keys())
-            .find(|&&t| t as usize >= vocab_size)
-        {
-            return bad(format!(
-                "token id {t} is outside the vocabulary of {vocab_size}"
-            ));
+        let outside = |t: &&u32| **t as usize >= vocab_size;
+        if let Some(t) = self.stop_token_ids.iter().find(outside) {
+            return bad(
+                Param::StopTokenIds,
+                format!("has token id {t}, outside the vocabulary of {vocab_size}"),
+            );
+        }
+        if let Some(t) = self.logit_bias.keys().find(outside) {
+            return bad(
+                Param::LogitBias,
+                format!("has token id {t}, outside the vocabulary of {vocab_size}"),
+            );
         }
         if self.stop.iter().any(|s| s.is_empty()) {
-            return bad("stop strings must not be empty".into());
+            return bad(Param::Stop, "must not hold empty strings".into());
+        }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return bad(
+                Param::Stop,
+                format!(
+                    "holds {} strings; at most {MAX_STOP_STRINGS}",
+                    self.stop.len()
+                ),
+            );
         }
         if self.logit_bias.values().any(|v| !v.is_finite()) {
-            return bad("logit_bias values must be finite".into());
+            return bad(Param::LogitBias, "values must be finite".into());
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! Two flows, one per router:
 //! - **Arbor's router** names the decode worker: a request carrying
 //!   `x-arbor-kv-peer: HOST:PORT` on a prefill worker computes its prompts
-//!   and one token each (`max_new_tokens` becomes 1); once the run
+//!   and one token each (`RequestKind::PrefillForExport`); once the run
 //!   finished, each prompt's cached prefix is exported and sent to that
 //!   decode worker's transfer engine, and the response ends only after the
 //!   decode side imported it. The decode side needs nothing per request.
@@ -27,6 +27,7 @@ use crate::fields::Fields;
 use crate::run::Job;
 use crate::state::AppState;
 use arbor_engine_core::CacheNamespace;
+use arbor_engine_core::engine::RequestKind;
 use arbor_engine_core::engine::transfer::{
     FirstToken, KvPages, KvRooms, KvTransfer, Prefilled, TransferReport,
 };
@@ -205,18 +206,17 @@ pub(crate) fn prefill_jobs(
     };
     let mut prompts = Vec::with_capacity(jobs.len());
     for j in jobs.iter_mut() {
-        if j.params.n > 1 {
+        if j.req.params.n > 1 {
             return Err(ApiError::bad_param(
                 "n",
                 "a disaggregated prefill runs one sample per prompt",
             ));
         }
-        j.params.max_new_tokens = 1;
-        j.params.min_new_tokens = j.params.min_new_tokens.min(1);
+        j.req.kind = RequestKind::PrefillForExport;
         prompts.push(Exported {
-            ids: j.input_ids.clone(),
-            namespace: j.namespace.clone(),
-            lora: j.lora.clone(),
+            ids: j.req.input_ids.clone(),
+            namespace: j.req.namespace.clone(),
+            lora: j.req.lora.clone(),
             room: j.bootstrap.as_ref().map(|b| b.room),
         });
     }
@@ -351,10 +351,12 @@ pub(crate) async fn pull_rooms(st: &Arc<AppState>, jobs: &[Job]) -> Vec<Option<u
                 job: i,
                 peer: format!("{}:{}", b.host, b.port?),
                 room: b.room,
-                rank: j.data_parallel_rank,
-                takes_first: j.params.n <= 1 && !j.return_logprob && j.params.max_new_tokens > 0,
+                rank: j.req.data_parallel_rank,
+                takes_first: j.req.params.n <= 1
+                    && !j.req.return_logprob
+                    && j.req.params.max_new_tokens > 0,
             };
-            Some((pull, j.input_ids.clone()))
+            Some((pull, j.req.input_ids.clone()))
         })
         .collect();
     if pulls.is_empty() {

@@ -4,8 +4,12 @@
 //! and a message that names the offending field where there is one. The body
 //! is always `{"error": {"message", "type", "param", "code"}}` (`code` is the
 //! HTTP status), on every route, so clients need one error parser. Engine
-//! errors map by kind: invalid arguments are 400, everything else 5xx.
+//! errors map by kind, never by message: a parameter at fault
+//! (`CoreError::InvalidParam`) is a 400 naming it as the called API spells
+//! it ([`Dialect::api_name`]), other invalid arguments and unsupported
+//! requests 400, exhaustion 503, everything else 500.
 
+use crate::params::Dialect;
 use arbor_engine_core::CoreError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -69,15 +73,19 @@ impl ApiError {
         self
     }
 
-    /// Rewrites engine parameter names into the names of the API that was called.
-    pub fn renamed(mut self, pairs: &[(&str, &str)]) -> Self {
-        for (from, to) in pairs {
-            self.message = self.message.replace(from, to);
-            if self.param.as_deref() == Some(*from) {
-                self.param = Some((*to).to_string());
+    /// The answer to an engine error, for a request of dialect `d`: a
+    /// parameter at fault is named as `d` spells it.
+    pub fn from_core(e: CoreError, d: Dialect) -> Self {
+        match e {
+            CoreError::InvalidParam { param, reason } => {
+                let name = d.api_name(param);
+                ApiError::bad_param(&name, format!("'{name}' {reason}"))
             }
+            CoreError::InvalidArgument(m) => ApiError::bad_request(m),
+            CoreError::OutOfMemory(m) => ApiError::unavailable(format!("out of memory: {m}")),
+            CoreError::Unsupported(m) => ApiError::bad_request(format!("unsupported: {m}")),
+            other => ApiError::internal(other.to_string()),
         }
-        self
     }
 
     /// The OpenAI error `type` for the status.
@@ -105,47 +113,10 @@ impl ApiError {
     }
 }
 
-/// Parameter names the engine's messages start with (used to fill `param`).
-const ENGINE_PARAMS: &[&str] = &[
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "min_new_tokens",
-    "max_new_tokens",
-    "n",
-    "stop",
-    "logit_bias",
-    "top_logprobs_num",
-    "rid",
-];
-
 impl From<CoreError> for ApiError {
+    /// Engine errors outside a request of one API (admin routes) use the native names.
     fn from(e: CoreError) -> Self {
-        match e {
-            CoreError::InvalidArgument(m) => {
-                let first = m.split([' ', ':']).next().unwrap_or_default();
-                let param = ENGINE_PARAMS
-                    .iter()
-                    .find(|p| **p == first)
-                    .map(|p| (*p).to_string())
-                    .or_else(|| {
-                        m.contains("max_new_tokens")
-                            .then(|| "max_new_tokens".to_string())
-                    });
-                ApiError {
-                    status: StatusCode::BAD_REQUEST,
-                    message: m,
-                    param,
-                }
-            }
-            CoreError::OutOfMemory(m) => ApiError::unavailable(format!("out of memory: {m}")),
-            CoreError::Unsupported(m) => ApiError::bad_request(format!("unsupported: {m}")),
-            other => ApiError::internal(other.to_string()),
-        }
+        ApiError::from_core(e, Dialect::Native)
     }
 }
 
@@ -171,15 +142,25 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use arbor_engine_core::Param;
 
     #[test]
-    fn engine_errors_name_their_parameter() {
-        let e: ApiError = CoreError::invalid("top_p must be in (0, 1], got 2").into();
-        assert_eq!(e.status, StatusCode::BAD_REQUEST);
-        assert_eq!(e.param.as_deref(), Some("top_p"));
-        let e = e.renamed(&[("top_p", "nucleus")]);
-        assert_eq!(e.param.as_deref(), Some("nucleus"));
-        let b = e.body();
+    fn engine_errors_name_their_parameter_as_the_api_spells_it() {
+        let e = || CoreError::param(Param::MaxNewTokens, "exceeds the context length of 8");
+        let native = ApiError::from_core(e(), Dialect::Native);
+        assert_eq!(native.status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            native.param.as_deref(),
+            Some("sampling_params.max_new_tokens")
+        );
+        let chat = ApiError::from_core(e(), Dialect::Chat);
+        assert_eq!(chat.param.as_deref(), Some("max_tokens"));
+        assert!(
+            chat.message.starts_with("'max_tokens' exceeds"),
+            "{}",
+            chat.message
+        );
+        let b = chat.body();
         assert_eq!(b["error"]["code"], 400);
         assert_eq!(b["error"]["type"], "invalid_request_error");
         let e: ApiError = CoreError::Internal("x".into()).into();

@@ -33,6 +33,7 @@ mod lora;
 pub mod metrics;
 mod native;
 mod openai;
+pub mod params;
 pub mod reasoning;
 pub mod refit;
 mod run;
@@ -49,7 +50,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{MethodRouter, get, post};
 use state::AppState;
 use std::future::Future;
 use std::sync::Arc;
@@ -109,6 +110,180 @@ async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Resp
             r
         }
     }
+}
+
+/// One HTTP route: its path, methods and what it is for.
+pub struct RouteInfo {
+    /// The path (axum's syntax: `{id}` is a path parameter).
+    pub path: &'static str,
+    /// The methods it answers.
+    pub methods: &'static str,
+    /// One line on what it does.
+    pub summary: &'static str,
+}
+
+struct Route {
+    path: &'static str,
+    methods: &'static str,
+    summary: &'static str,
+    handler: MethodRouter<Arc<AppState>>,
+}
+
+/// The server's routes: the router is built from this table and the
+/// reference page `docs/src/reference/routes.md` is generated from it.
+fn routes() -> Vec<Route> {
+    let r = |path, methods, summary, handler| Route {
+        path,
+        methods,
+        summary,
+        handler,
+    };
+    vec![
+        r(
+            "/generate",
+            "POST",
+            "SGLang's native generation (text or token ids, batches, streaming).",
+            post(native::generate),
+        ),
+        r(
+            "/v1/completions",
+            "POST",
+            "OpenAI completions.",
+            post(openai::completions::completions),
+        ),
+        r(
+            "/v1/chat/completions",
+            "POST",
+            "OpenAI chat completions (chat template, tools, reasoning).",
+            post(openai::chat::chat_completions),
+        ),
+        r(
+            "/v1/models",
+            "GET",
+            "The served model and its LoRA adapters.",
+            get(openai::models),
+        ),
+        r(
+            "/v1/models/{id}",
+            "GET",
+            "One model card.",
+            get(openai::model),
+        ),
+        r(
+            "/health",
+            "GET",
+            "200 while the server accepts requests.",
+            get(admin::health),
+        ),
+        r(
+            "/health_generate",
+            "GET",
+            "200 once a one-token generation succeeds.",
+            get(admin::health_generate),
+        ),
+        r(
+            "/flush_cache",
+            "GET, POST",
+            "Empties the prefix cache (and recurrent state snapshots).",
+            post(admin::flush_cache).get(admin::flush_cache),
+        ),
+        r(
+            "/abort_request",
+            "POST",
+            "Aborts a request by `rid`, or all with `abort_all`.",
+            post(admin::abort_request),
+        ),
+        r(
+            "/get_model_info",
+            "GET",
+            "The model path, architecture and limits.",
+            get(admin::model_info),
+        ),
+        r(
+            "/model_info",
+            "GET",
+            "Alias of `/get_model_info`.",
+            get(admin::model_info),
+        ),
+        r(
+            "/get_server_info",
+            "GET",
+            "The resolved configuration and live engine figures.",
+            get(admin::server_info),
+        ),
+        r(
+            "/server_info",
+            "GET",
+            "Alias of `/get_server_info`.",
+            get(admin::server_info),
+        ),
+        r(
+            "/metrics",
+            "GET",
+            "Prometheus exposition (`--enable-metrics`).",
+            get(admin::metrics),
+        ),
+        r(
+            "/get_load",
+            "GET",
+            "Per-rank load: requests and tokens held.",
+            get(admin::get_load),
+        ),
+        r(
+            "/update_weights_from_disk",
+            "POST",
+            "Reloads the weights from a checkpoint folder (RL refit).",
+            post(refit::update_weights_from_disk),
+        ),
+        r(
+            "/load_lora_adapter",
+            "POST",
+            "Loads a LoRA adapter by name and path.",
+            post(lora::load_lora_adapter),
+        ),
+        r(
+            "/unload_lora_adapter",
+            "POST",
+            "Unloads a LoRA adapter.",
+            post(lora::unload_lora_adapter),
+        ),
+        r(
+            "/pause_generation",
+            "POST",
+            "Pauses scheduling (abort, retract or keep running requests).",
+            post(refit::pause_generation),
+        ),
+        r(
+            "/continue_generation",
+            "POST",
+            "Resumes scheduling after a pause.",
+            post(refit::continue_generation),
+        ),
+        r(
+            "/release_memory_occupation",
+            "POST",
+            "Frees the KV cache (and weights) while paused.",
+            post(refit::release_memory_occupation),
+        ),
+        r(
+            "/resume_memory_occupation",
+            "POST",
+            "Allocates what release freed.",
+            post(refit::resume_memory_occupation),
+        ),
+    ]
+}
+
+/// The routes the server answers, in the order it registers them.
+pub fn route_table() -> Vec<RouteInfo> {
+    routes()
+        .into_iter()
+        .map(|r| RouteInfo {
+            path: r.path,
+            methods: r.methods,
+            summary: r.summary,
+        })
+        .collect()
 }
 
 async fn not_found(req: Request) -> Response {
@@ -197,41 +372,9 @@ impl Server {
     /// The routes, ready to serve or to nest in a larger application.
     pub fn router(&self) -> Router {
         let st = self.state.clone();
-        Router::new()
-            .route("/generate", post(native::generate))
-            .route("/v1/completions", post(openai::completions::completions))
-            .route("/v1/chat/completions", post(openai::chat::chat_completions))
-            .route("/v1/models", get(openai::models))
-            .route("/v1/models/{id}", get(openai::model))
-            .route("/health", get(admin::health))
-            .route("/health_generate", get(admin::health_generate))
-            .route(
-                "/flush_cache",
-                post(admin::flush_cache).get(admin::flush_cache),
-            )
-            .route("/abort_request", post(admin::abort_request))
-            .route("/get_model_info", get(admin::model_info))
-            .route("/model_info", get(admin::model_info))
-            .route("/get_server_info", get(admin::server_info))
-            .route("/server_info", get(admin::server_info))
-            .route("/metrics", get(admin::metrics))
-            .route("/get_load", get(admin::get_load))
-            .route(
-                "/update_weights_from_disk",
-                post(refit::update_weights_from_disk),
-            )
-            .route("/load_lora_adapter", post(lora::load_lora_adapter))
-            .route("/unload_lora_adapter", post(lora::unload_lora_adapter))
-            .route("/pause_generation", post(refit::pause_generation))
-            .route("/continue_generation", post(refit::continue_generation))
-            .route(
-                "/release_memory_occupation",
-                post(refit::release_memory_occupation),
-            )
-            .route(
-                "/resume_memory_occupation",
-                post(refit::resume_memory_occupation),
-            )
+        routes()
+            .into_iter()
+            .fold(Router::new(), |r, route| r.route(route.path, route.handler))
             .fallback(not_found)
             .method_not_allowed_fallback(method_not_allowed)
             .layer(middleware::from_fn_with_state(st.clone(), auth))

@@ -18,9 +18,10 @@
 //! engine chunk with the *cumulative* `text` and `output_ids` and the
 //! current `meta_info`, then `data: [DONE]`.
 
-use crate::constraint::{self, Constraint, ConstraintSpec};
+use crate::constraint::ConstraintSpec;
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
+use crate::params::{self, Dialect};
 use crate::run::{self, Event, Job, Run, Sample};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
@@ -64,8 +65,8 @@ async fn generate_inner(
     st.check_accepting()?;
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let req = parse(&st, v)?;
-    let logprobs = req.jobs.iter().map(|j| j.return_logprob).collect();
-    let mut run = run::submit(&st, req.jobs, &headers).await?;
+    let logprobs = req.jobs.iter().map(|j| j.req.return_logprob).collect();
+    let mut run = run::submit(&st, req.jobs, &headers, Dialect::Native).await?;
     let fmt = NativeFormat {
         state: st.clone(),
         list: req.list,
@@ -249,24 +250,19 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
                 "log-probabilities of prompt tokens",
             ));
         }
-        let top_n = typed::<i64>("top_logprobs_num", top[i].clone())?.unwrap_or(0);
-        if !(0..=20).contains(&top_n) {
-            return Err(ApiError::bad_param(
-                "top_logprobs_num",
-                "'top_logprobs_num' must be in [0, 20]",
-            ));
-        }
+        let top_n = typed::<u32>("top_logprobs_num", top[i].clone())?.unwrap_or(0);
         let mut job = Job::new(ids, params);
-        job.rid = typed::<String>("rid", rids[i].clone())?;
-        job.return_logprob = return_logprob;
-        job.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
-        job.priority = priority;
+        let r = &mut job.req;
+        r.rid = typed::<String>("rid", rids[i].clone())?;
+        r.return_logprob = return_logprob;
+        r.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
+        r.priority = priority;
         let extra_key = typed::<String>("extra_key", extra_keys[i].clone())?;
-        job.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
+        r.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
+        r.lora = adapters[i].clone();
+        r.data_parallel_rank = dp_rank;
         job.constraint = constraint;
-        job.lora = adapters[i].clone();
         job.bootstrap = bootstrap[i].clone();
-        job.data_parallel_rank = dp_rank;
         jobs.push(job);
     }
     let list = batch || n.unwrap_or(1) > 1;
@@ -278,102 +274,18 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
     })
 }
 
-/// Parses SGLang's `sampling_params` object.
+/// Parses SGLang's `sampling_params` object ([`params::sampling`] in the
+/// native dialect; `max_new_tokens` defaults to 128).
 pub(crate) fn sampling_params(
     v: Option<Value>,
 ) -> Result<(SamplingParams, Option<ConstraintSpec>), ApiError> {
-    let mut p = SamplingParams::default();
-    let mut c = None;
-    let Some(v) = v else { return Ok((p, c)) };
+    let Some(v) = v else {
+        return Ok((SamplingParams::default(), None));
+    };
     let mut f = Fields::new(v, "'sampling_params'", "sampling_params.")?;
-    if let Some(x) = f.int("max_new_tokens", 0, i64::from(u32::MAX))? {
-        p.max_new_tokens = x as usize;
-    }
-    if let Some(x) = f.int("min_new_tokens", 0, i64::from(u32::MAX))? {
-        p.min_new_tokens = x as usize;
-    }
-    if let Some(x) = f.f32("temperature")? {
-        p.temperature = x;
-    }
-    if let Some(x) = f.f32("top_p")? {
-        p.top_p = x;
-    }
-    if let Some(x) = f.int("top_k", i64::from(i32::MIN), i64::from(i32::MAX))? {
-        p.top_k = if x == 0 { -1 } else { x as i32 };
-    }
-    if let Some(x) = f.f32("min_p")? {
-        p.min_p = x;
-    }
-    if let Some(x) = f.f32("frequency_penalty")? {
-        p.frequency_penalty = x;
-    }
-    if let Some(x) = f.f32("presence_penalty")? {
-        p.presence_penalty = x;
-    }
-    if let Some(x) = f.f32("repetition_penalty")? {
-        p.repetition_penalty = x;
-    }
-    if let Some(x) = f.stop("stop")? {
-        p.stop = x;
-    }
-    if let Some(x) = f.get::<Vec<u32>>("stop_token_ids")? {
-        p.stop_token_ids = x;
-    }
-    if let Some(x) = f.bool("ignore_eos")? {
-        p.ignore_eos = x;
-    }
-    if let Some(x) = f.bool("skip_special_tokens")? {
-        p.skip_special_tokens = x;
-    }
-    if let Some(x) = f.bool("no_stop_trim")? {
-        p.no_stop_trim = x;
-    }
-    if let Some(x) = f.int("n", 1, 128)? {
-        p.n = x as usize;
-    }
-    let seed = f.get::<u64>("sampling_seed")?;
-    p.seed = f.get::<u64>("seed")?.or(seed);
-    if let Some(x) = f.logit_bias("logit_bias")? {
-        p.logit_bias = x;
-    }
-    if f.bool("spaces_between_special_tokens")? == Some(false) {
-        return Err(ApiError::unsupported(
-            "sampling_params.spaces_between_special_tokens",
-            "false",
-        ));
-    }
-    f.unset_only("custom_params", "custom parameters")?;
-    f.ignore("stream_interval");
-    if let Some(s) = f.raw("json_schema") {
-        let text = match s {
-            Value::String(s) => s,
-            other => other.to_string(),
-        };
-        constraint::set(
-            &mut c,
-            ConstraintSpec::new("sampling_params.json_schema", Constraint::JsonSchema(text)),
-        )?;
-    }
-    if let Some(s) = f.string("regex")? {
-        constraint::set(
-            &mut c,
-            ConstraintSpec::new("sampling_params.regex", Constraint::Regex(s)),
-        )?;
-    }
-    if let Some(s) = f.string("ebnf")? {
-        constraint::set(
-            &mut c,
-            ConstraintSpec::new("sampling_params.ebnf", Constraint::Ebnf(s)),
-        )?;
-    }
-    if let Some(s) = f.raw("structural_tag") {
-        constraint::set(
-            &mut c,
-            ConstraintSpec::new(
-                "sampling_params.structural_tag",
-                Constraint::StructuralTag(s),
-            ),
-        )?;
+    let (mut p, max_new_tokens, c) = params::sampling(Dialect::Native, &mut f)?;
+    if let Some(m) = max_new_tokens {
+        p.max_new_tokens = m;
     }
     f.finish()?;
     Ok((p, c))

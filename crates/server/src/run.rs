@@ -14,48 +14,34 @@
 use crate::constraint::{self, ConstraintSpec};
 use crate::error::ApiError;
 use crate::metrics::SampleTiming;
+use crate::params::Dialect;
 use crate::state::AppState;
+use arbor_engine_core::SamplingParams;
 use arbor_engine_core::engine::{
-    Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta, RequestStream,
-    TokenLogprob,
+    AbortCause, Finish, FinishKind, GenerateRequest, Matched, OutputChunk, OutputMeta,
+    RequestStream, TokenLogprob,
 };
-use arbor_engine_core::{CacheNamespace, SamplingParams};
 use futures_util::future::select_all;
 use std::sync::Arc;
 
-/// One prompt to generate from.
+/// One prompt to generate from: the engine request as the route parsed
+/// it, with what the server still has to resolve before submitting it.
 #[derive(Clone, Debug)]
 pub(crate) struct Job {
-    pub input_ids: Vec<u32>,
-    pub params: SamplingParams,
-    pub rid: Option<String>,
-    pub return_logprob: bool,
-    pub top_logprobs_num: usize,
-    pub priority: i64,
-    pub namespace: CacheNamespace,
+    /// The engine request; its grammar is compiled from `constraint` at [`submit`].
+    pub req: GenerateRequest,
+    /// The structured-output constraint and the field it came from.
     pub constraint: Option<ConstraintSpec>,
-    /// The LoRA adapter (`None`: the base model).
-    pub lora: Option<Arc<arbor_engine_core::LoraAdapter>>,
     /// SGLang's bootstrap room of a disaggregated request ([`crate::disagg`]).
     pub bootstrap: Option<crate::disagg::Bootstrap>,
-    /// SGLang's `data_parallel_rank`: the replica to run on.
-    pub data_parallel_rank: Option<usize>,
 }
 
 impl Job {
     pub fn new(input_ids: Vec<u32>, params: SamplingParams) -> Self {
         Self {
-            input_ids,
-            params,
-            rid: None,
-            return_logprob: false,
-            top_logprobs_num: 0,
-            priority: 0,
-            namespace: CacheNamespace::default(),
+            req: GenerateRequest::new(input_ids, params),
             constraint: None,
-            lora: None,
             bootstrap: None,
-            data_parallel_rank: None,
         }
     }
 }
@@ -114,9 +100,10 @@ pub(crate) async fn submit(
     state: &Arc<AppState>,
     mut jobs: Vec<Job>,
     headers: &axum::http::HeaderMap,
+    dialect: Dialect,
 ) -> Result<Run, ApiError> {
     let export = crate::disagg::prefill_jobs(state, headers, &mut jobs)?;
-    let submitted = submit_jobs(state, jobs, export.as_ref()).await;
+    let submitted = submit_jobs(state, jobs, export.as_ref(), dialect).await;
     if let (Err(e), Some(x)) = (&submitted, &export) {
         x.refuse(&e.message);
     }
@@ -139,6 +126,7 @@ async fn submit_jobs(
     state: &Arc<AppState>,
     jobs: Vec<Job>,
     export: Option<&crate::disagg::PrefillExport>,
+    dialect: Dialect,
 ) -> Result<Submitted, ApiError> {
     state.check_accepting()?;
     if jobs.is_empty() {
@@ -149,34 +137,27 @@ async fn submit_jobs(
     } else {
         Vec::new()
     };
-    let n = jobs.first().map_or(1, |j| j.params.n.max(1));
+    let n = jobs.first().map_or(1, |j| j.req.params.n.max(1));
     let mut slots = Vec::with_capacity(jobs.len());
-    let mut samples = Vec::with_capacity(jobs.len() * n);
+    // Not sized by `n`: the engine has not checked it yet.
+    let mut samples = Vec::with_capacity(jobs.len());
     let mut prompt_lens = Vec::with_capacity(jobs.len());
     for (i, job) in jobs.into_iter().enumerate() {
-        let grammar = constraint::compile(state, job.constraint.as_ref()).await?;
-        if job.input_ids.is_empty() {
-            return Err(ApiError::bad_request("the prompt is empty"));
-        }
-        let jn = job.params.n.max(1);
+        let mut req = job.req;
+        req.grammar = constraint::compile(state, job.constraint.as_ref()).await?;
+        let jn = req.params.n.max(1);
         if jn != n {
             return Err(ApiError::bad_param(
                 "n",
                 "every prompt of a batch must use the same n",
             ));
         }
-        prompt_lens.push(job.input_ids.len());
-        let mut req = GenerateRequest::new(job.input_ids, job.params);
-        req.rid = job.rid;
-        req.priority = job.priority;
-        req.namespace = job.namespace;
-        req.return_logprob = job.return_logprob;
-        req.top_logprobs_num = job.top_logprobs_num;
-        req.grammar = grammar;
-        req.lora = job.lora;
-        req.data_parallel_rank = job.data_parallel_rank;
+        prompt_lens.push(req.input_ids.len());
         req.first_token = first_tokens.get(i).copied().flatten();
-        let stream = state.engine.submit(req)?;
+        let stream = state
+            .engine
+            .submit(req)
+            .map_err(|e| ApiError::from_core(e, dialect))?;
         for _ in 0..n {
             samples.push(Sample {
                 prompt: i,
@@ -257,11 +238,7 @@ impl Run {
         let (a, b) = (s.first_sample, s.first_sample + self.n);
         for smp in self.samples.iter_mut().take(b).skip(a) {
             if smp.finish.is_none() {
-                smp.finish = Some(Finish {
-                    kind: FinishKind::Abort,
-                    matched: None,
-                    message: Some(msg.to_string()),
-                });
+                smp.finish = Some(Finish::aborted(AbortCause::Failed, msg));
             }
         }
     }
@@ -284,14 +261,13 @@ impl Run {
                 .message
                 .clone()
                 .unwrap_or_else(|| "the request was aborted".into());
-            if msg == "aborted by request" {
-                None
-            } else if msg.contains("is already in use") {
-                Some(ApiError::bad_param("rid", msg))
-            } else if msg.contains("queue is full") || msg.contains("shutting down") {
-                Some(ApiError::unavailable(msg))
-            } else {
-                Some(ApiError::internal(msg))
+            match f.cause {
+                Some(AbortCause::Requested) => None,
+                Some(AbortCause::RidInUse) => Some(ApiError::bad_param("rid", msg)),
+                Some(AbortCause::QueueFull | AbortCause::ShuttingDown) => {
+                    Some(ApiError::unavailable(msg))
+                }
+                Some(AbortCause::Failed) | None => Some(ApiError::internal(msg)),
             }
         })
     }

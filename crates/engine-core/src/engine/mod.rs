@@ -29,7 +29,7 @@ pub use data_parallel::LoadBalance;
 pub use policy::SchedulePolicy;
 
 use crate::detok::TokenDecoder;
-use crate::error::{CoreError, Result};
+use crate::error::{CoreError, Param, Result};
 use crate::executor::{Executor, LocalExecutor};
 use crate::prefix_cache::{CacheNamespace, PrefixCache};
 use crate::runner::ModelRunner;
@@ -104,9 +104,38 @@ impl Default for EngineConfig {
     }
 }
 
+/// What a request is for. Its token budget follows from it
+/// ([`RequestKind::token_limit`]), so no caller overloads `max_new_tokens`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RequestKind {
+    /// Generate up to `max_new_tokens` tokens (0: prefill only, SGLang's
+    /// way to score a prompt).
+    #[default]
+    Generate,
+    /// A disaggregated prefill worker's request: the prompt and the first
+    /// output token only (the decode worker continues from it).
+    PrefillForExport,
+    /// Internal: fill the prefix cache with the prompt and sample nothing
+    /// (the shared prompt of the `n` > 1 samples that follow it).
+    PrefixOnly,
+}
+
+impl RequestKind {
+    /// The most tokens a request of this kind generates when it asks for `max_new_tokens`.
+    pub fn token_limit(self, max_new_tokens: usize) -> usize {
+        match self {
+            RequestKind::Generate => max_new_tokens,
+            RequestKind::PrefillForExport => max_new_tokens.min(1),
+            RequestKind::PrefixOnly => 0,
+        }
+    }
+}
+
 /// A request for generation.
 #[derive(Clone)]
 pub struct GenerateRequest {
+    /// What the request is for (generation, a disaggregated prefill).
+    pub kind: RequestKind,
     /// Caller's id; a fresh one is made when `None`. Must be unique among live requests.
     pub rid: Option<String>,
     /// Prompt token ids.
@@ -141,6 +170,7 @@ pub struct GenerateRequest {
 impl std::fmt::Debug for GenerateRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GenerateRequest")
+            .field("kind", &self.kind)
             .field("rid", &self.rid)
             .field("input_ids", &self.input_ids.len())
             .field("params", &self.params)
@@ -156,6 +186,7 @@ impl GenerateRequest {
     /// A request for `input_ids` with `params`, defaults otherwise.
     pub fn new(input_ids: Vec<u32>, params: SamplingParams) -> Self {
         Self {
+            kind: RequestKind::Generate,
             rid: None,
             input_ids,
             params,
@@ -200,6 +231,36 @@ pub struct Finish {
     pub matched: Option<Matched>,
     /// Why, for aborts and errors.
     pub message: Option<String>,
+    /// The kind of abort (aborts only), for callers that answer each
+    /// differently; `message` is for people.
+    pub cause: Option<AbortCause>,
+}
+
+/// Why a request was aborted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortCause {
+    /// The caller asked for it ([`Engine::abort`], [`Engine::abort_all`], a dropped stream).
+    Requested,
+    /// Another live request has the same `rid`.
+    RidInUse,
+    /// The waiting queue is at `max_queued_requests`.
+    QueueFull,
+    /// The engine is stopping.
+    ShuttingDown,
+    /// The request failed (a device or detokenizer error, a lost peer).
+    Failed,
+}
+
+impl Finish {
+    /// An abort for `cause`, with `message` for people.
+    pub fn aborted(cause: AbortCause, message: impl Into<String>) -> Self {
+        Finish {
+            kind: FinishKind::Abort,
+            matched: None,
+            message: Some(message.into()),
+            cause: Some(cause),
+        }
+    }
 }
 
 pub use crate::step::TokenLogprob;
@@ -608,10 +669,13 @@ impl Engine {
     pub(crate) fn check_dp_rank(&self, r: usize) -> Result<()> {
         let n = self.ranks.len();
         if r >= n {
-            return Err(CoreError::invalid(format!(
-                "data_parallel_rank {r} is out of range: this engine has {n} data-parallel rank{}",
-                if n == 1 { "" } else { "s" }
-            )));
+            return Err(CoreError::param(
+                Param::DataParallelRank,
+                format!(
+                    "{r} is out of range: this engine has {n} data-parallel rank{}",
+                    if n == 1 { "" } else { "s" }
+                ),
+            ));
         }
         Ok(())
     }
@@ -643,65 +707,92 @@ impl Engine {
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream> {
         let l = self.limits;
         if req.input_ids.is_empty() {
-            return Err(CoreError::invalid("the prompt is empty"));
+            return Err(CoreError::param(Param::InputIds, "must not be empty"));
         }
         req.params.validate(l.vocab_size)?;
         if let Some(bad) = req.input_ids.iter().find(|&&t| t as usize >= l.vocab_size) {
-            return Err(CoreError::invalid(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                l.vocab_size
-            )));
+            return Err(CoreError::param(
+                Param::InputIds,
+                format!(
+                    "has token id {bad}, outside the vocabulary of {}",
+                    l.vocab_size
+                ),
+            ));
         }
-        let total = req.input_ids.len() + req.params.max_new_tokens;
-        if req.input_ids.len() >= l.context || total > l.context {
-            return Err(CoreError::invalid(format!(
-                "the prompt ({} tokens) plus max_new_tokens ({}) exceeds the context length of {}",
-                req.input_ids.len(),
-                req.params.max_new_tokens,
-                l.context
-            )));
+        let max_new_tokens = req.kind.token_limit(req.params.max_new_tokens);
+        let total = req.input_ids.len() + max_new_tokens;
+        if req.input_ids.len() >= l.context {
+            return Err(CoreError::param(
+                Param::InputIds,
+                format!(
+                    "has {} tokens; the context length is {}",
+                    req.input_ids.len(),
+                    l.context
+                ),
+            ));
+        }
+        if total > l.context {
+            return Err(CoreError::param(
+                Param::MaxNewTokens,
+                format!(
+                    "({}) plus the prompt ({} tokens) exceeds the context length of {}",
+                    max_new_tokens,
+                    req.input_ids.len(),
+                    l.context
+                ),
+            ));
         }
         if total > l.capacity_tokens {
-            return Err(CoreError::invalid(format!(
-                "the prompt ({} tokens) plus max_new_tokens ({}) exceeds the KV cache capacity of {} tokens",
-                req.input_ids.len(),
-                req.params.max_new_tokens,
-                l.capacity_tokens
-            )));
+            return Err(CoreError::param(
+                Param::MaxNewTokens,
+                format!(
+                    "({}) plus the prompt ({} tokens) exceeds the KV cache capacity of {} tokens",
+                    max_new_tokens,
+                    req.input_ids.len(),
+                    l.capacity_tokens
+                ),
+            ));
         }
         if req.top_logprobs_num > 20 {
-            return Err(CoreError::invalid("top_logprobs_num must be at most 20"));
+            return Err(CoreError::param(
+                Param::TopLogprobsNum,
+                format!("must be in [0, 20], got {}", req.top_logprobs_num),
+            ));
         }
         if let Some(r) = req.data_parallel_rank {
             self.check_dp_rank(r)?;
         }
         if let Some(t) = req.first_token {
             if t as usize >= l.vocab_size {
-                return Err(CoreError::invalid(format!(
-                    "first_token {t} is outside the vocabulary of {}",
-                    l.vocab_size
-                )));
+                return Err(CoreError::param(
+                    Param::FirstToken,
+                    format!("{t} is outside the vocabulary of {}", l.vocab_size),
+                ));
             }
-            if req.params.n > 1 || req.return_logprob || req.params.max_new_tokens == 0 {
-                return Err(CoreError::invalid(
-                    "first_token needs n = 1, max_new_tokens > 0 and no log-probabilities",
+            if req.params.n > 1 || req.return_logprob || max_new_tokens == 0 {
+                return Err(CoreError::param(
+                    Param::FirstToken,
+                    "needs n = 1, max_new_tokens > 0 and no log-probabilities",
                 ));
             }
         }
         if let Some(a) = &req.lora
             && a.num_layers() != l.num_layers
         {
-            return Err(CoreError::invalid(format!(
-                "LoRA adapter '{}' has {} layers, the model {}",
-                a.name(),
-                a.num_layers(),
-                l.num_layers
-            )));
+            return Err(CoreError::param(
+                Param::Lora,
+                format!(
+                    "'{}' has {} layers, the model {}",
+                    a.name(),
+                    a.num_layers(),
+                    l.num_layers
+                ),
+            ));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let rid = req.rid.clone().unwrap_or_else(|| format!("req-{id}"));
         if rid.is_empty() {
-            return Err(CoreError::invalid("rid must not be empty"));
+            return Err(CoreError::param(Param::Rid, "must not be empty"));
         }
         let (otx, orx) = stream::channel();
         let n = req.params.n;

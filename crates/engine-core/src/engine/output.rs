@@ -412,6 +412,7 @@ mod tests {
                     kind: FinishKind::Length,
                     matched: None,
                     message: None,
+                    cause: None,
                 }),
                 meta: m,
                 untexted_last: false,

@@ -98,7 +98,7 @@ pub(crate) fn order(
             idx = out;
         }
         SchedulePolicy::Lof => {
-            idx.sort_by_key(|&i| std::cmp::Reverse(waiting[i].params.max_new_tokens));
+            idx.sort_by_key(|&i| std::cmp::Reverse(waiting[i].token_limit()));
         }
         SchedulePolicy::Priority => {
             idx.sort_by_key(|&i| std::cmp::Reverse(waiting[i].priority));

@@ -14,7 +14,7 @@
 
 use super::output::{ChunkOut, OutputRoute, StreamHandle};
 use super::stream::ChunkSender;
-use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, TokenLogprob};
+use super::{Finish, FinishKind, GenerateRequest, Matched, OutputMeta, RequestKind, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
 use crate::grammar::{CompiledGrammar, GrammarMatcher};
@@ -78,8 +78,8 @@ pub(crate) struct Req {
     /// A first token sampled elsewhere, taken when the scheduler accepts
     /// the request ([`crate::engine::GenerateRequest::first_token`]).
     pub given_first: Option<u32>,
-    /// Internal request that only fills the cache with the prompt (for n > 1).
-    pub prefix_only: bool,
+    /// What the request is for; its token budget is [`Req::token_limit`].
+    pub kind: RequestKind,
     /// Samples that wait for this prefix-only request.
     pub followers: Vec<Req>,
     // KV state.
@@ -171,7 +171,7 @@ impl Req {
             matcher,
             mask_error: None,
             given_first: r.first_token,
-            prefix_only: false,
+            kind: r.kind,
             followers: Vec::new(),
             node: None,
             node_len: 0,
@@ -244,7 +244,7 @@ impl Req {
             matcher,
             mask_error: None,
             given_first: None,
-            prefix_only: false,
+            kind: self.kind,
             followers: Vec::new(),
             node: None,
             node_len: 0,
@@ -391,9 +391,14 @@ impl Req {
         self.page_count() * page_size
     }
 
+    /// The most tokens this request generates (its kind's cap on `max_new_tokens`).
+    pub fn token_limit(&self) -> usize {
+        self.kind.token_limit(self.params.max_new_tokens)
+    }
+
     /// Tokens still to generate at most.
     pub fn remaining_new(&self) -> usize {
-        self.params.max_new_tokens.saturating_sub(self.output.len())
+        self.token_limit().saturating_sub(self.output.len())
     }
 
     #[inline]
@@ -431,7 +436,7 @@ impl Req {
             self.ttft = Some(now - self.arrival_secs);
             // Room for the expected output (bounded), so decoding does not
             // grow the buffer step after step.
-            let expected = self.params.max_new_tokens.min(MAX_OUTPUT_RESERVE);
+            let expected = self.token_limit().min(MAX_OUTPUT_RESERVE);
             self.output
                 .reserve(expected.saturating_sub(self.output.len()));
         }
@@ -448,11 +453,7 @@ impl Req {
         match self.detok.push_str(decoder, &[token]) {
             Ok(delta) => self.text.push_str(delta),
             Err(e) => {
-                return Some(Finish {
-                    kind: FinishKind::Abort,
-                    matched: None,
-                    message: Some(e.to_string()),
-                });
+                return Some(Finish::aborted(super::AbortCause::Failed, e.to_string()));
             }
         }
         self.match_stop_string()
@@ -486,6 +487,7 @@ impl Req {
             kind: FinishKind::Stop,
             matched: Some(Matched::Text(s)),
             message: None,
+            cause: None,
         })
     }
 

@@ -30,7 +30,8 @@ use super::output::OutputRoute;
 use super::policy;
 use super::request::Req;
 use super::{
-    EngineConfig, EngineParts, EngineStats, Finish, FinishKind, Matched, Msg, TokenLogprob,
+    AbortCause, EngineConfig, EngineParts, EngineStats, Finish, FinishKind, Matched, Msg,
+    RequestKind, TokenLogprob,
 };
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
@@ -290,13 +291,17 @@ impl Scheduler {
                 }
                 Err(e) => {
                     tracing::error!("scheduler iteration failed: {e}");
-                    self.abort_everything(&format!("engine error: {e}"));
+                    self.abort(|_| true, AbortCause::Failed, &format!("engine error: {e}"));
                 }
             }
             self.publish();
             self.out.flush();
         }
-        self.abort_everything("the engine is shutting down");
+        self.abort(
+            |_| true,
+            AbortCause::ShuttingDown,
+            "the engine is shutting down",
+        );
         self.publish();
         self.out.flush();
     }
@@ -304,8 +309,12 @@ impl Scheduler {
     fn handle(&mut self, m: Msg) -> bool {
         match m {
             Msg::Submit(r) => self.accept(*r),
-            Msg::Abort(rid) => self.abort(|r| r.rid == rid, "aborted by request"),
-            Msg::AbortAll => self.abort(|_| true, "aborted by request"),
+            Msg::Abort(rid) => self.abort(
+                |r| r.rid == rid,
+                AbortCause::Requested,
+                "aborted by request",
+            ),
+            Msg::AbortAll => self.abort(|_| true, AbortCause::Requested, "aborted by request"),
             Msg::Flush { reply, storage } => {
                 let ok = self.idle();
                 if ok {
@@ -337,11 +346,15 @@ impl Scheduler {
                 .any(|e| e.req.rid == rid || e.req.followers.iter().any(|f| f.rid == rid))
     }
 
-    fn reject(&mut self, mut r: Req, msg: String) {
+    fn reject(&mut self, mut r: Req, cause: AbortCause, msg: String) {
         let n = r.params.n.max(1);
         for i in 0..n {
             r.index = i as u32;
-            r.emit(Some(abort_finish(&msg)), &*self.decoder, &mut self.out);
+            r.emit(
+                Some(Finish::aborted(cause, msg.as_str())),
+                &*self.decoder,
+                &mut self.out,
+            );
         }
         self.counters.num_aborted_requests_total += 1;
     }
@@ -353,10 +366,10 @@ impl Scheduler {
         self.next_key += 1;
         if self.live_rid(&r.rid) {
             let msg = format!("rid '{}' is already in use", r.rid);
-            return self.reject(r, msg);
+            return self.reject(r, AbortCause::RidInUse, msg);
         }
         if self.waiting.len() >= self.cfg.max_queued_requests {
-            return self.reject(r, "the request queue is full".into());
+            return self.reject(r, AbortCause::QueueFull, "the request queue is full".into());
         }
         if let Some(tok) = r.given_first.take()
             && let Some(f) = self.start_from(&mut r, tok)
@@ -379,17 +392,15 @@ impl Scheduler {
                     self.next_key += 1;
                     copies.push(c);
                 }
-                Err(e) => return self.reject(r, e.to_string()),
+                Err(e) => return self.reject(r, AbortCause::Failed, e.to_string()),
             }
         }
         if self.cfg.disable_radix_cache {
             self.waiting.extend(copies);
         } else {
             // Fill the cache with the prompt once; the samples then share its pages.
-            r.prefix_only = true;
-            let p = Arc::make_mut(&mut r.params);
-            p.max_new_tokens = 0;
-            p.n = 1;
+            r.kind = RequestKind::PrefixOnly;
+            Arc::make_mut(&mut r.params).n = 1;
             r.followers = copies;
             self.waiting.push_back(r);
         }
@@ -422,7 +433,7 @@ impl Scheduler {
         finish
     }
 
-    fn abort(&mut self, pred: impl Fn(&Req) -> bool, msg: &str) {
+    fn abort(&mut self, pred: impl Fn(&Req) -> bool, cause: AbortCause, msg: &str) {
         let mut victims = Vec::new();
         let mut i = 0;
         while i < self.waiting.len() {
@@ -461,14 +472,10 @@ impl Scheduler {
             self.cache.prefetch_cancel(r.key);
             // Followers of an aborted prefix-only request are aborted with it.
             for f in std::mem::take(&mut r.followers) {
-                self.finish(f, abort_finish(msg));
+                self.finish(f, Finish::aborted(cause, msg));
             }
-            self.finish(r, abort_finish(msg));
+            self.finish(r, Finish::aborted(cause, msg));
         }
-    }
-
-    fn abort_everything(&mut self, msg: &str) {
-        self.abort(|_| true, msg);
     }
 
     // ---- KV bookkeeping -------------------------------------------------
@@ -812,7 +819,7 @@ impl Scheduler {
         let max_new: usize = self
             .running
             .iter()
-            .map(|r| r.params.max_new_tokens)
+            .map(|r| r.token_limit())
             .sum::<usize>()
             .max(1);
         let ratio = (decoded + RETRACT_DECODE_STEPS * self.running.len()) as f64 / max_new as f64;
@@ -840,13 +847,15 @@ impl Scheduler {
                 kind: FinishKind::Stop,
                 matched: Some(Matched::Token(tok)),
                 message: None,
+                cause: None,
             });
         }
-        if r.output.len() >= r.params.max_new_tokens {
+        if r.output.len() >= r.token_limit() {
             return Some(Finish {
                 kind: FinishKind::Length,
                 matched: None,
                 message: None,
+                cause: None,
             });
         }
         None
@@ -863,9 +872,10 @@ impl Scheduler {
             s.release(r.key);
         }
         if f.kind == FinishKind::Abort {
-            self.counters.num_aborted_requests_total += u64::from(!r.prefix_only);
+            self.counters.num_aborted_requests_total +=
+                u64::from(r.kind != RequestKind::PrefixOnly);
         }
-        if r.prefix_only {
+        if r.kind == RequestKind::PrefixOnly {
             // The prompt is cached now: release the samples, in order, at the front.
             for s in std::mem::take(&mut r.followers).into_iter().rev() {
                 self.waiting.push_front(s);
@@ -947,10 +957,7 @@ impl Scheduler {
     }
 }
 
+/// A request that failed with `msg`.
 fn abort_finish(msg: &str) -> Finish {
-    Finish {
-        kind: FinishKind::Abort,
-        matched: None,
-        message: Some(msg.to_string()),
-    }
+    Finish::aborted(AbortCause::Failed, msg)
 }

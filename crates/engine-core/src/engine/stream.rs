@@ -19,7 +19,7 @@
 //! it. The reader feeds the detokenizer the same ids one at a time, in the
 //! same order, as the scheduler would have, so the text is identical.
 
-use super::{Finish, FinishKind, OutputChunk, OutputMeta, TokenLogprob};
+use super::{Finish, OutputChunk, OutputMeta, TokenLogprob};
 use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -279,11 +279,10 @@ impl StreamText {
                 Err(e) => {
                     sample.failed = true;
                     chunk.text = text;
-                    chunk.finish = Some(Finish {
-                        kind: FinishKind::Abort,
-                        matched: None,
-                        message: Some(format!("detokenizing the output failed: {e}")),
-                    });
+                    chunk.finish = Some(Finish::aborted(
+                        super::AbortCause::Failed,
+                        format!("detokenizing the output failed: {e}"),
+                    ));
                     return Decoded::Failed(chunk);
                 }
             }
@@ -322,6 +321,7 @@ mod tests {
                 kind: super::super::FinishKind::Length,
                 matched: None,
                 message: None,
+                cause: None,
             }),
             meta: OutputMeta::default(),
             untexted_last: false,

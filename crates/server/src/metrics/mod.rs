@@ -292,6 +292,46 @@ impl Metrics {
     }
 }
 
+/// One metric of the exposition: its name (under the prefix), Prometheus
+/// type and help line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MetricInfo {
+    pub name: String,
+    pub kind: String,
+    pub help: String,
+}
+
+/// Every metric `/metrics` can print, with every optional group on
+/// (structured output, HiCache, MoE): read back from the exposition
+/// itself, so the reference page `docs/src/reference/metrics.md` is
+/// generated from what the server prints.
+pub fn catalogue(prefix: &str) -> Vec<MetricInfo> {
+    let mut stats = EngineStats::default();
+    stats.tiers.host_capacity_tokens = 1;
+    stats.expert_load = vec![arbor_engine_core::moe::ExpertLoad {
+        layer: 0,
+        tokens: vec![0],
+    }];
+    let text = Metrics::new(prefix, "m").render(&stats, 0, Some(GrammarCacheStats::default()));
+    let mut out: Vec<MetricInfo> = Vec::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push(MetricInfo {
+                name: name.to_string(),
+                kind: String::new(),
+                help: help.to_string(),
+            });
+        } else if let Some(rest) = line.strip_prefix("# TYPE ")
+            && let Some((name, kind)) = rest.split_once(' ')
+            && let Some(m) = out.iter_mut().rev().find(|m| m.name == name)
+        {
+            m.kind = kind.to_string();
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -310,6 +350,7 @@ mod tests {
                 kind: FinishKind::Length,
                 matched: None,
                 message: None,
+                cause: None,
             }),
             meta: OutputMeta {
                 ttft: Some(0.05),

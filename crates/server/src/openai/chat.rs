@@ -15,10 +15,11 @@
 //! false`; `stream_reasoning: false` sends it in one piece when it ends.
 
 use super::tools::{self, ToolChoice};
-use super::{Common, RENAMES, check_model, common, token_text, usage};
+use super::{Common, check_model, common, token_text, usage};
 use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
+use crate::params::Dialect;
 use crate::reasoning::{self, ReasoningParser, ReasoningStream};
 use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
@@ -41,7 +42,7 @@ pub(crate) async fn chat_completions(
 ) -> Response {
     match inner(st, headers, body).await {
         Ok(r) => r,
-        Err(e) => e.renamed(RENAMES).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -142,9 +143,9 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         priority,
         namespace,
         data_parallel_rank,
-    } = common(&mut f, &["max_completion_tokens", "max_tokens"])?;
+    } = common(&mut f, Dialect::Chat)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
-    let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
+    let top_logprobs = f.int("top_logprobs", 0, i64::from(u32::MAX))?.unwrap_or(0) as usize;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let (tool_mode, template_tools) = tool_mode(&mut f, &mut constraint)?;
     // SGLang's switches of the reasoning parser (both on by default).
@@ -161,17 +162,18 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     };
     let id = format!("chatcmpl-{}", rid.clone().unwrap_or_else(|| st.new_id()));
     let mut job = Job::new(ids, params);
-    job.rid = rid;
-    job.return_logprob = logprobs || top_logprobs > 0;
-    job.top_logprobs_num = top_logprobs;
-    job.priority = priority;
-    job.namespace = namespace;
-    job.data_parallel_rank = data_parallel_rank;
+    let r = &mut job.req;
+    r.rid = rid;
+    r.return_logprob = logprobs || top_logprobs > 0;
+    r.top_logprobs_num = top_logprobs;
+    r.priority = priority;
+    r.namespace = namespace;
+    r.data_parallel_rank = data_parallel_rank;
     job.constraint = constraint;
     job.bootstrap = bootstrap.into_iter().next().flatten();
     let model = st.response_model(lora.as_deref());
-    job.lora = lora;
-    let mut run = run::submit(&st, vec![job], &headers).await?;
+    job.req.lora = lora;
+    let mut run = run::submit(&st, vec![job], &headers, Dialect::Chat).await?;
     let fmt = ChatFormat {
         state: st.clone(),
         id,

@@ -7,9 +7,10 @@
 //! `echo` and `suffix` are refused while they ask for something; `best_of`
 //! is accepted only when it equals `n` (or is 1).
 
-use super::{Common, RENAMES, check_model, common, token_text, usage};
+use super::{Common, check_model, common, token_text, usage};
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
+use crate::params::Dialect;
 use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
@@ -30,7 +31,7 @@ pub(crate) async fn completions(
 ) -> Response {
     match inner(st, headers, body).await {
         Ok(r) => r,
-        Err(e) => e.renamed(RENAMES).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -100,8 +101,8 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         priority,
         namespace,
         data_parallel_rank,
-    } = common(&mut f, &["max_tokens"])?;
-    let logprobs = f.int("logprobs", 0, 20)?;
+    } = common(&mut f, Dialect::Completions)?;
+    let logprobs = f.int("logprobs", 0, i64::from(u32::MAX))?;
     f.unset_only("echo", "echoing the prompt")?;
     f.unset_only("suffix", "a suffix (fill-in-the-middle)")?;
     if let Some(b) = f.int("best_of", 1, 128)?
@@ -126,18 +127,19 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         .map(|(ids, bootstrap)| {
             let mut j = Job::new(ids, params.clone());
             j.bootstrap = bootstrap;
-            j.rid = rid.clone();
-            j.return_logprob = logprobs.is_some();
-            j.top_logprobs_num = logprobs.unwrap_or(0) as usize;
-            j.priority = priority;
-            j.namespace = namespace.clone();
-            j.data_parallel_rank = data_parallel_rank;
             j.constraint = constraint.clone();
-            j.lora = lora.clone();
+            let r = &mut j.req;
+            r.rid = rid.clone();
+            r.return_logprob = logprobs.is_some();
+            r.top_logprobs_num = logprobs.unwrap_or(0) as usize;
+            r.priority = priority;
+            r.namespace = namespace.clone();
+            r.data_parallel_rank = data_parallel_rank;
+            r.lora = lora.clone();
             j
         })
         .collect();
-    let mut run = run::submit(&st, jobs, &headers).await?;
+    let mut run = run::submit(&st, jobs, &headers, Dialect::Completions).await?;
     let mut fmt = CompletionFormat {
         state: st.clone(),
         id,

@@ -7,16 +7,17 @@
 //! object (with `prompt_tokens_details.cached_tokens` under
 //! `--enable-cache-report`) and log-probability entries. Requests are read
 //! with [`Fields`], so unknown fields and fields that ask for something
-//! unsupported are refused with a 400 naming them; engine messages are
-//! rewritten to OpenAI's parameter names (`max_tokens`, ...).
+//! unsupported are refused with a 400 naming them; the engine's refusals
+//! name OpenAI's parameters (`max_tokens`, ...) through [`Dialect`].
 
 pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod tools;
 
-use crate::constraint::{self, Constraint, ConstraintSpec};
+use crate::constraint::ConstraintSpec;
 use crate::error::ApiError;
 use crate::fields::Fields;
+use crate::params::{self, Dialect};
 use crate::run::Run;
 use crate::state::AppState;
 use arbor_engine_core::{CacheNamespace, SamplingParams, TokenDecoder};
@@ -25,13 +26,6 @@ use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
-
-/// Engine parameter names and their OpenAI names, for messages.
-pub(crate) const RENAMES: &[(&str, &str)] = &[
-    ("max_new_tokens", "max_tokens"),
-    ("min_new_tokens", "min_tokens"),
-    ("top_logprobs_num", "logprobs"),
-];
 
 /// What the two generation routes parse alike.
 pub(crate) struct Common {
@@ -72,86 +66,10 @@ pub(crate) fn check_model(
     Ok(Some(a))
 }
 
-/// Reads a token limit that must be at least 1.
-fn max_tokens(f: &mut Fields, key: &str) -> Result<Option<usize>, ApiError> {
-    match f.int(key, i64::MIN, i64::MAX)? {
-        None => Ok(None),
-        Some(x) if x < 1 => Err(ApiError::bad_param(
-            key,
-            format!("'{key}' must be at least 1, got {x}"),
-        )),
-        Some(x) => Ok(Some(usize::try_from(x).unwrap_or(usize::MAX))),
-    }
-}
-
-/// Parses the fields both routes share; `max_keys` are the token-limit fields in priority order.
-pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiError> {
-    let mut p = SamplingParams::default();
-    let mut limit = None;
-    for k in max_keys {
-        let v = max_tokens(f, k)?;
-        limit = limit.or(v);
-    }
-    if let Some(x) = f.f32("temperature")? {
-        if !(0.0..=2.0).contains(&x) {
-            return Err(ApiError::bad_param(
-                "temperature",
-                format!("'temperature' must be in [0, 2], got {x}"),
-            ));
-        }
-        p.temperature = x;
-    }
-    if let Some(x) = f.f32("top_p")? {
-        p.top_p = x;
-    }
-    if let Some(x) = f.int("top_k", i64::from(i32::MIN), i64::from(i32::MAX))? {
-        p.top_k = if x == 0 { -1 } else { x as i32 };
-    }
-    if let Some(x) = f.f32("min_p")? {
-        p.min_p = x;
-    }
-    if let Some(x) = f.f32("frequency_penalty")? {
-        p.frequency_penalty = x;
-    }
-    if let Some(x) = f.f32("presence_penalty")? {
-        p.presence_penalty = x;
-    }
-    if let Some(x) = f.f32("repetition_penalty")? {
-        p.repetition_penalty = x;
-    }
-    if let Some(x) = f.int("n", i64::MIN, i64::MAX)? {
-        if !(1..=128).contains(&x) {
-            return Err(ApiError::bad_param(
-                "n",
-                format!("'n' must be in [1, 128], got {x}"),
-            ));
-        }
-        p.n = x as usize;
-    }
-    if let Some(x) = f.stop("stop")? {
-        p.stop = x;
-    }
-    if let Some(x) = f.get::<Vec<u32>>("stop_token_ids")? {
-        p.stop_token_ids = x;
-    }
-    if let Some(x) = f.get::<u64>("seed")? {
-        p.seed = Some(x);
-    }
-    if let Some(x) = f.logit_bias("logit_bias")? {
-        p.logit_bias = x;
-    }
-    if let Some(x) = f.int("min_tokens", 0, i64::from(u32::MAX))? {
-        p.min_new_tokens = x as usize;
-    }
-    if let Some(x) = f.bool("ignore_eos")? {
-        p.ignore_eos = x;
-    }
-    if let Some(x) = f.bool("skip_special_tokens")? {
-        p.skip_special_tokens = x;
-    }
-    if let Some(x) = f.bool("no_stop_trim")? {
-        p.no_stop_trim = x;
-    }
+/// Parses the fields both routes share ([`params::sampling`] in dialect `d`,
+/// then the stream, cache and scheduling fields).
+pub(crate) fn common(f: &mut Fields, d: Dialect) -> Result<Common, ApiError> {
+    let (params, limit, c) = params::sampling(d, f)?;
     let stream = f.bool("stream")?.unwrap_or(false);
     let mut include_usage = false;
     if let Some(v) = f.raw("stream_options") {
@@ -159,28 +77,6 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
         include_usage = so.bool("include_usage")?.unwrap_or(false);
         so.unset_only("continuous_usage_stats", "usage in every chunk")?;
         so.finish()?;
-    }
-    let mut c = None;
-    if let Some(s) = f.string("regex")? {
-        constraint::set(&mut c, ConstraintSpec::new("regex", Constraint::Regex(s)))?;
-    }
-    if let Some(s) = f.string("ebnf")? {
-        constraint::set(&mut c, ConstraintSpec::new("ebnf", Constraint::Ebnf(s)))?;
-    }
-    if let Some(v) = f.raw("json_schema") {
-        let text = match v {
-            Value::String(s) => s,
-            other => other.to_string(),
-        };
-        constraint::set(
-            &mut c,
-            ConstraintSpec::new("json_schema", Constraint::JsonSchema(text)),
-        )?;
-    }
-    if let Some(v) = f.raw("response_format")
-        && let Some(spec) = response_format(v)?
-    {
-        constraint::set(&mut c, spec)?;
     }
     let rid = f.string("rid")?;
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
@@ -202,7 +98,7 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
         f.unset_only(k, what)?;
     }
     Ok(Common {
-        params: p,
+        params,
         max_tokens: limit,
         stream,
         include_usage,
@@ -212,38 +108,6 @@ pub(crate) fn common(f: &mut Fields, max_keys: &[&str]) -> Result<Common, ApiErr
         namespace,
         data_parallel_rank,
     })
-}
-
-/// Parses `response_format`: `text` asks for nothing; the others are constraints.
-fn response_format(v: Value) -> Result<Option<ConstraintSpec>, ApiError> {
-    let mut f = Fields::new(v, "'response_format'", "response_format.")?;
-    let kind = f.string("type")?.ok_or_else(|| {
-        ApiError::bad_param("response_format.type", "'response_format.type' is required")
-    })?;
-    let spec = match kind.as_str() {
-        "text" => None,
-        "json_object" => Some(Constraint::JsonObject),
-        "json_schema" => {
-            // OpenAI nests the schema: {"json_schema": {"name", "schema", "strict"}}.
-            let mut js = f.raw("json_schema").unwrap_or(Value::Null);
-            let schema = match js.get_mut("schema") {
-                Some(s) => s.take(),
-                None => js,
-            };
-            Some(Constraint::JsonSchema(schema.to_string()))
-        }
-        "structural_tag" => Some(Constraint::StructuralTag(Value::Null)),
-        other => {
-            return Err(ApiError::bad_param(
-                "response_format.type",
-                format!(
-                    "'response_format.type' must be text, json_object, json_schema or structural_tag, got '{other}'"
-                ),
-            ));
-        }
-    };
-    // The rest of the object belongs to the constraint (schema, tags...).
-    Ok(spec.map(|c| ConstraintSpec::new("response_format", c)))
 }
 
 /// The `usage` object of a run.
@@ -300,23 +164,4 @@ fn model_card(st: &AppState) -> Value {
         "root": st.opts.model_path,
         "max_model_len": st.opts.context_length,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn response_format_extracts_the_schema() {
-        let v = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}});
-        let spec = response_format(v).unwrap().unwrap();
-        assert_eq!(spec.field, "response_format");
-        assert_eq!(
-            spec.constraint,
-            Constraint::JsonSchema("{\"type\":\"object\"}".into())
-        );
-        assert!(response_format(json!({"type": "text"})).unwrap().is_none());
-        assert!(response_format(json!({"type": "xml"})).is_err());
-        assert!(response_format(json!({})).is_err());
-    }
 }

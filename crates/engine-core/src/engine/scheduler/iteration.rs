@@ -18,7 +18,9 @@
 //! tentatively and rolling back).
 
 use super::speculation::draft_of;
-use super::{AdapterKey, PrefillEntry, Scheduler, abort_finish, adapter_key, add_distinct};
+use super::{
+    AdapterKey, PrefillEntry, RequestKind, Scheduler, abort_finish, adapter_key, add_distinct,
+};
 use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
@@ -109,7 +111,7 @@ fn constrained_rows<'a>(
     prefill
         .iter_mut()
         .enumerate()
-        .filter(|(_, e)| e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0)
+        .filter(|(_, e)| e.last && e.req.token_limit() > 0)
         .map(|(i, e)| (i, &mut e.req, no_drafts))
         .chain(
             decoding
@@ -165,7 +167,7 @@ impl Scheduler {
 
     /// Fills `s` (a buffer reused across steps) with the plan of a prompt chunk.
     fn prefill_plan(&self, e: &mut PrefillEntry, s: &mut SeqPlan) {
-        let samples = e.last && !e.req.prefix_only && e.req.params.max_new_tokens > 0;
+        let samples = e.last && e.req.token_limit() > 0;
         s.tokens.clear();
         e.req.extend_tail(e.start, e.len, &mut s.tokens);
         s.prefix_len = e.start;
@@ -412,7 +414,7 @@ impl Scheduler {
         let staying: Vec<&Req> = prefill
             .iter()
             .map(|e| &e.req)
-            .filter(|r| !r.prefix_only)
+            .filter(|r| r.kind != RequestKind::PrefixOnly)
             .chain(decoding.iter())
             .filter(|r| r.remaining_new() > 1)
             .collect();
@@ -541,13 +543,14 @@ impl Scheduler {
             } else {
                 0
             };
-            if r.prefix_only || r.params.max_new_tokens == 0 {
+            if r.token_limit() == 0 {
                 self.finish(
                     r,
                     super::Finish {
                         kind: super::FinishKind::Length,
                         matched: None,
                         message: None,
+                        cause: None,
                     },
                 );
                 continue;

@@ -175,7 +175,11 @@ impl Scheduler {
 
     fn pause(&mut self, mode: PauseMode) -> usize {
         match mode {
-            PauseMode::Abort => self.abort(|_| true, "aborted by pause_generation"),
+            PauseMode::Abort => self.abort(
+                |_| true,
+                super::AbortCause::Requested,
+                "aborted by pause_generation",
+            ),
             PauseMode::Retract => {
                 while !self.running.is_empty() {
                     self.retract_one();

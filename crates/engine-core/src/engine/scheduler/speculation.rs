@@ -128,7 +128,7 @@ impl Scheduler {
     fn may_draft(&self, r: &Req) -> bool {
         r.len() - r.computed == 1
             && r.remaining_new() > 1
-            && !r.prefix_only
+            && r.kind != super::RequestKind::PrefixOnly
             && (self.executor.sampler_name() == "standard")
     }
 

@@ -1,0 +1,140 @@
+//! Every refused request parameter is named in `error.param`, on every
+//! generation route, as that route spells it: one table of bad values
+//! (out of range, inconsistent, of the wrong type), sent to `/generate`
+//! (inside `sampling_params` where SGLang puts it), `/v1/completions` and
+//! `/v1/chat/completions`. The names come from the typed engine error, so
+//! no message text is read here to find a parameter.
+
+mod common;
+
+use anyhow::{Result, ensure};
+use common::*;
+use serde_json::{Value, json};
+
+/// Where a route puts a field and what it calls it.
+#[derive(Clone, Copy)]
+enum Route {
+    Native,
+    Completions,
+    Chat,
+}
+
+impl Route {
+    fn path(self) -> &'static str {
+        match self {
+            Route::Native => "/generate",
+            Route::Completions => "/v1/completions",
+            Route::Chat => "/v1/chat/completions",
+        }
+    }
+
+    /// The route's name for an engine parameter (`None`: the route has no such field).
+    fn name(self, engine: &str) -> Option<String> {
+        let top_level = ["top_logprobs_num", "rid", "data_parallel_rank"];
+        Some(match (self, engine) {
+            (Route::Native, p) if top_level.contains(&p) => p.to_string(),
+            (Route::Native, p) => format!("sampling_params.{p}"),
+            (Route::Completions, "top_logprobs_num") => "logprobs".into(),
+            (Route::Chat, "top_logprobs_num") => "top_logprobs".into(),
+            (_, "max_new_tokens") => "max_tokens".into(),
+            (_, "min_new_tokens") => "min_tokens".into(),
+            (_, p) => p.to_string(),
+        })
+    }
+
+    /// A request body with `fields` (engine names, with values) placed
+    /// where this route reads them.
+    fn body(self, fields: &[(&str, Value)]) -> Value {
+        let mut body = match self {
+            Route::Native => json!({"text": "hello", "sampling_params": {"max_new_tokens": 2}}),
+            Route::Completions => json!({"prompt": "hello", "max_tokens": 2}),
+            Route::Chat => {
+                json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+            }
+        };
+        for (engine, v) in fields {
+            let Some(name) = self.name(engine) else {
+                continue;
+            };
+            match name.strip_prefix("sampling_params.") {
+                Some(inner) => body["sampling_params"][inner] = v.clone(),
+                None => body[name] = v.clone(),
+            }
+        }
+        if matches!(self, Route::Chat) && fields.iter().any(|(k, _)| *k == "top_logprobs_num") {
+            body["logprobs"] = json!(true);
+        }
+        if matches!(self, Route::Native) && fields.iter().any(|(k, _)| *k == "top_logprobs_num") {
+            body["return_logprob"] = json!(true);
+        }
+        body
+    }
+}
+
+#[tokio::test]
+async fn every_refused_parameter_is_named_on_every_route() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    // (engine name, the request's fields); the first field is the one at fault.
+    let cases: Vec<(&str, Vec<(&str, Value)>)> = vec![
+        ("temperature", vec![("temperature", json!(-1))]),
+        ("temperature", vec![("temperature", json!("hot"))]),
+        ("top_p", vec![("top_p", json!(0))]),
+        ("top_p", vec![("top_p", json!(1.5))]),
+        ("top_k", vec![("top_k", json!(-5))]),
+        ("top_k", vec![("top_k", json!(2.5))]),
+        ("min_p", vec![("min_p", json!(2))]),
+        ("repetition_penalty", vec![("repetition_penalty", json!(0))]),
+        ("frequency_penalty", vec![("frequency_penalty", json!(3))]),
+        ("presence_penalty", vec![("presence_penalty", json!(-3))]),
+        ("logit_bias", vec![("logit_bias", json!({"999999": 1}))]),
+        ("logit_bias", vec![("logit_bias", json!({"abc": 1}))]),
+        ("stop", vec![("stop", json!([""]))]),
+        ("stop", vec![("stop", json!(7))]),
+        ("stop_token_ids", vec![("stop_token_ids", json!([999999]))]),
+        ("stop_token_ids", vec![("stop_token_ids", json!("x"))]),
+        ("n", vec![("n", json!(0))]),
+        ("n", vec![("n", json!(500))]),
+        ("max_new_tokens", vec![("max_new_tokens", json!(100000))]),
+        ("max_new_tokens", vec![("max_new_tokens", json!("ten"))]),
+        (
+            "min_new_tokens",
+            vec![("min_new_tokens", json!(5)), ("max_new_tokens", json!(2))],
+        ),
+        ("top_logprobs_num", vec![("top_logprobs_num", json!(50))]),
+        ("data_parallel_rank", vec![("data_parallel_rank", json!(3))]),
+        ("rid", vec![("rid", json!(""))]),
+        ("seed", vec![("seed", json!(-1))]),
+        ("ignore_eos", vec![("ignore_eos", json!("yes"))]),
+        (
+            "skip_special_tokens",
+            vec![("skip_special_tokens", json!(1.5))],
+        ),
+        ("no_stop_trim", vec![("no_stop_trim", json!("no"))]),
+    ];
+    let mut checked = 0;
+    for route in [Route::Native, Route::Completions, Route::Chat] {
+        for (engine, fields) in &cases {
+            let Some(want) = route.name(engine) else {
+                continue;
+            };
+            let body = route.body(fields);
+            let (st, v) = post(&c, &s.url(route.path()), &body).await?;
+            ensure!(
+                st == 400 && v["error"]["param"] == want.as_str(),
+                "{} {body}: got {st} {v}, want 400 naming {want}",
+                route.path()
+            );
+            checked += 1;
+        }
+    }
+    ensure!(checked >= 80, "only {checked} cases ran");
+    // Still serving, and nothing leaked.
+    post_ok(
+        &c,
+        &s.url("/generate"),
+        &json!({"text": "ok", "sampling_params": {"max_new_tokens": 2}}),
+    )
+    .await?;
+    assert_no_leak(&c, &s, "arbor", None).await
+}
