@@ -1,13 +1,14 @@
-//! `arbor serve` configuration: the TOML schema, the command-line flags, and
+//! `arbor serve` configuration: the sections (each one struct that is both
+//! its TOML keys and its flags, see [`crate::settings`]), the file, and
 //! their merge.
 //!
 //! Precedence is defaults < TOML file < flags: every TOML key and every flag
-//! is optional, and [`ServeConfig::resolve`] takes, per setting, the flag if
-//! given, else the TOML value, else the default. Sections mirror the crates:
+//! is optional, and [`ServeConfig::resolve`] layers each section generically
+//! ([`crate::settings::layered`]). Sections mirror the crates:
 //! `[model]`, `[server]`, `[scheduler]`, `[sampling]`, `[grammar]`, `[cache]`,
 //! `[metrics]`, `[speculative]`, `[hicache]`, `[lora]`, `[disaggregation]`,
-//! `[parallel]` and `[[plugins]]`. An unknown section or key is an error that names both the
-//! section and the key. Flags use SGLang's names.
+//! `[parallel]` and `[[plugins]]`. An unknown section or key is an error that
+//! names both the section and the key. Flags use SGLang's names.
 
 use anyhow::{Context, Result, anyhow, bail};
 use clap::Args;
@@ -15,114 +16,329 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-pub use crate::disagg::{DisaggregationArgs, DisaggregationSection};
-pub use crate::hicache::{HiCacheArgs, HiCacheSection};
-pub use crate::lora::{LoraArgs, LoraSection};
-pub use crate::parallel::{ParallelArgs, ParallelSection};
-pub use crate::speculative::{SpeculativeArgs, SpeculativeSection};
+pub use crate::disagg::DisaggregationSection;
+pub use crate::hicache::HiCacheSection;
+pub use crate::lora::LoraSection;
+pub use crate::parallel::ParallelSection;
+use crate::settings::{Section, layered};
+pub use crate::speculative::SpeculativeSection;
 
-/// `[model]`: what to load and on which device.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+/// `[model]` and its flags: what to load and on which device.
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
+    /// Model: a Hugging Face folder or a GGUF file [default: the model `arbor fetch-default` downloads].
+    #[arg(long, help_heading = "Model")]
     pub model_path: Option<PathBuf>,
+    /// Model name clients use (OpenAI `model`) [default: the folder name, or the GGUF `general.name`].
+    #[arg(long, help_heading = "Model")]
     pub served_model_name: Option<String>,
+    /// Device: a registered backend name.
+    #[arg(long, help_heading = "Model")]
     pub device: Option<String>,
+    /// CPU threads, 0 for one per core.
+    #[arg(long, help_heading = "Model")]
     pub threads: Option<usize>,
+    /// Weight storage: auto (as the checkpoint), f32, f16 or bf16.
+    #[arg(long, help_heading = "Model")]
     pub dtype: Option<String>,
+    /// Quantization method, as `arbor info` lists them: fp8 (FP8 weights with f32 inputs; quantizes a float checkpoint at load), w8a8_fp8 (FP8 weights times inputs rounded to E4M3; also over an FP8 checkpoint), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
+    #[arg(long, help_heading = "Model")]
     pub quantization: Option<String>,
+    /// KV cache element type: auto (fp8_e4m3 for a checkpoint with FP8 KV scales where the device stores it, else f16 on the CPU, f32 on other devices), f32, f16, bf16, fp8_e4m3 or fp8_e5m2.
+    #[arg(long, help_heading = "Model")]
     pub kv_cache_dtype: Option<String>,
+    /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
+    #[arg(long, help_heading = "Model")]
     pub wgpu_adapter: Option<String>,
-    /// CPU: how HF-quantized weights are multiplied, f32 or amx-bf16.
+    /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about 0.7x the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected.
+    #[arg(long, help_heading = "Model")]
     pub cpu_quant_matmul: Option<String>,
-    /// Recurrent state slots of a hybrid model (one per running request).
+    /// Recurrent state slots of a hybrid model (Qwen3.5, Qwen3-Next): one per running request, the rest for snapshots of cached prefixes [default: twice max-running-requests].
+    #[arg(long, help_heading = "Model")]
     pub max_mamba_cache_size: Option<usize>,
-    /// Element type of the recurrent state: float32.
+    /// Element type of a hybrid model's recurrent state: float32 (the only one supported).
+    #[arg(long, help_heading = "Model")]
     pub mamba_ssm_dtype: Option<String>,
+    /// Run decode batches without CUDA graphs (`--device cuda`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Model")]
+    pub disable_cuda_graph: Option<bool>,
+    /// Largest decode batch run as a CUDA graph [default: max-running-requests].
+    #[arg(long, help_heading = "Model")]
+    pub cuda_graph_max_bs: Option<usize>,
 }
 
-/// `[server]`: the HTTP listener.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+impl Section for ModelSection {
+    fn defaults() -> Self {
+        Self {
+            device: Some("cpu".into()),
+            threads: Some(0),
+            dtype: Some("auto".into()),
+            kv_cache_dtype: Some("auto".into()),
+            cpu_quant_matmul: Some("f32".into()),
+            mamba_ssm_dtype: Some("float32".into()),
+            disable_cuda_graph: Some(false),
+            ..Default::default()
+        }
+    }
+
+    fn settle(&mut self) {
+        if self.wgpu_adapter.is_none() {
+            self.wgpu_adapter = std::env::var("ARBOR_WGPU_ADAPTER").ok();
+        }
+    }
+}
+
+/// `[server]` and its flags: the HTTP listener.
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ServerSection {
+    /// Address to listen on.
+    #[arg(long, help_heading = "Server")]
     pub host: Option<String>,
+    /// Port to listen on; 0 picks a free one.
+    #[arg(long, help_heading = "Server")]
     pub port: Option<u16>,
+    /// Require `Authorization: Bearer <key>` on every route but /health*.
+    #[arg(long, help_heading = "Server")]
     pub api_key: Option<String>,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, help_heading = "Server")]
     pub max_request_bytes: Option<usize>,
-    /// Seconds in-flight requests get to finish after SIGTERM.
+    /// Seconds in-flight requests get to finish on SIGTERM before they are aborted.
+    #[arg(long, help_heading = "Server")]
     pub shutdown_timeout: Option<f64>,
-    /// Chat answers' `<think>` block into `reasoning_content`: qwen3, deepseek-r1.
+    /// Separate `<think>` reasoning into `reasoning_content` of chat answers: qwen3 or deepseek-r1 [default: off].
+    #[arg(long, help_heading = "Server")]
     pub reasoning_parser: Option<String>,
 }
 
-/// `[scheduler]`: batching and admission (engine-core).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct SchedulerSection {
-    pub max_running_requests: Option<usize>,
-    pub max_queued_requests: Option<usize>,
-    pub max_prefill_tokens: Option<usize>,
-    pub chunked_prefill_size: Option<i64>,
-    pub schedule_policy: Option<String>,
-    pub schedule_conservativeness: Option<f32>,
-    pub enable_mixed_chunk: Option<bool>,
-    pub page_size: Option<usize>,
-    pub overlap_schedule: Option<bool>,
+impl Section for ServerSection {
+    fn defaults() -> Self {
+        Self {
+            host: Some("127.0.0.1".into()),
+            port: Some(30000),
+            max_request_bytes: Some(32 * 1024 * 1024),
+            shutdown_timeout: Some(30.0),
+            ..Default::default()
+        }
+    }
 }
 
-/// `[sampling]`: the sampler and the logits processors every request runs through.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+/// `[scheduler]` and its flags: batching and admission (engine-core).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSection {
+    /// Most requests decoding at once.
+    #[arg(long, help_heading = "Scheduler")]
+    pub max_running_requests: Option<usize>,
+    /// Most requests waiting; more are refused.
+    #[arg(long, help_heading = "Scheduler")]
+    pub max_queued_requests: Option<usize>,
+    /// Most new prompt tokens in one prefill batch.
+    #[arg(long, help_heading = "Scheduler")]
+    pub max_prefill_tokens: Option<usize>,
+    /// Most prompt tokens of one request per iteration; -1 disables chunking.
+    #[arg(long, allow_negative_numbers = true, help_heading = "Scheduler")]
+    pub chunked_prefill_size: Option<i64>,
+    /// Admission order: fcfs, lpm, dfs-weight, lof, priority, random.
+    #[arg(long, help_heading = "Scheduler")]
+    pub schedule_policy: Option<String>,
+    /// Scales the expected output of running requests; higher admits fewer.
+    #[arg(long, help_heading = "Scheduler")]
+    pub schedule_conservativeness: Option<f32>,
+    /// Run the decodes of running requests in the same batch as a prefill.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Scheduler")]
+    pub enable_mixed_chunk: Option<bool>,
+    /// Tokens per KV page.
+    #[arg(long, help_heading = "Scheduler")]
+    pub page_size: Option<usize>,
+    /// Admit the next batch (and fill grammar masks) while the forward runs
+    /// [default: on for asynchronous devices, off on the CPU]. Flags:
+    /// --enable-overlap-schedule, --disable-overlap-schedule.
+    #[arg(skip)]
+    pub overlap_schedule: Option<bool>,
+    /// Admit the next batch while the forward runs (`overlap_schedule = true`).
+    #[arg(
+        long,
+        help_heading = "Scheduler",
+        conflicts_with = "disable_overlap_schedule"
+    )]
+    #[serde(skip)]
+    pub enable_overlap_schedule: bool,
+    /// Never overlap scheduling with the forward (`overlap_schedule = false`).
+    #[arg(long, help_heading = "Scheduler")]
+    #[serde(skip)]
+    pub disable_overlap_schedule: bool,
+}
+
+impl Section for SchedulerSection {
+    fn defaults() -> Self {
+        Self {
+            max_running_requests: Some(64),
+            max_queued_requests: Some(4096),
+            max_prefill_tokens: Some(8192),
+            chunked_prefill_size: Some(2048),
+            schedule_policy: Some("lpm".into()),
+            schedule_conservativeness: Some(1.0),
+            enable_mixed_chunk: Some(false),
+            page_size: Some(16),
+            ..Default::default()
+        }
+    }
+
+    fn fold_flags(&mut self) {
+        if self.enable_overlap_schedule {
+            self.overlap_schedule = Some(true);
+        }
+        if self.disable_overlap_schedule {
+            self.overlap_schedule = Some(false);
+        }
+    }
+}
+
+/// `[sampling]` and its flags: the sampler and the logits processors every request runs through.
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SamplingSection {
-    /// A registered sampler [default: standard].
+    /// Sampler: a registered name, e.g. one a plugin provides.
+    #[arg(long, help_heading = "Sampling")]
     pub sampler: Option<String>,
-    /// Registered logits processors, in order [default: penalties, logit_bias].
-    /// Processors of loaded plugins are appended.
+    /// Registered logits processors, in order; those of loaded plugins are appended.
+    #[arg(long, num_args = 1.., help_heading = "Sampling")]
     pub logits_processors: Option<Vec<String>>,
 }
 
-/// `[grammar]`: structured output (crates/grammar).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+impl Section for SamplingSection {
+    fn defaults() -> Self {
+        Self {
+            sampler: Some("standard".into()),
+            logits_processors: Some(vec!["penalties".into(), "logit_bias".into()]),
+        }
+    }
+}
+
+/// `[grammar]` and its flags: structured output (crates/grammar).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct GrammarSection {
-    /// A registered grammar backend, or "none" to turn structured output off [default: llguidance].
+    /// Grammar backend for structured output, or "none".
+    #[arg(long, help_heading = "Grammar")]
     pub grammar_backend: Option<String>,
-    /// JSON whitespace between tokens: "compact" (none) or "flexible" (any) [default: compact].
+    /// JSON whitespace between tokens: "compact" (none) or "flexible" (any).
+    #[arg(long, help_heading = "Grammar")]
     pub json_whitespace: Option<String>,
+    /// Allow any JSON whitespace between tokens (`json_whitespace = "flexible"`).
+    #[arg(long, help_heading = "Grammar")]
+    #[serde(skip)]
+    pub constrained_json_any_whitespace: bool,
     /// Whitespace allowed between JSON tokens, as a regex (overrides json_whitespace).
+    #[arg(long = "constrained-json-whitespace-pattern", help_heading = "Grammar")]
     pub json_whitespace_pattern: Option<String>,
-    /// Compile schemas with keywords the backend cannot enforce by ignoring them [default: false].
+    /// Compile schemas with keywords the backend cannot enforce by ignoring them.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Grammar")]
     pub json_lenient: Option<bool>,
-    /// Refuse schemas whose oneOf branches may overlap instead of compiling them as anyOf [default: false].
+    /// Refuse schemas whose oneOf branches may overlap instead of compiling them as anyOf.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Grammar")]
     pub json_strict_one_of: Option<bool>,
-    /// Append the tokens a grammar forces without a forward pass each [default: true].
+    /// Append the tokens a grammar forces without a forward pass each (flag: --disable-jump-forward).
+    #[arg(skip)]
     pub jump_forward: Option<bool>,
-    /// Compiled grammars kept [default: 1024].
+    /// Sample every forced token too instead of appending them without a forward pass (`jump_forward = false`).
+    #[arg(long, help_heading = "Grammar")]
+    #[serde(skip)]
+    pub disable_jump_forward: bool,
+    /// Compiled grammars kept.
+    #[arg(long = "grammar-cache-size", help_heading = "Grammar")]
     pub cache_size: Option<usize>,
-    /// Longest grammar text accepted, in bytes [default: 4 MiB].
+    /// Longest grammar text accepted, in bytes.
+    #[arg(long, help_heading = "Grammar")]
     pub max_grammar_bytes: Option<usize>,
-    /// Seconds a request waits for its grammar to compile [default: 10].
+    /// Seconds a request waits for its grammar to compile.
+    #[arg(long = "grammar-compile-timeout", help_heading = "Grammar")]
     pub compile_timeout: Option<f64>,
 }
 
-/// `[cache]`: KV cache size and the prefix cache (kv-radix).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+impl Section for GrammarSection {
+    fn defaults() -> Self {
+        Self {
+            grammar_backend: Some(DEFAULT_GRAMMAR_BACKEND.into()),
+            json_whitespace: Some("compact".into()),
+            json_lenient: Some(false),
+            json_strict_one_of: Some(false),
+            jump_forward: Some(true),
+            cache_size: Some(1024),
+            max_grammar_bytes: Some(4 << 20),
+            compile_timeout: Some(10.0),
+            ..Default::default()
+        }
+    }
+
+    fn fold_flags(&mut self) {
+        if self.constrained_json_any_whitespace {
+            self.json_whitespace = Some("flexible".into());
+        }
+        if self.disable_jump_forward {
+            self.jump_forward = Some(false);
+        }
+    }
+}
+
+/// `[cache]` and its flags: KV cache size and the prefix cache (kv-radix).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CacheSection {
+    /// Turn prefix reuse off (no radix cache).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Cache")]
     pub disable_radix_cache: Option<bool>,
+    /// Which cached prefix is evicted first: lru, lfu, fifo, mru, filo, priority, slru.
+    #[arg(long, help_heading = "Cache")]
     pub radix_eviction_policy: Option<String>,
+    /// KV cache size in tokens; overrides --mem-fraction-static.
+    #[arg(long, help_heading = "Cache")]
     pub max_total_tokens: Option<usize>,
+    /// KV cache size in GiB (whole pages of the model's KV layout); overrides --mem-fraction-static, not --max-total-tokens.
+    #[arg(long, help_heading = "Cache")]
     pub kv_cache_gb: Option<f64>,
+    /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB (2 GiB of f16 or bf16 on the CPU) and at max-running-requests x context.
+    #[arg(long, help_heading = "Cache")]
     pub mem_fraction_static: Option<f64>,
 }
 
-/// `[metrics]`: Prometheus and usage reporting.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+impl Section for CacheSection {
+    fn defaults() -> Self {
+        Self {
+            disable_radix_cache: Some(!cfg!(feature = "kv-radix")),
+            radix_eviction_policy: Some("lru".into()),
+            mem_fraction_static: Some(0.8),
+            ..Default::default()
+        }
+    }
+}
+
+/// `[metrics]` and its flags: Prometheus and usage reporting.
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct MetricsSection {
+    /// Serve Prometheus metrics at /metrics.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Metrics")]
     pub enable_metrics: Option<bool>,
+    /// Metric name prefix; "sglang" makes SGLang dashboards work.
+    #[arg(long = "metrics-prefix", help_heading = "Metrics")]
     pub prefix: Option<String>,
+    /// Report cached prompt tokens in OpenAI usage.prompt_tokens_details.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Metrics")]
     pub enable_cache_report: Option<bool>,
+}
+
+impl Section for MetricsSection {
+    fn defaults() -> Self {
+        Self {
+            enable_metrics: Some(false),
+            prefix: Some("arbor".into()),
+            enable_cache_report: Some(false),
+        }
+    }
 }
 
 /// One `[[plugins]]` entry: a plugin library and the config handed to it.
@@ -214,176 +430,63 @@ impl FileConfig {
     }
 }
 
-/// Flags of `arbor serve` (SGLang's names). Each overrides the TOML value.
+/// Flags of `arbor serve` (SGLang's names): every section's flags, from
+/// the same structs as the TOML sections. Each overrides the TOML value.
 #[derive(Args, Debug, Clone, Default)]
 pub struct ServeArgs {
     /// TOML configuration file (see examples/arbor.toml); flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
-
-    /// Model: a Hugging Face folder or a GGUF file [default: the model `arbor fetch-default` downloads].
-    #[arg(long = "model-path", help_heading = "Model")]
-    pub model_path: Option<PathBuf>,
-    /// Model name clients use (OpenAI `model`) [default: the folder name, or the GGUF `general.name`].
-    #[arg(long = "served-model-name", help_heading = "Model")]
-    pub served_model_name: Option<String>,
-    /// Device: a registered backend name [default: cpu].
-    #[arg(long, help_heading = "Model")]
-    pub device: Option<String>,
-    /// CPU threads, 0 for one per core [default: 0].
-    #[arg(long, help_heading = "Model")]
-    pub threads: Option<usize>,
-    /// Weight storage: auto (as the checkpoint), f32, f16 or bf16 [default: auto].
-    #[arg(long, help_heading = "Model")]
-    pub dtype: Option<String>,
-    /// Quantization method, as `arbor info` lists them: fp8 (FP8 weights with f32 inputs; quantizes a float checkpoint at load), w8a8_fp8 (FP8 weights times inputs rounded to E4M3; also over an FP8 checkpoint), compressed-tensors, awq, gptq, modelopt [default: the checkpoint's quantization_config, else none].
-    #[arg(long, help_heading = "Model")]
-    pub quantization: Option<String>,
-    /// KV cache element type: auto (fp8_e4m3 for a checkpoint with FP8 KV scales where the device stores it, else f16 on the CPU, f32 on other devices), f32, f16, bf16, fp8_e4m3 or fp8_e5m2 [default: auto].
-    #[arg(long = "kv-cache-dtype", help_heading = "Model")]
-    pub kv_cache_dtype: Option<String>,
-    /// wgpu adapter (`--device wgpu`): a case-insensitive part of its name, as `arbor info` lists them [default: the first; env ARBOR_WGPU_ADAPTER].
-    #[arg(long = "wgpu-adapter", help_heading = "Model")]
-    pub wgpu_adapter: Option<String>,
-    /// CPU: how HF-quantized weights (FP8, AWQ, GPTQ, W4A16/W8A16, NVFP4) are multiplied: f32 (f32 activations; fastest for one sequence) or amx-bf16 (bf16 weights and activations in AMX tiles: several times faster for batches and prefill, about 0.7x the speed for one sequence; f32 on CPUs without AMX). GGUF formats are unaffected [default: f32].
-    #[arg(long = "cpu-quant-matmul", help_heading = "Model")]
-    pub cpu_quant_matmul: Option<String>,
-    /// Recurrent state slots of a hybrid model (Qwen3.5, Qwen3-Next): the most requests holding recurrent state at once [default: max-running-requests].
-    #[arg(long = "max-mamba-cache-size", help_heading = "Model")]
-    pub max_mamba_cache_size: Option<usize>,
-    /// Element type of a hybrid model's recurrent state: float32 (the only one supported) [default: float32].
-    #[arg(long = "mamba-ssm-dtype", help_heading = "Model")]
-    pub mamba_ssm_dtype: Option<String>,
-    /// Run decode batches without CUDA graphs (`--device cuda`).
-    #[arg(long = "disable-cuda-graph", help_heading = "Model")]
-    pub disable_cuda_graph: bool,
-    /// Largest decode batch run as a CUDA graph [default: max-running-requests].
-    #[arg(long = "cuda-graph-max-bs", help_heading = "Model")]
-    pub cuda_graph_max_bs: Option<usize>,
-
-    /// Address to listen on [default: 127.0.0.1].
-    #[arg(long, help_heading = "Server")]
-    pub host: Option<String>,
-    /// Port to listen on; 0 picks a free one [default: 30000].
-    #[arg(long, help_heading = "Server")]
-    pub port: Option<u16>,
-    /// Require `Authorization: Bearer <key>` on every route but /health*.
-    #[arg(long = "api-key", help_heading = "Server")]
-    pub api_key: Option<String>,
-    /// Largest request body in bytes; larger ones get 413 [default: 33554432].
-    #[arg(long = "max-request-bytes", help_heading = "Server")]
-    pub max_request_bytes: Option<usize>,
-    /// Seconds in-flight requests get to finish on SIGTERM before they are aborted [default: 30].
-    #[arg(long = "shutdown-timeout", help_heading = "Server")]
-    pub shutdown_timeout: Option<f64>,
-    /// Separate `<think>` reasoning into `reasoning_content` of chat answers: qwen3 or deepseek-r1 [default: off].
-    #[arg(long = "reasoning-parser", help_heading = "Server")]
-    pub reasoning_parser: Option<String>,
-
-    /// Most requests decoding at once [default: 64].
-    #[arg(long = "max-running-requests", help_heading = "Scheduler")]
-    pub max_running_requests: Option<usize>,
-    /// Most requests waiting; more are refused [default: 4096].
-    #[arg(long = "max-queued-requests", help_heading = "Scheduler")]
-    pub max_queued_requests: Option<usize>,
-    /// Most new prompt tokens in one prefill batch [default: 8192].
-    #[arg(long = "max-prefill-tokens", help_heading = "Scheduler")]
-    pub max_prefill_tokens: Option<usize>,
-    /// Most prompt tokens of one request per iteration; -1 disables chunking [default: 2048].
-    #[arg(
-        long = "chunked-prefill-size",
-        allow_negative_numbers = true,
-        help_heading = "Scheduler"
-    )]
-    pub chunked_prefill_size: Option<i64>,
-    /// Admission order: fcfs, lpm, dfs-weight, lof, priority, random [default: lpm].
-    #[arg(long = "schedule-policy", help_heading = "Scheduler")]
-    pub schedule_policy: Option<String>,
-    /// Scales the expected output of running requests; higher admits fewer [default: 1.0].
-    #[arg(long = "schedule-conservativeness", help_heading = "Scheduler")]
-    pub schedule_conservativeness: Option<f32>,
-    /// Run the decodes of running requests in the same batch as a prefill.
-    #[arg(long = "enable-mixed-chunk", help_heading = "Scheduler")]
-    pub enable_mixed_chunk: bool,
-    /// Tokens per KV page [default: 16].
-    #[arg(long = "page-size", help_heading = "Scheduler")]
-    pub page_size: Option<usize>,
-    /// Admit the next batch (and fill grammar masks) while the forward runs [default: on for asynchronous devices, off on the CPU].
-    #[arg(
-        long = "enable-overlap-schedule",
-        help_heading = "Scheduler",
-        conflicts_with = "disable_overlap_schedule"
-    )]
-    pub enable_overlap_schedule: bool,
-    /// Never overlap scheduling with the forward.
-    #[arg(long = "disable-overlap-schedule", help_heading = "Scheduler")]
-    pub disable_overlap_schedule: bool,
-
-    /// Sampler: a registered name, e.g. one a plugin provides [default: standard].
-    #[arg(long, help_heading = "Sampling")]
-    pub sampler: Option<String>,
-
-    /// Grammar backend for structured output, or "none" [default: llguidance].
-    #[arg(long = "grammar-backend", help_heading = "Grammar")]
-    pub grammar_backend: Option<String>,
-    /// Whitespace allowed between JSON tokens, as a regex (default: none, i.e. compact JSON).
-    #[arg(long = "constrained-json-whitespace-pattern", help_heading = "Grammar")]
-    pub constrained_json_whitespace_pattern: Option<String>,
-    /// Allow any JSON whitespace between tokens (default: compact JSON).
-    #[arg(long = "constrained-json-any-whitespace", help_heading = "Grammar")]
-    pub constrained_json_any_whitespace: bool,
-    /// Sample every forced token too instead of appending them without a forward pass.
-    #[arg(long = "disable-jump-forward", help_heading = "Grammar")]
-    pub disable_jump_forward: bool,
-
-    /// Turn prefix reuse off (no radix cache).
-    #[arg(long = "disable-radix-cache", help_heading = "Cache")]
-    pub disable_radix_cache: bool,
-    /// Which cached prefix is evicted first: lru, lfu, fifo, mru, filo, priority, slru [default: lru].
-    #[arg(long = "radix-eviction-policy", help_heading = "Cache")]
-    pub radix_eviction_policy: Option<String>,
-    /// KV cache size in tokens; overrides --mem-fraction-static.
-    #[arg(long = "max-total-tokens", help_heading = "Cache")]
-    pub max_total_tokens: Option<usize>,
-    /// KV cache size in GiB (whole pages of the model's KV layout); overrides --mem-fraction-static, not --max-total-tokens.
-    #[arg(long = "kv-cache-gb", help_heading = "Cache")]
-    pub kv_cache_gb: Option<f64>,
-    /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB (2 GiB of f16 or bf16 on the CPU) and at max-running-requests x context [default: 0.8].
-    #[arg(long = "mem-fraction-static", help_heading = "Cache")]
-    pub mem_fraction_static: Option<f64>,
-
-    /// Serve Prometheus metrics at /metrics.
-    #[arg(long = "enable-metrics", help_heading = "Metrics")]
-    pub enable_metrics: bool,
-    /// Metric name prefix; "sglang" makes SGLang dashboards work [default: arbor].
-    #[arg(long = "metrics-prefix", help_heading = "Metrics")]
-    pub metrics_prefix: Option<String>,
-    /// Report cached prompt tokens in OpenAI usage.prompt_tokens_details.
-    #[arg(long = "enable-cache-report", help_heading = "Metrics")]
-    pub enable_cache_report: bool,
-
     #[command(flatten)]
-    pub speculative: SpeculativeArgs,
-
+    pub model: ModelSection,
     #[command(flatten)]
-    pub hicache: HiCacheArgs,
-
+    pub server: ServerSection,
     #[command(flatten)]
-    pub lora: LoraArgs,
-
+    pub scheduler: SchedulerSection,
     #[command(flatten)]
-    pub disaggregation: DisaggregationArgs,
-
+    pub sampling: SamplingSection,
     #[command(flatten)]
-    pub parallel: ParallelArgs,
-
+    pub grammar: GrammarSection,
+    #[command(flatten)]
+    pub cache: CacheSection,
+    #[command(flatten)]
+    pub metrics: MetricsSection,
+    #[command(flatten)]
+    pub speculative: SpeculativeSection,
+    #[command(flatten)]
+    pub hicache: HiCacheSection,
+    #[command(flatten)]
+    pub lora: LoraSection,
+    #[command(flatten)]
+    pub disaggregation: DisaggregationSection,
+    #[command(flatten)]
+    pub parallel: ParallelSection,
     /// Load a plugin library (repeatable; adds to [[plugins]] in the config file).
     #[arg(long = "plugin", value_name = "PATH", help_heading = "Plugins")]
     pub plugin: Vec<PathBuf>,
-
     /// Print the merged configuration as TOML and exit.
     #[arg(long = "print-config")]
     pub print_config: bool,
+}
+
+/// Every section's defaults, for `arbor serve --help` and the reference pages.
+pub fn serve_defaults() -> Vec<(String, String)> {
+    use crate::settings::default_values;
+    [
+        default_values::<ModelSection>(),
+        default_values::<ServerSection>(),
+        default_values::<SchedulerSection>(),
+        default_values::<SamplingSection>(),
+        default_values::<GrammarSection>(),
+        default_values::<CacheSection>(),
+        default_values::<MetricsSection>(),
+        default_values::<SpeculativeSection>(),
+        default_values::<HiCacheSection>(),
+        default_values::<LoraSection>(),
+        default_values::<DisaggregationSection>(),
+        default_values::<ParallelSection>(),
+    ]
+    .concat()
 }
 
 /// The merged settings of `arbor serve`.
@@ -411,9 +514,14 @@ const DEFAULT_GRAMMAR_BACKEND: &str = if cfg!(feature = "grammar") {
     "none"
 };
 
-/// Refuses settings of features this binary was built without, naming the cargo feature.
-fn compiled_out_check(g: &GrammarSection, c: &CacheSection, a: &ServeArgs) -> Result<()> {
-    let backend = a.grammar_backend.clone().or(g.grammar_backend.clone());
+/// Refuses settings of features this binary was built without, naming the
+/// cargo feature (what the file and the flags set, before the defaults).
+fn compiled_out_check(file: &FileConfig, a: &ServeArgs) -> Result<()> {
+    let backend = a
+        .grammar
+        .grammar_backend
+        .clone()
+        .or(file.grammar.grammar_backend.clone());
     if !cfg!(feature = "grammar")
         && let Some(b) = backend.filter(|b| b != "none")
     {
@@ -423,8 +531,10 @@ fn compiled_out_check(g: &GrammarSection, c: &CacheSection, a: &ServeArgs) -> Re
         );
     }
     if !cfg!(feature = "kv-radix") {
+        let (c, f) = (&file.cache, &a.cache);
         let wants_radix = c.disable_radix_cache == Some(false)
-            || a.radix_eviction_policy.is_some()
+            || f.disable_radix_cache == Some(false)
+            || f.radix_eviction_policy.is_some()
             || c.radix_eviction_policy.is_some();
         if wants_radix {
             bail!(
@@ -437,48 +547,30 @@ fn compiled_out_check(g: &GrammarSection, c: &CacheSection, a: &ServeArgs) -> Re
     Ok(())
 }
 
-fn flag(b: bool) -> Option<bool> {
-    b.then_some(true)
-}
-
 impl ServeConfig {
     /// Defaults < `file` < `args`, with every default filled in (except
     /// `model_path`, `served_model_name`, `api_key` and `max_total_tokens`,
     /// which stay optional).
     pub fn resolve(file: FileConfig, a: &ServeArgs) -> Result<Self> {
-        let FileConfig {
-            model: m,
-            server: s,
-            scheduler: q,
-            sampling: sp,
-            grammar: g,
-            cache: c,
-            metrics: x,
-            speculative: spec,
-            hicache,
-            lora,
-            disaggregation,
-            parallel,
-            mut plugins,
-        } = file;
-        compiled_out_check(&g, &c, a)?;
+        compiled_out_check(&file, a)?;
+        let mut plugins = file.plugins;
         plugins.extend(a.plugin.iter().map(|p| PluginEntry {
             path: p.clone(),
             config: None,
         }));
         let cfg = ServeConfig {
-            model: ModelSection::resolve(m, a),
-            server: ServerSection::resolve(s, a),
-            scheduler: SchedulerSection::resolve(q, a),
-            sampling: SamplingSection::resolve(sp, a),
-            grammar: GrammarSection::resolve(g, a),
-            cache: CacheSection::resolve(c, a),
-            metrics: MetricsSection::resolve(x, a),
-            speculative: SpeculativeSection::resolve(spec, &a.speculative),
-            hicache: HiCacheSection::resolve(hicache, &a.hicache),
-            lora: LoraSection::resolve(lora, &a.lora),
-            disaggregation: DisaggregationSection::resolve(disaggregation, &a.disaggregation),
-            parallel: ParallelSection::resolve(parallel, &a.parallel),
+            model: layered(file.model, &a.model),
+            server: layered(file.server, &a.server),
+            scheduler: layered(file.scheduler, &a.scheduler),
+            sampling: layered(file.sampling, &a.sampling),
+            grammar: layered(file.grammar, &a.grammar),
+            cache: layered(file.cache, &a.cache),
+            metrics: layered(file.metrics, &a.metrics),
+            speculative: layered(file.speculative, &a.speculative),
+            hicache: layered(file.hicache, &a.hicache),
+            lora: layered(file.lora, &a.lora),
+            disaggregation: layered(file.disaggregation, &a.disaggregation),
+            parallel: layered(file.parallel, &a.parallel),
             plugins,
         };
         cfg.validate()?;
@@ -605,225 +697,6 @@ impl ServeConfig {
     }
 }
 
-impl ModelSection {
-    /// The `[model]` section of the model and device: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(m: ModelSection, a: &ServeArgs) -> Self {
-        ModelSection {
-            model_path: a.model_path.clone().or(m.model_path),
-            served_model_name: a.served_model_name.clone().or(m.served_model_name),
-            device: Some(
-                a.device
-                    .clone()
-                    .or(m.device)
-                    .unwrap_or_else(|| "cpu".into()),
-            ),
-            threads: Some(a.threads.or(m.threads).unwrap_or(0)),
-            dtype: Some(a.dtype.clone().or(m.dtype).unwrap_or_else(|| "auto".into())),
-            quantization: a.quantization.clone().or(m.quantization),
-            kv_cache_dtype: Some(
-                a.kv_cache_dtype
-                    .clone()
-                    .or(m.kv_cache_dtype)
-                    .unwrap_or_else(|| "auto".into()),
-            ),
-            wgpu_adapter: a
-                .wgpu_adapter
-                .clone()
-                .or(m.wgpu_adapter)
-                .or_else(|| std::env::var("ARBOR_WGPU_ADAPTER").ok()),
-            cpu_quant_matmul: Some(
-                a.cpu_quant_matmul
-                    .clone()
-                    .or(m.cpu_quant_matmul)
-                    .unwrap_or_else(|| "f32".into()),
-            ),
-            max_mamba_cache_size: a.max_mamba_cache_size.or(m.max_mamba_cache_size),
-            mamba_ssm_dtype: Some(
-                a.mamba_ssm_dtype
-                    .clone()
-                    .or(m.mamba_ssm_dtype)
-                    .unwrap_or_else(|| "float32".into()),
-            ),
-        }
-    }
-}
-
-impl ServerSection {
-    /// The `[server]` section of the HTTP server: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(s: ServerSection, a: &ServeArgs) -> Self {
-        ServerSection {
-            host: Some(
-                a.host
-                    .clone()
-                    .or(s.host)
-                    .unwrap_or_else(|| "127.0.0.1".into()),
-            ),
-            port: Some(a.port.or(s.port).unwrap_or(30000)),
-            api_key: a.api_key.clone().or(s.api_key),
-            max_request_bytes: Some(
-                a.max_request_bytes
-                    .or(s.max_request_bytes)
-                    .unwrap_or(32 * 1024 * 1024),
-            ),
-            shutdown_timeout: Some(a.shutdown_timeout.or(s.shutdown_timeout).unwrap_or(30.0)),
-            reasoning_parser: a.reasoning_parser.clone().or(s.reasoning_parser),
-        }
-    }
-}
-
-impl SchedulerSection {
-    /// The `[scheduler]` section of the scheduler: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(q: SchedulerSection, a: &ServeArgs) -> Self {
-        SchedulerSection {
-            max_running_requests: Some(
-                a.max_running_requests
-                    .or(q.max_running_requests)
-                    .unwrap_or(64),
-            ),
-            max_queued_requests: Some(
-                a.max_queued_requests
-                    .or(q.max_queued_requests)
-                    .unwrap_or(4096),
-            ),
-            max_prefill_tokens: Some(
-                a.max_prefill_tokens
-                    .or(q.max_prefill_tokens)
-                    .unwrap_or(8192),
-            ),
-            chunked_prefill_size: Some(
-                a.chunked_prefill_size
-                    .or(q.chunked_prefill_size)
-                    .unwrap_or(2048),
-            ),
-            schedule_policy: Some(
-                a.schedule_policy
-                    .clone()
-                    .or(q.schedule_policy)
-                    .unwrap_or_else(|| "lpm".into()),
-            ),
-            schedule_conservativeness: Some(
-                a.schedule_conservativeness
-                    .or(q.schedule_conservativeness)
-                    .unwrap_or(1.0),
-            ),
-            enable_mixed_chunk: Some(
-                flag(a.enable_mixed_chunk)
-                    .or(q.enable_mixed_chunk)
-                    .unwrap_or(false),
-            ),
-            page_size: Some(a.page_size.or(q.page_size).unwrap_or(16)),
-            overlap_schedule: if a.disable_overlap_schedule {
-                Some(false)
-            } else {
-                flag(a.enable_overlap_schedule).or(q.overlap_schedule)
-            },
-        }
-    }
-}
-
-impl SamplingSection {
-    /// The `[sampling]` section of sampling: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(sp: SamplingSection, a: &ServeArgs) -> Self {
-        SamplingSection {
-            sampler: Some(
-                a.sampler
-                    .clone()
-                    .or(sp.sampler)
-                    .unwrap_or_else(|| "standard".into()),
-            ),
-            logits_processors: Some(
-                sp.logits_processors
-                    .unwrap_or_else(|| vec!["penalties".into(), "logit_bias".into()]),
-            ),
-        }
-    }
-}
-
-impl GrammarSection {
-    /// The `[grammar]` section of structured output: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(g: GrammarSection, a: &ServeArgs) -> Self {
-        GrammarSection {
-            grammar_backend: Some(
-                a.grammar_backend
-                    .clone()
-                    .or(g.grammar_backend)
-                    .unwrap_or_else(|| DEFAULT_GRAMMAR_BACKEND.into()),
-            ),
-            json_whitespace: Some(
-                if a.constrained_json_any_whitespace {
-                    Some("flexible".to_string())
-                } else {
-                    g.json_whitespace
-                }
-                .unwrap_or_else(|| "compact".into()),
-            ),
-            json_whitespace_pattern: a
-                .constrained_json_whitespace_pattern
-                .clone()
-                .or(g.json_whitespace_pattern),
-            json_lenient: Some(g.json_lenient.unwrap_or(false)),
-            json_strict_one_of: Some(g.json_strict_one_of.unwrap_or(false)),
-            jump_forward: Some(!a.disable_jump_forward && g.jump_forward.unwrap_or(true)),
-            cache_size: Some(g.cache_size.unwrap_or(1024)),
-            max_grammar_bytes: Some(g.max_grammar_bytes.unwrap_or(4 << 20)),
-            compile_timeout: Some(g.compile_timeout.unwrap_or(10.0)),
-        }
-    }
-}
-
-impl CacheSection {
-    /// The `[cache]` section of the KV and prefix cache: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(c: CacheSection, a: &ServeArgs) -> Self {
-        CacheSection {
-            disable_radix_cache: Some(
-                flag(a.disable_radix_cache)
-                    .or(c.disable_radix_cache)
-                    .unwrap_or(!cfg!(feature = "kv-radix")),
-            ),
-            radix_eviction_policy: Some(
-                a.radix_eviction_policy
-                    .clone()
-                    .or(c.radix_eviction_policy)
-                    .unwrap_or_else(|| "lru".into()),
-            ),
-            max_total_tokens: a.max_total_tokens.or(c.max_total_tokens),
-            kv_cache_gb: a.kv_cache_gb.or(c.kv_cache_gb),
-            mem_fraction_static: Some(
-                a.mem_fraction_static
-                    .or(c.mem_fraction_static)
-                    .unwrap_or(0.8),
-            ),
-        }
-    }
-}
-
-impl MetricsSection {
-    /// The `[metrics]` section of metrics: each key from its flag where it
-    /// has one, else the file, else its default.
-    fn resolve(x: MetricsSection, a: &ServeArgs) -> Self {
-        MetricsSection {
-            enable_metrics: Some(flag(a.enable_metrics).or(x.enable_metrics).unwrap_or(false)),
-            prefix: Some(
-                a.metrics_prefix
-                    .clone()
-                    .or(x.prefix)
-                    .unwrap_or_else(|| "arbor".into()),
-            ),
-            enable_cache_report: Some(
-                flag(a.enable_cache_report)
-                    .or(x.enable_cache_report)
-                    .unwrap_or(false),
-            ),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -834,11 +707,9 @@ mod tests {
             "[server]\nport = 1234\nhost = \"0.0.0.0\"\n[scheduler]\nmax_running_requests = 8\n[metrics]\nprefix = \"sglang\"\n",
         )
         .unwrap();
-        let args = ServeArgs {
-            port: Some(999),
-            enable_metrics: true,
-            ..Default::default()
-        };
+        let mut args = ServeArgs::default();
+        args.server.port = Some(999);
+        args.metrics.enable_metrics = Some(true);
         let c = ServeConfig::resolve(file, &args).unwrap();
         assert_eq!(c.server.port, Some(999), "flag beats file");
         assert_eq!(
@@ -900,10 +771,8 @@ mod tests {
         let f = FileConfig::parse("[model]\nkv_cache_dtype = \"bf16\"\n").unwrap();
         let c = ServeConfig::resolve(f.clone(), &ServeArgs::default()).unwrap();
         assert_eq!(c.model.kv_cache_dtype.as_deref(), Some("bf16"));
-        let flag = ServeArgs {
-            kv_cache_dtype: Some("f32".into()),
-            ..Default::default()
-        };
+        let mut flag = ServeArgs::default();
+        flag.model.kv_cache_dtype = Some("f32".into());
         let c = ServeConfig::resolve(f, &flag).unwrap();
         assert_eq!(
             c.model.kv_cache_dtype.as_deref(),
@@ -926,10 +795,8 @@ mod tests {
         let f = FileConfig::parse("[model]\ncpu_quant_matmul = \"amx-bf16\"\n").unwrap();
         let c = ServeConfig::resolve(f.clone(), &ServeArgs::default()).unwrap();
         assert_eq!(c.model.cpu_quant_matmul.as_deref(), Some("amx-bf16"));
-        let flag = ServeArgs {
-            cpu_quant_matmul: Some("f32".into()),
-            ..Default::default()
-        };
+        let mut flag = ServeArgs::default();
+        flag.model.cpu_quant_matmul = Some("f32".into());
         let c = ServeConfig::resolve(f, &flag).unwrap();
         assert_eq!(
             c.model.cpu_quant_matmul.as_deref(),
@@ -952,18 +819,14 @@ mod tests {
         let on = FileConfig::parse("[scheduler]\noverlap_schedule = true\n").unwrap();
         let c = ServeConfig::resolve(on.clone(), &ServeArgs::default()).unwrap();
         assert_eq!(c.scheduler.overlap_schedule, Some(true));
-        let off = ServeArgs {
-            disable_overlap_schedule: true,
-            ..Default::default()
-        };
+        let mut off = ServeArgs::default();
+        off.scheduler.disable_overlap_schedule = true;
         let c = ServeConfig::resolve(on, &off).unwrap();
         assert_eq!(c.scheduler.overlap_schedule, Some(false), "flag beats file");
         let c = ServeConfig::resolve(FileConfig::default(), &ServeArgs::default()).unwrap();
         assert_eq!(c.scheduler.overlap_schedule, None, "auto by default");
-        let enable = ServeArgs {
-            enable_overlap_schedule: true,
-            ..Default::default()
-        };
+        let mut enable = ServeArgs::default();
+        enable.scheduler.enable_overlap_schedule = true;
         let c = ServeConfig::resolve(FileConfig::default(), &enable).unwrap();
         assert_eq!(c.scheduler.overlap_schedule, Some(true));
     }
@@ -1000,5 +863,74 @@ mod tests {
         }
         assert!(text.contains("[[plugins]]"));
         assert!(missing.is_empty(), "examples/arbor.toml lacks {missing:?}");
+    }
+
+    /// Every TOML key is a flag and every flag a key (but `--config`,
+    /// `--print-config`, `--plugin` for `[[plugins]]`, and the flags that
+    /// spell a key differently, folded into it), each with one default:
+    /// the one `Section::defaults` declares, which `--help` shows.
+    #[test]
+    fn every_flag_has_its_key_and_one_default() {
+        let cmd = crate::cli_command();
+        let serve = cmd.find_subcommand("serve").unwrap();
+        let flag_ids: std::collections::BTreeSet<String> = serve
+            .get_arguments()
+            .filter(|a| a.get_long().is_some())
+            .map(|a| a.get_id().to_string())
+            .collect();
+        let all = serde_json::to_value(FileConfig::default()).unwrap();
+        let mut keys = std::collections::BTreeSet::new();
+        for (section, v) in all.as_object().unwrap() {
+            let Some(v) = v.as_object() else { continue };
+            for key in v.keys() {
+                keys.insert(key.clone());
+                let file_only = [
+                    ("scheduler", "overlap_schedule"),
+                    ("grammar", "jump_forward"),
+                ];
+                if !file_only.contains(&(section.as_str(), key.as_str())) {
+                    assert!(flag_ids.contains(key), "[{section}] {key} has no flag");
+                }
+            }
+        }
+        let folded = [
+            "enable_overlap_schedule",
+            "disable_overlap_schedule",
+            "constrained_json_any_whitespace",
+            "disable_jump_forward",
+            "disable_speculative_adaptive",
+        ];
+        for id in &flag_ids {
+            let not_a_setting = ["config", "print_config", "plugin", "help"];
+            if !not_a_setting.contains(&id.as_str()) && !folded.contains(&id.as_str()) {
+                assert!(keys.contains(id), "--{id} has no TOML key");
+            }
+        }
+        // One default: the help shows the declared one, and a config with
+        // nothing set resolves to it.
+        let resolved = serde_json::to_value(
+            ServeConfig::resolve(FileConfig::default(), &ServeArgs::default()).unwrap(),
+        )
+        .unwrap();
+        for (key, value) in serve_defaults() {
+            let arg = serve.get_arguments().find(|a| a.get_id() == key.as_str());
+            if let Some(arg) = arg {
+                let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+                assert!(
+                    help.contains(&format!("[default: {value}]")),
+                    "--{key}: help {help:?} does not show the default {value}"
+                );
+            }
+            let found = resolved
+                .as_object()
+                .unwrap()
+                .values()
+                .filter_map(|s| s.get(&key))
+                .any(|v| !v.is_null());
+            assert!(
+                found,
+                "{key}: the default {value} is not in the resolved config"
+            );
+        }
     }
 }

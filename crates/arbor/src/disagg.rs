@@ -10,6 +10,7 @@
 //! Both need the radix cache. The transfer backend is `tcp`
 //! (crates/kv-transfer); NIXL and Mooncake are not built in.
 
+use crate::settings::Section;
 use anyhow::{Result, bail};
 use arbor_engine_core::engine::Engine;
 use arbor_engine_core::engine::transfer::KvTransfer;
@@ -18,41 +19,34 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// The disaggregation flags.
-#[derive(Args, Debug, Clone, Default)]
-pub struct DisaggregationArgs {
-    /// null (a whole worker), prefill or decode [default: null].
-    #[arg(long = "disaggregation-mode", help_heading = "Disaggregation")]
+/// `[disaggregation]` and the disaggregation flags (SGLang's names). One
+/// declaration per setting ([`crate::settings`]).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationSection {
+    /// null (a whole worker), prefill or decode.
+    #[arg(long, help_heading = "Disaggregation")]
     pub disaggregation_mode: Option<String>,
-    /// How KV moves between prefill and decode workers: tcp [default: tcp].
-    #[arg(
-        long = "disaggregation-transfer-backend",
-        help_heading = "Disaggregation"
-    )]
+    /// How KV moves between prefill and decode workers: tcp.
+    #[arg(long, help_heading = "Disaggregation")]
     pub disaggregation_transfer_backend: Option<String>,
-    /// Decode workers: the port the KV transfer engine listens on, on --host; 0 picks a free one (printed, and in /get_server_info) [default: 0].
-    #[arg(long = "disaggregation-transfer-port", help_heading = "Disaggregation")]
+    /// Decode workers: the port the KV transfer engine listens on, on --host; 0 picks a free one (printed, and in /get_server_info).
+    #[arg(long, help_heading = "Disaggregation")]
     pub disaggregation_transfer_port: Option<u16>,
-    /// Prefill workers: the port of the bootstrap server decode workers pull bootstrap rooms from (give it to SGLang's router as `--prefill URL PORT`), on --host; 0 picks a free one (printed, and in /get_server_info; SGLang's default is 8998) [default: 0].
-    #[arg(
-        long = "disaggregation-bootstrap-port",
-        help_heading = "Disaggregation"
-    )]
+    /// Prefill workers: the port of the bootstrap server decode workers pull bootstrap rooms from (give it to SGLang's router as `--prefill URL PORT`), on --host; 0 picks a free one (printed, and in /get_server_info; SGLang's default is 8998).
+    #[arg(long, help_heading = "Disaggregation")]
     pub disaggregation_bootstrap_port: Option<u16>,
 }
 
-/// `[disaggregation]` in the TOML file.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct DisaggregationSection {
-    /// null, prefill or decode.
-    pub disaggregation_mode: Option<String>,
-    /// tcp.
-    pub disaggregation_transfer_backend: Option<String>,
-    /// Decode workers' transfer port (0: any).
-    pub disaggregation_transfer_port: Option<u16>,
-    /// Prefill workers' bootstrap port (0: any).
-    pub disaggregation_bootstrap_port: Option<u16>,
+impl Section for DisaggregationSection {
+    fn defaults() -> Self {
+        Self {
+            disaggregation_mode: Some("null".into()),
+            disaggregation_transfer_backend: Some("tcp".into()),
+            disaggregation_transfer_port: Some(0),
+            disaggregation_bootstrap_port: Some(0),
+        }
+    }
 }
 
 /// A worker's role.
@@ -76,34 +70,6 @@ pub struct DisaggregationSettings {
 }
 
 impl DisaggregationSection {
-    /// Defaults < `f` < `a`.
-    pub fn resolve(f: DisaggregationSection, a: &DisaggregationArgs) -> Self {
-        Self {
-            disaggregation_mode: Some(
-                a.disaggregation_mode
-                    .clone()
-                    .or(f.disaggregation_mode)
-                    .unwrap_or_else(|| "null".into()),
-            ),
-            disaggregation_transfer_backend: Some(
-                a.disaggregation_transfer_backend
-                    .clone()
-                    .or(f.disaggregation_transfer_backend)
-                    .unwrap_or_else(|| "tcp".into()),
-            ),
-            disaggregation_transfer_port: Some(
-                a.disaggregation_transfer_port
-                    .or(f.disaggregation_transfer_port)
-                    .unwrap_or(0),
-            ),
-            disaggregation_bootstrap_port: Some(
-                a.disaggregation_bootstrap_port
-                    .or(f.disaggregation_bootstrap_port)
-                    .unwrap_or(0),
-            ),
-        }
-    }
-
     /// The checked settings; errors name the key.
     pub fn to_settings(&self, disable_radix_cache: bool) -> Result<Option<DisaggregationSettings>> {
         let backend = self

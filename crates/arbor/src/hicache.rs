@@ -1,62 +1,57 @@
 //! `[hicache]` and SGLang's `--enable-hierarchical-cache` / `--hicache-*`
-//! flags: the TOML section, the flags, their merge (defaults < TOML < flags)
-//! and the checked [`HiCacheSettings`] the engine set-up builds the cache from.
+//! flags (one struct: [`HiCacheSection`]) and the checked
+//! [`HiCacheSettings`] the engine set-up builds the cache from.
 //!
 //! Off by default. Every error names the flag; a HiCache setting in a binary
 //! built without the `kv-hicache` cargo feature is refused with a message
 //! naming the feature.
 
+use crate::settings::Section;
 use anyhow::{Result, bail};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-/// `[hicache]`: host-memory and storage KV tiers (crates/kv-hicache).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+/// `[hicache]` and the HiCache flags (SGLang's names): host-memory and
+/// storage KV tiers (crates/kv-hicache). One declaration per setting
+/// ([`crate::settings`]).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct HiCacheSection {
-    /// Keep KV evicted from the device in host memory (and storage) [default: false].
+    /// Keep KV evicted from the device in host memory, and in storage when a backend is set.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "HiCache")]
     pub enable_hierarchical_cache: Option<bool>,
-    /// Host pool size as a multiple of the device pool [default: 2.0].
+    /// Host pool size as a multiple of the device pool.
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_ratio: Option<f64>,
-    /// Host pool size in GB; overrides the ratio when > 0 [default: 0].
+    /// Host pool size in GB; overrides --hicache-ratio when > 0.
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_size: Option<f64>,
-    /// write_through, write_through_selective or write_back [default: write_through].
+    /// When device KV is copied to the host: write_through, write_through_selective or write_back.
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_write_policy: Option<String>,
-    /// Storage tier: file or redis [default: none].
+    /// Storage tier under the host: file or redis [default: none].
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_storage_backend: Option<String>,
-    /// JSON settings of the storage tier: {"dir": ...} for file, {"url": ...} for redis.
+    /// JSON settings of the storage tier: '{"dir": "..."}' (file) or '{"url": "redis://host:port"}' (redis).
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_storage_backend_extra_config: Option<String>,
-    /// best_effort, wait_complete or timeout [default: best_effort].
+    /// When a request whose prefix is read from storage is admitted: best_effort, wait_complete or timeout.
+    #[arg(long, help_heading = "HiCache")]
     pub hicache_storage_prefetch_policy: Option<String>,
 }
 
-/// The HiCache flags (SGLang's names).
-#[derive(Args, Debug, Clone, Default)]
-pub struct HiCacheArgs {
-    /// Keep KV evicted from the device in host memory, and in storage when a backend is set.
-    #[arg(long = "enable-hierarchical-cache", help_heading = "HiCache")]
-    pub enable_hierarchical_cache: bool,
-    /// Host pool size as a multiple of the device pool [default: 2.0].
-    #[arg(long = "hicache-ratio", help_heading = "HiCache")]
-    pub hicache_ratio: Option<f64>,
-    /// Host pool size in GB; overrides --hicache-ratio when > 0 [default: 0].
-    #[arg(long = "hicache-size", help_heading = "HiCache")]
-    pub hicache_size: Option<f64>,
-    /// When device KV is copied to the host: write_through, write_through_selective or write_back [default: write_through].
-    #[arg(long = "hicache-write-policy", help_heading = "HiCache")]
-    pub hicache_write_policy: Option<String>,
-    /// Storage tier under the host: file or redis [default: none].
-    #[arg(long = "hicache-storage-backend", help_heading = "HiCache")]
-    pub hicache_storage_backend: Option<String>,
-    /// JSON settings of the storage tier: '{"dir": "..."}' (file) or '{"url": "redis://host:port"}' (redis).
-    #[arg(
-        long = "hicache-storage-backend-extra-config",
-        help_heading = "HiCache"
-    )]
-    pub hicache_storage_backend_extra_config: Option<String>,
-    /// When a request whose prefix is read from storage is admitted: best_effort, wait_complete or timeout [default: best_effort].
-    #[arg(long = "hicache-storage-prefetch-policy", help_heading = "HiCache")]
-    pub hicache_storage_prefetch_policy: Option<String>,
+impl Section for HiCacheSection {
+    fn defaults() -> Self {
+        Self {
+            enable_hierarchical_cache: Some(false),
+            hicache_ratio: Some(2.0),
+            hicache_size: Some(0.0),
+            hicache_write_policy: Some("write_through".into()),
+            hicache_storage_backend: None,
+            hicache_storage_backend_extra_config: None,
+            hicache_storage_prefetch_policy: Some("best_effort".into()),
+        }
+    }
 }
 
 /// Checked HiCache settings.
@@ -79,37 +74,6 @@ const PREFETCH_POLICIES: [&str; 3] = ["best_effort", "wait_complete", "timeout"]
 const BACKENDS: [&str; 2] = ["file", "redis"];
 
 impl HiCacheSection {
-    /// Defaults < `f` < `a`, every key filled in but the storage backend's.
-    pub fn resolve(f: HiCacheSection, a: &HiCacheArgs) -> Self {
-        Self {
-            enable_hierarchical_cache: Some(
-                a.enable_hierarchical_cache || f.enable_hierarchical_cache.unwrap_or(false),
-            ),
-            hicache_ratio: Some(a.hicache_ratio.or(f.hicache_ratio).unwrap_or(2.0)),
-            hicache_size: Some(a.hicache_size.or(f.hicache_size).unwrap_or(0.0)),
-            hicache_write_policy: Some(
-                a.hicache_write_policy
-                    .clone()
-                    .or(f.hicache_write_policy)
-                    .unwrap_or_else(|| "write_through".into()),
-            ),
-            hicache_storage_backend: a
-                .hicache_storage_backend
-                .clone()
-                .or(f.hicache_storage_backend),
-            hicache_storage_backend_extra_config: a
-                .hicache_storage_backend_extra_config
-                .clone()
-                .or(f.hicache_storage_backend_extra_config),
-            hicache_storage_prefetch_policy: Some(
-                a.hicache_storage_prefetch_policy
-                    .clone()
-                    .or(f.hicache_storage_prefetch_policy)
-                    .unwrap_or_else(|| "best_effort".into()),
-            ),
-        }
-    }
-
     /// The storage backend given while HiCache is off: as in SGLang it then
     /// has no effect, and the start-up summary says so.
     pub fn storage_without_enable(&self) -> Option<&str> {
@@ -314,14 +278,14 @@ mod tests {
 
     #[test]
     fn off_by_default_flags_override_and_errors_name_the_flag() {
-        let off = HiCacheSection::resolve(HiCacheSection::default(), &HiCacheArgs::default());
+        let off = crate::settings::layered(HiCacheSection::default(), &HiCacheSection::default());
         assert!(off.to_settings(false).expect("off").is_none());
         assert_eq!(off.storage_without_enable(), None);
-        let storage_only = HiCacheArgs {
+        let storage_only = HiCacheSection {
             hicache_storage_backend: Some("redis".into()),
             ..Default::default()
         };
-        let ignored = HiCacheSection::resolve(HiCacheSection::default(), &storage_only);
+        let ignored = crate::settings::layered(HiCacheSection::default(), &storage_only);
         assert!(ignored.to_settings(false).expect("off").is_none());
         assert_eq!(ignored.storage_without_enable(), Some("redis"));
         let file = HiCacheSection {
@@ -330,12 +294,12 @@ mod tests {
             hicache_storage_backend: Some("file".into()),
             ..Default::default()
         };
-        let a = HiCacheArgs {
+        let a = HiCacheSection {
             hicache_ratio: Some(1.5),
             hicache_write_policy: Some("write_back".into()),
             ..Default::default()
         };
-        let s = HiCacheSection::resolve(file.clone(), &a);
+        let s = crate::settings::layered(file.clone(), &a);
         if cfg!(feature = "kv-hicache") {
             let h = s.to_settings(false).expect("valid").expect("on");
             assert_eq!(h.ratio, 1.5);
@@ -347,35 +311,35 @@ mod tests {
         }
         for (a, flag) in [
             (
-                HiCacheArgs {
+                HiCacheSection {
                     hicache_write_policy: Some("sometimes".into()),
                     ..Default::default()
                 },
                 "--hicache-write-policy",
             ),
             (
-                HiCacheArgs {
+                HiCacheSection {
                     hicache_storage_backend: Some("s3".into()),
                     ..Default::default()
                 },
                 "--hicache-storage-backend",
             ),
             (
-                HiCacheArgs {
+                HiCacheSection {
                     hicache_ratio: Some(0.0),
                     ..Default::default()
                 },
                 "--hicache-ratio",
             ),
             (
-                HiCacheArgs {
+                HiCacheSection {
                     hicache_storage_prefetch_policy: Some("eager".into()),
                     ..Default::default()
                 },
                 "--hicache-storage-prefetch-policy",
             ),
         ] {
-            let e = HiCacheSection::resolve(file.clone(), &a)
+            let e = crate::settings::layered(file.clone(), &a)
                 .to_settings(false)
                 .expect_err("refused");
             let flag_or_feature = if cfg!(feature = "kv-hicache") {

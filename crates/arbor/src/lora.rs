@@ -9,6 +9,7 @@
 //! SGLang's JSON `{"lora_name": ..., "lora_path": ..., "pinned": ...}`.
 //! Errors name the flag.
 
+use crate::settings::Section;
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::{Backend, LoraTarget, ModelSpec};
 use arbor_lora::{LoraLimits, LoraRegistry};
@@ -17,45 +18,45 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// `[lora]`: multi-LoRA serving (crates/lora).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+/// `[lora]` and the LoRA flags (SGLang's names): multi-LoRA serving
+/// (crates/lora). One declaration per setting ([`crate::settings`]).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LoraSection {
-    /// Serve LoRA adapters [default: false; true when lora_paths is set].
+    /// Serve LoRA adapters (requests name them in lora_path or as model "base:adapter"); on when lora_paths is set.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "LoRA")]
     pub enable_lora: Option<bool>,
-    /// Adapters loaded at start-up: "name=path", "path" or SGLang's JSON objects.
+    /// Adapters to load at start-up: name=path, path, or '{"lora_name":..,"lora_path":..}' (repeatable).
+    #[arg(long, num_args = 1.., help_heading = "LoRA")]
     pub lora_paths: Option<Vec<String>>,
-    /// Most distinct adapters in one step, the base model counting as one [default: 8].
+    /// Most distinct adapters in one step, the base model counting as one.
+    #[arg(long, help_heading = "LoRA")]
     pub max_loras_per_batch: Option<usize>,
     /// Largest adapter rank accepted [default: the largest start-up adapter's; any when none].
+    #[arg(long, help_heading = "LoRA")]
     pub max_lora_rank: Option<usize>,
-    /// Modules adapters may target ("all" or q_proj, k_proj, ...) [default: all].
+    /// Modules adapters may target: all, or some of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj.
+    #[arg(long, num_args = 1.., help_heading = "LoRA")]
     pub lora_target_modules: Option<Vec<String>>,
     /// Most adapters loaded at once [default: no bound].
+    #[arg(long, help_heading = "LoRA")]
     pub max_loaded_loras: Option<usize>,
 }
 
-/// The LoRA flags (SGLang's names).
-#[derive(Args, Debug, Clone, Default)]
-pub struct LoraArgs {
-    /// Serve LoRA adapters (requests name them in lora_path or as model "base:adapter").
-    #[arg(long = "enable-lora", help_heading = "LoRA")]
-    pub enable_lora: bool,
-    /// Adapters to load at start-up: name=path, path, or '{"lora_name":..,"lora_path":..}' (repeatable).
-    #[arg(long = "lora-paths", num_args = 1.., help_heading = "LoRA")]
-    pub lora_paths: Vec<String>,
-    /// Most distinct adapters in one step, the base model counting as one [default: 8].
-    #[arg(long = "max-loras-per-batch", help_heading = "LoRA")]
-    pub max_loras_per_batch: Option<usize>,
-    /// Largest adapter rank accepted [default: the largest start-up adapter's].
-    #[arg(long = "max-lora-rank", help_heading = "LoRA")]
-    pub max_lora_rank: Option<usize>,
-    /// Modules adapters may target: all, or some of q_proj k_proj v_proj o_proj gate_proj up_proj down_proj.
-    #[arg(long = "lora-target-modules", num_args = 1.., help_heading = "LoRA")]
-    pub lora_target_modules: Vec<String>,
-    /// Most adapters loaded at once [default: no bound].
-    #[arg(long = "max-loaded-loras", help_heading = "LoRA")]
-    pub max_loaded_loras: Option<usize>,
+impl Section for LoraSection {
+    fn defaults() -> Self {
+        Self {
+            enable_lora: Some(false),
+            max_loras_per_batch: Some(8),
+            ..Default::default()
+        }
+    }
+
+    fn settle(&mut self) {
+        if self.lora_paths.as_ref().is_some_and(|p| !p.is_empty()) {
+            self.enable_lora = Some(true);
+        }
+    }
 }
 
 /// Checked LoRA settings.
@@ -74,28 +75,6 @@ pub struct LoraSettings {
 }
 
 impl LoraSection {
-    /// Defaults < `f` < `a`.
-    pub fn resolve(f: LoraSection, a: &LoraArgs) -> Self {
-        let lora_paths = if a.lora_paths.is_empty() {
-            f.lora_paths
-        } else {
-            Some(a.lora_paths.clone())
-        };
-        let has_paths = lora_paths.as_ref().is_some_and(|p| !p.is_empty());
-        Self {
-            enable_lora: Some(a.enable_lora || f.enable_lora.unwrap_or(false) || has_paths),
-            lora_paths,
-            max_loras_per_batch: Some(a.max_loras_per_batch.or(f.max_loras_per_batch).unwrap_or(8)),
-            max_lora_rank: a.max_lora_rank.or(f.max_lora_rank),
-            lora_target_modules: if a.lora_target_modules.is_empty() {
-                f.lora_target_modules
-            } else {
-                Some(a.lora_target_modules.clone())
-            },
-            max_loaded_loras: a.max_loaded_loras.or(f.max_loaded_loras),
-        }
-    }
-
     /// The checked settings (`None` when off); errors name the flag.
     pub fn to_settings(&self) -> Result<Option<LoraSettings>> {
         let max_per_batch = self.max_loras_per_batch.unwrap_or(8);
@@ -231,11 +210,11 @@ mod tests {
                 .unwrap_or_default(),
             ("b".into(), "/p".into())
         );
-        let a = LoraArgs {
-            lora_paths: vec!["a=/x".into()],
+        let a = LoraSection {
+            lora_paths: Some(vec!["a=/x".into()]),
             ..Default::default()
         };
-        let s = LoraSection::resolve(LoraSection::default(), &a);
+        let s = crate::settings::layered(LoraSection::default(), &a);
         assert_eq!(s.enable_lora, Some(true), "--lora-paths turns LoRA on");
         let st = s.to_settings().ok().flatten();
         assert_eq!(st.map(|s| s.max_loras_per_batch), Some(8));

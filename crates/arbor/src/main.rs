@@ -16,6 +16,7 @@ mod parallel;
 mod reference;
 mod replica;
 mod serve;
+mod settings;
 mod setup;
 mod speculative;
 
@@ -34,7 +35,7 @@ use arbor_models as _;
 use arbor_quant as _;
 #[cfg(feature = "spec-decode")]
 use arbor_spec_decode as _;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Arbor: an LLM inference serving engine.
 #[derive(Parser, Debug)]
@@ -65,6 +66,13 @@ enum Command {
     FetchDefault(fetch::FetchArgs),
 }
 
+/// The command line, with `arbor serve`'s defaults shown in its help from
+/// the one place they are declared ([`settings::Section::defaults`]).
+fn cli_command() -> clap::Command {
+    let defaults = config::serve_defaults();
+    Cli::command().mut_subcommand("serve", |c| settings::with_defaults_in_help(c, &defaults))
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -73,7 +81,10 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&cli_command().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let result = match cli.command {
         Command::Generate(a) => generate::run(*a),
         Command::Info(a) => info::run(a),

@@ -36,6 +36,7 @@
 //! suite validated on the CPU and on wgpu (`TP_DEVICES`); ROCm ranks are
 //! refused at start-up until validated.
 
+use crate::settings::Section;
 use crate::setup::ModelArgs;
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::comm::{Communicator, DeviceGroup};
@@ -47,19 +48,21 @@ use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// The parallelism flags of `arbor serve`.
-#[derive(Args, Debug, Clone, Default)]
-pub struct ParallelArgs {
-    /// Tensor-parallel ranks (CPU: in-process ranks on split cores) [default: 1].
+/// `[parallel]` and the parallelism flags of `arbor serve` (SGLang's
+/// names). One declaration per setting ([`crate::settings`]).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelSection {
+    /// Tensor-parallel ranks (CPU: in-process ranks on split cores).
     #[arg(
-        long = "tp-size",
+        long,
         visible_alias = "tensor-parallel-size",
         help_heading = "Parallelism"
     )]
     pub tp_size: Option<usize>,
-    /// Expert-parallel ranks of a MoE model: 1, or equal to --tp-size [default: 1].
+    /// Expert-parallel ranks of a MoE model: 1, or equal to --tp-size.
     #[arg(
-        long = "ep-size",
+        long,
         visible_alias = "expert-parallel-size",
         help_heading = "Parallelism"
     )]
@@ -68,47 +71,48 @@ pub struct ParallelArgs {
     /// every token; the experts' shares are all-reduced) or all-to-all
     /// (each rank routes its block of the tokens and dispatches them to the
     /// experts' ranks) [default: none].
-    #[arg(long = "moe-a2a-backend", help_heading = "Parallelism")]
+    #[arg(long, help_heading = "Parallelism")]
     pub moe_a2a_backend: Option<String>,
-    /// The device index of rank 0 (of the one device without tensor parallelism) [default: 0].
-    #[arg(long = "base-gpu-id", help_heading = "Parallelism")]
+    /// The device index of rank 0 (of the one device without tensor parallelism).
+    #[arg(long, help_heading = "Parallelism")]
     pub base_gpu_id: Option<usize>,
     /// Rank r runs on device base-gpu-id + r * gpu-id-step; 0 puts every
-    /// rank on the same device [default: 1].
-    #[arg(long = "gpu-id-step", help_heading = "Parallelism")]
+    /// rank on the same device.
+    #[arg(long, help_heading = "Parallelism")]
     pub gpu_id_step: Option<usize>,
     /// Data-parallel replicas of the model, each with its own scheduler and
-    /// KV cache (CPU: on split cores) [default: 1].
+    /// KV cache (CPU: on split cores).
     #[arg(
-        long = "dp-size",
+        long,
         visible_alias = "data-parallel-size",
         help_heading = "Parallelism"
     )]
     pub dp_size: Option<usize>,
     /// How requests are spread over the data-parallel replicas: round_robin,
     /// shortest_queue (fewest requests in flight) or minimum_tokens (fewest
-    /// tokens in flight) [default: round_robin].
-    #[arg(long = "load-balance-method", help_heading = "Parallelism")]
+    /// tokens in flight).
+    #[arg(long, help_heading = "Parallelism")]
     pub load_balance_method: Option<String>,
     /// Data-parallel attention (with --dp-size equal to --tp-size > 1): each
     /// rank runs attention whole for its own requests with a KV cache of its
     /// own; the feed-forward layers stay split over the ranks.
-    #[arg(long = "enable-dp-attention", help_heading = "Parallelism")]
-    pub enable_dp_attention: bool,
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Parallelism")]
+    pub enable_dp_attention: Option<bool>,
 }
 
-/// `[parallel]` in the TOML file.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct ParallelSection {
-    pub tp_size: Option<usize>,
-    pub ep_size: Option<usize>,
-    pub moe_a2a_backend: Option<String>,
-    pub base_gpu_id: Option<usize>,
-    pub gpu_id_step: Option<usize>,
-    pub dp_size: Option<usize>,
-    pub load_balance_method: Option<String>,
-    pub enable_dp_attention: Option<bool>,
+impl Section for ParallelSection {
+    fn defaults() -> Self {
+        Self {
+            tp_size: Some(1),
+            ep_size: Some(1),
+            moe_a2a_backend: None,
+            base_gpu_id: Some(0),
+            gpu_id_step: Some(1),
+            dp_size: Some(1),
+            load_balance_method: Some("round_robin".into()),
+            enable_dp_attention: Some(false),
+        }
+    }
 }
 
 /// Checked parallelism.
@@ -169,27 +173,6 @@ impl Default for Parallel {
 }
 
 impl ParallelSection {
-    /// Defaults < `f` < `a`.
-    pub fn resolve(f: ParallelSection, a: &ParallelArgs) -> Self {
-        Self {
-            tp_size: Some(a.tp_size.or(f.tp_size).unwrap_or(1)),
-            ep_size: Some(a.ep_size.or(f.ep_size).unwrap_or(1)),
-            moe_a2a_backend: a.moe_a2a_backend.clone().or(f.moe_a2a_backend),
-            base_gpu_id: Some(a.base_gpu_id.or(f.base_gpu_id).unwrap_or(0)),
-            gpu_id_step: Some(a.gpu_id_step.or(f.gpu_id_step).unwrap_or(1)),
-            dp_size: Some(a.dp_size.or(f.dp_size).unwrap_or(1)),
-            load_balance_method: Some(
-                a.load_balance_method
-                    .clone()
-                    .or(f.load_balance_method)
-                    .unwrap_or_else(|| "round_robin".into()),
-            ),
-            enable_dp_attention: Some(
-                a.enable_dp_attention || f.enable_dp_attention.unwrap_or(false),
-            ),
-        }
-    }
-
     /// The checked settings; errors name the key.
     pub fn to_settings(&self) -> Result<Parallel> {
         let tp = self.tp_size.unwrap_or(1);
@@ -404,12 +387,12 @@ mod tests {
 
     #[test]
     fn settings_and_errors() {
-        let a = ParallelArgs {
+        let a = ParallelSection {
             tp_size: Some(2),
             gpu_id_step: Some(0),
             ..Default::default()
         };
-        let mut s = ParallelSection::resolve(
+        let mut s = crate::settings::layered(
             ParallelSection {
                 tp_size: Some(4),
                 ep_size: Some(2),

@@ -82,7 +82,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         return Ok(());
     }
     let m = &cfg.model;
-    let model_args = model_args(&cfg, &args);
+    let model_args = model_args(&cfg);
     let engine_cfg = engine_config(&cfg)?;
     let lora = cfg.lora.to_settings()?;
     if model_args.enable_dp_attention {
@@ -273,7 +273,7 @@ fn serve_until_stopped(server: Server, host: &str, port: u16, summary: &Summary)
 }
 
 /// The model settings of `[model]`, `[scheduler]` and `[parallel]`.
-fn model_args(cfg: &ServeConfig, args: &ServeArgs) -> ModelArgs {
+fn model_args(cfg: &ServeConfig) -> ModelArgs {
     let m = &cfg.model;
     ModelArgs {
         model_path: m.model_path.clone(),
@@ -291,10 +291,8 @@ fn model_args(cfg: &ServeConfig, args: &ServeArgs) -> ModelArgs {
             .and_then(|q| q.parse().ok())
             .unwrap_or_default(),
         max_mamba_cache_size: m.max_mamba_cache_size,
-        disable_cuda_graph: args.disable_cuda_graph,
-        cuda_graph_max_bs: args
-            .cuda_graph_max_bs
-            .or(cfg.scheduler.max_running_requests),
+        disable_cuda_graph: m.disable_cuda_graph.unwrap_or(false),
+        cuda_graph_max_bs: m.cuda_graph_max_bs.or(cfg.scheduler.max_running_requests),
         tp_size: cfg.parallel.tp_size.unwrap_or(1),
         ep_size: cfg.parallel.ep_size.unwrap_or(1),
         moe_a2a_backend: cfg.parallel.moe_a2a_backend.clone(),

@@ -1,6 +1,5 @@
-//! `[speculative]` and SGLang's `--speculative-*` flags: the TOML section,
-//! the flags, their merge (defaults < TOML < flags) and the engine's
-//! [`SpeculativeConfig`].
+//! `[speculative]` and SGLang's `--speculative-*` flags (one struct:
+//! [`SpeculativeSection`]) and the engine's [`SpeculativeConfig`].
 //!
 //! `algorithm` is `none` (off, the default) or a registered speculator
 //! (any case): `ngram` (SGLang's `NGRAM`), `standalone` (a separate draft
@@ -11,198 +10,136 @@
 //! the `spec-decode` cargo feature; an unknown one by the registry, naming
 //! the flag.
 
+use crate::settings::Section;
 use anyhow::{Result, bail};
 use arbor_engine_core::speculative::{NgramMatchType, NgramOptions, SpeculativeConfig};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 
-/// `[speculative]`: speculative decoding (crates/spec-decode).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+/// `[speculative]` and SGLang's `--speculative-*` flags: speculative
+/// decoding (crates/spec-decode). A key is its flag without the
+/// `speculative-` prefix. One declaration per setting ([`crate::settings`]).
+#[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SpeculativeSection {
-    /// `none` or a registered speculator: `ngram`, `standalone`, `layerskip`, `eagle`, `eagle3`, `nextn` [default: none].
-    pub algorithm: Option<String>,
-    /// Most draft tokens per request and step, 1..=64 [default: 8].
-    pub num_draft_tokens: Option<usize>,
-    /// Draft tokens a model drafter (standalone, layerskip) proposes per step, 1..=64 [default: 4].
-    pub num_steps: Option<usize>,
-    /// The draft model (HF folder or GGUF) of `standalone`, sharing the target's tokenizer; the head's folder for `eagle` and `eagle3`; the checkpoint with the MTP layers for `nextn` (default: the target's).
-    pub draft_model_path: Option<std::path::PathBuf>,
-    /// Layers of the target that draft under `layerskip` (1..layers-1).
-    pub draft_layers: Option<usize>,
-    /// Draft heads (eagle, eagle3, nextn): children per tree level; 1 drafts chains [default: 1].
-    pub eagle_topk: Option<usize>,
-    /// Draft fewer tokens, or none, where acceptance and step cost say it does not pay [default: true].
-    pub adaptive: Option<bool>,
-    /// Shortest suffix matched against the n-gram table [default: 1].
-    pub ngram_min_match_window_size: Option<usize>,
-    /// Longest suffix matched [default: 12].
-    pub ngram_max_match_window_size: Option<usize>,
-    /// Fewest children per level of a BFS draft tree [default: 1].
-    pub ngram_min_bfs_breadth: Option<usize>,
-    /// Most children per level of a BFS draft tree [default: 10].
-    pub ngram_max_bfs_breadth: Option<usize>,
-    /// BFS or PROB [default: BFS].
-    pub ngram_match_type: Option<String>,
-    /// Deepest continuation stored after a suffix [default: 18].
-    pub ngram_max_trie_depth: Option<usize>,
-    /// Most n-gram trie nodes kept, least recently used dropped first [default: 10000000].
-    pub ngram_capacity: Option<usize>,
-}
-
-/// The `--speculative-*` flags (SGLang's names).
-#[derive(Args, Debug, Clone, Default)]
-pub struct SpeculativeArgs {
-    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers), EAGLE or EAGLE3 (a draft head) or NEXTN (the target's MTP layers) [default: none].
+    /// Speculative decoding: none, NGRAM, STANDALONE (a draft model), LAYERSKIP (the target's first layers), EAGLE or EAGLE3 (a draft head) or NEXTN (the target's MTP layers); any case.
     #[arg(long = "speculative-algorithm", help_heading = "Speculative decoding")]
-    pub speculative_algorithm: Option<String>,
-    /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64 [default: 4].
+    pub algorithm: Option<String>,
+    /// Most draft tokens per request and step, 1..=64.
+    #[arg(
+        long = "speculative-num-draft-tokens",
+        help_heading = "Speculative decoding"
+    )]
+    pub num_draft_tokens: Option<usize>,
+    /// Draft tokens a model drafter (STANDALONE, LAYERSKIP) proposes per step, 1..=64.
     #[arg(long = "speculative-num-steps", help_heading = "Speculative decoding")]
-    pub speculative_num_steps: Option<usize>,
-    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), the EAGLE or EAGLE3 head's folder, or the checkpoint holding NEXTN's layers (default: the target's).
+    pub num_steps: Option<usize>,
+    /// The STANDALONE draft model (an HF folder or a GGUF file with the target's tokenizer), the EAGLE or EAGLE3 head's folder, or the checkpoint holding NEXTN's layers [default: the target's].
     #[arg(
         long = "speculative-draft-model-path",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_draft_model_path: Option<std::path::PathBuf>,
+    pub draft_model_path: Option<std::path::PathBuf>,
     /// LAYERSKIP: the target's first N layers (then its final norm and LM head) draft.
     #[arg(
         long = "speculative-draft-layers",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_draft_layers: Option<usize>,
-    /// Draft heads (EAGLE, EAGLE3, NEXTN): children kept per step; above 1, trees of the --speculative-num-draft-tokens best nodes over --speculative-num-steps levels [default: 1].
+    pub draft_layers: Option<usize>,
+    /// Draft heads (EAGLE, EAGLE3, NEXTN): children kept per step; above 1, trees of the --speculative-num-draft-tokens best nodes over --speculative-num-steps levels.
     #[arg(long = "speculative-eagle-topk", help_heading = "Speculative decoding")]
-    pub speculative_eagle_topk: Option<usize>,
-    /// Most draft tokens per request and step, 1..=64 [default: 8].
-    #[arg(
-        long = "speculative-num-draft-tokens",
-        help_heading = "Speculative decoding"
-    )]
-    pub speculative_num_draft_tokens: Option<usize>,
-    /// Always draft in full instead of adapting to acceptance and step cost.
+    pub eagle_topk: Option<usize>,
+    /// Draft fewer tokens, or none, where acceptance and step cost say it does not pay.
+    #[arg(long = "speculative-adaptive", num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Speculative decoding")]
+    pub adaptive: Option<bool>,
+    /// Always draft in full (the flag of `adaptive = false`).
     #[arg(
         long = "disable-speculative-adaptive",
         help_heading = "Speculative decoding"
     )]
+    #[serde(skip)]
     pub disable_speculative_adaptive: bool,
-    /// Shortest suffix matched against the n-gram table [default: 1].
+    /// Shortest suffix matched against the n-gram table.
     #[arg(
         long = "speculative-ngram-min-match-window-size",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_min_match_window_size: Option<usize>,
-    /// Longest suffix matched [default: 12].
+    pub ngram_min_match_window_size: Option<usize>,
+    /// Longest suffix matched.
     #[arg(
         long = "speculative-ngram-max-match-window-size",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_max_match_window_size: Option<usize>,
-    /// Fewest children per level of a BFS draft tree [default: 1].
+    pub ngram_max_match_window_size: Option<usize>,
+    /// Fewest children per level of a BFS draft tree.
     #[arg(
         long = "speculative-ngram-min-bfs-breadth",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_min_bfs_breadth: Option<usize>,
-    /// Most children per level of a BFS draft tree [default: 10].
+    pub ngram_min_bfs_breadth: Option<usize>,
+    /// Most children per level of a BFS draft tree.
     #[arg(
         long = "speculative-ngram-max-bfs-breadth",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_max_bfs_breadth: Option<usize>,
-    /// BFS or PROB [default: BFS].
+    pub ngram_max_bfs_breadth: Option<usize>,
+    /// BFS or PROB.
     #[arg(
         long = "speculative-ngram-match-type",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_match_type: Option<String>,
-    /// Deepest continuation stored after a suffix [default: 18].
+    pub ngram_match_type: Option<String>,
+    /// Deepest continuation stored after a suffix.
     #[arg(
         long = "speculative-ngram-max-trie-depth",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_max_trie_depth: Option<usize>,
-    /// Most n-gram trie nodes kept [default: 10000000].
+    pub ngram_max_trie_depth: Option<usize>,
+    /// Most n-gram trie nodes kept, least recently used dropped first.
     #[arg(
         long = "speculative-ngram-capacity",
         help_heading = "Speculative decoding"
     )]
-    pub speculative_ngram_capacity: Option<usize>,
+    pub ngram_capacity: Option<usize>,
 }
 
-impl SpeculativeSection {
-    /// Defaults < `file` < `a`, every key filled in.
-    pub fn resolve(f: SpeculativeSection, a: &SpeculativeArgs) -> Self {
+impl Section for SpeculativeSection {
+    fn defaults() -> Self {
         let d = NgramOptions::default();
         let e = SpeculativeConfig::default();
         Self {
-            algorithm: Some(
-                a.speculative_algorithm
-                    .clone()
-                    .or(f.algorithm)
-                    .unwrap_or_else(|| "none".into())
-                    .to_ascii_lowercase(),
-            ),
-            num_draft_tokens: Some(
-                a.speculative_num_draft_tokens
-                    .or(f.num_draft_tokens)
-                    .unwrap_or(e.num_draft_tokens),
-            ),
-            num_steps: Some(
-                a.speculative_num_steps
-                    .or(f.num_steps)
-                    .unwrap_or(e.num_steps),
-            ),
-            draft_model_path: a
-                .speculative_draft_model_path
-                .clone()
-                .or(f.draft_model_path),
-            draft_layers: a.speculative_draft_layers.or(f.draft_layers),
-            eagle_topk: Some(
-                a.speculative_eagle_topk
-                    .or(f.eagle_topk)
-                    .unwrap_or(e.eagle_topk),
-            ),
-            adaptive: Some(!a.disable_speculative_adaptive && f.adaptive.unwrap_or(true)),
-            ngram_min_match_window_size: Some(
-                a.speculative_ngram_min_match_window_size
-                    .or(f.ngram_min_match_window_size)
-                    .unwrap_or(d.min_match_window_size),
-            ),
-            ngram_max_match_window_size: Some(
-                a.speculative_ngram_max_match_window_size
-                    .or(f.ngram_max_match_window_size)
-                    .unwrap_or(d.max_match_window_size),
-            ),
-            ngram_min_bfs_breadth: Some(
-                a.speculative_ngram_min_bfs_breadth
-                    .or(f.ngram_min_bfs_breadth)
-                    .unwrap_or(d.min_bfs_breadth),
-            ),
-            ngram_max_bfs_breadth: Some(
-                a.speculative_ngram_max_bfs_breadth
-                    .or(f.ngram_max_bfs_breadth)
-                    .unwrap_or(d.max_bfs_breadth),
-            ),
-            ngram_match_type: Some(
-                a.speculative_ngram_match_type
-                    .clone()
-                    .or(f.ngram_match_type)
-                    .unwrap_or_else(|| "BFS".into()),
-            ),
-            ngram_max_trie_depth: Some(
-                a.speculative_ngram_max_trie_depth
-                    .or(f.ngram_max_trie_depth)
-                    .unwrap_or(d.max_trie_depth),
-            ),
-            ngram_capacity: Some(
-                a.speculative_ngram_capacity
-                    .or(f.ngram_capacity)
-                    .unwrap_or(d.capacity),
-            ),
+            algorithm: Some("none".into()),
+            num_draft_tokens: Some(e.num_draft_tokens),
+            num_steps: Some(e.num_steps),
+            draft_model_path: None,
+            draft_layers: None,
+            eagle_topk: Some(e.eagle_topk),
+            adaptive: Some(true),
+            disable_speculative_adaptive: false,
+            ngram_min_match_window_size: Some(d.min_match_window_size),
+            ngram_max_match_window_size: Some(d.max_match_window_size),
+            ngram_min_bfs_breadth: Some(d.min_bfs_breadth),
+            ngram_max_bfs_breadth: Some(d.max_bfs_breadth),
+            ngram_match_type: Some("BFS".into()),
+            ngram_max_trie_depth: Some(d.max_trie_depth),
+            ngram_capacity: Some(d.capacity),
         }
     }
 
+    fn fold_flags(&mut self) {
+        if self.disable_speculative_adaptive {
+            self.adaptive = Some(false);
+        }
+    }
+
+    fn settle(&mut self) {
+        if let Some(a) = self.algorithm.as_mut() {
+            *a = a.to_ascii_lowercase();
+        }
+    }
+}
+
+impl SpeculativeSection {
     /// The engine's settings (`None` when off); errors name the flag.
     pub fn to_engine(&self) -> Result<Option<SpeculativeConfig>> {
         let algo = self.algorithm.clone().unwrap_or_else(|| "none".into());
@@ -273,6 +210,7 @@ impl SpeculativeSection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::settings::layered;
 
     #[test]
     fn flags_override_file_and_bad_values_name_the_flag() {
@@ -281,11 +219,11 @@ mod tests {
             num_draft_tokens: Some(4),
             ..Default::default()
         };
-        let a = SpeculativeArgs {
-            speculative_num_draft_tokens: Some(6),
+        let a = SpeculativeSection {
+            num_draft_tokens: Some(6),
             ..Default::default()
         };
-        let s = SpeculativeSection::resolve(file.clone(), &a);
+        let s = layered(file.clone(), &a);
         assert_eq!(s.algorithm.as_deref(), Some("ngram"));
         assert_eq!(s.num_draft_tokens, Some(6));
         if cfg!(feature = "spec-decode") {
@@ -294,38 +232,36 @@ mod tests {
             assert!(c.adaptive);
         }
         for bad in [0usize, 65] {
-            let a = SpeculativeArgs {
-                speculative_num_draft_tokens: Some(bad),
+            let a = SpeculativeSection {
+                num_draft_tokens: Some(bad),
                 ..Default::default()
             };
-            let e = SpeculativeSection::resolve(file.clone(), &a)
-                .to_engine()
-                .expect_err("refused");
+            let e = layered(file.clone(), &a).to_engine().expect_err("refused");
             assert!(e.to_string().contains("--speculative"), "{e}");
         }
-        let a = SpeculativeArgs {
-            speculative_algorithm: Some("EAGLE3".into()),
+        let a = SpeculativeSection {
+            algorithm: Some("EAGLE3".into()),
             ..Default::default()
         };
-        let e = SpeculativeSection::resolve(file, &a)
-            .to_engine()
-            .expect_err("refused");
+        let e = layered(file, &a).to_engine().expect_err("refused");
         assert!(e.to_string().contains("speculative"), "{e}");
-        let off =
-            SpeculativeSection::resolve(SpeculativeSection::default(), &SpeculativeArgs::default());
+        let off = layered(
+            SpeculativeSection::default(),
+            &SpeculativeSection::default(),
+        );
         assert!(off.to_engine().expect("off").is_none());
     }
 
     #[test]
     fn draft_paths_and_layers_go_with_their_algorithms() {
         let with = |algo: &str, path: bool, layers: Option<usize>| {
-            let a = SpeculativeArgs {
-                speculative_algorithm: Some(algo.into()),
-                speculative_draft_model_path: path.then(|| "/models/draft".into()),
-                speculative_draft_layers: layers,
+            let a = SpeculativeSection {
+                algorithm: Some(algo.into()),
+                draft_model_path: path.then(|| "/models/draft".into()),
+                draft_layers: layers,
                 ..Default::default()
             };
-            SpeculativeSection::resolve(SpeculativeSection::default(), &a).to_engine()
+            layered(SpeculativeSection::default(), &a).to_engine()
         };
         if !cfg!(feature = "spec-decode") {
             return;
