@@ -13,7 +13,7 @@ use crate::error::{CoreError, Result};
 use crate::kv::KvCache;
 use crate::lora::LoraSegment;
 use crate::quant::QuantMethod;
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::Tensor;
 use std::sync::Arc;
 
 /// The architecture-independent shape of a loaded model.
@@ -255,13 +255,9 @@ pub trait Model: Send + Sync {
     }
 }
 
-/// Named tensors of a checkpoint, read on demand.
-pub trait WeightSource: Send + Sync {
-    /// Where the weights come from (for error messages).
-    fn describe(&self) -> String;
-    /// The tensor under its Hugging Face name, or `None` when absent.
-    fn tensor(&self, name: &str) -> Result<Option<HostTensor<'_>>>;
-}
+/// Checkpoint tensors: declared beside [`crate::tensor::HostTensor`] (the quantization
+/// methods read them without depending on models).
+pub use crate::tensor::WeightSource;
 
 /// How a model is loaded.
 #[derive(Clone)]

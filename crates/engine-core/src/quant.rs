@@ -22,8 +22,7 @@
 use crate::backend::BackendCapabilities;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::model::WeightSource;
-use crate::tensor::HostTensor;
+use crate::tensor::{HostTensor, WeightSource};
 use std::sync::Arc;
 
 /// One linear layer to load: its tensors are named `{prefix}.<part>`.

@@ -357,3 +357,11 @@ impl<'a> HostTensor<'a> {
         })
     }
 }
+
+/// Named tensors of a checkpoint, read on demand.
+pub trait WeightSource: Send + Sync {
+    /// Where the weights come from (for error messages).
+    fn describe(&self) -> String;
+    /// The tensor under its Hugging Face name, or `None` when absent.
+    fn tensor(&self, name: &str) -> crate::error::Result<Option<HostTensor<'_>>>;
+}
