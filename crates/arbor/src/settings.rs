@@ -100,6 +100,24 @@ pub fn with_defaults_in_help(
     cmd
 }
 
+/// An engine error, with a setting at fault named as the binary takes it:
+/// `[section] key / --flag: reason` (the flag is the `arbor serve`
+/// argument whose id is the key).
+pub fn named_setting(e: arbor_engine_core::CoreError, section: &str) -> anyhow::Error {
+    let arbor_engine_core::CoreError::InvalidSetting { key, reason } = e else {
+        return e.into();
+    };
+    let cmd = crate::cli_command();
+    let flag = cmd
+        .find_subcommand("serve")
+        .and_then(|s| s.get_arguments().find(|a| a.get_id() == key))
+        .and_then(|a| a.get_long());
+    match flag {
+        Some(f) => anyhow::anyhow!("[{section}] {key} / --{f}: {reason}"),
+        None => anyhow::anyhow!("[{section}] {key}: {reason}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -202,7 +202,8 @@ impl SpeculativeSection {
                 capacity: self.ngram_capacity.unwrap_or(d.capacity),
             },
         };
-        c.validate()?;
+        c.validate()
+            .map_err(|e| crate::settings::named_setting(e, "speculative"))?;
         Ok(Some(c))
     }
 }
@@ -237,7 +238,12 @@ mod tests {
                 ..Default::default()
             };
             let e = layered(file.clone(), &a).to_engine().expect_err("refused");
-            assert!(e.to_string().contains("--speculative"), "{e}");
+            assert!(
+                e.to_string().starts_with(
+                    "[speculative] num_draft_tokens / --speculative-num-draft-tokens: must be between 1 and 64"
+                ),
+                "{e}"
+            );
         }
         let a = SpeculativeSection {
             algorithm: Some("EAGLE3".into()),

@@ -23,6 +23,11 @@ pub enum CoreError {
     /// A configuration value is wrong; the message names the key.
     #[error("configuration error: {0}")]
     Config(String),
+    /// An engine setting is out of range: `key` is its configuration name
+    /// (`num_draft_tokens`); the binary adds where it was given (its TOML
+    /// section and flag). `reason` completes a sentence that starts with it.
+    #[error("{key} {reason}")]
+    InvalidSetting { key: &'static str, reason: String },
     /// A named implementation (backend, policy, architecture...) is not registered.
     #[error("no {kind} named '{name}' is registered (available: {available})")]
     NotRegistered {

@@ -7,37 +7,41 @@
 //! logits processors ([`Sampler`], [`LogitsProcessor`]), and prefix caches with
 //! their eviction policies ([`PrefixCache`], [`EvictionPolicy`]), and the KV tiers
 //! below the device ([`KvTier`], [`HostKvPool`]). It depends on no feature crate.
+//!
+//! Modules are grouped in rooms by responsibility, with no import circle
+//! between top-level modules (`python3 scripts/module-cycles.py
+//! crates/engine-core`): `backend` (the device: the `Backend` trait and the
+//! kernel interfaces it serves), `kv` (pages, state slots, the prefix cache
+//! and its tiers), `model` (architectures, quantization, MoE, LoRA),
+//! `sampling`, `parallel` (tensor- and data-parallel executors), `executor`
+//! and `engine` (the scheduler). The old flat paths (`crate::state`,
+//! `crate::tier`, ...) are re-exported.
 
-pub mod attention;
 pub mod backend;
-pub mod columns;
+pub use backend::{attention, columns};
+
 pub mod comm;
 pub mod detok;
-pub mod dp_attention;
 pub mod dtype;
 pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod grammar;
 pub mod kv;
-pub mod logit_edits;
+pub use kv::{namespace, no_prefix_cache, prefix_cache, state, tier};
 mod logprobs;
-pub mod lora;
 pub mod model;
-pub mod moe;
-pub mod no_prefix_cache;
+pub use model::{lora, moe, quant};
 pub mod plugin;
-pub mod prefix_cache;
-pub mod quant;
 pub mod registry;
 pub mod runner;
 pub mod sampling;
+pub use sampling::logit_edits;
+pub mod parallel;
 pub mod speculative;
-pub mod state;
 pub mod step;
+pub use parallel::{dp_attention, tp};
 pub mod tensor;
-pub mod tier;
-pub mod tp;
 
 pub use attention::{
     AttentionBackend, AttentionBatch, AttentionCapabilities, AttentionParams, BatchLayout,
@@ -87,7 +91,7 @@ pub use tp::{TpExecutor, TpRunners};
 pub use inventory;
 
 mod builtins {
-    use crate::no_prefix_cache::NoPrefixCache;
+    use crate::kv::no_prefix_cache::NoPrefixCache;
     use crate::registry::{LogitsProcessorEntry, PrefixCacheEntry, SamplerEntry};
     use crate::sampling::{LogitBiasProcessor, PenaltyProcessor, StandardSampler};
     use std::sync::Arc;

@@ -13,7 +13,7 @@
 #![allow(unsafe_code)]
 
 use crate::error::{CoreError, Result};
-use crate::prefix_cache::{EvictionKey, EvictionPolicy, NodeMeta};
+use crate::kv::prefix_cache::{EvictionKey, EvictionPolicy, NodeMeta};
 use crate::registry::{Origin, Registry};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
 use arbor_plugin_api as api;

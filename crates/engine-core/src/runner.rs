@@ -16,13 +16,13 @@
 //! and what parity tests use; the serving scheduler (continuous batching)
 //! drives [`ModelRunner::step`] directly.
 
-use crate::attention::{AttentionBackend, BatchLayout};
 use crate::backend::Backend;
+use crate::backend::attention::{AttentionBackend, BatchLayout};
 use crate::error::{CoreError, Result};
+use crate::kv::state::{StatePool, StateSlot};
 use crate::kv::{KvCache, KvSpec, PagePool, PageSet};
 use crate::model::{ForwardBatch, ForwardContext, ForwardOutput, Model, ModelSpec};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
-use crate::state::{StatePool, StateSlot};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 

@@ -107,7 +107,7 @@ pub struct SpeculatorInputs {
     /// ranks through it; a draft head on rank 0 (EAGLE, EAGLE3, NEXTN)
     /// reads the whole model's shape and LM head from it. `None` on one
     /// device.
-    pub target_group: Option<Arc<crate::tp::TpRunners>>,
+    pub target_group: Option<Arc<crate::parallel::tp::TpRunners>>,
     /// A separate draft model loaded on the target's device (STANDALONE).
     pub draft_model: Option<Arc<dyn Model>>,
     /// A draft checkpoint that the speculator loads itself (an EAGLE3 head's folder).
@@ -399,55 +399,65 @@ impl Default for SpeculativeConfig {
 }
 
 impl SpeculativeConfig {
-    /// Checks the ranges; errors name SGLang's flags.
+    /// Checks the ranges; errors are [`CoreError::InvalidSetting`] naming
+    /// the setting (the binary adds its flag).
     pub fn validate(&self) -> Result<()> {
+        let bad =
+            |key: &'static str, reason: String| Err(CoreError::InvalidSetting { key, reason });
         if self.num_draft_tokens == 0 || self.num_draft_tokens > MAX_DRAFT_TOKENS {
-            return Err(CoreError::Config(format!(
-                "--speculative-num-draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
-                self.num_draft_tokens
-            )));
+            return bad(
+                "num_draft_tokens",
+                format!(
+                    "must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
+                    self.num_draft_tokens
+                ),
+            );
         }
         if self.num_steps == 0 || self.num_steps > MAX_DRAFT_TOKENS {
-            return Err(CoreError::Config(format!(
-                "--speculative-num-steps must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
-                self.num_steps
-            )));
+            return bad(
+                "num_steps",
+                format!(
+                    "must be between 1 and {MAX_DRAFT_TOKENS}, not {}",
+                    self.num_steps
+                ),
+            );
         }
         if self.eagle_topk == 0 || self.eagle_topk > MAX_EAGLE_TOPK {
-            return Err(CoreError::Config(format!(
-                "--speculative-eagle-topk must be between 1 and {MAX_EAGLE_TOPK}, not {}",
-                self.eagle_topk
-            )));
+            return bad(
+                "eagle_topk",
+                format!(
+                    "must be between 1 and {MAX_EAGLE_TOPK}, not {}",
+                    self.eagle_topk
+                ),
+            );
         }
         if self.draft_layers == Some(0) {
-            return Err(CoreError::Config(
-                "--speculative-draft-layers must be at least 1".into(),
-            ));
+            return bad("draft_layers", "must be at least 1".into());
         }
         let n = &self.ngram;
         if n.min_match_window_size == 0 || n.min_match_window_size > n.max_match_window_size {
-            return Err(CoreError::Config(format!(
-                "--speculative-ngram-min-match-window-size ({}) must be at least 1 and at most \
-                 --speculative-ngram-max-match-window-size ({})",
-                n.min_match_window_size, n.max_match_window_size
-            )));
+            return bad(
+                "ngram_min_match_window_size",
+                format!(
+                    "({}) must be at least 1 and at most ngram_max_match_window_size ({})",
+                    n.min_match_window_size, n.max_match_window_size
+                ),
+            );
         }
         if n.min_bfs_breadth == 0 || n.min_bfs_breadth > n.max_bfs_breadth {
-            return Err(CoreError::Config(format!(
-                "--speculative-ngram-min-bfs-breadth ({}) must be at least 1 and at most \
-                 --speculative-ngram-max-bfs-breadth ({})",
-                n.min_bfs_breadth, n.max_bfs_breadth
-            )));
+            return bad(
+                "ngram_min_bfs_breadth",
+                format!(
+                    "({}) must be at least 1 and at most ngram_max_bfs_breadth ({})",
+                    n.min_bfs_breadth, n.max_bfs_breadth
+                ),
+            );
         }
         if n.max_trie_depth == 0 {
-            return Err(CoreError::Config(
-                "--speculative-ngram-max-trie-depth must be at least 1".into(),
-            ));
+            return bad("ngram_max_trie_depth", "must be at least 1".into());
         }
         if n.capacity == 0 {
-            return Err(CoreError::Config(
-                "--speculative-ngram-capacity must be at least 1".into(),
-            ));
+            return bad("ngram_capacity", "must be at least 1".into());
         }
         Ok(())
     }
@@ -515,16 +525,17 @@ mod tests {
     }
 
     #[test]
-    fn config_ranges_name_the_flags() {
+    fn config_ranges_name_the_setting() {
         let mut c = SpeculativeConfig::default();
         c.validate().unwrap();
         c.num_draft_tokens = 0;
-        assert!(
-            c.validate()
-                .unwrap_err()
-                .to_string()
-                .contains("--speculative-num-draft-tokens")
-        );
+        assert!(matches!(
+            c.validate(),
+            Err(CoreError::InvalidSetting {
+                key: "num_draft_tokens",
+                ..
+            })
+        ));
         c.num_draft_tokens = 65;
         assert!(c.validate().is_err());
         c.num_draft_tokens = 64;

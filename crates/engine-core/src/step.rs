@@ -17,9 +17,9 @@
 
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
-use crate::lora::LoraAdapter;
+use crate::kv::tier::{KvCopyStats, KvTierOps};
+use crate::model::lora::LoraAdapter;
 use crate::sampling::SamplingParams;
-use crate::tier::{KvCopyStats, KvTierOps};
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 

@@ -22,8 +22,8 @@
 
 use super::EngineStats;
 use crate::error::{CoreError, Result};
-use crate::moe::ExpertLoad;
-use crate::prefix_cache::{CacheNamespace, TierStats};
+use crate::kv::prefix_cache::{CacheNamespace, TierStats};
+use crate::model::moe::ExpertLoad;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;

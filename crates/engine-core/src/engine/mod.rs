@@ -31,7 +31,7 @@ pub use policy::SchedulePolicy;
 use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Param, Result};
 use crate::executor::{Executor, LocalExecutor};
-use crate::prefix_cache::{CacheNamespace, PrefixCache};
+use crate::kv::prefix_cache::{CacheNamespace, PrefixCache};
 use crate::runner::ModelRunner;
 use crate::sampling::{LogitsProcessor, Sampler, SamplingParams};
 use crate::speculative::{SpeculativeConfig, Speculator};
@@ -153,7 +153,7 @@ pub struct GenerateRequest {
     /// Constrain the output to a compiled grammar (JSON schema, regex, EBNF...).
     pub grammar: Option<Arc<dyn crate::grammar::CompiledGrammar>>,
     /// Run with this LoRA adapter (`None`: the base model).
-    pub lora: Option<Arc<crate::lora::LoraAdapter>>,
+    pub lora: Option<Arc<crate::model::lora::LoraAdapter>>,
     /// Run on this data-parallel rank (SGLang's `data_parallel_rank`),
     /// bypassing the load balance; `None`: the load balance picks.
     pub data_parallel_rank: Option<usize>,
@@ -383,16 +383,16 @@ pub struct EngineStats {
     /// (mean over the last step's decoding requests).
     pub spec_draft_budget: f64,
     /// The prefix cache's tiers below the device (HiCache).
-    pub tiers: crate::prefix_cache::TierStats,
+    pub tiers: crate::kv::prefix_cache::TierStats,
     /// Copies between device and host the steps ran (HiCache).
-    pub kv_copy: crate::tier::KvCopyStats,
+    pub kv_copy: crate::kv::tier::KvCopyStats,
     /// Most distinct LoRA adapters one step has run with, the base model
     /// counting as one (0 until a request with an adapter arrives); never
     /// above [`EngineConfig::max_loras_per_batch`].
     pub lora_max_step_adapters: usize,
     /// Tokens routed to each expert of each MoE layer since start-up
     /// (refreshed about once a second; empty for a dense model).
-    pub expert_load: Vec<crate::moe::ExpertLoad>,
+    pub expert_load: Vec<crate::model::moe::ExpertLoad>,
 }
 
 /// Everything the engine runs with besides its settings.

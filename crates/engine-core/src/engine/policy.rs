@@ -14,7 +14,7 @@
 
 use super::request::Req;
 use crate::error::{CoreError, Result};
-use crate::prefix_cache::PrefixCache;
+use crate::kv::prefix_cache::PrefixCache;
 use crate::sampling::SeqRng;
 use std::collections::VecDeque;
 use std::str::FromStr;

@@ -19,8 +19,8 @@ use crate::detok::{IncrementalDetokenizer, TokenDecoder};
 use crate::error::{CoreError, Result};
 use crate::grammar::{CompiledGrammar, GrammarMatcher};
 use crate::kv::PageSet;
-use crate::lora::LoraAdapter;
-use crate::prefix_cache::{CacheNamespace, NodeId};
+use crate::kv::prefix_cache::{CacheNamespace, NodeId};
+use crate::model::lora::LoraAdapter;
 use crate::sampling::{SamplingParams, SeqRng};
 use std::sync::Arc;
 use std::time::Instant;
@@ -95,19 +95,19 @@ pub(crate) struct Req {
     /// The recurrent state slot of a model with recurrent layers, held
     /// from admission until the request finishes or is retracted (its
     /// state then restarts from its first token).
-    pub state_slot: Option<crate::state::StateSlot>,
+    pub state_slot: Option<crate::kv::state::StateSlot>,
     /// The snapshot the request's first chunk restores (the cached
     /// prefix's length and its slot), until that chunk has been planned.
-    pub restore: Option<(usize, Arc<crate::state::StateSlot>)>,
+    pub restore: Option<(usize, Arc<crate::kv::state::StateSlot>)>,
     /// The snapshot the step in flight writes (at this many tokens), and the
     /// latest one a finished step wrote (kept in the store when the
     /// request's KV is cached).
-    pub snapshot_next: Option<(usize, crate::state::StateSlot)>,
-    pub snapshot_done: Option<(usize, crate::state::StateSlot)>,
+    pub snapshot_next: Option<(usize, crate::kv::state::StateSlot)>,
+    pub snapshot_done: Option<(usize, crate::kv::state::StateSlot)>,
     /// While drafts are verified: the slots that receive the state after
     /// each draft token's predecessor (slot `j` the state after `j + 1` of
     /// the step's tokens); the accepted one is restored before the next step.
-    pub draft_states: Vec<crate::state::StateSlot>,
+    pub draft_states: Vec<crate::kv::state::StateSlot>,
     /// Finished during this step (the scheduler drops it after the step).
     pub finished: bool,
     // Reporting.

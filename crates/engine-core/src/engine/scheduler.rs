@@ -37,12 +37,12 @@ use crate::detok::TokenDecoder;
 use crate::error::{CoreError, Result};
 use crate::executor::Executor;
 use crate::grammar::TokenBitmask;
+use crate::kv::prefix_cache::PrefixCache;
+use crate::kv::state::StatePool;
 use crate::kv::{PagePool, pages_for};
-use crate::prefix_cache::PrefixCache;
 use crate::runner::is_stop;
 use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
-use crate::state::StatePool;
 
 mod iteration;
 mod refit;
@@ -142,7 +142,7 @@ pub(crate) struct Scheduler {
 /// Which adapter a request runs with, for counting (`None`: the base model).
 type AdapterKey = Option<usize>;
 
-fn adapter_key(lora: &Option<Arc<crate::lora::LoraAdapter>>) -> AdapterKey {
+fn adapter_key(lora: &Option<Arc<crate::model::lora::LoraAdapter>>) -> AdapterKey {
     // The address of the shared adapter: requests of one adapter hold one Arc.
     lora.as_ref().map(|a| Arc::as_ptr(a) as usize)
 }

@@ -35,8 +35,8 @@
 
 use super::{Engine, Msg, data_parallel};
 use crate::error::{CoreError, Result};
-use crate::lora::LoraAdapter;
-use crate::prefix_cache::CacheNamespace;
+use crate::kv::prefix_cache::CacheNamespace;
+use crate::model::lora::LoraAdapter;
 use std::sync::{Arc, mpsc};
 
 /// The KV of a token prefix, in whole pages (see the module doc).

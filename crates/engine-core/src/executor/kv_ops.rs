@@ -16,8 +16,8 @@ use super::LocalExecutor;
 use crate::backend::{HostData, HostRows};
 use crate::error::{CoreError, Result};
 use crate::kv::KvSpec;
+use crate::kv::tier::{CopyDirection, HeldSlots, HostKvPool, KvCopyStats, KvTierOps};
 use crate::step::SeqPlan;
-use crate::tier::{CopyDirection, HeldSlots, HostKvPool, KvCopyStats, KvTierOps};
 use std::sync::Arc;
 
 /// Bytes of one slot row of one shard's tensor (its heads of one token).
@@ -251,7 +251,7 @@ impl<'a> Layout<'a> {
     fn load(
         &self,
         host: &Arc<HostKvPool>,
-        copies: &[crate::tier::PageCopy],
+        copies: &[crate::kv::tier::PageCopy],
     ) -> Result<Option<HeldSlots>> {
         let views = copies
             .iter()

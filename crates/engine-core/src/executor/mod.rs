@@ -30,15 +30,15 @@
 //! drawn from what is left of `p`. The output distribution is then exactly
 //! that of plain sampling.
 
-use crate::attention::BatchLayout;
+use crate::backend::attention::BatchLayout;
 use crate::backend::{Backend, SampleRow};
 use crate::error::Result;
 use crate::kv::KvSpec;
-use crate::logit_edits::{LogitEdits, RowEdits};
 use crate::logprobs::{DeviceLogprobs, RowLogprob};
-use crate::lora::LoraSegment;
+use crate::model::lora::LoraSegment;
 use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
+use crate::sampling::logit_edits::{LogitEdits, RowEdits};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams};
 use crate::step::{
     MaskInput, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput, StepPlan,
@@ -78,7 +78,7 @@ pub trait Executor: Send + Sync {
     }
     /// Tokens routed to each expert of each MoE layer so far (empty for a
     /// dense model).
-    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+    fn expert_load(&self) -> Vec<crate::model::moe::ExpertLoad> {
         Vec::new()
     }
     /// Memory control of RL weight refit, called by the scheduler between
@@ -452,7 +452,7 @@ impl Executor for LocalExecutor {
         self.processors.iter().any(|p| p.is_active(params))
     }
 
-    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+    fn expert_load(&self) -> Vec<crate::model::moe::ExpertLoad> {
         self.runner.model().expert_load()
     }
 

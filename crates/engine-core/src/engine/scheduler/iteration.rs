@@ -25,8 +25,8 @@ use crate::engine::request::Req;
 use crate::error::{CoreError, Result};
 use crate::grammar::TokenBitmask;
 use crate::kv::pages_for;
+use crate::kv::state::StateSlot;
 use crate::speculative::{Draft, Drafting};
-use crate::state::StateSlot;
 use crate::step::{
     MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput,
     StepPlan,

@@ -14,7 +14,7 @@ use crate::engine::refit::{Control, PauseMode, RefitOptions, RefitReport};
 use crate::error::{CoreError, Result};
 use crate::executor::MemoryOp;
 use crate::executor::RankWeights;
-use crate::prefix_cache::CacheNamespace;
+use crate::kv::prefix_cache::CacheNamespace;
 use std::sync::mpsc;
 use std::time::Instant;
 

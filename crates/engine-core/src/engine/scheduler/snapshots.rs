@@ -19,9 +19,9 @@
 
 use super::{PrefillEntry, Scheduler};
 use crate::engine::request::Req;
-use crate::prefix_cache::{CacheNamespace, PrefixMatch};
+use crate::kv::prefix_cache::{CacheNamespace, PrefixMatch};
+use crate::kv::state::{StatePool, StateSlot};
 use crate::speculative::Draft;
-use crate::state::{StatePool, StateSlot};
 use crate::step::{SeqOutput, SeqPlan};
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};

@@ -9,9 +9,9 @@
 use super::Scheduler;
 use crate::engine::transfer::{KvPages, TransferOp};
 use crate::error::{CoreError, Result};
-use crate::prefix_cache::CacheNamespace;
+use crate::kv::prefix_cache::CacheNamespace;
+use crate::kv::tier::{CopyDirection, HostKvPool, KvTierOps, PageCopy, TierIdentity};
 use crate::step::StepPlan;
-use crate::tier::{CopyDirection, HostKvPool, KvTierOps, PageCopy, TierIdentity};
 use std::time::Duration;
 
 impl Scheduler {
@@ -44,7 +44,7 @@ impl Scheduler {
     fn transfer_ready(&self) -> Result<()> {
         if self.cfg.disable_radix_cache {
             return Err(CoreError::invalid(
-                "KV transfer needs the prefix cache (--disable-radix-cache is set)",
+                "KV transfer needs the prefix cache (disable_radix_cache is set)",
             ));
         }
         if self.halted() {

@@ -5,14 +5,21 @@
 //! and a [`WeightSource`] (safetensors files or a GGUF file). A model owns its
 //! weights and nothing else: the KV cache, the batch layout and the attention
 //! implementation arrive as arguments of [`Model::forward`].
+//!
+//! The `model` room also holds what a model's weights are made of:
+//! [`quant`] (quantization methods), [`moe`] (expert routing and sharding)
+//! and [`lora`] (adapters).
 
-use crate::attention::{AttentionBackend, AttentionBatch, BatchLayout};
+pub mod lora;
+pub mod moe;
+pub mod quant;
 use crate::backend::Backend;
+use crate::backend::attention::{AttentionBackend, AttentionBatch, BatchLayout};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::kv::KvCache;
-use crate::lora::LoraSegment;
-use crate::quant::QuantMethod;
+use crate::model::lora::LoraSegment;
+use crate::model::quant::QuantMethod;
 use crate::tensor::Tensor;
 use std::sync::Arc;
 
@@ -59,7 +66,7 @@ pub struct ModelSpec {
     /// layers, kept per sequence in state slots instead of KV pages; `None`
     /// for a model whose every layer is attention. Its layers keep no KV:
     /// the KV cache has [`kv_layers`](Self::kv_layers) layers.
-    pub state: Option<crate::state::StateSpec>,
+    pub state: Option<crate::kv::state::StateSpec>,
 }
 
 impl ModelSpec {
@@ -149,7 +156,7 @@ pub struct ForwardBatch {
     /// layer `i`; `num_layers` is the final normed state the LM head reads.
     pub hidden_layers: Vec<usize>,
     /// LoRA adapters by packed row range (empty: the base model for every
-    /// row); see [`crate::lora`].
+    /// row); see [`crate::model::lora`].
     pub lora: Vec<LoraSegment>,
     /// Run only the first `n` decoder layers, then the final norm and the LM
     /// head (self-speculative layer-skip drafting); `None` runs every layer.
@@ -250,7 +257,7 @@ pub trait Model: Send + Sync {
     }
     /// Tokens routed to each expert of each MoE layer so far (empty for a
     /// dense model).
-    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+    fn expert_load(&self) -> Vec<crate::model::moe::ExpertLoad> {
         Vec::new()
     }
 }
@@ -278,7 +285,7 @@ pub struct ShardSpec {
     /// through it.
     pub comm: Arc<dyn crate::comm::Communicator>,
     /// How the ranks share the routed experts of a MoE model.
-    pub experts: crate::moe::ExpertSharding,
+    pub experts: crate::model::moe::ExpertSharding,
     /// How the ranks share attention.
     pub attention: AttentionSharding,
 }

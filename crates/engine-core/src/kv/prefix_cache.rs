@@ -20,38 +20,11 @@
 //! without tiers keeps the defaults, which do nothing.
 
 use crate::error::Result;
+pub use crate::kv::namespace::CacheNamespace;
+use crate::kv::tier::KvTierOps;
 use crate::kv::{PagePool, PageSet};
-use crate::tier::KvTierOps;
 use std::cmp::Ordering;
 use std::sync::Arc;
-
-/// Requests in different namespaces never share cached KV (LoRA adapter, tenant salt).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CacheNamespace(pub Option<String>);
-
-impl CacheNamespace {
-    /// The namespace of a request with these keys.
-    pub fn new(extra_key: Option<&str>, cache_salt: Option<&str>) -> Self {
-        match (extra_key, cache_salt) {
-            (None, None) => CacheNamespace(None),
-            (a, b) => CacheNamespace(Some(format!(
-                "{}\u{1f}{}",
-                a.unwrap_or_default(),
-                b.unwrap_or_default()
-            ))),
-        }
-    }
-
-    /// This namespace under a LoRA adapter whose files hash to `digest`:
-    /// KV computed with an adapter is reused only by requests with the same
-    /// adapter (and the same keys).
-    pub fn with_adapter(&self, digest: &str) -> Self {
-        CacheNamespace(Some(format!(
-            "lora:{digest}\u{1f}{}",
-            self.0.as_deref().unwrap_or_default()
-        )))
-    }
-}
 
 /// Stable id of a node in a prefix cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

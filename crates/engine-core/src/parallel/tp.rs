@@ -126,7 +126,7 @@ impl Executor for TpExecutor {
     /// every token on every rank when experts are split, each expert's
     /// tokens on its own rank only when they are partitioned; the largest
     /// count is the group's either way.
-    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+    fn expert_load(&self) -> Vec<crate::model::moe::ExpertLoad> {
         group_expert_load(&self.ranks)
     }
 
@@ -224,7 +224,7 @@ fn group_spec(rank: &ModelSpec, world: usize, weight_bytes: u64) -> ModelSpec {
 
 /// A group's expert load from its ranks' counts: per layer and expert, the
 /// largest count (see [`TpExecutor`]'s `expert_load`).
-pub(crate) fn group_expert_load(ranks: &[LocalExecutor]) -> Vec<crate::moe::ExpertLoad> {
+pub(crate) fn group_expert_load(ranks: &[LocalExecutor]) -> Vec<crate::model::moe::ExpertLoad> {
     let Some((first, rest)) = ranks.split_first() else {
         return Vec::new();
     };

@@ -29,9 +29,9 @@
 //! fixed [`TREE_MASK_WORDS`] words, so a tree has at most
 //! [`TREE_MASK_TOKENS`] new tokens there.
 
+use crate::backend::paging::{KvLayer, page_of, pages_for};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::kv::{KvLayer, page_of, pages_for};
 use crate::tensor::Tensor;
 use std::ops::Range;
 use std::sync::Arc;
@@ -192,7 +192,7 @@ impl BatchLayout {
     /// The sequences as a recurrent layer sees them: rows, state slot, and
     /// whether the state starts from zero (the sequence starts at position
     /// 0). Errors unless every sequence has a slot and is a chain.
-    pub fn state_seqs(&self) -> Result<Vec<crate::state::StateSeq>> {
+    pub fn state_seqs(&self) -> Result<Vec<crate::backend::recurrent::StateSeq>> {
         if self.state_slots.len() != self.seqs.len() {
             return Err(CoreError::invalid(format!(
                 "{} state slots for {} sequences of a model with recurrent layers",
@@ -210,7 +210,7 @@ impl BatchLayout {
             .iter()
             .zip(&self.state_slots)
             .enumerate()
-            .map(|(i, (s, &slot))| crate::state::StateSeq {
+            .map(|(i, (s, &slot))| crate::backend::recurrent::StateSeq {
                 rows: s.q_start..s.q_start + s.q_len,
                 slot,
                 fresh: s.prefix_len == 0,

@@ -10,9 +10,13 @@
 //!
 //! Penalties follow vLLM and HF: the repetition penalty covers prompt and
 //! output tokens, frequency and presence penalties cover output tokens only.
+//!
+//! The `sampling` room also holds [`logit_edits`]: the per-row edits
+//! (penalties, bias, grammar masks) any device applies before sampling.
 
+pub mod logit_edits;
 use crate::error::{CoreError, Param, Result};
-use crate::logit_edits::{LogitEdits, RowEdits};
+use crate::sampling::logit_edits::{LogitEdits, RowEdits};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 
@@ -270,7 +274,7 @@ pub trait LogitsProcessor: Send + Sync {
     }
     /// Writes what `process` would do to a row as token edits, so the row
     /// can be edited and sampled where the logits are
-    /// ([`crate::logit_edits`]); gives the row up (the default) when that
+    /// ([`crate::sampling::logit_edits`]); gives the row up (the default) when that
     /// cannot express it, and the row is then processed on the host.
     fn edit(&self, ctx: &LogitsContext<'_>, row: &mut RowEdits) {
         let _ = ctx;

@@ -13,7 +13,13 @@
 //! caller-provided tensors and must not overlap inputs unless an operation
 //! says it works in place.
 
-use crate::attention::AttentionBackend;
+pub mod attention;
+pub mod columns;
+pub mod host_memory;
+pub mod paging;
+pub mod recurrent;
+
+use crate::backend::attention::AttentionBackend;
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
 use crate::tensor::{HostTensor, Tensor};
@@ -427,7 +433,7 @@ pub trait Backend: Send + Sync {
     }
     /// Host memory this device copies from and to fastest (pinned memory on
     /// GPUs), for the host KV tier; `None` when plain memory is as good.
-    fn host_memory(&self) -> Option<Arc<dyn crate::tier::HostMemory>> {
+    fn host_memory(&self) -> Option<Arc<dyn host_memory::HostMemory>> {
         None
     }
     /// Waits for queued work, then copies the view `src` into `dst` (exactly its byte length).
@@ -482,19 +488,19 @@ pub trait Backend: Send + Sync {
     /// heads·a]` and `out` `[t, heads·k]`, a weight `w` `[heads·k, a]`
     /// (latent attention's up-projections). Batch-invariant as `linear`.
     /// This default gathers the heads' rows and runs one `linear` per head
-    /// ([`crate::columns::linear_heads_by_rows`]); a backend may run them
+    /// ([`crate::backend::columns::linear_heads_by_rows`]); a backend may run them
     /// as one batched product.
     fn linear_heads(&self, x: &Tensor, w: &Tensor, heads: usize, out: &Tensor) -> Result<()> {
-        crate::columns::linear_heads_by_rows(self, x, w, heads, out)
+        crate::backend::columns::linear_heads_by_rows(self, x, w, heads, out)
     }
 
     /// `out = [parts[0] | parts[1] | ...]`: f32 tensors of one row count
     /// joined side by side (their widths summing to `out`'s). This default
     /// copies them into one buffer and gathers its rows
-    /// ([`crate::columns::concat_cols_by_rows`]); a backend may write
+    /// ([`crate::backend::columns::concat_cols_by_rows`]); a backend may write
     /// `out`'s column blocks in place.
     fn concat_cols(&self, parts: &[&Tensor], out: &Tensor) -> Result<()> {
-        crate::columns::concat_cols_by_rows(self, parts, out)
+        crate::backend::columns::concat_cols_by_rows(self, parts, out)
     }
 
     /// `out[rows[i]] += scales[i] * x[i]` for each row `i` of `x` (`[n, d]`
@@ -583,17 +589,17 @@ pub trait Backend: Send + Sync {
 
     /// One recurrent layer's token mixing (Gated DeltaNet) over a batch,
     /// reading and updating each sequence's state slot; see
-    /// [`crate::state::GatedDeltaNet`]. This default runs on the host
-    /// ([`crate::state::gated_delta_net_on_host`]); a backend may run the
+    /// [`recurrent::GatedDeltaNet`]. This default runs on the host
+    /// ([`recurrent::gated_delta_net_on_host`]); a backend may run the
     /// same per-token recurrence where the tensors are.
-    fn gated_delta_net(&self, call: &crate::state::GatedDeltaNet<'_>) -> Result<()> {
-        crate::state::gated_delta_net_on_host(self, call)
+    fn gated_delta_net(&self, call: &recurrent::GatedDeltaNet<'_>) -> Result<()> {
+        recurrent::gated_delta_net_on_host(self, call)
     }
 
     /// `out = x * sigmoid(gate)`, elementwise (gated attention's output
     /// gate). This default runs on the host.
     fn sigmoid_mul(&self, gate: &Tensor, x: &Tensor, out: &Tensor) -> Result<()> {
-        crate::state::sigmoid_mul_on_host(self, gate, x, out)
+        recurrent::sigmoid_mul_on_host(self, gate, x, out)
     }
 
     /// Creates one of the attention implementations listed in the capabilities.
@@ -660,14 +666,18 @@ pub trait Backend: Send + Sync {
         self.write(top_logprobs, &vals)
     }
 
-    /// Applies `edits` ([`crate::logit_edits`]) in place to `logits`
+    /// Applies `edits` ([`crate::sampling::logit_edits`]) in place to `logits`
     /// (`[rows, vocab]` f32) before [`Backend::sample`], giving exactly the
     /// bits of [`LogitEdits::apply`] on the host. Devices whose memory is not
     /// host memory edit on the device so that only the edits cross. This
     /// default downloads the logits, edits them and writes them back.
     ///
-    /// [`LogitEdits::apply`]: crate::logit_edits::LogitEdits::apply
-    fn edit_logits(&self, logits: &Tensor, edits: &crate::logit_edits::LogitEdits) -> Result<()> {
+    /// [`LogitEdits::apply`]: crate::sampling::logit_edits::LogitEdits::apply
+    fn edit_logits(
+        &self,
+        logits: &Tensor,
+        edits: &crate::sampling::logit_edits::LogitEdits,
+    ) -> Result<()> {
         if logits.dtype() != DType::F32 {
             return Err(CoreError::invalid(format!("logit edits on {logits:?}")));
         }

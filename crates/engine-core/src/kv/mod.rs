@@ -12,12 +12,24 @@
 //! [`KvDtypeChoice`] is what `--kv-cache-dtype` asks for: one element type,
 //! or `auto`, which [`KvDtypeChoice::resolve`] turns into f16 on the CPU and
 //! f32 on the other devices, with the reason for the start-up summary.
+//!
+//! The `kv` room holds everything the cache keeps, besides this module's
+//! pages: [`state`] (the recurrent state slots of hybrid models),
+//! [`prefix_cache`] (the prefix-cache trait and eviction policies),
+//! [`tier`] (host and storage tiers), [`namespace`] (which requests may
+//! share cached state) and [`no_prefix_cache`]. It depends on the device
+//! room (`crate::backend`) and never the other way.
 
+pub mod namespace;
+pub mod no_prefix_cache;
+pub mod prefix_cache;
+pub mod state;
+pub mod tier;
 use crate::backend::Backend;
+pub use crate::backend::paging::{KvLayer, page_of, pages_for};
 use crate::dtype::DType;
 use crate::error::{CoreError, Result};
-use crate::state::{StateCache, StateSpec};
-use crate::tensor::Tensor;
+use crate::kv::state::{StateCache, StateSpec};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -160,30 +172,6 @@ impl KvDtypeChoice {
     }
 }
 
-/// K and V storage of one layer. With [`KvSpec::values_in_keys`] `v` is
-/// `k` (one buffer), and the attention writes and reads the same rows as
-/// keys and as values.
-#[derive(Clone, Debug)]
-pub struct KvLayer {
-    /// `[slots, kv_heads, head_dim]`.
-    pub k: Tensor,
-    /// `[slots, kv_heads, head_dim]`.
-    pub v: Tensor,
-}
-
-impl KvLayer {
-    /// Whether `v` is `k` (the same buffer and offset: a latent cache).
-    pub fn values_in_keys(&self) -> bool {
-        self.v.buffer_id() == self.k.buffer_id() && self.v.offset() == self.k.offset()
-    }
-
-    /// The tensors this layer stores, each once: K and V, or K alone when
-    /// `v` is `k` (what page copies and transfers move).
-    pub fn stored(&self) -> impl Iterator<Item = &Tensor> {
-        std::iter::once(&self.k).chain((!self.values_in_keys()).then_some(&self.v))
-    }
-}
-
 /// The device storage of the paged KV cache, and of the recurrent state
 /// slots of a hybrid model's recurrent layers ([`StateCache`]) beside it.
 #[derive(Debug)]
@@ -306,24 +294,6 @@ impl KvCache {
 struct PoolState {
     free: Vec<u32>,
     total: usize,
-}
-
-/// The page holding token `t` with pages of `page_size` tokens: a shift for
-/// the usual power-of-two sizes (a division costs tens of cycles, and a
-/// decode step takes a few per request).
-#[inline]
-pub fn page_of(t: usize, page_size: usize) -> usize {
-    if page_size.is_power_of_two() {
-        t >> page_size.trailing_zeros()
-    } else {
-        t / page_size
-    }
-}
-
-/// Pages that hold `tokens` tokens (`tokens.div_ceil(page_size)`, see [`page_of`]).
-#[inline]
-pub fn pages_for(tokens: usize, page_size: usize) -> usize {
-    page_of(tokens + page_size - 1, page_size)
 }
 
 /// Hands out KV page indices. Cloning shares the same pool.

@@ -23,9 +23,10 @@
 //!   step performs, in order, before its forward (on asynchronous devices
 //!   the loads run beside it, layer by layer: `Backend::write_async`).
 
+pub use crate::backend::host_memory::{HostMemory, HostRegion};
 use crate::dtype::DType;
 use crate::kv::KvSpec;
-use crate::prefix_cache::CacheNamespace;
+use crate::kv::namespace::CacheNamespace;
 use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -202,32 +203,6 @@ pub trait KvTier: Send + Sync {
     /// Entries found damaged and removed so far.
     fn corrupt_removed(&self) -> u64 {
         0
-    }
-}
-
-/// Host memory that a device copies from and to fastest (pinned,
-/// page-locked memory on GPUs), for the host tier's pages.
-pub trait HostMemory: Send + Sync {
-    /// A region of `bytes` zeroed bytes, or `None` when none can be had.
-    fn alloc(&self, bytes: usize) -> Option<Box<dyn HostRegion>>;
-    /// What the memory is, for summaries (`pinned`).
-    fn kind(&self) -> &'static str;
-}
-
-/// Bytes from a [`HostMemory`], owned alone; freed on drop.
-pub trait HostRegion: Send + Sync {
-    /// The bytes.
-    fn bytes(&self) -> &[u8];
-    /// The bytes, to write.
-    fn bytes_mut(&mut self) -> &mut [u8];
-}
-
-impl HostRegion for Vec<u8> {
-    fn bytes(&self) -> &[u8] {
-        self
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        self
     }
 }
 

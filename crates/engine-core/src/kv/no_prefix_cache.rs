@@ -8,7 +8,7 @@
 
 use crate::error::{CoreError, Result as CoreResult};
 use crate::kv::PageSet;
-use crate::prefix_cache::{
+use crate::kv::prefix_cache::{
     CacheNamespace, InsertOutcome, NodeId, PrefixCache, PrefixCacheOptions, PrefixCacheStats,
     PrefixMatch,
 };

@@ -20,7 +20,7 @@
 //! finished and the leader closes the step on every path, unwinding
 //! included.
 
-use crate::attention::BatchLayout;
+use crate::backend::attention::BatchLayout;
 use crate::comm::Communicator;
 use crate::error::{CoreError, Result};
 use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor};
@@ -68,7 +68,7 @@ impl DpAttentionGroup {
                 "a data-parallel attention group of no ranks",
             ));
         }
-        crate::tp::check_group(&comms, n)?;
+        crate::parallel::tp::check_group(&comms, n)?;
         Ok(Arc::new(Self {
             ranks,
             comms,
@@ -343,10 +343,10 @@ impl Executor for DpAttentionRank {
     /// of every rank that its shard computed; the largest count is the
     /// group's); the other ranks report none, so that the engine's sum over
     /// its ranks counts each token once.
-    fn expert_load(&self) -> Vec<crate::moe::ExpertLoad> {
+    fn expert_load(&self) -> Vec<crate::model::moe::ExpertLoad> {
         if self.rank != 0 {
             return Vec::new();
         }
-        crate::tp::group_expert_load(&self.group.ranks)
+        crate::parallel::tp::group_expert_load(&self.group.ranks)
     }
 }
