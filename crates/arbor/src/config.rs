@@ -66,6 +66,11 @@ pub struct ModelSection {
     /// Largest decode batch run as a CUDA graph [default: max-running-requests].
     #[arg(long, help_heading = "Model")]
     pub cuda_graph_max_bs: Option<usize>,
+    /// Accepted for SGLang's commands: Arbor runs no code from a checkpoint
+    /// (every architecture is its own), so this changes nothing; the
+    /// summary says so.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Model")]
+    pub trust_remote_code: Option<bool>,
 }
 
 impl Section for ModelSection {
@@ -78,6 +83,7 @@ impl Section for ModelSection {
             cpu_quant_matmul: Some("f32".into()),
             mamba_ssm_dtype: Some("float32".into()),
             disable_cuda_graph: Some(false),
+            trust_remote_code: Some(false),
             ..Default::default()
         }
     }
@@ -153,6 +159,11 @@ pub struct SchedulerSection {
     /// Tokens per KV page.
     #[arg(long, help_heading = "Scheduler")]
     pub page_size: Option<usize>,
+    /// Accepted for SGLang's commands: Arbor's output is batch-invariant
+    /// (greedy tokens do not depend on batching, caching or chunking)
+    /// whatever this says; the summary says so.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Scheduler")]
+    pub enable_deterministic_inference: Option<bool>,
     /// Admit the next batch (and fill grammar masks) while the forward runs
     /// [default: on for asynchronous devices, off on the CPU]. Flags:
     /// --enable-overlap-schedule, --disable-overlap-schedule.
@@ -183,6 +194,7 @@ impl Section for SchedulerSection {
             schedule_conservativeness: Some(1.0),
             enable_mixed_chunk: Some(false),
             page_size: Some(16),
+            enable_deterministic_inference: Some(false),
             ..Default::default()
         }
     }

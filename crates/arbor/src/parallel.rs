@@ -56,14 +56,14 @@ pub struct ParallelSection {
     /// Tensor-parallel ranks (CPU: in-process ranks on split cores).
     #[arg(
         long,
-        visible_alias = "tensor-parallel-size",
+        visible_aliases = ["tp", "tensor-parallel-size"],
         help_heading = "Parallelism"
     )]
     pub tp_size: Option<usize>,
     /// Expert-parallel ranks of a MoE model: 1, or equal to --tp-size.
     #[arg(
         long,
-        visible_alias = "expert-parallel-size",
+        visible_aliases = ["ep", "expert-parallel-size"],
         help_heading = "Parallelism"
     )]
     pub ep_size: Option<usize>,
@@ -84,7 +84,7 @@ pub struct ParallelSection {
     /// KV cache (CPU: on split cores).
     #[arg(
         long,
-        visible_alias = "data-parallel-size",
+        visible_aliases = ["dp", "data-parallel-size"],
         help_heading = "Parallelism"
     )]
     pub dp_size: Option<usize>,

@@ -511,6 +511,23 @@ impl Summary<'_> {
         }
     }
 
+    /// What the flags SGLang's commands carry and Arbor accepts without
+    /// effect mean here.
+    fn compat_notes(&self) -> Vec<&'static str> {
+        let mut notes = Vec::new();
+        if self.cfg.model.trust_remote_code == Some(true) {
+            notes.push(
+                "--trust-remote-code: no checkpoint code runs; every architecture is Arbor's own",
+            );
+        }
+        if self.cfg.scheduler.enable_deterministic_inference == Some(true) {
+            notes.push(
+                "--enable-deterministic-inference: output is batch-invariant by default (greedy tokens do not depend on batching, caching or chunking)",
+            );
+        }
+        notes
+    }
+
     /// Prints the summary on stdout (before the `listening on` line).
     fn print(&self) -> Result<()> {
         let (spec, model_args, engine_cfg, opts) = (self.spec, self.model, self.engine, self.opts);
@@ -546,6 +563,9 @@ impl Summary<'_> {
             mib(kv_bytes),
             self.kv_note
         );
+        for note in self.compat_notes() {
+            println!("  note:       {note}");
+        }
         println!(
             "  scheduler:  max_running_requests {}, max_prefill_tokens {}, chunked_prefill_size {}, policy {}, mixed chunk {}, overlap schedule {}",
             engine_cfg.max_running_requests,

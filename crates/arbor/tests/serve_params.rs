@@ -91,6 +91,8 @@ async fn every_refused_parameter_is_named_on_every_route() -> Result<()> {
         ("logit_bias", vec![("logit_bias", json!({"abc": 1}))]),
         ("stop", vec![("stop", json!([""]))]),
         ("stop", vec![("stop", json!(7))]),
+        ("stop_regex", vec![("stop_regex", json!("(unclosed"))]),
+        ("stop_regex", vec![("stop_regex", json!([1]))]),
         ("stop_token_ids", vec![("stop_token_ids", json!([999999]))]),
         ("stop_token_ids", vec![("stop_token_ids", json!("x"))]),
         ("n", vec![("n", json!(0))]),
@@ -137,4 +139,180 @@ async fn every_refused_parameter_is_named_on_every_route() -> Result<()> {
     )
     .await?;
     assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// `/tokenize` and `/detokenize` (and their `/v1/` forms) in SGLang's
+/// shapes: the ids equal transformers' (the fixture's reference), a list of
+/// prompts gives lists, decoding gives transformers' text back, and bad
+/// input is a 400 naming its field.
+#[tokio::test]
+async fn tokenize_and_detokenize_match_transformers() -> Result<()> {
+    let s = Server::tiny(&["--served-model-name", "tiny"])?;
+    let c = client();
+    let reference = reference_json(&fixture("tiny-llama"))?;
+    let prompts = reference["prompts"].as_array().cloned().unwrap_or_default();
+    ensure!(prompts.len() >= 2, "the fixture has prompts");
+    for path in ["/tokenize", "/v1/tokenize"] {
+        let p = &prompts[0];
+        let v = post_ok(
+            &c,
+            &s.url(path),
+            &json!({"prompt": p["text"], "model": "tiny"}),
+        )
+        .await?;
+        ensure!(
+            v["tokens"] == p["input_ids"],
+            "{path}: {v} vs {}",
+            p["input_ids"]
+        );
+        ensure!(v["count"] == json!(p["input_ids"].as_array().map_or(0, Vec::len)));
+        ensure!(v["max_model_len"].as_u64() > Some(0), "{v}");
+        let texts: Vec<Value> = prompts.iter().map(|p| p["text"].clone()).collect();
+        let v = post_ok(&c, &s.url(path), &json!({"prompt": texts})).await?;
+        for (i, p) in prompts.iter().enumerate() {
+            ensure!(
+                v["tokens"][i] == p["input_ids"],
+                "{path} list item {i}: {v}"
+            );
+        }
+        // Without special tokens the BOS the reference adds is left out.
+        let v = post_ok(
+            &c,
+            &s.url(path),
+            &json!({"prompt": p["text"], "add_special_tokens": false}),
+        )
+        .await?;
+        let ids = p["input_ids"].as_array().cloned().unwrap_or_default();
+        ensure!(
+            v["tokens"].as_array().map(Vec::len) == Some(ids.len() - 1),
+            "{v}"
+        );
+    }
+    for path in ["/detokenize", "/v1/detokenize"] {
+        let p = &prompts[0];
+        let v = post_ok(
+            &c,
+            &s.url(path),
+            &json!({"tokens": p["greedy_ids"], "skip_special_tokens": false}),
+        )
+        .await?;
+        ensure!(v["text"] == p["greedy_text"], "{path}: {v}");
+        let lists: Vec<Value> = prompts.iter().map(|p| p["greedy_ids"].clone()).collect();
+        let v = post_ok(
+            &c,
+            &s.url(path),
+            &json!({"tokens": lists, "skip_special_tokens": false}),
+        )
+        .await?;
+        for (i, p) in prompts.iter().enumerate() {
+            ensure!(
+                v["text"][i] == p["greedy_text"],
+                "{path} list item {i}: {v}"
+            );
+        }
+    }
+    let bad: Vec<(&str, Value, u16, &str)> = vec![
+        ("/tokenize", json!({}), 400, "prompt"),
+        ("/tokenize", json!({"prompt": 5}), 400, "prompt"),
+        ("/tokenize", json!({"prompt": ["a", 1]}), 400, "prompt"),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "add_special_tokens": "yes"}),
+            400,
+            "add_special_tokens",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "frobnicate": 1}),
+            400,
+            "frobnicate",
+        ),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "model": "gpt-4"}),
+            404,
+            "model",
+        ),
+        ("/detokenize", json!({}), 400, "tokens"),
+        ("/detokenize", json!({"tokens": [1, "x"]}), 400, "tokens"),
+        ("/detokenize", json!({"tokens": [999999]}), 400, "tokens"),
+        (
+            "/detokenize",
+            json!({"tokens": [[1], [999999]]}),
+            400,
+            "tokens",
+        ),
+    ];
+    for (path, body, status, param) in bad {
+        let (st, v) = post(&c, &s.url(path), &body).await?;
+        ensure!(
+            st == status && v["error"]["param"] == param,
+            "{path} {body}: got {st} {v}, want {status} naming {param}"
+        );
+    }
+    assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// `stop_regex` over HTTP: the output ends where its text first matches the
+/// pattern, on the native and the OpenAI routes, and the finish names it.
+#[tokio::test]
+async fn stop_regex_ends_the_output_where_the_text_matches() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let g = s.url("/generate");
+    let free = post_ok(
+        &c,
+        &g,
+        &json!({"text": "The radix cache is",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0}}),
+    )
+    .await?;
+    let text = free["text"].as_str().unwrap_or_default().to_string();
+    let chars: Vec<char> = text.chars().collect();
+    ensure!(chars.len() > 8, "{free}");
+    // Two characters from the middle of the free text, as a regex.
+    let probe: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let pattern = regex_escape(&probe);
+    let v = post_ok(
+        &c,
+        &g,
+        &json!({"text": "The radix cache is",
+        "sampling_params": {"max_new_tokens": 24, "temperature": 0, "stop_regex": pattern}}),
+    )
+    .await?;
+    let stopped = v["text"].as_str().unwrap_or_default();
+    ensure!(
+        stopped.contains(&probe) && text.starts_with(stopped),
+        "{stopped:?} in {text:?}"
+    );
+    ensure!(stopped.len() < text.len(), "stopped early: {stopped:?}");
+    ensure!(
+        meta(&v)["finish_reason"] == json!({"type": "stop", "matched": pattern}),
+        "{v}"
+    );
+    let v = post_ok(
+        &c,
+        &s.url("/v1/completions"),
+        &json!({"prompt": "The radix cache is",
+        "max_tokens": 24, "temperature": 0, "stop_regex": [pattern]}),
+    )
+    .await?;
+    ensure!(v["choices"][0]["text"] == stopped, "{v}");
+    ensure!(v["choices"][0]["finish_reason"] == "stop", "{v}");
+    assert_no_leak(&c, &s, "arbor", None).await
+}
+
+/// The pattern that matches `s` literally.
+fn regex_escape(s: &str) -> String {
+    s.chars()
+        .map(|ch| {
+            if "\\.+*?()|[]{}^$#&-~".contains(ch) {
+                format!("\\{ch}")
+            } else if ch.is_control() || !ch.is_ascii() {
+                format!("\\x{{{:x}}}", ch as u32)
+            } else {
+                ch.to_string()
+            }
+        })
+        .collect()
 }

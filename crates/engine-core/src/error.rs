@@ -82,6 +82,7 @@ pub enum Param {
     PresencePenalty,
     LogitBias,
     Stop,
+    StopRegex,
     StopTokenIds,
     N,
     TopLogprobsNum,
@@ -94,7 +95,7 @@ pub enum Param {
 
 impl Param {
     /// Every parameter, for tables keyed by it.
-    pub const ALL: [Param; 19] = [
+    pub const ALL: [Param; 20] = [
         Param::InputIds,
         Param::MaxNewTokens,
         Param::MinNewTokens,
@@ -107,6 +108,7 @@ impl Param {
         Param::PresencePenalty,
         Param::LogitBias,
         Param::Stop,
+        Param::StopRegex,
         Param::StopTokenIds,
         Param::N,
         Param::TopLogprobsNum,
@@ -131,6 +133,7 @@ impl Param {
             Param::PresencePenalty => "presence_penalty",
             Param::LogitBias => "logit_bias",
             Param::Stop => "stop",
+            Param::StopRegex => "stop_regex",
             Param::StopTokenIds => "stop_token_ids",
             Param::N => "n",
             Param::TopLogprobsNum => "top_logprobs_num",

@@ -573,6 +573,50 @@ fn stop_conditions() -> Result<()> {
         text[..text.find(&stop).expect("stop") + stop.len()]
     );
 
+    // stop_regex ends the request at the first token whose text matches a
+    // pattern (SGLang's check); the text is kept whole and the finish names
+    // the pattern.
+    let pattern = format!(
+        "{}[^\n]?",
+        regex::escape(&stop.chars().take(2).collect::<String>())
+    );
+    let re = regex::Regex::new(&pattern)?;
+    let k = (1..=free.len())
+        .find(|&k| {
+            arbor_engine_core::TokenDecoder::decode(&**tok, &free[..k], true)
+                .is_ok_and(|t| re.is_match(&t))
+        })
+        .expect("the pattern matches the free text");
+    let params = SamplingParams {
+        stop_regex: vec![pattern.clone()],
+        ..greedy(20)
+    };
+    let chunks = e
+        .submit(GenerateRequest::new(p.clone(), params))?
+        .collect_blocking();
+    let streamed: String = chunks.iter().map(|c| c.text.as_str()).collect();
+    let f = chunks
+        .last()
+        .and_then(|c| c.finish.clone())
+        .expect("finish");
+    assert_eq!(f.matched, Some(Matched::Regex(pattern.clone())));
+    assert_eq!(tokens_of(&chunks), free[..k].to_vec());
+    assert_eq!(
+        streamed,
+        arbor_engine_core::TokenDecoder::decode(&**tok, &free[..k], true)?
+    );
+    // A pattern that does not compile is refused, naming the parameter.
+    let bad = SamplingParams {
+        stop_regex: vec!["(".into()],
+        ..greedy(20)
+    };
+    match e.submit(GenerateRequest::new(p.clone(), bad)) {
+        Err(arbor_engine_core::CoreError::InvalidParam { param, .. }) => {
+            assert_eq!(param, arbor_engine_core::Param::StopRegex)
+        }
+        other => panic!("expected a refused stop_regex, got {:?}", other.err()),
+    }
+
     // max_new_tokens = 0 only fills the cache.
     let chunks = e
         .submit(GenerateRequest::new(p.clone(), greedy(0)))?

@@ -39,6 +39,7 @@ pub mod refit;
 mod run;
 mod sse;
 mod state;
+mod tokenize;
 
 pub use error::ApiError;
 pub use state::ServerOptions;
@@ -162,6 +163,30 @@ fn routes() -> Vec<Route> {
             "GET",
             "The served model and its LoRA adapters.",
             get(openai::models),
+        ),
+        r(
+            "/tokenize",
+            "POST",
+            "Token ids of a prompt or a list of prompts (SGLang's shape).",
+            post(tokenize::tokenize),
+        ),
+        r(
+            "/v1/tokenize",
+            "POST",
+            "Same as `/tokenize`.",
+            post(tokenize::tokenize),
+        ),
+        r(
+            "/detokenize",
+            "POST",
+            "Text of token ids or of a list of id lists.",
+            post(tokenize::detokenize),
+        ),
+        r(
+            "/v1/detokenize",
+            "POST",
+            "Same as `/detokenize`.",
+            post(tokenize::detokenize),
         ),
         r(
             "/v1/models/{id}",

@@ -68,6 +68,7 @@ impl Dialect {
             (_, Param::PresencePenalty) => &["presence_penalty"],
             (_, Param::LogitBias) => &["logit_bias"],
             (_, Param::Stop) => &["stop"],
+            (_, Param::StopRegex) => &["stop_regex"],
             (_, Param::StopTokenIds) => &["stop_token_ids"],
             (_, Param::N) => &["n"],
             (_, Param::TopLogprobsNum) => &["top_logprobs_num"],
@@ -145,6 +146,9 @@ pub(crate) fn sampling(
     }
     if let Some(x) = f.stop(key(Param::Stop))? {
         p.stop = x;
+    }
+    if let Some(x) = f.stop(key(Param::StopRegex))? {
+        p.stop_regex = x;
     }
     if let Some(x) = f.get::<Vec<u32>>(key(Param::StopTokenIds))? {
         p.stop_token_ids = x;

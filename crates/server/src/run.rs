@@ -305,7 +305,7 @@ pub(crate) fn openai_finish_reason(f: &Finish) -> &'static str {
 pub(crate) fn matched_value(f: &Finish) -> serde_json::Value {
     match &f.matched {
         Some(Matched::Token(t)) => serde_json::json!(t),
-        Some(Matched::Text(s)) => serde_json::json!(s),
+        Some(Matched::Text(s) | Matched::Regex(s)) => serde_json::json!(s),
         None => serde_json::Value::Null,
     }
 }

@@ -220,6 +220,8 @@ pub enum Matched {
     Token(u32),
     /// A stop string.
     Text(String),
+    /// A `stop_regex` pattern the output text matched.
+    Regex(String),
 }
 
 /// How a request ended.

@@ -80,6 +80,8 @@ pub(crate) struct Req {
     pub given_first: Option<u32>,
     /// What the request is for; its token budget is [`Req::token_limit`].
     pub kind: RequestKind,
+    /// `stop_regex`, compiled once (checked by `Engine::submit`).
+    stop_regex: Vec<regex::Regex>,
     /// Samples that wait for this prefix-only request.
     pub followers: Vec<Req>,
     // KV state.
@@ -146,6 +148,10 @@ impl Req {
             Some(g) => Some(g.matcher().map_err(CoreError::from)?),
             None => None,
         };
+        let stop_regex = r
+            .params
+            .stop_regexes()
+            .map_err(|e| CoreError::param(crate::error::Param::StopRegex, e))?;
         let ctx_start = r.input_ids.len().saturating_sub(5);
         let detok =
             IncrementalDetokenizer::new(&r.input_ids[ctx_start..], r.params.skip_special_tokens);
@@ -172,6 +178,7 @@ impl Req {
             mask_error: None,
             given_first: r.first_token,
             kind: r.kind,
+            stop_regex,
             followers: Vec::new(),
             node: None,
             node_len: 0,
@@ -245,6 +252,7 @@ impl Req {
             mask_error: None,
             given_first: None,
             kind: self.kind,
+            stop_regex: self.stop_regex.clone(),
             followers: Vec::new(),
             node: None,
             node_len: 0,
@@ -456,7 +464,25 @@ impl Req {
                 return Some(Finish::aborted(super::AbortCause::Failed, e.to_string()));
             }
         }
-        self.match_stop_string()
+        self.match_stop_string().or_else(|| self.match_stop_regex())
+    }
+
+    /// The first `stop_regex` pattern the output text matches (SGLang's
+    /// check): the text is kept whole and the finish names the pattern.
+    fn match_stop_regex(&self) -> Option<Finish> {
+        if self.stop_regex.is_empty() || self.output.len() < self.params.min_new_tokens {
+            return None;
+        }
+        let hit = self
+            .stop_regex
+            .iter()
+            .position(|r| r.is_match(&self.text))?;
+        Some(Finish {
+            kind: FinishKind::Stop,
+            matched: Some(Matched::Regex(self.params.stop_regex[hit].clone())),
+            message: None,
+            cause: None,
+        })
     }
 
     fn match_stop_string(&mut self) -> Option<Finish> {

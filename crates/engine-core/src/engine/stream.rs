@@ -219,7 +219,7 @@ impl ChunkReceiver {
 /// Whether the scheduler detokenizes a request (it must see the text of
 /// one with stop strings); otherwise the reader does ([`StreamText`]).
 pub(crate) fn scheduler_makes_text(params: &crate::sampling::SamplingParams) -> bool {
-    !params.stop.is_empty()
+    !params.stop.is_empty() || !params.stop_regex.is_empty()
 }
 
 /// The reader's detokenizer, for the requests whose chunks carry ids only:

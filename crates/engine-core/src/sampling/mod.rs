@@ -49,6 +49,10 @@ pub struct SamplingParams {
     pub logit_bias: BTreeMap<u32, f32>,
     /// Stop strings.
     pub stop: Vec<String>,
+    /// Stop when the output text matches one of these regular expressions
+    /// (SGLang's `stop_regex`; the text is kept whole, and the finish names
+    /// the pattern).
+    pub stop_regex: Vec<String>,
     /// Stop token ids (besides the model's EOS ids).
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past EOS.
@@ -77,6 +81,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             logit_bias: BTreeMap::new(),
             stop: Vec::new(),
+            stop_regex: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             skip_special_tokens: true,
@@ -95,6 +100,19 @@ impl SamplingParams {
             temperature: 0.0,
             ..Default::default()
         }
+    }
+
+    /// The compiled `stop_regex` patterns; the error says which one fails and why.
+    pub fn stop_regexes(&self) -> std::result::Result<Vec<regex::Regex>, String> {
+        self.stop_regex
+            .iter()
+            .map(|p| {
+                regex::RegexBuilder::new(p)
+                    .size_limit(1 << 20)
+                    .build()
+                    .map_err(|e| format!("has an invalid pattern {p:?}: {e}"))
+            })
+            .collect()
     }
 
     /// True when sampling reduces to argmax.
@@ -183,6 +201,18 @@ impl SamplingParams {
                     self.stop.len()
                 ),
             );
+        }
+        if self.stop_regex.len() > MAX_STOP_STRINGS {
+            return bad(
+                Param::StopRegex,
+                format!(
+                    "holds {} patterns; at most {MAX_STOP_STRINGS}",
+                    self.stop_regex.len()
+                ),
+            );
+        }
+        if let Err(e) = self.stop_regexes() {
+            return bad(Param::StopRegex, e);
         }
         if self.logit_bias.values().any(|v| !v.is_finite()) {
             return bad(Param::LogitBias, "values must be finite".into());
