@@ -316,3 +316,77 @@ fn regex_escape(s: &str) -> String {
         })
         .collect()
 }
+
+/// `chat_template_kwargs` reaches the chat template: a Qwen3-style template
+/// (thinking switched off with `enable_thinking: false`, as Qwen3's
+/// published template does) prompts with the empty think block only when
+/// asked; bad arguments are a 400 naming the field.
+#[tokio::test]
+async fn chat_template_kwargs_reach_the_template() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let src = std::path::PathBuf::from(fixture("tiny-qwen2"));
+    for entry in std::fs::read_dir(&src)? {
+        let entry = entry?;
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name()))?;
+    }
+    let cfg_path = dir.path().join("tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;
+    cfg["chat_template"] = json!(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n\
+         {% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    );
+    std::fs::write(&cfg_path, serde_json::to_string(&cfg)?)?;
+    let model = dir.path().display().to_string();
+    let s = Server::start(&[
+        "--model-path",
+        &model,
+        "--port",
+        "0",
+        "--threads",
+        "1",
+        "--max-total-tokens",
+        "4096",
+        "--enable-metrics",
+    ])?;
+    let c = client();
+    let url = s.url("/v1/chat/completions");
+    let ask = |kwargs: Option<Value>| {
+        let mut body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0});
+        if let Some(k) = kwargs {
+            body["chat_template_kwargs"] = k;
+        }
+        body
+    };
+    let prompt_tokens = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    let plain = prompt_tokens(&post_ok(&c, &url, &ask(None)).await?);
+    let thinking =
+        prompt_tokens(&post_ok(&c, &url, &ask(Some(json!({"enable_thinking": true})))).await?);
+    let off =
+        prompt_tokens(&post_ok(&c, &url, &ask(Some(json!({"enable_thinking": false})))).await?);
+    ensure!(plain > 0 && thinking == plain, "{plain} vs {thinking}");
+    // The empty think block adds its tokens to the prompt.
+    let block = post_ok(
+        &c,
+        &s.url("/tokenize"),
+        &json!({"prompt": "<think>\n\n</think>\n\n", "add_special_tokens": false}),
+    )
+    .await?;
+    let block_len = block["count"].as_u64().unwrap_or(0);
+    ensure!(
+        off > plain && off <= plain + block_len + 1,
+        "{plain} -> {off} (block {block_len})"
+    );
+    for bad in [
+        json!(5),
+        json!({"messages": []}),
+        json!({"add_generation_prompt": false}),
+    ] {
+        let (st, v) = post(&c, &url, &ask(Some(bad.clone()))).await?;
+        ensure!(
+            st == 400 && v["error"]["param"] == "chat_template_kwargs",
+            "{bad}: {st} {v}"
+        );
+    }
+    assert_no_leak(&c, &s, "arbor", None).await
+}

@@ -161,24 +161,104 @@ impl ChatTemplate {
         eos_token: Option<&str>,
         tools: Option<&Value>,
     ) -> Result<String> {
+        let vars = TemplateVars {
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            tools,
+            extra: None,
+        };
+        self.render_with(messages, &vars)
+    }
+
+    /// Renders `messages` with `vars`, whose `extra` variables (a request's
+    /// `chat_template_kwargs`, such as Qwen3's `enable_thinking`) the
+    /// template sees beside the standard ones. An extra variable may not
+    /// take a standard one's name ([`RESERVED_TEMPLATE_VARS`]).
+    pub fn render_with(&self, messages: &[ChatMessage], vars: &TemplateVars<'_>) -> Result<String> {
         let tmpl = self
             .env
             .get_template("chat")
             .map_err(|e| CoreError::Internal(format!("chat template: {e}")))?;
+        let extra = match vars.extra {
+            Some(m) => {
+                if let Some(k) = m
+                    .keys()
+                    .find(|k| RESERVED_TEMPLATE_VARS.contains(&k.as_str()))
+                {
+                    return Err(CoreError::invalid(format!(
+                        "chat template argument '{k}' is set by the request itself"
+                    )));
+                }
+                JValue::from_serialize(m)
+            }
+            None => JValue::from(()),
+        };
         tmpl.render(context! {
             messages => JValue::from_serialize(messages),
-            add_generation_prompt => add_generation_prompt,
-            bos_token => bos_token.unwrap_or_default(),
-            eos_token => eos_token.unwrap_or_default(),
-            tools => tools.map(JValue::from_serialize),
+            add_generation_prompt => vars.add_generation_prompt,
+            bos_token => vars.bos_token.unwrap_or_default(),
+            eos_token => vars.eos_token.unwrap_or_default(),
+            tools => vars.tools.map(JValue::from_serialize),
+            ..extra
         })
         .map_err(|e| CoreError::invalid(format!("chat template failed: {e}")))
     }
 }
 
+/// The variables every template render sets; a request's extra arguments
+/// may not take these names.
+pub const RESERVED_TEMPLATE_VARS: [&str; 5] = [
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+];
+
+/// What a chat template renders with besides the messages.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TemplateVars<'a> {
+    pub add_generation_prompt: bool,
+    pub bos_token: Option<&'a str>,
+    pub eos_token: Option<&'a str>,
+    pub tools: Option<&'a Value>,
+    /// A request's own variables (`chat_template_kwargs`).
+    pub extra: Option<&'a serde_json::Map<String, Value>>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Qwen3's published template ends so: thinking is switched off per
+    /// request with `chat_template_kwargs: {"enable_thinking": false}`.
+    #[test]
+    fn request_arguments_reach_the_template() {
+        let src = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}";
+        let t = ChatTemplate::new(src).unwrap();
+        let msgs = [ChatMessage::new("user", "Hi")];
+        let render = |extra: Option<serde_json::Value>| {
+            let map = extra.and_then(|v| v.as_object().cloned());
+            let vars = TemplateVars {
+                add_generation_prompt: true,
+                extra: map.as_ref(),
+                ..Default::default()
+            };
+            t.render_with(&msgs, &vars)
+        };
+        let plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(render(None).unwrap(), plain);
+        assert_eq!(
+            render(Some(serde_json::json!({"enable_thinking": true}))).unwrap(),
+            plain
+        );
+        assert_eq!(
+            render(Some(serde_json::json!({"enable_thinking": false}))).unwrap(),
+            format!("{plain}<think>\n\n</think>\n\n")
+        );
+        assert!(render(Some(serde_json::json!({"messages": []}))).is_err());
+    }
 
     #[test]
     fn chatml_template_renders() {

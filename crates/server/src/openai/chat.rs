@@ -25,7 +25,7 @@ use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
 use arbor_engine_core::engine::TokenLogprob;
-use arbor_models::ChatMessage;
+use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
@@ -147,6 +147,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, i64::from(u32::MAX))?.unwrap_or(0) as usize;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let template_kwargs = template_kwargs(&mut f)?;
     let (tool_mode, template_tools) = tool_mode(&mut f, &mut constraint)?;
     // SGLang's switches of the reasoning parser (both on by default).
     let separate_reasoning = f.bool("separate_reasoning")?.unwrap_or(true);
@@ -155,7 +156,14 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let bootstrap = crate::disagg::bootstrap_fields(&mut f, 1)?;
     f.finish_lenient()?;
 
-    let ids = prompt_ids(&st, &msgs, add_generation_prompt, template_tools.as_ref())?;
+    let vars = TemplateVars {
+        add_generation_prompt,
+        bos_token: st.tokenizer.bos_token.as_deref(),
+        eos_token: st.tokenizer.eos_token.as_deref(),
+        tools: template_tools.as_ref(),
+        extra: template_kwargs.as_ref(),
+    };
+    let ids = prompt_ids(&st, &msgs, &vars)?;
     params.max_new_tokens = match max_tokens {
         Some(m) => m,
         None => st.max_sequence_tokens().saturating_sub(ids.len()).max(1),
@@ -270,7 +278,6 @@ fn refuse_unsupported(f: &mut Fields) -> Result<(), ApiError> {
     f.ignore("reasoning_effort");
     for (k, what) in [
         ("continue_final_message", "continuing the final message"),
-        ("chat_template_kwargs", "chat template arguments"),
         ("functions", "function calling"),
         ("function_call", "function calling"),
         ("audio", "audio output"),
@@ -290,12 +297,39 @@ fn refuse_unsupported(f: &mut Fields) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// `chat_template_kwargs`: variables the chat template sees beside the
+/// standard ones (Qwen3's `enable_thinking`, DeepSeek's `thinking`), as
+/// transformers' `apply_chat_template(**kwargs)` passes them.
+fn template_kwargs(f: &mut Fields) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
+    const KEY: &str = "chat_template_kwargs";
+    let Some(v) = f.raw(KEY) else {
+        return Ok(None);
+    };
+    let Value::Object(map) = v else {
+        return Err(ApiError::bad_param(
+            KEY,
+            format!("'{KEY}' must be an object"),
+        ));
+    };
+    if let Some(k) = map
+        .keys()
+        .find(|k| arbor_models::RESERVED_TEMPLATE_VARS.contains(&k.as_str()))
+    {
+        return Err(ApiError::bad_param(
+            KEY,
+            format!(
+                "'{KEY}.{k}' is set by the request itself and cannot be passed to the template"
+            ),
+        ));
+    }
+    Ok(Some(map))
+}
+
 /// The prompt's token ids: the messages through the model's chat template.
 fn prompt_ids(
     st: &AppState,
     msgs: &[ChatMessage],
-    add_generation_prompt: bool,
-    tools: Option<&Value>,
+    vars: &TemplateVars<'_>,
 ) -> Result<Vec<u32>, ApiError> {
     let Some(template) = &st.chat_template else {
         return Err(ApiError::bad_request(
@@ -303,13 +337,7 @@ fn prompt_ids(
         ));
     };
     let tok = &st.tokenizer;
-    let text = template.render(
-        msgs,
-        add_generation_prompt,
-        tok.bos_token.as_deref(),
-        tok.eos_token.as_deref(),
-        tools,
-    )?;
+    let text = template.render_with(msgs, vars)?;
     let ids = tok.encode(&text, false)?;
     if ids.is_empty() {
         return Err(ApiError::bad_param(
