@@ -787,8 +787,10 @@ fn bad_speculative_settings_are_refused() -> Result<()> {
             ..Default::default()
         };
         let err = engine(cfg, 64, &Spec::Ngram).err().context("refused")?;
+        // The setting is named; the binary adds its flag.
         assert!(
-            err.to_string().contains("--speculative-num-draft-tokens"),
+            err.to_string()
+                .contains("num_draft_tokens must be between 1 and 64"),
             "{err}"
         );
     }
