@@ -575,7 +575,7 @@ async fn bad_requests_get_4xx_with_a_message_and_leak_nothing() -> Result<()> {
         ("/v1/completions", json!({"prompt": "x", "stop": ["a", 1]}).to_string(), 400, "'stop' must be a string or a list"),
         ("/v1/completions", json!({"prompt": "x", "logit_bias": {"abc": 1}}).to_string(), 400, "not a token id"),
         ("/v1/completions", json!({"prompt": "x", "frobnicate": true}).to_string(), 400, "unknown field 'frobnicate'"),
-        ("/v1/completions", json!({"prompt": "x", "echo": true}).to_string(), 400, "'echo'"),
+        ("/v1/completions", json!({"prompt": "x", "echo": true, "stream": true}).to_string(), 400, "'echo'"),
         ("/v1/completions", json!({"prompt": "x", "suffix": "y"}).to_string(), 400, "'suffix'"),
         ("/v1/completions", json!({"prompt": "x", "regex": "([a-z]+"}).to_string(), 400, "'regex' cannot be used"),
         ("/v1/completions", json!({"prompt": "x", "json_schema": "{\"type\": 5}"}).to_string(), 400, "'json_schema' cannot be used"),
@@ -598,7 +598,7 @@ async fn bad_requests_get_4xx_with_a_message_and_leak_nothing() -> Result<()> {
         ("/generate", json!({"text": "x", "sampling_params": {"json_schema": "not json"}}).to_string(), 400, "'sampling_params.json_schema'"),
         ("/generate", json!({"text": ["a", "b"], "sampling_params": [{}]}).to_string(), 400, "'sampling_params' has 1 entries"),
         ("/generate", json!({"text": "x", "image_data": "data:..."}).to_string(), 400, "'image_data'"),
-        ("/generate", json!({"text": "hello world, how are you", "return_logprob": true, "logprob_start_len": 0}).to_string(), 400, "'logprob_start_len'"),
+        ("/generate", json!({"text": "hello world, how are you", "return_logprob": true, "logprob_start_len": 1000}).to_string(), 400, "'logprob_start_len'"),
         ("/abort_request", json!({}).to_string(), 400, "give 'rid' or 'abort_all'"),
     ];
     for (route, body, status, needle) in &cases {

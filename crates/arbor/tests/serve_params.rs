@@ -390,3 +390,188 @@ async fn chat_template_kwargs_reach_the_template() -> Result<()> {
     }
     assert_no_leak(&c, &s, "arbor", None).await
 }
+
+/// `log_softmax(logits)`.
+fn log_softmax(logits: &[f64]) -> Vec<f64> {
+    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
+fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
+
+/// Prompt log-probabilities (`/generate` with `logprob_start_len`,
+/// `/v1/completions` with `echo` and `logprobs`), f32 weights and KV:
+/// the score of a token after each fixture prompt equals the log-softmax of
+/// transformers' logits there (the fixture's reference), with its top
+/// alternatives; a greedy continuation scored as prompt equals its own
+/// output log-probabilities; chunked prefill and a cached prefix change
+/// nothing; the first token has none.
+#[tokio::test]
+async fn prompt_logprobs_match_transformers() -> Result<()> {
+    let reference = reference_json(&fixture("tiny-llama"))?;
+    let prompts = reference["prompts"].as_array().cloned().unwrap_or_default();
+    let c = client();
+    let mut scored_runs: Vec<Vec<Value>> = Vec::new();
+    for chunk in ["2048", "2"] {
+        let s = Server::tiny(&[
+            "--dtype",
+            "f32",
+            "--kv-cache-dtype",
+            "f32",
+            "--chunked-prefill-size",
+            chunk,
+        ])?;
+        let g = s.url("/generate");
+        let mut scored = Vec::new();
+        for p in &prompts {
+            let ids: Vec<u64> = p["input_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            let next = p["greedy_ids"][0].as_u64().unwrap_or(0);
+            let reference_lp = log_softmax(&f64s(&p["last_logits"]));
+            let scale = reference_lp.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let mut with_next = ids.clone();
+            with_next.push(next);
+            for round in 0..2 {
+                // The second round finds the prompt cached: scores are equal.
+                let v = post_ok(
+                    &c,
+                    &g,
+                    &json!({"input_ids": with_next, "return_logprob": true,
+                    "logprob_start_len": 0, "top_logprobs_num": 3,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0}}),
+                )
+                .await?;
+                let m = meta(&v);
+                let input = m["input_token_logprobs"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                ensure!(input.len() == with_next.len(), "{m}");
+                ensure!(input[0][0].is_null() && input[0][1] == json!(ids[0]), "{m}");
+                let last = &input[input.len() - 1];
+                let got = last[0].as_f64().unwrap_or(f64::NAN);
+                let want = reference_lp[next as usize];
+                ensure!(
+                    (got - want).abs() <= 1e-4 * scale,
+                    "round {round}: {got} vs transformers {want}"
+                );
+                let tops = m["input_top_logprobs"][input.len() - 1]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default();
+                let mut order: Vec<usize> = (0..reference_lp.len()).collect();
+                order.sort_by(|&a, &b| reference_lp[b].total_cmp(&reference_lp[a]));
+                for (k, t) in tops.iter().enumerate() {
+                    ensure!(t[1] == json!(order[k]), "top {k}: {t} vs {}", order[k]);
+                    ensure!(
+                        (t[0].as_f64().unwrap_or(f64::NAN) - reference_lp[order[k]]).abs()
+                            <= 1e-4 * scale
+                    );
+                }
+                ensure!(
+                    tops.len() == 3 && m["input_top_logprobs"][0].is_null(),
+                    "{m}"
+                );
+                if round == 1 {
+                    ensure!(
+                        m["cached_tokens"].as_u64() == Some(0),
+                        "scored prompts are computed: {m}"
+                    );
+                }
+                scored.push(json!(input));
+            }
+            // A greedy continuation scored as prompt: its output's logprobs.
+            let v = post_ok(
+                &c,
+                &g,
+                &json!({"input_ids": ids, "return_logprob": true,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}),
+            )
+            .await?;
+            let out: Vec<Value> = meta(&v)["output_token_logprobs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let generated: Vec<u64> = v["output_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            let mut forced = ids.clone();
+            forced.extend(&generated);
+            let w = post_ok(&c, &g, &json!({"input_ids": forced, "return_logprob": true,
+                "logprob_start_len": ids.len(), "sampling_params": {"max_new_tokens": 1, "temperature": 0}})).await?;
+            let input = meta(&w)["input_token_logprobs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            ensure!(input.len() == generated.len(), "{}", meta(&w));
+            for (a, b) in input.iter().zip(&out) {
+                ensure!(a[1] == b[1], "{a} vs {b}");
+                let (x, y) = (
+                    a[0].as_f64().unwrap_or(f64::NAN),
+                    b[0].as_f64().unwrap_or(f64::NAN),
+                );
+                ensure!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{a} vs {b}");
+            }
+            // /v1/completions with echo: the prompt, then the output.
+            let v = post_ok(
+                &c,
+                &s.url("/v1/completions"),
+                &json!({"prompt": with_next, "echo": true,
+                "logprobs": 2, "max_tokens": 1, "temperature": 0}),
+            )
+            .await?;
+            let lp = &v["choices"][0]["logprobs"];
+            let tl = lp["token_logprobs"].as_array().cloned().unwrap_or_default();
+            ensure!(tl.len() == with_next.len() + 1 && tl[0].is_null(), "{lp}");
+            let native_last = scored
+                .last()
+                .and_then(|x| x.as_array().and_then(|a| a.last().cloned()))
+                .unwrap_or_default();
+            ensure!(
+                (tl[with_next.len() - 1].as_f64().unwrap_or(f64::NAN)
+                    - native_last[0].as_f64().unwrap_or(0.0))
+                .abs()
+                    < 1e-6,
+                "{lp}"
+            );
+            ensure!(
+                lp["top_logprobs"][0].is_null() && lp["text_offset"][0] == 0,
+                "{lp}"
+            );
+        }
+        // Bad input names its field.
+        let (st, e) = post(
+            &c,
+            &g,
+            &json!({"input_ids": [1, 2, 3], "return_logprob": true, "logprob_start_len": 3}),
+        )
+        .await?;
+        ensure!(
+            st == 400 && e["error"]["param"] == "logprob_start_len",
+            "{e}"
+        );
+        let (st, e) = post(
+            &c,
+            &s.url("/v1/completions"),
+            &json!({"prompt": "x", "echo": true, "stream": true}),
+        )
+        .await?;
+        ensure!(st == 400 && e["error"]["param"] == "echo", "{e}");
+        assert_no_leak(&c, &s, "arbor", None).await?;
+        scored_runs.push(scored);
+    }
+    // Chunked prefill (2 tokens a step) scores the same.
+    ensure!(
+        scored_runs[0] == scored_runs[1],
+        "chunking changed the scores"
+    );
+    Ok(())
+}

@@ -86,6 +86,7 @@ pub enum Param {
     StopTokenIds,
     N,
     TopLogprobsNum,
+    LogprobStartLen,
     Rid,
     DataParallelRank,
     FirstToken,
@@ -95,7 +96,7 @@ pub enum Param {
 
 impl Param {
     /// Every parameter, for tables keyed by it.
-    pub const ALL: [Param; 20] = [
+    pub const ALL: [Param; 21] = [
         Param::InputIds,
         Param::MaxNewTokens,
         Param::MinNewTokens,
@@ -112,6 +113,7 @@ impl Param {
         Param::StopTokenIds,
         Param::N,
         Param::TopLogprobsNum,
+        Param::LogprobStartLen,
         Param::Rid,
         Param::DataParallelRank,
         Param::FirstToken,
@@ -137,6 +139,7 @@ impl Param {
             Param::StopTokenIds => "stop_token_ids",
             Param::N => "n",
             Param::TopLogprobsNum => "top_logprobs_num",
+            Param::LogprobStartLen => "logprob_start_len",
             Param::Rid => "rid",
             Param::DataParallelRank => "data_parallel_rank",
             Param::FirstToken => "first_token",

@@ -93,6 +93,22 @@ pub struct SeqPlan {
     pub state_slot: Option<u32>,
     /// Snapshots and restores of the sequence's recurrent state.
     pub state_ops: StateOps,
+    /// Log-probabilities of prompt tokens this step's rows predict (a
+    /// prompt chunk of a request that asked for them); `None` otherwise.
+    pub prompt_logprobs: Option<PromptLogprobs>,
+}
+
+/// Which rows of a prompt chunk score the prompt's next tokens: row `r`
+/// (within the step's tokens) predicts `next[r - rows.start]`, the prompt
+/// token after it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptLogprobs {
+    /// Rows of the step's tokens, consecutive.
+    pub rows: std::ops::Range<usize>,
+    /// The prompt token each row predicts.
+    pub next: Vec<u32>,
+    /// Most likely alternatives wanted per row.
+    pub top: usize,
 }
 
 /// What a step does with a sequence's recurrent state besides updating it.
@@ -248,6 +264,9 @@ pub struct SeqExtra {
     pub accepted_path: Vec<usize>,
     /// Log-probabilities of `tokens`, when asked.
     pub logprobs: Vec<TokenLogprob>,
+    /// Log-probabilities of the prompt tokens the plan's
+    /// [`SeqPlan::prompt_logprobs`] rows predict, in order.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// Hidden states at every token of the plan's sequence, one `[tokens *
     /// hidden]` f32 vector per layer the plan asked for.
     pub hidden: Vec<Vec<f32>>,
@@ -324,6 +343,7 @@ mod tests {
             lora: None,
             state_slot: None,
             state_ops: Default::default(),
+            prompt_logprobs: None,
             tokens: vec![1, 2, 3, 4],
             prefix_len: 5,
             pages: vec![0, 1, 2],

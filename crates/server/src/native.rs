@@ -66,12 +66,23 @@ async fn generate_inner(
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let req = parse(&st, v)?;
     let logprobs = req.jobs.iter().map(|j| j.req.return_logprob).collect();
+    // A prompt scored from position 0: its first token, which has no logprob.
+    let heads = req
+        .jobs
+        .iter()
+        .map(|j| {
+            (j.req.logprob_start_len == Some(0))
+                .then(|| j.req.input_ids.first().copied())
+                .flatten()
+        })
+        .collect();
     let mut run = run::submit(&st, req.jobs, &headers, Dialect::Native).await?;
     let fmt = NativeFormat {
         state: st.clone(),
         list: req.list,
         text_in_logprobs: req.text_in_logprobs,
         logprobs,
+        heads,
     };
     if req.stream {
         return Ok(stream_response(run, fmt));
@@ -243,19 +254,15 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
             ));
         }
         let return_logprob = typed::<bool>("return_logprob", lp[i].clone())?.unwrap_or(false);
+        // -1 (SGLang's default): the output's log-probabilities only.
         let start = typed::<i64>("logprob_start_len", lp_start[i].clone())?.unwrap_or(-1);
-        if return_logprob && start >= 0 && (start as usize) + 1 < ids.len() {
-            return Err(ApiError::unsupported(
-                "logprob_start_len",
-                "log-probabilities of prompt tokens",
-            ));
-        }
         let top_n = typed::<u32>("top_logprobs_num", top[i].clone())?.unwrap_or(0);
         let mut job = Job::new(ids, params);
         let r = &mut job.req;
         r.rid = typed::<String>("rid", rids[i].clone())?;
         r.return_logprob = return_logprob;
         r.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
+        r.logprob_start_len = (return_logprob && start >= 0).then_some(start as usize);
         r.priority = priority;
         let extra_key = typed::<String>("extra_key", extra_keys[i].clone())?;
         r.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
@@ -306,10 +313,18 @@ struct NativeFormat {
     text_in_logprobs: bool,
     /// Per prompt: whether log-probabilities were asked for.
     logprobs: Vec<bool>,
+    /// Per prompt scored from position 0: its first token (listed with a
+    /// null logprob, as SGLang does).
+    heads: Vec<Option<u32>>,
 }
 
 impl NativeFormat {
     fn lp_entry(&self, logprob: f32, id: u32) -> Value {
+        self.lp_entry_of(Some(logprob), id)
+    }
+
+    /// `[logprob, id, text]` (`logprob` null for a prompt's first token).
+    fn lp_entry_of(&self, logprob: Option<f32>, id: u32) -> Value {
         let text = if self.text_in_logprobs {
             self.state
                 .tokenizer
@@ -363,9 +378,18 @@ impl NativeFormat {
         }
         if self.logprobs.get(s.prompt).copied().unwrap_or(false) {
             let (chosen, top) = self.logprob_lists(&s.logprobs);
+            let (mut in_chosen, mut in_top) = (Vec::new(), Vec::new());
+            if let Some(Some(head)) = self.heads.get(s.prompt) {
+                in_chosen.push(self.lp_entry_of(None, *head));
+                in_top.push(Value::Null);
+            }
+            if let (Value::Array(c), Value::Array(t)) = self.logprob_lists(&s.prompt_logprobs) {
+                in_chosen.extend(c);
+                in_top.extend(t);
+            }
             if let Some(o) = meta.as_object_mut() {
-                o.insert("input_token_logprobs".into(), json!([]));
-                o.insert("input_top_logprobs".into(), json!([]));
+                o.insert("input_token_logprobs".into(), Value::Array(in_chosen));
+                o.insert("input_top_logprobs".into(), Value::Array(in_top));
                 o.insert("output_token_logprobs".into(), chosen);
                 o.insert("output_top_logprobs".into(), top);
             }

@@ -38,6 +38,7 @@ impl Dialect {
             p,
             Param::InputIds
                 | Param::TopLogprobsNum
+                | Param::LogprobStartLen
                 | Param::Rid
                 | Param::DataParallelRank
                 | Param::FirstToken
@@ -72,6 +73,8 @@ impl Dialect {
             (_, Param::StopTokenIds) => &["stop_token_ids"],
             (_, Param::N) => &["n"],
             (_, Param::TopLogprobsNum) => &["top_logprobs_num"],
+            (Dialect::Completions, Param::LogprobStartLen) => &["echo"],
+            (_, Param::LogprobStartLen) => &["logprob_start_len"],
             (_, Param::Rid) => &["rid"],
             (_, Param::DataParallelRank) => &["data_parallel_rank"],
             (_, Param::FirstToken) => &["bootstrap_room"],

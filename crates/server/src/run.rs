@@ -59,6 +59,8 @@ pub(crate) struct Sample {
     pub ids: Vec<u32>,
     /// Log-probabilities so far (when asked for).
     pub logprobs: Vec<TokenLogprob>,
+    /// Log-probabilities of the prompt's tokens (with `logprob_start_len`).
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// Set once it finished.
     pub finish: Option<Finish>,
     /// The latest counters.
@@ -223,6 +225,8 @@ impl Run {
             smp.text.push_str(&chunk.text);
             smp.ids.extend_from_slice(&chunk.token_ids);
             smp.logprobs.extend(chunk.logprobs.iter().cloned());
+            smp.prompt_logprobs
+                .extend(chunk.prompt_logprobs.iter().cloned());
             smp.meta = chunk.meta.clone();
             if chunk.finish.is_some() {
                 smp.finish = chunk.finish.clone();

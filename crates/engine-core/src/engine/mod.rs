@@ -150,6 +150,11 @@ pub struct GenerateRequest {
     pub return_logprob: bool,
     /// Also return this many most likely alternatives per token.
     pub top_logprobs_num: usize,
+    /// With `return_logprob`, also return the log-probability of each
+    /// prompt token from this position on (SGLang's `logprob_start_len`;
+    /// the prompt's first token has none). The prefix cache serves the
+    /// prompt only before it, so those tokens are computed.
+    pub logprob_start_len: Option<usize>,
     /// Constrain the output to a compiled grammar (JSON schema, regex, EBNF...).
     pub grammar: Option<Arc<dyn crate::grammar::CompiledGrammar>>,
     /// Run with this LoRA adapter (`None`: the base model).
@@ -194,6 +199,7 @@ impl GenerateRequest {
             namespace: CacheNamespace::default(),
             return_logprob: false,
             top_logprobs_num: 0,
+            logprob_start_len: None,
             grammar: None,
             lora: None,
             data_parallel_rank: None,
@@ -315,6 +321,10 @@ pub struct OutputChunk {
     pub text: String,
     /// Log-probabilities of the new tokens, when asked for.
     pub logprobs: Vec<TokenLogprob>,
+    /// Log-probabilities of the prompt's tokens from `logprob_start_len`
+    /// (the first position has none), once, with the first chunk after the
+    /// prompt was computed.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// Set on the sample's last chunk.
     pub finish: Option<Finish>,
     /// Counters and timings.
@@ -760,6 +770,23 @@ impl Engine {
                 Param::TopLogprobsNum,
                 format!("must be in [0, 20], got {}", req.top_logprobs_num),
             ));
+        }
+        if let Some(s) = req.logprob_start_len {
+            if !req.return_logprob {
+                return Err(CoreError::param(
+                    Param::LogprobStartLen,
+                    "needs return_logprob",
+                ));
+            }
+            if s >= req.input_ids.len() {
+                return Err(CoreError::param(
+                    Param::LogprobStartLen,
+                    format!(
+                        "({s}) must be below the prompt's length ({} tokens)",
+                        req.input_ids.len()
+                    ),
+                ));
+            }
         }
         if let Some(r) = req.data_parallel_rank {
             self.check_dp_rank(r)?;

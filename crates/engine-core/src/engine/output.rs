@@ -134,6 +134,7 @@ struct More {
     /// The seldom-changing figures, when they changed (always on the first).
     meta: Option<StaticMeta>,
     logprobs: Vec<TokenLogprob>,
+    prompt_logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
 }
 
@@ -175,6 +176,8 @@ pub(crate) struct ChunkOut<'a> {
     pub text: &'a str,
     /// Taken when not empty.
     pub logprobs: &'a mut Vec<TokenLogprob>,
+    /// Taken when not empty.
+    pub prompt_logprobs: &'a mut Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
     pub untexted_last: bool,
@@ -247,6 +250,7 @@ impl OutputRoute {
             _ => {
                 c.token_ids.clear();
                 c.logprobs.clear();
+                c.prompt_logprobs.clear();
                 return;
             }
         };
@@ -254,10 +258,11 @@ impl OutputRoute {
             // Dropped without a close: the final record ends the route.
             handle.state = HandleState::Closed;
         }
-        if last || !c.logprobs.is_empty() {
+        if last || !c.logprobs.is_empty() || !c.prompt_logprobs.is_empty() {
             let m = more.get_or_insert_default();
             m.finish = c.finish;
             m.logprobs = std::mem::take(c.logprobs);
+            m.prompt_logprobs = std::mem::take(c.prompt_logprobs);
         }
         let b = &mut self.batch;
         let (t0, x0) = (b.tokens.len() as u32, b.text.len() as u32);
@@ -359,6 +364,7 @@ fn deliver(mut b: OutputBatch, streams: &mut HashMap<u64, Stream>) -> OutputBatc
                 token_ids: &b.tokens[r.tokens.start as usize..r.tokens.end as usize],
                 text: &b.text[r.text.start as usize..r.text.end as usize],
                 logprobs: &mut more.logprobs,
+                prompt_logprobs: &mut more.prompt_logprobs,
                 finish: more.finish,
                 meta: s.meta.clone(),
                 untexted_last: r.untexted_last,
@@ -408,6 +414,7 @@ mod tests {
                 token_ids: &mut ids,
                 text: "",
                 logprobs: &mut Vec::new(),
+                prompt_logprobs: &mut Vec::new(),
                 finish: last.then_some(Finish {
                     kind: FinishKind::Length,
                     matched: None,

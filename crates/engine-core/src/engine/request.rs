@@ -134,6 +134,14 @@ pub(crate) struct Req {
     sent_text: usize,
     pending_ids: Vec<u32>,
     pending_logprobs: Vec<TokenLogprob>,
+    /// With `logprob_start_len`: the prompt position scoring starts at (at
+    /// least 1: the first token has no logprob), until the prompt was
+    /// scored and the scores handed to the stream.
+    pub prompt_scoring: Option<usize>,
+    /// The prompt's scores so far, by position from `prompt_scoring`.
+    prompt_scores: Vec<Option<TokenLogprob>>,
+    /// The prompt's scores, complete, to send with the next chunk.
+    pending_prompt_logprobs: Vec<TokenLogprob>,
     sink: StreamHandle,
 }
 
@@ -206,6 +214,12 @@ impl Req {
             sent_text: 0,
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
+            prompt_scoring: r
+                .logprob_start_len
+                .filter(|_| r.return_logprob)
+                .map(|s| s.max(1)),
+            prompt_scores: Vec::new(),
+            pending_prompt_logprobs: Vec::new(),
             sink: StreamHandle::new(sink),
         })
     }
@@ -278,6 +292,9 @@ impl Req {
             sent_text: 0,
             pending_ids: Vec::new(),
             pending_logprobs: Vec::new(),
+            prompt_scoring: self.prompt_scoring,
+            prompt_scores: Vec::new(),
+            pending_prompt_logprobs: Vec::new(),
             sink,
         })
     }
@@ -402,6 +419,58 @@ impl Req {
     /// The most tokens this request generates (its kind's cap on `max_new_tokens`).
     pub fn token_limit(&self) -> usize {
         self.kind.token_limit(self.params.max_new_tokens)
+    }
+
+    /// The rows of a prompt chunk `start..start + len` that score prompt
+    /// tokens (row `r` predicts position `start + r + 1`), and the tokens
+    /// they predict; `None` when the request scores none there.
+    pub fn prompt_rows(
+        &self,
+        start: usize,
+        len: usize,
+    ) -> Option<(std::ops::Range<usize>, Vec<u32>)> {
+        let from = self.prompt_scoring?;
+        if self.kind == RequestKind::PrefixOnly {
+            return None;
+        }
+        // Positions start + r + 1 within from..prompt_len.
+        let first = from.saturating_sub(1).max(start);
+        let end = (start + len).min(self.prompt.len() - 1);
+        (first < end).then(|| {
+            (
+                first - start..end - start,
+                self.prompt[first + 1..end + 1].to_vec(),
+            )
+        })
+    }
+
+    /// Records the scores of a chunk's prompt rows (from
+    /// [`Req::prompt_rows`]); once the prompt is complete they wait for the
+    /// next chunk (positions scored twice after a retraction keep one score).
+    pub fn record_prompt_scores(&mut self, start: usize, len: usize, scores: Vec<TokenLogprob>) {
+        let Some(from) = self.prompt_scoring else {
+            return;
+        };
+        if let Some((rows, _)) = self.prompt_rows(start, len) {
+            let first_pos = start + rows.start + 1;
+            let need = self.prompt.len() - from;
+            self.prompt_scores.resize(need, None);
+            for (k, l) in scores.into_iter().enumerate() {
+                if let Some(slot) = self.prompt_scores.get_mut(first_pos + k - from) {
+                    *slot = Some(l);
+                }
+            }
+        }
+        if start + len >= self.prompt.len() {
+            self.pending_prompt_logprobs = self.prompt_scores.drain(..).flatten().collect();
+            self.prompt_scoring = None;
+        }
+    }
+
+    /// Prefix-cache matches stop at this many tokens while the prompt is
+    /// scored: the rows that score it must be computed.
+    pub fn cache_match_cap(&self) -> Option<usize> {
+        self.prompt_scoring.map(|from| from - 1)
     }
 
     /// Tokens still to generate at most.
@@ -571,7 +640,11 @@ impl Req {
         } else {
             self.safe_text_len()
         };
-        if finish.is_none() && self.pending_ids.is_empty() && upto == self.sent_text {
+        if finish.is_none()
+            && self.pending_ids.is_empty()
+            && upto == self.sent_text
+            && self.pending_prompt_logprobs.is_empty()
+        {
             return;
         }
         let meta = self.meta(now);
@@ -582,6 +655,7 @@ impl Req {
                 token_ids: &mut self.pending_ids,
                 text: self.text.get(self.sent_text..upto).unwrap_or_default(),
                 logprobs: &mut self.pending_logprobs,
+                prompt_logprobs: &mut self.pending_prompt_logprobs,
                 finish,
                 meta,
                 untexted_last: std::mem::take(&mut self.untexted_last),

@@ -495,7 +495,11 @@ impl Scheduler {
 
     /// Matches the request's cached prefix and locks it (first admission or after retraction).
     fn attach_prefix(&mut self, r: &mut Req) -> Result<()> {
-        let toks = r.tokens();
+        let mut toks = r.tokens();
+        // While the prompt is scored, its scored rows must be computed.
+        if let Some(cap) = r.cache_match_cap() {
+            toks.truncate(cap + 1);
+        }
         let m = if self.snapshots.is_some() {
             self.match_with_state(r, &toks)
         } else {
@@ -729,8 +733,13 @@ impl Scheduler {
         }
         if len < extend {
             // A partial chunk ends on a page boundary.
-            let end = (r.computed + len) / ps * ps;
-            len = end.saturating_sub(r.computed);
+            let mut end = (r.computed + len) / ps * ps;
+            if end <= r.computed && first {
+                // A chunk budget under one page still makes progress (it
+                // waited forever before): up to the next page boundary.
+                end = (r.computed / ps + 1) * ps;
+            }
+            len = end.min(total).saturating_sub(r.computed);
         }
         let last = len == extend;
         let future = if last { self.expected_new(&r) } else { 0.0 };

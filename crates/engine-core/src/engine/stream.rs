@@ -110,6 +110,8 @@ pub(crate) struct ChunkParts<'a> {
     pub token_ids: &'a [u32],
     pub text: &'a str,
     pub logprobs: &'a mut Vec<TokenLogprob>,
+    /// Drained like `logprobs`.
+    pub prompt_logprobs: &'a mut Vec<TokenLogprob>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
     /// The last token id has no text (a stop token, trimmed); set only on
@@ -131,6 +133,7 @@ impl ChunkSender {
         let mut s = self.shared.lock();
         if !s.receiver {
             p.logprobs.clear();
+            p.prompt_logprobs.clear();
             return;
         }
         if let Some(last) = s.queue.back_mut()
@@ -145,6 +148,9 @@ impl ChunkSender {
             if !p.logprobs.is_empty() {
                 c.logprobs.append(p.logprobs);
             }
+            if !p.prompt_logprobs.is_empty() {
+                c.prompt_logprobs.append(p.prompt_logprobs);
+            }
             c.finish = p.finish;
             c.meta = p.meta;
             last.untexted_last = p.untexted_last;
@@ -157,6 +163,7 @@ impl ChunkSender {
                 token_ids: p.token_ids.to_vec(),
                 text: p.text.to_string(),
                 logprobs: std::mem::take(p.logprobs),
+                prompt_logprobs: std::mem::take(p.prompt_logprobs),
                 finish: p.finish,
                 meta: p.meta,
             },
@@ -317,6 +324,7 @@ mod tests {
             token_ids: ids,
             text,
             logprobs: &mut Vec::new(),
+            prompt_logprobs: &mut Vec::new(),
             finish: finish.then_some(Finish {
                 kind: super::super::FinishKind::Length,
                 matched: None,

@@ -31,7 +31,7 @@
 //! that of plain sampling.
 
 use crate::backend::attention::BatchLayout;
-use crate::backend::{Backend, SampleRow};
+use crate::backend::{Backend, MAX_TOP_LOGPROBS, SampleRow};
 use crate::error::Result;
 use crate::kv::KvSpec;
 use crate::logprobs::{DeviceLogprobs, RowLogprob};
@@ -410,6 +410,13 @@ fn build_batch(
             }
         }
     }
+    // Prompt rows scored for their next tokens come after every sampled
+    // row, in plan order, so the sampled rows keep their indices.
+    for (s, &q0) in plan.seqs.iter().zip(&q_starts) {
+        if let Some(p) = &s.prompt_logprobs {
+            rows.extend(p.rows.clone().map(|r| (q0 + r) as u32));
+        }
+    }
     let batch = ForwardBatch {
         input_ids: ids,
         positions,
@@ -582,6 +589,7 @@ impl Executor for LocalExecutor {
                     .unwrap_or_else(|e| SeqOutput::failed(e.to_string())),
             );
         }
+        self.score_prompt_rows(plan, &out.logits, &mut seqs)?;
         for (seq, out) in plan.seqs.iter().zip(&seqs).filter(|_| any_tree) {
             if seq.tree.is_some() && !out.accepted_path().is_empty() {
                 self.compact_accepted(seq, out.accepted_path())?;
@@ -604,6 +612,56 @@ impl Executor for LocalExecutor {
             kv_copy,
             host_sampled_rows: host_rows.len(),
         })
+    }
+}
+
+impl LocalExecutor {
+    /// The log-probabilities of the prompt tokens the plan's prompt rows
+    /// predict (the logits' last rows, see [`build_batch`]), of the raw
+    /// logits, into each sequence's output.
+    fn score_prompt_rows(
+        &self,
+        plan: &StepPlan,
+        logits: &Tensor,
+        seqs: &mut [SeqOutput],
+    ) -> Result<()> {
+        let wanted: usize = plan
+            .seqs
+            .iter()
+            .filter_map(|s| s.prompt_logprobs.as_ref())
+            .map(|p| p.rows.len())
+            .sum();
+        if wanted == 0 {
+            return Ok(());
+        }
+        let first = logits.rows() - wanted;
+        let rows: Vec<u32> = (first..logits.rows()).map(|r| r as u32).collect();
+        let mut next = Vec::with_capacity(wanted);
+        let mut top = 0;
+        for p in plan.seqs.iter().filter_map(|s| s.prompt_logprobs.as_ref()) {
+            next.extend_from_slice(&p.next);
+            top = top.max(p.top);
+        }
+        let backend = &**self.runner.backend();
+        let scored = DeviceLogprobs::start(backend, logits, &rows, top.min(MAX_TOP_LOGPROBS))?
+            .finish(backend, &next)?;
+        let mut at = 0;
+        for (s, out) in plan.seqs.iter().zip(seqs.iter_mut()) {
+            let Some(p) = &s.prompt_logprobs else {
+                continue;
+            };
+            let lps = scored[at..at + p.next.len()]
+                .iter()
+                .zip(&p.next)
+                .map(|(l, &token)| TokenLogprob {
+                    token,
+                    logprob: l.logprob,
+                    top: l.top.iter().take(p.top).copied().collect(),
+                });
+            out.extra_mut().prompt_logprobs.extend(lps);
+            at += p.next.len();
+        }
+        Ok(())
     }
 }
 

@@ -147,6 +147,7 @@ impl Req {
             lora: None,
             state_slot: None,
             state_ops: Default::default(),
+            prompt_logprobs: None,
             tokens,
             prefix_len,
             pages: self.pages.clone(),

@@ -346,6 +346,7 @@ mod tests {
             token_ids: vec![1; n],
             text: String::new(),
             logprobs: vec![],
+            prompt_logprobs: vec![],
             finish: fin.then_some(Finish {
                 kind: FinishKind::Length,
                 matched: None,

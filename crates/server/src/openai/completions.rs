@@ -90,7 +90,14 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let mut f = Fields::new(v, "the request body", "")?;
     let lora = check_model(&st, &mut f)?;
-    let prompts = prompts(&st, f.raw("prompt"))?;
+    let raw_prompt = f.raw("prompt");
+    // The prompts as the client wrote them, for `echo`.
+    let prompt_texts: Vec<Option<String>> = match &raw_prompt {
+        Some(Value::String(t)) => vec![Some(t.clone())],
+        Some(Value::Array(a)) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
+        _ => Vec::new(),
+    };
+    let prompts = prompts(&st, raw_prompt)?;
     let Common {
         mut params,
         max_tokens,
@@ -103,7 +110,10 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         data_parallel_rank,
     } = common(&mut f, Dialect::Completions)?;
     let logprobs = f.int("logprobs", 0, i64::from(u32::MAX))?;
-    f.unset_only("echo", "echoing the prompt")?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if echo && stream {
+        return Err(ApiError::unsupported("echo", "echo with stream"));
+    }
     f.unset_only("suffix", "a suffix (fill-in-the-middle)")?;
     if let Some(b) = f.int("best_of", 1, 128)?
         && b != 1
@@ -121,7 +131,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         ));
     }
     let id = format!("cmpl-{}", rid.clone().unwrap_or_else(|| st.new_id()));
-    let jobs = prompts
+    let jobs: Vec<Job> = prompts
         .into_iter()
         .zip(bootstrap)
         .map(|(ids, bootstrap)| {
@@ -132,6 +142,8 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             r.rid = rid.clone();
             r.return_logprob = logprobs.is_some();
             r.top_logprobs_num = logprobs.unwrap_or(0) as usize;
+            // Echoed with logprobs: the prompt's tokens are scored too.
+            r.logprob_start_len = (echo && logprobs.is_some()).then_some(0);
             r.priority = priority;
             r.namespace = namespace.clone();
             r.data_parallel_rank = data_parallel_rank;
@@ -139,6 +151,11 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             j
         })
         .collect();
+    let prompt_ids: Vec<Vec<u32>> = if echo {
+        jobs.iter().map(|j| j.req.input_ids.clone()).collect()
+    } else {
+        Vec::new()
+    };
     let mut run = run::submit(&st, jobs, &headers, Dialect::Completions).await?;
     let mut fmt = CompletionFormat {
         state: st.clone(),
@@ -161,10 +178,25 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let lp = fmt.logprobs.then(|| fmt.logprob_json(i, &s.logprobs));
+            let mut text = s.text.clone();
+            let lp = if echo {
+                let ids = prompt_ids.get(s.prompt).map_or(&[][..], Vec::as_slice);
+                let shown = prompt_texts
+                    .get(s.prompt)
+                    .cloned()
+                    .flatten()
+                    .unwrap_or_else(|| {
+                        arbor_engine_core::TokenDecoder::decode(&*st.tokenizer, ids, false)
+                            .unwrap_or_default()
+                    });
+                text = format!("{shown}{text}");
+                fmt.logprobs.then(|| fmt.echo_logprob_json(i, ids, s))
+            } else {
+                fmt.logprobs.then(|| fmt.logprob_json(i, &s.logprobs))
+            };
             json!({
                 "index": i,
-                "text": s.text,
+                "text": text,
                 "logprobs": lp,
                 "finish_reason": s.finish.as_ref().map(openai_finish_reason),
                 "matched_stop": s.finish.as_ref().map(run::matched_value),
@@ -217,6 +249,34 @@ impl CompletionFormat {
             top.push(Value::Object(m));
         }
         json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+    }
+
+    /// The `logprobs` object of an echoed sample: the prompt's tokens (the
+    /// first with a null logprob, as OpenAI and vLLM give it), then the
+    /// output's.
+    fn echo_logprob_json(&mut self, i: usize, prompt: &[u32], s: &crate::run::Sample) -> Value {
+        let Some(&head) = prompt.first() else {
+            return self.logprob_json(i, &s.logprobs);
+        };
+        let head_text = token_text(&self.state, head);
+        if let Some(o) = self.offsets.get_mut(i) {
+            *o += head_text.chars().count();
+        }
+        let rest = self.logprob_json(
+            i,
+            &[s.prompt_logprobs.as_slice(), s.logprobs.as_slice()].concat(),
+        );
+        let prepend = |key: &str, v: Value| -> Value {
+            let mut list = vec![v];
+            list.extend(rest[key].as_array().cloned().unwrap_or_default());
+            Value::Array(list)
+        };
+        json!({
+            "tokens": prepend("tokens", json!(head_text)),
+            "token_logprobs": prepend("token_logprobs", Value::Null),
+            "top_logprobs": prepend("top_logprobs", Value::Null),
+            "text_offset": prepend("text_offset", json!(0)),
+        })
     }
 
     fn chunk(&self, choices: Value, usage: Option<Value>) -> String {

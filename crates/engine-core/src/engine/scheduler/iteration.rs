@@ -28,8 +28,8 @@ use crate::kv::pages_for;
 use crate::kv::state::StateSlot;
 use crate::speculative::{Draft, Drafting};
 use crate::step::{
-    MaskInput, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput,
-    StepPlan,
+    MaskInput, PromptLogprobs, SampleContext, SampleRows, SampleSpec, SeqOutput, SeqPlan,
+    StepMasks, StepOutput, StepPlan,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -185,6 +185,14 @@ impl Scheduler {
             Some((len, slot)) if *len == e.start => Some(slot.index()),
             _ => None,
         };
+        s.prompt_logprobs = e
+            .req
+            .prompt_rows(e.start, e.len)
+            .map(|(rows, next)| PromptLogprobs {
+                rows,
+                next,
+                top: e.req.top_logprobs_num,
+            });
     }
 
     /// Fills `s` (a buffer reused across steps) with the plan of a decoding
@@ -193,6 +201,7 @@ impl Scheduler {
     /// usually did not change since the last step).
     fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan, stamp: &mut u64) {
         s.tokens.clear();
+        s.prompt_logprobs = None;
         match r.output.last() {
             // The common case: one pending token, the last sampled one.
             Some(&t) if r.computed + 1 == r.len() => s.tokens.push(t),
@@ -529,9 +538,13 @@ impl Scheduler {
         }
         let mut outputs = outputs.into_iter();
         for e in prefill {
-            let out = outputs.next().unwrap_or_default();
+            let mut out = outputs.next().unwrap_or_default();
             let mut r = e.req;
             r.computed = e.start + e.len;
+            if r.prompt_scoring.is_some() {
+                let scores = std::mem::take(&mut out.extra_mut().prompt_logprobs);
+                r.record_prompt_scores(e.start, e.len, scores);
+            }
             if !e.last {
                 self.cache_unfinished(&mut r)?;
                 self.chunked = Some(r);
