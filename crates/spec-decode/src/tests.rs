@@ -495,7 +495,7 @@ fn registered_and_validated() {
     cfg.ngram.min_match_window_size = 0;
     let e = f(&cfg).err().unwrap().to_string();
     assert!(
-        e.contains("--speculative-ngram-min-match-window-size"),
+        e.contains("ngram_min_match_window_size (0) must be at least 1"),
         "{e}"
     );
     cfg = SpeculativeConfig::default();
