@@ -50,6 +50,14 @@ impl DeviceLogprobs {
         let idx = backend.upload_u32(&[n], rows)?;
         let raw = backend.alloc(DType::F32, &[n, vocab])?;
         backend.gather_rows(logits, &idx, &raw)?;
+        Self::of_rows(backend, raw, top)
+    }
+
+    /// Statistics of every row of `raw` (rows no later step edits: a view
+    /// of the logits is enough, nothing is copied).
+    pub fn of_rows(backend: &dyn Backend, raw: Tensor, top: usize) -> Result<Self> {
+        let (n, vocab) = (raw.rows(), raw.row_len());
+        let top = top.min(vocab);
         let lse = backend.alloc(DType::F32, &[n])?;
         let ids = backend.alloc(DType::U32, &[n, top])?;
         let vals = backend.alloc(DType::F32, &[n, top])?;

@@ -635,7 +635,6 @@ impl LocalExecutor {
             return Ok(());
         }
         let first = logits.rows() - wanted;
-        let rows: Vec<u32> = (first..logits.rows()).map(|r| r as u32).collect();
         let mut next = Vec::with_capacity(wanted);
         let mut top = 0;
         for p in plan.seqs.iter().filter_map(|s| s.prompt_logprobs.as_ref()) {
@@ -643,7 +642,9 @@ impl LocalExecutor {
             top = top.max(p.top);
         }
         let backend = &**self.runner.backend();
-        let scored = DeviceLogprobs::start(backend, logits, &rows, top.min(MAX_TOP_LOGPROBS))?
+        // The prompt rows are the logits' tail, which nothing edits: scored in place.
+        let tail = logits.narrow(first, wanted)?;
+        let scored = DeviceLogprobs::of_rows(backend, tail, top.min(MAX_TOP_LOGPROBS))?
             .finish(backend, &next)?;
         let mut at = 0;
         for (s, out) in plan.seqs.iter().zip(seqs.iter_mut()) {
