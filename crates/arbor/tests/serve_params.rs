@@ -338,17 +338,7 @@ async fn chat_template_kwargs_reach_the_template() -> Result<()> {
     );
     std::fs::write(&cfg_path, serde_json::to_string(&cfg)?)?;
     let model = dir.path().display().to_string();
-    let s = Server::start(&[
-        "--model-path",
-        &model,
-        "--port",
-        "0",
-        "--threads",
-        "1",
-        "--max-total-tokens",
-        "4096",
-        "--enable-metrics",
-    ])?;
+    let s = Server::small(&model, &[])?;
     let c = client();
     let url = s.url("/v1/chat/completions");
     let ask = |kwargs: Option<Value>| {

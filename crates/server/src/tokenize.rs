@@ -20,14 +20,13 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
-/// Refuses a `model` other than the served one.
+/// Refuses a `model` the server does not serve (the base model or a
+/// loaded adapter, which shares its tokenizer), as the OpenAI routes do.
 fn check_model(st: &AppState, f: &mut Fields) -> Result<(), ApiError> {
-    match f.string("model")? {
-        Some(m) if !st.serves_model(&m) => {
-            Err(ApiError::not_found(format!("the model '{m}' does not exist")).with_param("model"))
-        }
-        _ => Ok(()),
+    if let Some(m) = f.string("model")? {
+        st.resolve_model(&m)?;
     }
+    Ok(())
 }
 
 /// Handles `POST /tokenize` and `POST /v1/tokenize`.

@@ -113,10 +113,14 @@ impl Server {
 
     /// The tiny Llama on a free port with a small KV cache and metrics on.
     pub fn tiny(extra: &[&str]) -> Result<Self> {
-        let model = fixture("tiny-llama");
+        Self::small(&fixture("tiny-llama"), extra)
+    }
+
+    /// The model at `model` as [`Server::tiny`] serves the tiny Llama.
+    pub fn small(model: &str, extra: &[&str]) -> Result<Self> {
         let mut args = vec![
             "--model-path",
-            &model,
+            model,
             "--host",
             "127.0.0.1",
             "--port",

@@ -429,19 +429,21 @@ impl Req {
         start: usize,
         len: usize,
     ) -> Option<(std::ops::Range<usize>, Vec<u32>)> {
+        let rows = self.prompt_row_range(start, len)?;
+        let next = self.prompt[start + rows.start + 1..start + rows.end + 1].to_vec();
+        Some((rows, next))
+    }
+
+    /// The rows of [`Req::prompt_rows`], without the tokens they predict.
+    fn prompt_row_range(&self, start: usize, len: usize) -> Option<std::ops::Range<usize>> {
         let from = self.prompt_scoring?;
         if self.kind == RequestKind::PrefixOnly {
             return None;
         }
-        // Positions start + r + 1 within from..prompt_len.
+        // Rows predicting positions start + r + 1 within from..prompt_len.
         let first = from.saturating_sub(1).max(start);
         let end = (start + len).min(self.prompt.len() - 1);
-        (first < end).then(|| {
-            (
-                first - start..end - start,
-                self.prompt[first + 1..end + 1].to_vec(),
-            )
-        })
+        (first < end).then(|| first - start..end - start)
     }
 
     /// Records the scores of a chunk's prompt rows (from
@@ -451,7 +453,7 @@ impl Req {
         let Some(from) = self.prompt_scoring else {
             return;
         };
-        if let Some((rows, _)) = self.prompt_rows(start, len) {
+        if let Some(rows) = self.prompt_row_range(start, len) {
             let first_pos = start + rows.start + 1;
             let need = self.prompt.len() - from;
             self.prompt_scores.resize(need, None);

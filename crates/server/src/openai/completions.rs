@@ -4,8 +4,10 @@
 //! ids, or a list of such lists. Choices are prompt-major (`index = prompt *
 //! n + sample`). `max_tokens` defaults to 16 as in OpenAI. `logprobs: k`
 //! returns the chosen token's log-probability and the `k` best alternatives.
-//! `echo` and `suffix` are refused while they ask for something; `best_of`
-//! is accepted only when it equals `n` (or is 1).
+//! `echo` puts the prompt before each choice's text (and, with `logprobs`,
+//! the prompt's tokens before the output's, the first with a null
+//! logprob); it is refused with `stream`. `suffix` is refused while it asks
+//! for something; `best_of` is accepted only when it equals `n` (or is 1).
 
 use super::{Common, check_model, common, token_text, usage};
 use crate::error::ApiError;
@@ -91,10 +93,11 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let mut f = Fields::new(v, "the request body", "")?;
     let lora = check_model(&st, &mut f)?;
     let raw_prompt = f.raw("prompt");
-    // The prompts as the client wrote them, for `echo`.
-    let prompt_texts: Vec<Option<String>> = match &raw_prompt {
-        Some(Value::String(t)) => vec![Some(t.clone())],
-        Some(Value::Array(a)) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
+    let echo = f.bool("echo")?.unwrap_or(false);
+    // The prompts as the client wrote them, kept only for `echo`.
+    let prompt_texts: Vec<Option<String>> = match (&raw_prompt, echo) {
+        (Some(Value::String(t)), true) => vec![Some(t.clone())],
+        (Some(Value::Array(a)), true) => a.iter().map(|x| x.as_str().map(str::to_string)).collect(),
         _ => Vec::new(),
     };
     let prompts = prompts(&st, raw_prompt)?;
@@ -110,7 +113,6 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         data_parallel_rank,
     } = common(&mut f, Dialect::Completions)?;
     let logprobs = f.int("logprobs", 0, i64::from(u32::MAX))?;
-    let echo = f.bool("echo")?.unwrap_or(false);
     if echo && stream {
         return Err(ApiError::unsupported("echo", "echo with stream"));
     }
