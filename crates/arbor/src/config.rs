@@ -27,9 +27,21 @@ pub use crate::speculative::SpeculativeSection;
 #[derive(Args, Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// Model: a Hugging Face folder or a GGUF file [default: the model `arbor fetch-default` downloads].
+    /// Model: a Hugging Face folder, a GGUF file, or a hub id ORG/NAME (resolved through the Hugging Face cache, downloaded when missing) [default: the model `arbor fetch-default` downloads].
     #[arg(long, help_heading = "Model")]
     pub model_path: Option<PathBuf>,
+    /// Branch, tag or commit of a hub id --model-path [default: main].
+    #[arg(long, help_heading = "Model")]
+    pub revision: Option<String>,
+    /// Tokenizer (and chat template): a folder or a hub id [default: the model's].
+    #[arg(long, help_heading = "Model")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// Chat template: a Jinja file, a tokenizer_config.json holding one, or a built-in name (chatml, llama-3-instruct, mistral) [default: the tokenizer's].
+    #[arg(long, help_heading = "Model")]
+    pub chat_template: Option<String>,
+    /// Longest sequence (prompt and output) served, at most the model's context [default: the model's max_position_embeddings].
+    #[arg(long, help_heading = "Model")]
+    pub context_length: Option<usize>,
     /// Model name clients use (OpenAI `model`) [default: the folder name, or the GGUF `general.name`].
     #[arg(long, help_heading = "Model")]
     pub served_model_name: Option<String>,
@@ -117,6 +129,12 @@ pub struct ServerSection {
     /// Separate `<think>` reasoning into `reasoning_content` of chat answers: qwen3 or deepseek-r1 [default: off].
     #[arg(long, help_heading = "Server")]
     pub reasoning_parser: Option<String>,
+    /// Log each request when it is enqueued and each sample when it finishes (target `arbor::requests`).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Server")]
+    pub log_requests: Option<bool>,
+    /// What --log-requests logs: 0 metadata, 1 and the sampling parameters, 2 and the texts cut to 2048 characters, 3 and the whole texts.
+    #[arg(long, help_heading = "Server")]
+    pub log_requests_level: Option<u8>,
 }
 
 impl Section for ServerSection {
@@ -126,6 +144,8 @@ impl Section for ServerSection {
             port: Some(30000),
             max_request_bytes: Some(32 * 1024 * 1024),
             shutdown_timeout: Some(30.0),
+            log_requests: Some(false),
+            log_requests_level: Some(2),
             ..Default::default()
         }
     }
@@ -659,6 +679,7 @@ impl ServeConfig {
             bail!("[server] api_key / --api-key must not be empty");
         }
         self.reasoning_parser()?;
+        self.log_requests()?;
         self.speculative.to_engine()?;
         self.hicache
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
@@ -680,6 +701,22 @@ impl ServeConfig {
                 })
             })
             .transpose()
+    }
+
+    /// The `--log-requests` level, when on (a level past 3 is an error naming the flag).
+    pub fn log_requests(&self) -> Result<Option<arbor_server::request_log::LogLevel>> {
+        if !self.server.log_requests.unwrap_or(false) {
+            return Ok(None);
+        }
+        let level = self.server.log_requests_level.unwrap_or(2);
+        arbor_server::request_log::LogLevel::new(level)
+            .map(Some)
+            .ok_or_else(|| {
+                anyhow!(
+                    "[server] log_requests_level / --log-requests-level must be 0 to {}, got {level}",
+                    arbor_server::request_log::LogLevel::MAX
+                )
+            })
     }
 
     pub fn page_size(&self) -> usize {

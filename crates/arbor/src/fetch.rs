@@ -20,10 +20,11 @@ pub fn default_model_path() -> Result<PathBuf> {
     arbor_gguf::default_model_path().context("neither ARBOR_HOME nor HOME is set")
 }
 
-/// The model to load: the given path, or the default model when none is given.
-pub fn resolve_model_path(given: Option<&Path>) -> Result<PathBuf> {
+/// The model to load: the given path (a hub id resolved through the
+/// Hugging Face cache at `revision`), or the default model when none is given.
+pub fn resolve_model_path(given: Option<&Path>, revision: Option<&str>) -> Result<PathBuf> {
     if let Some(p) = given {
-        return Ok(p.to_path_buf());
+        return crate::hub::local_path(p, revision, crate::hub::Want::Model);
     }
     let p = default_model_path()?;
     if p.exists() {

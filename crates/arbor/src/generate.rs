@@ -51,7 +51,8 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let registry = setup::registry()?;
     let backend = setup::backend(&registry, &args.model)?;
-    let loaded = setup::load(&registry, backend.clone(), &args.model)?;
+    let mut loaded = setup::load(&registry, backend.clone(), &args.model)?;
+    setup::apply_tokenizer_path(&mut loaded, &args.model)?;
     let kv_dtype = setup::kv_dtype(&args.model, &*backend, loaded.model.spec())?.dtype;
     let tok = loaded.tokenizer.clone();
     let prompt_text = if args.chat {
@@ -98,12 +99,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     params.validate(spec.vocab_size)?;
     let page_size = args.model.page_size.max(1);
     let need = ids.len() + args.max_new_tokens;
-    if need > spec.max_position_embeddings {
+    let context = args.model.context_len(&spec)?;
+    if need > context {
         bail!(
-            "prompt ({}) + max-new-tokens ({}) exceed the model's context of {}",
+            "prompt ({}) + max-new-tokens ({}) exceed the context of {context}",
             ids.len(),
             args.max_new_tokens,
-            spec.max_position_embeddings
         );
     }
     let runner = ModelRunner::new(

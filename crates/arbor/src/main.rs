@@ -9,6 +9,7 @@ mod disagg;
 mod fetch;
 mod generate;
 mod hicache;
+mod hub;
 mod info;
 mod lora;
 mod parallel;
@@ -77,7 +78,10 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("ARBOR_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                // Request lines appear only with `--log-requests`.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("warn,arbor::requests=info")
+                }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -349,7 +349,8 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
             DeviceGroup::local(backends)?
         }
     };
-    let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
+    let path =
+        crate::fetch::resolve_model_path(args.model_path.as_deref(), args.revision.as_deref())?;
     let quant = crate::setup::quant_method(registry, &args.dtype, args.quantization.as_deref())?;
     let shards: Vec<ShardSpec> = comms
         .iter()

@@ -56,7 +56,8 @@ fn load_devices(registry: &Registry, args: &ModelArgs) -> Result<Loaded> {
     let parallel = args.parallel()?;
     if parallel.tp <= 1 {
         let backend = crate::setup::backend(registry, args)?;
-        let model = load(registry, backend.clone(), args)?;
+        let mut model = load(registry, backend.clone(), args)?;
+        crate::setup::apply_tokenizer_path(&mut model, args)?;
         let device = ShardDevice {
             backend: backend.clone(),
             shard: None,
@@ -79,7 +80,8 @@ fn load_devices(registry: &Registry, args: &ModelArgs) -> Result<Loaded> {
         })
         .collect();
     let mut models = r.models.into_iter();
-    let first = models.next().context("rank 0")?;
+    let mut first = models.next().context("rank 0")?;
+    crate::setup::apply_tokenizer_path(&mut first, args)?;
     let all: Vec<_> = std::iter::once(first.model.clone())
         .chain(models.map(|m| m.model))
         .collect();
@@ -174,6 +176,8 @@ fn kv_bytes_per_token(
 struct KvSizing<'a> {
     setup: &'a EngineSetup,
     spec: &'a ModelSpec,
+    /// The longest sequence served (`--context-length`).
+    context_len: usize,
     per_token: u64,
     page_size: usize,
     on_cpu: bool,
@@ -213,7 +217,7 @@ impl KvSizing<'_> {
             ),
             None => (tokens, note),
         };
-        let min_tokens = self.spec.max_position_embeddings.min(1024);
+        let min_tokens = self.context_len.min(1024);
         if tokens < min_tokens {
             bail!(
                 "the KV cache would hold only {tokens} tokens (fewer than {min_tokens}); free memory, raise \
@@ -237,7 +241,7 @@ impl KvSizing<'_> {
             bytes_per_token: self.per_token,
             cap_bytes: kv_auto_cap_bytes(self.on_cpu, self.dtype),
             max_running_requests: self.setup.engine.max_running_requests,
-            context_len: self.spec.max_position_embeddings,
+            context_len: self.context_len,
             page_size: self.page_size,
         }
         .tokens())
@@ -320,6 +324,7 @@ pub fn build_replica(
         devices,
     } = load_devices(registry, args)?;
     check_hybrid(model.model.spec(), group.is_some(), setup)?;
+    let context_len = args.context_len(model.model.spec())?;
     let resolved = kv_dtype(args, &*backend, model.model.spec())?;
     let standalone = setup
         .engine
@@ -346,6 +351,7 @@ pub fn build_replica(
     let (tokens, kv_note) = KvSizing {
         setup,
         spec: &spec,
+        context_len,
         per_token,
         page_size,
         on_cpu: backend.info().backend == "cpu",
@@ -521,6 +527,8 @@ fn load_draft(
     }
     let draft_args = ModelArgs {
         model_path: Some(path.to_path_buf()),
+        revision: None,
+        tokenizer_path: None,
         ..args.clone()
     };
     let draft = load(registry, backend, &draft_args).context("--speculative-draft-model-path")?;

@@ -76,11 +76,12 @@ fn server_info(cfg: &ServeConfig, built: &setup::BuiltEngine) -> serde_json::Val
 
 /// Runs `arbor serve`.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let cfg = ServeConfig::from_args(&args)?;
+    let mut cfg = ServeConfig::from_args(&args)?;
     if args.print_config {
         print!("{}", cfg.to_toml()?);
         return Ok(());
     }
+    let hub_model = resolve_hub_paths(&mut cfg)?;
     let m = &cfg.model;
     let model_args = model_args(&cfg);
     let engine_cfg = engine_config(&cfg)?;
@@ -134,18 +135,28 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .and_then(|r| r.first())
         .and_then(|d| d.backend.host_memory())
         .map_or("heap", |m| m.kind());
-    let model_path = built.model.path.display().to_string();
+    let context_len = model_args.context_len(&spec)?;
+    // A hub id is the model's name, as SGLang reports it.
+    let model_path = hub_model
+        .clone()
+        .unwrap_or_else(|| built.model.path.display().to_string());
     let served = m
         .served_model_name
         .clone()
+        .or_else(|| hub_model.clone())
         .unwrap_or_else(|| built.model.name.clone());
+    let local_path = built.model.path.display().to_string();
+    let mut built = built;
+    if let Some(t) = &m.chat_template {
+        built.model.chat_template = Some(Arc::new(chat_template(t)?));
+    }
     let host = cfg
         .server
         .host
         .clone()
         .unwrap_or_else(|| "127.0.0.1".into());
     let port = cfg.server.port.unwrap_or(30000);
-    let mut opts = server_options(&cfg, &built, &served, &model_path)?;
+    let mut opts = server_options(&cfg, &built, &served, &model_path, context_len)?;
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
     if spec.state.is_some() && matches!(cfg.disaggregation.to_settings(false), Ok(Some(_))) {
@@ -203,6 +214,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         model: &model_args,
         spec: &spec,
         model_path: &model_path,
+        local_path: Some(&local_path),
         served: &served,
         kv: (built.kv_tokens, built.kv_bytes),
         kv_dtype: built.kv_dtype.to_string(),
@@ -221,6 +233,62 @@ pub fn run(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Resolves the hub ids among `--model-path`, `--tokenizer-path` and
+/// `--speculative-draft-model-path` to folders of the Hugging Face cache
+/// (downloading what is missing) before anything loads; returns the model's
+/// hub id when it was one.
+fn resolve_hub_paths(cfg: &mut ServeConfig) -> Result<Option<String>> {
+    use crate::hub::{Want, hub_id, local_path};
+    let revision = cfg.model.revision.clone();
+    let mut hub_model = None;
+    if let Some(p) = cfg.model.model_path.clone() {
+        hub_model = hub_id(&p).map(str::to_string);
+        cfg.model.model_path = Some(
+            local_path(&p, revision.as_deref(), Want::Model)
+                .context("[model] model_path / --model-path")?,
+        );
+    } else if revision.is_some() {
+        bail!("--revision needs a hub id in --model-path");
+    }
+    if let Some(p) = cfg.model.tokenizer_path.clone() {
+        // The model's revision applies when the tokenizer is the same repository.
+        let same = cfg.model.model_path.is_some() && hub_model.as_deref() == p.to_str();
+        cfg.model.tokenizer_path = Some(
+            local_path(&p, revision.as_deref().filter(|_| same), Want::Tokenizer)
+                .context("[model] tokenizer_path / --tokenizer-path")?,
+        );
+    }
+    if let Some(p) = cfg.speculative.draft_model_path.clone() {
+        cfg.speculative.draft_model_path = Some(
+            local_path(&p, None, Want::Model)
+                .context("[speculative] draft_model_path / --speculative-draft-model-path")?,
+        );
+    }
+    Ok(hub_model)
+}
+
+/// The `--chat-template`: a file (Jinja, or a JSON tokenizer config) or a
+/// built-in name.
+fn chat_template(given: &str) -> Result<arbor_models::ChatTemplate> {
+    let path = std::path::Path::new(given);
+    if path.is_file() {
+        return arbor_models::ChatTemplate::from_file(path)
+            .with_context(|| format!("[model] chat_template / --chat-template {given}"));
+    }
+    match arbor_models::ChatTemplate::named(given) {
+        Some(t) => t.context("[model] chat_template / --chat-template"),
+        None => bail!(
+            "[model] chat_template / --chat-template: '{given}' is neither a file nor a built-in \
+             template ({})",
+            arbor_models::BUILTIN_TEMPLATES
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
 /// The HTTP server's options from the `[server]` and `[metrics]` sections
 /// and the built engine.
 fn server_options(
@@ -228,11 +296,12 @@ fn server_options(
     built: &setup::BuiltEngine,
     served: &str,
     model_path: &str,
+    context_length: usize,
 ) -> Result<ServerOptions> {
     Ok(ServerOptions {
         served_model_name: served.to_string(),
         model_path: model_path.to_string(),
-        context_length: built.model.model.spec().max_position_embeddings,
+        context_length,
         api_key: cfg.server.api_key.clone(),
         max_request_bytes: cfg.server.max_request_bytes.unwrap_or(32 << 20),
         shutdown_timeout: Duration::from_secs_f64(cfg.server.shutdown_timeout.unwrap_or(30.0)),
@@ -241,6 +310,7 @@ fn server_options(
         enable_cache_report: cfg.metrics.enable_cache_report.unwrap_or(false),
         server_info: server_info(cfg, built),
         reasoning_parser: cfg.reasoning_parser()?,
+        log_requests: cfg.log_requests()?,
         ..Default::default()
     })
 }
@@ -277,6 +347,9 @@ fn model_args(cfg: &ServeConfig) -> ModelArgs {
     let m = &cfg.model;
     ModelArgs {
         model_path: m.model_path.clone(),
+        revision: m.revision.clone(),
+        tokenizer_path: m.tokenizer_path.clone(),
+        context_length: m.context_length,
         device: m.device.clone().unwrap_or_else(|| "cpu".into()),
         threads: m.threads.unwrap_or(0),
         dtype: m.dtype.clone().unwrap_or_else(|| "auto".into()),
@@ -316,6 +389,8 @@ fn engine_config(cfg: &ServeConfig) -> Result<EngineConfig> {
         .context("[scheduler] schedule_policy / --schedule-policy")?;
     let defaults = EngineConfig::default();
     Ok(EngineConfig {
+        // Checked against the model's context when the replica loads.
+        context_length: cfg.model.context_length,
         max_running_requests: q
             .max_running_requests
             .unwrap_or(defaults.max_running_requests),
@@ -473,6 +548,8 @@ struct Summary<'a> {
     model: &'a ModelArgs,
     spec: &'a arbor_engine_core::ModelSpec,
     model_path: &'a str,
+    /// The folder a hub id resolved to.
+    local_path: Option<&'a str>,
     served: &'a str,
     /// KV capacity in tokens and bytes.
     kv: (usize, u64),
@@ -533,14 +610,19 @@ impl Summary<'_> {
         let (spec, model_args, engine_cfg, opts) = (self.spec, self.model, self.engine, self.opts);
         let (kv_tokens, kv_bytes) = self.kv;
         println!("arbor serve");
+        let context = match model_args.context_len(spec) {
+            Ok(c) if c != spec.max_position_embeddings => {
+                format!("context {c} of {}", spec.max_position_embeddings)
+            }
+            _ => format!("context {}", spec.max_position_embeddings),
+        };
         println!(
-            "  model:      {} ({}, {} layers, context {}) served as '{}'",
-            self.model_path,
-            spec.architecture,
-            spec.num_layers,
-            spec.max_position_embeddings,
-            self.served
+            "  model:      {} ({}, {} layers, {context}) served as '{}'",
+            self.model_path, spec.architecture, spec.num_layers, self.served
         );
+        if let Some(local) = self.local_path.filter(|l| *l != self.model_path) {
+            println!("  files:      {local}");
+        }
         println!(
             "  weights:    {} ({}), {} on {} ({} threads{})",
             spec.weight_dtype,

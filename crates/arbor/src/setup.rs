@@ -8,7 +8,7 @@
 //! the weights, capped at [`kv_auto_cap_bytes`] and at what the configured
 //! concurrency can hold; the start-up summary prints which bound applied.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use arbor_engine_core::engine::{Engine, EngineConfig, EngineParts};
 use arbor_engine_core::{
     Backend, BackendOptions, DType, KvDtypeChoice, LoadOptions, ModelSpec, QuantMatmul, Registry,
@@ -27,6 +27,15 @@ pub struct ModelArgs {
     /// GGUF file. Default: the model `arbor fetch-default` downloads.
     #[arg(long = "model-path")]
     pub model_path: Option<PathBuf>,
+    /// Branch, tag or commit of a hub id --model-path [default: main].
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Tokenizer: a folder or a hub id [default: the model's].
+    #[arg(long = "tokenizer-path")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// Longest sequence served, at most the model's context [default: the model's].
+    #[arg(long = "context-length")]
+    pub context_length: Option<usize>,
     /// Device: a registered backend name.
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -106,6 +115,24 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The longest sequence served: `--context-length`, which may shorten
+    /// the model's `max_position_embeddings` but not lengthen it (positions
+    /// past it were never trained; SGLang's
+    /// `SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1` allows it all the same).
+    pub fn context_len(&self, spec: &ModelSpec) -> Result<usize> {
+        let model = spec.max_position_embeddings;
+        match self.context_length {
+            None => Ok(model),
+            Some(0) => bail!("--context-length must be at least 1"),
+            Some(n) if n > model && !allow_longer_context() => bail!(
+                "--context-length {n} is longer than the model's context of {model} tokens \
+                 (max_position_embeddings); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to \
+                 serve it anyway"
+            ),
+            Some(n) => Ok(n),
+        }
+    }
+
     /// The checked parallelism of `--tp-size`, `--ep-size`, `--moe-a2a-backend`,
     /// the device placement and `--dp-size`.
     pub fn parallel(&self) -> Result<crate::parallel::Parallel> {
@@ -121,6 +148,49 @@ impl ModelArgs {
         }
         .to_settings()
     }
+}
+
+fn allow_longer_context() -> bool {
+    std::env::var("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN")
+        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"))
+}
+
+/// With `--tokenizer-path`, the tokenizer (and, when that folder has one,
+/// the chat template) of that folder or hub id replaces the model's. Its
+/// vocabulary must fit the model's embedding rows.
+pub fn apply_tokenizer_path(model: &mut LoadedModel, args: &ModelArgs) -> Result<()> {
+    let Some(given) = &args.tokenizer_path else {
+        return Ok(());
+    };
+    // The model's revision applies when the tokenizer is the same repository.
+    let revision = args
+        .revision
+        .as_deref()
+        .filter(|_| args.model_path.as_ref() == Some(given));
+    let dir = crate::hub::local_path(given, revision, crate::hub::Want::Tokenizer)?;
+    if !dir.is_dir() {
+        bail!(
+            "--tokenizer-path {}: not a folder holding tokenizer.json",
+            given.display()
+        );
+    }
+    let tokenizer = arbor_models::TextTokenizer::from_dir(&dir, &model.config)
+        .with_context(|| format!("--tokenizer-path {}", given.display()))?;
+    let vocab = model.model.spec().vocab_size;
+    if tokenizer.vocab_size() > vocab {
+        bail!(
+            "--tokenizer-path {}: its {} tokens do not fit the model's {vocab} embedding rows",
+            given.display(),
+            tokenizer.vocab_size()
+        );
+    }
+    model.tokenizer = Arc::new(tokenizer);
+    if let Some(t) = arbor_models::ChatTemplate::from_dir(&dir)
+        .with_context(|| format!("--tokenizer-path {}", given.display()))?
+    {
+        model.chat_template = Some(Arc::new(t));
+    }
+    Ok(())
 }
 
 /// The registry of built-in implementations.
@@ -181,7 +251,8 @@ pub fn load(
         ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} tensors")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let path = crate::fetch::resolve_model_path(args.model_path.as_deref())?;
+    let path =
+        crate::fetch::resolve_model_path(args.model_path.as_deref(), args.revision.as_deref())?;
     bar.set_message(path.display().to_string());
     let pb = bar.clone();
     let opts = LoadOptions {

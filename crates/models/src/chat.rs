@@ -121,13 +121,36 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let jinja = dir.join("chat_template.jinja");
         if jinja.exists() {
-            let s = std::fs::read_to_string(&jinja).map_err(|e| CoreError::io(&jinja, e))?;
-            return Self::new(&s).map(Some);
+            return Self::from_file(&jinja).map(Some);
         }
         let cfg_path = dir.join("tokenizer_config.json");
         if !cfg_path.exists() {
             return Ok(None);
         }
+        Self::from_tokenizer_config(&cfg_path)
+    }
+
+    /// A template file: Jinja text, or (`.json`) a `tokenizer_config.json`
+    /// that holds one under `chat_template`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e == "json") {
+            return Self::from_tokenizer_config(path)?.ok_or_else(|| {
+                CoreError::load(format!("{}: holds no key 'chat_template'", path.display()))
+            });
+        }
+        let s = std::fs::read_to_string(path).map_err(|e| CoreError::io(path, e))?;
+        Self::new(&s).map_err(|e| CoreError::load(format!("{}: {}", path.display(), e)))
+    }
+
+    /// A built-in template by name ([`BUILTIN_TEMPLATES`]).
+    pub fn named(name: &str) -> Option<Result<Self>> {
+        BUILTIN_TEMPLATES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, src)| Self::new(src))
+    }
+
+    fn from_tokenizer_config(cfg_path: &Path) -> Result<Option<Self>> {
         let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
@@ -206,6 +229,26 @@ impl ChatTemplate {
     }
 }
 
+/// Templates `--chat-template` takes by name, from each format's published
+/// definition: ChatML (`<|im_start|>role ... <|im_end|>`, as Qwen and
+/// SmolLM write it), Llama 3 Instruct (Meta's header tokens, contents
+/// trimmed) and Mistral Instruct (`[INST] ... [/INST]`, a system message
+/// prefixed to the first user turn).
+pub const BUILTIN_TEMPLATES: [(&str, &str); 3] = [
+    (
+        "chatml",
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    ),
+    (
+        "llama-3-instruct",
+        "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    ),
+    (
+        "mistral",
+        "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}",
+    ),
+];
+
 /// The variables every template render sets; a request's extra arguments
 /// may not take these names.
 pub const RESERVED_TEMPLATE_VARS: [&str; 5] = [
@@ -230,6 +273,37 @@ pub struct TemplateVars<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn builtin_templates_render_their_published_formats() {
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi"),
+        ];
+        let render = |name: &str| {
+            let vars = TemplateVars {
+                add_generation_prompt: true,
+                bos_token: Some("<s>"),
+                eos_token: Some("</s>"),
+                ..Default::default()
+            };
+            ChatTemplate::named(name)
+                .unwrap()
+                .unwrap()
+                .render_with(&msgs, &vars)
+                .unwrap()
+        };
+        assert_eq!(
+            render("chatml"),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            render("llama-3-instruct"),
+            "<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        assert_eq!(render("mistral"), "<s>[INST] Be brief.\n\nHi [/INST]");
+        assert!(ChatTemplate::named("vicuna").is_none());
+    }
 
     /// Qwen3's published template ends so: thinking is switched off per
     /// request with `chat_template_kwargs: {"enable_thinking": false}`.

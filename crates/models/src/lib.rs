@@ -26,7 +26,9 @@ pub mod torch_bin;
 
 /// Where `arbor fetch-default` keeps the default model.
 pub use arbor_gguf::default_model_path;
-pub use chat::{ChatMessage, ChatTemplate, RESERVED_TEMPLATE_VARS, TemplateVars};
+pub use chat::{
+    BUILTIN_TEMPLATES, ChatMessage, ChatTemplate, RESERVED_TEMPLATE_VARS, TemplateVars,
+};
 pub use config::DecoderConfig;
 pub use tokenizer::TextTokenizer;
 

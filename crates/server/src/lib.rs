@@ -36,6 +36,7 @@ mod openai;
 pub mod params;
 pub mod reasoning;
 pub mod refit;
+pub mod request_log;
 mod run;
 mod sse;
 mod state;

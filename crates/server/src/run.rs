@@ -156,10 +156,17 @@ async fn submit_jobs(
         }
         prompt_lens.push(req.input_ids.len());
         req.first_token = first_tokens.get(i).copied().flatten();
+        let logged = state
+            .opts
+            .log_requests
+            .map(|level| crate::request_log::describe(&req, level, &state.tokenizer));
         let stream = state
             .engine
             .submit(req)
             .map_err(|e| ApiError::from_core(e, dialect))?;
+        if let Some(line) = &logged {
+            crate::request_log::received(stream.rid(), line);
+        }
         for _ in 0..n {
             samples.push(Sample {
                 prompt: i,
@@ -228,8 +235,11 @@ impl Run {
             smp.prompt_logprobs
                 .extend(chunk.prompt_logprobs.iter().cloned());
             smp.meta = chunk.meta.clone();
-            if chunk.finish.is_some() {
-                smp.finish = chunk.finish.clone();
+            if let Some(f) = &chunk.finish {
+                smp.finish = Some(f.clone());
+                if let Some(level) = self.state.opts.log_requests {
+                    crate::request_log::finished(&smp.rid, level, f, &smp.meta, &smp.text);
+                }
             }
             self.state.metrics.observe(&mut smp.timing, &chunk);
             return Some(Event { sample, chunk });

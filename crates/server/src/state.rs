@@ -40,6 +40,8 @@ pub struct ServerOptions {
     pub server_info: serde_json::Value,
     /// Separates `<think>` reasoning into `reasoning_content` in chat answers.
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// `--log-requests` at its level; `None` logs nothing.
+    pub log_requests: Option<crate::request_log::LogLevel>,
 }
 
 impl Default for ServerOptions {
@@ -57,6 +59,7 @@ impl Default for ServerOptions {
             health_generate_timeout: Duration::from_secs(20),
             server_info: serde_json::Value::Null,
             reasoning_parser: None,
+            log_requests: None,
         }
     }
 }

@@ -57,10 +57,16 @@ impl Server {
     /// Starts `arbor SUBCOMMAND ARGS` (`serve` or `router`): both print
     /// `listening on http://ADDR` once ready.
     pub fn start_command(subcommand: &str, args: &[&str]) -> Result<Self> {
+        Self::start_with_env(subcommand, args, &[])
+    }
+
+    /// [`Server::start_command`] with extra environment variables.
+    pub fn start_with_env(subcommand: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Self> {
         let mut child = Command::new(BIN)
             .arg(subcommand)
             .args(args)
             .env("ARBOR_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -81,6 +81,10 @@ pub struct EngineConfig {
     /// one (SGLang's `--max-loras-per-batch`); requests of another adapter
     /// wait until a running one finishes.
     pub max_loras_per_batch: usize,
+    /// Longest sequence (prompt plus output) a request may hold; `None`:
+    /// the model's `max_position_embeddings`. Whoever sets it longer than
+    /// the model's has decided to (SGLang's `--context-length`).
+    pub context_length: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +104,7 @@ impl Default for EngineConfig {
             enable_jump_forward: true,
             speculative: None,
             max_loras_per_batch: 8,
+            context_length: None,
         }
     }
 }
@@ -591,14 +596,20 @@ impl Engine {
         let decoder = first.decoder.clone();
         let mut limits = Limits {
             vocab_size: spec.vocab_size,
-            context: spec.max_position_embeddings,
+            context: config
+                .context_length
+                .unwrap_or(spec.max_position_embeddings),
             capacity_tokens: usize::MAX,
             num_layers: spec.num_layers,
         };
         for (rank, p) in parts.iter().enumerate() {
             let s = p.executor.model_spec();
             if (s.vocab_size, s.max_position_embeddings, s.num_layers)
-                != (limits.vocab_size, limits.context, limits.num_layers)
+                != (
+                    limits.vocab_size,
+                    spec.max_position_embeddings,
+                    limits.num_layers,
+                )
             {
                 return Err(CoreError::Config(format!(
                     "data-parallel rank {rank} serves a different model than rank 0"
