@@ -40,6 +40,9 @@ pub struct ServerOptions {
     pub server_info: serde_json::Value,
     /// Separates `<think>` reasoning into `reasoning_content` in chat answers.
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// The tool-call format of chat answers with `tool_choice: auto`
+    /// (`--tool-call-parser`); `None` reads `qwen25`'s `<tool_call>` blocks.
+    pub tool_call_parser: Option<crate::tool_call::ToolCallParser>,
 }
 
 impl Default for ServerOptions {
@@ -57,6 +60,7 @@ impl Default for ServerOptions {
             health_generate_timeout: Duration::from_secs(20),
             server_info: serde_json::Value::Null,
             reasoning_parser: None,
+            tool_call_parser: None,
         }
     }
 }
