@@ -202,9 +202,9 @@ fn config_errors_name_the_key_and_help_lists_every_flag() -> Result<()> {
         !ok && err.contains("unknown key 'algoritm' in section [speculative]"),
         "{err}"
     );
-    let (ok, err) = run("[server]\nreasoning_parser = \"gpt-oss\"\n")?;
+    let (ok, err) = run("[server]\nreasoning_parser = \"gpt-5\"\n")?;
     assert!(
-        !ok && err.contains("--reasoning-parser") && err.contains("'gpt-oss'"),
+        !ok && err.contains("--reasoning-parser") && err.contains("'gpt-5'"),
         "{err}"
     );
     let out = Command::new(BIN)

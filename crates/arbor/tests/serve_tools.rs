@@ -7,6 +7,9 @@
 //! crate, an implementation independent of the grammar engine); at most 3 may
 //! be cut off by max_tokens inside a string the model loops in. Skips with a message
 //! when the model or the data is absent.
+//!
+//! SGLang's `/parse_function_call` and `/separate_reasoning` parse a given
+//! text (on the tiny fixture model: no generation involved).
 
 #![allow(clippy::unwrap_used)]
 
@@ -188,5 +191,93 @@ async fn forced_tool_calls_always_validate() -> Result<()> {
     // a few cut-off calls are tolerated and reported, never invalid ones.
     assert!(unfinished.len() <= 3, "not finished: {unfinished:?}");
     assert_eq!(ok + unfinished.len(), 100);
+    Ok(())
+}
+
+/// `/parse_function_call` and `/separate_reasoning` in SGLang's shapes, and
+/// their 400s naming the field.
+#[tokio::test]
+async fn parse_routes_answer_in_sglang_shapes() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_time"}},
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    ]);
+    let u = s.url("/parse_function_call");
+    let v = post_ok(&c, &u, &json!({"text": "Checking.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+        "tool_call_parser": "qwen25", "tools": tools})).await?;
+    assert_eq!(
+        v,
+        json!({"normal_text": "Checking.", "calls": [
+            {"tool_index": 1, "name": "get_weather", "parameters": "{\"city\": \"Paris\"}"}]})
+    );
+    let v = post_ok(&c, &u, &json!({"text": "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+        "tool_call_parser": "qwen3_coder", "tools": tools})).await?;
+    assert_eq!(
+        v["calls"][0]["parameters"], "{\"city\": \"Oslo\", \"days\": 3}",
+        "{v}"
+    );
+    // No call: the text comes back unchanged.
+    let v = post_ok(
+        &c,
+        &u,
+        &json!({"text": " just text ", "tool_call_parser": "mistral", "tools": tools}),
+    )
+    .await?;
+    assert_eq!(v, json!({"normal_text": " just text ", "calls": []}));
+    let (st, e) = post(&c, &u, &json!({"text": "x", "tool_call_parser": "hermes9"})).await?;
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "tool_call_parser");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("kimi_k2"),
+        "{e}"
+    );
+    let (st, e) = post(&c, &u, &json!({"tool_call_parser": "qwen25"})).await?;
+    assert_eq!(
+        (st, e["error"]["param"].clone()),
+        (400, json!("text")),
+        "{e}"
+    );
+    let (st, e) = post(
+        &c,
+        &u,
+        &json!({"text": "x", "tools": [{"type": "function"}]}),
+    )
+    .await?;
+    assert_eq!(
+        (st, e["error"]["param"].clone()),
+        (400, json!("tools[0]")),
+        "{e}"
+    );
+
+    let u = s.url("/separate_reasoning");
+    let v = post_ok(
+        &c,
+        &u,
+        &json!({"text": "<think>why</think>because", "reasoning_parser": "qwen3"}),
+    )
+    .await?;
+    assert_eq!(v, json!({"text": "because", "reasoning_text": "why"}));
+    let v = post_ok(&c, &u, &json!({"text": "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>42",
+        "reasoning_parser": "gpt-oss"})).await?;
+    assert_eq!(v, json!({"text": "42", "reasoning_text": "hmm"}));
+    // The tiny server has no reasoning parser: the field is required.
+    let (st, e) = post(&c, &u, &json!({"text": "x"})).await?;
+    assert_eq!(
+        (st, e["error"]["param"].clone()),
+        (400, json!("reasoning_parser")),
+        "{e}"
+    );
+    let (st, e) = post(&c, &u, &json!({"text": "x", "reasoning_parser": "r2"})).await?;
+    assert_eq!(
+        (st, e["error"]["param"].clone()),
+        (400, json!("reasoning_parser")),
+        "{e}"
+    );
     Ok(())
 }

@@ -16,7 +16,10 @@
 //!   [`Server::with_weight_loader`]).
 //!
 //! With a reasoning parser ([`reasoning`], `ServerOptions::reasoning_parser`)
-//! chat answers carry their `<think>` block in `reasoning_content`.
+//! chat answers carry their `<think>` block in `reasoning_content`; the
+//! tool-call parser ([`tool_call`], `ServerOptions::tool_call_parser`) reads
+//! calls out of answers to requests with tools. SGLang's `/parse_function_call`
+//! and `/separate_reasoning` run either on a given text.
 //!
 //! Every error is OpenAI-style JSON ([`ApiError`]). With an API key every
 //! route but `/health` and `/health_generate` needs `Authorization: Bearer`.
@@ -34,6 +37,7 @@ pub mod metrics;
 mod native;
 mod openai;
 pub mod params;
+mod parse;
 pub mod reasoning;
 pub mod refit;
 pub mod request_log;
@@ -42,6 +46,7 @@ mod sse;
 mod state;
 mod tokenize;
 
+pub use arbor_chat_parsers::tool_call;
 pub use error::ApiError;
 pub use state::ServerOptions;
 
@@ -158,6 +163,18 @@ fn routes() -> Vec<Route> {
             "POST",
             "OpenAI chat completions (chat template, tools, reasoning).",
             post(openai::chat::chat_completions),
+        ),
+        r(
+            "/parse_function_call",
+            "POST",
+            "Tool calls in a text, by a named tool-call parser (SGLang's shape).",
+            post(parse::parse_function_call),
+        ),
+        r(
+            "/separate_reasoning",
+            "POST",
+            "Reasoning and answer of a text, by a named reasoning parser.",
+            post(parse::separate_reasoning),
         ),
         r(
             "/v1/models",

@@ -42,6 +42,9 @@ pub struct ServerOptions {
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
     /// `--log-requests` at its level; `None` logs nothing.
     pub log_requests: Option<crate::request_log::LogLevel>,
+    /// The tool-call format of chat answers with `tool_choice: auto`
+    /// (`--tool-call-parser`); `None` reads `qwen25`'s `<tool_call>` blocks.
+    pub tool_call_parser: Option<crate::tool_call::ToolCallParser>,
 }
 
 impl Default for ServerOptions {
@@ -60,6 +63,7 @@ impl Default for ServerOptions {
             server_info: serde_json::Value::Null,
             reasoning_parser: None,
             log_requests: None,
+            tool_call_parser: None,
         }
     }
 }

@@ -14,7 +14,7 @@
 //! `delta.reasoning_content`), unless the request sets `separate_reasoning:
 //! false`; `stream_reasoning: false` sends it in one piece when it ends.
 
-use super::tools::{self, ToolChoice};
+use super::tools::{self, Tool, ToolCallParser, ToolChoice};
 use super::{Common, check_model, common, token_text, usage};
 use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;
@@ -24,6 +24,7 @@ use crate::reasoning::{self, ReasoningParser, ReasoningStream};
 use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
+use crate::tool_call::{StreamItem, ToolCallStream};
 use arbor_engine_core::engine::TokenLogprob;
 use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
@@ -148,7 +149,14 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let top_logprobs = f.int("top_logprobs", 0, i64::from(u32::MAX))?.unwrap_or(0) as usize;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let template_kwargs = template_kwargs(&mut f)?;
-    let (tool_mode, template_tools) = tool_mode(&mut f, &mut constraint)?;
+    let (tool_mode, template_tools, tool_list) = tool_mode(&mut f, &mut constraint)?;
+    // The request's thinking switch (SGLang: the answer starts in reasoning).
+    let thinking = st
+        .opts
+        .reasoning_parser
+        .and_then(ReasoningParser::thinking_switch)
+        .and_then(|k| template_kwargs.as_ref()?.get(k)?.as_bool())
+        .unwrap_or(false);
     // SGLang's switches of the reasoning parser (both on by default).
     let separate_reasoning = f.bool("separate_reasoning")?.unwrap_or(true);
     let stream_reasoning = f.bool("stream_reasoning")?.unwrap_or(true);
@@ -190,9 +198,12 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         logprobs: logprobs || top_logprobs > 0,
         include_usage,
         tools: tool_mode.filter(|c| *c != ToolChoice::None),
+        tool_parser: st.opts.tool_call_parser.unwrap_or(ToolCallParser::Qwen25),
+        tool_list,
         reasoning: st.opts.reasoning_parser.filter(|_| separate_reasoning),
+        thinking,
         stream_reasoning,
-        parsers: Vec::new(),
+        samples: Vec::new(),
     };
     if stream {
         return Ok(stream_response(run, fmt));
@@ -228,17 +239,23 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     .into_response())
 }
 
-/// The tool mode of a request and the tools its chat template is given:
-/// required and named choices force a call through a grammar (added to
-/// `constraint`); auto parses `<tool_call>` blocks afterwards; none ignores
-/// them. A `tool_choice` other than none or auto needs `tools`.
+/// A request's tool choice, the tools its chat template is given, and the
+/// parsed tools.
+type ToolMode = (Option<ToolChoice>, Option<Value>, Vec<Tool>);
+
+/// The tool mode of a request, the tools its chat template is given and
+/// the parsed tools: required and named choices force a call through a
+/// grammar (added to `constraint`); auto parses the answer with the
+/// server's tool-call parser; none ignores them. A `tool_choice` other than
+/// none or auto needs `tools`.
 fn tool_mode(
     f: &mut Fields,
     constraint: &mut Option<ConstraintSpec>,
-) -> Result<(Option<ToolChoice>, Option<Value>), ApiError> {
+) -> Result<ToolMode, ApiError> {
     let raw_tools = f.raw("tools").filter(|t| !crate::fields::is_unset(t));
     let raw_choice = f.raw("tool_choice");
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
+    let mut tool_list = Vec::new();
     let tool_mode = match &raw_tools {
         Some(t) => {
             let list = tools::parse_tools(t)?;
@@ -249,6 +266,7 @@ fn tool_mode(
                     ConstraintSpec::new("tools", Constraint::Tools(schema)),
                 )?;
             }
+            tool_list = list;
             Some(choice)
         }
         None => {
@@ -269,7 +287,7 @@ fn tool_mode(
         (Some(ToolChoice::None), _) | (None, _) => None,
         (Some(_), t) => t.clone(),
     };
-    Ok((tool_mode, template_tools))
+    Ok((tool_mode, template_tools, tool_list))
 }
 
 /// Ignores `reasoning_effort`; refuses the OpenAI fields Arbor does not
@@ -358,12 +376,138 @@ struct ChatFormat {
     include_usage: bool,
     /// Tool choice when tools are in play (their output is parsed into calls).
     tools: Option<ToolChoice>,
+    /// The format of calls under `tool_choice: auto`.
+    tool_parser: ToolCallParser,
+    /// The request's tools.
+    tool_list: Vec<Tool>,
     /// Reasoning parser, unless off or the request said `separate_reasoning: false`.
     reasoning: Option<ReasoningParser>,
+    /// The request turned thinking on (the answer starts in reasoning).
+    thinking: bool,
     /// Stream reasoning as it comes (else in one piece when its block ends).
     stream_reasoning: bool,
-    /// Streaming: one incremental parser per sample.
-    parsers: Vec<ReasoningStream>,
+    /// Streaming: the incremental parsers of each sample.
+    samples: Vec<SampleStream>,
+}
+
+/// The incremental parsers of one streamed sample: reasoning first, its
+/// content into the tool-call parser (`tool_choice: auto`).
+struct SampleStream {
+    reasoning: Option<ReasoningStream>,
+    tools: Option<ToolCallStream>,
+    /// Calls sent so far.
+    calls: usize,
+}
+
+/// What one event of a sample gives: reasoning, then content and call
+/// pieces in order.
+#[derive(Default)]
+struct Pieces {
+    reasoning: String,
+    items: Vec<StreamItem>,
+}
+
+impl SampleStream {
+    fn new(
+        reasoning: Option<ReasoningParser>,
+        stream_reasoning: bool,
+        thinking: bool,
+        tools: Option<(ToolCallParser, &[Tool])>,
+    ) -> Self {
+        Self {
+            reasoning: reasoning
+                .map(|k| ReasoningStream::with_thinking(k, stream_reasoning, thinking)),
+            tools: tools.map(|(p, list)| ToolCallStream::new(p, list)),
+            calls: 0,
+        }
+    }
+
+    /// Runs a piece of the sample's text through its parsers (`finish`:
+    /// the sample ended, flush them).
+    fn pieces(&mut self, text: &str, finish: bool) -> Pieces {
+        let mut out = Pieces::default();
+        let content = match &mut self.reasoning {
+            Some(r) => {
+                let mut parts = r.push(text);
+                if finish {
+                    let rest = r.finish();
+                    parts.reasoning.push_str(&rest.reasoning);
+                    parts.content.push_str(&rest.content);
+                }
+                out.reasoning = parts.reasoning;
+                parts.content
+            }
+            None => text.to_string(),
+        };
+        match &mut self.tools {
+            Some(t) => {
+                out.items = t.push(&content);
+                if finish {
+                    out.items.extend(t.finish());
+                }
+                self.calls += out
+                    .items
+                    .iter()
+                    .filter(|i| matches!(i, StreamItem::Call { name: Some(_), .. }))
+                    .count();
+            }
+            None if !content.is_empty() => out.items.push(StreamItem::Content(content)),
+            None => {}
+        }
+        out
+    }
+}
+
+/// The deltas of `pieces`: reasoning and content in the first, a new
+/// delta whenever content follows calls or calls follow content (so
+/// their order survives), OpenAI's `tool_calls` shape for call pieces.
+fn deltas(
+    parser: ToolCallParser,
+    answer: &str,
+    pieces: Pieces,
+) -> Vec<serde_json::Map<String, Value>> {
+    let mut out: Vec<serde_json::Map<String, Value>> = vec![serde_json::Map::new()];
+    if !pieces.reasoning.is_empty() {
+        out[0].insert("reasoning_content".into(), json!(pieces.reasoning));
+    }
+    for item in pieces.items {
+        let Some(last) = out.last_mut() else { break };
+        match item {
+            StreamItem::Content(c) => {
+                if last.contains_key("tool_calls") {
+                    out.push(serde_json::Map::new());
+                }
+                if let Some(d) = out.last_mut() {
+                    let prev = d.get("content").and_then(Value::as_str).unwrap_or("");
+                    let joined = format!("{prev}{c}");
+                    d.insert("content".into(), json!(joined));
+                }
+            }
+            StreamItem::Call {
+                index,
+                name,
+                arguments_delta,
+            } => {
+                if last.contains_key("content") {
+                    out.push(serde_json::Map::new());
+                }
+                let call = match name {
+                    Some(n) => json!({"index": index,
+                        "id": tools::call_id(parser, answer, &n, index),
+                        "type": "function",
+                        "function": {"name": n, "arguments": arguments_delta}}),
+                    None => json!({"index": index, "function": {"arguments": arguments_delta}}),
+                };
+                if let Some(d) = out.last_mut() {
+                    let list = d.entry("tool_calls").or_insert_with(|| json!([]));
+                    if let Some(a) = list.as_array_mut() {
+                        a.push(call);
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 impl ChatFormat {
@@ -379,7 +523,7 @@ impl ChatFormat {
         let Some(kind) = self.reasoning else {
             return self.answer(index, text, finish);
         };
-        let parts = reasoning::split(kind, text);
+        let parts = reasoning::split_with_thinking(kind, text, self.thinking);
         let (mut message, finish) = self.answer(index, &parts.content, finish);
         if let Some(o) = message.as_object_mut() {
             let r = (!parts.reasoning.is_empty()).then_some(parts.reasoning);
@@ -398,19 +542,67 @@ impl ChatFormat {
         let calls = match &self.tools {
             None | Some(ToolChoice::None) => None,
             Some(ToolChoice::Auto) => {
-                let (content, calls) = tools::parse_tagged(text);
-                (!calls.is_empty()).then(|| ((!content.is_empty()).then_some(content), calls))
+                let p = self.tool_parser.parse(text, &self.tool_list);
+                let content = p.content;
+                (!p.calls.is_empty()).then(|| ((!content.is_empty()).then_some(content), p.calls))
             }
             Some(_) => tools::parse_forced(text).map(|c| (None, c)),
         };
         match calls {
             Some((content, calls)) => (
                 json!({"role": "assistant", "content": content,
-                       "tool_calls": tools::calls_json(&calls, &format!("{}_{index}", self.id))}),
+                       "tool_calls": tools::calls_json(&calls, &self.answer_id(index), self.tool_parser)}),
                 Some("tool_calls"),
             ),
             None => (json!({"role": "assistant", "content": text}), finish),
         }
+    }
+
+    /// The id calls of sample `index` are numbered under.
+    fn answer_id(&self, index: usize) -> String {
+        format!("{}_{index}", self.id)
+    }
+
+    /// The parsers of sample `sample`, made on its first event.
+    fn sample(&mut self, sample: usize) -> Option<&mut SampleStream> {
+        while self.samples.len() <= sample {
+            let auto = self.tools == Some(ToolChoice::Auto);
+            self.samples.push(SampleStream::new(
+                self.reasoning,
+                self.stream_reasoning,
+                self.thinking,
+                auto.then_some((self.tool_parser, self.tool_list.as_slice())),
+            ));
+        }
+        self.samples.get_mut(sample)
+    }
+
+    /// A forced call (required or named): parsed from the whole output and
+    /// sent when the sample ends.
+    fn forced_event(&self, run: &Run, ev: &Event) -> Vec<String> {
+        let Some(f) = &ev.chunk.finish else {
+            return Vec::new();
+        };
+        let text = run
+            .samples
+            .get(ev.sample)
+            .map(|s| s.text.as_str())
+            .unwrap_or_default();
+        let (message, finish) = self.message(ev.sample, text, Some(openai_finish_reason(f)));
+        let mut delta = message;
+        if let Some(o) = delta.as_object_mut() {
+            o.remove("role");
+            if let Some(calls) = o.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                for (i, call) in calls.iter_mut().enumerate() {
+                    if let Some(c) = call.as_object_mut() {
+                        c.insert("index".into(), json!(i));
+                    }
+                }
+            }
+        }
+        let choice = json!({"index": ev.sample, "delta": delta, "logprobs": null,
+                            "finish_reason": finish, "matched_stop": run::matched_value(f)});
+        vec![self.chunk(json!([choice]), None)]
     }
 
     fn entry(&self, id: u32, logprob: f32) -> Value {
@@ -469,74 +661,46 @@ impl StreamFormat for ChatFormat {
 
     fn event(&mut self, run: &Run, ev: &Event) -> Vec<String> {
         let c = &ev.chunk;
-        if self.tools.is_some() {
-            // Calls are parsed from the whole output: send it when the sample ends.
-            let Some(f) = &c.finish else {
-                return Vec::new();
-            };
-            let text = run
-                .samples
-                .get(ev.sample)
-                .map(|s| s.text.as_str())
-                .unwrap_or_default();
-            let (message, finish) = self.message(ev.sample, text, Some(openai_finish_reason(f)));
-            let mut delta = message;
-            if let Some(o) = delta.as_object_mut() {
-                o.remove("role");
-                if let Some(calls) = o.get_mut("tool_calls").and_then(Value::as_array_mut) {
-                    for (i, call) in calls.iter_mut().enumerate() {
-                        if let Some(c) = call.as_object_mut() {
-                            c.insert("index".into(), json!(i));
-                        }
-                    }
-                }
-            }
-            let choice = json!({"index": ev.sample, "delta": delta, "logprobs": null,
-                                "finish_reason": finish, "matched_stop": run::matched_value(f)});
-            return vec![self.chunk(json!([choice]), None)];
+        if matches!(
+            self.tools,
+            Some(ToolChoice::Required | ToolChoice::Named(_))
+        ) {
+            return self.forced_event(run, ev);
         }
-        let delta = match self.reasoning {
-            None => {
-                if c.text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": c.text})
-                }
-            }
-            Some(kind) => {
-                while self.parsers.len() <= ev.sample {
-                    self.parsers
-                        .push(ReasoningStream::new(kind, self.stream_reasoning));
-                }
-                let p = &mut self.parsers[ev.sample];
-                let mut parts = p.push(&c.text);
-                if c.finish.is_some() {
-                    let rest = p.finish();
-                    parts.reasoning.push_str(&rest.reasoning);
-                    parts.content.push_str(&rest.content);
-                }
-                let mut d = serde_json::Map::new();
-                if !parts.reasoning.is_empty() {
-                    d.insert("reasoning_content".into(), json!(parts.reasoning));
-                }
-                if !parts.content.is_empty() {
-                    d.insert("content".into(), json!(parts.content));
-                }
-                Value::Object(d)
-            }
-        };
-        let empty = delta.as_object().is_some_and(|d| d.is_empty());
-        if empty && c.finish.is_none() && (c.logprobs.is_empty() || !self.logprobs) {
+        let Some(s) = self.sample(ev.sample) else {
             return Vec::new();
+        };
+        let pieces = s.pieces(&c.text, c.finish.is_some());
+        let calls_made = s.calls > 0;
+        let mut deltas = deltas(self.tool_parser, &self.answer_id(ev.sample), pieces);
+        let last = deltas.len() - 1;
+        let mut chunks = Vec::new();
+        for (k, delta) in deltas.drain(..).enumerate() {
+            let first = k == 0;
+            let finish = c.finish.as_ref().filter(|_| k == last);
+            if delta.is_empty()
+                && finish.is_none()
+                && (!first || c.logprobs.is_empty() || !self.logprobs)
+            {
+                continue;
+            }
+            let reason = finish.map(|f| {
+                if calls_made {
+                    "tool_calls"
+                } else {
+                    openai_finish_reason(f)
+                }
+            });
+            let choice = json!({
+                "index": ev.sample,
+                "delta": Value::Object(delta),
+                "logprobs": (self.logprobs && first).then(|| self.logprob_json(&c.logprobs)),
+                "finish_reason": reason,
+                "matched_stop": finish.map(run::matched_value),
+            });
+            chunks.push(self.chunk(json!([choice]), None));
         }
-        let choice = json!({
-            "index": ev.sample,
-            "delta": delta,
-            "logprobs": self.logprobs.then(|| self.logprob_json(&c.logprobs)),
-            "finish_reason": c.finish.as_ref().map(openai_finish_reason),
-            "matched_stop": c.finish.as_ref().map(run::matched_value),
-        });
-        vec![self.chunk(json!([choice]), None)]
+        chunks
     }
 
     fn end(&mut self, run: &Run) -> Vec<String> {
@@ -545,5 +709,88 @@ impl StreamFormat for ChatFormat {
         } else {
             Vec::new()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool_list() -> Vec<Tool> {
+        vec![Tool {
+            name: "get_weather".into(),
+            parameters: json!({"type": "object", "properties": {"city": {"type": "string"}}}),
+        }]
+    }
+
+    /// Streams `chunks` through a sample's parsers and returns its deltas.
+    fn run(
+        reasoning: Option<ReasoningParser>,
+        parser: ToolCallParser,
+        chunks: &[&str],
+    ) -> (Vec<Value>, usize) {
+        let list = tool_list();
+        let mut s = SampleStream::new(reasoning, true, false, Some((parser, &list)));
+        let mut out = Vec::new();
+        for (k, chunk) in chunks.iter().enumerate() {
+            let pieces = s.pieces(chunk, k + 1 == chunks.len());
+            out.extend(
+                deltas(parser, "chatcmpl-1_0", pieces)
+                    .into_iter()
+                    .filter(|d| !d.is_empty())
+                    .map(Value::Object),
+            );
+        }
+        (out, s.calls)
+    }
+
+    #[test]
+    fn auto_tools_stream_as_openai_deltas() {
+        let (d, calls) = run(
+            Some(ReasoningParser::Qwen3),
+            ToolCallParser::Qwen25,
+            &[
+                "<think>need weather</think>Let me check. <tool_",
+                "call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": ",
+                "\"Paris\"}}\n</tool_call>",
+                "",
+            ],
+        );
+        assert_eq!(calls, 1);
+        assert_eq!(
+            d,
+            vec![
+                json!({"reasoning_content": "need weather", "content": "Let me check. "}),
+                json!({"tool_calls": [{"index": 0, "id": "call_chatcmpl-1_0_0", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{\"city\": "}}]}),
+                json!({"tool_calls": [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]}),
+            ]
+        );
+        // Kimi's ids; content after a call in the same piece gets its own delta.
+        let (d, _) = run(
+            None,
+            ToolCallParser::KimiK2,
+            &[
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>Done.",
+            ],
+        );
+        assert_eq!(
+            d,
+            vec![
+                json!({"tool_calls": [{"index": 0, "id": "functions.get_weather:0", "type": "function",
+                       "function": {"name": "get_weather", "arguments": "{}"}}]}),
+                json!({"content": "Done."}),
+            ]
+        );
+        // No calls: plain content, and nothing is held but a marker prefix.
+        let (d, calls) = run(None, ToolCallParser::Qwen25, &["Hello <tool", "box>"]);
+        assert_eq!(calls, 0);
+        assert_eq!(
+            d,
+            vec![
+                json!({"content": "Hello "}),
+                json!({"content": "<toolbox>"})
+            ]
+        );
     }
 }

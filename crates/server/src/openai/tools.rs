@@ -9,20 +9,17 @@
 //!   parse and validate. As in OpenAI's strict mode, an arguments object whose
 //!   schema does not mention `additionalProperties` takes no undeclared keys.
 //! - `"auto"` (the default when tools are given) leaves generation free; the
-//!   text is scanned afterwards for `<tool_call>{...}</tool_call>` blocks (the
-//!   format of Qwen, SmolLM and Hermes-style templates); what is outside them
-//!   stays the message content.
+//!   text is parsed with the server's tool-call parser
+//!   (`ServerOptions::tool_call_parser`, [`arbor_chat_parsers::tool_call`];
+//!   without one `qwen25`: `<tool_call>{...}</tool_call>` blocks, the format
+//!   of Qwen, SmolLM and Hermes-style templates); what is outside the calls
+//!   stays the message content. Calls to functions not among the tools are
+//!   not calls.
 //! - `"none"` ignores the tools.
 
 use crate::error::ApiError;
+pub(crate) use arbor_chat_parsers::tool_call::{ToolCall, ToolCallParser, ToolSpec as Tool};
 use serde_json::{Value, json};
-
-/// One function the model may call.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Tool {
-    pub name: String,
-    pub parameters: Value,
-}
 
 /// What the request allows.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,14 +28,6 @@ pub(crate) enum ToolChoice {
     Auto,
     Required,
     Named(String),
-}
-
-/// A call found in the output.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct ToolCall {
-    pub name: String,
-    /// The arguments as JSON text (OpenAI sends them as a string).
-    pub arguments: String,
 }
 
 /// Parses OpenAI `tools`.
@@ -181,44 +170,22 @@ pub(crate) fn parse_forced(text: &str) -> Option<Vec<ToolCall>> {
     }
 }
 
-/// `<tool_call>{...}</tool_call>` blocks of free text: the calls and the text around them.
-pub(crate) fn parse_tagged(text: &str) -> (String, Vec<ToolCall>) {
-    const OPEN: &str = "<tool_call>";
-    const CLOSE: &str = "</tool_call>";
-    let mut calls = Vec::new();
-    let mut content = String::new();
-    let mut rest = text;
-    while let Some(i) = rest.find(OPEN) {
-        let after = &rest[i + OPEN.len()..];
-        let (body, next) = match after.find(CLOSE) {
-            Some(j) => (&after[..j], &after[j + CLOSE.len()..]),
-            None => (after, ""),
-        };
-        match serde_json::from_str::<Value>(body.trim())
-            .ok()
-            .as_ref()
-            .and_then(call_of)
-        {
-            Some(c) => {
-                content.push_str(&rest[..i]);
-                calls.push(c);
-            }
-            None => content.push_str(&rest[..i + OPEN.len() + body.len()]),
-        }
-        rest = next;
-    }
-    content.push_str(rest);
-    (content.trim().to_string(), calls)
+/// The `id` of call `index` of an answer: `call_<answer id>_<index>`, or
+/// the one the format fixes (Kimi K2's `functions.NAME:IDX`).
+pub(crate) fn call_id(parser: ToolCallParser, answer: &str, name: &str, index: usize) -> String {
+    parser
+        .call_id(name, index)
+        .unwrap_or_else(|| format!("call_{answer}_{index}"))
 }
 
-/// OpenAI's `tool_calls` list; ids are `call_<request id>_<index>`.
-pub(crate) fn calls_json(calls: &[ToolCall], id: &str) -> Value {
+/// OpenAI's `tool_calls` list (ids from [`call_id`]).
+pub(crate) fn calls_json(calls: &[ToolCall], answer: &str, parser: ToolCallParser) -> Value {
     Value::Array(
         calls
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                json!({"id": format!("call_{id}_{i}"), "type": "function",
+                json!({"id": call_id(parser, answer, &c.name, i), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}})
             })
             .collect(),
@@ -277,13 +244,29 @@ mod tests {
         assert_eq!(calls[0].name, "get_weather");
         assert_eq!(calls[0].arguments, r#"{"city":"Paris"}"#);
         assert!(parse_forced("not json").is_none());
-        let (content, calls) = parse_tagged(
+        let t = tools();
+        let p = ToolCallParser::Qwen25.parse(
             "Let me check.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>",
+            &t,
         );
-        assert_eq!(content, "Let me check.");
-        assert_eq!(calls.len(), 1);
-        let (content, calls) = parse_tagged("no calls <tool_call>{broken</tool_call> here");
-        assert!(calls.is_empty());
-        assert!(content.contains("{broken"));
+        assert_eq!(p.content, "Let me check.");
+        assert_eq!(p.calls.len(), 1);
+        let p = ToolCallParser::Qwen25.parse("no calls <tool_call>{broken</tool_call> here", &t);
+        assert!(p.calls.is_empty());
+        assert!(p.content.contains("{broken"));
+        let ids = calls_json(&p.calls, "x", ToolCallParser::KimiK2);
+        assert_eq!(ids, json!([]));
+        let c = vec![ToolCall {
+            name: "now".into(),
+            arguments: "{}".into(),
+        }];
+        assert_eq!(
+            calls_json(&c, "x_0", ToolCallParser::Qwen25)[0]["id"],
+            "call_x_0_0"
+        );
+        assert_eq!(
+            calls_json(&c, "x_0", ToolCallParser::KimiK2)[0]["id"],
+            "functions.now:0"
+        );
     }
 }
