@@ -126,9 +126,12 @@ pub struct ServerSection {
     /// Seconds in-flight requests get to finish on SIGTERM before they are aborted.
     #[arg(long, help_heading = "Server")]
     pub shutdown_timeout: Option<f64>,
-    /// Separate `<think>` reasoning into `reasoning_content` of chat answers: qwen3 or deepseek-r1 [default: off].
+    /// Separate reasoning into `reasoning_content` of chat answers: deepseek-r1, deepseek-v3, qwen3, qwen3-thinking, glm45, kimi or gpt-oss [default: off].
     #[arg(long, help_heading = "Server")]
     pub reasoning_parser: Option<String>,
+    /// Format of the tool calls chat answers hold with `tool_choice: auto` (SGLang's names): qwen25, llama3, mistral, qwen3_coder, deepseekv3, deepseekv31, kimi_k2, glm45, gpt-oss or pythonic [default: qwen25's `<tool_call>` blocks].
+    #[arg(long, help_heading = "Server")]
+    pub tool_call_parser: Option<String>,
     /// Log each request when it is enqueued and each sample when it finishes (target `arbor::requests`).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Server")]
     pub log_requests: Option<bool>,
@@ -680,6 +683,7 @@ impl ServeConfig {
         }
         self.reasoning_parser()?;
         self.log_requests()?;
+        self.tool_call_parser()?;
         self.speculative.to_engine()?;
         self.hicache
             .to_settings(self.cache.disable_radix_cache.unwrap_or(false))?;
@@ -698,6 +702,19 @@ impl ServeConfig {
             .map(|n| {
                 n.parse().map_err(|e| {
                     anyhow::anyhow!("[server] reasoning_parser / --reasoning-parser: {e}")
+                })
+            })
+            .transpose()
+    }
+
+    /// The tool-call parser, if any (an unknown name is an error naming the flag).
+    pub fn tool_call_parser(&self) -> Result<Option<arbor_server::tool_call::ToolCallParser>> {
+        self.server
+            .tool_call_parser
+            .as_deref()
+            .map(|n| {
+                n.parse().map_err(|e| {
+                    anyhow::anyhow!("[server] tool_call_parser / --tool-call-parser: {e}")
                 })
             })
             .transpose()

@@ -311,6 +311,7 @@ fn server_options(
         server_info: server_info(cfg, built),
         reasoning_parser: cfg.reasoning_parser()?,
         log_requests: cfg.log_requests()?,
+        tool_call_parser: cfg.tool_call_parser()?,
         ..Default::default()
     })
 }

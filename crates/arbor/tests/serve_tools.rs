@@ -281,3 +281,79 @@ async fn parse_routes_answer_in_sglang_shapes() -> Result<()> {
     );
     Ok(())
 }
+
+/// `--tool-call-parser mistral` on the default model, its answer forced by a
+/// regex into Mistral's published format (`[TOOL_CALLS] [{...}]` after some
+/// content): the whole answer and the streamed one give the same call; the
+/// stream sends the content before the call, then the call's name, then its
+/// arguments, and ends with `tool_calls`.
+#[tokio::test]
+async fn a_configured_parser_streams_calls_as_they_are_recognized() -> Result<()> {
+    let Some(model) = arbor_models::default_model_path().filter(|p| p.exists()) else {
+        eprintln!("skipping: the default model is absent (run `arbor fetch-default`)");
+        return Ok(());
+    };
+    let m = model.display().to_string();
+    let s = Server::small(
+        &m,
+        &["--tool-call-parser", "mistral", "--served-model-name", "x"],
+    )?;
+    let c = client();
+    let url = s.url("/v1/chat/completions");
+    let body = |stream: bool| {
+        json!({
+            "model": "x",
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters":
+                {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "regex": r#"Let me check\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "Paris", "note": "a \\"quoted\\" word"\}\}\]"#,
+            "temperature": 0,
+            "max_tokens": 96,
+            "stream": stream,
+        })
+    };
+    let whole = post_ok(&c, &url, &body(false)).await?;
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    assert_eq!(choice["message"]["content"], "Let me check.", "{whole}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap_or(""))?;
+    assert_eq!(args, json!({"city": "Paris", "note": "a \"quoted\" word"}));
+
+    let events = sse(&c, &url, &body(true)).await?;
+    let deltas: Vec<&Value> = events.iter().map(|e| &e["choices"][0]["delta"]).collect();
+    let content: String = deltas
+        .iter()
+        .filter_map(|d| d["content"].as_str())
+        .collect();
+    assert_eq!(content.trim(), "Let me check.");
+    let first_call = deltas
+        .iter()
+        .position(|d| d.get("tool_calls").is_some())
+        .context("no tool_calls delta")?;
+    let last_content = deltas
+        .iter()
+        .rposition(|d| d["content"].as_str().is_some_and(|t| !t.trim().is_empty()))
+        .context("no content delta")?;
+    assert!(
+        last_content < first_call,
+        "content after the call: {deltas:?}"
+    );
+    let named = &deltas[first_call]["tool_calls"][0];
+    assert_eq!(named["function"]["name"], "get_weather", "{named}");
+    assert_eq!(named["index"], 0);
+    assert!(named["id"].is_string());
+    let streamed_args: String = deltas
+        .iter()
+        .filter_map(|d| d["tool_calls"][0]["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(serde_json::from_str::<Value>(&streamed_args)?, args);
+    let finish = events
+        .iter()
+        .rev()
+        .find_map(|e| e["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("tool_calls"));
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    Ok(())
+}

@@ -151,7 +151,7 @@ impl ChatTemplate {
     }
 
     fn from_tokenizer_config(cfg_path: &Path) -> Result<Option<Self>> {
-        let text = std::fs::read_to_string(&cfg_path).map_err(|e| CoreError::io(&cfg_path, e))?;
+        let text = std::fs::read_to_string(cfg_path).map_err(|e| CoreError::io(cfg_path, e))?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| CoreError::load(format!("{}: invalid JSON: {e}", cfg_path.display())))?;
         match v.get("chat_template") {
