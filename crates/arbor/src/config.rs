@@ -39,6 +39,9 @@ pub struct ModelSection {
     /// Chat template: a Jinja file, a tokenizer_config.json holding one, or a built-in name (chatml, llama-3-instruct, mistral) [default: the tokenizer's].
     #[arg(long, help_heading = "Model")]
     pub chat_template: Option<String>,
+    /// Serve embeddings (`/v1/embeddings`, `/encode`): the final normed hidden states pooled as the checkpoint's sentence-transformers config says (last token or mean; last without one), L2-normalized.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", help_heading = "Model")]
+    pub is_embedding: Option<bool>,
     /// Longest sequence (prompt and output) served, at most the model's context [default: the model's max_position_embeddings].
     #[arg(long, help_heading = "Model")]
     pub context_length: Option<usize>,
@@ -96,6 +99,7 @@ impl Section for ModelSection {
             mamba_ssm_dtype: Some("float32".into()),
             disable_cuda_graph: Some(false),
             trust_remote_code: Some(false),
+            is_embedding: Some(false),
             ..Default::default()
         }
     }

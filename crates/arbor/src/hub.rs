@@ -157,7 +157,11 @@ fn resolve(id: &str, revision: &str, want: Want) -> Result<PathBuf> {
 
 /// The repository files `want` needs, of those listed.
 fn wanted(files: &[String], want: Want) -> Vec<String> {
-    let top: Vec<&String> = files.iter().filter(|f| !f.contains('/')).collect();
+    // Top-level files, and sentence-transformers' pooling config of an embedding model.
+    let top: Vec<&String> = files
+        .iter()
+        .filter(|f| !f.contains('/') || f.as_str() == "1_Pooling/config.json")
+        .collect();
     let meta = |f: &str| {
         f.ends_with(".json")
             || f.ends_with(".jinja")

@@ -157,6 +157,21 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .unwrap_or_else(|| "127.0.0.1".into());
     let port = cfg.server.port.unwrap_or(30000);
     let mut opts = server_options(&cfg, &built, &served, &model_path, context_len)?;
+    if m.is_embedding.unwrap_or(false) {
+        if model_args.tp_size > 1
+            || model_args.enable_dp_attention
+            || engine_cfg.speculative.is_some()
+        {
+            bail!(
+                "--is-embedding: embeddings are computed on one rank per replica, without \
+                 speculation (drop --tp-size, --enable-dp-attention, --speculative-algorithm)"
+            );
+        }
+        opts.embedding = Some(arbor_server::embeddings::EmbeddingOptions {
+            pooling: embedding_pooling(&built.model.path)?,
+            dimensions: spec.hidden_size,
+        });
+    }
     let grammar = grammar_cache(&registry, &cfg.grammar, &built.model)?;
     let engine = Arc::new(built.engine);
     if spec.state.is_some() && matches!(cfg.disaggregation.to_settings(false), Ok(Some(_))) {
@@ -265,6 +280,32 @@ fn resolve_hub_paths(cfg: &mut ServeConfig) -> Result<Option<String>> {
         );
     }
     Ok(hub_model)
+}
+
+/// How the checkpoint at `dir` pools an embedding: its sentence-transformers
+/// `1_Pooling/config.json` (`pooling_mode_lasttoken` or
+/// `pooling_mode_mean_tokens`), else the last token (what a causal model's
+/// last position has seen all of).
+fn embedding_pooling(dir: &std::path::Path) -> Result<arbor_engine_core::engine::Pooling> {
+    use arbor_engine_core::engine::Pooling;
+    let path = dir.join("1_Pooling").join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(Pooling::Last);
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}", path.display()))?;
+    let on = |k: &str| v.get(k).and_then(serde_json::Value::as_bool) == Some(true);
+    if on("pooling_mode_lasttoken") {
+        Ok(Pooling::Last)
+    } else if on("pooling_mode_mean_tokens") {
+        Ok(Pooling::Mean)
+    } else {
+        bail!(
+            "{}: --is-embedding pools by the last token or the mean; this config asks for \
+             another pooling",
+            path.display()
+        )
+    }
 }
 
 /// The `--chat-template`: a file (Jinja, or a JSON tokenizer config) or a

@@ -96,6 +96,9 @@ pub struct SeqPlan {
     /// Log-probabilities of prompt tokens this step's rows predict (a
     /// prompt chunk of a request that asked for them); `None` otherwise.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// An embedding request's prompt chunk: its final normed hidden states
+    /// pooled into [`SeqExtra::embedding`]; `None` otherwise.
+    pub pool: Option<crate::engine::Pooling>,
 }
 
 /// Which rows of a prompt chunk score the prompt's next tokens: row `r`
@@ -270,6 +273,9 @@ pub struct SeqExtra {
     /// Hidden states at every token of the plan's sequence, one `[tokens *
     /// hidden]` f32 vector per layer the plan asked for.
     pub hidden: Vec<Vec<f32>>,
+    /// With [`SeqPlan::pool`]: the sum of the chunk's final normed hidden
+    /// states (mean pooling) or its last one.
+    pub embedding: Vec<f32>,
     /// Sampling this sequence failed (a logits processor or sampler error);
     /// only its request fails.
     pub error: Option<String>,
@@ -344,6 +350,7 @@ mod tests {
             state_slot: None,
             state_ops: Default::default(),
             prompt_logprobs: None,
+            pool: None,
             tokens: vec![1, 2, 3, 4],
             prefix_len: 5,
             pages: vec![0, 1, 2],

@@ -30,6 +30,7 @@
 mod admin;
 pub mod constraint;
 pub mod disagg;
+pub mod embeddings;
 pub mod error;
 mod fields;
 mod lora;
@@ -163,6 +164,18 @@ fn routes() -> Vec<Route> {
             "POST",
             "OpenAI chat completions (chat template, tools, reasoning).",
             post(openai::chat::chat_completions),
+        ),
+        r(
+            "/v1/embeddings",
+            "POST",
+            "OpenAI embeddings of a model served with --is-embedding.",
+            post(embeddings::embeddings),
+        ),
+        r(
+            "/encode",
+            "POST",
+            "SGLang's native embeddings (text or token ids, one or a list).",
+            post(embeddings::encode),
         ),
         r(
             "/parse_function_call",

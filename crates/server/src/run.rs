@@ -63,6 +63,8 @@ pub(crate) struct Sample {
     pub prompt_logprobs: Vec<TokenLogprob>,
     /// Set once it finished.
     pub finish: Option<Finish>,
+    /// An embedding request's vector (with its finish).
+    pub embedding: Vec<f32>,
     /// The latest counters.
     pub meta: OutputMeta,
     timing: SampleTiming,
@@ -213,7 +215,7 @@ impl Run {
             }
             let ((slot, item), _, rest) = select_all(futs).await;
             drop(rest);
-            let Some(chunk) = item else {
+            let Some(mut chunk) = item else {
                 // The engine dropped the stream: end whatever is unfinished.
                 self.close_slot(slot, "the engine stopped the request");
                 continue;
@@ -235,6 +237,9 @@ impl Run {
             smp.prompt_logprobs
                 .extend(chunk.prompt_logprobs.iter().cloned());
             smp.meta = chunk.meta.clone();
+            if !chunk.embedding.is_empty() {
+                smp.embedding = std::mem::take(&mut chunk.embedding);
+            }
             if let Some(f) = &chunk.finish {
                 smp.finish = Some(f.clone());
                 if let Some(level) = self.state.opts.log_requests {

@@ -40,6 +40,8 @@ pub struct ServerOptions {
     pub server_info: serde_json::Value,
     /// Separates `<think>` reasoning into `reasoning_content` in chat answers.
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
+    /// Served for embeddings (`--is-embedding`): how; `None` serves generation.
+    pub embedding: Option<crate::embeddings::EmbeddingOptions>,
     /// `--log-requests` at its level; `None` logs nothing.
     pub log_requests: Option<crate::request_log::LogLevel>,
     /// The tool-call format of chat answers with `tool_choice: auto`
@@ -63,6 +65,7 @@ impl Default for ServerOptions {
             server_info: serde_json::Value::Null,
             reasoning_parser: None,
             log_requests: None,
+            embedding: None,
             tool_call_parser: None,
         }
     }

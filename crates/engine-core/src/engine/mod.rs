@@ -123,6 +123,20 @@ pub enum RequestKind {
     /// Internal: fill the prefix cache with the prompt and sample nothing
     /// (the shared prompt of the `n` > 1 samples that follow it).
     PrefixOnly,
+    /// An embedding: the prompt's final normed hidden states pooled into
+    /// one L2-normalized vector (on the last chunk's finish), nothing sampled.
+    Embed(Pooling),
+}
+
+/// How an embedding request pools its prompt's hidden states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last token's (causal models: the only one that saw every token).
+    #[default]
+    Last,
+    /// The mean over every token (the prompt is computed whole, never
+    /// served from the prefix cache).
+    Mean,
 }
 
 impl RequestKind {
@@ -131,7 +145,7 @@ impl RequestKind {
         match self {
             RequestKind::Generate => max_new_tokens,
             RequestKind::PrefillForExport => max_new_tokens.min(1),
-            RequestKind::PrefixOnly => 0,
+            RequestKind::PrefixOnly | RequestKind::Embed(_) => 0,
         }
     }
 }
@@ -332,6 +346,8 @@ pub struct OutputChunk {
     pub prompt_logprobs: Vec<TokenLogprob>,
     /// Set on the sample's last chunk.
     pub finish: Option<Finish>,
+    /// An embedding request's vector, on its last chunk (else empty).
+    pub embedding: Vec<f32>,
     /// Counters and timings.
     pub meta: OutputMeta,
 }

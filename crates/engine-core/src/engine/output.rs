@@ -135,6 +135,7 @@ struct More {
     meta: Option<StaticMeta>,
     logprobs: Vec<TokenLogprob>,
     prompt_logprobs: Vec<TokenLogprob>,
+    embedding: Vec<f32>,
     finish: Option<Finish>,
 }
 
@@ -178,6 +179,8 @@ pub(crate) struct ChunkOut<'a> {
     pub logprobs: &'a mut Vec<TokenLogprob>,
     /// Taken when not empty.
     pub prompt_logprobs: &'a mut Vec<TokenLogprob>,
+    /// Taken on the last chunk.
+    pub embedding: &'a mut Vec<f32>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
     pub untexted_last: bool,
@@ -251,6 +254,7 @@ impl OutputRoute {
                 c.token_ids.clear();
                 c.logprobs.clear();
                 c.prompt_logprobs.clear();
+                c.embedding.clear();
                 return;
             }
         };
@@ -263,6 +267,7 @@ impl OutputRoute {
             m.finish = c.finish;
             m.logprobs = std::mem::take(c.logprobs);
             m.prompt_logprobs = std::mem::take(c.prompt_logprobs);
+            m.embedding = std::mem::take(c.embedding);
         }
         let b = &mut self.batch;
         let (t0, x0) = (b.tokens.len() as u32, b.text.len() as u32);
@@ -365,6 +370,7 @@ fn deliver(mut b: OutputBatch, streams: &mut HashMap<u64, Stream>) -> OutputBatc
                 text: &b.text[r.text.start as usize..r.text.end as usize],
                 logprobs: &mut more.logprobs,
                 prompt_logprobs: &mut more.prompt_logprobs,
+                embedding: &mut more.embedding,
                 finish: more.finish,
                 meta: s.meta.clone(),
                 untexted_last: r.untexted_last,
@@ -415,6 +421,7 @@ mod tests {
                 text: "",
                 logprobs: &mut Vec::new(),
                 prompt_logprobs: &mut Vec::new(),
+                embedding: &mut Vec::new(),
                 finish: last.then_some(Finish {
                     kind: FinishKind::Length,
                     matched: None,

@@ -140,6 +140,10 @@ pub(crate) struct Req {
     pub prompt_scoring: Option<usize>,
     /// The prompt's scores so far, by position from `prompt_scoring`.
     prompt_scores: Vec<Option<TokenLogprob>>,
+    /// An embedding request's pooled state: the running sum of its rows
+    /// (mean pooling) or its last row, until the prompt is complete; then
+    /// the normalized vector, sent with the finish.
+    embedding: Vec<f32>,
     /// The prompt's scores, complete, to send with the next chunk.
     pending_prompt_logprobs: Vec<TokenLogprob>,
     sink: StreamHandle,
@@ -219,6 +223,7 @@ impl Req {
                 .filter(|_| r.return_logprob)
                 .map(|s| s.max(1)),
             prompt_scores: Vec::new(),
+            embedding: Vec::new(),
             pending_prompt_logprobs: Vec::new(),
             sink: StreamHandle::new(sink),
         })
@@ -294,6 +299,7 @@ impl Req {
             pending_logprobs: Vec::new(),
             prompt_scoring: self.prompt_scoring,
             prompt_scores: Vec::new(),
+            embedding: Vec::new(),
             pending_prompt_logprobs: Vec::new(),
             sink,
         })
@@ -470,9 +476,47 @@ impl Req {
     }
 
     /// Prefix-cache matches stop at this many tokens while the prompt is
-    /// scored: the rows that score it must be computed.
+    /// scored: the rows that score it must be computed (every row, for a
+    /// mean-pooled embedding).
     pub fn cache_match_cap(&self) -> Option<usize> {
+        if self.kind == RequestKind::Embed(super::Pooling::Mean) {
+            return Some(0);
+        }
         self.prompt_scoring.map(|from| from - 1)
+    }
+
+    /// Folds a prompt chunk's pooled rows (`start..start + len`; the sum of
+    /// its rows for mean pooling, its last row otherwise) into the
+    /// embedding; on the prompt's last chunk the embedding becomes the
+    /// L2-normalized result. A chunk from position 0 starts over (a
+    /// retracted request computes its prompt again). Returns whether the
+    /// chunk brought a vector (an executor without pooling brings none).
+    pub fn record_embedding(&mut self, start: usize, len: usize, pooled: Vec<f32>) -> bool {
+        let RequestKind::Embed(pooling) = self.kind else {
+            return true;
+        };
+        if pooled.is_empty() {
+            return false;
+        }
+        match pooling {
+            super::Pooling::Mean if start > 0 && self.embedding.len() == pooled.len() => {
+                for (a, b) in self.embedding.iter_mut().zip(&pooled) {
+                    *a += b;
+                }
+            }
+            _ => self.embedding = pooled,
+        }
+        if start + len >= self.prompt.len() {
+            if pooling == super::Pooling::Mean {
+                let n = self.prompt.len().max(1) as f32;
+                self.embedding.iter_mut().for_each(|x| *x /= n);
+            }
+            let norm = self.embedding.iter().map(|x| x * x).sum::<f32>().sqrt();
+            if norm > 0.0 {
+                self.embedding.iter_mut().for_each(|x| *x /= norm);
+            }
+        }
+        true
     }
 
     /// Tokens still to generate at most.
@@ -658,6 +702,7 @@ impl Req {
                 text: self.text.get(self.sent_text..upto).unwrap_or_default(),
                 logprobs: &mut self.pending_logprobs,
                 prompt_logprobs: &mut self.pending_prompt_logprobs,
+                embedding: &mut self.embedding,
                 finish,
                 meta,
                 untexted_last: std::mem::take(&mut self.untexted_last),

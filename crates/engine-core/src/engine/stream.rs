@@ -112,6 +112,8 @@ pub(crate) struct ChunkParts<'a> {
     pub logprobs: &'a mut Vec<TokenLogprob>,
     /// Drained like `logprobs`.
     pub prompt_logprobs: &'a mut Vec<TokenLogprob>,
+    /// Drained like `logprobs`.
+    pub embedding: &'a mut Vec<f32>,
     pub finish: Option<Finish>,
     pub meta: OutputMeta,
     /// The last token id has no text (a stop token, trimmed); set only on
@@ -134,6 +136,7 @@ impl ChunkSender {
         if !s.receiver {
             p.logprobs.clear();
             p.prompt_logprobs.clear();
+            p.embedding.clear();
             return;
         }
         if let Some(last) = s.queue.back_mut()
@@ -151,6 +154,9 @@ impl ChunkSender {
             if !p.prompt_logprobs.is_empty() {
                 c.prompt_logprobs.append(p.prompt_logprobs);
             }
+            if !p.embedding.is_empty() {
+                c.embedding = std::mem::take(p.embedding);
+            }
             c.finish = p.finish;
             c.meta = p.meta;
             last.untexted_last = p.untexted_last;
@@ -164,6 +170,7 @@ impl ChunkSender {
                 text: p.text.to_string(),
                 logprobs: std::mem::take(p.logprobs),
                 prompt_logprobs: std::mem::take(p.prompt_logprobs),
+                embedding: std::mem::take(p.embedding),
                 finish: p.finish,
                 meta: p.meta,
             },
@@ -325,6 +332,7 @@ mod tests {
             text,
             logprobs: &mut Vec::new(),
             prompt_logprobs: &mut Vec::new(),
+            embedding: &mut Vec::new(),
             finish: finish.then_some(Finish {
                 kind: super::super::FinishKind::Length,
                 matched: None,

@@ -430,6 +430,57 @@ fn build_batch(
     Ok((batch, first_row, q_starts))
 }
 
+/// With an embedding request's chunk in the plan, the final normed state
+/// (layer `num_layers`) is captured at every row: its index among the
+/// batch's hidden layers (added after the plan's own when they lack it).
+fn pooled_hidden_layer(
+    plan: &StepPlan,
+    batch: &mut ForwardBatch,
+    num_layers: usize,
+) -> Option<usize> {
+    if plan.seqs.iter().all(|s| s.pool.is_none()) {
+        return None;
+    }
+    batch.hidden_at_every_row = true;
+    Some(
+        match batch.hidden_layers.iter().position(|&l| l == num_layers) {
+            Some(k) => k,
+            None => {
+                batch.hidden_layers.push(num_layers);
+                batch.hidden_layers.len() - 1
+            }
+        },
+    )
+}
+
+/// Pools each embedding chunk's rows of `hidden` (`[tokens, hidden_size]`,
+/// the final normed state at every row) into its output: the sum of its
+/// rows (mean pooling) or its last row.
+fn pool_embeddings(
+    plan: &StepPlan,
+    q_starts: &[usize],
+    hidden: &[f32],
+    hidden_size: usize,
+    seqs: &mut [SeqOutput],
+) {
+    for ((s, &r0), out) in plan.seqs.iter().zip(q_starts).zip(seqs.iter_mut()) {
+        let Some(pool) = s.pool else { continue };
+        let n = s.tokens.len();
+        let row = |r: usize| hidden.get((r0 + r) * hidden_size..(r0 + r + 1) * hidden_size);
+        let v = match pool {
+            crate::engine::Pooling::Last => row(n - 1).map(<[f32]>::to_vec),
+            crate::engine::Pooling::Mean => {
+                (0..n).try_fold(vec![0f32; hidden_size], |mut acc, r| {
+                    let x = row(r)?;
+                    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+                    Some(acc)
+                })
+            }
+        };
+        out.extra_mut().embedding = v.unwrap_or_default();
+    }
+}
+
 impl Executor for LocalExecutor {
     fn model_spec(&self) -> &ModelSpec {
         self.runner.spec()
@@ -486,7 +537,8 @@ impl Executor for LocalExecutor {
             });
         }
         let ps = self.runner.kv_spec().page_size;
-        let (batch, first_row, q_starts) = build_batch(plan, ps)?;
+        let (mut batch, first_row, q_starts) = build_batch(plan, ps)?;
+        let pooled_layer = pooled_hidden_layer(plan, &mut batch, self.model_spec().num_layers);
         let out = self.runner.forward(&batch)?;
         let backend = self.runner.backend();
         let vocab = self.model_spec().vocab_size;
@@ -595,9 +647,19 @@ impl Executor for LocalExecutor {
                 self.compact_accepted(seq, out.accepted_path())?;
             }
         }
+        if let Some(k) = pooled_layer {
+            let h = backend.download_f32(&out.hidden[k])?;
+            pool_embeddings(
+                plan,
+                &q_starts,
+                &h,
+                self.model_spec().hidden_size,
+                &mut seqs,
+            );
+        }
         if !plan.hidden_layers.is_empty() {
             let hidden_size = self.model_spec().hidden_size;
-            for t in &out.hidden {
+            for t in out.hidden.iter().take(plan.hidden_layers.len()) {
                 let h = backend.download_f32(t)?;
                 for (s, (seq, &r0)) in seqs.iter_mut().zip(plan.seqs.iter().zip(&q_starts)) {
                     let n = seq.tokens.len();

@@ -148,6 +148,7 @@ impl Req {
             state_slot: None,
             state_ops: Default::default(),
             prompt_logprobs: None,
+            pool: None,
             tokens,
             prefix_len,
             pages: self.pages.clone(),

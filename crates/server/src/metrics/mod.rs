@@ -347,6 +347,7 @@ mod tests {
             text: String::new(),
             logprobs: vec![],
             prompt_logprobs: vec![],
+            embedding: vec![],
             finish: fin.then_some(Finish {
                 kind: FinishKind::Length,
                 matched: None,

@@ -185,6 +185,10 @@ impl Scheduler {
             Some((len, slot)) if *len == e.start => Some(slot.index()),
             _ => None,
         };
+        s.pool = match e.req.kind {
+            RequestKind::Embed(p) => Some(p),
+            _ => None,
+        };
         s.prompt_logprobs = e
             .req
             .prompt_rows(e.start, e.len)
@@ -202,6 +206,7 @@ impl Scheduler {
     fn decode_plan(&self, r: &mut Req, draft: &Draft, s: &mut SeqPlan, stamp: &mut u64) {
         s.tokens.clear();
         s.prompt_logprobs = None;
+        s.pool = None;
         match r.output.last() {
             // The common case: one pending token, the last sampled one.
             Some(&t) if r.computed + 1 == r.len() => s.tokens.push(t),
@@ -544,6 +549,17 @@ impl Scheduler {
             if r.prompt_scoring.is_some() {
                 let scores = std::mem::take(&mut out.extra_mut().prompt_logprobs);
                 r.record_prompt_scores(e.start, e.len, scores);
+            }
+            let pooled = std::mem::take(&mut out.extra_mut().embedding);
+            if !r.record_embedding(e.start, e.len, pooled) {
+                self.finish(
+                    r,
+                    super::Finish::aborted(
+                        crate::engine::AbortCause::Failed,
+                        "this executor computes no embeddings (tensor or data-parallel attention ranks)",
+                    ),
+                );
+                continue;
             }
             if !e.last {
                 self.cache_unfinished(&mut r)?;
