@@ -485,6 +485,14 @@ async fn workers_come_and_go_and_bad_input_gets_clear_errors() -> Result<()> {
     ensure!(s == 200 && body.contains(&w.base), "{body}");
     let (s, body) = get(&c, &r.url("/v1/models"), None).await?;
     ensure!(s == 200 && body.contains("\"object\""), "{s} {body}");
+    // Routes that generate nothing pass through to a worker.
+    let (s, v) = post(&c, &r.url("/tokenize"), &json!({"prompt": "hi"})).await?;
+    ensure!(s == 200 && v["count"].as_u64() > Some(0), "{s} {v}");
+    let (s, v) = post(&c, &r.url("/v1/embeddings"), &json!({"input": "hi"})).await?;
+    ensure!(
+        s == 400 && v.to_string().contains("--is-embedding"),
+        "{s} {v}"
+    );
     // Not JSON: 400 from the router itself.
     let resp = c.post(r.url("/generate")).body("{oops").send().await?;
     ensure!(resp.status().as_u16() == 400);

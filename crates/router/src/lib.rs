@@ -6,7 +6,9 @@
 //! to the worker the policy chooses ([`policy`]), streamed back without
 //! buffering and retried elsewhere while nothing was answered yet
 //! ([`proxy`]); `GET /v1/models`, `/v1/models/{id}`, `/get_model_info`,
-//! `/get_server_info`, `/health_generate` go to the least loaded worker;
+//! `/get_server_info`, `/health_generate`, and the routes that generate
+//! nothing (`/v1/embeddings`, `/encode`, `/tokenize`, `/detokenize`,
+//! `/parse_function_call`, `/separate_reasoning`) go to the least loaded worker;
 //! `/flush_cache` goes to every worker (and empties the router's trees);
 //! `/health` is the router's own (200 while a worker is available);
 //! `/metrics` is the router's Prometheus text ([`metrics`]); workers come
@@ -411,6 +413,15 @@ pub fn app(st: Arc<RouterState>) -> Router {
         .route("/generate", post(generation))
         .route("/v1/completions", post(generation))
         .route("/v1/chat/completions", post(generation))
+        // Routes that generate nothing go to any worker as they are.
+        .route("/v1/embeddings", post(any_worker))
+        .route("/encode", post(any_worker))
+        .route("/tokenize", post(any_worker))
+        .route("/v1/tokenize", post(any_worker))
+        .route("/detokenize", post(any_worker))
+        .route("/v1/detokenize", post(any_worker))
+        .route("/parse_function_call", post(any_worker))
+        .route("/separate_reasoning", post(any_worker))
         .route("/v1/models", get(any_worker))
         .route("/v1/models/{id}", get(any_worker))
         .route("/get_model_info", get(any_worker))
