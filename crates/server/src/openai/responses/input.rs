@@ -90,7 +90,8 @@ fn message(mut f: Fields, prefix: &str) -> Result<ChatMessage, ApiError> {
     Ok(ChatMessage::new(&role, &content))
 }
 
-/// Appends `call` to the assistant message that ends `out`, or to a new one.
+/// Appends `call` to the assistant message that ends `out`, or to a new
+/// one (with empty content: templates that show no calls concatenate it).
 fn push_call(out: &mut Vec<ChatMessage>, call: Value) {
     let joins = out
         .last()
@@ -98,7 +99,7 @@ fn push_call(out: &mut Vec<ChatMessage>, call: Value) {
     if !joins {
         out.push(ChatMessage {
             role: "assistant".into(),
-            content: None,
+            content: Some(String::new()),
             tool_calls: None,
             name: None,
             tool_call_id: None,
@@ -346,7 +347,7 @@ mod tests {
         let m = msgs(json!([{"role": "user", "content": "x"},
             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]))
         .unwrap();
-        assert_eq!(m[1].content, None);
+        assert_eq!(m[1].content.as_deref(), Some(""));
     }
 
     #[test]
