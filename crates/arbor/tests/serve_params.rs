@@ -1,8 +1,8 @@
 //! Every refused request parameter is named in `error.param`, on every
 //! generation route, as that route spells it: one table of bad values
 //! (out of range, inconsistent, of the wrong type), sent to `/generate`
-//! (inside `sampling_params` where SGLang puts it), `/v1/completions` and
-//! `/v1/chat/completions`. The names come from the typed engine error, so
+//! (inside `sampling_params` where SGLang puts it), `/v1/completions`,
+//! `/v1/chat/completions` and `/v1/responses`. The names come from the typed engine error, so
 //! no message text is read here to find a parameter.
 
 mod common;
@@ -17,6 +17,7 @@ enum Route {
     Native,
     Completions,
     Chat,
+    Responses,
 }
 
 impl Route {
@@ -25,6 +26,7 @@ impl Route {
             Route::Native => "/generate",
             Route::Completions => "/v1/completions",
             Route::Chat => "/v1/chat/completions",
+            Route::Responses => "/v1/responses",
         }
     }
 
@@ -35,7 +37,8 @@ impl Route {
             (Route::Native, p) if top_level.contains(&p) => p.to_string(),
             (Route::Native, p) => format!("sampling_params.{p}"),
             (Route::Completions, "top_logprobs_num") => "logprobs".into(),
-            (Route::Chat, "top_logprobs_num") => "top_logprobs".into(),
+            (Route::Chat | Route::Responses, "top_logprobs_num") => "top_logprobs".into(),
+            (Route::Responses, "max_new_tokens") => "max_output_tokens".into(),
             (_, "max_new_tokens") => "max_tokens".into(),
             (_, "min_new_tokens") => "min_tokens".into(),
             (_, p) => p.to_string(),
@@ -51,6 +54,7 @@ impl Route {
             Route::Chat => {
                 json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
             }
+            Route::Responses => json!({"input": "hello", "max_output_tokens": 2, "store": false}),
         };
         for (engine, v) in fields {
             let Some(name) = self.name(engine) else {
@@ -115,7 +119,12 @@ async fn every_refused_parameter_is_named_on_every_route() -> Result<()> {
         ("no_stop_trim", vec![("no_stop_trim", json!("no"))]),
     ];
     let mut checked = 0;
-    for route in [Route::Native, Route::Completions, Route::Chat] {
+    for route in [
+        Route::Native,
+        Route::Completions,
+        Route::Chat,
+        Route::Responses,
+    ] {
         for (engine, fields) in &cases {
             let Some(want) = route.name(engine) else {
                 continue;
@@ -130,7 +139,7 @@ async fn every_refused_parameter_is_named_on_every_route() -> Result<()> {
             checked += 1;
         }
     }
-    ensure!(checked >= 80, "only {checked} cases ran");
+    ensure!(checked >= 110, "only {checked} cases ran");
     // Still serving, and nothing leaked.
     post_ok(
         &c,

@@ -6,7 +6,8 @@
 //!
 //! - SGLang's native API: `POST /generate` ([`native`]);
 //! - the OpenAI API: `POST /v1/completions`, `POST /v1/chat/completions`,
-//!   `GET /v1/models` ([`openai`]);
+//!   `POST /v1/responses` (with `GET`/`DELETE /v1/responses/{id}` of the
+//!   stored ones), `GET /v1/models` ([`openai`]);
 //! - admin: `/health`, `/health_generate`, `/flush_cache`, `/abort_request`,
 //!   `/get_model_info`, `/get_server_info`, and `/metrics` ([`admin`],
 //!   [`metrics`]);
@@ -176,6 +177,18 @@ fn routes() -> Vec<Route> {
             "POST",
             "SGLang's native embeddings (text or token ids, one or a list).",
             post(embeddings::encode),
+        ),
+        r(
+            "/v1/responses",
+            "POST",
+            "OpenAI Responses API (input items, function tools, `text.format`, named stream events).",
+            post(openai::responses::create),
+        ),
+        r(
+            "/v1/responses/{id}",
+            "GET, DELETE",
+            "A stored response (`store: true`, the default; the newest 1,000 are kept), or deletes it.",
+            get(openai::responses::retrieve).delete(openai::responses::delete),
         ),
         r(
             "/parse_function_call",

@@ -2,9 +2,10 @@
 //! route, and the names each API gives the engine's parameters.
 //!
 //! A [`Dialect`] is an API's way of spelling a request: SGLang's native
-//! `/generate` (fields inside `sampling_params`), OpenAI chat and OpenAI
+//! `/generate` (fields inside `sampling_params`), OpenAI chat, OpenAI
 //! completions (fields at the top level, `max_tokens`, `min_tokens`,
-//! `response_format`). [`sampling`] reads the sampling and constraint fields
+//! `response_format`) and OpenAI responses (`max_output_tokens`; its
+//! `text.format` is read by the route). [`sampling`] reads the sampling and constraint fields
 //! of any dialect into one [`SamplingParams`]; it checks types only. Ranges
 //! and consistency are checked once, by the engine (`Engine::submit`), whose
 //! typed error names a [`Param`]; [`Dialect::api_name`] turns that into the
@@ -26,11 +27,19 @@ pub enum Dialect {
     Chat,
     /// OpenAI `/v1/completions`.
     Completions,
+    /// OpenAI `/v1/responses` (`max_output_tokens`, `input`; structured
+    /// output through `text.format`, read by the route).
+    Responses,
 }
 
 impl Dialect {
     /// Every dialect, for tables over them.
-    pub const ALL: [Dialect; 3] = [Dialect::Native, Dialect::Chat, Dialect::Completions];
+    pub const ALL: [Dialect; 4] = [
+        Dialect::Native,
+        Dialect::Chat,
+        Dialect::Completions,
+        Dialect::Responses,
+    ];
 
     /// True for the parameters a native request carries inside `sampling_params`.
     fn in_sampling_params(p: Param) -> bool {
@@ -52,12 +61,16 @@ impl Dialect {
         match (self, p) {
             (Dialect::Chat, Param::MaxNewTokens) => &["max_completion_tokens", "max_tokens"],
             (Dialect::Completions, Param::MaxNewTokens) => &["max_tokens"],
-            (Dialect::Chat | Dialect::Completions, Param::MinNewTokens) => &["min_tokens"],
-            (Dialect::Chat, Param::TopLogprobsNum) => &["top_logprobs"],
+            (Dialect::Responses, Param::MaxNewTokens) => &["max_output_tokens"],
+            (Dialect::Chat | Dialect::Completions | Dialect::Responses, Param::MinNewTokens) => {
+                &["min_tokens"]
+            }
+            (Dialect::Chat | Dialect::Responses, Param::TopLogprobsNum) => &["top_logprobs"],
             (Dialect::Completions, Param::TopLogprobsNum) => &["logprobs"],
             (Dialect::Chat, Param::InputIds) => &["messages"],
             (Dialect::Completions, Param::InputIds) => &["prompt"],
-            (Dialect::Chat | Dialect::Completions, Param::Lora) => &["model"],
+            (Dialect::Responses, Param::InputIds) => &["input"],
+            (Dialect::Chat | Dialect::Completions | Dialect::Responses, Param::Lora) => &["model"],
             (_, Param::MaxNewTokens) => &["max_new_tokens"],
             (_, Param::MinNewTokens) => &["min_new_tokens"],
             (_, Param::Temperature) => &["temperature"],
@@ -227,6 +240,8 @@ fn constraint_fields(d: Dialect, f: &mut Fields) -> Result<Option<ConstraintSpec
                 constraint::set(&mut c, spec)?;
             }
         }
+        // `text.format`, read by the route.
+        Dialect::Responses => {}
     }
     Ok(c)
 }

@@ -1,5 +1,7 @@
 //! Server-sent events: streaming a [`Run`] as `data: {...}` frames ending
-//! with `data: [DONE]`.
+//! with `data: [DONE]` (the Responses API frames its events with their
+//! `event:` name and sends no `[DONE]`: [`StreamFormat::frame`],
+//! [`StreamFormat::done`]).
 //!
 //! A spawned task drives the run and formats each event with a
 //! [`StreamFormat`]; the response body reads the frames from a bounded
@@ -25,10 +27,14 @@ pub(crate) trait StreamFormat: Send + 'static {
     fn end(&mut self, _run: &Run) -> Vec<String> {
         Vec::new()
     }
-}
-
-fn frame(payload: &str) -> Bytes {
-    Bytes::from(format!("data: {payload}\n\n"))
+    /// One payload as an SSE frame.
+    fn frame(&self, payload: &str) -> Bytes {
+        Bytes::from(format!("data: {payload}\n\n"))
+    }
+    /// The payload that ends the stream, if any.
+    fn done(&self) -> Option<&'static str> {
+        Some("[DONE]")
+    }
 }
 
 /// Streams `run` formatted by `fmt` as an SSE response.
@@ -36,7 +42,7 @@ pub(crate) fn stream_response(mut run: Run, mut fmt: impl StreamFormat) -> Respo
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
         for p in fmt.start(&run) {
-            if tx.send(frame(&p)).await.is_err() {
+            if tx.send(fmt.frame(&p)).await.is_err() {
                 return;
             }
         }
@@ -47,17 +53,19 @@ pub(crate) fn stream_response(mut run: Run, mut fmt: impl StreamFormat) -> Respo
             };
             let Some(ev) = ev else { break };
             for p in fmt.event(&run, &ev) {
-                if tx.send(frame(&p)).await.is_err() {
+                if tx.send(fmt.frame(&p)).await.is_err() {
                     return;
                 }
             }
         }
         for p in fmt.end(&run) {
-            if tx.send(frame(&p)).await.is_err() {
+            if tx.send(fmt.frame(&p)).await.is_err() {
                 return;
             }
         }
-        let _ = tx.send(frame("[DONE]")).await;
+        if let Some(done) = fmt.done() {
+            let _ = tx.send(fmt.frame(done)).await;
+        }
     });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))

@@ -1,5 +1,5 @@
 //! What every handler shares: the engine, the tokenizer and chat template,
-//! the options, the metrics and the draining flag.
+//! the options, the metrics, the stored responses and the draining flag.
 //!
 //! Invariant: once `draining` is set (shutdown began) no new generation is
 //! accepted; requests already running keep going until they finish or the
@@ -106,6 +106,8 @@ pub(crate) struct AppState {
     /// This worker's part in a disaggregated deployment (prefill: hands
     /// prompts' KV on; decode: pulls it by bootstrap room).
     pub disagg: Option<crate::disagg::Disagg>,
+    /// Responses kept for `GET /v1/responses/{id}` and `previous_response_id`.
+    pub responses: crate::openai::responses::store::Store,
     /// The weights served now.
     weights: std::sync::Mutex<Weights>,
     /// Serializes weight updates and memory release/resume.
@@ -134,6 +136,9 @@ impl AppState {
         };
         Self {
             weights: std::sync::Mutex::new(weights),
+            responses: crate::openai::responses::store::Store::new(
+                crate::openai::responses::store::CAPACITY,
+            ),
             loader: None,
             lora: None,
             disagg: None,

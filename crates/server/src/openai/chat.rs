@@ -14,17 +14,18 @@
 //! `delta.reasoning_content`), unless the request sets `separate_reasoning:
 //! false`; `stream_reasoning: false` sends it in one piece when it ends.
 
-use super::tools::{self, Tool, ToolCallParser, ToolChoice};
-use super::{Common, check_model, common, token_text, usage};
-use crate::constraint::{self, Constraint, ConstraintSpec};
+use super::answer::{AnswerParser, Pieces, SampleStream};
+use super::tools::{self, ToolCallParser, ToolChoice};
+use super::{Common, check_model, common, prompt_ids, token_text, usage};
+use crate::constraint::ConstraintSpec;
 use crate::error::ApiError;
 use crate::fields::{Fields, read_json};
 use crate::params::Dialect;
-use crate::reasoning::{self, ReasoningParser, ReasoningStream};
+use crate::reasoning::ReasoningParser;
 use crate::run::{self, Event, Job, Run, openai_finish_reason};
 use crate::sse::{StreamFormat, stream_response};
 use crate::state::AppState;
-use crate::tool_call::{StreamItem, ToolCallStream};
+use crate::tool_call::StreamItem;
 use arbor_engine_core::engine::TokenLogprob;
 use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
@@ -197,12 +198,14 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         created: AppState::now_unix(),
         logprobs: logprobs || top_logprobs > 0,
         include_usage,
-        tools: tool_mode.filter(|c| *c != ToolChoice::None),
-        tool_parser: st.opts.tool_call_parser.unwrap_or(ToolCallParser::Qwen25),
-        tool_list,
-        reasoning: st.opts.reasoning_parser.filter(|_| separate_reasoning),
-        thinking,
-        stream_reasoning,
+        answer: AnswerParser {
+            tools: tool_mode.filter(|c| *c != ToolChoice::None),
+            tool_parser: st.opts.tool_call_parser.unwrap_or(ToolCallParser::Qwen25),
+            tool_list,
+            reasoning: st.opts.reasoning_parser.filter(|_| separate_reasoning),
+            thinking,
+            stream_reasoning,
+        },
         samples: Vec::new(),
     };
     if stream {
@@ -239,55 +242,15 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     .into_response())
 }
 
-/// A request's tool choice, the tools its chat template is given, and the
-/// parsed tools.
-type ToolMode = (Option<ToolChoice>, Option<Value>, Vec<Tool>);
-
-/// The tool mode of a request, the tools its chat template is given and
-/// the parsed tools: required and named choices force a call through a
-/// grammar (added to `constraint`); auto parses the answer with the
-/// server's tool-call parser; none ignores them. A `tool_choice` other than
-/// none or auto needs `tools`.
+/// The tool fields of a chat request ([`tools::tool_mode`]).
 fn tool_mode(
     f: &mut Fields,
     constraint: &mut Option<ConstraintSpec>,
-) -> Result<ToolMode, ApiError> {
-    let raw_tools = f.raw("tools").filter(|t| !crate::fields::is_unset(t));
+) -> Result<tools::ToolMode, ApiError> {
+    let raw_tools = f.raw("tools");
     let raw_choice = f.raw("tool_choice");
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
-    let mut tool_list = Vec::new();
-    let tool_mode = match &raw_tools {
-        Some(t) => {
-            let list = tools::parse_tools(t)?;
-            let choice = tools::parse_choice(raw_choice.as_ref(), &list)?;
-            if let Some(schema) = tools::forcing_schema(&list, &choice, parallel) {
-                constraint::set(
-                    constraint,
-                    ConstraintSpec::new("tools", Constraint::Tools(schema)),
-                )?;
-            }
-            tool_list = list;
-            Some(choice)
-        }
-        None => {
-            if let Some(c) = &raw_choice
-                && c.as_str() != Some("none")
-                && c.as_str() != Some("auto")
-                && !c.is_null()
-            {
-                return Err(ApiError::bad_param(
-                    "tool_choice",
-                    "'tool_choice' needs 'tools'",
-                ));
-            }
-            None
-        }
-    };
-    let template_tools = match (&tool_mode, &raw_tools) {
-        (Some(ToolChoice::None), _) | (None, _) => None,
-        (Some(_), t) => t.clone(),
-    };
-    Ok((tool_mode, template_tools, tool_list))
+    tools::tool_mode(raw_tools, raw_choice, parallel, constraint)
 }
 
 /// Ignores `reasoning_effort`; refuses the OpenAI fields Arbor does not
@@ -343,29 +306,6 @@ fn template_kwargs(f: &mut Fields) -> Result<Option<serde_json::Map<String, Valu
     Ok(Some(map))
 }
 
-/// The prompt's token ids: the messages through the model's chat template.
-fn prompt_ids(
-    st: &AppState,
-    msgs: &[ChatMessage],
-    vars: &TemplateVars<'_>,
-) -> Result<Vec<u32>, ApiError> {
-    let Some(template) = &st.chat_template else {
-        return Err(ApiError::bad_request(
-            "the model has no chat template; use /v1/completions or /generate",
-        ));
-    };
-    let tok = &st.tokenizer;
-    let text = template.render_with(msgs, vars)?;
-    let ids = tok.encode(&text, false)?;
-    if ids.is_empty() {
-        return Err(ApiError::bad_param(
-            "messages",
-            "the prompt is empty after applying the chat template",
-        ));
-    }
-    Ok(ids)
-}
-
 struct ChatFormat {
     state: Arc<AppState>,
     id: String,
@@ -374,88 +314,10 @@ struct ChatFormat {
     created: u64,
     logprobs: bool,
     include_usage: bool,
-    /// Tool choice when tools are in play (their output is parsed into calls).
-    tools: Option<ToolChoice>,
-    /// The format of calls under `tool_choice: auto`.
-    tool_parser: ToolCallParser,
-    /// The request's tools.
-    tool_list: Vec<Tool>,
-    /// Reasoning parser, unless off or the request said `separate_reasoning: false`.
-    reasoning: Option<ReasoningParser>,
-    /// The request turned thinking on (the answer starts in reasoning).
-    thinking: bool,
-    /// Stream reasoning as it comes (else in one piece when its block ends).
-    stream_reasoning: bool,
+    /// How answers are taken apart (reasoning, content, tool calls).
+    answer: AnswerParser,
     /// Streaming: the incremental parsers of each sample.
     samples: Vec<SampleStream>,
-}
-
-/// The incremental parsers of one streamed sample: reasoning first, its
-/// content into the tool-call parser (`tool_choice: auto`).
-struct SampleStream {
-    reasoning: Option<ReasoningStream>,
-    tools: Option<ToolCallStream>,
-    /// Calls sent so far.
-    calls: usize,
-}
-
-/// What one event of a sample gives: reasoning, then content and call
-/// pieces in order.
-#[derive(Default)]
-struct Pieces {
-    reasoning: String,
-    items: Vec<StreamItem>,
-}
-
-impl SampleStream {
-    fn new(
-        reasoning: Option<ReasoningParser>,
-        stream_reasoning: bool,
-        thinking: bool,
-        tools: Option<(ToolCallParser, &[Tool])>,
-    ) -> Self {
-        Self {
-            reasoning: reasoning
-                .map(|k| ReasoningStream::with_thinking(k, stream_reasoning, thinking)),
-            tools: tools.map(|(p, list)| ToolCallStream::new(p, list)),
-            calls: 0,
-        }
-    }
-
-    /// Runs a piece of the sample's text through its parsers (`finish`:
-    /// the sample ended, flush them).
-    fn pieces(&mut self, text: &str, finish: bool) -> Pieces {
-        let mut out = Pieces::default();
-        let content = match &mut self.reasoning {
-            Some(r) => {
-                let mut parts = r.push(text);
-                if finish {
-                    let rest = r.finish();
-                    parts.reasoning.push_str(&rest.reasoning);
-                    parts.content.push_str(&rest.content);
-                }
-                out.reasoning = parts.reasoning;
-                parts.content
-            }
-            None => text.to_string(),
-        };
-        match &mut self.tools {
-            Some(t) => {
-                out.items = t.push(&content);
-                if finish {
-                    out.items.extend(t.finish());
-                }
-                self.calls += out
-                    .items
-                    .iter()
-                    .filter(|i| matches!(i, StreamItem::Call { name: Some(_), .. }))
-                    .count();
-            }
-            None if !content.is_empty() => out.items.push(StreamItem::Content(content)),
-            None => {}
-        }
-        out
-    }
 }
 
 /// The deltas of `pieces`: reasoning and content in the first, a new
@@ -520,42 +382,21 @@ impl ChatFormat {
         text: &str,
         finish: Option<&'static str>,
     ) -> (Value, Option<&'static str>) {
-        let Some(kind) = self.reasoning else {
-            return self.answer(index, text, finish);
-        };
-        let parts = reasoning::split_with_thinking(kind, text, self.thinking);
-        let (mut message, finish) = self.answer(index, &parts.content, finish);
-        if let Some(o) = message.as_object_mut() {
-            let r = (!parts.reasoning.is_empty()).then_some(parts.reasoning);
-            o.insert("reasoning_content".into(), json!(r));
-        }
-        (message, finish)
-    }
-
-    /// The message for the answer part of `text` (tool calls parsed out).
-    fn answer(
-        &self,
-        index: usize,
-        text: &str,
-        finish: Option<&'static str>,
-    ) -> (Value, Option<&'static str>) {
-        let calls = match &self.tools {
-            None | Some(ToolChoice::None) => None,
-            Some(ToolChoice::Auto) => {
-                let p = self.tool_parser.parse(text, &self.tool_list);
-                let content = p.content;
-                (!p.calls.is_empty()).then(|| ((!content.is_empty()).then_some(content), p.calls))
-            }
-            Some(_) => tools::parse_forced(text).map(|c| (None, c)),
-        };
-        match calls {
-            Some((content, calls)) => (
-                json!({"role": "assistant", "content": content,
-                       "tool_calls": tools::calls_json(&calls, &self.answer_id(index), self.tool_parser)}),
+        let a = self.answer.parse(text);
+        let (mut message, finish) = match &a.calls {
+            Some(calls) => (
+                json!({"role": "assistant", "content": a.content,
+                       "tool_calls": tools::calls_json(calls, &self.answer_id(index), self.answer.tool_parser)}),
                 Some("tool_calls"),
             ),
-            None => (json!({"role": "assistant", "content": text}), finish),
+            None => (json!({"role": "assistant", "content": a.content}), finish),
+        };
+        if self.answer.reasoning.is_some()
+            && let Some(o) = message.as_object_mut()
+        {
+            o.insert("reasoning_content".into(), json!(a.reasoning));
         }
+        (message, finish)
     }
 
     /// The id calls of sample `index` are numbered under.
@@ -566,13 +407,7 @@ impl ChatFormat {
     /// The parsers of sample `sample`, made on its first event.
     fn sample(&mut self, sample: usize) -> Option<&mut SampleStream> {
         while self.samples.len() <= sample {
-            let auto = self.tools == Some(ToolChoice::Auto);
-            self.samples.push(SampleStream::new(
-                self.reasoning,
-                self.stream_reasoning,
-                self.thinking,
-                auto.then_some((self.tool_parser, self.tool_list.as_slice())),
-            ));
+            self.samples.push(self.answer.stream());
         }
         self.samples.get_mut(sample)
     }
@@ -661,10 +496,7 @@ impl StreamFormat for ChatFormat {
 
     fn event(&mut self, run: &Run, ev: &Event) -> Vec<String> {
         let c = &ev.chunk;
-        if matches!(
-            self.tools,
-            Some(ToolChoice::Required | ToolChoice::Named(_))
-        ) {
+        if self.answer.forced() {
             return self.forced_event(run, ev);
         }
         let Some(s) = self.sample(ev.sample) else {
@@ -672,7 +504,7 @@ impl StreamFormat for ChatFormat {
         };
         let pieces = s.pieces(&c.text, c.finish.is_some());
         let calls_made = s.calls > 0;
-        let mut deltas = deltas(self.tool_parser, &self.answer_id(ev.sample), pieces);
+        let mut deltas = deltas(self.answer.tool_parser, &self.answer_id(ev.sample), pieces);
         let last = deltas.len() - 1;
         let mut chunks = Vec::new();
         for (k, delta) in deltas.drain(..).enumerate() {
@@ -715,6 +547,7 @@ impl StreamFormat for ChatFormat {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::tools::Tool;
 
     fn tool_list() -> Vec<Tool> {
         vec![Tool {

@@ -1,5 +1,5 @@
 //! The OpenAI-compatible API: `/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`.
+//! `/v1/responses` ([`responses`]), `/v1/models`.
 //!
 //! This module holds what both generation routes share: the model-name
 //! check, the sampling fields (OpenAI's plus SGLang's extras such as `top_k`,
@@ -10,8 +10,10 @@
 //! unsupported are refused with a 400 naming them; the engine's refusals
 //! name OpenAI's parameters (`max_tokens`, ...) through [`Dialect`].
 
+pub(crate) mod answer;
 pub(crate) mod chat;
 pub(crate) mod completions;
+pub(crate) mod responses;
 pub(crate) mod tools;
 
 use crate::constraint::ConstraintSpec;
@@ -21,13 +23,14 @@ use crate::params::{self, Dialect};
 use crate::run::Run;
 use crate::state::AppState;
 use arbor_engine_core::{CacheNamespace, SamplingParams, TokenDecoder};
+use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
-/// What the two generation routes parse alike.
+/// What the generation routes parse alike.
 pub(crate) struct Common {
     pub params: SamplingParams,
     pub max_tokens: Option<usize>,
@@ -130,6 +133,29 @@ pub(crate) fn usage(st: &AppState, run: &Run) -> Value {
 /// The text of one token (for log-probability entries).
 pub(crate) fn token_text(st: &AppState, id: u32) -> String {
     st.tokenizer.decode(&[id], false).unwrap_or_default()
+}
+
+/// The prompt's token ids: the messages through the model's chat template.
+pub(crate) fn prompt_ids(
+    st: &AppState,
+    msgs: &[ChatMessage],
+    vars: &TemplateVars<'_>,
+) -> Result<Vec<u32>, ApiError> {
+    let Some(template) = &st.chat_template else {
+        return Err(ApiError::bad_request(
+            "the model has no chat template; use /v1/completions or /generate",
+        ));
+    };
+    let tok = &st.tokenizer;
+    let text = template.render_with(msgs, vars)?;
+    let ids = tok.encode(&text, false)?;
+    if ids.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "the prompt is empty after applying the chat template",
+        ));
+    }
+    Ok(ids)
 }
 
 /// Handles `GET /v1/models`.

@@ -17,6 +17,7 @@
 //!   not calls.
 //! - `"none"` ignores the tools.
 
+use crate::constraint::{self, Constraint, ConstraintSpec};
 use crate::error::ApiError;
 pub(crate) use arbor_chat_parsers::tool_call::{ToolCall, ToolCallParser, ToolSpec as Tool};
 use serde_json::{Value, json};
@@ -190,6 +191,57 @@ pub(crate) fn calls_json(calls: &[ToolCall], answer: &str, parser: ToolCallParse
             })
             .collect(),
     )
+}
+
+/// A request's tool choice, the tools its chat template is given, and the
+/// parsed tools.
+pub(crate) type ToolMode = (Option<ToolChoice>, Option<Value>, Vec<Tool>);
+
+/// The tool mode of a request, the tools its chat template is given and
+/// the parsed tools: required and named choices force a call through a
+/// grammar (added to `constraint`); auto parses the answer with the
+/// server's tool-call parser; none ignores them. A `tool_choice` other than
+/// none or auto needs `tools`.
+pub(crate) fn tool_mode(
+    raw_tools: Option<Value>,
+    raw_choice: Option<Value>,
+    parallel: bool,
+    constraint: &mut Option<ConstraintSpec>,
+) -> Result<ToolMode, ApiError> {
+    let raw_tools = raw_tools.filter(|t| !crate::fields::is_unset(t));
+    let mut tool_list = Vec::new();
+    let tool_mode = match &raw_tools {
+        Some(t) => {
+            let list = parse_tools(t)?;
+            let choice = parse_choice(raw_choice.as_ref(), &list)?;
+            if let Some(schema) = forcing_schema(&list, &choice, parallel) {
+                constraint::set(
+                    constraint,
+                    ConstraintSpec::new("tools", Constraint::Tools(schema)),
+                )?;
+            }
+            tool_list = list;
+            Some(choice)
+        }
+        None => {
+            if let Some(c) = &raw_choice
+                && c.as_str() != Some("none")
+                && c.as_str() != Some("auto")
+                && !c.is_null()
+            {
+                return Err(ApiError::bad_param(
+                    "tool_choice",
+                    "'tool_choice' needs 'tools'",
+                ));
+            }
+            None
+        }
+    };
+    let template_tools = match (&tool_mode, &raw_tools) {
+        (Some(ToolChoice::None), _) | (None, _) => None,
+        (Some(_), t) => t.clone(),
+    };
+    Ok((tool_mode, template_tools, tool_list))
 }
 
 #[cfg(test)]
