@@ -101,8 +101,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let need = ids.len() + args.max_new_tokens;
     let context = args.model.context_len(&spec)?;
     if need > context {
+        let whose = if args.model.context_length.is_some() {
+            "--context-length"
+        } else {
+            "the model's context"
+        };
         bail!(
-            "prompt ({}) + max-new-tokens ({}) exceed the context of {context}",
+            "prompt ({}) + max-new-tokens ({}) exceed {whose} of {context}",
             ids.len(),
             args.max_new_tokens,
         );
