@@ -574,3 +574,117 @@ async fn prompt_logprobs_match_transformers() -> Result<()> {
     );
     Ok(())
 }
+
+/// `token_ids_logprob` on `/generate`, f32 weights and KV: at the first
+/// output position (after each fixture prompt) the named ids' scores equal
+/// the log-softmax of transformers' logits there; at prompt positions the
+/// entry for the prompt's own next token equals `input_token_logprobs`;
+/// the ids come back in the order named (an id repeated, repeated); a
+/// chunked prefill changes nothing; ids outside the vocabulary are a 400
+/// naming the field.
+#[tokio::test]
+async fn token_ids_logprob_match_transformers() -> Result<()> {
+    let reference = reference_json(&fixture("tiny-llama"))?;
+    let prompts = reference["prompts"].as_array().cloned().unwrap_or_default();
+    let c = client();
+    let mut runs: Vec<Vec<Value>> = Vec::new();
+    for chunk in ["2048", "2"] {
+        let s = Server::tiny(&[
+            "--dtype",
+            "f32",
+            "--kv-cache-dtype",
+            "f32",
+            "--chunked-prefill-size",
+            chunk,
+        ])?;
+        let g = s.url("/generate");
+        let mut run = Vec::new();
+        for p in &prompts {
+            let reference_lp = log_softmax(&f64s(&p["last_logits"]));
+            let scale = reference_lp.iter().fold(0f64, |m, x| m.max(x.abs()));
+            // Some ids, one twice, and the prompt's second token.
+            let second = p["input_ids"][1].as_u64().unwrap_or(0);
+            let named = [7u64, 3, 499, 7, second];
+            let v = post_ok(
+                &c,
+                &g,
+                &json!({"input_ids": p["input_ids"], "return_logprob": true,
+                "logprob_start_len": 0, "token_ids_logprob": named,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}),
+            )
+            .await?;
+            let m = meta(&v);
+            let out = m["output_token_ids_logprobs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            ensure!(out.len() == 2, "{m}");
+            for (k, e) in out[0]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+                .iter()
+                .enumerate()
+            {
+                ensure!(e[1] == json!(named[k]), "order: {e}");
+                let got = e[0].as_f64().unwrap_or(f64::NAN);
+                let want = reference_lp[named[k] as usize];
+                ensure!(
+                    (got - want).abs() <= 1e-4 * scale,
+                    "{got} vs transformers {want}"
+                );
+            }
+            let input = m["input_token_ids_logprobs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let chosen = m["input_token_logprobs"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            ensure!(input.len() == chosen.len() && input[0].is_null(), "{m}");
+            // Position 1 predicts the second token: its named entry is the chosen score.
+            let own = input[1][4][0].as_f64().unwrap_or(f64::NAN);
+            let chosen1 = chosen[1][0].as_f64().unwrap_or(f64::NAN);
+            ensure!(
+                input[1][4][1] == json!(second)
+                    && (own - chosen1).abs() <= 1e-6 * chosen1.abs().max(1.0),
+                "{} vs {}",
+                input[1],
+                chosen[1]
+            );
+            run.push(json!(input));
+            run.push(json!(out));
+        }
+        // Ids outside the vocabulary.
+        let (code, e) = common::post(
+            &c,
+            &g,
+            &json!({"input_ids": [1, 2], "return_logprob": true, "token_ids_logprob": [100000],
+                    "sampling_params": {"max_new_tokens": 1}}),
+        )
+        .await?;
+        ensure!(
+            code == 400 && e["error"]["param"] == "token_ids_logprob",
+            "{code} {e}"
+        );
+        runs.push(run);
+    }
+    // Chunked prefill (2 tokens a step) gives the same scores.
+    for (a, b) in runs[0].iter().zip(&runs[1]) {
+        let (fa, fb) = (flat_numbers(a), flat_numbers(b));
+        ensure!(fa.len() == fb.len(), "{a} vs {b}");
+        for (x, y) in fa.iter().zip(&fb) {
+            ensure!((x - y).abs() <= 1e-4 * y.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+    Ok(())
+}
+
+fn flat_numbers(v: &Value) -> Vec<f64> {
+    match v {
+        Value::Number(n) => n.as_f64().into_iter().collect(),
+        Value::Array(a) => a.iter().flat_map(flat_numbers).collect(),
+        _ => Vec::new(),
+    }
+}

@@ -51,6 +51,8 @@ pub struct SampleSpec {
     pub context: Option<SampleContext>,
     /// Return log-probabilities, with this many top alternatives.
     pub logprobs: Option<usize>,
+    /// With `logprobs`: also those of these ids (sampled on the host).
+    pub logprob_ids: Option<Arc<[u32]>>,
     /// Tokens generated so far (for `min_new_tokens`).
     pub generated: usize,
     /// For drafts sampled from a drafter's distribution (a chain or a
@@ -112,6 +114,8 @@ pub struct PromptLogprobs {
     pub next: Vec<u32>,
     /// Most likely alternatives wanted per row.
     pub top: usize,
+    /// Ids whose log-probabilities are wanted at every row too.
+    pub ids: Option<Arc<[u32]>>,
 }
 
 /// What a step does with a sequence's recurrent state besides updating it.
@@ -238,6 +242,9 @@ pub struct TokenLogprob {
     pub logprob: f32,
     /// The most likely alternatives, best first.
     pub top: Vec<(u32, f32)>,
+    /// The log-probabilities of the ids the request named
+    /// ([`crate::engine::GenerateRequest::token_ids_logprob`]), in its order.
+    pub ids: Vec<(u32, f32)>,
 }
 
 /// The tokens one sequence's step produced: one, or up to `drafts + 1`
@@ -340,6 +347,7 @@ mod tests {
             logprobs: None,
             generated: 0,
             draft_probs: Vec::new(),
+            logprob_ids: None,
         }
     }
 

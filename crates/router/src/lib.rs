@@ -7,7 +7,8 @@
 //! buffering and retried elsewhere while nothing was answered yet
 //! ([`proxy`]); `GET /v1/models`, `/v1/models/{id}`, `/get_model_info`,
 //! `/get_server_info`, `/health_generate`, and the routes that generate
-//! nothing (`/v1/embeddings`, `/encode`, `/tokenize`, `/detokenize`,
+//! nothing but scores (`/v1/embeddings`, `/encode`, `/v1/score`,
+//! `/v1/rerank`, `/tokenize`, `/detokenize`,
 //! `/parse_function_call`, `/separate_reasoning`) go to the least loaded worker;
 //! `/flush_cache` goes to every worker (and empties the router's trees);
 //! `/health` is the router's own (200 while a worker is available);
@@ -416,6 +417,8 @@ pub fn app(st: Arc<RouterState>) -> Router {
         // Routes that generate nothing go to any worker as they are.
         .route("/v1/embeddings", post(any_worker))
         .route("/encode", post(any_worker))
+        .route("/v1/score", post(any_worker))
+        .route("/v1/rerank", post(any_worker))
         .route("/tokenize", post(any_worker))
         .route("/v1/tokenize", post(any_worker))
         .route("/detokenize", post(any_worker))

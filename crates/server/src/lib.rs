@@ -44,6 +44,7 @@ pub mod reasoning;
 pub mod refit;
 pub mod request_log;
 mod run;
+mod score;
 mod sse;
 mod state;
 mod tokenize;
@@ -189,6 +190,18 @@ fn routes() -> Vec<Route> {
             "GET, DELETE",
             "A stored response (`store: true`, the default; the newest 1,000 are kept), or deletes it.",
             get(openai::responses::retrieve).delete(openai::responses::delete),
+        ),
+        r(
+            "/v1/score",
+            "POST",
+            "SGLang's scoring: label tokens' probabilities after query + item.",
+            post(score::score),
+        ),
+        r(
+            "/v1/rerank",
+            "POST",
+            "Documents ranked by Qwen3-Reranker's yes/no answer, best first.",
+            post(score::rerank),
         ),
         r(
             "/parse_function_call",

@@ -3,6 +3,8 @@
 //! Request: `text` or `input_ids` (one prompt or a batch), `sampling_params`
 //! (one object for all, or one per prompt; SGLang's names; null values mean
 //! "default"), `rid`, `stream`, `return_logprob`, `top_logprobs_num`,
+//! `token_ids_logprob` (ids whose log-probabilities every scored position
+//! reports, as `output_token_ids_logprobs` and `input_token_ids_logprobs`),
 //! `logprob_start_len`, `return_text_in_logprobs`, `priority`, `extra_key` (per
 //! prompt) and `cache_salt` (prefix-cache namespaces: requests with other
 //! keys never share cached KV), `lora_path` (a loaded LoRA adapter's name,
@@ -66,6 +68,11 @@ async fn generate_inner(
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
     let req = parse(&st, v)?;
     let logprobs = req.jobs.iter().map(|j| j.req.return_logprob).collect();
+    let named = req
+        .jobs
+        .iter()
+        .map(|j| j.req.token_ids_logprob.is_some())
+        .collect();
     // A prompt scored from position 0: its first token, which has no logprob.
     let heads = req
         .jobs
@@ -82,6 +89,7 @@ async fn generate_inner(
         list: req.list,
         text_in_logprobs: req.text_in_logprobs,
         logprobs,
+        named,
         heads,
     };
     if req.stream {
@@ -126,6 +134,34 @@ fn per_prompt(
             key,
             format!("'{key}' is a list but the request has a single prompt"),
         )),
+        Some(v) => Ok(vec![Some(v); count]),
+    }
+}
+
+/// `token_ids_logprob`: one list of ids for every prompt, or (a batch)
+/// one list per prompt.
+fn named_ids_per_prompt(
+    f: &mut Fields,
+    count: usize,
+    batch: bool,
+) -> Result<Vec<Option<Value>>, ApiError> {
+    const KEY: &str = "token_ids_logprob";
+    match f.raw(KEY) {
+        None | Some(Value::Null) => Ok(vec![None; count]),
+        Some(Value::Array(a))
+            if batch && !a.is_empty() && a.iter().all(|x| x.is_array() || x.is_null()) =>
+        {
+            if a.len() != count {
+                return Err(ApiError::bad_param(
+                    KEY,
+                    format!(
+                        "'{KEY}' has {} lists but the batch has {count} prompts",
+                        a.len()
+                    ),
+                ));
+            }
+            Ok(a.into_iter().map(|v| (!v.is_null()).then_some(v)).collect())
+        }
         Some(v) => Ok(vec![Some(v); count]),
     }
 }
@@ -217,6 +253,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
     let lp = per_prompt(&mut f, "return_logprob", count, batch)?;
     let lp_start = per_prompt(&mut f, "logprob_start_len", count, batch)?;
     let top = per_prompt(&mut f, "top_logprobs_num", count, batch)?;
+    let named = named_ids_per_prompt(&mut f, count, batch)?;
     let adapters =
         crate::lora::per_prompt_adapters(st, per_prompt(&mut f, "lora_path", count, batch)?)?;
     let stream = f.bool("stream")?.unwrap_or(false);
@@ -232,7 +269,6 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         ("audio_data", "audio input"),
         ("input_embeds", "embedding input"),
         ("modalities", "multimodal input"),
-        ("token_ids_logprob", "log-probabilities of chosen token ids"),
         ("return_routed_experts", "returning routed experts"),
         ("return_hidden_states", "returning hidden states"),
         ("custom_logit_processor", "custom logit processors"),
@@ -263,6 +299,7 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         r.return_logprob = return_logprob;
         r.top_logprobs_num = if return_logprob { top_n as usize } else { 0 };
         r.logprob_start_len = (return_logprob && start >= 0).then_some(start as usize);
+        r.token_ids_logprob = token_ids(st, named[i].clone())?.filter(|_| return_logprob);
         r.priority = priority;
         let extra_key = typed::<String>("extra_key", extra_keys[i].clone())?;
         r.namespace = CacheNamespace::new(extra_key.as_deref(), cache_salt.as_deref());
@@ -279,6 +316,22 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         list,
         text_in_logprobs,
     })
+}
+
+/// A prompt's `token_ids_logprob`: a list of token ids of the vocabulary
+/// (`None` when absent or null).
+fn token_ids(st: &AppState, v: Option<Value>) -> Result<Option<std::sync::Arc<[u32]>>, ApiError> {
+    let Some(ids) = typed::<Vec<u32>>("token_ids_logprob", v)? else {
+        return Ok(None);
+    };
+    let vocab = st.tokenizer.vocab_size();
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::bad_param(
+            "token_ids_logprob",
+            format!("'token_ids_logprob' holds {bad}, outside the vocabulary of {vocab}"),
+        ));
+    }
+    Ok(Some(ids.into()))
 }
 
 /// Parses SGLang's `sampling_params` object ([`params::sampling`] in the
@@ -316,6 +369,8 @@ struct NativeFormat {
     /// Per prompt scored from position 0: its first token (listed with a
     /// null logprob, as SGLang does).
     heads: Vec<Option<u32>>,
+    /// Per prompt: it named ids (`token_ids_logprob`).
+    named: Vec<bool>,
 }
 
 impl NativeFormat {
@@ -335,6 +390,13 @@ impl NativeFormat {
             None
         };
         json!([logprob, id, text])
+    }
+
+    /// Per position, the named ids' `[logprob, id, text]` entries.
+    fn named_lists(&self, lps: &[TokenLogprob]) -> Vec<Value> {
+        lps.iter()
+            .map(|l| Value::Array(l.ids.iter().map(|&(t, p)| self.lp_entry(p, t)).collect()))
+            .collect()
     }
 
     fn logprob_lists(&self, lps: &[TokenLogprob]) -> (Value, Value) {
@@ -392,6 +454,18 @@ impl NativeFormat {
                 o.insert("input_top_logprobs".into(), Value::Array(in_top));
                 o.insert("output_token_logprobs".into(), chosen);
                 o.insert("output_top_logprobs".into(), top);
+                if self.named.get(s.prompt).copied().unwrap_or(false) {
+                    let mut input = Vec::new();
+                    if let Some(Some(_)) = self.heads.get(s.prompt) {
+                        input.push(Value::Null);
+                    }
+                    input.extend(self.named_lists(&s.prompt_logprobs));
+                    o.insert("input_token_ids_logprobs".into(), Value::Array(input));
+                    o.insert(
+                        "output_token_ids_logprobs".into(),
+                        Value::Array(self.named_lists(&s.logprobs)),
+                    );
+                }
             }
         }
         let mut out = json!({"text": s.text, "output_ids": s.ids, "meta_info": meta});

@@ -169,6 +169,10 @@ pub struct GenerateRequest {
     pub return_logprob: bool,
     /// Also return this many most likely alternatives per token.
     pub top_logprobs_num: usize,
+    /// With `return_logprob`, also the log-probabilities of these token
+    /// ids at every position scored (SGLang's `token_ids_logprob`; an id
+    /// past the logits' width scores negative infinity).
+    pub token_ids_logprob: Option<Arc<[u32]>>,
     /// With `return_logprob`, also return the log-probability of each
     /// prompt token from this position on (SGLang's `logprob_start_len`;
     /// the prompt's first token has none). The prefix cache serves the
@@ -212,6 +216,7 @@ impl GenerateRequest {
         Self {
             kind: RequestKind::Generate,
             rid: None,
+            token_ids_logprob: None,
             input_ids,
             params,
             priority: 0,

@@ -70,6 +70,8 @@ pub(crate) struct Req {
     pub priority: i64,
     pub return_logprob: bool,
     pub top_logprobs_num: usize,
+    /// See [`super::GenerateRequest::token_ids_logprob`].
+    pub token_ids_logprob: Option<Arc<[u32]>>,
     /// The grammar the output follows, and this sample's matcher over it.
     pub grammar: Option<Arc<dyn CompiledGrammar>>,
     pub matcher: Option<Box<dyn GrammarMatcher>>,
@@ -185,6 +187,7 @@ impl Req {
             priority: r.priority,
             return_logprob: r.return_logprob,
             top_logprobs_num: r.top_logprobs_num,
+            token_ids_logprob: r.token_ids_logprob,
             grammar: r.grammar,
             matcher,
             mask_error: None,
@@ -266,6 +269,7 @@ impl Req {
             priority: self.priority,
             return_logprob: self.return_logprob,
             top_logprobs_num: self.top_logprobs_num,
+            token_ids_logprob: self.token_ids_logprob.clone(),
             grammar: self.grammar.clone(),
             matcher,
             mask_error: None,

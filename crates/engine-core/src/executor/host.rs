@@ -9,6 +9,20 @@ use crate::sampling::{
 };
 use crate::step::{SeqOutput, SeqPlan, TokenLogprob};
 
+/// The log-probabilities of `ids` in a raw logits row whose log-sum-exp
+/// is `lse` (an id past the row scores negative infinity).
+pub(super) fn ids_logprobs(raw: &[f32], lse: f32, ids: Option<&[u32]>) -> Vec<(u32, f32)> {
+    ids.unwrap_or_default()
+        .iter()
+        .map(|&t| {
+            (
+                t,
+                raw.get(t as usize).map_or(f32::NEG_INFINITY, |x| x - lse),
+            )
+        })
+        .collect()
+}
+
 impl LocalExecutor {
     /// Samples (and verifies) one sequence's rows on the host.
     pub(super) fn sample_on_host(
@@ -79,6 +93,7 @@ impl LocalExecutor {
                         .into_iter()
                         .map(|(t, x)| (t, x - lse))
                         .collect(),
+                    ids: ids_logprobs(raw, lse, sp.logprob_ids.as_deref()),
                 });
             }
             out.tokens.push(tok);

@@ -154,7 +154,10 @@ impl LocalExecutor {
     /// its rows goes into [`LogitEdits`] by [`Self::seq_edits`]).
     fn device_samples(&self, s: &SampleSpec, standard: bool) -> bool {
         let verify_sampled = matches!(s.rows, SampleRows::Verify { .. }) && !s.params.is_greedy();
-        standard && !verify_sampled && s.logprobs.is_none_or(DeviceLogprobs::fits)
+        standard
+            && !verify_sampled
+            && s.logprobs.is_none_or(DeviceLogprobs::fits)
+            && s.logprob_ids.is_none()
     }
 
     /// Samples the device rows (`dev`, gathered in plan order) where the
@@ -706,8 +709,19 @@ impl LocalExecutor {
         let backend = &**self.runner.backend();
         // The prompt rows are the logits' tail, which nothing edits: scored in place.
         let tail = logits.narrow(first, wanted)?;
-        let scored = DeviceLogprobs::of_rows(backend, tail, top.min(MAX_TOP_LOGPROBS))?
+        let scored = DeviceLogprobs::of_rows(backend, tail.clone(), top.min(MAX_TOP_LOGPROBS))?
             .finish(backend, &next)?;
+        // Named ids are gathered on the host, from the rows that want them.
+        let any_ids = plan
+            .seqs
+            .iter()
+            .any(|s| s.prompt_logprobs.as_ref().is_some_and(|p| p.ids.is_some()));
+        let host_tail = if any_ids {
+            backend.download_f32(&tail)?
+        } else {
+            Vec::new()
+        };
+        let width = tail.row_len();
         let mut at = 0;
         for (s, out) in plan.seqs.iter().zip(seqs.iter_mut()) {
             let Some(p) = &s.prompt_logprobs else {
@@ -716,10 +730,20 @@ impl LocalExecutor {
             let lps = scored[at..at + p.next.len()]
                 .iter()
                 .zip(&p.next)
-                .map(|(l, &token)| TokenLogprob {
+                .enumerate()
+                .map(|(k, (l, &token))| TokenLogprob {
                     token,
                     logprob: l.logprob,
                     top: l.top.iter().take(p.top).copied().collect(),
+                    ids: match (
+                        &p.ids,
+                        host_tail.get((at + k) * width..(at + k + 1) * width),
+                    ) {
+                        (Some(ids), Some(row)) => {
+                            host::ids_logprobs(row, crate::sampling::log_sum_exp(row), Some(ids))
+                        }
+                        _ => Vec::new(),
+                    },
                 });
             out.extra_mut().prompt_logprobs.extend(lps);
             at += p.next.len();
@@ -763,6 +787,8 @@ fn attach_logprobs(s: &SeqPlan, out: &mut SeqOutput, rows: &[Option<RowLogprob>]
                 token,
                 logprob: l.logprob,
                 top: l.top.iter().take(top).copied().collect(),
+                // Rows whose request names ids are sampled on the host.
+                ids: Vec::new(),
             }),
             _ => None,
         })

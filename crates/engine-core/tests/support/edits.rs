@@ -164,6 +164,7 @@ impl Req {
                 logprobs: self.logprobs,
                 generated: self.out.len(),
                 draft_probs: Vec::new(),
+                logprob_ids: None,
             }),
         }
     }

@@ -30,6 +30,7 @@ fn spec(rows: SampleRows) -> SampleSpec {
         logprobs: None,
         generated: 1,
         draft_probs: Vec::new(),
+        logprob_ids: None,
     }
 }
 

@@ -139,6 +139,7 @@ impl Scheduler {
         });
         let seed = r.rng.next_u64();
         let logprobs = r.return_logprob.then_some(r.top_logprobs_num);
+        let logprob_ids = r.token_ids_logprob.clone().filter(|_| r.return_logprob);
         match slot {
             Some(sp) => {
                 if !Arc::ptr_eq(&sp.params, &r.params) {
@@ -148,6 +149,7 @@ impl Scheduler {
                 sp.seed = seed;
                 sp.context = context;
                 sp.logprobs = logprobs;
+                sp.logprob_ids = logprob_ids;
                 sp.generated = r.output.len();
                 sp.draft_probs.clear();
             }
@@ -160,6 +162,7 @@ impl Scheduler {
                     logprobs,
                     generated: r.output.len(),
                     draft_probs: Vec::new(),
+                    logprob_ids,
                 })
             }
         }
@@ -196,6 +199,7 @@ impl Scheduler {
                 rows,
                 next,
                 top: e.req.top_logprobs_num,
+                ids: e.req.token_ids_logprob.clone(),
             });
     }
 
