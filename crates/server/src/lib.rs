@@ -45,6 +45,7 @@ pub mod refit;
 pub mod request_log;
 mod run;
 mod score;
+mod sessions;
 mod sse;
 mod state;
 mod tokenize;
@@ -190,6 +191,18 @@ fn routes() -> Vec<Route> {
             "GET, DELETE",
             "A stored response (`store: true`, the default; the newest 1,000 are kept), or deletes it.",
             get(openai::responses::retrieve).delete(openai::responses::delete),
+        ),
+        r(
+            "/open_session",
+            "POST",
+            "Opens a session (SGLang's session control); answers its id.",
+            post(sessions::open_session),
+        ),
+        r(
+            "/close_session",
+            "POST",
+            "Closes a session: its running requests are aborted, its tree dropped.",
+            post(sessions::close_session),
         ),
         r(
             "/v1/score",

@@ -5,7 +5,8 @@
 //! "default"), `rid`, `stream`, `return_logprob`, `top_logprobs_num`,
 //! `token_ids_logprob` (ids whose log-probabilities every scored position
 //! reports, as `output_token_ids_logprobs` and `input_token_ids_logprobs`),
-//! `logprob_start_len`, `return_text_in_logprobs`, `priority`, `extra_key` (per
+//! `logprob_start_len`, `return_text_in_logprobs`, `session_params` (one
+//! prompt continuing a session; see `sessions.rs`), `priority`, `extra_key` (per
 //! prompt) and `cache_salt` (prefix-cache namespaces: requests with other
 //! keys never share cached KV), `lora_path` (a loaded LoRA adapter's name,
 //! or one per prompt; see `lora.rs`), `bootstrap_host` / `bootstrap_port` /
@@ -45,6 +46,8 @@ struct NativeRequest {
     /// Answer with a list (batch input or n > 1).
     list: bool,
     text_in_logprobs: bool,
+    /// `session_params`, when the request continues a session.
+    session: Option<crate::sessions::SessionParams>,
 }
 
 /// Handles `POST /generate`.
@@ -66,7 +69,17 @@ async fn generate_inner(
 ) -> Result<Response, ApiError> {
     st.check_accepting()?;
     let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
-    let req = parse(&st, v)?;
+    let mut req = parse(&st, v)?;
+    // A session request runs on its parent's tokens.
+    let pending = match (&req.session, req.jobs.first_mut()) {
+        (Some(p), Some(job)) => {
+            let input = std::mem::take(&mut job.req.input_ids);
+            let pending = st.sessions.compose(p, input, st.tokenizer.bos_token_id)?;
+            job.req.input_ids = pending.prompt.clone();
+            Some(pending)
+        }
+        _ => None,
+    };
     let logprobs = req.jobs.iter().map(|j| j.req.return_logprob).collect();
     let named = req
         .jobs
@@ -84,18 +97,23 @@ async fn generate_inner(
         })
         .collect();
     let mut run = run::submit(&st, req.jobs, &headers, Dialect::Native).await?;
-    let fmt = NativeFormat {
+    if let (Some(p), Some(s)) = (&pending, run.samples.first()) {
+        st.sessions.started(&p.session, &s.rid);
+    }
+    let mut fmt = NativeFormat {
         state: st.clone(),
         list: req.list,
         text_in_logprobs: req.text_in_logprobs,
         logprobs,
         named,
         heads,
+        session: pending,
     };
     if req.stream {
         return Ok(stream_response(run, fmt));
     }
     run.finish_all().await;
+    fmt.record_session(&run);
     if let Some(e) = run.failure() {
         return Err(e);
     }
@@ -272,11 +290,21 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         ("return_routed_experts", "returning routed experts"),
         ("return_hidden_states", "returning hidden states"),
         ("custom_logit_processor", "custom logit processors"),
-        ("session_params", "sessions"),
     ] {
         f.unset_only(k, what)?;
     }
     let bootstrap = crate::disagg::bootstrap_fields(&mut f, count)?;
+    let session = f
+        .raw("session_params")
+        .filter(|v| !v.is_null())
+        .map(crate::sessions::SessionParams::parse)
+        .transpose()?;
+    if session.is_some() && batch {
+        return Err(ApiError::bad_param(
+            "session_params",
+            "'session_params' takes one prompt, not a batch",
+        ));
+    }
     f.finish_lenient()?;
 
     let mut jobs = Vec::with_capacity(count);
@@ -310,11 +338,18 @@ fn parse(st: &AppState, v: Value) -> Result<NativeRequest, ApiError> {
         jobs.push(job);
     }
     let list = batch || n.unwrap_or(1) > 1;
+    if session.is_some() && n.unwrap_or(1) > 1 {
+        return Err(ApiError::bad_param(
+            "session_params",
+            "'session_params' takes one sample (n = 1)",
+        ));
+    }
     Ok(NativeRequest {
         jobs,
         stream,
         list,
         text_in_logprobs,
+        session,
     })
 }
 
@@ -371,6 +406,8 @@ struct NativeFormat {
     heads: Vec<Option<u32>>,
     /// Per prompt: it named ids (`token_ids_logprob`).
     named: Vec<bool>,
+    /// The session the request joins once it finished.
+    session: Option<crate::sessions::Pending>,
 }
 
 impl NativeFormat {
@@ -478,11 +515,32 @@ impl NativeFormat {
     }
 }
 
+impl NativeFormat {
+    /// Adds a finished session request (not an aborted one) to its session.
+    fn record_session(&mut self, run: &Run) {
+        let (Some(p), Some(s)) = (self.session.take(), run.samples.first()) else {
+            return;
+        };
+        let done = s
+            .finish
+            .as_ref()
+            .is_some_and(|f| f.kind != FinishKind::Abort);
+        self.state
+            .sessions
+            .finished(&p, &s.rid, done.then_some(s.ids.as_slice()));
+    }
+}
+
 impl StreamFormat for NativeFormat {
     fn event(&mut self, run: &Run, ev: &Event) -> Vec<String> {
         match run.samples.get(ev.sample) {
             Some(s) => vec![self.sample_json(s, ev.sample).to_string()],
             None => Vec::new(),
         }
+    }
+
+    fn end(&mut self, run: &Run) -> Vec<String> {
+        self.record_session(run);
+        Vec::new()
     }
 }

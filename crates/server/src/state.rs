@@ -108,6 +108,8 @@ pub(crate) struct AppState {
     pub disagg: Option<crate::disagg::Disagg>,
     /// Responses kept for `GET /v1/responses/{id}` and `previous_response_id`.
     pub responses: crate::openai::responses::store::Store,
+    /// Open sessions (`/open_session`, `session_params`).
+    pub sessions: crate::sessions::Sessions,
     /// The weights served now.
     weights: std::sync::Mutex<Weights>,
     /// Serializes weight updates and memory release/resume.
@@ -139,6 +141,7 @@ impl AppState {
             responses: crate::openai::responses::store::Store::new(
                 crate::openai::responses::store::CAPACITY,
             ),
+            sessions: crate::sessions::Sessions::default(),
             loader: None,
             lora: None,
             disagg: None,

@@ -93,7 +93,10 @@ pub(crate) fn common(f: &mut Fields, d: Dialect) -> Result<Common, ApiError> {
     }
     for (k, what) in [
         ("lora_path", "LoRA"),
-        ("session_params", "sessions"),
+        (
+            "session_params",
+            "sessions on this route (they run on /generate)",
+        ),
         ("return_hidden_states", "returning hidden states"),
         ("custom_logit_processor", "custom logit processors"),
         ("custom_params", "custom parameters"),
