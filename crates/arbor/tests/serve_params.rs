@@ -390,19 +390,6 @@ async fn chat_template_kwargs_reach_the_template() -> Result<()> {
     assert_no_leak(&c, &s, "arbor", None).await
 }
 
-/// `log_softmax(logits)`.
-fn log_softmax(logits: &[f64]) -> Vec<f64> {
-    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
-    logits.iter().map(|l| l - lse).collect()
-}
-
-fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_f64).collect())
-        .unwrap_or_default()
-}
-
 /// Prompt log-probabilities (`/generate` with `logprob_start_len`,
 /// `/v1/completions` with `echo` and `logprobs`), f32 weights and KV:
 /// the score of a token after each fixture prompt equals the log-softmax of

@@ -9,20 +9,8 @@
 mod common;
 
 use anyhow::{Context, Result, ensure};
-use common::{Server, client, fixture, post, post_ok, reference_json};
+use common::{Server, client, f64s, fixture, log_softmax, post, post_ok, reference_json};
 use serde_json::{Value, json};
-
-fn log_softmax(x: &[f64]) -> Vec<f64> {
-    let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let lse = m + x.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-    x.iter().map(|v| v - lse).collect()
-}
-
-fn f64s(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .map(|a| a.iter().filter_map(Value::as_f64).collect())
-        .unwrap_or_default()
-}
 
 #[tokio::test]
 async fn score_matches_transformers() -> Result<()> {

@@ -11,18 +11,17 @@
 //! naming its field; a server not started for embeddings refuses with a 400
 //! saying so.
 
-use crate::error::ApiError;
-use crate::fields::{Fields, read_json};
+use crate::error::{ApiError, json_reply};
+use crate::fields::request_fields;
 use crate::params::Dialect;
 use crate::run::{self, Job};
 use crate::state::AppState;
 use arbor_engine_core::SamplingParams;
 use arbor_engine_core::engine::{Pooling, RequestKind};
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -138,10 +137,7 @@ pub(crate) async fn embeddings(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match embeddings_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(embeddings_inner(&st, &headers, body).await)
 }
 
 async fn embeddings_inner(
@@ -150,12 +146,8 @@ async fn embeddings_inner(
     body: Body,
 ) -> Result<Value, ApiError> {
     st.check_accepting()?;
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
-    let model = f.string("model")?;
-    if let Some(m) = &model {
-        st.resolve_model(m)?;
-    }
+    let mut f = request_fields(st, headers, body).await?;
+    let model = st.checked_model(&mut f)?;
     let input = f
         .raw("input")
         .ok_or_else(|| ApiError::bad_param("input", "'input' is required"))?;
@@ -210,10 +202,7 @@ pub(crate) async fn encode(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match encode_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(encode_inner(&st, &headers, body).await)
 }
 
 async fn encode_inner(
@@ -222,8 +211,7 @@ async fn encode_inner(
     body: Body,
 ) -> Result<Value, ApiError> {
     st.check_accepting()?;
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
+    let mut f = request_fields(st, headers, body).await?;
     let (field, input) = match (f.raw("text"), f.raw("input_ids")) {
         (Some(t), None) => ("text", t),
         (None, Some(i)) => ("input_ids", i),

@@ -27,6 +27,15 @@ pub struct ApiError {
     pub param: Option<String>,
 }
 
+/// A JSON route's answer: the value with 200, or the error.
+pub(crate) fn json_reply(r: Result<serde_json::Value, ApiError>) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match r {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
 impl ApiError {
     /// An error with `status` and `message`.
     pub fn new(status: StatusCode, message: impl Into<String>) -> Self {

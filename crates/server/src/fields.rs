@@ -16,6 +16,16 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// Reads the whole body (at most `limit` bytes) and parses it as JSON.
+/// A request body as [`Fields`]: JSON read within the server's size limit.
+pub(crate) async fn request_fields(
+    st: &crate::state::AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Fields, ApiError> {
+    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
+    Fields::new(v, "the request body", "")
+}
+
 pub(crate) async fn read_json(
     headers: &HeaderMap,
     body: Body,

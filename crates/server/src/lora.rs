@@ -59,6 +59,16 @@ impl AppState {
         }
     }
 
+    /// The request's `model` field, when given, refused unless it names
+    /// what is served (the base model, or a loaded adapter).
+    pub(crate) fn checked_model(&self, f: &mut Fields) -> Result<Option<String>, ApiError> {
+        let model = f.string("model")?;
+        if let Some(m) = &model {
+            self.resolve_model(m)?;
+        }
+        Ok(model)
+    }
+
     /// What an OpenAI `model` field asks for: the base model (`None`), or
     /// an adapter as `base:adapter` or by its name alone.
     pub fn resolve_model(&self, model: &str) -> Result<Option<Arc<LoraAdapter>>, ApiError> {
@@ -143,11 +153,6 @@ fn loaded_reply(r: &LoraRegistry) -> Response {
     Json(json!({"success": true, "error_message": "", "loaded_adapters": m})).into_response()
 }
 
-async fn body(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Fields, ApiError> {
-    let v = crate::fields::read_json(headers, body, st.opts.max_request_bytes).await?;
-    Fields::new(v, "the request body", "")
-}
-
 fn name_field(f: &mut Fields) -> Result<String, ApiError> {
     f.string("lora_name")?
         .filter(|n| !n.is_empty())
@@ -162,7 +167,7 @@ pub(crate) async fn load_lora_adapter(
 ) -> Response {
     let run = async {
         let registry = st.lora_registry("lora_name")?.clone();
-        let mut f = body(&st, &headers, b).await?;
+        let mut f = crate::fields::request_fields(&st, &headers, b).await?;
         let name = name_field(&mut f)?;
         let path = f
             .string("lora_path")?
@@ -190,7 +195,7 @@ pub(crate) async fn unload_lora_adapter(
 ) -> Response {
     let run = async {
         let registry = st.lora_registry("lora_name")?.clone();
-        let mut f = body(&st, &headers, b).await?;
+        let mut f = crate::fields::request_fields(&st, &headers, b).await?;
         let name = name_field(&mut f)?;
         f.finish()?;
         registry.unload(&name)?;

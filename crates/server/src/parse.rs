@@ -13,17 +13,16 @@
 //! The parser name defaults to the server's own parser when it has one; an
 //! unknown name or a bad field is a 400 naming the field.
 
-use crate::error::ApiError;
-use crate::fields::{Fields, read_json};
+use crate::error::{ApiError, json_reply};
+use crate::fields::{Fields, request_fields};
 use crate::openai::tools;
 use crate::reasoning::{self, ReasoningParser};
 use crate::state::AppState;
 use crate::tool_call::ToolCallParser;
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -61,10 +60,7 @@ pub(crate) async fn parse_function_call(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match function_call_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(function_call_inner(&st, &headers, body).await)
 }
 
 async fn function_call_inner(
@@ -72,8 +68,7 @@ async fn function_call_inner(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Value, ApiError> {
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
+    let mut f = request_fields(st, headers, body).await?;
     let text = text(&mut f)?;
     let default = st.opts.tool_call_parser.unwrap_or(ToolCallParser::Qwen25);
     let parser: ToolCallParser = parser(&mut f, "tool_call_parser", Some(default))?;
@@ -104,10 +99,7 @@ pub(crate) async fn separate_reasoning(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match reasoning_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(reasoning_inner(&st, &headers, body).await)
 }
 
 async fn reasoning_inner(
@@ -115,8 +107,7 @@ async fn reasoning_inner(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Value, ApiError> {
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
+    let mut f = request_fields(st, headers, body).await?;
     let text = text(&mut f)?;
     let parser: ReasoningParser = parser(&mut f, "reasoning_parser", st.opts.reasoning_parser)?;
     f.finish()?;

@@ -18,17 +18,16 @@
 //! One sampled token per prompt is computed and thrown away (the scores are
 //! those of the raw logits). Bad input is a 400 naming its field.
 
-use crate::error::ApiError;
-use crate::fields::{Fields, read_json};
+use crate::error::{ApiError, json_reply};
+use crate::fields::request_fields;
 use crate::params::Dialect;
 use crate::run::{self, Job};
 use crate::state::AppState;
 use arbor_engine_core::SamplingParams;
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -92,10 +91,7 @@ pub(crate) async fn score(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match score_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(score_inner(&st, &headers, body).await)
 }
 
 async fn score_inner(
@@ -104,12 +100,8 @@ async fn score_inner(
     body: Body,
 ) -> Result<Value, ApiError> {
     st.check_accepting()?;
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
-    let model = f.string("model")?;
-    if let Some(m) = &model {
-        st.resolve_model(m)?;
-    }
+    let mut f = request_fields(st, headers, body).await?;
+    let model = st.checked_model(&mut f)?;
     let query = f
         .raw("query")
         .ok_or_else(|| ApiError::bad_param("query", "'query' is required"))?;
@@ -214,10 +206,7 @@ pub(crate) async fn rerank(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match rerank_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(rerank_inner(&st, &headers, body).await)
 }
 
 /// A document in Qwen3-Reranker's prompt.
@@ -233,11 +222,8 @@ async fn rerank_inner(
     body: Body,
 ) -> Result<Value, ApiError> {
     st.check_accepting()?;
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
-    if let Some(m) = f.string("model")? {
-        st.resolve_model(&m)?;
-    }
+    let mut f = request_fields(st, headers, body).await?;
+    st.checked_model(&mut f)?;
     let query = f
         .string("query")?
         .ok_or_else(|| ApiError::bad_param("query", "'query' is required"))?;

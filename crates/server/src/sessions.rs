@@ -19,14 +19,13 @@
 //! its tree. Sessions hold no KV of their own: a closed session leaves the
 //! pool as it was.
 
-use crate::error::ApiError;
-use crate::fields::{Fields, read_json};
+use crate::error::{ApiError, json_reply};
+use crate::fields::{Fields, request_fields};
 use crate::state::AppState;
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -216,8 +215,7 @@ pub(crate) async fn open_session(
     body: Body,
 ) -> Response {
     let inner = async {
-        let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
-        let mut f = Fields::new(v, "the request body", "")?;
+        let mut f = request_fields(&st, &headers, body).await?;
         f.int("capacity_of_str_len", 1, i64::MAX)?.ok_or_else(|| {
             ApiError::bad_param("capacity_of_str_len", "'capacity_of_str_len' is required")
         })?;
@@ -238,10 +236,7 @@ pub(crate) async fn open_session(
         open.insert(id.clone(), Session::default());
         Ok::<_, ApiError>(id)
     };
-    match inner.await {
-        Ok(id) => Json(Value::String(id)).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(inner.await.map(Value::String))
 }
 
 /// Handles `POST /close_session {"session_id"}`: aborts the session's
@@ -252,8 +247,7 @@ pub(crate) async fn close_session(
     body: Body,
 ) -> Response {
     let inner = async {
-        let v = read_json(&headers, body, st.opts.max_request_bytes).await?;
-        let mut f = Fields::new(v, "the request body", "")?;
+        let mut f = request_fields(&st, &headers, body).await?;
         let id = f
             .string("session_id")?
             .ok_or_else(|| ApiError::bad_param("session_id", "'session_id' is required"))?;
@@ -267,10 +261,7 @@ pub(crate) async fn close_session(
         }
         Ok::<_, ApiError>(json!({"success": true}))
     };
-    match inner.await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(inner.await)
 }
 
 #[cfg(test)]

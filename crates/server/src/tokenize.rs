@@ -8,26 +8,16 @@
 //! list). `model`, when given, must name the served model. Bad input is a
 //! 400 naming its field; token ids outside the vocabulary are refused.
 
-use crate::error::ApiError;
-use crate::fields::{Fields, read_json};
+use crate::error::{ApiError, json_reply};
+use crate::fields::request_fields;
 use crate::state::AppState;
 use arbor_engine_core::TokenDecoder;
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use std::sync::Arc;
-
-/// Refuses a `model` the server does not serve (the base model or a
-/// loaded adapter, which shares its tokenizer), as the OpenAI routes do.
-fn check_model(st: &AppState, f: &mut Fields) -> Result<(), ApiError> {
-    if let Some(m) = f.string("model")? {
-        st.resolve_model(&m)?;
-    }
-    Ok(())
-}
 
 /// Handles `POST /tokenize` and `POST /v1/tokenize`.
 pub(crate) async fn tokenize(
@@ -35,16 +25,13 @@ pub(crate) async fn tokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match tokenize_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(tokenize_inner(&st, &headers, body).await)
 }
 
 async fn tokenize_inner(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Value, ApiError> {
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
-    check_model(st, &mut f)?;
+    let mut f = request_fields(st, headers, body).await?;
+    // A loaded adapter shares the base tokenizer.
+    st.checked_model(&mut f)?;
     let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
     let prompt = f
         .raw("prompt")
@@ -77,10 +64,7 @@ pub(crate) async fn detokenize(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match detokenize_inner(&st, &headers, body).await {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    json_reply(detokenize_inner(&st, &headers, body).await)
 }
 
 /// Token ids from a JSON list, each within the vocabulary.
@@ -112,9 +96,9 @@ async fn detokenize_inner(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Value, ApiError> {
-    let v = read_json(headers, body, st.opts.max_request_bytes).await?;
-    let mut f = Fields::new(v, "the request body", "")?;
-    check_model(st, &mut f)?;
+    let mut f = request_fields(st, headers, body).await?;
+    // A loaded adapter shares the base tokenizer.
+    st.checked_model(&mut f)?;
     let skip_special = f.bool("skip_special_tokens")?.unwrap_or(true);
     let tokens = f
         .raw("tokens")

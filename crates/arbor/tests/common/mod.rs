@@ -434,3 +434,17 @@ pub async fn generate_greedy(
 pub fn meta(v: &Value) -> &Value {
     &v["meta_info"]
 }
+
+/// `log_softmax(logits)`.
+pub fn log_softmax(logits: &[f64]) -> Vec<f64> {
+    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f64>().ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
+/// The numbers of a JSON list.
+pub fn f64s(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default()
+}
