@@ -125,11 +125,11 @@ fn check_hybrid(spec: &ModelSpec, ranks: bool, setup: &EngineSetup) -> Result<()
         );
     }
     if let Some(sc) = &setup.engine.speculative
-        && sc.algorithm != "ngram"
+        && !matches!(sc.algorithm.as_str(), "ngram" | "nextn")
     {
         bail!(
-            "--speculative-algorithm {} with {arch}: only NGRAM speculates on recurrent layers \
-             yet (drafters that read hidden states or run a draft model do not)",
+            "--speculative-algorithm {} with {arch}: only NGRAM and NEXTN (the checkpoint's MTP \
+             layer) speculate on recurrent layers yet (EAGLE heads and draft models do not)",
             sc.algorithm
         );
     }

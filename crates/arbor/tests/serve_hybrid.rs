@@ -5,10 +5,11 @@
 //! reuses its cached prefix through a recurrent state snapshot (same
 //! tokens, `cached_tokens` up to the last page boundary); the start-up summary
 //! and /get_server_info show the recurrent state slots; every page and
-//! slot is back afterwards; NGRAM speculation serves the same tokens. What
-//! a hybrid model cannot run with yet (tensor parallelism, other
-//! speculators, HiCache, PD disaggregation, LoRA, a state dtype other than
-//! float32) is refused at start, naming it.
+//! slot is back afterwards; NGRAM speculation and NEXTN (the checkpoint's
+//! MTP layer) serve the same tokens. What a hybrid model cannot run with yet
+//! (tensor parallelism, EAGLE heads and draft models, HiCache, PD
+//! disaggregation, LoRA, a state dtype other than float32) is refused at
+//! start, naming it, and so is NEXTN on a checkpoint without MTP layers.
 
 mod common;
 
@@ -163,6 +164,21 @@ async fn hybrid_models_serve_the_reference_completions() -> Result<()> {
         Reuse::Always,
     )
     .await?;
+    // NEXTN: the MTP layer of a copy of the checkpoint that has one.
+    let mtp = fixture("tiny-qwen3.5-mtp");
+    serves_reference(
+        "tiny-qwen3.5",
+        &[
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-draft-model-path",
+            &mtp,
+            "--speculative-num-steps",
+            "3",
+        ],
+        Reuse::Always,
+    )
+    .await?;
     // Snapshots with a few slots: evicted and retaken as requests come.
     serves_reference(
         "tiny-qwen3-next",
@@ -185,10 +201,22 @@ fn what_hybrids_cannot_run_with_yet_is_refused_by_name() -> Result<()> {
         &["--tp-size", "2"],
         "splitting recurrent (Gated DeltaNet) layers",
     )?;
+    let eagle3 = fixture("eagle3-tiny-llama");
+    assert_model_refuses(
+        m,
+        &[
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            &eagle3,
+        ],
+        "only NGRAM and NEXTN (the checkpoint's MTP layer) speculate on recurrent layers",
+    )?;
+    // tiny-qwen3.5 itself has no MTP layer.
     assert_model_refuses(
         m,
         &["--speculative-algorithm", "NEXTN"],
-        "only NGRAM speculates on recurrent layers",
+        "mtp_num_hidden_layers' is absent",
     )?;
     assert_model_refuses(
         m,

@@ -6,7 +6,9 @@
 //! repeated prompt and a second turn reuse their cached prefix up to the
 //! deepest recurrent state snapshot (`cached_tokens`) and give the tokens a
 //! cold run gives; without snapshot slots nothing is reused; every page,
-//! state slot and snapshot is back in its pool after a flush.
+//! state slot and snapshot is back in its pool after a flush. NGRAM and
+//! NEXTN (the checkpoint's MTP layer) speculation give plain decoding's
+//! tokens.
 
 #![allow(clippy::unwrap_used)]
 
@@ -77,6 +79,18 @@ fn setup() -> Result<Setup> {
 }
 
 fn engine(s: &Setup, cfg: EngineConfig, num_pages: usize, slots: usize) -> Result<Engine> {
+    engine_with_draft(s, cfg, num_pages, slots, None)
+}
+
+/// [`engine`] whose speculator reads `draft_path` (NEXTN: the checkpoint
+/// with the MTP layer).
+fn engine_with_draft(
+    s: &Setup,
+    cfg: EngineConfig,
+    num_pages: usize,
+    slots: usize,
+    draft_path: Option<PathBuf>,
+) -> Result<Engine> {
     let runner = Arc::new(ModelRunner::with_state_slots(
         s.model.model.clone(),
         s.backend.clone(),
@@ -105,7 +119,7 @@ fn engine(s: &Setup, cfg: EngineConfig, num_pages: usize, slots: usize) -> Resul
             target: runner,
             target_group: None,
             draft_model: None,
-            draft_path: None,
+            draft_path,
         };
         parts.speculator = Some(s.registry.speculators.get(&sc.algorithm)?(sc, &inputs)?);
     }
@@ -301,6 +315,55 @@ fn ngram_speculation_is_lossless_on_hybrids() -> Result<()> {
             st.spec_accepted_tokens_total < st.spec_draft_tokens_total,
             "no draft rejected: the rollback was not exercised"
         );
+        assert_pool_empty(&e);
+    }
+    Ok(())
+}
+
+/// NEXTN on a hybrid model (the MTP layer of tests/fixtures/tiny-qwen3.5-mtp,
+/// which has tiny-qwen3.5's weights): drafts from the layer over the
+/// target's captured final states, verified with a state slot per draft
+/// token, give plain decoding's tokens alone and batched, with cached
+/// prefixes and chunked prefill; pages, slots and snapshots end empty.
+#[test]
+fn nextn_speculation_is_lossless_on_hybrids() -> Result<()> {
+    let s = setup()?;
+    let mtp = fixture().with_file_name("tiny-qwen3.5-mtp");
+    let prompts: Vec<Vec<u32>> = s.cases.iter().map(|(p, _)| p.clone()).collect();
+    let plain = engine(&s, EngineConfig::default(), 1024, 8)?;
+    let want: Vec<Vec<u32>> = run_n(&plain, &prompts, 48)?
+        .into_iter()
+        .map(|x| x.0)
+        .collect();
+    for chunk in [-1, 16] {
+        let cfg = EngineConfig {
+            speculative: Some(SpeculativeConfig {
+                algorithm: "nextn".into(),
+                num_steps: 3,
+                num_draft_tokens: 4,
+                ..SpeculativeConfig::default()
+            }),
+            max_running_requests: 4,
+            chunked_prefill_size: chunk,
+            ..EngineConfig::default()
+        };
+        let e = engine_with_draft(&s, cfg, 1024, 40, Some(mtp.clone()))?;
+        for (p, w) in prompts.iter().zip(&want) {
+            let got = run_n(&e, std::slice::from_ref(p), 48)?.remove(0).0;
+            assert_eq!(&got, w, "alone, chunk {chunk}");
+        }
+        // Again at once: the prompts' prefixes now come from snapshots.
+        let batched = run_n(&e, &prompts, 48)?;
+        let cached: usize = batched.iter().map(|x| x.1).sum();
+        let batched: Vec<Vec<u32>> = batched.into_iter().map(|x| x.0).collect();
+        assert_eq!(batched, want, "batched, chunk {chunk}");
+        assert!(cached > 0, "no prefix reused");
+        let st = e.stats();
+        eprintln!(
+            "chunk {chunk}: {} of {} drafts accepted over {} verify steps; {cached} tokens cached",
+            st.spec_accepted_tokens_total, st.spec_draft_tokens_total, st.spec_verify_ct_total
+        );
+        assert!(st.spec_draft_tokens_total > 0, "nothing drafted: {st:?}");
         assert_pool_empty(&e);
     }
     Ok(())

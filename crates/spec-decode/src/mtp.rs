@@ -37,6 +37,16 @@
 //! `x`); `embed` above is the head's one table (the layer's `embed_tokens`,
 //! else the target's).
 //!
+//! For a Qwen3.5 / Qwen3-Next target (a hybrid model; SGLang's
+//! `Qwen3_5ForCausalLMMTP`) the layer lives at `mtp.*` and the config key is
+//! `mtp_num_hidden_layers` (in `text_config` for the ConditionalGeneration
+//! checkpoints): `mtp.pre_fc_norm_embedding` and `mtp.pre_fc_norm_hidden`
+//! ((1 + w) norms) stand for `enorm` and `hnorm`, `mtp.fc` for `eh_proj`
+//! (the same `[embedding, state]` column order), position 0 is not masked
+//! (as SGLang), and the block is a one-layer gated-attention hybrid model
+//! (`mtp.layers.0.*`, final norm `mtp.norm`, the target's LM head) whose
+//! output state is its final normed state, fed to the next draft step.
+//!
 //! The decoder-layer pieces, config reading and the checks it shares with
 //! the EAGLE heads live in `head_common`.
 //!
@@ -62,6 +72,7 @@ use arbor_engine_core::{
 };
 use arbor_models::DecoderConfig;
 use arbor_models::decoder::{DEEPSEEK_V2, DEEPSEEK_V3, DecoderArchitecture, DecoderModel};
+use arbor_models::hybrid::{HybridConfig, HybridModel, MTP_LAYERS_KEY, hybrid_config};
 use arbor_models::quant_methods::FloatWeights;
 use arbor_models::safetensors_source::SafetensorsSource;
 use serde_json::Value;
@@ -74,8 +85,12 @@ pub const NEXTN_LAYERS_KEY: &str = "num_nextn_predict_layers";
 /// A loaded MTP (next-n prediction) layer.
 pub struct MtpHead {
     cfg: DecoderConfig,
-    /// Its layer index in the checkpoint (the target's layer count).
+    /// Its layer index in the checkpoint (the target's layer count; 0 for
+    /// a hybrid checkpoint's `mtp.layers.0`).
     layer: usize,
+    /// Whether the embeddings at position 0 are zeroed (vLLM's DeepSeek MTP;
+    /// not for the hybrid layer, as SGLang).
+    mask_first_position: bool,
     /// The target's layer count: the index of its final normed state.
     target_num_layers: usize,
     backend: Arc<dyn Backend>,
@@ -100,6 +115,8 @@ enum Block {
     },
     /// A DeepSeek decoder layer as a one-layer model (see the module doc).
     Decoder(DecoderModel),
+    /// A hybrid checkpoint's gated-attention MTP layer as a one-layer model.
+    Hybrid(HybridModel),
 }
 
 /// The checkpoint as the one-layer model of a DeepSeek MTP layer reads it.
@@ -151,6 +168,8 @@ impl std::fmt::Debug for MtpHead {
 struct Source<'a> {
     st: SafetensorsSource,
     dir: &'a Path,
+    /// The config key that says the checkpoint has MTP layers.
+    key: &'static str,
 }
 
 impl Source<'_> {
@@ -172,9 +191,21 @@ impl Source<'_> {
         self.get(name, shape)?.ok_or_else(|| {
             self.err(
                 name,
-                format!("is missing (the MTP layer needs it; {NEXTN_LAYERS_KEY} is set)"),
+                format!("is missing (the MTP layer needs it; {} is set)", self.key),
             )
         })
+    }
+
+    /// A zero-centred norm weight `w` as the `1 + w` it multiplies by (f32).
+    fn offset_vector(&self, b: &dyn Backend, name: &str, len: usize) -> Result<Tensor> {
+        let w = self.required(name, &[len])?;
+        let v: Vec<f32> = w
+            .to_f32_vec()
+            .map_err(|e| self.err(name, e))?
+            .iter()
+            .map(|x| 1.0 + x)
+            .collect();
+        b.upload_f32(&[len], &v)
     }
 
     /// The first of `names` present (each of `shape`), uploaded as a weight.
@@ -221,6 +252,10 @@ impl MtpHead {
         backend: Arc<dyn Backend>,
     ) -> Result<Self> {
         let (v, file) = read_config(dir)?;
+        if let Some(hybrid) = hybrid_config(&v)? {
+            let tables = (target_embed, target_head);
+            return Self::load_hybrid(dir, (&v, &file), hybrid, target, tables, backend);
+        }
         let n_mtp = match v.get(NEXTN_LAYERS_KEY) {
             None | Some(Value::Null) => {
                 return Err(cfg_err(
@@ -264,6 +299,7 @@ impl MtpHead {
         let src = Source {
             st: SafetensorsSource::open(dir)?,
             dir,
+            key: NEXTN_LAYERS_KEY,
         };
         let b = &*backend;
         let c = &cfg;
@@ -324,6 +360,7 @@ impl MtpHead {
         };
         Ok(Self {
             layer,
+            mask_first_position: true,
             target_num_layers: target.num_layers,
             backend: backend.clone(),
             embed,
@@ -331,6 +368,88 @@ impl MtpHead {
             hnorm,
             eh_proj,
             block,
+            cfg,
+        })
+    }
+
+    /// The MTP layer of a hybrid (Qwen3.5 / Qwen3-Next) checkpoint: see the
+    /// module doc. `tables` are the target's embedding and LM head when
+    /// shared.
+    fn load_hybrid(
+        dir: &Path,
+        (v, file): (&Value, &str),
+        hybrid: HybridConfig,
+        target: &ModelSpec,
+        tables: (Option<Tensor>, Option<Tensor>),
+        backend: Arc<dyn Backend>,
+    ) -> Result<Self> {
+        let text = v.get("text_config").unwrap_or(v);
+        let absent =
+            "is absent: the checkpoint has no multi-token prediction (MTP) layers for NEXTN";
+        let n_mtp = match text.get(MTP_LAYERS_KEY).or_else(|| v.get(MTP_LAYERS_KEY)) {
+            None | Some(Value::Null) => return Err(cfg_err(file, MTP_LAYERS_KEY, absent)),
+            Some(x) => x.as_u64().ok_or_else(|| {
+                cfg_err(
+                    file,
+                    MTP_LAYERS_KEY,
+                    format!("must be a non-negative integer, found {x}"),
+                )
+            })?,
+        };
+        if n_mtp == 0 {
+            return Err(cfg_err(
+                file,
+                MTP_LAYERS_KEY,
+                "is 0: the checkpoint has no MTP layers for NEXTN",
+            ));
+        }
+        let cfg = hybrid.base.clone();
+        Self::check_target(&cfg, target, file, true)?;
+        let src = Source {
+            st: SafetensorsSource::open(dir)?,
+            dir,
+            key: MTP_LAYERS_KEY,
+        };
+        let b = &*backend;
+        let (h, vocab) = (cfg.hidden_size, cfg.vocab_size);
+        let embed_names = [
+            "model.language_model.embed_tokens.weight",
+            "model.embed_tokens.weight",
+        ];
+        let embed = match tables.0.filter(|t| t.shape() == [vocab, h]) {
+            Some(t) => t,
+            None => src
+                .first_of(b, &embed_names, &[vocab, h])?
+                .ok_or_else(|| src.err("model.embed_tokens.weight", "is missing"))?,
+        };
+        let head = match tables.1.filter(|t| t.shape() == [vocab, h]) {
+            Some(t) => t,
+            None => match src.first_of(b, &["lm_head.weight"], &[vocab, h])? {
+                Some(t) => t,
+                None if cfg.tie_word_embeddings => embed.clone(),
+                None => return Err(src.err("lm_head.weight", "is missing")),
+            },
+        };
+        let enorm = src.offset_vector(b, "mtp.pre_fc_norm_embedding.weight", h)?;
+        let hnorm = src.offset_vector(b, "mtp.pre_fc_norm_hidden.weight", h)?;
+        let fc = "mtp.fc.weight";
+        let eh_proj = SplitLinear::upload(b, &src.required(fc, &[h, 2 * h])?, fc, h)?;
+        let opts = LoadOptions {
+            backend: backend.clone(),
+            quant: Arc::new(FloatWeights::new("auto", None)),
+            progress: None,
+        };
+        let model = arbor_models::hybrid::load_mtp_layer(&hybrid, &src.st, &opts, head)?;
+        Ok(Self {
+            layer: 0,
+            mask_first_position: false,
+            target_num_layers: target.num_layers,
+            backend: backend.clone(),
+            embed,
+            enorm,
+            hnorm,
+            eh_proj,
+            block: Block::Hybrid(model),
             cfg,
         })
     }
@@ -420,20 +539,19 @@ impl MtpHead {
 
     /// The head's KV cache shape: one layer.
     pub fn kv_spec(&self, page_size: usize, num_pages: usize, dtype: DType) -> KvSpec {
+        let one_layer = |s: &ModelSpec| KvSpec {
+            num_layers: 1,
+            num_kv_heads: s.num_kv_heads,
+            head_dim: s.head_dim,
+            page_size,
+            num_pages,
+            dtype,
+            values_in_keys: s.kv_values_in_keys,
+        };
         match &self.block {
             Block::Llama { .. } => kv_spec(&self.cfg, 1, page_size, num_pages, dtype),
-            Block::Decoder(m) => {
-                let s = arbor_engine_core::Model::spec(m);
-                KvSpec {
-                    num_layers: 1,
-                    num_kv_heads: s.num_kv_heads,
-                    head_dim: s.head_dim,
-                    page_size,
-                    num_pages,
-                    dtype,
-                    values_in_keys: s.kv_values_in_keys,
-                }
-            }
+            Block::Decoder(m) => one_layer(arbor_engine_core::Model::spec(m)),
+            Block::Hybrid(m) => one_layer(arbor_engine_core::Model::spec(m)),
         }
     }
 
@@ -465,7 +583,7 @@ impl MtpHead {
         // `inputs_embeds[positions == 0] = 0`): embed into the first t rows
         // of a zeroed [t + 1, h] and gather those rows from row t.
         let e = f32t(&[t, h])?;
-        if batch.positions.contains(&0) {
+        if self.mask_first_position && batch.positions.contains(&0) {
             let padded = f32t(&[t + 1, h])?;
             b.embedding(&self.embed, &ids, &padded.narrow(0, t)?)?;
             let rows: Vec<u32> = batch
@@ -488,35 +606,53 @@ impl MtpHead {
         b.linear(&hn, &self.eh_proj.hidden, None, &x2)?;
         b.add_assign(&x, &x2)?;
 
-        let (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq) = match &self.block {
-            Block::Llama {
-                input_norm,
-                attn,
-                post_norm,
-                mlp,
-                head_norm,
-                head,
-                inv_freq,
-            } => (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq),
-            Block::Decoder(m) => {
-                // The layer's state is the residual stream after its one layer.
-                let inner = ForwardBatch {
-                    hidden_layers: vec![0],
-                    hidden_at_every_row: false,
-                    exit_after: None,
-                    ..batch.clone()
-                };
-                let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
-                let state = out
-                    .hidden
-                    .pop()
-                    .ok_or_else(|| CoreError::Internal("the MTP layer returned no state".into()))?;
-                return Ok(HeadOutput {
-                    logits: out.logits,
-                    state,
-                });
-            }
-        };
+        let (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq) =
+            match &self.block {
+                Block::Llama {
+                    input_norm,
+                    attn,
+                    post_norm,
+                    mlp,
+                    head_norm,
+                    head,
+                    inv_freq,
+                } => (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq),
+                Block::Hybrid(m) => {
+                    // The layer's state is its final normed state (SGLang feeds
+                    // the MTP model's output, after `mtp.norm`, to the next step).
+                    let inner = ForwardBatch {
+                        hidden_layers: vec![1],
+                        hidden_at_every_row: false,
+                        exit_after: None,
+                        ..batch.clone()
+                    };
+                    let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
+                    let state = out.hidden.pop().ok_or_else(|| {
+                        CoreError::Internal("the MTP layer returned no state".into())
+                    })?;
+                    return Ok(HeadOutput {
+                        logits: out.logits,
+                        state,
+                    });
+                }
+                Block::Decoder(m) => {
+                    // The layer's state is the residual stream after its one layer.
+                    let inner = ForwardBatch {
+                        hidden_layers: vec![0],
+                        hidden_at_every_row: false,
+                        exit_after: None,
+                        ..batch.clone()
+                    };
+                    let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
+                    let state = out.hidden.pop().ok_or_else(|| {
+                        CoreError::Internal("the MTP layer returned no state".into())
+                    })?;
+                    return Ok(HeadOutput {
+                        logits: out.logits,
+                        state,
+                    });
+                }
+            };
         // The decoder layer; `x` is the residual stream.
         let n = f32t(&[t, h])?;
         b.rms_norm(&x, input_norm, eps, &n)?;

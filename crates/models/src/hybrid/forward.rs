@@ -2,6 +2,9 @@
 //! the mixer (a Gated DeltaNet over the batch's state slots, or gated
 //! attention over the KV pages of the attention layers), a second norm and
 //! the feed-forward; the final norm and the LM head at the logit rows.
+//! Hidden states are captured as `ForwardBatch::hidden_layers` asks: after
+//! layer `i < n` the residual stream, `n` the final normed state. A model
+//! without recurrent layers (the MTP layer) reads no state slots.
 
 use super::{AttentionMixer, Ffn, HybridModel, Layer, Mixer, RecurrentMixer};
 use arbor_engine_core::state::{GatedDeltaNet, GatedDeltaWeights, StateSeq};
@@ -18,6 +21,7 @@ struct Pass<'a> {
     resid: Tensor,
     x: Tensor,
     proj: Tensor,
+    /// The batch's state slots (none without recurrent layers).
     seqs: Vec<StateSeq>,
     /// Rows of the doubled `q_proj` output (`[t * heads * 2, head_dim]`)
     /// that are queries (even) and gates (odd).
@@ -31,16 +35,39 @@ impl HybridModel {
         batch: &ForwardBatch,
         ctx: &ForwardContext<'_>,
     ) -> Result<ForwardOutput> {
+        self.run_from(batch, ctx, None)
+    }
+
+    /// The forward from input embeddings `x` (f32 `[tokens, hidden]`)
+    /// instead of the batch's ids (which are still validated); the only way
+    /// to run a model loaded without an embedding table (the MTP layer).
+    pub fn forward_from_embeds(
+        &self,
+        batch: &ForwardBatch,
+        x: &Tensor,
+        ctx: &ForwardContext<'_>,
+    ) -> Result<ForwardOutput> {
+        self.run_from(batch, ctx, Some(x))
+    }
+
+    /// Checks the batch and the caches against the model.
+    fn check(&self, batch: &ForwardBatch, ctx: &ForwardContext<'_>) -> Result<()> {
         batch.validate(self.spec.vocab_size)?;
         if !batch.lora.is_empty() {
             return Err(CoreError::unsupported(
                 "LoRA adapters on a hybrid (recurrent) model",
             ));
         }
-        if !batch.hidden_layers.is_empty() || batch.exit_after.is_some() {
+        if batch.exit_after.is_some() {
             return Err(CoreError::unsupported(
-                "hidden-state capture and early exit on a hybrid (recurrent) model",
+                "early exit on a hybrid (recurrent) model",
             ));
+        }
+        let n = self.layers.len();
+        if let Some(bad) = batch.hidden_layers.iter().find(|&&l| l > n) {
+            return Err(CoreError::invalid(format!(
+                "hidden state of layer {bad} asked of a model of {n} layers"
+            )));
         }
         let kv_spec = ctx.kv.spec();
         if kv_spec.num_layers != self.spec.kv_layers()
@@ -51,19 +78,32 @@ impl HybridModel {
                 "KV cache {kv_spec:?} does not fit the model"
             )));
         }
-        let state = ctx.kv.state()?;
-        if state.spec() != &self.cfg.state {
-            return Err(CoreError::invalid(format!(
-                "recurrent state {:?} does not fit the model",
-                state.spec()
-            )));
+        if self.spec.state.is_some() {
+            let state = ctx.kv.state()?;
+            if state.spec() != &self.cfg.state {
+                return Err(CoreError::invalid(format!(
+                    "recurrent state {:?} does not fit the model",
+                    state.spec()
+                )));
+            }
         }
+        Ok(())
+    }
+
+    fn run_from(
+        &self,
+        batch: &ForwardBatch,
+        ctx: &ForwardContext<'_>,
+        embeds: Option<&Tensor>,
+    ) -> Result<ForwardOutput> {
+        self.check(batch, ctx)?;
         let b = &*self.backend;
         let (t, h) = (batch.input_ids.len(), self.cfg.base.hidden_size);
         let f32t = |shape: &[usize]| b.alloc(DType::F32, shape);
         let nh = self.cfg.base.num_attention_heads;
         let query: Vec<u32> = (0..(t * nh) as u32).map(|r| 2 * r).collect();
         let gate: Vec<u32> = query.iter().map(|r| r + 1).collect();
+        let recurrent = self.spec.state.is_some();
         let p = Pass {
             b,
             t,
@@ -71,17 +111,44 @@ impl HybridModel {
             resid: f32t(&[t, h])?,
             x: f32t(&[t, h])?,
             proj: f32t(&[t, h])?,
-            seqs: batch.layout.state_seqs()?,
+            seqs: if recurrent {
+                batch.layout.state_seqs()?
+            } else {
+                Vec::new()
+            },
             query_rows: b.upload_u32(&[t * nh], &query)?,
             gate_rows: b.upload_u32(&[t * nh], &gate)?,
         };
         // Restored snapshots first: the sequences continue from them.
-        for &(from, to) in &batch.layout.state_restores {
-            state.copy_slot(b, from, to)?;
+        if recurrent {
+            let state = ctx.kv.state()?;
+            for &(from, to) in &batch.layout.state_restores {
+                state.copy_slot(b, from, to)?;
+            }
         }
-        let ids = b.upload_u32(&[t], &batch.input_ids)?;
-        b.embedding(&self.embed, &ids, &p.resid)?;
+        match (embeds, &self.embed) {
+            (Some(x), _) => {
+                if x.shape() != [t, h] {
+                    return Err(CoreError::invalid(format!(
+                        "input embeddings of shape {:?} for {t} tokens of width {h}",
+                        x.shape()
+                    )));
+                }
+                b.copy(x, &p.resid)?;
+            }
+            (None, Some(embed)) => {
+                let ids = b.upload_u32(&[t], &batch.input_ids)?;
+                b.embedding(embed, &ids, &p.resid)?;
+            }
+            (None, None) => {
+                return Err(CoreError::invalid(
+                    "this model runs from input embeddings (it has no embedding table)",
+                ));
+            }
+        }
         let eps = self.cfg.base.rms_norm_eps;
+        let n = self.layers.len();
+        let mut hidden: Vec<Option<Tensor>> = vec![None; batch.hidden_layers.len()];
         for (i, layer) in self.layers.iter().enumerate() {
             if i > 0 {
                 b.add_rms_norm(&p.resid, &p.proj, &layer.input_norm, eps, &p.x)?;
@@ -94,8 +161,23 @@ impl HybridModel {
             }
             b.add_rms_norm(&p.resid, &p.proj, &layer.post_norm, eps, &p.x)?;
             self.feed_forward(&p, layer)?;
+            if i + 1 < n {
+                capture_after(&p, batch, i, &mut hidden)?;
+            }
         }
         b.add_rms_norm(&p.resid, &p.proj, &self.norm, eps, &p.x)?;
+        // After the final add, `resid` is the stream after the last layer.
+        for (slot, &l) in batch.hidden_layers.iter().enumerate() {
+            if l + 1 == n {
+                hidden[slot] = Some(capture(&p, batch, &p.resid)?);
+            } else if l == n {
+                hidden[slot] = Some(capture(&p, batch, &p.x)?);
+            }
+        }
+        let hidden = hidden
+            .into_iter()
+            .map(|h| h.ok_or_else(|| CoreError::Internal("a hidden state was not captured".into())))
+            .collect::<Result<Vec<_>>>()?;
         let rows = batch.logits_rows.len();
         let vocab = self.spec.vocab_size;
         let logits = f32t(&[rows, vocab])?;
@@ -105,10 +187,7 @@ impl HybridModel {
             b.gather_rows(&p.x, &idx, &sel)?;
             b.linear(&sel, &self.lm_head, None, &logits)?;
         }
-        Ok(ForwardOutput {
-            logits,
-            hidden: Vec::new(),
-        })
+        Ok(ForwardOutput { logits, hidden })
     }
 
     /// A Gated DeltaNet layer of `p.x` into `p.proj`.
@@ -218,4 +297,40 @@ impl HybridModel {
             Ffn::Moe(block) => block.forward(b, &p.x, &p.proj),
         }
     }
+}
+
+/// The rows of `src` a hidden state keeps (every row, or the logits rows),
+/// as a new tensor.
+fn capture(p: &Pass<'_>, batch: &ForwardBatch, src: &Tensor) -> Result<Tensor> {
+    let b = p.b;
+    let h = src.shape()[1];
+    if batch.hidden_at_every_row {
+        let out = b.alloc(DType::F32, &[p.t, h])?;
+        b.copy(src, &out)?;
+        return Ok(out);
+    }
+    let rows = batch.logits_rows.len();
+    let out = b.alloc(DType::F32, &[rows, h])?;
+    if rows > 0 {
+        let idx = b.upload_u32(&[rows], &batch.logits_rows)?;
+        b.gather_rows(src, &idx, &out)?;
+    }
+    Ok(out)
+}
+
+/// Captures the hidden states asked after layer `l` (not the last): the
+/// residual stream `resid + proj`.
+fn capture_after(
+    p: &Pass<'_>,
+    batch: &ForwardBatch,
+    l: usize,
+    hidden: &mut [Option<Tensor>],
+) -> Result<()> {
+    for (slot, _) in (batch.hidden_layers.iter().enumerate()).filter(|&(_, &x)| x == l) {
+        let full = p.b.alloc(DType::F32, &[p.t, p.resid.shape()[1]])?;
+        p.b.copy(&p.resid, &full)?;
+        p.b.add_assign(&full, &p.proj)?;
+        hidden[slot] = Some(capture(p, batch, &full)?);
+    }
+    Ok(())
 }

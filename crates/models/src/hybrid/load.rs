@@ -44,6 +44,14 @@ fn layer_tensors(cfg: &HybridConfig, i: usize) -> usize {
     2 + mixer + ffn
 }
 
+/// What [`HybridModel::assemble`] takes besides the layers.
+struct Parts {
+    embed: Option<Tensor>,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Tensor,
+}
+
 impl HybridModel {
     /// Loads a model of `cfg` from `src` (named as Qwen3.5's text model).
     pub(super) fn load(
@@ -57,27 +65,7 @@ impl HybridModel {
         let total = 3 + (0..n).map(|i| layer_tensors(&cfg, i)).sum::<usize>();
         let mut l = Loader::new(src, opts, total);
         let embed = l.weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let (mut recurrent, mut attention) = (0, 0);
-        let mut layers = Vec::with_capacity(n);
-        for i in 0..n {
-            let p = format!("model.layers.{i}");
-            let mixer = match cfg.layer_types[i] {
-                LayerKind::Recurrent => {
-                    recurrent += 1;
-                    Mixer::Recurrent(recurrent_mixer(&mut l, &cfg, &p, recurrent - 1)?)
-                }
-                LayerKind::Attention => {
-                    attention += 1;
-                    Mixer::Attention(attention_mixer(&mut l, &cfg, &p, attention - 1)?)
-                }
-            };
-            layers.push(Layer {
-                input_norm: l.offset_norm(&format!("{p}.input_layernorm.weight"), h)?,
-                mixer,
-                post_norm: l.offset_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-                ffn: feed_forward(&mut l, &cfg, &p, i)?,
-            });
-        }
+        let layers = load_layers(&mut l, &cfg)?;
         let norm = l.offset_norm("model.norm.weight", h)?;
         let lm_head = if c.tie_word_embeddings {
             l.tick();
@@ -85,9 +73,48 @@ impl HybridModel {
         } else {
             l.plain_linear("lm_head", c.vocab_size, h)?.w
         };
+        let parts = Parts {
+            embed: Some(embed),
+            layers,
+            norm,
+            lm_head,
+        };
+        Self::assemble(cfg, l, parts, opts)
+    }
+
+    /// Loads a one-layer model of `cfg` that runs from input embeddings
+    /// (no embedding table), with `lm_head` shared from elsewhere.
+    pub(super) fn load_from_embeds(
+        cfg: HybridConfig,
+        src: &dyn WeightSource,
+        opts: &LoadOptions,
+        lm_head: Tensor,
+    ) -> Result<Self> {
+        let n = cfg.base.num_hidden_layers;
+        let total = 1 + (0..n).map(|i| layer_tensors(&cfg, i)).sum::<usize>();
+        let mut l = Loader::new(src, opts, total);
+        let layers = load_layers(&mut l, &cfg)?;
+        let norm = l.offset_norm("model.norm.weight", cfg.base.hidden_size)?;
+        let parts = Parts {
+            embed: None,
+            layers,
+            norm,
+            lm_head,
+        };
+        Self::assemble(cfg, l, parts, opts)
+    }
+
+    fn assemble(
+        cfg: HybridConfig,
+        l: Loader<'_>,
+        parts: Parts,
+        opts: &LoadOptions,
+    ) -> Result<Self> {
+        let c = &cfg.base;
         let freqs = c.inv_freq();
         let inv_freq = opts.backend.upload_f32(&[freqs.len()], &freqs)?;
-        let weight_dtype = layers
+        let weight_dtype = parts
+            .layers
             .iter()
             .find_map(|l| match &l.mixer {
                 Mixer::Attention(a) => Some(a.q.w.dtype()),
@@ -96,11 +123,11 @@ impl HybridModel {
             .unwrap_or(DType::F32);
         let spec = ModelSpec {
             architecture: c.architecture.clone(),
-            num_layers: n,
+            num_layers: c.num_hidden_layers,
             num_heads: c.num_attention_heads,
             num_kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
-            hidden_size: h,
+            hidden_size: c.hidden_size,
             intermediate_size: c.intermediate_size,
             vocab_size: c.vocab_size,
             max_position_embeddings: c.max_position_embeddings,
@@ -110,19 +137,46 @@ impl HybridModel {
             quantization: l.quantization_label(),
             checkpoint_kv_dtype: c.kv_cache_dtype,
             kv_values_in_keys: false,
-            state: Some(cfg.state),
+            state: (cfg.state.layers > 0).then_some(cfg.state),
         };
         Ok(Self {
             spec,
             cfg,
             backend: opts.backend.clone(),
-            embed,
-            layers,
-            norm,
-            lm_head,
+            embed: parts.embed,
+            layers: parts.layers,
+            norm: parts.norm,
+            lm_head: parts.lm_head,
             inv_freq,
         })
     }
+}
+
+/// Every layer of `cfg`, each mixer numbered among its kind (its state or KV).
+fn load_layers(l: &mut Loader<'_>, cfg: &HybridConfig) -> Result<Vec<Layer>> {
+    let h = cfg.base.hidden_size;
+    let (mut recurrent, mut attention) = (0, 0);
+    let mut layers = Vec::with_capacity(cfg.layer_types.len());
+    for (i, kind) in cfg.layer_types.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        let mixer = match kind {
+            LayerKind::Recurrent => {
+                recurrent += 1;
+                Mixer::Recurrent(recurrent_mixer(l, cfg, &p, recurrent - 1)?)
+            }
+            LayerKind::Attention => {
+                attention += 1;
+                Mixer::Attention(attention_mixer(l, cfg, &p, attention - 1)?)
+            }
+        };
+        layers.push(Layer {
+            input_norm: l.offset_norm(&format!("{p}.input_layernorm.weight"), h)?,
+            mixer,
+            post_norm: l.offset_norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            ffn: feed_forward(l, cfg, &p, i)?,
+        });
+    }
+    Ok(layers)
 }
 
 fn recurrent_mixer(

@@ -15,12 +15,18 @@
 //! partial rotary embeddings (`partial_rotary_factor`; Qwen3.5's interleaved
 //! M-RoPE is plain RoPE for text, every axis having the same position), and
 //! the recurrent layers' convolution, gated delta rule and gated RMSNorm.
+//! Hidden states of any layer can be captured (`ForwardBatch::hidden_layers`,
+//! for the NEXTN drafter). The checkpoint's MTP layer loads as a one-layer
+//! model of this type ([`load_mtp_layer`]).
 //! Not supported yet, refused with an error that names it: tensor
-//! parallelism, LoRA adapters, hidden-state capture and early exit.
+//! parallelism, LoRA adapters and early exit.
 
 mod forward;
 mod load;
+mod mtp;
 mod source;
+
+pub use mtp::{MTP_LAYERS_KEY, hybrid_config, load_mtp_layer};
 
 use crate::config::DecoderConfig;
 use crate::decoder::Linear;
@@ -262,7 +268,8 @@ pub struct HybridModel {
     spec: ModelSpec,
     cfg: HybridConfig,
     backend: Arc<dyn Backend>,
-    embed: Tensor,
+    /// `None` for a model that runs from input embeddings (an MTP layer).
+    embed: Option<Tensor>,
     layers: Vec<Layer>,
     /// (1 + w).
     norm: Tensor,
@@ -278,7 +285,7 @@ impl Model for HybridModel {
         self.run(batch, ctx)
     }
     fn input_embedding(&self) -> Option<Tensor> {
-        Some(self.embed.clone())
+        self.embed.clone()
     }
     fn lm_head(&self) -> Option<Tensor> {
         Some(self.lm_head.clone())
@@ -341,38 +348,72 @@ impl ModelArchitecture for HybridArchitecture {
     }
 }
 
+/// The registered architectures: name, checkpoint flavor, and whether the
+/// feed-forward is a mixture of experts.
+const ARCHITECTURES: [(&str, HybridFlavor, bool); 5] = [
+    ("Qwen3_5ForCausalLM", HybridFlavor::Qwen35Text, false),
+    (
+        "Qwen3_5ForConditionalGeneration",
+        HybridFlavor::Qwen35Multimodal,
+        false,
+    ),
+    ("Qwen3_5MoeForCausalLM", HybridFlavor::Qwen35Text, true),
+    (
+        "Qwen3_5MoeForConditionalGeneration",
+        HybridFlavor::Qwen35Multimodal,
+        true,
+    ),
+    ("Qwen3NextForCausalLM", HybridFlavor::Qwen3Next, true),
+];
+
+impl HybridArchitecture {
+    /// The architecture registered as `name`, if it is a hybrid one.
+    pub(crate) fn named(name: &str) -> Option<Self> {
+        ARCHITECTURES
+            .iter()
+            .find(|(n, _, _)| *n == name)
+            .map(|&(_, flavor, sparse)| Self { flavor, sparse })
+    }
+
+    /// Entry `i` of [`ARCHITECTURES`], for its registration.
+    fn entry(i: usize) -> Box<dyn ModelArchitecture> {
+        let (_, flavor, sparse) = ARCHITECTURES[i];
+        Box::new(Self { flavor, sparse })
+    }
+}
+
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3_5ForCausalLM",
         about: "Qwen3.5 text decoders (Gated DeltaNet recurrent layers with gated attention)",
-        create: || Box::new(HybridArchitecture { flavor: HybridFlavor::Qwen35Text, sparse: false }),
+        create: || HybridArchitecture::entry(0),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3_5ForConditionalGeneration",
         about: "Qwen3.5/3.6 checkpoints: the language model (vision not loaded)",
-        create: || Box::new(HybridArchitecture { flavor: HybridFlavor::Qwen35Multimodal, sparse: false }),
+        create: || HybridArchitecture::entry(1),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3_5MoeForCausalLM",
         about: "Qwen3.5 mixture-of-experts text decoders (hybrid, routed and shared experts)",
-        create: || Box::new(HybridArchitecture { flavor: HybridFlavor::Qwen35Text, sparse: true }),
+        create: || HybridArchitecture::entry(2),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3_5MoeForConditionalGeneration",
         about: "Qwen3.5/3.6 mixture-of-experts checkpoints: the language model (vision not loaded)",
-        create: || Box::new(HybridArchitecture { flavor: HybridFlavor::Qwen35Multimodal, sparse: true }),
+        create: || HybridArchitecture::entry(3),
     }
 }
 inventory::submit! {
     ArchitectureEntry {
         name: "Qwen3NextForCausalLM",
         about: "Qwen3-Next (hybrid, fused in_proj_qkvz/in_proj_ba, routed and shared experts)",
-        create: || Box::new(HybridArchitecture { flavor: HybridFlavor::Qwen3Next, sparse: true }),
+        create: || HybridArchitecture::entry(4),
     }
 }

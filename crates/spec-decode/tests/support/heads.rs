@@ -13,7 +13,7 @@
 #![allow(dead_code)]
 
 use arbor_backend_cpu::CpuBackend;
-use arbor_engine_core::runner::ModelRunner;
+use arbor_engine_core::runner::{KvGeometry, ModelRunner};
 use arbor_engine_core::speculative::{ComputedStates, SpeculatorInputs};
 use arbor_engine_core::{
     AttentionBackend, Backend, BatchLayout, DType, Draft, DraftRequest, DraftSampling,
@@ -53,16 +53,8 @@ pub struct Shared {
 pub fn shared() -> &'static Shared {
     static S: OnceLock<Shared> = OnceLock::new();
     S.get_or_init(|| {
-        let registry = Registry::builtin().expect("registry");
         let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).expect("cpu"));
-        let opts = LoadOptions {
-            backend: backend.clone(),
-            quant: registry.quant_methods.get("f32").expect("f32")(&Default::default())
-                .expect("quant"),
-            progress: None,
-        };
-        let target =
-            load_model(&fixtures().join(crate::TARGET), &registry, &opts).expect(crate::TARGET);
+        let target = load_on(&backend, crate::TARGET).expect(crate::TARGET);
         let text = std::fs::read_to_string(head_dir().join("reference.json")).expect("reference");
         Shared {
             target,
@@ -70,6 +62,17 @@ pub fn shared() -> &'static Shared {
             reference: serde_json::from_str(&text).expect("json"),
         }
     })
+}
+
+/// The fixture `name` (under `tests/fixtures`) in f32 on `backend`.
+pub fn load_on(backend: &Arc<dyn Backend>, name: &str) -> R<LoadedModel> {
+    let registry = Registry::builtin()?;
+    let opts = LoadOptions {
+        backend: backend.clone(),
+        quant: registry.quant_methods.get("f32")?(&Default::default())?,
+        progress: None,
+    };
+    Ok(load_model(&fixtures().join(name), &registry, &opts)?)
 }
 
 /// The reference's `sequences`.
@@ -131,14 +134,22 @@ pub fn split_rows(flat: &[f32], width: usize) -> Vec<Vec<f32>> {
 
 /// A runner over the shared target (pages of `PAGE`, 8 pages, f32 KV).
 pub fn target_runner() -> R<ModelRunner> {
-    let s = shared();
-    Ok(ModelRunner::new(
-        s.target.model.clone(),
-        s.backend.clone(),
+    runner_of(&shared().target)
+}
+
+/// A runner over `target` (pages of `PAGE`, 8 pages, f32 KV; one recurrent
+/// state slot for a hybrid model).
+pub fn runner_of(target: &LoadedModel) -> R<ModelRunner> {
+    Ok(ModelRunner::with_state_slots(
+        target.model.clone(),
+        shared().backend.clone(),
         None,
-        PAGE,
-        8,
-        DType::F32,
+        KvGeometry {
+            page_size: PAGE,
+            num_pages: 8,
+            kv_dtype: DType::F32,
+            state_slots: 1,
+        },
     )?)
 }
 
@@ -146,11 +157,19 @@ pub fn target_runner() -> R<ModelRunner> {
 /// `prompt` at every position: `[n, layers.len() * hidden]`, the layers
 /// concatenated in order.
 pub fn target_states(layers: &[usize], prompt: &[u32]) -> R<Vec<Vec<f32>>> {
+    states_of(&shared().target, layers, prompt)
+}
+
+/// [`target_states`] of `target`.
+pub fn states_of(target: &LoadedModel, layers: &[usize], prompt: &[u32]) -> R<Vec<Vec<f32>>> {
     let s = shared();
-    let runner = target_runner()?;
+    let runner = runner_of(target)?;
     let n = prompt.len();
     let mut layout = BatchLayout::new(PAGE);
     layout.push_seq(0, n, &[0, 1, 2, 3])?;
+    if target.model.spec().state.is_some() {
+        layout.state_slots.push(0);
+    }
     let out = runner.forward(&ForwardBatch {
         input_ids: prompt.to_vec(),
         positions: (0..n as u32).collect(),
@@ -161,7 +180,7 @@ pub fn target_states(layers: &[usize], prompt: &[u32]) -> R<Vec<Vec<f32>>> {
         exit_after: None,
         hidden_at_every_row: false,
     })?;
-    let h = s.target.model.spec().hidden_size;
+    let h = target.model.spec().hidden_size;
     let per_layer: Vec<Vec<f32>> = out
         .hidden
         .iter()
