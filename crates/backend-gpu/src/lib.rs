@@ -27,6 +27,7 @@ mod loads;
 pub mod memory;
 mod ops;
 pub mod pinned;
+mod recurrent;
 mod sample;
 
 pub use driver::{DeviceProps, Driver, Gemm, Graph};
@@ -411,6 +412,17 @@ impl Backend for GpuBackend {
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {
         self.op_silu_mul(gate, up, out)
+    }
+
+    fn gated_delta_net(
+        &self,
+        call: &arbor_engine_core::backend::recurrent::GatedDeltaNet<'_>,
+    ) -> Result<()> {
+        self.op_gated_delta_net(call)
+    }
+
+    fn sigmoid_mul(&self, gate: &Tensor, x: &Tensor, out: &Tensor) -> Result<()> {
+        self.op_sigmoid_mul(gate, x, out)
     }
 
     fn add_assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {

@@ -33,6 +33,8 @@ mod nccl;
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
 mod parity;
+#[path = "../../../backend-gpu/tests/suite/recurrent.rs"]
+mod recurrent;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
 /// CUDA's own: the tensor-core GEMM of scaled-block weights.

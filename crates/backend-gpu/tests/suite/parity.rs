@@ -146,9 +146,10 @@ fn check(name: &str) -> Result<()> {
 }
 
 /// A hybrid model (Gated DeltaNet recurrent layers with gated attention):
-/// the device runs the recurrence through the backend's host default and
-/// every other operation (partial rotary, the sigmoid output gate, norms
-/// over heads, row gathers of the doubled query projection) on the device.
+/// the recurrence (the `gated_delta_net` kernel on CUDA and ROCm; the
+/// host default on wgpu) and every other operation (partial rotary, the
+/// sigmoid output gate, norms over heads, row gathers of the doubled query
+/// projection) on the device.
 #[test]
 fn tiny_qwen3_5_hybrid() -> Result<()> {
     check("tiny-qwen3.5")

@@ -29,6 +29,8 @@ mod logit_edits;
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
 mod parity;
+#[path = "../../../backend-gpu/tests/suite/recurrent.rs"]
+mod recurrent;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
 /// CUDA's own: the tensor-core GEMMs of scaled-block weights (and W8A8).

@@ -28,6 +28,8 @@ mod common;
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
 mod parity;
+#[path = "../../../backend-gpu/tests/suite/recurrent.rs"]
+mod recurrent;
 /// The scaled-block GEMMs: on this profile, W8A8 FP8 through the rounded
 /// input (the tensor-core GEMMs are NVIDIA's and skip).
 #[path = "../../../backend-cuda/tests/gpu/scaled_gemm.rs"]

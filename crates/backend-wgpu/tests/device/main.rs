@@ -36,6 +36,8 @@ mod logit_edits;
 mod ops;
 #[path = "../../../backend-gpu/tests/suite/parity.rs"]
 mod parity;
+#[path = "../../../backend-gpu/tests/suite/recurrent.rs"]
+mod recurrent;
 #[path = "../../../backend-gpu/tests/suite/sampling.rs"]
 mod sampling;
 #[path = "../../../backend-gpu/tests/suite/tensor_parallel.rs"]
