@@ -72,6 +72,9 @@ pub struct ModelSection {
     /// Recurrent state slots of a hybrid model (Qwen3.5, Qwen3-Next): one per running request, the rest for snapshots of cached prefixes [default: twice max-running-requests].
     #[arg(long, help_heading = "Model")]
     pub max_mamba_cache_size: Option<usize>,
+    /// Recurrent state memory of a hybrid model over its KV cache's (SGLang's): sizes the slots when max-mamba-cache-size is not given. Under the memory rule (mem-fraction-static) the slots and the KV cache share what the weights leave in this ratio; with max-total-tokens or kv-cache-gb the slots get this times the KV cache's bytes [default: unset: twice max-running-requests slots].
+    #[arg(long, help_heading = "Model")]
+    pub mamba_full_memory_ratio: Option<f64>,
     /// Element type of a hybrid model's recurrent state: float32 (the only one supported).
     #[arg(long, help_heading = "Model")]
     pub mamba_ssm_dtype: Option<String>,
@@ -636,6 +639,14 @@ impl ServeConfig {
             bail!(
                 "[model] mamba_ssm_dtype / --mamba-ssm-dtype: the recurrent state is kept in \
                  float32 only, got \"{d}\""
+            );
+        }
+        if let Some(r) = self.model.mamba_full_memory_ratio
+            && !(r.is_finite() && r > 0.0)
+        {
+            bail!(
+                "[model] mamba_full_memory_ratio / --mamba-full-memory-ratio must be a positive \
+                 number, got {r}"
             );
         }
         if self.model.max_mamba_cache_size == Some(0) {

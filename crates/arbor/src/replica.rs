@@ -33,6 +33,8 @@ pub struct Replica {
     pub per_token: u64,
     pub kv_dtype: ResolvedKvDtype,
     pub kv_note: String,
+    /// A hybrid model's recurrent state slots (0 for other models).
+    pub state_slots: usize,
 }
 
 /// A tensor-parallel group's ranks, rank 0 first.
@@ -340,15 +342,7 @@ pub fn build_replica(
     let page_size = args.page_size.max(1);
     let kv_dtype = resolved.dtype;
     let per_token = kv_bytes_per_token(&spec, page_size, kv_dtype, draft.as_ref());
-    // A hybrid model's recurrent state slots: one per running request and
-    // as many for snapshots of cached prefixes, unless told.
-    let state_slots = args
-        .max_mamba_cache_size
-        .unwrap_or(2 * setup.engine.max_running_requests);
-    let state_bytes = spec
-        .state
-        .map_or(0, |s| s.bytes_per_slot() * state_slots as u64);
-    let (tokens, kv_note) = KvSizing {
+    let mut sizing = KvSizing {
         setup,
         spec: &spec,
         context_len,
@@ -357,13 +351,20 @@ pub fn build_replica(
         on_cpu: backend.info().backend == "cpu",
         dtype: kv_dtype,
         available,
-        state_bytes,
+        state_bytes: 0,
         dp_ranks: group
             .as_ref()
             .filter(|_| dp_attention)
             .map(|g| g.models.len()),
-    }
-    .tokens()?;
+    };
+    let state_slots = match spec.state {
+        Some(st) => state_slot_count(args, setup, &sizing, st.bytes_per_slot())?,
+        None => 0,
+    };
+    sizing.state_bytes = spec
+        .state
+        .map_or(0, |s| s.bytes_per_slot() * state_slots as u64);
+    let (tokens, kv_note) = sizing.tokens()?;
     let num_pages = (tokens / page_size).max(1);
     let runner = Arc::new(
         ModelRunner::with_state_slots(
@@ -413,6 +414,7 @@ pub fn build_replica(
                 per_token,
                 kv_dtype: resolved,
                 kv_note,
+                state_slots,
             });
         }
         let executors = local_executors(&make, &runners)?;
@@ -443,7 +445,36 @@ pub fn build_replica(
         per_token,
         kv_dtype: resolved,
         kv_note,
+        state_slots,
     })
+}
+
+/// A hybrid model's recurrent state slots: `--max-mamba-cache-size`; else,
+/// with `--mamba-full-memory-ratio` r, the slots that r times the KV cache's
+/// memory holds (SGLang's rule: under the memory rule the slots and the KV
+/// cache share what the weights leave, r : 1; with a fixed KV budget the
+/// slots get r times it); else twice `--max-running-requests`. Never fewer
+/// than one per running request (then no snapshots: prefix reuse is off).
+fn state_slot_count(
+    args: &ModelArgs,
+    setup: &EngineSetup,
+    sizing: &KvSizing<'_>,
+    bytes_per_slot: u64,
+) -> Result<usize> {
+    let running = setup.engine.max_running_requests.max(1);
+    if let Some(n) = args.max_mamba_cache_size {
+        return Ok(n);
+    }
+    let Some(ratio) = args.mamba_full_memory_ratio else {
+        return Ok(2 * running);
+    };
+    let (tokens, _) = sizing.tokens()?;
+    let kv_bytes = tokens as f64 * sizing.per_token as f64;
+    let state_bytes = match setup.kv {
+        KvBudget::Fraction(_) => kv_bytes * ratio / (1.0 + ratio),
+        KvBudget::Tokens(_) | KvBudget::Bytes(_) => kv_bytes * ratio,
+    };
+    Ok(((state_bytes / bytes_per_slot.max(1) as f64) as usize).max(running))
 }
 
 /// Every rank's model runner: rank 0's is `first`, the others get KV caches

@@ -234,6 +234,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         kv: (built.kv_tokens, built.kv_bytes),
         kv_dtype: built.kv_dtype.to_string(),
         kv_note: &built.kv_note,
+        state_slots: built.state_slots,
         engine: &engine_cfg,
         opts: &opts,
         eviction_policy: &eviction_policy,
@@ -406,6 +407,7 @@ fn model_args(cfg: &ServeConfig) -> ModelArgs {
             .and_then(|q| q.parse().ok())
             .unwrap_or_default(),
         max_mamba_cache_size: m.max_mamba_cache_size,
+        mamba_full_memory_ratio: m.mamba_full_memory_ratio,
         disable_cuda_graph: m.disable_cuda_graph.unwrap_or(false),
         cuda_graph_max_bs: m.cuda_graph_max_bs.or(cfg.scheduler.max_running_requests),
         tp_size: cfg.parallel.tp_size.unwrap_or(1),
@@ -597,6 +599,8 @@ struct Summary<'a> {
     kv: (usize, u64),
     kv_dtype: String,
     kv_note: &'a str,
+    /// A hybrid model's recurrent state slots per replica.
+    state_slots: usize,
     engine: &'a EngineConfig,
     opts: &'a ServerOptions,
     eviction_policy: &'a str,
@@ -734,7 +738,7 @@ impl Summary<'_> {
     fn cache_line(&self) -> String {
         if let Some(st) = self.spec.state {
             let running = self.engine.max_running_requests.max(1);
-            let total = self.model.max_mamba_cache_size.unwrap_or(2 * running);
+            let total = self.state_slots;
             let snapshots = total.saturating_sub(running);
             let reuse = if snapshots == 0 || self.engine.disable_radix_cache {
                 "prefix reuse off (no state slot left for snapshots)".to_string()

@@ -65,9 +65,13 @@ pub struct ModelArgs {
     /// sequence; f32 without AMX).
     #[arg(long = "cpu-quant-matmul", default_value = "f32")]
     pub cpu_quant_matmul: QuantMatmul,
-    /// Recurrent state slots of a hybrid model [default: max-running-requests].
+    /// Recurrent state slots of a hybrid model [default: twice max-running-requests].
     #[arg(long = "max-mamba-cache-size")]
     pub max_mamba_cache_size: Option<usize>,
+    /// A hybrid model's recurrent state memory over its KV cache's, which
+    /// sizes the slots when `--max-mamba-cache-size` is not given.
+    #[arg(long = "mamba-full-memory-ratio")]
+    pub mamba_full_memory_ratio: Option<f64>,
     /// Run decode batches without CUDA graphs.
     #[arg(long = "disable-cuda-graph")]
     pub disable_cuda_graph: bool,
@@ -338,6 +342,8 @@ pub struct BuiltEngine {
     pub kv_dtype: ResolvedKvDtype,
     /// How the capacity was chosen (for the start-up summary).
     pub kv_note: String,
+    /// A hybrid model's recurrent state slots per replica (0 for others).
+    pub state_slots: usize,
 }
 
 /// Most KV cache the fraction rule allocates on its own. On the CPU the KV
@@ -496,6 +502,7 @@ pub fn build_engine(
         kv_tokens: engine.capacity_tokens(),
         kv_bytes: per_token * engine.capacity_tokens() as u64,
         kv_note: first.kv_note,
+        state_slots: first.state_slots,
         kv_dtype: first.kv_dtype,
         engine,
         model: first.model,

@@ -240,3 +240,51 @@ fn what_hybrids_cannot_run_with_yet_is_refused_by_name() -> Result<()> {
         "--max-mamba-cache-size",
     )
 }
+
+/// `--mamba-full-memory-ratio` sizes the recurrent state slots from the KV
+/// cache's memory (SGLang's rule): with a fixed budget of 4096 tokens of
+/// tiny-qwen3.5's f32 KV (1 attention layer x K,V x 2 heads x 32 x 4 B =
+/// 512 B a token, 2 MiB) and a ratio of 0.5, the slots get 1 MiB: 37 slots
+/// of 28,160 B (5 recurrent layers x (384 conv + 1,024 state values) x 4 B),
+/// 8 of them for the running requests. Fewer than the running requests
+/// would leave none for snapshots.
+/// `--max-mamba-cache-size` wins over it; a ratio that is not positive is
+/// refused by name.
+#[test]
+fn the_memory_ratio_sizes_the_state_slots() -> Result<()> {
+    let path = fixture("tiny-qwen3.5");
+    let base = [
+        "--model-path",
+        &path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--max-total-tokens",
+        "4096",
+        "--kv-cache-dtype",
+        "f32",
+        "--mamba-full-memory-ratio",
+        "0.5",
+        "--max-running-requests",
+        "8",
+    ];
+    let s = Server::start(&base)?;
+    assert!(
+        s.log_contains("37 recurrent state slots (8 running, 29 snapshots)")
+            && s.log_contains("1.0 MiB in all"),
+        "{}",
+        s.logs()
+    );
+    drop(s);
+    let mut told = base.to_vec();
+    told.extend(["--max-mamba-cache-size", "9"]);
+    let s = Server::start(&told)?;
+    assert!(s.log_contains("9 recurrent state slots ("), "{}", s.logs());
+    drop(s);
+    assert_model_refuses(
+        "tiny-qwen3.5",
+        &["--mamba-full-memory-ratio", "0"],
+        "--mamba-full-memory-ratio must be a positive number",
+    )
+}
