@@ -176,8 +176,10 @@ impl Scheduler {
                     ));
                 }
                 let running = cfg.max_running_requests.clamp(1, slots);
-                let snapshots = (running < slots && !cfg.disable_radix_cache)
-                    .then(|| snapshots::SnapshotStore::new(StatePool::over(running..slots)));
+                let policy = parts.prefix_cache.eviction_policy();
+                let snapshots = (running < slots && !cfg.disable_radix_cache).then(|| {
+                    snapshots::SnapshotStore::new(StatePool::over(running..slots), policy)
+                });
                 if snapshots.is_none() {
                     cfg.disable_radix_cache = true;
                 }

@@ -217,6 +217,12 @@ pub trait PrefixCache: Send {
     fn flush(&mut self);
     /// A readable dump of the cache's structure.
     fn dump(&self) -> String;
+    /// The eviction order it follows, for state kept beside its pages (a
+    /// hybrid model's recurrent state snapshots); `None` for least recently
+    /// used.
+    fn eviction_policy(&self) -> Option<Arc<dyn EvictionPolicy>> {
+        None
+    }
 
     /// Takes the device page pool, for a cache that allocates device pages
     /// itself (to load KV back from a lower tier).

@@ -636,6 +636,10 @@ impl PrefixCache for RadixCache {
         "radix"
     }
 
+    fn eviction_policy(&self) -> Option<Arc<dyn EvictionPolicy>> {
+        Some(self.policy.clone())
+    }
+
     fn peek_prefix(&self, ns: &CacheNamespace, tokens: &[u32]) -> usize {
         RadixCache::peek_prefix(self, ns, tokens)
     }

@@ -13,13 +13,16 @@
 //!
 //! Invariants: an entry's slot is written once, by the step that took the
 //! snapshot, before the entry is inserted (a step's snapshot is kept only
-//! after the step succeeded); entries are evicted least recently used when
-//! the snapshot slots run out, and an entry's slot returns to the pool when
-//! its last holder (the store, or a request restoring from it) drops it.
+//! after the step succeeded); when the snapshot slots run out, entries are
+//! evicted in the radix cache's eviction order (`--radix-eviction-policy`,
+//! over the same access times, hit counts and priorities it keeps for its
+//! nodes; least recently used without one), and an entry's slot returns to
+//! the pool when its last holder (the store, or a request restoring from
+//! it) drops it.
 
 use super::{PrefillEntry, Scheduler};
 use crate::engine::request::Req;
-use crate::kv::prefix_cache::{CacheNamespace, PrefixMatch};
+use crate::kv::prefix_cache::{CacheNamespace, EvictionPolicy, NodeMeta, PrefixMatch};
 use crate::kv::state::{StatePool, StateSlot};
 use crate::speculative::Draft;
 use crate::step::{SeqOutput, SeqPlan};
@@ -31,7 +34,8 @@ struct Entry {
     /// The prefix (checked on a hit: the key is a hash).
     tokens: Arc<[u32]>,
     slot: Arc<StateSlot>,
-    used: u64,
+    /// What the eviction policy reads (`tokens`: the prefix's length).
+    meta: NodeMeta,
 }
 
 /// The snapshots of cached prefixes and their slots.
@@ -39,6 +43,8 @@ pub(crate) struct SnapshotStore {
     pool: StatePool,
     entries: HashMap<(CacheNamespace, u64), Entry>,
     clock: u64,
+    /// The eviction order (`None`: least recently used).
+    policy: Option<Arc<dyn EvictionPolicy>>,
 }
 
 /// The hash of every prefix of `tokens` that ends on a page boundary, up to
@@ -56,12 +62,14 @@ fn boundary_hashes(tokens: &[u32], max: usize, page_size: usize) -> Vec<(usize, 
 }
 
 impl SnapshotStore {
-    /// A store whose snapshots take slots from `pool`.
-    pub(crate) fn new(pool: StatePool) -> Self {
+    /// A store whose snapshots take slots from `pool`, evicted in
+    /// `policy`'s order.
+    pub(crate) fn new(pool: StatePool, policy: Option<Arc<dyn EvictionPolicy>>) -> Self {
         Self {
             pool,
             entries: HashMap::new(),
             clock: 0,
+            policy,
         }
     }
 
@@ -88,7 +96,8 @@ impl SnapshotStore {
             if let Some(e) = self.entries.get_mut(&(ns.clone(), h))
                 && *e.tokens == tokens[..len]
             {
-                e.used = now;
+                e.meta.last_access = now;
+                e.meta.hit_count += 1;
                 return Some((len, e.slot.clone()));
             }
         }
@@ -106,29 +115,38 @@ impl SnapshotStore {
         }
     }
 
-    /// A free snapshot slot, evicting least recently used snapshots until
-    /// one is free; `None` when every slot is held by requests restoring.
+    /// A free snapshot slot, evicting snapshots in the policy's order
+    /// (least recently used first on ties) until one is free; `None` when
+    /// every slot is held by requests restoring.
     pub(crate) fn alloc(&mut self) -> Option<StateSlot> {
         loop {
             if let Ok(s) = self.pool.alloc() {
                 return Some(s);
             }
-            let oldest = self
+            let first = self
                 .entries
                 .iter()
-                .min_by_key(|(_, e)| e.used)
+                .min_by(|(_, a), (_, b)| {
+                    let by_policy = match &self.policy {
+                        Some(p) => p.key(&a.meta).total_cmp(&p.key(&b.meta)),
+                        None => std::cmp::Ordering::Equal,
+                    };
+                    by_policy.then(a.meta.last_access.cmp(&b.meta.last_access))
+                })
                 .map(|(k, _)| k.clone())?;
-            self.entries.remove(&oldest);
+            self.entries.remove(&first);
         }
     }
 
-    /// Keeps `slot` as the snapshot of `tokens` (a whole number of pages).
+    /// Keeps `slot` as the snapshot of `tokens` (a whole number of pages)
+    /// for a request of `priority`.
     pub(crate) fn insert(
         &mut self,
         ns: &CacheNamespace,
         tokens: &[u32],
         slot: StateSlot,
         page_size: usize,
+        priority: i64,
     ) {
         let Some(&(len, h)) = boundary_hashes(tokens, tokens.len(), page_size).last() else {
             return;
@@ -142,7 +160,13 @@ impl SnapshotStore {
             Entry {
                 tokens: tokens.into(),
                 slot: Arc::new(slot),
-                used: self.clock,
+                meta: NodeMeta {
+                    last_access: self.clock,
+                    created: self.clock,
+                    hit_count: 0,
+                    priority,
+                    tokens: len,
+                },
             },
         );
     }
@@ -191,7 +215,7 @@ impl Scheduler {
             && len <= r.computed
         {
             let toks = r.tokens();
-            store.insert(&r.ns, &toks[..len], slot, self.page_size);
+            store.insert(&r.ns, &toks[..len], slot, self.page_size, r.priority);
         }
     }
 
@@ -284,7 +308,7 @@ impl Scheduler {
                 (self.snapshots.as_mut(), r.snapshot_next.take())
             {
                 let toks = r.tokens();
-                store.insert(&r.ns, &toks[..len], slot, ps);
+                store.insert(&r.ns, &toks[..len], slot, ps, r.priority);
             }
         }
         let verified = outputs.get(prefill.len()..).unwrap_or_default();
@@ -310,14 +334,14 @@ mod tests {
 
     #[test]
     fn the_deepest_snapshot_within_the_cached_pages_wins() {
-        let mut s = SnapshotStore::new(StatePool::over(4..6));
+        let mut s = SnapshotStore::new(StatePool::over(4..6), None);
         let ns = CacheNamespace::default();
         let toks: Vec<u32> = (0..40).collect();
         let a = s.alloc().unwrap();
         assert!((4..6).contains(&(a.index() as usize)));
-        s.insert(&ns, &toks[..16], a, 8);
+        s.insert(&ns, &toks[..16], a, 8, 0);
         let b = s.alloc().unwrap();
-        s.insert(&ns, &toks[..32], b, 8);
+        s.insert(&ns, &toks[..32], b, 8, 0);
         assert!(s.contains(&ns, &toks[..16], 8));
         assert!(!s.contains(&ns, &toks[..24], 8));
         assert_eq!(s.deepest(&ns, &toks, 40, 8).map(|x| x.0), Some(32));
@@ -332,7 +356,7 @@ mod tests {
         // Full: a third snapshot evicts the least recently used (16 was used last).
         s.deepest(&ns, &toks, 31, 8);
         let c = s.alloc().unwrap();
-        s.insert(&ns, &toks[..8], c, 8);
+        s.insert(&ns, &toks[..8], c, 8, 0);
         assert_eq!(s.len(), 2);
         assert!(s.contains(&ns, &toks[..16], 8) && !s.contains(&ns, &toks[..32], 8));
         // A slot held by a restoring request outlives its entry's eviction.
@@ -340,5 +364,60 @@ mod tests {
         s.clear();
         assert!(s.alloc().is_some());
         drop(held);
+    }
+
+    /// Evicts by creation time (oldest first), whatever was used last.
+    struct Fifo;
+    impl EvictionPolicy for Fifo {
+        fn name(&self) -> &str {
+            "fifo"
+        }
+        fn key(&self, m: &NodeMeta) -> crate::kv::prefix_cache::EvictionKey {
+            crate::kv::prefix_cache::EvictionKey(m.created as f64, 0.0)
+        }
+    }
+
+    /// Evicts the lowest priority first, then the least recently used.
+    struct ByPriority;
+    impl EvictionPolicy for ByPriority {
+        fn name(&self) -> &str {
+            "priority"
+        }
+        fn key(&self, m: &NodeMeta) -> crate::kv::prefix_cache::EvictionKey {
+            crate::kv::prefix_cache::EvictionKey(m.priority as f64, m.last_access as f64)
+        }
+    }
+
+    /// Two snapshots, the first used after the second was taken, then a
+    /// third: which one is left of the first two.
+    fn survivor(policy: Option<Arc<dyn EvictionPolicy>>, priorities: [i64; 2]) -> usize {
+        let mut s = SnapshotStore::new(StatePool::over(0..2), policy);
+        let ns = CacheNamespace::default();
+        let toks: Vec<u32> = (0..48).collect();
+        let a = s.alloc().unwrap();
+        s.insert(&ns, &toks[..16], a, 8, priorities[0]);
+        let b = s.alloc().unwrap();
+        s.insert(&ns, &toks[..32], b, 8, priorities[1]);
+        assert_eq!(s.deepest(&ns, &toks, 31, 8).map(|x| x.0), Some(16));
+        let c = s.alloc().unwrap();
+        s.insert(&ns, &toks[..48], c, 8, 0);
+        assert!(s.contains(&ns, &toks[..48], 8));
+        let kept: Vec<usize> = [16, 32]
+            .into_iter()
+            .filter(|&n| s.contains(&ns, &toks[..n], 8))
+            .collect();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        kept[0]
+    }
+
+    #[test]
+    fn snapshots_are_evicted_in_the_caches_policy_order() {
+        // Least recently used without a policy: the unused 32 goes.
+        assert_eq!(survivor(None, [0, 0]), 16);
+        // First in, first out: 16 goes though it was used last.
+        assert_eq!(survivor(Some(Arc::new(Fifo)), [0, 0]), 32);
+        // Priority: the low-priority request's snapshot goes first.
+        assert_eq!(survivor(Some(Arc::new(ByPriority)), [0, 5]), 32);
+        assert_eq!(survivor(Some(Arc::new(ByPriority)), [5, 0]), 16);
     }
 }
