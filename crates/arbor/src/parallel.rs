@@ -370,6 +370,7 @@ pub fn load_ranks(registry: &Registry, args: &ModelArgs, p: Parallel) -> Result<
             progress: None,
         };
         arbor_models::load_model_shard(&path, registry, &opts, shard)
+            .map_err(|e| crate::settings::named_setting(e, "parallel"))
             .with_context(|| format!("loading rank {rank} of {} of {}", p.tp, path.display()))
     })
     .into_iter()

@@ -436,7 +436,13 @@ pub fn build_replica(
                 .clone()
                 .or_else(|| (sc.algorithm == "nextn").then(|| model.path.clone())),
         };
-        parts.speculator = Some(create(sc, &inputs).context("--speculative-algorithm")?);
+        let speculator = create(sc, &inputs).map_err(|e| match e {
+            e @ arbor_engine_core::CoreError::InvalidSetting { .. } => {
+                crate::settings::named_setting(e, "speculative")
+            }
+            e => anyhow::Error::from(e).context("--speculative-algorithm"),
+        })?;
+        parts.speculator = Some(speculator);
     }
     Ok(Replica {
         parts: vec![parts],

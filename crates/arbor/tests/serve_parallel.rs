@@ -324,14 +324,17 @@ async fn check_pinned_requests(c: &reqwest::Client, s: &Server, prompt: &Value) 
 
 #[test]
 fn unsupported_parallel_settings_are_refused() -> Result<()> {
-    assert_serve_refuses(&["--tp-size", "3"], "--tp-size 3 does not divide")?;
+    assert_serve_refuses(
+        &["--tp-size", "3"],
+        "[parallel] tp_size / --tp-size: 3 does not divide",
+    )?;
     assert_serve_refuses(
         &["--tp-size", "2", "--ep-size", "3"],
         "ep_size / --ep-size must be 1 or equal tp_size (2)",
     )?;
     assert_serve_refuses(
         &["--tp-size", "2", "--ep-size", "2"],
-        "--ep-size applies to mixture-of-experts models only",
+        "--ep-size: applies to mixture-of-experts models only",
     )?;
     assert_serve_refuses(
         &["--tp-size", "2", "--moe-a2a-backend", "all-to-all"],

@@ -81,9 +81,10 @@ pub fn shard_config(
 ) -> Result<(DecoderConfig, Option<MoeConfig>)> {
     let check = |key: &str, n: usize| -> Result<usize> {
         if world == 0 || !n.is_multiple_of(world) {
-            return Err(CoreError::invalid(format!(
-                "--tp-size {world} does not divide {key} ({n})"
-            )));
+            return Err(CoreError::InvalidSetting {
+                key: "tp_size",
+                reason: format!("{world} does not divide {key} ({n})"),
+            });
         }
         Ok(n / world)
     };
@@ -95,19 +96,20 @@ pub fn shard_config(
     c.intermediate_size = check("intermediate_size", cfg.intermediate_size)?;
     let moe = match moe {
         None if expert_parallel => {
-            return Err(CoreError::invalid(
-                "--ep-size applies to mixture-of-experts models only",
-            ));
+            return Err(CoreError::InvalidSetting {
+                key: "ep_size",
+                reason: "applies to mixture-of-experts models only".into(),
+            });
         }
         None => None,
         Some(m) => {
             let mut m = m.clone();
             if expert_parallel {
                 if !m.num_experts.is_multiple_of(world) {
-                    return Err(CoreError::invalid(format!(
-                        "--ep-size {world} does not divide num_experts ({})",
-                        m.num_experts
-                    )));
+                    return Err(CoreError::InvalidSetting {
+                        key: "ep_size",
+                        reason: format!("{world} does not divide num_experts ({})", m.num_experts),
+                    });
                 }
             } else {
                 m.expert_intermediate_size =

@@ -268,7 +268,7 @@ fn group_sizes_that_do_not_divide_are_named_errors() -> Result<()> {
     // tiny-mistral has one KV head.
     let e = err("tiny-mistral", 2, ExpertSharding::Split);
     assert!(
-        e.contains("--tp-size 2 does not divide num_key_value_heads (1)"),
+        e.contains("tp_size 2 does not divide num_key_value_heads (1)"),
         "{e}"
     );
     // tiny-mixtral has 4 experts; 8 heads would be needed for 8 ranks anyway,
@@ -277,7 +277,7 @@ fn group_sizes_that_do_not_divide_are_named_errors() -> Result<()> {
     assert!(e.contains("does not divide num_attention_heads (4)"), "{e}");
     let e = err("tiny-llama", 2, ExpertSharding::PartitionedAllReduce);
     assert!(
-        e.contains("--ep-size applies to mixture-of-experts models only"),
+        e.contains("ep_size applies to mixture-of-experts models only"),
         "{e}"
     );
     // A pre-quantized checkpoint splits its layers in whole blocks of 32

@@ -94,6 +94,17 @@ struct Pending {
     root: Option<Vec<f32>>,
 }
 
+/// The draft path `inputs` give, or an error saying `who` needs it.
+fn draft_path<'a>(inputs: &'a SpeculatorInputs, who: &str) -> Result<&'a std::path::PathBuf> {
+    inputs
+        .draft_path
+        .as_ref()
+        .ok_or_else(|| CoreError::InvalidSetting {
+            key: "draft_model_path",
+            reason: format!("is needed by {who}"),
+        })
+}
+
 /// Proposes draft chains with a [`DraftHead`] (see the module docs).
 pub struct HeadDrafter {
     head: Box<dyn DraftHead>,
@@ -115,12 +126,7 @@ pub struct HeadDrafter {
 impl HeadDrafter {
     /// `eagle3`: loads the head at `inputs.draft_path` for `inputs.target`.
     pub fn eagle3(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
-        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
-            CoreError::Config(
-                "--speculative-algorithm EAGLE3 needs --speculative-draft-model-path (the head's folder)"
-                    .into(),
-            )
-        })?;
+        let dir = draft_path(inputs, "EAGLE3 (the head's folder)")?;
         let t = TargetTables::of(inputs)?;
         let head = Eagle3Head::load(dir, &t.spec, t.embed, inputs.target.backend().clone())?;
         Self::new(Box::new(head), cfg, inputs)
@@ -130,12 +136,10 @@ impl HeadDrafter {
     /// checkpoint at `inputs.draft_path` (the target's own folder) for
     /// `inputs.target`.
     pub fn nextn(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
-        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
-            CoreError::Config(
-                "--speculative-algorithm NEXTN needs --speculative-draft-model-path (the target's checkpoint folder, which holds its next-n prediction layers)"
-                    .into(),
-            )
-        })?;
+        let dir = draft_path(
+            inputs,
+            "NEXTN (the target's checkpoint folder, which holds its next-n prediction layers)",
+        )?;
         let t = TargetTables::of(inputs)?;
         let head = MtpHead::load_sharing(
             dir,
@@ -150,12 +154,7 @@ impl HeadDrafter {
     /// `eagle`: loads the EAGLE head at `inputs.draft_path` for `inputs.target`,
     /// sharing the target's LM head (and its embedding when the head has none).
     pub fn eagle(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
-        let dir = inputs.draft_path.as_ref().ok_or_else(|| {
-            CoreError::Config(
-                "--speculative-algorithm EAGLE needs --speculative-draft-model-path (the head's folder)"
-                    .into(),
-            )
-        })?;
+        let dir = draft_path(inputs, "EAGLE (the head's folder)")?;
         let t = TargetTables::of(inputs)?;
         let head = EagleHead::load_sharing(
             dir,

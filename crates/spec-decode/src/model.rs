@@ -100,16 +100,18 @@ impl ModelDrafter {
     /// `layerskip`: the target's first `cfg.draft_layers` layers draft.
     pub fn layer_skip(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
         let layers = inputs.target.spec().num_layers;
-        let n = cfg.draft_layers.ok_or_else(|| {
-            CoreError::Config(
-                "--speculative-algorithm LAYERSKIP needs --speculative-draft-layers N".into(),
-            )
+        let n = cfg.draft_layers.ok_or_else(|| CoreError::InvalidSetting {
+            key: "draft_layers",
+            reason: "is needed by LAYERSKIP (the target's first layers that draft)".into(),
         })?;
         if n == 0 || n >= layers {
-            return Err(CoreError::Config(format!(
-                "--speculative-draft-layers must be between 1 and {} (the target has {layers} layers), not {n}",
-                layers - 1
-            )));
+            return Err(CoreError::InvalidSetting {
+                key: "draft_layers",
+                reason: format!(
+                    "must be between 1 and {} (the target has {layers} layers), not {n}",
+                    layers - 1
+                ),
+            });
         }
         let mut drafter = Self::new(
             "layerskip",
@@ -125,11 +127,14 @@ impl ModelDrafter {
     /// `standalone`: `inputs.draft_model` drafts, with a KV cache of its own
     /// shaped like the target's pages.
     pub fn standalone(cfg: &SpeculativeConfig, inputs: &SpeculatorInputs) -> Result<Self> {
-        let draft: Arc<dyn Model> = inputs.draft_model.clone().ok_or_else(|| {
-            CoreError::Config(
-                "--speculative-algorithm STANDALONE needs --speculative-draft-model-path".into(),
-            )
-        })?;
+        let draft: Arc<dyn Model> =
+            inputs
+                .draft_model
+                .clone()
+                .ok_or_else(|| CoreError::InvalidSetting {
+                    key: "draft_model_path",
+                    reason: "is needed by STANDALONE (the draft model)".into(),
+                })?;
         let target = &inputs.target;
         let (tv, dv) = (target.spec().vocab_size, draft.spec().vocab_size);
         if tv != dv {

@@ -76,17 +76,19 @@ impl NgramSpeculator {
         .validate()?;
         let path_len = opts.max_match_window_size + opts.max_trie_depth;
         if path_len > MAX_PATH_LEN {
-            return Err(CoreError::Config(format!(
-                "--speculative-ngram-max-match-window-size ({}) plus \
-                 --speculative-ngram-max-trie-depth ({}) must be at most {MAX_PATH_LEN}",
-                opts.max_match_window_size, opts.max_trie_depth
-            )));
+            return Err(CoreError::InvalidSetting {
+                key: "ngram_max_match_window_size",
+                reason: format!(
+                    "({}) plus ngram_max_trie_depth ({}) must be at most {MAX_PATH_LEN}",
+                    opts.max_match_window_size, opts.max_trie_depth
+                ),
+            });
         }
         if opts.capacity > MAX_CAPACITY {
-            return Err(CoreError::Config(format!(
-                "--speculative-ngram-capacity must be at most {MAX_CAPACITY}, not {}",
-                opts.capacity
-            )));
+            return Err(CoreError::InvalidSetting {
+                key: "ngram_capacity",
+                reason: format!("must be at most {MAX_CAPACITY}, not {}", opts.capacity),
+            });
         }
         Ok(Self {
             trie: Trie::new(

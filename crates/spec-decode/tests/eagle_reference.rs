@@ -12,7 +12,7 @@
 //!   `TOL · max(1, max|x|)` and choose exactly its tokens; once on the
 //!   reference's states, once end to end on Arbor's own;
 //! - the registered `eagle` speculator proposes the reference chain (and
-//!   without a head folder is refused, naming `--speculative-draft-model-path`);
+//!   without a head folder is refused, naming `draft_model_path`);
 //! - the target's embedding is used even when the head carries a copy;
 //! - a head whose config or tensors do not fit, or a target that exposes no
 //!   LM head (or no embedding, for a head without one), is refused with
@@ -247,7 +247,7 @@ fn eagle_drafter_proposes_the_reference_chain() -> R {
     };
     let create = registry.speculators.get("eagle")?;
     let err = create(&cfg, &inputs).err().ok_or("no error")?.to_string();
-    assert!(err.contains("--speculative-draft-model-path"), "{err}");
+    assert!(err.contains("draft_model_path is needed by EAGLE"), "{err}");
     // The head as safetensors, and as its original checkpoints ship
     // (pytorch_model.bin written by torch.save: tests/fixtures/eagle-tiny-llama-bin).
     for dir in [head_dir(), fixtures().join("eagle-tiny-llama-bin")] {

@@ -191,7 +191,7 @@ fn nextn_drafter_proposes_the_reference_chain() -> R {
     // No checkpoint folder: the error names the flag.
     let mut inputs = speculator_inputs(None)?;
     let err = create(&cfg, &inputs).err().unwrap().to_string();
-    assert!(err.contains("--speculative-draft-model-path"), "{err}");
+    assert!(err.contains("draft_model_path is needed by NEXTN"), "{err}");
     inputs.draft_path = Some(head_dir());
     let mut drafter = create(&cfg, &inputs)?;
     assert_eq!(drafter.name(), "nextn");
