@@ -22,8 +22,13 @@ Qwen2's; the Rust writer names it so too). `--no-mtp` because the fixtures
 have no multi-token-prediction layers and no `mtp_num_hidden_layers`, for
 which convert's Qwen3.5 / Qwen3-Next classes otherwise assert.
 
+With --run-llama it also loads convert's files in llama.cpp itself
+(llama-cpp-python, e.g. 0.3.36 built from its sdist) and requires
+transformers' tokens and greedy continuations (reference.json), printing
+its last-position logit error.
+
 Usage:
-  python tools/reference/check_gguf_hybrid.py --llama-cpp DIR [--arbor-out DIR]
+  python tools/reference/check_gguf_hybrid.py --llama-cpp DIR [--arbor-out DIR] [--run-llama]
 
 Without --arbor-out the script runs
 `ARBOR_GGUF_HYBRID_OUT=<tmp> cargo test -p arbor-models --test gguf_hybrid`
@@ -129,12 +134,42 @@ def compare(name: str, ours: Path, theirs: Path, gguf) -> list[str]:
     return problems
 
 
+def run_llama(name: str, path: Path) -> list[str]:
+    """llama.cpp's tokens, last logits and greedy tokens on the fixture's prompts."""
+    import json
+
+    from llama_cpp import Llama
+
+    ref = json.loads((ROOT / "tests/fixtures" / name / "reference.json").read_text())
+    llm = Llama(model_path=str(path), n_ctx=1024, n_batch=512, n_threads=2, logits_all=True, verbose=False)
+    problems = []
+    for i, p in enumerate(ref["prompts"]):
+        if llm.tokenize(p["text"].encode(), add_bos=False, special=False) != p["input_ids"]:
+            problems.append(f"llama.cpp tokenizes prompt {i} differently")
+        llm.reset()
+        llm.eval(p["input_ids"])
+        want = np.array(p["last_logits"])
+        err = np.abs(np.array(llm.scores[llm.n_tokens - 1]) - want).max() / np.abs(want).max()
+        out = []
+        for _ in p["greedy_ids"]:
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([out[-1]])
+        same = out == p["greedy_ids"]
+        print(f"  llama.cpp, prompt {i} ({len(p['input_ids'])} tokens): last logits within "
+              f"{err:.1e} x max|logit|, greedy tokens {'as transformers' if same else 'DIFFER'}")
+        if not same:
+            problems.append(f"llama.cpp's greedy tokens differ on prompt {i}")
+    return problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, default=os.environ.get("LLAMA_CPP_DIR"),
                     help="llama.cpp source tree (with convert_hf_to_gguf.py and gguf-py)")
     ap.add_argument("--arbor-out", type=Path,
                     help="folder holding the Rust test's <fixture>.gguf files (default: run the test)")
+    ap.add_argument("--run-llama", action="store_true",
+                    help="also run convert's files in llama.cpp (llama-cpp-python) against reference.json")
     args = ap.parse_args()
     if args.llama_cpp is None or not (args.llama_cpp / "convert_hf_to_gguf.py").is_file():
         sys.exit("--llama-cpp must name a llama.cpp tree with convert_hf_to_gguf.py")
@@ -158,6 +193,8 @@ def main() -> None:
             if not ours.is_file():
                 sys.exit(f"{ours} is missing (did the Rust test run with ARBOR_GGUF_HYBRID_OUT?)")
             problems += [f"{name}: {p}" for p in compare(name, ours, theirs, gguf)]
+            if args.run_llama:
+                problems += [f"{name}: {p}" for p in run_llama(name, theirs)]
     for p in problems:
         print("MISMATCH", p)
     print("OK: the Rust writer matches convert_hf_to_gguf.py" if not problems
