@@ -13,6 +13,12 @@
 //! (`blk.N.ffn_{gate,up,down}_exps`, `[experts, out, in]`); expert `e` of a
 //! Hugging Face name is the `e`-th outermost slice of it, borrowed as is
 //! (slices are whole rows, so quantized blocks stay intact).
+//!
+//! The hybrid architectures (`qwen35`, `qwen35moe`, `qwen3next`: Gated
+//! DeltaNet layers with gated attention) have their own config and tensor
+//! view, [`hybrid`].
+
+mod hybrid;
 
 use crate::{ChatTemplate, LoadedModel, TextTokenizer};
 use arbor_engine_core::{CoreError, HostTensor, LoadOptions, Registry, Result, WeightSource};
@@ -324,14 +330,23 @@ pub fn load_gguf(
 ) -> Result<LoadedModel> {
     let file = GgufFile::open(path)?;
     let arch = file.architecture()?.to_string();
-    let hf = hf_architecture(&arch).ok_or_else(|| {
-        CoreError::load(format!(
-            "{}: GGUF architecture '{arch}' is not supported (supported: llama, mistral, qwen2, qwen3, qwen3moe, qwen2moe)",
-            path.display()
-        ))
-    })?;
-    let config = synth_config(&file, &arch, hf)
-        .map_err(|e| CoreError::load(format!("{}: {e}", path.display())))?;
+    let in_file = |e: CoreError| CoreError::load(format!("{}: {e}", path.display()));
+    let (config, hybrid) = match hybrid::HybridArch::from_gguf(&arch) {
+        Some(h) => {
+            let c = hybrid::config(&file, &arch, h).map_err(in_file)?;
+            (c.config, Some((h, c.geometry)))
+        }
+        None => {
+            let hf = hf_architecture(&arch).ok_or_else(|| {
+                CoreError::load(format!(
+                    "{}: GGUF architecture '{arch}' is not supported (supported: llama, mistral, \
+                     qwen2, qwen3, qwen3moe, qwen2moe, qwen35, qwen35moe, qwen3next)",
+                    path.display()
+                ))
+            })?;
+            (synth_config(&file, &arch, hf).map_err(in_file)?, None)
+        }
+    };
     let gt = arbor_gguf::load_tokenizer(&file)?;
     for w in &gt.warnings {
         tracing::warn!("{}: {w}", path.display());
@@ -355,9 +370,17 @@ pub fn load_gguf(
         _ => crate::path_name(path),
     };
     let weights = GgufWeights { file, unpermute };
-    let hf = config["architectures"][0].as_str().unwrap_or(hf);
+    let hybrid_weights = hybrid.map(|(h, g)| hybrid::HybridWeights::new(&weights, h, g));
+    let src: &dyn WeightSource = match &hybrid_weights {
+        Some(w) => w,
+        None => &weights,
+    };
+    let hf = match hybrid {
+        Some((h, _)) => h.loader(),
+        None => config["architectures"][0].as_str().unwrap_or_default(),
+    };
     let factory = registry.architectures.get(hf)?;
-    let model = crate::build(&*factory(), &config, &weights, opts, shard)?;
+    let model = crate::build(&*factory(), &config, src, opts, shard)?;
     Ok(LoadedModel {
         model: Arc::from(model),
         tokenizer: Arc::new(tokenizer),

@@ -12,90 +12,16 @@
 //! missing tensor, a tensor of the wrong shape, a missing metadata key) is a
 //! clear error naming what is wrong.
 
+mod gguf_common;
+
 use anyhow::{Context, Result};
-use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::runner::{ModelRunner, SamplingSetup, SeqStep, generate_static};
 use arbor_engine_core::sampling::StandardSampler;
-use arbor_engine_core::{Backend, DType, LoadOptions, Registry, SamplingParams};
+use arbor_engine_core::{DType, SamplingParams};
 use arbor_gguf::{GgufArray, GgufValue, GgufWriter};
-use arbor_models::{LoadedModel, load_model};
+use gguf_common::*;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    Ok(serde_json::from_str(&text)?)
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(Value::as_u64)
-                .map(|x| x as u32)
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// llama.cpp's tensor name for a Hugging Face one (its `tensor_mapping.py`).
-fn llama_cpp_name(hf: &str) -> Option<String> {
-    Some(match hf {
-        "model.embed_tokens.weight" => "token_embd.weight".into(),
-        "model.norm.weight" => "output_norm.weight".into(),
-        "lm_head.weight" => "output.weight".into(),
-        _ => {
-            let rest = hf.strip_prefix("model.layers.")?;
-            let (layer, tail) = rest.split_once('.')?;
-            let (module, kind) = tail.rsplit_once('.')?;
-            let g = match module {
-                "input_layernorm" => "attn_norm",
-                "post_attention_layernorm" => "ffn_norm",
-                "self_attn.q_proj" => "attn_q",
-                "self_attn.k_proj" => "attn_k",
-                "self_attn.v_proj" => "attn_v",
-                "self_attn.o_proj" => "attn_output",
-                "self_attn.q_norm" => "attn_q_norm",
-                "self_attn.k_norm" => "attn_k_norm",
-                "mlp.gate_proj" => "ffn_gate",
-                "mlp.up_proj" => "ffn_up",
-                "mlp.down_proj" => "ffn_down",
-                "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
-                "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
-                "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
-                "mlp.shared_expert.up_proj" => "ffn_up_shexp",
-                "mlp.shared_expert.down_proj" => "ffn_down_shexp",
-                _ => return None,
-            };
-            format!("blk.{layer}.{g}.{kind}")
-        }
-    })
-}
-
-/// For a routed expert's tensor: the stacked llama.cpp tensor it belongs to
-/// and the expert's index.
-fn llama_cpp_expert(hf: &str) -> Option<(String, usize)> {
-    let rest = hf.strip_prefix("model.layers.")?;
-    let (layer, tail) = rest.split_once('.')?;
-    let tail = tail
-        .strip_prefix("mlp.experts.")
-        .or_else(|| tail.strip_prefix("block_sparse_moe.experts."))?;
-    let (e, proj) = tail.split_once('.')?;
-    let g = match proj {
-        "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
-        "up_proj.weight" | "w3.weight" => "ffn_up_exps",
-        "down_proj.weight" | "w2.weight" => "ffn_down_exps",
-        _ => return None,
-    };
-    Some((format!("blk.{layer}.{g}.weight"), e.parse().ok()?))
-}
+use std::path::PathBuf;
 
 /// llama.cpp's `LlamaModel.permute`: within each head, rows `[0, d/2)` and
 /// `[d/2, d)` (HF's rotate-half halves) are interleaved.
@@ -113,54 +39,6 @@ fn permute(data: &[u8], rows: usize, heads: usize) -> Vec<u8> {
         }
     }
     out
-}
-
-/// One routed expert's tensor: its index, shape and f32 bytes.
-type Expert = (usize, Vec<usize>, Vec<u8>);
-
-/// The tokenizer of the fixture at `dir` as llama.cpp's arrays: the
-/// vocabulary in id order, the token types (1 normal, 3 control, 4 user
-/// defined) and the merges.
-fn tokenizer_arrays(dir: &Path) -> Result<(Vec<String>, Vec<i32>, Vec<String>)> {
-    let tj = json(&dir.join("tokenizer.json"))?;
-    let vocab = tj["model"]["vocab"].as_object().context("vocab")?;
-    let added = tj["added_tokens"].as_array().context("added_tokens")?;
-    let n = vocab
-        .values()
-        .chain(added.iter().map(|a| &a["id"]))
-        .filter_map(Value::as_u64)
-        .max()
-        .context("empty vocabulary")? as usize
-        + 1;
-    let mut tokens = vec![String::new(); n];
-    let mut types = vec![1i32; n];
-    for (t, id) in vocab {
-        tokens[id.as_u64().context("id")? as usize] = t.clone();
-    }
-    for a in added {
-        let id = a["id"].as_u64().context("id")? as usize;
-        tokens[id] = a["content"].as_str().context("content")?.to_string();
-        types[id] = if a["special"].as_bool() == Some(true) {
-            3
-        } else {
-            4
-        };
-    }
-    let merges: Vec<String> = tj["model"]["merges"]
-        .as_array()
-        .context("merges")?
-        .iter()
-        .map(|m| match m {
-            Value::String(s) => s.clone(),
-            Value::Array(p) => p
-                .iter()
-                .filter_map(Value::as_str)
-                .collect::<Vec<_>>()
-                .join(" "),
-            _ => String::new(),
-        })
-        .collect();
-    Ok((tokens, types, merges))
 }
 
 /// The GGUF file of a tiny HF fixture, as llama.cpp's converter writes it.
@@ -288,17 +166,6 @@ fn convert(name: &str, arch: &str) -> Result<GgufWriter> {
         w.add_tensor(g, DType::F32, &shape, data)?;
     }
     Ok(w)
-}
-
-fn load(path: &Path) -> Result<(LoadedModel, Arc<dyn Backend>)> {
-    let registry = Registry::builtin()?;
-    let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
-    let opts = LoadOptions {
-        backend: backend.clone(),
-        quant: registry.quant_methods.get("auto")?(&Default::default())?,
-        progress: None,
-    };
-    Ok((load_model(path, &registry, &opts)?, backend))
 }
 
 fn check(name: &str, arch: &str) -> Result<()> {
