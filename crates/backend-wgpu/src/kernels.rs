@@ -34,6 +34,8 @@ pub const SAMPLE: &str = include_str!("shaders/sample.wgsl");
 pub const EDIT_TOKENS: &str = include_str!("shaders/edit_tokens.wgsl");
 pub const MASK_ROWS: &str = include_str!("shaders/mask_rows.wgsl");
 pub const LOGPROB_STATS: &str = include_str!("shaders/logprob_stats.wgsl");
+pub const GATED_DELTA_NET: &str = include_str!("shaders/gated_delta_net.wgsl");
+pub const SIGMOID_MUL: &str = include_str!("shaders/sigmoid_mul.wgsl");
 
 /// Invocations per workgroup of the 1-D kernels (`WG` in common.wgsl).
 pub const WG: u32 = 64;
@@ -99,6 +101,10 @@ pub enum Kernel {
     MaskRows,
     /// Log-sum-exp and top alternatives of logits rows (`logprob_stats.wgsl`).
     LogprobStats,
+    /// A Gated DeltaNet layer's recurrence (`gated_delta_net.wgsl`).
+    GatedDeltaNet,
+    /// `x * sigmoid(gate)` (`sigmoid_mul.wgsl`).
+    SigmoidMul,
 }
 
 fn bias_decl(bias: bool, binding: u32) -> (&'static str, String) {
@@ -242,6 +248,8 @@ impl Kernel {
             Kernel::EditTokens => specialize(EDIT_TOKENS, &[]),
             Kernel::MaskRows => specialize(MASK_ROWS, &[]),
             Kernel::LogprobStats => specialize(LOGPROB_STATS, &[]),
+            Kernel::GatedDeltaNet => specialize(GATED_DELTA_NET, &[]),
+            Kernel::SigmoidMul => specialize(SIGMOID_MUL, &[]),
         }
     }
 }
@@ -347,6 +355,8 @@ mod tests {
             Kernel::EditTokens,
             Kernel::MaskRows,
             Kernel::LogprobStats,
+            Kernel::GatedDeltaNet,
+            Kernel::SigmoidMul,
         ];
         for dt in 0..6 {
             all.push(Kernel::Embedding { dt });

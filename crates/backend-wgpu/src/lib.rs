@@ -28,6 +28,7 @@ mod linear;
 mod matmul_gen;
 pub mod memory;
 mod ops;
+mod recurrent;
 mod sample;
 
 use arbor_engine_core::backend::SampleRow;
@@ -383,6 +384,17 @@ impl Backend for WgpuBackend {
         style: RopeStyle,
     ) -> Result<()> {
         ops::rope(self, x, positions, inv_freq, head_dim, style)
+    }
+
+    fn gated_delta_net(
+        &self,
+        call: &arbor_engine_core::backend::recurrent::GatedDeltaNet<'_>,
+    ) -> Result<()> {
+        recurrent::gated_delta_net(self, call)
+    }
+
+    fn sigmoid_mul(&self, gate: &Tensor, x: &Tensor, out: &Tensor) -> Result<()> {
+        recurrent::sigmoid_mul(self, gate, x, out)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor, out: &Tensor) -> Result<()> {

@@ -146,8 +146,8 @@ fn check(name: &str) -> Result<()> {
 }
 
 /// A hybrid model (Gated DeltaNet recurrent layers with gated attention):
-/// the recurrence (the `gated_delta_net` kernel on CUDA and ROCm; the
-/// host default on wgpu) and every other operation (partial rotary, the
+/// the recurrence (the `gated_delta_net` kernel; WGSL on wgpu) and every
+/// other operation (partial rotary, the
 /// sigmoid output gate, norms over heads, row gathers of the doubled query
 /// projection) on the device.
 #[test]

@@ -5,7 +5,9 @@
 //! tokens, give the CPU's outputs, states and snapshots within 1e-4 of their
 //! scale; on the device the same tokens in chunks of 5 give bit-identical
 //! outputs, states and snapshots (the recurrence does not depend on how the
-//! tokens were batched).
+//! tokens were batched). A 700-token sequence with 64-wide heads (which
+//! wgpu on llvmpipe cuts into several dispatches to stay within its loop
+//! budget) matches the CPU too.
 
 use crate::common::*;
 use arbor_engine_core::state::{GatedDeltaNet, GatedDeltaWeights, StateLayer, StateSeq};
@@ -25,6 +27,19 @@ fn spec() -> StateSpec {
     }
 }
 
+/// One query/key head of 64 and two value heads of 32.
+fn wide() -> StateSpec {
+    StateSpec {
+        layers: 1,
+        conv_channels: 2 * 64 + 2 * 32,
+        conv_kernel: 4,
+        k_heads: 1,
+        v_heads: 2,
+        k_dim: 64,
+        v_dim: 32,
+    }
+}
+
 /// A sequence's inputs: `[tokens, conv_channels]`, and `a`, `b` `[tokens, v_heads]`.
 struct Stream {
     mixed: Vec<f32>,
@@ -33,8 +48,7 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(rng: &mut Rng, tokens: usize) -> Self {
-        let s = spec();
+    fn new(rng: &mut Rng, s: &StateSpec, tokens: usize) -> Self {
         Self {
             mixed: rng.vec(tokens * s.conv_channels, 1.5),
             a: rng.vec(tokens * s.v_heads, 2.0),
@@ -53,8 +67,7 @@ type Run = (Vec<Vec<f32>>, Vec<f32>, Vec<f32>);
 
 /// Runs `streams` (slot, fresh, snapshots at absolute token counts) through
 /// one layer in chunks of `chunk` tokens, both sequences in each call.
-fn run(b: &dyn Backend, streams: &[Seq<'_>], chunk: usize) -> Run {
-    let s = spec();
+fn run(b: &dyn Backend, s: StateSpec, streams: &[Seq<'_>], chunk: usize) -> Run {
     let mut rng = Rng::new(7);
     let conv_w = upload_f32(
         b,
@@ -146,23 +159,39 @@ fn gated_delta_net_matches_the_cpu_and_ignores_chunking() {
     let Some(g) = gpu() else { return };
     let c = cpu();
     let mut rng = Rng::new(11);
-    let (x, y) = (Stream::new(&mut rng, 37), Stream::new(&mut rng, 21));
+    let s = spec();
+    let (x, y) = (Stream::new(&mut rng, &s, 37), Stream::new(&mut rng, &s, 21));
     let streams: [Seq<'_>; 2] = [
         (&x, 0, true, &[(16, 2), (37, 3)]),
         (&y, 1, false, &[(5, 4)]),
     ];
-    let whole_gpu = run(&*g, &streams, 64);
-    let whole_cpu = run(&*c, &streams, 64);
+    let whole_gpu = run(&*g, s, &streams, 64);
+    let whole_cpu = run(&*c, s, &streams, 64);
     for (i, (go, co)) in whole_gpu.0.iter().zip(&whole_cpu.0).enumerate() {
         assert_close(&format!("gated delta net output {i}"), go, co, 1e-4);
     }
     assert_close("conv states", &whole_gpu.1, &whole_cpu.1, 1e-4);
     assert_close("recurrent states", &whole_gpu.2, &whole_cpu.2, 1e-4);
-    let chunked = run(&*g, &streams, 5);
+    let chunked = run(&*g, s, &streams, 5);
     assert_eq!(
         chunked, whole_gpu,
         "chunks of 5 against one call, on the device"
     );
+}
+
+#[test]
+fn a_long_sequence_with_wide_heads_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let c = cpu();
+    let mut rng = Rng::new(13);
+    let s = wide();
+    let x = Stream::new(&mut rng, &s, 700);
+    let streams: [Seq<'_>; 1] = [(&x, 1, true, &[(333, 4), (700, 5)])];
+    let (go, gc, gr) = run(&*g, s, &streams, 700);
+    let (co, cc, cr) = run(&*c, s, &streams, 700);
+    assert_close("long output", &go[0], &co[0], 1e-4);
+    assert_close("long conv states", &gc, &cc, 1e-4);
+    assert_close("long recurrent states", &gr, &cr, 1e-4);
 }
 
 #[test]
