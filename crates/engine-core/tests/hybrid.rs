@@ -44,6 +44,11 @@ struct Setup {
 }
 
 fn setup() -> Result<Setup> {
+    setup_of(&fixture())
+}
+
+/// The fixture in `dir`, loaded f32 on 2 CPU threads, with its reference.
+fn setup_of(dir: &std::path::Path) -> Result<Setup> {
     let registry = Registry::builtin()?;
     let backend: Arc<dyn Backend> = Arc::new(CpuBackend::new(2)?);
     let opts = LoadOptions {
@@ -51,9 +56,8 @@ fn setup() -> Result<Setup> {
         quant: registry.quant_methods.get("f32")?(&Default::default())?,
         progress: None,
     };
-    let model = load_model(&fixture(), &registry, &opts)?;
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json"))?)?;
+    let model = load_model(dir, &registry, &opts)?;
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json"))?)?;
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array()
             .map(|a| {
@@ -321,16 +325,23 @@ fn ngram_speculation_is_lossless_on_hybrids() -> Result<()> {
 }
 
 /// NEXTN on a hybrid model (the MTP layer of tests/fixtures/tiny-qwen3.5-mtp,
-/// which has tiny-qwen3.5's weights): drafts from the layer over the
-/// target's captured final states, verified with a state slot per draft
-/// token, give plain decoding's tokens alone and batched, with cached
-/// prefixes and chunked prefill; pages, slots and snapshots end empty.
+/// which has tiny-qwen3.5's weights, and of tiny-qwen3-next-mtp, a MoE one):
+/// drafts from the layer over the target's captured final states, verified
+/// with a state slot per draft token, give plain decoding's tokens alone and
+/// batched, with cached prefixes and chunked prefill; pages, slots and
+/// snapshots end empty.
 #[test]
 fn nextn_speculation_is_lossless_on_hybrids() -> Result<()> {
-    let s = setup()?;
-    let mtp = fixture().with_file_name("tiny-qwen3.5-mtp");
+    for name in ["tiny-qwen3.5", "tiny-qwen3-next"] {
+        let dir = fixture().with_file_name(name);
+        nextn_is_lossless(&setup_of(&dir)?, dir.with_file_name(format!("{name}-mtp")))?;
+    }
+    Ok(())
+}
+
+fn nextn_is_lossless(s: &Setup, mtp: PathBuf) -> Result<()> {
     let prompts: Vec<Vec<u32>> = s.cases.iter().map(|(p, _)| p.clone()).collect();
-    let plain = engine(&s, EngineConfig::default(), 1024, 8)?;
+    let plain = engine(s, EngineConfig::default(), 1024, 8)?;
     let want: Vec<Vec<u32>> = run_n(&plain, &prompts, 48)?
         .into_iter()
         .map(|x| x.0)
@@ -341,13 +352,15 @@ fn nextn_speculation_is_lossless_on_hybrids() -> Result<()> {
                 algorithm: "nextn".into(),
                 num_steps: 3,
                 num_draft_tokens: 4,
+                // Draft at every step, however few drafts are accepted.
+                adaptive: false,
                 ..SpeculativeConfig::default()
             }),
             max_running_requests: 4,
             chunked_prefill_size: chunk,
             ..EngineConfig::default()
         };
-        let e = engine_with_draft(&s, cfg, 1024, 40, Some(mtp.clone()))?;
+        let e = engine_with_draft(s, cfg, 1024, 40, Some(mtp.clone()))?;
         for (p, w) in prompts.iter().zip(&want) {
             let got = run_n(&e, std::slice::from_ref(p), 48)?.remove(0).0;
             assert_eq!(&got, w, "alone, chunk {chunk}");
