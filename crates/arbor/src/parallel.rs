@@ -22,7 +22,7 @@
 //! expert's width; `moe_a2a_backend` says how the ranks then exchange
 //! tokens (`none`: every rank routes every token and the experts' shares
 //! are all-reduced; `all-to-all`: each rank routes its block of the tokens
-//! and dispatches the rows to the experts' ranks, `moe::all_to_all`).
+//! and dispatches the rows to the experts' ranks, `arbor_models::moe::all_to_all`).
 //! HiCache, PD disaggregation, every speculative algorithm and LoRA
 //! adapters run with it (the group's tier pages are in the single-engine
 //! layout; a STANDALONE draft model runs whole on rank 0's device;

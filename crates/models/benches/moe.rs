@@ -3,8 +3,8 @@
 //! expert width 768, bf16 weights. For each token count (decode batches of 1
 //! and 8, prefill chunks of 64 and 256) it times one block — the router
 //! GEMM, top-k routing, and the experts — with the grouped expert GEMM
-//! (`moe::run_experts`) and with the per-token loop
-//! (`moe::run_experts_per_token`), alternating the two round by round, and
+//! (`arbor_models::moe::routing::run_experts`) and with the per-token loop
+//! (`routing::run_experts_per_token`), alternating the two round by round, and
 //! prints median tok/s and their ratio.
 //!
 //! Then expert parallelism over two in-process ranks (each a CPU backend
@@ -19,11 +19,11 @@
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::comm::{Communicator, LocalGroup};
-use arbor_engine_core::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
-use arbor_engine_core::moe::{
+use arbor_engine_core::{Backend, DType, HostTensor, SeqRng, Tensor};
+use arbor_models::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
+use arbor_models::moe::routing::{
     ExpertWeights, RouterScoring, route, run_experts, run_experts_per_token,
 };
-use arbor_engine_core::{Backend, DType, HostTensor, SeqRng, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -125,7 +125,7 @@ struct Rank {
 }
 
 impl Rank {
-    fn route(&self, x: &Tensor) -> arbor_engine_core::moe::MoeRouting {
+    fn route(&self, x: &Tensor) -> arbor_models::moe::routing::MoeRouting {
         let logits = self
             .b
             .alloc(DType::F32, &[x.rows(), EXPERTS])

@@ -25,12 +25,9 @@
 //! batch-invariant linear a token's routed output is bit-identical to the
 //! one-device block's, for any world size and any split of the batch.
 
-use super::{ExpertCounter, ExpertWeights, MoeRouting};
-use crate::backend::Backend;
-use crate::comm::Communicator;
-use crate::dtype::DType;
-use crate::error::{CoreError, Result};
-use crate::tensor::Tensor;
+use super::routing::{ExpertCounter, ExpertWeights, MoeRouting};
+use arbor_engine_core::comm::Communicator;
+use arbor_engine_core::{Backend, CoreError, DType, Result, Tensor};
 use std::ops::Range;
 
 /// The tokens of a `tokens`-row batch that rank `rank` of `world` routes:

@@ -1,4 +1,4 @@
-//! Mixture-of-experts: router scoring and top-k selection ([`route`]), the
+//! Mixture-of-experts routing: router scoring and top-k selection ([`route`]), the
 //! routing of one batch grouped by expert ([`MoeRouting`]), and the grouped
 //! expert computation every backend can run ([`run_experts`]).
 //!
@@ -17,12 +17,7 @@
 //!   row's input and routing only (batch-invariant when the backend's linear
 //!   is).
 
-pub mod all_to_all;
-
-use crate::backend::{Backend, LinearRef};
-use crate::dtype::DType;
-use crate::error::{CoreError, Result};
-use crate::tensor::Tensor;
+use arbor_engine_core::{Backend, CoreError, DType, LinearRef, Result, Tensor};
 
 /// How router logits become expert weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,34 +61,6 @@ pub enum RouterScoring {
     },
 }
 
-/// How the ranks of a tensor-parallel group share a MoE layer's routed
-/// experts (SGLang's `--ep-size` and `--moe-a2a-backend`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum ExpertSharding {
-    /// Each rank holds a slice of every expert's width (tensor
-    /// parallelism); every rank routes every token and the partial outputs
-    /// are all-reduced.
-    #[default]
-    Split,
-    /// Rank `r` of `w` holds experts `[r·E/w, (r+1)·E/w)` whole (expert
-    /// parallelism); every rank routes every token, computes its experts'
-    /// share, and the shares are all-reduced (`--moe-a2a-backend none`).
-    PartitionedAllReduce,
-    /// Experts partitioned as above; each rank routes only its block of the
-    /// tokens and sends each (token, expert) row to the expert's rank and
-    /// the result back (all-to-all dispatch and combine,
-    /// `--moe-a2a-backend all-to-all`); the tokens' outputs are then
-    /// gathered on every rank.
-    PartitionedAllToAll,
-}
-
-impl ExpertSharding {
-    /// True when each rank holds whole experts (a partition of them).
-    pub fn partitioned(self) -> bool {
-        self != Self::Split
-    }
-}
-
 /// The experts each token of a batch was routed to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeRouting {
@@ -105,16 +72,6 @@ pub struct MoeRouting {
     pub experts: Vec<u32>,
     /// `[tokens * top_k]` the weights of `experts`.
     pub weights: Vec<f32>,
-}
-
-/// Tokens routed to each expert of one MoE layer since start-up (the input
-/// of expert-parallel load balancing).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ExpertLoad {
-    /// The decoder layer.
-    pub layer: usize,
-    /// Tokens per expert (each token counts once per expert it is routed to).
-    pub tokens: Vec<u64>,
 }
 
 /// Running per-expert token counts of one layer, shared by the threads that

@@ -1,4 +1,4 @@
-//! The grouped expert computation (`moe::run_experts`) on the CPU backend:
+//! The grouped expert computation (`moe::routing::run_experts`) on the CPU backend:
 //! equal to an f64 host forward of the same weights written from the
 //! definition (`Σ_k w_k · down(silu(gate x) ⊙ up x)`), bit-identical to the
 //! per-token loop and to itself inside any batch (a row's output depends on
@@ -6,10 +6,10 @@
 //! parallelism) contributing nothing, and shape errors refused.
 
 use arbor_backend_cpu::CpuBackend;
-use arbor_engine_core::moe::{
+use arbor_engine_core::{Backend, DType, SeqRng};
+use arbor_models::moe::routing::{
     ExpertWeights, MoeRouting, RouterScoring, route, run_experts, run_experts_per_token,
 };
-use arbor_engine_core::{Backend, DType, SeqRng};
 
 fn values(rng: &mut SeqRng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)

@@ -1,6 +1,6 @@
 //! Expert parallelism with all-to-all dispatch and combine
 //! (`moe::all_to_all`) against the one-device grouped experts
-//! (`moe::run_experts`): 8 experts with random f32 weights, top-2 and top-3
+//! (`moe::routing::run_experts`): 8 experts with random f32 weights, top-2 and top-3
 //! softmax routing, on 2 and 4 ranks (threads, each with its own CPU backend
 //! holding only its experts), for batches of 0 to 33 tokens — fewer tokens
 //! than ranks included. Every rank's gathered output must equal the
@@ -10,11 +10,11 @@
 
 use arbor_backend_cpu::CpuBackend;
 use arbor_engine_core::comm::{Communicator, LocalGroup};
-use arbor_engine_core::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
-use arbor_engine_core::moe::{
+use arbor_engine_core::{Backend, DType, SeqRng};
+use arbor_models::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
+use arbor_models::moe::routing::{
     ExpertCounter, ExpertWeights, MoeRouting, RouterScoring, route, run_experts,
 };
-use arbor_engine_core::{Backend, DType, SeqRng};
 use std::sync::Arc;
 
 const EXPERTS: usize = 8;

@@ -7,17 +7,20 @@
 //! dtype or quantization (routing decisions are the most precision-sensitive
 //! part of the block); every expert of the layer is loaded with the shapes
 //! the config implies, and errors name the tensor; the routing of a token
-//! depends on that token only (see `arbor_engine_core::moe`).
+//! depends on that token only (see [`routing`]).
+
+pub mod all_to_all;
+pub mod routing;
 
 use crate::config::Keys;
 use crate::decoder::Loader;
+use all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
 use arbor_engine_core::comm::Communicator;
-use arbor_engine_core::moe::all_to_all::{all_gather_rows, run_experts_all_to_all, token_block};
-use arbor_engine_core::moe::{
-    ExpertCounter, ExpertInputScales, ExpertSharding, ExpertWeights, MoeRouting, RouterScoring,
-    route, run_experts,
-};
+use arbor_engine_core::moe::ExpertSharding;
 use arbor_engine_core::{Backend, DType, Result, Tensor};
+use routing::{
+    ExpertCounter, ExpertInputScales, ExpertWeights, MoeRouting, RouterScoring, route, run_experts,
+};
 use serde_json::Value;
 use std::sync::Arc;
 
