@@ -256,6 +256,13 @@ pub fn build(
         config,
         storage,
         host_memory,
+    })
+    .map_err(|e| match e {
+        arbor_kv_hicache::HiCacheError::InvalidSetting { key, reason } => {
+            let e = arbor_engine_core::CoreError::InvalidSetting { key, reason };
+            crate::settings::named_setting(e, "hicache")
+        }
+        e => e.into(),
     })?;
     Ok(Box::new(cache))
 }

@@ -38,9 +38,14 @@ impl PrefetchPolicy {
 /// Errors of the HiCache settings and set-up.
 #[derive(Debug, thiserror::Error)]
 pub enum HiCacheError {
-    /// A setting is invalid; the message names the flag.
+    /// The tiers could not be set up; the message says why.
     #[error("{0}")]
     Config(String),
+    /// A setting is out of range: `key` is its configuration name
+    /// (`hicache_ratio`); the binary adds where it was given. `reason`
+    /// completes a sentence that starts with it.
+    #[error("{key} {reason}")]
+    InvalidSetting { key: &'static str, reason: String },
     /// The radix cache refused the tiers.
     #[error("hicache: {0}")]
     Radix(#[from] arbor_kv_radix::RadixError),
@@ -87,16 +92,19 @@ impl HiCacheConfig {
     /// Checks the values.
     pub fn validate(&self) -> Result<(), HiCacheError> {
         if !self.ratio.is_finite() || self.ratio <= 0.0 {
-            return Err(HiCacheError::Config(format!(
-                "--hicache-ratio must be positive (got {})",
-                self.ratio
-            )));
+            return Err(HiCacheError::InvalidSetting {
+                key: "hicache_ratio",
+                reason: format!("must be positive (got {})", self.ratio),
+            });
         }
         if !self.size_gb.is_finite() || self.size_gb < 0.0 {
-            return Err(HiCacheError::Config(format!(
-                "--hicache-size must be 0 (use the ratio) or a positive size in GB (got {})",
-                self.size_gb
-            )));
+            return Err(HiCacheError::InvalidSetting {
+                key: "hicache_size",
+                reason: format!(
+                    "must be 0 (use the ratio) or a positive size in GB (got {})",
+                    self.size_gb
+                ),
+            });
         }
         Ok(())
     }
@@ -111,10 +119,14 @@ impl HiCacheConfig {
             (self.ratio * kv.num_pages as f64) as usize
         };
         if pages == 0 {
-            return Err(HiCacheError::Config(format!(
-                "the host tier holds no page of {page_bytes} bytes: raise --hicache-size or \
-                 --hicache-ratio"
-            )));
+            return Err(HiCacheError::InvalidSetting {
+                key: if self.size_gb > 0.0 {
+                    "hicache_size"
+                } else {
+                    "hicache_ratio"
+                },
+                reason: format!("leaves the host tier no page of {page_bytes} bytes: raise it"),
+            });
         }
         Ok(pages)
     }
@@ -161,7 +173,7 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        assert!(e.contains("--hicache-ratio"), "{e}");
+        assert!(e.contains("hicache_ratio must be positive"), "{e}");
         assert_eq!(
             PrefetchPolicy::parse("timeout"),
             Some(PrefetchPolicy::Timeout)

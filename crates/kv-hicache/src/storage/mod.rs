@@ -93,7 +93,7 @@ pub fn default_file_dir() -> Option<PathBuf> {
 }
 
 fn config_err(msg: impl fmt::Display) -> TierError {
-    TierError::Config(format!("--hicache-storage-backend-extra-config: {msg}"))
+    TierError::Config(format!("extra config: {msg}"))
 }
 
 fn seconds(key: &str, v: &Value) -> Result<f64, TierError> {
@@ -121,7 +121,7 @@ impl StorageConfig {
             "redis" => &["url", "timeout"],
             other => {
                 return Err(TierError::Config(format!(
-                    "--hicache-storage-backend {other:?} is not supported (valid: {})",
+                    "storage backend {other:?} is not supported (valid: {})",
                     BACKENDS.join(", ")
                 )));
             }
@@ -132,7 +132,7 @@ impl StorageConfig {
                 let mut valid: Vec<&str> = backend_keys.to_vec();
                 valid.extend_from_slice(COMMON_KEYS);
                 return Err(config_err(format!(
-                    "unknown key `{key}` for --hicache-storage-backend {backend} (valid: {})",
+                    "unknown key `{key}` for storage backend {backend} (valid: {})",
                     valid.join(", ")
                 )));
             }
@@ -351,7 +351,7 @@ mod tests {
         };
         let m = err("mooncake", None);
         assert!(
-            m.contains("--hicache-storage-backend") && m.contains("file, redis"),
+            m.contains("storage backend \"mooncake\"") && m.contains("file, redis"),
             "{m}"
         );
         let m = err("file", Some(r#"{"url": "redis://x"}"#));
