@@ -345,6 +345,9 @@ pub struct CacheSection {
     /// Share of available memory (MemAvailable) for weights plus KV cache; the KV part is capped at 4 GiB (2 GiB of f16 or bf16 on the CPU) and at max-running-requests x context.
     #[arg(long, help_heading = "Cache")]
     pub mem_fraction_static: Option<f64>,
+    /// Share of the KV cache that open sessions may hold against eviction (their latest turns), 0 to 1; 0 turns holds off.
+    #[arg(long, help_heading = "Cache")]
+    pub session_hold_ratio: Option<f64>,
 }
 
 impl Section for CacheSection {
@@ -353,6 +356,7 @@ impl Section for CacheSection {
             disable_radix_cache: Some(!cfg!(feature = "kv-radix")),
             radix_eviction_policy: Some("lru".into()),
             mem_fraction_static: Some(0.8),
+            session_hold_ratio: Some(0.25),
             ..Default::default()
         }
     }
@@ -679,6 +683,11 @@ impl ServeConfig {
             && !(g.is_finite() && g > 0.0)
         {
             bail!("[cache] kv_cache_gb / --kv-cache-gb must be a positive number of GiB, got {g}");
+        }
+        if let Some(r) = self.cache.session_hold_ratio
+            && !(0.0..=1.0).contains(&r)
+        {
+            bail!("[cache] session_hold_ratio / --session-hold-ratio must be in [0, 1], got {r}");
         }
         if self.cache.max_total_tokens == Some(0) {
             bail!("[cache] max_total_tokens / --max-total-tokens must be positive");

@@ -7,12 +7,12 @@
 //! Off by default; `--lora-paths` turns it on (as in SGLang). An adapter is
 //! given as `name=path`, as a bare `path` (named after its folder), or as
 //! SGLang's JSON `{"lora_name": ..., "lora_path": ..., "pinned": ...}`.
-//! Errors name the flag.
+//! Errors name the flag (an adapter over a limit: the limit's key and flag).
 
 use crate::settings::Section;
 use anyhow::{Context, Result, bail};
 use arbor_engine_core::{Backend, LoraTarget, ModelSpec};
-use arbor_lora::{LoraLimits, LoraRegistry};
+use arbor_lora::{LoraError, LoraLimits, LoraRegistry};
 use clap::Args;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -174,16 +174,18 @@ pub fn build(
     };
     // `spec` is one rank's shard: the adapters are checked against the whole model.
     let world = replicas.first().map_or(1, Vec::len);
-    let whole = ModelSpec {
-        num_heads: spec.num_heads * world,
-        num_kv_heads: spec.num_kv_heads * world,
-        intermediate_size: spec.intermediate_size * world,
-        ..spec.clone()
-    };
+    let whole = spec.for_group(world, spec.weight_bytes * world as u64);
     let mut registry = LoraRegistry::replicated(replicas, whole, limits, s.max_loaded);
     let mut largest = 0;
     for (name, path) in &s.adapters {
-        largest = largest.max(registry.load(name, path).context("--lora-paths")?.rank());
+        let adapter = registry.load(name, path).map_err(|e| match e {
+            // A limit names its setting as the binary takes it.
+            LoraError::Limit { setting, .. } => {
+                anyhow::anyhow!("{}: {e}", crate::settings::setting_name("lora", setting))
+            }
+            e => anyhow::Error::from(e).context("--lora-paths"),
+        })?;
+        largest = largest.max(adapter.rank());
     }
     if s.max_rank.is_none() && !s.adapters.is_empty() {
         registry.set_max_rank(Some(largest));

@@ -449,6 +449,7 @@ fn engine_config(cfg: &ServeConfig) -> Result<EngineConfig> {
         enable_mixed_chunk: q.enable_mixed_chunk.unwrap_or(false),
         overlap_schedule: q.overlap_schedule,
         disable_radix_cache: c.disable_radix_cache.unwrap_or(false),
+        hold_ratio: c.session_hold_ratio.unwrap_or(defaults.hold_ratio),
         max_queued_requests: q
             .max_queued_requests
             .unwrap_or(defaults.max_queued_requests),

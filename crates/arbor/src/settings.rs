@@ -107,14 +107,21 @@ pub fn named_setting(e: arbor_engine_core::CoreError, section: &str) -> anyhow::
     let arbor_engine_core::CoreError::InvalidSetting { key, reason } = e else {
         return e.into();
     };
+    anyhow::anyhow!("{}: {reason}", setting_name(section, &key))
+}
+
+/// A setting as the binary takes it: `[section] key / --flag` (the flag is
+/// the `arbor serve` argument whose id is the key), or `[section] key`
+/// for a key with no flag.
+pub fn setting_name(section: &str, key: &str) -> String {
     let cmd = crate::cli_command();
     let flag = cmd
         .find_subcommand("serve")
         .and_then(|s| s.get_arguments().find(|a| a.get_id() == key))
-        .and_then(|a| a.get_long());
+        .and_then(|a| a.get_long().map(str::to_string));
     match flag {
-        Some(f) => anyhow::anyhow!("[{section}] {key} / --{f}: {reason}"),
-        None => anyhow::anyhow!("[{section}] {key}: {reason}"),
+        Some(f) => format!("[{section}] {key} / --{f}"),
+        None => format!("[{section}] {key}"),
     }
 }
 

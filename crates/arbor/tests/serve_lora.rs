@@ -202,7 +202,7 @@ async fn load_unload_and_concurrent_adapters() -> Result<()> {
     )
     .await?;
     ensure!(
-        code == 400 && v.to_string().contains("--max-lora-rank 8"),
+        code == 400 && v.to_string().contains("above max_lora_rank 8"),
         "{code} {v}"
     );
     let (code, v) = post(
@@ -306,7 +306,7 @@ async fn lora_fields_without_lora_and_bad_flags() -> Result<()> {
     let mlp = format!("mlp={}", adapter_dir("tiny-llama-mlp"));
     assert_serve_refuses(
         &["--lora-paths", &mlp, "--max-lora-rank", "8"],
-        "--max-lora-rank 8",
+        "[lora] max_lora_rank / --max-lora-rank: LoRA adapter 'mlp': rank 16",
     )?;
     assert_serve_refuses(
         &["--lora-paths", "x=/nonexistent/adapter"],

@@ -384,3 +384,82 @@ impl Communicator for LocalComm {
         Ok(())
     }
 }
+
+/// Checks that `comms[i]` is rank `i` of a group of exactly `ranks` ranks.
+pub(crate) fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
+    if comms.len() != ranks
+        || comms
+            .iter()
+            .enumerate()
+            .any(|(i, c)| c.rank() != i || c.world_size() != ranks)
+    {
+        return Err(CoreError::invalid(
+            "each rank needs the communicator of its own rank in a group of all of them",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs `f(rank, input)` on every rank at once (rank 0 on this thread, the
+/// others on scoped threads), each with its own input; a rank that fails
+/// aborts the group so that no other rank stays blocked in a collective.
+pub(crate) fn on_every_rank<I: Send, T: Send>(
+    comms: &[Arc<dyn Communicator>],
+    inputs: Vec<I>,
+    f: impl Fn(usize, I) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let f = &f;
+    std::thread::scope(|s| {
+        let mut inputs = inputs.into_iter();
+        let first_input = inputs.next();
+        let handles: Vec<_> = comms
+            .iter()
+            .skip(1)
+            .zip(inputs)
+            .enumerate()
+            .map(|(i, (c, input))| {
+                s.spawn(move || {
+                    let out = f(i + 1, input);
+                    if out.is_err() {
+                        c.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        let first = match first_input {
+            Some(input) => f(0, input),
+            None => Err(CoreError::Internal("no rank to run".into())),
+        };
+        if first.is_err()
+            && let Some(c) = comms.first()
+        {
+            c.abort();
+        }
+        let mut all = vec![first];
+        for h in handles {
+            all.push(h.join().unwrap_or_else(|_| {
+                Err(CoreError::Internal(
+                    "a tensor-parallel rank panicked".into(),
+                ))
+            }));
+        }
+        all
+    })
+}
+
+/// Every rank's output, or the first failure (the cause: the others were
+/// aborted by it) after resetting the group for the next collective.
+pub(crate) fn settle<T>(
+    comms: &[Arc<dyn Communicator>],
+    results: Vec<Result<T>>,
+) -> Result<Vec<T>> {
+    if results.iter().any(Result::is_err) {
+        if let Some(c) = comms.first() {
+            c.reset()?;
+        }
+        let cause = results.into_iter().find_map(Result::err);
+        return Err(cause.unwrap_or_else(|| CoreError::Internal("a rank failed".into())));
+    }
+    results.into_iter().collect()
+}

@@ -71,6 +71,7 @@ pub use prefix_cache::{
 pub use quant::{LinearSpec, QuantInit, QuantMethod};
 pub use registry::Registry;
 pub use sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams, SeqRng};
+pub use speculative::TpRunners;
 pub use speculative::{
     ComputedStates, Draft, DraftDist, DraftRequest, DraftSampling, Drafting, SpeculativeConfig,
     Speculator, SpeculatorInputs,
@@ -85,7 +86,7 @@ pub use tier::{
     CopyDirection, HeldSlots, HostKvPool, HostMemory, HostPages, HostRegion, HostSlotRef,
     KvCopyStats, KvTier, KvTierOps, PageCopy, PageKey, TierError, TierIdentity, page_keys,
 };
-pub use tp::{TpExecutor, TpRunners};
+pub use tp::TpExecutor;
 
 /// Re-exported so that implementation crates register with the same `inventory`.
 pub use inventory;

@@ -100,7 +100,18 @@ pub struct SeqPlan {
     pub prompt_logprobs: Option<PromptLogprobs>,
     /// An embedding request's prompt chunk: its final normed hidden states
     /// pooled into [`SeqExtra::embedding`]; `None` otherwise.
-    pub pool: Option<crate::engine::Pooling>,
+    pub pool: Option<Pooling>,
+}
+
+/// How an embedding request pools its prompt's hidden states.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pooling {
+    /// The last token's (causal models: the only one that saw every token).
+    #[default]
+    Last,
+    /// The mean over every token (the prompt is computed whole, never
+    /// served from the prefix cache).
+    Mean,
 }
 
 /// Which rows of a prompt chunk score the prompt's next tokens: row `r`

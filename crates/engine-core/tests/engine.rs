@@ -747,3 +747,96 @@ fn overlap_admits_during_the_forward() -> Result<()> {
     assert_pool_empty(&e);
     Ok(())
 }
+
+/// Runs `prompt` (greedy, `max_new` tokens) under `hold`; its tokens and
+/// the prompt tokens it found cached.
+fn run_held(
+    e: &Engine,
+    prompt: &[u32],
+    max_new: usize,
+    hold: Option<&str>,
+) -> Result<(Vec<u32>, usize)> {
+    let chunks = e
+        .submit(GenerateRequest {
+            hold: hold.map(Arc::from),
+            ..GenerateRequest::new(prompt.to_vec(), greedy(max_new))
+        })?
+        .collect_blocking();
+    let cached = chunks.last().map_or(0, |c| c.meta.cached_tokens);
+    Ok((tokens_of(&chunks), cached))
+}
+
+/// Waits for the published stats to satisfy `ok`.
+fn wait_stats(e: &Engine, ok: impl Fn(&arbor_engine_core::engine::EngineStats) -> bool) {
+    for _ in 0..200 {
+        if ok(&e.stats()) {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("stats never settled: {:?}", e.stats());
+}
+
+/// A held sequence survives the eviction that takes an unheld one, is
+/// released by its key (then it is evictable: no page in use), replaces
+/// the key's hold it extends, gives way to the budget oldest first and to
+/// a request that needs its pages, and never changes the tokens.
+#[test]
+fn holds_keep_a_sequence_cached_until_released() -> Result<()> {
+    let cfg = EngineConfig {
+        hold_ratio: 0.25,
+        ..EngineConfig::default()
+    };
+    // 16 pages of 16 tokens: 256 tokens, a hold budget of 64.
+    let e = engine(cfg, 16, 16)?;
+    let turn: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % 497).collect();
+    let flood = |seed| -> Vec<Vec<u32>> {
+        prompts(60, seed)
+            .into_iter()
+            .filter(|x| x.len() > 30)
+            .take(12)
+            .collect()
+    };
+    // 40 prompt tokens and 7 computed outputs: 2 whole pages are cached.
+    let (first, _) = run_held(&e, &turn, 8, Some("s"))?;
+    wait_stats(&e, |s| s.held_tokens == 32 && s.num_used_tokens == 32);
+    // Other prompts fill the pool twice over: the unheld prefixes go.
+    for f in flood(29) {
+        run_held(&e, &f, 8, None)?;
+    }
+    let mut next = turn.clone();
+    next.extend(&first);
+    next.extend([5, 6, 7]);
+    let (second, cached) = run_held(&e, &next, 8, Some("s"))?;
+    assert_eq!(cached, 32, "the held turn is served from the cache");
+    // The key's new hold (58 computed tokens: 3 pages) replaces the one it extends.
+    wait_stats(&e, |s| s.held_tokens == 48);
+    let (again, _) = run_held(&e, &next, 8, None)?;
+    assert_eq!(again, second, "a hold never changes the tokens");
+    e.release_hold("s");
+    wait_stats(&e, |s| s.held_tokens == 0 && s.num_used_tokens == 0);
+    // Without a hold a flood evicts the turn.
+    run_held(&e, &turn, 8, None)?;
+    for f in flood(37) {
+        run_held(&e, &f, 8, None)?;
+    }
+    assert_eq!(run_held(&e, &next, 8, None)?.1, 0);
+
+    // The budget (64 tokens): each new 48- or 32-token hold of another key
+    // releases the oldest.
+    run_held(&e, &next, 8, Some("a"))?;
+    wait_stats(&e, |s| s.held_tokens == 48);
+    run_held(&e, &[&next[..30], &[9; 20]].concat(), 8, Some("b"))?;
+    wait_stats(&e, |s| s.held_tokens == 48);
+    run_held(&e, &turn, 8, Some("c"))?;
+    wait_stats(&e, |s| s.held_tokens == 32);
+    // A request that needs every page takes the hold's too.
+    let long: Vec<u32> = (0..240).map(|i| (i * 7 % 497) as u32).collect();
+    let (out, _) = run_held(&e, &long, 8, None)?;
+    assert_eq!(out.len(), 8);
+    wait_stats(&e, |s| s.held_tokens == 0);
+    run_held(&e, &turn, 8, Some("c"))?;
+    assert_pool_empty(&e);
+    assert_eq!(e.stats().held_tokens, 0, "a flush releases every hold");
+    Ok(())
+}

@@ -37,7 +37,10 @@ pub enum LoraError {
     Limit {
         /// The adapter.
         name: String,
-        /// Which limit, with the configured value.
+        /// The setting that sets the limit (`max_lora_rank`,
+        /// `lora_target_modules`, `max_loaded_loras`).
+        setting: &'static str,
+        /// How the adapter breaks it, naming the setting and its value.
         msg: String,
     },
     /// An adapter of this name is loaded already.

@@ -189,8 +189,9 @@ pub fn load_adapter_on(
         {
             return Err(LoraError::Limit {
                 name: name.to_string(),
+                setting: "lora_target_modules",
                 msg: format!(
-                    "it targets {}, outside --lora-target-modules",
+                    "it targets {}, outside lora_target_modules",
                     target.module()
                 ),
             });
@@ -208,7 +209,8 @@ pub fn load_adapter_on(
         {
             return Err(LoraError::Limit {
                 name: name.to_string(),
-                msg: format!("rank {r} ({module}) is above --max-lora-rank {m}"),
+                setting: "max_lora_rank",
+                msg: format!("rank {r} ({module}) is above max_lora_rank {m}"),
             });
         }
         max_rank = max_rank.max(r);

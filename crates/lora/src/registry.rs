@@ -121,7 +121,8 @@ impl LoraRegistry {
         {
             return Err(LoraError::Limit {
                 name: name.to_string(),
-                msg: format!("{m} adapters are loaded already (--max-loaded-loras)"),
+                setting: "max_loaded_loras",
+                msg: format!("{m} adapters are loaded already (max_loaded_loras {m})"),
             });
         }
         tracing::info!(

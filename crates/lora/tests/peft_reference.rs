@@ -296,9 +296,18 @@ fn bad_adapters_are_refused() -> Result<()> {
         .load("mlp", &dir("tiny-llama-mlp"))
         .err()
         .context("refused")?;
-    assert!(matches!(e, LoraError::Limit { .. }), "{e}");
     assert!(
-        e.to_string().contains("rank 16") && e.to_string().contains("--max-lora-rank 8"),
+        matches!(
+            e,
+            LoraError::Limit {
+                setting: "max_lora_rank",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("rank 16") && e.to_string().contains("max_lora_rank 8"),
         "{e}"
     );
     // An unknown target module.
@@ -363,7 +372,7 @@ fn bad_adapters_are_refused() -> Result<()> {
         None,
     );
     let e = err(only_attn.load("all", &dir("tiny-llama-all")));
-    assert!(e.contains("outside --lora-target-modules"), "{e}");
+    assert!(e.contains("outside lora_target_modules"), "{e}");
     // Names: taken once, looked up with the loaded ones listed, no ':'.
     registry.load("attn", &dir("tiny-llama-attn"))?;
     assert!(matches!(
@@ -375,7 +384,7 @@ fn bad_adapters_are_refused() -> Result<()> {
     assert!(e.contains("'nope'") && e.contains("loaded: attn"), "{e}");
     registry.load("all", &dir("tiny-llama-all"))?;
     let e = err(registry.load("third", &dir("tiny-llama-all")));
-    assert!(e.contains("--max-loaded-loras"), "{e}");
+    assert!(e.contains("(max_loaded_loras 2)"), "{e}");
     // Unloading frees the name; a holder keeps its weights.
     let held = registry.get("attn")?;
     registry.unload("attn")?;

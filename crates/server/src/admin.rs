@@ -184,6 +184,7 @@ pub(crate) async fn server_info(State(st): State<Arc<AppState>>) -> Response {
                 "num_used_tokens": s.num_used_tokens,
                 "token_usage": s.token_usage,
                 "evictable_tokens": s.evictable_tokens,
+                "held_tokens": s.held_tokens,
                 "cache_tokens": s.cache_tokens,
                 "cache_hit_rate": s.cache_hit_rate,
                 "new_token_ratio": s.new_token_ratio,

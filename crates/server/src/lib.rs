@@ -486,6 +486,8 @@ impl Server {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), ServerError> {
         let st = self.state.clone();
+        // Expired sessions close while the server runs (the task ends with it).
+        let _sweep = AbortOnDrop(tokio::spawn(sessions::sweep(st.clone())));
         let (tx, mut rx) = tokio::sync::watch::channel(false);
         let signal_state = st.clone();
         let signal = async move {
@@ -525,6 +527,15 @@ impl Server {
                 Ok(())
             }
         }
+    }
+}
+
+/// A background task that ends when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

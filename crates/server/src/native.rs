@@ -74,8 +74,11 @@ async fn generate_inner(
     let pending = match (&req.session, req.jobs.first_mut()) {
         (Some(p), Some(job)) => {
             let input = std::mem::take(&mut job.req.input_ids);
+            st.sessions.expire(&st.engine);
             let pending = st.sessions.compose(p, input, st.tokenizer.bos_token_id)?;
             job.req.input_ids = pending.prompt.clone();
+            // The session keeps its turns cached (released on close or expiry).
+            job.req.hold = Some(Arc::from(p.id.as_str()));
             Some(pending)
         }
         _ => None,

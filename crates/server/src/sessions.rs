@@ -14,10 +14,18 @@
 //! from the prefix cache. A request joins the tree when it finished; naming
 //! an unknown session or request is a 400 naming the field.
 //!
+//! A session's finished requests are held in the prefix cache under the
+//! session's id (`GenerateRequest::hold`): the engine keeps them against
+//! eviction within its hold budget (`--session-hold-ratio`), so the next
+//! turn finds its prefix cached even after other traffic.
+//! `/open_session` takes Arbor's `timeout` (seconds) besides SGLang's
+//! fields: a session idle that long is closed, as if by `/close_session`.
+//!
 //! Invariants: at most [`MAX_SESSIONS`] sessions are open (more are
-//! refused); closing a session aborts its requests still running and drops
-//! its tree. Sessions hold no KV of their own: a closed session leaves the
-//! pool as it was.
+//! refused); closing a session (or its expiry) aborts its requests still
+//! running, drops its tree and releases its holds, so a closed session
+//! leaves no KV in use. Expired sessions are closed on every session call
+//! and by the server's sweep ([`sweep`]).
 
 use crate::error::{ApiError, json_reply};
 use crate::fields::{Fields, request_fields};
@@ -29,6 +37,7 @@ use axum::response::Response;
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Most sessions open at once.
 pub const MAX_SESSIONS: usize = 4096;
@@ -42,14 +51,35 @@ struct Node {
 }
 
 /// One session's requests.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Session {
     nodes: HashMap<String, Node>,
     /// Requests submitted and not finished yet (aborted on close).
     running: Vec<String>,
+    /// Closed after this long without a request (`None`: open until closed).
+    timeout: Option<Duration>,
+    /// When a request of the session last started or finished.
+    last_used: Instant,
 }
 
 impl Session {
+    fn new(timeout: Option<Duration>) -> Self {
+        Self {
+            nodes: HashMap::new(),
+            running: Vec::new(),
+            timeout,
+            last_used: Instant::now(),
+        }
+    }
+
+    /// Idle past its timeout at `now` (never while a request runs).
+    fn expired(&self, now: Instant) -> bool {
+        self.running.is_empty()
+            && self
+                .timeout
+                .is_some_and(|t| now.saturating_duration_since(self.last_used) >= t)
+    }
+
     /// Removes `rid`'s descendants (not `rid`).
     fn drop_children(&mut self, rid: &str) {
         let kids: Vec<String> = self
@@ -119,6 +149,29 @@ impl Sessions {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Removes the sessions idle past their timeout; the caller closes them.
+    fn take_expired(&self) -> Vec<(String, Session)> {
+        let now = Instant::now();
+        let mut open = self.lock();
+        let ids: Vec<String> = open
+            .iter()
+            .filter(|(_, s)| s.expired(now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        ids.into_iter()
+            .filter_map(|k| open.remove(&k).map(|s| (k, s)))
+            .collect()
+    }
+
+    /// Closes the expired sessions: their running requests are aborted (none
+    /// run: a running request keeps its session alive) and their holds released.
+    pub fn expire(&self, engine: &arbor_engine_core::engine::Engine) {
+        for (id, s) in self.take_expired() {
+            tracing::info!("session '{id}' expired");
+            close(engine, &id, &s);
+        }
+    }
+
     /// The prompt of a request in a session: its parent's sequence (see the
     /// module doc) and `input` (a leading `bos` dropped after a parent).
     pub fn compose(
@@ -131,6 +184,7 @@ impl Sessions {
         let s = open.get_mut(&p.id).ok_or_else(|| {
             ApiError::bad_param("session_params.id", format!("no open session '{}'", p.id))
         })?;
+        s.last_used = Instant::now();
         let Some(rid) = &p.rid else {
             if p.replace {
                 s.nodes.clear();
@@ -181,6 +235,7 @@ impl Sessions {
     pub fn started(&self, session: &str, rid: &str) {
         if let Some(s) = self.lock().get_mut(session) {
             s.running.push(rid.to_string());
+            s.last_used = Instant::now();
         }
     }
 
@@ -193,6 +248,7 @@ impl Sessions {
             return;
         };
         s.running.retain(|r| r != rid);
+        s.last_used = Instant::now();
         let Some(output) = output else {
             return;
         };
@@ -207,8 +263,27 @@ impl Sessions {
     }
 }
 
-/// Handles `POST /open_session {"capacity_of_str_len", "session_id"?}`:
-/// answers the session id (a JSON string, as SGLang does).
+/// Ends a session removed from the open ones: aborts its running requests
+/// and releases its holds.
+fn close(engine: &arbor_engine_core::engine::Engine, id: &str, s: &Session) {
+    for rid in &s.running {
+        engine.abort(rid);
+    }
+    engine.release_hold(id);
+}
+
+/// Closes expired sessions every second while the server runs.
+pub(crate) async fn sweep(st: Arc<AppState>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        st.sessions.expire(&st.engine);
+    }
+}
+
+/// Handles `POST /open_session {"capacity_of_str_len", "session_id"?,
+/// "timeout"?}`: answers the session id (a JSON string, as SGLang does).
+/// `timeout` (Arbor's): seconds of idleness after which the session closes.
 pub(crate) async fn open_session(
     State(st): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -220,7 +295,18 @@ pub(crate) async fn open_session(
             ApiError::bad_param("capacity_of_str_len", "'capacity_of_str_len' is required")
         })?;
         let id = f.string("session_id")?.unwrap_or_else(|| st.new_id());
+        let timeout = match f.f32("timeout")? {
+            Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f32(t)),
+            Some(t) => {
+                return Err(ApiError::bad_param(
+                    "timeout",
+                    format!("'timeout' must be a positive number of seconds, got {t}"),
+                ));
+            }
+            None => None,
+        };
         f.finish()?;
+        st.sessions.expire(&st.engine);
         let mut open = st.sessions.lock();
         if open.contains_key(&id) {
             return Err(ApiError::bad_param(
@@ -233,7 +319,7 @@ pub(crate) async fn open_session(
                 "{MAX_SESSIONS} sessions are open: close one first"
             )));
         }
-        open.insert(id.clone(), Session::default());
+        open.insert(id.clone(), Session::new(timeout));
         Ok::<_, ApiError>(id)
     };
     json_reply(inner.await.map(Value::String))
@@ -256,9 +342,7 @@ pub(crate) async fn close_session(
             st.sessions.lock().remove(&id).ok_or_else(|| {
                 ApiError::bad_param("session_id", format!("no open session '{id}'"))
             })?;
-        for rid in &closed.running {
-            st.engine.abort(rid);
-        }
+        close(&st.engine, &id, &closed);
         Ok::<_, ApiError>(json!({"success": true}))
     };
     json_reply(inner.await)
@@ -281,7 +365,7 @@ mod tests {
     #[test]
     fn compose_continue_rewind_and_replace() {
         let s = Sessions::default();
-        s.lock().insert("s".into(), Session::default());
+        s.lock().insert("s".into(), Session::new(None));
         let a = s.compose(&params(None), vec![1, 2, 3], Some(1)).unwrap();
         assert_eq!(a.prompt, vec![1, 2, 3]);
         s.finished(&a, "a", Some(&[7, 8]));

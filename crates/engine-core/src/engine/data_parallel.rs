@@ -327,6 +327,7 @@ pub(super) fn merged_stats(ranks: &[EngineStats]) -> EngineStats {
         m.num_retracted_reqs_total += s.num_retracted_reqs_total;
         m.cache_tokens += s.cache_tokens;
         m.evictable_tokens += s.evictable_tokens;
+        m.held_tokens += s.held_tokens;
         m.new_token_ratio += s.new_token_ratio;
         m.iterations += s.iterations;
         m.jump_forward_tokens_total += s.jump_forward_tokens_total;

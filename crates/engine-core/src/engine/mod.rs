@@ -85,6 +85,10 @@ pub struct EngineConfig {
     /// the model's `max_position_embeddings`. Whoever sets it longer than
     /// the model's has decided to (SGLang's `--context-length`).
     pub context_length: Option<usize>,
+    /// Share of the KV cache that holds may keep against eviction
+    /// ([`GenerateRequest::hold`]: open sessions' latest sequences), in
+    /// [0, 1]; 0 turns holds off.
+    pub hold_ratio: f64,
 }
 
 impl Default for EngineConfig {
@@ -105,6 +109,7 @@ impl Default for EngineConfig {
             speculative: None,
             max_loras_per_batch: 8,
             context_length: None,
+            hold_ratio: 0.25,
         }
     }
 }
@@ -126,17 +131,6 @@ pub enum RequestKind {
     /// An embedding: the prompt's final normed hidden states pooled into
     /// one L2-normalized vector (on the last chunk's finish), nothing sampled.
     Embed(Pooling),
-}
-
-/// How an embedding request pools its prompt's hidden states.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Pooling {
-    /// The last token's (causal models: the only one that saw every token).
-    #[default]
-    Last,
-    /// The mean over every token (the prompt is computed whole, never
-    /// served from the prefix cache).
-    Mean,
 }
 
 impl RequestKind {
@@ -193,6 +187,12 @@ pub struct GenerateRequest {
     /// It needs `n` = 1, `max_new_tokens` > 0 and no log-probabilities; a
     /// grammar that does not allow it makes the request sample its own.
     pub first_token: Option<u32>,
+    /// Keep the finished sequence (prompt and output) cached under this
+    /// key, against eviction, until [`Engine::release_hold`] (an open
+    /// session's key): a hold yields only to the hold budget
+    /// ([`EngineConfig::hold_ratio`], oldest first) and to live requests
+    /// that need its pages. `None`: cached as any request's.
+    pub hold: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for GenerateRequest {
@@ -206,6 +206,7 @@ impl std::fmt::Debug for GenerateRequest {
             .field("lora", &self.lora.as_ref().map(|a| a.name()))
             .field("data_parallel_rank", &self.data_parallel_rank)
             .field("first_token", &self.first_token)
+            .field("hold", &self.hold)
             .finish()
     }
 }
@@ -228,6 +229,7 @@ impl GenerateRequest {
             lora: None,
             data_parallel_rank: None,
             first_token: None,
+            hold: None,
         }
     }
 }
@@ -295,7 +297,7 @@ impl Finish {
     }
 }
 
-pub use crate::step::TokenLogprob;
+pub use crate::step::{Pooling, TokenLogprob};
 
 /// Per-request figures, sent with every chunk.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -393,6 +395,8 @@ pub struct EngineStats {
     pub cache_tokens: usize,
     /// Cached tokens no request holds (reusable, freed on demand); allocated
     /// pages are `num_used_tokens + evictable_tokens`.
+    /// Tokens held against eviction for callers ([`GenerateRequest::hold`]).
+    pub held_tokens: usize,
     pub evictable_tokens: usize,
     /// Current expected-new-token ratio.
     pub new_token_ratio: f64,
@@ -484,6 +488,8 @@ enum Msg {
     },
     Control(refit::Control),
     Transfer(transfer::TransferOp),
+    /// Release every hold of this key.
+    ReleaseHold(Arc<str>),
     Shutdown,
 }
 
@@ -700,6 +706,12 @@ impl Engine {
                 "chunked_prefill_size must be -1 (off) or positive".into(),
             ));
         }
+        if !(0.0..=1.0).contains(&config.hold_ratio) {
+            return Err(CoreError::Config(format!(
+                "hold_ratio must be in [0, 1], got {}",
+                config.hold_ratio
+            )));
+        }
         if config.schedule_conservativeness.is_nan() || config.schedule_conservativeness <= 0.0 {
             return Err(CoreError::Config(
                 "schedule_conservativeness must be positive".into(),
@@ -895,6 +907,13 @@ impl Engine {
     pub fn abort(&self, rid: &str) {
         // A rank that does not know the id ignores it.
         let _ = self.broadcast(|| Msg::Abort(rid.to_string()));
+    }
+
+    /// Releases every hold of `key` ([`GenerateRequest::hold`]): its
+    /// sequences stay cached as any others, evictable. No-op if unknown.
+    pub fn release_hold(&self, key: &str) {
+        let key: Arc<str> = Arc::from(key);
+        let _ = self.broadcast(|| Msg::ReleaseHold(key.clone()));
     }
 
     /// Aborts every request.

@@ -82,6 +82,9 @@ pub(crate) struct Req {
     pub given_first: Option<u32>,
     /// What the request is for; its token budget is [`Req::token_limit`].
     pub kind: RequestKind,
+    /// Hold the finished sequence cached under this key
+    /// ([`crate::engine::GenerateRequest::hold`]).
+    pub hold: Option<Arc<str>>,
     /// `stop_regex`, compiled once (checked by `Engine::submit`).
     stop_regex: Vec<regex::Regex>,
     /// Samples that wait for this prefix-only request.
@@ -193,6 +196,7 @@ impl Req {
             mask_error: None,
             given_first: r.first_token,
             kind: r.kind,
+            hold: r.hold,
             stop_regex,
             followers: Vec::new(),
             node: None,
@@ -275,6 +279,7 @@ impl Req {
             mask_error: None,
             given_first: None,
             kind: self.kind,
+            hold: self.hold.clone(),
             stop_regex: self.stop_regex.clone(),
             followers: Vec::new(),
             node: None,

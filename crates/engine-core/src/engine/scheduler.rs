@@ -44,6 +44,7 @@ use crate::runner::is_stop;
 use crate::sampling::SeqRng;
 use crate::speculative::Speculator;
 
+mod holds;
 mod iteration;
 mod refit;
 mod snapshots;
@@ -97,6 +98,8 @@ pub(crate) struct Scheduler {
     /// model with recurrent layers).
     snapshots: Option<snapshots::SnapshotStore>,
     cache: Box<dyn PrefixCache>,
+    /// Sequences kept cached for callers (open sessions).
+    holds: holds::Holds,
     decoder: Arc<dyn TokenDecoder>,
     /// Proposes drafts when speculation is configured.
     speculator: Option<Box<dyn Speculator>>,
@@ -200,7 +203,9 @@ impl Scheduler {
         let overlap = cfg
             .overlap_schedule
             .unwrap_or_else(|| parts.executor.capabilities().asynchronous);
+        let holds = holds::Holds::new(cfg.hold_ratio, pool.total_pages() * page_size);
         Ok(Self {
+            holds,
             overlap,
             lookahead: Vec::new(),
             lora_used: false,
@@ -331,6 +336,7 @@ impl Scheduler {
             }
             Msg::Control(c) => self.control(c),
             Msg::Transfer(op) => self.transfer(op),
+            Msg::ReleaseHold(key) => self.release_hold(&key),
             Msg::Shutdown => return false,
         }
         true
@@ -488,6 +494,7 @@ impl Scheduler {
 
     /// Allocates `n` pages, evicting from the cache if needed.
     fn alloc_pages(&mut self, n: usize) -> Option<crate::kv::PageSet> {
+        self.yield_holds(n);
         let free = self.pool.free_pages();
         if free < n {
             self.cache.evict((n - free) * self.page_size);
@@ -745,7 +752,12 @@ impl Scheduler {
         }
         let last = len == extend;
         let future = if last { self.expected_new(&r) } else { 0.0 };
-        let room = self.available_tokens() as f64 - b.reserved;
+        let mut room = self.available_tokens() as f64 - b.reserved;
+        if len as f64 + future > room && !self.holds.is_empty() {
+            let want = (len as f64 + future + b.reserved).ceil() as usize;
+            self.yield_holds(want.div_ceil(ps));
+            room = self.available_tokens() as f64 - b.reserved;
+        }
         let alone = first && self.running.is_empty() && b.in_flight == 0;
         let fits = len > 0 && (alone || len as f64 + future <= room);
         let need_pages = (r.computed + len)
@@ -785,6 +797,7 @@ impl Scheduler {
         let missing = |r: &Req| pages_for(r.len(), ps).saturating_sub(r.page_count());
         let need = loop {
             let need: usize = self.running.iter().map(missing).sum();
+            self.yield_holds(need);
             let available = self.pool.free_pages() + self.cache.stats().evictable_tokens / ps;
             if need <= available || self.running.len() <= 1 {
                 break need;
@@ -878,7 +891,11 @@ impl Scheduler {
 
     /// Finishes `r` where it lies (the caller drops it).
     fn finish_mut(&mut self, r: &mut Req, f: Finish) {
+        let computed = r.computed;
         self.release_kv(r, true);
+        if f.kind != FinishKind::Abort && r.kind == RequestKind::Generate {
+            self.hold_finished(r, computed);
+        }
         if let Some(s) = self.speculator.as_mut() {
             s.release(r.key);
         }
@@ -936,6 +953,7 @@ impl Scheduler {
         c.num_used_tokens =
             (self.pool.used_pages() * ps).saturating_sub(cache_stats.evictable_tokens);
         c.evictable_tokens = cache_stats.evictable_tokens;
+        c.held_tokens = self.holds.held();
         if let Some(sp) = &self.state_pool {
             c.used_state_slots = sp.used_slots();
             c.max_state_slots = sp.total_slots();

@@ -19,16 +19,7 @@
 //!   cost of copying the sequence's logits rows. Both paths edit a row to
 //!   the same bits.
 //!
-//! Verification (greedy): walk the drafts from the root; while the target's
-//! token at the current row equals a draft child, accept it and move there;
-//! the first disagreement (or the end) contributes the target's own token.
-//! Verification (temperature > 0): recursive rejection sampling at each row
-//! ([`verify_row`]): a child drawn from the drafter's `q` is accepted with
-//! probability `min(1, p(d) / q(d))`, a deterministic one (a point mass)
-//! with probability `p(d)`; after a rejection `p` keeps only the residual
-//! and the next child is tried; when no child is accepted, the token is
-//! drawn from what is left of `p`. The output distribution is then exactly
-//! that of plain sampling.
+//! Drafts are verified by the rules of [`crate::speculative::verify`].
 
 use crate::backend::attention::BatchLayout;
 use crate::backend::{Backend, MAX_TOP_LOGPROBS, SampleRow};
@@ -40,6 +31,7 @@ use crate::model::{ForwardBatch, ModelSpec};
 use crate::runner::ModelRunner;
 use crate::sampling::logit_edits::{LogitEdits, RowEdits};
 use crate::sampling::{LogitsContext, LogitsProcessor, Sampler, SamplingParams};
+use crate::speculative::verify::verify_ids;
 use crate::step::{
     MaskInput, SampleRows, SampleSpec, SeqOutput, SeqPlan, StepMasks, StepOutput, StepPlan,
     TokenLogprob,
@@ -471,14 +463,12 @@ fn pool_embeddings(
         let n = s.tokens.len();
         let row = |r: usize| hidden.get((r0 + r) * hidden_size..(r0 + r + 1) * hidden_size);
         let v = match pool {
-            crate::engine::Pooling::Last => row(n - 1).map(<[f32]>::to_vec),
-            crate::engine::Pooling::Mean => {
-                (0..n).try_fold(vec![0f32; hidden_size], |mut acc, r| {
-                    let x = row(r)?;
-                    acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
-                    Some(acc)
-                })
-            }
+            crate::step::Pooling::Last => row(n - 1).map(<[f32]>::to_vec),
+            crate::step::Pooling::Mean => (0..n).try_fold(vec![0f32; hidden_size], |mut acc, r| {
+                let x = row(r)?;
+                acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+                Some(acc)
+            }),
         };
         out.extra_mut().embedding = v.unwrap_or_default();
     }
@@ -794,51 +784,6 @@ fn attach_logprobs(s: &SeqPlan, out: &mut SeqOutput, rows: &[Option<RowLogprob>]
         })
         .collect();
     out.extra_mut().logprobs.extend(logprobs);
-}
-
-/// The children (row indices within the sampled rows) of row `at`, in order.
-fn children(s: &SeqPlan, at: usize) -> Vec<usize> {
-    let n = s.sampled_rows().len();
-    let base = s.tokens.len() - n;
-    match &s.tree {
-        Some(parents) => (at + 1..n)
-            .filter(|&j| parents[base + j] == (base + at) as i32)
-            .collect(),
-        None if at + 1 < n => vec![at + 1],
-        None => Vec::new(),
-    }
-}
-
-/// Output of a sequence from the target's token at each sampled row (greedy
-/// verification, or a single sampled row).
-fn verify_ids(s: &SeqPlan, ids: &[u32]) -> SeqOutput {
-    if let [id] = ids {
-        // One sampled row: nothing to verify.
-        return SeqOutput {
-            tokens: smallvec::smallvec![*id],
-            ..SeqOutput::default()
-        };
-    }
-    let base = s.tokens.len() - ids.len();
-    let mut out = SeqOutput::default();
-    let mut at = 0;
-    while let Some(&t) = ids.get(at) {
-        out.tokens.push(t);
-        let next = children(s, at)
-            .into_iter()
-            .find(|&c| s.tokens[base + c] == t);
-        match next {
-            Some(c) => {
-                out.accepted += 1;
-                if s.tree.is_some() {
-                    out.extra_mut().accepted_path.push(base + c);
-                }
-                at = c;
-            }
-            None => break,
-        }
-    }
-    out
 }
 
 mod host;

@@ -70,6 +70,19 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
+    /// The whole model's shape from a rank's in a tensor-parallel group of
+    /// `world`: the ranks' heads and MLP widths together, `weight_bytes`
+    /// the sum of their weights (the hidden size and the vocabulary are
+    /// every rank's).
+    pub fn for_group(&self, world: usize, weight_bytes: u64) -> ModelSpec {
+        let mut spec = self.clone();
+        spec.num_heads *= world;
+        spec.num_kv_heads *= world;
+        spec.intermediate_size *= world;
+        spec.weight_bytes = weight_bytes;
+        spec
+    }
+
     /// Layers that keep KV pages: every layer but the recurrent ones.
     pub fn kv_layers(&self) -> usize {
         self.num_layers - self.state.map_or(0, |s| s.layers)

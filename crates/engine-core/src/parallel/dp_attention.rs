@@ -68,7 +68,7 @@ impl DpAttentionGroup {
                 "a data-parallel attention group of no ranks",
             ));
         }
-        crate::parallel::tp::check_group(&comms, n)?;
+        crate::comm::check_group(&comms, n)?;
         Ok(Arc::new(Self {
             ranks,
             comms,

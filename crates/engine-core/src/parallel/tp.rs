@@ -11,7 +11,7 @@
 //!   rank whose output differs is an error, not a silent divergence.
 //! - A rank that fails aborts the group so that no rank stays blocked in a
 //!   collective; the group is reset before the step returns its error.
-//! - [`TpRunners`] runs a forward outside a plan (a LAYERSKIP drafter's) on
+//! - [`TpRunners`](crate::speculative::TpRunners) runs a forward outside a plan (a LAYERSKIP drafter's) on
 //!   every rank the same way.
 //! - A plan's KV tier copies (HiCache, PD export and import) run once for
 //!   the group, before the ranks compute: a host page holds every rank's
@@ -21,15 +21,13 @@
 //!   new weights are a shard per rank, checked on every rank before any
 //!   rank changes, so the group never runs mixed weights.
 
-use crate::comm::Communicator;
+use crate::comm::{Communicator, check_group, on_every_rank, settle};
 use crate::error::{CoreError, Result};
 use crate::executor::{Executor, ExecutorCapabilities, LocalExecutor, MemoryOp, RankWeights};
 use crate::kv::KvSpec;
-use crate::model::{ForwardBatch, ForwardOutput, ModelSpec};
-use crate::runner::ModelRunner;
+use crate::model::ModelSpec;
 use crate::sampling::SamplingParams;
 use crate::step::{MaskInput, StepOutput, StepPlan};
-use crate::tensor::{HostTensor, Tensor};
 use std::sync::Arc;
 
 /// Runs each plan on every rank of a tensor-parallel group.
@@ -61,11 +59,9 @@ impl TpExecutor {
             ));
         }
         let w = ranks.len();
-        let spec = group_spec(
-            first.model_spec(),
-            w,
-            ranks.iter().map(|r| r.model_spec().weight_bytes).sum(),
-        );
+        let spec = first
+            .model_spec()
+            .for_group(w, ranks.iter().map(|r| r.model_spec().weight_bytes).sum());
         let kv_replicated = first.model_spec().kv_values_in_keys;
         let kv = Self::group_kv_spec(kv, w);
         Ok(Self {
@@ -210,18 +206,6 @@ impl TpExecutor {
     }
 }
 
-/// The whole model's shape from rank 0's `rank` in a group of `world`:
-/// the ranks' heads and MLP widths together, `weight_bytes` the sum of
-/// their weights (the hidden size and the vocabulary are every rank's).
-fn group_spec(rank: &ModelSpec, world: usize, weight_bytes: u64) -> ModelSpec {
-    let mut spec = rank.clone();
-    spec.num_heads *= world;
-    spec.num_kv_heads *= world;
-    spec.intermediate_size *= world;
-    spec.weight_bytes = weight_bytes;
-    spec
-}
-
 /// A group's expert load from its ranks' counts: per layer and expert, the
 /// largest count (see [`TpExecutor`]'s `expert_load`).
 pub(crate) fn group_expert_load(ranks: &[LocalExecutor]) -> Vec<crate::model::moe::ExpertLoad> {
@@ -237,181 +221,6 @@ pub(crate) fn group_expert_load(ranks: &[LocalExecutor]) -> Vec<crate::model::mo
         }
     }
     merged
-}
-
-/// Checks that `comms[i]` is rank `i` of a group of exactly `ranks` ranks.
-pub(crate) fn check_group(comms: &[Arc<dyn Communicator>], ranks: usize) -> Result<()> {
-    if comms.len() != ranks
-        || comms
-            .iter()
-            .enumerate()
-            .any(|(i, c)| c.rank() != i || c.world_size() != ranks)
-    {
-        return Err(CoreError::invalid(
-            "each rank needs the communicator of its own rank in a group of all of them",
-        ));
-    }
-    Ok(())
-}
-
-/// Runs `f(rank, input)` on every rank at once (rank 0 on this thread, the
-/// others on scoped threads), each with its own input; a rank that fails
-/// aborts the group so that no other rank stays blocked in a collective.
-fn on_every_rank<I: Send, T: Send>(
-    comms: &[Arc<dyn Communicator>],
-    inputs: Vec<I>,
-    f: impl Fn(usize, I) -> Result<T> + Sync,
-) -> Vec<Result<T>> {
-    let f = &f;
-    std::thread::scope(|s| {
-        let mut inputs = inputs.into_iter();
-        let first_input = inputs.next();
-        let handles: Vec<_> = comms
-            .iter()
-            .skip(1)
-            .zip(inputs)
-            .enumerate()
-            .map(|(i, (c, input))| {
-                s.spawn(move || {
-                    let out = f(i + 1, input);
-                    if out.is_err() {
-                        c.abort();
-                    }
-                    out
-                })
-            })
-            .collect();
-        let first = match first_input {
-            Some(input) => f(0, input),
-            None => Err(CoreError::Internal("no rank to run".into())),
-        };
-        if first.is_err()
-            && let Some(c) = comms.first()
-        {
-            c.abort();
-        }
-        let mut all = vec![first];
-        for h in handles {
-            all.push(h.join().unwrap_or_else(|_| {
-                Err(CoreError::Internal(
-                    "a tensor-parallel rank panicked".into(),
-                ))
-            }));
-        }
-        all
-    })
-}
-
-/// Every rank's output, or the first failure (the cause: the others were
-/// aborted by it) after resetting the group for the next collective.
-fn settle<T>(comms: &[Arc<dyn Communicator>], results: Vec<Result<T>>) -> Result<Vec<T>> {
-    if results.iter().any(Result::is_err) {
-        if let Some(c) = comms.first() {
-            c.reset()?;
-        }
-        let cause = results.into_iter().find_map(Result::err);
-        return Err(cause.unwrap_or_else(|| CoreError::Internal("a rank failed".into())));
-    }
-    results.into_iter().collect()
-}
-
-/// A tensor-parallel group's runners, for drafters: a model forward outside
-/// a step plan for one that runs the target's own (sharded) layers
-/// (LAYERSKIP): every rank runs the same batch on its shard and its KV
-/// cache, meeting in the layers' collectives; rank 0's output is the
-/// group's (the logits are gathered, so every rank holds the same). And,
-/// for a draft head that runs whole on rank 0 (EAGLE, EAGLE3, NEXTN), the
-/// whole model's shape and its LM head over the whole vocabulary there.
-pub struct TpRunners {
-    runners: Vec<Arc<ModelRunner>>,
-    comms: Vec<Arc<dyn Communicator>>,
-    /// The whole model's shape (as [`TpExecutor`]'s).
-    spec: ModelSpec,
-}
-
-impl TpRunners {
-    /// Rank `i`'s runner `runners[i]`, communicating through `comms[i]`
-    /// (the runners the group's [`TpExecutor`] executes with).
-    pub fn new(runners: Vec<Arc<ModelRunner>>, comms: Vec<Arc<dyn Communicator>>) -> Result<Self> {
-        if runners.is_empty() {
-            return Err(CoreError::invalid("a tensor-parallel group of no ranks"));
-        }
-        check_group(&comms, runners.len())?;
-        let spec = group_spec(
-            runners[0].spec(),
-            runners.len(),
-            runners.iter().map(|r| r.spec().weight_bytes).sum(),
-        );
-        Ok(Self {
-            runners,
-            comms,
-            spec,
-        })
-    }
-
-    /// The whole model's shape (heads and widths of every rank together).
-    pub fn spec(&self) -> &ModelSpec {
-        &self.spec
-    }
-
-    /// The LM head over the whole vocabulary on rank 0's device, `None`
-    /// when the model exposes none: rank 0's own when it holds every row,
-    /// the input embedding when the head is a view of that table (tied
-    /// weights; the table is replicated), else a copy of every rank's rows
-    /// (vocab-parallel) in rank order. Rows of every weight format are
-    /// contiguous, so the copy is the ranks' bytes one after the other.
-    pub fn whole_lm_head(&self) -> Result<Option<Tensor>> {
-        let first = self.runners[0].model();
-        let Some(head) = first.lm_head() else {
-            return Ok(None);
-        };
-        let vocab = self.spec.vocab_size;
-        if head.rows() == vocab {
-            return Ok(Some(head));
-        }
-        if let Some(table) = first.input_embedding()
-            && table.buffer_id() == head.buffer_id()
-            && table.rows() == vocab
-        {
-            return Ok(Some(table));
-        }
-        let mut bytes = Vec::with_capacity(head.byte_len()? * self.runners.len());
-        for (rank, r) in self.runners.iter().enumerate() {
-            let part = r.model().lm_head().ok_or_else(|| {
-                CoreError::invalid(format!("tensor-parallel rank {rank} has no LM head"))
-            })?;
-            if part.dtype() != head.dtype() || part.row_len() != head.row_len() {
-                return Err(CoreError::invalid(format!(
-                    "tensor-parallel rank {rank}'s LM head {part:?} is not rank 0's kind {head:?}"
-                )));
-            }
-            let at = bytes.len();
-            bytes.resize(at + part.byte_len()?, 0);
-            r.backend().download(&part, &mut bytes[at..])?;
-        }
-        let host = HostTensor {
-            dtype: head.dtype(),
-            shape: vec![vocab, head.row_len()],
-            data: std::borrow::Cow::Owned(bytes),
-        };
-        host.validate("the gathered LM head")?;
-        self.runners[0].backend().upload(&host).map(Some)
-    }
-
-    /// Rank 0's runner (its device holds the gathered logits).
-    pub fn first(&self) -> &Arc<ModelRunner> {
-        &self.runners[0]
-    }
-
-    /// Runs `batch` on every rank; rank 0's output.
-    pub fn forward(&self, batch: &ForwardBatch) -> Result<ForwardOutput> {
-        let inputs = vec![(); self.runners.len()];
-        let results = on_every_rank(&self.comms, inputs, |i, ()| self.runners[i].forward(batch));
-        settle(&self.comms, results)?
-            .into_iter()
-            .next()
-            .ok_or_else(|| CoreError::Internal("no rank ran the forward".into()))
-    }
 }
 
 /// One copy of `plan` per rank, without its KV tier copies: grammar masks

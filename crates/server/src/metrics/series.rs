@@ -142,6 +142,12 @@ pub(super) fn pool(s: &EngineStats) -> Vec<Series> {
             s.evictable_tokens as f64,
         ),
         (
+            "held_tokens",
+            "gauge",
+            "The number of KV cache tokens held against eviction for open sessions (counted in num_used_tokens).",
+            s.held_tokens as f64,
+        ),
+        (
             "cache_tokens",
             "gauge",
             "The number of KV cache tokens the prefix cache holds (evictable and locked by requests).",

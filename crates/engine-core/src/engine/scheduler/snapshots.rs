@@ -202,6 +202,7 @@ impl Scheduler {
     /// Drops every unlocked cached prefix, and the recurrent state
     /// snapshots with them.
     pub(super) fn flush_cache(&mut self) {
+        self.release_all_holds();
         self.cache.flush();
         if let Some(s) = &mut self.snapshots {
             s.clear();

@@ -8,8 +8,9 @@
 //! is exactly (greedy) or in distribution (sampled) that of plain decoding.
 //!
 //! The speculator owns only its own proposal state (an n-gram table, a draft
-//! model's KV); the scheduler owns requests, pages and verification. It is told
-//! every token a request's sequence gains ([`Speculator::observe`]) and when a
+//! model's KV); the scheduler owns requests and pages; [`verify`] holds
+//! the rules by which every executor verifies drafts. The speculator is
+//! told every token a request's sequence gains ([`Speculator::observe`]) and when a
 //! request leaves ([`Speculator::release`]).
 //!
 //! Invariant of a [`Draft`]: `parents`, when present, has one entry per draft
@@ -19,6 +20,11 @@
 //! `probs` has one distribution per token, the one it was drawn from;
 //! siblings were drawn together without replacement, in their listed order,
 //! from one shared distribution (verification relies on that order).
+
+mod group;
+pub mod verify;
+
+pub use group::TpRunners;
 
 use crate::error::{CoreError, Result};
 use crate::model::Model;
@@ -107,7 +113,7 @@ pub struct SpeculatorInputs {
     /// ranks through it; a draft head on rank 0 (EAGLE, EAGLE3, NEXTN)
     /// reads the whole model's shape and LM head from it. `None` on one
     /// device.
-    pub target_group: Option<Arc<crate::parallel::tp::TpRunners>>,
+    pub target_group: Option<Arc<TpRunners>>,
     /// A separate draft model loaded on the target's device (STANDALONE).
     pub draft_model: Option<Arc<dyn Model>>,
     /// A draft checkpoint that the speculator loads itself (an EAGLE3 head's folder).
