@@ -107,7 +107,7 @@ pub fn named_setting(e: arbor_engine_core::CoreError, section: &str) -> anyhow::
     let arbor_engine_core::CoreError::InvalidSetting { key, reason } = e else {
         return e.into();
     };
-    anyhow::anyhow!("{}: {reason}", setting_name(section, &key))
+    anyhow::anyhow!("{}: {reason}", setting_name(section, key))
 }
 
 /// A setting as the binary takes it: `[section] key / --flag` (the flag is
