@@ -675,3 +675,134 @@ fn flat_numbers(v: &Value) -> Vec<f64> {
         _ => Vec::new(),
     }
 }
+
+/// vLLM's `prompt_logprobs` on `/v1/completions` and `/v1/chat/completions`,
+/// f32 weights and KV: after each fixture prompt, a probe token (the
+/// reference's fifth most likely, where its neighbours are not near-ties)
+/// gets transformers' log-softmax and its exact rank (5), beside the `k`
+/// most likely alternatives ranked by place; the first token is `null`;
+/// output logprobs stay off unless asked; bad values and streaming are 400s
+/// naming the field.
+#[tokio::test]
+async fn vllm_prompt_logprobs_match_transformers() -> Result<()> {
+    let reference = reference_json(&fixture("tiny-llama"))?;
+    let prompts = reference["prompts"].as_array().cloned().unwrap_or_default();
+    let c = client();
+    let s = Server::tiny(&["--dtype", "f32", "--kv-cache-dtype", "f32"])?;
+    let url = s.url("/v1/completions");
+    let mut checked = 0;
+    for p in &prompts {
+        let reference_lp = log_softmax(&f64s(&p["last_logits"]));
+        let scale = reference_lp.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let mut order: Vec<usize> = (0..reference_lp.len()).collect();
+        order.sort_by(|&a, &b| reference_lp[b].total_cmp(&reference_lp[a]));
+        let gap = |a: usize, b: usize| reference_lp[order[a]] - reference_lp[order[b]];
+        if gap(3, 4) < 1e-3 * scale || gap(4, 5) < 1e-3 * scale {
+            continue;
+        }
+        let probe = order[4] as u64;
+        let mut ids: Vec<u64> = p["input_ids"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        ids.push(probe);
+        let v = post_ok(
+            &c,
+            &url,
+            &json!({"prompt": ids, "prompt_logprobs": 3, "max_tokens": 1, "temperature": 0}),
+        )
+        .await?;
+        let choice = &v["choices"][0];
+        ensure!(choice["logprobs"].is_null(), "{choice}");
+        let pl = choice["prompt_logprobs"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        ensure!(pl.len() == ids.len() && pl[0].is_null(), "{choice}");
+        let last = pl[ids.len() - 1].as_object().cloned().unwrap_or_default();
+        let e = &last[&probe.to_string()];
+        ensure!(e["rank"] == 5, "{e}");
+        let got = e["logprob"].as_f64().unwrap_or(f64::NAN);
+        ensure!(
+            (got - reference_lp[probe as usize]).abs() <= 1e-4 * scale,
+            "{got} vs transformers {}",
+            reference_lp[probe as usize]
+        );
+        ensure!(
+            last.len() == 4,
+            "three alternatives and the token: {last:?}"
+        );
+        for (k, &t) in order[..3].iter().enumerate() {
+            let alt = &last[&t.to_string()];
+            ensure!(
+                alt["rank"] == k + 1 && alt["decoded_token"].is_string(),
+                "{alt}"
+            );
+        }
+        // Every scored position ranks its token.
+        ensure!(
+            pl[1..].iter().all(|x| x
+                .as_object()
+                .is_some_and(|o| o.values().all(|e| e["rank"].as_u64() >= Some(1)))),
+            "{choice}"
+        );
+        checked += 1;
+    }
+    ensure!(checked > 0, "no fixture prompt had a clear fifth token");
+    // Chat: beside the choices, one entry per prompt token; output
+    // logprobs cut to what was asked (1) while the prompt's carry 4.
+    let v = post_ok(
+        &c,
+        &s.url("/v1/chat/completions"),
+        &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+                "temperature": 0, "prompt_logprobs": 4, "logprobs": true, "top_logprobs": 1}),
+    )
+    .await?;
+    let pl = v["prompt_logprobs"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        pl.len() as u64 == v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) && pl[0].is_null(),
+        "{v}"
+    );
+    ensure!(
+        pl[1..]
+            .iter()
+            .all(|x| x.as_object().is_some_and(|o| (4..=5).contains(&o.len()))),
+        "{v}"
+    );
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    ensure!(
+        !content.is_empty()
+            && content
+                .iter()
+                .all(|e| e["top_logprobs"].as_array().map(Vec::len) == Some(1)),
+        "{v}"
+    );
+    for (route, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "prompt_logprobs": -1}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "prompt_logprobs": 65}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "prompt_logprobs": 2, "stream": true}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": "3"}),
+        ),
+    ] {
+        let (st, e) = post(&c, &s.url(route), &body).await?;
+        ensure!(
+            st == 400 && e["error"]["param"] == "prompt_logprobs",
+            "{body}: {st} {e}"
+        );
+    }
+    assert_no_leak(&c, &s, "arbor", None).await
+}

@@ -33,6 +33,8 @@ pub(crate) struct RowLogprob {
     pub logprob: f32,
     /// The top alternatives as (id, logprob), best first.
     pub top: Vec<(u32, f32)>,
+    /// The row's log-sum-exp.
+    pub lse: f32,
 }
 
 impl DeviceLogprobs {
@@ -104,7 +106,69 @@ impl DeviceLogprobs {
                 top: (r * self.top..(r + 1) * self.top)
                     .map(|k| (ids[k], vals[k]))
                     .collect(),
+                lse: lse[r],
             })
+            .collect())
+    }
+
+    /// Per row `r`, the log-probabilities of the ids `ids[r]` names, in
+    /// order (an id past the vocabulary scores negative infinity), with
+    /// each row's log-sum-exp from [`finish`](Self::finish): gathered where
+    /// the logits are, so only the named values cross to the host.
+    pub fn named(
+        &self,
+        backend: &dyn Backend,
+        rows: &[RowLogprob],
+        ids: &[Option<&[u32]>],
+    ) -> Result<Vec<Vec<(u32, f32)>>> {
+        let (n, vocab) = (self.raw.rows(), self.raw.row_len());
+        let mut flat = Vec::new();
+        for (r, row_ids) in ids.iter().enumerate().take(n) {
+            for &t in row_ids.unwrap_or_default() {
+                flat.push(if (t as usize) < vocab {
+                    (r * vocab + t as usize) as u32
+                } else {
+                    u32::MAX
+                });
+            }
+        }
+        if flat.is_empty() {
+            return Ok(vec![Vec::new(); ids.len()]);
+        }
+        let idx = backend.upload_u32(&[flat.len()], &flat)?;
+        let picked = backend.alloc(DType::F32, &[flat.len(), 1])?;
+        backend.gather_rows(&self.raw.reshape(&[n * vocab, 1])?, &idx, &picked)?;
+        let mut picked = backend.download_f32(&picked)?.into_iter();
+        let mut out = Vec::with_capacity(ids.len());
+        for (r, row_ids) in ids.iter().enumerate() {
+            let lse = rows.get(r).map_or(0.0, |l| l.lse);
+            let row: Vec<(u32, f32)> = row_ids
+                .unwrap_or_default()
+                .iter()
+                .map(|&t| {
+                    let v = picked.next().unwrap_or(f32::NEG_INFINITY);
+                    let lp = if (t as usize) < vocab {
+                        v - lse
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                    (t, lp)
+                })
+                .collect();
+            out.push(row);
+        }
+        Ok(out)
+    }
+
+    /// The rank of `tokens[r]` among row `r`'s logits (1: the most likely;
+    /// `None` for a token past the vocabulary).
+    pub fn ranks(&self, backend: &dyn Backend, tokens: &[u32]) -> Result<Vec<Option<u32>>> {
+        let vocab = self.raw.row_len();
+        Ok(backend
+            .logit_ranks(&self.raw, tokens)?
+            .into_iter()
+            .zip(tokens)
+            .map(|(k, &t)| ((t as usize) < vocab).then_some(k))
             .collect())
     }
 }

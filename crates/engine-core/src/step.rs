@@ -127,6 +127,8 @@ pub struct PromptLogprobs {
     pub top: usize,
     /// Ids whose log-probabilities are wanted at every row too.
     pub ids: Option<Arc<[u32]>>,
+    /// The rank of each predicted token among its row's logits is wanted.
+    pub ranks: bool,
 }
 
 /// What a step does with a sequence's recurrent state besides updating it.
@@ -256,6 +258,11 @@ pub struct TokenLogprob {
     /// The log-probabilities of the ids the request named
     /// ([`crate::engine::GenerateRequest::token_ids_logprob`]), in its order.
     pub ids: Vec<(u32, f32)>,
+    /// Its rank among the row's logits (1: the most likely), for prompt
+    /// tokens of a request that asked for ranks
+    /// ([`crate::engine::GenerateRequest::prompt_logprob_ranks`]); `None`
+    /// otherwise and for an id past the logits.
+    pub rank: Option<u32>,
 }
 
 /// The tokens one sequence's step produced: one, or up to `drafts + 1`

@@ -666,6 +666,31 @@ pub trait Backend: Send + Sync {
         self.write(top_logprobs, &vals)
     }
 
+    /// The rank of `tokens[r]` in row `r` of `logits` (`[rows, vocab]` f32,
+    /// `tokens.len() == rows`): one more than the number of the row's
+    /// logits strictly greater than the token's, so 1 is the most likely (a
+    /// token past the row ranks `vocab + 1`). vLLM reports it with prompt
+    /// log-probabilities. This default downloads the logits.
+    fn logit_ranks(&self, logits: &Tensor, tokens: &[u32]) -> Result<Vec<u32>> {
+        let vocab = logits.row_len();
+        if logits.rows() != tokens.len() {
+            return Err(CoreError::invalid(format!(
+                "ranks of {} tokens in {} rows",
+                tokens.len(),
+                logits.rows()
+            )));
+        }
+        let values = f32_values(self, logits)?;
+        Ok(values
+            .chunks_exact(vocab.max(1))
+            .zip(tokens)
+            .map(|(row, &t)| match row.get(t as usize) {
+                Some(&x) => 1 + row.iter().filter(|&&y| y > x).count() as u32,
+                None => vocab as u32 + 1,
+            })
+            .collect())
+    }
+
     /// Applies `edits` ([`crate::sampling::logit_edits`]) in place to `logits`
     /// (`[rows, vocab]` f32) before [`Backend::sample`], giving exactly the
     /// bits of [`LogitEdits::apply`] on the host. Devices whose memory is not

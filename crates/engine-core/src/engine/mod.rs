@@ -172,6 +172,11 @@ pub struct GenerateRequest {
     /// the prompt's first token has none). The prefix cache serves the
     /// prompt only before it, so those tokens are computed.
     pub logprob_start_len: Option<usize>,
+    /// With `logprob_start_len`, also the rank of each scored prompt token
+    /// among its row's logits (1: the most likely; vLLM's
+    /// `prompt_logprobs`). Computed where the logits are; the default
+    /// backend method copies the scored rows to the host.
+    pub prompt_logprob_ranks: bool,
     /// Constrain the output to a compiled grammar (JSON schema, regex, EBNF...).
     pub grammar: Option<Arc<dyn crate::grammar::CompiledGrammar>>,
     /// Run with this LoRA adapter (`None`: the base model).
@@ -225,6 +230,7 @@ impl GenerateRequest {
             return_logprob: false,
             top_logprobs_num: 0,
             logprob_start_len: None,
+            prompt_logprob_ranks: false,
             grammar: None,
             lora: None,
             data_parallel_rank: None,

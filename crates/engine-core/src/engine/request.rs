@@ -72,6 +72,8 @@ pub(crate) struct Req {
     pub top_logprobs_num: usize,
     /// See [`super::GenerateRequest::token_ids_logprob`].
     pub token_ids_logprob: Option<Arc<[u32]>>,
+    /// See [`super::GenerateRequest::prompt_logprob_ranks`].
+    pub prompt_logprob_ranks: bool,
     /// The grammar the output follows, and this sample's matcher over it.
     pub grammar: Option<Arc<dyn CompiledGrammar>>,
     pub matcher: Option<Box<dyn GrammarMatcher>>,
@@ -191,6 +193,7 @@ impl Req {
             return_logprob: r.return_logprob,
             top_logprobs_num: r.top_logprobs_num,
             token_ids_logprob: r.token_ids_logprob,
+            prompt_logprob_ranks: r.prompt_logprob_ranks,
             grammar: r.grammar,
             matcher,
             mask_error: None,
@@ -274,6 +277,7 @@ impl Req {
             return_logprob: self.return_logprob,
             top_logprobs_num: self.top_logprobs_num,
             token_ids_logprob: self.token_ids_logprob.clone(),
+            prompt_logprob_ranks: self.prompt_logprob_ranks,
             grammar: self.grammar.clone(),
             matcher,
             mask_error: None,

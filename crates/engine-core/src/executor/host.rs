@@ -94,6 +94,7 @@ impl LocalExecutor {
                         .map(|(t, x)| (t, x - lse))
                         .collect(),
                     ids: ids_logprobs(raw, lse, sp.logprob_ids.as_deref()),
+                    rank: None,
                 });
             }
             out.tokens.push(tok);

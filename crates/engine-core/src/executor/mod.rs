@@ -699,42 +699,39 @@ impl LocalExecutor {
         let backend = &**self.runner.backend();
         // The prompt rows are the logits' tail, which nothing edits: scored in place.
         let tail = logits.narrow(first, wanted)?;
-        let scored = DeviceLogprobs::of_rows(backend, tail.clone(), top.min(MAX_TOP_LOGPROBS))?
-            .finish(backend, &next)?;
-        // Named ids are gathered on the host, from the rows that want them.
-        let any_ids = plan
-            .seqs
-            .iter()
-            .any(|s| s.prompt_logprobs.as_ref().is_some_and(|p| p.ids.is_some()));
-        let host_tail = if any_ids {
-            backend.download_f32(&tail)?
+        let stats = DeviceLogprobs::of_rows(backend, tail, top.min(MAX_TOP_LOGPROBS))?;
+        let scored = stats.finish(backend, &next)?;
+        // Named ids and ranks are computed where the logits are, for the
+        // rows of the sequences that ask for them.
+        let mut named_ids: Vec<Option<&[u32]>> = Vec::with_capacity(wanted);
+        let mut want_ranks = false;
+        for p in plan.seqs.iter().filter_map(|s| s.prompt_logprobs.as_ref()) {
+            named_ids.extend(std::iter::repeat_n(p.ids.as_deref(), p.next.len()));
+            want_ranks |= p.ranks;
+        }
+        let mut named = stats.named(backend, &scored, &named_ids)?.into_iter();
+        let ranks = if want_ranks {
+            stats.ranks(backend, &next)?
         } else {
-            Vec::new()
+            vec![None; wanted]
         };
-        let width = tail.row_len();
         let mut at = 0;
         for (s, out) in plan.seqs.iter().zip(seqs.iter_mut()) {
             let Some(p) = &s.prompt_logprobs else {
                 continue;
             };
-            let lps = scored[at..at + p.next.len()]
+            let lps: Vec<TokenLogprob> = scored[at..at + p.next.len()]
                 .iter()
                 .zip(&p.next)
-                .enumerate()
-                .map(|(k, (l, &token))| TokenLogprob {
+                .zip(&ranks[at..at + p.next.len()])
+                .map(|((l, &token), &rank)| TokenLogprob {
                     token,
                     logprob: l.logprob,
                     top: l.top.iter().take(p.top).copied().collect(),
-                    ids: match (
-                        &p.ids,
-                        host_tail.get((at + k) * width..(at + k + 1) * width),
-                    ) {
-                        (Some(ids), Some(row)) => {
-                            host::ids_logprobs(row, crate::sampling::log_sum_exp(row), Some(ids))
-                        }
-                        _ => Vec::new(),
-                    },
-                });
+                    ids: named.next().unwrap_or_default(),
+                    rank: rank.filter(|_| p.ranks),
+                })
+                .collect();
             out.extra_mut().prompt_logprobs.extend(lps);
             at += p.next.len();
         }
@@ -779,6 +776,7 @@ fn attach_logprobs(s: &SeqPlan, out: &mut SeqOutput, rows: &[Option<RowLogprob>]
                 top: l.top.iter().take(top).copied().collect(),
                 // Rows whose request names ids are sampled on the host.
                 ids: Vec::new(),
+                rank: None,
             }),
             _ => None,
         })

@@ -145,6 +145,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         priority,
         namespace,
         data_parallel_rank,
+        prompt_logprobs,
     } = common(&mut f, Dialect::Chat)?;
     let logprobs = f.bool("logprobs")?.unwrap_or(false);
     let top_logprobs = f.int("top_logprobs", 0, i64::from(u32::MAX))?.unwrap_or(0) as usize;
@@ -183,6 +184,10 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     r.rid = rid;
     r.return_logprob = logprobs || top_logprobs > 0;
     r.top_logprobs_num = top_logprobs;
+    if let Some(k) = prompt_logprobs {
+        super::ask_prompt_logprobs(r, k);
+    }
+    let prompt = prompt_logprobs.map(|_| r.input_ids.clone());
     r.priority = priority;
     r.namespace = namespace;
     r.data_parallel_rank = data_parallel_rank;
@@ -197,6 +202,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         model,
         created: AppState::now_unix(),
         logprobs: logprobs || top_logprobs > 0,
+        top: top_logprobs,
         include_usage,
         answer: AnswerParser {
             tools: tool_mode.filter(|c| *c != ToolChoice::None),
@@ -231,15 +237,19 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             })
         })
         .collect();
-    Ok(Json(json!({
+    let mut body = json!({
         "id": fmt.id,
         "object": "chat.completion",
         "created": fmt.created,
         "model": fmt.model,
         "choices": choices,
         "usage": usage(&st, &run),
-    }))
-    .into_response())
+    });
+    // vLLM puts the prompt's log-probabilities beside the choices.
+    if let (Some(k), Some(ids), Some(s)) = (prompt_logprobs, &prompt, run.samples.first()) {
+        body["prompt_logprobs"] = super::prompt_logprobs_json(&st, ids, &s.prompt_logprobs, k);
+    }
+    Ok(Json(body).into_response())
 }
 
 /// The tool fields of a chat request ([`tools::tool_mode`]).
@@ -313,6 +323,8 @@ struct ChatFormat {
     model: String,
     created: u64,
     logprobs: bool,
+    /// Alternatives per output token the request asked for (`top_logprobs`).
+    top: usize,
     include_usage: bool,
     /// How answers are taken apart (reasoning, content, tool calls).
     answer: AnswerParser,
@@ -452,7 +464,12 @@ impl ChatFormat {
             .iter()
             .map(|l| {
                 let mut e = self.entry(l.token, l.logprob);
-                let top: Vec<Value> = l.top.iter().map(|&(t, p)| self.entry(t, p)).collect();
+                let top: Vec<Value> = l
+                    .top
+                    .iter()
+                    .take(self.top)
+                    .map(|&(t, p)| self.entry(t, p))
+                    .collect();
                 if let Some(o) = e.as_object_mut() {
                     o.insert("top_logprobs".into(), Value::Array(top));
                 }

@@ -111,6 +111,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         priority,
         namespace,
         data_parallel_rank,
+        prompt_logprobs,
     } = common(&mut f, Dialect::Completions)?;
     let logprobs = f.int("logprobs", 0, i64::from(u32::MAX))?;
     if echo && stream {
@@ -150,10 +151,13 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             r.namespace = namespace.clone();
             r.data_parallel_rank = data_parallel_rank;
             r.lora = lora.clone();
+            if let Some(k) = prompt_logprobs {
+                super::ask_prompt_logprobs(r, k);
+            }
             j
         })
         .collect();
-    let prompt_ids: Vec<Vec<u32>> = if echo {
+    let prompt_ids: Vec<Vec<u32>> = if echo || prompt_logprobs.is_some() {
         jobs.iter().map(|j| j.req.input_ids.clone()).collect()
     } else {
         Vec::new()
@@ -165,6 +169,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
         model: st.response_model(lora.as_deref()),
         created: AppState::now_unix(),
         logprobs: logprobs.is_some(),
+        top: logprobs.unwrap_or(0) as usize,
         include_usage,
         offsets: vec![0; run.samples.len()],
     };
@@ -196,13 +201,21 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
             } else {
                 fmt.logprobs.then(|| fmt.logprob_json(i, &s.logprobs))
             };
-            json!({
+            let prompt_lp = prompt_logprobs.map(|k| {
+                let ids = prompt_ids.get(s.prompt).map_or(&[][..], Vec::as_slice);
+                super::prompt_logprobs_json(&st, ids, &s.prompt_logprobs, k)
+            });
+            let mut choice = json!({
                 "index": i,
                 "text": text,
                 "logprobs": lp,
                 "finish_reason": s.finish.as_ref().map(openai_finish_reason),
                 "matched_stop": s.finish.as_ref().map(run::matched_value),
-            })
+            });
+            if let Some(p) = prompt_lp {
+                choice["prompt_logprobs"] = p;
+            }
+            choice
         })
         .collect();
     Ok(Json(json!({
@@ -223,6 +236,8 @@ struct CompletionFormat {
     model: String,
     created: u64,
     logprobs: bool,
+    /// Alternatives per output token the request asked for (`logprobs`).
+    top: usize,
     include_usage: bool,
     /// Per sample: characters of text covered by log-probability entries so far.
     offsets: Vec<usize>,
@@ -245,7 +260,7 @@ impl CompletionFormat {
             tokens.push(t);
             token_logprobs.push(l.logprob);
             let mut m = Map::new();
-            for &(id, p) in &l.top {
+            for &(id, p) in l.top.iter().take(self.top) {
                 m.insert(token_text(&self.state, id), json!(p));
             }
             top.push(Value::Object(m));

@@ -22,12 +22,14 @@ use crate::fields::Fields;
 use crate::params::{self, Dialect};
 use crate::run::Run;
 use crate::state::AppState;
+use arbor_engine_core::backend::MAX_TOP_LOGPROBS;
+use arbor_engine_core::engine::{GenerateRequest, TokenLogprob};
 use arbor_engine_core::{CacheNamespace, SamplingParams, TokenDecoder};
 use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
 /// What the generation routes parse alike.
@@ -43,6 +45,9 @@ pub(crate) struct Common {
     pub namespace: CacheNamespace,
     /// SGLang's `data_parallel_rank`: the replica to run on.
     pub data_parallel_rank: Option<usize>,
+    /// vLLM's `prompt_logprobs` (chat and completions): the prompt tokens'
+    /// log-probabilities with this many alternatives each.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Checks the `model` field against the served name and the loaded LoRA
@@ -82,6 +87,18 @@ pub(crate) fn common(f: &mut Fields, d: Dialect) -> Result<Common, ApiError> {
         so.finish()?;
     }
     let rid = f.string("rid")?;
+    let prompt_logprobs = match d {
+        Dialect::Chat | Dialect::Completions => f
+            .int("prompt_logprobs", 0, MAX_TOP_LOGPROBS as i64)?
+            .map(|k| k as usize),
+        _ => None,
+    };
+    if stream && prompt_logprobs.is_some() {
+        return Err(ApiError::unsupported(
+            "prompt_logprobs",
+            "prompt_logprobs with stream",
+        ));
+    }
     let priority = f.int("priority", i64::MIN, i64::MAX)?.unwrap_or(0);
     let data_parallel_rank = crate::fields::data_parallel_rank(f)?;
     // Requests with other keys never share cached prefixes (tenants, adapters).
@@ -113,7 +130,45 @@ pub(crate) fn common(f: &mut Fields, d: Dialect) -> Result<Common, ApiError> {
         priority,
         namespace,
         data_parallel_rank,
+        prompt_logprobs,
     })
+}
+
+/// Asks `r` for vLLM's `prompt_logprobs`: every prompt token after the
+/// first scored, with `k` alternatives (alternatives of the output are cut
+/// to what the request asked by its formatter) and its rank.
+pub(crate) fn ask_prompt_logprobs(r: &mut GenerateRequest, k: usize) {
+    r.return_logprob = true;
+    r.logprob_start_len = Some(0);
+    r.top_logprobs_num = r.top_logprobs_num.max(k);
+    r.prompt_logprob_ranks = true;
+}
+
+/// vLLM's `prompt_logprobs` of a prompt: `null` for its first token, then
+/// per token an object keyed by token id (as a string) holding the token
+/// and its `k` most likely alternatives, each `{"logprob", "rank",
+/// "decoded_token"}` (an alternative's rank is its place in the list).
+pub(crate) fn prompt_logprobs_json(
+    st: &AppState,
+    prompt: &[u32],
+    scored: &[TokenLogprob],
+    k: usize,
+) -> Value {
+    let entry = |id: u32, logprob: f32, rank: Option<u32>| json!({"logprob": logprob, "rank": rank, "decoded_token": token_text(st, id)});
+    let mut out = Vec::with_capacity(prompt.len());
+    if !prompt.is_empty() {
+        out.push(Value::Null);
+    }
+    for l in scored {
+        let mut m = Map::new();
+        m.insert(l.token.to_string(), entry(l.token, l.logprob, l.rank));
+        for (place, &(id, lp)) in l.top.iter().take(k).enumerate() {
+            m.entry(id.to_string())
+                .or_insert_with(|| entry(id, lp, Some(place as u32 + 1)));
+        }
+        out.push(Value::Object(m));
+    }
+    Value::Array(out)
 }
 
 /// The `usage` object of a run.

@@ -200,6 +200,7 @@ impl Scheduler {
                 next,
                 top: e.req.top_logprobs_num,
                 ids: e.req.token_ids_logprob.clone(),
+                ranks: e.req.prompt_logprob_ranks,
             });
     }
 
