@@ -9,9 +9,12 @@
 //! and deleted; `text.format` json_schema answers validate; a named
 //! `tool_choice` comes back as a `function_call` item, and an answer that
 //! writes a call under `tool_choice: auto` streams a message then the call;
-//! a client that hangs up mid-stream frees its KV pages.
+//! a client that hangs up mid-stream frees its KV pages; a background
+//! response still running is cancelled.
 //!
-//! On the tiny Llama: bad requests are 4xx naming the field. With
+//! On the tiny Llama: bad requests are 4xx naming the field; a stored
+//! response lists its input items a page at a time; a background response
+//! answers at once and stores the foreground answer. With
 //! `ARBOR_SGLANG_PYTHON` (a Python with the `openai` package) the official
 //! client's `responses.create` runs against the server, streamed and not.
 
@@ -407,6 +410,7 @@ async fn responses_on_the_default_model() -> Result<()> {
     json_schema_answers(&c, &s).await?;
     forced_and_streamed_calls(&c, &s).await?;
     hang_up(&c, &s).await?;
+    background_cancel(&c, &s).await?;
     assert_no_leak(&c, &s, "arbor", None).await?;
     Ok(())
 }
@@ -473,7 +477,7 @@ async fn bad_requests_name_the_field() -> Result<()> {
             "include[0]",
         ),
         (
-            json!({"input": "hi", "background": true}),
+            json!({"input": "hi", "background": true, "store": false}),
             400,
             "background",
         ),
@@ -510,6 +514,199 @@ async fn bad_requests_name_the_field() -> Result<()> {
     let lps = &ok["output"][0]["content"][0]["logprobs"];
     assert_eq!(lps.as_array().map(Vec::len), Some(2), "{ok}");
     assert_eq!(lps[0]["top_logprobs"].as_array().map(Vec::len), Some(2));
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    Ok(())
+}
+
+/// `GET /v1/responses/{id}/input_items`: the request's items in OpenAI's
+/// shape (a string content becomes one `input_text`, ids given where the
+/// client gave none, the client's kept), newest first by default, paged by
+/// `limit` and `after`; bad query values are 400s naming them; an unknown or
+/// unstored response is a 404.
+#[tokio::test]
+async fn input_items_list_a_stored_request() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let r = post_ok(
+        &c,
+        &s.url("/v1/responses"),
+        &json!({"max_output_tokens": 2, "input": [
+            {"role": "user", "content": "first"},
+            {"type": "message", "role": "assistant", "content": "second", "id": "msg_mine"},
+            {"role": "user", "content": [{"type": "input_text", "text": "third"}]}]}),
+    )
+    .await?;
+    let id = r["id"].as_str().context("id")?.to_string();
+    let items_url = |q: &str| s.url(&format!("/v1/responses/{id}/input_items{q}"));
+    let (st, body) = get(&c, &items_url(""), None).await?;
+    ensure!(st == 200, "{st} {body}");
+    let list: Value = serde_json::from_str(&body)?;
+    let data = list["data"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        list["object"] == "list" && data.len() == 3 && list["has_more"] == false,
+        "{list}"
+    );
+    let texts: Vec<&str> = data
+        .iter()
+        .filter_map(|i| i["content"][0]["text"].as_str())
+        .collect();
+    ensure!(
+        texts == ["third", "second", "first"],
+        "newest first: {list}"
+    );
+    ensure!(
+        data[1]["id"] == "msg_mine"
+            && data[1]["content"][0]["type"] == "output_text"
+            && data[2]["content"][0]["type"] == "input_text"
+            && data
+                .iter()
+                .all(|i| i["type"] == "message" && i["id"].is_string()),
+        "{list}"
+    );
+    ensure!(
+        list["first_id"] == data[0]["id"] && list["last_id"] == data[2]["id"],
+        "{list}"
+    );
+    let first_id = data[2]["id"].as_str().context("first item id")?.to_string();
+    let (_, body) = get(
+        &c,
+        &items_url(&format!("?order=asc&limit=1&after={first_id}")),
+        None,
+    )
+    .await?;
+    let page: Value = serde_json::from_str(&body)?;
+    ensure!(
+        page["data"].as_array().map(Vec::len) == Some(1)
+            && page["data"][0]["id"] == "msg_mine"
+            && page["has_more"] == true,
+        "{page}"
+    );
+    for (q, param) in [
+        ("?limit=0", "limit"),
+        ("?limit=101", "limit"),
+        ("?order=up", "order"),
+        ("?after=msg_nope", "after"),
+        ("?colour=red", "colour"),
+    ] {
+        let (st, body) = get(&c, &items_url(q), None).await?;
+        let e: Value = serde_json::from_str(&body)?;
+        ensure!(st == 400 && e["error"]["param"] == param, "{q}: {st} {e}");
+    }
+    let (st, _) = get(&c, &s.url("/v1/responses/resp_unknown/input_items"), None).await?;
+    ensure!(st == 404);
+    let unstored = post_ok(
+        &c,
+        &s.url("/v1/responses"),
+        &json!({"input": "hi", "max_output_tokens": 1, "store": false}),
+    )
+    .await?;
+    let (st, _) = get(
+        &c,
+        &s.url(&format!(
+            "/v1/responses/{}/input_items",
+            unstored["id"].as_str().unwrap_or("")
+        )),
+        None,
+    )
+    .await?;
+    ensure!(st == 404, "store: false keeps no items");
+    assert_no_leak(&c, &s, "arbor", None).await?;
+    Ok(())
+}
+
+/// Polls a stored response until it leaves `in_progress`.
+async fn settled(c: &reqwest::Client, s: &Server, id: &str) -> Result<Value> {
+    for _ in 0..400 {
+        let (st, body) = get(c, &s.url(&format!("/v1/responses/{id}")), None).await?;
+        ensure!(st == 200, "{st} {body}");
+        let v: Value = serde_json::from_str(&body)?;
+        if v["status"] != "in_progress" {
+            return Ok(v);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    anyhow::bail!("response {id} still in progress after 10 s")
+}
+
+/// A long background answer is cancelled while it runs.
+async fn background_cancel(c: &reqwest::Client, s: &Server) -> Result<()> {
+    let r = post_ok(
+        c,
+        &s.url("/v1/responses"),
+        &json!({"input": "Count to a thousand.", "background": true, "temperature": 0,
+                "max_output_tokens": 1500, "ignore_eos": true}),
+    )
+    .await?;
+    let id = r["id"].as_str().context("id")?.to_string();
+    ensure!(
+        r["status"] == "in_progress" && r["background"] == true,
+        "{r}"
+    );
+    let cancelled = post_ok(c, &s.url(&format!("/v1/responses/{id}/cancel")), &json!({})).await?;
+    ensure!(cancelled["status"] == "cancelled", "{cancelled}");
+    ensure!(settled(c, s, &id).await?["status"] == "cancelled");
+    Ok(())
+}
+
+/// `background: true`: the POST answers at once (`in_progress`); the stored
+/// result equals the same request's foreground answer; cancelling a
+/// finished one answers it as it is; a foreground response cannot be
+/// cancelled; background needs store and refuses stream.
+#[tokio::test]
+async fn background_responses_store_the_foreground_answer() -> Result<()> {
+    let s = Server::tiny(&[])?;
+    let c = client();
+    let url = s.url("/v1/responses");
+    let body = json!({"input": "hi", "max_output_tokens": 8, "temperature": 0});
+    let fore = post_ok(&c, &url, &body).await?;
+    let mut bg_body = body.clone();
+    bg_body["background"] = json!(true);
+    let r = post_ok(&c, &url, &bg_body).await?;
+    let id = r["id"].as_str().context("id")?.to_string();
+    ensure!(
+        r["status"] == "in_progress" && r["output"] == json!([]),
+        "{r}"
+    );
+    let done = settled(&c, &s, &id).await?;
+    ensure!(
+        done["status"] == fore["status"] && done["background"] == true,
+        "{done}"
+    );
+    ensure!(output_text(&done) == output_text(&fore), "{done} vs {fore}");
+    let again = post_ok(
+        &c,
+        &s.url(&format!("/v1/responses/{id}/cancel")),
+        &json!({}),
+    )
+    .await?;
+    ensure!(again["status"] == done["status"], "{again}");
+    let (_, items) = get(&c, &s.url(&format!("/v1/responses/{id}/input_items")), None).await?;
+    ensure!(
+        serde_json::from_str::<Value>(&items)?["data"][0]["content"][0]["text"] == "hi",
+        "{items}"
+    );
+    let fid = fore["id"].as_str().context("id")?;
+    let (st, e) = post(
+        &c,
+        &s.url(&format!("/v1/responses/{fid}/cancel")),
+        &json!({}),
+    )
+    .await?;
+    ensure!(
+        st == 400 && e["error"]["param"] == "response_id",
+        "{st} {e}"
+    );
+    for (extra, param) in [
+        (json!({"store": false}), "background"),
+        (json!({"stream": true}), "background"),
+    ] {
+        let mut b = bg_body.clone();
+        for (k, v) in extra.as_object().context("object")? {
+            b[k] = v.clone();
+        }
+        let (st, e) = post(&c, &url, &b).await?;
+        ensure!(st == 400 && e["error"]["param"] == param, "{b}: {st} {e}");
+    }
     assert_no_leak(&c, &s, "arbor", None).await?;
     Ok(())
 }

@@ -193,6 +193,18 @@ fn routes() -> Vec<Route> {
             get(openai::responses::retrieve).delete(openai::responses::delete),
         ),
         r(
+            "/v1/responses/{id}/input_items",
+            "GET",
+            "A stored response's input items, a page at a time (`limit`, `order`, `after`).",
+            get(openai::responses::input_items),
+        ),
+        r(
+            "/v1/responses/{id}/cancel",
+            "POST",
+            "Cancels a background response still in progress (`background: true`).",
+            post(openai::responses::cancel),
+        ),
+        r(
             "/open_session",
             "POST",
             "Opens a session (SGLang's session control); answers its id.",

@@ -124,6 +124,57 @@ fn call_name(msgs: &[ChatMessage], call_id: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// The items of a request's `input` as `GET /v1/responses/{id}/input_items`
+/// lists them, in order: a string is one user `message` with one
+/// `input_text`; a message's string content becomes one `input_text`
+/// (`output_text` for the assistant's); an item without an `id` gets
+/// `{kind}_{tail}_{i}` (`msg`, `fc`, `fco`, `rs`). `input` was checked by
+/// [`push_messages`].
+pub(crate) fn input_items(input: &Value, tail: &str) -> Vec<Value> {
+    let list = match input {
+        Value::String(s) => vec![json!({"role": "user", "content": s})],
+        Value::Array(a) => a.clone(),
+        _ => Vec::new(),
+    };
+    list.into_iter()
+        .enumerate()
+        .filter_map(|(i, item)| {
+            let Value::Object(mut o) = item else {
+                return None;
+            };
+            let kind = o
+                .get("type")
+                .and_then(Value::as_str)
+                .unwrap_or("message")
+                .to_string();
+            o.insert("type".into(), json!(kind));
+            if kind == "message" {
+                let role = o.get("role").and_then(Value::as_str).unwrap_or("user");
+                let part = if role == "assistant" {
+                    "output_text"
+                } else {
+                    "input_text"
+                };
+                if let Some(Value::String(text)) = o.get("content") {
+                    let content = json!([{"type": part, "text": text}]);
+                    o.insert("content".into(), content);
+                }
+                o.entry("status").or_insert(json!("completed"));
+            }
+            let short = match kind.as_str() {
+                "message" => "msg",
+                "function_call" => "fc",
+                "function_call_output" => "fco",
+                "reasoning" => "rs",
+                _ => "item",
+            };
+            o.entry("id")
+                .or_insert(json!(format!("{short}_{tail}_{i}")));
+            Some(Value::Object(o))
+        })
+        .collect()
+}
+
 /// Appends the chat messages of `input` (a string or a list of items) to
 /// `out`, which holds the conversation so far (tool messages are named
 /// after calls in it). `field` names `input` in errors.

@@ -1,5 +1,6 @@
 //! OpenAI's Responses API: `POST /v1/responses` (streamed or not),
-//! `GET /v1/responses/{id}` and `DELETE /v1/responses/{id}`.
+//! `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
+//! `DELETE /v1/responses/{id}`.
 //!
 //! A request is a chat request in other words ([`input`]): `instructions`
 //! become a system message first, then the conversation of
@@ -17,8 +18,12 @@
 //!
 //! `store` defaults to true, as in OpenAI and SGLang: the response and its
 //! conversation are kept in a bounded in-memory [`store`] (the newest
-//! [`store::CAPACITY`]) for `GET`, `DELETE` and `previous_response_id`; an
-//! unknown id is a 404 naming the field. Unknown fields are refused with a
+//! [`store::CAPACITY`]) for `GET`, `GET .../input_items`, `DELETE` and
+//! `previous_response_id`; an unknown id is a 404 naming the field.
+//! `background: true` (with `store`, without `stream`) answers at once with
+//! the response `in_progress`, stored; a task owns the run and stores its
+//! result in every outcome; `POST /v1/responses/{id}/cancel` aborts it
+//! (`cancelled`), `DELETE` aborts and forgets it. Unknown fields are refused with a
 //! 400 naming them; `reasoning.effort`, `text.verbosity`, `truncation`,
 //! `service_tier`, `max_tool_calls`, `prompt_cache_key` and
 //! `safety_identifier` are accepted and ignored. Hanging up aborts the
@@ -43,7 +48,7 @@ use arbor_engine_core::engine::{AbortCause, FinishKind, TokenLogprob};
 use arbor_models::{ChatMessage, TemplateVars};
 use axum::Json;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use items::Items;
@@ -63,6 +68,8 @@ struct Echo {
     parallel_tool_calls: bool,
     text: Value,
     store: bool,
+    /// Run detached: the POST answers at once and the result is stored.
+    background: bool,
     metadata: Value,
     previous_response_id: Option<String>,
     user: Option<String>,
@@ -84,14 +91,18 @@ struct Request {
     logprobs: bool,
     /// SGLang's `request_id`: the response's id.
     request_id: Option<String>,
+    /// `input` as given (for `input_items`).
+    input: Value,
 }
 
-/// The conversation: `(messages, history, instructions, previous_response_id)`.
+/// The conversation: `(messages, history, instructions,
+/// previous_response_id, input as given)`.
 type Conversation = (
     Vec<ChatMessage>,
     Vec<ChatMessage>,
     Option<String>,
     Option<String>,
+    Value,
 );
 
 /// Reads `input`, `instructions` and `previous_response_id`.
@@ -102,18 +113,22 @@ fn conversation(st: &AppState, f: &mut Fields) -> Result<Conversation, ApiError>
     let instructions = f.string("instructions")?;
     let previous = f.string("previous_response_id")?;
     let mut history = match &previous {
-        Some(id) => st
-            .responses
-            .get(id)
-            .ok_or_else(|| {
+        Some(id) => {
+            let stored = st.responses.get(id).ok_or_else(|| {
                 ApiError::not_found(format!("'previous_response_id': no stored response '{id}'"))
                     .with_param("previous_response_id")
-            })?
-            .history
-            .clone(),
+            })?;
+            if stored.response["status"] == IN_PROGRESS.0 {
+                return Err(ApiError::bad_param(
+                    "previous_response_id",
+                    format!("response '{id}' is still in progress"),
+                ));
+            }
+            stored.history.clone()
+        }
         None => Vec::new(),
     };
-    input::push_messages(&mut history, input, "input")?;
+    input::push_messages(&mut history, input.clone(), "input")?;
     if history.is_empty() {
         return Err(ApiError::bad_param("input", "'input' must not be empty"));
     }
@@ -122,7 +137,7 @@ fn conversation(st: &AppState, f: &mut Fields) -> Result<Conversation, ApiError>
         msgs.push(ChatMessage::new("system", i));
     }
     msgs.extend(history.iter().cloned());
-    Ok((msgs, history, instructions, previous))
+    Ok((msgs, history, instructions, previous, input))
 }
 
 /// `reasoning`: `effort` and `summary` accepted and ignored; the echo.
@@ -164,7 +179,7 @@ fn include(f: &mut Fields) -> Result<bool, ApiError> {
 /// [`common`], which reads the sampling fields).
 fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
     let lora = check_model(st, f)?;
-    let (msgs, history, instructions, previous_response_id) = conversation(st, f)?;
+    let (msgs, history, instructions, previous_response_id, input) = conversation(st, f)?;
     let store = f.bool("store")?.unwrap_or(true);
     let metadata = f.raw("metadata").unwrap_or_else(|| json!({}));
     if !metadata.is_object() {
@@ -201,14 +216,26 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
     ] {
         f.ignore(k);
     }
+    let background = f.bool("background")?.unwrap_or(false);
     for (k, what) in [
-        ("background", "background responses"),
         ("conversation", "conversations"),
         ("prompt", "prompt templates"),
     ] {
         f.unset_only(k, what)?;
     }
     let mut common = common(f, Dialect::Responses)?;
+    if background && !store {
+        return Err(ApiError::bad_param(
+            "background",
+            "'background' needs 'store' (the result is read back by its id)",
+        ));
+    }
+    if background && common.stream {
+        return Err(ApiError::unsupported(
+            "background",
+            "background with stream",
+        ));
+    }
     if common.params.n > 1 {
         return Err(ApiError::bad_param(
             "n",
@@ -235,6 +262,7 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
         parallel_tool_calls: parallel,
         text,
         store,
+        background,
         metadata,
         previous_response_id,
         user,
@@ -259,6 +287,7 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
         echo,
         logprobs: include_logprobs || top_logprobs > 0,
         request_id,
+        input,
     })
 }
 
@@ -312,7 +341,8 @@ async fn create_inner(
         .unwrap_or_else(|| format!("resp_{}", st.new_id()));
     let mut job = Job::new(ids, params);
     let r = &mut job.req;
-    r.rid = Some(rid.unwrap_or_else(|| id.clone()));
+    let engine_rid = rid.unwrap_or_else(|| id.clone());
+    r.rid = Some(engine_rid.clone());
     r.return_logprob = rq.logprobs;
     r.top_logprobs_num = rq.echo.top_logprobs;
     r.priority = priority;
@@ -332,6 +362,8 @@ async fn create_inner(
         answer: rq.answer,
         logprobs: rq.logprobs,
         history: rq.history,
+        input_items: input::input_items(&rq.input, &tail),
+        rid: engine_rid,
         items: Items::new(&tail),
         stream: None,
         sequence: 0,
@@ -339,18 +371,59 @@ async fn create_inner(
     if stream {
         return Ok(stream_response(run, fmt));
     }
+    if fmt.echo.background {
+        // Stored as in progress now; the task stores the result (and owns
+        // the run: the server's end aborts it).
+        let pending = fmt.response(&IN_PROGRESS, Vec::new(), Value::Null);
+        st.responses.insert(
+            &fmt.id,
+            Stored {
+                response: pending.clone(),
+                history: Vec::new(),
+                input_items: fmt.input_items.clone(),
+                rid: fmt.rid.clone(),
+            },
+        );
+        tokio::spawn(async move {
+            run.finish_all().await;
+            fmt.complete(&run);
+        });
+        return Ok(Json(pending).into_response());
+    }
     run.finish_all().await;
     if let Some(e) = run.failure() {
         return Err(e);
     }
-    if let Some(s) = run.samples.first() {
-        let text = s.text.clone();
-        let lps = fmt.logprob_entries(&s.logprobs);
-        fmt.items.logprobs(lps);
-        fmt.whole(&text);
+    Ok(Json(fmt.complete(&run)).into_response())
+}
+
+/// The outcome of a response still running.
+const IN_PROGRESS: Outcome = ("in_progress", Value::Null, Value::Null);
+
+/// Handles `POST /v1/responses/{id}/cancel`: aborts a background response
+/// still in progress and answers it as stored once it stopped
+/// (`cancelled`; a response that had finished is answered as it is).
+pub(crate) async fn cancel(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let Some(stored) = st.responses.get(&id) else {
+        return unknown(&id);
+    };
+    if stored.response["background"] != true {
+        return ApiError::bad_param("response_id", "only a background response can be cancelled")
+            .into_response();
     }
-    let (_, response) = fmt.finish(&run);
-    Ok(Json(response).into_response())
+    if stored.response["status"] == IN_PROGRESS.0 {
+        st.engine.abort(&stored.rid);
+    }
+    for _ in 0..400 {
+        match st.responses.get(&id) {
+            Some(s) if s.response["status"] != IN_PROGRESS.0 => {
+                return Json(s.response.clone()).into_response();
+            }
+            Some(_) => tokio::time::sleep(std::time::Duration::from_millis(25)).await,
+            None => return unknown(&id),
+        }
+    }
+    ApiError::unavailable(format!("response '{id}' did not stop within 10 s")).into_response()
 }
 
 /// Handles `GET /v1/responses/{id}`.
@@ -363,11 +436,96 @@ pub(crate) async fn retrieve(State(st): State<Arc<AppState>>, Path(id): Path<Str
 
 /// Handles `DELETE /v1/responses/{id}`.
 pub(crate) async fn delete(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    // A background response still running stops (and is not stored again).
+    if let Some(s) = st.responses.get(&id)
+        && s.response["status"] == IN_PROGRESS.0
+    {
+        st.engine.abort(&s.rid);
+    }
     if st.responses.remove(&id) {
         Json(json!({"id": id, "object": "response.deleted", "deleted": true})).into_response()
     } else {
         unknown(&id)
     }
+}
+
+/// Handles `GET /v1/responses/{id}/input_items?limit&order&after`: the
+/// stored response's input items as OpenAI lists them (`order` `desc` by
+/// default, `limit` 1 to 100, 20 by default, `after` an item id of the
+/// list), `{"object": "list", "data", "first_id", "last_id", "has_more"}`.
+pub(crate) async fn input_items(
+    State(st): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    Query(q): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    let Some(stored) = st.responses.get(&id) else {
+        return unknown(&id);
+    };
+    match list_items(&stored.input_items, &q) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One page of `items` by the query's `limit`, `order` and `after`.
+fn list_items(
+    items: &[Value],
+    q: &std::collections::HashMap<String, String>,
+) -> Result<Value, ApiError> {
+    for k in q.keys() {
+        if !matches!(k.as_str(), "limit" | "order" | "after" | "include") {
+            return Err(ApiError::bad_param(
+                k,
+                format!("unknown query parameter '{k}'"),
+            ));
+        }
+    }
+    let limit = match q.get("limit") {
+        None => 20,
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=100).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_param("limit", format!("'limit' must be 1 to 100, got '{l}'"))
+            })?,
+    };
+    let mut ordered: Vec<&Value> = items.iter().collect();
+    match q.get("order").map(String::as_str) {
+        None | Some("desc") => ordered.reverse(),
+        Some("asc") => {}
+        Some(o) => {
+            return Err(ApiError::bad_param(
+                "order",
+                format!("'order' must be \"asc\" or \"desc\", got '{o}'"),
+            ));
+        }
+    }
+    let start = match q.get("after") {
+        None => 0,
+        Some(a) => {
+            ordered
+                .iter()
+                .position(|i| i["id"] == a.as_str())
+                .ok_or_else(|| {
+                    ApiError::bad_param("after", format!("no input item '{a}' in this response"))
+                })?
+                + 1
+        }
+    };
+    let page: Vec<Value> = ordered
+        .iter()
+        .skip(start)
+        .take(limit)
+        .map(|v| (*v).clone())
+        .collect();
+    Ok(json!({
+        "object": "list",
+        "data": page,
+        "first_id": page.first().map(|i| i["id"].clone()),
+        "last_id": page.last().map(|i| i["id"].clone()),
+        "has_more": start + page.len() < ordered.len(),
+    }))
 }
 
 fn unknown(id: &str) -> Response {
@@ -386,6 +544,10 @@ struct ResponsesFormat {
     answer: AnswerParser,
     logprobs: bool,
     history: Vec<ChatMessage>,
+    /// The request's input items (kept with a stored response).
+    input_items: Vec<Value>,
+    /// The engine request's id (what cancelling aborts).
+    rid: String,
     items: Items,
     /// Streaming: the answer's incremental parsers (made at the start).
     stream: Option<super::answer::SampleStream>,
@@ -505,7 +667,7 @@ impl ResponsesFormat {
             "object": "response",
             "created_at": self.created_at,
             "status": status,
-            "background": false,
+            "background": e.background,
             "completed_at": (*status == "completed").then(AppState::now_unix),
             "error": error,
             "incomplete_details": incomplete,
@@ -532,6 +694,17 @@ impl ResponsesFormat {
         })
     }
 
+    /// The response object of a finished run (not streamed).
+    fn complete(&mut self, run: &Run) -> Value {
+        if let Some(s) = run.samples.first() {
+            let text = s.text.clone();
+            let lps = self.logprob_entries(&s.logprobs);
+            self.items.logprobs(lps);
+            self.whole(&text);
+        }
+        self.finish(run).1
+    }
+
     /// Ends the answer: the items' last events and the response object
     /// (kept in the store when asked and the answer finished).
     fn finish(&mut self, run: &Run) -> (Vec<Value>, Value) {
@@ -544,14 +717,22 @@ impl ResponsesFormat {
         let ev = self.items.finish(item_status);
         let output = self.items.output();
         let response = self.response(&outcome, output.clone(), self.usage(run));
-        if self.echo.store && matches!(outcome.0, "completed" | "incomplete") {
+        let finished = matches!(outcome.0, "completed" | "incomplete");
+        // A background response is stored in every outcome, unless it was
+        // deleted while it ran.
+        let background = self.echo.background && self.state.responses.get(&self.id).is_some();
+        if self.echo.store && (finished || background) {
             let mut history = std::mem::take(&mut self.history);
-            if input::push_messages(&mut history, Value::Array(output), "output").is_ok() {
+            if input::push_messages(&mut history, Value::Array(output), "output").is_ok()
+                || background
+            {
                 self.state.responses.insert(
                     &self.id,
                     Stored {
                         response: response.clone(),
                         history,
+                        input_items: std::mem::take(&mut self.input_items),
+                        rid: self.rid.clone(),
                     },
                 );
             }

@@ -23,6 +23,10 @@ pub(crate) struct Stored {
     /// The conversation it ends, as chat messages without its instructions:
     /// the previous response's conversation, its input, then its output.
     pub history: Vec<ChatMessage>,
+    /// Its request's input items, as `input_items` lists them.
+    pub input_items: Vec<Value>,
+    /// Its engine request's id (a background response's cancel aborts it).
+    pub rid: String,
 }
 
 #[derive(Default)]
@@ -98,6 +102,8 @@ mod tests {
         Stored {
             response: json!({"n": n}),
             history: Vec::new(),
+            input_items: Vec::new(),
+            rid: String::new(),
         }
     }
 
