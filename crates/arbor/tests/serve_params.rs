@@ -326,10 +326,11 @@ fn regex_escape(s: &str) -> String {
         .collect()
 }
 
-/// `chat_template_kwargs` reaches the chat template: a Qwen3-style template
-/// (thinking switched off with `enable_thinking: false`, as Qwen3's
-/// published template does) prompts with the empty think block only when
-/// asked; bad arguments are a 400 naming the field.
+/// `chat_template_kwargs` reaches the chat template, on chat completions
+/// and on the Responses API: a Qwen3-style template (thinking switched off
+/// with `enable_thinking: false`, as Qwen3's published template does)
+/// prompts with the empty think block only when asked; bad arguments are a
+/// 400 naming the field.
 #[tokio::test]
 async fn chat_template_kwargs_reach_the_template() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -376,6 +377,30 @@ async fn chat_template_kwargs_reach_the_template() -> Result<()> {
         off > plain && off <= plain + block_len + 1,
         "{plain} -> {off} (block {block_len})"
     );
+    // The Responses API renders the same prompt from the same switch.
+    let responses = s.url("/v1/responses");
+    let respond = |kwargs: Option<Value>| {
+        let mut body =
+            json!({"input": "Hi", "max_output_tokens": 1, "temperature": 0, "store": false});
+        if let Some(k) = kwargs {
+            body["chat_template_kwargs"] = k;
+        }
+        body
+    };
+    let input_tokens = |v: &Value| v["usage"]["input_tokens"].as_u64().unwrap_or(0);
+    let r_plain = input_tokens(&post_ok(&c, &responses, &respond(None)).await?);
+    let r_off = input_tokens(
+        &post_ok(
+            &c,
+            &responses,
+            &respond(Some(json!({"enable_thinking": false}))),
+        )
+        .await?,
+    );
+    ensure!(
+        (r_plain, r_off) == (plain, off),
+        "responses {r_plain}, {r_off} vs chat {plain}, {off}"
+    );
     for bad in [
         json!(5),
         json!({"messages": []}),
@@ -385,6 +410,11 @@ async fn chat_template_kwargs_reach_the_template() -> Result<()> {
         ensure!(
             st == 400 && v["error"]["param"] == "chat_template_kwargs",
             "{bad}: {st} {v}"
+        );
+        let (st, v) = post(&c, &responses, &respond(Some(bad.clone()))).await?;
+        ensure!(
+            st == 400 && v["error"]["param"] == "chat_template_kwargs",
+            "responses {bad}: {st} {v}"
         );
     }
     assert_no_leak(&c, &s, "arbor", None).await

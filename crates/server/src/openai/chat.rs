@@ -152,13 +152,7 @@ async fn inner(st: Arc<AppState>, headers: HeaderMap, body: Body) -> Result<Resp
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let template_kwargs = template_kwargs(&mut f)?;
     let (tool_mode, template_tools, tool_list) = tool_mode(&mut f, &mut constraint)?;
-    // The request's thinking switch (SGLang: the answer starts in reasoning).
-    let thinking = st
-        .opts
-        .reasoning_parser
-        .and_then(ReasoningParser::thinking_switch)
-        .and_then(|k| template_kwargs.as_ref()?.get(k)?.as_bool())
-        .unwrap_or(false);
+    let thinking = thinking_switched_on(&st, template_kwargs.as_ref());
     // SGLang's switches of the reasoning parser (both on by default).
     let separate_reasoning = f.bool("separate_reasoning")?.unwrap_or(true);
     let stream_reasoning = f.bool("stream_reasoning")?.unwrap_or(true);
@@ -291,7 +285,24 @@ fn refuse_unsupported(f: &mut Fields) -> Result<(), ApiError> {
 /// `chat_template_kwargs`: variables the chat template sees beside the
 /// standard ones (Qwen3's `enable_thinking`, DeepSeek's `thinking`), as
 /// transformers' `apply_chat_template(**kwargs)` passes them.
-fn template_kwargs(f: &mut Fields) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
+/// The request's thinking switch in its template kwargs, for the reasoning
+/// parser that has one (SGLang: then the answer starts in reasoning).
+pub(super) fn thinking_switched_on(
+    st: &AppState,
+    kwargs: Option<&serde_json::Map<String, Value>>,
+) -> bool {
+    st.opts
+        .reasoning_parser
+        .and_then(ReasoningParser::thinking_switch)
+        .and_then(|k| kwargs?.get(k)?.as_bool())
+        .unwrap_or(false)
+}
+
+/// `chat_template_kwargs`: an object of extra template variables (not one
+/// the request sets itself); chat's and the Responses API's.
+pub(super) fn template_kwargs(
+    f: &mut Fields,
+) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
     const KEY: &str = "chat_template_kwargs";
     let Some(v) = f.raw(KEY) else {
         return Ok(None);

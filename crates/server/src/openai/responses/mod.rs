@@ -93,6 +93,8 @@ struct Request {
     request_id: Option<String>,
     /// `input` as given (for `input_items`).
     input: Value,
+    /// `chat_template_kwargs`: extra variables of the chat template.
+    template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// The conversation: `(messages, history, instructions,
@@ -204,6 +206,7 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
     let raw_choice = f.raw("tool_choice");
     let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
     let reasoning = reasoning(f)?;
+    let template_kwargs = super::chat::template_kwargs(f)?;
     let include_logprobs = include(f)?;
     let top_logprobs = f.int("top_logprobs", 0, 20)?.unwrap_or(0) as usize;
     let request_id = f.string("request_id")?;
@@ -274,7 +277,7 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
         tool_parser: st.opts.tool_call_parser.unwrap_or(ToolCallParser::Qwen25),
         tool_list,
         reasoning: st.opts.reasoning_parser,
-        thinking: false,
+        thinking: super::chat::thinking_switched_on(st, template_kwargs.as_ref()),
         stream_reasoning: true,
     };
     Ok(Request {
@@ -288,6 +291,7 @@ fn parse(st: &AppState, f: &mut Fields) -> Result<Request, ApiError> {
         logprobs: include_logprobs || top_logprobs > 0,
         request_id,
         input,
+        template_kwargs,
     })
 }
 
@@ -318,7 +322,7 @@ async fn create_inner(
         bos_token: st.tokenizer.bos_token.as_deref(),
         eos_token: st.tokenizer.eos_token.as_deref(),
         tools: rq.template_tools.as_ref(),
-        extra: None,
+        extra: rq.template_kwargs.as_ref(),
     };
     let ids = prompt_ids(&st, &rq.msgs, &vars)?;
     let Common {
