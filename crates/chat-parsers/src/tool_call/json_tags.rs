@@ -1,5 +1,5 @@
 //! JSON call formats: `qwen25` (`<tool_call>{..}</tool_call>`, one call per
-//! block), `llama3` (`<|python_tag|>{..}; {..}`, or an answer starting with
+//! block, or a JSON list of calls in one block as SGLang reads it), `llama3` (`<|python_tag|>{..}; {..}`, or an answer starting with
 //! `{`) and `mistral` (`[TOOL_CALLS] [{..}, {..}]`).
 //!
 //! Each call is a `{"name": .., "arguments" | "parameters": ..}` object; the
@@ -29,6 +29,9 @@ pub(super) fn qwen25(r: &str, eof: bool) -> Region {
     if i >= r.len() {
         return Region::wait(Vec::new(), eof, r.len());
     }
+    if r[i..].starts_with('[') {
+        return qwen_list(r, i, eof);
+    }
     if !r[i..].starts_with('{') {
         return qwen_close(r, i, Vec::new(), eof);
     }
@@ -50,6 +53,28 @@ pub(super) fn qwen25(r: &str, eof: bool) -> Region {
         }
         Val::Incomplete => Region::wait(o.call(body, eof).into_iter().collect(), eof, r.len()),
         Val::Invalid(p) => qwen_close(r, i + p, o.call(body, true).into_iter().collect(), eof),
+    }
+}
+
+/// `<tool_call>` `[{..}, {..}]` `</tool_call>`: several calls in one block
+/// (the list starts at `i`). A list that yields no call is content up to the
+/// block's end; text that breaks it ends the block after its last call.
+fn qwen_list(r: &str, i: usize, eof: bool) -> Region {
+    let list = object_list(r, i + 1, b',', Some(b']'), eof);
+    let Some(end) = list.end else {
+        return list;
+    };
+    if list.calls.is_empty() {
+        return qwen_close(r, i, Vec::new(), eof);
+    }
+    let j = skip_ws(r, end);
+    let rest = &r[j..];
+    if rest.starts_with(QWEN_CLOSE) {
+        Region::closed(list.calls, j + QWEN_CLOSE.len())
+    } else if rest.is_empty() || (is_tag_prefix(rest, &[QWEN_CLOSE]) && !eof) {
+        Region::wait(list.calls, eof, r.len())
+    } else {
+        Region::closed(list.calls, end)
     }
 }
 

@@ -288,6 +288,9 @@ pub struct ToolCallStream {
     /// Nothing but whitespace went out yet (llama3's leading `{`).
     at_start: bool,
     harmony: harmony::Calls,
+    /// `pythonic`: a possible partial `<|python_start|>`/`<|python_end|>`
+    /// at the end of the text so far, held back.
+    held_marker: String,
 }
 
 impl ToolCallStream {
@@ -301,6 +304,7 @@ impl ToolCallStream {
             next_index: 0,
             at_start: true,
             harmony: harmony::Calls::default(),
+            held_marker: String::new(),
         }
     }
 
@@ -309,7 +313,12 @@ impl ToolCallStream {
         if self.parser == ToolCallParser::GptOss {
             return self.harmony.push(chunk, &self.tools);
         }
-        self.buf.push_str(chunk);
+        if self.parser == ToolCallParser::Pythonic {
+            let text = pythonic::strip_markers(&mut self.held_marker, chunk, false);
+            self.buf.push_str(&text);
+        } else {
+            self.buf.push_str(chunk);
+        }
         self.run(false)
     }
 
@@ -318,6 +327,8 @@ impl ToolCallStream {
         if self.parser == ToolCallParser::GptOss {
             return self.harmony.finish(&self.tools);
         }
+        let held = pythonic::strip_markers(&mut self.held_marker, "", true);
+        self.buf.push_str(&held);
         self.run(true)
     }
 

@@ -7,8 +7,9 @@
 //! lists, tuples, dicts), turned into compact JSON. Each call comes out
 //! whole (name and arguments) when its `)` is read; the block ends at `]`.
 //! Text that breaks the list ends the block after the last complete call
-//! and stays content; a list broken before any call is content. SGLang's
-//! stripping of `<|python_start|>`/`<|python_end|>` is not done.
+//! and stays content; a list broken before any call is content. As SGLang's
+//! detector does, `<|python_start|>` and `<|python_end|>` (Llama 4 writes
+//! them around its calls) are removed wherever they are ([`strip_markers`]).
 
 use super::scan::{CallScan, Region, args_json, skip_ws};
 use serde_json::{Map, Number, Value};
@@ -23,6 +24,36 @@ enum Stop {
 }
 
 const MAX_DEPTH: usize = 64;
+
+/// The markers Llama 4 may write around pythonic calls.
+const MARKERS: [&str; 2] = ["<|python_start|>", "<|python_end|>"];
+
+/// `held` (a partial marker kept from before) and `chunk` with the markers
+/// removed; unless at the end (`eof`), a tail that could begin a marker is
+/// kept in `held` instead of returned.
+pub(super) fn strip_markers(held: &mut String, chunk: &str, eof: bool) -> String {
+    held.push_str(chunk);
+    let mut text = std::mem::take(held);
+    for m in MARKERS {
+        if text.contains(m) {
+            text = text.replace(m, "");
+        }
+    }
+    if !eof {
+        let keep = MARKERS
+            .iter()
+            .map(|m| {
+                (1..m.len())
+                    .rev()
+                    .find(|&k| text.ends_with(&m[..k]))
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        *held = text.split_off(text.len() - keep);
+    }
+    text
+}
 
 fn ident(s: &str, i: usize) -> usize {
     let b = s.as_bytes();

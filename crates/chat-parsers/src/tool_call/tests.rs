@@ -174,6 +174,29 @@ fn qwen25() {
         "",
         &[("get_current_weather", json!({"location": "Tokyo"}))],
     );
+    // A JSON list of calls in one block (SGLang reads each).
+    check(
+        p,
+        "<tool_call>\n[{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"get_time\", \"arguments\": {}}]\n</tool_call>",
+        "",
+        &[
+            ("get_weather", json!({"city": "Paris"})),
+            ("get_time", json!({})),
+        ],
+    );
+    // A list that holds no call stays content; one broken after a call ends there.
+    check(
+        p,
+        "<tool_call>[1, 2]</tool_call> ok",
+        "<tool_call>[1, 2]</tool_call> ok",
+        &[],
+    );
+    check(
+        p,
+        "<tool_call>[{\"name\": \"get_time\", \"arguments\": {}}, 7]</tool_call>",
+        ", 7]</tool_call>",
+        &[("get_time", json!({}))],
+    );
     // Parallel calls, content before, between and after.
     check(
         p,
@@ -593,6 +616,22 @@ fn pythonic() {
         )],
     );
     check(p, "See [1] and [a b].", "See [1] and [a b].", &[]);
+    // Llama 4's markers around the list are removed, as SGLang does.
+    check(
+        p,
+        "<|python_start|>[get_weather(location=\"Tokyo\"), get_time()]<|python_end|>",
+        "",
+        &[
+            ("get_weather", json!({"location": "Tokyo"})),
+            ("get_time", json!({})),
+        ],
+    );
+    check(
+        p,
+        "Sure. <|python_start|>[get_time()]<|python_end|> Done <|python_",
+        "Sure.  Done <|python_",
+        &[("get_time", json!({}))],
+    );
     check(p, "[unknown_fn(a=1)]", "[unknown_fn(a=1)]", &[]);
     check(
         p,
