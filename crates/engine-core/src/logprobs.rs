@@ -15,6 +15,17 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
+/// Where token `t` of row `r` lies in `[rows, vocab]` logits read as one
+/// column; a token past the vocabulary reads past every row, which a
+/// gather gives as zero (its rule for a row past the input).
+fn flat_index(r: usize, t: u32, vocab: usize) -> u32 {
+    if (t as usize) < vocab {
+        (r * vocab + t as usize) as u32
+    } else {
+        u32::MAX
+    }
+}
+
 /// Logprob statistics of some rows of a step's logits, on the device.
 pub(crate) struct DeviceLogprobs {
     /// `[n, vocab]` raw logits of the rows.
@@ -79,15 +90,7 @@ impl DeviceLogprobs {
         let flat: Vec<u32> = tokens
             .iter()
             .enumerate()
-            .map(|(r, &t)| {
-                // A token past the vocabulary reads past its row: gathered
-                // as zero (gather's rule for a row past the input).
-                if (t as usize) < vocab {
-                    (r * vocab + t as usize) as u32
-                } else {
-                    u32::MAX
-                }
-            })
+            .map(|(r, &t)| flat_index(r, t, vocab))
             .collect();
         let idx = backend.upload_u32(&[n], &flat)?;
         let picked = backend.alloc(DType::F32, &[n, 1])?;
@@ -125,11 +128,7 @@ impl DeviceLogprobs {
         let mut flat = Vec::new();
         for (r, row_ids) in ids.iter().enumerate().take(n) {
             for &t in row_ids.unwrap_or_default() {
-                flat.push(if (t as usize) < vocab {
-                    (r * vocab + t as usize) as u32
-                } else {
-                    u32::MAX
-                });
+                flat.push(flat_index(r, t, vocab));
             }
         }
         if flat.is_empty() {

@@ -606,53 +606,26 @@ impl MtpHead {
         b.linear(&hn, &self.eh_proj.hidden, None, &x2)?;
         b.add_assign(&x, &x2)?;
 
-        let (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq) =
-            match &self.block {
-                Block::Llama {
-                    input_norm,
-                    attn,
-                    post_norm,
-                    mlp,
-                    head_norm,
-                    head,
-                    inv_freq,
-                } => (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq),
-                Block::Hybrid(m) => {
-                    // The layer's state is its final normed state (SGLang feeds
-                    // the MTP model's output, after `mtp.norm`, to the next step).
-                    let inner = ForwardBatch {
-                        hidden_layers: vec![1],
-                        hidden_at_every_row: false,
-                        exit_after: None,
-                        ..batch.clone()
-                    };
-                    let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
-                    let state = out.hidden.pop().ok_or_else(|| {
-                        CoreError::Internal("the MTP layer returned no state".into())
-                    })?;
-                    return Ok(HeadOutput {
-                        logits: out.logits,
-                        state,
-                    });
-                }
-                Block::Decoder(m) => {
-                    // The layer's state is the residual stream after its one layer.
-                    let inner = ForwardBatch {
-                        hidden_layers: vec![0],
-                        hidden_at_every_row: false,
-                        exit_after: None,
-                        ..batch.clone()
-                    };
-                    let mut out = m.forward_from_embeds(&inner, &x, ctx)?;
-                    let state = out.hidden.pop().ok_or_else(|| {
-                        CoreError::Internal("the MTP layer returned no state".into())
-                    })?;
-                    return Ok(HeadOutput {
-                        logits: out.logits,
-                        state,
-                    });
-                }
-            };
+        let (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq) = match &self.block {
+            Block::Llama {
+                input_norm,
+                attn,
+                post_norm,
+                mlp,
+                head_norm,
+                head,
+                inv_freq,
+            } => (input_norm, attn, post_norm, mlp, head_norm, head, inv_freq),
+            // The layer's state is its final normed state (SGLang feeds
+            // the MTP model's output, after `mtp.norm`, to the next step).
+            Block::Hybrid(m) => {
+                return layer_output(batch, 1, |b| m.forward_from_embeds(b, &x, ctx));
+            }
+            // The layer's state is the residual stream after its one layer.
+            Block::Decoder(m) => {
+                return layer_output(batch, 0, |b| m.forward_from_embeds(b, &x, ctx));
+            }
+        };
         // The decoder layer; `x` is the residual stream.
         let n = f32t(&[t, h])?;
         b.rms_norm(&x, input_norm, eps, &n)?;
@@ -669,6 +642,30 @@ impl MtpHead {
         let logits = lm_logits(b, &normed, head, c.vocab_size)?;
         Ok(HeadOutput { logits, state })
     }
+}
+
+/// The output of one MTP layer's model run on `batch` (through `run`), with
+/// the hidden state after layer index `state_layer` as the head's state.
+fn layer_output(
+    batch: &ForwardBatch,
+    state_layer: usize,
+    run: impl FnOnce(&ForwardBatch) -> Result<arbor_engine_core::model::ForwardOutput>,
+) -> Result<HeadOutput> {
+    let inner = ForwardBatch {
+        hidden_layers: vec![state_layer],
+        hidden_at_every_row: false,
+        exit_after: None,
+        ..batch.clone()
+    };
+    let mut out = run(&inner)?;
+    let state = out
+        .hidden
+        .pop()
+        .ok_or_else(|| CoreError::Internal("the MTP layer returned no state".into()))?;
+    Ok(HeadOutput {
+        logits: out.logits,
+        state,
+    })
 }
 
 impl DraftHead for MtpHead {

@@ -142,9 +142,7 @@ impl Scheduler {
     /// Releases holds, oldest first, until `pages` pages are free or
     /// evictable (or no hold is left): live requests come before holds.
     pub(super) fn yield_holds(&mut self, pages: usize) {
-        while !self.holds.is_empty()
-            && self.pool.free_pages() + self.cache.stats().evictable_tokens / self.page_size < pages
-        {
+        while !self.holds.is_empty() && self.available_tokens() / self.page_size < pages {
             self.holds.release_oldest(&mut *self.cache);
         }
     }
